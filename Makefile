@@ -1,0 +1,55 @@
+# kvoffload — see README.md. Every target works on a fresh Go machine; the
+# gpu-* targets only build here and are run on a GPU machine.
+GO          ?= go
+STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
+PKGS        := ./...
+GPU_PKGS    := internal/cuda register transfer offload
+GPU_LDFLAGS := -s -w
+NVCC        ?= nvcc
+FUZZTIME    ?= 10s
+
+.PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins ptx fuzz soak python clean
+
+all: build
+
+build:
+	$(GO) build $(PKGS)
+	$(GO) build -o build/kvoffload ./cmd/kvoffload
+
+vet:
+	$(GO) vet $(PKGS)
+
+staticcheck:
+	$(STATICCHECK) $(PKGS)
+
+race:
+	$(GO) test -race -count=1 -timeout 15m $(PKGS)
+
+# The module must build (host backend only) without cgo.
+nocgo:
+	CGO_ENABLED=0 $(GO) build $(PKGS)
+	CGO_ENABLED=0 $(GO) vet $(PKGS)
+
+test: vet staticcheck nocgo race
+
+demo:
+	$(GO) run ./cmd/kvoffload demo
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchtime 1x $(PKGS)
+
+# Stripped cgo binaries for the GPU machine, carried with the device tool.
+gpu-bins:
+	mkdir -p build/gpu
+	CGO_ENABLED=1 $(GO) build -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload ./cmd/kvoffload
+	for p in $(GPU_PKGS); do \
+		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
+	done
+	ls -la build/gpu
+
+# Regenerates the copy kernel's PTX; needs nvcc (run on the GPU machine).
+ptx:
+	$(NVCC) -ptx -arch=compute_80 -O3 -o transfer/cudacopy/kernels.ptx transfer/cudacopy/kernels.cu
+
+clean:
+	rm -rf build

@@ -1,0 +1,98 @@
+// Copy, fill and checksum kernels for kvoffload's transfer layer.
+//
+// Compiled to PTX for compute_80 by `make ptx` (nvcc on a GPU machine), with
+// the PTX ISA version lowered to the oldest that the code needs, and embedded
+// in the Go binary. Host memory is addressed through its registered pointer
+// (or the device pointer cuMemHostGetDevicePointer returns).
+//
+// Descriptor table: an array of Desc in device memory. One warp per
+// descriptor, grid-stride over descriptors; the Go side splits long segments
+// into chunks so that warps stay balanced.
+#include <stdint.h>
+
+struct Desc {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t len;
+    uint64_t aux; // fill: the segment's seed; otherwise unused
+};
+
+#define UNROLL 8
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+__device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane) {
+    if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        uint64_t n = len >> 4;
+        uint64_t i = lane;
+        // Each lane keeps UNROLL independent 16-byte loads in flight before
+        // its stores: 4 KiB per warp per iteration.
+        for (; i + 32 * (UNROLL - 1) < n; i += 32 * UNROLL) {
+            uint4 r[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) r[k] = s[i + 32 * k];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) d[i + 32 * k] = r[k];
+        }
+        for (; i < n; i += 32) d[i] = s[i];
+    } else {
+        for (uint64_t i = lane; i < len; i += 32) dst[i] = src[i];
+    }
+}
+
+// kvo_copy copies every descriptor's src to its dst.
+extern "C" __global__ void kvo_copy(const Desc* descs, uint32_t n) {
+    unsigned lane = threadIdx.x & 31;
+    uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (uint32_t w = warp; w < n; w += nwarps) {
+        Desc d = descs[w];
+        copy_segment((const char*)d.src, (char*)d.dst, d.len, lane);
+    }
+}
+
+// kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
+// (len a multiple of 8), after spinning for spin_cycles clock cycles. The
+// delay makes a consumer that does not wait for the fill visibly wrong.
+extern "C" __global__ void kvo_fill(const Desc* descs, uint32_t n, uint64_t spin_cycles) {
+    if (spin_cycles > 0) {
+        long long start = clock64();
+        while ((uint64_t)(clock64() - start) < spin_cycles) {
+        }
+    }
+    unsigned lane = threadIdx.x & 31;
+    uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (uint32_t w = warp; w < n; w += nwarps) {
+        Desc d = descs[w];
+        uint64_t* dst = (uint64_t*)d.dst;
+        uint64_t words = d.len >> 3;
+        for (uint64_t i = lane; i < words; i += 32) dst[i] = mix64(d.aux + i);
+    }
+}
+
+// kvo_checksum writes, for each descriptor, the wrapping sum over its 8-byte
+// words w[i] of mix64(w[i] ^ (i * 0x9E3779B97F4A7C15)) into out[index]
+// (len a multiple of 8). The Go side computes the same function on the host.
+extern "C" __global__ void kvo_checksum(const Desc* descs, uint32_t n, uint64_t* out) {
+    unsigned lane = threadIdx.x & 31;
+    uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (uint32_t w = warp; w < n; w += nwarps) {
+        Desc d = descs[w];
+        const uint64_t* src = (const uint64_t*)d.src;
+        uint64_t words = d.len >> 3;
+        uint64_t sum = 0;
+        for (uint64_t i = lane; i < words; i += 32) sum += mix64(src[i] ^ (i * 0x9E3779B97F4A7C15ull));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+        if (lane == 0) out[w] = sum;
+    }
+}
