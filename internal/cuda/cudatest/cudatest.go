@@ -1,0 +1,65 @@
+// Package cudatest gives tests a real CUDA driver with the primary context of
+// device 0 current on a locked OS thread, or skips the test when there is no
+// driver. With KVO_REQUIRE_GPU=1 in the environment a missing driver fails
+// the test instead, so a GPU run cannot pass by skipping.
+package cudatest
+
+import (
+	"os"
+	"runtime"
+	"testing"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// Required reports whether KVO_REQUIRE_GPU=1 asks for GPU tests to fail
+// rather than skip.
+func Required() bool { return os.Getenv("KVO_REQUIRE_GPU") == "1" }
+
+// Skip skips (or, when Required, fails) t with the reason.
+func Skip(t testing.TB, reason string) {
+	t.Helper()
+	if Required() {
+		t.Fatalf("GPU required (KVO_REQUIRE_GPU=1) but unavailable: %s", reason)
+	}
+	t.Skip(reason)
+}
+
+// GPU is a loaded driver with device 0's primary context.
+type GPU struct {
+	Drv cuda.Driver
+	Dev cuda.Device
+	Ctx cuda.Context
+}
+
+// Open loads the driver, retains device 0's primary context and makes it
+// current on the calling goroutine's OS thread, which it locks for the rest
+// of the test. The context is released when the test ends.
+func Open(t testing.TB) *GPU {
+	t.Helper()
+	drv, err := cuda.Load()
+	if err != nil {
+		Skip(t, err.Error())
+	}
+	n, err := drv.DeviceCount()
+	if err != nil || n == 0 {
+		Skip(t, "no CUDA device")
+	}
+	dev, err := drv.DeviceGet(0)
+	if err != nil {
+		t.Fatalf("DeviceGet(0): %v", err)
+	}
+	ctx, err := drv.PrimaryCtxRetain(dev)
+	if err != nil {
+		t.Fatalf("PrimaryCtxRetain: %v", err)
+	}
+	runtime.LockOSThread()
+	if err := drv.CtxSetCurrent(ctx); err != nil {
+		t.Fatalf("CtxSetCurrent: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = drv.PrimaryCtxRelease(dev)
+		runtime.UnlockOSThread()
+	})
+	return &GPU{Drv: drv, Dev: dev, Ctx: ctx}
+}
