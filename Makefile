@@ -48,8 +48,11 @@ gpu-bins:
 	ls -la build/gpu
 
 # Regenerates the copy kernel's PTX; needs nvcc (run on the GPU machine).
+# PTX ISA 7.0 is the lowest that targets sm_80 (checked with ptxas on the H200
+# machine: 6.x refuses sm_80), so drivers back to CUDA 11.0 load it.
 ptx:
 	$(NVCC) -ptx -arch=compute_80 -O3 -o transfer/cudacopy/kernels.ptx transfer/cudacopy/kernels.cu
+	sed -i 's/^\.version .*/.version 7.0/' transfer/cudacopy/kernels.ptx
 
 clean:
 	rm -rf build
