@@ -1,0 +1,298 @@
+package offload
+
+import (
+	"errors"
+	"strconv"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// Sentinel errors callers branch on (errors.Is). Every error the package
+// returns wraps one of these or a driver error, and names the bad value and
+// the limit it broke.
+var (
+	// ErrClosed: the engine was closed; no call after Close does anything.
+	ErrClosed = errors.New("offload: engine closed")
+	// ErrReleased: the Op or Lease was released and must not be used again.
+	ErrReleased = errors.New("offload: op or lease already released")
+	// ErrBusy: the bounded queue of work waiting for in-flight room is full.
+	// A Load fails fast with it; a Store reports OutcomeRefusedBusy per block
+	// instead.
+	ErrBusy = errors.New("offload: engine busy")
+	// ErrNoDriver: the CUDA backend was asked for but libcuda.so.1 (or a
+	// device) is not available, or the module was built with CGO_ENABLED=0.
+	ErrNoDriver = cuda.ErrNoDriver
+	// ErrPoolTooSmall: the configured pool cannot hold a single block.
+	ErrPoolTooSmall = errors.New("offload: pool too small")
+	// ErrInsufficientMemory: the machine (MemAvailable, the cgroup's memory
+	// limit, RLIMIT_MEMLOCK or the NUMA node's free memory) cannot hold the
+	// requested pool; the message says how much is available.
+	ErrInsufficientMemory = errors.New("offload: insufficient memory for pool")
+	// ErrInvalidConfig: a Config field is out of range or unknown.
+	ErrInvalidConfig = errors.New("offload: invalid config")
+	// ErrInvalidArgument: bad input to a call (length mismatch, block id
+	// outside the layout, duplicate key, negative size...).
+	ErrInvalidArgument = errors.New("offload: invalid argument")
+	// ErrCapturing: a stream passed as StoreOptions.AfterStream is being
+	// captured into a CUDA graph; a Store cannot be part of a graph.
+	ErrCapturing = errors.New("offload: stream is capturing")
+	// ErrNotDone: Outcomes was called before the op completed.
+	ErrNotDone = errors.New("offload: op not done")
+)
+
+// Backend names accepted by Config.Backend and reported by Engine.Backend.
+const (
+	BackendAuto = "auto" // CUDA when libcuda loads and the device exists, else host
+	BackendCUDA = "cuda" // cuMemHostRegister'd pool, copies on the GPU
+	BackendHost = "host" // no GPU: copies by goroutines between host addresses
+)
+
+// Host pinning modes for the host backend (Config.HostPinning).
+const (
+	PinNone  = "none"  // pages are only prefaulted (default)
+	PinMlock = "mlock" // mlock(2) each region; bounded by RLIMIT_MEMLOCK
+)
+
+// Huge page modes (Config.HugePages).
+const (
+	HugePagesTHP     = "thp"     // madvise(MADV_HUGEPAGE) (default)
+	HugePagesNone    = "none"    // 4 KiB pages
+	HugePagesHugeTLB = "hugetlb" // MAP_HUGETLB from the hugetlbfs pool
+)
+
+// Policies (Config.Policy).
+const (
+	PolicyTinyLFU = "tinylfu" // ristretto TinyLFU admission + sampled LFU eviction (default)
+	PolicyLRU     = "lru"     // exact least-recently-used, admits everything
+)
+
+// NUMA settings (Config.NUMANode) besides a decimal node number.
+const (
+	NUMAAuto = "auto" // the GPU's own node from sysfs (default); no binding on the host backend
+	NUMANone = "none" // no binding
+)
+
+// Layout kinds (LayoutSpec.Kind).
+const (
+	// LayoutLayerSeparate: one K and one V tensor per layer, each indexed by
+	// block id (vLLM's classic layout); LayerTensors has Layers entries.
+	LayoutLayerSeparate = "layer-separate"
+	// LayoutCrossLayer: one tensor whose block holds all layers' K and V
+	// contiguously; Base and Stride locate it.
+	LayoutCrossLayer = "cross-layer"
+	// LayoutMLA: one latent tensor per layer (DeepSeek MLA), KVHeads = 1 and
+	// HeadDim = the latent width; LayerTensors has Layers entries, V = 0.
+	LayoutMLA = "mla"
+)
+
+// Defaults applied by New to zero fields.
+const (
+	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: ~50 ms at 47 ms/GiB
+	DefaultRegionBytes        int64 = 4 << 30 // unit of background growth and Trim
+	DefaultStagingBytes       int64 = 16 << 20
+	DefaultMaxInFlightBytes   int64 = 512 << 20
+	DefaultQueueDepth               = 256
+	DefaultMaxPrefaultThreads       = 16
+)
+
+// Config says what New builds. The zero value of every field but PoolBytes
+// and Layout means "the default"; the defaults suit an H200 serving box.
+// It is plain data with JSON tags so that the C ABI and the CLI can pass it
+// as JSON.
+type Config struct {
+	// PoolBytes is the exact size in bytes of the host pool for KV slots
+	// (rounded up to the page size only, never to a power of two). Required;
+	// must hold at least one block.
+	PoolBytes int64 `json:"pool_bytes"`
+	// FirstRegionBytes is the size in bytes of the region pinned before New
+	// returns (the first usable slots). Default DefaultFirstRegionBytes, or
+	// PoolBytes when smaller.
+	FirstRegionBytes int64 `json:"first_region_bytes,omitempty"`
+	// RegionBytes is the size in bytes of each later region, pinned in the
+	// background; the unit of Trim. Default DefaultRegionBytes.
+	RegionBytes int64 `json:"region_bytes,omitempty"`
+	// StagingBytes is the size in bytes of the reserved region Staging
+	// buffers are carved from, pinned in New and never trimmed.
+	// Default DefaultStagingBytes; negative means none.
+	StagingBytes int64 `json:"staging_bytes,omitempty"`
+	// Layout is the serving stack's GPU KV cache. Required.
+	Layout LayoutSpec `json:"layout"`
+	// Backend is BackendAuto (default), BackendCUDA or BackendHost.
+	Backend string `json:"backend,omitempty"`
+	// HostPinning is PinNone (default) or PinMlock; host backend only.
+	HostPinning string `json:"host_pinning,omitempty"`
+	// Device is the CUDA device ordinal (default 0).
+	Device int `json:"device,omitempty"`
+	// HugePages is HugePagesTHP (default), HugePagesNone or HugePagesHugeTLB.
+	HugePages string `json:"huge_pages,omitempty"`
+	// NUMANode is NUMAAuto (default: the GPU's own node, from
+	// /sys/bus/pci/devices/<bus id>/numa_node; none when sysfs says -1),
+	// NUMANone, or a decimal node number to bind the pool to.
+	NUMANode string `json:"numa_node,omitempty"`
+	// PrefaultThreads is the number of threads touching a region's pages
+	// before it is pinned. Default min(NumCPU, DefaultMaxPrefaultThreads).
+	PrefaultThreads int `json:"prefault_threads,omitempty"`
+	// Policy is PolicyTinyLFU (default) or PolicyLRU.
+	Policy string `json:"policy,omitempty"`
+	// MaxInFlightBytes bounds the bytes being copied per direction; work
+	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
+	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
+	// QueueDepth bounds the ops waiting for in-flight room per direction;
+	// beyond it a Store is refused (OutcomeRefusedBusy) and a Load fails
+	// with ErrBusy. Default DefaultQueueDepth.
+	QueueDepth int `json:"queue_depth,omitempty"`
+	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
+	// layout, tensor-parallel rank) and tags stored blocks for Clear.
+	Namespace string `json:"namespace,omitempty"`
+	// MaxCachedBytes, when positive, is a bound on owned (pinned) pool bytes:
+	// above it the engine trims regions automatically after growth or
+	// stores. 0 means no bound.
+	MaxCachedBytes int64 `json:"max_cached_bytes,omitempty"`
+	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
+	// deleted, so that no KV of a past request stays in host memory.
+	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
+	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
+	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
+	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`
+	// Sim is the simulated GPU of the host backend (tests and demos write
+	// and read "device" memory through it). Nil: the engine makes its own,
+	// returned by Engine.Sim. Ignored on the CUDA backend.
+	Sim *SimGPU `json:"-"`
+}
+
+// LayoutSpec describes the serving stack's GPU KV cache as plain data (it
+// mirrors kvcache.LayoutSpec). Addresses are CUDA device addresses on the
+// CUDA backend and SimGPU addresses on the host backend; on the host backend
+// a layout without tensors is allocated densely in the engine's SimGPU.
+type LayoutSpec struct {
+	// Kind is LayoutLayerSeparate, LayoutCrossLayer or LayoutMLA.
+	Kind string `json:"kind"`
+	// Layers is the number of attention layers.
+	Layers int `json:"layers"`
+	// KVHeads is the number of KV heads (per tensor-parallel rank); 1 for MLA.
+	KVHeads int `json:"kv_heads"`
+	// HeadDim is the width of one head in elements (the latent width for MLA).
+	HeadDim int `json:"head_dim"`
+	// DTypeBytes is the size of one element in bytes (2 for bf16).
+	DTypeBytes int `json:"dtype_bytes"`
+	// TokensPerBlock is the number of tokens per block (typically 16).
+	TokensPerBlock int `json:"tokens_per_block"`
+	// NumBlocks is the number of blocks in the GPU cache; valid block ids
+	// are 0..NumBlocks-1.
+	NumBlocks int `json:"num_blocks"`
+	// LayerTensors: one entry per layer for LayoutLayerSeparate and
+	// LayoutMLA (V = 0 for MLA).
+	LayerTensors []LayerTensors `json:"layer_tensors,omitempty"`
+	// Base and Stride: for LayoutCrossLayer, block b is at Base + b*Stride.
+	Base   uint64 `json:"base,omitempty"`
+	Stride uint64 `json:"stride,omitempty"`
+}
+
+// LayerTensors locates one layer's tensors: block b's K is at K + b*Stride
+// and its V at V + b*Stride (see kvcache.LayerTensors for one tensor holding
+// both K and V).
+type LayerTensors struct {
+	K      uint64 `json:"k"`
+	V      uint64 `json:"v,omitempty"`
+	Stride uint64 `json:"stride"`
+}
+
+// Outcome is what happened to one block of an op. Every block of every op
+// has exactly one final outcome; OutcomePending only before the op is done.
+type Outcome uint8
+
+// Outcomes of Store (Stored, AlreadyPresent, Refused*, Failed, Cancelled)
+// and Load (Loaded, Missing, Failed, Cancelled).
+const (
+	OutcomePending          Outcome = iota // not decided yet
+	OutcomeStored                          // copied to the host pool and visible to lookups
+	OutcomeAlreadyPresent                  // the key was already stored (or being stored)
+	OutcomeRefusedFull                     // no free slot (never evicts a leased block, never waits)
+	OutcomeRefusedBusy                     // the queue for in-flight room was full
+	OutcomeRefusedAdmission                // the policy declined the key
+	OutcomeFailed                          // the copy failed (see Op.Err)
+	OutcomeLoaded                          // copied back into the caller's block
+	OutcomeMissing                         // not in the pool (evicted since the lookup)
+	OutcomeCancelled                       // the context ended before the copy was enqueued
+	numOutcomes
+)
+
+var outcomeNames = [numOutcomes]string{
+	"pending", "stored", "already-present", "refused-full", "refused-busy",
+	"refused-admission", "failed", "loaded", "missing", "cancelled",
+}
+
+// String returns the outcome's name, e.g. "refused-full".
+func (o Outcome) String() string {
+	if o < numOutcomes {
+		return outcomeNames[o]
+	}
+	return "outcome(" + strconv.Itoa(int(o)) + ")"
+}
+
+// LookupOptions modify Lookup.
+type LookupOptions struct {
+	// Lease takes a reader lease on the blocks found, so that they cannot be
+	// evicted until the lease is released or passed to Load.
+	Lease bool
+}
+
+// LookupResult is the answer of Lookup.
+type LookupResult struct {
+	// Hits is the length of the longest prefix of keys whose blocks are
+	// ready in the pool.
+	Hits int
+	// Lease holds reader leases on keys[:Hits] when LookupOptions.Lease was
+	// set and Hits > 0; nil otherwise. Release it, or pass it to Load.
+	Lease *Lease
+}
+
+// StoreOptions modify Store.
+type StoreOptions struct {
+	// After is a CUevent the caller recorded on its stream after the kernels
+	// that wrote the blocks; the copies wait on it. 0: no wait (the caller
+	// guarantees the blocks are already written). Ignored on the host backend.
+	After uintptr
+	// AfterStream is the stream After was recorded on, optional: when given
+	// and it is capturing a CUDA graph, the Store is refused with ErrCapturing.
+	AfterStream uintptr
+	// Namespace tags the stored blocks for Clear; default Config.Namespace.
+	Namespace string
+}
+
+// LoadOptions modify Load.
+type LoadOptions struct {
+	// Lease, from Lookup, guarantees its keys are still present; Load takes
+	// it over (it is released when the op is done). Keys outside it are
+	// looked up at the time of the Load.
+	Lease *Lease
+	// After is a CUevent after which the destination GPU blocks may be
+	// overwritten (their previous readers are done). 0: no wait.
+	After uintptr
+	// PerLayer records one event per layer (layer-separate and MLA layouts),
+	// so that attention on layer 0 can start while later layers load.
+	PerLayer bool
+	// Signal is a caller-owned CUevent recorded when the load completes, in
+	// addition to the op's own event (for CUDA graphs waiting on a fixed
+	// event). 0: none.
+	Signal uintptr
+}
+
+// TrimResult reports what Trim gave back.
+type TrimResult struct {
+	// RequestedBytes is the argument of Trim.
+	RequestedBytes int64 `json:"requested_bytes"`
+	// FreedBytes were unregistered and unmapped by this call.
+	FreedBytes int64 `json:"freed_bytes"`
+	// PendingBytes are in regions that will be freed when their last
+	// leases end.
+	PendingBytes int64 `json:"pending_bytes"`
+	// Regions is the number of regions freed or pending.
+	Regions int `json:"regions"`
+	// EvictedBlocks is the number of blocks evicted from those regions.
+	EvictedBlocks int `json:"evicted_blocks"`
+}
+
+// Backend returns the backend in use (BackendCUDA or BackendHost) and why it
+// was picked.
+func (e *Engine) Backend() (name, reason string) { return e.backend, e.backendReason }

@@ -1,0 +1,164 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Engine moves KV-cache blocks between the serving stack's GPU cache and a
+// pool of pinned host memory. Create it with New; every method is safe for
+// concurrent use by many goroutines; Close ends it.
+type Engine struct {
+	cfg           Config
+	backend       string
+	backendReason string
+	start         time.Time
+
+	closed   atomic.Bool
+	closeMu  sync.RWMutex // held (read) by calls in progress; Close takes it to drain
+	stats    counters
+	growMu   sync.Mutex
+	growCond *sync.Cond
+	paused   bool
+}
+
+// Lease is a set of reader leases taken by Lookup: its blocks cannot be
+// evicted (by the policy, Trim or Delete) until it is released, or passed to
+// Load, which takes it over. Release is safe to call from any goroutine;
+// a second Release returns ErrReleased.
+type Lease struct {
+	eng      *Engine
+	keys     []Key
+	released atomic.Bool
+}
+
+// Keys returns the leased keys (the prefix Lookup found), in order.
+func (l *Lease) Keys() []Key { return append([]Key(nil), l.keys...) }
+
+// Staging is a pinned host buffer at a fixed address for the engine's
+// lifetime, carved from the reserved staging region that Trim never touches
+// (for values a captured CUDA graph copies to or from the host). Its memory
+// is valid until Close.
+type Staging struct {
+	name string
+	addr uintptr
+	dev  uint64
+	size int64
+	buf  []byte
+}
+
+// Name is the name given to Engine.Staging.
+func (s *Staging) Name() string { return s.name }
+
+// Len is the buffer's size in bytes, exactly as asked.
+func (s *Staging) Len() int64 { return s.size }
+
+// Addr is the buffer's host address.
+func (s *Staging) Addr() uintptr { return s.addr }
+
+// DevicePtr is the address a kernel or copy uses for the buffer (the
+// registered host pointer on CUDA; equal to Addr on the host backend).
+func (s *Staging) DevicePtr() uint64 { return s.dev }
+
+// Bytes is the buffer's memory. It must not be used after Close.
+func (s *Staging) Bytes() []byte { return s.buf }
+
+// checkOpen returns ErrClosed after Close.
+func (e *Engine) checkOpen(call string) error {
+	if e.closed.Load() {
+		return fmt.Errorf("%w: %s after Close", ErrClosed, call)
+	}
+	return nil
+}
+
+// Config returns the engine's configuration with defaults filled in.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Lookup returns how many leading keys are ready in the pool (the longest
+// prefix), and with opts.Lease a lease on them. It never blocks on copies.
+func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
+	if err := e.checkOpen("Lookup"); err != nil {
+		return LookupResult{}, err
+	}
+	return e.lookup(keys, opts)
+}
+
+// Store copies the GPU blocks blockIDs[i] to the host pool under keys[i],
+// asynchronously. It returns at once with an Op reporting, per block,
+// stored / already present / refused (full, busy, admission) / failed /
+// cancelled. ctx cancels only what is not yet enqueued on the copy stream.
+// Invalid input (lengths differ, a block id outside the layout, a key twice)
+// returns an error and stores nothing.
+func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
+	if err := e.checkOpen("Store"); err != nil {
+		return nil, err
+	}
+	if err := e.checkBlocks("Store", keys, blockIDs); err != nil {
+		return nil, err
+	}
+	return e.store(ctx, keys, blockIDs, opts)
+}
+
+// Load copies the blocks stored under keys[i] into the GPU blocks
+// blockIDs[i], asynchronously. Blocks no longer in the pool are reported
+// missing (never an error); with opts.Lease from Lookup, the leased keys are
+// guaranteed present. When the queue is full Load fails fast with ErrBusy.
+func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+	if err := e.checkOpen("Load"); err != nil {
+		return nil, err
+	}
+	if err := e.checkBlocks("Load", keys, blockIDs); err != nil {
+		return nil, err
+	}
+	return e.load(ctx, keys, blockIDs, opts)
+}
+
+// Delete removes keys from the pool and returns how many were present.
+// Leased blocks are removed when their last lease ends; blocks being
+// written are removed when their copy completes.
+func (e *Engine) Delete(keys []Key) (int, error) {
+	if err := e.checkOpen("Delete"); err != nil {
+		return 0, err
+	}
+	return e.delete(keys), nil
+}
+
+// Clear removes every block stored with namespace (StoreOptions.Namespace,
+// or Config.Namespace) and returns how many there were.
+func (e *Engine) Clear(namespace string) (int, error) {
+	if err := e.checkOpen("Clear"); err != nil {
+		return 0, err
+	}
+	return e.clear(namespace), nil
+}
+
+// Release gives the lease's blocks back to the policy.
+func (l *Lease) Release() error {
+	if l.released.Swap(true) {
+		return ErrReleased
+	}
+	l.eng.unlease(l.keys)
+	return nil
+}
+
+// checkBlocks validates the arguments of Store and Load.
+func (e *Engine) checkBlocks(call string, keys []Key, blockIDs []int) error {
+	if len(keys) != len(blockIDs) {
+		return fmt.Errorf("%w: %s: %d keys but %d block ids", ErrInvalidArgument, call, len(keys), len(blockIDs))
+	}
+	n := e.cfg.Layout.NumBlocks
+	seen := make(map[int]struct{}, len(blockIDs))
+	for i, id := range blockIDs {
+		if id < 0 || id >= n {
+			return fmt.Errorf("%w: %s: block id %d (index %d) outside the layout's %d blocks", ErrInvalidArgument, call, id, i, n)
+		}
+		if _, dup := seen[id]; dup {
+			return fmt.Errorf("%w: %s: block id %d appears twice (index %d)", ErrInvalidArgument, call, id, i)
+		}
+		seen[id] = struct{}{}
+	}
+	return nil
+}

@@ -1,0 +1,79 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+)
+
+// New validates cfg, picks the backend, checks that the machine can hold
+// the pool, maps and pins the staging region and the first pool region, and
+// returns once the first slots are usable. The rest of the pool is mapped
+// and pinned by a background goroutine (see PauseGrowth, WaitGrown,
+// Stats.FullPool). On error nothing is left mapped, pinned or running.
+func New(cfg Config) (*Engine, error) {
+	return newEngine(cfg, engineHooks{})
+}
+
+// Stats returns a snapshot of the engine's counters; cheap, callable from
+// any goroutine, also after Close.
+func (e *Engine) Stats() Stats { return e.snapshot() }
+
+// Trim gives up to bytes of pinned pool memory back to the OS, region by
+// region (the newest regions first): it evicts the regions' ready blocks,
+// waits (honouring ctx) for copies in flight on them, unpins and unmaps
+// them. Regions holding leased blocks are released when their last lease
+// ends (TrimResult.PendingBytes). bytes ≤ 0 trims nothing; Staging buffers
+// are never trimmed. Trimmed memory does not come back.
+func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
+	if err := e.checkOpen("Trim"); err != nil {
+		return TrimResult{}, err
+	}
+	return e.trim(ctx, bytes)
+}
+
+// Staging returns the staging buffer called name, of exactly bytes bytes,
+// at an address fixed until Close. Asking again for the same name and size
+// returns the same buffer; a different size is an error. When the reserved
+// staging region (Config.StagingBytes) has no room left it returns
+// ErrInsufficientMemory.
+func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
+	if err := e.checkOpen("Staging"); err != nil {
+		return nil, err
+	}
+	return e.staging(name, bytes)
+}
+
+// PauseGrowth stops background pinning after the region in progress (for a
+// caller that wants no pinning during its own graph capture; the engine's
+// relaxed capture mode makes that unnecessary). Idempotent.
+func (e *Engine) PauseGrowth() {
+	e.growMu.Lock()
+	e.paused = true
+	e.growMu.Unlock()
+}
+
+// ResumeGrowth lets background pinning continue. Idempotent.
+func (e *Engine) ResumeGrowth() {
+	e.growMu.Lock()
+	e.paused = false
+	e.growCond.Broadcast()
+	e.growMu.Unlock()
+}
+
+// WaitGrown blocks until the whole pool is pinned, background growth
+// stopped on an error (returned), the engine is closed (ErrClosed), or ctx
+// ends.
+func (e *Engine) WaitGrown(ctx context.Context) error {
+	return e.waitGrown(ctx)
+}
+
+// Close refuses new calls (ErrClosed), cancels queued work, waits for the
+// copies in flight, ends leases, then unpins and unmaps every region,
+// staging included. A second Close returns ErrClosed. Ops and leases stay
+// readable after Close (Wait, Outcomes); their events are gone.
+func (e *Engine) Close() error {
+	if e.closed.Swap(true) {
+		return fmt.Errorf("%w: Close called twice", ErrClosed)
+	}
+	return e.shutdown()
+}

@@ -1,0 +1,222 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// OpKind says whether an op stores or loads.
+type OpKind uint8
+
+// Op kinds.
+const (
+	OpStore OpKind = iota + 1 // device → host
+	OpLoad                    // host → device
+)
+
+func (k OpKind) String() string {
+	switch k {
+	case OpStore:
+		return "store"
+	case OpLoad:
+		return "load"
+	}
+	return fmt.Sprintf("OpKind(%d)", uint8(k))
+}
+
+// Op is one asynchronous Store or Load on a list of blocks.
+//
+// What an Op guarantees:
+//   - Done is closed exactly once, after every block has its final outcome;
+//     until then Outcomes returns ErrNotDone.
+//   - Every block has exactly one outcome, in the order of the keys passed.
+//   - Event (and LayerEvent) are valid CUDA events from the moment Store or
+//     Load returns until Release; a stream that waits on them (StreamWait)
+//     is ordered after the op's copies. They are 0 on the host backend.
+//   - After Release every method returns ErrReleased (Done returns a closed
+//     channel); the events may be reused by later ops.
+//
+// An Op's methods are safe for concurrent use; Release must be called once,
+// by the op's owner, after the op is Done (Release of an op not done waits
+// for it).
+type Op struct {
+	kind OpKind
+	eng  *Engine
+
+	done     chan struct{}
+	mu       sync.Mutex
+	outcomes []Outcome
+	err      error
+	released atomic.Bool
+
+	// completion is the engine-side handle for events and for the wait
+	// Release does; nil for an op that never reached the transfer layer.
+	completion completion
+}
+
+// completion is the part of an op that lives in the copy layer.
+type completion interface {
+	event() uintptr
+	layerEvent(i int) (uintptr, bool)
+	streamWait(stream uintptr) error
+	release() error
+}
+
+// closedChan is returned by Done on a released op.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+func newOp(e *Engine, kind OpKind, n int) *Op {
+	return &Op{kind: kind, eng: e, done: make(chan struct{}), outcomes: make([]Outcome, n)}
+}
+
+// Kind is OpStore or OpLoad.
+func (o *Op) Kind() OpKind { return o.kind }
+
+// Len is the number of blocks of the op.
+func (o *Op) Len() int { return len(o.outcomes) }
+
+// Done is closed when every block of the op has its final outcome.
+func (o *Op) Done() <-chan struct{} {
+	if o.released.Load() {
+		return closedChan
+	}
+	return o.done
+}
+
+// Wait blocks until the op is done or ctx ends; it returns ctx's error in the
+// latter case (the op goes on) and otherwise Err.
+func (o *Op) Wait(ctx context.Context) error {
+	if o.released.Load() {
+		return ErrReleased
+	}
+	select {
+	case <-o.done:
+		return o.Err()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Err is the first error of the op's failed blocks (OutcomeFailed), nil when
+// none failed or the op is not done yet. Refusals and misses are outcomes,
+// not errors.
+func (o *Op) Err() error {
+	if o.released.Load() {
+		return ErrReleased
+	}
+	select {
+	case <-o.done:
+	default:
+		return nil
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.err
+}
+
+// Outcomes returns a copy of the per-block outcomes, in key order. It
+// returns ErrNotDone before Done is closed and ErrReleased after Release.
+func (o *Op) Outcomes() ([]Outcome, error) {
+	if o.released.Load() {
+		return nil, ErrReleased
+	}
+	select {
+	case <-o.done:
+	default:
+		return nil, fmt.Errorf("%w: %s of %d blocks still in flight", ErrNotDone, o.kind, len(o.outcomes))
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]Outcome(nil), o.outcomes...), nil
+}
+
+// Count returns how many blocks ended with outcome oc (0 before Done).
+func (o *Op) Count(oc Outcome) int {
+	out, err := o.Outcomes()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, x := range out {
+		if x == oc {
+			n++
+		}
+	}
+	return n
+}
+
+// Event is a CUevent recorded after the op's copies; the caller's stream
+// can wait on it (cuStreamWaitEvent, or StreamWait). 0 on the host backend
+// and for an op none of whose blocks was copied. Valid until Release.
+func (o *Op) Event() (uintptr, error) {
+	if o.released.Load() {
+		return 0, ErrReleased
+	}
+	if o.completion == nil {
+		return 0, nil
+	}
+	return o.completion.event(), nil
+}
+
+// LayerEvent is the event recorded after layer i's copies of a Load with
+// LoadOptions.PerLayer; 0 on the host backend. Layer outside the layout, or
+// an op without per-layer events: ErrInvalidArgument.
+func (o *Op) LayerEvent(i int) (uintptr, error) {
+	if o.released.Load() {
+		return 0, ErrReleased
+	}
+	if o.completion == nil {
+		return 0, nil
+	}
+	ev, ok := o.completion.layerEvent(i)
+	if !ok {
+		return 0, fmt.Errorf("%w: layer %d: the op has no per-layer event for it", ErrInvalidArgument, i)
+	}
+	return ev, nil
+}
+
+// StreamWait makes the caller's stream wait (on the GPU, without blocking
+// the CPU) until the op's copies are complete: for a Store, before the
+// stream overwrites the blocks being copied out; for a Load, before it reads
+// the loaded blocks. On the host backend it waits on the CPU.
+func (o *Op) StreamWait(stream uintptr) error {
+	if o.released.Load() {
+		return ErrReleased
+	}
+	if o.completion == nil {
+		return nil
+	}
+	return o.completion.streamWait(stream)
+}
+
+// Release gives the op's events back to the engine. It waits for the op to
+// be done first. A second Release returns ErrReleased.
+func (o *Op) Release() error {
+	<-o.done
+	if o.released.Swap(true) {
+		return ErrReleased
+	}
+	if o.completion == nil {
+		return nil
+	}
+	return o.completion.release()
+}
+
+// finish sets the outcomes still pending to oc with err and closes done.
+// It is called exactly once per op.
+func (o *Op) finish() {
+	close(o.done)
+}
+
+// setOutcome records block i's outcome (and err for OutcomeFailed) before
+// the op is finished.
+func (o *Op) setOutcome(i int, oc Outcome, err error) {
+	o.mu.Lock()
+	o.outcomes[i] = oc
+	if err != nil && o.err == nil {
+		o.err = err
+	}
+	o.mu.Unlock()
+}

@@ -1,0 +1,185 @@
+package offload
+
+import (
+	"math/bits"
+	"sync/atomic"
+	"time"
+)
+
+// Stats is a snapshot of the engine's counters, in the spirit of
+// torch.cuda.host_memory_stats plus what an offload engine needs. Reading it
+// is cheap (atomic loads, no lock held across the engine) and safe from any
+// goroutine. Counters are monotonic since New; gauges (Bytes*, Slots*,
+// Blocks*) are the state at the time of the call. The snapshot is not
+// atomic as a whole: a counter read early may lag one read later by the
+// ops completing in between.
+type Stats struct {
+	Backend string `json:"backend"`
+
+	// Memory (bytes).
+	PoolBytes     int64 `json:"pool_bytes"`      // configured pool size
+	OwnedBytes    int64 `json:"owned_bytes"`     // mapped and pinned now (slots' regions)
+	InUseBytes    int64 `json:"in_use_bytes"`    // slots holding a block (writing, ready, leased, releasing)
+	InFlightBytes int64 `json:"in_flight_bytes"` // being copied, both directions
+	StagingBytes  int64 `json:"staging_bytes"`   // the reserved staging region
+	StagingUsed   int64 `json:"staging_used"`    // handed out by Staging
+
+	// Regions and pinning.
+	Regions      int           `json:"regions"`       // regions pinned now
+	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
+	PinCalls     int64         `json:"pin_calls"`     // register/mlock calls
+	UnpinCalls   int64         `json:"unpin_calls"`   // unregister/munlock calls
+	PinTime      time.Duration `json:"pin_time_ns"`   // time spent mapping, prefaulting and pinning
+	UnpinTime    time.Duration `json:"unpin_time_ns"` // time spent unpinning and unmapping
+	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
+	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
+	GrowthPaused bool          `json:"growth_paused"` // PauseGrowth in effect
+	GrowthError  string        `json:"growth_error"`  // why background growth stopped early, if it did
+	Trims        int64         `json:"trims"`         // Trim calls and automatic trims
+	TrimmedBytes int64         `json:"trimmed_bytes"` // bytes given back by Trim
+	SlotsTotal   int64         `json:"slots_total"`   // slots in pinned regions
+	SlotsFree    int64         `json:"slots_free"`    // free slots
+	BlocksReady  int64         `json:"blocks_ready"`  // ready or leased blocks
+	BlocksLeased int64         `json:"blocks_leased"` // blocks with readers
+	BlockBytes   int64         `json:"block_bytes"`   // bytes of one block (one slot)
+
+	// Lookups.
+	Lookups    int64 `json:"lookups"`     // Lookup calls
+	LookupKeys int64 `json:"lookup_keys"` // keys asked about
+	Hits       int64 `json:"hits"`        // keys found in the longest prefix
+	Misses     int64 `json:"misses"`      // LookupKeys - Hits
+
+	// Outcomes by kind, over every op (Outcomes[OutcomeStored], ...).
+	Outcomes [numOutcomes]int64 `json:"outcomes"`
+
+	// Policy.
+	Evictions           int64 `json:"evictions"`            // blocks evicted (policy, Trim, auto-trim)
+	Deletes             int64 `json:"deletes"`              // blocks removed by Delete or Clear
+	AdmissionRejections int64 `json:"admission_rejections"` // keys the policy declined
+	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
+
+	// Per direction.
+	Store Direction `json:"store"`
+	Load  Direction `json:"load"`
+}
+
+// Direction counts one copy direction.
+type Direction struct {
+	Ops     int64     `json:"ops"`     // ops finished
+	Blocks  int64     `json:"blocks"`  // blocks copied
+	Bytes   int64     `json:"bytes"`   // bytes copied
+	Latency Histogram `json:"latency"` // op latency, call → done
+}
+
+// Outcome returns the count of outcome oc.
+func (s *Stats) Outcome(oc Outcome) int64 {
+	if oc >= numOutcomes {
+		return 0
+	}
+	return s.Outcomes[oc]
+}
+
+// HistogramBuckets is the number of latency buckets: bucket i counts
+// latencies in [2^(i-1), 2^i) microseconds (bucket 0: below 1 µs, the last:
+// everything from 2^(HistogramBuckets-2) µs ≈ 9 minutes up).
+const HistogramBuckets = 30
+
+// Histogram is a fixed log2-scale latency histogram.
+type Histogram struct {
+	Counts [HistogramBuckets]int64 `json:"counts"`
+	Count  int64                   `json:"count"`
+	Sum    time.Duration           `json:"sum_ns"`
+}
+
+// BucketUpper is the exclusive upper bound of bucket i (the last bucket has
+// no bound and returns the largest duration).
+func BucketUpper(i int) time.Duration {
+	if i >= HistogramBuckets-1 {
+		return time.Duration(1<<63 - 1)
+	}
+	return time.Duration(1<<uint(i)) * time.Microsecond
+}
+
+// Quantile returns an upper bound of the q-quantile (0 < q ≤ 1): the upper
+// edge of the bucket holding it; 0 when the histogram is empty.
+func (h Histogram) Quantile(q float64) time.Duration {
+	if h.Count == 0 {
+		return 0
+	}
+	target := int64(q * float64(h.Count))
+	if target < 1 {
+		target = 1
+	}
+	var seen int64
+	for i, c := range h.Counts {
+		seen += c
+		if seen >= target {
+			return BucketUpper(i)
+		}
+	}
+	return BucketUpper(HistogramBuckets - 1)
+}
+
+// Mean is Sum/Count, 0 when empty.
+func (h Histogram) Mean() time.Duration {
+	if h.Count == 0 {
+		return 0
+	}
+	return h.Sum / time.Duration(h.Count)
+}
+
+// histogram is the lock-free recording side of Histogram.
+type histogram struct {
+	counts [HistogramBuckets]atomic.Int64
+	count  atomic.Int64
+	sum    atomic.Int64
+}
+
+func bucketOf(d time.Duration) int {
+	us := d.Microseconds()
+	if us <= 0 {
+		return 0
+	}
+	return min(bits.Len64(uint64(us)), HistogramBuckets-1)
+}
+
+func (h *histogram) observe(d time.Duration) {
+	h.counts[bucketOf(d)].Add(1)
+	h.sum.Add(int64(d))
+	h.count.Add(1)
+}
+
+func (h *histogram) snapshot() Histogram {
+	var out Histogram
+	for i := range h.counts {
+		out.Counts[i] = h.counts[i].Load()
+	}
+	out.Sum = time.Duration(h.sum.Load())
+	out.Count = h.count.Load()
+	return out
+}
+
+// direction is the recording side of Direction.
+type direction struct {
+	ops, blocks, bytes atomic.Int64
+	latency            histogram
+}
+
+func (d *direction) snapshot() Direction {
+	return Direction{Ops: d.ops.Load(), Blocks: d.blocks.Load(), Bytes: d.bytes.Load(), Latency: d.latency.snapshot()}
+}
+
+// counters are the engine's monotonic counters, updated with atomics.
+type counters struct {
+	pinCalls, unpinCalls  atomic.Int64
+	pinNanos, unpinNanos  atomic.Int64
+	firstSlot, fullPool   atomic.Int64
+	trims, trimmedBytes   atomic.Int64
+	lookups, lookupKeys   atomic.Int64
+	hits                  atomic.Int64
+	outcomes              [numOutcomes]atomic.Int64
+	evictions, deletes    atomic.Int64
+	admissionRej, orphans atomic.Int64
+	inFlightBytes         atomic.Int64
+	store, load           direction
+}
