@@ -7,7 +7,12 @@
 //
 // Descriptor table: an array of Desc in device memory. One warp per
 // descriptor, grid-stride over descriptors; the Go side splits long segments
-// into chunks so that warps stay balanced.
+// into chunks so that warps stay balanced. The copy, fill and checksum
+// kernels are bounded to 1024 threads per CTA (__launch_bounds__), so they
+// launch at any block size up to 1024 without running out of registers.
+//
+// kvo_sgemm is not part of the transfer path: it is the compute-bound
+// matrix product the throughput benchmark runs beside the transfers.
 #include <stdint.h>
 
 struct Desc {
@@ -48,7 +53,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
 }
 
 // kvo_copy copies every descriptor's src to its dst.
-extern "C" __global__ void kvo_copy(const Desc* descs, uint32_t n) {
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -61,7 +66,7 @@ extern "C" __global__ void kvo_copy(const Desc* descs, uint32_t n) {
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
 // (len a multiple of 8), after spinning for spin_cycles clock cycles. The
 // delay makes a consumer that does not wait for the fill visibly wrong.
-extern "C" __global__ void kvo_fill(const Desc* descs, uint32_t n, uint64_t spin_cycles) {
+extern "C" __global__ void __launch_bounds__(1024) kvo_fill(const Desc* descs, uint32_t n, uint64_t spin_cycles) {
     if (spin_cycles > 0) {
         long long start = clock64();
         while ((uint64_t)(clock64() - start) < spin_cycles) {
@@ -81,7 +86,7 @@ extern "C" __global__ void kvo_fill(const Desc* descs, uint32_t n, uint64_t spin
 // kvo_checksum writes, for each descriptor, the wrapping sum over its 8-byte
 // words w[i] of mix64(w[i] ^ (i * 0x9E3779B97F4A7C15)) into out[index]
 // (len a multiple of 8). The Go side computes the same function on the host.
-extern "C" __global__ void kvo_checksum(const Desc* descs, uint32_t n, uint64_t* out) {
+extern "C" __global__ void __launch_bounds__(1024) kvo_checksum(const Desc* descs, uint32_t n, uint64_t* out) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -95,4 +100,50 @@ extern "C" __global__ void kvo_checksum(const Desc* descs, uint32_t n, uint64_t*
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
         if (lane == 0) out[w] = sum;
     }
+}
+
+// kvo_sgemm computes C = A * B for row-major n x n float matrices (n a
+// multiple of 64) with 64 x 64 tiles per CTA of 256 threads, each thread
+// accumulating a 4 x 4 block in registers: a plain, compute-bound matrix
+// product that occupies every SM. Grid: (n/64, n/64), block: 256.
+#define SG_TILE 64
+#define SG_K 16
+extern "C" __global__ void __launch_bounds__(256) kvo_sgemm(const float* A, const float* B, float* C, uint32_t n) {
+    __shared__ float As[SG_K][SG_TILE];
+    __shared__ float Bs[SG_K][SG_TILE];
+    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const uint64_t row0 = (uint64_t)blockIdx.y * SG_TILE, col0 = (uint64_t)blockIdx.x * SG_TILE;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (uint32_t k0 = 0; k0 < n; k0 += SG_K) {
+#pragma unroll
+        for (unsigned q = 0; q < SG_TILE * SG_K / 256; q++) {
+            unsigned e = threadIdx.x + 256 * q;
+            unsigned r = e / SG_K, c = e % SG_K;
+            As[c][r] = A[(row0 + r) * n + k0 + c];
+            unsigned kr = e / SG_TILE, cc = e % SG_TILE;
+            Bs[kr][cc] = B[(uint64_t)(k0 + kr) * n + col0 + cc];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < SG_K; k++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = As[k][ty * 4 + i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) b[j] = Bs[k][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) C[(row0 + ty * 4 + i) * n + col0 + tx + 16 * j] = acc[i][j];
 }

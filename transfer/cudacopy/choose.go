@@ -1,0 +1,225 @@
+package cudacopy
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"sort"
+	"strings"
+)
+
+// Measurement is one calibrated rate: a batch of segments of SegBytes each,
+// at random slots on both sides, copied in Dir by Method at GBps.
+type Measurement struct {
+	Dir      Direction `json:"dir"`
+	Method   Method    `json:"method"`
+	SegBytes uint64    `json:"seg_bytes"`
+	GBps     float64   `json:"gbps"`
+}
+
+// Calibration is the table Choose picks methods from. It is plain data:
+// Calibrate measures it, Options.Calibration or SetCalibration loads a saved
+// one (it marshals to JSON).
+type Calibration struct {
+	// Device names the GPU it was measured on (informational).
+	Device string `json:"device,omitempty"`
+	// CTAs is the kernel grid size the kernel rows were measured with.
+	CTAs int `json:"ctas,omitempty"`
+	// TotalBytes is the size of each measured batch.
+	TotalBytes uint64        `json:"total_bytes,omitempty"`
+	Entries    []Measurement `json:"entries"`
+}
+
+// Validate checks that every entry names a real direction and a concrete
+// method with a positive size and a finite, non-negative rate.
+func (c *Calibration) Validate() error {
+	for i, e := range c.Entries {
+		switch {
+		case !e.Dir.valid():
+			return fmt.Errorf("%w: calibration entry %d: direction %d", ErrInvalidOption, i, int(e.Dir))
+		case e.Method <= MethodAuto || !e.Method.valid():
+			return fmt.Errorf("%w: calibration entry %d: method %v is not a concrete method", ErrInvalidOption, i, e.Method)
+		case e.SegBytes == 0:
+			return fmt.Errorf("%w: calibration entry %d: zero segment size", ErrInvalidOption, i)
+		case math.IsNaN(e.GBps) || math.IsInf(e.GBps, 0) || e.GBps < 0:
+			return fmt.Errorf("%w: calibration entry %d: rate %v GB/s", ErrInvalidOption, i, e.GBps)
+		}
+	}
+	return nil
+}
+
+// Markdown renders the table: one row per direction and segment size, one
+// column per method.
+func (c *Calibration) Markdown() string {
+	type key struct {
+		dir  Direction
+		size uint64
+	}
+	rates := map[key]map[Method]float64{}
+	var keys []key
+	var methods []Method
+	for _, e := range c.Entries {
+		k := key{e.Dir, e.SegBytes}
+		if rates[k] == nil {
+			rates[k] = map[Method]float64{}
+			keys = append(keys, k)
+		}
+		rates[k][e.Method] = e.GBps
+		if !slices.Contains(methods, e.Method) {
+			methods = append(methods, e.Method)
+		}
+	}
+	slices.Sort(methods)
+	sort.Slice(keys, func(i, j int) bool {
+		if keys[i].dir != keys[j].dir {
+			return keys[i].dir < keys[j].dir
+		}
+		return keys[i].size < keys[j].size
+	})
+	var b strings.Builder
+	b.WriteString("| dir | segment |")
+	for _, m := range methods {
+		fmt.Fprintf(&b, " %s GB/s |", m)
+	}
+	b.WriteString(" chosen |\n|---|---|")
+	for range methods {
+		b.WriteString("---|")
+	}
+	b.WriteString("---|\n")
+	ch := newChooser(c, true, true)
+	for _, k := range keys {
+		fmt.Fprintf(&b, "| %s | %s |", k.dir, FormatBytes(k.size))
+		for _, m := range methods {
+			if r, ok := rates[k][m]; ok {
+				fmt.Fprintf(&b, " %.1f |", r)
+			} else {
+				b.WriteString(" – |")
+			}
+		}
+		fmt.Fprintf(&b, " %s |\n", ch.choose(k.dir, 2, 2*k.size, true))
+	}
+	return b.String()
+}
+
+// FormatBytes writes n as "4 KiB", "2 MiB", "1.5 GiB" or "100 B".
+func FormatBytes(n uint64) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	v := float64(n)
+	u := 0
+	for v >= 1024 && u < len(units)-1 {
+		v /= 1024
+		u++
+	}
+	if v == math.Trunc(v) {
+		return fmt.Sprintf("%d %s", int64(v), units[u])
+	}
+	return fmt.Sprintf("%.1f %s", v, units[u])
+}
+
+// point is one calibrated (log2 size, rate) pair.
+type point struct {
+	logSize, gbps float64
+}
+
+// chooser holds the calibration as per-direction, per-method curves sorted
+// by size, so that choose allocates nothing.
+type chooser struct {
+	curves   [D2D + 1][MethodKernel + 1][]point
+	hasBatch bool
+	hasKern  bool
+}
+
+func newChooser(c *Calibration, hasBatch, hasKernel bool) *chooser {
+	ch := &chooser{hasBatch: hasBatch, hasKern: hasKernel}
+	if c == nil {
+		return ch
+	}
+	for _, e := range c.Entries {
+		if !e.Dir.valid() || e.Method <= MethodAuto || !e.Method.valid() || e.SegBytes == 0 {
+			continue
+		}
+		pts := ch.curves[e.Dir][e.Method]
+		ls := math.Log2(float64(e.SegBytes))
+		if j := slices.IndexFunc(pts, func(p point) bool { return p.logSize == ls }); j >= 0 {
+			pts[j].gbps = max(pts[j].gbps, e.GBps)
+			continue
+		}
+		ch.curves[e.Dir][e.Method] = append(pts, point{ls, e.GBps})
+	}
+	for d := range ch.curves {
+		for m := range ch.curves[d] {
+			slices.SortFunc(ch.curves[d][m], func(a, b point) int { return cmpFloat(a.logSize, b.logSize) })
+		}
+	}
+	return ch
+}
+
+func cmpFloat(a, b float64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// rate interpolates a curve linearly in log2(size), clamped at its ends;
+// ok is false for an empty curve.
+func rate(pts []point, size float64) (float64, bool) {
+	if len(pts) == 0 {
+		return 0, false
+	}
+	ls := math.Log2(size)
+	if ls <= pts[0].logSize {
+		return pts[0].gbps, true
+	}
+	last := pts[len(pts)-1]
+	if ls >= last.logSize {
+		return last.gbps, true
+	}
+	j := sort.Search(len(pts), func(i int) bool { return pts[i].logSize >= ls })
+	a, b := pts[j-1], pts[j]
+	f := (ls - a.logSize) / (b.logSize - a.logSize)
+	return a.gbps + f*(b.gbps-a.gbps), true
+}
+
+// choose picks a method for n segments of total bytes; kernelOK says the
+// batch meets the kernel's alignment.
+//
+// Rules, in order:
+//   - one segment: memcpy (one driver call; every other method needs one or
+//     two plus their own work);
+//   - with calibration curves for the direction: the available method with
+//     the highest interpolated rate at the batch's mean segment size (ties go
+//     to the method listed first of memcpy, batch, kernel, so a DMA engine is
+//     preferred over SMs at equal speed);
+//   - without: kernel, else batch, else memcpy (the order ANCHORS.md measured
+//     for scattered 4 KiB–2 MiB segments).
+func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Method {
+	if n <= 1 {
+		return MethodMemcpy
+	}
+	avail := [MethodKernel + 1]bool{MethodMemcpy: true, MethodBatch: ch.hasBatch, MethodKernel: ch.hasKern && kernelOK}
+	size := float64(total) / float64(n)
+	best, bestRate := MethodAuto, -1.0
+	if dir.valid() {
+		for m := MethodMemcpy; m <= MethodKernel; m++ {
+			if !avail[m] {
+				continue
+			}
+			if r, ok := rate(ch.curves[dir][m], size); ok && r > bestRate {
+				best, bestRate = m, r
+			}
+		}
+	}
+	if best != MethodAuto {
+		return best
+	}
+	for _, m := range [...]Method{MethodKernel, MethodBatch} {
+		if avail[m] {
+			return m
+		}
+	}
+	return MethodMemcpy
+}

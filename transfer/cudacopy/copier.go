@@ -1,0 +1,665 @@
+package cudacopy
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// Defaults for Options fields left zero.
+const (
+	DefaultCTAs         = 8
+	DefaultThreads      = 1024
+	DefaultChunkBytes   = 64 << 10
+	DefaultDescCapacity = 1 << 16
+	DefaultDescBuffers  = 2
+	DefaultBatchMax     = 4096
+	// MinChunkBytes keeps chunks at least one warp-iteration of 16-byte
+	// accesses long.
+	MinChunkBytes = 512
+	maxThreads    = 1024
+)
+
+// Options configures a Copier. The zero value is valid and means the
+// defaults above with automatic method choice.
+type Options struct {
+	// Method forces one method for every batch (benchmarks, fallback
+	// tests). MethodAuto, the zero value, lets Choose pick per batch.
+	Method Method
+	// CTAs is the copy kernel's grid size: the number of SMs it can occupy
+	// (default 8; at most the device's SM count).
+	CTAs int
+	// Threads per CTA (default 1024; a multiple of 32, at most 1024).
+	Threads int
+	// ChunkBytes bounds the piece of a segment one warp copies, so that
+	// warps stay balanced (default 64 KiB; a multiple of 16, at least 512).
+	ChunkBytes int
+	// DescCapacity is the number of descriptors in one descriptor buffer,
+	// i.e. per kernel launch (default 65536, 2 MiB of table); a batch that
+	// needs more is split into several launches.
+	DescCapacity int
+	// DescBuffers is the number of descriptor buffers allocated by New
+	// (default 2). More are allocated when all are in flight and are kept.
+	DescBuffers int
+	// BatchMax bounds the copies passed to one cuMemcpyBatchAsync call
+	// (default 4096).
+	BatchMax int
+	// Calibration is a saved table for Choose. Without one, Choose uses the
+	// uncalibrated rule until Calibrate or SetCalibration installs a table.
+	Calibration *Calibration
+	// Calibrate configures what Calibrate measures.
+	Calibrate CalibrationConfig
+	// PTX replaces the embedded kernels.ptx (a PTX built for another target,
+	// or a test driver's image).
+	PTX []byte
+}
+
+func (o *Options) withDefaults() Options {
+	r := *o
+	if r.CTAs == 0 {
+		r.CTAs = DefaultCTAs
+	}
+	if r.Threads == 0 {
+		r.Threads = DefaultThreads
+	}
+	if r.ChunkBytes == 0 {
+		r.ChunkBytes = DefaultChunkBytes
+	}
+	if r.DescCapacity == 0 {
+		r.DescCapacity = DefaultDescCapacity
+	}
+	if r.DescBuffers == 0 {
+		r.DescBuffers = DefaultDescBuffers
+	}
+	if r.BatchMax == 0 {
+		r.BatchMax = DefaultBatchMax
+	}
+	r.Calibrate = r.Calibrate.withDefaults()
+	return r
+}
+
+func (o *Options) validate(sms int) error {
+	switch {
+	case !o.Method.valid():
+		return fmt.Errorf("%w: Method %d", ErrInvalidOption, int(o.Method))
+	case o.CTAs < 1 || o.CTAs > sms:
+		return fmt.Errorf("%w: CTAs %d not in [1, %d] (the device's SM count)", ErrInvalidOption, o.CTAs, sms)
+	case o.Threads < 32 || o.Threads > maxThreads || o.Threads%32 != 0:
+		return fmt.Errorf("%w: Threads %d is not a multiple of 32 in [32, %d]", ErrInvalidOption, o.Threads, maxThreads)
+	case o.ChunkBytes < MinChunkBytes || o.ChunkBytes%kernelAlign != 0:
+		return fmt.Errorf("%w: ChunkBytes %d is not a multiple of %d of at least %d", ErrInvalidOption, o.ChunkBytes, kernelAlign, MinChunkBytes)
+	case o.DescCapacity < 1 || o.DescCapacity > 1<<24:
+		return fmt.Errorf("%w: DescCapacity %d not in [1, %d]", ErrInvalidOption, o.DescCapacity, 1<<24)
+	case o.DescBuffers < 0:
+		return fmt.Errorf("%w: DescBuffers %d is negative", ErrInvalidOption, o.DescBuffers)
+	case o.BatchMax < 1:
+		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
+	}
+	if o.Calibration != nil {
+		if err := o.Calibration.Validate(); err != nil {
+			return err
+		}
+	}
+	return o.Calibrate.validate()
+}
+
+// Capabilities says what a Copier found on its device.
+type Capabilities struct {
+	// Batch: cuMemcpyBatchAsync is bound (driver ≥ 12.8).
+	Batch bool `json:"batch"`
+	// Kernel: the PTX module loaded; KernelError says why not otherwise.
+	Kernel      bool   `json:"kernel"`
+	KernelError string `json:"kernel_error,omitempty"`
+	// HostPointerIdentity: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 1, so
+	// the kernel uses registered host pointers as they are.
+	HostPointerIdentity bool `json:"host_pointer_identity"`
+	SMs                 int  `json:"sms"`
+	CTAs                int  `json:"ctas"`
+	Threads             int  `json:"threads"`
+}
+
+// Ticket identifies the descriptor buffers of one Submit (or Fill or
+// Checksum) until Retire. The zero Ticket holds nothing (the memcpy and
+// batch methods), and retiring it is a no-op.
+type Ticket struct {
+	idx int32 // record index + 1; 0 = holds nothing
+	gen uint32
+}
+
+// Holds reports whether the ticket holds descriptor buffers.
+func (t Ticket) Holds() bool { return t.idx != 0 }
+
+// descBuf is one descriptor buffer: a pinned host staging table the Go side
+// writes, the device table the kernel reads, and the launch's parameters.
+type descBuf struct {
+	host  unsafe.Pointer
+	table []desc
+	dev   cuda.DevicePtr
+	args  [3][]byte
+}
+
+type ticketRec struct {
+	gen  uint32
+	live bool
+	bufs []*descBuf
+}
+
+// Copier copies batches of segments on a caller's stream. See the package
+// documentation for the ownership rules. A Copier is safe for concurrent
+// use; every call that reaches the driver must come from an OS thread with
+// the Copier's context current.
+type Copier struct {
+	drv      cuda.Driver
+	opts     Options
+	caps     Capabilities
+	identity bool
+
+	mod                    cuda.Module
+	fnCopy, fnFill, fnCsum cuda.Function
+
+	chooser atomic.Pointer[chooser]
+	hosts   atomic.Pointer[hostTable] // copy-on-write; nil entries never
+
+	batchPool sync.Pool // *[]cuda.BatchCopy of cap BatchMax
+
+	mu          sync.Mutex
+	closed      bool
+	cal         *Calibration
+	free        []*descBuf
+	all         []*descBuf
+	recs        []ticketRec
+	freeRecs    []int32
+	outstanding int
+}
+
+// New creates a Copier for dev. The calling OS thread must have dev's
+// context current. It loads the PTX module (the embedded one, or
+// Options.PTX); when that fails the kernel method is unavailable, which is
+// an error if Options.Method forces it and otherwise leaves Choose to the
+// DMA methods. It allocates Options.DescBuffers descriptor buffers.
+func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
+	o := opts.withDefaults()
+	sms, err := drv.DeviceAttribute(cuda.AttrMultiprocessorCount, dev)
+	if err != nil {
+		return nil, fmt.Errorf("cudacopy: SM count: %w", err)
+	}
+	if err := o.validate(max(sms, 1)); err != nil {
+		return nil, err
+	}
+	ident, err := drv.DeviceAttribute(cuda.AttrCanUseHostPointerForRegisteredMem, dev)
+	if err != nil {
+		return nil, fmt.Errorf("cudacopy: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: %w", err)
+	}
+	c := &Copier{
+		drv:      drv,
+		opts:     o,
+		identity: ident == 1,
+		caps: Capabilities{
+			Batch:               drv.HasMemcpyBatch(),
+			HostPointerIdentity: ident == 1,
+			SMs:                 sms,
+			CTAs:                o.CTAs,
+			Threads:             o.Threads,
+		},
+	}
+	c.hosts.Store(&hostTable{})
+	c.batchPool.New = func() any {
+		s := make([]cuda.BatchCopy, o.BatchMax)
+		return &s
+	}
+	if o.Method == MethodBatch && !c.caps.Batch {
+		return nil, fmt.Errorf("%w: Method batch forced but the driver has no cuMemcpyBatchAsync (needs ≥ 12.8)", ErrUnavailable)
+	}
+	if err := c.loadModule(); err != nil {
+		c.caps.KernelError = err.Error()
+		if o.Method == MethodKernel {
+			return nil, fmt.Errorf("cudacopy: Method kernel forced: %w", err)
+		}
+	} else {
+		c.caps.Kernel = true
+		for range o.DescBuffers {
+			b, err := c.newDescBuf()
+			if err != nil {
+				return nil, errors.Join(err, c.release())
+			}
+			c.free = append(c.free, b)
+		}
+	}
+	c.cal = o.Calibration
+	c.chooser.Store(newChooser(o.Calibration, c.caps.Batch, c.caps.Kernel))
+	return c, nil
+}
+
+func (c *Copier) loadModule() error {
+	img := c.opts.PTX
+	if len(img) == 0 {
+		var err error
+		if img, err = PTX(); err != nil {
+			return err
+		}
+	}
+	mod, err := c.drv.ModuleLoadData(img)
+	if err != nil {
+		return fmt.Errorf("%w: loading the PTX module: %w", ErrUnavailable, err)
+	}
+	fns := [...]struct {
+		name string
+		fn   *cuda.Function
+	}{{"kvo_copy", &c.fnCopy}, {"kvo_fill", &c.fnFill}, {"kvo_checksum", &c.fnCsum}}
+	for _, f := range fns {
+		if *f.fn, err = c.drv.ModuleGetFunction(mod, f.name); err != nil {
+			return errors.Join(fmt.Errorf("%w: kernel %s: %w", ErrUnavailable, f.name, err), c.drv.ModuleUnload(mod))
+		}
+	}
+	c.mod = mod
+	return nil
+}
+
+func (c *Copier) newDescBuf() (*descBuf, error) {
+	size := uint64(c.opts.DescCapacity) * descSize
+	h, err := c.drv.MemHostAlloc(size, cuda.HostAllocPortable)
+	if err != nil {
+		return nil, fmt.Errorf("cudacopy: descriptor staging buffer of %d bytes: %w", size, err)
+	}
+	d, err := c.drv.MemAlloc(size)
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("cudacopy: descriptor table of %d bytes: %w", size, err), c.drv.MemFreeHost(h))
+	}
+	b := &descBuf{
+		host:  h,
+		table: unsafe.Slice((*desc)(h), c.opts.DescCapacity),
+		dev:   d,
+		args:  [3][]byte{make([]byte, 8), make([]byte, 4), make([]byte, 8)},
+	}
+	binary.LittleEndian.PutUint64(b.args[0], uint64(d))
+	c.all = append(c.all, b)
+	return b, nil
+}
+
+// Capabilities reports what New found.
+func (c *Copier) Capabilities() Capabilities { return c.caps }
+
+// Options returns the options in force, defaults applied.
+func (c *Copier) Options() Options { return c.opts }
+
+// Calibration returns the table Choose uses, or nil before one is installed.
+func (c *Copier) Calibration() *Calibration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cal
+}
+
+// SetCalibration installs a table for Choose (nil: the uncalibrated rule).
+func (c *Copier) SetCalibration(cal *Calibration) error {
+	if cal != nil {
+		if err := cal.Validate(); err != nil {
+			return err
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.cal = cal
+	c.chooser.Store(newChooser(cal, c.caps.Batch, c.caps.Kernel))
+	return nil
+}
+
+// Choose returns the method Submit would use for this batch under
+// MethodAuto: see chooser.choose for the rules. The kernel is only chosen
+// for batches whose every address and length is 16-byte aligned.
+func (c *Copier) Choose(dir Direction, segs []Segment) Method {
+	var total uint64
+	for _, s := range segs {
+		total += s.Len
+	}
+	return c.chooser.Load().choose(dir, len(segs), total, aligned(segs))
+}
+
+// AddHostRange tells the Copier about a registered host range. Where the
+// device cannot use registered host pointers directly it looks up the
+// range's device pointer (cuMemHostGetDevicePointer, which needs the range
+// registered with CU_MEMHOSTREGISTER_DEVICEMAP) and the kernel then
+// translates every host address through this table; otherwise the table
+// only records the range.
+func (c *Copier) AddHostRange(base uintptr, size uint64) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	r := hostRange{base: uint64(base), size: size, dev: uint64(base)}
+	if !c.identity && base != 0 {
+		d, err := c.drv.MemHostGetDevicePointer(*(*unsafe.Pointer)(unsafe.Pointer(&base)))
+		if err != nil {
+			return fmt.Errorf("cudacopy: device pointer of host range %#x+%d: %w", base, size, err)
+		}
+		r.dev = uint64(d)
+	}
+	t := &hostTable{ranges: append([]hostRange(nil), c.hosts.Load().ranges...)}
+	if err := t.add(r); err != nil {
+		return err
+	}
+	c.hosts.Store(t)
+	return nil
+}
+
+// RemoveHostRange forgets the range starting at base. The caller must have
+// retired every batch that used it.
+func (c *Copier) RemoveHostRange(base uintptr) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &hostTable{ranges: append([]hostRange(nil), c.hosts.Load().ranges...)}
+	if err := t.remove(uint64(base)); err != nil {
+		return err
+	}
+	c.hosts.Store(t)
+	return nil
+}
+
+// hostTableForKernel returns the translation table, or nil for identity.
+func (c *Copier) hostTableForKernel() *hostTable {
+	if c.identity {
+		return nil
+	}
+	return c.hosts.Load()
+}
+
+// Submit validates the batch and enqueues its copies on s with the forced
+// or chosen method: one cuMemcpyAsync per segment, cuMemcpyBatchAsync calls
+// of at most BatchMax copies, or per descriptor buffer an upload of the
+// descriptor table and a kvo_copy launch. Nothing is enqueued when
+// validation fails.
+//
+// The caller records an event on s after Submit and calls Retire(ticket)
+// once that event has completed; until then the ticket's descriptor buffers
+// are not reused. On a driver error Submit returns the zero Ticket: work
+// enqueued before the failing call may still run, so its descriptor buffers
+// are withdrawn from reuse (and freed only by Close).
+//
+// Rules for bad input: an empty batch, a zero length, a nil address or a
+// wrapping range is ErrInvalidSegment. With MethodKernel forced, a segment
+// whose addresses or length are not multiples of 16 is ErrMisaligned;
+// MethodAuto never sends such a batch to the kernel.
+func (c *Copier) Submit(s cuda.Stream, dir Direction, segs []Segment) (Ticket, error) {
+	if !dir.valid() {
+		return Ticket{}, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
+	}
+	if err := validateSegments(segs, 1); err != nil {
+		return Ticket{}, err
+	}
+	m := c.opts.Method
+	if m == MethodAuto {
+		m = c.Choose(dir, segs)
+	}
+	return c.submitWith(s, dir, segs, m)
+}
+
+func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Method) (Ticket, error) {
+	switch m {
+	case MethodMemcpy:
+		return Ticket{}, c.memcpy(s, segs)
+	case MethodBatch:
+		return Ticket{}, c.batch(s, segs)
+	}
+	if err := validateSegments(segs, kernelAlign); err != nil {
+		return Ticket{}, err
+	}
+	ck := chunker{
+		kind:    jobCopy,
+		copies:  segs,
+		chunk:   uint64(c.opts.ChunkBytes),
+		host:    c.hostTableForKernel(),
+		hostSrc: dir == H2D,
+		hostDst: dir == D2H,
+	}
+	return c.launch(s, &ck, c.fnCopy, 0)
+}
+
+func (c *Copier) checkOpen() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	return nil
+}
+
+func (c *Copier) memcpy(s cuda.Stream, segs []Segment) error {
+	if err := c.checkOpen(); err != nil {
+		return err
+	}
+	for i, g := range segs {
+		if err := c.drv.MemcpyAsync(cuda.DevicePtr(g.Dst), cuda.DevicePtr(g.Src), g.Len, s); err != nil {
+			return fmt.Errorf("cudacopy: memcpy of segment %d of %d (%d bytes): %w", i, len(segs), g.Len, err)
+		}
+	}
+	return nil
+}
+
+func (c *Copier) batch(s cuda.Stream, segs []Segment) error {
+	if !c.caps.Batch {
+		return fmt.Errorf("%w: batch method without cuMemcpyBatchAsync", ErrUnavailable)
+	}
+	if err := c.checkOpen(); err != nil {
+		return err
+	}
+	sp := c.batchPool.Get().(*[]cuda.BatchCopy)
+	defer c.batchPool.Put(sp)
+	scratch := *sp
+	for base := 0; base < len(segs); base += len(scratch) {
+		part := segs[base:min(base+len(scratch), len(segs))]
+		for i, g := range part {
+			scratch[i] = cuda.BatchCopy{Dst: cuda.DevicePtr(g.Dst), Src: cuda.DevicePtr(g.Src), Size: g.Len}
+		}
+		if err := c.drv.MemcpyBatchAsync(scratch[:len(part)], s); err != nil {
+			return fmt.Errorf("cudacopy: batch copy of segments [%d, %d) of %d: %w", base, base+len(part), len(segs), err)
+		}
+	}
+	return nil
+}
+
+// acquire takes n descriptor buffers and a ticket record.
+func (c *Copier) acquire(n int) (Ticket, *ticketRec, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return Ticket{}, nil, ErrClosed
+	}
+	for len(c.free) < n {
+		b, err := c.newDescBuf()
+		if err != nil {
+			return Ticket{}, nil, err
+		}
+		c.free = append(c.free, b)
+	}
+	var idx int32
+	if k := len(c.freeRecs); k > 0 {
+		idx = c.freeRecs[k-1]
+		c.freeRecs = c.freeRecs[:k-1]
+	} else {
+		c.recs = append(c.recs, ticketRec{})
+		idx = int32(len(c.recs) - 1)
+	}
+	r := &c.recs[idx]
+	r.live = true
+	r.bufs = append(r.bufs[:0], c.free[len(c.free)-n:]...)
+	c.free = c.free[:len(c.free)-n]
+	c.outstanding++
+	return Ticket{idx: idx + 1, gen: r.gen}, r, nil
+}
+
+// abandon ends a ticket whose launch failed: the first used buffers may
+// still be read by enqueued work and are withdrawn; the rest are returned.
+func (c *Copier) abandon(t Ticket, used int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	r := &c.recs[t.idx-1]
+	c.free = append(c.free, r.bufs[used:]...)
+	c.endRec(t.idx - 1)
+}
+
+func (c *Copier) endRec(i int32) {
+	r := &c.recs[i]
+	clear(r.bufs)
+	r.bufs = r.bufs[:0]
+	r.live = false
+	r.gen++
+	c.freeRecs = append(c.freeRecs, i)
+	c.outstanding--
+}
+
+// launch enqueues, per descriptor buffer, the table upload and one launch of
+// fn. For kvo_fill extra is the spin count; for kvo_checksum the output
+// array's address (advanced by 8 bytes per descriptor of earlier launches).
+func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint64) (Ticket, error) {
+	if !c.caps.Kernel {
+		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
+	}
+	if err := ck.translateAll(); err != nil {
+		return Ticket{}, err
+	}
+	total := ck.count()
+	nbuf := (total + c.opts.DescCapacity - 1) / c.opts.DescCapacity
+	t, rec, err := c.acquire(nbuf)
+	if err != nil {
+		return Ticket{}, err
+	}
+	warpsPerCTA := c.opts.Threads / 32
+	done := 0
+	for i, b := range rec.bufs {
+		n, err := ck.next(b.table)
+		if err == nil {
+			err = c.enqueue(s, b, fn, ck.kind, n, extra, done, warpsPerCTA)
+		}
+		if err != nil {
+			c.abandon(t, i)
+			return Ticket{}, err
+		}
+		done += n
+	}
+	return t, nil
+}
+
+func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, kind jobKind, n int, extra uint64, done, warpsPerCTA int) error {
+	host := cuda.DevicePtr(uintptr(b.host))
+	if err := c.drv.MemcpyAsync(b.dev, host, uint64(n)*descSize, s); err != nil {
+		return fmt.Errorf("cudacopy: uploading %d descriptors: %w", n, err)
+	}
+	binary.LittleEndian.PutUint32(b.args[1], uint32(n))
+	args := b.args[:2]
+	switch kind {
+	case jobFill:
+		binary.LittleEndian.PutUint64(b.args[2], extra)
+		args = b.args[:3]
+	case jobChecksum:
+		binary.LittleEndian.PutUint64(b.args[2], extra+uint64(done)*8)
+		args = b.args[:3]
+	}
+	grid := uint32(min(c.opts.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
+	err := c.drv.LaunchKernel(fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(c.opts.Threads), Y: 1, Z: 1}, 0, s, args...)
+	if err != nil {
+		return fmt.Errorf("cudacopy: launching %d descriptors on %d CTAs: %w", n, grid, err)
+	}
+	return nil
+}
+
+// Retire returns the ticket's descriptor buffers for reuse. Call it only
+// after an event recorded on the stream after the Submit has completed.
+// Retiring the zero Ticket is a no-op; retiring a ticket twice, or one from
+// another Copier, is ErrStaleTicket.
+func (c *Copier) Retire(t Ticket) error {
+	if !t.Holds() {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	i := t.idx - 1
+	if i < 0 || int(i) >= len(c.recs) || !c.recs[i].live || c.recs[i].gen != t.gen {
+		return fmt.Errorf("%w: ticket %d/%d", ErrStaleTicket, t.idx, t.gen)
+	}
+	c.free = append(c.free, c.recs[i].bufs...)
+	c.endRec(i)
+	return nil
+}
+
+// Fill writes FillPattern(seed) into each segment with kvo_fill, after the
+// kernel spins for spinCycles GPU clock cycles (per launch: a batch larger
+// than one descriptor buffer spins once per buffer). Addresses and lengths
+// must be multiples of 8. Host addresses inside ranges given to AddHostRange
+// are translated; others are used as they are. Retire the ticket as for
+// Submit.
+func (c *Copier) Fill(s cuda.Stream, segs []FillSegment, spinCycles uint64) (Ticket, error) {
+	if len(segs) == 0 {
+		return Ticket{}, fmt.Errorf("%w: empty batch", ErrInvalidSegment)
+	}
+	for i, f := range segs {
+		if err := checkRange(i, "dst", f.Dst, f.Len); err != nil {
+			return Ticket{}, err
+		}
+		if (f.Dst|f.Len)%wordAlign != 0 {
+			return Ticket{}, fmt.Errorf("%w: fill segment %d (dst %#x, len %d) is not %d-byte aligned", ErrMisaligned, i, f.Dst, f.Len, wordAlign)
+		}
+	}
+	ck := chunker{kind: jobFill, fills: segs, chunk: uint64(c.opts.ChunkBytes), host: c.hostTableForKernel()}
+	return c.launch(s, &ck, c.fnFill, spinCycles)
+}
+
+// Checksum writes the checksum of span i (HostChecksum of its bytes) into
+// the uint64 at out + 8*i, with kvo_checksum (one warp per span). Addresses
+// and lengths must be multiples of 8. Retire the ticket as for Submit.
+func (c *Copier) Checksum(s cuda.Stream, spans []Span, out cuda.DevicePtr) (Ticket, error) {
+	if len(spans) == 0 {
+		return Ticket{}, fmt.Errorf("%w: empty batch", ErrInvalidSegment)
+	}
+	if out == 0 || out%wordAlign != 0 {
+		return Ticket{}, fmt.Errorf("%w: checksum output %#x is nil or not %d-byte aligned", ErrMisaligned, uint64(out), wordAlign)
+	}
+	for i, sp := range spans {
+		if err := checkRange(i, "src", sp.Addr, sp.Len); err != nil {
+			return Ticket{}, err
+		}
+		if (sp.Addr|sp.Len)%wordAlign != 0 {
+			return Ticket{}, fmt.Errorf("%w: checksum span %d (addr %#x, len %d) is not %d-byte aligned", ErrMisaligned, i, sp.Addr, sp.Len, wordAlign)
+		}
+	}
+	ck := chunker{kind: jobChecksum, spans: spans, host: c.hostTableForKernel()}
+	if h := ck.host; h != nil {
+		if d, ok := h.translate(uint64(out), uint64(len(spans))*8); ok {
+			out = cuda.DevicePtr(d)
+		}
+	}
+	return c.launch(s, &ck, c.fnCsum, uint64(out))
+}
+
+// Close frees the descriptor buffers and unloads the module. The streams
+// the Copier enqueued on must be idle; outstanding tickets are ErrInFlight
+// (nothing is freed then).
+func (c *Copier) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil
+	}
+	if c.outstanding > 0 {
+		return fmt.Errorf("%w: %d tickets not retired", ErrInFlight, c.outstanding)
+	}
+	c.closed = true
+	return c.release()
+}
+
+// release frees every descriptor buffer and the module.
+func (c *Copier) release() error {
+	var errs []error
+	for _, b := range c.all {
+		errs = append(errs, c.drv.MemFree(b.dev), c.drv.MemFreeHost(b.host))
+	}
+	c.all, c.free = nil, nil
+	if c.caps.Kernel {
+		errs = append(errs, c.drv.ModuleUnload(c.mod))
+	}
+	return errors.Join(errs...)
+}

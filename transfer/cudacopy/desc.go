@@ -1,0 +1,223 @@
+package cudacopy
+
+import (
+	"fmt"
+	"sort"
+)
+
+// desc is one entry of a descriptor table, laid out as struct Desc in
+// kernels.cu: 32 bytes, little-endian. One warp handles one desc.
+type desc struct {
+	Src, Dst, Len, Aux uint64
+}
+
+// descSize is sizeof(struct Desc).
+const descSize = 32
+
+// jobKind says which kernel a descriptor table feeds.
+type jobKind int
+
+const (
+	jobCopy     jobKind = iota // kvo_copy: Src → Dst
+	jobFill                    // kvo_fill: Dst, Aux = seed of the chunk
+	jobChecksum                // kvo_checksum: Src, one table entry per span
+)
+
+// chunker turns a batch into descriptors, splitting every item into pieces
+// of at most chunk bytes (chunk = 0: no splitting), and translating host
+// addresses through the host table. It writes into caller-provided tables so
+// that building a batch allocates nothing. Piece boundaries fall at multiples
+// of chunk from the item's start, so a chunk that is a multiple of 16 keeps
+// each piece as aligned as its item.
+type chunker struct {
+	kind   jobKind
+	copies []Segment
+	fills  []FillSegment
+	spans  []Span
+	chunk  uint64
+	// host translates host addresses; nil means identity. For jobCopy only
+	// the sides named by hostSrc/hostDst are host memory; for fills and
+	// checksums every address found in the table is translated.
+	host             *hostTable
+	hostSrc, hostDst bool
+
+	i   int    // current item
+	off uint64 // bytes of item i already emitted
+}
+
+func (c *chunker) items() int {
+	switch c.kind {
+	case jobCopy:
+		return len(c.copies)
+	case jobFill:
+		return len(c.fills)
+	}
+	return len(c.spans)
+}
+
+// item returns item i as (src, dst, len, aux).
+func (c *chunker) item(i int) (src, dst, n, aux uint64) {
+	switch c.kind {
+	case jobCopy:
+		s := c.copies[i]
+		return s.Src, s.Dst, s.Len, 0
+	case jobFill:
+		f := c.fills[i]
+		return 0, f.Dst, f.Len, f.Seed
+	}
+	s := c.spans[i]
+	return s.Addr, 0, s.Len, 0
+}
+
+// done reports whether every item has been emitted.
+func (c *chunker) done() bool { return c.i >= c.items() }
+
+// count returns the number of descriptors the whole batch needs.
+func (c *chunker) count() int {
+	n := 0
+	for i := range c.items() {
+		_, _, l, _ := c.item(i)
+		n += piecesOf(l, c.chunk)
+	}
+	return n
+}
+
+// piecesOf is the number of pieces of at most chunk bytes covering l bytes.
+func piecesOf(l, chunk uint64) int {
+	if chunk == 0 {
+		return 1
+	}
+	return int((l + chunk - 1) / chunk)
+}
+
+// next writes up to len(out) descriptors and returns how many it wrote. The
+// batch must have been checked with translateAll first: an address the host
+// table cannot translate here is a programming error reported as
+// ErrUnregisteredHost.
+func (c *chunker) next(out []desc) (int, error) {
+	w := 0
+	for w < len(out) && !c.done() {
+		src, dst, l, aux := c.item(c.i)
+		n := l - c.off
+		if c.chunk != 0 && n > c.chunk {
+			n = c.chunk
+		}
+		d := desc{Len: n}
+		var err error
+		if d.Src, err = c.translate(src, c.off, n, c.hostSrc); err != nil {
+			return w, err
+		}
+		if d.Dst, err = c.translate(dst, c.off, n, c.hostDst); err != nil {
+			return w, err
+		}
+		if c.kind == jobFill {
+			d.Aux = aux + c.off/8
+		}
+		out[w] = d
+		w++
+		c.off += n
+		if c.off == l {
+			c.i++
+			c.off = 0
+		}
+	}
+	return w, nil
+}
+
+// translate maps base+off (n bytes) to the address the kernel uses.
+func (c *chunker) translate(base, off, n uint64, hostSide bool) (uint64, error) {
+	if base == 0 {
+		return 0, nil
+	}
+	a := base + off
+	if c.host == nil {
+		return a, nil
+	}
+	if c.kind == jobCopy && !hostSide {
+		return a, nil
+	}
+	t, ok := c.host.translate(a, n)
+	if ok {
+		return t, nil
+	}
+	if c.kind == jobCopy {
+		return 0, fmt.Errorf("%w: %#x+%d", ErrUnregisteredHost, a, n)
+	}
+	return a, nil
+}
+
+// translateAll checks that every host-side address of the batch translates,
+// so that next cannot fail after something was enqueued.
+func (c *chunker) translateAll() error {
+	if c.host == nil || c.kind != jobCopy {
+		return nil
+	}
+	for i, s := range c.copies {
+		if c.hostSrc {
+			if _, ok := c.host.translate(s.Src, s.Len); !ok {
+				return fmt.Errorf("%w: segment %d src %#x+%d", ErrUnregisteredHost, i, s.Src, s.Len)
+			}
+		}
+		if c.hostDst {
+			if _, ok := c.host.translate(s.Dst, s.Len); !ok {
+				return fmt.Errorf("%w: segment %d dst %#x+%d", ErrUnregisteredHost, i, s.Dst, s.Len)
+			}
+		}
+	}
+	return nil
+}
+
+// hostRange is a registered host range and the device pointer of its base.
+type hostRange struct {
+	base, size, dev uint64
+}
+
+// hostTable is a sorted set of disjoint registered host ranges.
+type hostTable struct {
+	ranges []hostRange
+}
+
+func (t *hostTable) add(r hostRange) error {
+	if r.size == 0 || r.base == 0 {
+		return fmt.Errorf("%w: host range %#x+%d: nil base or zero size", ErrInvalidOption, r.base, r.size)
+	}
+	if r.base+r.size < r.base {
+		return fmt.Errorf("%w: host range %#x+%d wraps the address space", ErrInvalidOption, r.base, r.size)
+	}
+	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base >= r.base })
+	if i > 0 && t.ranges[i-1].base+t.ranges[i-1].size > r.base {
+		p := t.ranges[i-1]
+		return fmt.Errorf("%w: host range [%#x,%#x) overlaps [%#x,%#x)", ErrInvalidOption, r.base, r.base+r.size, p.base, p.base+p.size)
+	}
+	if i < len(t.ranges) && t.ranges[i].base < r.base+r.size {
+		p := t.ranges[i]
+		return fmt.Errorf("%w: host range [%#x,%#x) overlaps [%#x,%#x)", ErrInvalidOption, r.base, r.base+r.size, p.base, p.base+p.size)
+	}
+	t.ranges = append(t.ranges, hostRange{})
+	copy(t.ranges[i+1:], t.ranges[i:])
+	t.ranges[i] = r
+	return nil
+}
+
+func (t *hostTable) remove(base uint64) error {
+	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base >= base })
+	if i == len(t.ranges) || t.ranges[i].base != base {
+		return fmt.Errorf("%w: no host range starts at %#x", ErrInvalidOption, base)
+	}
+	t.ranges = append(t.ranges[:i], t.ranges[i+1:]...)
+	return nil
+}
+
+// translate maps [addr, addr+n) inside one range to its device address.
+func (t *hostTable) translate(addr, n uint64) (uint64, bool) {
+	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base > addr }) - 1
+	if i < 0 {
+		return 0, false
+	}
+	r := t.ranges[i]
+	off := addr - r.base
+	if off >= r.size || n > r.size-off {
+		return 0, false
+	}
+	return r.dev + off, true
+}

@@ -1,0 +1,36 @@
+// Package cudacopy moves batches of scattered segments between device memory
+// and registered host memory on a CUDA stream, at link speed from 4 KiB
+// segments up, with one of three methods:
+//
+//   - memcpy: one cuMemcpyAsync per segment (always available; the fallback);
+//   - batch: cuMemcpyBatchAsync (drivers ≥ 12.8), up to Options.BatchMax
+//     copies per call;
+//   - kernel: kvo_copy from kernels.cu, compiled to PTX for compute_80 and
+//     embedded (see PTX), on a bounded grid (Options.CTAs, default 8) so the
+//     model's kernels keep the rest of the GPU. Each segment is split into
+//     chunks of at most Options.ChunkBytes; one warp copies one chunk with
+//     16-byte accesses, several loads in flight per lane. Host memory is
+//     addressed through its registered pointer where the device allows it
+//     (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM), else through the device
+//     pointer of a range given to AddHostRange.
+//
+// MethodAuto picks per batch from a calibration table measured on the device
+// (Calibrate) or loaded (Options.Calibration); Options.Method forces one.
+//
+// Ownership and invariants:
+//
+//   - Submit validates the whole batch before it enqueues anything.
+//   - The kernel method builds its descriptor table in a pinned staging
+//     buffer, uploads it to a device table on the same stream and launches;
+//     the pair of buffers belongs to the returned Ticket until Retire, which
+//     the caller calls only after an event recorded after the Submit has
+//     completed. Buffers are pooled, so steady-state Submit does not
+//     allocate; a batch larger than one buffer uses several launches.
+//   - A driver failure part-way through a Submit withdraws the buffers that
+//     enqueued work may still read; they are freed only by Close.
+//   - Fill and Checksum (kvo_fill, kvo_checksum) are test and demo helpers
+//     whose results FillPattern and HostChecksum compute on the host.
+//
+// Calls that reach the driver need the device's context current on the
+// calling OS thread.
+package cudacopy
