@@ -1,0 +1,47 @@
+package offload
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+)
+
+func TestSelectBackend(t *testing.T) {
+	noDriver := func() (cuda.Driver, error) { return nil, cuda.ErrNoDriver }
+	fake := func() (cuda.Driver, error) { return cudafake.New(cudafake.Options{}), nil }
+	called := false
+	spy := func() (cuda.Driver, error) { called = true; return nil, errors.New("must not load") }
+
+	c, err := selectBackend(BackendHost, 0, spy)
+	require.NoError(t, err)
+	require.Equal(t, BackendHost, c.name)
+	require.False(t, called, "host backend never touches the driver")
+
+	c, err = selectBackend(BackendAuto, 0, noDriver)
+	require.NoError(t, err)
+	require.Equal(t, BackendHost, c.name)
+	require.Contains(t, c.reason, "CUDA unavailable")
+
+	_, err = selectBackend(BackendCUDA, 0, noDriver)
+	require.ErrorIs(t, err, ErrNoDriver)
+
+	c, err = selectBackend(BackendAuto, 0, fake)
+	require.NoError(t, err)
+	require.Equal(t, BackendCUDA, c.name)
+	require.NotNil(t, c.drv)
+	require.NotEmpty(t, c.busID)
+	require.Contains(t, c.reason, c.busID)
+
+	c, err = selectBackend(BackendAuto, 3, fake)
+	require.NoError(t, err)
+	require.Equal(t, BackendHost, c.name)
+	require.Contains(t, c.reason, "device 3 asked for, the driver sees 1")
+
+	_, err = selectBackend(BackendCUDA, 3, fake)
+	require.ErrorIs(t, err, ErrNoDriver)
+	require.ErrorContains(t, err, "device 3")
+}

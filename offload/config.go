@@ -1,0 +1,202 @@
+package offload
+
+import (
+	"fmt"
+	"runtime"
+	"strconv"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+)
+
+// numaSetting is Config.NUMANode parsed.
+type numaSetting struct {
+	auto bool
+	node int // -1: none
+}
+
+// withDefaults returns cfg with every zero field set to its default and
+// checks every field; errors wrap ErrInvalidConfig and name the field, the
+// bad value and the limit.
+// It returns the slot size (bytes of one block). A layout without tensors
+// (allowed on the host backend, which then allocates them) is checked with
+// its dense placement.
+func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
+	bad := func(format string, args ...any) (Config, numaSetting, int64, error) {
+		return Config{}, numaSetting{}, 0, fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	if cfg.PoolBytes <= 0 {
+		return bad("PoolBytes = %d, must be at least one block", cfg.PoolBytes)
+	}
+	if cfg.FirstRegionBytes < 0 || cfg.RegionBytes < 0 {
+		return bad("FirstRegionBytes = %d, RegionBytes = %d: must not be negative", cfg.FirstRegionBytes, cfg.RegionBytes)
+	}
+	if cfg.RegionBytes == 0 {
+		cfg.RegionBytes = DefaultRegionBytes
+	}
+	if cfg.FirstRegionBytes == 0 {
+		cfg.FirstRegionBytes = DefaultFirstRegionBytes
+	}
+	cfg.FirstRegionBytes = min(cfg.FirstRegionBytes, cfg.PoolBytes)
+	switch {
+	case cfg.StagingBytes == 0:
+		cfg.StagingBytes = DefaultStagingBytes
+	case cfg.StagingBytes < 0:
+		cfg.StagingBytes = -1
+	}
+	switch cfg.Backend {
+	case "":
+		cfg.Backend = BackendAuto
+	case BackendAuto, BackendCUDA, BackendHost:
+	default:
+		return bad("Backend %q: must be %q, %q or %q", cfg.Backend, BackendAuto, BackendCUDA, BackendHost)
+	}
+	switch cfg.HostPinning {
+	case "":
+		cfg.HostPinning = PinNone
+	case PinNone, PinMlock:
+	default:
+		return bad("HostPinning %q: must be %q or %q", cfg.HostPinning, PinNone, PinMlock)
+	}
+	if cfg.Device < 0 {
+		return bad("Device = %d: must not be negative", cfg.Device)
+	}
+	switch cfg.HugePages {
+	case "":
+		cfg.HugePages = HugePagesTHP
+	case HugePagesTHP, HugePagesNone, HugePagesHugeTLB:
+	default:
+		return bad("HugePages %q: must be %q, %q or %q", cfg.HugePages, HugePagesTHP, HugePagesNone, HugePagesHugeTLB)
+	}
+	var numa numaSetting
+	switch cfg.NUMANode {
+	case "", NUMAAuto:
+		cfg.NUMANode = NUMAAuto
+		numa = numaSetting{auto: true, node: -1}
+	case NUMANone:
+		numa = numaSetting{node: -1}
+	default:
+		n, err := strconv.Atoi(cfg.NUMANode)
+		if err != nil || n < 0 {
+			return bad("NUMANode %q: must be %q, %q or a node number ≥ 0", cfg.NUMANode, NUMAAuto, NUMANone)
+		}
+		numa = numaSetting{node: n}
+	}
+	if cfg.PrefaultThreads < 0 {
+		return bad("PrefaultThreads = %d: must not be negative", cfg.PrefaultThreads)
+	}
+	if cfg.PrefaultThreads == 0 {
+		cfg.PrefaultThreads = min(runtime.NumCPU(), DefaultMaxPrefaultThreads)
+	}
+	switch cfg.Policy {
+	case "":
+		cfg.Policy = PolicyTinyLFU
+	case PolicyTinyLFU, PolicyLRU:
+	default:
+		return bad("Policy %q: must be %q or %q", cfg.Policy, PolicyTinyLFU, PolicyLRU)
+	}
+	if cfg.MaxInFlightBytes < 0 || cfg.QueueDepth < 0 || cfg.MaxCachedBytes < 0 {
+		return bad("MaxInFlightBytes = %d, QueueDepth = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.QueueDepth, cfg.MaxCachedBytes)
+	}
+	if cfg.MaxInFlightBytes == 0 {
+		cfg.MaxInFlightBytes = DefaultMaxInFlightBytes
+	}
+	if cfg.QueueDepth == 0 {
+		cfg.QueueDepth = DefaultQueueDepth
+	}
+	spec, err := kvLayoutSpec(cfg.Layout)
+	if err != nil {
+		return Config{}, numaSetting{}, 0, err
+	}
+	if layoutEmpty(cfg.Layout) {
+		if cfg.Backend == BackendCUDA {
+			return bad("Layout: the CUDA backend needs the device tensors' addresses (LayerTensors, or Base and Stride)")
+		}
+		spec = kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, denseProbeBase)
+	}
+	layout, err := kvcache.NewLayout(spec)
+	if err != nil {
+		return bad("Layout: %w", err)
+	}
+	slot := int64(layout.SlotSize())
+	if cfg.PoolBytes < slot {
+		return Config{}, numaSetting{}, 0, fmt.Errorf("%w: PoolBytes = %d cannot hold one block of %d bytes", ErrPoolTooSmall, cfg.PoolBytes, slot)
+	}
+	if cfg.FirstRegionBytes < slot || cfg.RegionBytes < slot {
+		return bad("FirstRegionBytes = %d, RegionBytes = %d: each must hold at least one block of %d bytes", cfg.FirstRegionBytes, cfg.RegionBytes, slot)
+	}
+	if cfg.MaxInFlightBytes < slot {
+		return bad("MaxInFlightBytes = %d: must hold at least one block of %d bytes", cfg.MaxInFlightBytes, slot)
+	}
+	return cfg, numa, slot, nil
+}
+
+func layoutKind(s string) (kvcache.LayoutKind, error) {
+	switch s {
+	case LayoutLayerSeparate:
+		return kvcache.LayerSeparate, nil
+	case LayoutCrossLayer:
+		return kvcache.CrossLayer, nil
+	case LayoutMLA:
+		return kvcache.MLA, nil
+	}
+	return 0, fmt.Errorf("%w: Layout.Kind %q: must be %q, %q or %q", ErrInvalidConfig, s, LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA)
+}
+
+// denseProbeBase is a made-up address for checking a layout given without
+// tensors.
+const denseProbeBase = 1 << 40
+
+// layoutEmpty reports whether l gives no tensor addresses.
+func layoutEmpty(l LayoutSpec) bool { return len(l.LayerTensors) == 0 && l.Base == 0 && l.Stride == 0 }
+
+// kvLayoutSpec converts the plain-data layout to kvcache's.
+func kvLayoutSpec(l LayoutSpec) (kvcache.LayoutSpec, error) {
+	kind, err := layoutKind(l.Kind)
+	if err != nil {
+		return kvcache.LayoutSpec{}, err
+	}
+	spec := kvcache.LayoutSpec{
+		Kind: kind,
+		Geometry: kvcache.Geometry{Layers: l.Layers, KVHeads: l.KVHeads, HeadDim: l.HeadDim,
+			DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock},
+		NumBlocks: l.NumBlocks,
+		Base:      l.Base,
+		Stride:    l.Stride,
+	}
+	for _, t := range l.LayerTensors {
+		spec.Layers = append(spec.Layers, kvcache.LayerTensors{K: t.K, V: t.V, Stride: t.Stride})
+	}
+	return spec, nil
+}
+
+// fromKVLayoutSpec converts kvcache's layout spec back to plain data.
+func fromKVLayoutSpec(s kvcache.LayoutSpec) LayoutSpec {
+	l := LayoutSpec{Kind: s.Kind.String(), Layers: s.Geometry.Layers, KVHeads: s.Geometry.KVHeads,
+		HeadDim: s.Geometry.HeadDim, DTypeBytes: s.Geometry.DTypeBytes, TokensPerBlock: s.Geometry.TokensPerBlock,
+		NumBlocks: s.NumBlocks, Base: s.Base, Stride: s.Stride}
+	for _, t := range s.Layers {
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: t.K, V: t.V, Stride: t.Stride})
+	}
+	return l
+}
+
+// regionPlan splits the pool into region sizes: the first region, then
+// RegionBytes regions, the last one holding the remainder. Each region
+// holds whole slots (a slot never straddles two regions), so region sizes
+// are multiples of the slot size and the pool is PoolBytes rounded down to
+// whole slots.
+func regionPlan(pool, first, region, slot int64) []int64 {
+	first = first / slot * slot
+	region = region / slot * slot
+	left := pool / slot * slot
+	var plan []int64
+	n := min(first, left)
+	plan = append(plan, n)
+	left -= n
+	for left > 0 {
+		n = min(region, left)
+		plan = append(plan, n)
+		left -= n
+	}
+	return plan
+}

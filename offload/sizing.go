@@ -1,0 +1,207 @@
+package offload
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// system is what the engine reads about the machine: files under a root
+// (tests point it at a fake /proc and /sys tree) and RLIMIT_MEMLOCK.
+type system struct {
+	fsys     fs.FS
+	memlock  func() (uint64, error) // soft RLIMIT_MEMLOCK; math.MaxUint64 for unlimited
+	fsysName string                 // for messages
+}
+
+func hostSystem() system {
+	return system{fsys: os.DirFS("/"), fsysName: "/", memlock: func() (uint64, error) {
+		var r unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &r); err != nil {
+			return 0, fmt.Errorf("getrlimit(RLIMIT_MEMLOCK): %w", err)
+		}
+		if r.Cur == unix.RLIM_INFINITY {
+			return math.MaxUint64, nil
+		}
+		return r.Cur, nil
+	}}
+}
+
+func (s system) read(p string) ([]byte, error) {
+	return fs.ReadFile(s.fsys, strings.TrimPrefix(p, "/"))
+}
+
+// meminfoField returns a "Name: N kB" field of a meminfo file in bytes.
+func meminfoField(data []byte, name string) (int64, bool) {
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		// "MemAvailable: N kB" or, per node, "Node 0 MemFree: N kB".
+		for i := 0; i+1 < len(f); i++ {
+			if f[i] == name+":" {
+				v, err := strconv.ParseInt(f[i+1], 10, 64)
+				if err != nil {
+					return 0, false
+				}
+				if i+2 < len(f) && f[i+2] == "kB" {
+					v *= 1024
+				}
+				return v, true
+			}
+		}
+	}
+	return 0, false
+}
+
+// memAvailable is MemAvailable of /proc/meminfo.
+func (s system) memAvailable() (int64, error) {
+	data, err := s.read("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	v, ok := meminfoField(data, "MemAvailable")
+	if !ok {
+		return 0, errors.New("/proc/meminfo has no MemAvailable")
+	}
+	return v, nil
+}
+
+// nodeFree is MemFree of NUMA node n.
+func (s system) nodeFree(n int) (int64, error) {
+	p := fmt.Sprintf("/sys/devices/system/node/node%d/meminfo", n)
+	data, err := s.read(p)
+	if err != nil {
+		return 0, err
+	}
+	v, ok := meminfoField(data, "MemFree")
+	if !ok {
+		return 0, fmt.Errorf("%s has no MemFree", p)
+	}
+	return v, nil
+}
+
+// cgroupRoom returns the memory the process's cgroup (and its ancestors)
+// still allows: the smallest limit minus usage; ok is false when no limit
+// is set. It reads cgroup v2 (memory.max, memory.current) and v1
+// (memory.limit_in_bytes, memory.usage_in_bytes).
+func (s system) cgroupRoom() (room int64, where string, ok bool) {
+	data, err := s.read("/proc/self/cgroup")
+	if err != nil {
+		return 0, "", false
+	}
+	room = math.MaxInt64
+	consider := func(dir, limitFile, usageFile string) {
+		for d := dir; ; d = path.Dir(d) {
+			lim, lerr := s.read(path.Join(d, limitFile))
+			if lerr == nil {
+				v := strings.TrimSpace(string(lim))
+				if l, perr := strconv.ParseInt(v, 10, 64); perr == nil && l < math.MaxInt64/2 {
+					var used int64
+					if u, uerr := s.read(path.Join(d, usageFile)); uerr == nil {
+						used, _ = strconv.ParseInt(strings.TrimSpace(string(u)), 10, 64)
+					}
+					if r := max(l-used, 0); r < room {
+						room, where, ok = r, path.Join(d, limitFile), true
+					}
+				}
+			}
+			if d == "/" || d == "." || d == "/sys/fs/cgroup" || d == "/sys/fs/cgroup/memory" {
+				return
+			}
+		}
+	}
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		parts := strings.SplitN(sc.Text(), ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		switch {
+		case parts[0] == "0" && parts[1] == "":
+			consider(path.Join("/sys/fs/cgroup", parts[2]), "memory.max", "memory.current")
+		case strings.Contains(","+parts[1]+",", ",memory,"):
+			consider(path.Join("/sys/fs/cgroup/memory", parts[2]), "memory.limit_in_bytes", "memory.usage_in_bytes")
+		}
+	}
+	return room, where, ok
+}
+
+// checkFits refuses a pool of need bytes that the machine cannot hold:
+// MemAvailable, the cgroup limit, RLIMIT_MEMLOCK when mlock pins the pool,
+// and node's free memory when the pool is bound to a NUMA node (node < 0:
+// not bound). The error wraps ErrInsufficientMemory and says how much is
+// available and where the limit comes from.
+func (s system) checkFits(need int64, mlock bool, node int) error {
+	refuse := func(avail int64, what string) error {
+		return fmt.Errorf("%w: %d bytes (%.2f GiB) needed, %s allows %d bytes (%.2f GiB)",
+			ErrInsufficientMemory, need, gib(need), what, avail, gib(avail))
+	}
+	if avail, err := s.memAvailable(); err == nil && avail < need {
+		return refuse(avail, "MemAvailable in /proc/meminfo")
+	}
+	if room, where, ok := s.cgroupRoom(); ok && room < need {
+		return refuse(room, "the cgroup limit "+where+" (minus usage)")
+	}
+	if mlock && s.memlock != nil {
+		lim, err := s.memlock()
+		if err != nil {
+			return err
+		}
+		if lim < uint64(need) {
+			return refuse(int64(lim), "RLIMIT_MEMLOCK (raise it with ulimit -l, or use HostPinning \"none\")")
+		}
+	}
+	if node >= 0 {
+		free, err := s.nodeFree(node)
+		if err != nil {
+			return fmt.Errorf("%w: NUMA node %d: %w", ErrInvalidConfig, node, err)
+		}
+		if free < need {
+			return refuse(free, fmt.Sprintf("MemFree of NUMA node %d", node))
+		}
+	}
+	return nil
+}
+
+// gpuNUMANode returns the NUMA node of the PCI device busID from
+// /sys/bus/pci/devices/<bus id>/numa_node, or -1 when sysfs says none (-1)
+// or has no such file.
+func (s system) gpuNUMANode(busID string) int {
+	data, err := s.read(path.Join("/sys/bus/pci/devices", sysfsBusID(busID), "numa_node"))
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil || n < 0 {
+		return -1
+	}
+	return n
+}
+
+// sysfsBusID turns a CUDA or nvidia-smi PCI bus id ("0000:19:00.0",
+// "00000000:19:00.0") into sysfs's form: lower case, 4-digit domain.
+func sysfsBusID(id string) string {
+	id = strings.ToLower(strings.TrimSpace(id))
+	dom, rest, ok := strings.Cut(id, ":")
+	if !ok {
+		return id
+	}
+	if len(dom) > 4 {
+		dom = dom[len(dom)-4:]
+	}
+	for len(dom) < 4 {
+		dom = "0" + dom
+	}
+	return dom + ":" + rest
+}
+
+func gib(n int64) float64 { return float64(n) / (1 << 30) }
