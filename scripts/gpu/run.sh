@@ -13,7 +13,9 @@ for bin in build/gpu/*.test; do
   name=$(basename "$bin" .test)
   echo "$name" | grep -Eq "$filter" || continue
   start=$(date +%s.%N)
-  (cd "$(dirname "$bin")" && "./$(basename "$bin")" -test.v -test.count=1 -test.timeout=9m "$@") >"$OUT/$name.log" 2>&1
+  pkgdir=$(echo "$name" | tr _ /)   # tests run in their package directory (testdata)
+  [ -d "$pkgdir" ] || pkgdir=.
+  (cd "$pkgdir" && "$OLDPWD/$bin" -test.v -test.count=1 -test.timeout=9m "$@") >"$OUT/$name.log" 2>&1
   rc=$?
   secs=$(echo "$(date +%s.%N) - $start" | bc)
   pass=$(grep -c '^--- PASS' "$OUT/$name.log"); fail=$(grep -c '^--- FAIL' "$OUT/$name.log"); skip=$(grep -c '^--- SKIP' "$OUT/$name.log")
