@@ -1,0 +1,43 @@
+// Package transfer moves segments between device memory and registered host
+// memory asynchronously: it owns the engine's two streams (loads at higher
+// priority than stores), batches, events and completion. It knows segments
+// and addresses, never keys; the owner of the slots (kvcache, composed by
+// offload) changes slot state only when an op completes.
+//
+// A Scheduler runs over a Device: NewCUDA (cuda.Driver, copying through
+// transfer/cudacopy) or Sim (a host simulation with random, seeded delays
+// and CUDA's event and stream-wait semantics, for CI).
+//
+// Life of a request: Submit validates every segment against the host and
+// device ranges the scheduler was told about (AddHostRange, AddDeviceRange)
+// before anything is enqueued, then queues it. One submitting goroutine
+// takes queued requests, loads before stores, within MaxInFlightBytes and
+// MaxBatchesInFlight per direction, and issues them as one batch: waits on
+// callers' After events, the copies (coalesced, layer by layer when a
+// request declares layers, op and layer events recorded after each layer),
+// then the batch event. One completion goroutine per direction detects
+// batch events in FIFO order (polling with back-off, or blocking sync) and
+// completes the batch's ops.
+//
+// Invariants:
+//   - Nothing is ever blocked on the GPU in Submit: beyond the in-flight
+//     bound requests queue, beyond MaxQueuedBytes they get ErrBusy.
+//   - An op completes without error only after an event recorded after all
+//     of its copies has retired; a failed op is reported only once none of
+//     its copies can still run (its batch event, or a stream synchronize,
+//     or a sticky error that killed the context).
+//   - Descriptor buffers (the batch's and the copy method's) are reused only
+//     after their batch's event retired.
+//   - Op events are pooled and reused only after the op is both completed
+//     and released; a released Op returns ErrReleased.
+//   - A sticky driver error fails everything in flight and queued, and every
+//     later Submit returns it (wrapped with ErrDeviceLost).
+//   - Every engine goroutine that calls the driver is locked to its OS
+//     thread with the context current and stream capture mode relaxed, so a
+//     global-mode capture on another thread is never invalidated by it.
+//
+// In invariant builds (-race, or the kvoinvariants tag) a Tracker given in
+// Config checks that every copy's host ranges stay live from submission to
+// completion, poisons released ranges, and batch descriptor buffers are
+// fingerprinted at submission and checked at completion.
+package transfer

@@ -1,0 +1,899 @@
+package transfer
+
+import (
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// Errors callers branch on.
+var (
+	// ErrBusy: the direction's in-flight bound and queue are full (or, for
+	// an op with events, the in-flight bound is). Never blocks; retry later.
+	ErrBusy = errors.New("transfer: busy")
+	// ErrClosed: the scheduler was closed.
+	ErrClosed = errors.New("transfer: scheduler closed")
+	// ErrReleased: the op was released; its events may already be reused.
+	ErrReleased = errors.New("transfer: op released")
+	// ErrCapturing: the caller's stream is capturing a graph, so its event
+	// cannot order the engine's copies.
+	ErrCapturing = errors.New("transfer: caller stream is capturing")
+	// ErrDeviceLost: a sticky driver error; the scheduler refuses all work.
+	// Returned errors wrap both this and the driver's error.
+	ErrDeviceLost = errors.New("transfer: device lost")
+)
+
+// Completion selects how the completion goroutines detect finished batches.
+type Completion int
+
+const (
+	// CompletionPoll queries each direction's oldest batch event in FIFO
+	// order: spinning for Config.PollSpin, then sleeping with doubling
+	// back-off up to Config.PollMaxSleep. Idle directions block on a
+	// channel and use no CPU.
+	CompletionPoll Completion = iota
+	// CompletionBlocking creates batch events with blocking sync and waits
+	// on the oldest one (cuEventSynchronize), one thread per direction.
+	CompletionBlocking
+)
+
+func (c Completion) String() string {
+	switch c {
+	case CompletionPoll:
+		return "poll"
+	case CompletionBlocking:
+		return "blocking"
+	}
+	return fmt.Sprintf("Completion(%d)", int(c))
+}
+
+// Config bounds and tunes a Scheduler. Zero fields take the defaults.
+type Config struct {
+	// MaxInFlightBytes bounds the bytes submitted to each direction's stream
+	// and not yet completed (default 256 MiB). A single larger request runs
+	// alone.
+	MaxInFlightBytes uint64
+	// MaxQueuedBytes bounds the bytes waiting for the in-flight bound, per
+	// direction (default 1 GiB); beyond it Submit returns ErrBusy.
+	MaxQueuedBytes uint64
+	// MaxBatchesInFlight bounds batches per direction (default 4); requests
+	// queued meanwhile merge into the next batch.
+	MaxBatchesInFlight int
+	// Align is the alignment every segment's addresses and length must have
+	// (default 1: none; set 16 when the kernel method is forced).
+	Align uint64
+	// Completion picks polling or blocking-sync completion detection.
+	Completion Completion
+	// PollSpin is how long the poller spins on a pending event before
+	// sleeping (default 50µs); PollMaxSleep caps its back-off (default 200µs).
+	PollSpin, PollMaxSleep time.Duration
+	// Tracker, in invariant builds, has every copy's host ranges checked at
+	// submission and completion (see Tracker).
+	Tracker *Tracker
+}
+
+func (c *Config) setDefaults() error {
+	if c.MaxInFlightBytes == 0 {
+		c.MaxInFlightBytes = 256 << 20
+	}
+	if c.MaxQueuedBytes == 0 {
+		c.MaxQueuedBytes = 1 << 30
+	}
+	if c.MaxBatchesInFlight == 0 {
+		c.MaxBatchesInFlight = 4
+	}
+	if c.Align == 0 {
+		c.Align = 1
+	}
+	if c.PollSpin == 0 {
+		c.PollSpin = 50 * time.Microsecond
+	}
+	if c.PollMaxSleep == 0 {
+		c.PollMaxSleep = 200 * time.Microsecond
+	}
+	switch {
+	case c.MaxBatchesInFlight < 0:
+		return fmt.Errorf("%w: MaxBatchesInFlight %d < 0", ErrInvalidRequest, c.MaxBatchesInFlight)
+	case c.Align&(c.Align-1) != 0:
+		return fmt.Errorf("%w: Align %d is not a power of two", ErrInvalidRequest, c.Align)
+	case c.Completion != CompletionPoll && c.Completion != CompletionBlocking:
+		return fmt.Errorf("%w: %v", ErrInvalidRequest, c.Completion)
+	case c.PollSpin < 0 || c.PollMaxSleep < 0:
+		return fmt.Errorf("%w: negative poll timing %v/%v", ErrInvalidRequest, c.PollSpin, c.PollMaxSleep)
+	}
+	return nil
+}
+
+// Request is one op: segments to copy in one direction, with its ordering.
+type Request struct {
+	Dir      Direction
+	Segments []Segment
+	// LayerEnds optionally groups Segments by layer: layer i is
+	// Segments[LayerEnds[i-1]:LayerEnds[i]] (LayerEnds strictly increasing,
+	// the last equal to len(Segments)). Copies are then issued layer by
+	// layer, and with Events an event is recorded after each layer.
+	LayerEnds []int
+	// After (0: none) is a caller event, recorded on the caller's stream
+	// after the work producing the source (for a store: the kernels writing
+	// the blocks). The copies wait on its most recent record at the time
+	// the op is issued to the engine stream.
+	After cuda.Event
+	// AfterStream, if set, is the stream After was recorded on: the request
+	// is refused with ErrCapturing if it is capturing. Checked on the
+	// caller's goroutine, whose thread must have the context current.
+	AfterStream *cuda.Stream
+	// Events asks for an op event (Op.Event) and, with LayerEnds, one per
+	// layer (Op.LayerEvent). Such an op is issued to the engine stream
+	// before Submit returns (so the caller may wait on its events at once)
+	// and is refused with ErrBusy rather than queued.
+	Events bool
+	// Signal (0: none) is a caller-owned event recorded on the engine stream
+	// after the op's copies (for a graph's external event-wait node). Like
+	// Events, the op is issued before Submit returns.
+	Signal cuda.Event
+	// OnComplete, if set, is called once on a completion goroutine when the
+	// op completes or fails. It must not block.
+	OnComplete func(op *Op, err error)
+}
+
+// Scheduler queues requests, issues them in batches on a Device's two
+// engine streams, and reports their completion. See the package doc.
+type Scheduler struct {
+	dev  Device
+	cfg  Config
+	host rangeSet
+	devR rangeSet
+	seed maphash.Seed
+
+	mu        sync.Mutex
+	queue     [2][]*Op // waiting for the in-flight bound
+	immediate [2][]*Op // ops with events, bytes already in flight
+	queued    [2]uint64
+	inflight  [2]uint64
+	batches   [2]int
+	sticky    error
+	closed    bool
+	opEvents  []cuda.Event // pooled op events, free to record
+	batchEvs  []cuda.Event // pooled batch events
+	descs     [][]Segment  // pooled descriptor buffers
+
+	wake           chan struct{}
+	pending        [2]chan *batch
+	done           sync.WaitGroup
+	liveCompleters atomic.Int32
+}
+
+// Op is one submitted request. Its methods are safe for concurrent use.
+// After Release every method returns ErrReleased.
+type Op struct {
+	s         *Scheduler
+	dir       Direction
+	bytes     uint64
+	segs      []placed
+	layerEnds []int
+	req       Request
+	enq       chan struct{} // immediate ops: closed once issued (or failed)
+
+	ev       cuda.Event
+	layerEvs []cuda.Event
+	gens     []uint64
+
+	done chan struct{}
+
+	mu        sync.Mutex
+	err       error
+	completed bool
+	released  bool
+}
+
+type batch struct {
+	dir     Direction
+	ops     []*Op
+	ev      cuda.Event
+	retires []func()
+	descs   []Segment
+	hash    uint64
+	// recorded: ev was recorded after the batch's copies, so the completer
+	// awaits it before reporting.
+	recorded bool
+	err      error // the batch's failure, reported at completion
+}
+
+// New starts a scheduler over dev: one submitting goroutine and one
+// completion goroutine per direction, each locked to its OS thread and
+// initialised with dev.InitThread.
+func New(dev Device, cfg Config) (*Scheduler, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Scheduler{
+		dev:  dev,
+		cfg:  cfg,
+		host: rangeSet{kind: "host"},
+		devR: rangeSet{kind: "device"},
+		seed: maphash.MakeSeed(),
+		wake: make(chan struct{}, 1),
+	}
+	for d := range s.pending {
+		s.pending[d] = make(chan *batch, 4096)
+	}
+	ready := make(chan error, 3)
+	s.done.Add(3)
+	s.liveCompleters.Store(2)
+	go s.submitter(ready)
+	go s.completer(Load, ready)
+	go s.completer(Store, ready)
+	var err error
+	for range 3 {
+		err = errors.Join(err, <-ready)
+	}
+	if err != nil {
+		s.Close()
+		return nil, fmt.Errorf("transfer: starting engine threads: %w", err)
+	}
+	return s, nil
+}
+
+// AddHostRange tells the scheduler that [base, base+size) is registered
+// host memory that segments may use.
+func (s *Scheduler) AddHostRange(base, size uint64) error { return s.host.add(base, size) }
+
+// RemoveHostRange forgets the host range starting at base. Ops already
+// submitted are unaffected; the caller must not unregister the memory before
+// they complete.
+func (s *Scheduler) RemoveHostRange(base uint64) error { return s.host.remove(base) }
+
+// AddDeviceRange tells the scheduler that [base, base+size) is device memory
+// (the serving stack's KV cache) that segments may use.
+func (s *Scheduler) AddDeviceRange(base, size uint64) error { return s.devR.add(base, size) }
+
+// RemoveDeviceRange forgets the device range starting at base.
+func (s *Scheduler) RemoveDeviceRange(base uint64) error { return s.devR.remove(base) }
+
+func (s *Scheduler) stateErr() error {
+	if s.sticky != nil {
+		return s.sticky
+	}
+	if s.closed {
+		return ErrClosed
+	}
+	return nil
+}
+
+// Submit validates req and queues it; it never waits for the GPU. Requests
+// with Events or Signal wait for the engine thread to issue them (CPU work
+// only). On error nothing was enqueued and no callback will run.
+func (s *Scheduler) Submit(req Request) (*Op, error) {
+	op, err := s.prepare(req)
+	if err != nil {
+		return nil, err
+	}
+	d := req.Dir
+	s.mu.Lock()
+	if err := s.stateErr(); err != nil {
+		s.mu.Unlock()
+		return nil, err
+	}
+	if op.enq != nil {
+		if s.inflight[d] > 0 && s.inflight[d]+op.bytes > s.cfg.MaxInFlightBytes {
+			s.mu.Unlock()
+			return nil, fmt.Errorf("%w: %v: %d bytes in flight + %d exceeds the bound %d", ErrBusy, d, s.inflight[d], op.bytes, s.cfg.MaxInFlightBytes)
+		}
+		s.inflight[d] += op.bytes
+		s.immediate[d] = append(s.immediate[d], op)
+		s.mu.Unlock()
+		s.kick()
+		<-op.enq
+		return op, nil
+	}
+	if s.queued[d] > 0 && s.queued[d]+op.bytes > s.cfg.MaxQueuedBytes {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("%w: %v: %d bytes queued + %d exceeds the queue bound %d", ErrBusy, d, s.queued[d], op.bytes, s.cfg.MaxQueuedBytes)
+	}
+	s.queued[d] += op.bytes
+	s.queue[d] = append(s.queue[d], op)
+	s.mu.Unlock()
+	s.kick()
+	return op, nil
+}
+
+func (s *Scheduler) prepare(req Request) (*Op, error) {
+	if !req.Dir.valid() {
+		return nil, fmt.Errorf("%w: direction %d", ErrInvalidRequest, int(req.Dir))
+	}
+	if len(req.Segments) == 0 {
+		return nil, fmt.Errorf("%w: %v with no segments", ErrInvalidRequest, req.Dir)
+	}
+	prev := 0
+	for i, e := range req.LayerEnds {
+		if e <= prev || e > len(req.Segments) {
+			return nil, fmt.Errorf("%w: LayerEnds[%d] = %d, want > %d and ≤ %d segments", ErrInvalidRequest, i, e, prev, len(req.Segments))
+		}
+		prev = e
+	}
+	if len(req.LayerEnds) > 0 && prev != len(req.Segments) {
+		return nil, fmt.Errorf("%w: LayerEnds ends at %d, want %d (every segment in a layer)", ErrInvalidRequest, prev, len(req.Segments))
+	}
+	if req.AfterStream != nil {
+		if req.After == 0 {
+			return nil, fmt.Errorf("%w: AfterStream given without After", ErrInvalidRequest)
+		}
+		capturing, err := s.dev.IsCapturing(*req.AfterStream)
+		if err != nil {
+			return nil, fmt.Errorf("transfer: checking the After stream %#x: %w", uintptr(*req.AfterStream), err)
+		}
+		if capturing {
+			return nil, fmt.Errorf("%w: After event %#x's stream %#x is capturing a graph; record it outside the capture", ErrCapturing, uintptr(req.After), uintptr(*req.AfterStream))
+		}
+	}
+	segs, err := validate(req.Segments, s.cfg.Align, &s.host, &s.devR, make([]placed, 0, len(req.Segments)))
+	if err != nil {
+		return nil, err
+	}
+	op := &Op{s: s, dir: req.Dir, segs: segs, req: req, done: make(chan struct{})}
+	op.req.Segments = nil
+	op.layerEnds = append([]int(nil), req.LayerEnds...)
+	if len(op.layerEnds) == 0 {
+		op.layerEnds = []int{len(segs)}
+	}
+	for _, g := range segs {
+		op.bytes += g.Len
+	}
+	if req.Events || req.Signal != 0 {
+		op.enq = make(chan struct{})
+	}
+	return op, nil
+}
+
+func (s *Scheduler) kick() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Close refuses new requests, lets everything submitted finish, stops the
+// engine goroutines and destroys the scheduler's events. It does not close
+// the Device.
+func (s *Scheduler) Close() error {
+	s.mu.Lock()
+	already := s.closed
+	s.closed = true
+	s.mu.Unlock()
+	if !already {
+		s.kick()
+	}
+	s.done.Wait()
+	return nil
+}
+
+// lockThread locks the calling goroutine to its OS thread for good and
+// prepares the thread for driver calls.
+func (s *Scheduler) lockThread() error {
+	runtime.LockOSThread()
+	return s.dev.InitThread()
+}
+
+func (s *Scheduler) submitter(ready chan<- error) {
+	defer s.done.Done()
+	defer runtime.UnlockOSThread()
+	err := s.lockThread()
+	ready <- err
+	if err != nil {
+		for d := range s.pending {
+			close(s.pending[d])
+		}
+		return
+	}
+	for {
+		<-s.wake
+		for s.issueRound() {
+		}
+		s.mu.Lock()
+		stop := s.closed && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
+		if s.sticky != nil {
+			stop = s.closed
+		}
+		s.mu.Unlock()
+		if stop {
+			break
+		}
+	}
+	for d := range s.pending {
+		close(s.pending[d])
+	}
+	// The completers finish the batches in flight; their events are
+	// destroyed by the last completer to exit (see completer).
+}
+
+// issueRound takes what may be issued now, loads first, and issues it. It
+// reports whether anything was taken.
+func (s *Scheduler) issueRound() bool {
+	var take [2][]*Op
+	s.mu.Lock()
+	sticky := s.sticky
+	for _, d := range []Direction{Load, Store} {
+		take[d] = s.immediate[d]
+		s.immediate[d] = nil
+		for len(s.queue[d]) > 0 && s.batches[d] < s.cfg.MaxBatchesInFlight {
+			op := s.queue[d][0]
+			if s.inflight[d] > 0 && s.inflight[d]+op.bytes > s.cfg.MaxInFlightBytes {
+				break
+			}
+			s.queue[d] = s.queue[d][1:]
+			s.queued[d] -= op.bytes
+			s.inflight[d] += op.bytes
+			take[d] = append(take[d], op)
+		}
+		if len(take[d]) > 0 {
+			s.batches[d]++
+		}
+	}
+	s.mu.Unlock()
+	any := false
+	for _, d := range []Direction{Load, Store} {
+		if len(take[d]) == 0 {
+			continue
+		}
+		any = true
+		b := &batch{dir: d, ops: take[d]}
+		if sticky != nil {
+			b.err = sticky
+			s.pending[d] <- b
+			signalIssued(b.ops)
+			continue
+		}
+		s.issue(b)
+		signalIssued(b.ops)
+	}
+	return any
+}
+
+func signalIssued(ops []*Op) {
+	for _, op := range ops {
+		if op.enq != nil {
+			close(op.enq)
+		}
+	}
+}
+
+// issue enqueues one batch on its stream and hands it to the completer. A
+// failure fails the whole batch; if copies were already enqueued, the
+// failure is reported only once they are known finished (the batch event,
+// or a stream synchronize), so no memory is reused under a running copy.
+func (s *Scheduler) issue(b *batch) {
+	d := b.dir
+	enqueued := false
+	fail := func(err error) {
+		if cuda.IsSticky(err) {
+			err = s.setSticky(err)
+		}
+		b.err = err
+		if !enqueued || cuda.IsSticky(err) {
+			s.finish(b)
+			return
+		}
+		if b.ev != 0 {
+			if rerr := s.dev.Record(d, b.ev); rerr == nil {
+				b.recorded = true
+				s.pending[d] <- b
+				return
+			}
+		}
+		// Copies may still be running: wait for the stream before anyone
+		// reuses their memory.
+		b.err = errors.Join(err, s.dev.SyncStream(d))
+		s.finish(b)
+	}
+	ev, err := s.batchEvent()
+	if err != nil {
+		fail(err)
+		return
+	}
+	b.ev = ev
+	for _, op := range b.ops {
+		if op.req.After != 0 {
+			if err := s.dev.Wait(d, op.req.After); err != nil {
+				fail(fmt.Errorf("transfer: waiting on the After event %#x: %w", uintptr(op.req.After), err))
+				return
+			}
+		}
+		if op.enq != nil || op.req.Events {
+			if err := s.opEventsFor(op); err != nil {
+				fail(err)
+				return
+			}
+		}
+	}
+	if invariantsEnabled && s.cfg.Tracker != nil {
+		for _, op := range b.ops {
+			op.gens = s.cfg.Tracker.gens("at submission", d, op.segs, nil)
+		}
+	}
+	b.descs = s.descBuf()
+	layers := 0
+	for _, op := range b.ops {
+		layers = max(layers, len(op.layerEnds))
+	}
+	for l := range layers {
+		start := len(b.descs)
+		var last placed
+		for _, op := range b.ops {
+			if l < len(op.layerEnds) {
+				lo := 0
+				if l > 0 {
+					lo = op.layerEnds[l-1]
+				}
+				b.descs = coalesce(b.descs, &last, op.segs[lo:op.layerEnds[l]])
+			}
+		}
+		retire, err := s.dev.Copy(d, b.descs[start:])
+		if err != nil {
+			fail(fmt.Errorf("transfer: %v copy of %d segments: %w", d, len(b.descs)-start, err))
+			return
+		}
+		enqueued = true
+		b.retires = append(b.retires, retire)
+		for _, op := range b.ops {
+			if err := s.recordLayer(op, l); err != nil {
+				fail(err)
+				return
+			}
+		}
+	}
+	if invariantsEnabled {
+		b.hash = descHash(s.seed, b.descs)
+	}
+	if err := s.dev.Record(d, b.ev); err != nil {
+		ev := b.ev
+		b.ev = 0
+		s.mu.Lock()
+		s.batchEvs = append(s.batchEvs, ev)
+		s.mu.Unlock()
+		fail(fmt.Errorf("transfer: recording the %v batch event: %w", d, err))
+		return
+	}
+	b.recorded = true
+	s.pending[d] <- b
+}
+
+// recordLayer records op's events that follow its layer l.
+func (s *Scheduler) recordLayer(op *Op, l int) error {
+	if l >= len(op.layerEnds) {
+		return nil
+	}
+	if op.layerEvs != nil {
+		if err := s.dev.Record(op.dir, op.layerEvs[l]); err != nil {
+			return fmt.Errorf("transfer: recording layer %d's event: %w", l, err)
+		}
+	}
+	if l != len(op.layerEnds)-1 {
+		return nil
+	}
+	if op.ev != 0 {
+		if err := s.dev.Record(op.dir, op.ev); err != nil {
+			return fmt.Errorf("transfer: recording the op event: %w", err)
+		}
+	}
+	if op.req.Signal != 0 {
+		if err := s.dev.Record(op.dir, op.req.Signal); err != nil {
+			return fmt.Errorf("transfer: recording the caller's Signal event %#x: %w", uintptr(op.req.Signal), err)
+		}
+	}
+	return nil
+}
+
+func (s *Scheduler) batchEvent() (cuda.Event, error) {
+	s.mu.Lock()
+	if n := len(s.batchEvs); n > 0 {
+		e := s.batchEvs[n-1]
+		s.batchEvs = s.batchEvs[:n-1]
+		s.mu.Unlock()
+		return e, nil
+	}
+	s.mu.Unlock()
+	e, err := s.dev.CreateEvent(s.cfg.Completion == CompletionBlocking)
+	if err != nil {
+		return 0, fmt.Errorf("transfer: creating a batch event: %w", err)
+	}
+	return e, nil
+}
+
+// opEventsFor gives op its pooled events (engine thread only).
+func (s *Scheduler) opEventsFor(op *Op) error {
+	if !op.req.Events {
+		return nil
+	}
+	n := 1
+	if len(op.req.LayerEnds) > 0 {
+		n += len(op.layerEnds)
+	}
+	evs := make([]cuda.Event, 0, n)
+	s.mu.Lock()
+	for len(evs) < n && len(s.opEvents) > 0 {
+		evs = append(evs, s.opEvents[len(s.opEvents)-1])
+		s.opEvents = s.opEvents[:len(s.opEvents)-1]
+	}
+	s.mu.Unlock()
+	for len(evs) < n {
+		e, err := s.dev.CreateEvent(false)
+		if err != nil {
+			s.putOpEvents(evs)
+			return fmt.Errorf("transfer: creating an op event: %w", err)
+		}
+		evs = append(evs, e)
+	}
+	op.ev = evs[0]
+	if n > 1 {
+		op.layerEvs = evs[1:]
+	}
+	return nil
+}
+
+func (s *Scheduler) putOpEvents(evs []cuda.Event) {
+	s.mu.Lock()
+	s.opEvents = append(s.opEvents, evs...)
+	s.mu.Unlock()
+}
+
+func (s *Scheduler) descBuf() []Segment {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n := len(s.descs); n > 0 {
+		b := s.descs[n-1]
+		s.descs = s.descs[:n-1]
+		return b[:0]
+	}
+	return nil
+}
+
+// setSticky records a sticky error: queued ops fail with it and every later
+// Submit returns it. It returns the recorded error (the first one wins).
+func (s *Scheduler) setSticky(err error) error {
+	s.mu.Lock()
+	if s.sticky != nil {
+		defer s.mu.Unlock()
+		return s.sticky
+	}
+	s.sticky = fmt.Errorf("%w: %w", ErrDeviceLost, err)
+	var failed []*Op
+	for d := range s.queue {
+		failed = append(failed, s.queue[d]...)
+		s.queue[d] = nil
+		s.queued[d] = 0
+	}
+	sticky := s.sticky
+	s.mu.Unlock()
+	for _, op := range failed {
+		op.complete(sticky)
+	}
+	s.kick()
+	return sticky
+}
+
+// completer detects the completion of dir's batches in FIFO order.
+func (s *Scheduler) completer(d Direction, ready chan<- error) {
+	defer s.done.Done()
+	defer runtime.UnlockOSThread()
+	err := s.lockThread()
+	ready <- err
+	for b := range s.pending[d] {
+		if err != nil {
+			// The thread could not be initialised: New fails and nothing
+			// is ever issued, but drain defensively.
+			b.err = errors.Join(b.err, err)
+			s.finish(b)
+			continue
+		}
+		s.mu.Lock()
+		sticky := s.sticky
+		s.mu.Unlock()
+		if sticky == nil && b.recorded {
+			if werr := s.await(b.ev); werr != nil {
+				werr = fmt.Errorf("transfer: %v batch event: %w", d, werr)
+				if cuda.IsSticky(werr) {
+					werr = s.setSticky(werr)
+				} else {
+					werr = errors.Join(werr, s.dev.SyncStream(d))
+				}
+				b.err = errors.Join(b.err, werr)
+			}
+		} else if sticky != nil {
+			b.err = sticky
+		}
+		s.finish(b)
+	}
+	if s.liveCompleters.Add(-1) == 0 && err == nil {
+		s.destroyEvents()
+	}
+}
+
+// await waits for e by the configured method.
+func (s *Scheduler) await(e cuda.Event) error {
+	if s.cfg.Completion == CompletionBlocking {
+		return s.dev.Sync(e)
+	}
+	start := time.Now()
+	sleep := 5 * time.Microsecond
+	for {
+		done, err := s.dev.Query(e)
+		if err != nil || done {
+			return err
+		}
+		if time.Since(start) < s.cfg.PollSpin {
+			continue
+		}
+		time.Sleep(sleep)
+		sleep = min(2*sleep, s.cfg.PollMaxSleep)
+	}
+}
+
+// finish retires a batch's descriptors and completes its ops.
+func (s *Scheduler) finish(b *batch) {
+	d := b.dir
+	for _, r := range b.retires {
+		r()
+	}
+	if invariantsEnabled {
+		if b.recorded && b.err == nil && descHash(s.seed, b.descs) != b.hash {
+			s.violate(fmt.Errorf("%w: %v batch descriptor buffer changed before its event retired", ErrInvariant, d))
+		}
+		for i := range b.descs {
+			b.descs[i] = Segment{Dev: ^uint64(0), Host: ^uint64(0), Len: ^uint64(0)}
+		}
+		if s.cfg.Tracker != nil && b.err == nil {
+			for _, op := range b.ops {
+				s.cfg.Tracker.gens("at completion", d, op.segs, op.gens)
+			}
+		}
+	}
+	s.mu.Lock()
+	for _, op := range b.ops {
+		s.inflight[d] -= op.bytes
+	}
+	s.batches[d]--
+	if b.ev != 0 {
+		s.batchEvs = append(s.batchEvs, b.ev)
+	}
+	if b.descs != nil {
+		s.descs = append(s.descs, b.descs)
+	}
+	s.mu.Unlock()
+	for _, op := range b.ops {
+		op.complete(b.err)
+	}
+	s.kick()
+}
+
+func (s *Scheduler) violate(err error) {
+	if s.cfg.Tracker != nil {
+		s.cfg.Tracker.violate(err)
+		return
+	}
+	panic(err)
+}
+
+// destroyEvents destroys the pooled events; the last completer to exit
+// calls it, on its engine thread. Events of ops not yet released are
+// destroyed too: after Close they must not be used.
+func (s *Scheduler) destroyEvents() {
+	s.mu.Lock()
+	evs := append(s.batchEvs, s.opEvents...)
+	s.batchEvs, s.opEvents = nil, nil
+	s.mu.Unlock()
+	for _, e := range evs {
+		_ = s.dev.DestroyEvent(e)
+	}
+}
+
+// complete marks op done with err (nil: every copy completed) and runs its
+// callback.
+func (op *Op) complete(err error) {
+	op.mu.Lock()
+	op.err = err
+	op.completed = true
+	recycle := op.released
+	op.mu.Unlock()
+	close(op.done)
+	if recycle {
+		op.recycle()
+	}
+	if op.req.OnComplete != nil {
+		op.req.OnComplete(op, err)
+	}
+}
+
+func (op *Op) recycle() {
+	var evs []cuda.Event
+	if op.ev != 0 {
+		evs = append(evs, op.ev)
+	}
+	evs = append(evs, op.layerEvs...)
+	op.s.putOpEvents(evs)
+}
+
+// Dir is the op's direction.
+func (op *Op) Dir() Direction { return op.dir }
+
+// Bytes is the number of bytes the op copies.
+func (op *Op) Bytes() uint64 { return op.bytes }
+
+// Done is closed when the op has completed or failed.
+func (op *Op) Done() <-chan struct{} { return op.done }
+
+// Err is the op's outcome once Done is closed: nil if every copy completed,
+// else the (driver's) error. Before Done it is nil.
+func (op *Op) Err() error {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.released {
+		return fmt.Errorf("%w: Err", ErrReleased)
+	}
+	return op.err
+}
+
+// Wait blocks until the op is done and returns Err. For tests and tools:
+// the engine's own users wait on Done, the callback, or the op's events.
+func (op *Op) Wait() error {
+	<-op.done
+	return op.Err()
+}
+
+// Event is the op's completion event, recorded on the engine stream after
+// all of its copies: a caller's stream waits on it (cuStreamWaitEvent) to
+// read loaded blocks or to overwrite stored ones. Valid until Release.
+func (op *Op) Event() (cuda.Event, error) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.released {
+		return 0, fmt.Errorf("%w: Event", ErrReleased)
+	}
+	if op.ev == 0 {
+		return 0, fmt.Errorf("%w: the op was submitted without Events (or failed before they were recorded)", ErrInvalidRequest)
+	}
+	return op.ev, nil
+}
+
+// Layers is the number of layers the op declared (1 without LayerEnds).
+func (op *Op) Layers() int { return len(op.layerEnds) }
+
+// LayerEvent is the event recorded after layer l's copies (requests with
+// LayerEnds and Events). Valid until Release.
+func (op *Op) LayerEvent(l int) (cuda.Event, error) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	if op.released {
+		return 0, fmt.Errorf("%w: LayerEvent(%d)", ErrReleased, l)
+	}
+	if op.layerEvs == nil {
+		return 0, fmt.Errorf("%w: the op has no layer events (submit with LayerEnds and Events)", ErrInvalidRequest)
+	}
+	if l < 0 || l >= len(op.layerEvs) {
+		return 0, fmt.Errorf("%w: layer %d outside [0, %d)", ErrInvalidRequest, l, len(op.layerEvs))
+	}
+	return op.layerEvs[l], nil
+}
+
+// Release ends the caller's use of the op: its events return to the pool
+// (once the op has completed) and every later method call on it returns
+// ErrReleased. The caller must not wait on its events afterwards.
+func (op *Op) Release() error {
+	op.mu.Lock()
+	if op.released {
+		op.mu.Unlock()
+		return fmt.Errorf("%w: Release twice", ErrReleased)
+	}
+	op.released = true
+	recycle := op.completed
+	op.mu.Unlock()
+	if recycle {
+		op.recycle()
+	}
+	return nil
+}
