@@ -122,6 +122,8 @@ type Driver interface {
 	// DevicePCIBusID is cuDeviceGetPCIBusId: "0000:19:00.0".
 	DevicePCIBusID(dev Device) (string, error)
 	DeviceTotalMem(dev Device) (uint64, error)
+	// MemGetInfo is cuMemGetInfo_v2 for the current context's device.
+	MemGetInfo() (free, total uint64, err error)
 
 	PrimaryCtxRetain(dev Device) (Context, error)
 	PrimaryCtxRelease(dev Device) error

@@ -22,7 +22,13 @@ const (
 	ErrorDeinitialized               Result = 4
 	ErrorNoDevice                    Result = 100
 	ErrorInvalidDevice               Result = 101
+	ErrorInvalidImage                Result = 200
 	ErrorInvalidContext              Result = 201
+	ErrorInvalidPTX                  Result = 218
+	ErrorUnsupportedPTXVersion       Result = 222
+	ErrorInvalidHandle               Result = 400
+	ErrorIllegalState                Result = 401
+	ErrorNotFound                    Result = 500
 	ErrorNotReady                    Result = 600
 	ErrorIllegalAddress              Result = 700
 	ErrorLaunchFailed                Result = 719
@@ -30,6 +36,10 @@ const (
 	ErrorHostMemoryNotRegistered     Result = 713
 	ErrorStreamCaptureUnsupported    Result = 900
 	ErrorStreamCaptureInvalidated    Result = 901
+	ErrorStreamCaptureImplicit       Result = 906
+	ErrorCapturedEvent               Result = 907
+	ErrorStreamCaptureWrongThread    Result = 908
+	ErrorNotPermitted                Result = 800
 	ErrorNotSupported                Result = 801
 	ErrorUnknown                     Result = 999
 )

@@ -1,0 +1,211 @@
+package cudafake
+
+import (
+	"encoding/binary"
+	"time"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// Kernel names the fake interprets (transfer/cudacopy/kernels.cu).
+const (
+	KernelCopy     = "kvo_copy"
+	KernelFill     = "kvo_fill"
+	KernelChecksum = "kvo_checksum"
+)
+
+// descSize is the size of one descriptor {src, dst, len, aux uint64}.
+const descSize = 32
+
+// kernelParams is each kernel's parameter sizes in bytes.
+var kernelParams = map[string][]int{
+	KernelCopy:     {8, 4},    // descs, n
+	KernelFill:     {8, 4, 8}, // descs, n, spin_cycles
+	KernelChecksum: {8, 4, 8}, // descs, n, out
+}
+
+// maxSpin bounds the sleep that stands in for kvo_fill's spin.
+const maxSpin = 20 * time.Millisecond
+
+type module struct{ unloaded bool }
+
+type function struct {
+	name string
+	mod  *module
+}
+
+// ModuleLoadData implements cuda.Driver: any non-empty image loads.
+func (d *Driver) ModuleLoadData(image []byte) (cuda.Module, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.beginLocked(cuda.OpModuleLoadData, needCtx); err != nil {
+		return 0, err
+	}
+	if len(image) == 0 {
+		return 0, cuda.NewError(cuda.OpModuleLoadData, cuda.ErrorInvalidImage)
+	}
+	h := cuda.Module(d.handleLocked())
+	d.modules[h] = &module{}
+	return h, nil
+}
+
+// ModuleUnload implements cuda.Driver.
+func (d *Driver) ModuleUnload(m cuda.Module) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.beginLocked(cuda.OpModuleUnload, needCtx); err != nil {
+		return err
+	}
+	mod, ok := d.modules[m]
+	if !ok {
+		return cuda.NewError(cuda.OpModuleUnload, cuda.ErrorInvalidHandle)
+	}
+	mod.unloaded = true
+	delete(d.modules, m)
+	for h, f := range d.funcs {
+		if f.mod == mod {
+			delete(d.funcs, h)
+		}
+	}
+	return nil
+}
+
+// ModuleGetFunction implements cuda.Driver for the kernels the fake knows
+// (KernelCopy, KernelFill, KernelChecksum); other names are
+// CUDA_ERROR_NOT_FOUND.
+func (d *Driver) ModuleGetFunction(m cuda.Module, name string) (cuda.Function, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.beginLocked(cuda.OpModuleGetFunction, needCtx); err != nil {
+		return 0, err
+	}
+	mod, ok := d.modules[m]
+	if !ok {
+		return 0, cuda.NewError(cuda.OpModuleGetFunction, cuda.ErrorInvalidHandle)
+	}
+	if _, ok := kernelParams[name]; !ok {
+		return 0, cuda.NewError(cuda.OpModuleGetFunction, cuda.ErrorNotFound)
+	}
+	h := cuda.Function(d.handleLocked())
+	d.funcs[h] = &function{name: name, mod: mod}
+	return h, nil
+}
+
+func validDim(x cuda.Dim3) bool { return x.X > 0 && x.Y > 0 && x.Z > 0 }
+
+// LaunchKernel implements cuda.Driver. The parameters must have exactly the
+// kernel's sizes, the grid and block must be non-empty and a block at most
+// 1024 threads; otherwise CUDA_ERROR_INVALID_VALUE. Descriptors and the
+// memory they name are read when the kernel runs: a bad address then is the
+// sticky CUDA_ERROR_ILLEGAL_ADDRESS.
+func (d *Driver) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sharedMem uint32, s cuda.Stream, args ...[]byte) error {
+	const op = cuda.OpLaunchKernel
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	call, err := d.beginLocked(op, needCtx)
+	if err != nil {
+		return err
+	}
+	fn, ok := d.funcs[f]
+	if !ok || fn.mod.unloaded {
+		return cuda.NewError(op, cuda.ErrorInvalidHandle)
+	}
+	if !validDim(grid) || !validDim(block) || uint64(block.X)*uint64(block.Y)*uint64(block.Z) > 1024 {
+		return cuda.NewError(op, cuda.ErrorInvalidValue)
+	}
+	sizes := kernelParams[fn.name]
+	if len(args) != len(sizes) {
+		return cuda.NewError(op, cuda.ErrorInvalidValue)
+	}
+	copied := make([][]byte, len(args))
+	for i, a := range args {
+		if len(a) != sizes[i] {
+			return cuda.NewError(op, cuda.ErrorInvalidValue)
+		}
+		copied[i] = append([]byte(nil), a...)
+	}
+	st, err := d.streamLocked(op, s)
+	if err != nil {
+		return err
+	}
+	return d.enqueueLocked(op, call, st, item{kind: itemKernel, fn: fn, args: copied})
+}
+
+// Mix64 is the kernels' mixing function (splitmix64's finaliser), for tests
+// that check kvo_fill and kvo_checksum output.
+func Mix64(x uint64) uint64 {
+	x += 0x9E3779B97F4A7C15
+	x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+	x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+	return x ^ (x >> 31)
+}
+
+type desc struct{ src, dst, len, aux uint64 }
+
+// runKernel executes a launched kernel on the fake's memory.
+func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
+	table := binary.LittleEndian.Uint64(args[0])
+	n := uint64(binary.LittleEndian.Uint32(args[1]))
+	if name == KernelFill {
+		if spin := time.Duration(binary.LittleEndian.Uint64(args[2]) / 2); spin > 0 {
+			time.Sleep(min(spin, maxSpin))
+		}
+	}
+	d.mem.mu.RLock()
+	defer d.mem.mu.RUnlock()
+	raw, ok := d.mem.slice(table, n*descSize)
+	if !ok {
+		return cuda.ErrorIllegalAddress
+	}
+	descs := make([]desc, n)
+	for i := range descs {
+		b := raw[i*descSize:]
+		descs[i] = desc{
+			src: binary.LittleEndian.Uint64(b[0:]),
+			dst: binary.LittleEndian.Uint64(b[8:]),
+			len: binary.LittleEndian.Uint64(b[16:]),
+			aux: binary.LittleEndian.Uint64(b[24:]),
+		}
+	}
+	for i, ds := range descs {
+		switch name {
+		case KernelCopy:
+			dst, ok1 := d.mem.slice(ds.dst, ds.len)
+			src, ok2 := d.mem.slice(ds.src, ds.len)
+			if !ok1 || !ok2 {
+				return cuda.ErrorIllegalAddress
+			}
+			copy(dst, src)
+		case KernelFill:
+			words := ds.len >> 3
+			dst, ok := d.mem.slice(ds.dst, words*8)
+			if !ok {
+				return cuda.ErrorIllegalAddress
+			}
+			for w := range words {
+				binary.LittleEndian.PutUint64(dst[w*8:], Mix64(ds.aux+w))
+			}
+		case KernelChecksum:
+			out := binary.LittleEndian.Uint64(args[2])
+			words := ds.len >> 3
+			src, ok1 := d.mem.slice(ds.src, words*8)
+			dst, ok2 := d.mem.slice(out+uint64(i)*8, 8)
+			if !ok1 || !ok2 {
+				return cuda.ErrorIllegalAddress
+			}
+			binary.LittleEndian.PutUint64(dst, Checksum(src))
+		}
+	}
+	return cuda.Success
+}
+
+// Checksum is kvo_checksum's function of one segment: the wrapping sum over
+// its 8-byte little-endian words w[i] of Mix64(w[i] ^ (i * 0x9E3779B97F4A7C15)).
+// Trailing bytes beyond a multiple of 8 are ignored, as the kernel does.
+func Checksum(b []byte) uint64 {
+	var sum uint64
+	for i := uint64(0); (i+1)*8 <= uint64(len(b)); i++ {
+		sum += Mix64(binary.LittleEndian.Uint64(b[i*8:]) ^ (i * 0x9E3779B97F4A7C15))
+	}
+	return sum
+}
