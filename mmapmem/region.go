@@ -1,0 +1,274 @@
+package mmapmem
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// MaxSize is the largest size New accepts: 2^48 bytes (256 TiB), the whole
+// virtual address space of a 4-level page table. Sizes below it can still be
+// unmappable; New then returns the kernel's error.
+const MaxSize int64 = 1 << 48
+
+// Sentinel errors callers can branch on with errors.Is.
+var (
+	// ErrSize means the size asked for is zero, negative or above MaxSize.
+	ErrSize = errors.New("mmapmem: invalid size")
+	// ErrOptions means an Options field holds an invalid value.
+	ErrOptions = errors.New("mmapmem: invalid options")
+	// ErrNUMANode means the NUMA node asked for does not exist.
+	ErrNUMANode = errors.New("mmapmem: unknown NUMA node")
+	// ErrInsufficientMemory means the memory is not free (on the node, in the
+	// system, or in the tmpfs backing a memfd) and New refused to map it.
+	ErrInsufficientMemory = errors.New("mmapmem: not enough free memory")
+	// ErrClosed means the region was already closed.
+	ErrClosed = errors.New("mmapmem: region is closed")
+	// ErrHeld means the region cannot be closed because it is held (pinned).
+	ErrHeld = errors.New("mmapmem: region is held")
+)
+
+// Options select how a region is backed. The zero value is the default:
+// anonymous memory, transparent huge pages requested, no NUMA binding,
+// prefaulted on DefaultPrefaultThreads() threads.
+type Options struct {
+	// NoTHP turns off MADV_HUGEPAGE (transparent huge pages are asked for by
+	// default).
+	NoTHP bool
+	// HugeTLB asks for hugetlbfs pages (MAP_HUGETLB, or MFD_HUGETLB for a
+	// memfd); the mapping is rounded up to the huge-page size. When none are
+	// reserved the region falls back to ordinary pages and Fallback says why.
+	HugeTLB bool
+	// BindNUMA binds the region to NUMANode with mbind(MPOL_BIND) before the
+	// first touch, after checking the node has the memory free.
+	BindNUMA bool
+	// NUMANode is the node BindNUMA binds to.
+	NUMANode int
+	// NoPrefault leaves pages to be faulted in on first use.
+	NoPrefault bool
+	// PrefaultThreads is the number of OS threads that prefault in parallel;
+	// 0 means DefaultPrefaultThreads(). Negative is an error.
+	PrefaultThreads int
+	// Memfd backs the region by a memfd (memfd_create with MFD_CLOEXEC,
+	// mapped MAP_SHARED) so that it can be shared by file descriptor.
+	Memfd bool
+	// MemfdName names the memfd as seen in /proc/PID/fd; "" means
+	// "kvoffload-region".
+	MemfdName string
+	// FSRoot is where /proc/meminfo and /sys/devices/system/node are read
+	// from ("" means "/"). Tests point it at a fake tree.
+	FSRoot string
+}
+
+// DefaultPrefaultThreads is the number of prefault threads used when
+// Options.PrefaultThreads is 0: the number of CPUs, at most 16.
+func DefaultPrefaultThreads() int { return min(runtimeNumCPU(), 16) }
+
+// mappedBytes counts the bytes this package has mapped and not unmapped yet,
+// so tests can check that a failed New leaves nothing behind.
+var mappedBytes atomic.Int64
+
+// Region is one mmap'd piece of host memory of an exact size. Its accessors
+// are safe for concurrent use; Close must not race with users of Bytes.
+type Region struct {
+	ptr      unsafe.Pointer
+	size     int64
+	mapped   int64
+	pageSize int64
+	fd       int
+	hugeTLB  bool
+	thp      bool
+	node     int
+	fallback string
+
+	mu       sync.Mutex
+	closed   bool
+	holds    map[uint64]string
+	nextHold uint64
+}
+
+// New maps a region of size bytes with the given options. On error nothing
+// is left mapped.
+func New(size int64, opts Options) (*Region, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("%w: %d bytes: must be at least 1", ErrSize, size)
+	}
+	if size > MaxSize {
+		return nil, fmt.Errorf("%w: %d bytes exceeds the limit of %d bytes (MaxSize)", ErrSize, size, MaxSize)
+	}
+	if opts.PrefaultThreads < 0 {
+		return nil, fmt.Errorf("%w: PrefaultThreads %d: must be 0 (default) or positive", ErrOptions, opts.PrefaultThreads)
+	}
+	if opts.BindNUMA && opts.NUMANode < 0 {
+		return nil, fmt.Errorf("%w: node %d: must not be negative", ErrNUMANode, opts.NUMANode)
+	}
+	sys := sysfs{root: opts.FSRoot}
+	page := int64(os.Getpagesize())
+	b := builder{size: size, opts: opts, sys: sys, page: page, thpSize: sys.thpSize()}
+	if opts.BindNUMA {
+		nodes, err := sys.nodes()
+		if err != nil {
+			return nil, err
+		}
+		if !slices.Contains(nodes, opts.NUMANode) {
+			return nil, fmt.Errorf("%w: node %d does not exist (nodes: %s)", ErrNUMANode, opts.NUMANode, joinInts(nodes))
+		}
+	}
+
+	var fallback []string
+	if opts.HugeTLB {
+		r, err := b.hugeTLB()
+		if err == nil {
+			return r, nil
+		}
+		if !errors.Is(err, errHugeTLBUnavailable) {
+			return nil, err
+		}
+		fallback = append(fallback, err.Error())
+	}
+	if !opts.NoPrefault && !opts.BindNUMA {
+		if err := b.sys.checkAvailable(alignUp(size, page)); err != nil {
+			return nil, err
+		}
+	}
+	r, err := b.build(page, false)
+	if err != nil {
+		return nil, err
+	}
+	r.fallback = strings.Join(append(fallback, r.fallback), "; ")
+	r.fallback = strings.Trim(r.fallback, "; ")
+	return r, nil
+}
+
+// Len is the size asked for.
+func (r *Region) Len() int64 { return r.size }
+
+// Mapped is the size actually mapped: Len rounded up to PageSize.
+func (r *Region) Mapped() int64 { return r.mapped }
+
+// PageSize is the size of the pages backing the region: the base page size,
+// or the huge-page size when hugetlbfs pages are in use.
+func (r *Region) PageSize() int64 { return r.pageSize }
+
+// Addr is the region's start address. It must not be dereferenced after
+// Close.
+func (r *Region) Addr() uintptr { return uintptr(r.ptr) }
+
+// Pointer is the region's start address as an unsafe.Pointer (for driver
+// calls). It must not be dereferenced after Close.
+func (r *Region) Pointer() unsafe.Pointer { return r.ptr }
+
+// Bytes is the region's memory, Len bytes long, or nil once it is closed.
+func (r *Region) Bytes() []byte {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	return unsafe.Slice((*byte)(r.ptr), r.size)
+}
+
+// Fd is the memfd backing the region, or -1 for anonymous memory. It is
+// owned by the region and closed by Close.
+func (r *Region) Fd() int { return r.fd }
+
+// HugeTLB reports whether hugetlbfs pages back the region.
+func (r *Region) HugeTLB() bool { return r.hugeTLB }
+
+// THP reports whether transparent huge pages were requested (MADV_HUGEPAGE)
+// and accepted by the kernel.
+func (r *Region) THP() bool { return r.thp }
+
+// NUMANode is the node the region is bound to, and whether it is bound.
+func (r *Region) NUMANode() (int, bool) { return r.node, r.node >= 0 }
+
+// Fallback says, when not empty, which option could not be honoured and why
+// (no hugetlbfs pages reserved, THP unavailable).
+func (r *Region) Fallback() string { return r.fallback }
+
+// String names the region for messages: address, size and mapped size.
+func (r *Region) String() string {
+	return fmt.Sprintf("region %#x (%d bytes, %d mapped)", uintptr(r.ptr), r.size, r.mapped)
+}
+
+// Hold marks the region as in use by holder (a short description such as
+// "cuda registration"); Close refuses with ErrHeld while any hold remains.
+// Hold fails with ErrClosed on a closed region. The returned release drops
+// the hold; calling it again does nothing.
+func (r *Region) Hold(holder string) (release func(), err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, fmt.Errorf("%w: cannot hold %s for %s", ErrClosed, r, holder)
+	}
+	if r.holds == nil {
+		r.holds = make(map[uint64]string)
+	}
+	id := r.nextHold
+	r.nextHold++
+	r.holds[id] = holder
+	return func() {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		delete(r.holds, id)
+	}, nil
+}
+
+// Holders lists the holders of the region's current holds, sorted.
+func (r *Region) Holders() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.holdersLocked()
+}
+
+func (r *Region) holdersLocked() []string {
+	hs := make([]string, 0, len(r.holds))
+	for _, h := range r.holds {
+		hs = append(hs, h)
+	}
+	slices.Sort(hs)
+	return hs
+}
+
+// Close unmaps the region and closes its memfd. It returns ErrClosed if the
+// region was already closed and ErrHeld, leaving it mapped, while it is held.
+func (r *Region) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return fmt.Errorf("%w: %s was already closed", ErrClosed, r)
+	}
+	if len(r.holds) > 0 {
+		return fmt.Errorf("%w: %s is held by %s; release it first", ErrHeld, r, strings.Join(r.holdersLocked(), ", "))
+	}
+	if err := unmap(r.ptr, r.mapped); err != nil {
+		return fmt.Errorf("mmapmem: close %s: %w", r, err)
+	}
+	r.closed = true
+	if r.fd >= 0 {
+		if err := unix.Close(r.fd); err != nil {
+			return fmt.Errorf("mmapmem: close memfd %d of %s: %w", r.fd, r, err)
+		}
+	}
+	return nil
+}
+
+func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
+
+func joinInts(xs []int) string {
+	if len(xs) == 0 {
+		return "none"
+	}
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, ", ")
+}
