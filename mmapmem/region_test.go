@@ -1,6 +1,7 @@
 package mmapmem_test
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -401,7 +402,7 @@ func FuzzNew(f *testing.F) {
 			require.Equal(t, before, mmapmem.MappedBytes(), "a failed New leaves nothing mapped")
 			valid := size > 0 && size <= mmapmem.MaxSize && opts.PrefaultThreads >= 0
 			if !valid {
-				require.True(t, slices.ContainsFunc([]error{mmapmem.ErrSize, mmapmem.ErrOptions}, func(e error) bool { return errIs(err, e) }), "error %v", err)
+				require.True(t, slices.ContainsFunc([]error{mmapmem.ErrSize, mmapmem.ErrOptions}, func(e error) bool { return errors.Is(err, e) }), "error %v", err)
 			}
 			return
 		}
