@@ -1,0 +1,469 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// Cache errors. Every error wraps one of these and names the bad value.
+var (
+	// ErrConfig: an invalid Config or policy configuration.
+	ErrConfig = errors.New("kvcache: invalid config")
+	// ErrClosed: the cache was closed.
+	ErrClosed = errors.New("kvcache: cache closed")
+	// ErrLengthMismatch: keys and block ids of different lengths.
+	ErrLengthMismatch = errors.New("kvcache: keys and block ids differ in length")
+	// ErrDuplicate: a key (or, for a load, a block id) appears twice in one call.
+	ErrDuplicate = errors.New("kvcache: duplicate in one call")
+	// ErrRegion: a region that cannot be added (duplicate id, bad ranges, or
+	// no slot fits in it).
+	ErrRegion = errors.New("kvcache: bad region")
+	// ErrUnknownRegion: RemoveRegion of a region the cache does not hold.
+	ErrUnknownRegion = errors.New("kvcache: unknown region")
+	// ErrStaleSlot: a slot handle that does not name a slot in the state the
+	// call needs (completed twice, already released, from an earlier
+	// occupant of the slot, or never handed out).
+	ErrStaleSlot = errors.New("kvcache: stale slot handle")
+)
+
+// DefaultSlotAlign is the default alignment of slot addresses: 4 KiB, a page.
+// 16 bytes is the minimum (the copy kernel's vector width). A page keeps two
+// slots from ever sharing a cache line or a page, so a DMA writing one slot
+// never touches a line the CPU or another DMA uses for its neighbour, and
+// poisoning or protecting one slot in tests cannot hit another. Real slots are
+// whole pages already (2 MiB for Llama3_8B, 5 MiB for Llama3_70B) or close to
+// it (4.3 MiB for DeepSeekMLA, padded by 2 KiB, 0.05%).
+const DefaultSlotAlign = 4096
+
+// Namespace identifies whose blocks an entry holds (model, dtype, layout,
+// rank), so Clear can drop one model's blocks on a reload. The cache does not
+// interpret it; keys of different namespaces differ anyway (see BlockKey).
+type Namespace uint32
+
+// RegionID names a region; chosen by the caller, unique among the regions
+// the cache holds.
+type RegionID uint64
+
+// Region is a piece of pinned host memory handed to the cache to carve into
+// slots. The cache never reads or writes the memory: it hands out addresses.
+type Region struct {
+	ID   RegionID
+	Base uintptr // host address of the region's first byte
+	Size uint64  // bytes
+	// RangeStarts are the offsets (ascending, inside (0, Size)) where a new
+	// registration range begins; no slot straddles one. Nil: the region is
+	// one registration range.
+	RangeStarts []uint64
+}
+
+// Slot is a handle to one slot: where the block's bytes go (Addr, or Off
+// inside Region) and, in ID and Gen, what CompleteStore, EndLoad and Unlease
+// need. A handle is valid for one occupancy of the slot.
+type Slot struct {
+	ID     SlotID
+	Gen    uint32
+	Region RegionID
+	Off    uint64  // offset of the slot inside its region
+	Addr   uintptr // Region.Base + Off
+}
+
+// Config configures a Cache.
+type Config struct {
+	// Layout of the GPU cache; required. Its SlotSize is the slot size and
+	// its NumBlocks bounds the block ids of stores and loads.
+	Layout *Layout
+	// SlotAlign is the alignment of slot addresses, a power of two ≥ 16;
+	// 0 means DefaultSlotAlign.
+	SlotAlign uint64
+	// Policy advises evictions; nil means NewLRU(). The cache owns it and
+	// closes it in Close.
+	Policy Policy
+	// LowWatermark is the number of free slots the cache keeps by evicting
+	// ahead of demand (inline, at every call that changes the pool). 0: evict
+	// only when a store finds no free slot.
+	LowWatermark int
+	// StoreThreshold: a key is stored only once it has been looked up at
+	// least this many times (the lookup of the request that stores it
+	// included), so one-off blocks cost no D2H copy. 0 or 1: store every key.
+	StoreThreshold int
+}
+
+type slotState uint8
+
+const (
+	stateFree slotState = iota
+	stateWriting
+	stateReady
+	stateLeased
+	stateReleasing
+	stateRetired // belongs to a released region, or an unused id
+)
+
+var stateNames = [...]string{"free", "writing", "ready", "leased", "releasing", "retired"}
+
+func (s slotState) String() string { return stateNames[s] }
+
+type slotRec struct {
+	key        Key
+	off        uint64
+	prev, next int32 // free list links
+	region     int32
+	gen        uint32
+	readers    int32
+	pending    int32 // outstanding transfers: the store's D2H, each load's H2D
+	parent     int32 // parent's slot, -1 none
+	parentGen  uint32
+	children   int32 // ready/leased children linked to this slot
+	ns         Namespace
+	state      slotState
+	storing    bool // the D2H of this occupancy has not completed
+}
+
+type regionRec struct {
+	r          Region
+	first, n   int32 // slot ids [first, first+n)
+	busy       int   // slots not free
+	draining   bool
+	releasable bool // drained and handed to TakeReleasable; slots retired
+}
+
+// Cache is the block index and slot pool: it maps keys to slots, runs every
+// slot through the block state machine, and keeps the pool within its regions.
+// All methods are safe for concurrent use (one mutex; every call works on a
+// whole list of blocks under one lock acquisition).
+type Cache struct {
+	mu        sync.Mutex
+	layout    *Layout
+	slotSize  uint64
+	align     uint64
+	policy    Policy
+	watermark int
+	threshold int
+	closed    bool
+
+	slots   []slotRec
+	regions []*regionRec
+	holes   []idRange // slot ids of released regions, reusable
+	index   map[Key]int32
+
+	freeHead int32
+	nFree    int // slots on the free list
+	usable   int // slots of regions not draining
+
+	seen seenSketch
+
+	releasable []RegionID
+	st         Stats
+	counts     [stateRetired]int // slots per state, retired ones not counted
+
+	victims []Victim         // scratch for maintain
+	dupKeys map[Key]struct{} // scratch for duplicate checks
+	dupIDs  map[int]struct{}
+	dupSlot map[SlotID]int32
+}
+
+type idRange struct{ first, n int32 }
+
+// New returns an empty cache (no regions yet; add them with AddRegion).
+func New(cfg Config) (*Cache, error) {
+	if cfg.Layout == nil {
+		return nil, fmt.Errorf("%w: Layout is required", ErrConfig)
+	}
+	align := cfg.SlotAlign
+	if align == 0 {
+		align = DefaultSlotAlign
+	}
+	if align < SegmentAlign || align&(align-1) != 0 {
+		return nil, fmt.Errorf("%w: SlotAlign %d must be a power of two ≥ %d", ErrConfig, align, SegmentAlign)
+	}
+	if cfg.LowWatermark < 0 {
+		return nil, fmt.Errorf("%w: LowWatermark %d is negative", ErrConfig, cfg.LowWatermark)
+	}
+	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > maxSeen {
+		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", ErrConfig, cfg.StoreThreshold, maxSeen)
+	}
+	p := cfg.Policy
+	if p == nil {
+		p = NewLRU()
+	}
+	c := &Cache{
+		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
+		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold,
+		index: map[Key]int32{}, freeHead: -1,
+		dupKeys: map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
+	}
+	if c.threshold > 1 {
+		c.seen = newSeenSketch()
+	}
+	p.SetCapacity(0)
+	return c, nil
+}
+
+// SlotSize returns the bytes of one slot (the layout's SlotSize).
+func (c *Cache) SlotSize() uint64 { return c.slotSize }
+
+// Layout returns the cache's layout.
+func (c *Cache) Layout() *Layout { return c.layout }
+
+// Close closes the policy (stopping its goroutines). Later calls fail with
+// ErrClosed (lookups report no hits). Close does not wait for transfers: the
+// caller stops its transfers first.
+func (c *Cache) Close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return
+	}
+	c.closed = true
+	c.policy.Close()
+}
+
+// ---- regions -----------------------------------------------------------------
+
+// AddRegion carves r into slots and adds them to the pool; it may be called
+// while the cache serves. It returns the number of slots. Errors wrap
+// ErrRegion (duplicate id, ranges not ascending inside the region, or no slot
+// fitting in any registration range) and leave the pool unchanged.
+func (c *Cache) AddRegion(r Region) (int, error) {
+	offs, err := carve(r, c.slotSize, c.align)
+	if err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return 0, ErrClosed
+	}
+	for _, rr := range c.regions {
+		if rr.r.ID == r.ID && !rr.releasable {
+			return 0, fmt.Errorf("%w: region id %d already in the pool", ErrRegion, r.ID)
+		}
+	}
+	n := int32(len(offs))
+	first := c.takeIDs(n)
+	rr := &regionRec{r: r, first: first, n: n}
+	rr.r.RangeStarts = append([]uint64(nil), r.RangeStarts...)
+	ri := int32(len(c.regions))
+	c.regions = append(c.regions, rr)
+	for i := n - 1; i >= 0; i-- {
+		id := first + i
+		s := &c.slots[id]
+		*s = slotRec{off: offs[i], region: ri, gen: s.gen, prev: -1, next: -1, parent: -1, state: stateRetired}
+		c.setState(s, stateFree)
+		c.pushFree(id)
+	}
+	c.usable += int(n)
+	c.policy.SetCapacity(c.policyCapacity())
+	c.check()
+	return int(n), nil
+}
+
+// carve returns the offsets of the slots of r: each aligned (as an address)
+// to align, none crossing a registration range boundary.
+func carve(r Region, slotSize, align uint64) ([]uint64, error) {
+	if r.Size == 0 {
+		return nil, fmt.Errorf("%w: region %d has size 0", ErrRegion, r.ID)
+	}
+	if uint64(r.Base)+r.Size < uint64(r.Base) {
+		return nil, fmt.Errorf("%w: region %d at %#x + %d bytes overflows the address space", ErrRegion, r.ID, r.Base, r.Size)
+	}
+	bounds := make([]uint64, 0, len(r.RangeStarts)+2)
+	bounds = append(bounds, 0)
+	for i, s := range r.RangeStarts {
+		if s <= bounds[len(bounds)-1] || s >= r.Size {
+			return nil, fmt.Errorf("%w: region %d range start %d (index %d) must be ascending inside (0, %d)", ErrRegion, r.ID, s, i, r.Size)
+		}
+		bounds = append(bounds, s)
+	}
+	bounds = append(bounds, r.Size)
+	var offs []uint64
+	base := uint64(r.Base)
+	largest := uint64(0)
+	for i := 0; i+1 < len(bounds); i++ {
+		lo, hi := bounds[i], bounds[i+1]
+		largest = max(largest, hi-lo)
+		for {
+			a, ok := alignUp(base+lo, align)
+			if !ok {
+				break
+			}
+			off := a - base
+			if off >= hi || hi-off < slotSize {
+				break
+			}
+			offs = append(offs, off)
+			lo = off + slotSize
+		}
+	}
+	if len(offs) == 0 {
+		return nil, fmt.Errorf("%w: region %d: no slot of %d bytes (aligned to %d) fits in its largest registration range of %d bytes",
+			ErrRegion, r.ID, slotSize, align, largest)
+	}
+	if len(offs) > 1<<30 {
+		return nil, fmt.Errorf("%w: region %d holds %d slots, more than %d", ErrRegion, r.ID, len(offs), 1<<30)
+	}
+	return offs, nil
+}
+
+func (c *Cache) takeIDs(n int32) int32 {
+	for i, h := range c.holes {
+		if h.n >= n {
+			if h.n == n {
+				c.holes = append(c.holes[:i], c.holes[i+1:]...)
+			} else {
+				c.holes[i] = idRange{h.first + n, h.n - n}
+			}
+			return h.first
+		}
+	}
+	first := int32(len(c.slots))
+	c.slots = append(c.slots, make([]slotRec, n)...)
+	for i := first; i < first+n; i++ {
+		c.slots[i].state = stateRetired
+	}
+	return first
+}
+
+// RemoveRegion starts draining a region (Trim): its free slots leave the
+// free list, its ready blocks are evicted, blocks being written or read are
+// evicted when their transfers and leases end. It reports whether the region
+// is releasable already; otherwise it becomes releasable later and
+// TakeReleasable reports it. Errors wrap ErrUnknownRegion.
+func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false, ErrClosed
+	}
+	var rr *regionRec
+	for _, x := range c.regions {
+		if x.r.ID == id && !x.releasable {
+			rr = x
+		}
+	}
+	if rr == nil || rr.draining {
+		return false, fmt.Errorf("%w: region %d is not in the pool (or is already draining)", ErrUnknownRegion, id)
+	}
+	rr.draining = true
+	c.usable -= int(rr.n)
+	for i := rr.first; i < rr.first+rr.n; i++ {
+		s := &c.slots[i]
+		switch s.state {
+		case stateFree:
+			c.unlinkFree(i)
+			c.setState(s, stateRetired)
+		case stateWriting, stateReady, stateLeased:
+			c.evict(i, &c.st.Trimmed, true)
+		}
+	}
+	c.policy.SetCapacity(c.policyCapacity())
+	done := c.maybeReleasable(rr)
+	c.check()
+	return done, nil
+}
+
+// TakeReleasable appends to dst the regions that finished draining since the
+// last call and returns it: every slot free, no transfer outstanding. The
+// caller may now unregister and unmap them; the cache forgets them.
+func (c *Cache) TakeReleasable(dst []RegionID) []RegionID {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	dst = append(dst, c.releasable...)
+	c.releasable = c.releasable[:0]
+	return dst
+}
+
+func (c *Cache) maybeReleasable(rr *regionRec) bool {
+	if !rr.draining || rr.busy > 0 || rr.releasable {
+		return rr.releasable
+	}
+	rr.releasable = true
+	for i := rr.first; i < rr.first+rr.n; i++ {
+		c.setState(&c.slots[i], stateRetired)
+	}
+	c.holes = append(c.holes, idRange{rr.first, rr.n})
+	c.releasable = append(c.releasable, rr.r.ID)
+	// Forget the region record; indices of later regions shift.
+	for i, x := range c.regions {
+		if x == rr {
+			c.regions = append(c.regions[:i], c.regions[i+1:]...)
+			for j := i; j < len(c.regions); j++ {
+				y := c.regions[j]
+				for k := y.first; k < y.first+y.n; k++ {
+					c.slots[k].region = int32(j)
+				}
+			}
+			break
+		}
+	}
+	return true
+}
+
+func (c *Cache) policyCapacity() int { return max(c.usable-c.watermark, 0) }
+
+// ---- free list ---------------------------------------------------------------
+
+func (c *Cache) pushFree(i int32) {
+	s := &c.slots[i]
+	s.prev, s.next = -1, c.freeHead
+	if c.freeHead >= 0 {
+		c.slots[c.freeHead].prev = i
+	}
+	c.freeHead = i
+	c.nFree++
+}
+
+func (c *Cache) unlinkFree(i int32) {
+	s := &c.slots[i]
+	if s.prev >= 0 {
+		c.slots[s.prev].next = s.next
+	} else {
+		c.freeHead = s.next
+	}
+	if s.next >= 0 {
+		c.slots[s.next].prev = s.prev
+	}
+	s.prev, s.next = -1, -1
+	c.nFree--
+}
+
+// alloc takes a free slot into writing for key; -1 when none is free.
+func (c *Cache) alloc(k Key, ns Namespace) int32 {
+	i := c.freeHead
+	if i < 0 {
+		return -1
+	}
+	c.unlinkFree(i)
+	s := &c.slots[i]
+	s.gen++
+	s.key, s.ns = k, ns
+	c.setState(s, stateWriting)
+	s.pending, s.readers, s.storing = 1, 0, true
+	s.parent, s.children = -1, 0
+	c.regions[s.region].busy++
+	return i
+}
+
+// release frees a releasing slot once no reader and no transfer is left.
+func (c *Cache) release(i int32) {
+	s := &c.slots[i]
+	if s.state != stateReleasing || s.readers > 0 || s.pending > 0 {
+		return
+	}
+	c.setState(s, stateFree)
+	rr := c.regions[s.region]
+	rr.busy--
+	if rr.draining {
+		c.setState(s, stateRetired)
+		c.maybeReleasable(rr)
+		return
+	}
+	c.pushFree(i)
+}
+
+func (c *Cache) handle(i int32) Slot {
+	s := &c.slots[i]
+	r := &c.regions[s.region].r
+	return Slot{ID: SlotID(i), Gen: s.gen, Region: r.ID, Off: s.off, Addr: r.Base + uintptr(s.off)}
+}

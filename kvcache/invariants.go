@@ -1,0 +1,176 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Verify checks every invariant of the index and the pool and returns the
+// first violation (nil when all hold). It walks every slot: O(slots). Tests
+// call it after every step; built with the "invariants" tag, every mutating
+// call runs it and panics on a violation (as pebble's invariants do).
+//
+// The invariants: each slot is in exactly one state; free slots are exactly
+// those on the free list, with no reader, no transfer and no index entry;
+// every index entry names a writing, ready or leased slot holding its key,
+// and every such slot is indexed once; ready slots have no reader and no
+// transfer, leased ones at least one reader, writing ones exactly their
+// store's transfer; releasing slots wait for a reader or a transfer; no
+// count is negative; draining regions have no free-list slot; per-region
+// busy counts and per-state gauges match; child counts match the parent
+// links; the outcome counters add up.
+func (c *Cache) Verify() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.verify()
+}
+
+func (c *Cache) verify() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		if len(errs) < 8 {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	onFree := make(map[int32]bool, c.nFree)
+	n := 0
+	for i, prev := c.freeHead, int32(-1); i >= 0; prev, i = i, c.slots[i].next {
+		if onFree[i] {
+			bad("free list loops at slot %d", i)
+			break
+		}
+		onFree[i] = true
+		if c.slots[i].prev != prev {
+			bad("free list: slot %d prev %d, want %d", i, c.slots[i].prev, prev)
+		}
+		n++
+	}
+	if n != c.nFree {
+		bad("free list holds %d slots, nFree = %d", n, c.nFree)
+	}
+	var counts [stateRetired]int
+	busy := make([]int, len(c.regions))
+	children := make(map[int32]int32)
+	indexed := 0
+	inFlight := 0
+	for i := range c.slots {
+		id := int32(i)
+		s := &c.slots[i]
+		if s.readers < 0 || s.pending < 0 || s.children < 0 {
+			bad("slot %d: negative count (readers %d, pending %d, children %d)", i, s.readers, s.pending, s.children)
+		}
+		if s.state == stateRetired {
+			if onFree[id] {
+				bad("retired slot %d is on the free list", i)
+			}
+			continue
+		}
+		counts[s.state]++
+		if int(s.region) >= len(c.regions) {
+			bad("slot %d (%v) in region index %d of %d", i, s.state, s.region, len(c.regions))
+			continue
+		}
+		rr := c.regions[s.region]
+		if id < rr.first || id >= rr.first+rr.n {
+			bad("slot %d outside its region's ids [%d, %d)", i, rr.first, rr.first+rr.n)
+		}
+		if s.state != stateFree {
+			busy[s.region]++
+		}
+		if s.storing {
+			inFlight++
+		}
+		j, inIndex := c.index[s.key]
+		isIndexed := inIndex && j == id
+		switch s.state {
+		case stateFree:
+			if !onFree[id] || s.readers != 0 || s.pending != 0 || s.storing {
+				bad("free slot %d: on free list %v, readers %d, pending %d, storing %v", i, onFree[id], s.readers, s.pending, s.storing)
+			}
+			if rr.draining {
+				bad("free slot %d belongs to draining region %d", i, rr.r.ID)
+			}
+		case stateWriting:
+			if !s.storing || s.pending != 1 || s.readers != 0 {
+				bad("writing slot %d: storing %v, pending %d, readers %d", i, s.storing, s.pending, s.readers)
+			}
+		case stateReady:
+			if s.pending != 0 || s.readers != 0 || s.storing {
+				bad("ready slot %d: pending %d, readers %d", i, s.pending, s.readers)
+			}
+		case stateLeased:
+			if s.readers <= 0 || s.storing || s.pending > s.readers {
+				bad("leased slot %d: readers %d, pending %d", i, s.readers, s.pending)
+			}
+		case stateReleasing:
+			if s.readers == 0 && s.pending == 0 {
+				bad("releasing slot %d has no reader and no transfer left", i)
+			}
+			if s.pending-b2i(s.storing) > s.readers {
+				bad("releasing slot %d: %d loads pending, %d readers", i, s.pending-b2i(s.storing), s.readers)
+			}
+		}
+		if s.state != stateFree && onFree[id] {
+			bad("%v slot %d is on the free list", s.state, i)
+		}
+		if s.indexed() {
+			indexed++
+			if !isIndexed {
+				bad("%v slot %d (key %v) is not indexed", s.state, i, s.key)
+			}
+		} else if isIndexed {
+			bad("%v slot %d is indexed", s.state, i)
+		}
+		if s.visible() && s.parent >= 0 {
+			if p := &c.slots[s.parent]; p.gen == s.parentGen && p.indexed() {
+				children[s.parent]++
+			}
+		}
+	}
+	if indexed != len(c.index) {
+		bad("index holds %d keys, %d slots are indexed", len(c.index), indexed)
+	}
+	for i := range c.slots {
+		if s := &c.slots[i]; s.indexed() && s.children != children[int32(i)] {
+			bad("slot %d counts %d children, %d link to it", i, s.children, children[int32(i)])
+		}
+	}
+	if counts != c.counts {
+		bad("state gauges %v, counted %v", c.counts, counts)
+	}
+	if counts[stateFree] != c.nFree {
+		bad("%d free slots, free list holds %d", counts[stateFree], c.nFree)
+	}
+	usable := 0
+	for ri, rr := range c.regions {
+		if busy[ri] != rr.busy {
+			bad("region %d: busy %d, counted %d", rr.r.ID, rr.busy, busy[ri])
+		}
+		if !rr.draining {
+			usable += int(rr.n)
+		}
+	}
+	if usable != c.usable {
+		bad("usable slots %d, regions hold %d", c.usable, usable)
+	}
+	st := &c.st
+	if st.StoreKeys != st.StoreAllocated+st.StorePresent+st.StoreRefusedFull+st.StoreRefusedAdmission {
+		bad("store outcomes do not add up: %+v", *st)
+	}
+	if st.StoreAllocated != st.Stored+st.StoreFailed+uint64(inFlight) {
+		bad("allocated %d != stored %d + failed %d + in flight %d", st.StoreAllocated, st.Stored, st.StoreFailed, inFlight)
+	}
+	if st.LookupKeys != st.LookupHits+st.LookupMisses || st.LoadKeys != st.Loaded+st.LoadMissing {
+		bad("lookup/load outcomes do not add up: %+v", *st)
+	}
+	return errors.Join(errs...)
+}
+
+// check runs verify after a mutation when built with the invariants tag.
+func (c *Cache) check() {
+	if invariantsOn {
+		if err := c.verify(); err != nil {
+			panic(fmt.Sprintf("kvcache: invariant violated: %v", err))
+		}
+	}
+}

@@ -1,0 +1,5 @@
+//go:build !invariants
+
+package kvcache
+
+const invariantsOn = false

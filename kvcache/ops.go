@@ -1,0 +1,553 @@
+package kvcache
+
+import (
+	"fmt"
+)
+
+// StoreOutcome is what BeginStore decided for one key.
+type StoreOutcome uint8
+
+// Store outcomes.
+const (
+	// StoreWrite: a slot was allocated (writing); copy the block into it and
+	// call CompleteStore.
+	StoreWrite StoreOutcome = iota + 1
+	// StorePresent: the key is already stored (writing, ready or leased).
+	StorePresent
+	// StoreRefusedFull: no free slot, and none could be freed at once.
+	StoreRefusedFull
+	// StoreRefusedAdmission: not stored because the key was not seen often
+	// enough (Config.StoreThreshold).
+	StoreRefusedAdmission
+)
+
+var storeOutcomeNames = [...]string{"", "write", "already present", "refused: pool full", "refused: admission"}
+
+func (o StoreOutcome) String() string {
+	if int(o) < len(storeOutcomeNames) && o != 0 {
+		return storeOutcomeNames[o]
+	}
+	return fmt.Sprintf("StoreOutcome(%d)", uint8(o))
+}
+
+// StoreRequest is one BeginStore call: a chain of blocks to store.
+type StoreRequest struct {
+	Namespace Namespace
+	// Parent is the key of Keys[0]'s parent block, the zero Key when Keys[0]
+	// starts a sequence. Keys[i-1] is the parent of Keys[i]. The cache uses
+	// the links to prefer evicting chain tails and to count orphans.
+	Parent Key
+	Keys   []Key
+	// BlockIDs are the GPU blocks holding Keys, one per key; each is checked
+	// against the layout and echoed in the results.
+	BlockIDs []int
+}
+
+// StoreResult is BeginStore's answer for one key.
+type StoreResult struct {
+	Outcome StoreOutcome
+	BlockID int
+	Slot    Slot // valid when Outcome is StoreWrite
+}
+
+// LoadResult is BeginLoad's answer for one key.
+type LoadResult struct {
+	Found   bool // false: missing (evicted since the lookup, or never stored)
+	BlockID int
+	Slot    Slot // valid when Found; holds a reader lease until EndLoad
+}
+
+// BeginStore decides, for each key of a chain, whether to store it, and
+// allocates a slot in writing for each key to store. The caller then copies
+// each such block into its slot and reports the copy with CompleteStore.
+// Results are appended to dst in key order.
+//
+// A chain is stored as a prefix: once a key is refused (pool full or
+// admission), the keys after it are refused the same way, since without their
+// parent no lookup could reach them. Keys already present are reported as
+// such wherever they are.
+//
+// Errors (the index and pool are untouched): ErrLengthMismatch, ErrDuplicate
+// (a key twice), ErrBlockID, ErrClosed.
+func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := c.checkKeys(req.Keys, req.BlockIDs, false); err != nil {
+		return dst, err
+	}
+	need := 0
+	for _, k := range req.Keys {
+		if _, ok := c.index[k]; !ok {
+			need++
+		}
+	}
+	c.maintain(need)
+	parent, parentGen := int32(-1), uint32(0)
+	if i, ok := c.index[req.Parent]; ok && req.Parent != (Key{}) {
+		parent, parentGen = i, c.slots[i].gen
+	}
+	var refused StoreOutcome
+	for j, k := range req.Keys {
+		c.st.StoreKeys++
+		r := StoreResult{BlockID: req.BlockIDs[j]}
+		if i, ok := c.index[k]; ok {
+			r.Outcome = StorePresent
+			c.st.StorePresent++
+			parent, parentGen = i, c.slots[i].gen
+			dst = append(dst, r)
+			continue
+		}
+		if refused == 0 && c.threshold > 1 && c.seen.count(k) < c.threshold {
+			refused = StoreRefusedAdmission
+		}
+		var i int32 = -1
+		if refused == 0 {
+			if i = c.alloc(k, req.Namespace); i < 0 {
+				refused = StoreRefusedFull
+			}
+		}
+		if refused != 0 {
+			r.Outcome = refused
+			if refused == StoreRefusedFull {
+				c.st.StoreRefusedFull++
+			} else {
+				c.st.StoreRefusedAdmission++
+			}
+			parent = -1
+			dst = append(dst, r)
+			continue
+		}
+		c.st.StoreAllocated++
+		c.index[k] = i
+		s := &c.slots[i]
+		s.parent, s.parentGen = parent, parentGen
+		parent, parentGen = i, s.gen
+		r.Outcome, r.Slot = StoreWrite, c.handle(i)
+		dst = append(dst, r)
+	}
+	c.check()
+	return dst, nil
+}
+
+// CompleteStore reports that the D2H copies into slots (from BeginStore)
+// finished: err == nil means they succeeded and the blocks become ready;
+// otherwise the blocks are dropped and their slots freed. Call it only once
+// every event of the copies has retired (or the copies were never
+// submitted): the cache frees a failed block's slot at once.
+//
+// Errors (nothing changes): ErrStaleSlot for a handle that is not a store in
+// progress, ErrDuplicate for a handle given twice.
+func (c *Cache) CompleteStore(slots []Slot, err error) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	clear(c.dupSlot)
+	for _, h := range slots {
+		s, e := c.lookupHandle(h)
+		if e != nil {
+			return e
+		}
+		if !s.storing {
+			return fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
+		}
+		if _, dup := c.dupSlot[h.ID]; dup {
+			return fmt.Errorf("%w: slot %d given twice to CompleteStore", ErrDuplicate, h.ID)
+		}
+		c.dupSlot[h.ID] = 1
+	}
+	for _, h := range slots {
+		i := int32(h.ID)
+		s := &c.slots[i]
+		s.storing = false
+		s.pending--
+		if err == nil {
+			c.st.Stored++
+		} else {
+			c.st.StoreFailed++
+		}
+		switch {
+		case s.state == stateReleasing: // evicted while writing
+			c.release(i)
+		case err != nil:
+			c.unindex(i)
+			c.setState(s, stateReleasing)
+			c.release(i)
+		default:
+			c.setState(s, stateReady)
+			if p := s.parent; p >= 0 {
+				if ps := &c.slots[p]; ps.gen == s.parentGen && ps.indexed() {
+					ps.children++
+				} else {
+					s.parent = -1
+				}
+			}
+			c.policy.Inserted(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+		}
+	}
+	c.maintain(0)
+	c.check()
+	return nil
+}
+
+func (s *slotRec) indexed() bool {
+	return s.state == stateWriting || s.state == stateReady || s.state == stateLeased
+}
+
+func (s *slotRec) visible() bool { return s.state == stateReady || s.state == stateLeased }
+
+func (c *Cache) lookupHandle(h Slot) (*slotRec, error) {
+	if int(h.ID) >= len(c.slots) {
+		return nil, fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
+	}
+	s := &c.slots[h.ID]
+	if s.gen != h.Gen || s.state == stateFree || s.state == stateRetired {
+		return nil, fmt.Errorf("%w: slot %d gen %d (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
+	}
+	return s, nil
+}
+
+// Lookup returns how many leading keys are ready (the longest stored
+// prefix). It counts every key as demand for the policy.
+func (c *Cache) Lookup(keys []Key) int {
+	n, _ := c.lookup(keys, false, nil)
+	return n
+}
+
+// LookupLease is Lookup that also takes a reader lease on each of the n
+// ready blocks, appending their handles to dst, so they are not evicted
+// before the load; give them back with Unlease.
+func (c *Cache) LookupLease(keys []Key, dst []Slot) (int, []Slot) {
+	return c.lookup(keys, true, dst)
+}
+
+func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return 0, dst
+	}
+	n := 0
+	for _, k := range keys {
+		i, ok := c.index[k]
+		if !ok || !c.slots[i].visible() {
+			break
+		}
+		n++
+	}
+	c.st.LookupKeys += uint64(len(keys))
+	c.st.LookupHits += uint64(n)
+	c.st.LookupMisses += uint64(len(keys) - n)
+	// Children before parents, so that under LRU a parent is always more
+	// recent than the children reached through it.
+	for j := n - 1; j >= 0; j-- {
+		i := c.index[keys[j]]
+		c.policy.Accessed(Entry{Key: keys[j], Slot: SlotID(i), Gen: c.slots[i].gen})
+		if lease {
+			c.lease(i)
+		}
+	}
+	for _, k := range keys[n:] {
+		c.policy.Missed(k)
+	}
+	if c.threshold > 1 {
+		for _, k := range keys {
+			c.seen.add(k)
+		}
+	}
+	if lease {
+		for _, k := range keys[:n] {
+			dst = append(dst, c.handle(c.index[k]))
+		}
+		c.check()
+	}
+	return n, dst
+}
+
+func (c *Cache) lease(i int32) {
+	s := &c.slots[i]
+	s.readers++
+	c.setState(s, stateLeased)
+}
+
+// unleaseOne drops one reader lease (and a transfer when load is set).
+func (c *Cache) unleaseOne(i int32, load bool) {
+	s := &c.slots[i]
+	s.readers--
+	if load {
+		s.pending--
+	}
+	switch {
+	case s.state == stateReleasing:
+		c.release(i)
+	case s.readers == 0:
+		c.setState(s, stateReady)
+	}
+}
+
+// Unlease gives back leases taken by LookupLease. Errors (nothing changes):
+// ErrStaleSlot for a handle without that many leases.
+func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }
+
+// BeginLoad takes, for each key, a reader lease on its ready block and
+// counts a transfer (the H2D copy) on it; the result says where to copy from.
+// Missing keys are reported, not errors. Call EndLoad with the found slots
+// once the copies' events have retired (or the copies were never submitted).
+//
+// Errors (nothing changes): ErrLengthMismatch, ErrDuplicate (a key or a
+// block id twice), ErrBlockID, ErrClosed.
+func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadResult, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := c.checkKeys(keys, blockIDs, true); err != nil {
+		return dst, err
+	}
+	for j, k := range keys {
+		c.st.LoadKeys++
+		r := LoadResult{BlockID: blockIDs[j]}
+		if i, ok := c.index[k]; ok && c.slots[i].visible() {
+			c.lease(i)
+			c.slots[i].pending++
+			c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: c.slots[i].gen})
+			r.Found, r.Slot = true, c.handle(i)
+			c.st.Loaded++
+		} else {
+			c.st.LoadMissing++
+		}
+		dst = append(dst, r)
+	}
+	c.check()
+	return dst, nil
+}
+
+// EndLoad reports that the H2D copies from slots (from BeginLoad) have
+// retired, and drops their leases. Errors as Unlease.
+func (c *Cache) EndLoad(slots []Slot) error { return c.endRead(slots, true) }
+
+func (c *Cache) endRead(slots []Slot, load bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	clear(c.dupSlot)
+	for _, h := range slots {
+		s, err := c.lookupHandle(h)
+		if err != nil {
+			return err
+		}
+		n := c.dupSlot[h.ID] + 1
+		c.dupSlot[h.ID] = n
+		if s.readers < n || (load && s.pending-b2i(s.storing) < n) {
+			return fmt.Errorf("%w: slot %d gen %d released %d times, it holds %d leases and %d loads",
+				ErrStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-b2i(s.storing))
+		}
+	}
+	for _, h := range slots {
+		c.unleaseOne(int32(h.ID), load)
+	}
+	c.maintain(0)
+	c.check()
+	return nil
+}
+
+func b2i(b bool) int32 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Delete removes keys from the index (a model reload, an invalidation);
+// blocks being read or written are released when their transfers and leases
+// end. Absent keys are ignored. It returns how many keys were removed.
+func (c *Cache) Delete(keys []Key) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, k := range keys {
+		if i, ok := c.index[k]; ok {
+			c.evict(i, &c.st.Deleted, true)
+			n++
+		}
+	}
+	c.check()
+	return n
+}
+
+// Clear removes every block of namespace ns, as Delete does. It walks the
+// slot table (O(slots)). It returns how many blocks were removed.
+func (c *Cache) Clear(ns Namespace) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for i := range c.slots {
+		if s := &c.slots[i]; s.ns == ns && s.indexed() {
+			c.evict(int32(i), &c.st.Deleted, true)
+			n++
+		}
+	}
+	c.check()
+	return n
+}
+
+// Maintain applies the policy's pending advice and restores the
+// low-watermark. Every mutating call does this already; an engine may also
+// call it when idle.
+func (c *Cache) Maintain() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.closed {
+		c.maintain(0)
+		c.check()
+	}
+}
+
+// Sync waits for the policy's background decisions (ristretto's buffered
+// sets) and applies them: after Sync, advice about every earlier call is in
+// effect. For tests and simulations; serving does not need it.
+func (c *Cache) Sync() {
+	c.mu.Lock()
+	closed := c.closed
+	c.mu.Unlock()
+	if closed {
+		return
+	}
+	c.policy.Sync()
+	c.Maintain()
+}
+
+// checkKeys validates a call's keys and block ids; load also rejects a block
+// id given twice.
+func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
+	if c.closed {
+		return ErrClosed
+	}
+	if len(keys) != len(ids) {
+		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
+	}
+	clear(c.dupKeys)
+	if load {
+		clear(c.dupIDs)
+	}
+	for j, k := range keys {
+		if err := c.layout.CheckBlock(ids[j]); err != nil {
+			return fmt.Errorf("key %d (%v): %w", j, k, err)
+		}
+		if _, dup := c.dupKeys[k]; dup {
+			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
+		}
+		c.dupKeys[k] = struct{}{}
+		if load {
+			if _, dup := c.dupIDs[ids[j]]; dup {
+				return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
+			}
+			c.dupIDs[ids[j]] = struct{}{}
+		}
+	}
+	return nil
+}
+
+// ---- eviction ------------------------------------------------------------------
+
+// unindex removes slot i's key from the index and unlinks it from its parent.
+func (c *Cache) unindex(i int32) {
+	s := &c.slots[i]
+	delete(c.index, s.key)
+	if s.state != stateWriting {
+		if p := s.parent; p >= 0 {
+			if ps := &c.slots[p]; ps.gen == s.parentGen && ps.indexed() {
+				ps.children--
+			}
+		}
+	}
+	s.parent = -1
+	if s.children > 0 {
+		c.st.Orphaned += uint64(s.children)
+		s.children = 0
+	}
+}
+
+// evict removes indexed slot i from the index and releases it as soon as no
+// reader and no transfer is left. tell says whether the policy must be told
+// (false when the eviction is the policy's own advice).
+func (c *Cache) evict(i int32, counter *uint64, tell bool) {
+	s := &c.slots[i]
+	if tell && s.visible() {
+		c.policy.Removed(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+	}
+	c.unindex(i)
+	*counter++
+	c.setState(s, stateReleasing)
+	c.release(i)
+}
+
+// rank implements Rank for the policy.
+func (c *Cache) rank(id SlotID) int {
+	s := &c.slots[id]
+	switch {
+	case s.state == stateLeased:
+		return 2
+	case s.children > 0:
+		return 1
+	}
+	return 0
+}
+
+// maintain applies the policy's advice and evicts ahead of demand so that
+// want slots plus the low-watermark are free.
+func (c *Cache) maintain(want int) {
+	need := max(want+c.watermark-c.nFree, 0)
+	c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
+	for _, v := range c.victims {
+		i := int32(v.Slot)
+		if int(i) >= len(c.slots) {
+			continue
+		}
+		s := &c.slots[i]
+		if s.gen != v.Gen || !s.visible() || s.key != v.Key {
+			continue // advice about an earlier occupant, or already gone
+		}
+		counter := &c.st.Evicted
+		if v.Rejected {
+			counter = &c.st.Rejected
+			c.st.WastedD2HBytes += c.slotSize
+		}
+		c.evict(i, counter, false)
+	}
+}
+
+// ---- store threshold sketch ----------------------------------------------------
+
+const (
+	seenBits = 20 // 1 Mi counters of 1 byte
+	maxSeen  = 15
+)
+
+// seenSketch counts lookups per key approximately: one saturating counter
+// per hash bucket, all halved every seenSize additions so that old demand
+// fades (the "reset" of TinyLFU).
+type seenSketch struct {
+	counts []uint8
+	adds   int
+}
+
+func newSeenSketch() seenSketch { return seenSketch{counts: make([]uint8, 1<<seenBits)} }
+
+func (s *seenSketch) bucket(k Key) uint32 { return uint32(hash64(k) >> (64 - seenBits)) }
+
+func (s *seenSketch) add(k Key) {
+	b := s.bucket(k)
+	if s.counts[b] < maxSeen {
+		s.counts[b]++
+	}
+	if s.adds++; s.adds >= len(s.counts) {
+		s.adds = 0
+		for i := range s.counts {
+			s.counts[i] >>= 1
+		}
+	}
+}
+
+func (s *seenSketch) count(k Key) int { return int(s.counts[s.bucket(k)]) }

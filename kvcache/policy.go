@@ -1,0 +1,248 @@
+package kvcache
+
+import "math/rand/v2"
+
+// SlotID is the index of a slot in the cache's slot table.
+type SlotID uint32
+
+// Entry names one indexed block to a Policy: its key, its slot and the slot's
+// generation (which changes every time the slot is allocated, so advice about
+// an earlier occupant is recognised and ignored).
+type Entry struct {
+	Key  Key
+	Slot SlotID
+	Gen  uint32
+}
+
+// Victim is one block a Policy advises evicting. Rejected marks a block the
+// policy refused to admit after it was stored (ristretto decides admission
+// only after the fact): its D2H copy was wasted.
+type Victim struct {
+	Entry
+	Rejected bool
+}
+
+// Rank tells a policy how good a victim a block is, lower is better: 0 a
+// ready block with no indexed child (a chain tail), 1 a ready block with an
+// indexed child (evicting it orphans the child), 2 a leased block (its
+// eviction is deferred until its last reader ends, so it frees nothing now).
+type Rank func(SlotID) int
+
+// Policy advises the cache which ready blocks to keep. The slot pool is the
+// authority: a policy never frees or allocates anything, it only names
+// victims, and advice about blocks that are no longer indexed is ignored.
+//
+// The cache calls every method with its lock held, from one goroutine at a
+// time, so methods must not block for long and must not call back into the
+// cache. A policy that decides on its own goroutine (TinyLFU) queues its
+// decisions and hands them over in Evictions.
+type Policy interface {
+	// SetCapacity tells the policy how many ready blocks it may keep: the
+	// usable slots less the low-watermark. Called when regions come and go.
+	SetCapacity(blocks int)
+	// Inserted: a block became ready (its D2H copy completed).
+	Inserted(e Entry)
+	// Accessed: a ready block was hit by a lookup or a load.
+	Accessed(e Entry)
+	// Missed: a key was looked up and is not ready (demand for an absent
+	// block; frequency-based policies learn from it).
+	Missed(k Key)
+	// Removed: a block left the index for a reason other than this policy's
+	// advice (Delete, Clear, Trim, a deferred eviction).
+	Removed(e Entry)
+	// Evictions appends to dst the blocks the policy has decided to evict on
+	// its own, plus up to need more chosen now (preferring low Rank), and
+	// returns it. Every returned entry is removed from the policy's tracking.
+	Evictions(need int, rank Rank, dst []Victim) []Victim
+	// Sync waits until decisions the policy is still making in the
+	// background are queued for Evictions. Called without the cache lock.
+	Sync()
+	// Close releases the policy's goroutines and resources.
+	Close()
+}
+
+// lruWindow is how many least-recently-used blocks LRU and Random look at to
+// find one of the lowest rank.
+const lruWindow = 8
+
+// LRU is an exact least-recently-used policy. It admits every block and, when
+// asked for victims, takes the least recently used one of the lowest Rank
+// among the lruWindow least recent. It is deterministic: given the same calls
+// it gives the same advice.
+type LRU struct {
+	// Doubly linked list through per-slot links; head is the most recent.
+	prev, next []int32
+	in         []bool
+	keys       []Key
+	gens       []uint32
+	head, tail int32
+}
+
+// NewLRU returns an empty LRU policy.
+func NewLRU() *LRU { return &LRU{head: -1, tail: -1} }
+
+func (p *LRU) grow(s SlotID) {
+	for int(s) >= len(p.in) {
+		p.prev = append(p.prev, -1)
+		p.next = append(p.next, -1)
+		p.in = append(p.in, false)
+		p.keys = append(p.keys, Key{})
+		p.gens = append(p.gens, 0)
+	}
+}
+
+func (p *LRU) unlink(i int32) {
+	if p.prev[i] >= 0 {
+		p.next[p.prev[i]] = p.next[i]
+	} else {
+		p.head = p.next[i]
+	}
+	if p.next[i] >= 0 {
+		p.prev[p.next[i]] = p.prev[i]
+	} else {
+		p.tail = p.prev[i]
+	}
+	p.prev[i], p.next[i] = -1, -1
+	p.in[i] = false
+}
+
+func (p *LRU) pushFront(i int32) {
+	p.prev[i], p.next[i] = -1, p.head
+	if p.head >= 0 {
+		p.prev[p.head] = i
+	} else {
+		p.tail = i
+	}
+	p.head = i
+	p.in[i] = true
+}
+
+// SetCapacity implements Policy; LRU keeps whatever the pool holds.
+func (p *LRU) SetCapacity(int) {}
+
+// Inserted implements Policy.
+func (p *LRU) Inserted(e Entry) {
+	p.grow(e.Slot)
+	i := int32(e.Slot)
+	if p.in[i] {
+		p.unlink(i)
+	}
+	p.keys[i], p.gens[i] = e.Key, e.Gen
+	p.pushFront(i)
+}
+
+// Accessed implements Policy.
+func (p *LRU) Accessed(e Entry) {
+	i := int32(e.Slot)
+	if int(i) < len(p.in) && p.in[i] && p.gens[i] == e.Gen {
+		p.unlink(i)
+		p.pushFront(i)
+	}
+}
+
+// Missed implements Policy; LRU does not learn from misses.
+func (p *LRU) Missed(Key) {}
+
+// Removed implements Policy.
+func (p *LRU) Removed(e Entry) {
+	i := int32(e.Slot)
+	if int(i) < len(p.in) && p.in[i] && p.gens[i] == e.Gen {
+		p.unlink(i)
+	}
+}
+
+// Evictions implements Policy.
+func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
+	for ; need > 0 && p.tail >= 0; need-- {
+		best, bestRank := int32(-1), 1<<30
+		for i, n := p.tail, 0; i >= 0 && n < lruWindow; i, n = p.prev[i], n+1 {
+			if r := rank(SlotID(i)); r < bestRank {
+				best, bestRank = i, r
+				if r == 0 {
+					break
+				}
+			}
+		}
+		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.gens[best]}})
+		p.unlink(best)
+	}
+	return dst
+}
+
+// Sync implements Policy; LRU decides synchronously.
+func (p *LRU) Sync() {}
+
+// Close implements Policy.
+func (p *LRU) Close() {}
+
+// Random evicts a block chosen at random among lruWindow samples, preferring
+// low Rank. Deterministic given its seed and its calls: property tests use it
+// to evict parents, leased blocks and fresh blocks that LRU would spare.
+type Random struct {
+	rng     *rand.Rand
+	entries []Entry
+	pos     map[SlotID]int
+}
+
+// NewRandom returns a Random policy seeded with seed.
+func NewRandom(seed uint64) *Random {
+	return &Random{rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), pos: map[SlotID]int{}}
+}
+
+// SetCapacity implements Policy.
+func (p *Random) SetCapacity(int) {}
+
+// Inserted implements Policy.
+func (p *Random) Inserted(e Entry) {
+	if i, ok := p.pos[e.Slot]; ok {
+		p.entries[i] = e
+		return
+	}
+	p.pos[e.Slot] = len(p.entries)
+	p.entries = append(p.entries, e)
+}
+
+// Accessed implements Policy.
+func (p *Random) Accessed(Entry) {}
+
+// Missed implements Policy.
+func (p *Random) Missed(Key) {}
+
+// Removed implements Policy.
+func (p *Random) Removed(e Entry) {
+	if i, ok := p.pos[e.Slot]; ok && p.entries[i].Gen == e.Gen {
+		p.remove(i)
+	}
+}
+
+func (p *Random) remove(i int) {
+	last := len(p.entries) - 1
+	delete(p.pos, p.entries[i].Slot)
+	if i != last {
+		p.entries[i] = p.entries[last]
+		p.pos[p.entries[i].Slot] = i
+	}
+	p.entries = p.entries[:last]
+}
+
+// Evictions implements Policy.
+func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
+	for ; need > 0 && len(p.entries) > 0; need-- {
+		best, bestRank := -1, 1<<30
+		for n := 0; n < lruWindow; n++ {
+			i := p.rng.IntN(len(p.entries))
+			if r := rank(p.entries[i].Slot); r < bestRank {
+				best, bestRank = i, r
+			}
+		}
+		dst = append(dst, Victim{Entry: p.entries[best]})
+		p.remove(best)
+	}
+	return dst
+}
+
+// Sync implements Policy.
+func (p *Random) Sync() {}
+
+// Close implements Policy.
+func (p *Random) Close() {}

@@ -1,0 +1,71 @@
+package kvcache
+
+// Stats is a snapshot of the cache's gauges and counters. Counters are
+// cumulative since New and add up:
+//
+//	StoreKeys      = StoreAllocated + StorePresent + StoreRefusedFull + StoreRefusedAdmission
+//	StoreAllocated = Stored + StoreFailed + StoresInFlight
+//	LookupKeys     = LookupHits + LookupMisses
+//	LoadKeys       = Loaded + LoadMissing
+type Stats struct {
+	// Gauges.
+	Regions        int // regions in the pool, draining ones included
+	Slots          int // slots of regions that are not draining
+	Free           int // on the free list
+	Writing        int // D2H in progress
+	Ready          int // indexed, no reader
+	Leased         int // indexed, readers > 0
+	Releasing      int // removed from the index, waiting for readers or transfers
+	StoresInFlight int // stores not yet completed (writing, or releasing while writing)
+
+	// Store outcomes, per key.
+	StoreKeys             uint64
+	StoreAllocated        uint64 // a slot was allocated (outcome StoreWrite)
+	StorePresent          uint64
+	StoreRefusedFull      uint64
+	StoreRefusedAdmission uint64 // refused before the copy (StoreThreshold)
+	Stored                uint64 // CompleteStore without error
+	StoreFailed           uint64 // CompleteStore with an error
+
+	// Lookups (per key: hits are the ready prefix, misses the rest) and loads.
+	LookupKeys, LookupHits, LookupMisses uint64
+	LoadKeys, Loaded, LoadMissing        uint64
+
+	// Removals from the index, per block.
+	Evicted  uint64 // by the policy (eviction or low-watermark)
+	Rejected uint64 // by the policy's after-the-fact admission (TinyLFU)
+	Deleted  uint64 // by Delete or Clear
+	Trimmed  uint64 // by RemoveRegion
+	// Orphaned counts blocks whose parent left the index while they were
+	// ready: no longest-prefix lookup reaches them any more.
+	Orphaned uint64
+	// WastedD2HBytes: bytes copied to the host for blocks the policy then
+	// rejected (Rejected × slot size).
+	WastedD2HBytes uint64
+}
+
+// Stats returns a snapshot of the cache's statistics.
+func (c *Cache) Stats() Stats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.st
+	st.Regions = len(c.regions)
+	st.Slots = c.usable
+	st.Free = c.nFree
+	st.Writing = c.counts[stateWriting]
+	st.Ready = c.counts[stateReady]
+	st.Leased = c.counts[stateLeased]
+	st.Releasing = c.counts[stateReleasing]
+	st.StoresInFlight = int(st.StoreAllocated - st.Stored - st.StoreFailed)
+	return st
+}
+
+func (c *Cache) setState(s *slotRec, to slotState) {
+	if s.state != stateRetired {
+		c.counts[s.state]--
+	}
+	if to != stateRetired {
+		c.counts[to]++
+	}
+	s.state = to
+}
