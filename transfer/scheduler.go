@@ -240,14 +240,39 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 	return s, nil
 }
 
-// AddHostRange tells the scheduler that [base, base+size) is registered
-// host memory that segments may use.
-func (s *Scheduler) AddHostRange(base, size uint64) error { return s.host.add(base, size) }
+// hostRanger is implemented by devices whose copy method needs to know the
+// registered host ranges (CUDA: the kernel's address translation).
+type hostRanger interface {
+	AddHostRange(base, size uint64) error
+	RemoveHostRange(base uint64) error
+}
+
+// AddHostRange tells the scheduler (and the device's copy method) that
+// [base, base+size) is registered host memory that segments may use.
+func (s *Scheduler) AddHostRange(base, size uint64) error {
+	if err := s.host.add(base, size); err != nil {
+		return err
+	}
+	if hr, ok := s.dev.(hostRanger); ok {
+		if err := hr.AddHostRange(base, size); err != nil {
+			return errors.Join(err, s.host.remove(base))
+		}
+	}
+	return nil
+}
 
 // RemoveHostRange forgets the host range starting at base. Ops already
 // submitted are unaffected; the caller must not unregister the memory before
 // they complete.
-func (s *Scheduler) RemoveHostRange(base uint64) error { return s.host.remove(base) }
+func (s *Scheduler) RemoveHostRange(base uint64) error {
+	if err := s.host.remove(base); err != nil {
+		return err
+	}
+	if hr, ok := s.dev.(hostRanger); ok {
+		return hr.RemoveHostRange(base)
+	}
+	return nil
+}
 
 // AddDeviceRange tells the scheduler that [base, base+size) is device memory
 // (the serving stack's KV cache) that segments may use.

@@ -1,0 +1,149 @@
+package transfer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// CUDA is the Device over the CUDA driver: two non-blocking streams of its
+// own (loads at the greatest priority, stores at the least), copies through a
+// cudacopy.Copier.
+type CUDA struct {
+	drv     cuda.Driver
+	ctx     cuda.Context
+	streams [2]cuda.Stream
+	copier  *cudacopy.Copier
+	scratch []cudacopy.Segment // Copy is called only by the submitting thread
+}
+
+// NewCUDA creates the engine's streams and copier on dev. The calling OS
+// thread must have ctx (dev's context) current; the engine threads make it
+// current on theirs.
+func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
+	least, greatest, err := drv.StreamPriorityRange()
+	if err != nil {
+		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
+	}
+	c := &CUDA{drv: drv, ctx: ctx}
+	prio := [2]int{Load: greatest, Store: least}
+	for _, d := range []Direction{Load, Store} {
+		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
+		if err != nil {
+			return nil, errors.Join(fmt.Errorf("transfer: creating the %v stream: %w", d, err), c.destroyStreams())
+		}
+		c.streams[d] = s
+	}
+	c.copier, err = cudacopy.New(drv, dev, opts)
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
+	}
+	return c, nil
+}
+
+func (c *CUDA) destroyStreams() error {
+	var err error
+	for d, s := range c.streams {
+		if s != 0 {
+			err = errors.Join(err, c.drv.StreamDestroy(s))
+			c.streams[d] = 0
+		}
+	}
+	return err
+}
+
+// Copier is the copy method the device uses (for its Fill and Checksum
+// kernels, calibration, and capabilities).
+func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
+
+// Stream is the engine's stream for dir.
+func (c *CUDA) Stream(dir Direction) cuda.Stream { return c.streams[dir] }
+
+// AddHostRange tells the copier about a registered host range (the
+// Scheduler forwards its own AddHostRange here).
+func (c *CUDA) AddHostRange(base, size uint64) error {
+	return c.copier.AddHostRange(uintptr(base), size)
+}
+
+// RemoveHostRange forgets a host range.
+func (c *CUDA) RemoveHostRange(base uint64) error { return c.copier.RemoveHostRange(uintptr(base)) }
+
+// InitThread implements Device: the context current and capture mode
+// relaxed, so a global-mode capture on another thread is never invalidated
+// by the engine's calls.
+func (c *CUDA) InitThread() error {
+	if err := c.drv.CtxSetCurrent(c.ctx); err != nil {
+		return err
+	}
+	_, err := c.drv.ThreadExchangeStreamCaptureMode(cuda.CaptureModeRelaxed)
+	return err
+}
+
+// Copy implements Device.
+func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
+	c.scratch = c.scratch[:0]
+	cd := cudacopy.H2D
+	for _, g := range segs {
+		if dir == Load {
+			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len})
+		} else {
+			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
+		}
+	}
+	if dir == Store {
+		cd = cudacopy.D2H
+	}
+	t, err := c.copier.Submit(c.streams[dir], cd, c.scratch)
+	if err != nil {
+		return nil, err
+	}
+	return func() { _ = c.copier.Retire(t) }, nil
+}
+
+// Record implements Device.
+func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }
+
+// Wait implements Device.
+func (c *CUDA) Wait(dir Direction, e cuda.Event) error {
+	return c.drv.StreamWaitEvent(c.streams[dir], e, cuda.EventWaitDefault)
+}
+
+// SyncStream implements Device.
+func (c *CUDA) SyncStream(dir Direction) error { return c.drv.StreamSynchronize(c.streams[dir]) }
+
+// CreateEvent implements Device.
+func (c *CUDA) CreateEvent(blockingSync bool) (cuda.Event, error) {
+	flags := cuda.EventDisableTiming
+	if blockingSync {
+		flags |= cuda.EventBlockingSync
+	}
+	return c.drv.EventCreate(flags)
+}
+
+// DestroyEvent implements Device.
+func (c *CUDA) DestroyEvent(e cuda.Event) error { return c.drv.EventDestroy(e) }
+
+// Query implements Device.
+func (c *CUDA) Query(e cuda.Event) (bool, error) { return c.drv.EventQuery(e) }
+
+// Sync implements Device.
+func (c *CUDA) Sync(e cuda.Event) error { return c.drv.EventSynchronize(e) }
+
+// IsCapturing implements Device: an active or invalidated capture counts.
+func (c *CUDA) IsCapturing(s cuda.Stream) (bool, error) {
+	st, err := c.drv.StreamIsCapturing(s)
+	return st != cuda.CaptureStatusNone, err
+}
+
+// Close implements Device: the copier and the streams. The calling thread
+// must have the context current and the Scheduler must be closed.
+func (c *CUDA) Close() error {
+	var err error
+	if c.copier != nil {
+		err = c.copier.Close()
+		c.copier = nil
+	}
+	return errors.Join(err, c.destroyStreams())
+}

@@ -1,0 +1,158 @@
+package transfer
+
+import (
+	"bytes"
+	"math/rand"
+	"runtime"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// fakeEnv is the CUDA Device over the fake driver, with one device
+// allocation and one registered host buffer known to a Scheduler.
+type fakeEnv struct {
+	drv       *cudafake.Driver
+	cu        *CUDA
+	s         *Scheduler
+	dev, host uint64
+	hostBuf   []byte
+	size      uint64
+}
+
+func newFakeEnv(t *testing.T, size uint64, method cudacopy.Method, opts cudafake.Options) *fakeEnv {
+	t.Helper()
+	opts.CheckContext = true
+	d := cudafake.New(opts)
+	runtime.LockOSThread()
+	ctx, err := d.PrimaryCtxRetain(0)
+	require.NoError(t, err)
+	require.NoError(t, d.CtxSetCurrent(ctx))
+	hb, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	require.NoError(t, err)
+	p := unsafe.Pointer(&hb[0])
+	require.NoError(t, d.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
+	dp, err := d.MemAlloc(size)
+	require.NoError(t, err)
+	cu, err := NewCUDA(d, 0, ctx, cudacopy.Options{Method: method})
+	require.NoError(t, err)
+	tr := NewTracker(nil)
+	host := uint64(uintptr(p))
+	require.NoError(t, tr.Live(host, size))
+	s, err := New(cu, Config{Tracker: tr, PollSpin: time.Microsecond, PollMaxSleep: 50 * time.Microsecond})
+	require.NoError(t, err)
+	require.NoError(t, s.AddHostRange(host, size))
+	require.NoError(t, s.AddDeviceRange(uint64(dp), size))
+	t.Cleanup(func() {
+		defer runtime.UnlockOSThread()
+		require.NoError(t, s.Close())
+		require.Empty(t, tr.Violations())
+		if err := cu.Close(); err != nil && !cuda.IsSticky(err) {
+			require.NoError(t, err)
+		}
+		_ = d.MemFree(dp)
+		_ = d.MemHostUnregister(p)
+		require.NoError(t, unix.Munmap(hb))
+		_ = d.PrimaryCtxRelease(0)
+		require.NoError(t, d.Close())
+	})
+	return &fakeEnv{drv: d, cu: cu, s: s, dev: uint64(dp), host: host, hostBuf: hb, size: size}
+}
+
+func TestCUDAOverFakeRoundTrip(t *testing.T) {
+	for _, m := range []cudacopy.Method{cudacopy.MethodMemcpy, cudacopy.MethodBatch, cudacopy.MethodKernel, cudacopy.MethodAuto} {
+		t.Run(m.String(), func(t *testing.T) {
+			const seg, n = 4096, 64
+			e := newFakeEnv(t, 2*seg*n, m, cudafake.Options{Seed: 1, MaxDelay: 20 * time.Microsecond})
+			r := rand.New(rand.NewSource(2))
+			src := randBytes(r, seg*n)
+			// Stage through the upper half of the registered host buffer.
+			copy(e.hostBuf[seg*n:], src)
+			require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(e.dev), cuda.DevicePtr(e.host+seg*n), seg*n))
+			perm := r.Perm(n)
+			var st, ld []Segment
+			for b := range n {
+				slot := uint64(perm[b]) * seg
+				st = append(st, Segment{Dev: e.dev + uint64(b)*seg, Host: e.host + slot, Len: seg})
+				ld = append(ld, Segment{Dev: e.dev + seg*n + uint64(b)*seg, Host: e.host + slot, Len: seg})
+			}
+			var ops []*Op
+			for i := 0; i < n; i += 8 {
+				op, err := e.s.Submit(Request{Dir: Store, Segments: st[i : i+8]})
+				require.NoError(t, err)
+				ops = append(ops, op)
+			}
+			for _, op := range ops {
+				require.NoError(t, op.Wait())
+			}
+			op, err := e.s.Submit(Request{Dir: Load, Segments: ld, LayerEnds: []int{n / 2, n}, Events: true})
+			require.NoError(t, err)
+			require.NoError(t, op.Wait())
+			require.NoError(t, op.Release())
+			clear(e.hostBuf[seg*n:])
+			require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(e.host+seg*n), cuda.DevicePtr(e.dev+seg*n), seg*n))
+			require.True(t, bytes.Equal(src, e.hostBuf[seg*n:]))
+		})
+	}
+}
+
+// TestCUDAOverFakeSticky: a store held behind a caller event that never
+// completes; the context is lost; the store fails with the driver's error
+// and new work is refused with it.
+func TestCUDAOverFakeSticky(t *testing.T) {
+	e := newFakeEnv(t, 1<<20, cudacopy.MethodMemcpy, cudafake.Options{})
+	cs, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	defer func() { _ = e.drv.StreamDestroy(cs) }()
+	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { _ = e.drv.EventDestroy(ev) }()
+	e.drv.HangAt(cuda.OpEventRecord, e.drv.Calls(cuda.OpEventRecord)+1)
+	require.NoError(t, e.drv.EventRecord(ev, cs))
+	op, err := e.s.Submit(Request{Dir: Store, After: ev, AfterStream: &cs, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
+	require.NoError(t, err)
+	e.drv.MakeSticky(cuda.ErrorIllegalAddress)
+	err = op.Wait()
+	require.ErrorIs(t, err, ErrDeviceLost)
+	require.True(t, cuda.IsCode(err, cuda.ErrorIllegalAddress), "the driver's error: %v", err)
+	_, err = e.s.Submit(Request{Dir: Load, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
+	require.ErrorIs(t, err, ErrDeviceLost)
+}
+
+// TestCUDAOverFakeCapture: the test thread captures its stream in global
+// mode while the engine stores, loads and polls; the capture must survive
+// (engine threads are in relaxed mode), and a capturing After stream is
+// refused.
+func TestCUDAOverFakeCapture(t *testing.T) {
+	e := newFakeEnv(t, 1<<20, cudacopy.MethodAuto, cudafake.Options{Seed: 3, MaxDelay: 10 * time.Microsecond})
+	cs, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	defer func() { _ = e.drv.StreamDestroy(cs) }()
+	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { _ = e.drv.EventDestroy(ev) }()
+	require.NoError(t, e.drv.StreamBeginCapture(cs, cuda.CaptureModeGlobal))
+	require.NoError(t, e.drv.EventRecord(ev, cs))
+	_, err = e.s.Submit(Request{Dir: Store, After: ev, AfterStream: &cs, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
+	require.ErrorIs(t, err, ErrCapturing)
+	for i := range 20 {
+		seg := []Segment{{Dev: e.dev + uint64(i)*4096, Host: e.host + uint64(i)*4096, Len: 4096}}
+		st, err := e.s.Submit(Request{Dir: Store, Segments: seg})
+		require.NoError(t, err)
+		ld, err := e.s.Submit(Request{Dir: Load, Segments: seg, Events: true})
+		require.NoError(t, err)
+		require.NoError(t, st.Wait())
+		require.NoError(t, ld.Wait())
+		require.NoError(t, ld.Release())
+	}
+	g, err := e.drv.StreamEndCapture(cs)
+	require.NoError(t, err, "the engine invalidated a global-mode capture")
+	require.NoError(t, e.drv.GraphDestroy(g))
+}
