@@ -91,6 +91,7 @@ const (
 	DefaultRegionBytes        int64 = 4 << 30 // unit of background growth and Trim
 	DefaultStagingBytes       int64 = 16 << 20
 	DefaultMaxInFlightBytes   int64 = 512 << 20
+	DefaultMaxQueuedBytes     int64 = 2 << 30
 	DefaultQueueDepth               = 256
 	DefaultMaxPrefaultThreads       = 16
 )
@@ -137,10 +138,10 @@ type Config struct {
 	// MaxInFlightBytes bounds the bytes being copied per direction; work
 	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
 	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
-	// QueueDepth bounds the ops waiting for in-flight room per direction;
-	// beyond it a Store is refused (OutcomeRefusedBusy) and a Load fails
-	// with ErrBusy. Default DefaultQueueDepth.
-	QueueDepth int `json:"queue_depth,omitempty"`
+	// MaxQueuedBytes bounds the bytes waiting for in-flight room per
+	// direction; beyond it a Store is refused (OutcomeRefusedBusy) and a
+	// Load fails with ErrBusy. Default DefaultMaxQueuedBytes.
+	MaxQueuedBytes int64 `json:"max_queued_bytes,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout, tensor-parallel rank) and tags stored blocks for Clear.
 	Namespace string `json:"namespace,omitempty"`

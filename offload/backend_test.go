@@ -12,7 +12,17 @@ import (
 
 func TestSelectBackend(t *testing.T) {
 	noDriver := func() (cuda.Driver, error) { return nil, cuda.ErrNoDriver }
-	fake := func() (cuda.Driver, error) { return cudafake.New(cudafake.Options{}), nil }
+	var fakes []*cudafake.Driver
+	t.Cleanup(func() {
+		for _, d := range fakes {
+			_ = d.Close()
+		}
+	})
+	fake := func() (cuda.Driver, error) {
+		d := cudafake.New(cudafake.Options{})
+		fakes = append(fakes, d)
+		return d, nil
+	}
 	called := false
 	spy := func() (cuda.Driver, error) { called = true; return nil, errors.New("must not load") }
 

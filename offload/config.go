@@ -94,14 +94,14 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	default:
 		return bad("Policy %q: must be %q or %q", cfg.Policy, PolicyTinyLFU, PolicyLRU)
 	}
-	if cfg.MaxInFlightBytes < 0 || cfg.QueueDepth < 0 || cfg.MaxCachedBytes < 0 {
-		return bad("MaxInFlightBytes = %d, QueueDepth = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.QueueDepth, cfg.MaxCachedBytes)
+	if cfg.MaxInFlightBytes < 0 || cfg.MaxQueuedBytes < 0 || cfg.MaxCachedBytes < 0 {
+		return bad("MaxInFlightBytes = %d, MaxQueuedBytes = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.MaxQueuedBytes, cfg.MaxCachedBytes)
 	}
 	if cfg.MaxInFlightBytes == 0 {
 		cfg.MaxInFlightBytes = DefaultMaxInFlightBytes
 	}
-	if cfg.QueueDepth == 0 {
-		cfg.QueueDepth = DefaultQueueDepth
+	if cfg.MaxQueuedBytes == 0 {
+		cfg.MaxQueuedBytes = DefaultMaxQueuedBytes
 	}
 	spec, err := kvLayoutSpec(cfg.Layout)
 	if err != nil {

@@ -6,6 +6,9 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // Engine moves KV-cache blocks between the serving stack's GPU cache and a
@@ -17,12 +20,45 @@ type Engine struct {
 	backendReason string
 	start         time.Time
 
-	closed   atomic.Bool
-	closeMu  sync.RWMutex // held (read) by calls in progress; Close takes it to drain
-	stats    counters
-	growMu   sync.Mutex
-	growCond *sync.Cond
-	paused   bool
+	closed     atomic.Bool
+	closeMu    sync.RWMutex // held (read) by calls in progress; Close takes it to drain
+	stats      counters
+	growMu     sync.Mutex
+	growCond   *sync.Cond
+	paused     bool
+	stopGrow   bool
+	growDone   bool
+	growErr    error
+	nextRegion int
+	plan       []int64
+
+	node    int
+	slot    int64
+	layout  *kvcache.Layout
+	cache   *kvcache.Cache
+	sched   *transfer.Scheduler
+	sim     *SimGPU
+	ownSim  bool
+	tracker *transfer.Tracker
+
+	denseAlloc uint64
+
+	memMu         sync.Mutex
+	regions       []*poolRegion
+	draining      map[kvcache.RegionID]*poolRegion
+	nextID        kvcache.RegionID
+	owned         int64
+	stagingRegion *poolRegion
+	stagingUsed   int64
+	staged        map[string]*Staging
+	nsMu          sync.Mutex
+	nsIDs         map[string]kvcache.Namespace
+
+	ops      sync.WaitGroup // ops not finished
+	wg       sync.WaitGroup // grow and reaper goroutines
+	reapKick chan struct{}
+	freed    chan struct{}
+	stopReap chan struct{}
 }
 
 // Lease is a set of reader leases taken by Lookup: its blocks cannot be
@@ -32,6 +68,7 @@ type Engine struct {
 type Lease struct {
 	eng      *Engine
 	keys     []Key
+	slots    []kvcache.Slot
 	released atomic.Bool
 }
 
@@ -140,7 +177,7 @@ func (l *Lease) Release() error {
 	if l.released.Swap(true) {
 		return ErrReleased
 	}
-	l.eng.unlease(l.keys)
+	l.eng.unlease(l.slots)
 	return nil
 }
 

@@ -1,0 +1,542 @@
+package offload
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/transfer"
+)
+
+// hostCompletion is an op's handle in the copy layer on the host backend:
+// no CUDA events; a stream wait is a wait on the CPU.
+type hostCompletion struct {
+	op   *transfer.Op
+	done <-chan struct{}
+}
+
+func (c *hostCompletion) event() uintptr                 { return 0 }
+func (c *hostCompletion) layerEvent(int) (uintptr, bool) { return 0, true }
+func (c *hostCompletion) streamWait(uintptr) error       { <-c.done; return nil }
+func (c *hostCompletion) release() error                 { return c.op.Release() }
+
+// enter marks a call in progress so Close waits for it; false after Close.
+func (e *Engine) enter() bool {
+	e.closeMu.RLock()
+	if e.closed.Load() {
+		e.closeMu.RUnlock()
+		return false
+	}
+	return true
+}
+
+func (e *Engine) leave() { e.closeMu.RUnlock() }
+
+func (e *Engine) namespace(ns string) kvcache.Namespace {
+	e.nsMu.Lock()
+	defer e.nsMu.Unlock()
+	id, ok := e.nsIDs[ns]
+	if !ok {
+		id = kvcache.Namespace(len(e.nsIDs) + 1)
+		e.nsIDs[ns] = id
+	}
+	return id
+}
+
+func (e *Engine) lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
+	if !e.enter() {
+		return LookupResult{}, fmt.Errorf("%w: Lookup after Close", ErrClosed)
+	}
+	defer e.leave()
+	e.stats.lookups.Add(1)
+	e.stats.lookupKeys.Add(int64(len(keys)))
+	var res LookupResult
+	if opts.Lease {
+		n, slots := e.cache.LookupLease(keys, nil)
+		res.Hits = n
+		if n > 0 {
+			res.Lease = &Lease{eng: e, keys: append([]Key(nil), keys[:n]...), slots: slots}
+		}
+	} else {
+		res.Hits = e.cache.Lookup(keys)
+	}
+	e.stats.hits.Add(int64(res.Hits))
+	return res, nil
+}
+
+func (e *Engine) unlease(slots []kvcache.Slot) {
+	_ = e.cache.Unlease(slots)
+	e.kickReaper()
+}
+
+// segments builds the copy list of blocks (device side) and slots (host).
+func (e *Engine) segments(blockIDs []int, slots []kvcache.Slot, perLayer bool) ([]transfer.Segment, []int, error) {
+	var segs []transfer.Segment
+	var ks []kvcache.Segment
+	for i, id := range blockIDs {
+		var err error
+		ks, err = e.layout.Segments(id, ks[:0])
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
+		}
+		for _, s := range ks {
+			segs = append(segs, transfer.Segment{Dev: s.Dev, Host: uint64(slots[i].Addr) + s.Off, Len: s.Len})
+		}
+	}
+	if !perLayer || e.layout.Kind() == kvcache.CrossLayer {
+		return segs, nil, nil
+	}
+	// Regroup layer by layer: every block's segments of layer 0, then 1...
+	per := e.layout.SegmentsPerBlock()
+	layers := e.layout.Geometry().Layers
+	perLayerSegs := per / layers
+	out := make([]transfer.Segment, 0, len(segs))
+	ends := make([]int, 0, layers)
+	for l := 0; l < layers; l++ {
+		for b := range blockIDs {
+			out = append(out, segs[b*per+l*perLayerSegs:b*per+(l+1)*perLayerSegs]...)
+		}
+		ends = append(ends, len(out))
+	}
+	return out, ends, nil
+}
+
+func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
+	if !e.enter() {
+		return nil, fmt.Errorf("%w: Store after Close", ErrClosed)
+	}
+	defer e.leave()
+	start := time.Now()
+	ns := opts.Namespace
+	if ns == "" {
+		ns = e.cfg.Namespace
+	}
+	res, err := e.cache.BeginStore(kvcache.StoreRequest{Namespace: e.namespace(ns), Keys: keys, BlockIDs: blockIDs}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("%w: Store: %w", ErrInvalidArgument, err)
+	}
+	op := newOp(e, OpStore, len(keys))
+	var idx []int
+	var ids []int
+	var slots []kvcache.Slot
+	for i, r := range res {
+		switch r.Outcome {
+		case kvcache.StoreWrite:
+			idx, ids, slots = append(idx, i), append(ids, r.BlockID), append(slots, r.Slot)
+		case kvcache.StorePresent:
+			op.setOutcome(i, OutcomeAlreadyPresent, nil)
+		case kvcache.StoreRefusedFull:
+			op.setOutcome(i, OutcomeRefusedFull, nil)
+		default:
+			op.setOutcome(i, OutcomeRefusedAdmission, nil)
+		}
+	}
+	if len(slots) == 0 {
+		e.finishOp(op, start, 0)
+		return op, nil
+	}
+	fail := func(oc Outcome, cause error) (*Op, error) {
+		_ = e.cache.CompleteStore(slots, cause)
+		for _, i := range idx {
+			op.setOutcome(i, oc, nil)
+		}
+		e.finishOp(op, start, 0)
+		return op, nil
+	}
+	if ctx.Err() != nil {
+		return fail(OutcomeCancelled, ctx.Err())
+	}
+	segs, _, err := e.segments(ids, slots, false)
+	if err != nil {
+		return fail(OutcomeFailed, err)
+	}
+	bytes := int64(len(slots)) * e.slot
+	e.ops.Add(1)
+	e.stats.inFlightBytes.Add(bytes)
+	tdone := make(chan struct{})
+	top, err := e.sched.Submit(transfer.Request{Dir: transfer.Store, Segments: segs, OnComplete: func(_ *transfer.Op, cerr error) {
+		defer e.ops.Done()
+		defer close(tdone)
+		e.stats.inFlightBytes.Add(-bytes)
+		_ = e.cache.CompleteStore(slots, cerr)
+		oc := OutcomeStored
+		if cerr != nil {
+			oc = OutcomeFailed
+		}
+		for _, i := range idx {
+			op.setOutcome(i, oc, cerr)
+		}
+		if cerr == nil {
+			e.stats.store.blocks.Add(int64(len(slots)))
+			e.stats.store.bytes.Add(bytes)
+		}
+		e.finishOp(op, start, 0)
+		e.kickReaper()
+	}})
+	if err != nil {
+		e.ops.Done()
+		e.stats.inFlightBytes.Add(-bytes)
+		if errors.Is(err, transfer.ErrBusy) {
+			return fail(OutcomeRefusedBusy, err)
+		}
+		return fail(OutcomeFailed, err)
+	}
+	op.completion = &hostCompletion{op: top, done: tdone}
+	return op, nil
+}
+
+func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+	if !e.enter() {
+		return nil, fmt.Errorf("%w: Load after Close", ErrClosed)
+	}
+	defer e.leave()
+	if opts.Lease != nil && opts.Lease.released.Load() {
+		return nil, fmt.Errorf("%w: Load with a released lease", ErrReleased)
+	}
+	start := time.Now()
+	res, err := e.cache.BeginLoad(keys, blockIDs, nil)
+	if err != nil {
+		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
+	}
+	var idx, ids []int
+	var slots []kvcache.Slot
+	op := newOp(e, OpLoad, len(keys))
+	for i, r := range res {
+		if r.Found {
+			idx, ids, slots = append(idx, i), append(ids, r.BlockID), append(slots, r.Slot)
+		} else {
+			op.setOutcome(i, OutcomeMissing, nil)
+		}
+	}
+	takeLease := func() {
+		if opts.Lease != nil && !opts.Lease.released.Swap(true) {
+			e.unlease(opts.Lease.slots)
+		}
+	}
+	if len(slots) == 0 {
+		takeLease()
+		e.finishOp(op, start, 0)
+		return op, nil
+	}
+	if ctx.Err() != nil {
+		_ = e.cache.EndLoad(slots)
+		for _, i := range idx {
+			op.setOutcome(i, OutcomeCancelled, nil)
+		}
+		e.finishOp(op, start, 0)
+		return op, nil
+	}
+	segs, ends, err := e.segments(ids, slots, opts.PerLayer)
+	if err != nil {
+		_ = e.cache.EndLoad(slots)
+		return nil, err
+	}
+	bytes := int64(len(slots)) * e.slot
+	e.ops.Add(1)
+	e.stats.inFlightBytes.Add(bytes)
+	tdone := make(chan struct{})
+	top, err := e.sched.Submit(transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, OnComplete: func(_ *transfer.Op, cerr error) {
+		defer e.ops.Done()
+		defer close(tdone)
+		e.stats.inFlightBytes.Add(-bytes)
+		_ = e.cache.EndLoad(slots)
+		oc := OutcomeLoaded
+		if cerr != nil {
+			oc = OutcomeFailed
+		}
+		for _, i := range idx {
+			op.setOutcome(i, oc, cerr)
+		}
+		if cerr == nil {
+			e.stats.load.blocks.Add(int64(len(slots)))
+			e.stats.load.bytes.Add(bytes)
+		}
+		e.finishOp(op, start, 0)
+		e.kickReaper()
+	}})
+	if err != nil {
+		e.ops.Done()
+		e.stats.inFlightBytes.Add(-bytes)
+		_ = e.cache.EndLoad(slots)
+		if errors.Is(err, transfer.ErrBusy) {
+			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
+		}
+		return nil, err
+	}
+	takeLease()
+	op.completion = &hostCompletion{op: top, done: tdone}
+	return op, nil
+}
+
+// finishOp counts the op's outcomes and closes it.
+func (e *Engine) finishOp(op *Op, start time.Time, _ int) {
+	d := &e.stats.store
+	if op.kind == OpLoad {
+		d = &e.stats.load
+	}
+	op.mu.Lock()
+	for _, oc := range op.outcomes {
+		e.stats.outcomes[oc].Add(1)
+	}
+	op.mu.Unlock()
+	d.ops.Add(1)
+	d.latency.observe(time.Since(start))
+	op.finish()
+}
+
+func (e *Engine) delete(keys []Key) int {
+	n := e.cache.Delete(keys)
+	e.stats.deletes.Add(int64(n))
+	e.kickReaper()
+	return n
+}
+
+func (e *Engine) clear(ns string) int {
+	e.nsMu.Lock()
+	id, ok := e.nsIDs[ns]
+	e.nsMu.Unlock()
+	if !ok {
+		return 0
+	}
+	n := e.cache.Clear(id)
+	e.stats.deletes.Add(int64(n))
+	e.kickReaper()
+	return n
+}
+
+func (e *Engine) snapshot() Stats {
+	c := &e.stats
+	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
+		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
+		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
+		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()),
+		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
+		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
+		Deletes: c.deletes.Load(), InFlightBytes: c.inFlightBytes.Load(),
+		Store: c.store.snapshot(), Load: c.load.snapshot(), RegionsTotal: len(e.plan)}
+	s.Misses = s.LookupKeys - s.Hits
+	for i := range s.Outcomes {
+		s.Outcomes[i] = c.outcomes[i].Load()
+	}
+	e.memMu.Lock()
+	s.OwnedBytes, s.Regions, s.StagingUsed = e.owned, len(e.regions), e.stagingUsed
+	if e.stagingRegion != nil {
+		s.StagingBytes = e.stagingRegion.r.Len()
+	}
+	e.memMu.Unlock()
+	e.growMu.Lock()
+	s.GrowthPaused = e.paused
+	if e.growErr != nil {
+		s.GrowthError = e.growErr.Error()
+	}
+	e.growMu.Unlock()
+	if e.cache != nil {
+		cs := e.cache.Stats()
+		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)
+		s.BlocksReady, s.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
+		s.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
+		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
+		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
+		s.Orphans = int64(cs.Orphaned)
+	}
+	return s
+}
+
+func (e *Engine) kickReaper() {
+	select {
+	case e.reapKick <- struct{}{}:
+	default:
+	}
+}
+
+// reaper unpins and unmaps regions the cache has finished draining.
+func (e *Engine) reaper() {
+	defer e.wg.Done()
+	for {
+		select {
+		case <-e.reapKick:
+			e.reap()
+		case <-e.stopReap:
+			return
+		}
+	}
+}
+
+func (e *Engine) reap() {
+	ids := e.cache.TakeReleasable(nil)
+	if len(ids) == 0 {
+		return
+	}
+	for _, id := range ids {
+		e.memMu.Lock()
+		pr := e.draining[id]
+		delete(e.draining, id)
+		e.memMu.Unlock()
+		if pr == nil {
+			continue
+		}
+		if e.tracker != nil {
+			_ = e.tracker.Released(pr.host, uint64(pr.r.Len()))
+		}
+		n := pr.r.Len()
+		e.unmapRegion(pr)
+		e.stats.trimmedBytes.Add(n)
+	}
+	select {
+	case e.freed <- struct{}{}:
+	default:
+	}
+}
+
+func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
+	res := TrimResult{RequestedBytes: bytes}
+	if bytes <= 0 {
+		return res, nil
+	}
+	e.stats.trims.Add(1)
+	before := e.stats.trimmedBytes.Load()
+	e.memMu.Lock()
+	if e.draining == nil {
+		e.draining = map[kvcache.RegionID]*poolRegion{}
+	}
+	var picked []*poolRegion
+	var want int64
+	for i := len(e.regions) - 1; i >= 0 && want < bytes; i-- {
+		pr := e.regions[i]
+		picked = append(picked, pr)
+		want += pr.r.Len()
+	}
+	for _, pr := range picked {
+		e.regions = slices.DeleteFunc(e.regions, func(x *poolRegion) bool { return x == pr })
+		e.draining[pr.id] = pr
+		e.owned -= pr.r.Len()
+	}
+	e.memMu.Unlock()
+	cs := e.cache.Stats()
+	for _, pr := range picked {
+		if _, err := e.cache.RemoveRegion(pr.id); err != nil {
+			return res, err
+		}
+	}
+	res.EvictedBlocks = int(e.cache.Stats().Trimmed - cs.Trimmed)
+	res.Regions = len(picked)
+	e.kickReaper()
+	for {
+		e.memMu.Lock()
+		left := 0
+		for _, pr := range picked {
+			if e.draining[pr.id] != nil {
+				left++
+			}
+		}
+		e.memMu.Unlock()
+		if left == 0 {
+			break
+		}
+		select {
+		case <-e.freed:
+			e.kickReaper()
+		case <-ctx.Done():
+			res.FreedBytes = e.stats.trimmedBytes.Load() - before
+			res.PendingBytes = want - res.FreedBytes
+			return res, nil
+		}
+	}
+	res.FreedBytes = want
+	return res, nil
+}
+
+// autoTrim keeps owned bytes under MaxCachedBytes.
+func (e *Engine) autoTrim() {
+	if e.cfg.MaxCachedBytes <= 0 {
+		return
+	}
+	e.memMu.Lock()
+	over := e.owned - e.cfg.MaxCachedBytes
+	e.memMu.Unlock()
+	if over > 0 {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		_, _ = e.trim(ctx, over)
+	}
+}
+
+// stagingAlign is the alignment of staging buffers (a GPU cache line).
+const stagingAlign = 256
+
+func (e *Engine) staging(name string, bytes int64) (*Staging, error) {
+	if bytes <= 0 {
+		return nil, fmt.Errorf("%w: Staging %q of %d bytes: must be at least 1", ErrInvalidArgument, name, bytes)
+	}
+	e.memMu.Lock()
+	defer e.memMu.Unlock()
+	if s, ok := e.staged[name]; ok {
+		if s.size != bytes {
+			return nil, fmt.Errorf("%w: Staging %q exists with %d bytes, asked for %d", ErrInvalidArgument, name, s.size, bytes)
+		}
+		return s, nil
+	}
+	if e.stagingRegion == nil {
+		return nil, fmt.Errorf("%w: Staging %q: no staging region (Config.StagingBytes < 0)", ErrInsufficientMemory, name)
+	}
+	off := (e.stagingUsed + stagingAlign - 1) / stagingAlign * stagingAlign
+	total := e.stagingRegion.r.Len()
+	if off+bytes > total {
+		return nil, fmt.Errorf("%w: Staging %q of %d bytes: %d of %d staging bytes left (raise Config.StagingBytes)", ErrInsufficientMemory, name, bytes, total-off, total)
+	}
+	buf := e.stagingRegion.r.Bytes()[off : off+bytes : off+bytes]
+	addr := e.stagingRegion.r.Addr() + uintptr(off)
+	s := &Staging{name: name, addr: addr, dev: uint64(addr), size: bytes, buf: buf}
+	e.staged[name] = s
+	e.stagingUsed = off + bytes
+	return s, nil
+}
+
+func (e *Engine) shutdown() error {
+	e.closeMu.Lock()
+	defer e.closeMu.Unlock()
+	e.ops.Wait()
+	return e.teardown()
+}
+
+// teardown releases everything New built; used by Close and by a failed New.
+func (e *Engine) teardown() error {
+	e.growMu.Lock()
+	e.stopGrow = true
+	e.growCond.Broadcast()
+	e.growMu.Unlock()
+	if e.stopReap != nil {
+		close(e.stopReap)
+	}
+	e.wg.Wait()
+	var errs []error
+	if e.sched != nil {
+		errs = append(errs, e.sched.Close())
+	}
+	if e.cache != nil {
+		e.cache.Close()
+	}
+	e.memMu.Lock()
+	all := append([]*poolRegion(nil), e.regions...)
+	for _, pr := range e.draining {
+		all = append(all, pr)
+	}
+	if e.stagingRegion != nil {
+		all = append(all, e.stagingRegion)
+	}
+	e.regions, e.draining, e.stagingRegion, e.owned = nil, nil, nil, 0
+	e.memMu.Unlock()
+	for _, pr := range all {
+		e.unmapRegion(pr)
+	}
+	if e.denseAlloc != 0 {
+		errs = append(errs, e.sim.sim.MemFree(e.denseAlloc))
+	}
+	if e.ownSim && e.sim != nil {
+		errs = append(errs, e.sim.Close())
+	}
+	return errors.Join(errs...)
+}
