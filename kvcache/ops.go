@@ -488,7 +488,7 @@ func (c *Cache) rank(id SlotID) int {
 	s := &c.slots[id]
 	switch {
 	case s.state == stateLeased:
-		return 2
+		return NotAVictim
 	case s.children > 0:
 		return 1
 	}

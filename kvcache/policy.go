@@ -24,9 +24,15 @@ type Victim struct {
 
 // Rank tells a policy how good a victim a block is, lower is better: 0 a
 // ready block with no indexed child (a chain tail), 1 a ready block with an
-// indexed child (evicting it orphans the child), 2 a leased block (its
-// eviction is deferred until its last reader ends, so it frees nothing now).
+// indexed child (evicting it orphans the child), NotAVictim a leased block
+// (evicting it would free nothing now: a policy must not name it on demand).
 type Rank func(SlotID) int
+
+// NotAVictim is the Rank of a leased block.
+const NotAVictim = 2
+
+// lruScan bounds how many leased blocks a victim search steps over.
+const lruScan = 64
 
 // Policy advises the cache which ready blocks to keep. The slot pool is the
 // authority: a policy never frees or allocates anything, it only names
@@ -67,7 +73,7 @@ const lruWindow = 8
 
 // LRU is an exact least-recently-used policy. It admits every block and, when
 // asked for victims, takes the least recently used one of the lowest Rank
-// among the lruWindow least recent. It is deterministic: given the same calls
+// among the lruWindow least recent that are not leased. It is deterministic: given the same calls
 // it gives the same advice.
 type LRU struct {
 	// Doubly linked list through per-slot links; head is the most recent.
@@ -154,14 +160,22 @@ func (p *LRU) Removed(e Entry) {
 // Evictions implements Policy.
 func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	for ; need > 0 && p.tail >= 0; need-- {
-		best, bestRank := int32(-1), 1<<30
-		for i, n := p.tail, 0; i >= 0 && n < lruWindow; i, n = p.prev[i], n+1 {
-			if r := rank(SlotID(i)); r < bestRank {
+		best, bestRank := int32(-1), NotAVictim
+		for i, n, seen := p.tail, 0, 0; i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.prev[i], seen+1 {
+			r := rank(SlotID(i))
+			if r == NotAVictim {
+				continue
+			}
+			n++
+			if r < bestRank {
 				best, bestRank = i, r
 				if r == 0 {
 					break
 				}
 			}
+		}
+		if best < 0 {
+			break
 		}
 		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.gens[best]}})
 		p.unlink(best)
@@ -228,12 +242,15 @@ func (p *Random) remove(i int) {
 // Evictions implements Policy.
 func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	for ; need > 0 && len(p.entries) > 0; need-- {
-		best, bestRank := -1, 1<<30
-		for n := 0; n < lruWindow; n++ {
+		best, bestRank := -1, NotAVictim
+		for n := 0; n < lruScan && (n < lruWindow || best < 0); n++ {
 			i := p.rng.IntN(len(p.entries))
 			if r := rank(p.entries[i].Slot); r < bestRank {
 				best, bestRank = i, r
 			}
+		}
+		if best < 0 {
+			break
 		}
 		dst = append(dst, Victim{Entry: p.entries[best]})
 		p.remove(best)
