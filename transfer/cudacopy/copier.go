@@ -536,7 +536,8 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint
 			err = c.enqueue(s, b, fn, ck.kind, n, extra, done, warpsPerCTA)
 		}
 		if err != nil {
-			c.abandon(t, i)
+			// Buffer i's upload may have been enqueued: withdraw it too.
+			c.abandon(t, i+1)
 			return Ticket{}, err
 		}
 		done += n

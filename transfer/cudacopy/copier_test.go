@@ -1,0 +1,470 @@
+package cudacopy
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	mrand "math/rand/v2"
+	"runtime"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+)
+
+// fakePTX is any non-empty image: the fake driver interprets the kernels by
+// name.
+var fakePTX = []byte("// kvo kernels (interpreted by cudafake)")
+
+// openFake returns a fake driver with a context current on the locked test
+// thread; the test fails if anything is left live when it ends.
+func openFake(t *testing.T, opts cudafake.Options) *cudafake.Driver {
+	t.Helper()
+	opts.CheckContext = true
+	d := cudafake.New(opts)
+	runtime.LockOSThread()
+	ctx, err := d.PrimaryCtxRetain(0)
+	require.NoError(t, err)
+	require.NoError(t, d.CtxSetCurrent(ctx))
+	t.Cleanup(func() {
+		defer runtime.UnlockOSThread()
+		if !t.Failed() {
+			require.NoError(t, d.PrimaryCtxRelease(0))
+			require.True(t, d.Live().IsZero(), "leaked: %+v", d.Live())
+		}
+		require.NoError(t, d.Close())
+	})
+	return d
+}
+
+// hostMem is an mmap'd region registered with drv (DEVICEMAP, PORTABLE).
+func hostMem(t testing.TB, drv cuda.Driver, n uint64) []byte {
+	t.Helper()
+	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	p := unsafe.Pointer(&b[0])
+	require.NoError(t, drv.MemHostRegister(p, n, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
+	t.Cleanup(func() {
+		require.NoError(t, drv.MemHostUnregister(p))
+		require.NoError(t, unix.Munmap(b))
+	})
+	return b
+}
+
+func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
+
+func devMem(t testing.TB, drv cuda.Driver, n uint64) cuda.DevicePtr {
+	t.Helper()
+	p, err := drv.MemAlloc(n)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, drv.MemFree(p)) })
+	return p
+}
+
+func newCopier(t testing.TB, drv cuda.Driver, opts Options) *Copier {
+	t.Helper()
+	c, err := New(drv, 0, opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, c.Close()) })
+	return c
+}
+
+func newStream(t testing.TB, drv cuda.Driver) cuda.Stream {
+	t.Helper()
+	s, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, drv.StreamDestroy(s)) })
+	return s
+}
+
+// run submits segs, waits for an event after them and retires the ticket.
+func run(t testing.TB, drv cuda.Driver, c *Copier, s cuda.Stream, dir Direction, segs []Segment) {
+	t.Helper()
+	tk, err := c.Submit(s, dir, segs)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+}
+
+func waitRetire(t testing.TB, drv cuda.Driver, c *Copier, s cuda.Stream, tk Ticket) {
+	t.Helper()
+	e, err := drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, drv.EventDestroy(e)) }()
+	require.NoError(t, drv.EventRecord(e, s))
+	require.NoError(t, drv.EventSynchronize(e))
+	require.NoError(t, c.Retire(tk))
+}
+
+func poison(b []byte, v byte) {
+	for i := range b {
+		b[i] = v
+	}
+}
+
+// roundTrip copies random data host → device → host2 through c with the
+// layout's scattered segments, poisoning the device and host2 first, and
+// checks every byte.
+func roundTrip(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, l layout, seed uint64) {
+	t.Helper()
+	n := l.bytes()
+	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
+	dev := devMem(t, drv, n)
+	_, _ = rand.Read(src)
+	poison(dst, 0xEE)
+	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
+	require.NoError(t, drv.CtxSynchronize())
+	h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(seed, 1)))
+	run(t, drv, c, s, H2D, h2d)
+	run(t, drv, c, s, D2H, d2h)
+	if i := firstDiff(src, dst); i >= 0 {
+		t.Fatalf("%v via %v: byte %d differs: sent %#x, got %#x", l, c.Options().Method, i, src[i], dst[i])
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
+
+func TestSubmitRoundTripFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{MaxDelay: 50_000})
+	s := newStream(t, drv)
+	layouts := []layout{crossLayer(7, 4<<10), crossLayer(3, 80<<10), layerSeparate(5, 3, 4<<10), layerSeparate(2, 2, 48<<10)}
+	for _, m := range []Method{MethodMemcpy, MethodBatch, MethodKernel, MethodAuto} {
+		// Small descriptor buffers and chunks: batches span several launches.
+		c := newCopier(t, drv, Options{Method: m, PTX: fakePTX, DescCapacity: 5, ChunkBytes: 16 << 10, BatchMax: 4})
+		// No subtests: the context is current on this test's locked thread only.
+		for i, l := range layouts {
+			roundTrip(t, drv, c, s, l, uint64(i))
+		}
+	}
+}
+
+func TestSubmitDeviceToDeviceFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
+	const n = 64 << 10
+	a, b := devMem(t, drv, n), devMem(t, drv, n)
+	src, back := hostMem(t, drv, n), hostMem(t, drv, n)
+	_, _ = rand.Read(src)
+	require.NoError(t, drv.Memcpy(a, cuda.DevicePtr(addr(src)), n))
+	run(t, drv, c, s, D2D, []Segment{{Dst: uint64(b), Src: uint64(a) + n/2, Len: n / 2}, {Dst: uint64(b) + n/2, Src: uint64(a), Len: n / 2}})
+	require.NoError(t, drv.Memcpy(cuda.DevicePtr(addr(back)), b, n))
+	require.Equal(t, src[n/2:], back[:n/2])
+	require.Equal(t, src[:n/2], back[n/2:])
+}
+
+// Without CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM the kernel path needs the
+// host range registered with the Copier.
+func TestKernelNeedsHostRangeWithoutIdentity(t *testing.T) {
+	drv := openFake(t, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
+	require.False(t, c.Capabilities().HostPointerIdentity)
+	l := crossLayer(4, 4<<10)
+	n := l.bytes()
+	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
+	dev := devMem(t, drv, n)
+	h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(1, 2)))
+	_, err := c.Submit(s, H2D, h2d)
+	require.ErrorIs(t, err, ErrUnregisteredHost)
+
+	_, _ = rand.Read(src)
+	require.NoError(t, c.AddHostRange(uintptr(addr(src)), n))
+	require.NoError(t, c.AddHostRange(uintptr(addr(dst)), n))
+	require.ErrorIs(t, c.AddHostRange(uintptr(addr(dst))+16, 16), ErrInvalidOption, "overlap")
+	run(t, drv, c, s, H2D, h2d)
+	run(t, drv, c, s, D2H, d2h)
+	require.Equal(t, src, dst)
+	require.NoError(t, c.RemoveHostRange(uintptr(addr(src))))
+	require.ErrorIs(t, c.RemoveHostRange(uintptr(addr(src))), ErrInvalidOption)
+	_, err = c.Submit(s, H2D, h2d)
+	require.ErrorIs(t, err, ErrUnregisteredHost)
+	require.NoError(t, c.RemoveHostRange(uintptr(addr(dst))))
+}
+
+func TestFillAndChecksumFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{PTX: fakePTX, ChunkBytes: 4096, DescCapacity: 3})
+	const n = 40 << 10
+	dev := devMem(t, drv, n)
+	out := devMem(t, drv, 8*4)
+	fills := []FillSegment{{Dst: uint64(dev), Len: 10 << 10, Seed: 1}, {Dst: uint64(dev) + 10<<10, Len: 30 << 10, Seed: 1 << 40}}
+	tk, err := c.Fill(s, fills, 1000)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+	spans := []Span{{Addr: uint64(dev), Len: 10 << 10}, {Addr: uint64(dev) + 10<<10, Len: 30 << 10}, {Addr: uint64(dev), Len: 8}, {Addr: uint64(dev), Len: n}}
+	tk, err = c.Checksum(s, spans, out)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+
+	host := hostMem(t, drv, n+32)
+	require.NoError(t, drv.Memcpy(cuda.DevicePtr(addr(host)), dev, n))
+	require.NoError(t, drv.Memcpy(cuda.DevicePtr(addr(host)+n), out, 32))
+	want := make([]byte, n)
+	FillPattern(1, want[:10<<10])
+	FillPattern(1<<40, want[10<<10:])
+	require.Equal(t, want, host[:n])
+	for i, sp := range spans {
+		off := sp.Addr - uint64(dev)
+		require.Equal(t, HostChecksum(want[off:off+sp.Len]), binary.LittleEndian.Uint64(host[n+8*i:]), "span %d", i)
+	}
+
+	_, err = c.Fill(s, []FillSegment{{Dst: uint64(dev), Len: 12}}, 0)
+	require.ErrorIs(t, err, ErrMisaligned)
+	_, err = c.Checksum(s, spans, out+4)
+	require.ErrorIs(t, err, ErrMisaligned)
+	_, err = c.Checksum(s, nil, out)
+	require.ErrorIs(t, err, ErrInvalidSegment)
+	_, err = c.Fill(s, []FillSegment{{Dst: 0, Len: 8}}, 0)
+	require.ErrorIs(t, err, ErrInvalidSegment)
+}
+
+func TestNewErrors(t *testing.T) {
+	drv := openFake(t, cudafake.Options{NoMemcpyBatch: true})
+	tests := []struct {
+		name string
+		opts Options
+		want error
+	}{
+		{"batch forced without the API", Options{Method: MethodBatch, PTX: fakePTX}, ErrUnavailable},
+		{"too many CTAs", Options{CTAs: 133, PTX: fakePTX}, ErrInvalidOption},
+		{"threads not a warp multiple", Options{Threads: 100, PTX: fakePTX}, ErrInvalidOption},
+		{"chunk too small", Options{ChunkBytes: 256, PTX: fakePTX}, ErrInvalidOption},
+		{"chunk misaligned", Options{ChunkBytes: 4100, PTX: fakePTX}, ErrInvalidOption},
+		{"bad method", Options{Method: 9}, ErrInvalidOption},
+		{"bad calibration", Options{Calibration: &Calibration{Entries: []Measurement{{}}}}, ErrInvalidOption},
+		{"bad calibration sizes", Options{Calibrate: CalibrationConfig{TotalBytes: 4096, SegSizes: []uint64{8192}}}, ErrInvalidOption},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := New(drv, 0, tc.opts)
+			require.ErrorIs(t, err, tc.want)
+		})
+	}
+	// A module that does not load makes a forced kernel an error...
+	drv.FailAt(cuda.OpModuleLoadData, drv.Calls(cuda.OpModuleLoadData)+1, cuda.ErrorInvalidImage)
+	_, err := New(drv, 0, Options{Method: MethodKernel})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.True(t, cuda.IsCode(err, cuda.ErrorInvalidImage), "%v", err)
+	// ...and otherwise leaves the Copier to the DMA methods.
+	drv.FailAt(cuda.OpModuleLoadData, drv.Calls(cuda.OpModuleLoadData)+1, cuda.ErrorInvalidImage)
+	c := newCopier(t, drv, Options{})
+	caps := c.Capabilities()
+	require.False(t, caps.Kernel)
+	require.False(t, caps.Batch)
+	require.Contains(t, caps.KernelError, "CUDA_ERROR_INVALID_IMAGE")
+	require.Equal(t, MethodMemcpy, c.Choose(H2D, segsOf(8, 4096, 0)))
+	_, err = c.Fill(0, []FillSegment{{Dst: 8, Len: 8}}, 0)
+	require.ErrorIs(t, err, ErrUnavailable)
+}
+
+func TestSubmitValidationEnqueuesNothing(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
+	auto := newCopier(t, drv, Options{PTX: fakePTX})
+	before := drv.Calls(cuda.OpMemcpyAsync) + drv.Calls(cuda.OpLaunchKernel)
+	good := Segment{Dst: 0x10000, Src: 0x20000, Len: 4096}
+	for _, tc := range []struct {
+		c    *Copier
+		dir  Direction
+		segs []Segment
+		want error
+	}{
+		{c, H2D, nil, ErrInvalidSegment},
+		{c, H2D, []Segment{good, {Dst: 0x10000, Src: 0x20000}}, ErrInvalidSegment},
+		{c, H2D, []Segment{good, {Dst: 0x10008, Src: 0x20000, Len: 4096}}, ErrMisaligned},
+		{c, Direction(0), []Segment{good}, ErrInvalidOption},
+		{auto, D2H, []Segment{good, {Src: 0x10000, Len: 8}}, ErrInvalidSegment},
+	} {
+		_, err := tc.c.Submit(s, tc.dir, tc.segs)
+		require.ErrorIs(t, err, tc.want)
+	}
+	require.Equal(t, before, drv.Calls(cuda.OpMemcpyAsync)+drv.Calls(cuda.OpLaunchKernel))
+}
+
+func TestTicketsAndClose(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c, err := New(drv, 0, Options{Method: MethodKernel, PTX: fakePTX, DescBuffers: 1, DescCapacity: 2})
+	require.NoError(t, err)
+	l := crossLayer(5, 4096)
+	src, dst := hostMem(t, drv, l.bytes()), hostMem(t, drv, l.bytes())
+	dev := devMem(t, drv, l.bytes())
+	h2d, _ := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(3, 4)))
+
+	t1, err := c.Submit(s, H2D, h2d) // 5 descriptors: 3 buffers, 2 allocated on demand
+	require.NoError(t, err)
+	require.True(t, t1.Holds())
+	t2, err := c.Submit(s, H2D, h2d[:1])
+	require.NoError(t, err)
+	require.ErrorIs(t, c.Close(), ErrInFlight)
+	require.NoError(t, drv.StreamSynchronize(s))
+	require.NoError(t, c.Retire(t1))
+	require.ErrorIs(t, c.Retire(t1), ErrStaleTicket)
+	require.ErrorIs(t, c.Retire(Ticket{idx: 99}), ErrStaleTicket)
+	require.NoError(t, c.Retire(Ticket{}), "the zero ticket holds nothing")
+	// A reused record has a new generation: the old ticket stays stale.
+	t3, err := c.Submit(s, H2D, h2d[:1])
+	require.NoError(t, err)
+	require.NoError(t, drv.StreamSynchronize(s))
+	require.ErrorIs(t, c.Retire(t1), ErrStaleTicket)
+	require.NoError(t, c.Retire(t2))
+	require.NoError(t, c.Retire(t3))
+	require.NoError(t, c.Close())
+	require.NoError(t, c.Close(), "Close is idempotent")
+	_, err = c.Submit(s, H2D, h2d)
+	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, c.AddHostRange(0x1000, 4096), ErrClosed)
+}
+
+// A launch that fails part-way returns the zero Ticket; the buffers enqueued
+// work may still read are withdrawn, the rest go back, and later batches
+// run on fresh buffers.
+func TestLaunchFailureWithdrawsBuffers(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX, DescBuffers: 3, DescCapacity: 2})
+	l := crossLayer(6, 4096)
+	src, dst := hostMem(t, drv, l.bytes()), hostMem(t, drv, l.bytes())
+	dev := devMem(t, drv, l.bytes())
+	h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(5, 6)))
+	drv.FailAt(cuda.OpLaunchKernel, 2, cuda.ErrorInvalidValue)
+	tk, err := c.Submit(s, H2D, h2d)
+	require.True(t, cuda.IsCode(err, cuda.ErrorInvalidValue), "%v", err)
+	require.False(t, tk.Holds())
+	require.NoError(t, drv.StreamSynchronize(s))
+	c.mu.Lock()
+	free, all := len(c.free), len(c.all)
+	c.mu.Unlock()
+	require.Equal(t, 3, all)
+	require.Equal(t, 1, free, "two buffers had work enqueued")
+
+	_, _ = rand.Read(src)
+	run(t, drv, c, s, H2D, h2d)
+	run(t, drv, c, s, D2H, d2h)
+	require.Equal(t, src, dst)
+
+	drv.FailAt(cuda.OpMemcpyAsync, drv.Calls(cuda.OpMemcpyAsync)+1, cuda.ErrorInvalidValue)
+	_, err = c.Submit(s, H2D, h2d)
+	require.Error(t, err)
+	drv.FailAt(cuda.OpMemHostAlloc, drv.Calls(cuda.OpMemHostAlloc)+1, cuda.ErrorOutOfMemory)
+	_, err = c.Submit(s, H2D, h2d)
+	require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%v", err)
+	require.NoError(t, drv.StreamSynchronize(s))
+}
+
+func TestMemcpyAndBatchErrorsName(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	l := crossLayer(4, 4096)
+	src, dst := hostMem(t, drv, l.bytes()), hostMem(t, drv, l.bytes())
+	dev := devMem(t, drv, l.bytes())
+	h2d, _ := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(7, 8)))
+	mc := newCopier(t, drv, Options{Method: MethodMemcpy})
+	drv.FailAt(cuda.OpMemcpyAsync, drv.Calls(cuda.OpMemcpyAsync)+3, cuda.ErrorInvalidValue)
+	_, err := mc.Submit(s, H2D, h2d)
+	require.ErrorContains(t, err, "segment 2 of 4")
+	bc := newCopier(t, drv, Options{Method: MethodBatch, BatchMax: 3})
+	drv.FailAt(cuda.OpMemcpyBatchAsync, drv.Calls(cuda.OpMemcpyBatchAsync)+2, cuda.ErrorInvalidValue)
+	_, err = bc.Submit(s, H2D, h2d)
+	require.ErrorContains(t, err, "segments [3, 4) of 4")
+	require.NoError(t, drv.StreamSynchronize(s))
+}
+
+func TestCalibrateFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s := newStream(t, drv)
+	c := newCopier(t, drv, Options{PTX: fakePTX, Calibrate: CalibrationConfig{TotalBytes: 64 << 10, SegSizes: []uint64{4 << 10, 16 << 10}, Reps: 1}})
+	require.Nil(t, c.Calibration())
+	cal, err := c.Calibrate(s)
+	require.NoError(t, err)
+	require.Len(t, cal.Entries, 2*2*3, "2 directions x 2 sizes x 3 methods")
+	require.NoError(t, cal.Validate())
+	for _, e := range cal.Entries {
+		require.Positive(t, e.GBps)
+	}
+	require.Same(t, cal, c.Calibration())
+	m := c.Choose(H2D, segsOf(16, 4<<10, 0))
+	require.NotEqual(t, MethodAuto, m)
+	require.NoError(t, c.SetCalibration(nil))
+	require.Equal(t, MethodKernel, c.Choose(H2D, segsOf(16, 4<<10, 0)))
+	require.ErrorIs(t, c.SetCalibration(&Calibration{Entries: []Measurement{{Dir: 5}}}), ErrInvalidOption)
+}
+
+// nullDriver accepts every call the copy paths make and does nothing, so
+// that allocation counts measure the Copier alone.
+type nullDriver struct {
+	cuda.Driver
+	bufs [][]byte
+}
+
+func (d *nullDriver) DeviceAttribute(a cuda.Attribute, _ cuda.Device) (int, error) {
+	if a == cuda.AttrMultiprocessorCount {
+		return 132, nil
+	}
+	return 1, nil
+}
+func (d *nullDriver) HasMemcpyBatch() bool                                         { return true }
+func (d *nullDriver) ModuleLoadData([]byte) (cuda.Module, error)                   { return 1, nil }
+func (d *nullDriver) ModuleGetFunction(cuda.Module, string) (cuda.Function, error) { return 2, nil }
+func (d *nullDriver) ModuleUnload(cuda.Module) error                               { return nil }
+func (d *nullDriver) MemHostAlloc(n uint64, _ uint32) (unsafe.Pointer, error) {
+	b := make([]byte, n)
+	d.bufs = append(d.bufs, b)
+	return unsafe.Pointer(&b[0]), nil
+}
+func (d *nullDriver) MemFreeHost(unsafe.Pointer) error        { return nil }
+func (d *nullDriver) MemAlloc(uint64) (cuda.DevicePtr, error) { return 0x7000000, nil }
+func (d *nullDriver) MemFree(cuda.DevicePtr) error            { return nil }
+func (d *nullDriver) MemcpyAsync(_, _ cuda.DevicePtr, _ uint64, _ cuda.Stream) error {
+	return nil
+}
+func (d *nullDriver) MemcpyBatchAsync([]cuda.BatchCopy, cuda.Stream) error { return nil }
+func (d *nullDriver) LaunchKernel(cuda.Function, cuda.Dim3, cuda.Dim3, uint32, cuda.Stream, ...[]byte) error {
+	return nil
+}
+
+// Steady-state Submit and Retire allocate nothing, for every method.
+func TestSubmitDoesNotAllocate(t *testing.T) {
+	if raceEnabled {
+		t.Skip("sync.Pool drops items at random under -race")
+	}
+	segs := segsOf(300, 4096, 0)
+	for _, m := range []Method{MethodMemcpy, MethodBatch, MethodKernel, MethodAuto} {
+		c, err := New(&nullDriver{}, 0, Options{Method: m, DescCapacity: 128, PTX: fakePTX, BatchMax: 64, Calibration: anchorTable()})
+		require.NoError(t, err)
+		var failed error
+		allocs := testing.AllocsPerRun(20, func() {
+			tk, err := c.Submit(1, H2D, segs)
+			failed = errors.Join(failed, err, c.Retire(tk))
+		})
+		require.NoError(t, failed)
+		require.Zero(t, allocs, "method %v", m)
+		require.NoError(t, c.Close())
+	}
+}
+
+// The embedded PTX, when present, holds the kernels New looks up.
+func TestEmbeddedPTX(t *testing.T) {
+	b, err := PTX()
+	if err != nil {
+		require.ErrorIs(t, err, ErrUnavailable)
+		return
+	}
+	for _, k := range []string{"kvo_copy", "kvo_fill", "kvo_checksum"} {
+		require.Contains(t, string(b), ".entry "+k+"(")
+	}
+	require.Contains(t, string(b), ".target sm_80")
+}

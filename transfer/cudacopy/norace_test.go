@@ -1,0 +1,5 @@
+//go:build !race
+
+package cudacopy
+
+const raceEnabled = false
