@@ -1,0 +1,34 @@
+// Package cuda is the CUDA driver API as the engine uses it: a Driver
+// interface, typed errors, and a binding that loads libcuda.so.1 at run time
+// with dlopen/dlsym (cgo, no CUDA headers, toolkit or link-time dependency).
+// Nothing outside internal/cuda, register and transfer sees these types.
+//
+// Loading. Load opens libcuda.so.1 (RTLD_NOW|RTLD_LOCAL), binds every
+// required entry point by its versioned symbol (cuMemHostRegister_v2,
+// cuMemAlloc_v2, ...), probes the optional cuMemcpyBatchAsync (drivers ≥
+// 12.8; HasMemcpyBatch reports it) and calls cuInit(0). A missing library or
+// required symbol, a failing cuInit, or a build with CGO_ENABLED=0 is an
+// error wrapping ErrNoDriver that names the library or symbol. All dl calls
+// run on a locked OS thread because dlerror is thread-local.
+//
+// Errors. Every failed call returns an *Error with the function (the Op*
+// constants), the CUresult and the driver's name and text for it (a built-in
+// table when the driver cannot say). IsCode and IsSticky classify them;
+// sticky errors mean the context is unusable.
+//
+// Threads and contexts. The driver binds the current context and the
+// stream-capture mode to the OS thread, and Go moves goroutines between
+// threads. A goroutine that calls the driver must therefore lock its thread
+// and make the context current first: OnThread does both for one function,
+// and Thread keeps a locked goroutine for repeated work. Both also set the
+// thread's capture mode to relaxed, so that the engine's driver calls never
+// invalidate a CUDA graph that the serving stack captures in global mode.
+//
+// Memory. The binding keeps all C memory handling inside this package:
+// kernel parameters and batch-copy arrays are copied into C memory for the
+// duration of the call, so no Go pointer reaches the driver, and handles
+// are plain integers.
+//
+// Tests use internal/cuda/cudafake (a simulation with fault injection) or
+// internal/cuda/cudatest (the real driver, or a skip).
+package cuda
