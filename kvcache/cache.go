@@ -347,13 +347,16 @@ func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 	}
 	rr.draining = true
 	c.usable -= int(rr.n)
+	// Free slots leave the free list first: evicting the others may finish
+	// the drain, which retires every slot of the region.
 	for i := rr.first; i < rr.first+rr.n; i++ {
-		s := &c.slots[i]
-		switch s.state {
-		case stateFree:
+		if s := &c.slots[i]; s.state == stateFree {
 			c.unlinkFree(i)
 			c.setState(s, stateRetired)
-		case stateWriting, stateReady, stateLeased:
+		}
+	}
+	for i := rr.first; i < rr.first+rr.n; i++ {
+		if c.slots[i].indexed() {
 			c.evict(i, &c.st.Trimmed, true)
 		}
 	}

@@ -1,0 +1,207 @@
+package kvcache
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
+)
+
+// propModel drives a Cache with random operations and checks, after every
+// step, Verify plus what only the caller can see: handles it holds.
+type propModel struct {
+	c       *Cache
+	writing []Slot // BeginStore slots not yet completed
+	loads   []Slot // BeginLoad slots not yet ended
+	leases  []Slot // LookupLease slots not yet unleased
+	regions map[RegionID]bool
+	nextRgn RegionID
+	base    uintptr
+}
+
+const propKeys = 48
+
+func (m *propModel) keyChain(t *rapid.T) ([]Key, []int) {
+	start := rapid.IntRange(0, propKeys-1).Draw(t, "start")
+	n := rapid.IntRange(0, 6).Draw(t, "n")
+	var ks []Key
+	var ids []int
+	for i := 0; i < n && start+i < propKeys; i++ {
+		ks = append(ks, key(start+i))
+		ids = append(ids, start+i)
+	}
+	return ks, ids
+}
+
+func (m *propModel) outstanding(id SlotID) bool {
+	for _, l := range [][]Slot{m.writing, m.loads} {
+		for _, s := range l {
+			if s.ID == id {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func pick(t *rapid.T, l *[]Slot, label string) (Slot, bool) {
+	if len(*l) == 0 {
+		return Slot{}, false
+	}
+	i := rapid.IntRange(0, len(*l)-1).Draw(t, label)
+	s := (*l)[i]
+	*l = append((*l)[:i], (*l)[i+1:]...)
+	return s, true
+}
+
+func (m *propModel) addRegion(t *rapid.T) {
+	slots := rapid.IntRange(1, 6).Draw(t, "regionSlots")
+	r := Region{ID: m.nextRgn, Base: m.base, Size: uint64(slots) * 256}
+	m.nextRgn++
+	m.base += 1 << 20
+	n, err := m.c.AddRegion(r)
+	require.NoError(t, err)
+	require.Equal(t, slots, n)
+	m.regions[r.ID] = true
+}
+
+func TestPropertyStateMachine(t *testing.T) {
+	layout := tinyLayout(t, propKeys)
+	rapid.Check(t, func(t *rapid.T) {
+		var p Policy = NewRandom(rapid.Uint64().Draw(t, "seed"))
+		if rapid.Bool().Draw(t, "lru") {
+			p = NewLRU()
+		}
+		c, err := New(Config{
+			Layout: layout, SlotAlign: 256, Policy: p,
+			LowWatermark:   rapid.IntRange(0, 2).Draw(t, "watermark"),
+			StoreThreshold: rapid.IntRange(0, 2).Draw(t, "threshold"),
+		})
+		require.NoError(t, err)
+		defer c.Close()
+		m := &propModel{c: c, regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20}
+		m.addRegion(t)
+
+		t.Repeat(map[string]func(*rapid.T){
+			"store": func(t *rapid.T) {
+				ks, ids := m.keyChain(t)
+				before := c.Stats()
+				if len(ks) > 1 && rapid.IntRange(0, 9).Draw(t, "bad") == 0 {
+					// Bad input: a duplicate key, a short id slice, an id out of range.
+					switch rapid.IntRange(0, 2).Draw(t, "kind") {
+					case 0:
+						ks[len(ks)-1] = ks[0]
+					case 1:
+						ids = ids[1:]
+					default:
+						ids[0] = propKeys
+					}
+					_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: ids}, nil)
+					require.True(t, isAny(err, ErrDuplicate, ErrLengthMismatch, ErrBlockID), "err %v", err)
+					require.Equal(t, before, c.Stats())
+					return
+				}
+				res, err := c.BeginStore(StoreRequest{Namespace: Namespace(rapid.IntRange(0, 1).Draw(t, "ns")), Keys: ks, BlockIDs: ids}, nil)
+				require.NoError(t, err)
+				require.Len(t, res, len(ks))
+				for _, r := range res {
+					if r.Outcome == StoreWrite {
+						require.False(t, m.outstanding(r.Slot.ID), "slot %d reused while a transfer is outstanding", r.Slot.ID)
+						require.True(t, m.regions[r.Slot.Region], "slot in region %d that is not in the pool", r.Slot.Region)
+						m.writing = append(m.writing, r.Slot)
+					}
+				}
+			},
+			"complete": func(t *rapid.T) {
+				if s, ok := pick(t, &m.writing, "w"); ok {
+					var err error
+					if rapid.IntRange(0, 3).Draw(t, "fail") == 0 {
+						err = errors.New("copy failed")
+					}
+					require.NoError(t, c.CompleteStore([]Slot{s}, err))
+					require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), ErrStaleSlot)
+				}
+			},
+			"lookup": func(t *rapid.T) {
+				ks, _ := m.keyChain(t)
+				if rapid.Bool().Draw(t, "lease") {
+					n, l := c.LookupLease(ks, nil)
+					require.Len(t, l, n)
+					m.leases = append(m.leases, l...)
+				} else {
+					require.LessOrEqual(t, c.Lookup(ks), len(ks))
+				}
+			},
+			"unlease": func(t *rapid.T) {
+				if s, ok := pick(t, &m.leases, "l"); ok {
+					require.NoError(t, c.Unlease([]Slot{s}))
+				}
+			},
+			"beginLoad": func(t *rapid.T) {
+				ks, ids := m.keyChain(t)
+				res, err := c.BeginLoad(ks, ids, nil)
+				require.NoError(t, err)
+				for _, r := range res {
+					if r.Found {
+						m.loads = append(m.loads, r.Slot)
+					}
+				}
+			},
+			"endLoad": func(t *rapid.T) {
+				if s, ok := pick(t, &m.loads, "e"); ok {
+					require.NoError(t, c.EndLoad([]Slot{s}))
+				}
+			},
+			"evict": func(t *rapid.T) {
+				n := rapid.IntRange(1, 4).Draw(t, "evict")
+				c.mu.Lock()
+				c.maintain(n + c.nFree)
+				c.mu.Unlock()
+			},
+			"delete": func(t *rapid.T) {
+				ks, _ := m.keyChain(t)
+				c.Delete(ks)
+			},
+			"clear": func(t *rapid.T) {
+				c.Clear(Namespace(rapid.IntRange(0, 1).Draw(t, "ns")))
+			},
+			"addRegion": func(t *rapid.T) {
+				if len(m.regions) < 4 {
+					m.addRegion(t)
+				}
+			},
+			"trim": func(t *rapid.T) {
+				var ids []RegionID
+				for id := range m.regions {
+					ids = append(ids, id)
+				}
+				if len(ids) == 0 {
+					return
+				}
+				id := rapid.SampledFrom(ids).Draw(t, "region")
+				if _, err := c.RemoveRegion(id); err != nil {
+					require.ErrorIs(t, err, ErrUnknownRegion) // already draining
+				}
+			},
+			"releasable": func(t *rapid.T) {
+				for _, id := range c.TakeReleasable(nil) {
+					require.True(t, m.regions[id])
+					for _, l := range [][]Slot{m.writing, m.loads, m.leases} {
+						for _, s := range l {
+							require.NotEqual(t, id, s.Region, "region %d released with a handle outstanding", id)
+						}
+					}
+					delete(m.regions, id)
+				}
+			},
+			"": func(t *rapid.T) {
+				require.NoError(t, c.Verify())
+				st := c.Stats()
+				require.Equal(t, len(m.writing), st.StoresInFlight)
+				require.LessOrEqual(t, st.Writing+st.Ready+st.Leased, st.Slots+st.Releasing)
+				require.GreaterOrEqual(t, st.Free, 0)
+			},
+		})
+	})
+}
