@@ -196,6 +196,13 @@ func TestFillAndChecksumFake(t *testing.T) {
 	drv := openFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{PTX: fakePTX, ChunkBytes: 4096, DescCapacity: 3})
+	fillAndChecksum(t, drv, c, s)
+}
+
+// fillAndChecksum fills two device ranges with kvo_fill (split in chunks and
+// launches), checksums four spans with kvo_checksum and compares both with
+// FillPattern and HostChecksum; then checks the helpers' input validation.
+func fillAndChecksum(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream) {
 	const n = 40 << 10
 	dev := devMem(t, drv, n)
 	out := devMem(t, drv, 8*4)

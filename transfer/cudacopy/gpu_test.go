@@ -1,0 +1,82 @@
+package cudacopy
+
+import (
+	mrand "math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+)
+
+// GPU tests: they skip without a driver (fail with KVO_REQUIRE_GPU=1).
+// Subtests are not used: the context is current on the test's locked thread.
+
+func TestGPUPTXLoads(t *testing.T) {
+	g := cudatest.Open(t)
+	c := newCopier(t, g.Drv, Options{Method: MethodKernel})
+	caps := c.Capabilities()
+	require.True(t, caps.Kernel, caps.KernelError)
+	t.Logf("capabilities: %+v", caps)
+}
+
+// gpuLayouts are both layouts at every segment size from 4 KiB to 2 MiB,
+// about 16 MiB each.
+func gpuLayouts() []layout {
+	var ls []layout
+	for _, size := range DefaultSegSizes {
+		ls = append(ls, crossLayer(max(4, int((16<<20)/size)), size), layerSeparate(max(2, int((16<<20)/(8*size))), 4, size))
+	}
+	return ls
+}
+
+func TestGPURoundTrip(t *testing.T) {
+	g := cudatest.Open(t)
+	s := newStream(t, g.Drv)
+	methods := []Method{MethodMemcpy, MethodKernel, MethodAuto}
+	if g.Drv.HasMemcpyBatch() {
+		methods = append(methods, MethodBatch)
+	} else {
+		t.Log("driver has no cuMemcpyBatchAsync: batch method not tested")
+	}
+	for _, m := range methods {
+		c := newCopier(t, g.Drv, Options{Method: m, Calibrate: CalibrationConfig{TotalBytes: 8 << 20}})
+		if m == MethodAuto {
+			cal, err := c.Calibrate(s)
+			require.NoError(t, err)
+			t.Logf("calibration:\n%s", cal.Markdown())
+		}
+		for i, l := range gpuLayouts() {
+			roundTrip(t, g.Drv, c, s, l, uint64(i))
+			if m == MethodAuto {
+				h2d, d2h := l.segments(1<<20, 1<<40, 1<<41, mrand.New(mrand.NewPCG(1, 1)))
+				t.Logf("auto %v: h2d %v, d2h %v", l, c.Choose(H2D, h2d), c.Choose(D2H, d2h))
+			}
+		}
+	}
+}
+
+// Misaligned segments through MethodAuto take a DMA method and arrive intact.
+func TestGPUMisalignedAuto(t *testing.T) {
+	g := cudatest.Open(t)
+	s := newStream(t, g.Drv)
+	c := newCopier(t, g.Drv, Options{})
+	roundTrip(t, g.Drv, c, s, crossLayer(64, 4100), 9)
+}
+
+func TestGPUFillAndChecksum(t *testing.T) {
+	g := cudatest.Open(t)
+	s := newStream(t, g.Drv)
+	c := newCopier(t, g.Drv, Options{ChunkBytes: 4096, DescCapacity: 3})
+	fillAndChecksum(t, g.Drv, c, s)
+}
+
+func TestGPUCalibrate(t *testing.T) {
+	g := cudatest.Open(t)
+	s := newStream(t, g.Drv)
+	c := newCopier(t, g.Drv, Options{})
+	cal, err := c.Calibrate(s)
+	require.NoError(t, err)
+	require.NoError(t, cal.Validate())
+	t.Logf("calibration (%d CTAs, %s per point):\n%s", cal.CTAs, FormatBytes(cal.TotalBytes), cal.Markdown())
+}
