@@ -1,0 +1,26 @@
+// Package register pins regions (package mmapmem) so that DMA engines can
+// read and write them: CUDA registers them with cuMemHostRegister_v2, Host
+// locks them with mlock(2), and None pins nothing, for development machines
+// where an ordinary user cannot lock much memory. All three implement Pinner.
+//
+// Invariants:
+//   - register, not mmapmem, knows which regions are registered: a Pinner
+//     tracks the regions it pinned and reports their registration ranges.
+//   - A registered region cannot be closed. Register takes a hold on the
+//     region (mmapmem.Region.Hold), so Region.Close fails with
+//     mmapmem.ErrHeld until Unregister; Release unregisters and closes.
+//   - A region is registered in ranges of at most the pinner's range limit
+//     (64 GiB by default for CUDA: one cuMemHostRegister of hundreds of GiB
+//     has been seen to fail). Ranges reports them; a slot must never
+//     straddle two ranges.
+//   - A failed Register leaves nothing registered: when range k fails,
+//     ranges 0..k-1 are unregistered again and the error (*RangeError) names
+//     range k, its offset and size, and the driver's reason.
+//   - CUDA calls run on a locked OS thread with the pinner's context current
+//     and CU_STREAM_CAPTURE_MODE_RELAXED set (the previous mode restored
+//     afterwards), so pinning never breaks a serving stack's graph capture
+//     on another thread.
+//
+// Pinners are safe for concurrent use. Registering a region takes seconds
+// for tens of GiB; Stats, Registered and Ranges do not wait for it.
+package register
