@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
@@ -75,29 +74,8 @@ func NewCUDA(drv cuda.Driver, ctx cuda.Context, opts CUDAOptions) (*CUDA, error)
 	return c, nil
 }
 
-// onThread runs fn on the calling goroutine locked to its OS thread, with
-// the pinner's context current and the stream capture mode relaxed; the
-// previous capture mode is restored afterwards.
-func (c *CUDA) onThread(fn func() error) (err error) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	if err := c.drv.CtxSetCurrent(c.ctx); err != nil {
-		return fmt.Errorf("register: cuda: make context current: %w", err)
-	}
-	prev, err := c.drv.ThreadExchangeStreamCaptureMode(cuda.CaptureModeRelaxed)
-	if err != nil {
-		return fmt.Errorf("register: cuda: relax stream capture mode: %w", err)
-	}
-	defer func() {
-		if _, rerr := c.drv.ThreadExchangeStreamCaptureMode(prev); rerr != nil {
-			err = errors.Join(err, fmt.Errorf("register: cuda: restore stream capture mode %d: %w", prev, rerr))
-		}
-	}()
-	return fn()
-}
-
 func (c *CUDA) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error) {
-	err = c.onThread(func() error {
+	err = cuda.OnThread(c.drv, c.ctx, func() error {
 		for k, rg := range ranges {
 			rerr := c.drv.MemHostRegister(unsafe.Add(r.Pointer(), rg.Off), uint64(rg.Len), RegisterFlags)
 			if rerr == nil {
@@ -119,7 +97,7 @@ func (c *CUDA) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error
 
 func (c *CUDA) unpin(r *mmapmem.Region, ranges []Range) (left []Range, err error) {
 	left = ranges
-	err = c.onThread(func() error {
+	err = cuda.OnThread(c.drv, c.ctx, func() error {
 		var uerr error
 		left, uerr = c.unpinLocked(r, ranges)
 		return uerr
