@@ -158,6 +158,7 @@ type Cache struct {
 	counts     [stateRetired]int // slots per state, retired ones not counted
 
 	victims []Victim         // scratch for maintain
+	found   []int32          // scratch: slots of a call's keys
 	dupKeys map[Key]struct{} // scratch for duplicate checks
 	dupIDs  map[int]struct{}
 	dupSlot map[SlotID]int32

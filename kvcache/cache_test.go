@@ -206,9 +206,18 @@ func TestBadInputLeavesNoState(t *testing.T) {
 		msg  string
 	}{
 		{"store length", func() error { _, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: ids[:2]}, nil); return err }, ErrLengthMismatch, "3 keys, 2 block ids"},
-		{"store dup", func() error { _, err := c.BeginStore(StoreRequest{Keys: dup, BlockIDs: []int{1, 2, 3}}, nil); return err }, ErrDuplicate, "at index 2"},
-		{"store block id", func() error { _, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{1, 16, 2}}, nil); return err }, ErrBlockID, "block id 16, layout has 16 blocks"},
-		{"store negative id", func() error { _, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{-1, 2, 3}}, nil); return err }, ErrBlockID, "block id -1"},
+		{"store dup", func() error {
+			_, err := c.BeginStore(StoreRequest{Keys: dup, BlockIDs: []int{1, 2, 3}}, nil)
+			return err
+		}, ErrDuplicate, "at index 2"},
+		{"store block id", func() error {
+			_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{1, 16, 2}}, nil)
+			return err
+		}, ErrBlockID, "block id 16, layout has 16 blocks"},
+		{"store negative id", func() error {
+			_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{-1, 2, 3}}, nil)
+			return err
+		}, ErrBlockID, "block id -1"},
 		{"load length", func() error { _, err := c.BeginLoad(ks, nil, nil); return err }, ErrLengthMismatch, "3 keys, 0 block ids"},
 		{"load dup key", func() error { _, err := c.BeginLoad(dup, []int{1, 2, 3}, nil); return err }, ErrDuplicate, "key"},
 		{"load dup block", func() error { _, err := c.BeginLoad(ks, []int{1, 2, 1}, nil); return err }, ErrDuplicate, "block id 1 at index 2"},

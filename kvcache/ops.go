@@ -76,10 +76,14 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 		return dst, err
 	}
 	need := 0
+	c.found = c.found[:0]
 	for _, k := range req.Keys {
-		if _, ok := c.index[k]; !ok {
+		i, ok := c.index[k]
+		if !ok {
+			i = -1
 			need++
 		}
+		c.found = append(c.found, i)
 	}
 	c.maintain(need)
 	parent, parentGen := int32(-1), uint32(0)
@@ -90,7 +94,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 	for j, k := range req.Keys {
 		c.st.StoreKeys++
 		r := StoreResult{BlockID: req.BlockIDs[j]}
-		if i, ok := c.index[k]; ok {
+		if i := c.found[j]; i >= 0 && c.slots[i].key == k && c.slots[i].indexed() {
 			r.Outcome = StorePresent
 			c.st.StorePresent++
 			parent, parentGen = i, c.slots[i].gen
@@ -229,11 +233,13 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 		return 0, dst
 	}
 	n := 0
+	c.found = c.found[:0]
 	for _, k := range keys {
 		i, ok := c.index[k]
 		if !ok || !c.slots[i].visible() {
 			break
 		}
+		c.found = append(c.found, i)
 		n++
 	}
 	c.st.LookupKeys += uint64(len(keys))
@@ -242,7 +248,7 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 	// Children before parents, so that under LRU a parent is always more
 	// recent than the children reached through it.
 	for j := n - 1; j >= 0; j-- {
-		i := c.index[keys[j]]
+		i := c.found[j]
 		c.policy.Accessed(Entry{Key: keys[j], Slot: SlotID(i), Gen: c.slots[i].gen})
 		if lease {
 			c.lease(i)
@@ -257,8 +263,8 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 		}
 	}
 	if lease {
-		for _, k := range keys[:n] {
-			dst = append(dst, c.handle(c.index[k]))
+		for _, i := range c.found {
+			dst = append(dst, c.handle(i))
 		}
 		c.check()
 	}
