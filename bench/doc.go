@@ -1,0 +1,11 @@
+// Package bench measures kvoffload against the references it must beat, in
+// the same run on the same machine (absolute figures drift between machines;
+// see ../shared/ANCHORS.md for the H200 anchors).
+//
+// Each measurement is a plain function returning typed results plus a
+// Format function that renders them as a markdown table, so that tests,
+// benchmarks and the command-line tool print the same thing. Measurements
+// that need a GPU take a cuda.Driver; their tests skip without one
+// (internal/cuda/cudatest) and run on the GPU machine from binaries built
+// here. Nothing here asserts a speed: targets are printed next to results.
+package bench

@@ -1,0 +1,143 @@
+package bench_test
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/bench"
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+)
+
+const gib = 1 << 30
+
+func TestFormatPinning(t *testing.T) {
+	results := []bench.PinningResult{
+		{Size: gib, Map: 30 * time.Millisecond, Register: 25 * time.Millisecond, Total: 55 * time.Millisecond, GiBps: 18.2,
+			Mapped: gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 411 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 7.5},
+		{Size: 48 * gib, Map: 1080 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 2260 * time.Millisecond, GiBps: 21.2,
+			Mapped: 48 * gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 19700 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 8.7},
+		{Size: 5*gib + 1, Total: time.Second, GiBps: 5, Mapped: 5*gib + 4096, PageSize: 4096, Ranges: 1, Threads: 16,
+			Fallback: "hugetlbfs pages unavailable"},
+	}
+	out := bench.FormatPinning(results)
+	require.Contains(t, out, "| 1 GiB | 30 ms | 25 ms | 55 ms | 18.2 | 1 | 0 | 411 ms | 2.4 | 7.5× |")
+	require.Contains(t, out, "| 48 GiB | 1080 ms | 1180 ms | 2260 ms | 21.2 | 1 | 0 | 19700 ms | 2.4 | 8.7× |")
+	require.Contains(t, out, "| 5368709121 B | 0.00 ms | 0.00 ms | 1000 ms | 5.0 | 1 | 4095 | – | – | – |")
+	require.Contains(t, out, "prefault on 16 threads")
+	require.Contains(t, out, "Fallback at 5368709121 B: hugetlbfs pages unavailable")
+	require.Contains(t, out, "At 48 GiB: 21.2 GiB/s, 8.7×, 0 bytes beyond asked: target met.")
+
+	results[1].Speedup = 6.9
+	require.Contains(t, bench.FormatPinning(results), "target MISSED")
+	results[1].Speedup, results[1].GiBps = 8.7, 17.9
+	require.Contains(t, bench.FormatPinning(results), "target MISSED")
+}
+
+func TestMeasurePinningFake(t *testing.T) {
+	fd := cudafake.New(cudafake.Options{CheckContext: true})
+	defer func() { require.NoError(t, fd.Close()) }()
+	sizes := []int64{1<<20 + 1, 3 << 20}
+	results, err := bench.MeasurePinning(fd, 0, sizes, bench.PinningOptions{RangeLimit: 1 << 20})
+	require.NoError(t, err)
+	require.Len(t, results, 2)
+	for i, r := range results {
+		require.Equal(t, sizes[i], r.Size)
+		require.GreaterOrEqual(t, r.Extra(), int64(0))
+		require.Less(t, r.Extra(), r.PageSize)
+		require.Equal(t, int((r.Mapped+(1<<20)-1)/(1<<20)), r.Ranges)
+		require.Equal(t, r.Map+r.Register, r.Total)
+		require.Positive(t, r.GiBps)
+		require.Positive(t, r.HostAlloc)
+		require.Positive(t, r.Speedup)
+	}
+	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
+	require.Equal(t, 2, fd.Calls(cuda.OpMemHostAlloc))
+	require.Equal(t, 2, fd.Calls(cuda.OpMemFreeHost))
+	t.Log("\n" + bench.FormatPinning(results))
+}
+
+func TestMeasurePinningErrors(t *testing.T) {
+	fd := cudafake.New(cudafake.Options{})
+	defer func() { require.NoError(t, fd.Close()) }()
+
+	_, err := bench.MeasurePinning(fd, 0, []int64{1 << 20, 0}, bench.PinningOptions{})
+	require.ErrorContains(t, err, "pinning size 0")
+
+	fd.FailAt(cuda.OpMemHostRegister, 1, cuda.ErrorOutOfMemory)
+	_, err = bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{})
+	require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory))
+	require.ErrorContains(t, err, "register 1048576 bytes")
+
+	fd.FailAt(cuda.OpMemHostAlloc, 1, cuda.ErrorOutOfMemory)
+	results, err := bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{})
+	require.ErrorContains(t, err, "cuMemHostAlloc 1048576 bytes")
+	require.Empty(t, results)
+
+	results, err = bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{SkipHostAlloc: true})
+	require.NoError(t, err)
+	require.Zero(t, results[0].HostAlloc)
+	require.Contains(t, bench.FormatPinning(results), "| – | – | – |")
+	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
+}
+
+// pinSizes reads KVO_PIN_SIZES, a comma-separated list of sizes in GiB
+// (default "1").
+func pinSizes(t testing.TB) []int64 {
+	spec := os.Getenv("KVO_PIN_SIZES")
+	if spec == "" {
+		spec = "1"
+	}
+	var sizes []int64
+	for _, f := range strings.Split(spec, ",") {
+		g, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+		if err != nil || g <= 0 {
+			t.Fatalf("KVO_PIN_SIZES=%q: %q is not a positive number of GiB", spec, f)
+		}
+		sizes = append(sizes, int64(g*gib))
+	}
+	return sizes
+}
+
+// TestPinningBench measures time to pinned memory on the GPU at the sizes
+// of KVO_PIN_SIZES and logs the table (run with -test.v). With
+// KVO_RESULTS_DIR set it also writes the table to pinning.md there.
+func TestPinningBench(t *testing.T) {
+	g := cudatest.Open(t)
+	results, err := bench.MeasurePinning(g.Drv, g.Dev, pinSizes(t), bench.PinningOptions{})
+	require.NoError(t, err)
+	table := bench.FormatPinning(results)
+	t.Log("\n" + table)
+	if dir := os.Getenv("KVO_RESULTS_DIR"); dir != "" {
+		name, _ := g.Drv.DeviceName(g.Dev)
+		doc := fmt.Sprintf("# Time to pinned memory\n\n%s, %s.\n\n%s", name, time.Now().UTC().Format(time.DateOnly), table)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "pinning.md"), []byte(doc), 0o644))
+	}
+}
+
+// BenchmarkPinning reports GiB/s end to end and the speed-up over
+// cuMemHostAlloc per size of KVO_PIN_SIZES (one measurement per iteration).
+func BenchmarkPinning(b *testing.B) {
+	g := cudatest.Open(b)
+	for _, size := range pinSizes(b) {
+		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) {
+			var gibps, speedup float64
+			for b.Loop() {
+				results, err := bench.MeasurePinning(g.Drv, g.Dev, []int64{size}, bench.PinningOptions{})
+				require.NoError(b, err)
+				gibps += results[0].GiBps
+				speedup += results[0].Speedup
+			}
+			b.ReportMetric(gibps/float64(b.N), "GiB/s")
+			b.ReportMetric(speedup/float64(b.N), "x-vs-cuMemHostAlloc")
+		})
+	}
+}
