@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -69,7 +70,7 @@ type Options struct {
 
 // DefaultPrefaultThreads is the number of prefault threads used when
 // Options.PrefaultThreads is 0: the number of CPUs, at most 16.
-func DefaultPrefaultThreads() int { return min(runtimeNumCPU(), 16) }
+func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
 
 // mappedBytes counts the bytes this package has mapped and not unmapped yet,
 // so tests can check that a failed New leaves nothing behind.

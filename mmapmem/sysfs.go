@@ -6,14 +6,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 )
-
-// runtimeNumCPU is runtime.NumCPU, named so DefaultPrefaultThreads reads plainly.
-var runtimeNumCPU = runtime.NumCPU
 
 // defaultTHPSize is the PMD huge-page size of x86-64 and arm64 with 4 KiB
 // pages, used when the kernel does not report it.
