@@ -1,0 +1,840 @@
+package bench
+
+import (
+	"encoding/csv"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// ThroughputConfig says what MeasureThroughput measures. Zero fields take
+// the full defaults (DefaultThroughputConfig).
+type ThroughputConfig struct {
+	// TotalBytes moved per direction in every run (default 2 GiB).
+	TotalBytes uint64 `json:"total_bytes"`
+	// SegSizes are the segment sizes (default 4, 16, 64, 256 KiB, 2 MiB).
+	SegSizes []uint64 `json:"seg_sizes"`
+	// CTAs are the kernel grid sizes measured (default 2, 4, 8, 16).
+	CTAs []int `json:"ctas"`
+	// Threads per CTA of the copy kernel (default 1024).
+	Threads int `json:"threads"`
+	// Reps timed per point after one warm-up (default 5): best and median.
+	Reps int `json:"reps"`
+	// NoBurn skips the pass beside the matrix product.
+	NoBurn bool `json:"no_burn"`
+	// BurnN is the matrix size of kvo_sgemm (default 4096; a multiple of 64).
+	BurnN int `json:"burn_n"`
+	// BurnVariants are the variants measured beside the matrix product
+	// (default "auto", "kernel/8", "batch"), named as in the results.
+	BurnVariants []string `json:"burn_variants"`
+	// Seed of the random slot permutations.
+	Seed uint64 `json:"seed"`
+	// Command is recorded in the results: how the run was started.
+	Command string `json:"command"`
+}
+
+// DefaultThroughputConfig is the full benchmark of issue 5.
+func DefaultThroughputConfig() ThroughputConfig {
+	return ThroughputConfig{}.withDefaults()
+}
+
+func (c ThroughputConfig) withDefaults() ThroughputConfig {
+	if c.TotalBytes == 0 {
+		c.TotalBytes = 2 << 30
+	}
+	if len(c.SegSizes) == 0 {
+		c.SegSizes = cudacopy.DefaultSegSizes
+	}
+	if len(c.CTAs) == 0 {
+		c.CTAs = []int{2, 4, 8, 16}
+	}
+	if c.Threads == 0 {
+		c.Threads = cudacopy.DefaultThreads
+	}
+	if c.Reps == 0 {
+		c.Reps = 5
+	}
+	if c.BurnN == 0 {
+		c.BurnN = 4096
+	}
+	if len(c.BurnVariants) == 0 {
+		c.BurnVariants = []string{"auto", fmt.Sprintf("kernel/%d", cudacopy.DefaultCTAs), "batch"}
+	}
+	return c
+}
+
+func (c ThroughputConfig) validate() error {
+	switch {
+	case c.Reps < 1:
+		return fmt.Errorf("bench: Reps %d is not positive", c.Reps)
+	case c.BurnN < 64 || c.BurnN%64 != 0:
+		return fmt.Errorf("bench: BurnN %d is not a positive multiple of 64", c.BurnN)
+	case c.TotalBytes%4096 != 0:
+		return fmt.Errorf("bench: TotalBytes %d is not a multiple of 4096", c.TotalBytes)
+	}
+	for _, s := range c.SegSizes {
+		if s == 0 || s%16 != 0 || c.TotalBytes%s != 0 {
+			return fmt.Errorf("bench: segment size %d is not a multiple of 16 dividing TotalBytes %d", s, c.TotalBytes)
+		}
+	}
+	return nil
+}
+
+// ThroughputRow is one measured point. Rates are in GB/s (1e9 bytes/s).
+type ThroughputRow struct {
+	// Method: "contiguous" (one copy of TotalBytes: the link reference),
+	// "memcpy", "batch", "kernel" or "auto".
+	Method string `json:"method"`
+	// CTAs of the kernel (0 for the DMA methods; auto: its configured CTAs).
+	CTAs int `json:"ctas"`
+	// Dir: "d2h", "h2d" or "both" (two streams at once; rate is the sum).
+	Dir string `json:"dir"`
+	// SegBytes is the segment size (TotalBytes for contiguous).
+	SegBytes uint64 `json:"seg_bytes"`
+	// GBps is the best of the reps, MedianGBps their median.
+	GBps       float64 `json:"gbps"`
+	MedianGBps float64 `json:"median_gbps"`
+	// PctOfLink is GBps against the contiguous reference of the same dir.
+	PctOfLink float64 `json:"pct_of_link"`
+	// Background: "none", or "sgemm" while kvo_sgemm runs on another stream.
+	Background string `json:"background"`
+	// PctOfSolo (sgemm rows): GBps against the same point without it.
+	PctOfSolo float64 `json:"pct_of_solo,omitempty"`
+	// SGEMMSlowdownPct (sgemm rows): how much longer each matrix product
+	// took while the transfer ran, against its solo time.
+	SGEMMSlowdownPct float64 `json:"sgemm_slowdown_pct,omitempty"`
+	// Chosen (auto rows): the method Choose picked ("kernel+batch" for both
+	// directions when they differ).
+	Chosen string `json:"chosen,omitempty"`
+}
+
+// variant names a row's method and grid as "memcpy", "batch", "kernel/8",
+// "auto" (the names BurnVariants uses).
+func (r ThroughputRow) variant() string {
+	if r.Method == "kernel" {
+		return fmt.Sprintf("kernel/%d", r.CTAs)
+	}
+	return r.Method
+}
+
+// SGEMMInfo describes the matrix product of the burn pass.
+type SGEMMInfo struct {
+	N      int     `json:"n"`
+	SoloMs float64 `json:"solo_ms"`
+	TFLOPS float64 `json:"tflops"`
+	// Skipped says why the burn pass did not run, if it did not.
+	Skipped string `json:"skipped,omitempty"`
+}
+
+// ThroughputResults is everything MeasureThroughput measured (JSON-able).
+type ThroughputResults struct {
+	Device        string                `json:"device"`
+	DriverVersion int                   `json:"driver_version"`
+	Capabilities  cudacopy.Capabilities `json:"capabilities"`
+	Calibration   *cudacopy.Calibration `json:"calibration"`
+	Config        ThroughputConfig      `json:"config"`
+	Link          map[string]float64    `json:"link_gbps"`
+	SGEMM         SGEMMInfo             `json:"sgemm"`
+	Rows          []ThroughputRow       `json:"rows"`
+}
+
+// hostRegion is an mmap'd, prefaulted, registered host buffer.
+type hostRegion struct {
+	mem []byte
+}
+
+func (h *hostRegion) addr() uint64 { return uint64(uintptr(unsafe.Pointer(&h.mem[0]))) }
+
+func mapHost(drv cuda.Driver, n uint64) (*hostRegion, error) {
+	mem, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("bench: mmap of %d bytes: %w", n, err)
+	}
+	// Huge pages halve registration time (ANCHORS.md); advice only.
+	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
+	const workers = 16
+	var wg sync.WaitGroup
+	part := (len(mem)/workers + 4095) &^ 4095
+	for w := range workers {
+		lo, hi := min(w*part, len(mem)), min((w+1)*part, len(mem))
+		wg.Go(func() {
+			for i := lo; i < hi; i += 4096 {
+				mem[i] = byte(i >> 12)
+			}
+		})
+	}
+	wg.Wait()
+	if err := drv.MemHostRegister(unsafe.Pointer(&mem[0]), n, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap); err != nil {
+		return nil, errors.Join(fmt.Errorf("bench: registering %d bytes: %w", n, err), unix.Munmap(mem))
+	}
+	return &hostRegion{mem: mem}, nil
+}
+
+func (h *hostRegion) free(drv cuda.Driver) error {
+	return errors.Join(drv.MemHostUnregister(unsafe.Pointer(&h.mem[0])), unix.Munmap(h.mem))
+}
+
+// variant is one copier configuration of the benchmark.
+type variant struct {
+	name   string
+	method cudacopy.Method
+	ctas   int
+	c      *cudacopy.Copier
+}
+
+// bench holds the resources of one MeasureThroughput call.
+type bench struct {
+	drv        cuda.Driver
+	cfg        ThroughputConfig
+	s          [2]cuda.Stream // [0]: D2H, [1]: H2D; transfer priority
+	burn       cuda.Stream
+	ev         [4]cuda.Event // start, mid, end, spare
+	hostA      *hostRegion   // D2H destination
+	hostB      *hostRegion   // H2D source
+	devA, devB cuda.DevicePtr
+	variants   []*variant
+	cleanup    []func() error
+}
+
+func (b *bench) onClose(f func() error) { b.cleanup = append(b.cleanup, f) }
+
+func (b *bench) close() error {
+	var errs []error
+	for i := len(b.cleanup) - 1; i >= 0; i-- {
+		errs = append(errs, b.cleanup[i]())
+	}
+	return errors.Join(errs...)
+}
+
+// MeasureThroughput runs the transfer benchmark of issue 5 in one process:
+// the contiguous link reference each way and both ways at once, then
+// TotalBytes of segments at random slots on both sides for every segment
+// size, method (memcpy, batch, kernel at each CTAs, auto after Calibrate)
+// and direction (d2h, h2d, both on two streams), best and median of Reps
+// timed with CUDA events; then the burn variants again while kvo_sgemm runs
+// on a third, low-priority stream. The calling goroutine must be locked to
+// an OS thread with dev's context current.
+func MeasureThroughput(drv cuda.Driver, dev cuda.Device, cfg ThroughputConfig) (res ThroughputResults, err error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return res, err
+	}
+	res.Config = cfg
+	res.Link = map[string]float64{}
+	if res.Device, err = drv.DeviceName(dev); err != nil {
+		return res, err
+	}
+	if res.DriverVersion, err = drv.DriverVersion(); err != nil {
+		return res, err
+	}
+	b := &bench{drv: drv, cfg: cfg}
+	defer func() { err = errors.Join(err, b.close()) }()
+	if err := b.setup(dev); err != nil {
+		return res, err
+	}
+	auto := b.variants[len(b.variants)-1].c
+	res.Capabilities = auto.Capabilities()
+	if res.Calibration, err = auto.Calibrate(b.s[0]); err != nil {
+		return res, fmt.Errorf("bench: calibration: %w", err)
+	}
+	if err := b.link(&res); err != nil {
+		return res, err
+	}
+	solo := map[string]ThroughputRow{}
+	for _, size := range cfg.SegSizes {
+		segs := b.segments(size)
+		for _, v := range b.variants {
+			for _, dir := range []string{"d2h", "h2d", "both"} {
+				row, err := b.scattered(&res, v, dir, size, segs, nil)
+				if err != nil {
+					return res, err
+				}
+				res.Rows = append(res.Rows, row)
+				solo[row.variant()+"/"+dir+"/"+strconv.FormatUint(size, 10)] = row
+			}
+		}
+	}
+	if cfg.NoBurn {
+		res.SGEMM.Skipped = "disabled (NoBurn)"
+		return res, nil
+	}
+	return res, b.burnPass(&res, solo)
+}
+
+func (b *bench) setup(dev cuda.Device) error {
+	drv, cfg := b.drv, b.cfg
+	least, greatest, err := drv.StreamPriorityRange()
+	if err != nil {
+		return err
+	}
+	for i := range b.s {
+		if b.s[i], err = drv.StreamCreate(cuda.StreamNonBlocking, greatest); err != nil {
+			return err
+		}
+		s := b.s[i]
+		b.onClose(func() error { return drv.StreamDestroy(s) })
+	}
+	if b.burn, err = drv.StreamCreate(cuda.StreamNonBlocking, least); err != nil {
+		return err
+	}
+	b.onClose(func() error { return drv.StreamDestroy(b.burn) })
+	for i := range b.ev {
+		if b.ev[i], err = drv.EventCreate(cuda.EventDefault); err != nil {
+			return err
+		}
+		e := b.ev[i]
+		b.onClose(func() error { return drv.EventDestroy(e) })
+	}
+	for _, h := range []**hostRegion{&b.hostA, &b.hostB} {
+		r, err := mapHost(drv, cfg.TotalBytes)
+		if err != nil {
+			return err
+		}
+		*h = r
+		b.onClose(func() error { return r.free(drv) })
+	}
+	for _, d := range []*cuda.DevicePtr{&b.devA, &b.devB} {
+		p, err := drv.MemAlloc(cfg.TotalBytes)
+		if err != nil {
+			return fmt.Errorf("bench: device buffer of %d bytes: %w", cfg.TotalBytes, err)
+		}
+		*d = p
+		b.onClose(func() error { return drv.MemFree(p) })
+	}
+	specs := []variant{{name: "memcpy", method: cudacopy.MethodMemcpy}}
+	if drv.HasMemcpyBatch() {
+		specs = append(specs, variant{name: "batch", method: cudacopy.MethodBatch})
+	}
+	for _, n := range cfg.CTAs {
+		specs = append(specs, variant{name: fmt.Sprintf("kernel/%d", n), method: cudacopy.MethodKernel, ctas: n})
+	}
+	specs = append(specs, variant{name: "auto", method: cudacopy.MethodAuto, ctas: cudacopy.DefaultCTAs})
+	for _, v := range specs {
+		c, err := cudacopy.New(drv, dev, cudacopy.Options{Method: v.method, CTAs: v.ctas, Threads: cfg.Threads})
+		if err != nil {
+			return fmt.Errorf("bench: copier %s: %w", v.name, err)
+		}
+		b.onClose(c.Close)
+		for _, h := range []*hostRegion{b.hostA, b.hostB} {
+			if err := c.AddHostRange(uintptr(unsafe.Pointer(&h.mem[0])), cfg.TotalBytes); err != nil {
+				return err
+			}
+		}
+		v.c = c
+		b.variants = append(b.variants, &v)
+	}
+	return nil
+}
+
+// measure times enqueue (which submits on b.s[0] and/or b.s[1]) between
+// events that order both streams, and retires its tickets.
+func (b *bench) measure(enqueue func(tickets *[]tk) error) (float64, error) {
+	drv := b.drv
+	if err := drv.EventRecord(b.ev[0], b.s[0]); err != nil {
+		return 0, err
+	}
+	if err := drv.StreamWaitEvent(b.s[1], b.ev[0], 0); err != nil {
+		return 0, err
+	}
+	var tickets []tk
+	err := enqueue(&tickets)
+	if err == nil {
+		err = errors.Join(drv.EventRecord(b.ev[1], b.s[1]), drv.StreamWaitEvent(b.s[0], b.ev[1], 0), drv.EventRecord(b.ev[2], b.s[0]))
+	}
+	err = errors.Join(err, drv.StreamSynchronize(b.s[0]), drv.StreamSynchronize(b.s[1]))
+	for _, t := range tickets {
+		err = errors.Join(err, t.c.Retire(t.t))
+	}
+	if err != nil {
+		return 0, err
+	}
+	ms, err := drv.EventElapsedTime(b.ev[0], b.ev[2])
+	return float64(ms), err
+}
+
+type tk struct {
+	c *cudacopy.Copier
+	t cudacopy.Ticket
+}
+
+// reps runs one warm-up and cfg.Reps timed runs; it returns the best and
+// median time in ms.
+func (b *bench) reps(enqueue func(tickets *[]tk) error) (best, median float64, err error) {
+	times := make([]float64, 0, b.cfg.Reps)
+	for r := range b.cfg.Reps + 1 {
+		ms, err := b.measure(enqueue)
+		if err != nil {
+			return 0, 0, err
+		}
+		if r > 0 {
+			times = append(times, ms)
+		}
+	}
+	slices.Sort(times)
+	return times[0], times[len(times)/2], nil
+}
+
+func gbps(bytes uint64, ms float64) float64 { return float64(bytes) / (ms * 1e6) }
+
+func (b *bench) link(res *ThroughputResults) error {
+	n := b.cfg.TotalBytes
+	d2h := func(tickets *[]tk) error {
+		return b.drv.MemcpyAsync(cuda.DevicePtr(b.hostA.addr()), b.devA, n, b.s[0])
+	}
+	h2d := func(tickets *[]tk) error {
+		return b.drv.MemcpyAsync(b.devB, cuda.DevicePtr(b.hostB.addr()), n, b.s[1])
+	}
+	for _, c := range []struct {
+		dir   string
+		bytes uint64
+		f     func(*[]tk) error
+	}{
+		{"d2h", n, d2h},
+		{"h2d", n, h2d},
+		{"both", 2 * n, func(t *[]tk) error { return errors.Join(d2h(t), h2d(t)) }},
+	} {
+		best, med, err := b.reps(c.f)
+		if err != nil {
+			return fmt.Errorf("bench: contiguous %s: %w", c.dir, err)
+		}
+		res.Link[c.dir] = gbps(c.bytes, best)
+		res.Rows = append(res.Rows, ThroughputRow{Method: "contiguous", Dir: c.dir, SegBytes: n, GBps: gbps(c.bytes, best), MedianGBps: gbps(c.bytes, med), PctOfLink: 100, Background: "none"})
+	}
+	return nil
+}
+
+// segSet is the D2H (devA → hostA) and H2D (hostB → devB) segments of one size.
+type segSet struct{ d2h, h2d []cudacopy.Segment }
+
+func (b *bench) segments(size uint64) segSet {
+	rng := rand.New(rand.NewPCG(b.cfg.Seed, size))
+	n := int(b.cfg.TotalBytes / size)
+	return segSet{
+		d2h: cudacopy.ScatteredSegments(cudacopy.D2H, b.hostA.addr(), uint64(b.devA), size, n, rng),
+		h2d: cudacopy.ScatteredSegments(cudacopy.H2D, b.hostB.addr(), uint64(b.devB), size, n, rng),
+	}
+}
+
+// part bounds the segments of one Submit when both directions interleave.
+const part = 8192
+
+// enqueueFor returns the submission of one run of v in dir.
+func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) error {
+	submit := func(t *[]tk, s cuda.Stream, d cudacopy.Direction, ss []cudacopy.Segment) error {
+		x, err := v.c.Submit(s, d, ss)
+		if err != nil {
+			return err
+		}
+		*t = append(*t, tk{v.c, x})
+		return nil
+	}
+	switch dir {
+	case "d2h":
+		return func(t *[]tk) error { return submit(t, b.s[0], cudacopy.D2H, segs.d2h) }
+	case "h2d":
+		return func(t *[]tk) error { return submit(t, b.s[1], cudacopy.H2D, segs.h2d) }
+	}
+	return func(t *[]tk) error {
+		for lo := 0; lo < len(segs.d2h); lo += part {
+			hi := min(lo+part, len(segs.d2h))
+			if err := submit(t, b.s[0], cudacopy.D2H, segs.d2h[lo:hi]); err != nil {
+				return err
+			}
+			if err := submit(t, b.s[1], cudacopy.H2D, segs.h2d[lo:hi]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+// scattered measures v in dir at one segment size. With burn set, the runs
+// happen beside it (see burnPass) and only the transfer figures are filled.
+func (b *bench) scattered(res *ThroughputResults, v *variant, dir string, size uint64, segs segSet, burn func(enqueue func(*[]tk) error) (best, med float64, err error)) (ThroughputRow, error) {
+	bytes := b.cfg.TotalBytes
+	if dir == "both" {
+		bytes *= 2
+	}
+	enqueue := b.enqueueFor(v, dir, segs)
+	run := b.reps
+	if burn != nil {
+		run = burn
+	}
+	best, med, err := run(enqueue)
+	if err != nil {
+		return ThroughputRow{}, fmt.Errorf("bench: %s %s at %s: %w", v.name, dir, cudacopy.FormatBytes(size), err)
+	}
+	row := ThroughputRow{
+		Method:     v.method.String(),
+		CTAs:       v.ctas,
+		Dir:        dir,
+		SegBytes:   size,
+		GBps:       gbps(bytes, best),
+		MedianGBps: gbps(bytes, med),
+		Background: "none",
+	}
+	if l := res.Link[dir]; l > 0 {
+		row.PctOfLink = 100 * row.GBps / l
+	}
+	if v.method == cudacopy.MethodAuto {
+		d, h := v.c.Choose(cudacopy.D2H, segs.d2h), v.c.Choose(cudacopy.H2D, segs.h2d)
+		switch {
+		case dir == "d2h":
+			row.Chosen = d.String()
+		case dir == "h2d" || d == h:
+			row.Chosen = h.String()
+		default:
+			row.Chosen = d.String() + "+" + h.String()
+		}
+	}
+	return row, nil
+}
+
+// burnPass measures the burn variants while kvo_sgemm runs on b.burn.
+func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) error {
+	drv, cfg := b.drv, b.cfg
+	res.SGEMM.N = cfg.BurnN
+	img, err := cudacopy.PTX()
+	if err != nil {
+		res.SGEMM.Skipped = err.Error()
+		return nil
+	}
+	mod, err := drv.ModuleLoadData(img)
+	if err != nil {
+		return fmt.Errorf("bench: loading the PTX: %w", err)
+	}
+	b.onClose(func() error { return drv.ModuleUnload(mod) })
+	fn, err := drv.ModuleGetFunction(mod, "kvo_sgemm")
+	if err != nil {
+		res.SGEMM.Skipped = fmt.Sprintf("kvo_sgemm not in the embedded PTX (regenerate it with `make ptx`): %v", err)
+		return nil
+	}
+	n := uint64(cfg.BurnN)
+	var mats [3]cuda.DevicePtr
+	for i := range mats {
+		if mats[i], err = drv.MemAlloc(n * n * 4); err != nil {
+			return fmt.Errorf("bench: sgemm matrix of %d bytes: %w", n*n*4, err)
+		}
+		p := mats[i]
+		b.onClose(func() error { return drv.MemFree(p) })
+		// 0x3c3c3c3c is about 0.0115: finite products, no overflow.
+		if err := drv.MemsetD8(p, 0x3c, n*n*4); err != nil {
+			return err
+		}
+	}
+	g := &gemm{drv: drv, fn: fn, s: b.burn, n: uint32(n), args: [][]byte{cuda.Arg(uint64(mats[0])), cuda.Arg(uint64(mats[1])), cuda.Arg(uint64(mats[2])), cuda.Arg(uint32(n))}}
+	if res.SGEMM.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
+		return fmt.Errorf("bench: sgemm solo: %w", err)
+	}
+	res.SGEMM.TFLOPS = 2 * float64(n*n*n) / (res.SGEMM.SoloMs * 1e9)
+	byName := map[string]*variant{}
+	for _, v := range b.variants {
+		byName[v.name] = v
+	}
+	for _, size := range cfg.SegSizes {
+		segs := b.segments(size)
+		for _, name := range cfg.BurnVariants {
+			v, ok := byName[name]
+			if !ok {
+				continue
+			}
+			for _, dir := range []string{"d2h", "h2d", "both"} {
+				key := name + "/" + dir + "/" + strconv.FormatUint(size, 10)
+				var slow float64
+				burn := func(enqueue func(*[]tk) error) (float64, float64, error) {
+					best, med, s, err := b.besideGemm(g, res.SGEMM.SoloMs, solo[key], enqueue)
+					slow = s
+					return best, med, err
+				}
+				row, err := b.scattered(res, v, dir, size, segs, burn)
+				if err != nil {
+					return err
+				}
+				row.Background = "sgemm"
+				row.SGEMMSlowdownPct = slow
+				if s := solo[key].GBps; s > 0 {
+					row.PctOfSolo = 100 * row.GBps / s
+				}
+				res.Rows = append(res.Rows, row)
+			}
+		}
+	}
+	return nil
+}
+
+// Bounds of the burn pass: timed reps per point (no warm-up: the products
+// are already running) and products queued per point.
+const (
+	burnReps        = 3
+	maxBurnLaunches = 600
+)
+
+// gemm launches kvo_sgemm.
+type gemm struct {
+	drv  cuda.Driver
+	fn   cuda.Function
+	s    cuda.Stream
+	n    uint32
+	args [][]byte
+}
+
+func (g *gemm) launch() error {
+	t := g.n / 64
+	return g.drv.LaunchKernel(g.fn, cuda.Dim3{X: t, Y: t, Z: 1}, cuda.Dim3{X: 256, Y: 1, Z: 1}, 0, g.s, g.args...)
+}
+
+// solo returns the median time of one product alone, over reps.
+func (g *gemm) solo(start, end cuda.Event, reps int) (float64, error) {
+	times := make([]float64, 0, reps)
+	for r := range reps + 1 {
+		err := errors.Join(g.drv.EventRecord(start, g.s), g.launch(), g.drv.EventRecord(end, g.s))
+		if err == nil {
+			err = g.drv.EventSynchronize(end)
+		}
+		if err != nil {
+			return 0, err
+		}
+		ms, err := g.drv.EventElapsedTime(start, end)
+		if err != nil {
+			return 0, err
+		}
+		if r > 0 {
+			times = append(times, float64(ms))
+		}
+	}
+	slices.Sort(times)
+	return times[len(times)/2], nil
+}
+
+// besideGemm runs the timed reps of enqueue while a queue of products runs
+// on the burn stream: the transfers start after two products, and the
+// products outlast them. It returns the transfer's best and median time and
+// the mean slowdown (%) of the products that ran entirely within the
+// transfer window (or, if none did, of those that overlapped it).
+func (b *bench) besideGemm(g *gemm, soloMs float64, soloRow ThroughputRow, enqueue func(*[]tk) error) (best, med, slowPct float64, err error) {
+	drv := b.drv
+	reps := min(b.cfg.Reps, burnReps)
+	expectMs := 1.0
+	if soloRow.GBps > 0 {
+		expectMs = float64(b.cfg.TotalBytes) / (soloRow.GBps * 1e6) * float64(reps)
+		if soloRow.Dir == "both" {
+			expectMs *= 2
+		}
+	}
+	// Three times the solo transfer time, so the products outlast a
+	// transfer slowed by them; bounded to keep the launch queue short.
+	count := min(int(math.Ceil(3*expectMs/soloMs))+4, maxBurnLaunches)
+	evs := make([]cuda.Event, count+1)
+	for i := range evs {
+		if evs[i], err = drv.EventCreate(cuda.EventDefault); err != nil {
+			return 0, 0, 0, err
+		}
+		e := evs[i]
+		defer func() { err = errors.Join(err, drv.EventDestroy(e)) }()
+	}
+	for i := range count {
+		if err := errors.Join(drv.EventRecord(evs[i], g.s), g.launch()); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	if err := drv.EventRecord(evs[count], g.s); err != nil {
+		return 0, 0, 0, err
+	}
+	for _, s := range b.s {
+		if err := drv.StreamWaitEvent(s, evs[2], 0); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	// The window runs from winStart (before the first rep, after the
+	// streams waited for the products) to b.ev[2] as the last rep left it.
+	winStart := b.ev[3]
+	if err := drv.EventRecord(winStart, b.s[0]); err != nil {
+		return 0, 0, 0, err
+	}
+	times := make([]float64, 0, reps)
+	for range reps {
+		ms, err := b.measure(enqueue)
+		if err != nil {
+			return 0, 0, 0, errors.Join(err, drv.StreamSynchronize(g.s))
+		}
+		times = append(times, ms)
+	}
+	if err := drv.StreamSynchronize(g.s); err != nil {
+		return 0, 0, 0, err
+	}
+	at := func(e cuda.Event) (float64, error) {
+		ms, err := drv.EventElapsedTime(evs[0], e)
+		return float64(ms), err
+	}
+	lo, err := at(winStart)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	hi, err := at(b.ev[2])
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	marks := make([]float64, count+1)
+	for i, e := range evs {
+		if marks[i], err = at(e); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	var inside, overlap []float64
+	for i := range count {
+		d := marks[i+1] - marks[i]
+		switch {
+		case marks[i] >= lo && marks[i+1] <= hi:
+			inside = append(inside, d)
+		case marks[i+1] > lo && marks[i] < hi:
+			overlap = append(overlap, d)
+		}
+	}
+	if len(inside) == 0 {
+		inside = overlap
+	}
+	if len(inside) > 0 {
+		var sum float64
+		for _, d := range inside {
+			sum += d
+		}
+		slowPct = 100 * (sum/float64(len(inside))/soloMs - 1)
+	}
+	slices.Sort(times)
+	return times[0], times[len(times)/2], slowPct, nil
+}
+
+// WriteThroughputCSV writes one line per row: method, ctas, dir, seg_bytes,
+// gbps, pct_of_link, then median_gbps, background, pct_of_solo,
+// sgemm_slowdown_pct, chosen.
+func WriteThroughputCSV(w io.Writer, r ThroughputResults) error {
+	cw := csv.NewWriter(w)
+	_ = cw.Write([]string{"method", "ctas", "dir", "seg_bytes", "gbps", "pct_of_link", "median_gbps", "background", "pct_of_solo", "sgemm_slowdown_pct", "chosen"})
+	f := func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
+	for _, row := range r.Rows {
+		_ = cw.Write([]string{row.Method, strconv.Itoa(row.CTAs), row.Dir, strconv.FormatUint(row.SegBytes, 10), f(row.GBps), f(row.PctOfLink), f(row.MedianGBps), row.Background, f(row.PctOfSolo), f(row.SGEMMSlowdownPct), row.Chosen})
+	}
+	cw.Flush()
+	return cw.Error()
+}
+
+// FormatThroughput renders the results as markdown: the link reference,
+// one table per direction (segment sizes × variants, GB/s and % of the
+// link), the burn table, and the issue's targets checked against the run.
+func FormatThroughput(r ThroughputResults) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# Transfer throughput: %s (driver %d)\n\n", r.Device, r.DriverVersion)
+	if r.Config.Command != "" {
+		fmt.Fprintf(&b, "Command: `%s`\n\n", r.Config.Command)
+	}
+	fmt.Fprintf(&b, "%s per direction per run, best of %d (median in the CSV), CUDA events; kernel %d threads/CTA; batch API: %v.\n\n",
+		cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Config.Threads, r.Capabilities.Batch)
+	fmt.Fprintf(&b, "Link (contiguous, pinned): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.\n\n", r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+
+	var variants []string
+	cell := map[string]ThroughputRow{}
+	for _, row := range r.Rows {
+		if row.Background != "none" || row.Method == "contiguous" {
+			continue
+		}
+		if !slices.Contains(variants, row.variant()) {
+			variants = append(variants, row.variant())
+		}
+		cell[row.variant()+"/"+row.Dir+"/"+strconv.FormatUint(row.SegBytes, 10)] = row
+	}
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		fmt.Fprintf(&b, "## %s (GB/s, %% of link)\n\n| segment |", dir)
+		for _, v := range variants {
+			fmt.Fprintf(&b, " %s |", v)
+		}
+		b.WriteString("\n|---|")
+		for range variants {
+			b.WriteString("---|")
+		}
+		b.WriteString("\n")
+		for _, size := range r.Config.SegSizes {
+			fmt.Fprintf(&b, "| %s |", cudacopy.FormatBytes(size))
+			for _, v := range variants {
+				row, ok := cell[v+"/"+dir+"/"+strconv.FormatUint(size, 10)]
+				switch {
+				case !ok:
+					b.WriteString(" – |")
+				case row.Chosen != "":
+					fmt.Fprintf(&b, " %.1f (%.0f%%) %s |", row.GBps, row.PctOfLink, row.Chosen)
+				default:
+					fmt.Fprintf(&b, " %.1f (%.0f%%) |", row.GBps, row.PctOfLink)
+				}
+			}
+			b.WriteString("\n")
+		}
+		b.WriteString("\n")
+	}
+
+	b.WriteString("## Beside a matrix product\n\n")
+	if r.SGEMM.Skipped != "" {
+		fmt.Fprintf(&b, "Skipped: %s\n\n", r.SGEMM.Skipped)
+	} else {
+		fmt.Fprintf(&b, "kvo_sgemm n=%d alone: %.2f ms (%.1f TFLOPS).\n\n| variant | dir | segment | GB/s | %% of solo | sgemm slowdown |\n|---|---|---|---|---|---|\n", r.SGEMM.N, r.SGEMM.SoloMs, r.SGEMM.TFLOPS)
+		for _, row := range r.Rows {
+			if row.Background == "sgemm" {
+				fmt.Fprintf(&b, "| %s | %s | %s | %.1f | %.0f%% | %+.1f%% |\n", row.variant(), row.Dir, cudacopy.FormatBytes(row.SegBytes), row.GBps, row.PctOfSolo, row.SGEMMSlowdownPct)
+			}
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString(formatTargets(r, cell, variants))
+	if r.Calibration != nil {
+		fmt.Fprintf(&b, "\n## Calibration used by auto (%d CTAs, %s per point)\n\n%s", r.Calibration.CTAs, cudacopy.FormatBytes(r.Calibration.TotalBytes), r.Calibration.Markdown())
+	}
+	return b.String()
+}
+
+// formatTargets checks issue 5's targets against the run.
+func formatTargets(r ThroughputResults, cell map[string]ThroughputRow, variants []string) string {
+	var b strings.Builder
+	b.WriteString("## Targets\n\n")
+	mark := func(ok bool) string {
+		if ok {
+			return "met"
+		}
+		return "MISSED"
+	}
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		need := map[string]float64{"d2h": 92, "h2d": 90, "both": 90}[dir]
+		for _, size := range r.Config.SegSizes {
+			k := "/" + dir + "/" + strconv.FormatUint(size, 10)
+			auto, ok := cell["auto"+k]
+			if !ok {
+				continue
+			}
+			var best ThroughputRow
+			for _, v := range variants {
+				if row := cell[v+k]; row.GBps > best.GBps {
+					best = row
+				}
+			}
+			pctBest := 100 * auto.GBps / best.GBps
+			fmt.Fprintf(&b, "- %s %s: auto %.1f GB/s = %.1f%% of best (%s) [≥97%%: %s], %.1f%% of link [≥%.0f%%: %s]\n",
+				dir, cudacopy.FormatBytes(size), auto.GBps, pctBest, best.variant(), mark(pctBest >= 97), auto.PctOfLink, need, mark(auto.PctOfLink >= need))
+		}
+	}
+	for _, row := range r.Rows {
+		if row.Background == "sgemm" && row.Method == "auto" {
+			fmt.Fprintf(&b, "- beside sgemm, auto %s %s: %.0f%% of solo [≥80%%: %s], sgemm slowed %.1f%% [≤10%%: %s]\n",
+				row.Dir, cudacopy.FormatBytes(row.SegBytes), row.PctOfSolo, mark(row.PctOfSolo >= 80), row.SGEMMSlowdownPct, mark(row.SGEMMSlowdownPct <= 10))
+		}
+	}
+	return b.String()
+}
