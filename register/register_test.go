@@ -362,3 +362,32 @@ func TestCUDAPinningDuringCapture(t *testing.T) {
 }
 
 func unsafeAdd(r *mmapmem.Region, off int64) unsafe.Pointer { return unsafe.Add(r.Pointer(), off) }
+
+// TestConcurrentSameRegion: of many goroutines registering one region at
+// once, exactly one succeeds; the others are told it is registered or busy.
+func TestConcurrentSameRegion(t *testing.T) {
+	for kind, p := range pinners(t) {
+		t.Run(kind, func(t *testing.T) {
+			r := newRegion(t, 256*kib)
+			var mu sync.Mutex
+			ok := 0
+			var wg sync.WaitGroup
+			for range 16 {
+				wg.Go(func() {
+					err := p.Register(r)
+					if err != nil {
+						require.True(t, errors.Is(err, register.ErrAlreadyRegistered) || errors.Is(err, register.ErrBusy), "%v", err)
+						return
+					}
+					mu.Lock()
+					ok++
+					mu.Unlock()
+				})
+			}
+			wg.Wait()
+			require.Equal(t, 1, ok)
+			require.Equal(t, int64(1), p.Stats().RegisterCalls)
+			require.NoError(t, register.Release(p, r))
+		})
+	}
+}
