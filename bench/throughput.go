@@ -427,8 +427,13 @@ func (b *bench) segments(size uint64) segSet {
 	}
 }
 
-// part bounds the segments of one Submit when both directions interleave.
-const part = 8192
+// Segments per Submit when both directions interleave: small enough that
+// the second stream starts early, and for the kernel one full descriptor
+// buffer, so that parts do not each hold a mostly empty buffer.
+const (
+	dmaPart    = 8192
+	kernelPart = cudacopy.DefaultDescCapacity
+)
 
 // enqueueFor returns the submission of one run of v in dir.
 func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) error {
@@ -445,6 +450,10 @@ func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) erro
 		return func(t *[]tk) error { return submit(t, b.s[0], cudacopy.D2H, segs.d2h) }
 	case "h2d":
 		return func(t *[]tk) error { return submit(t, b.s[1], cudacopy.H2D, segs.h2d) }
+	}
+	part := dmaPart
+	if v.method == cudacopy.MethodKernel || v.method == cudacopy.MethodAuto {
+		part = kernelPart
 	}
 	return func(t *[]tk) error {
 		for lo := 0; lo < len(segs.d2h); lo += part {
