@@ -1,0 +1,27 @@
+// Command capi is the C ABI of kvoffload, built as a shared library:
+//
+//	go build -buildmode=c-shared -o build/libkvoffload.so ./capi
+//
+// (or capi/build.sh). The public header is the hand-written kvoffload.h in
+// this directory, not the one cgo generates. The library wraps package
+// offload for C callers and for the Python package python/kvoffload
+// (ctypes).
+//
+// Invariants it keeps:
+//   - No Go pointer is ever handed to C. Engines, ops and leases cross the
+//     boundary as opaque handles: integers that index handle tables (one per
+//     kind, the kind encoded in the top byte, sequence numbers never reused),
+//     so an unknown, stale or wrong-kind handle is an error code, never a
+//     crash. Pointers C passes in are used only during the call.
+//   - Every entry point refuses a forked child (KVO_EFORK) in C, before
+//     entering Go: a child of fork has a Go runtime whose threads are gone.
+//   - Every entry point recovers panics into KVO_EFAIL; a failed call sets
+//     the calling thread's last error (C thread-local storage) and leaves no
+//     partial state.
+//   - Every entry point is safe for concurrent use from many C threads.
+//
+// Without cgo (CGO_ENABLED=0) the package builds as an empty command, so
+// that the module builds anywhere.
+package main
+
+func main() {}

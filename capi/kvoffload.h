@@ -1,0 +1,234 @@
+/*
+ * kvoffload.h — the C ABI of libkvoffload.so, the KV-cache offload engine.
+ *
+ * Build:  go build -buildmode=c-shared -o build/libkvoffload.so ./capi
+ *         (or capi/build.sh). Link with -lkvoffload, or dlopen it.
+ *
+ * Conventions
+ *  - Every function but kvo_abi_version and kvo_last_error returns an int
+ *    error code: KVO_OK (0) or one of the negative KVO_E* codes below. On
+ *    error, kvo_last_error() returns a message naming the bad value and the
+ *    limit it broke; output parameters are left untouched and nothing is
+ *    half done (a failed call leaves no partial state).
+ *  - kvo_last_error() is per thread: it is the message of the most recent
+ *    failed call made by the calling thread, valid until that thread's next
+ *    kvo_* call. Calls that succeed clear it to "".
+ *  - Handles (kvo_engine_t, kvo_op_t, kvo_lease_t) are opaque non-zero
+ *    integers, not pointers. A handle that is unknown, already destroyed or
+ *    of the wrong kind is refused with KVO_EINVAL (never a crash).
+ *  - Keys are 16 bytes each, passed packed: n keys are 16*n bytes.
+ *  - CUDA objects cross as plain integers: device pointers as uint64_t,
+ *    CUstream and CUevent as uintptr_t (0 means none / the legacy default
+ *    stream where a stream is expected).
+ *  - Every function is safe to call from several threads at once, on the
+ *    same engine or different ones. Pointers passed in are read or written
+ *    only during the call, never kept.
+ *  - Asynchrony: kvo_store and kvo_load return at once with an op; the
+ *    caller waits on the CPU (kvo_op_wait / kvo_op_query) or on the GPU
+ *    (kvo_op_stream_wait, kvo_op_event). No call blocks on the GPU except
+ *    kvo_op_wait, kvo_op_release of an op not yet done, kvo_trim and
+ *    kvo_engine_destroy.
+ *
+ * The Go runtime inside a non-Go process
+ *  - Loading the library starts the Go runtime (its own threads; their number
+ *    running Go code at once is bounded by the GOMAXPROCS environment
+ *    variable read at load — the Python package sets it to min(ncpu, 8)
+ *    unless the user did).
+ *  - Go installs handlers only for synchronous signals (SIGSEGV, SIGBUS,
+ *    SIGFPE) and SIGPIPE, chaining to handlers that were there before;
+ *    handlers already installed for other signals (SIGINT, SIGTERM...) are
+ *    kept, with SA_ONSTACK added. A handler installed after the load must
+ *    use SA_ONSTACK (CPython's signal.signal does), or be kept off the Go
+ *    runtime's threads: load the library with asynchronous signals blocked
+ *    in the loading thread; the runtime's threads inherit that mask and
+ *    keep those signals blocked for good, so the kernel delivers them to the
+ *    program's own threads. The Python package does this.
+ *  - fork(2) after the load leaves the child with a Go runtime whose threads
+ *    are gone. Every call made in a child returns KVO_EFORK (checked in C,
+ *    before any Go code runs); load the library in the child itself (spawn,
+ *    not fork) if the child needs an engine.
+ */
+#ifndef KVOFFLOAD_H
+#define KVOFFLOAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The version of this ABI. A caller checks kvo_abi_version() ==
+ * KVO_ABI_VERSION before any other call; a library of another version
+ * must not be used. */
+#define KVO_ABI_VERSION 1
+
+/* Error codes. */
+#define KVO_OK          0
+#define KVO_EINVAL     -1  /* bad argument: NULL pointer, length, block id, handle, key, JSON */
+#define KVO_ECLOSED    -2  /* the engine was destroyed / closed */
+#define KVO_EBUSY      -3  /* the queue for in-flight room is full (kvo_load) */
+#define KVO_ENODRIVER  -4  /* the CUDA backend was asked for but libcuda/a device is missing */
+#define KVO_ENOMEM     -5  /* the machine cannot hold the pool, or no staging room is left */
+#define KVO_ERELEASED  -6  /* the op or lease was already released */
+#define KVO_ECAPTURING -7  /* the after_stream of a store is capturing a CUDA graph */
+#define KVO_EFAIL      -8  /* a copy or the driver failed; see kvo_last_error */
+#define KVO_ETIMEOUT   -9  /* kvo_op_wait: the timeout passed before the op was done */
+#define KVO_EFORK     -10  /* called in a forked child of the process that loaded the library */
+#define KVO_ENOTDONE  -11  /* kvo_op_outcomes: the op is not done yet */
+
+/* Per-block outcomes written by kvo_op_outcomes. */
+#define KVO_OUTCOME_PENDING            0
+#define KVO_OUTCOME_STORED             1
+#define KVO_OUTCOME_ALREADY_PRESENT    2
+#define KVO_OUTCOME_REFUSED_FULL       3
+#define KVO_OUTCOME_REFUSED_BUSY       4
+#define KVO_OUTCOME_REFUSED_ADMISSION  5
+#define KVO_OUTCOME_FAILED             6
+#define KVO_OUTCOME_LOADED             7
+#define KVO_OUTCOME_MISSING            8
+#define KVO_OUTCOME_CANCELLED          9
+
+#define KVO_KEY_BYTES 16
+
+typedef uint64_t kvo_engine_t;
+typedef uint64_t kvo_op_t;
+typedef uint64_t kvo_lease_t;
+
+/* KVO_ABI_VERSION of the library actually loaded. Never fails. */
+int kvo_abi_version(void);
+
+/* The message of the calling thread's last failed call ("" if none).
+ * Never NULL; valid until the thread's next kvo_* call. */
+const char* kvo_last_error(void);
+
+/* Creates an engine from a JSON object with the fields of Go's
+ * offload.Config (snake_case: "pool_bytes", "backend", "namespace",
+ * "layout": {"kind", "layers", "kv_heads", "head_dim", "dtype_bytes",
+ * "tokens_per_block", "num_blocks", "layer_tensors": [{"k","v","stride"}],
+ * "base", "stride"}, ...). Unknown fields are refused (KVO_EINVAL). On the
+ * host backend a layout without tensors is allocated in the engine's
+ * simulated GPU (see kvo_sim_write), whose random copy delays an optional
+ * "sim": {"seed", "min_delay_ns", "max_delay_ns"} sets. */
+int kvo_engine_create(const char* config_json, kvo_engine_t* out);
+
+/* Closes the engine: refuses new calls, waits for copies in flight, unpins
+ * and unmaps the pool. Ops and leases of the engine stay valid handles
+ * (kvo_op_wait, kvo_op_outcomes, releases) and must still be released. */
+int kvo_engine_destroy(kvo_engine_t engine);
+
+/* Writes the engine's configuration with defaults filled in (and, on the
+ * host backend, the simulated tensors' addresses) as JSON into buf (NUL-
+ * terminated). *needed gets the size including the NUL; if cap is smaller
+ * nothing is written and KVO_EINVAL is returned. */
+int kvo_engine_config_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
+
+/* The longest prefix of keys (n keys, 16 bytes each) whose blocks are ready
+ * in the pool: *hits. With lease != 0 and *hits > 0, *lease_out gets a
+ * reader lease on those blocks (else 0); release it with kvo_lease_release
+ * or hand it to kvo_load. lease_out may be NULL when lease == 0. */
+int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease,
+               size_t* hits, kvo_lease_t* lease_out);
+
+/* Copies GPU blocks block_ids[i] into the pool under keys[i],
+ * asynchronously. after_event: a CUevent recorded on the caller's stream
+ * after the kernels that wrote the blocks (0: none); after_stream: the
+ * stream it was recorded on (0: unknown), refused with KVO_ECAPTURING when
+ * capturing. Per-block outcomes come from kvo_op_outcomes once done.
+ * Before overwriting the blocks, the caller's stream waits on the op
+ * (kvo_op_stream_wait). */
+int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
+              size_t n, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
+
+/* Copies the blocks stored under keys[i] into GPU blocks block_ids[i],
+ * asynchronously. lease: from kvo_lookup (0: none); on success the load
+ * takes it over and the lease handle is consumed (do not release it); on
+ * failure the caller still owns it. after_event: the destination blocks may
+ * be overwritten after it (0: none). per_layer != 0 records one event per
+ * layer (kvo_op_layer_event). signal_event: a caller-owned CUevent also
+ * recorded when the load completes (0: none). Fails fast with KVO_EBUSY
+ * when the queue is full. */
+int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
+             size_t n, kvo_lease_t lease, uintptr_t after_event, int per_layer,
+             uintptr_t signal_event, kvo_op_t* op);
+
+/* Waits until the op is done. timeout_ns < 0: no limit; 0: poll. Returns
+ * KVO_ETIMEOUT if it is not done in time (the op goes on), KVO_EFAIL if a
+ * block's copy failed (outcomes are still readable), KVO_OK otherwise. */
+int kvo_op_wait(kvo_op_t op, int64_t timeout_ns);
+
+/* *done = 1 when the op is done, else 0. Never blocks. */
+int kvo_op_query(kvo_op_t op, int* done);
+
+/* Makes stream wait on the GPU (without blocking the CPU) until the op's
+ * copies are complete. On the host backend it waits on the CPU. */
+int kvo_op_stream_wait(kvo_op_t op, uintptr_t stream);
+
+/* The op's completion CUevent (0 on the host backend), valid until
+ * kvo_op_release. */
+int kvo_op_event(kvo_op_t op, uintptr_t* event);
+
+/* The event recorded after layer's copies of a per-layer load. */
+int kvo_op_layer_event(kvo_op_t op, int layer, uintptr_t* event);
+
+/* Writes the op's n per-block outcomes (KVO_OUTCOME_*) into out, in key
+ * order. n must equal the op's number of blocks. KVO_ENOTDONE before the op
+ * is done. */
+int kvo_op_outcomes(kvo_op_t op, uint8_t* out, size_t n);
+
+/* Gives the op's events back to the engine (waiting for the op to be done
+ * first) and frees the handle. Every op must be released exactly once. */
+int kvo_op_release(kvo_op_t op);
+
+/* Releases a lease taken by kvo_lookup and frees the handle. */
+int kvo_lease_release(kvo_lease_t lease);
+
+/* The staging buffer called name (NUL-terminated), of exactly bytes bytes,
+ * pinned at an address fixed until the engine is destroyed: *ptr is its
+ * host address, *device_ptr (may be NULL) the address kernels and copies
+ * use. Asking again for the same name and size gives the same buffer. */
+int kvo_staging(kvo_engine_t engine, const char* name, uint64_t bytes,
+                void** ptr, uint64_t* device_ptr);
+
+/* Writes the engine's statistics as a JSON object into buf (NUL-terminated);
+ * *needed gets the size including the NUL. If cap is too small nothing is
+ * written and KVO_EINVAL is returned (call again with *needed bytes). */
+int kvo_stats_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
+
+/* Gives up to bytes of pinned pool memory back to the OS, waiting at most
+ * timeout_ns (< 0: no limit) for copies in flight on the trimmed regions.
+ * freed_bytes / pending_bytes (may be NULL): unmapped now / when their last
+ * leases end. */
+int kvo_trim(kvo_engine_t engine, uint64_t bytes, int64_t timeout_ns,
+             uint64_t* freed_bytes, uint64_t* pending_bytes);
+
+/* Removes n keys from the pool; *deleted (may be NULL) is how many were
+ * present. */
+int kvo_delete(kvo_engine_t engine, const uint8_t* keys, size_t n, size_t* deleted);
+
+/* Removes every block stored in namespace (NUL-terminated; "" is the
+ * default namespace); *cleared (may be NULL) is how many. */
+int kvo_clear(kvo_engine_t engine, const char* namespace_, size_t* cleared);
+
+/* The chained keys of the full blocks of tokens (n_tokens token ids):
+ * key i = SHA-256(key i-1 || token ids of block i as little-endian uint32 ||
+ * namespace)[0:16], key -1 = parent (16 bytes; NULL for 16 zero bytes).
+ * A partial trailing block gets no key. out must hold out_cap keys
+ * (16*out_cap bytes); *n_keys gets n_tokens / tokens_per_block, and if
+ * that exceeds out_cap nothing is written and KVO_EINVAL is returned.
+ * Needs no engine. */
+int kvo_chain_keys(const uint8_t* namespace_, size_t namespace_len, const uint8_t* parent,
+                   const uint32_t* tokens, size_t n_tokens, size_t tokens_per_block,
+                   uint8_t* out, size_t out_cap, size_t* n_keys);
+
+/* Host backend only (KVO_EINVAL on CUDA): copy bytes into / out of the
+ * engine's simulated GPU memory at a simulated device address (from
+ * kvo_engine_config_json's layout). For tests and demos without a GPU. */
+int kvo_sim_write(kvo_engine_t engine, uint64_t device_addr, const void* src, size_t n);
+int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVOFFLOAD_H */
