@@ -1,0 +1,181 @@
+"""Loading libkvoffload.so and calling it: the only module that uses ctypes
+on the library.
+
+The library is loaded lazily, on the first call that needs it (creating an
+Engine, abi_version()), so that importing kvoffload starts no Go runtime.
+Loading it:
+
+* sets GOMAXPROCS to min(CPUs available, 8) unless the environment already
+  has it, which bounds the threads running Go code at once (the engine's
+  work is copies on the GPU and bookkeeping: a few threads are plenty);
+* blocks the asynchronous signals (SIGINT, SIGTERM, SIGHUP, ...) in the
+  loading thread while the library's constructor starts the Go runtime, so
+  that every thread the runtime creates, then and later, keeps them blocked
+  for good: the kernel then delivers them to Python's threads, and Python's
+  handlers (KeyboardInterrupt, signal.signal) work as without the library.
+  The mask of the calling thread is restored right after;
+* checks kvo_abi_version() against the version this package speaks.
+
+Every call is checked for a fork: a child of fork has a Go runtime whose
+threads are gone, and the library refuses it (KVO_EFORK) before running any
+Go code; the error is raised as ForkedChildError.
+"""
+
+import ctypes
+import os
+import signal
+import threading
+
+from . import errors
+
+ABI_VERSION = 1
+_LIB_NAME = "libkvoffload.so"
+_MAX_GOMAXPROCS = 8
+
+# The asynchronous signals kept off the Go runtime's threads. Synchronous
+# signals (SIGSEGV, SIGBUS, SIGFPE...) and SIGPIPE are the runtime's own;
+# SIGURG is its preemption signal.
+_BLOCKED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
+                 "SIGALRM", "SIGCHLD", "SIGWINCH", "SIGIO", "SIGVTALRM", "SIGXCPU", "SIGXFSZ")
+    if hasattr(signal, name)
+)
+
+_u8p = ctypes.POINTER(ctypes.c_uint8)
+_u64 = ctypes.c_uint64
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+_i64 = ctypes.c_int64
+_uptr = ctypes.c_size_t  # uintptr_t
+_uptrp = ctypes.POINTER(ctypes.c_size_t)
+_size = ctypes.c_size_t
+_sizep = ctypes.POINTER(ctypes.c_size_t)
+_int = ctypes.c_int
+_vp = ctypes.c_void_p
+
+# name: argument types; every function returns int (an error code) unless
+# listed in _RESTYPES.
+_PROTOTYPES = {
+    "kvo_abi_version": [],
+    "kvo_last_error": [],
+    "kvo_engine_create": [ctypes.c_char_p, _u64p],
+    "kvo_engine_destroy": [_u64],
+    "kvo_engine_config_json": [_u64, ctypes.c_char_p, _size, _sizep],
+    "kvo_lookup": [_u64, _vp, _size, _int, _sizep, _u64p],
+    "kvo_store": [_u64, _vp, _vp, _size, _uptr, _uptr, _u64p],
+    "kvo_load": [_u64, _vp, _vp, _size, _u64, _uptr, _int, _uptr, _u64p],
+    "kvo_op_wait": [_u64, _i64],
+    "kvo_op_query": [_u64, ctypes.POINTER(_int)],
+    "kvo_op_stream_wait": [_u64, _uptr],
+    "kvo_op_event": [_u64, _uptrp],
+    "kvo_op_layer_event": [_u64, _int, _uptrp],
+    "kvo_op_outcomes": [_u64, _vp, _size],
+    "kvo_op_release": [_u64],
+    "kvo_lease_release": [_u64],
+    "kvo_staging": [_u64, ctypes.c_char_p, _u64, ctypes.POINTER(_vp), _u64p],
+    "kvo_stats_json": [_u64, ctypes.c_char_p, _size, _sizep],
+    "kvo_trim": [_u64, _u64, _i64, _u64p, _u64p],
+    "kvo_delete": [_u64, _vp, _size, _sizep],
+    "kvo_clear": [_u64, ctypes.c_char_p, _sizep],
+    "kvo_chain_keys": [_vp, _size, _vp, _vp, _size, _size, _vp, _size, _sizep],
+    "kvo_sim_write": [_u64, _u64, _vp, _size],
+    "kvo_sim_read": [_u64, _u64, _vp, _size],
+}
+_RESTYPES = {"kvo_last_error": ctypes.c_char_p}
+
+_lock = threading.Lock()
+_lib = None
+_loaded_pid = None
+
+
+def library_path():
+    """The library this package loads: $KVOFFLOAD_LIB, else libkvoffload.so
+    next to the package (capi/build.sh puts it there)."""
+    env = os.environ.get("KVOFFLOAD_LIB")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), _LIB_NAME)
+
+
+def _default_gomaxprocs():
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        ncpu = os.cpu_count() or 1
+    return max(1, min(ncpu, _MAX_GOMAXPROCS))
+
+
+def load_library(path):
+    """Loads the library at path with the signal mask and environment
+    described above, checks its ABI version and declares its prototypes.
+    Raises LibraryError when the file cannot be loaded and AbiVersionError
+    for a library of another ABI version. Loading one library twice is
+    harmless (the dynamic loader returns the same one)."""
+    if not os.path.exists(path):
+        raise errors.LibraryError(
+            f"kvoffload: no library at {path!r}: build it with capi/build.sh "
+            f"(go build -buildmode=c-shared -o build/libkvoffload.so ./capi) or set KVOFFLOAD_LIB")
+    os.environ.setdefault("GOMAXPROCS", str(_default_gomaxprocs()))
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_SIGNALS)
+    try:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise errors.LibraryError(f"kvoffload: cannot load {path!r}: {e}") from e
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    try:
+        version = lib.kvo_abi_version
+    except AttributeError as e:
+        raise errors.AbiVersionError(f"kvoffload: {path!r} has no kvo_abi_version: not a kvoffload library") from e
+    version.restype = ctypes.c_int
+    version.argtypes = []
+    got = version()
+    if got != ABI_VERSION:
+        raise errors.AbiVersionError(
+            f"kvoffload: {path!r} speaks ABI version {got}, this package speaks {ABI_VERSION}: "
+            f"rebuild the library from the same checkout (capi/build.sh)")
+    for name, argtypes in _PROTOTYPES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as e:
+            raise errors.AbiVersionError(f"kvoffload: {path!r} lacks {name} although it claims ABI {got}") from e
+        fn.argtypes = argtypes
+        fn.restype = _RESTYPES.get(name, ctypes.c_int)
+    return lib
+
+
+def get():
+    """The loaded library, loading it on first use."""
+    global _lib, _loaded_pid
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            lib = load_library(library_path())
+            _loaded_pid = os.getpid()
+            _lib = lib
+    return _lib
+
+
+def loaded():
+    """Whether the library has been loaded in this process (or its parent)."""
+    return _lib is not None
+
+
+def in_loading_process():
+    """False in a forked child of the process that loaded the library."""
+    return _loaded_pid == os.getpid()
+
+
+def last_error(lib):
+    msg = lib.kvo_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(rc, call):
+    """Raises the KvoError subclass for a non-zero code, with the library's
+    text. Must run on the thread that made the call (the text is per
+    thread)."""
+    if rc != 0:
+        raise errors.from_code(rc, last_error(get()) or f"kvoffload: {call} failed with code {rc}")

@@ -1,0 +1,431 @@
+"""Engine, Op, Lease and Staging: the library's objects in Python."""
+
+import array
+import ctypes
+import json
+
+from . import _lib, errors
+from .keys import chain_keys, pack_keys
+from .layout import layout_from_tensors
+
+# Per-block outcomes (kvo_op_outcomes), by code.
+OUTCOMES = ("pending", "stored", "already-present", "refused-full", "refused-busy",
+            "refused-admission", "failed", "loaded", "missing", "cancelled")
+
+_WAIT_SLICE_NS = 50_000_000  # wait() returns to Python this often, so signals are handled
+
+
+def _stream_handle(stream):
+    """A CUstream as an int from a torch.cuda.Stream (or anything with
+    .cuda_stream) or an int; None means no stream."""
+    if stream is None:
+        return 0
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    raise errors.InvalidArgumentError(f"stream must be a torch.cuda.Stream or an int, got {type(stream).__name__}")
+
+
+def _event_handle(event):
+    if event is None:
+        return 0
+    if hasattr(event, "cuda_event"):
+        return int(event.cuda_event)
+    if isinstance(event, int) and not isinstance(event, bool):
+        return event
+    raise errors.InvalidArgumentError(f"event must be a torch.cuda.Event or an int, got {type(event).__name__}")
+
+
+def _block_ids(block_ids, n):
+    if hasattr(block_ids, "tolist"):
+        block_ids = block_ids.tolist()
+    try:
+        ids = array.array("q", block_ids)
+    except (TypeError, OverflowError) as e:
+        raise errors.InvalidArgumentError(f"block ids must be integers: {e}") from e
+    if len(ids) != n:
+        raise errors.InvalidArgumentError(f"{n} keys but {len(ids)} block ids")
+    return ids
+
+
+def _addr(buf):
+    """The address of a bytes object or array's data, for the call's duration."""
+    if isinstance(buf, array.array):
+        return buf.buffer_info()[0] if len(buf) else None
+    return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value if buf else None
+
+
+class Lease:
+    """Reader leases taken by Engine.lookup(lease=True): the blocks cannot be
+    evicted until release() or until a load takes the lease over."""
+
+    def __init__(self, engine, handle, hits):
+        self._engine = engine
+        self._handle = handle
+        self.hits = hits
+
+    def release(self):
+        """Releases the leases. Raises ReleasedError the second time, or
+        after a load took the lease over."""
+        h, self._handle = self._handle, 0
+        if not h:
+            raise errors.ReleasedError("kvoffload: lease already released or taken over by a load")
+        _lib.check(_lib.get().kvo_lease_release(h), "kvo_lease_release")
+
+    def _take(self):
+        return self._handle
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle:
+            self.release()
+
+    def __del__(self):
+        if getattr(self, "_handle", 0) and _lib.in_loading_process():
+            try:
+                _lib.get().kvo_lease_release(self._handle)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class Op:
+    """One asynchronous store or load. Use as a context manager (released on
+    exit) or call release(); its events are valid until then."""
+
+    def __init__(self, engine, handle, n, kind, keep=()):
+        self._engine = engine
+        self._handle = handle
+        self._keep = keep  # objects (torch events) that must outlive the op
+        self.kind = kind
+        self.n = n
+
+    def _h(self):
+        if not self._handle:
+            raise errors.ReleasedError(f"kvoffload: {self.kind} op already released")
+        return self._handle
+
+    def wait(self, timeout=None):
+        """Blocks until the op is done (timeout in seconds: OpTimeoutError
+        when it passes; the op goes on). Returns the outcome names. Raises
+        TransferFailedError if a block's copy failed. Signals are handled
+        while it waits (KeyboardInterrupt interrupts it)."""
+        lib = _lib.get()
+        h = self._h()
+        if timeout is not None:
+            _lib.check(lib.kvo_op_wait(h, max(0, int(timeout * 1e9))), "kvo_op_wait")
+            return self.outcomes()
+        while True:
+            rc = lib.kvo_op_wait(h, _WAIT_SLICE_NS)
+            if rc != errors.KVO_ETIMEOUT:
+                _lib.check(rc, "kvo_op_wait")
+                return self.outcomes()
+
+    def done(self):
+        """Whether the op is done (never blocks)."""
+        d = ctypes.c_int(0)
+        _lib.check(_lib.get().kvo_op_query(self._h(), ctypes.byref(d)), "kvo_op_query")
+        return bool(d.value)
+
+    def outcomes(self):
+        """The per-block outcome names (see OUTCOMES), in key order.
+        NotDoneError before the op is done."""
+        buf = (ctypes.c_uint8 * max(self.n, 1))()
+        _lib.check(_lib.get().kvo_op_outcomes(self._h(), buf, self.n), "kvo_op_outcomes")
+        return [OUTCOMES[c] if c < len(OUTCOMES) else f"outcome({c})" for c in buf[:self.n]]
+
+    def wait_stream(self, stream):
+        """Makes stream (a torch.cuda.Stream or a CUstream int) wait on the
+        GPU until the op's copies are done; the CPU does not block."""
+        _lib.check(_lib.get().kvo_op_stream_wait(self._h(), _stream_handle(stream)), "kvo_op_stream_wait")
+
+    def event(self):
+        """The op's completion CUevent as an int (0 on the host backend)."""
+        ev = ctypes.c_size_t(0)
+        _lib.check(_lib.get().kvo_op_event(self._h(), ctypes.byref(ev)), "kvo_op_event")
+        return ev.value
+
+    def layer_event(self, layer):
+        """The CUevent recorded after layer's copies of a per_layer load."""
+        ev = ctypes.c_size_t(0)
+        _lib.check(_lib.get().kvo_op_layer_event(self._h(), int(layer), ctypes.byref(ev)), "kvo_op_layer_event")
+        return ev.value
+
+    def wait_layer(self, layer, stream):
+        """Makes stream wait until layer's copies of a per_layer load are done
+        (cuStreamWaitEvent on layer_event(layer))."""
+        ev = self.layer_event(layer)
+        if ev:
+            _cuda_stream_wait_event(_stream_handle(stream), ev)
+
+    def release(self):
+        """Gives the op's events back (waiting for it to be done). Raises
+        ReleasedError the second time."""
+        h = self._h()
+        self._handle = 0
+        try:
+            _lib.check(_lib.get().kvo_op_release(h), "kvo_op_release")
+        finally:
+            self._keep = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle:
+            self.release()
+
+    def __del__(self):
+        if getattr(self, "_handle", 0) and _lib.in_loading_process():
+            try:
+                _lib.get().kvo_op_release(self._handle)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+_libcuda = None
+
+
+def _cuda_stream_wait_event(stream, event):
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        _libcuda.cuStreamWaitEvent.restype = ctypes.c_int
+    rc = _libcuda.cuStreamWaitEvent(stream, event, 0)
+    if rc != 0:
+        raise errors.TransferFailedError(f"kvoffload: cuStreamWaitEvent(stream {stream:#x}, event {event:#x}) = {rc}")
+
+
+class Staging:
+    """A pinned host buffer at an address fixed for the engine's lifetime."""
+
+    def __init__(self, name, ptr, device_ptr, nbytes):
+        self.name, self.ptr, self.device_ptr, self.nbytes = name, ptr, device_ptr, nbytes
+
+    def buffer(self):
+        """The memory as a writable memoryview (valid until the engine closes)."""
+        return memoryview((ctypes.c_uint8 * self.nbytes).from_address(self.ptr)).cast("B")
+
+    def tensor(self, dtype=None):
+        """The memory as a CPU torch tensor of dtype (default uint8)."""
+        import torch
+        t = torch.frombuffer(self.buffer(), dtype=torch.uint8)
+        return t.view(dtype) if dtype is not None else t
+
+
+class Engine:
+    """The offload engine. Build it from the KV cache tensors
+    (Engine.from_tensors) or from a config dict (Engine(config)); close it
+    with close() or a with block."""
+
+    def __init__(self, config, _keep=()):
+        if not isinstance(config, dict):
+            raise errors.InvalidArgumentError(f"config must be a dict, got {type(config).__name__}")
+        lib = _lib.get()
+        h = ctypes.c_uint64(0)
+        _lib.check(lib.kvo_engine_create(json.dumps(config).encode(), ctypes.byref(h)), "kvo_engine_create")
+        self._handle = h.value
+        self._keep = _keep
+        self.config = self._config()
+        self.namespace = self.config.get("namespace", "")
+        self.tokens_per_block = self.config["layout"]["tokens_per_block"]
+
+    @classmethod
+    def from_tensors(cls, kv_caches, pool_bytes, kind=None, tokens_per_block=None, kv_heads=None,
+                     head_dim=None, layers=None, **config):
+        """An engine over the serving stack's KV cache tensors (see
+        kvoffload.layout for the accepted shapes). pool_bytes is the host
+        pool size; other keyword arguments are Config fields (namespace,
+        staging_bytes, policy, ...). The tensors must stay allocated while
+        the engine lives; the engine keeps references to them."""
+        layout, backend, device, keep = layout_from_tensors(
+            kv_caches, kind=kind, tokens_per_block=tokens_per_block, kv_heads=kv_heads,
+            head_dim=head_dim, layers=layers)
+        if backend == "host":
+            raise errors.InvalidArgumentError(
+                "kvoffload: KV tensors are on the cpu: the host backend's simulated GPU allocates its own "
+                "memory; create the engine from a config dict (Engine({...})) and use sim_write/sim_read")
+        cfg = dict(config, pool_bytes=int(pool_bytes), layout=layout)
+        cfg.setdefault("backend", backend)
+        cfg.setdefault("device", device)
+        return cls(cfg, _keep=keep)
+
+    def _h(self):
+        if not self._handle:
+            raise errors.EngineClosedError("kvoffload: engine closed")
+        return self._handle
+
+    def _json(self, fn, call):
+        lib = _lib.get()
+        need = ctypes.c_size_t(0)
+        size = 4096
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            rc = fn(self._h(), buf, size, ctypes.byref(need))
+            if rc == errors.KVO_EINVAL and need.value > size:
+                size = need.value
+                continue
+            _lib.check(rc, call)
+            return json.loads(buf.value.decode())
+
+    def _config(self):
+        return self._json(_lib.get().kvo_engine_config_json, "kvo_engine_config_json")
+
+    def keys(self, tokens, parent=None):
+        """The keys of a sequence's full blocks in this engine's namespace."""
+        return chain_keys(tokens, self.tokens_per_block, namespace=self.namespace, parent=parent)
+
+    def lookup(self, keys, lease=False):
+        """How many leading keys are in the pool. With lease=True returns
+        (hits, Lease or None); pass the lease to load()."""
+        raw, n = pack_keys(keys)
+        hits = ctypes.c_size_t(0)
+        lh = ctypes.c_uint64(0)
+        _lib.check(_lib.get().kvo_lookup(self._h(), _addr(raw), n, 1 if lease else 0, ctypes.byref(hits),
+                                         ctypes.byref(lh)), "kvo_lookup")
+        if not lease:
+            return hits.value
+        return hits.value, (Lease(self, lh.value, hits.value) if lh.value else None)
+
+    def store(self, keys, block_ids, after=None):
+        """Copies GPU blocks block_ids[i] to the pool under keys[i],
+        asynchronously; returns an Op. after: the torch.cuda.Stream whose
+        queued kernels write those blocks: an event is recorded on it now and
+        the copies wait for it (nothing else is needed for ordering). Before
+        the stack overwrites the blocks, its stream must op.wait_stream()."""
+        raw, n = pack_keys(keys)
+        ids = _block_ids(block_ids, n)
+        event, ev, st = None, 0, 0
+        if after is not None:
+            event, ev, st = _record_on(after)
+        op = ctypes.c_uint64(0)
+        _lib.check(_lib.get().kvo_store(self._h(), _addr(raw), _addr(ids), n, ev, st, ctypes.byref(op)),
+                   "kvo_store")
+        return Op(self, op.value, n, "store", keep=(event,) if event is not None else ())
+
+    def load(self, keys, block_ids, lease=None, after=None, per_layer=False, signal=None):
+        """Copies the blocks stored under keys[i] into GPU blocks
+        block_ids[i], asynchronously; returns an Op (wait_stream it before
+        reading the blocks). lease: from lookup(lease=True), taken over.
+        after: a stream whose queued work must finish before the blocks are
+        overwritten. per_layer: one event per layer (op.wait_layer).
+        signal: a caller-owned torch.cuda.Event (or CUevent int) also
+        recorded at completion."""
+        raw, n = pack_keys(keys)
+        ids = _block_ids(block_ids, n)
+        lh = 0
+        if lease is not None:
+            if not isinstance(lease, Lease):
+                raise errors.InvalidArgumentError(f"lease must be a Lease from lookup, got {type(lease).__name__}")
+            lh = lease._take()
+            if not lh:
+                raise errors.ReleasedError("kvoffload: lease already released or taken over by a load")
+        event, ev = None, 0
+        if after is not None:
+            event, ev, _ = _record_on(after)
+        op = ctypes.c_uint64(0)
+        _lib.check(_lib.get().kvo_load(self._h(), _addr(raw), _addr(ids), n, lh, ev, 1 if per_layer else 0,
+                                       _event_handle(signal), ctypes.byref(op)), "kvo_load")
+        if lease is not None:
+            lease._handle = 0
+        keep = tuple(x for x in (event, signal) if x is not None and not isinstance(x, int))
+        return Op(self, op.value, n, "load", keep=keep)
+
+    def delete(self, keys):
+        """Removes keys from the pool; returns how many were present."""
+        raw, n = pack_keys(keys)
+        out = ctypes.c_size_t(0)
+        _lib.check(_lib.get().kvo_delete(self._h(), _addr(raw), n, ctypes.byref(out)), "kvo_delete")
+        return out.value
+
+    def clear(self, namespace=None):
+        """Removes every block of namespace (default: the engine's)."""
+        ns = self.namespace if namespace is None else namespace
+        out = ctypes.c_size_t(0)
+        _lib.check(_lib.get().kvo_clear(self._h(), ns.encode(), ctypes.byref(out)), "kvo_clear")
+        return out.value
+
+    def stats(self):
+        """The engine's counters as a dict (see Go's offload.Stats)."""
+        return self._json(_lib.get().kvo_stats_json, "kvo_stats_json")
+
+    def trim(self, nbytes, timeout=None):
+        """Gives up to nbytes of pinned pool memory back; returns
+        {"freed_bytes", "pending_bytes"}."""
+        if nbytes < 0:
+            raise errors.InvalidArgumentError(f"trim: nbytes = {nbytes}, must be >= 0")
+        freed, pending = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        t = -1 if timeout is None else max(0, int(timeout * 1e9))
+        _lib.check(_lib.get().kvo_trim(self._h(), int(nbytes), t, ctypes.byref(freed), ctypes.byref(pending)),
+                   "kvo_trim")
+        return {"freed_bytes": freed.value, "pending_bytes": pending.value}
+
+    def staging(self, name, nbytes):
+        """The pinned staging buffer called name, of exactly nbytes bytes."""
+        if nbytes < 0:
+            raise errors.InvalidArgumentError(f"staging: nbytes = {nbytes}, must be >= 0")
+        ptr, dev = ctypes.c_void_p(0), ctypes.c_uint64(0)
+        _lib.check(_lib.get().kvo_staging(self._h(), name.encode(), int(nbytes), ctypes.byref(ptr),
+                                          ctypes.byref(dev)), "kvo_staging")
+        return Staging(name, ptr.value or 0, dev.value, int(nbytes))
+
+    def sim_write(self, device_addr, data):
+        """Host backend: writes bytes into the simulated GPU memory."""
+        data = bytes(data)
+        _lib.check(_lib.get().kvo_sim_write(self._h(), device_addr, _addr(data), len(data)), "kvo_sim_write")
+
+    def sim_read(self, device_addr, nbytes):
+        """Host backend: reads nbytes of simulated GPU memory."""
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        _lib.check(_lib.get().kvo_sim_read(self._h(), device_addr, buf, nbytes), "kvo_sim_read")
+        return buf.raw[:nbytes]
+
+    def close(self):
+        """Closes the engine (waits for copies in flight). Idempotent."""
+        h, self._handle = self._handle, 0
+        if h:
+            _lib.check(_lib.get().kvo_engine_destroy(h), "kvo_engine_destroy")
+        self._keep = ()
+
+    @property
+    def closed(self):
+        return not self._handle
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", 0) and _lib.in_loading_process():
+            try:
+                _lib.get().kvo_engine_destroy(self._handle)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def _record_on(stream):
+    """Records a fresh torch event on stream; returns (event, CUevent, CUstream)."""
+    import torch
+    if not isinstance(stream, torch.cuda.Stream):
+        raise errors.InvalidArgumentError(f"after must be a torch.cuda.Stream, got {type(stream).__name__}")
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event, int(event.cuda_event), int(stream.cuda_stream)
+
+
+def abi_version():
+    """The ABI version of the loaded library (loads it)."""
+    return _lib.get().kvo_abi_version()
+
+
+def library_pid():
+    """The pid of the process that loaded the library (None if not loaded)."""
+    return _lib._loaded_pid if _lib.loaded() else None
+
+
+__all__ = ["Engine", "Op", "Lease", "Staging", "OUTCOMES", "abi_version", "library_pid"]

@@ -1,0 +1,90 @@
+"""Block keys, computed in pure Python (hashlib) exactly as Go's
+kvcache.BlockKey / ChainKeys do:
+
+    key(block i) = SHA-256(key(block i-1) || tokens of block i as
+                           little-endian uint32 || namespace)[:16]
+
+with key(block -1) = the parent (16 zero bytes when the tokens start a
+sequence). A partial trailing block gets no key. The committed vectors in
+kvcache/testdata/key_vectors.json pin both implementations."""
+
+import hashlib
+import struct
+
+from .errors import InvalidArgumentError
+
+KEY_BYTES = 16
+ZERO_KEY = bytes(KEY_BYTES)
+_MAX_TOKEN = 0xFFFFFFFF
+
+
+def _namespace_bytes(namespace):
+    if namespace is None:
+        return b""
+    if isinstance(namespace, str):
+        return namespace.encode("utf-8")
+    if isinstance(namespace, (bytes, bytearray, memoryview)):
+        return bytes(namespace)
+    raise InvalidArgumentError(f"namespace must be str or bytes, got {type(namespace).__name__}")
+
+
+def _parent_bytes(parent):
+    if parent is None:
+        return ZERO_KEY
+    parent = bytes(parent)
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgumentError(f"parent key is {len(parent)} bytes, must be {KEY_BYTES}")
+    return parent
+
+
+def block_key(tokens, namespace=b"", parent=None):
+    """The key of one block of token ids (any length), chained to parent."""
+    parent = _parent_bytes(parent)
+    ns = _namespace_bytes(namespace)
+    return _block_key(list(tokens), ns, parent)
+
+
+def _block_key(tokens, ns, parent):
+    try:
+        packed = struct.pack("<%dI" % len(tokens), *tokens)
+    except struct.error as e:
+        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN), None)
+        raise InvalidArgumentError(f"token id {bad!r} is not an integer in [0, {_MAX_TOKEN}]") from e
+    return hashlib.sha256(parent + packed + ns).digest()[:KEY_BYTES]
+
+
+def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
+    """The keys of the full blocks of tokens (a sequence of ints, or a 1-D
+    tensor/array with .tolist()), each chained to the one before. namespace
+    (str or bytes) must be the engine's; parent continues an earlier chain."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+        raise InvalidArgumentError(f"tokens_per_block = {tokens_per_block!r}, must be an integer >= 1")
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    ns = _namespace_bytes(namespace)
+    key = _parent_bytes(parent)
+    keys = []
+    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        key = _block_key(tokens[start:start + tokens_per_block], ns, key)
+        keys.append(key)
+    return keys
+
+
+def pack_keys(keys):
+    """Checks keys (an iterable of 16-byte bytes-like objects, or one
+    bytes-like object of 16*n bytes) and returns (packed bytes, n)."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        raw = bytes(keys)
+        if len(raw) % KEY_BYTES:
+            raise InvalidArgumentError(f"packed keys are {len(raw)} bytes, not a multiple of {KEY_BYTES}")
+        return raw, len(raw) // KEY_BYTES
+    parts = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"key {i} is a {type(k).__name__}, must be {KEY_BYTES} bytes")
+        k = bytes(k)
+        if len(k) != KEY_BYTES:
+            raise InvalidArgumentError(f"key {i} is {len(k)} bytes, must be {KEY_BYTES}")
+        parts.append(k)
+    return b"".join(parts), len(parts)

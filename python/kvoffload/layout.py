@@ -1,0 +1,184 @@
+"""Describing a serving stack's KV cache tensors as an engine layout.
+
+Works on torch tensors without importing torch: it reads only .device,
+.dtype, .shape, .stride(), .is_contiguous(), .element_size() and
+.data_ptr(), so it is testable with stand-ins.
+
+Accepted forms (num_blocks first everywhere, each tensor contiguous):
+
+* layer-separate: a list with one entry per layer, each a (K, V) pair of
+  tensors of shape [num_blocks, tokens_per_block, kv_heads, head_dim] (or
+  flattened to [num_blocks, tokens_per_block * kv_heads * head_dim], with
+  the geometry given), or one tensor of shape [2, num_blocks, ...] holding
+  K and V (vLLM's per-layer cache);
+* cross-layer: one tensor [num_blocks, layers, 2, tokens_per_block,
+  kv_heads, head_dim] (or [num_blocks, block_elements], geometry given);
+* mla: a list of one tensor per layer, [num_blocks, tokens_per_block,
+  latent] (kv_heads = 1, head_dim = latent).
+"""
+
+from .errors import InvalidArgumentError
+
+LAYER_SEPARATE = "layer-separate"
+CROSS_LAYER = "cross-layer"
+MLA = "mla"
+
+
+def _bad(msg):
+    return InvalidArgumentError("kvoffload: KV tensors: " + msg)
+
+
+def _check_tensor(t, what):
+    for attr in ("device", "shape", "data_ptr", "is_contiguous", "element_size", "stride"):
+        if not hasattr(t, attr):
+            raise _bad(f"{what} is a {type(t).__name__}, not a tensor")
+    if not t.is_contiguous():
+        raise _bad(f"{what} is not contiguous (strides {tuple(t.stride())}); pass .contiguous() storage, not a view")
+    if len(t.shape) < 2:
+        raise _bad(f"{what} has shape {tuple(t.shape)}: needs [num_blocks, ...]")
+
+
+def _device_of(tensors):
+    """(backend, device index) for tensors that must all be on one device."""
+    first = tensors[0][1].device
+    for what, t in tensors:
+        d = t.device
+        if d.type != first.type or d.index != first.index:
+            raise _bad(f"{what} is on {d}, {tensors[0][0]} on {first}: all must be on one device")
+    if first.type == "cuda":
+        return "cuda", first.index or 0
+    if first.type == "cpu":
+        return "host", 0
+    raise _bad(f"tensors are on {first}; the engine needs cuda tensors (or cpu for the host backend)")
+
+
+def _geometry(shape, what, tokens_per_block, kv_heads, head_dim, lead):
+    """(tokens_per_block, kv_heads, head_dim) from a block's shape after the
+    num_blocks dimension; lead is the number of leading dims (layers, 2) of a
+    cross-layer block."""
+    inner = tuple(shape[1:])
+    if len(inner) == lead + 3:
+        got = inner[lead:]
+        for name, given, actual in zip(("tokens_per_block", "kv_heads", "head_dim"),
+                                       (tokens_per_block, kv_heads, head_dim), got):
+            if given is not None and given != actual:
+                raise _bad(f"{what} has shape {tuple(shape)}: {name} is {actual}, {given} was given")
+        return got
+    if len(inner) == 1:
+        if None in (tokens_per_block, kv_heads, head_dim):
+            raise _bad(f"{what} has flattened shape {tuple(shape)}: give tokens_per_block, kv_heads and head_dim")
+        return tokens_per_block, kv_heads, head_dim
+    raise _bad(f"{what} has shape {tuple(shape)}: want [num_blocks, tokens_per_block, kv_heads, head_dim] "
+               f"or [num_blocks, elements]")
+
+
+def layout_from_tensors(kv_caches, kind=None, tokens_per_block=None, kv_heads=None, head_dim=None, layers=None):
+    """Returns (layout dict for the engine config, backend, device index,
+    tensors to keep alive)."""
+    if isinstance(kv_caches, (list, tuple)):
+        if not kv_caches:
+            raise _bad("an empty list: need one entry per layer")
+        kind = kind or (MLA if all(not isinstance(x, (list, tuple)) and len(x.shape) == 3 for x in kv_caches)
+                        else LAYER_SEPARATE)
+        if kind == CROSS_LAYER:
+            raise _bad("cross-layer takes one tensor, not a list")
+        return _per_layer(kv_caches, kind, tokens_per_block, kv_heads, head_dim)
+    if kind not in (None, CROSS_LAYER):
+        raise _bad(f"kind {kind!r} takes a list of per-layer tensors")
+    return _cross_layer(kv_caches, tokens_per_block, kv_heads, head_dim, layers)
+
+
+def _per_layer(kv_caches, kind, tpb, heads, dim):
+    entries = []
+    for l, entry in enumerate(kv_caches):
+        if kind == MLA:
+            if isinstance(entry, (list, tuple)):
+                raise _bad(f"layer {l}: mla takes one latent tensor per layer, got {len(entry)}")
+            _check_tensor(entry, f"layer {l}")
+            entries.append((entry, None))
+            continue
+        if isinstance(entry, (list, tuple)):
+            if len(entry) != 2:
+                raise _bad(f"layer {l}: a (K, V) pair is needed, got {len(entry)} tensors")
+            k, v = entry
+        else:
+            _check_tensor(entry, f"layer {l}")
+            if entry.shape[0] != 2:
+                raise _bad(f"layer {l} has shape {tuple(entry.shape)}: one tensor per layer must be [2, num_blocks, ...]")
+            k, v = entry[0], entry[1]
+        _check_tensor(k, f"layer {l} K")
+        _check_tensor(v, f"layer {l} V")
+        entries.append((k, v))
+    first = entries[0][0]
+    named = []
+    for l, (k, v) in enumerate(entries):
+        named.append((f"layer {l} K" if v is not None else f"layer {l}", k))
+        if v is not None:
+            named.append((f"layer {l} V", v))
+    backend, device = _device_of(named)
+    num_blocks = first.shape[0]
+    elsize = first.element_size()
+    if kind == MLA:
+        if len(first.shape) == 3:
+            shape_tpb, latent = first.shape[1], first.shape[2]
+            if tpb is not None and tpb != shape_tpb:
+                raise _bad(f"layer 0 has shape {tuple(first.shape)}: tokens_per_block is {shape_tpb}, {tpb} was given")
+            geo = (shape_tpb, 1, latent)
+        else:
+            geo = _geometry(first.shape, "layer 0", tpb, 1, dim, 0)
+    else:
+        geo = _geometry(first.shape, "layer 0 K", tpb, heads, dim, 0)
+    tensors = []
+    for what, t in named:
+        if tuple(t.shape) != tuple(first.shape):
+            raise _bad(f"{what} has shape {tuple(t.shape)}, layer 0 has {tuple(first.shape)}: all must match")
+        if t.dtype != first.dtype:
+            raise _bad(f"{what} has dtype {t.dtype}, layer 0 has {first.dtype}: all must match")
+    block_elems = geo[0] * geo[1] * geo[2]
+    row = 1
+    for d in first.shape[1:]:
+        row *= d
+    if row != block_elems:
+        raise _bad(f"layer 0 has {row} elements per block, tokens_per_block*kv_heads*head_dim = {block_elems}")
+    for k, v in entries:
+        stride = k.stride()[0] * elsize
+        if v is not None and v.stride()[0] * elsize != stride:
+            raise _bad("K and V of a layer must have the same block stride")
+        tensors.append({"k": k.data_ptr(), "v": v.data_ptr() if v is not None else 0, "stride": stride})
+    layout = {
+        "kind": kind, "layers": len(entries), "kv_heads": geo[1], "head_dim": geo[2],
+        "dtype_bytes": elsize, "tokens_per_block": geo[0], "num_blocks": num_blocks,
+        "layer_tensors": tensors,
+    }
+    keep = [t for _, t in named]
+    return layout, backend, device, keep
+
+
+def _cross_layer(t, tpb, heads, dim, layers):
+    _check_tensor(t, "the cross-layer tensor")
+    backend, device = _device_of([("the cross-layer tensor", t)])
+    shape = tuple(t.shape)
+    if len(shape) == 6:
+        if shape[2] != 2:
+            raise _bad(f"cross-layer tensor has shape {shape}: dim 2 must be 2 (K and V)")
+        if layers is not None and layers != shape[1]:
+            raise _bad(f"cross-layer tensor has shape {shape}: layers is {shape[1]}, {layers} was given")
+        layers = shape[1]
+        geo = _geometry((shape[0],) + shape[3:], "the cross-layer tensor", tpb, heads, dim, 0)
+    elif len(shape) == 2:
+        if None in (tpb, heads, dim, layers):
+            raise _bad(f"cross-layer tensor has flattened shape {shape}: give layers, tokens_per_block, kv_heads and head_dim")
+        geo = (tpb, heads, dim)
+        if shape[1] != layers * 2 * tpb * heads * dim:
+            raise _bad(f"cross-layer tensor has {shape[1]} elements per block, "
+                       f"layers*2*tokens_per_block*kv_heads*head_dim = {layers * 2 * tpb * heads * dim}")
+    else:
+        raise _bad(f"cross-layer tensor has shape {shape}: want [num_blocks, layers, 2, tokens_per_block, "
+                   f"kv_heads, head_dim] or [num_blocks, elements]")
+    elsize = t.element_size()
+    layout = {
+        "kind": CROSS_LAYER, "layers": layers, "kv_heads": geo[1], "head_dim": geo[2],
+        "dtype_bytes": elsize, "tokens_per_block": geo[0], "num_blocks": shape[0],
+        "base": t.data_ptr(), "stride": t.stride()[0] * elsize,
+    }
+    return layout, backend, device, [t]

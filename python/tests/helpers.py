@@ -1,0 +1,53 @@
+"""Shared helpers for the host-backend tests: a small engine config and
+block reads/writes through the simulated GPU."""
+
+import os
+import unittest
+
+import kvoffload
+from kvoffload import _lib
+
+LAYERS, HEADS, DIM, DTYPE, TPB, NUM_BLOCKS = 2, 2, 8, 2, 4, 64
+SEG = TPB * HEADS * DIM * DTYPE
+
+
+def host_config(**over):
+    cfg = {
+        "pool_bytes": 1 << 20, "backend": "host", "skip_memory_check": True, "policy": "lru",
+        "staging_bytes": 1 << 16, "namespace": "py-test",
+        "layout": {"kind": "layer-separate", "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM,
+                   "dtype_bytes": DTYPE, "tokens_per_block": TPB, "num_blocks": NUM_BLOCKS},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def have_library():
+    return os.path.exists(_lib.library_path())
+
+
+def needs_library(cls):
+    return unittest.skipUnless(have_library(), f"no library at {_lib.library_path()} (capi/build.sh)")(cls)
+
+
+def segments(eng, block):
+    for t in eng.config["layout"]["layer_tensors"]:
+        yield t["k"] + block * t["stride"]
+        yield t["v"] + block * t["stride"]
+
+
+def pattern(block, salt):
+    return bytes((block * 31 + salt * 7 + i) % 251 for i in range(SEG))
+
+
+def write_block(eng, block, salt):
+    for s, addr in enumerate(segments(eng, block)):
+        eng.sim_write(addr, pattern(block, salt + s))
+
+
+def block_holds(eng, block, src, salt):
+    return all(eng.sim_read(addr, SEG) == pattern(src, salt + s) for s, addr in enumerate(segments(eng, block)))
+
+
+def keys_for(n, seed):
+    return kvoffload.chain_keys(range(seed * 100000, seed * 100000 + n * TPB), TPB, namespace="py-test")
