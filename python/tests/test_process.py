@@ -1,0 +1,140 @@
+"""The Go runtime inside Python: signals still reach Python's handlers,
+the runtime's threads keep asynchronous signals blocked, GOMAXPROCS gets a
+default, and a forked child is refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import unittest
+
+import kvoffload
+
+from .helpers import host_config, keys_for, needs_library
+
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import ctypes, os, signal, sys, threading, time
+    import kvoffload
+    from kvoffload import _lib
+    from tests.helpers import host_config, keys_for, write_block
+
+    want = sys.argv[1]
+    eng = kvoffload.Engine(host_config(sim={"seed": 1, "min_delay_ns": 200000, "max_delay_ns": 2000000}))
+    assert os.environ["GOMAXPROCS"] == want, (os.environ["GOMAXPROCS"], want)
+
+    def round_trip(i):
+        keys = keys_for(4, 1000 + i)
+        for b in range(4):
+            write_block(eng, b, i)
+        with eng.store(keys, range(4)) as op:
+            op.wait()
+        with eng.load(keys, range(4, 8)) as op:
+            assert op.wait() == ["loaded"] * 4
+        eng.delete(keys)
+
+    # SIGINT while transfers run: KeyboardInterrupt in the main thread.
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    rounds = 0
+    try:
+        while True:
+            round_trip(rounds)
+            rounds += 1
+    except KeyboardInterrupt:
+        pass
+    timer.join()
+    round_trip(rounds + 1)  # the engine still works
+
+    # Every thread but Python's main thread is the Go runtime's here; all
+    # keep SIGINT and SIGTERM blocked, so the kernel delivers them to Python.
+    bits = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    tids = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+    assert tids, "no Go threads"
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                blk = next(int(l.split()[1], 16) for l in f if l.startswith("SigBlk:"))
+        except FileNotFoundError:
+            continue
+        assert blk & bits == bits, f"thread {tid} does not block SIGINT/SIGTERM: SigBlk {blk:#x}"
+
+    # A handler installed after the load (SIGTERM) runs, with SA_ONSTACK.
+    got = []
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    for _ in range(3):
+        round_trip(rounds + 2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.time() + 10
+    while not got and time.time() < deadline:
+        round_trip(rounds + 3)
+    assert got == [signal.SIGTERM], got
+
+    class Sigaction(ctypes.Structure):
+        _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
+                    ("restorer", ctypes.c_void_p)]
+    libc = ctypes.CDLL(None)
+    SA_ONSTACK = 0x08000000
+    for s in (signal.SIGINT, signal.SIGTERM):
+        sa = Sigaction()
+        assert libc.sigaction(s, None, ctypes.byref(sa)) == 0
+        assert sa.flags & SA_ONSTACK, f"signal {s} handler lacks SA_ONSTACK: flags {sa.flags:#x}"
+    eng.close()
+    print("signals ok after", rounds, "rounds")
+""")
+
+
+def _ncpu():
+    return len(os.sched_getaffinity(0))
+
+
+@needs_library
+class Signals(unittest.TestCase):
+    def run_script(self, env, want):
+        proc = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, want], cwd=PYTHON_DIR, env=env,
+                              capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        self.assertIn("signals ok", proc.stdout)
+
+    def test_sigint_during_transfers(self):
+        env = {k: v for k, v in os.environ.items() if k != "GOMAXPROCS"}
+        self.run_script(env, str(min(_ncpu(), 8)))
+
+    def test_gomaxprocs_of_the_user_kept(self):
+        self.run_script(dict(os.environ, GOMAXPROCS="3"), "3")
+
+
+@needs_library
+class Fork(unittest.TestCase):
+    def test_child_refused(self):
+        eng = kvoffload.Engine(host_config())
+        self.addCleanup(eng.close)
+        keys = keys_for(1, 11)
+        eng.store(keys, [0]).wait()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                eng.lookup(keys)
+            except kvoffload.ForkedChildError as e:
+                code = 0 if "fork" in str(e) else 2
+            except BaseException:  # noqa: BLE001 - any other outcome fails the test
+                code = 3
+            try:
+                kvoffload.Engine(host_config())
+                code = 4
+            except kvoffload.ForkedChildError:
+                pass
+            except BaseException:  # noqa: BLE001
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertTrue(os.WIFEXITED(status))
+        self.assertEqual(os.WEXITSTATUS(status), 0, "child was not refused with ForkedChildError")
+        self.assertEqual(eng.lookup(keys), 1)  # the parent is unaffected
+
+
+if __name__ == "__main__":
+    unittest.main()
