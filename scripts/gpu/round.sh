@@ -21,4 +21,6 @@ for b in ${KVO_BENCHES:-}; do
     pool64)     KVO_BIG=1 bench pool64 build/gpu/offload.test -test.run 'Pool64|BigPool' -test.v ;;
   esac
 done
-echo; echo "== summary"; grep -A30 '== GPU test summary' "$OUT/tests.txt" | tail -n +2
+# The device tool brings back at most 8 files: pack the logs into one.
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./*.log ./*.md ./*.csv ./*.json ./*.txt 2>/dev/null && find . -maxdepth 1 -type f ! -name logs.tgz ! -name '*.md' -delete)
+echo; echo "== summary"; grep -A30 '== GPU test summary' <(tar xzOf "$OUT/logs.tgz" ./tests.txt) | tail -n +2

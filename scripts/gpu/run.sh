@@ -12,14 +12,14 @@ summary=()
 for bin in build/gpu/*.test; do
   name=$(basename "$bin" .test)
   echo "$name" | grep -Eq "$filter" || continue
-  start=$(date +%s.%N)
+  start=$(date +%s)
   pkgdir=$(echo "$name" | tr _ /)   # tests run in their package directory (testdata)
   [ -d "$pkgdir" ] || pkgdir=.
   (cd "$pkgdir" && "$OLDPWD/$bin" -test.v -test.count=1 -test.timeout=9m "$@") >"$OUT/$name.log" 2>&1
   rc=$?
-  secs=$(echo "$(date +%s.%N) - $start" | bc)
+  secs=$(( $(date +%s) - start ))
   pass=$(grep -c '^--- PASS' "$OUT/$name.log"); fail=$(grep -c '^--- FAIL' "$OUT/$name.log"); skip=$(grep -c '^--- SKIP' "$OUT/$name.log")
-  summary+=("$(printf '%-28s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %6.1fs' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")")
+  summary+=("$(printf '%-28s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %5ds' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")")
   grep -E '^(--- FAIL|panic|FAIL)' -A15 "$OUT/$name.log" | head -60
 done
 echo; echo "== GPU test summary =="; printf '%s\n' "${summary[@]}"
