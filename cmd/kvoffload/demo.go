@@ -1,0 +1,635 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"runtime"
+	"slices"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/kvcache/trace"
+	"github.com/kvoffload/kvoffload/offload"
+)
+
+var demoCommand = command{
+	name:    "demo",
+	summary: "Simulate serving through the public offload API and verify every block the engine loads back.",
+	details: `A GPU KV cache of --gpu-blocks blocks (device memory on the CUDA backend, the
+engine's simulated GPU on the host backend) serves a synthetic trace: shared
+system prompts (Zipf), multi-turn conversations that extend their prefix, and
+one-off long documents. Blocks evicted from the GPU cache are stored in the host
+pool; a request whose prefix is in the pool loads it instead of recomputing it
+(recomputing writes the block's content, a pure function of its key). Every
+loaded block is verified — byte for byte on the host backend, by a checksum
+kernel on the GPU — timed apart from the copies.
+
+Exit status 3 when a loaded block holds the wrong content, 1 when the engine
+reports a failed copy.`,
+	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+		cfg := defaultDemoConfig()
+		fs.DurationVar(&cfg.duration, "duration", cfg.duration, "run for `time` (0: until --requests)")
+		fs.IntVar(&cfg.requests, "requests", cfg.requests, "stop after `n` requests (0: until --duration)")
+		fs.Var(sizeFlag{&cfg.poolBytes}, "pool-bytes", "host pool `size` (units: 512MiB, 1GiB, 32G)")
+		fs.IntVar(&cfg.gpuBlocks, "gpu-blocks", cfg.gpuBlocks, "blocks in the GPU KV cache, `n` (0: a quarter of the pool's blocks, at least 16)")
+		fs.StringVar(&cfg.layoutName, "layout", cfg.layoutName, "model geometry: "+presetNames())
+		fs.StringVar(&cfg.layoutKind, "layout-kind", cfg.layoutKind, "GPU cache layout: layer-separate|cross-layer")
+		fs.StringVar(&cfg.backend, "backend", cfg.backend, "engine backend: auto|cuda|host")
+		fs.IntVar(&cfg.device, "device", cfg.device, "CUDA device ordinal `n`")
+		fs.StringVar(&cfg.pinning, "pinning", cfg.pinning, "host backend pinning: auto|mlock|none (auto: mlock when RLIMIT_MEMLOCK allows it)")
+		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: tinylfu|lru")
+		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
+		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
+		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
+		return func(ctx context.Context, e *env, args []string) error {
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			var progress io.Writer
+			if !*asJSON && e.stderrIsTTY {
+				progress = e.stderr
+			}
+			notice := func(s string) { fmt.Fprintln(e.stderr, "kvoffload demo: "+s) }
+			rep, err := runDemo(ctx, cfg, progress, notice)
+			if rep != nil {
+				var werr error
+				if *asJSON {
+					werr = writeJSON(e.stdout, rep)
+				} else {
+					werr = rep.print(e.stdout)
+				}
+				err = errors.Join(err, werr)
+			}
+			return err
+		}
+	},
+}
+
+// demoConfig is what the demo runs with.
+type demoConfig struct {
+	duration   time.Duration
+	requests   int
+	poolBytes  int64
+	gpuBlocks  int
+	layoutName string
+	layoutKind string
+	backend    string
+	device     int
+	pinning    string
+	policy     string
+	seed       uint64
+	verify     bool
+
+	// corruptLoads is a test hook: the first corruptLoads loaded blocks
+	// get one byte changed before they are verified.
+	corruptLoads int
+}
+
+func defaultDemoConfig() demoConfig {
+	return demoConfig{duration: 30 * time.Second, poolBytes: 1 << 30, layoutName: "8b",
+		layoutKind: offload.LayoutLayerSeparate, backend: offload.BackendAuto, pinning: "auto",
+		policy: offload.PolicyTinyLFU, seed: 1, verify: true}
+}
+
+// check validates the flags that runDemo does not hand to the engine.
+func (c demoConfig) check() (modelShape, error) {
+	shape, ok := layoutPresets[c.layoutName]
+	switch {
+	case !ok:
+		return shape, fmt.Errorf("%w: --layout %q must be one of %s", errUsage, c.layoutName, presetNames())
+	case c.duration < 0:
+		return shape, fmt.Errorf("%w: --duration %v must not be negative", errUsage, c.duration)
+	case c.requests < 0:
+		return shape, fmt.Errorf("%w: --requests %d must not be negative", errUsage, c.requests)
+	case c.duration == 0 && c.requests == 0:
+		return shape, fmt.Errorf("%w: --duration 0 needs a --requests bound", errUsage)
+	case c.gpuBlocks < 0:
+		return shape, fmt.Errorf("%w: --gpu-blocks %d must not be negative", errUsage, c.gpuBlocks)
+	case c.device < 0:
+		return shape, fmt.Errorf("%w: --device %d must not be negative", errUsage, c.device)
+	case c.poolBytes <= 0:
+		return shape, fmt.Errorf("%w: --pool-bytes %d must be positive", errUsage, c.poolBytes)
+	}
+	switch c.backend {
+	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:
+	default:
+		return shape, fmt.Errorf("%w: --backend %q must be auto, cuda or host", errUsage, c.backend)
+	}
+	switch c.pinning {
+	case "auto", offload.PinMlock, offload.PinNone:
+	default:
+		return shape, fmt.Errorf("%w: --pinning %q must be auto, mlock or none", errUsage, c.pinning)
+	}
+	switch c.policy {
+	case offload.PolicyTinyLFU, offload.PolicyLRU:
+	default:
+		return shape, fmt.Errorf("%w: --policy %q must be tinylfu or lru", errUsage, c.policy)
+	}
+	return shape, nil
+}
+
+// demoRun is one demo in progress: the engine, the cache memory, the
+// serving stack's view of its GPU cache and the counters.
+type demoRun struct {
+	cfg   demoConfig
+	eng   *offload.Engine
+	mem   kvMemory
+	cache *gpuCache
+	ns    string
+	rep   *demoReport
+
+	storeLat, loadLat []time.Duration
+	corrupted         int
+}
+
+// runDemo runs the demo and returns its report; the report is returned
+// with errVerification too. progress, when not nil, gets a progress bar;
+// notice gets one-line notes (backend fallback, pinning).
+func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice func(string)) (*demoReport, error) {
+	shape, err := cfg.check()
+	if err != nil {
+		return nil, err
+	}
+	lay := cacheLayout{shape: shape, kind: cfg.layoutKind}
+	blockBytes := lay.blockBytes()
+	if cfg.poolBytes < blockBytes {
+		return nil, fmt.Errorf("%w: --pool-bytes %s cannot hold one %s block of layout %s", errUsage, formatSize(cfg.poolBytes), formatSize(blockBytes), cfg.layoutName)
+	}
+	poolBlocks := cfg.poolBytes / blockBytes
+	lay.blocks = cfg.gpuBlocks
+	if lay.blocks == 0 {
+		lay.blocks = int(max(poolBlocks/4, 16))
+	}
+	if err := checkLayout(lay); err != nil {
+		return nil, err
+	}
+
+	// The CUDA driver binds contexts to OS threads: the serving loop keeps
+	// its thread.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+
+	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + cfg.layoutKind}
+	opened, err := openDemo(cfg, lay, notice)
+	if err != nil {
+		return nil, err
+	}
+	r.eng, r.mem = opened.eng, opened.mem
+	defer func() { err = errors.Join(err, opened.close()) }()
+
+	r.cache = newGPUCache(lay.blocks)
+	name, reason := r.eng.Backend()
+	r.rep = &demoReport{Backend: name, BackendReason: reason, Layout: cfg.layoutName, LayoutKind: cfg.layoutKind,
+		BlockBytes: blockBytes, GPUBlocks: lay.blocks, PoolBytes: cfg.poolBytes, Pinning: opened.pinning,
+		Policy: cfg.policy, Verify: cfg.verify}
+
+	gen, err := trace.New(traceConfig(cfg.seed, lay.blocks, int(poolBlocks), shape.TokensPerBlock))
+	if err != nil {
+		return nil, err
+	}
+	bar := newDemoBar(progress, cfg)
+	start := time.Now()
+	for {
+		if ctx.Err() != nil {
+			notice("interrupted: reporting what ran")
+			break
+		}
+		if cfg.requests > 0 && r.rep.Requests >= cfg.requests {
+			break
+		}
+		if cfg.duration > 0 && time.Since(start) >= cfg.duration {
+			break
+		}
+		if err := r.serve(gen.Next()); err != nil {
+			return r.finish(start, bar), err
+		}
+		bar.update(r.rep, time.Since(start))
+	}
+	rep := r.finish(start, bar)
+	switch {
+	case rep.VerifyFailures > 0:
+		return rep, fmt.Errorf("%w: %d of %d loaded blocks hold the wrong content (first: %s)", errVerification, rep.VerifyFailures, rep.Verified, rep.FirstFailure)
+	case rep.Store.Failed+rep.Load.Failed > 0:
+		return rep, fmt.Errorf("the engine reported %d failed stores and %d failed loads: %s", rep.Store.Failed, rep.Load.Failed, rep.FirstEngineError)
+	}
+	return rep, nil
+}
+
+// traceConfig shapes the trace to the caches: a request never needs more
+// than half the GPU cache, and the conversations open at once hold about
+// one and a half times what the GPU cache and the pool together hold, so
+// that there are GPU hits, host hits and misses.
+func traceConfig(seed uint64, gpuBlocks, poolBlocks, tpb int) trace.Config {
+	maxBlocks := max(gpuBlocks/2, 4)
+	c := trace.Default
+	c.Seed = seed
+	c.SystemPrompts = 16
+	c.SystemTokens = tpb * max(1, maxBlocks/8)
+	c.TurnTokens = tpb * max(1, maxBlocks/32)
+	c.DocumentTokens = tpb * max(1, maxBlocks/2)
+	c.ActiveConversations = min(max(12*(gpuBlocks+poolBlocks)/max(gpuBlocks, 1), 8), 1024)
+	return c
+}
+
+// opened is what openDemo set up.
+type opened struct {
+	eng     *offload.Engine
+	mem     kvMemory
+	pinning string
+	close   func() error
+}
+
+// openDemo resolves the backend, allocates the GPU cache and starts the
+// engine. With --backend auto it falls back to the host backend (with a
+// notice) when the CUDA driver, the device, or the engine's CUDA backend is
+// unavailable.
+func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, error) {
+	if cfg.backend != offload.BackendHost {
+		o, err := openCUDADemo(cfg, lay)
+		if err == nil {
+			return o, nil
+		}
+		if cfg.backend == offload.BackendCUDA || !errors.Is(err, offload.ErrNoDriver) {
+			return nil, err
+		}
+		notice("CUDA unavailable, using the host backend: " + err.Error())
+	}
+	return openHostDemo(cfg, lay, notice)
+}
+
+func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
+	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
+		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo"}
+}
+
+func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
+	drv, err := cuda.Load()
+	if err != nil {
+		return nil, err
+	}
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("%w: counting devices: %w", offload.ErrNoDriver, err)
+	}
+	if cfg.device >= n {
+		return nil, fmt.Errorf("%w: --device %d asked for, the driver sees %d device(s)", offload.ErrNoDriver, cfg.device, n)
+	}
+	mem, err := newCUDAMemory(drv, cfg.device, lay)
+	if err != nil {
+		return nil, err
+	}
+	eng, err := offload.New(engineConfig(cfg, mem.layout(), offload.BackendCUDA))
+	if err != nil {
+		return nil, errors.Join(err, mem.close())
+	}
+	return &opened{eng: eng, mem: mem, pinning: "cuMemHostRegister", close: func() error {
+		return errors.Join(eng.Close(), mem.close())
+	}}, nil
+}
+
+func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, error) {
+	pin := cfg.pinning
+	if pin == "auto" {
+		pin = offload.PinNone
+		var lim unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err == nil {
+			if lim.Cur == unix.RLIM_INFINITY || lim.Cur >= uint64(cfg.poolBytes) {
+				pin = offload.PinMlock
+			} else {
+				notice(fmt.Sprintf("pinning none: RLIMIT_MEMLOCK is %s, below the %s pool (raise ulimit -l to mlock it)", formatSize(int64(min(lim.Cur, math.MaxInt64))), formatSize(cfg.poolBytes)))
+			}
+		}
+	}
+	sim, err := offload.NewSimGPU(offload.SimOptions{Seed: int64(cfg.seed)})
+	if err != nil {
+		return nil, err
+	}
+	mem, err := newHostMemory(sim, lay)
+	if err != nil {
+		return nil, errors.Join(err, sim.Close())
+	}
+	ec := engineConfig(cfg, mem.layout(), offload.BackendHost)
+	ec.Sim, ec.HostPinning = sim, pin
+	eng, err := offload.New(ec)
+	if err != nil {
+		return nil, errors.Join(err, mem.close(), sim.Close())
+	}
+	return &opened{eng: eng, mem: mem, pinning: "host " + pin, close: func() error {
+		return errors.Join(eng.Close(), mem.close(), sim.Close())
+	}}, nil
+}
+
+// serve runs one request: GPU prefix hits; a lookup in the host pool (with
+// a lease); GPU blocks for the rest, evicting least recently used blocks,
+// which are stored first (and waited for: they are about to be
+// overwritten); a load of the prefix the pool holds; a recompute of the
+// rest; verification of what was loaded.
+func (r *demoRun) serve(req trace.Request) error {
+	tpb := r.mem.layout().shape.TokensPerBlock
+	keys, err := offload.ChainKeys(r.ns, offload.Key{}, req.Tokens, tpb)
+	if err != nil {
+		return err
+	}
+	r.rep.Requests++
+	if len(keys) > r.cache.blocks() {
+		keys = keys[:r.cache.blocks()]
+		r.rep.RequestsTruncated++
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	g := r.cache.prefix(keys)
+	r.cache.touchPrefix(keys[:g])
+	r.rep.Blocks.Total += int64(len(keys))
+	r.rep.Blocks.GPUHits += int64(g)
+	rest := keys[g:]
+	if len(rest) == 0 {
+		return nil
+	}
+	for _, k := range rest {
+		// A cached key past the prefix cannot happen with prefix-closed
+		// LRU; if it did, the block is given up rather than held twice.
+		if id, ok := r.cache.byKey[k]; ok {
+			r.cache.drop(id)
+		}
+	}
+	lr, err := r.eng.Lookup(rest, offload.LookupOptions{Lease: true})
+	if err != nil {
+		return err
+	}
+	ids, victims, err := r.cache.alloc(len(rest), g)
+	if err != nil {
+		return errors.Join(err, releaseLease(lr.Lease))
+	}
+	if err := r.store(victims); err != nil {
+		return errors.Join(err, releaseLease(lr.Lease))
+	}
+	loaded, missing, err := r.load(rest[:lr.Hits], ids[:lr.Hits], lr.Lease)
+	if err != nil {
+		return err
+	}
+	var recIDs []int
+	var recKeys []offload.Key
+	for _, i := range missing {
+		recIDs, recKeys = append(recIDs, ids[i]), append(recKeys, rest[i])
+	}
+	recIDs, recKeys = append(recIDs, ids[lr.Hits:]...), append(recKeys, rest[lr.Hits:]...)
+	t := time.Now()
+	if err := r.mem.recompute(recIDs, recKeys); err != nil {
+		return fmt.Errorf("recomputing %d blocks: %w", len(recIDs), err)
+	}
+	r.rep.RecomputeSeconds += time.Since(t).Seconds()
+	r.rep.Blocks.HostHits += int64(len(loaded))
+	r.rep.Blocks.Misses += int64(len(recIDs))
+	if err := r.verify(loaded, ids, rest); err != nil {
+		return err
+	}
+	for i := len(rest) - 1; i >= 0; i-- {
+		r.cache.insert(ids[i], rest[i])
+	}
+	r.cache.touchPrefix(keys[:g])
+	return nil
+}
+
+func releaseLease(l *offload.Lease) error {
+	if l == nil {
+		return nil
+	}
+	return l.Release()
+}
+
+// cpuTime is the process's user plus system CPU time.
+func cpuTime() time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// store stores the victims' blocks and waits for the copies: the blocks
+// are overwritten next, as a serving stack waits on the store's event
+// before its kernels reuse them.
+func (r *demoRun) store(vs []victim) error {
+	if len(vs) == 0 {
+		return nil
+	}
+	keys := make([]offload.Key, len(vs))
+	ids := make([]int, len(vs))
+	for i, v := range vs {
+		keys[i], ids[i] = v.key, v.id
+	}
+	cpu0, t0 := cpuTime(), time.Now()
+	op, err := r.eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: r.mem.storeAfter()})
+	if err != nil {
+		return fmt.Errorf("storing %d blocks: %w", len(vs), err)
+	}
+	werr := op.Wait(context.Background())
+	lat := time.Since(t0)
+	r.rep.CPUSeconds += (cpuTime() - cpu0).Seconds()
+	out, err := op.Outcomes()
+	if err != nil {
+		return errors.Join(err, op.Release())
+	}
+	if err := op.Release(); err != nil {
+		return err
+	}
+	r.storeLat = append(r.storeLat, lat)
+	s := &r.rep.Store
+	s.Ops++
+	s.Seconds += lat.Seconds()
+	for _, oc := range out {
+		switch oc {
+		case offload.OutcomeStored:
+			s.Blocks++
+		case offload.OutcomeAlreadyPresent:
+			s.AlreadyPresent++
+		case offload.OutcomeRefusedFull, offload.OutcomeRefusedBusy, offload.OutcomeRefusedAdmission:
+			s.Refused++
+		case offload.OutcomeFailed:
+			s.Failed++
+		}
+	}
+	if werr != nil && r.rep.FirstEngineError == "" {
+		r.rep.FirstEngineError = werr.Error()
+	}
+	return nil
+}
+
+// load loads keys into ids with the lease from Lookup and waits; it
+// returns the indices loaded and the indices to recompute instead.
+func (r *demoRun) load(keys []offload.Key, ids []int, lease *offload.Lease) (loaded, missing []int, err error) {
+	if len(keys) == 0 {
+		return nil, nil, nil
+	}
+	cpu0, t0 := cpuTime(), time.Now()
+	op, err := r.eng.Load(context.Background(), keys, ids, offload.LoadOptions{Lease: lease})
+	if errors.Is(err, offload.ErrBusy) {
+		r.rep.Load.Busy++
+		for i := range keys {
+			missing = append(missing, i)
+		}
+		return nil, missing, releaseLease(lease)
+	}
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("loading %d blocks: %w", len(keys), err), releaseLease(lease))
+	}
+	werr := op.Wait(context.Background())
+	lat := time.Since(t0)
+	r.rep.CPUSeconds += (cpuTime() - cpu0).Seconds()
+	out, err := op.Outcomes()
+	if err != nil {
+		return nil, nil, errors.Join(err, op.Release())
+	}
+	if err := op.Release(); err != nil {
+		return nil, nil, err
+	}
+	r.loadLat = append(r.loadLat, lat)
+	l := &r.rep.Load
+	l.Ops++
+	l.Seconds += lat.Seconds()
+	for i, oc := range out {
+		switch oc {
+		case offload.OutcomeLoaded:
+			l.Blocks++
+			loaded = append(loaded, i)
+		case offload.OutcomeFailed:
+			l.Failed++
+			missing = append(missing, i)
+		default:
+			l.Missing++
+			missing = append(missing, i)
+		}
+	}
+	if werr != nil && r.rep.FirstEngineError == "" {
+		r.rep.FirstEngineError = werr.Error()
+	}
+	return loaded, missing, nil
+}
+
+// verify checks the loaded blocks (indices into ids and keys), timed apart
+// from the copies.
+func (r *demoRun) verify(loaded, ids []int, keys []offload.Key) error {
+	if !r.cfg.verify || len(loaded) == 0 {
+		return nil
+	}
+	vIDs := make([]int, len(loaded))
+	vKeys := make([]offload.Key, len(loaded))
+	for j, i := range loaded {
+		vIDs[j], vKeys[j] = ids[i], keys[i]
+		if r.corrupted < r.cfg.corruptLoads {
+			if err := r.mem.corrupt(ids[i]); err != nil {
+				return err
+			}
+			r.corrupted++
+		}
+	}
+	t := time.Now()
+	bad, err := r.mem.verify(vIDs, vKeys)
+	r.rep.VerifySeconds += time.Since(t).Seconds()
+	if err != nil {
+		return fmt.Errorf("verifying %d blocks: %w", len(vIDs), err)
+	}
+	r.rep.Verified += int64(len(vIDs))
+	r.rep.VerifyFailures += int64(len(bad))
+	if len(bad) == 0 {
+		return nil
+	}
+	if r.rep.FirstFailure == "" {
+		r.rep.FirstFailure = fmt.Sprintf("GPU block %d, key %s", vIDs[bad[0]], vKeys[bad[0]])
+	}
+	// A wrong block is not served: its pool copy is dropped and the block
+	// recomputed, so one failure is counted once, not again each time the
+	// block would travel.
+	badIDs := make([]int, len(bad))
+	badKeys := make([]offload.Key, len(bad))
+	for j, i := range bad {
+		badIDs[j], badKeys[j] = vIDs[i], vKeys[i]
+	}
+	if _, err := r.eng.Delete(badKeys); err != nil {
+		return err
+	}
+	return r.mem.recompute(badIDs, badKeys)
+}
+
+// finish fills in the report's totals from the run and the engine's stats.
+func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
+	bar.finish()
+	rep := r.rep
+	rep.Seconds = time.Since(start).Seconds()
+	st := r.eng.Stats()
+	rep.PinnedBytes, rep.UsedBytes = st.OwnedBytes, st.InUseBytes
+	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Store.Bytes, st.Load.Bytes
+	rep.Evictions = st.Evictions
+	for _, d := range []struct {
+		dir *directionReport
+		lat []time.Duration
+	}{{&rep.Store, r.storeLat}, {&rep.Load, r.loadLat}} {
+		d.dir.Bytes = d.dir.Blocks * rep.BlockBytes
+		if d.dir.Seconds > 0 {
+			d.dir.GBps = float64(d.dir.Bytes) / d.dir.Seconds / 1e9
+		}
+		d.dir.P50us, d.dir.P99us = quantileMicros(d.lat, 0.5), quantileMicros(d.lat, 0.99)
+	}
+	if moved := rep.Store.Blocks + rep.Load.Blocks; moved > 0 {
+		rep.CPUMicrosPerBlock = rep.CPUSeconds * 1e6 / float64(moved)
+	}
+	return rep
+}
+
+// quantileMicros returns the q-quantile of d (nearest rank) in µs.
+func quantileMicros(d []time.Duration, q float64) float64 {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := int(math.Ceil(q*float64(len(s)))) - 1
+	return float64(s[min(max(i, 0), len(s)-1)]) / 1e3
+}
+
+// demoBar is the progress bar (a no-op without a writer).
+type demoBar struct {
+	bar *progressbar.ProgressBar
+	cfg demoConfig
+}
+
+func newDemoBar(w io.Writer, cfg demoConfig) *demoBar {
+	if w == nil {
+		return &demoBar{}
+	}
+	return &demoBar{cfg: cfg, bar: progressbar.NewOptions(1000, progressbar.OptionSetWriter(w),
+		progressbar.OptionSetDescription("serving"), progressbar.OptionSetWidth(30),
+		progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
+		progressbar.OptionSetPredictTime(false))}
+}
+
+// update moves the bar to the fraction of the run done (by time or by
+// requests, whichever bound is nearer).
+func (b *demoBar) update(rep *demoReport, elapsed time.Duration) {
+	if b.bar == nil {
+		return
+	}
+	var frac float64
+	if b.cfg.duration > 0 {
+		frac = elapsed.Seconds() / b.cfg.duration.Seconds()
+	}
+	if b.cfg.requests > 0 {
+		frac = max(frac, float64(rep.Requests)/float64(b.cfg.requests))
+	}
+	b.bar.Describe(fmt.Sprintf("%d requests, %.0f%% host hits, %d verified", rep.Requests, 100*rep.Blocks.ratio(rep.Blocks.HostHits), rep.Verified))
+	_ = b.bar.Set(int(min(frac, 1) * 1000))
+}
+
+func (b *demoBar) finish() {
+	if b.bar != nil {
+		_ = b.bar.Finish()
+	}
+}

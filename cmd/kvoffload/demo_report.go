@@ -1,0 +1,137 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"text/tabwriter"
+)
+
+// demoReport is the demo's result, printed as a table or as JSON.
+type demoReport struct {
+	Backend       string `json:"backend"`
+	BackendReason string `json:"backend_reason"`
+	Layout        string `json:"layout"`
+	LayoutKind    string `json:"layout_kind"`
+	BlockBytes    int64  `json:"block_bytes"`
+	GPUBlocks     int    `json:"gpu_blocks"`
+	PoolBytes     int64  `json:"pool_bytes"`
+	Pinning       string `json:"pinning"`
+	Policy        string `json:"policy"`
+	Verify        bool   `json:"verify"`
+
+	Seconds           float64     `json:"seconds"`
+	Requests          int         `json:"requests"`
+	RequestsTruncated int         `json:"requests_truncated"` // longer than the GPU cache: cut to it
+	Blocks            blockCounts `json:"blocks"`
+
+	Store directionReport `json:"store"`
+	Load  directionReport `json:"load"`
+	// EngineStoreBytes and EngineLoadBytes are the engine's own byte
+	// counters (Stats), for comparison with Store.Bytes and Load.Bytes.
+	EngineStoreBytes int64 `json:"engine_store_bytes"`
+	EngineLoadBytes  int64 `json:"engine_load_bytes"`
+	Evictions        int64 `json:"pool_evictions"`
+
+	// CPUSeconds is the process's CPU time while stores and loads were in
+	// flight; CPUMicrosPerBlock divides it by the blocks moved.
+	CPUSeconds        float64 `json:"cpu_seconds"`
+	CPUMicrosPerBlock float64 `json:"cpu_us_per_block"`
+	// PinnedBytes is the pool memory owned (mapped and pinned) at the end;
+	// UsedBytes the part holding blocks.
+	PinnedBytes int64 `json:"pinned_bytes"`
+	UsedBytes   int64 `json:"used_bytes"`
+
+	RecomputeSeconds float64 `json:"recompute_seconds"`
+	VerifySeconds    float64 `json:"verify_seconds"`
+	Verified         int64   `json:"verified_blocks"`
+	VerifyFailures   int64   `json:"verify_failures"`
+	FirstFailure     string  `json:"first_failure,omitempty"`
+	FirstEngineError string  `json:"first_engine_error,omitempty"`
+}
+
+// blockCounts splits the blocks of every request by where they came from.
+type blockCounts struct {
+	Total    int64 `json:"total"`
+	GPUHits  int64 `json:"gpu_hits"`  // already in the GPU cache
+	HostHits int64 `json:"host_hits"` // loaded from the host pool
+	Misses   int64 `json:"misses"`    // recomputed
+}
+
+func (b blockCounts) ratio(n int64) float64 {
+	if b.Total == 0 {
+		return 0
+	}
+	return float64(n) / float64(b.Total)
+}
+
+// directionReport is one copy direction as the demo saw it: op latency is
+// call → done, and GB/s is bytes over the summed latencies (busy time).
+type directionReport struct {
+	Ops            int64   `json:"ops"`
+	Blocks         int64   `json:"blocks"` // stored or loaded
+	Bytes          int64   `json:"bytes"`
+	Seconds        float64 `json:"seconds"`
+	GBps           float64 `json:"gb_per_s"`
+	P50us          float64 `json:"p50_us"`
+	P99us          float64 `json:"p99_us"`
+	AlreadyPresent int64   `json:"already_present,omitempty"`
+	Refused        int64   `json:"refused,omitempty"`
+	Missing        int64   `json:"missing,omitempty"`
+	Busy           int64   `json:"busy,omitempty"`
+	Failed         int64   `json:"failed"`
+}
+
+func (r *demoReport) print(w io.Writer) error {
+	var b bytes.Buffer
+	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
+	row := func(k, format string, args ...any) { fmt.Fprintf(tw, "%s\t"+format+"\n", append([]any{k}, args...)...) }
+	row("backend", "%s (%s)", r.Backend, r.BackendReason)
+	row("layout", "%s %s, %s blocks, %d GPU blocks (%s), pool %s (%s), policy %s", r.Layout, r.LayoutKind,
+		formatSize(r.BlockBytes), r.GPUBlocks, formatSize(int64(r.GPUBlocks)*r.BlockBytes), formatSize(r.PoolBytes), r.Pinning, r.Policy)
+	trunc := ""
+	if r.RequestsTruncated > 0 {
+		trunc = fmt.Sprintf(" (%d cut to the GPU cache)", r.RequestsTruncated)
+	}
+	row("requests", "%d in %.1f s%s", r.Requests, r.Seconds, trunc)
+	bl := r.Blocks
+	row("prefix hit ratio", "GPU %.1f%%  host %.1f%%  miss %.1f%%  (of %d blocks)", 100*bl.ratio(bl.GPUHits), 100*bl.ratio(bl.HostHits), 100*bl.ratio(bl.Misses), bl.Total)
+	for _, d := range []struct {
+		name string
+		d    directionReport
+		also string
+	}{
+		{"stored (GPU→host)", r.Store, fmt.Sprintf("%d already present, %d refused", r.Store.AlreadyPresent, r.Store.Refused)},
+		{"loaded (host→GPU)", r.Load, fmt.Sprintf("%d missing, %d busy", r.Load.Missing, r.Load.Busy)},
+	} {
+		row(d.name, "%.3f GB in %d blocks, %.2f GB/s; %s; %d failed", float64(d.d.Bytes)/1e9, d.d.Blocks, d.d.GBps, d.also, d.d.Failed)
+		row("  op latency", "p50 %s  p99 %s  (%d ops)", micros(d.d.P50us), micros(d.d.P99us), d.d.Ops)
+	}
+	row("CPU time per block", "%.1f µs (%.2f s while copies were in flight)", r.CPUMicrosPerBlock, r.CPUSeconds)
+	row("pinned vs used", "%s pinned, %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), formatSize(r.UsedBytes), r.Evictions)
+	row("recompute", "%.2f s", r.RecomputeSeconds)
+	switch {
+	case !r.Verify:
+		row("verification", "off (--verify=false)")
+	case r.VerifyFailures == 0:
+		row("verification", "PASS: %d loaded blocks checked in %.2f s (apart from the copies)", r.Verified, r.VerifySeconds)
+	default:
+		row("verification", "FAIL: %d of %d loaded blocks wrong; first %s", r.VerifyFailures, r.Verified, r.FirstFailure)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := w.Write(b.Bytes())
+	return err
+}
+
+// micros renders a duration given in µs with a readable unit.
+func micros(us float64) string {
+	switch {
+	case us >= 1e6:
+		return fmt.Sprintf("%.2f s", us/1e6)
+	case us >= 1e3:
+		return fmt.Sprintf("%.2f ms", us/1e3)
+	}
+	return fmt.Sprintf("%.0f µs", us)
+}
