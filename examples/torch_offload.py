@@ -36,9 +36,9 @@ def main():
     # A request ran: the model wrote its KV into blocks 0..7 on the compute stream.
     prompt = torch.randint(0, 128000, (8 * TOKENS_PER_BLOCK,)).tolist()
     blocks = list(range(8))
-    for k, v in kv_caches:  # stands in for the attention kernels
-        k[blocks].normal_()
-        v[blocks].normal_()
+    for k, v in kv_caches:  # stands in for the attention kernels (slices: in place)
+        k[0:8].normal_()
+        v[0:8].normal_()
     expected = kv_caches[0][0][blocks].clone()
 
     # ---- 2. eviction: store the request's blocks before reusing them ----
@@ -47,8 +47,8 @@ def main():
     store.wait_stream(compute)  # `compute` may overwrite blocks 0..7 only after the copies
     store.release()  # outcomes are there if you want them: store.wait() -> ["stored", ...]
     for k, v in kv_caches:  # the blocks are reused by another request
-        k[blocks].zero_()
-        v[blocks].zero_()
+        k[0:8].zero_()
+        v[0:8].zero_()
 
     # ---- 3. prefill of a request with the same prefix ----
     hits, lease = engine.lookup(keys, lease=True)  # longest cached prefix, leased so it cannot be evicted
