@@ -11,7 +11,6 @@ extern void kvoSetError(const char* msg, size_t n);
 import "C"
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -46,21 +45,6 @@ const (
 type engineEntry struct {
 	eng *offload.Engine
 	sim *offload.SimGPU
-}
-
-// createConfig is the JSON kvo_engine_create accepts: offload.Config plus
-// the host backend's simulated GPU options.
-type createConfig struct {
-	offload.Config
-	Sim *simConfig `json:"sim,omitempty"`
-}
-
-// simConfig configures the simulated GPU of the host backend: the seed of
-// its random copy delays and their bounds in nanoseconds.
-type simConfig struct {
-	Seed       int64 `json:"seed"`
-	MinDelayNS int64 `json:"min_delay_ns"`
-	MaxDelayNS int64 `json:"max_delay_ns"`
 }
 
 var (
@@ -219,24 +203,14 @@ func kvoGo_engine_create(configJSON *C.char, out *C.uint64_t) (rc C.int) {
 	if configJSON == nil || out == nil {
 		return failf("kvo_engine_create: config_json and out must not be NULL")
 	}
-	dec := json.NewDecoder(bytes.NewReader([]byte(C.GoString(configJSON))))
-	dec.DisallowUnknownFields()
-	var cc createConfig
-	if err := dec.Decode(&cc); err != nil {
-		return fail(fmt.Errorf("%w: config JSON: %w", offload.ErrInvalidConfig, err))
-	}
-	if dec.More() {
-		return fail(fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig))
-	}
-	var opts offload.SimOptions
-	if cc.Sim != nil {
-		opts = offload.SimOptions{Seed: cc.Sim.Seed, MinDelay: time.Duration(cc.Sim.MinDelayNS), MaxDelay: time.Duration(cc.Sim.MaxDelayNS)}
+	cfg, opts, err := parseConfig(C.GoString(configJSON))
+	if err != nil {
+		return fail(err)
 	}
 	sim, err := offload.NewSimGPU(opts)
 	if err != nil {
 		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
 	}
-	cfg := cc.Config
 	cfg.Sim = sim
 	eng, err := offload.New(cfg)
 	if err != nil {

@@ -1,0 +1,47 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/kvoffload/kvoffload/offload"
+)
+
+// createConfig is the JSON kvo_engine_create accepts: offload.Config plus
+// the host backend's simulated GPU options.
+type createConfig struct {
+	offload.Config
+	Sim *simConfig `json:"sim,omitempty"`
+}
+
+// simConfig configures the simulated GPU of the host backend: the seed of
+// its random copy delays and their bounds in nanoseconds.
+type simConfig struct {
+	Seed       int64 `json:"seed"`
+	MinDelayNS int64 `json:"min_delay_ns"`
+	MaxDelayNS int64 `json:"max_delay_ns"`
+}
+
+// parseConfig decodes one JSON object, refusing unknown fields and
+// trailing data; errors wrap offload.ErrInvalidConfig.
+func parseConfig(text string) (offload.Config, offload.SimOptions, error) {
+	dec := json.NewDecoder(bytes.NewReader([]byte(text)))
+	dec.DisallowUnknownFields()
+	var cc createConfig
+	if err := dec.Decode(&cc); err != nil {
+		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: config JSON: %w", offload.ErrInvalidConfig, err)
+	}
+	if dec.More() {
+		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig)
+	}
+	var opts offload.SimOptions
+	if cc.Sim != nil {
+		if cc.Sim.MinDelayNS < 0 || cc.Sim.MaxDelayNS < cc.Sim.MinDelayNS {
+			return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: sim delays [%d, %d] ns are not 0 <= min <= max", offload.ErrInvalidConfig, cc.Sim.MinDelayNS, cc.Sim.MaxDelayNS)
+		}
+		opts = offload.SimOptions{Seed: cc.Sim.Seed, MinDelay: time.Duration(cc.Sim.MinDelayNS), MaxDelay: time.Duration(cc.Sim.MaxDelayNS)}
+	}
+	return cc.Config, opts, nil
+}

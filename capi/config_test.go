@@ -1,0 +1,39 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/offload"
+)
+
+func TestParseConfig(t *testing.T) {
+	cfg, sim, err := parseConfig(`{"pool_bytes": 4096, "backend": "host", "sim": {"seed": 3, "max_delay_ns": 10},
+		"layout": {"kind": "cross-layer", "layers": 2, "num_blocks": 4}}`)
+	require.NoError(t, err)
+	require.Equal(t, int64(4096), cfg.PoolBytes)
+	require.Equal(t, "cross-layer", cfg.Layout.Kind)
+	require.Equal(t, int64(3), sim.Seed)
+	for _, bad := range []string{``, `{`, `[]`, `{"pool_bytes": "x"}`, `{"nope": 1}`, `{"layout": {"nope": 1}}`,
+		`{} {}`, `{"sim": {"min_delay_ns": 5, "max_delay_ns": 1}}`, `{"sim": {"min_delay_ns": -1}}`} {
+		_, _, err := parseConfig(bad)
+		require.ErrorIs(t, err, offload.ErrInvalidConfig, "%q", bad)
+	}
+}
+
+func FuzzParseConfig(f *testing.F) {
+	f.Add(`{"pool_bytes": 4096, "layout": {"kind": "layer-separate", "layers": 1}}`)
+	f.Add(`{"sim": {"seed": 1}}`)
+	f.Add(`{"pool_bytes": 1} trailing`)
+	f.Fuzz(func(t *testing.T, text string) {
+		cfg, sim, err := parseConfig(text)
+		if err != nil {
+			require.ErrorIs(t, err, offload.ErrInvalidConfig)
+			require.Zero(t, cfg.PoolBytes)
+			return
+		}
+		require.GreaterOrEqual(t, sim.MaxDelay, sim.MinDelay)
+		require.GreaterOrEqual(t, int64(sim.MinDelay), int64(0))
+	})
+}
