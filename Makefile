@@ -54,5 +54,9 @@ ptx:
 	$(NVCC) -ptx -arch=compute_80 -O3 -o transfer/cudacopy/kernels.ptx transfer/cudacopy/kernels.cu
 	sed -i 's/^\.version .*/.version 7.0/' transfer/cudacopy/kernels.ptx
 
+# libkvoffload.so (C ABI) into build/ and into the Python package.
+python:
+	bash capi/build.sh
+
 clean:
 	rm -rf build
