@@ -43,7 +43,7 @@ Without a GPU it exits with status 1 and says why.`,
 		fs.Var(&ctas, "ctas", "copy-kernel grid `sizes`, comma-separated")
 		fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "timed repetitions per point, `n` (best and median reported)")
 		fs.BoolVar(&cfg.NoBurn, "no-burn", false, "skip the pass beside a matrix product")
-		pools := sizeList{1 << 30, 4 << 30, 16 << 30, 48 << 30}
+		pools := sizeList{1 << 30, 5 << 30, 17 << 30, 48 << 30}
 		fs.Var(&pools, "pool-sizes", "pinned pool `sizes` for the pinning comparison, comma-separated")
 		skipHostAlloc := fs.Bool("skip-hostalloc", false, "leave out the cuMemHostAlloc reference")
 		only := fs.String("only", "all", "what to measure: all|throughput|pinning")

@@ -186,6 +186,9 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 
 	r.cache = newGPUCache(lay.blocks)
 	name, reason := r.eng.Backend()
+	if opened.reason != "" {
+		reason = opened.reason
+	}
 	r.rep = &demoReport{Backend: name, BackendReason: reason, Layout: cfg.layoutName, LayoutKind: cfg.layoutKind,
 		BlockBytes: blockBytes, GPUBlocks: lay.blocks, PoolBytes: cfg.poolBytes, Pinning: opened.pinning,
 		Policy: cfg.policy, Verify: cfg.verify}
@@ -240,6 +243,9 @@ func traceConfig(seed uint64, gpuBlocks, poolBlocks, tpb int) trace.Config {
 
 // opened is what openDemo set up.
 type opened struct {
+	// reason overrides the engine's reason for its backend (after a
+	// fallback from auto, the engine was asked for host explicitly).
+	reason  string
 	eng     *offload.Engine
 	mem     kvMemory
 	pinning string
@@ -260,6 +266,12 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 			return nil, err
 		}
 		notice("CUDA unavailable, using the host backend: " + err.Error())
+		o, herr := openHostDemo(cfg, lay, notice)
+		if herr != nil {
+			return nil, herr
+		}
+		o.reason = "auto: CUDA unavailable (" + err.Error() + ")"
+		return o, nil
 	}
 	return openHostDemo(cfg, lay, notice)
 }
@@ -451,8 +463,12 @@ func (r *demoRun) store(vs []victim) error {
 			s.Blocks++
 		case offload.OutcomeAlreadyPresent:
 			s.AlreadyPresent++
-		case offload.OutcomeRefusedFull, offload.OutcomeRefusedBusy, offload.OutcomeRefusedAdmission:
-			s.Refused++
+		case offload.OutcomeRefusedFull:
+			s.RefusedFull++
+		case offload.OutcomeRefusedBusy:
+			s.Busy++
+		case offload.OutcomeRefusedAdmission:
+			s.RefusedAdmission++
 		case offload.OutcomeFailed:
 			s.Failed++
 		}

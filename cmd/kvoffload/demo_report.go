@@ -76,10 +76,12 @@ type directionReport struct {
 	P50us          float64 `json:"p50_us"`
 	P99us          float64 `json:"p99_us"`
 	AlreadyPresent int64   `json:"already_present,omitempty"`
-	Refused        int64   `json:"refused,omitempty"`
-	Missing        int64   `json:"missing,omitempty"`
-	Busy           int64   `json:"busy,omitempty"`
-	Failed         int64   `json:"failed"`
+	// Store refusals: no free slot, or the policy's admission declined.
+	RefusedFull      int64 `json:"refused_full,omitempty"`
+	RefusedAdmission int64 `json:"refused_admission,omitempty"`
+	Missing          int64 `json:"missing,omitempty"`
+	Busy             int64 `json:"busy,omitempty"`
+	Failed           int64 `json:"failed"`
 }
 
 func (r *demoReport) print(w io.Writer) error {
@@ -101,7 +103,7 @@ func (r *demoReport) print(w io.Writer) error {
 		d    directionReport
 		also string
 	}{
-		{"stored (GPU→host)", r.Store, fmt.Sprintf("%d already present, %d refused", r.Store.AlreadyPresent, r.Store.Refused)},
+		{"stored (GPU→host)", r.Store, fmt.Sprintf("%d already present, refused %d (admission) %d (full) %d (busy)", r.Store.AlreadyPresent, r.Store.RefusedAdmission, r.Store.RefusedFull, r.Store.Busy)},
 		{"loaded (host→GPU)", r.Load, fmt.Sprintf("%d missing, %d busy", r.Load.Missing, r.Load.Busy)},
 	} {
 		row(d.name, "%.3f GB in %d blocks, %.2f GB/s; %s; %d failed", float64(d.d.Bytes)/1e9, d.d.Blocks, d.d.GBps, d.also, d.d.Failed)
