@@ -54,6 +54,11 @@ ptx:
 	$(NVCC) -ptx -arch=compute_80 -O3 -o transfer/cudacopy/kernels.ptx transfer/cudacopy/kernels.cu
 	sed -i 's/^\.version .*/.version 7.0/' transfer/cudacopy/kernels.ptx
 
+# Every fuzz target for FUZZTIME each (seed corpora: f.Add in the tests and
+# testdata/fuzz/ in each package).
+fuzz:
+	FUZZTIME=$(FUZZTIME) bash scripts/fuzz.sh
+
 # libkvoffload.so (C ABI) into build/ and into the Python package.
 python:
 	bash capi/build.sh
