@@ -131,7 +131,11 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 		if threads == 0 {
 			threads = DefaultPrefaultThreads()
 		}
-		if err := prefault(mem, b.page, max(align, pageSize), threads); err != nil {
+		plan := prefaultPlan{page: b.page, align: max(align, pageSize), threads: threads, method: o.Prefault.resolve()}
+		if o.PrefaultStripe > 0 {
+			plan.stripe = alignUp(o.PrefaultStripe, plan.align)
+		}
+		if err := prefault(mem, plan); err != nil {
 			return fail(fmt.Errorf("mmapmem: prefault %s: %w", r, err))
 		}
 	}

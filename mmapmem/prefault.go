@@ -10,32 +10,98 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// PrefaultMethod says how New faults a region's pages in.
+type PrefaultMethod int
+
+const (
+	// PrefaultAuto is the zero value: DefaultPrefaultMethod.
+	PrefaultAuto PrefaultMethod = iota
+	// PrefaultTouch writes one byte per base page from each prefault
+	// thread: a page fault per page (one per huge page where transparent
+	// huge pages apply), taken in user mode on that thread.
+	PrefaultTouch
+	// PrefaultPopulate calls madvise(MADV_POPULATE_WRITE) (Linux ≥ 5.14) on
+	// each thread's part, falling back to PrefaultTouch where the kernel
+	// refuses it with EINVAL.
+	PrefaultPopulate
+)
+
+// DefaultPrefaultMethod is what PrefaultAuto means. Touching is what the
+// fastest measured pinning on the H200 machine used (ANCHORS.md: 48 GiB with
+// MADV_HUGEPAGE touched on 16 threads in 1.08 s); bench's
+// TestPinningVariants measures both methods side by side.
+const DefaultPrefaultMethod = PrefaultTouch
+
+func (m PrefaultMethod) String() string {
+	switch m {
+	case PrefaultAuto:
+		return "auto"
+	case PrefaultTouch:
+		return "touch"
+	case PrefaultPopulate:
+		return "populate"
+	}
+	return fmt.Sprintf("PrefaultMethod(%d)", int(m))
+}
+
+func (m PrefaultMethod) valid() bool { return m >= PrefaultAuto && m <= PrefaultPopulate }
+
+// resolve maps PrefaultAuto to DefaultPrefaultMethod.
+func (m PrefaultMethod) resolve() PrefaultMethod {
+	if m == PrefaultAuto {
+		return DefaultPrefaultMethod
+	}
+	return m
+}
+
 // populateUnsupported is set once MADV_POPULATE_WRITE (Linux ≥ 5.14) was
-// refused with EINVAL; prefaulting then touches one byte per page.
+// refused with EINVAL; PrefaultPopulate then touches one byte per page.
 var populateUnsupported atomic.Bool
 
-// prefault faults in every page of mem for writing, splitting it into
-// chunks that are multiples of align, one per OS thread (at most threads).
+// prefaultPlan is how one region is prefaulted.
+type prefaultPlan struct {
+	page    int64 // base page size: the touch stride
+	align   int64 // parts are multiples of this (the huge-page size with THP)
+	threads int
+	method  PrefaultMethod // resolved: PrefaultTouch or PrefaultPopulate
+	// stripe = 0: one contiguous part per thread. Otherwise parts of stripe
+	// bytes (a multiple of align) that the threads take in turn from a
+	// shared counter until none is left.
+	stripe int64
+}
+
+// prefault faults in every page of mem for writing on p.threads OS threads.
 // Each worker is locked to its thread so the work really runs in parallel
 // and, without a NUMA binding, lands on that thread's local node.
-func prefault(mem []byte, page, align int64, threads int) error {
+func prefault(mem []byte, p prefaultPlan) error {
 	n := int64(len(mem))
-	units := (n + align - 1) / align
-	workers := min(int64(threads), units)
-	per := (units + workers - 1) / workers * align
+	units := (n + p.align - 1) / p.align
+	workers := min(int64(p.threads), units)
+	per := (units + workers - 1) / workers * p.align
+	var next atomic.Int64 // striped: index of the next stripe to take
 	var wg sync.WaitGroup
 	errs := make([]error, workers)
 	for w := range workers {
-		lo := w * per
-		hi := min(lo+per, n)
-		if lo >= hi {
-			continue
-		}
 		wg.Go(func() {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
-			if err := populate(mem[lo:hi], page); err != nil {
-				errs[w] = fmt.Errorf("bytes [%d, %d): %w", lo, hi, err)
+			if p.stripe == 0 {
+				lo, hi := w*per, min((w+1)*per, n)
+				if lo < hi {
+					errs[w] = p.fault(mem, lo, hi)
+				}
+				return
+			}
+			for {
+				lo := next.Add(1) - 1
+				lo *= p.stripe
+				if lo >= n {
+					return
+				}
+				if err := p.fault(mem, lo, min(lo+p.stripe, n)); err != nil {
+					errs[w] = err
+					return
+				}
 			}
 		})
 	}
@@ -43,20 +109,20 @@ func prefault(mem []byte, page, align int64, threads int) error {
 	return errors.Join(errs...)
 }
 
-// populate faults in chunk for writing with MADV_POPULATE_WRITE, or by
-// writing one byte per page where the kernel lacks it.
-func populate(chunk []byte, page int64) error {
-	if !populateUnsupported.Load() {
+// fault faults in mem[lo:hi] with the plan's method.
+func (p prefaultPlan) fault(mem []byte, lo, hi int64) error {
+	chunk := mem[lo:hi]
+	if p.method == PrefaultPopulate && !populateUnsupported.Load() {
 		err := unix.Madvise(chunk, unix.MADV_POPULATE_WRITE)
 		if err == nil {
 			return nil
 		}
 		if !errors.Is(err, unix.EINVAL) {
-			return fmt.Errorf("madvise(MADV_POPULATE_WRITE): %w", err)
+			return fmt.Errorf("bytes [%d, %d): madvise(MADV_POPULATE_WRITE): %w", lo, hi, err)
 		}
 		populateUnsupported.Store(true)
 	}
-	touch(chunk, page)
+	touch(chunk, p.page)
 	return nil
 }
 

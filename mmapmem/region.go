@@ -57,6 +57,15 @@ type Options struct {
 	// PrefaultThreads is the number of OS threads that prefault in parallel;
 	// 0 means DefaultPrefaultThreads(). Negative is an error.
 	PrefaultThreads int
+	// Prefault is how pages are faulted in (PrefaultAuto, the zero value:
+	// DefaultPrefaultMethod).
+	Prefault PrefaultMethod
+	// PrefaultStripe, when positive, hands the region out to the prefault
+	// threads in stripes of this many bytes taken in turn from a shared
+	// counter, rather than one contiguous part per thread (0). It is
+	// rounded up to a multiple of the huge-page size where transparent huge
+	// pages apply (of the page size otherwise). Negative is an error.
+	PrefaultStripe int64
 	// Memfd backs the region by a memfd (memfd_create with MFD_CLOEXEC,
 	// mapped MAP_SHARED) so that it can be shared by file descriptor.
 	Memfd bool
@@ -106,6 +115,12 @@ func New(size int64, opts Options) (*Region, error) {
 	}
 	if opts.PrefaultThreads < 0 {
 		return nil, fmt.Errorf("%w: PrefaultThreads %d: must be 0 (default) or positive", ErrOptions, opts.PrefaultThreads)
+	}
+	if !opts.Prefault.valid() {
+		return nil, fmt.Errorf("%w: Prefault method %d: must be PrefaultAuto, PrefaultTouch or PrefaultPopulate", ErrOptions, int(opts.Prefault))
+	}
+	if opts.PrefaultStripe < 0 {
+		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", ErrOptions, opts.PrefaultStripe)
 	}
 	if opts.BindNUMA && opts.NUMANode < 0 {
 		return nil, fmt.Errorf("%w: node %d: must not be negative", ErrNUMANode, opts.NUMANode)

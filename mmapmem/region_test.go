@@ -144,6 +144,40 @@ func TestTouchPrefault(t *testing.T) {
 	}
 }
 
+func TestPrefaultMethodsAndStripes(t *testing.T) {
+	checkNoLeak(t)
+	cases := map[string]mmapmem.Options{
+		"auto":                {},
+		"touch":               {Prefault: mmapmem.PrefaultTouch, PrefaultThreads: 3},
+		"populate":            {Prefault: mmapmem.PrefaultPopulate, PrefaultThreads: 3},
+		"touch-stripes":       {Prefault: mmapmem.PrefaultTouch, PrefaultThreads: 4, PrefaultStripe: 1},
+		"populate-stripes":    {Prefault: mmapmem.PrefaultPopulate, PrefaultThreads: 2, PrefaultStripe: 2 * mib},
+		"no-thp-odd-stripe":   {NoTHP: true, Prefault: mmapmem.PrefaultTouch, PrefaultThreads: 3, PrefaultStripe: 12345},
+		"memfd-stripes":       {Memfd: true, Prefault: mmapmem.PrefaultPopulate, PrefaultStripe: 64 * mib},
+		"one-thread-stripes":  {PrefaultThreads: 1, PrefaultStripe: mib},
+		"stripe-beyond-size":  {PrefaultThreads: 5, PrefaultStripe: 1 << 40},
+		"memfd-touch-no-thp":  {Memfd: true, NoTHP: true, Prefault: mmapmem.PrefaultTouch},
+		"populate-fallback-1": {Prefault: mmapmem.PrefaultPopulate, PrefaultThreads: 1},
+	}
+	for name, opts := range cases {
+		t.Run(name, func(t *testing.T) {
+			r, err := mmapmem.New(5*mib+7, opts)
+			require.NoError(t, err)
+			checkRegion(t, r, 5*mib+7, opts)
+			require.NoError(t, r.Close())
+		})
+	}
+}
+
+func TestPrefaultMethodString(t *testing.T) {
+	for m, want := range map[mmapmem.PrefaultMethod]string{
+		mmapmem.PrefaultAuto: "auto", mmapmem.PrefaultTouch: "touch", mmapmem.PrefaultPopulate: "populate", 7: "PrefaultMethod(7)",
+	} {
+		require.Equal(t, want, m.String())
+	}
+	require.Equal(t, mmapmem.PrefaultTouch, mmapmem.DefaultPrefaultMethod)
+}
+
 func TestNUMABindingIsVisible(t *testing.T) {
 	if !hasNode0() {
 		t.Skip("no NUMA node 0 in sysfs")
@@ -276,6 +310,9 @@ func TestNewErrors(t *testing.T) {
 		{"unmappable", mmapmem.MaxSize, mmapmem.Options{NoPrefault: true}, unix.ENOMEM, []string{fmt.Sprint(mmapmem.MaxSize)}},
 		{"more than available", mmapmem.MaxSize, mmapmem.Options{}, mmapmem.ErrInsufficientMemory, []string{"MemAvailable", fmt.Sprint(mmapmem.MaxSize)}},
 		{"negative threads", 4096, mmapmem.Options{PrefaultThreads: -2}, mmapmem.ErrOptions, []string{"-2"}},
+		{"unknown prefault method", 4096, mmapmem.Options{Prefault: 9}, mmapmem.ErrOptions, []string{"method 9"}},
+		{"negative prefault method", 4096, mmapmem.Options{Prefault: -1}, mmapmem.ErrOptions, []string{"method -1"}},
+		{"negative stripe", 4096, mmapmem.Options{PrefaultStripe: -4096}, mmapmem.ErrOptions, []string{"-4096"}},
 		{"negative node", 4096, mmapmem.Options{BindNUMA: true, NUMANode: -1}, mmapmem.ErrNUMANode, []string{"-1"}},
 		{"unknown node", 4096, mmapmem.Options{BindNUMA: true, NUMANode: 4242}, mmapmem.ErrNUMANode, []string{"4242", "nodes:"}},
 	}
@@ -379,6 +416,8 @@ func FuzzNew(f *testing.F) {
 	f.Add(int64(0), uint8(0b100), uint8(1))
 	f.Add(mmapmem.MaxSize+1, uint8(0b10), uint8(0))
 	f.Add(int64(3<<20+1), uint8(0b1000), uint8(7))
+	f.Add(int64(5<<20+3), uint8(0b1000000), uint8(45))
+	f.Add(int64(8192), uint8(0b1100000), uint8(2))
 	f.Fuzz(func(t *testing.T, size int64, bits, threads uint8) {
 		opts := mmapmem.Options{
 			NoTHP:           bits&1 != 0,
@@ -387,6 +426,8 @@ func FuzzNew(f *testing.F) {
 			HugeTLB:         bits&8 != 0,
 			BindNUMA:        bits&16 != 0 && hasNode0(),
 			PrefaultThreads: int(threads%20) - 1,
+			Prefault:        mmapmem.PrefaultMethod(bits>>5&3) - 1,
+			PrefaultStripe:  int64(threads/20) * 777,
 		}
 		// Keep the target cheap: large regions are mapped, not touched.
 		if size > 16*mib && !opts.Memfd {
@@ -400,7 +441,7 @@ func FuzzNew(f *testing.F) {
 		if err != nil {
 			require.Nil(t, r)
 			require.Equal(t, before, mmapmem.MappedBytes(), "a failed New leaves nothing mapped")
-			valid := size > 0 && size <= mmapmem.MaxSize && opts.PrefaultThreads >= 0
+			valid := size > 0 && size <= mmapmem.MaxSize && opts.PrefaultThreads >= 0 && opts.Prefault >= mmapmem.PrefaultAuto && opts.Prefault <= mmapmem.PrefaultPopulate
 			if !valid {
 				require.True(t, slices.ContainsFunc([]error{mmapmem.ErrSize, mmapmem.ErrOptions}, func(e error) bool { return errors.Is(err, e) }), "error %v", err)
 			}
