@@ -455,3 +455,20 @@ func FuzzNew(f *testing.F) {
 		require.Equal(t, before, mmapmem.MappedBytes())
 	})
 }
+
+func TestHugeBytes(t *testing.T) {
+	checkNoLeak(t)
+	for name, opts := range map[string]mmapmem.Options{"thp": {}, "no-thp": {NoTHP: true}, "memfd": {Memfd: true}} {
+		t.Run(name, func(t *testing.T) {
+			r, err := mmapmem.New(8*mib, opts)
+			require.NoError(t, err)
+			h, err := mmapmem.HugeBytes(r)
+			require.NoError(t, err)
+			require.GreaterOrEqual(t, h, int64(0))
+			require.LessOrEqual(t, h, r.Mapped())
+			require.NoError(t, r.Close())
+			_, err = mmapmem.HugeBytes(r)
+			require.ErrorIs(t, err, mmapmem.ErrClosed)
+		})
+	}
+}
