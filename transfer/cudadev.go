@@ -62,7 +62,10 @@ func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
 func (c *CUDA) Stream(dir Direction) cuda.Stream { return c.streams[dir] }
 
 // AddHostRange tells the copier about a registered host range (the
-// Scheduler forwards its own AddHostRange here).
+// Scheduler forwards its own AddHostRange here). Where the device cannot
+// use registered host pointers directly the copier calls
+// cuMemHostGetDevicePointer on the calling thread, which must have the
+// context current.
 func (c *CUDA) AddHostRange(base, size uint64) error {
 	return c.copier.AddHostRange(uintptr(base), size)
 }

@@ -8,7 +8,6 @@ import (
 	"runtime"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"unsafe"
 
@@ -118,6 +117,7 @@ func TestGPURoundTrip(t *testing.T) {
 		for _, perBlock := range []int{1, 8} {
 			name := fmt.Sprintf("seg=%s/layers=%d", cudacopy.FormatBytes(segLen), perBlock)
 			t.Run(name, func(t *testing.T) {
+				e.g.Lock(t)
 				r := rand.New(rand.NewSource(int64(segLen) + int64(perBlock)))
 				nblocks := int(total / (segLen * uint64(perBlock)))
 				l := layout(r, e.dev, e.host, nblocks, perBlock, segLen)
@@ -291,12 +291,15 @@ func TestGPULayerLoad(t *testing.T) {
 	}
 }
 
-// TestGPUCapture: a thread in the default (global) capture mode captures a
-// graph that waits on a caller-owned event through an external event-wait
-// node and checksums the loaded blocks; it replays it 1000 times, each
-// after a load of new bytes that signals the event, while other goroutines
-// store and load through the engine. No capture may fail and every replay
-// must see its load's bytes.
+// TestGPUCapture: a thread captures a graph in global mode that waits on a
+// caller-owned event through an external event-wait node and checksums the
+// loaded blocks; it replays it 1000 times, each after a load of new bytes
+// that signals the event, while other goroutines store and load through the
+// engine and a second thread keeps capturing in global mode. No capture may
+// fail (the engine's threads are relaxed) and every replay must see its
+// load's bytes. The replaying thread itself is relaxed while the second
+// thread captures: CUDA prohibits a global-mode thread's synchronising calls
+// (cuStreamSynchronize) during another thread's global capture.
 func TestGPUCapture(t *testing.T) {
 	const n = 256 << 10
 	e := newGPUEnv(t, 8*n, Config{})
@@ -323,13 +326,26 @@ func TestGPUCapture(t *testing.T) {
 		require.NoError(t, e.cu.Copier().Retire(tk))
 	}()
 
+	prevMode, err := e.g.Drv.ThreadExchangeStreamCaptureMode(cuda.CaptureModeRelaxed)
+	require.NoError(t, err)
+	defer func() {
+		_, err := e.g.Drv.ThreadExchangeStreamCaptureMode(prevMode)
+		require.NoError(t, err)
+	}()
+
 	stop := make(chan struct{})
 	var bg sync.WaitGroup
-	var bgErr atomic.Value
+	// Each background goroutine reports at most one error, then returns.
+	bgErrs := make(chan error, 3)
+	// halt stops the background goroutines; deferred so that a failure of
+	// the main loop stops them before the scheduler closes.
+	halt := sync.OnceFunc(func() {
+		close(stop)
+		bg.Wait()
+	})
+	defer halt()
 	for w := range 2 {
-		bg.Add(1)
-		go func() {
-			defer bg.Done()
+		bg.Go(func() {
 			seg := []Segment{{Dev: e.dev + uint64(2+w)*n, Host: e.host + uint64(2+w)*n, Len: n}}
 			for {
 				select {
@@ -343,26 +359,24 @@ func TestGPUCapture(t *testing.T) {
 						err = op.Wait()
 					}
 					if err != nil {
-						bgErr.Store(err)
+						bgErrs <- fmt.Errorf("background %v: %w", d, err)
 						return
 					}
 				}
 			}
-		}()
+		})
 	}
 	// A second capture thread keeps capturing in global mode meanwhile.
-	bg.Add(1)
-	go func() {
-		defer bg.Done()
+	bg.Go(func() {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
 		if err := e.g.Drv.CtxSetCurrent(e.g.Ctx); err != nil {
-			bgErr.Store(err)
+			bgErrs <- err
 			return
 		}
 		s2, err := e.g.Drv.StreamCreate(cuda.StreamNonBlocking, 0)
 		if err != nil {
-			bgErr.Store(err)
+			bgErrs <- err
 			return
 		}
 		defer func() { _ = e.g.Drv.StreamDestroy(s2) }()
@@ -373,19 +387,24 @@ func TestGPUCapture(t *testing.T) {
 			default:
 			}
 			if err := e.g.Drv.StreamBeginCapture(s2, cuda.CaptureModeGlobal); err != nil {
-				bgErr.Store(err)
+				bgErrs <- err
 				return
 			}
-			tk, ferr := e.cu.Copier().Fill(s2, []cudacopy.FillSegment{{Dst: e.dev + 6*n, Len: 4096, Seed: 3}}, 0)
+			// A device-to-device copy: a caller's capture of its own work
+			// (not the engine's copier, whose descriptor pool may grow with
+			// an allocation that is unsafe on a capturing thread).
+			cerr := e.g.Drv.MemcpyAsync(cuda.DevicePtr(e.dev+6*n), cuda.DevicePtr(e.dev+5*n), 4096, s2)
 			g, err := e.g.Drv.StreamEndCapture(s2)
-			if ferr != nil || err != nil {
-				bgErr.Store(fmt.Errorf("a global-mode capture failed while the engine ran: %w", errors.Join(ferr, err)))
+			if cerr != nil || err != nil {
+				bgErrs <- fmt.Errorf("a global-mode capture failed while the engine ran: %w", errors.Join(cerr, err))
 				return
 			}
-			_ = e.g.Drv.GraphDestroy(g)
-			_ = e.cu.Copier().Retire(tk)
+			if err := e.g.Drv.GraphDestroy(g); err != nil {
+				bgErrs <- err
+				return
+			}
 		}
-	}()
+	})
 
 	res := e.hostBuf[7*n:]
 	for i := range 1000 {
@@ -393,15 +412,17 @@ func TestGPUCapture(t *testing.T) {
 		op, err := e.s.Submit(Request{Dir: Load, Signal: sig, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
 		require.NoError(t, err)
 		require.NoError(t, e.g.Drv.GraphLaunch(exec, cs))
+		// The read-back stays on cs (a non-blocking stream): the legacy
+		// stream must not be used while another thread captures.
+		require.NoError(t, e.g.Drv.MemcpyAsync(cuda.DevicePtr(e.host+7*uint64(n)), out, 8, cs))
 		require.NoError(t, e.g.Drv.StreamSynchronize(cs))
 		require.NoError(t, op.Wait())
-		require.NoError(t, e.g.Drv.Memcpy(cuda.DevicePtr(e.host+7*uint64(n)), out, 8))
 		got := *(*uint64)(unsafe.Pointer(&res[0]))
 		require.Equal(t, cudacopy.HostChecksum(e.hostBuf[:n]), got, "replay %d", i)
 	}
-	close(stop)
-	bg.Wait()
-	if v := bgErr.Load(); v != nil {
-		require.NoError(t, v.(error))
+	halt()
+	close(bgErrs)
+	for err := range bgErrs {
+		require.NoError(t, err)
 	}
 }

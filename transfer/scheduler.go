@@ -248,7 +248,10 @@ type hostRanger interface {
 }
 
 // AddHostRange tells the scheduler (and the device's copy method) that
-// [base, base+size) is registered host memory that segments may use.
+// [base, base+size) is registered host memory that segments may use. Over
+// CUDA on a device that cannot use registered host pointers directly the
+// copy method looks up the range's device pointer on the calling thread,
+// which must then have the context current (as for NewCUDA).
 func (s *Scheduler) AddHostRange(base, size uint64) error {
 	if err := s.host.add(base, size); err != nil {
 		return err

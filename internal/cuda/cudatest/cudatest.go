@@ -2,6 +2,10 @@
 // device 0 current on a locked OS thread, or skips the test when there is no
 // driver. With KVO_REQUIRE_GPU=1 in the environment a missing driver fails
 // the test instead, so a GPU run cannot pass by skipping.
+//
+// The context is current only on the thread of the goroutine that called
+// Open. Subtests (t.Run) and benchmarks' sub-runs run on goroutines of their
+// own: a subtest that calls the driver calls GPU.Lock first.
 package cudatest
 
 import (
@@ -62,4 +66,17 @@ func Open(t testing.TB) *GPU {
 		runtime.UnlockOSThread()
 	})
 	return &GPU{Drv: drv, Dev: dev, Ctx: ctx}
+}
+
+// Lock locks the calling goroutine to its OS thread and makes g's context
+// current on it for the rest of t (a subtest, whose goroutine is not the
+// one Open locked). Cleanups t registers afterwards run on that thread
+// before it is unlocked.
+func (g *GPU) Lock(t testing.TB) {
+	t.Helper()
+	runtime.LockOSThread()
+	t.Cleanup(runtime.UnlockOSThread)
+	if err := g.Drv.CtxSetCurrent(g.Ctx); err != nil {
+		t.Fatalf("CtxSetCurrent: %v", err)
+	}
 }
