@@ -110,7 +110,7 @@ func (r *demoReport) print(w io.Writer) error {
 		row("  op latency", "p50 %s  p99 %s  (%d ops)", micros(d.d.P50us), micros(d.d.P99us), d.d.Ops)
 	}
 	row("CPU time per block", "%.1f µs (%.2f s while copies were in flight)", r.CPUMicrosPerBlock, r.CPUSeconds)
-	row("pinned vs used", "%s pinned, %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), formatSize(r.UsedBytes), r.Evictions)
+	row("pool: owned vs used", "%s owned (%s), %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), r.Pinning, formatSize(r.UsedBytes), r.Evictions)
 	row("recompute", "%.2f s", r.RecomputeSeconds)
 	switch {
 	case !r.Verify:

@@ -101,7 +101,7 @@ func TestDemoCommandJSON(t *testing.T) {
 	code, out, _ = runCLI(t, "demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB",
 		"--gpu-blocks", "32", "--requests", "10", "--duration", "0")
 	require.Equal(t, exitOK, code)
-	for _, w := range []string{"prefix hit ratio", "GB/s", "op latency", "CPU time per block", "pinned vs used", "verification", "PASS"} {
+	for _, w := range []string{"prefix hit ratio", "GB/s", "op latency", "CPU time per block", "pool: owned vs used", "verification", "PASS"} {
 		require.Contains(t, out, w)
 	}
 }
