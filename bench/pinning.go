@@ -3,6 +3,8 @@ package bench
 import (
 	"errors"
 	"fmt"
+	"os"
+	"runtime"
 	"strings"
 	"time"
 
@@ -210,4 +212,165 @@ func sizeString(n int64) string {
 	default:
 		return fmt.Sprintf("%d B", n)
 	}
+}
+
+// PinningVariant is one way of getting a region ready, measured by
+// MeasurePinningVariants.
+type PinningVariant struct {
+	Name   string
+	Region mmapmem.Options
+	// Register also times the CUDA registration of the prefaulted region.
+	Register bool
+}
+
+// PinningVariantResult is one variant's measurement.
+type PinningVariantResult struct {
+	Variant PinningVariant
+	// Prefault is mmapmem.New: mmap, advice and prefault.
+	Prefault time.Duration
+	// Register is zero unless Variant.Register.
+	Register time.Duration
+	// PrefaultGiBps is Size / Prefault.
+	PrefaultGiBps float64
+	// HugeBytes are the bytes backed by huge pages right after New.
+	HugeBytes int64
+	Size      int64
+}
+
+// PinningEnv is what bounds prefault speed on the machine.
+type PinningEnv struct {
+	GOMAXPROCS, NumCPU int
+	// CPUMax is /sys/fs/cgroup/cpu.max ("max 100000" when not limited).
+	CPUMax string
+	// THPEnabled and THPDefrag are /sys/kernel/mm/transparent_hugepage/
+	// enabled and defrag.
+	THPEnabled, THPDefrag string
+	Kernel                string
+}
+
+// ReadPinningEnv reads the environment facts FormatPinningVariants prints;
+// a file that cannot be read reads as "?".
+func ReadPinningEnv() PinningEnv {
+	read := func(p string) string {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return "?"
+		}
+		return strings.TrimSpace(string(b))
+	}
+	return PinningEnv{
+		GOMAXPROCS: runtime.GOMAXPROCS(0),
+		NumCPU:     runtime.NumCPU(),
+		CPUMax:     read("/sys/fs/cgroup/cpu.max"),
+		THPEnabled: read("/sys/kernel/mm/transparent_hugepage/enabled"),
+		THPDefrag:  read("/sys/kernel/mm/transparent_hugepage/defrag"),
+		Kernel:     read("/proc/sys/kernel/osrelease"),
+	}
+}
+
+// DefaultPinningVariants are the prefault method × threads × work split
+// sweep, plus registration with and without transparent huge pages.
+func DefaultPinningVariants() []PinningVariant {
+	var vs []PinningVariant
+	methods := []mmapmem.PrefaultMethod{mmapmem.PrefaultTouch, mmapmem.PrefaultPopulate}
+	for _, m := range methods {
+		for _, th := range []int{1, 4, 16} {
+			vs = append(vs, PinningVariant{Name: fmt.Sprintf("%s ×%d", m, th), Region: mmapmem.Options{Prefault: m, PrefaultThreads: th}})
+		}
+	}
+	for _, m := range methods {
+		for _, stripe := range []int64{2 << 20, 64 << 20} {
+			vs = append(vs, PinningVariant{Name: fmt.Sprintf("%s ×16 stripes %s", m, sizeString(stripe)), Region: mmapmem.Options{Prefault: m, PrefaultThreads: 16, PrefaultStripe: stripe}})
+		}
+	}
+	for _, m := range methods {
+		vs = append(vs, PinningVariant{Name: fmt.Sprintf("%s ×16 THP + register", m), Region: mmapmem.Options{Prefault: m, PrefaultThreads: 16}, Register: true})
+		vs = append(vs, PinningVariant{Name: fmt.Sprintf("%s ×16 no THP + register", m), Region: mmapmem.Options{Prefault: m, PrefaultThreads: 16, NoTHP: true}, Register: true})
+	}
+	return vs
+}
+
+// MeasurePinningVariants maps, prefaults (and where asked registers) size
+// bytes once per variant, after one unreported warm-up with the default
+// options, releasing each region before the next. It retains dev's primary
+// context for the duration.
+func MeasurePinningVariants(drv cuda.Driver, dev cuda.Device, size int64, variants []PinningVariant) (results []PinningVariantResult, err error) {
+	if size <= 0 || size > mmapmem.MaxSize {
+		return nil, fmt.Errorf("bench: pinning size %d: must be in [1, %d]", size, mmapmem.MaxSize)
+	}
+	ctx, err := drv.PrimaryCtxRetain(dev)
+	if err != nil {
+		return nil, fmt.Errorf("bench: retain primary context of device %d: %w", dev, err)
+	}
+	defer func() {
+		if rerr := drv.PrimaryCtxRelease(dev); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("bench: release primary context: %w", rerr))
+		}
+	}()
+	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{})
+	if err != nil {
+		return nil, err
+	}
+	warm, err := mmapmem.New(size, mmapmem.Options{})
+	if err != nil {
+		return nil, fmt.Errorf("bench: warm-up map of %d bytes: %w", size, err)
+	}
+	if err := warm.Close(); err != nil {
+		return nil, err
+	}
+	for _, v := range variants {
+		res := PinningVariantResult{Variant: v, Size: size}
+		start := time.Now()
+		r, err := mmapmem.New(size, v.Region)
+		res.Prefault = time.Since(start)
+		if err != nil {
+			return results, fmt.Errorf("bench: variant %q: map %d bytes: %w", v.Name, size, err)
+		}
+		res.PrefaultGiBps = gibps(size, res.Prefault)
+		if res.HugeBytes, err = mmapmem.HugeBytes(r); err != nil {
+			return results, errors.Join(err, r.Close())
+		}
+		if v.Register {
+			start = time.Now()
+			err = p.Register(r)
+			res.Register = time.Since(start)
+			if err != nil {
+				return results, errors.Join(fmt.Errorf("bench: variant %q: register %d bytes: %w", v.Name, size, err), r.Close())
+			}
+			if err := register.Release(p, r); err != nil {
+				return results, err
+			}
+		} else if err := r.Close(); err != nil {
+			return results, err
+		}
+		results = append(results, res)
+	}
+	return results, nil
+}
+
+// FormatPinningVariants renders the sweep as a markdown table, the
+// environment that bounds it, and the fastest prefault variant.
+func FormatPinningVariants(env PinningEnv, results []PinningVariantResult) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "GOMAXPROCS %d, NumCPU %d, cgroup cpu.max %q, THP enabled %q, defrag %q, kernel %s.\n\n",
+		env.GOMAXPROCS, env.NumCPU, env.CPUMax, env.THPEnabled, env.THPDefrag, env.Kernel)
+	b.WriteString("| variant | size | prefault | prefault GiB/s | huge pages | register | prefault + register GiB/s |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	var best *PinningVariantResult
+	for i, r := range results {
+		reg, total := "–", "–"
+		if r.Variant.Register {
+			reg = ms(r.Register)
+			total = fmt.Sprintf("%.1f", gibps(r.Size, r.Prefault+r.Register))
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %.1f | %.0f%% | %s | %s |\n", r.Variant.Name, sizeString(r.Size), ms(r.Prefault), r.PrefaultGiBps,
+			100*float64(r.HugeBytes)/float64(max(r.Size, 1)), reg, total)
+		if best == nil || r.Prefault < best.Prefault {
+			best = &results[i]
+		}
+	}
+	if best != nil {
+		fmt.Fprintf(&b, "\nFastest prefault: %s (%.1f GiB/s, method %s; mmapmem.DefaultPrefaultMethod is %s).\n",
+			best.Variant.Name, best.PrefaultGiBps, best.Variant.Region.Prefault, mmapmem.DefaultPrefaultMethod)
+	}
+	return b.String()
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/mmapmem"
 )
 
 const gib = 1 << 30
@@ -140,4 +141,76 @@ func BenchmarkPinning(b *testing.B) {
 			b.ReportMetric(speedup/float64(b.N), "x-vs-cuMemHostAlloc")
 		})
 	}
+}
+
+func TestMeasurePinningVariantsFake(t *testing.T) {
+	fd := cudafake.New(cudafake.Options{CheckContext: true})
+	defer func() { require.NoError(t, fd.Close()) }()
+	variants := bench.DefaultPinningVariants()
+	require.Len(t, variants, 14)
+	results, err := bench.MeasurePinningVariants(fd, 0, 4<<20+5, variants)
+	require.NoError(t, err)
+	require.Len(t, results, len(variants))
+	registered := 0
+	for i, r := range results {
+		require.Equal(t, variants[i].Name, r.Variant.Name)
+		require.Positive(t, r.Prefault)
+		require.Positive(t, r.PrefaultGiBps)
+		require.GreaterOrEqual(t, r.HugeBytes, int64(0))
+		if r.Variant.Register {
+			registered++
+			require.Positive(t, r.Register)
+		} else {
+			require.Zero(t, r.Register)
+		}
+	}
+	require.Equal(t, 4, registered)
+	require.Equal(t, 4, fd.Calls(cuda.OpMemHostRegister))
+	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
+	out := bench.FormatPinningVariants(bench.ReadPinningEnv(), results)
+	require.Contains(t, out, "GOMAXPROCS")
+	require.Contains(t, out, "| touch ×16 no THP + register | 4194309 B |")
+	require.Contains(t, out, "Fastest prefault: ")
+	t.Log("\n" + out)
+
+	_, err = bench.MeasurePinningVariants(fd, 0, 0, variants)
+	require.ErrorContains(t, err, "pinning size 0")
+	fd.FailAt(cuda.OpMemHostRegister, 5, cuda.ErrorOutOfMemory)
+	_, err = bench.MeasurePinningVariants(fd, 0, 1<<20, variants)
+	require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory))
+	require.ErrorContains(t, err, "touch ×16 THP + register")
+	require.True(t, fd.Live().IsZero(), "everything released after a failure: %+v", fd.Live())
+}
+
+func TestFormatPinningVariants(t *testing.T) {
+	env := bench.PinningEnv{GOMAXPROCS: 5, NumCPU: 16, CPUMax: "500000 100000", THPEnabled: "always [madvise] never", THPDefrag: "madvise", Kernel: "6.8.0"}
+	results := []bench.PinningVariantResult{
+		{Variant: bench.PinningVariant{Name: "touch ×16"}, Size: 8 * gib, Prefault: 200 * time.Millisecond, PrefaultGiBps: 40, HugeBytes: 8 * gib},
+		{Variant: bench.PinningVariant{Name: "populate ×16 THP + register", Region: mmapmem.Options{Prefault: mmapmem.PrefaultPopulate}, Register: true},
+			Size: 8 * gib, Prefault: 100 * time.Millisecond, Register: 300 * time.Millisecond, PrefaultGiBps: 80, HugeBytes: 4 * gib},
+	}
+	out := bench.FormatPinningVariants(env, results)
+	require.Contains(t, out, `GOMAXPROCS 5, NumCPU 16, cgroup cpu.max "500000 100000"`)
+	require.Contains(t, out, "| touch ×16 | 8 GiB | 200 ms | 40.0 | 100% | – | – |")
+	require.Contains(t, out, "| populate ×16 THP + register | 8 GiB | 100 ms | 80.0 | 50% | 300 ms | 20.0 |")
+	require.Contains(t, out, "Fastest prefault: populate ×16 THP + register (80.0 GiB/s, method populate; mmapmem.DefaultPrefaultMethod is touch).")
+}
+
+// TestPinningVariants sweeps prefault method × threads × work split at
+// KVO_PIN_VARIANT_GIB GiB (default 8) on the GPU machine, with
+// registration timed with and without transparent huge pages, and logs one
+// table (run with -test.v).
+func TestPinningVariants(t *testing.T) {
+	g := cudatest.Open(t)
+	size := int64(8 * gib)
+	if s := os.Getenv("KVO_PIN_VARIANT_GIB"); s != "" {
+		v, err := strconv.ParseFloat(s, 64)
+		if err != nil || v <= 0 {
+			t.Fatalf("KVO_PIN_VARIANT_GIB=%q is not a positive number of GiB", s)
+		}
+		size = int64(v * gib)
+	}
+	results, err := bench.MeasurePinningVariants(g.Drv, g.Dev, size, bench.DefaultPinningVariants())
+	require.NoError(t, err)
+	t.Log("\n" + bench.FormatPinningVariants(bench.ReadPinningEnv(), results))
 }
