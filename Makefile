@@ -3,7 +3,7 @@
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
-GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload
+GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload
 GPU_LDFLAGS := -s -w
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s
