@@ -57,7 +57,18 @@ type Options struct {
 	// PTX replaces the embedded kernels.ptx (a PTX built for another target,
 	// or a test driver's image).
 	PTX []byte
+	// CopyKernel names the copy kernel of the PTX module: "" or
+	// DefaultCopyKernel (kvo_copy, generic loads and stores), or
+	// StreamingCopyKernel (kvo_copy_cs: global-space, evict-first loads and
+	// stores; in PTX generated from kernels.cu since it was added).
+	CopyKernel string
 }
+
+// Copy kernels of kernels.cu.
+const (
+	DefaultCopyKernel   = "kvo_copy"
+	StreamingCopyKernel = "kvo_copy_cs"
+)
 
 func (o *Options) withDefaults() Options {
 	r := *o
@@ -79,6 +90,9 @@ func (o *Options) withDefaults() Options {
 	if r.BatchMax == 0 {
 		r.BatchMax = DefaultBatchMax
 	}
+	if r.CopyKernel == "" {
+		r.CopyKernel = DefaultCopyKernel
+	}
 	r.Calibrate = r.Calibrate.withDefaults()
 	return r
 }
@@ -99,6 +113,8 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: DescBuffers %d is negative", ErrInvalidOption, o.DescBuffers)
 	case o.BatchMax < 1:
 		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
+	case o.CopyKernel != DefaultCopyKernel && o.CopyKernel != StreamingCopyKernel:
+		return fmt.Errorf("%w: CopyKernel %q is not %q or %q", ErrInvalidOption, o.CopyKernel, DefaultCopyKernel, StreamingCopyKernel)
 	}
 	if o.Calibration != nil {
 		if err := o.Calibration.Validate(); err != nil {
@@ -250,7 +266,7 @@ func (c *Copier) loadModule() error {
 	fns := [...]struct {
 		name string
 		fn   *cuda.Function
-	}{{"kvo_copy", &c.fnCopy}, {"kvo_fill", &c.fnFill}, {"kvo_checksum", &c.fnCsum}}
+	}{{c.opts.CopyKernel, &c.fnCopy}, {"kvo_fill", &c.fnFill}, {"kvo_checksum", &c.fnCsum}}
 	for _, f := range fns {
 		if *f.fn, err = c.drv.ModuleGetFunction(mod, f.name); err != nil {
 			return errors.Join(fmt.Errorf("%w: kernel %s: %w", ErrUnavailable, f.name, err), c.drv.ModuleUnload(mod))

@@ -250,6 +250,8 @@ func TestNewErrors(t *testing.T) {
 		{"chunk too small", Options{ChunkBytes: 256, PTX: fakePTX}, ErrInvalidOption},
 		{"chunk misaligned", Options{ChunkBytes: 4100, PTX: fakePTX}, ErrInvalidOption},
 		{"bad method", Options{Method: 9}, ErrInvalidOption},
+		{"unknown copy kernel", Options{CopyKernel: "kvo_memcpy", PTX: fakePTX}, ErrInvalidOption},
+		{"streaming kernel absent from the PTX", Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel, PTX: fakePTX}, ErrUnavailable},
 		{"bad calibration", Options{Calibration: &Calibration{Entries: []Measurement{{}}}}, ErrInvalidOption},
 		{"bad calibration sizes", Options{Calibrate: CalibrationConfig{TotalBytes: 4096, SegSizes: []uint64{8192}}}, ErrInvalidOption},
 	}

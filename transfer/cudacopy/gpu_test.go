@@ -2,6 +2,7 @@ package cudacopy
 
 import (
 	mrand "math/rand/v2"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -12,9 +13,22 @@ import (
 // GPU tests: they skip without a driver (fail with KVO_REQUIRE_GPU=1).
 // Subtests are not used: the context is current on the test's locked thread.
 
+// gpuOpts sets o.PTX from the file KVO_PTX_FILE names, if set: PTX built by
+// `make ptx` on the GPU machine in the same call, before it is committed
+// and embedded.
+func gpuOpts(t *testing.T, o Options) Options {
+	t.Helper()
+	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
+		img, err := os.ReadFile(p)
+		require.NoError(t, err, "KVO_PTX_FILE")
+		o.PTX = img
+	}
+	return o
+}
+
 func TestGPUPTXLoads(t *testing.T) {
 	g := cudatest.Open(t)
-	c := newCopier(t, g.Drv, Options{Method: MethodKernel})
+	c := newCopier(t, g.Drv, gpuOpts(t, Options{Method: MethodKernel}))
 	caps := c.Capabilities()
 	require.True(t, caps.Kernel, caps.KernelError)
 	t.Logf("capabilities: %+v", caps)
@@ -40,7 +54,7 @@ func TestGPURoundTrip(t *testing.T) {
 		t.Log("driver has no cuMemcpyBatchAsync: batch method not tested")
 	}
 	for _, m := range methods {
-		c := newCopier(t, g.Drv, Options{Method: m, Calibrate: CalibrationConfig{TotalBytes: 8 << 20}})
+		c := newCopier(t, g.Drv, gpuOpts(t, Options{Method: m, Calibrate: CalibrationConfig{TotalBytes: 8 << 20}}))
 		if m == MethodAuto {
 			cal, err := c.Calibrate(s)
 			require.NoError(t, err)
@@ -56,25 +70,41 @@ func TestGPURoundTrip(t *testing.T) {
 	}
 }
 
+// The streaming copy kernel (kvo_copy_cs) moves every layout byte-exact;
+// it skips when the PTX in use predates it.
+func TestGPUStreamingKernelRoundTrip(t *testing.T) {
+	g := cudatest.Open(t)
+	s := newStream(t, g.Drv)
+	c, err := New(g.Drv, g.Dev, gpuOpts(t, Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel}))
+	if err != nil {
+		require.ErrorIs(t, err, ErrUnavailable)
+		t.Skipf("no %s in this PTX (set KVO_PTX_FILE to PTX from `make ptx`): %v", StreamingCopyKernel, err)
+	}
+	t.Cleanup(func() { require.NoError(t, c.Close()) })
+	for i, l := range gpuLayouts() {
+		roundTrip(t, g.Drv, c, s, l, uint64(i))
+	}
+}
+
 // Misaligned segments through MethodAuto take a DMA method and arrive intact.
 func TestGPUMisalignedAuto(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
-	c := newCopier(t, g.Drv, Options{})
+	c := newCopier(t, g.Drv, gpuOpts(t, Options{}))
 	roundTrip(t, g.Drv, c, s, crossLayer(64, 4100), 9)
 }
 
 func TestGPUFillAndChecksum(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
-	c := newCopier(t, g.Drv, Options{ChunkBytes: 4096, DescCapacity: 3})
+	c := newCopier(t, g.Drv, gpuOpts(t, Options{ChunkBytes: 4096, DescCapacity: 3}))
 	fillAndChecksum(t, g.Drv, c, s)
 }
 
 func TestGPUCalibrate(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
-	c := newCopier(t, g.Drv, Options{})
+	c := newCopier(t, g.Drv, gpuOpts(t, Options{}))
 	cal, err := c.Calibrate(s)
 	require.NoError(t, err)
 	require.NoError(t, cal.Validate())

@@ -31,6 +31,25 @@ __device__ __forceinline__ uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+// load16/store16 move one 16-byte word. Streaming = true uses the global
+// state space with evict-first hints (ld.global.cs / st.global.cs), so the
+// copy neither goes through generic addressing nor pushes other kernels'
+// data out of L2; false leaves the choice to the compiler (generic ld/st).
+template <bool Streaming>
+__device__ __forceinline__ uint4 load16(const uint4* p) {
+    if (Streaming) return __ldcs(p);
+    return *p;
+}
+template <bool Streaming>
+__device__ __forceinline__ void store16(uint4* p, uint4 v) {
+    if (Streaming) {
+        __stcs(p, v);
+    } else {
+        *p = v;
+    }
+}
+
+template <bool Streaming>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -42,25 +61,36 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
         for (; i + 32 * (UNROLL - 1) < n; i += 32 * UNROLL) {
             uint4 r[UNROLL];
 #pragma unroll
-            for (int k = 0; k < UNROLL; k++) r[k] = s[i + 32 * k];
+            for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
-            for (int k = 0; k < UNROLL; k++) d[i + 32 * k] = r[k];
+            for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
         }
-        for (; i < n; i += 32) d[i] = s[i];
+        for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
         for (uint64_t i = lane; i < len; i += 32) dst[i] = src[i];
     }
 }
 
-// kvo_copy copies every descriptor's src to its dst.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
+template <bool Streaming>
+__device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment((const char*)d.src, (char*)d.dst, d.len, lane);
+        copy_segment<Streaming>((const char*)d.src, (char*)d.dst, d.len, lane);
     }
+}
+
+// kvo_copy copies every descriptor's src to its dst.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
+    copy_all<false>(descs, n);
+}
+
+// kvo_copy_cs is kvo_copy with global-space, evict-first (streaming) loads
+// and stores.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs, uint32_t n) {
+    copy_all<true>(descs, n);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
