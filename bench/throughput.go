@@ -43,6 +43,9 @@ type ThroughputConfig struct {
 	Seed uint64 `json:"seed"`
 	// Command is recorded in the results: how the run was started.
 	Command string `json:"command"`
+	// PTX replaces the embedded kernels.ptx for the copiers and kvo_sgemm
+	// (PTX regenerated on the GPU machine before it is committed).
+	PTX []byte `json:"-"`
 }
 
 // DefaultThroughputConfig is the full benchmark of issue 5.
@@ -274,17 +277,22 @@ func MeasureThroughput(drv cuda.Driver, dev cuda.Device, cfg ThroughputConfig) (
 }
 
 func (b *bench) setup(dev cuda.Device) error {
+	if err := b.setupBase(); err != nil {
+		return err
+	}
+	return b.setupCopiers(dev)
+}
+
+// setupBase creates the streams, events and buffers: everything but the
+// copiers.
+func (b *bench) setupBase() error {
 	drv, cfg := b.drv, b.cfg
 	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return err
 	}
-	for i := range b.s {
-		if b.s[i], err = drv.StreamCreate(cuda.StreamNonBlocking, greatest); err != nil {
-			return err
-		}
-		s := b.s[i]
-		b.onClose(func() error { return drv.StreamDestroy(s) })
+	if b.s, err = b.streamPair(greatest); err != nil {
+		return err
 	}
 	if b.burn, err = drv.StreamCreate(cuda.StreamNonBlocking, least); err != nil {
 		return err
@@ -313,6 +321,40 @@ func (b *bench) setup(dev cuda.Device) error {
 		*d = p
 		b.onClose(func() error { return drv.MemFree(p) })
 	}
+	return nil
+}
+
+// streamPair creates the D2H and H2D streams at priority prio.
+func (b *bench) streamPair(prio int) ([2]cuda.Stream, error) {
+	var ss [2]cuda.Stream
+	for i := range ss {
+		s, err := b.drv.StreamCreate(cuda.StreamNonBlocking, prio)
+		if err != nil {
+			return ss, err
+		}
+		ss[i] = s
+		b.onClose(func() error { return b.drv.StreamDestroy(s) })
+	}
+	return ss, nil
+}
+
+// newCopier creates a copier that knows both host buffers.
+func (b *bench) newCopier(dev cuda.Device, o cudacopy.Options) (*cudacopy.Copier, error) {
+	o.PTX = b.cfg.PTX
+	c, err := cudacopy.New(b.drv, dev, o)
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range []*hostRegion{b.hostA, b.hostB} {
+		if err := c.AddHostRange(uintptr(unsafe.Pointer(&h.mem[0])), b.cfg.TotalBytes); err != nil {
+			return nil, errors.Join(err, c.Close())
+		}
+	}
+	return c, nil
+}
+
+func (b *bench) setupCopiers(dev cuda.Device) error {
+	drv, cfg := b.drv, b.cfg
 	specs := []variant{{name: "memcpy", method: cudacopy.MethodMemcpy}}
 	if drv.HasMemcpyBatch() {
 		specs = append(specs, variant{name: "batch", method: cudacopy.MethodBatch})
@@ -322,16 +364,11 @@ func (b *bench) setup(dev cuda.Device) error {
 	}
 	specs = append(specs, variant{name: "auto", method: cudacopy.MethodAuto, ctas: cudacopy.DefaultCTAs})
 	for _, v := range specs {
-		c, err := cudacopy.New(drv, dev, cudacopy.Options{Method: v.method, CTAs: v.ctas, Threads: cfg.Threads})
+		c, err := b.newCopier(dev, cudacopy.Options{Method: v.method, CTAs: v.ctas, Threads: cfg.Threads})
 		if err != nil {
 			return fmt.Errorf("bench: copier %s: %w", v.name, err)
 		}
 		b.onClose(c.Close)
-		for _, h := range []*hostRegion{b.hostA, b.hostB} {
-			if err := c.AddHostRange(uintptr(unsafe.Pointer(&h.mem[0])), cfg.TotalBytes); err != nil {
-				return err
-			}
-		}
 		v.c = c
 		b.variants = append(b.variants, &v)
 	}
@@ -513,40 +550,17 @@ func (b *bench) scattered(res *ThroughputResults, v *variant, dir string, size u
 
 // burnPass measures the burn variants while kvo_sgemm runs on b.burn.
 func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) error {
-	drv, cfg := b.drv, b.cfg
+	cfg := b.cfg
 	res.SGEMM.N = cfg.BurnN
-	img, err := cudacopy.PTX()
-	if err != nil {
-		res.SGEMM.Skipped = err.Error()
-		return nil
+	g, skipped, err := b.newGemm()
+	if err != nil || skipped != "" {
+		res.SGEMM.Skipped = skipped
+		return err
 	}
-	mod, err := drv.ModuleLoadData(img)
-	if err != nil {
-		return fmt.Errorf("bench: loading the PTX: %w", err)
-	}
-	b.onClose(func() error { return drv.ModuleUnload(mod) })
-	fn, err := drv.ModuleGetFunction(mod, "kvo_sgemm")
-	if err != nil {
-		res.SGEMM.Skipped = fmt.Sprintf("kvo_sgemm not in the embedded PTX (regenerate it with `make ptx`): %v", err)
-		return nil
-	}
-	n := uint64(cfg.BurnN)
-	var mats [3]cuda.DevicePtr
-	for i := range mats {
-		if mats[i], err = drv.MemAlloc(n * n * 4); err != nil {
-			return fmt.Errorf("bench: sgemm matrix of %d bytes: %w", n*n*4, err)
-		}
-		p := mats[i]
-		b.onClose(func() error { return drv.MemFree(p) })
-		// 0x3c3c3c3c is about 0.0115: finite products, no overflow.
-		if err := drv.MemsetD8(p, 0x3c, n*n*4); err != nil {
-			return err
-		}
-	}
-	g := &gemm{drv: drv, fn: fn, s: b.burn, n: uint32(n), args: [][]byte{cuda.Arg(uint64(mats[0])), cuda.Arg(uint64(mats[1])), cuda.Arg(uint64(mats[2])), cuda.Arg(uint32(n))}}
 	if res.SGEMM.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
 		return fmt.Errorf("bench: sgemm solo: %w", err)
 	}
+	n := uint64(cfg.BurnN)
 	res.SGEMM.TFLOPS = 2 * float64(n*n*n) / (res.SGEMM.SoloMs * 1e9)
 	byName := map[string]*variant{}
 	for _, v := range b.variants {
@@ -581,6 +595,41 @@ func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) 
 		}
 	}
 	return nil
+}
+
+// newGemm loads kvo_sgemm and allocates its BurnN × BurnN matrices; skipped
+// says why it cannot run where the PTX lacks it.
+func (b *bench) newGemm() (g *gemm, skipped string, err error) {
+	drv := b.drv
+	img := b.cfg.PTX
+	if len(img) == 0 {
+		if img, err = cudacopy.PTX(); err != nil {
+			return nil, err.Error(), nil
+		}
+	}
+	mod, err := drv.ModuleLoadData(img)
+	if err != nil {
+		return nil, "", fmt.Errorf("bench: loading the PTX: %w", err)
+	}
+	b.onClose(func() error { return drv.ModuleUnload(mod) })
+	fn, err := drv.ModuleGetFunction(mod, "kvo_sgemm")
+	if err != nil {
+		return nil, fmt.Sprintf("kvo_sgemm not in the PTX (regenerate it with `make ptx`): %v", err), nil
+	}
+	n := uint64(b.cfg.BurnN)
+	var mats [3]cuda.DevicePtr
+	for i := range mats {
+		if mats[i], err = drv.MemAlloc(n * n * 4); err != nil {
+			return nil, "", fmt.Errorf("bench: sgemm matrix of %d bytes: %w", n*n*4, err)
+		}
+		p := mats[i]
+		b.onClose(func() error { return drv.MemFree(p) })
+		// 0x3c3c3c3c is about 0.0115: finite products, no overflow.
+		if err := drv.MemsetD8(p, 0x3c, n*n*4); err != nil {
+			return nil, "", err
+		}
+	}
+	return &gemm{drv: drv, fn: fn, s: b.burn, n: uint32(n), args: [][]byte{cuda.Arg(uint64(mats[0])), cuda.Arg(uint64(mats[1])), cuda.Arg(uint64(mats[2])), cuda.Arg(uint32(n))}}, "", nil
 }
 
 // Bounds of the burn pass: timed reps per point (no warm-up: the products
