@@ -896,3 +896,302 @@ func formatTargets(r ThroughputResults, cell map[string]ThroughputRow, variants 
 	}
 	return b.String()
 }
+
+// KernelVariant is one copy-kernel launch configuration of the sweep.
+type KernelVariant struct {
+	Threads int `json:"threads"`
+	CTAs    int `json:"ctas"`
+	// HighPriority puts the transfer streams at the device's greatest
+	// priority (else the least, where the matrix product also runs).
+	HighPriority bool `json:"high_priority"`
+	// CopyKernel is cudacopy.DefaultCopyKernel or StreamingCopyKernel.
+	CopyKernel string `json:"copy_kernel"`
+}
+
+func (v KernelVariant) String() string {
+	p := "normal"
+	if v.HighPriority {
+		p = "high"
+	}
+	return fmt.Sprintf("%s %d×%d %s", v.CopyKernel, v.CTAs, v.Threads, p)
+}
+
+// DefaultKernelVariants crosses both copy kernels and both priorities with
+// threads per CTA × CTAs: the launch of ANCHORS.md (8 × 1024), fewer warps,
+// and the same 256 warps spread over more, smaller CTAs.
+func DefaultKernelVariants() []KernelVariant {
+	shapes := [][2]int{{1024, 8}, {1024, 4}, {512, 8}, {512, 16}, {256, 8}, {256, 16}, {256, 32}, {128, 32}, {128, 64}}
+	var vs []KernelVariant
+	for _, k := range []string{cudacopy.DefaultCopyKernel, cudacopy.StreamingCopyKernel} {
+		for _, high := range []bool{true, false} {
+			for _, sh := range shapes {
+				vs = append(vs, KernelVariant{Threads: sh[0], CTAs: sh[1], HighPriority: high, CopyKernel: k})
+			}
+		}
+	}
+	return vs
+}
+
+// KernelSweepConfig says what MeasureKernelVariants measures.
+type KernelSweepConfig struct {
+	// TotalBytes per direction per run (default 256 MiB).
+	TotalBytes uint64
+	// SegSizes measured solo (default 4 KiB and 64 KiB); the last one is
+	// also measured beside the matrix product.
+	SegSizes []uint64
+	// BurnN is kvo_sgemm's matrix size (default 2048).
+	BurnN int
+	// Reps timed per point (default 3).
+	Reps     int
+	Variants []KernelVariant
+	// PTX replaces the embedded kernels.ptx.
+	PTX  []byte
+	Seed uint64
+}
+
+// KernelVariantResult is one variant's figures. Keys are "d2h/4096" etc.
+type KernelVariantResult struct {
+	Variant KernelVariant `json:"variant"`
+	// Skipped says why the variant did not run (kernel absent from the PTX,
+	// more CTAs than SMs).
+	Skipped string `json:"skipped,omitempty"`
+	// Solo is GB/s alone; Beside GB/s beside kvo_sgemm and SlowPct the
+	// sgemm's slowdown then.
+	Solo    map[string]float64 `json:"solo_gbps"`
+	Beside  map[string]float64 `json:"beside_gbps"`
+	SlowPct map[string]float64 `json:"sgemm_slowdown_pct"`
+}
+
+// KernelSweepResults is the whole sweep.
+type KernelSweepResults struct {
+	Link     map[string]float64    `json:"link_gbps"`
+	SGEMM    SGEMMInfo             `json:"sgemm"`
+	SegSizes []uint64              `json:"seg_sizes"`
+	Rows     []KernelVariantResult `json:"rows"`
+}
+
+// MeasureKernelVariants measures each copy-kernel variant solo at every
+// segment size each way, then at the last size beside kvo_sgemm on a
+// least-priority stream, against the contiguous link measured in the same
+// call. The calling goroutine must be locked to an OS thread with dev's
+// context current.
+func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConfig) (res KernelSweepResults, err error) {
+	if cfg.TotalBytes == 0 {
+		cfg.TotalBytes = 256 << 20
+	}
+	if len(cfg.SegSizes) == 0 {
+		cfg.SegSizes = []uint64{4 << 10, 64 << 10}
+	}
+	if cfg.BurnN == 0 {
+		cfg.BurnN = 2048
+	}
+	if cfg.Reps == 0 {
+		cfg.Reps = 3
+	}
+	if len(cfg.Variants) == 0 {
+		cfg.Variants = DefaultKernelVariants()
+	}
+	tc := ThroughputConfig{TotalBytes: cfg.TotalBytes, SegSizes: cfg.SegSizes, Reps: cfg.Reps, BurnN: cfg.BurnN, Seed: cfg.Seed, PTX: cfg.PTX, CTAs: []int{1}}.withDefaults()
+	if err := tc.validate(); err != nil {
+		return res, err
+	}
+	res.SegSizes = cfg.SegSizes
+	b := &bench{drv: drv, cfg: tc}
+	defer func() { err = errors.Join(err, b.close()) }()
+	if err := b.setupBase(); err != nil {
+		return res, err
+	}
+	least, _, err := drv.StreamPriorityRange()
+	if err != nil {
+		return res, err
+	}
+	high := b.s
+	normal, err := b.streamPair(least)
+	if err != nil {
+		return res, err
+	}
+	tr := ThroughputResults{Link: map[string]float64{}}
+	if err := b.link(&tr); err != nil {
+		return res, err
+	}
+	res.Link = tr.Link
+	res.SGEMM.N = cfg.BurnN
+	g, skipped, err := b.newGemm()
+	if err != nil {
+		return res, err
+	}
+	res.SGEMM.Skipped = skipped
+	if g != nil {
+		if res.SGEMM.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
+			return res, fmt.Errorf("bench: sgemm solo: %w", err)
+		}
+		n := float64(cfg.BurnN)
+		res.SGEMM.TFLOPS = 2 * n * n * n / (res.SGEMM.SoloMs * 1e9)
+	}
+	segs := map[uint64]segSet{}
+	for _, size := range cfg.SegSizes {
+		segs[size] = b.segments(size)
+	}
+	for _, kv := range cfg.Variants {
+		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
+		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel})
+		if err != nil {
+			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
+				row.Skipped = err.Error()
+				res.Rows = append(res.Rows, row)
+				continue
+			}
+			return res, err
+		}
+		b.s = normal
+		if kv.HighPriority {
+			b.s = high
+		}
+		err = b.sweepOne(&row, &variant{name: kv.String(), method: cudacopy.MethodKernel, ctas: kv.CTAs, c: c}, g, res.SGEMM.SoloMs, segs)
+		if err = errors.Join(err, c.Close()); err != nil {
+			return res, fmt.Errorf("bench: variant %s: %w", kv, err)
+		}
+		res.Rows = append(res.Rows, row)
+	}
+	b.s = high
+	return res, nil
+}
+
+func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs float64, segs map[uint64]segSet) error {
+	sizes := b.cfg.SegSizes
+	for _, size := range sizes {
+		for _, dir := range []string{"d2h", "h2d"} {
+			best, _, err := b.reps(b.enqueueFor(v, dir, segs[size]))
+			if err != nil {
+				return err
+			}
+			row.Solo[dir+"/"+strconv.FormatUint(size, 10)] = gbps(b.cfg.TotalBytes, best)
+		}
+	}
+	if g == nil {
+		return nil
+	}
+	last := sizes[len(sizes)-1]
+	for _, dir := range []string{"d2h", "h2d"} {
+		key := dir + "/" + strconv.FormatUint(last, 10)
+		best, _, slow, err := b.besideGemm(g, soloMs, ThroughputRow{Dir: dir, GBps: row.Solo[key]}, b.enqueueFor(v, dir, segs[last]))
+		if err != nil {
+			return err
+		}
+		row.Beside[key] = gbps(b.cfg.TotalBytes, best)
+		row.SlowPct[key] = slow
+	}
+	return nil
+}
+
+// SweepSlowdownLimit is issue 5's bound on the matrix product's slowdown.
+const SweepSlowdownLimit = 10.0
+
+// Pick returns the variant with the highest worst-case solo rate (as a
+// fraction of the link, over every measured point) among those whose
+// every sgemm slowdown is within SweepSlowdownLimit, and whether one
+// qualified; with none, the one with the least worst slowdown.
+func (r KernelSweepResults) Pick() (KernelVariantResult, bool) {
+	var best KernelVariantResult
+	bestScore, found := -1.0, false
+	leastSlow, leastIdx := math.Inf(1), -1
+	for i, row := range r.Rows {
+		if row.Skipped != "" || len(row.Solo) == 0 {
+			continue
+		}
+		worst := math.Inf(1)
+		for k, v := range row.Solo {
+			dir, _, _ := strings.Cut(k, "/")
+			if l := r.Link[dir]; l > 0 {
+				worst = min(worst, v/l)
+			}
+		}
+		slow := math.Inf(-1)
+		for _, s := range row.SlowPct {
+			slow = max(slow, s)
+		}
+		if len(row.SlowPct) == 0 {
+			slow = 0
+		}
+		if slow < leastSlow {
+			leastSlow, leastIdx = slow, i
+		}
+		if slow <= SweepSlowdownLimit && worst > bestScore {
+			best, bestScore, found = row, worst, true
+		}
+	}
+	if !found && leastIdx >= 0 {
+		best = r.Rows[leastIdx]
+	}
+	return best, found
+}
+
+// FormatKernelSweep renders the sweep as one markdown table (GB/s and % of
+// the link per point, rates and sgemm slowdown beside the matrix product)
+// and the variant Pick recommends.
+func FormatKernelSweep(r KernelSweepResults) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Link: d2h %.1f GB/s, h2d %.1f GB/s. ", r.Link["d2h"], r.Link["h2d"])
+	if r.SGEMM.Skipped != "" {
+		fmt.Fprintf(&b, "sgemm skipped: %s\n\n", r.SGEMM.Skipped)
+	} else {
+		fmt.Fprintf(&b, "kvo_sgemm n=%d alone: %.2f ms (%.1f TFLOPS).\n\n", r.SGEMM.N, r.SGEMM.SoloMs, r.SGEMM.TFLOPS)
+	}
+	var solo, beside []string
+	for _, size := range r.SegSizes {
+		for _, dir := range []string{"d2h", "h2d"} {
+			solo = append(solo, dir+"/"+strconv.FormatUint(size, 10))
+		}
+	}
+	if len(r.SegSizes) > 0 {
+		last := strconv.FormatUint(r.SegSizes[len(r.SegSizes)-1], 10)
+		beside = []string{"d2h/" + last, "h2d/" + last}
+	}
+	label := func(k string) string {
+		dir, size, _ := strings.Cut(k, "/")
+		n, _ := strconv.ParseUint(size, 10, 64)
+		return dir + " " + cudacopy.FormatBytes(n)
+	}
+	b.WriteString("| kernel | CTAs×threads | warps | priority |")
+	for _, k := range solo {
+		fmt.Fprintf(&b, " %s |", label(k))
+	}
+	for _, k := range beside {
+		fmt.Fprintf(&b, " %s beside sgemm | sgemm slowdown |", label(k))
+	}
+	b.WriteString("\n|---|---|---:|---|")
+	b.WriteString(strings.Repeat("---:|", len(solo)+2*len(beside)))
+	b.WriteString("\n")
+	for _, row := range r.Rows {
+		v := row.Variant
+		p := "normal"
+		if v.HighPriority {
+			p = "high"
+		}
+		fmt.Fprintf(&b, "| %s | %d×%d | %d | %s |", v.CopyKernel, v.CTAs, v.Threads, v.CTAs*v.Threads/32, p)
+		if row.Skipped != "" {
+			fmt.Fprintf(&b, " skipped: %s |\n", row.Skipped)
+			continue
+		}
+		for _, k := range solo {
+			dir, _, _ := strings.Cut(k, "/")
+			fmt.Fprintf(&b, " %.1f (%.0f%%) |", row.Solo[k], 100*row.Solo[k]/max(r.Link[dir], 1e-9))
+		}
+		for _, k := range beside {
+			if s, ok := row.SlowPct[k]; ok {
+				fmt.Fprintf(&b, " %.1f | %+.1f%% |", row.Beside[k], s)
+			} else {
+				b.WriteString(" – | – |")
+			}
+		}
+		b.WriteString("\n")
+	}
+	if best, ok := r.Pick(); best.Variant.CopyKernel != "" {
+		if ok {
+			fmt.Fprintf(&b, "\nPick: %s (highest worst-case %% of link with sgemm slowdown ≤ %.0f%%).\n", best.Variant, SweepSlowdownLimit)
+		} else {
+			fmt.Fprintf(&b, "\nNo variant kept the sgemm slowdown ≤ %.0f%%; least slowdown: %s.\n", SweepSlowdownLimit, best.Variant)
+		}
+	}
+	return b.String()
+}

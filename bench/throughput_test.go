@@ -21,7 +21,8 @@ import (
 
 // throughputConfigFromEnv is the quick configuration, or the full one with
 // KVO_BENCH_FULL=1. KVO_BENCH_TOTAL_MIB, KVO_BENCH_THREADS and
-// KVO_BENCH_REPS override single fields.
+// KVO_BENCH_REPS override single fields; KVO_PTX_FILE names PTX to use
+// instead of the embedded one.
 func throughputConfigFromEnv(t *testing.T) ThroughputConfig {
 	cfg := ThroughputConfig{
 		TotalBytes: 64 << 20,
@@ -45,8 +46,13 @@ func throughputConfigFromEnv(t *testing.T) ThroughputConfig {
 		require.NoError(t, err, "KVO_BENCH_TOTAL_MIB")
 		cfg.TotalBytes = n << 20
 	}
+	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
+		img, err := os.ReadFile(p)
+		require.NoError(t, err, "KVO_PTX_FILE")
+		cfg.PTX = img
+	}
 	cfg.Command = strings.Join(os.Args, " ")
-	for _, k := range []string{"KVO_BENCH_FULL", "KVO_BENCH_TOTAL_MIB", "KVO_BENCH_THREADS", "KVO_BENCH_REPS"} {
+	for _, k := range []string{"KVO_BENCH_FULL", "KVO_BENCH_TOTAL_MIB", "KVO_BENCH_THREADS", "KVO_BENCH_REPS", "KVO_PTX_FILE"} {
 		if v := os.Getenv(k); v != "" {
 			cfg.Command = k + "=" + v + " " + cfg.Command
 		}
@@ -198,4 +204,97 @@ func TestBesideGemmFake(t *testing.T) {
 	require.False(t, math.IsNaN(slow) || math.IsInf(slow, 0), "slowdown %v", slow)
 	require.NoError(t, b.close())
 	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+}
+
+func TestMeasureKernelVariantsFake(t *testing.T) {
+	drv := cudafake.New(cudafake.Options{})
+	defer func() { require.NoError(t, drv.Close()) }()
+	variants := []KernelVariant{
+		{Threads: 1024, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
+		{Threads: 256, CTAs: 32, CopyKernel: cudacopy.DefaultCopyKernel},
+		{Threads: 256, CTAs: 32, CopyKernel: cudacopy.StreamingCopyKernel},
+		{Threads: 256, CTAs: 1000, CopyKernel: cudacopy.DefaultCopyKernel},
+	}
+	res, err := MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: variants})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	require.Len(t, res.Rows, 4)
+	for _, i := range []int{0, 1} {
+		require.Empty(t, res.Rows[i].Skipped)
+		require.Len(t, res.Rows[i].Solo, 4)
+		for k, v := range res.Rows[i].Solo {
+			require.Positive(t, v, k)
+		}
+	}
+	require.Contains(t, res.Rows[2].Skipped, cudacopy.StreamingCopyKernel)
+	require.Contains(t, res.Rows[3].Skipped, "CTAs 1000")
+	require.Positive(t, res.Link["d2h"])
+	md := FormatKernelSweep(res)
+	require.Contains(t, md, "| kernel | CTAs×threads | warps | priority | d2h 4 KiB | h2d 4 KiB | d2h 64 KiB | h2d 64 KiB |")
+	require.Contains(t, md, "| kvo_copy | 8×1024 | 256 | high |")
+	require.Contains(t, md, "| kvo_copy_cs | 32×256 | 256 | normal | skipped: ")
+	require.Contains(t, md, "Pick: kvo_copy")
+	t.Log("\n" + md)
+}
+
+func TestKernelSweepPick(t *testing.T) {
+	v := func(threads, ctas int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, CopyKernel: cudacopy.DefaultCopyKernel, HighPriority: true}
+	}
+	r := KernelSweepResults{
+		Link:     map[string]float64{"d2h": 55, "h2d": 55},
+		SGEMM:    SGEMMInfo{N: 2048, SoloMs: 1, TFLOPS: 17},
+		SegSizes: []uint64{4096},
+		Rows: []KernelVariantResult{
+			{Variant: v(1024, 8), Solo: map[string]float64{"d2h/4096": 52, "h2d/4096": 51}, Beside: map[string]float64{"d2h/4096": 50, "h2d/4096": 50}, SlowPct: map[string]float64{"d2h/4096": 300, "h2d/4096": 40}},
+			{Variant: v(256, 16), Solo: map[string]float64{"d2h/4096": 50, "h2d/4096": 45}, Beside: map[string]float64{"d2h/4096": 49, "h2d/4096": 44}, SlowPct: map[string]float64{"d2h/4096": 8, "h2d/4096": 9}},
+			{Variant: v(128, 16), Solo: map[string]float64{"d2h/4096": 40, "h2d/4096": 30}, Beside: map[string]float64{"d2h/4096": 40, "h2d/4096": 30}, SlowPct: map[string]float64{"d2h/4096": 2, "h2d/4096": 1}},
+			{Variant: v(64, 4), Skipped: "absent"},
+		},
+	}
+	best, ok := r.Pick()
+	require.True(t, ok)
+	require.Equal(t, v(256, 16), best.Variant)
+	md := FormatKernelSweep(r)
+	require.Contains(t, md, "| kvo_copy | 16×256 | 128 | high | 50.0 (91%) | 45.0 (82%) | 49.0 | +8.0% | 44.0 | +9.0% |")
+	require.Contains(t, md, "Pick: kvo_copy 16×256 high")
+
+	r.Rows[1].SlowPct["h2d/4096"], r.Rows[2].SlowPct["d2h/4096"] = 11, 12
+	best, ok = r.Pick()
+	require.False(t, ok)
+	require.Equal(t, v(256, 16), best.Variant, "least worst slowdown")
+	require.Contains(t, FormatKernelSweep(r), "No variant kept the sgemm slowdown ≤ 10%; least slowdown: kvo_copy 16×256 high.")
+}
+
+// TestKernelVariants (KVO_BENCH_VARIANTS=1) sweeps the copy kernel's
+// launch shape, priority and kernel on the GPU and prints one table; the
+// PTX comes from KVO_PTX_FILE when set. KVO_BENCH_BURN_N overrides the
+// matrix size (default 2048).
+func TestKernelVariants(t *testing.T) {
+	if os.Getenv("KVO_BENCH_VARIANTS") != "1" {
+		t.Skip("set KVO_BENCH_VARIANTS=1 to run the copy-kernel variant sweep")
+	}
+	g := cudatest.Open(t)
+	cfg := KernelSweepConfig{}
+	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
+		img, err := os.ReadFile(p)
+		require.NoError(t, err, "KVO_PTX_FILE")
+		cfg.PTX = img
+	}
+	if v := os.Getenv("KVO_BENCH_BURN_N"); v != "" {
+		n, err := strconv.Atoi(v)
+		require.NoError(t, err, "KVO_BENCH_BURN_N")
+		cfg.BurnN = n
+	}
+	res, err := MeasureKernelVariants(g.Drv, g.Dev, cfg)
+	require.NoError(t, err)
+	md := FormatKernelSweep(res)
+	fmt.Println(md)
+	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
+		js, err := json.MarshalIndent(res, "", "  ")
+		require.NoError(t, err)
+		require.NoError(t, os.MkdirAll(dir, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "kernel_variants.md"), []byte(md), 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "kernel_variants.json"), js, 0o644))
+	}
 }
