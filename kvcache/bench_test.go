@@ -194,14 +194,14 @@ func BenchmarkControlPlane(b *testing.B) {
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/block")
 		})
-		// LRU evicts inline and never refuses; ristretto decides on its own
-		// goroutine and lags behind a tight loop, so some TinyLFU stores
-		// find the pool full (reported, not an error).
+		// Stores evict ready blocks inline when the watermark is not enough
+		// (ristretto's own evictions lag behind a tight loop): none is
+		// refused, nothing here is leased.
 		st := c.Stats()
-		if pol == "lru" && st.StoreRefusedFull > 0 {
-			b.Errorf("LRU refused stores: %+v", st)
+		if st.StoreRefusedFull > 0 {
+			b.Errorf("%s refused stores: %+v", pol, st)
 		}
-		b.Logf("%s: %d of %d stores refused (pool full)", pol, st.StoreRefusedFull, st.StoreKeys)
+		b.Logf("%s: %d stores, %d evicted, %d rejected", pol, st.StoreKeys, st.Evicted, st.Rejected)
 		c.Close()
 	}
 }

@@ -118,6 +118,7 @@ type slotRec struct {
 	ns         Namespace
 	state      slotState
 	storing    bool // the D2H of this occupancy has not completed
+	chain      bool // part of the chain BeginStore is making room for
 }
 
 type regionRec struct {

@@ -58,11 +58,19 @@
 // Eviction runs inline: every mutating call applies the policy's queued
 // advice and evicts until LowWatermark slots are free, so a store normally
 // finds a slot at once; there is no background goroutine of the cache's own
-// (TinyLFU's goroutines stop in Close). A store never waits and never evicts
-// a leased block: without a free slot it is refused ("pool full"). Victims
-// are chosen among chain tails first (a block with an indexed child goes
-// after the child; LRU touches a hit prefix from its tail, so parents stay
-// more recent); Stats.Orphaned counts blocks whose parent left the index.
+// (TinyLFU's goroutines stop in Close). When a burst outruns the watermark
+// (or ristretto's asynchronous evictions lag), BeginStore asks the policy
+// for as many victims as it lacks slots and evicts those ready blocks
+// inline, so a store is refused ("pool full") only when no block may be
+// evicted: every one is leased, being written, releasing, or part of the
+// chain being stored (its present keys, its parent and the parent's
+// ancestors, whose eviction would orphan what the store adds). A store
+// never waits and never evicts a leased block. The work is bounded: each
+// victim leaves the policy's tracking, and LRU steps over leased blocks
+// once per call. Victims are chosen among chain tails first (a block with
+// an indexed child goes after the child; LRU touches a hit prefix from its
+// tail, so parents stay more recent); Stats.Orphaned counts blocks whose
+// parent left the index.
 //
 // # Concurrency
 //

@@ -56,6 +56,9 @@ func (c *Cache) verify() error {
 	for i := range c.slots {
 		id := int32(i)
 		s := &c.slots[i]
+		if s.chain {
+			bad("slot %d still marked as part of a store's chain", i)
+		}
 		if s.readers < 0 || s.pending < 0 || s.children < 0 {
 			bad("slot %d: negative count (readers %d, pending %d, children %d)", i, s.readers, s.pending, s.children)
 		}

@@ -14,7 +14,8 @@ const (
 	StoreWrite StoreOutcome = iota + 1
 	// StorePresent: the key is already stored (writing, ready or leased).
 	StorePresent
-	// StoreRefusedFull: no free slot, and none could be freed at once.
+	// StoreRefusedFull: no free slot, and no block the store may evict
+	// (every one leased, being written, releasing, or part of its chain).
 	StoreRefusedFull
 	// StoreRefusedAdmission: not stored because the key was not seen often
 	// enough (Config.StoreThreshold).
@@ -75,21 +76,34 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 	if err := c.checkKeys(req.Keys, req.BlockIDs, false); err != nil {
 		return dst, err
 	}
+	// need: the keys this call will allocate, i.e. the absent keys before
+	// the first admission refusal (a chain is stored as a prefix).
 	need := 0
+	admitting := true
 	c.found = c.found[:0]
 	for _, k := range req.Keys {
 		i, ok := c.index[k]
 		if !ok {
 			i = -1
-			need++
+			if admitting && c.threshold > 1 && c.seen.count(k) < c.threshold {
+				admitting = false
+			}
+			if admitting {
+				need++
+			}
 		}
 		c.found = append(c.found, i)
 	}
-	c.maintain(need)
 	parent, parentGen := int32(-1), uint32(0)
 	if i, ok := c.index[req.Parent]; ok && req.Parent != (Key{}) {
 		parent, parentGen = i, c.slots[i].gen
 	}
+	// The chain's own present blocks (and the parent's ancestors) are not
+	// victims for its store: evicting one would orphan the blocks stored
+	// after it.
+	c.setChain(parent, true)
+	c.maintain(need)
+	c.setChain(parent, false)
 	var refused StoreOutcome
 	for j, k := range req.Keys {
 		c.st.StoreKeys++
@@ -493,7 +507,7 @@ func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 func (c *Cache) rank(id SlotID) int {
 	s := &c.slots[id]
 	switch {
-	case s.state == stateLeased:
+	case s.state == stateLeased, s.chain:
 		return NotAVictim
 	case s.children > 0:
 		return 1
@@ -501,26 +515,57 @@ func (c *Cache) rank(id SlotID) int {
 	return 0
 }
 
-// maintain applies the policy's advice and evicts ahead of demand so that
-// want slots plus the low-watermark are free.
-func (c *Cache) maintain(want int) {
-	need := max(want+c.watermark-c.nFree, 0)
-	c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
-	for _, v := range c.victims {
-		i := int32(v.Slot)
-		if int(i) >= len(c.slots) {
-			continue
-		}
+// setChain marks (or unmarks) the slots of a BeginStore's present keys
+// (c.found), its parent and the parent's ancestors, which rank then
+// excludes. The walk up the parent links is O(chain length).
+func (c *Cache) setChain(parent int32, on bool) {
+	for i := parent; i >= 0 && c.slots[i].indexed() && c.slots[i].chain != on; {
 		s := &c.slots[i]
-		if s.gen != v.Gen || !s.visible() || s.key != v.Key {
-			continue // advice about an earlier occupant, or already gone
+		s.chain = on
+		if p := s.parent; p >= 0 && c.slots[p].gen == s.parentGen {
+			i = p
+		} else {
+			i = -1
 		}
-		counter := &c.st.Evicted
-		if v.Rejected {
-			counter = &c.st.Rejected
-			c.st.WastedD2HBytes += c.slotSize
+	}
+	for _, i := range c.found {
+		if i >= 0 {
+			c.slots[i].chain = on
 		}
-		c.evict(i, counter, false)
+	}
+}
+
+// maintain applies the policy's advice and evicts ahead of demand so that
+// want slots plus the low-watermark are free. While slots are short it asks
+// the policy again (its advice may have named blocks already gone or leased);
+// it stops when the policy names no more victims. Every victim leaves the
+// policy's tracking, so the work is bounded by the blocks it tracks.
+func (c *Cache) maintain(want int) {
+	for {
+		need := max(want+c.watermark-c.nFree, 0)
+		c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
+		if len(c.victims) == 0 {
+			return
+		}
+		for _, v := range c.victims {
+			i := int32(v.Slot)
+			if int(i) >= len(c.slots) {
+				continue
+			}
+			s := &c.slots[i]
+			if s.gen != v.Gen || !s.visible() || s.key != v.Key {
+				continue // advice about an earlier occupant, or already gone
+			}
+			counter := &c.st.Evicted
+			if v.Rejected {
+				counter = &c.st.Rejected
+				c.st.WastedD2HBytes += c.slotSize
+			}
+			c.evict(i, counter, false)
+		}
+		if need == 0 || c.nFree >= want+c.watermark {
+			return
+		}
 	}
 }
 

@@ -28,10 +28,12 @@ type Victim struct {
 // (evicting it would free nothing now: a policy must not name it on demand).
 type Rank func(SlotID) int
 
-// NotAVictim is the Rank of a leased block.
+// NotAVictim is the Rank of a leased block, and of a present block of the
+// chain a BeginStore is making room for.
 const NotAVictim = 2
 
-// lruScan bounds how many leased blocks a victim search steps over.
+// lruScan bounds how many blocks the search for a better-ranked victim than
+// the least recent one looks at.
 const lruScan = 64
 
 // Policy advises the cache which ready blocks to keep. The slot pool is the
@@ -57,8 +59,12 @@ type Policy interface {
 	// advice (Delete, Clear, Trim, a deferred eviction).
 	Removed(e Entry)
 	// Evictions appends to dst the blocks the policy has decided to evict on
-	// its own, plus up to need more chosen now (preferring low Rank), and
-	// returns it. Every returned entry is removed from the policy's tracking.
+	// its own, plus up to need more chosen now (preferring low Rank, never
+	// NotAVictim), and returns it. Every returned entry is removed from the
+	// policy's tracking. A policy names fewer than need blocks only when it
+	// tracks no more victims: the cache refuses a store as pool full only
+	// then, and calls again while slots are short (advice about blocks that
+	// are gone frees nothing).
 	Evictions(need int, rank Rank, dst []Victim) []Victim
 	// Sync waits until decisions the policy is still making in the
 	// background are queued for Evictions. Called without the cache lock.
@@ -157,11 +163,20 @@ func (p *LRU) Removed(e Entry) {
 	}
 }
 
-// Evictions implements Policy.
+// Evictions implements Policy. Each victim is the lowest-ranked of the
+// lruWindow least recent blocks that are victims at all; leased blocks at
+// the tail are stepped over once per call, so a call costs O(blocks + need).
 func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
-	for ; need > 0 && p.tail >= 0; need-- {
-		best, bestRank := int32(-1), NotAVictim
-		for i, n, seen := p.tail, 0, 0; i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.prev[i], seen+1 {
+	from := p.tail // every block behind from is not a victim
+	for ; need > 0; need-- {
+		for from >= 0 && rank(SlotID(from)) == NotAVictim {
+			from = p.prev[from]
+		}
+		if from < 0 {
+			break
+		}
+		best, bestRank := from, rank(SlotID(from))
+		for i, n, seen := p.prev[from], 1, 0; bestRank > 0 && i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.prev[i], seen+1 {
 			r := rank(SlotID(i))
 			if r == NotAVictim {
 				continue
@@ -169,13 +184,10 @@ func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 			n++
 			if r < bestRank {
 				best, bestRank = i, r
-				if r == 0 {
-					break
-				}
 			}
 		}
-		if best < 0 {
-			break
+		if best == from {
+			from = p.prev[from]
 		}
 		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.gens[best]}})
 		p.unlink(best)
@@ -239,16 +251,12 @@ func (p *Random) remove(i int) {
 	p.entries = p.entries[:last]
 }
 
-// Evictions implements Policy.
+// Evictions implements Policy: lruWindow random samples, lowest rank
+// first; when no sample is a victim it scans every entry, so it names a
+// victim whenever one exists.
 func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	for ; need > 0 && len(p.entries) > 0; need-- {
-		best, bestRank := -1, NotAVictim
-		for n := 0; n < lruScan && (n < lruWindow || best < 0); n++ {
-			i := p.rng.IntN(len(p.entries))
-			if r := rank(p.entries[i].Slot); r < bestRank {
-				best, bestRank = i, r
-			}
-		}
+		best := sampleVictim(p.rng, p.entries, rank)
 		if best < 0 {
 			break
 		}
@@ -256,6 +264,25 @@ func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
 		p.remove(best)
 	}
 	return dst
+}
+
+// sampleVictim returns the index in entries of the lowest-ranked of
+// lruWindow random samples, scanning all entries when none of the samples is
+// a victim; -1 when no entry is.
+func sampleVictim(rng *rand.Rand, entries []Entry, rank Rank) int {
+	best, bestRank := -1, NotAVictim
+	for n := 0; n < lruWindow; n++ {
+		i := rng.IntN(len(entries))
+		if r := rank(entries[i].Slot); r < bestRank {
+			best, bestRank = i, r
+		}
+	}
+	for i := 0; best < 0 && i < len(entries); i++ {
+		if rank(entries[i].Slot) < NotAVictim {
+			best = i
+		}
+	}
+	return best
 }
 
 // Sync implements Policy.

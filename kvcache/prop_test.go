@@ -55,6 +55,20 @@ func pick(t *rapid.T, l *[]Slot, label string) (Slot, bool) {
 	return s, true
 }
 
+// requireNothingEvictable checks the condition of a pool-full refusal: no
+// free slot, and no ready block the store could have evicted (every ready
+// block left belongs to the chain being stored).
+func (m *propModel) requireNothingEvictable(t *rapid.T, chain []Key) {
+	m.c.mu.Lock()
+	defer m.c.mu.Unlock()
+	require.Zero(t, m.c.nFree, "store refused as pool full with free slots")
+	for i := range m.c.slots {
+		if s := &m.c.slots[i]; s.state == stateReady {
+			require.Contains(t, chain, s.key, "store refused as pool full while ready slot %d (not in the chain) was evictable", i)
+		}
+	}
+}
+
 func (m *propModel) addRegion(t *rapid.T) {
 	slots := rapid.IntRange(1, 6).Draw(t, "regionSlots")
 	r := Region{ID: m.nextRgn, Base: m.base, Size: uint64(slots) * 256}
@@ -106,6 +120,9 @@ func TestPropertyStateMachine(t *testing.T) {
 				require.NoError(t, err)
 				require.Len(t, res, len(ks))
 				for _, r := range res {
+					if r.Outcome == StoreRefusedFull {
+						m.requireNothingEvictable(t, ks)
+					}
 					if r.Outcome == StoreWrite {
 						require.False(t, m.outstanding(r.Slot.ID), "slot %d reused while a transfer is outstanding", r.Slot.ID)
 						require.True(t, m.regions[r.Slot.Region], "slot in region %d that is not in the pool", r.Slot.Region)

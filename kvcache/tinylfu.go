@@ -3,6 +3,7 @@ package kvcache
 import (
 	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 
 	"github.com/dgraph-io/ristretto/v2"
@@ -35,10 +36,22 @@ type TinyLFUConfig struct {
 // Ristretto keys blocks by the first 8 bytes of their Key (keys are hashes,
 // so that is a uniform 64-bit hash); the full Key, slot and generation travel
 // as the value, and the cache ignores advice about a slot's earlier occupant.
-// TinyLFU cannot name victims on demand: the low-watermark is kept by giving
-// ristretto a capacity of the usable slots less the watermark.
+// The low-watermark is kept by giving ristretto a capacity of the usable
+// slots less the watermark. Ristretto cannot name victims on demand, and its
+// evictions lag behind a burst of stores; so TinyLFU also tracks the ready
+// blocks it was told of, with a saturating hit count each, and when the
+// cache needs slots that ristretto's advice did not free it picks the least
+// hit of lruWindow random samples (sampled LFU, lowest Rank first), deletes
+// it from ristretto and names it. Ristretto may still reject a block stored
+// into the room so made: that is reported as Rejected, as any rejection.
 type TinyLFU struct {
 	c *ristretto.Cache[uint64, Entry]
+
+	// Tracking for on-demand victims; guarded by the cache lock.
+	tracked []Entry
+	hits    []uint8 // parallel to tracked
+	pos     []int32 // slot → index in tracked, -1 when untracked
+	rng     *rand.Rand
 
 	mu      sync.Mutex // guards advice; taken by ristretto's goroutine
 	advice  []Victim
@@ -53,7 +66,7 @@ func NewTinyLFU(cfg TinyLFUConfig) (*TinyLFU, error) {
 	if cfg.BufferItems == 0 {
 		cfg.BufferItems = 64
 	}
-	p := &TinyLFU{}
+	p := &TinyLFU{rng: rand.New(rand.NewPCG(uint64(cfg.MaxBlocks), 0x9e3779b97f4a7c15))}
 	c, err := ristretto.NewCache(&ristretto.Config[uint64, Entry]{
 		NumCounters:        10 * int64(cfg.MaxBlocks),
 		MaxCost:            int64(cfg.MaxBlocks),
@@ -86,13 +99,57 @@ func (p *TinyLFU) SetCapacity(blocks int) { p.c.UpdateMaxCost(int64(max(blocks, 
 
 // Inserted implements Policy.
 func (p *TinyLFU) Inserted(e Entry) {
+	p.track(e)
+	p.set(e)
+}
+
+func (p *TinyLFU) set(e Entry) {
 	if !p.c.Set(hash64(e.Key), e, 1) {
 		p.dropped = append(p.dropped, e)
 	}
 }
 
+func (p *TinyLFU) track(e Entry) {
+	for int(e.Slot) >= len(p.pos) {
+		p.pos = append(p.pos, -1)
+	}
+	if j := p.pos[e.Slot]; j >= 0 {
+		p.tracked[j], p.hits[j] = e, 0
+		return
+	}
+	p.pos[e.Slot] = int32(len(p.tracked))
+	p.tracked = append(p.tracked, e)
+	p.hits = append(p.hits, 0)
+}
+
+// untrack stops tracking e; it reports whether e was tracked.
+func (p *TinyLFU) untrack(e Entry) bool {
+	if int(e.Slot) >= len(p.pos) {
+		return false
+	}
+	j := p.pos[e.Slot]
+	if j < 0 || p.tracked[j] != e {
+		return false
+	}
+	last := int32(len(p.tracked) - 1)
+	if j != last {
+		p.tracked[j], p.hits[j] = p.tracked[last], p.hits[last]
+		p.pos[p.tracked[j].Slot] = j
+	}
+	p.tracked, p.hits = p.tracked[:last], p.hits[:last]
+	p.pos[e.Slot] = -1
+	return true
+}
+
 // Accessed implements Policy.
-func (p *TinyLFU) Accessed(e Entry) { p.c.Get(hash64(e.Key)) }
+func (p *TinyLFU) Accessed(e Entry) {
+	if int(e.Slot) < len(p.pos) {
+		if j := p.pos[e.Slot]; j >= 0 && p.tracked[j] == e && p.hits[j] < 255 {
+			p.hits[j]++
+		}
+	}
+	p.c.Get(hash64(e.Key))
+}
 
 // Missed implements Policy: the miss counts in the frequency sketch, which
 // is what lets a block that is asked for often be admitted.
@@ -100,6 +157,12 @@ func (p *TinyLFU) Missed(k Key) { p.c.Get(hash64(k)) }
 
 // Removed implements Policy.
 func (p *TinyLFU) Removed(e Entry) {
+	p.untrack(e)
+	p.forget(e)
+}
+
+// forget removes e from ristretto (or from the dropped inserts).
+func (p *TinyLFU) forget(e Entry) {
 	for i, d := range p.dropped {
 		if d == e {
 			p.dropped = append(p.dropped[:i], p.dropped[i+1:]...)
@@ -109,22 +172,59 @@ func (p *TinyLFU) Removed(e Entry) {
 	p.c.Del(hash64(e.Key))
 }
 
-// Evictions implements Policy: it retries dropped inserts and returns the
-// evictions and rejections ristretto has decided; need and rank are not
-// used (ristretto samples its own victims).
-func (p *TinyLFU) Evictions(_ int, _ Rank, dst []Victim) []Victim {
+// Evictions implements Policy: it retries dropped inserts, returns the
+// evictions and rejections ristretto has decided, and, for as much of need
+// as that advice does not cover, names victims chosen now (sampled LFU over
+// the tracked blocks, lowest Rank first).
+func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	if len(p.dropped) > 0 {
 		d := p.dropped
 		p.dropped = nil
 		for _, e := range d {
-			p.Inserted(e)
+			p.set(e)
 		}
 	}
 	p.mu.Lock()
+	n := len(dst)
 	dst = append(dst, p.advice...)
 	p.advice = p.advice[:0]
 	p.mu.Unlock()
+	for _, v := range dst[n:] {
+		if p.untrack(v.Entry) {
+			need--
+		}
+	}
+	for ; need > 0 && len(p.tracked) > 0; need-- {
+		j := p.sample(rank)
+		if j < 0 {
+			break
+		}
+		e := p.tracked[j]
+		p.untrack(e)
+		p.forget(e)
+		dst = append(dst, Victim{Entry: e})
+	}
 	return dst
+}
+
+// sample returns the index in tracked of the least hit among the
+// lowest-ranked of lruWindow random samples, scanning every entry when no
+// sample is a victim; -1 when no tracked block is.
+func (p *TinyLFU) sample(rank Rank) int {
+	best, bestRank, bestHits := -1, NotAVictim, uint8(0)
+	for n := 0; n < lruWindow; n++ {
+		j := p.rng.IntN(len(p.tracked))
+		r := rank(p.tracked[j].Slot)
+		if r < bestRank || (r == bestRank && r != NotAVictim && p.hits[j] < bestHits) {
+			best, bestRank, bestHits = j, r, p.hits[j]
+		}
+	}
+	for j := 0; best < 0 && j < len(p.tracked); j++ {
+		if rank(p.tracked[j].Slot) < NotAVictim {
+			best = j
+		}
+	}
+	return best
 }
 
 // Sync implements Policy (ristretto's Wait).
