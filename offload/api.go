@@ -36,6 +36,10 @@ var (
 	// ErrCapturing: a stream passed as StoreOptions.AfterStream is being
 	// captured into a CUDA graph; a Store cannot be part of a graph.
 	ErrCapturing = errors.New("offload: stream is capturing")
+	// ErrDeviceLost: a sticky driver error (or an unusable device): the
+	// engine refuses all new Store and Load calls; the error wraps the
+	// driver's. Close the engine.
+	ErrDeviceLost = errors.New("offload: device lost")
 	// ErrNotDone: Outcomes was called before the op completed.
 	ErrNotDone = errors.New("offload: op not done")
 )

@@ -21,6 +21,8 @@ type engineHooks struct {
 	loadDriver func() (cuda.Driver, error)
 	sys        *system
 	tracker    *transfer.Tracker
+	// beforeGrow runs on the growth goroutine before it pins plan[i].
+	beforeGrow func(i int)
 }
 
 // poolRegion is one mapped, pinned region of the pool.
@@ -67,9 +69,9 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, err
 		}
 	}
-	e := &Engine{cfg: cfg, backend: choice.name, backendReason: choice.reason, start: start,
+	e := &Engine{cfg: cfg, hooks: h, backend: choice.name, backendReason: choice.reason, start: start,
 		node: node, slot: slot, plan: plan, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
-		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), freed: make(chan struct{}, 1), stopReap: make(chan struct{})}
+		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{}), stopReap: make(chan struct{})}
 	e.growCond = sync.NewCond(&e.growMu)
 	ok := false
 	defer func() {
@@ -93,7 +95,8 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if e.layout, err = kvcache.NewLayout(spec); err != nil {
 		return nil, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
-	if e.sched, err = transfer.New(e.sim.sim, transfer.Config{
+	e.dev = e.sim.sim
+	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 	}); err != nil {
 		return nil, err
@@ -270,8 +273,11 @@ func (e *Engine) grow() {
 			e.growMu.Unlock()
 			return
 		}
-		size := e.plan[e.nextRegion]
+		size, i := e.plan[e.nextRegion], e.nextRegion
 		e.growMu.Unlock()
+		if e.hooks.beforeGrow != nil {
+			e.hooks.beforeGrow(i)
+		}
 		err := e.addRegion(size)
 		e.growMu.Lock()
 		if err != nil {

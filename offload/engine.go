@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/transfer"
 )
@@ -19,6 +20,7 @@ type Engine struct {
 	backend       string
 	backendReason string
 	start         time.Time
+	hooks         engineHooks
 
 	closed     atomic.Bool
 	closeMu    sync.RWMutex // held (read) by calls in progress; Close takes it to drain
@@ -38,6 +40,10 @@ type Engine struct {
 	cache   *kvcache.Cache
 	sched   *transfer.Scheduler
 	sim     *SimGPU
+	dev     transfer.Device // the Sim or the CUDA device
+	drv     cuda.Driver     // nil on the host backend
+	events  bool            // ops carry CUDA events (CUDA backend)
+	lost    atomic.Pointer[error]
 	ownSim  bool
 	tracker *transfer.Tracker
 
@@ -57,7 +63,11 @@ type Engine struct {
 	ops      sync.WaitGroup // ops not finished
 	wg       sync.WaitGroup // grow and reaper goroutines
 	reapKick chan struct{}
-	freed    chan struct{}
+	// inflight counts, per region, the slots with a copy in flight;
+	// changed is closed and replaced (under memMu) whenever a region is
+	// freed or its in-flight count drops to zero, waking Trim.
+	inflight map[kvcache.RegionID]int
+	changed  chan struct{}
 	stopReap chan struct{}
 }
 

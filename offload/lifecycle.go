@@ -18,16 +18,20 @@ func New(cfg Config) (*Engine, error) {
 // any goroutine, also after Close.
 func (e *Engine) Stats() Stats { return e.snapshot() }
 
-// Trim gives up to bytes of pinned pool memory back to the OS, region by
-// region (the newest regions first): it evicts the regions' ready blocks,
-// waits (honouring ctx) for copies in flight on them, unpins and unmaps
-// them. Regions holding leased blocks are released when their last lease
-// ends (TrimResult.PendingBytes). bytes ≤ 0 trims nothing; Staging buffers
-// are never trimmed. Trimmed memory does not come back.
+// Trim gives pinned pool memory back to the OS in whole regions, newest
+// first, until at least bytes are picked (or every pool region is): it
+// evicts the regions' ready blocks, waits (honouring ctx) for the copies in
+// flight on them, then unpins and unmaps them. It never waits for leases: a
+// region holding leased blocks is reported in TrimResult.PendingBytes and
+// released by the engine when its last lease ends; when ctx ends first, what
+// is not freed yet is reported pending too, and is freed later all the same.
+// bytes ≤ 0 trims nothing. Staging buffers are never trimmed. Trimmed
+// memory does not come back.
 func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
-	if err := e.checkOpen("Trim"); err != nil {
-		return TrimResult{}, err
+	if !e.enter() {
+		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)
 	}
+	defer e.leave()
 	return e.trim(ctx, bytes)
 }
 

@@ -7,21 +7,66 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// hostCompletion is an op's handle in the copy layer on the host backend:
-// no CUDA events; a stream wait is a wait on the CPU.
-type hostCompletion struct {
-	op   *transfer.Op
-	done <-chan struct{}
+// copyCompletion is an op's handle in the copy layer. On the host
+// backend (events false) there are no CUDA events and a stream wait is a
+// wait on the CPU; on CUDA the events are the transfer op's.
+type copyCompletion struct {
+	op     *transfer.Op
+	done   <-chan struct{}
+	events bool
+	drv    cuda.Driver
 }
 
-func (c *hostCompletion) event() uintptr                 { return 0 }
-func (c *hostCompletion) layerEvent(int) (uintptr, bool) { return 0, true }
-func (c *hostCompletion) streamWait(uintptr) error       { <-c.done; return nil }
-func (c *hostCompletion) release() error                 { return c.op.Release() }
+func (e *Engine) newCompletion(op *transfer.Op, done <-chan struct{}) *copyCompletion {
+	return &copyCompletion{op: op, done: done, events: e.events, drv: e.drv}
+}
+
+func (c *copyCompletion) event() uintptr {
+	if !c.events {
+		return 0
+	}
+	ev, err := c.op.Event()
+	if err != nil {
+		return 0
+	}
+	return uintptr(ev)
+}
+
+func (c *copyCompletion) layerEvent(i int) (uintptr, bool) {
+	if i < 0 || i >= c.op.Layers() {
+		return 0, false
+	}
+	if !c.events {
+		return 0, true
+	}
+	ev, err := c.op.LayerEvent(i)
+	if err != nil {
+		return 0, false
+	}
+	return uintptr(ev), true
+}
+
+func (c *copyCompletion) streamWait(stream uintptr) error {
+	if !c.events {
+		<-c.done
+		return nil
+	}
+	ev, err := c.op.Event()
+	if err != nil {
+		return err
+	}
+	if err := c.drv.StreamWaitEvent(cuda.Stream(stream), ev, cuda.EventWaitDefault); err != nil {
+		return fmt.Errorf("offload: stream %#x waiting on the op's event: %w", stream, err)
+	}
+	return nil
+}
+
+func (c *copyCompletion) release() error { return c.op.Release() }
 
 // enter marks a call in progress so Close waits for it; false after Close.
 func (e *Engine) enter() bool {
@@ -109,6 +154,21 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		return nil, fmt.Errorf("%w: Store after Close", ErrClosed)
 	}
 	defer e.leave()
+	if err := e.deviceLost(); err != nil {
+		return nil, err
+	}
+	if opts.AfterStream != 0 {
+		if opts.After == 0 {
+			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
+		}
+		capturing, err := e.dev.IsCapturing(cuda.Stream(opts.AfterStream))
+		if err != nil {
+			return nil, fmt.Errorf("offload: Store: checking AfterStream %#x: %w", opts.AfterStream, err)
+		}
+		if capturing {
+			return nil, fmt.Errorf("%w: Store: AfterStream %#x is capturing a CUDA graph; a Store cannot be captured (record After outside the capture)", ErrCapturing, opts.AfterStream)
+		}
+	}
 	start := time.Now()
 	ns := opts.Namespace
 	if ns == "" {
@@ -135,15 +195,19 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		}
 	}
 	if len(slots) == 0 {
-		e.finishOp(op, start, 0)
+		e.finishOp(op, start)
 		return op, nil
 	}
 	fail := func(oc Outcome, cause error) (*Op, error) {
 		_ = e.cache.CompleteStore(slots, cause)
 		for _, i := range idx {
-			op.setOutcome(i, oc, nil)
+			if oc == OutcomeFailed {
+				op.setOutcome(i, oc, cause)
+			} else {
+				op.setOutcome(i, oc, nil)
+			}
 		}
-		e.finishOp(op, start, 0)
+		e.finishOp(op, start)
 		return op, nil
 	}
 	if ctx.Err() != nil {
@@ -155,36 +219,47 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	}
 	bytes := int64(len(slots)) * e.slot
 	e.ops.Add(1)
+	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	top, err := e.sched.Submit(transfer.Request{Dir: transfer.Store, Segments: segs, OnComplete: func(_ *transfer.Op, cerr error) {
-		defer e.ops.Done()
-		defer close(tdone)
-		e.stats.inFlightBytes.Add(-bytes)
-		_ = e.cache.CompleteStore(slots, cerr)
-		oc := OutcomeStored
-		if cerr != nil {
-			oc = OutcomeFailed
-		}
-		for _, i := range idx {
-			op.setOutcome(i, oc, cerr)
-		}
-		if cerr == nil {
-			e.stats.store.blocks.Add(int64(len(slots)))
-			e.stats.store.bytes.Add(bytes)
-		}
-		e.finishOp(op, start, 0)
-		e.kickReaper()
-	}})
+	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: cuda.Event(opts.After), Events: e.events,
+		OnComplete: func(_ *transfer.Op, cerr error) {
+			defer e.ops.Done()
+			defer close(tdone)
+			e.noteLost(cerr)
+			e.stats.inFlightBytes.Add(-bytes)
+			_ = e.cache.CompleteStore(slots, cerr)
+			e.unhold(slots)
+			oc := OutcomeStored
+			if cerr != nil {
+				oc = OutcomeFailed
+			}
+			for _, i := range idx {
+				op.setOutcome(i, oc, cerr)
+			}
+			if cerr == nil {
+				e.stats.store.blocks.Add(int64(len(slots)))
+				e.stats.store.bytes.Add(bytes)
+			}
+			e.finishOp(op, start)
+			e.kickReaper()
+		}}
+	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
+		e.unhold(slots)
 		e.stats.inFlightBytes.Add(-bytes)
-		if errors.Is(err, transfer.ErrBusy) {
+		e.noteLost(err)
+		switch {
+		case errors.Is(err, transfer.ErrBusy):
 			return fail(OutcomeRefusedBusy, err)
+		case errors.Is(err, transfer.ErrDeviceLost):
+			_ = e.cache.CompleteStore(slots, err)
+			return nil, fmt.Errorf("%w: Store refused: %w", ErrDeviceLost, err)
 		}
 		return fail(OutcomeFailed, err)
 	}
-	op.completion = &hostCompletion{op: top, done: tdone}
+	op.completion = e.newCompletion(top, tdone)
 	return op, nil
 }
 
@@ -195,6 +270,12 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	defer e.leave()
 	if opts.Lease != nil && opts.Lease.released.Load() {
 		return nil, fmt.Errorf("%w: Load with a released lease", ErrReleased)
+	}
+	if opts.Lease != nil && opts.Lease.eng != e {
+		return nil, fmt.Errorf("%w: Load with a lease from another engine", ErrInvalidArgument)
+	}
+	if err := e.deviceLost(); err != nil {
+		return nil, err
 	}
 	start := time.Now()
 	res, err := e.cache.BeginLoad(keys, blockIDs, nil)
@@ -216,9 +297,9 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 			e.unlease(opts.Lease.slots)
 		}
 	}
-	if len(slots) == 0 {
+	if len(slots) == 0 && opts.Signal == 0 {
 		takeLease()
-		e.finishOp(op, start, 0)
+		e.finishOp(op, start)
 		return op, nil
 	}
 	if ctx.Err() != nil {
@@ -226,7 +307,8 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 		for _, i := range idx {
 			op.setOutcome(i, OutcomeCancelled, nil)
 		}
-		e.finishOp(op, start, 0)
+		takeLease()
+		e.finishOp(op, start)
 		return op, nil
 	}
 	segs, ends, err := e.segments(ids, slots, opts.PerLayer)
@@ -234,45 +316,76 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 		_ = e.cache.EndLoad(slots)
 		return nil, err
 	}
+	if len(segs) == 0 {
+		ends = nil
+	}
 	bytes := int64(len(slots)) * e.slot
 	e.ops.Add(1)
+	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	top, err := e.sched.Submit(transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, OnComplete: func(_ *transfer.Op, cerr error) {
-		defer e.ops.Done()
-		defer close(tdone)
-		e.stats.inFlightBytes.Add(-bytes)
-		_ = e.cache.EndLoad(slots)
-		oc := OutcomeLoaded
-		if cerr != nil {
-			oc = OutcomeFailed
-		}
-		for _, i := range idx {
-			op.setOutcome(i, oc, cerr)
-		}
-		if cerr == nil {
-			e.stats.load.blocks.Add(int64(len(slots)))
-			e.stats.load.bytes.Add(bytes)
-		}
-		e.finishOp(op, start, 0)
-		e.kickReaper()
-	}})
+	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: cuda.Event(opts.After),
+		Events: e.events, Signal: cuda.Event(opts.Signal),
+		OnComplete: func(_ *transfer.Op, cerr error) {
+			defer e.ops.Done()
+			defer close(tdone)
+			e.noteLost(cerr)
+			e.stats.inFlightBytes.Add(-bytes)
+			_ = e.cache.EndLoad(slots)
+			e.unhold(slots)
+			oc := OutcomeLoaded
+			if cerr != nil {
+				oc = OutcomeFailed
+			}
+			for _, i := range idx {
+				op.setOutcome(i, oc, cerr)
+			}
+			if cerr == nil {
+				e.stats.load.blocks.Add(int64(len(slots)))
+				e.stats.load.bytes.Add(bytes)
+			}
+			e.finishOp(op, start)
+			e.kickReaper()
+		}}
+	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
+		e.unhold(slots)
 		e.stats.inFlightBytes.Add(-bytes)
 		_ = e.cache.EndLoad(slots)
-		if errors.Is(err, transfer.ErrBusy) {
+		e.noteLost(err)
+		switch {
+		case errors.Is(err, transfer.ErrBusy):
 			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
+		case errors.Is(err, transfer.ErrDeviceLost):
+			return nil, fmt.Errorf("%w: Load refused: %w", ErrDeviceLost, err)
 		}
 		return nil, err
 	}
 	takeLease()
-	op.completion = &hostCompletion{op: top, done: tdone}
+	op.completion = e.newCompletion(top, tdone)
 	return op, nil
 }
 
+// noteLost remembers a sticky device error: from then on Store and Load
+// refuse new work with ErrDeviceLost and the driver's reason.
+func (e *Engine) noteLost(err error) {
+	if err != nil && errors.Is(err, transfer.ErrDeviceLost) {
+		e.lost.CompareAndSwap(nil, &err)
+	}
+}
+
+// deviceLost returns the error new work is refused with after a sticky
+// device error, nil before.
+func (e *Engine) deviceLost() error {
+	if p := e.lost.Load(); p != nil {
+		return fmt.Errorf("%w: the engine refuses new work: %w", ErrDeviceLost, *p)
+	}
+	return nil
+}
+
 // finishOp counts the op's outcomes and closes it.
-func (e *Engine) finishOp(op *Op, start time.Time, _ int) {
+func (e *Engine) finishOp(op *Op, start time.Time) {
 	d := &e.stats.store
 	if op.kind == OpLoad {
 		d = &e.stats.load
@@ -385,10 +498,41 @@ func (e *Engine) reap() {
 		e.unmapRegion(pr)
 		e.stats.trimmedBytes.Add(n)
 	}
-	select {
-	case e.freed <- struct{}{}:
-	default:
+	e.memMu.Lock()
+	e.notifyLocked()
+	e.memMu.Unlock()
+}
+
+// notifyLocked wakes every Trim waiting for a region to settle. memMu held.
+func (e *Engine) notifyLocked() {
+	close(e.changed)
+	e.changed = make(chan struct{})
+}
+
+// hold counts slots as having a copy in flight (Trim waits for those, not
+// for leases).
+func (e *Engine) hold(slots []kvcache.Slot) {
+	e.memMu.Lock()
+	for _, s := range slots {
+		e.inflight[s.Region]++
 	}
+	e.memMu.Unlock()
+}
+
+// unhold ends hold; a draining region whose last copy ended wakes Trim.
+func (e *Engine) unhold(slots []kvcache.Slot) {
+	e.memMu.Lock()
+	wake := false
+	for _, s := range slots {
+		if e.inflight[s.Region]--; e.inflight[s.Region] == 0 {
+			delete(e.inflight, s.Region)
+			wake = wake || e.draining[s.Region] != nil
+		}
+	}
+	if wake {
+		e.notifyLocked()
+	}
+	e.memMu.Unlock()
 }
 
 func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
@@ -397,7 +541,6 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 		return res, nil
 	}
 	e.stats.trims.Add(1)
-	before := e.stats.trimmedBytes.Load()
 	e.memMu.Lock()
 	if e.draining == nil {
 		e.draining = map[kvcache.RegionID]*poolRegion{}
@@ -423,30 +566,33 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	}
 	res.EvictedBlocks = int(e.cache.Stats().Trimmed - cs.Trimmed)
 	res.Regions = len(picked)
-	e.kickReaper()
+	// Wait for the copies in flight on the picked regions, never for
+	// leases: a region still leased once its copies are done is pending and
+	// is freed by the reaper when its last lease ends.
 	for {
+		e.reap()
 		e.memMu.Lock()
-		left := 0
+		busy := false
+		res.FreedBytes, res.PendingBytes = 0, 0
 		for _, pr := range picked {
-			if e.draining[pr.id] != nil {
-				left++
+			if e.draining[pr.id] == nil {
+				res.FreedBytes += pr.r.Len()
+				continue
 			}
+			res.PendingBytes += pr.r.Len()
+			busy = busy || e.inflight[pr.id] > 0
 		}
+		changed := e.changed
 		e.memMu.Unlock()
-		if left == 0 {
-			break
+		if !busy {
+			return res, nil
 		}
 		select {
-		case <-e.freed:
-			e.kickReaper()
+		case <-changed:
 		case <-ctx.Done():
-			res.FreedBytes = e.stats.trimmedBytes.Load() - before
-			res.PendingBytes = want - res.FreedBytes
 			return res, nil
 		}
 	}
-	res.FreedBytes = want
-	return res, nil
 }
 
 // autoTrim keeps owned bytes under MaxCachedBytes.

@@ -1,0 +1,281 @@
+package offload
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// keyContent is the content every test stores under k: a pure function of
+// the key, so that any load can be checked without remembering who stored.
+func keyContent(k Key, n int64) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = k[i%16] ^ byte(i/16) ^ byte(i/4096)*29
+	}
+	return b
+}
+
+// testKey is the i-th key of a test's key universe.
+func testKey(i int) Key {
+	var k Key
+	k[0], k[1], k[2], k[15] = byte(i), byte(i>>8), 0x5A, 0xC3
+	return k
+}
+
+// writeBlock places content in GPU block id, segment by segment.
+func writeBlock(t testing.TB, e *Engine, id int, content []byte) {
+	segs, err := e.layout.Segments(id, nil)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	for _, s := range segs {
+		if err := e.sim.Write(s.Dev, content[s.Off:s.Off+s.Len]); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// simLayout allocates smallLayout(blocks)'s tensors in sim (so that the
+// test, not the engine, owns the "GPU" memory and can read it after Close).
+func simLayout(t testing.TB, sim *SimGPU, blocks int) LayoutSpec {
+	l := smallLayout(blocks)
+	seg := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
+	for range l.Layers {
+		k, err := sim.Alloc(seg * uint64(blocks))
+		require.NoError(t, err)
+		v, err := sim.Alloc(seg * uint64(blocks))
+		require.NoError(t, err)
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: k, V: v, Stride: seg})
+	}
+	return l
+}
+
+// tally counts what the workers saw.
+type tally struct {
+	mu       sync.Mutex
+	outcomes [numOutcomes]int64
+	ops      [3]int64 // by OpKind
+	loaded   int64    // loaded blocks checked byte for byte
+	busy     int64    // Loads refused with ErrBusy
+}
+
+func (ta *tally) add(op *Op, out []Outcome) {
+	ta.mu.Lock()
+	defer ta.mu.Unlock()
+	ta.ops[op.Kind()]++
+	for _, oc := range out {
+		ta.outcomes[oc]++
+	}
+}
+
+// worker drives one goroutine's share of a stress test: stores, loads (with
+// and without leases), lookups and deletes over a shared key universe,
+// into GPU blocks it alone owns. It returns when stop is closed or the
+// engine is closed, and fails the test on any wrong byte or bad outcome.
+type worker struct {
+	t      testing.TB
+	e      *Engine
+	blocks []int // the GPU block ids this worker owns
+	keys   int   // size of the key universe
+	rng    *rand.Rand
+	ta     *tally
+	count  *atomic.Int64 // ops done, all workers
+}
+
+func (w *worker) run(stop <-chan struct{}) {
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		var err error
+		switch r := w.rng.IntN(10); {
+		case r < 4:
+			err = w.store()
+		case r < 8:
+			err = w.load(r == 7)
+		case r == 8:
+			_, err = w.e.Lookup(w.pick(4), LookupOptions{})
+		default:
+			_, err = w.e.Delete(w.pick(1))
+		}
+		if errors.Is(err, ErrClosed) {
+			return
+		}
+		if err != nil {
+			w.t.Errorf("worker: %v", err)
+			return
+		}
+		w.count.Add(1)
+	}
+}
+
+// pick returns up to n distinct keys of the universe.
+func (w *worker) pick(n int) []Key {
+	n = 1 + w.rng.IntN(n)
+	seen := map[int]bool{}
+	var keys []Key
+	for len(keys) < n {
+		i := w.rng.IntN(w.keys)
+		if !seen[i] {
+			seen[i] = true
+			keys = append(keys, testKey(i))
+		}
+	}
+	return keys
+}
+
+func (w *worker) ctx() context.Context {
+	if w.rng.IntN(20) == 0 {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		return ctx
+	}
+	return context.Background()
+}
+
+func (w *worker) finish(op *Op) ([]Outcome, error) {
+	if err := op.Wait(context.Background()); err != nil {
+		return nil, err
+	}
+	out, err := op.Outcomes()
+	if err != nil {
+		return nil, err
+	}
+	for i, oc := range out {
+		if oc == OutcomePending || oc >= numOutcomes {
+			w.t.Errorf("%s block %d: outcome %v after Done", op.Kind(), i, oc)
+		}
+	}
+	w.ta.add(op, out)
+	return out, op.Release()
+}
+
+func (w *worker) store() error {
+	keys := w.pick(min(4, len(w.blocks)))
+	ids := w.blocks[:len(keys)]
+	for i, k := range keys {
+		writeBlock(w.t, w.e, ids[i], keyContent(k, w.e.slot))
+	}
+	op, err := w.e.Store(w.ctx(), keys, ids, StoreOptions{})
+	if err != nil {
+		return err
+	}
+	for i, oc := range mustOutcomes(w.finish(op)) {
+		switch oc {
+		case OutcomeStored, OutcomeAlreadyPresent, OutcomeRefusedFull, OutcomeRefusedBusy,
+			OutcomeRefusedAdmission, OutcomeCancelled:
+		default:
+			w.t.Errorf("store of key %v: outcome %v", keys[i], oc)
+		}
+	}
+	return nil
+}
+
+func mustOutcomes(out []Outcome, _ error) []Outcome { return out }
+
+func (w *worker) load(withLease bool) error {
+	keys := w.pick(min(4, len(w.blocks)))
+	ids := w.blocks[:len(keys)]
+	junk := make([]byte, w.e.slot)
+	for _, id := range ids {
+		writeBlock(w.t, w.e, id, junk)
+	}
+	var opts LoadOptions
+	if withLease {
+		res, err := w.e.Lookup(keys, LookupOptions{Lease: true})
+		if err != nil {
+			return err
+		}
+		opts.Lease = res.Lease
+	}
+	op, err := w.e.Load(w.ctx(), keys, ids, opts)
+	if errors.Is(err, ErrBusy) {
+		w.ta.mu.Lock()
+		w.ta.busy++
+		w.ta.mu.Unlock()
+		if opts.Lease != nil {
+			return opts.Lease.Release()
+		}
+		return nil
+	}
+	if err != nil {
+		if opts.Lease != nil {
+			_ = opts.Lease.Release()
+		}
+		return err
+	}
+	out, err := w.finish(op)
+	if err != nil {
+		return err
+	}
+	if opts.Lease != nil {
+		require.ErrorIs(w.t, opts.Lease.Release(), ErrReleased, "Load takes the lease over")
+		for i := range opts.Lease.keys {
+			if out[i] == OutcomeMissing {
+				w.t.Errorf("leased key %v reported missing", keys[i])
+			}
+		}
+	}
+	for i, oc := range out {
+		switch oc {
+		case OutcomeLoaded:
+			got := blockBytes(w.e, ids[i])
+			if want := keyContent(keys[i], w.e.slot); string(got) != string(want) {
+				w.t.Errorf("load of key %v into block %d: bytes differ from what was stored", keys[i], ids[i])
+			}
+			w.ta.mu.Lock()
+			w.ta.loaded++
+			w.ta.mu.Unlock()
+		case OutcomeMissing, OutcomeCancelled:
+		default:
+			w.t.Errorf("load of key %v: outcome %v", keys[i], oc)
+		}
+	}
+	return nil
+}
+
+// startWorkers starts n workers over disjoint blocks of e's layout.
+func startWorkers(t testing.TB, e *Engine, n, keys int, seed uint64, ta *tally, count *atomic.Int64, stop <-chan struct{}) *sync.WaitGroup {
+	per := e.cfg.Layout.NumBlocks / n
+	var wg sync.WaitGroup
+	for i := range n {
+		blocks := make([]int, per)
+		for j := range blocks {
+			blocks[j] = i*per + j
+		}
+		w := &worker{t: t, e: e, blocks: blocks, keys: keys, rng: rand.New(rand.NewPCG(seed, uint64(i))), ta: ta, count: count}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.run(stop)
+		}()
+	}
+	return &wg
+}
+
+// checkTally asserts that the engine's counters equal what the workers saw.
+func checkTally(t *testing.T, st Stats, ta *tally) {
+	t.Helper()
+	ta.mu.Lock()
+	defer ta.mu.Unlock()
+	require.Equal(t, int64(0), st.Outcomes[OutcomePending], "no block left pending")
+	require.Equal(t, ta.outcomes, st.Outcomes, "outcome counters equal the outcomes the ops reported")
+	require.Equal(t, ta.ops[OpStore], st.Store.Ops)
+	require.Equal(t, ta.ops[OpLoad], st.Load.Ops)
+	require.Equal(t, ta.outcomes[OutcomeStored], st.Store.Blocks)
+	require.Equal(t, ta.outcomes[OutcomeLoaded], st.Load.Blocks)
+	require.Equal(t, st.Store.Blocks*st.BlockBytes, st.Store.Bytes)
+	require.Equal(t, st.Load.Blocks*st.BlockBytes, st.Load.Bytes)
+	require.Equal(t, st.Store.Ops, st.Store.Latency.Count)
+	require.Equal(t, st.Load.Ops, st.Load.Latency.Count)
+	require.Equal(t, ta.outcomes[OutcomeLoaded], ta.loaded)
+}

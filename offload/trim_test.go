@@ -1,0 +1,245 @@
+package offload
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/kvoffload/kvoffload/transfer"
+)
+
+// newHookedEngine is newTestEngine with test hooks.
+func newHookedEngine(t *testing.T, cfg Config, h engineHooks) *Engine {
+	t.Helper()
+	cfg.Backend = BackendHost
+	cfg.SkipMemoryCheck = true
+	e, err := newEngine(cfg, h)
+	require.NoError(t, err)
+	return e
+}
+
+// drained waits until no trimmed region is left to free.
+func drained(e *Engine) bool {
+	e.reap()
+	e.memMu.Lock()
+	defer e.memMu.Unlock()
+	return len(e.draining) == 0
+}
+
+// TestTrimUnderLoad trims region after region while workers store and load
+// with random copy delays and a lease is held across the trims. With the
+// gating harness on (released regions poisoned, every copy's host range
+// checked live at submission and completion), no copy ever touches a freed
+// region, every load is byte-exact, staging buffers keep their address and
+// bytes, and the memory counters add up.
+func TestTrimUnderLoad(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	sim, err := NewSimGPU(SimOptions{Seed: 3, MaxDelay: 200 * time.Microsecond})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Close()) }()
+	tracker := transfer.NewTracker(func(addr, n uint64) { _ = sim.sim.Fill(addr, n, transfer.PoisonByte) })
+	slot := int64(8 << 10)
+	e := newHookedEngine(t, Config{PoolBytes: 40 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		Layout: simLayout(t, sim, 48), Policy: PolicyLRU, Sim: sim, MaxInFlightBytes: 4 * slot},
+		engineHooks{tracker: tracker})
+	defer func() { require.NoError(t, e.Close()) }()
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st := e.Stats()
+	require.Equal(t, 5, st.Regions)
+	require.Equal(t, 40*slot, st.OwnedBytes)
+
+	stg, err := e.Staging("graph-out", 1000)
+	require.NoError(t, err)
+	pattern := bytes.Repeat([]byte{0x3C}, 1000)
+	copy(stg.Bytes(), pattern)
+	addr := stg.Addr()
+
+	// A lease on a block in the newest region, held across the trims.
+	var ta tally
+	var lres LookupResult
+	for i := 1000; ; i++ {
+		require.Less(t, i, 1100, "no store landed in the newest region")
+		keys := []Key{testKey(i)}
+		writeBlock(t, e, 47, keyContent(keys[0], slot))
+		op, err := e.Store(context.Background(), keys, []int{47}, StoreOptions{})
+		require.NoError(t, err)
+		require.NoError(t, op.Wait(context.Background()))
+		ta.add(op, mustOutcomes(op.Outcomes()))
+		require.NoError(t, op.Release())
+		lres, err = e.Lookup(keys, LookupOptions{Lease: true})
+		require.NoError(t, err)
+		require.Equal(t, 1, lres.Hits)
+		if lres.Lease.slots[0].Region == e.regions[len(e.regions)-1].id {
+			break
+		}
+		require.NoError(t, lres.Lease.Release())
+	}
+	leasedRegion := lres.Lease.slots[0].Region
+
+	var count atomic.Int64
+	stop := make(chan struct{})
+	wg := startWorkers(t, e, 4, 64, 2, &ta, &count, stop)
+	var freed, pending int64
+	for trim := 1; trim <= 3; trim++ {
+		for count.Load() < int64(150*trim) && !t.Failed() {
+			time.Sleep(time.Millisecond)
+		}
+		res, err := e.Trim(context.Background(), 8*slot)
+		require.NoError(t, err)
+		require.Equal(t, 1, res.Regions)
+		require.Equal(t, 8*slot, res.FreedBytes+res.PendingBytes)
+		freed += res.FreedBytes
+		pending += res.PendingBytes
+		s, err := e.Staging("graph-out", 1000)
+		require.NoError(t, err)
+		require.Equal(t, addr, s.Addr(), "staging addresses never move")
+		require.Equal(t, pattern, s.Bytes(), "Trim never touches staging memory")
+	}
+	close(stop)
+	wg.Wait()
+	require.Positive(t, pending, "the region holding the lease is pending, and Trim did not wait for it")
+	e.memMu.Lock()
+	_, leasedStillMapped := e.draining[leasedRegion]
+	e.memMu.Unlock()
+	require.True(t, leasedStillMapped)
+	require.NoError(t, lres.Lease.Release())
+	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
+
+	require.Empty(t, tracker.Violations())
+	st = e.Stats()
+	checkTally(t, st, &ta)
+	require.Equal(t, 40*slot-3*8*slot, st.OwnedBytes)
+	require.Equal(t, 2, st.Regions)
+	require.Equal(t, 3*8*slot, st.TrimmedBytes)
+	require.Equal(t, 3*8*slot, freed+pending)
+	require.Equal(t, st.OwnedBytes, st.SlotsTotal*slot)
+	require.Equal(t, int64(3), st.Trims)
+	require.Equal(t, int64(1+5), st.PinCalls, "the staging region and five pool regions, pinned once each")
+	require.Equal(t, int64(3), st.UnpinCalls)
+	require.Positive(t, ta.loaded)
+}
+
+// TestTrimWaitsOnlyForCopies checks that a Trim with a copy in flight on
+// its region waits for the copy (then frees the region), and that one
+// whose ctx ends first reports the region pending and it is freed later.
+func TestTrimWaitsOnlyForCopies(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	sim, err := NewSimGPU(SimOptions{})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Close()) }()
+	slot := int64(8 << 10)
+	e := newTestEngine(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU, Sim: sim})
+	defer func() { require.NoError(t, e.Close()) }()
+
+	// The store waits (StoreOptions.After) on an event recorded on a caller
+	// stream held at a gate, so it stays in flight.
+	cs := sim.sim.NewStream()
+	openGate, err := sim.sim.Gate(cs)
+	require.NoError(t, err)
+	gate := sync.OnceFunc(openGate)
+	defer gate()
+	ev, err := sim.sim.CreateEvent(false)
+	require.NoError(t, err)
+	require.NoError(t, sim.sim.RecordEvent(ev, cs))
+	keys := []Key{testKey(1)}
+	writeBlock(t, e, 0, keyContent(keys[0], slot))
+	op, err := e.Store(context.Background(), keys, []int{0}, StoreOptions{After: uintptr(ev), AfterStream: uintptr(cs)})
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	res, err := e.Trim(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, TrimResult{RequestedBytes: 1, PendingBytes: 8 * slot, Regions: 1, EvictedBlocks: 1}, res)
+	select {
+	case <-op.Done():
+		t.Fatal("store finished before its stream was opened")
+	default:
+	}
+	gate()
+	require.NoError(t, op.Wait(context.Background()))
+	require.Equal(t, []Outcome{OutcomeStored}, mustOutcomes(op.Outcomes()))
+	require.NoError(t, op.Release())
+	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
+	st := e.Stats()
+	require.Equal(t, int64(0), st.OwnedBytes)
+	require.Equal(t, 8*slot, st.TrimmedBytes)
+
+	// With the pool gone, stores are refused as full, never wait.
+	op, err = e.Store(context.Background(), []Key{testKey(2)}, []int{1}, StoreOptions{})
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeRefusedFull}, mustOutcomes(op.Outcomes()))
+	require.NoError(t, op.Release())
+}
+
+// TestPauseResumeGrowth pauses background growth while a region is being
+// pinned: that region joins, the next does not until ResumeGrowth.
+func TestPauseResumeGrowth(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	slot := int64(8 << 10)
+	atRegion2 := make(chan struct{})
+	proceed := make(chan struct{})
+	e := newHookedEngine(t, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		Layout: smallLayout(8)}, engineHooks{beforeGrow: func(i int) {
+		if i == 1 {
+			close(atRegion2)
+			<-proceed
+		}
+	}})
+	defer func() { require.NoError(t, e.Close()) }()
+	st := e.Stats()
+	require.Equal(t, 1, st.Regions, "New returns with the first region")
+	require.Positive(t, st.FirstSlot)
+	require.Zero(t, st.FullPool)
+	require.Equal(t, 4, st.RegionsTotal)
+	<-atRegion2
+	e.PauseGrowth()
+	e.PauseGrowth()
+	close(proceed)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		for e.Stats().Regions < 2 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+	}()
+	require.ErrorIs(t, e.WaitGrown(ctx), context.Canceled)
+	st = e.Stats()
+	require.True(t, st.GrowthPaused)
+	require.Equal(t, 2, st.Regions, "the region in progress joins, the next waits")
+	require.Zero(t, st.FullPool)
+	e.ResumeGrowth()
+	e.ResumeGrowth()
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st = e.Stats()
+	require.False(t, st.GrowthPaused)
+	require.Equal(t, 4, st.Regions)
+	require.Equal(t, 32*slot, st.OwnedBytes)
+	require.Equal(t, int64(32), st.SlotsTotal)
+	require.GreaterOrEqual(t, st.FullPool, st.FirstSlot)
+}
+
+// TestCloseStopsPausedGrowth: Close while growth is paused ends it, and
+// WaitGrown reports ErrClosed.
+func TestCloseStopsPausedGrowth(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	slot := int64(8 << 10)
+	paused := make(chan struct{})
+	e := newHookedEngine(t, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		Layout: smallLayout(8)}, engineHooks{beforeGrow: func(i int) {
+		if i == 1 {
+			<-paused
+		}
+	}})
+	e.PauseGrowth()
+	close(paused)
+	require.NoError(t, e.Close())
+	require.Less(t, e.Stats().Regions, 4)
+	require.ErrorIs(t, e.WaitGrown(context.Background()), ErrClosed)
+}
