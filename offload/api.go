@@ -255,11 +255,15 @@ type LookupResult struct {
 // StoreOptions modify Store.
 type StoreOptions struct {
 	// After is a CUevent the caller recorded on its stream after the kernels
-	// that wrote the blocks; the copies wait on it. 0: no wait (the caller
-	// guarantees the blocks are already written). Ignored on the host backend.
+	// that wrote the blocks; the copies wait on its most recent record (at
+	// the time they are issued). 0: no wait (the caller guarantees the blocks
+	// are already written). On the host backend it is an event of the
+	// SimGPU's simulation.
 	After uintptr
 	// AfterStream is the stream After was recorded on, optional: when given
-	// and it is capturing a CUDA graph, the Store is refused with ErrCapturing.
+	// and it is capturing a CUDA graph, the Store is refused with
+	// ErrCapturing and nothing is stored. The check runs on the calling
+	// goroutine's OS thread, which must have the CUDA context current.
 	AfterStream uintptr
 	// Namespace tags the stored blocks for Clear; default Config.Namespace.
 	Namespace string
@@ -277,9 +281,13 @@ type LoadOptions struct {
 	// PerLayer records one event per layer (layer-separate and MLA layouts),
 	// so that attention on layer 0 can start while later layers load.
 	PerLayer bool
-	// Signal is a caller-owned CUevent recorded when the load completes, in
-	// addition to the op's own event (for CUDA graphs waiting on a fixed
-	// event). 0: none.
+	// Signal is a caller-owned CUevent recorded on the engine's stream after
+	// the load's copies, in addition to the op's own event (for CUDA graphs
+	// whose external event-wait node waits on a fixed event). A Load that
+	// copies nothing (every key missing) does not record it. Like the op's
+	// events, it makes the Load fail fast with ErrBusy rather than queue when
+	// the in-flight bound is full. 0: none. On the host backend it is an
+	// event of the SimGPU's simulation.
 	Signal uintptr
 }
 

@@ -297,7 +297,7 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 			e.unlease(opts.Lease.slots)
 		}
 	}
-	if len(slots) == 0 && opts.Signal == 0 {
+	if len(slots) == 0 {
 		takeLease()
 		e.finishOp(op, start)
 		return op, nil
@@ -315,9 +315,6 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	if err != nil {
 		_ = e.cache.EndLoad(slots)
 		return nil, err
-	}
-	if len(segs) == 0 {
-		ends = nil
 	}
 	bytes := int64(len(slots)) * e.slot
 	e.ops.Add(1)

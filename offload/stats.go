@@ -171,15 +171,14 @@ func (d *direction) snapshot() Direction {
 
 // counters are the engine's monotonic counters, updated with atomics.
 type counters struct {
-	pinCalls, unpinCalls  atomic.Int64
-	pinNanos, unpinNanos  atomic.Int64
-	firstSlot, fullPool   atomic.Int64
-	trims, trimmedBytes   atomic.Int64
-	lookups, lookupKeys   atomic.Int64
-	hits                  atomic.Int64
-	outcomes              [numOutcomes]atomic.Int64
-	evictions, deletes    atomic.Int64
-	admissionRej, orphans atomic.Int64
-	inFlightBytes         atomic.Int64
-	store, load           direction
+	pinCalls, unpinCalls atomic.Int64
+	pinNanos, unpinNanos atomic.Int64
+	firstSlot, fullPool  atomic.Int64
+	trims, trimmedBytes  atomic.Int64
+	lookups, lookupKeys  atomic.Int64
+	hits                 atomic.Int64
+	outcomes             [numOutcomes]atomic.Int64
+	deletes              atomic.Int64
+	inFlightBytes        atomic.Int64
+	store, load          direction
 }

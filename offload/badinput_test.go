@@ -1,0 +1,176 @@
+package offload
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+)
+
+// state is what a refused call must leave unchanged.
+type state struct {
+	outcomes [numOutcomes]int64
+	storeOps int64
+	loadOps  int64
+	inUse    int64
+	free     int64
+	ready    int64
+	leased   int64
+}
+
+func stateOf(e *Engine) state {
+	st := e.Stats()
+	return state{outcomes: st.Outcomes, storeOps: st.Store.Ops, loadOps: st.Load.Ops, inUse: st.InUseBytes,
+		free: st.SlotsFree, ready: st.BlocksReady, leased: st.BlocksLeased}
+}
+
+func TestBadInput(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: smallLayout(8), Policy: PolicyLRU})
+	defer func() { require.NoError(t, e.Close()) }()
+	ctx := context.Background()
+	k := []Key{testKey(1), testKey(2), testKey(3)}
+	op, err := e.Store(ctx, k[:1], []int{0}, StoreOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.NoError(t, op.Release())
+	before := stateOf(e)
+
+	cases := []struct {
+		name string
+		call func() error
+		want error
+		msg  string
+	}{
+		{"store lengths differ", func() error { _, err := e.Store(ctx, k[:2], []int{1}, StoreOptions{}); return err },
+			ErrInvalidArgument, "2 keys but 1 block ids"},
+		{"load lengths differ", func() error { _, err := e.Load(ctx, k[:1], []int{1, 2}, LoadOptions{}); return err },
+			ErrInvalidArgument, "1 keys but 2 block ids"},
+		{"store block id past the layout", func() error { _, err := e.Store(ctx, k[1:3], []int{1, 8}, StoreOptions{}); return err },
+			ErrInvalidArgument, "block id 8 (index 1) outside the layout's 8 blocks"},
+		{"load negative block id", func() error { _, err := e.Load(ctx, k[:1], []int{-1}, LoadOptions{}); return err },
+			ErrInvalidArgument, "block id -1"},
+		{"store duplicate block id", func() error { _, err := e.Store(ctx, k[1:3], []int{2, 2}, StoreOptions{}); return err },
+			ErrInvalidArgument, "block id 2 appears twice"},
+		{"store duplicate key", func() error {
+			_, err := e.Store(ctx, []Key{k[1], k[2], k[1]}, []int{1, 2, 3}, StoreOptions{})
+			return err
+		}, ErrInvalidArgument, "index 2"},
+		{"AfterStream without After", func() error {
+			_, err := e.Store(ctx, k[1:2], []int{1}, StoreOptions{AfterStream: 5})
+			return err
+		}, ErrInvalidArgument, "without After"},
+		{"staging of zero bytes", func() error { _, err := e.Staging("x", 0); return err }, ErrInvalidArgument, "must be at least 1"},
+		{"staging larger than the region", func() error { _, err := e.Staging("big", 1<<40); return err },
+			ErrInsufficientMemory, "raise Config.StagingBytes"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := c.call()
+			require.ErrorIs(t, err, c.want)
+			require.ErrorContains(t, err, c.msg)
+			require.Equal(t, before, stateOf(e), "a refused call changes nothing")
+		})
+	}
+
+	t.Run("released op", func(t *testing.T) {
+		op, err := e.Load(ctx, k[:1], []int{4}, LoadOptions{PerLayer: true})
+		require.NoError(t, err)
+		require.NoError(t, op.Wait(ctx))
+		require.Equal(t, []Outcome{OutcomeLoaded}, mustOutcomes(op.Outcomes()))
+		_, err = op.LayerEvent(2)
+		require.ErrorIs(t, err, ErrInvalidArgument, "layer outside the layout")
+		require.NoError(t, op.Release())
+		require.ErrorIs(t, op.Release(), ErrReleased)
+		require.ErrorIs(t, op.Wait(ctx), ErrReleased)
+		require.ErrorIs(t, op.Err(), ErrReleased)
+		_, err = op.Outcomes()
+		require.ErrorIs(t, err, ErrReleased)
+		_, err = op.Event()
+		require.ErrorIs(t, err, ErrReleased)
+		_, err = op.LayerEvent(0)
+		require.ErrorIs(t, err, ErrReleased)
+		require.ErrorIs(t, op.StreamWait(0), ErrReleased)
+		<-op.Done()
+		require.Zero(t, op.Count(OutcomeLoaded))
+	})
+
+	t.Run("released lease", func(t *testing.T) {
+		res, err := e.Lookup(k[:1], LookupOptions{Lease: true})
+		require.NoError(t, err)
+		require.Equal(t, 1, res.Hits)
+		require.Equal(t, k[:1], res.Lease.Keys())
+		require.NoError(t, res.Lease.Release())
+		require.ErrorIs(t, res.Lease.Release(), ErrReleased)
+		mid := stateOf(e)
+		_, err = e.Load(ctx, k[:1], []int{4}, LoadOptions{Lease: res.Lease})
+		require.ErrorIs(t, err, ErrReleased)
+		require.Equal(t, mid, stateOf(e))
+	})
+}
+
+func TestNewBadConfig(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	noDriver := func() (cuda.Driver, error) { return nil, cuda.ErrNoDriver }
+	cases := []struct {
+		name string
+		cfg  Config
+		want error
+		msg  string
+	}{
+		{"pool too small", Config{PoolBytes: 1024, Layout: smallLayout(8)}, ErrPoolTooSmall, "cannot hold one block of 8192 bytes"},
+		{"unknown backend", Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: "tpu"}, ErrInvalidConfig, `Backend "tpu"`},
+		{"cuda without a driver", Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendCUDA}, ErrInvalidConfig, "device tensors"},
+		{"no pool", Config{Layout: smallLayout(8)}, ErrInvalidConfig, "PoolBytes = 0"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			c.cfg.SkipMemoryCheck = true
+			e, err := newEngine(c.cfg, engineHooks{loadDriver: noDriver})
+			require.Nil(t, e)
+			require.ErrorIs(t, err, c.want)
+			require.ErrorContains(t, err, c.msg)
+		})
+	}
+}
+
+func TestCallsAfterClose(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: smallLayout(8)})
+	ctx := context.Background()
+	k := []Key{testKey(1)}
+	op, err := e.Store(ctx, k, []int{0}, StoreOptions{})
+	require.NoError(t, err)
+	res, err := e.Lookup(nil, LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.Hits)
+	require.NoError(t, e.Close())
+	<-op.Done()
+	require.Len(t, mustOutcomes(op.Outcomes()), 1, "ops stay readable after Close")
+	require.NoError(t, op.Release())
+
+	calls := map[string]func() error{
+		"Store":  func() error { _, err := e.Store(ctx, k, []int{0}, StoreOptions{}); return err },
+		"Load":   func() error { _, err := e.Load(ctx, k, []int{0}, LoadOptions{}); return err },
+		"Lookup": func() error { _, err := e.Lookup(k, LookupOptions{}); return err },
+		"Delete": func() error { _, err := e.Delete(k); return err },
+		"Clear":  func() error { _, err := e.Clear(""); return err },
+		"Trim":   func() error { _, err := e.Trim(ctx, 1); return err },
+		"Staging": func() error {
+			_, err := e.Staging("s", 1)
+			return err
+		},
+		"Close": e.Close,
+	}
+	for name, call := range calls {
+		err := call()
+		require.ErrorIs(t, err, ErrClosed, name)
+		require.ErrorContains(t, err, name, "the error names the call")
+	}
+	st := e.Stats()
+	require.Zero(t, st.OwnedBytes)
+	require.Zero(t, st.Regions)
+}
