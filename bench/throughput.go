@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -106,9 +107,22 @@ type ThroughputRow struct {
 	Dir string `json:"dir"`
 	// SegBytes is the segment size (TotalBytes for contiguous).
 	SegBytes uint64 `json:"seg_bytes"`
-	// GBps is the best of the reps, MedianGBps their median.
+	// GBps is the best of the reps, MedianGBps their median: the GPU rate,
+	// each run enqueued behind a gate (a spin kernel) so that the events
+	// time the copies alone, not the CPU building them.
 	GBps       float64 `json:"gbps"`
 	MedianGBps float64 `json:"median_gbps"`
+	// Gated: every timed run's gate outlasted the CPU's enqueueing. False
+	// where no gate ran (no kvo_fill, or a submission slower than maxGate/2:
+	// then GBps includes the CPU time, which is that method's limit).
+	Gated bool `json:"gated"`
+	// PipelinedGBps (solo rows): best rate of the same bytes as pipeParts
+	// back-to-back Submits per direction with no gate, CPU and GPU
+	// overlapping as in a serving engine.
+	PipelinedGBps float64 `json:"pipelined_gbps,omitempty"`
+	// SubmitNsPerSeg is the median CPU time of the gated runs' Submit calls
+	// per segment (descriptor building and upload, or the driver calls).
+	SubmitNsPerSeg float64 `json:"submit_ns_per_seg,omitempty"`
 	// PctOfLink is GBps against the contiguous reference of the same dir.
 	PctOfLink float64 `json:"pct_of_link"`
 	// Background: "none", or "sgemm" while kvo_sgemm runs on another stream.
@@ -130,6 +144,23 @@ func (r ThroughputRow) variant() string {
 		return fmt.Sprintf("kernel/%d", r.CTAs)
 	}
 	return r.Method
+}
+
+// soloTiming is the row's best run time and submit cost as a timing (for
+// besideGemm's sizing of the product queue and the gate).
+func (r ThroughputRow) soloTiming(total uint64) timing {
+	bytes := total
+	if r.Dir == "both" {
+		bytes *= 2
+	}
+	var t timing
+	if r.GBps > 0 {
+		t.best = float64(bytes) / (r.GBps * 1e6)
+	}
+	if r.SegBytes > 0 {
+		t.submit = time.Duration(r.SubmitNsPerSeg * float64(bytes/r.SegBytes))
+	}
+	return t
 }
 
 // SGEMMInfo describes the matrix product of the burn pass.
@@ -204,6 +235,9 @@ type bench struct {
 	s          [2]cuda.Stream // [0]: D2H, [1]: H2D; transfer priority
 	burn       cuda.Stream
 	ev         [4]cuda.Event // start, mid, end, spare
+	mod        cuda.Module
+	modLoaded  bool
+	gate       *gate // nil: runs are timed ungated
 	hostA      *hostRegion   // D2H destination
 	hostB      *hostRegion   // H2D source
 	devA, devB cuda.DevicePtr
@@ -305,6 +339,9 @@ func (b *bench) setupBase() error {
 		e := b.ev[i]
 		b.onClose(func() error { return drv.EventDestroy(e) })
 	}
+	if err := b.setupGate(); err != nil {
+		return err
+	}
 	for _, h := range []**hostRegion{&b.hostA, &b.hostB} {
 		r, err := mapHost(drv, cfg.TotalBytes)
 		if err != nil {
@@ -375,18 +412,106 @@ func (b *bench) setupCopiers(dev cuda.Device) error {
 	return nil
 }
 
-// measure times enqueue (which submits on b.s[0] and/or b.s[1]) between
-// events that order both streams, and retires its tickets.
-func (b *bench) measure(enqueue func(tickets *[]tk) error) (float64, error) {
+// gate holds a stream behind a kvo_fill launch that only spins (no
+// descriptors), so that everything enqueued behind it starts at once: the
+// timed region then holds GPU work alone, not the CPU time of building and
+// enqueueing it. A CUDA event cannot be signalled by the host, hence the
+// spin, sized from a measured submit time.
+type gate struct {
+	fn          cuda.Function
+	table       cuda.DevicePtr // 32 bytes, never read (n = 0)
+	cyclesPerMs float64        // GPU clock, measured with events
+}
+
+// Bounds of the gate: the margin added to twice the measured submit time,
+// and the longest gate used; a submission slower than half of it (one
+// memcpy per 4 KiB segment of 2 GiB) is timed ungated, as its rate is its
+// CPU cost whatever the GPU does.
+const (
+	gateMargin = 200 * time.Microsecond
+	maxGate    = 250 * time.Millisecond
+)
+
+// setupGate loads kvo_fill from the bench's module and measures the GPU
+// clock; without the kernel the runs are timed ungated (b.gate nil).
+func (b *bench) setupGate() error {
 	drv := b.drv
+	mod, skipped, err := b.module()
+	if err != nil || skipped != "" {
+		return err
+	}
+	fn, err := drv.ModuleGetFunction(mod, "kvo_fill")
+	if err != nil {
+		return nil
+	}
+	table, err := drv.MemAlloc(32)
+	if err != nil {
+		return fmt.Errorf("bench: gate table: %w", err)
+	}
+	b.onClose(func() error { return drv.MemFree(table) })
+	g := &gate{fn: fn, table: table}
+	const probe = 2_000_000
+	var ms float32
+	for range 2 {
+		err := errors.Join(drv.EventRecord(b.ev[0], b.s[0]), g.launch(drv, b.s[0], probe), drv.EventRecord(b.ev[2], b.s[0]))
+		if err == nil {
+			err = drv.StreamSynchronize(b.s[0])
+		}
+		if err == nil {
+			ms, err = drv.EventElapsedTime(b.ev[0], b.ev[2])
+		}
+		if err != nil {
+			return fmt.Errorf("bench: gate clock: %w", err)
+		}
+	}
+	if ms <= 0 {
+		return fmt.Errorf("bench: gate clock: a spin of %d cycles took %v ms", probe, ms)
+	}
+	g.cyclesPerMs = probe / float64(ms)
+	b.gate = g
+	return nil
+}
+
+func (g *gate) launch(drv cuda.Driver, s cuda.Stream, cycles uint64) error {
+	return drv.LaunchKernel(g.fn, cuda.Dim3{X: 1, Y: 1, Z: 1}, cuda.Dim3{X: 32, Y: 1, Z: 1}, 0, s, cuda.Arg(uint64(g.table)), cuda.Arg(uint32(0)), cuda.Arg(cycles))
+}
+
+// run is one timed run: GPU time between the events, CPU time of enqueue,
+// and whether the gate (if any) still held when enqueue returned.
+type run struct {
+	ms     float64
+	submit time.Duration
+	held   bool
+}
+
+// measure times enqueue (which submits on b.s[0] and/or b.s[1]) between
+// events that order both streams, and retires its tickets. With hold > 0
+// (and a gate) both streams first wait behind a spin of that length, so the
+// events time the GPU work alone; held reports whether the spin outlasted
+// the CPU's enqueueing (else the time includes some of it).
+func (b *bench) measure(enqueue func(tickets *[]tk) error, hold time.Duration) (run, error) {
+	drv := b.drv
+	gated := hold > 0 && b.gate != nil
+	if gated {
+		if err := b.gate.launch(drv, b.s[0], uint64(float64(hold.Nanoseconds())/1e6*b.gate.cyclesPerMs)); err != nil {
+			return run{}, err
+		}
+	}
 	if err := drv.EventRecord(b.ev[0], b.s[0]); err != nil {
-		return 0, err
+		return run{}, err
 	}
 	if err := drv.StreamWaitEvent(b.s[1], b.ev[0], 0); err != nil {
-		return 0, err
+		return run{}, err
 	}
 	var tickets []tk
+	t0 := time.Now()
 	err := enqueue(&tickets)
+	r := run{submit: time.Since(t0)}
+	if err == nil && gated {
+		var started bool
+		started, err = drv.EventQuery(b.ev[0])
+		r.held = !started
+	}
 	if err == nil {
 		err = errors.Join(drv.EventRecord(b.ev[1], b.s[1]), drv.StreamWaitEvent(b.s[0], b.ev[1], 0), drv.EventRecord(b.ev[2], b.s[0]))
 	}
@@ -395,10 +520,11 @@ func (b *bench) measure(enqueue func(tickets *[]tk) error) (float64, error) {
 		err = errors.Join(err, t.c.Retire(t.t))
 	}
 	if err != nil {
-		return 0, err
+		return run{}, err
 	}
 	ms, err := drv.EventElapsedTime(b.ev[0], b.ev[2])
-	return float64(ms), err
+	r.ms = float64(ms)
+	return r, err
 }
 
 type tk struct {
@@ -406,21 +532,62 @@ type tk struct {
 	t cudacopy.Ticket
 }
 
-// reps runs one warm-up and cfg.Reps timed runs; it returns the best and
-// median time in ms.
-func (b *bench) reps(enqueue func(tickets *[]tk) error) (best, median float64, err error) {
-	times := make([]float64, 0, b.cfg.Reps)
-	for r := range b.cfg.Reps + 1 {
-		ms, err := b.measure(enqueue)
+// timing summarises the timed runs of one point.
+type timing struct {
+	best, median float64       // ms
+	submit       time.Duration // median CPU time of enqueue
+	held         bool          // every run was gated and the gate held
+}
+
+// slowRunMs: a point whose warm-up took longer gets at most slowReps timed
+// runs, which keeps the full benchmark within minutes (one memcpy per 4 KiB
+// segment of 2 GiB takes over a second a run).
+const (
+	slowRunMs = 400
+	slowReps  = 2
+)
+
+// holdFor is the gate for a submission that took submit on the CPU: twice
+// that plus gateMargin, or 0 (ungated) beyond maxGate.
+func holdFor(submit time.Duration) time.Duration {
+	if h := 2*submit + gateMargin; h <= maxGate {
+		return h
+	}
+	return 0
+}
+
+// reps runs one ungated warm-up and cfg.Reps timed runs (slowReps after a
+// slow warm-up). With gated set, each timed run waits behind a gate of
+// twice the warm-up's submit time plus gateMargin (none when that exceeds
+// maxGate).
+func (b *bench) reps(enqueue func(tickets *[]tk) error, gated bool) (timing, error) {
+	warm, err := b.measure(enqueue, 0)
+	if err != nil {
+		return timing{}, err
+	}
+	n := b.cfg.Reps
+	if warm.ms > slowRunMs {
+		n = min(n, slowReps)
+	}
+	var hold time.Duration
+	if gated && b.gate != nil {
+		hold = holdFor(warm.submit)
+	}
+	times := make([]float64, 0, n)
+	subs := make([]time.Duration, 0, n)
+	held := hold > 0
+	for range n {
+		r, err := b.measure(enqueue, hold)
 		if err != nil {
-			return 0, 0, err
+			return timing{}, err
 		}
-		if r > 0 {
-			times = append(times, ms)
-		}
+		times = append(times, r.ms)
+		subs = append(subs, r.submit)
+		held = held && r.held
 	}
 	slices.Sort(times)
-	return times[0], times[len(times)/2], nil
+	slices.Sort(subs)
+	return timing{best: times[0], median: times[len(times)/2], submit: subs[len(subs)/2], held: held}, nil
 }
 
 func gbps(bytes uint64, ms float64) float64 { return float64(bytes) / (ms * 1e6) }
@@ -442,12 +609,12 @@ func (b *bench) link(res *ThroughputResults) error {
 		{"h2d", n, h2d},
 		{"both", 2 * n, func(t *[]tk) error { return errors.Join(d2h(t), h2d(t)) }},
 	} {
-		best, med, err := b.reps(c.f)
+		tm, err := b.reps(c.f, true)
 		if err != nil {
 			return fmt.Errorf("bench: contiguous %s: %w", c.dir, err)
 		}
-		res.Link[c.dir] = gbps(c.bytes, best)
-		res.Rows = append(res.Rows, ThroughputRow{Method: "contiguous", Dir: c.dir, SegBytes: n, GBps: gbps(c.bytes, best), MedianGBps: gbps(c.bytes, med), PctOfLink: 100, Background: "none"})
+		res.Link[c.dir] = gbps(c.bytes, tm.best)
+		res.Rows = append(res.Rows, ThroughputRow{Method: "contiguous", Dir: c.dir, SegBytes: n, GBps: gbps(c.bytes, tm.best), MedianGBps: gbps(c.bytes, tm.median), PctOfLink: 100, Background: "none", Gated: tm.held})
 	}
 	return nil
 }
@@ -506,30 +673,86 @@ func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) erro
 	}
 }
 
-// scattered measures v in dir at one segment size. With burn set, the runs
-// happen beside it (see burnPass) and only the transfer figures are filled.
-func (b *bench) scattered(res *ThroughputResults, v *variant, dir string, size uint64, segs segSet, burn func(enqueue func(*[]tk) error) (best, med float64, err error)) (ThroughputRow, error) {
+// pipeParts is how many back-to-back Submits the pipelined run splits a
+// direction's segments into: what a serving engine does, building the next
+// batch's descriptors while earlier copies are in flight.
+const pipeParts = 8
+
+// pipelinedFor returns the pipelined submission of one run of v in dir:
+// each direction's segments in pipeParts Submits (interleaved for "both").
+func (b *bench) pipelinedFor(v *variant, dir string, segs segSet) func(*[]tk) error {
+	type side struct {
+		s    cuda.Stream
+		d    cudacopy.Direction
+		segs []cudacopy.Segment
+	}
+	var sides []side
+	if dir != "h2d" {
+		sides = append(sides, side{b.s[0], cudacopy.D2H, segs.d2h})
+	}
+	if dir != "d2h" {
+		sides = append(sides, side{b.s[1], cudacopy.H2D, segs.h2d})
+	}
+	return func(t *[]tk) error {
+		for p := range pipeParts {
+			for _, sd := range sides {
+				n := len(sd.segs)
+				lo, hi := p*n/pipeParts, (p+1)*n/pipeParts
+				if lo == hi {
+					continue
+				}
+				x, err := v.c.Submit(sd.s, sd.d, sd.segs[lo:hi])
+				if err != nil {
+					return err
+				}
+				*t = append(*t, tk{v.c, x})
+			}
+		}
+		return nil
+	}
+}
+
+// scattered measures v in dir at one segment size: the gated GPU rate, the
+// pipelined rate and the CPU submit cost. With burn set, the runs happen
+// beside it (see burnPass) and only the gated figures are filled.
+func (b *bench) scattered(res *ThroughputResults, v *variant, dir string, size uint64, segs segSet, burn func(enqueue func(*[]tk) error) (timing, error)) (ThroughputRow, error) {
 	bytes := b.cfg.TotalBytes
+	nsegs := len(segs.d2h)
 	if dir == "both" {
 		bytes *= 2
+		nsegs *= 2
 	}
 	enqueue := b.enqueueFor(v, dir, segs)
-	run := b.reps
-	if burn != nil {
-		run = burn
+	fail := func(what string, err error) (ThroughputRow, error) {
+		return ThroughputRow{}, fmt.Errorf("bench: %s %s at %s (%s): %w", v.name, dir, cudacopy.FormatBytes(size), what, err)
 	}
-	best, med, err := run(enqueue)
+	var tm timing
+	var err error
+	if burn != nil {
+		tm, err = burn(enqueue)
+	} else {
+		tm, err = b.reps(enqueue, true)
+	}
 	if err != nil {
-		return ThroughputRow{}, fmt.Errorf("bench: %s %s at %s: %w", v.name, dir, cudacopy.FormatBytes(size), err)
+		return fail("gated", err)
 	}
 	row := ThroughputRow{
-		Method:     v.method.String(),
-		CTAs:       v.ctas,
-		Dir:        dir,
-		SegBytes:   size,
-		GBps:       gbps(bytes, best),
-		MedianGBps: gbps(bytes, med),
-		Background: "none",
+		Method:         v.method.String(),
+		CTAs:           v.ctas,
+		Dir:            dir,
+		SegBytes:       size,
+		GBps:           gbps(bytes, tm.best),
+		MedianGBps:     gbps(bytes, tm.median),
+		Gated:          tm.held,
+		SubmitNsPerSeg: float64(tm.submit.Nanoseconds()) / float64(nsegs),
+		Background:     "none",
+	}
+	if burn == nil {
+		pipe, err := b.reps(b.pipelinedFor(v, dir, segs), false)
+		if err != nil {
+			return fail("pipelined", err)
+		}
+		row.PipelinedGBps = gbps(bytes, pipe.best)
 	}
 	if l := res.Link[dir]; l > 0 {
 		row.PctOfLink = 100 * row.GBps / l
@@ -576,10 +799,10 @@ func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) 
 			for _, dir := range []string{"d2h", "h2d", "both"} {
 				key := name + "/" + dir + "/" + strconv.FormatUint(size, 10)
 				var slow float64
-				burn := func(enqueue func(*[]tk) error) (float64, float64, error) {
-					best, med, s, err := b.besideGemm(g, res.SGEMM.SoloMs, solo[key], enqueue)
+				burn := func(enqueue func(*[]tk) error) (timing, error) {
+					tm, s, err := b.besideGemm(g, res.SGEMM.SoloMs, solo[key].soloTiming(cfg.TotalBytes), enqueue)
 					slow = s
-					return best, med, err
+					return tm, err
 				}
 				row, err := b.scattered(res, v, dir, size, segs, burn)
 				if err != nil {
@@ -597,21 +820,35 @@ func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) 
 	return nil
 }
 
-// newGemm loads kvo_sgemm and allocates its BurnN × BurnN matrices; skipped
-// says why it cannot run where the PTX lacks it.
-func (b *bench) newGemm() (g *gemm, skipped string, err error) {
+// module loads the PTX (cfg.PTX or the embedded one) once; skipped says
+// why there is none.
+func (b *bench) module() (mod cuda.Module, skipped string, err error) {
+	if b.modLoaded {
+		return b.mod, "", nil
+	}
 	drv := b.drv
 	img := b.cfg.PTX
 	if len(img) == 0 {
 		if img, err = cudacopy.PTX(); err != nil {
-			return nil, err.Error(), nil
+			return mod, err.Error(), nil
 		}
 	}
-	mod, err := drv.ModuleLoadData(img)
-	if err != nil {
-		return nil, "", fmt.Errorf("bench: loading the PTX: %w", err)
+	if mod, err = drv.ModuleLoadData(img); err != nil {
+		return mod, "", fmt.Errorf("bench: loading the PTX: %w", err)
 	}
 	b.onClose(func() error { return drv.ModuleUnload(mod) })
+	b.mod, b.modLoaded = mod, true
+	return mod, "", nil
+}
+
+// newGemm loads kvo_sgemm and allocates its BurnN × BurnN matrices; skipped
+// says why it cannot run where the PTX lacks it.
+func (b *bench) newGemm() (g *gemm, skipped string, err error) {
+	drv := b.drv
+	mod, skipped, err := b.module()
+	if err != nil || skipped != "" {
+		return nil, skipped, err
+	}
 	fn, err := drv.ModuleGetFunction(mod, "kvo_sgemm")
 	if err != nil {
 		return nil, fmt.Sprintf("kvo_sgemm not in the PTX (regenerate it with `make ptx`): %v", err), nil
@@ -676,20 +913,22 @@ func (g *gemm) solo(start, end cuda.Event, reps int) (float64, error) {
 	return times[len(times)/2], nil
 }
 
-// besideGemm runs the timed reps of enqueue while a queue of products runs
-// on the burn stream: the transfers start after two products, and the
-// products outlast them. It returns the transfer's best and median time and
-// the mean slowdown (%) of the products that ran entirely within the
-// transfer window (or, if none did, of those that overlapped it).
-func (b *bench) besideGemm(g *gemm, soloMs float64, soloRow ThroughputRow, enqueue func(*[]tk) error) (best, med, slowPct float64, err error) {
+// besideGemm runs the timed reps of enqueue, gated as solo's submit time
+// asks, while a queue of products runs on the burn stream: the transfers
+// start after two products, and the products outlast them. It returns the
+// transfer's timing and the mean slowdown (%) of the products that ran
+// entirely within a rep's timed window (gates excluded), or, if none did,
+// of those that overlapped one.
+func (b *bench) besideGemm(g *gemm, soloMs float64, solo timing, enqueue func(*[]tk) error) (tm timing, slowPct float64, err error) {
 	drv := b.drv
 	reps := min(b.cfg.Reps, burnReps)
+	hold := time.Duration(0)
+	if b.gate != nil {
+		hold = holdFor(solo.submit)
+	}
 	expectMs := 1.0
-	if soloRow.GBps > 0 {
-		expectMs = float64(b.cfg.TotalBytes) / (soloRow.GBps * 1e6) * float64(reps)
-		if soloRow.Dir == "both" {
-			expectMs *= 2
-		}
+	if solo.best > 0 {
+		expectMs = (solo.best + float64(hold.Microseconds())/1e3) * float64(reps)
 	}
 	// Three times the solo transfer time, so the products outlast a
 	// transfer slowed by them; bounded to keep the launch queue short.
@@ -697,67 +936,70 @@ func (b *bench) besideGemm(g *gemm, soloMs float64, soloRow ThroughputRow, enque
 	evs := make([]cuda.Event, count+1)
 	for i := range evs {
 		if evs[i], err = drv.EventCreate(cuda.EventDefault); err != nil {
-			return 0, 0, 0, err
+			return tm, 0, err
 		}
 		e := evs[i]
 		defer func() { err = errors.Join(err, drv.EventDestroy(e)) }()
 	}
 	for i := range count {
 		if err := errors.Join(drv.EventRecord(evs[i], g.s), g.launch()); err != nil {
-			return 0, 0, 0, err
+			return tm, 0, err
 		}
 	}
 	if err := drv.EventRecord(evs[count], g.s); err != nil {
-		return 0, 0, 0, err
+		return tm, 0, err
 	}
 	for _, s := range b.s {
 		if err := drv.StreamWaitEvent(s, evs[2], 0); err != nil {
-			return 0, 0, 0, err
+			return tm, 0, err
 		}
-	}
-	// The window runs from winStart (before the first rep, after the
-	// streams waited for the products) to b.ev[2] as the last rep left it.
-	winStart := b.ev[3]
-	if err := drv.EventRecord(winStart, b.s[0]); err != nil {
-		return 0, 0, 0, err
-	}
-	times := make([]float64, 0, reps)
-	for range reps {
-		ms, err := b.measure(enqueue)
-		if err != nil {
-			return 0, 0, 0, errors.Join(err, drv.StreamSynchronize(g.s))
-		}
-		times = append(times, ms)
-	}
-	if err := drv.StreamSynchronize(g.s); err != nil {
-		return 0, 0, 0, err
 	}
 	at := func(e cuda.Event) (float64, error) {
 		ms, err := drv.EventElapsedTime(evs[0], e)
 		return float64(ms), err
 	}
-	lo, err := at(winStart)
-	if err != nil {
-		return 0, 0, 0, err
+	times := make([]float64, 0, reps)
+	subs := make([]time.Duration, 0, reps)
+	windows := make([][2]float64, 0, reps)
+	tm.held = hold > 0
+	for range reps {
+		r, err := b.measure(enqueue, hold)
+		var lo, hi float64
+		if err == nil {
+			lo, err = at(b.ev[0])
+		}
+		if err == nil {
+			hi, err = at(b.ev[2])
+		}
+		if err != nil {
+			return tm, 0, errors.Join(err, drv.StreamSynchronize(g.s))
+		}
+		times = append(times, r.ms)
+		subs = append(subs, r.submit)
+		windows = append(windows, [2]float64{lo, hi})
+		tm.held = tm.held && r.held
 	}
-	hi, err := at(b.ev[2])
-	if err != nil {
-		return 0, 0, 0, err
+	if err := drv.StreamSynchronize(g.s); err != nil {
+		return tm, 0, err
 	}
 	marks := make([]float64, count+1)
 	for i, e := range evs {
 		if marks[i], err = at(e); err != nil {
-			return 0, 0, 0, err
+			return tm, 0, err
 		}
 	}
 	var inside, overlap []float64
 	for i := range count {
 		d := marks[i+1] - marks[i]
-		switch {
-		case marks[i] >= lo && marks[i+1] <= hi:
-			inside = append(inside, d)
-		case marks[i+1] > lo && marks[i] < hi:
-			overlap = append(overlap, d)
+		for _, w := range windows {
+			if marks[i] >= w[0] && marks[i+1] <= w[1] {
+				inside = append(inside, d)
+				break
+			}
+			if marks[i+1] > w[0] && marks[i] < w[1] {
+				overlap = append(overlap, d)
+				break
+			}
 		}
 	}
 	if len(inside) == 0 {
@@ -771,18 +1013,21 @@ func (b *bench) besideGemm(g *gemm, soloMs float64, soloRow ThroughputRow, enque
 		slowPct = 100 * (sum/float64(len(inside))/soloMs - 1)
 	}
 	slices.Sort(times)
-	return times[0], times[len(times)/2], slowPct, nil
+	slices.Sort(subs)
+	tm.best, tm.median, tm.submit = times[0], times[len(times)/2], subs[len(subs)/2]
+	return tm, slowPct, nil
 }
 
 // WriteThroughputCSV writes one line per row: method, ctas, dir, seg_bytes,
-// gbps, pct_of_link, then median_gbps, background, pct_of_solo,
-// sgemm_slowdown_pct, chosen.
+// gbps (gated GPU rate), pct_of_link, then median_gbps, background,
+// pct_of_solo, sgemm_slowdown_pct, chosen, gated, pipelined_gbps,
+// submit_ns_per_seg.
 func WriteThroughputCSV(w io.Writer, r ThroughputResults) error {
 	cw := csv.NewWriter(w)
-	_ = cw.Write([]string{"method", "ctas", "dir", "seg_bytes", "gbps", "pct_of_link", "median_gbps", "background", "pct_of_solo", "sgemm_slowdown_pct", "chosen"})
+	_ = cw.Write([]string{"method", "ctas", "dir", "seg_bytes", "gbps", "pct_of_link", "median_gbps", "background", "pct_of_solo", "sgemm_slowdown_pct", "chosen", "gated", "pipelined_gbps", "submit_ns_per_seg"})
 	f := func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
 	for _, row := range r.Rows {
-		_ = cw.Write([]string{row.Method, strconv.Itoa(row.CTAs), row.Dir, strconv.FormatUint(row.SegBytes, 10), f(row.GBps), f(row.PctOfLink), f(row.MedianGBps), row.Background, f(row.PctOfSolo), f(row.SGEMMSlowdownPct), row.Chosen})
+		_ = cw.Write([]string{row.Method, strconv.Itoa(row.CTAs), row.Dir, strconv.FormatUint(row.SegBytes, 10), f(row.GBps), f(row.PctOfLink), f(row.MedianGBps), row.Background, f(row.PctOfSolo), f(row.SGEMMSlowdownPct), row.Chosen, strconv.FormatBool(row.Gated), f(row.PipelinedGBps), f(row.SubmitNsPerSeg)})
 	}
 	cw.Flush()
 	return cw.Error()
@@ -800,6 +1045,7 @@ func FormatThroughput(r ThroughputResults) string {
 	fmt.Fprintf(&b, "%s per direction per run, best of %d (median in the CSV), CUDA events; kernel %d threads/CTA; batch API: %v.\n\n",
 		cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Config.Threads, r.Capabilities.Batch)
 	fmt.Fprintf(&b, "Link (contiguous, pinned): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.\n\n", r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+	b.WriteString("GPU rate (the first table per direction): each run enqueued while the streams wait behind a spin kernel sized at twice the measured submit time, then timed with events, so the time is the copies', not the CPU's building them; † marks points where the gate did not hold or none ran (submission over " + maxGate.String() + "/2: the rate includes the CPU time, which is that method's limit). Pipelined: the same bytes as " + strconv.Itoa(pipeParts) + " back-to-back Submits per direction, ungated, as a serving engine overlaps them. CPU: median wall time of Submit per segment.\n\n")
 
 	var variants []string
 	cell := map[string]ThroughputRow{}
@@ -812,8 +1058,8 @@ func FormatThroughput(r ThroughputResults) string {
 		}
 		cell[row.variant()+"/"+row.Dir+"/"+strconv.FormatUint(row.SegBytes, 10)] = row
 	}
-	for _, dir := range []string{"d2h", "h2d", "both"} {
-		fmt.Fprintf(&b, "## %s (GB/s, %% of link)\n\n| segment |", dir)
+	header := func(title string) {
+		fmt.Fprintf(&b, "%s\n\n| segment |", title)
 		for _, v := range variants {
 			fmt.Fprintf(&b, " %s |", v)
 		}
@@ -822,22 +1068,38 @@ func FormatThroughput(r ThroughputResults) string {
 			b.WriteString("---|")
 		}
 		b.WriteString("\n")
+	}
+	table := func(dir string, format func(row ThroughputRow) string) {
 		for _, size := range r.Config.SegSizes {
 			fmt.Fprintf(&b, "| %s |", cudacopy.FormatBytes(size))
 			for _, v := range variants {
 				row, ok := cell[v+"/"+dir+"/"+strconv.FormatUint(size, 10)]
-				switch {
-				case !ok:
+				if !ok {
 					b.WriteString(" – |")
-				case row.Chosen != "":
-					fmt.Fprintf(&b, " %.1f (%.0f%%) %s |", row.GBps, row.PctOfLink, row.Chosen)
-				default:
-					fmt.Fprintf(&b, " %.1f (%.0f%%) |", row.GBps, row.PctOfLink)
+					continue
 				}
+				fmt.Fprintf(&b, " %s |", format(row))
 			}
 			b.WriteString("\n")
 		}
 		b.WriteString("\n")
+	}
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		header(fmt.Sprintf("## %s: GPU rate, gated (GB/s, %% of link)", dir))
+		table(dir, func(row ThroughputRow) string {
+			s := fmt.Sprintf("%.1f (%.0f%%)", row.GBps, row.PctOfLink)
+			if !row.Gated {
+				s += "†"
+			}
+			if row.Chosen != "" {
+				s += " " + row.Chosen
+			}
+			return s
+		})
+		header(fmt.Sprintf("### %s: pipelined GB/s · CPU submit ns per segment", dir))
+		table(dir, func(row ThroughputRow) string {
+			return fmt.Sprintf("%.1f · %.0f ns", row.PipelinedGBps, row.SubmitNsPerSeg)
+		})
 	}
 
 	b.WriteString("## Beside a matrix product\n\n")
@@ -917,10 +1179,11 @@ func (v KernelVariant) String() string {
 }
 
 // DefaultKernelVariants crosses both copy kernels and both priorities with
-// threads per CTA × CTAs: the launch of ANCHORS.md (8 × 1024), fewer warps,
+// threads per CTA × CTAs: the launch of ANCHORS.md (8 × 1024), fewer warps
+// (down to 2 × 256, which trades rate for less interference with compute),
 // and the same 256 warps spread over more, smaller CTAs.
 func DefaultKernelVariants() []KernelVariant {
-	shapes := [][2]int{{1024, 8}, {1024, 4}, {512, 8}, {512, 16}, {256, 8}, {256, 16}, {256, 32}, {128, 32}, {128, 64}}
+	shapes := [][2]int{{1024, 8}, {1024, 4}, {512, 8}, {512, 16}, {256, 2}, {256, 4}, {256, 8}, {256, 16}, {256, 32}, {128, 32}, {128, 64}}
 	var vs []KernelVariant
 	for _, k := range []string{cudacopy.DefaultCopyKernel, cudacopy.StreamingCopyKernel} {
 		for _, high := range []bool{true, false} {
@@ -955,9 +1218,15 @@ type KernelVariantResult struct {
 	// Skipped says why the variant did not run (kernel absent from the PTX,
 	// more CTAs than SMs).
 	Skipped string `json:"skipped,omitempty"`
-	// Solo is GB/s alone; Beside GB/s beside kvo_sgemm and SlowPct the
+	// Solo is GB/s alone (gated: the GPU rate, see ThroughputRow.GBps);
+	// Pipelined the same bytes as pipeParts ungated Submits; SubmitNsPerSeg
+	// the CPU cost of Submit per segment; Gated whether every solo run's
+	// gate held. Beside is GB/s beside kvo_sgemm (gated) and SlowPct the
 	// sgemm's slowdown then.
-	Solo    map[string]float64 `json:"solo_gbps"`
+	Solo           map[string]float64 `json:"solo_gbps"`
+	Pipelined      map[string]float64 `json:"pipelined_gbps"`
+	SubmitNsPerSeg map[string]float64 `json:"submit_ns_per_seg"`
+	Gated          bool               `json:"gated"`
 	Beside  map[string]float64 `json:"beside_gbps"`
 	SlowPct map[string]float64 `json:"sgemm_slowdown_pct"`
 }
@@ -1033,7 +1302,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 		segs[size] = b.segments(size)
 	}
 	for _, kv := range cfg.Variants {
-		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
+		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Pipelined: map[string]float64{}, SubmitNsPerSeg: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
 		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel})
 		if err != nil {
 			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
@@ -1059,13 +1328,24 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 
 func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs float64, segs map[uint64]segSet) error {
 	sizes := b.cfg.SegSizes
+	solo := map[string]timing{}
+	row.Gated = b.gate != nil
 	for _, size := range sizes {
 		for _, dir := range []string{"d2h", "h2d"} {
-			best, _, err := b.reps(b.enqueueFor(v, dir, segs[size]))
+			key := dir + "/" + strconv.FormatUint(size, 10)
+			tm, err := b.reps(b.enqueueFor(v, dir, segs[size]), true)
 			if err != nil {
 				return err
 			}
-			row.Solo[dir+"/"+strconv.FormatUint(size, 10)] = gbps(b.cfg.TotalBytes, best)
+			pipe, err := b.reps(b.pipelinedFor(v, dir, segs[size]), false)
+			if err != nil {
+				return err
+			}
+			row.Solo[key] = gbps(b.cfg.TotalBytes, tm.best)
+			row.Pipelined[key] = gbps(b.cfg.TotalBytes, pipe.best)
+			row.SubmitNsPerSeg[key] = float64(tm.submit.Nanoseconds()) / float64(len(segs[size].d2h))
+			solo[key] = tm
+			row.Gated = row.Gated && tm.held
 		}
 	}
 	if g == nil {
@@ -1074,11 +1354,11 @@ func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs f
 	last := sizes[len(sizes)-1]
 	for _, dir := range []string{"d2h", "h2d"} {
 		key := dir + "/" + strconv.FormatUint(last, 10)
-		best, _, slow, err := b.besideGemm(g, soloMs, ThroughputRow{Dir: dir, GBps: row.Solo[key]}, b.enqueueFor(v, dir, segs[last]))
+		tm, slow, err := b.besideGemm(g, soloMs, solo[key], b.enqueueFor(v, dir, segs[last]))
 		if err != nil {
 			return err
 		}
-		row.Beside[key] = gbps(b.cfg.TotalBytes, best)
+		row.Beside[key] = gbps(b.cfg.TotalBytes, tm.best)
 		row.SlowPct[key] = slow
 	}
 	return nil
@@ -1152,15 +1432,19 @@ func FormatKernelSweep(r KernelSweepResults) string {
 		n, _ := strconv.ParseUint(size, 10, 64)
 		return dir + " " + cudacopy.FormatBytes(n)
 	}
+	b.WriteString("GPU rates gated (a spin kernel holds the streams while the CPU enqueues; † where it did not hold); pipelined: " + strconv.Itoa(pipeParts) + " ungated Submits; ns/seg: CPU cost of Submit per segment.\n\n")
 	b.WriteString("| kernel | CTAs×threads | warps | priority |")
 	for _, k := range solo {
 		fmt.Fprintf(&b, " %s |", label(k))
+	}
+	for _, k := range solo {
+		fmt.Fprintf(&b, " %s pipelined · ns/seg |", label(k))
 	}
 	for _, k := range beside {
 		fmt.Fprintf(&b, " %s beside sgemm | sgemm slowdown |", label(k))
 	}
 	b.WriteString("\n|---|---|---:|---|")
-	b.WriteString(strings.Repeat("---:|", len(solo)+2*len(beside)))
+	b.WriteString(strings.Repeat("---:|", 2*len(solo)+2*len(beside)))
 	b.WriteString("\n")
 	for _, row := range r.Rows {
 		v := row.Variant
@@ -1173,9 +1457,16 @@ func FormatKernelSweep(r KernelSweepResults) string {
 			fmt.Fprintf(&b, " skipped: %s |\n", row.Skipped)
 			continue
 		}
+		mark := ""
+		if !row.Gated {
+			mark = "†"
+		}
 		for _, k := range solo {
 			dir, _, _ := strings.Cut(k, "/")
-			fmt.Fprintf(&b, " %.1f (%.0f%%) |", row.Solo[k], 100*row.Solo[k]/max(r.Link[dir], 1e-9))
+			fmt.Fprintf(&b, " %.1f (%.0f%%)%s |", row.Solo[k], 100*row.Solo[k]/max(r.Link[dir], 1e-9), mark)
+		}
+		for _, k := range solo {
+			fmt.Fprintf(&b, " %.1f · %.0f |", row.Pipelined[k], row.SubmitNsPerSeg[k])
 		}
 		for _, k := range beside {
 			if s, ok := row.SlowPct[k]; ok {

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -99,8 +100,8 @@ func sampleResults() ThroughputResults {
 		r.Rows = append(r.Rows,
 			ThroughputRow{Method: "contiguous", Dir: dir, SegBytes: 64 << 20, GBps: link, MedianGBps: link, PctOfLink: 100, Background: "none"},
 			ThroughputRow{Method: "memcpy", Dir: dir, SegBytes: 4096, GBps: 1.4, MedianGBps: 1.3, PctOfLink: 100 * 1.4 / link, Background: "none"},
-			ThroughputRow{Method: "kernel", CTAs: 8, Dir: dir, SegBytes: 4096, GBps: 0.95 * link, MedianGBps: 0.94 * link, PctOfLink: 95, Background: "none"},
-			ThroughputRow{Method: "auto", CTAs: 8, Dir: dir, SegBytes: 4096, GBps: 0.94 * link, MedianGBps: 0.93 * link, PctOfLink: 94, Background: "none", Chosen: "kernel"},
+			ThroughputRow{Method: "kernel", CTAs: 8, Dir: dir, SegBytes: 4096, GBps: 0.95 * link, MedianGBps: 0.94 * link, PctOfLink: 95, Background: "none", Gated: true, PipelinedGBps: 40, SubmitNsPerSeg: 25},
+			ThroughputRow{Method: "auto", CTAs: 8, Dir: dir, SegBytes: 4096, GBps: 0.94 * link, MedianGBps: 0.93 * link, PctOfLink: 94, Background: "none", Chosen: "kernel", Gated: true, PipelinedGBps: 39, SubmitNsPerSeg: 26},
 			ThroughputRow{Method: "auto", CTAs: 8, Dir: dir, SegBytes: 4096, GBps: 0.85 * link, PctOfLink: 85, Background: "sgemm", PctOfSolo: 90, SGEMMSlowdownPct: 4.5, Chosen: "kernel"},
 		)
 	}
@@ -114,7 +115,10 @@ func TestFormatThroughput(t *testing.T) {
 		"Command: `transfer_cudacopy.test`",
 		"Link (contiguous, pinned): d2h 55.0 GB/s, h2d 55.0 GB/s, both 95.0 GB/s.",
 		"| segment | memcpy | kernel/8 | auto |",
-		"| 4 KiB | 1.4 (3%) | 52.2 (95%) | 51.7 (94%) kernel |",
+		"## d2h: GPU rate, gated (GB/s, % of link)",
+		"| 4 KiB | 1.4 (3%)† | 52.2 (95%) | 51.7 (94%) kernel |",
+		"### d2h: pipelined GB/s · CPU submit ns per segment",
+		"| 4 KiB | 0.0 · 0 ns | 40.0 · 25 ns | 39.0 · 26 ns |",
 		"| auto | both | 4 KiB | 80.8 | 90% | +4.5% |",
 		"- d2h 4 KiB: auto 51.7 GB/s = 98.9% of best (kernel/8) [≥97%: met], 94.0% of link [≥92%: met]",
 		"- beside sgemm, auto h2d 4 KiB: 90% of solo [≥80%: met], sgemm slowed 4.5% [≤10%: met]",
@@ -131,9 +135,9 @@ func TestWriteThroughputCSV(t *testing.T) {
 	var b bytes.Buffer
 	require.NoError(t, WriteThroughputCSV(&b, sampleResults()))
 	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
-	require.Equal(t, "method,ctas,dir,seg_bytes,gbps,pct_of_link,median_gbps,background,pct_of_solo,sgemm_slowdown_pct,chosen", lines[0])
+	require.Equal(t, "method,ctas,dir,seg_bytes,gbps,pct_of_link,median_gbps,background,pct_of_solo,sgemm_slowdown_pct,chosen,gated,pipelined_gbps,submit_ns_per_seg", lines[0])
 	require.Len(t, lines, 1+15)
-	require.Equal(t, "kernel,8,d2h,4096,52.25,95.00,51.70,none,0.00,0.00,", lines[3])
+	require.Equal(t, "kernel,8,d2h,4096,52.25,95.00,51.70,none,0.00,0.00,,true,40.00,25.00", lines[3])
 	js, err := json.Marshal(sampleResults())
 	require.NoError(t, err)
 	require.Contains(t, string(js), `"link_gbps":{"both":95,"d2h":55,"h2d":55}`)
@@ -167,6 +171,10 @@ func TestMeasureThroughputFake(t *testing.T) {
 	for _, row := range res.Rows {
 		require.Positive(t, row.GBps, "%+v", row)
 		require.Equal(t, "none", row.Background)
+		if row.Method != "contiguous" {
+			require.Positive(t, row.PipelinedGBps, "%+v", row)
+			require.Positive(t, row.SubmitNsPerSeg, "%+v", row)
+		}
 		if row.Method == "auto" {
 			require.NotEmpty(t, row.Chosen)
 		}
@@ -197,10 +205,10 @@ func TestBesideGemmFake(t *testing.T) {
 	require.NoError(t, err)
 	require.Positive(t, soloMs)
 	segs := b.segments(4 << 10)
-	best, med, slow, err := b.besideGemm(g, soloMs, ThroughputRow{Dir: "both", GBps: 1}, b.enqueueFor(b.variants[0], "both", segs))
+	tm, slow, err := b.besideGemm(g, soloMs, timing{best: 1, submit: time.Millisecond}, b.enqueueFor(b.variants[0], "both", segs))
 	require.NoError(t, err)
-	require.Positive(t, best)
-	require.GreaterOrEqual(t, med, best)
+	require.Positive(t, tm.best)
+	require.GreaterOrEqual(t, tm.median, tm.best)
 	require.False(t, math.IsNaN(slow) || math.IsInf(slow, 0), "slowdown %v", slow)
 	require.NoError(t, b.close())
 	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
@@ -247,7 +255,7 @@ func TestKernelSweepPick(t *testing.T) {
 		SegSizes: []uint64{4096},
 		Rows: []KernelVariantResult{
 			{Variant: v(1024, 8), Solo: map[string]float64{"d2h/4096": 52, "h2d/4096": 51}, Beside: map[string]float64{"d2h/4096": 50, "h2d/4096": 50}, SlowPct: map[string]float64{"d2h/4096": 300, "h2d/4096": 40}},
-			{Variant: v(256, 16), Solo: map[string]float64{"d2h/4096": 50, "h2d/4096": 45}, Beside: map[string]float64{"d2h/4096": 49, "h2d/4096": 44}, SlowPct: map[string]float64{"d2h/4096": 8, "h2d/4096": 9}},
+			{Variant: v(256, 16), Gated: true, Solo: map[string]float64{"d2h/4096": 50, "h2d/4096": 45}, Pipelined: map[string]float64{"d2h/4096": 40, "h2d/4096": 38}, SubmitNsPerSeg: map[string]float64{"d2h/4096": 21, "h2d/4096": 22}, Beside: map[string]float64{"d2h/4096": 49, "h2d/4096": 44}, SlowPct: map[string]float64{"d2h/4096": 8, "h2d/4096": 9}},
 			{Variant: v(128, 16), Solo: map[string]float64{"d2h/4096": 40, "h2d/4096": 30}, Beside: map[string]float64{"d2h/4096": 40, "h2d/4096": 30}, SlowPct: map[string]float64{"d2h/4096": 2, "h2d/4096": 1}},
 			{Variant: v(64, 4), Skipped: "absent"},
 		},
@@ -256,7 +264,7 @@ func TestKernelSweepPick(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, v(256, 16), best.Variant)
 	md := FormatKernelSweep(r)
-	require.Contains(t, md, "| kvo_copy | 16×256 | 128 | high | 50.0 (91%) | 45.0 (82%) | 49.0 | +8.0% | 44.0 | +9.0% |")
+	require.Contains(t, md, "| kvo_copy | 16×256 | 128 | high | 50.0 (91%) | 45.0 (82%) | 40.0 · 21 | 38.0 · 22 | 49.0 | +8.0% | 44.0 | +9.0% |")
 	require.Contains(t, md, "Pick: kvo_copy 16×256 high")
 
 	r.Rows[1].SlowPct["h2d/4096"], r.Rows[2].SlowPct["d2h/4096"] = 11, 12
