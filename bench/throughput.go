@@ -237,9 +237,9 @@ type bench struct {
 	ev         [4]cuda.Event // start, mid, end, spare
 	mod        cuda.Module
 	modLoaded  bool
-	gate       *gate // nil: runs are timed ungated
-	hostA      *hostRegion   // D2H destination
-	hostB      *hostRegion   // H2D source
+	gate       *gate       // nil: runs are timed ungated
+	hostA      *hostRegion // D2H destination
+	hostB      *hostRegion // H2D source
 	devA, devB cuda.DevicePtr
 	variants   []*variant
 	cleanup    []func() error
@@ -1227,8 +1227,8 @@ type KernelVariantResult struct {
 	Pipelined      map[string]float64 `json:"pipelined_gbps"`
 	SubmitNsPerSeg map[string]float64 `json:"submit_ns_per_seg"`
 	Gated          bool               `json:"gated"`
-	Beside  map[string]float64 `json:"beside_gbps"`
-	SlowPct map[string]float64 `json:"sgemm_slowdown_pct"`
+	Beside         map[string]float64 `json:"beside_gbps"`
+	SlowPct        map[string]float64 `json:"sgemm_slowdown_pct"`
 }
 
 // KernelSweepResults is the whole sweep.
