@@ -146,7 +146,7 @@ type Cache struct {
 	slots   []slotRec
 	regions []*regionRec
 	holes   []idRange // slot ids of released regions, reusable
-	index   map[Key]int32
+	index   keyIndex
 
 	freeHead int32
 	nFree    int // slots on the free list
@@ -192,8 +192,8 @@ func New(cfg Config) (*Cache, error) {
 	c := &Cache{
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
 		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold,
-		index: map[Key]int32{}, freeHead: -1,
-		dupKeys: map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
+		freeHead: -1,
+		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
 	}
 	if c.threshold > 1 {
 		c.seen = newSeenSketch()
@@ -256,6 +256,7 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 		c.pushFree(id)
 	}
 	c.usable += int(n)
+	c.index.reserve(len(c.slots))
 	c.policy.SetCapacity(c.policyCapacity())
 	c.check()
 	return int(n), nil

@@ -83,7 +83,7 @@ func (c *Cache) verify() error {
 		if s.storing {
 			inFlight++
 		}
-		j, inIndex := c.index[s.key]
+		j, inIndex := c.index.get(s.key)
 		isIndexed := inIndex && j == id
 		switch s.state {
 		case stateFree:
@@ -130,8 +130,8 @@ func (c *Cache) verify() error {
 			}
 		}
 	}
-	if indexed != len(c.index) {
-		bad("index holds %d keys, %d slots are indexed", len(c.index), indexed)
+	if indexed != c.index.len() {
+		bad("index holds %d keys, %d slots are indexed", c.index.len(), indexed)
 	}
 	for i := range c.slots {
 		if s := &c.slots[i]; s.indexed() && s.children != children[int32(i)] {

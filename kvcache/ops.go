@@ -82,7 +82,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 	admitting := true
 	c.found = c.found[:0]
 	for _, k := range req.Keys {
-		i, ok := c.index[k]
+		i, ok := c.index.get(k)
 		if !ok {
 			i = -1
 			if admitting && c.threshold > 1 && c.seen.count(k) < c.threshold {
@@ -95,7 +95,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 		c.found = append(c.found, i)
 	}
 	parent, parentGen := int32(-1), uint32(0)
-	if i, ok := c.index[req.Parent]; ok && req.Parent != (Key{}) {
+	if i, ok := c.index.get(req.Parent); ok && req.Parent != (Key{}) {
 		parent, parentGen = i, c.slots[i].gen
 	}
 	// The chain's own present blocks (and the parent's ancestors) are not
@@ -136,7 +136,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 			continue
 		}
 		c.st.StoreAllocated++
-		c.index[k] = i
+		c.index.put(k, i)
 		s := &c.slots[i]
 		s.parent, s.parentGen = parent, parentGen
 		parent, parentGen = i, s.gen
@@ -249,7 +249,7 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 	n := 0
 	c.found = c.found[:0]
 	for _, k := range keys {
-		i, ok := c.index[k]
+		i, ok := c.index.get(k)
 		if !ok || !c.slots[i].visible() {
 			break
 		}
@@ -326,7 +326,7 @@ func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadR
 	for j, k := range keys {
 		c.st.LoadKeys++
 		r := LoadResult{BlockID: blockIDs[j]}
-		if i, ok := c.index[k]; ok && c.slots[i].visible() {
+		if i, ok := c.index.get(k); ok && c.slots[i].visible() {
 			c.lease(i)
 			c.slots[i].pending++
 			c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: c.slots[i].gen})
@@ -387,7 +387,7 @@ func (c *Cache) Delete(keys []Key) int {
 	defer c.mu.Unlock()
 	n := 0
 	for _, k := range keys {
-		if i, ok := c.index[k]; ok {
+		if i, ok := c.index.get(k); ok {
 			c.evict(i, &c.st.Deleted, true)
 			n++
 		}
@@ -474,7 +474,7 @@ func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
 // unindex removes slot i's key from the index and unlinks it from its parent.
 func (c *Cache) unindex(i int32) {
 	s := &c.slots[i]
-	delete(c.index, s.key)
+	c.index.del(s.key)
 	if s.state != stateWriting {
 		if p := s.parent; p >= 0 {
 			if ps := &c.slots[p]; ps.gen == s.parentGen && ps.indexed() {

@@ -41,9 +41,15 @@ type TinyLFUConfig struct {
 // evictions lag behind a burst of stores; so TinyLFU also tracks the ready
 // blocks it was told of, with a saturating hit count each, and when the
 // cache needs slots that ristretto's advice did not free it picks the least
-// hit of lruWindow random samples (sampled LFU, lowest Rank first), deletes
-// it from ristretto and names it. Ristretto may still reject a block stored
-// into the room so made: that is reported as Rejected, as any rejection.
+// hit of lruWindow random samples (sampled LFU, lowest Rank first), removes
+// it from the dropped inserts and names it. It is not deleted from
+// ristretto: Del blocks while ristretto's set buffer is full, which is
+// exactly when a burst needs slots, and no call may block under the cache
+// lock. Ristretto keeps the stale entry until it evicts it itself (that
+// advice is ignored, as any about an earlier occupant), so for a while it
+// counts the burst's victims against its capacity and the pool holds fewer
+// ready blocks than it could. Ristretto may also reject a block stored into
+// the room so made: that is reported as Rejected, as any rejection.
 type TinyLFU struct {
 	c *ristretto.Cache[uint64, Entry]
 
@@ -163,13 +169,20 @@ func (p *TinyLFU) Removed(e Entry) {
 
 // forget removes e from ristretto (or from the dropped inserts).
 func (p *TinyLFU) forget(e Entry) {
+	if !p.undrop(e) {
+		p.c.Del(hash64(e.Key))
+	}
+}
+
+// undrop removes e from the dropped inserts; it reports whether it was one.
+func (p *TinyLFU) undrop(e Entry) bool {
 	for i, d := range p.dropped {
 		if d == e {
 			p.dropped = append(p.dropped[:i], p.dropped[i+1:]...)
-			return
+			return true
 		}
 	}
-	p.c.Del(hash64(e.Key))
+	return false
 }
 
 // Evictions implements Policy: it retries dropped inserts, returns the
@@ -201,7 +214,7 @@ func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 		}
 		e := p.tracked[j]
 		p.untrack(e)
-		p.forget(e)
+		p.undrop(e)
 		dst = append(dst, Victim{Entry: e})
 	}
 	return dst
