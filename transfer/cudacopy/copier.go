@@ -11,7 +11,13 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
-// Defaults for Options fields left zero.
+// Defaults for Options fields left zero. The kernel shape (DefaultCTAs ×
+// DefaultThreads, DefaultCopyKernel) is the one bench.KernelSweepResults.Pick
+// chose from the H200 sweep of 2026-11-29 (notes/gpu_round2): no shape kept
+// an n=2048 sgemm's slowdown within 10% while a D2H copy ran beside it, so
+// Pick fell back to the least worst slowdown, kvo_copy 8×1024 on a
+// least-priority stream (+104% D2H, +28% H2D); H2D alone stays within 10%
+// with 8×256. The sweep reruns with gated timing (bench) to confirm it.
 const (
 	DefaultCTAs         = 8
 	DefaultThreads      = 1024

@@ -41,8 +41,9 @@ type chunker struct {
 	host             *hostTable
 	hostSrc, hostDst bool
 
-	i   int    // current item
-	off uint64 // bytes of item i already emitted
+	i    int    // current item
+	off  uint64 // bytes of item i already emitted
+	hint int    // index+1 of the host range that translated last (0: none)
 }
 
 func (c *chunker) items() int {
@@ -95,6 +96,9 @@ func piecesOf(l, chunk uint64) int {
 // table cannot translate here is a programming error reported as
 // ErrUnregisteredHost.
 func (c *chunker) next(out []desc) (int, error) {
+	if c.kind == jobCopy {
+		return c.nextCopy(out)
+	}
 	w := 0
 	for w < len(out) && !c.done() {
 		src, dst, l, aux := c.item(c.i)
@@ -117,6 +121,42 @@ func (c *chunker) next(out []desc) (int, error) {
 		w++
 		c.off += n
 		if c.off == l {
+			c.i++
+			c.off = 0
+		}
+	}
+	return w, nil
+}
+
+// nextCopy is next for jobCopy: the hot loop of Submit, one 32-byte store
+// per descriptor, with the last host range tried before a search (scattered
+// slots of one batch nearly always lie in the same range).
+func (c *chunker) nextCopy(out []desc) (int, error) {
+	w := 0
+	for w < len(out) && c.i < len(c.copies) {
+		s := &c.copies[c.i]
+		n := s.Len - c.off
+		if c.chunk != 0 && n > c.chunk {
+			n = c.chunk
+		}
+		src, dst := s.Src+c.off, s.Dst+c.off
+		if c.host != nil {
+			var ok bool
+			if c.hostSrc {
+				if src, ok = c.host.translateHint(src, n, &c.hint); !ok {
+					return w, fmt.Errorf("%w: %#x+%d", ErrUnregisteredHost, s.Src+c.off, n)
+				}
+			}
+			if c.hostDst {
+				if dst, ok = c.host.translateHint(dst, n, &c.hint); !ok {
+					return w, fmt.Errorf("%w: %#x+%d", ErrUnregisteredHost, s.Dst+c.off, n)
+				}
+			}
+		}
+		out[w] = desc{Src: src, Dst: dst, Len: n}
+		w++
+		c.off += n
+		if c.off == s.Len {
 			c.i++
 			c.off = 0
 		}
@@ -152,14 +192,15 @@ func (c *chunker) translateAll() error {
 	if c.host == nil || c.kind != jobCopy {
 		return nil
 	}
+	hint := 0
 	for i, s := range c.copies {
 		if c.hostSrc {
-			if _, ok := c.host.translate(s.Src, s.Len); !ok {
+			if _, ok := c.host.translateHint(s.Src, s.Len, &hint); !ok {
 				return fmt.Errorf("%w: segment %d src %#x+%d", ErrUnregisteredHost, i, s.Src, s.Len)
 			}
 		}
 		if c.hostDst {
-			if _, ok := c.host.translate(s.Dst, s.Len); !ok {
+			if _, ok := c.host.translateHint(s.Dst, s.Len, &hint); !ok {
 				return fmt.Errorf("%w: segment %d dst %#x+%d", ErrUnregisteredHost, i, s.Dst, s.Len)
 			}
 		}
@@ -206,6 +247,28 @@ func (t *hostTable) remove(base uint64) error {
 	}
 	t.ranges = append(t.ranges[:i], t.ranges[i+1:]...)
 	return nil
+}
+
+// translateHint is translate trying range *hint-1 first; on a search it
+// stores the index+1 of the range found in *hint.
+func (t *hostTable) translateHint(addr, n uint64, hint *int) (uint64, bool) {
+	if h := *hint - 1; h >= 0 && h < len(t.ranges) {
+		r := &t.ranges[h]
+		if off := addr - r.base; addr >= r.base && off < r.size && n <= r.size-off {
+			return r.dev + off, true
+		}
+	}
+	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base > addr }) - 1
+	if i < 0 {
+		return 0, false
+	}
+	r := t.ranges[i]
+	off := addr - r.base
+	if off >= r.size || n > r.size-off {
+		return 0, false
+	}
+	*hint = i + 1
+	return r.dev + off, true
 }
 
 // translate maps [addr, addr+n) inside one range to its device address.
