@@ -31,11 +31,20 @@ type PinningOptions struct {
 	SkipHostAlloc bool
 }
 
-// PinningResult is the time to get Size bytes of pinned memory two ways.
+// PinningResult is the time to get Size bytes of pinned memory two ways,
+// measured in the order ours (cold), cuMemHostAlloc, ours (warm).
 type PinningResult struct {
 	Size int64
-	// Ours: mmapmem.New (mmap, advice, parallel prefault) then a CUDA
-	// registration.
+	// Cold is our first run at this size, before cuMemHostAlloc. On a
+	// virtual machine its first touch of guest memory the process never
+	// used pays the hypervisor's faults (EPT/NPT backing), which every
+	// later allocation of the same memory, ours or the driver's, is spared.
+	Cold PinningRun
+	// Ours (the fields below, through Fallback): the warm run, after
+	// cuMemHostAlloc, on memory the guest has backed once: what an engine
+	// starting on a warmed machine sees, and what cuMemHostAlloc is
+	// compared with. mmapmem.New (mmap, advice, parallel prefault) then a
+	// CUDA registration.
 	Map      time.Duration
 	Register time.Duration
 	Total    time.Duration
@@ -51,17 +60,26 @@ type PinningResult struct {
 	HostAlloc     time.Duration
 	HostAllocFree time.Duration
 	HostAllocGiBs float64
-	// Speedup is HostAlloc / Total (0 when the reference was skipped).
-	Speedup float64
+	// Speedup is HostAlloc / Total (0 when the reference was skipped);
+	// ColdSpeedup is HostAlloc / Cold.Total.
+	Speedup     float64
+	ColdSpeedup float64
+}
+
+// PinningRun is one end-to-end run of ours.
+type PinningRun struct {
+	Map, Register, Total time.Duration
+	GiBps                float64
 }
 
 // Extra is the number of bytes owned beyond the size asked for.
 func (r PinningResult) Extra() int64 { return r.Mapped - r.Size }
 
 // MeasurePinning measures, for each size, the end-to-end time to pinned
-// memory through mmapmem and register, then the same size through
-// cuMemHostAlloc, one after the other so that both never hold memory at
-// once. It retains dev's primary context for the duration.
+// memory through mmapmem and register (cold), then the same size through
+// cuMemHostAlloc, then ours again (warm), one after the other so that no
+// two hold memory at once. It retains dev's primary context for the
+// duration.
 func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts PinningOptions) (results []PinningResult, err error) {
 	for _, s := range sizes {
 		if s <= 0 || s > mmapmem.MaxSize {
@@ -90,10 +108,18 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 		if err := measureOurs(p, size, opts.Region, &res); err != nil {
 			return results, err
 		}
+		res.Cold = PinningRun{Map: res.Map, Register: res.Register, Total: res.Total, GiBps: res.GiBps}
 		if !opts.SkipHostAlloc {
 			if err := measureHostAlloc(drv, ctx, size, &res); err != nil {
 				return results, err
 			}
+		}
+		if err := measureOurs(p, size, opts.Region, &res); err != nil {
+			return results, err
+		}
+		if res.HostAlloc > 0 {
+			res.Speedup = res.HostAlloc.Seconds() / res.Total.Seconds()
+			res.ColdSpeedup = res.HostAlloc.Seconds() / res.Cold.Total.Seconds()
 		}
 		results = append(results, res)
 	}
@@ -137,9 +163,6 @@ func measureHostAlloc(drv cuda.Driver, ctx cuda.Context, size int64, res *Pinnin
 			return fmt.Errorf("bench: cuMemFreeHost %d bytes: %w", size, err)
 		}
 		res.HostAllocGiBs = gibps(size, res.HostAlloc)
-		if res.Total > 0 {
-			res.Speedup = res.HostAlloc.Seconds() / res.Total.Seconds()
-		}
 		return nil
 	})
 }
@@ -155,24 +178,26 @@ func gibps(size int64, d time.Duration) float64 {
 // when a 48 GiB row is present, whether it meets them.
 func FormatPinning(results []PinningResult) string {
 	var b strings.Builder
-	b.WriteString("| size | mmap + prefault | register | total | GiB/s | ranges | bytes beyond asked | cuMemHostAlloc | its GiB/s | speed-up |\n")
-	b.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| size | cold: mmap + prefault | register | total | GiB/s | warm: mmap + prefault | register | total | GiB/s | ranges | bytes beyond asked | cuMemHostAlloc | its GiB/s | speed-up warm (cold) |\n")
+	b.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	var threads int
 	var fallbacks []string
 	for _, r := range results {
 		threads = r.Threads
 		ref, refRate, speed := "–", "–", "–"
 		if r.HostAlloc > 0 {
-			ref, refRate, speed = ms(r.HostAlloc), fmt.Sprintf("%.1f", r.HostAllocGiBs), fmt.Sprintf("%.1f×", r.Speedup)
+			ref, refRate, speed = ms(r.HostAlloc), fmt.Sprintf("%.1f", r.HostAllocGiBs), fmt.Sprintf("%.1f× (%.1f×)", r.Speedup, r.ColdSpeedup)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %d | %d | %s | %s | %s |\n",
-			sizeString(r.Size), ms(r.Map), ms(r.Register), ms(r.Total), r.GiBps, r.Ranges, r.Extra(), ref, refRate, speed)
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %.1f | %s | %s | %s | %.1f | %d | %d | %s | %s | %s |\n",
+			sizeString(r.Size), ms(r.Cold.Map), ms(r.Cold.Register), ms(r.Cold.Total), r.Cold.GiBps,
+			ms(r.Map), ms(r.Register), ms(r.Total), r.GiBps, r.Ranges, r.Extra(), ref, refRate, speed)
 		if r.Fallback != "" {
 			fallbacks = append(fallbacks, fmt.Sprintf("%s: %s", sizeString(r.Size), r.Fallback))
 		}
 	}
 	fmt.Fprintf(&b, "\nOurs: mmapmem.New (THP unless disabled, prefault on %d threads) + cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) in registration ranges. "+
-		"cuMemHostAlloc: one call of the same size (pages backed and pinned on return), owned bytes taken as asked: the driver does not report its rounding.\n", threads)
+		"cuMemHostAlloc: one call of the same size (pages backed and pinned on return), owned bytes taken as asked: the driver does not report its rounding.\n"+
+		"Order per size: ours (cold), cuMemHostAlloc, ours (warm), each freed before the next. On a virtual machine the first touch of guest memory the process never used pays the hypervisor's faults (EPT backing): the cold run pays them, cuMemHostAlloc and the warm run reuse that backed memory. Warm is the like-for-like comparison with cuMemHostAlloc; cold is what a freshly booted VM pays once.\n", threads)
 	for _, f := range fallbacks {
 		fmt.Fprintf(&b, "Fallback at %s\n", f)
 	}
@@ -182,15 +207,21 @@ func FormatPinning(results []PinningResult) string {
 		if r.Size != PinningTargetSize {
 			continue
 		}
-		verdict := "met"
-		if r.GiBps < PinningTargetGiBps || (r.HostAlloc > 0 && r.Speedup < PinningTargetSpeedup) || r.Extra() >= r.PageSize {
-			verdict = "MISSED"
+		for _, run := range []struct {
+			name  string
+			gibps float64
+			speed float64
+		}{{"warm", r.GiBps, r.Speedup}, {"cold", r.Cold.GiBps, r.ColdSpeedup}} {
+			verdict := "met"
+			if run.gibps < PinningTargetGiBps || (r.HostAlloc > 0 && run.speed < PinningTargetSpeedup) || r.Extra() >= r.PageSize {
+				verdict = "MISSED"
+			}
+			speed := "not measured"
+			if r.HostAlloc > 0 {
+				speed = fmt.Sprintf("%.1f×", run.speed)
+			}
+			fmt.Fprintf(&b, "At %s, %s: %.1f GiB/s, %s, %d bytes beyond asked: target %s.\n", sizeString(r.Size), run.name, run.gibps, speed, r.Extra(), verdict)
 		}
-		speed := "not measured"
-		if r.HostAlloc > 0 {
-			speed = fmt.Sprintf("%.1f×", r.Speedup)
-		}
-		fmt.Fprintf(&b, "At %s: %.1f GiB/s, %s, %d bytes beyond asked: target %s.\n", sizeString(r.Size), r.GiBps, speed, r.Extra(), verdict)
 	}
 	return b.String()
 }

@@ -22,25 +22,27 @@ const gib = 1 << 30
 
 func TestFormatPinning(t *testing.T) {
 	results := []bench.PinningResult{
-		{Size: gib, Map: 30 * time.Millisecond, Register: 25 * time.Millisecond, Total: 55 * time.Millisecond, GiBps: 18.2,
+		{Size: gib, Cold: bench.PinningRun{Map: 60 * time.Millisecond, Register: 25 * time.Millisecond, Total: 85 * time.Millisecond, GiBps: 11.8}, ColdSpeedup: 4.8, Map: 30 * time.Millisecond, Register: 25 * time.Millisecond, Total: 55 * time.Millisecond, GiBps: 18.2,
 			Mapped: gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 411 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 7.5},
-		{Size: 48 * gib, Map: 1080 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 2260 * time.Millisecond, GiBps: 21.2,
+		{Size: 48 * gib, Cold: bench.PinningRun{Map: 7000 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 8180 * time.Millisecond, GiBps: 5.9}, ColdSpeedup: 2.4, Map: 1080 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 2260 * time.Millisecond, GiBps: 21.2,
 			Mapped: 48 * gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 19700 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 8.7},
 		{Size: 5*gib + 1, Total: time.Second, GiBps: 5, Mapped: 5*gib + 4096, PageSize: 4096, Ranges: 1, Threads: 16,
 			Fallback: "hugetlbfs pages unavailable"},
 	}
 	out := bench.FormatPinning(results)
-	require.Contains(t, out, "| 1 GiB | 30 ms | 25 ms | 55 ms | 18.2 | 1 | 0 | 411 ms | 2.4 | 7.5× |")
-	require.Contains(t, out, "| 48 GiB | 1080 ms | 1180 ms | 2260 ms | 21.2 | 1 | 0 | 19700 ms | 2.4 | 8.7× |")
-	require.Contains(t, out, "| 5368709121 B | 0.00 ms | 0.00 ms | 1000 ms | 5.0 | 1 | 4095 | – | – | – |")
+	require.Contains(t, out, "| 1 GiB | 60 ms | 25 ms | 85 ms | 11.8 | 30 ms | 25 ms | 55 ms | 18.2 | 1 | 0 | 411 ms | 2.4 | 7.5× (4.8×) |")
+	require.Contains(t, out, "| 48 GiB | 7000 ms | 1180 ms | 8180 ms | 5.9 | 1080 ms | 1180 ms | 2260 ms | 21.2 | 1 | 0 | 19700 ms | 2.4 | 8.7× (2.4×) |")
+	require.Contains(t, out, "| 5368709121 B | 0.00 ms | 0.00 ms | 0.00 ms | 0.0 | 0.00 ms | 0.00 ms | 1000 ms | 5.0 | 1 | 4095 | – | – | – |")
+	require.Contains(t, out, "Order per size: ours (cold), cuMemHostAlloc, ours (warm)")
 	require.Contains(t, out, "prefault on 16 threads")
 	require.Contains(t, out, "Fallback at 5368709121 B: hugetlbfs pages unavailable")
-	require.Contains(t, out, "At 48 GiB: 21.2 GiB/s, 8.7×, 0 bytes beyond asked: target met.")
+	require.Contains(t, out, "At 48 GiB, warm: 21.2 GiB/s, 8.7×, 0 bytes beyond asked: target met.")
+	require.Contains(t, out, "At 48 GiB, cold: 5.9 GiB/s, 2.4×, 0 bytes beyond asked: target MISSED.")
 
 	results[1].Speedup = 6.9
-	require.Contains(t, bench.FormatPinning(results), "target MISSED")
+	require.Contains(t, bench.FormatPinning(results), "At 48 GiB, warm: 21.2 GiB/s, 6.9×, 0 bytes beyond asked: target MISSED.")
 	results[1].Speedup, results[1].GiBps = 8.7, 17.9
-	require.Contains(t, bench.FormatPinning(results), "target MISSED")
+	require.Contains(t, bench.FormatPinning(results), "At 48 GiB, warm: 17.9 GiB/s, 8.7×, 0 bytes beyond asked: target MISSED.")
 }
 
 func TestMeasurePinningFake(t *testing.T) {
@@ -56,9 +58,12 @@ func TestMeasurePinningFake(t *testing.T) {
 		require.Less(t, r.Extra(), r.PageSize)
 		require.Equal(t, int((r.Mapped+(1<<20)-1)/(1<<20)), r.Ranges)
 		require.Equal(t, r.Map+r.Register, r.Total)
+		require.Equal(t, r.Cold.Map+r.Cold.Register, r.Cold.Total)
 		require.Positive(t, r.GiBps)
+		require.Positive(t, r.Cold.GiBps)
 		require.Positive(t, r.HostAlloc)
 		require.Positive(t, r.Speedup)
+		require.Positive(t, r.ColdSpeedup)
 	}
 	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
 	require.Equal(t, 2, fd.Calls(cuda.OpMemHostAlloc))
@@ -110,14 +115,20 @@ func pinSizes(t testing.TB) []int64 {
 
 // TestPinningBench measures time to pinned memory on the GPU at the sizes
 // of KVO_PIN_SIZES and logs the table (run with -test.v). With
-// KVO_RESULTS_DIR set it also writes the table to pinning.md there.
+// KVO_RESULTS_DIR or KVO_BENCH_OUT set it also writes the table to
+// pinning.md there.
 func TestPinningBench(t *testing.T) {
 	g := cudatest.Open(t)
 	results, err := bench.MeasurePinning(g.Drv, g.Dev, pinSizes(t), bench.PinningOptions{})
 	require.NoError(t, err)
 	table := bench.FormatPinning(results)
 	t.Log("\n" + table)
-	if dir := os.Getenv("KVO_RESULTS_DIR"); dir != "" {
+	dir := os.Getenv("KVO_RESULTS_DIR")
+	if dir == "" {
+		dir = os.Getenv("KVO_BENCH_OUT")
+	}
+	if dir != "" {
+		require.NoError(t, os.MkdirAll(dir, 0o755))
 		name, _ := g.Drv.DeviceName(g.Dev)
 		doc := fmt.Sprintf("# Time to pinned memory\n\n%s, %s.\n\n%s", name, time.Now().UTC().Format(time.DateOnly), table)
 		require.NoError(t, os.WriteFile(filepath.Join(dir, "pinning.md"), []byte(doc), 0o644))
@@ -193,7 +204,7 @@ func TestFormatPinningVariants(t *testing.T) {
 	require.Contains(t, out, `GOMAXPROCS 5, NumCPU 16, cgroup cpu.max "500000 100000"`)
 	require.Contains(t, out, "| touch ×16 | 8 GiB | 200 ms | 40.0 | 100% | – | – |")
 	require.Contains(t, out, "| populate ×16 THP + register | 8 GiB | 100 ms | 80.0 | 50% | 300 ms | 20.0 |")
-	require.Contains(t, out, "Fastest prefault: populate ×16 THP + register (80.0 GiB/s, method populate; mmapmem.DefaultPrefaultMethod is touch).")
+	require.Contains(t, out, "Fastest prefault: populate ×16 THP + register (80.0 GiB/s, method populate; mmapmem.DefaultPrefaultMethod is populate).")
 }
 
 // TestPinningVariants sweeps prefault method × threads × work split at

@@ -26,11 +26,12 @@ const (
 	PrefaultPopulate
 )
 
-// DefaultPrefaultMethod is what PrefaultAuto means. Touching is what the
-// fastest measured pinning on the H200 machine used (ANCHORS.md: 48 GiB with
-// MADV_HUGEPAGE touched on 16 threads in 1.08 s); bench's
-// TestPinningVariants measures both methods side by side.
-const DefaultPrefaultMethod = PrefaultTouch
+// DefaultPrefaultMethod is what PrefaultAuto means: MADV_POPULATE_WRITE,
+// the fastest in bench's TestPinningVariants on the H200 machine
+// (2026-11-29, 8 GiB with THP on 16 threads: populate 53.5 GiB/s vs touch
+// 51.5, 56.1 vs 54.1 in 2 MiB stripes; populate + register 20.0 GiB/s vs
+// 18.0); it falls back to touching where the kernel lacks it.
+const DefaultPrefaultMethod = PrefaultPopulate
 
 func (m PrefaultMethod) String() string {
 	switch m {

@@ -175,7 +175,7 @@ func TestPrefaultMethodString(t *testing.T) {
 	} {
 		require.Equal(t, want, m.String())
 	}
-	require.Equal(t, mmapmem.PrefaultTouch, mmapmem.DefaultPrefaultMethod)
+	require.Equal(t, mmapmem.PrefaultPopulate, mmapmem.DefaultPrefaultMethod)
 }
 
 func TestNUMABindingIsVisible(t *testing.T) {
