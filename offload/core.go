@@ -14,6 +14,7 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // engineHooks are test-only injections.
@@ -23,14 +24,23 @@ type engineHooks struct {
 	tracker    *transfer.Tracker
 	// beforeGrow runs on the growth goroutine before it pins plan[i].
 	beforeGrow func(i int)
+	// rangeLimit is the CUDA pinner's registration range limit (0: 64 GiB).
+	rangeLimit int64
+	// copyOptions configure the CUDA copy method.
+	copyOptions cudacopy.Options
 }
 
-// poolRegion is one mapped, pinned region of the pool.
+// poolRegion is one mapped, pinned region of the pool (or the staging
+// region). The flags say how far mapRegion got, for unmapRegion.
 type poolRegion struct {
-	id    kvcache.RegionID
-	r     *mmapmem.Region
-	host  uint64 // address the copy layer knows it by
-	mlock bool
+	id          kvcache.RegionID
+	r           *mmapmem.Region
+	host        uint64   // address the copy layer knows it by
+	rangeStarts []uint64 // offsets where a registration range begins (CUDA)
+	pinned      bool     // registered (CUDA) or known to the simulation (host)
+	mlock       bool
+	known       []uint64 // bases of the host ranges told to the scheduler
+	tracked     bool     // declared live to the gating Tracker
 }
 
 func newEngine(cfg Config, h engineHooks) (*Engine, error) {
@@ -50,13 +60,9 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	if choice.name == BackendCUDA {
-		// The CUDA Device of package transfer and package register have not
-		// landed: this build runs the host backend only.
-		if cfg.Backend == BackendCUDA {
-			return nil, fmt.Errorf("%w: the CUDA backend is not wired into this build of the engine", ErrNoDriver)
-		}
-		choice = backendChoice{name: BackendHost, reason: "auto: CUDA found, but this build of the engine runs the host backend only"}
+	if choice.name == BackendCUDA && layoutEmpty(cfg.Layout) {
+		// Only reachable with "auto": withDefaults refuses "cuda" without tensors.
+		choice = backendChoice{name: BackendHost, reason: "auto: " + choice.reason + ", but the Layout gives no device addresses (LayerTensors, or Base and Stride), so the host backend simulates the GPU"}
 	}
 	node := numa.node
 	if numa.auto && choice.name == BackendCUDA {
@@ -79,23 +85,17 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			e.teardown()
 		}
 	}()
-	if e.sim = cfg.Sim; e.sim == nil {
-		if e.sim, err = NewSimGPU(SimOptions{}); err != nil {
+	if choice.name == BackendCUDA {
+		if err := e.openCUDA(choice); err != nil {
 			return nil, err
 		}
-		e.ownSim = true
+	} else if err := e.openSim(); err != nil {
+		return nil, err
 	}
-	spec, _ := kvLayoutSpec(cfg.Layout)
-	if layoutEmpty(cfg.Layout) {
-		if err := e.allocDense(&spec); err != nil {
-			return nil, err
-		}
-		e.cfg.Layout = fromKVLayoutSpec(spec)
-	}
+	spec, _ := kvLayoutSpec(e.cfg.Layout)
 	if e.layout, err = kvcache.NewLayout(spec); err != nil {
 		return nil, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
-	e.dev = e.sim.sim
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 	}); err != nil {
@@ -118,6 +118,9 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		if e.stagingRegion, err = e.mapRegion(cfg.StagingBytes, false); err != nil {
 			return nil, fmt.Errorf("offload: staging region: %w", err)
 		}
+		if e.stagingDev, err = e.stagingDevicePtr(e.stagingRegion); err != nil {
+			return nil, err
+		}
 	}
 	if err := e.addRegion(plan[0]); err != nil {
 		return nil, err
@@ -132,6 +135,27 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	go e.reaper()
 	ok = true
 	return e, nil
+}
+
+// openSim sets up the host backend: the simulated GPU, with a layout given
+// without tensors allocated densely in it.
+func (e *Engine) openSim() error {
+	var err error
+	if e.sim = e.cfg.Sim; e.sim == nil {
+		if e.sim, err = NewSimGPU(SimOptions{}); err != nil {
+			return err
+		}
+		e.ownSim = true
+	}
+	e.dev = e.sim.sim
+	if layoutEmpty(e.cfg.Layout) {
+		spec, _ := kvLayoutSpec(e.cfg.Layout)
+		if err := e.allocDense(&spec); err != nil {
+			return err
+		}
+		e.cfg.Layout = fromKVLayoutSpec(spec)
+	}
+	return nil
 }
 
 // allocDense places a layout given without tensors in the SimGPU.
@@ -181,7 +205,7 @@ func (e *Engine) addDeviceRanges() error {
 }
 
 // mapRegion maps, prefaults and pins size bytes and makes them known to
-// the copy layer.
+// the copy layer. On error nothing of it is left mapped or pinned.
 func (e *Engine) mapRegion(size int64, pool bool) (*poolRegion, error) {
 	t0 := time.Now()
 	opts := mmapmem.Options{NoTHP: e.cfg.HugePages == HugePagesNone, HugeTLB: e.cfg.HugePages == HugePagesHugeTLB,
@@ -191,41 +215,82 @@ func (e *Engine) mapRegion(size int64, pool bool) (*poolRegion, error) {
 		return nil, err
 	}
 	pr := &poolRegion{r: r}
+	if err := e.pinRegion(pr); err != nil {
+		e.unmapRegion(pr)
+		return nil, err
+	}
+	// One scheduler host range per registration range, so that copies are
+	// never coalesced across two registrations.
+	starts := append([]uint64{0}, pr.rangeStarts...)
+	for i, off := range starts {
+		end := uint64(size)
+		if i+1 < len(starts) {
+			end = starts[i+1]
+		}
+		if err := e.sched.AddHostRange(pr.host+off, end-off); err != nil {
+			e.unmapRegion(pr)
+			return nil, err
+		}
+		pr.known = append(pr.known, pr.host+off)
+	}
+	if pool && e.tracker != nil {
+		if err := e.tracker.Live(pr.host, uint64(size)); err != nil {
+			e.unmapRegion(pr)
+			return nil, err
+		}
+		pr.tracked = true
+	}
+	e.stats.pinCalls.Add(1)
+	e.stats.pinNanos.Add(int64(time.Since(t0)))
+	return pr, nil
+}
+
+// pinRegion pins a mapped region: cuMemHostRegister in ≤ 64 GiB ranges on
+// CUDA; mlock (Config.HostPinning) and registration with the simulation
+// on the host backend.
+func (e *Engine) pinRegion(pr *poolRegion) error {
+	r := pr.r
+	if e.pinner != nil {
+		if err := e.pinner.Register(r); err != nil {
+			return fmt.Errorf("offload: pinning a region of %d bytes: %w", r.Len(), err)
+		}
+		pr.pinned = true
+		pr.host = uint64(r.Addr())
+		for _, rg := range e.pinner.Ranges(r)[1:] {
+			pr.rangeStarts = append(pr.rangeStarts, uint64(rg.Off))
+		}
+		return nil
+	}
 	if e.cfg.HostPinning == PinMlock {
 		if err := unix.Mlock(r.Bytes()); err != nil {
-			_ = r.Close()
-			return nil, fmt.Errorf("%w: mlock of %d bytes: %w", ErrInsufficientMemory, size, err)
+			return fmt.Errorf("%w: mlock of %d bytes: %w", ErrInsufficientMemory, r.Len(), err)
 		}
 		pr.mlock = true
 	}
 	host, err := e.sim.sim.RegisterHost(r.Bytes())
 	if err != nil {
-		e.unmapRegion(pr)
-		return nil, err
+		return err
 	}
 	pr.host = host
-	if err := e.sched.AddHostRange(host, uint64(size)); err != nil {
-		_ = e.sim.sim.UnregisterHost(host)
-		pr.host = 0
-		e.unmapRegion(pr)
-		return nil, err
-	}
-	e.stats.pinCalls.Add(1)
-	e.stats.pinNanos.Add(int64(time.Since(t0)))
-	if pool && e.tracker != nil {
-		if err := e.tracker.Live(host, uint64(size)); err != nil {
-			return nil, err
-		}
-	}
-	return pr, nil
+	pr.pinned = true
+	return nil
 }
 
-// unmapRegion undoes mapRegion.
+// unmapRegion undoes mapRegion (as far as it got).
 func (e *Engine) unmapRegion(pr *poolRegion) {
 	t0 := time.Now()
-	if pr.host != 0 {
-		_ = e.sched.RemoveHostRange(pr.host)
-		_ = e.sim.sim.UnregisterHost(pr.host)
+	if pr.tracked {
+		_ = e.tracker.Released(pr.host, uint64(pr.r.Len()))
+	}
+	for _, base := range pr.known {
+		_ = e.sched.RemoveHostRange(base)
+	}
+	if pr.pinned {
+		if e.pinner != nil {
+			_ = e.pinner.Unregister(pr.r)
+		} else {
+			_ = e.sim.sim.UnregisterHost(pr.host)
+		}
 	}
 	if pr.mlock {
 		_ = unix.Munlock(pr.r.Bytes())
@@ -245,7 +310,7 @@ func (e *Engine) addRegion(size int64) error {
 	e.nextID++
 	pr.id = e.nextID
 	e.memMu.Unlock()
-	if _, err := e.cache.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size)}); err != nil {
+	if _, err := e.cache.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size), RangeStarts: pr.rangeStarts}); err != nil {
 		e.unmapRegion(pr)
 		return err
 	}
@@ -257,11 +322,18 @@ func (e *Engine) addRegion(size int64) error {
 }
 
 // grow pins the rest of the pool, one region at a time, on a goroutine
-// locked to its OS thread.
+// locked to its OS thread (never unlocked: the thread, with its CUDA state,
+// exits with the goroutine).
 func (e *Engine) grow() {
 	defer e.wg.Done()
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
+	if err := e.initGrowThread(); err != nil {
+		e.growMu.Lock()
+		e.growErr, e.growDone = err, true
+		e.growCond.Broadcast()
+		e.growMu.Unlock()
+		return
+	}
 	for {
 		e.growMu.Lock()
 		for e.paused && !e.stopGrow {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -34,18 +35,26 @@ type Engine struct {
 	nextRegion int
 	plan       []int64
 
-	node    int
-	slot    int64
-	layout  *kvcache.Layout
-	cache   *kvcache.Cache
-	sched   *transfer.Scheduler
-	sim     *SimGPU
-	dev     transfer.Device // the Sim or the CUDA device
-	drv     cuda.Driver     // nil on the host backend
-	events  bool            // ops carry CUDA events (CUDA backend)
-	lost    atomic.Pointer[error]
-	ownSim  bool
-	tracker *transfer.Tracker
+	node   int
+	slot   int64
+	layout *kvcache.Layout
+	cache  *kvcache.Cache
+	sched  *transfer.Scheduler
+	sim    *SimGPU
+	dev    transfer.Device // the Sim or the CUDA device
+	drv    cuda.Driver     // nil on the host backend
+	events bool            // ops carry CUDA events (CUDA backend)
+	lost   atomic.Pointer[error]
+
+	// CUDA backend only.
+	cuDevice   cuda.Device
+	cuCtx      cuda.Context
+	ctxHeld    bool // primary context retained
+	pinner     register.Pinner
+	cudaDev    *transfer.CUDA
+	stagingDev uint64 // device address of the staging region
+	ownSim     bool
+	tracker    *transfer.Tracker
 
 	denseAlloc uint64
 

@@ -488,9 +488,6 @@ func (e *Engine) reap() {
 		if pr == nil {
 			continue
 		}
-		if e.tracker != nil {
-			_ = e.tracker.Released(pr.host, uint64(pr.r.Len()))
-		}
 		n := pr.r.Len()
 		e.unmapRegion(pr)
 		e.stats.trimmedBytes.Add(n)
@@ -632,7 +629,7 @@ func (e *Engine) staging(name string, bytes int64) (*Staging, error) {
 	}
 	buf := e.stagingRegion.r.Bytes()[off : off+bytes : off+bytes]
 	addr := e.stagingRegion.r.Addr() + uintptr(off)
-	s := &Staging{name: name, addr: addr, dev: uint64(addr), size: bytes, buf: buf}
+	s := &Staging{name: name, addr: addr, dev: e.stagingDev + uint64(off), size: bytes, buf: buf}
 	e.staged[name] = s
 	e.stagingUsed = off + bytes
 	return s, nil
@@ -675,6 +672,7 @@ func (e *Engine) teardown() error {
 	for _, pr := range all {
 		e.unmapRegion(pr)
 	}
+	errs = append(errs, e.closeCUDADevice(), e.releaseContext())
 	if e.denseAlloc != 0 {
 		errs = append(errs, e.sim.sim.MemFree(e.denseAlloc))
 	}

@@ -1,0 +1,102 @@
+package offload
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/register"
+	"github.com/kvoffload/kvoffload/transfer"
+)
+
+// openCUDA sets up the CUDA backend: device Config.Device's primary
+// context (the one a serving stack's CUDA runtime already uses), a pinner
+// registering regions with cuMemHostRegister in ≤ 64 GiB ranges, and the
+// transfer layer's CUDA device (its streams, and the copy kernels' PTX
+// module, loaded here).
+func (e *Engine) openCUDA(c backendChoice) error {
+	drv := c.drv
+	dev, err := drv.DeviceGet(e.cfg.Device)
+	if err != nil {
+		return fmt.Errorf("%w: device %d: %w", ErrNoDriver, e.cfg.Device, err)
+	}
+	ctx, err := drv.PrimaryCtxRetain(dev)
+	if err != nil {
+		return fmt.Errorf("%w: retaining device %d's primary context: %w", ErrNoDriver, e.cfg.Device, err)
+	}
+	e.drv, e.cuDevice, e.cuCtx, e.ctxHeld = drv, dev, ctx, true
+	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit}); err != nil {
+		return err
+	}
+	err = cuda.OnThread(drv, ctx, func() error {
+		var err error
+		e.cudaDev, err = transfer.NewCUDA(drv, dev, ctx, e.hooks.copyOptions)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)
+	}
+	e.dev = e.cudaDev
+	e.events = true
+	return nil
+}
+
+// initGrowThread prepares the growth goroutine's locked OS thread for
+// driver calls: the context current and capture mode relaxed, so pinning
+// never invalidates a serving stack's graph capture on another thread.
+func (e *Engine) initGrowThread() error {
+	if e.drv == nil {
+		return nil
+	}
+	if err := e.drv.CtxSetCurrent(e.cuCtx); err != nil {
+		return fmt.Errorf("offload: growth thread: make context current: %w", err)
+	}
+	if _, err := e.drv.ThreadExchangeStreamCaptureMode(cuda.CaptureModeRelaxed); err != nil {
+		return fmt.Errorf("offload: growth thread: relax capture mode: %w", err)
+	}
+	return nil
+}
+
+// stagingDevicePtr is the device address of the staging region's first
+// byte: its registered host pointer as the GPU sees it.
+func (e *Engine) stagingDevicePtr(pr *poolRegion) (uint64, error) {
+	if e.drv == nil {
+		return pr.host, nil
+	}
+	var p cuda.DevicePtr
+	err := cuda.OnThread(e.drv, e.cuCtx, func() error {
+		var err error
+		p, err = e.drv.MemHostGetDevicePointer(pr.r.Pointer())
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("offload: staging region's device pointer: %w", err)
+	}
+	return uint64(p), nil
+}
+
+// closeCUDA releases the CUDA device (after the scheduler is closed).
+func (e *Engine) closeCUDADevice() error {
+	if e.cudaDev == nil {
+		return nil
+	}
+	err := cuda.OnThread(e.drv, e.cuCtx, e.cudaDev.Close)
+	if cuda.IsSticky(err) {
+		// The context is lost: its streams and module went with it.
+		return nil
+	}
+	return err
+}
+
+// releaseContext drops the primary context reference taken by openCUDA
+// (after every region is unregistered).
+func (e *Engine) releaseContext() error {
+	if !e.ctxHeld {
+		return nil
+	}
+	e.ctxHeld = false
+	if err := e.drv.PrimaryCtxRelease(e.cuDevice); err != nil && !errors.Is(err, cuda.ErrNoDriver) {
+		return fmt.Errorf("offload: releasing device %d's primary context: %w", e.cfg.Device, err)
+	}
+	return nil
+}

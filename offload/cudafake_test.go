@@ -1,0 +1,372 @@
+package offload
+
+import (
+	"context"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// gpuMem is a serving stack's side of a CUDA test: a driver with the
+// primary context current on the test's locked thread, a KV cache in
+// device memory, and a pinned bounce buffer to read and write it.
+type gpuMem struct {
+	t      testing.TB
+	drv    cuda.Driver
+	dev    cuda.Device
+	ctx    cuda.Context
+	allocs []cuda.DevicePtr
+	bounce unsafe.Pointer
+	buf    []byte
+}
+
+// newGPUMem makes the context current on the calling goroutine's OS thread
+// (locked until the test ends) and allocates a bounce buffer of n bytes.
+func newGPUMem(t testing.TB, drv cuda.Driver, n int) *gpuMem {
+	t.Helper()
+	runtime.LockOSThread()
+	dev, err := drv.DeviceGet(0)
+	require.NoError(t, err)
+	ctx, err := drv.PrimaryCtxRetain(dev)
+	require.NoError(t, err)
+	require.NoError(t, drv.CtxSetCurrent(ctx))
+	p, err := drv.MemHostAlloc(uint64(n), cuda.HostAllocPortable)
+	require.NoError(t, err)
+	return &gpuMem{t: t, drv: drv, dev: dev, ctx: ctx, bounce: p, buf: unsafe.Slice((*byte)(p), n)}
+}
+
+// close frees what newGPUMem and the layouts allocated.
+func (g *gpuMem) close() {
+	for _, a := range g.allocs {
+		require.NoError(g.t, g.drv.MemFree(a))
+	}
+	require.NoError(g.t, g.drv.MemFreeHost(g.bounce))
+	require.NoError(g.t, g.drv.PrimaryCtxRelease(g.dev))
+	runtime.UnlockOSThread()
+}
+
+func (g *gpuMem) alloc(n uint64) uint64 {
+	p, err := g.drv.MemAlloc(n)
+	require.NoError(g.t, err)
+	g.allocs = append(g.allocs, p)
+	return uint64(p)
+}
+
+// layout allocates a KV cache of blocks blocks in device memory: 2 layers,
+// K and V of 1 head × 64 × bf16 × 16 tokens per layer and block (8 KiB a
+// block), layer-separate or cross-layer.
+func (g *gpuMem) layout(kind string, blocks int) LayoutSpec {
+	l := LayoutSpec{Kind: kind, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: blocks}
+	seg := uint64(2048)
+	if kind == LayoutCrossLayer {
+		l.Stride = 4 * seg
+		l.Base = g.alloc(l.Stride * uint64(blocks))
+		return l
+	}
+	for range l.Layers {
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * uint64(blocks)), V: g.alloc(seg * uint64(blocks)), Stride: seg})
+	}
+	return l
+}
+
+// write copies content into GPU block id of e's layout.
+func (g *gpuMem) write(e *Engine, id int, content []byte) {
+	copy(g.buf, content)
+	segs, err := e.layout.Segments(id, nil)
+	require.NoError(g.t, err)
+	for _, s := range segs {
+		require.NoError(g.t, g.drv.Memcpy(cuda.DevicePtr(s.Dev), cuda.DevicePtr(uintptr(g.bounce)+uintptr(s.Off)), s.Len))
+	}
+}
+
+// read returns GPU block id of e's layout.
+func (g *gpuMem) read(e *Engine, id int) []byte {
+	segs, err := e.layout.Segments(id, nil)
+	require.NoError(g.t, err)
+	for _, s := range segs {
+		require.NoError(g.t, g.drv.Memcpy(cuda.DevicePtr(uintptr(g.bounce)+uintptr(s.Off)), cuda.DevicePtr(s.Dev), s.Len))
+	}
+	return append([]byte(nil), g.buf[:e.slot]...)
+}
+
+// newCUDAEngine starts an engine on the CUDA backend over drv.
+func newCUDAEngine(t testing.TB, drv cuda.Driver, cfg Config, h engineHooks) (*Engine, error) {
+	t.Helper()
+	if cfg.Backend == "" {
+		cfg.Backend = BackendCUDA
+	}
+	cfg.SkipMemoryCheck = true
+	h.loadDriver = func() (cuda.Driver, error) { return drv, nil }
+	return newEngine(cfg, h)
+}
+
+// storeAll stores keys from GPU blocks ids and requires every block stored.
+func storeAll(t testing.TB, e *Engine, keys []Key, ids []int, opts StoreOptions) {
+	t.Helper()
+	op, err := e.Store(context.Background(), keys, ids, opts)
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(context.Background()))
+	require.Equal(t, len(keys), op.Count(OutcomeStored), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.NoError(t, op.Release())
+}
+
+// loadCheck loads keys into GPU blocks ids and checks them byte for byte.
+func loadCheck(t testing.TB, e *Engine, g *gpuMem, keys []Key, ids []int, contents [][]byte, opts LoadOptions) *Op {
+	t.Helper()
+	op, err := e.Load(context.Background(), keys, ids, opts)
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(context.Background()))
+	require.Equal(t, len(keys), op.Count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
+	for i, id := range ids {
+		require.Equal(t, contents[i], g.read(e, id), "block %d (key %v)", id, keys[i])
+	}
+	return op
+}
+
+func randomContents(rng *rand.Rand, n int, size int64) [][]byte {
+	out := make([][]byte, n)
+	for i := range out {
+		out[i] = make([]byte, size)
+		for j := range out[i] {
+			out[i][j] = byte(rng.Uint32())
+		}
+	}
+	return out
+}
+
+// storeOverwriteLoad is the scenario the CPU and GPU tests share: random
+// content stored from blocks 0..n-1, those GPU blocks overwritten, then
+// loaded into other block ids (also per layer, with a Signal event) and
+// checked byte for byte.
+func storeOverwriteLoad(t *testing.T, e *Engine, g *gpuMem, n int, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	contents := randomContents(rng, n, e.slot)
+	keys := make([]Key, n)
+	src, dst := make([]int, n), make([]int, n)
+	for i := range n {
+		keys[i] = testKey(int(seed)*1000 + i)
+		src[i], dst[i] = i, n+i
+		g.write(e, i, contents[i])
+	}
+	storeAll(t, e, keys, src, StoreOptions{})
+	for i := range n {
+		g.write(e, i, make([]byte, e.slot))
+	}
+	op := loadCheck(t, e, g, keys, dst, contents, LoadOptions{})
+	ev, err := op.Event()
+	require.NoError(t, err)
+	require.NotZero(t, ev, "CUDA ops carry an event")
+	require.NoError(t, op.Release())
+
+	sig, err := g.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, g.drv.EventDestroy(sig)) }()
+	op = loadCheck(t, e, g, keys, src, contents, LoadOptions{PerLayer: true, Signal: uintptr(sig)})
+	if e.layout.Kind().String() != LayoutCrossLayer {
+		for l := range 2 {
+			lev, err := op.LayerEvent(l)
+			require.NoError(t, err)
+			require.NotZero(t, lev)
+		}
+	}
+	done, err := g.drv.EventQuery(cuda.Event(sig))
+	require.NoError(t, err)
+	require.True(t, done, "the Signal event completed with the load")
+	s, err := g.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	require.NoError(t, op.StreamWait(uintptr(s)))
+	require.NoError(t, g.drv.StreamSynchronize(s))
+	require.NoError(t, g.drv.StreamDestroy(s))
+	require.NoError(t, op.Release())
+}
+
+func fakeDriver(t *testing.T, opts cudafake.Options) *cudafake.Driver {
+	t.Helper()
+	opts.CheckContext = true
+	d := cudafake.New(opts)
+	t.Cleanup(func() {
+		require.True(t, d.Live().IsZero(), "nothing left allocated, registered or created: %+v", d.Live())
+		require.NoError(t, d.Close())
+		goleak.VerifyNone(t)
+	})
+	return d
+}
+
+func TestCUDAFakeRoundTrip(t *testing.T) {
+	for _, kind := range []string{LayoutLayerSeparate, LayoutCrossLayer} {
+		t.Run(kind, func(t *testing.T) {
+			d := fakeDriver(t, cudafake.Options{Seed: 1, MaxDelay: 50 * time.Microsecond})
+			g := newGPUMem(t, d, 8<<10)
+			defer g.close()
+			slot := int64(8 << 10)
+			e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+				Layout: g.layout(kind, 16), Policy: PolicyLRU}, engineHooks{rangeLimit: 16 << 10})
+			require.NoError(t, err)
+			name, reason := e.Backend()
+			require.Equal(t, BackendCUDA, name)
+			require.Contains(t, reason, "cuda")
+			require.NoError(t, e.WaitGrown(context.Background()))
+			st := e.Stats()
+			require.Equal(t, 4, st.Regions)
+			require.Equal(t, int64(32), st.SlotsTotal, "regions of 8 slots in ranges of 2 slots: no slot lost")
+			require.Positive(t, st.FirstSlot)
+			require.GreaterOrEqual(t, st.FullPool, st.FirstSlot)
+
+			stg, err := e.Staging("out", 100)
+			require.NoError(t, err)
+			require.NotZero(t, stg.DevicePtr())
+
+			storeOverwriteLoad(t, e, g, 6, 1)
+			res, err := e.Trim(context.Background(), 8*slot)
+			require.NoError(t, err)
+			require.Equal(t, 8*slot, res.FreedBytes)
+			storeOverwriteLoad(t, e, g, 6, 2)
+			require.NoError(t, e.Close())
+		})
+	}
+}
+
+func TestCUDAFakeAutoBackend(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 64 << 10, Layout: g.layout(LayoutCrossLayer, 4), Backend: BackendAuto}, engineHooks{})
+	require.NoError(t, err)
+	name, reason := e.Backend()
+	require.Equal(t, BackendCUDA, name)
+	require.Contains(t, reason, "auto: libcuda loaded, device 0")
+	require.NoError(t, e.Close())
+
+	e, err = newCUDAEngine(t, d, Config{PoolBytes: 64 << 10, Layout: smallLayout(4), Backend: BackendAuto}, engineHooks{})
+	require.NoError(t, err)
+	name, reason = e.Backend()
+	require.Equal(t, BackendHost, name)
+	require.Contains(t, reason, "no device addresses")
+	require.NoError(t, e.Close())
+}
+
+// TestCUDAFakeGrowthFailure: registration failing at range 1 of the third
+// region during background growth stops growth with the driver's error;
+// the engine keeps serving from the regions it has.
+func TestCUDAFakeGrowthFailure(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	// Ranges of 2 slots: staging (16 KiB) 1 call, each 8-slot region 4 calls;
+	// call 1+4+4+2 is range 1 of region 2.
+	d.FailAt(cuda.OpMemHostRegister, 1+4+4+2, cuda.ErrorOutOfMemory)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		StagingBytes: 16 << 10, Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU}, engineHooks{rangeLimit: 16 << 10})
+	require.NoError(t, err)
+	err = e.WaitGrown(context.Background())
+	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
+	require.ErrorContains(t, err, "range 1")
+	st := e.Stats()
+	require.Equal(t, 2, st.Regions)
+	require.Equal(t, 16*slot, st.OwnedBytes)
+	require.Contains(t, st.GrowthError, "CUDA_ERROR_OUT_OF_MEMORY")
+	require.Zero(t, st.FullPool)
+	storeOverwriteLoad(t, e, g, 5, 3)
+	require.NoError(t, e.Close())
+}
+
+// TestCUDAFakeFirstRegionFailure: New fails when the first region cannot
+// be pinned, and leaves nothing registered, allocated or running.
+func TestCUDAFakeFirstRegionFailure(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	d.FailAt(cuda.OpMemHostRegister, 2, cuda.ErrorOutOfMemory)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 64 << 10, StagingBytes: 16 << 10, Layout: g.layout(LayoutCrossLayer, 4)}, engineHooks{})
+	require.Nil(t, e)
+	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
+}
+
+// TestCUDAFakeCopyFailure: a copy failing fails only the op it belongs to,
+// with the driver's error; every ready block stays readable and later ops
+// work.
+func TestCUDAFakeCopyFailure(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU},
+		engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodMemcpy}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	rng := rand.New(rand.NewPCG(5, 5))
+	contents := randomContents(rng, 3, slot)
+	keys := []Key{testKey(1), testKey(2), testKey(3)}
+	for i := range 3 {
+		g.write(e, i, contents[i])
+	}
+	storeAll(t, e, keys[:2], []int{0, 1}, StoreOptions{})
+
+	d.FailAt(cuda.OpMemcpyAsync, d.Calls(cuda.OpMemcpyAsync)+1, cuda.ErrorInvalidValue)
+	op, err := e.Store(context.Background(), keys[2:], []int{2}, StoreOptions{})
+	require.NoError(t, err)
+	require.ErrorContains(t, op.Wait(context.Background()), "CUDA_ERROR_INVALID_VALUE")
+	require.Equal(t, []Outcome{OutcomeFailed}, mustOutcomes(op.Outcomes()))
+	require.NoError(t, op.Release())
+	res, err := e.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 2, res.Hits, "the failed block is not visible")
+
+	require.NoError(t, loadCheck(t, e, g, keys[:2], []int{10, 11}, contents[:2], LoadOptions{}).Release())
+	storeAll(t, e, keys[2:], []int{2}, StoreOptions{})
+	require.NoError(t, loadCheck(t, e, g, keys, []int{12, 13, 14}, contents, LoadOptions{}).Release())
+	st := e.Stats()
+	require.Equal(t, int64(1), st.Outcome(OutcomeFailed))
+}
+
+// TestCUDAFakeStickyError: a sticky error fails the op in flight and makes
+// the engine refuse new work, saying why.
+func TestCUDAFakeStickyError(t *testing.T) {
+	// A lost context cannot free anything: close the fake without the
+	// leak check (its Close unmaps what is left).
+	d := cudafake.New(cudafake.Options{CheckContext: true})
+	t.Cleanup(func() {
+		require.NoError(t, d.Close())
+		goleak.VerifyNone(t)
+	})
+	g := newGPUMem(t, d, 8<<10)
+	defer runtime.UnlockOSThread()
+	slot := int64(8 << 10)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU},
+		engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodMemcpy}})
+	require.NoError(t, err)
+	d.FailAt(cuda.OpMemcpyAsync, d.Calls(cuda.OpMemcpyAsync)+1, cuda.ErrorIllegalAddress)
+	op, err := e.Store(context.Background(), []Key{testKey(1)}, []int{0}, StoreOptions{})
+	require.NoError(t, err)
+	<-op.Done()
+	require.Equal(t, []Outcome{OutcomeFailed}, mustOutcomes(op.Outcomes()))
+	require.ErrorContains(t, op.Err(), "CUDA_ERROR_ILLEGAL_ADDRESS")
+	require.NoError(t, op.Release())
+	for _, call := range []func() error{
+		func() error {
+			_, err := e.Store(context.Background(), []Key{testKey(2)}, []int{1}, StoreOptions{})
+			return err
+		},
+		func() error {
+			_, err := e.Load(context.Background(), []Key{testKey(2)}, []int{1}, LoadOptions{})
+			return err
+		},
+	} {
+		err := call()
+		require.ErrorIs(t, err, ErrDeviceLost)
+		require.ErrorContains(t, err, "CUDA_ERROR_ILLEGAL_ADDRESS")
+	}
+	require.ErrorContains(t, e.Close(), "CUDA_ERROR_ILLEGAL_ADDRESS", "Close reports what it could not release")
+	_, err = e.Store(context.Background(), []Key{testKey(2)}, []int{1}, StoreOptions{})
+	require.ErrorIs(t, err, ErrClosed)
+}
