@@ -320,9 +320,9 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		<-op.enq
 		return op, nil
 	}
-	if s.queued[d] > 0 && s.queued[d]+op.bytes > s.cfg.MaxQueuedBytes {
+	if queued := s.queued[d]; queued > 0 && queued+op.bytes > s.cfg.MaxQueuedBytes {
 		s.mu.Unlock()
-		return nil, fmt.Errorf("%w: %v: %d bytes queued + %d exceeds the queue bound %d", ErrBusy, d, s.queued[d], op.bytes, s.cfg.MaxQueuedBytes)
+		return nil, fmt.Errorf("%w: %v: %d bytes queued + %d exceeds the queue bound %d", ErrBusy, d, queued, op.bytes, s.cfg.MaxQueuedBytes)
 	}
 	s.queued[d] += op.bytes
 	s.queue[d] = append(s.queue[d], op)
