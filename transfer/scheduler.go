@@ -309,9 +309,9 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		return nil, err
 	}
 	if op.enq != nil {
-		if s.inflight[d] > 0 && s.inflight[d]+op.bytes > s.cfg.MaxInFlightBytes {
+		if inflight := s.inflight[d]; inflight > 0 && inflight+op.bytes > s.cfg.MaxInFlightBytes {
 			s.mu.Unlock()
-			return nil, fmt.Errorf("%w: %v: %d bytes in flight + %d exceeds the bound %d", ErrBusy, d, s.inflight[d], op.bytes, s.cfg.MaxInFlightBytes)
+			return nil, fmt.Errorf("%w: %v: %d bytes in flight + %d exceeds the bound %d", ErrBusy, d, inflight, op.bytes, s.cfg.MaxInFlightBytes)
 		}
 		s.inflight[d] += op.bytes
 		s.immediate[d] = append(s.immediate[d], op)
