@@ -1,17 +1,102 @@
 // Package offload is the engine a serving stack embeds to move KV-cache
-// blocks between GPU memory and a pool of pinned host memory: the only
-// package of kvoffload a Go user imports.
+// blocks between its GPU KV cache and a pool of pinned host memory, so that
+// prefixes evicted from the GPU come back at PCIe speed instead of being
+// recomputed. It is the only package of kvoffload a Go user imports.
 //
-// New maps and pins the staging region and the first pool region, then
-// returns; the rest of the pool is pinned region by region by a background
-// goroutine (PauseGrowth, ResumeGrowth, WaitGrown; Stats.FirstSlot and
-// Stats.FullPool report the times). Memory goes back to the OS only through
-// Trim, Config.MaxCachedBytes, or Close.
+// # Setting up
 //
-// Store and Load return an Op at once; see Op for what it guarantees. Every
-// block of every op gets exactly one Outcome. Engine methods are safe for
-// concurrent use.
+// New takes a Config: the pool size in bytes (exact, never rounded to a
+// power of two), the Layout of the stack's GPU KV cache (its geometry and
+// the device addresses of its tensors), and optional tuning whose defaults
+// suit an H200 serving box. Backend "auto" (the default) picks CUDA when
+// libcuda.so.1 loads, the device exists and the layout gives device
+// addresses; otherwise the host backend, which simulates the GPU in host
+// memory (SimGPU) so the same engine runs in CI and on laptops.
+// Engine.Backend says which was picked and why.
 //
-// This build runs the host backend (a simulated GPU, SimGPU); the CUDA
-// backend is selected by Backend "auto" only once it is wired in.
+// What is pinned when: New maps and pins the staging region
+// (Config.StagingBytes) and the first pool region (Config.FirstRegionBytes),
+// then returns; the first slots are usable at that point. The rest of the
+// pool is mapped, prefaulted and pinned region by region
+// (Config.RegionBytes) by a background goroutine; stores simply find more
+// free slots as regions join. Stats.FirstSlot and Stats.FullPool report
+// the two times; PauseGrowth, ResumeGrowth and WaitGrown control and
+// observe growth. If pinning a later region fails, growth stops
+// (WaitGrown returns the error, Stats.GrowthError says why) and the engine
+// keeps serving from the regions it has. On CUDA, regions are registered
+// with cuMemHostRegister in ranges of at most 64 GiB and no slot straddles
+// two ranges. The engine's own threads that call the driver (growth, copy
+// submission and completion) set CU_STREAM_CAPTURE_MODE_RELAXED, so a
+// graph capture in global mode on one of the stack's threads is not broken
+// by them.
+//
+// Memory goes back to the OS only through Trim, Config.MaxCachedBytes, or
+// Close. Trim releases whole regions, newest first; it waits for the copies
+// in flight on them, never for leases: a region holding leased blocks is
+// reported pending and freed when its last lease ends. Staging buffers
+// (Engine.Staging) come from the reserved region and keep their address
+// until Close, across any number of Trims, so CUDA graphs can bake them in.
+//
+// # The serving loop
+//
+// Keys are 128-bit content hashes chained over a sequence's blocks
+// (Engine.Keys, ChainKeys); Python computes the same keys with hashlib.
+//
+//   - Lookup(keys) returns the length of the longest prefix of keys ready in
+//     the pool, optionally with a Lease that keeps those blocks from being
+//     evicted until it is released or handed to Load.
+//   - Store(ctx, keys, blockIDs, opts) copies GPU blocks to the pool. Pass
+//     StoreOptions.After, an event recorded on the stack's stream after the
+//     kernels that wrote the blocks; a Store whose AfterStream is capturing
+//     a graph is refused with ErrCapturing. Storing a key already present is
+//     a no-op reported as already present.
+//   - Load(ctx, keys, blockIDs, opts) copies blocks back into GPU blocks. A
+//     key evicted since the lookup is reported missing, never an error; keys
+//     under a Lease are guaranteed present.
+//   - Delete and Clear remove keys; Stats reports everything (cheap, from
+//     any goroutine).
+//
+// No call blocks on the GPU. On the host backend, work beyond the
+// in-flight bound (Config.MaxInFlightBytes) waits in a bounded queue
+// (Config.MaxQueuedBytes); beyond that a Store reports its blocks
+// refused-busy and a Load fails fast with ErrBusy. On CUDA every op carries
+// events valid from the moment it is returned, so it is issued to the
+// engine's stream at once: beyond the in-flight bound a Store is refused
+// busy and a Load fails with ErrBusy, without queueing. A cancelled ctx
+// cancels what is not yet enqueued, never a copy in flight.
+//
+// # What an Op guarantees
+//
+// Store and Load return an Op at once. Every block of the op gets exactly
+// one Outcome (stored, already present, refused full/busy/admission,
+// failed, cancelled for a Store; loaded, missing, failed, cancelled for a
+// Load), and Done is closed once all are final; the Stats outcome counters
+// add up to exactly those. A block is visible to Lookup only after its
+// store's copy completed; a host slot is reused only after every copy on it
+// completed. A copy failure fails only the op it belongs to, with the
+// driver's error (Op.Err); blocks stored before stay readable. On CUDA,
+// Op.Event (and Op.LayerEvent, for a Load with LoadOptions.PerLayer) is an
+// event the stack's stream waits on (Op.StreamWait does the
+// cuStreamWaitEvent): after a Store, before overwriting the blocks; after a
+// Load, before reading them. LoadOptions.Signal records a caller-owned
+// event as well, for graphs that wait on a fixed event. Events stay valid
+// until Op.Release, after which the op's methods return ErrReleased.
+//
+// A sticky driver error (the context is lost) fails the ops in flight, and
+// every later Store and Load returns ErrDeviceLost wrapping the driver's
+// error. Close the engine.
+//
+// # Concurrency
+//
+// Every Engine method, Op method and Lease method is safe for concurrent
+// use; the tests run stores, loads, lookups, deletes, Trims and a Close at
+// once under the race detector and check that every load returns exactly
+// the bytes stored under its key. A block id must not be the destination
+// of two Loads in flight at once, nor be overwritten by the stack while a
+// Store of it is in flight: the engine orders its copies with the events
+// it is given and gives, not with the stack's other work.
+//
+// Close refuses new calls (ErrClosed), waits for the copies in flight,
+// ends leases, then unpins and unmaps everything, staging included. Ops
+// stay readable after Close; their events are gone.
 package offload

@@ -480,17 +480,21 @@ func (e *Engine) reap() {
 	if len(ids) == 0 {
 		return
 	}
+	// TakeReleasable hands each region to one caller only, so the region
+	// stays in draining (where Trim counts it pending) until it is unmapped
+	// and counted.
 	for _, id := range ids {
 		e.memMu.Lock()
 		pr := e.draining[id]
-		delete(e.draining, id)
 		e.memMu.Unlock()
 		if pr == nil {
 			continue
 		}
-		n := pr.r.Len()
 		e.unmapRegion(pr)
-		e.stats.trimmedBytes.Add(n)
+		e.stats.trimmedBytes.Add(pr.r.Len())
+		e.memMu.Lock()
+		delete(e.draining, id)
+		e.memMu.Unlock()
 	}
 	e.memMu.Lock()
 	e.notifyLocked()

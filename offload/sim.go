@@ -43,3 +43,8 @@ func (g *SimGPU) Read(addr uint64, p []byte) error { return g.sim.Read(addr, p) 
 
 // Close stops the simulation.
 func (g *SimGPU) Close() error { return g.sim.Close() }
+
+// Sim returns the simulated GPU of the host backend (Config.Sim, or the one
+// the engine made), in which a layout given without tensors was allocated;
+// nil on the CUDA backend.
+func (e *Engine) Sim() *SimGPU { return e.sim }
