@@ -271,8 +271,10 @@ type StoreOptions struct {
 
 // LoadOptions modify Load.
 type LoadOptions struct {
-	// Lease, from Lookup, guarantees its keys are still present; Load takes
-	// it over (it is released when the op is done). Keys outside it are
+	// Lease, from Lookup, guarantees its keys are still present. When Load
+	// returns an op it has taken the lease over (its blocks stay held by the
+	// op until it is done, and Lease.Release returns ErrReleased); when Load
+	// returns an error the lease is still the caller's. Keys outside it are
 	// looked up at the time of the Load.
 	Lease *Lease
 	// After is a CUevent after which the destination GPU blocks may be
