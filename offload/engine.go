@@ -72,6 +72,7 @@ type Engine struct {
 	ops      sync.WaitGroup // ops not finished
 	wg       sync.WaitGroup // grow and reaper goroutines
 	reapKick chan struct{}
+	reapMu   sync.Mutex // serialises reap
 	// inflight counts, per region, the slots with a copy in flight;
 	// changed is closed and replaced (under memMu) whenever a region is
 	// freed or its in-flight count drops to zero, waking Trim.

@@ -28,8 +28,11 @@ func testKey(i int) Key {
 	return k
 }
 
+// errorer is what writeBlock needs of a *testing.T or *rapid.T.
+type errorer interface{ Error(args ...any) }
+
 // writeBlock places content in GPU block id, segment by segment.
-func writeBlock(t testing.TB, e *Engine, id int, content []byte) {
+func writeBlock(t errorer, e *Engine, id int, content []byte) {
 	segs, err := e.layout.Segments(id, nil)
 	if err != nil {
 		t.Error(err)

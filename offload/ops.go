@@ -476,13 +476,16 @@ func (e *Engine) reaper() {
 }
 
 func (e *Engine) reap() {
+	// One reap at a time: when reap returns, every region the cache had
+	// released by the time it was called is unmapped, whoever took it.
+	e.reapMu.Lock()
+	defer e.reapMu.Unlock()
 	ids := e.cache.TakeReleasable(nil)
 	if len(ids) == 0 {
 		return
 	}
-	// TakeReleasable hands each region to one caller only, so the region
-	// stays in draining (where Trim counts it pending) until it is unmapped
-	// and counted.
+	// The region stays in draining (where Trim counts it pending) until it
+	// is unmapped and counted.
 	for _, id := range ids {
 		e.memMu.Lock()
 		pr := e.draining[id]
