@@ -243,3 +243,20 @@ func TestCloseStopsPausedGrowth(t *testing.T) {
 	require.Less(t, e.Stats().Regions, 4)
 	require.ErrorIs(t, e.WaitGrown(context.Background()), ErrClosed)
 }
+
+// TestMaxCachedBytes: with a bound below the pool, the engine trims
+// automatically after growth and ends at or below the bound.
+func TestMaxCachedBytes(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	slot := int64(8 << 10)
+	e := newTestEngine(t, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		MaxCachedBytes: 20 * slot, Layout: smallLayout(8)})
+	defer func() { require.NoError(t, e.Close()) }()
+	require.NoError(t, e.WaitGrown(context.Background()))
+	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
+	st := e.Stats()
+	require.LessOrEqual(t, st.OwnedBytes, 20*slot)
+	require.Positive(t, st.Trims)
+	require.Equal(t, 32*slot, st.OwnedBytes+st.TrimmedBytes)
+	require.Equal(t, st.OwnedBytes, st.SlotsTotal*slot)
+}
