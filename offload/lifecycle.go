@@ -74,10 +74,29 @@ func (e *Engine) WaitGrown(ctx context.Context) error {
 // Close refuses new calls (ErrClosed), cancels queued work, waits for the
 // copies in flight, ends leases, then unpins and unmaps every region,
 // staging included. A second Close returns ErrClosed. Ops and leases stay
-// readable after Close (Wait, Outcomes); their events are gone.
-func (e *Engine) Close() error {
+// readable after Close (Wait, Outcomes); their events are gone. Close waits
+// as long as a copy is in flight; CloseContext bounds the wait.
+func (e *Engine) Close() error { return e.CloseContext(context.Background()) }
+
+// CloseContext is Close with a bound on the wait for copies in flight (a
+// device whose events never complete). When ctx ends first it returns an
+// error wrapping ctx's: the engine is closed to new calls, but memory a
+// copy may still write is never unmapped under it, so the release of the
+// regions, streams and context is left to a background goroutine that
+// finishes as soon as the last copy completes or fails (or never, if the
+// device never reports it: the pool then stays mapped until the process
+// exits).
+func (e *Engine) CloseContext(ctx context.Context) error {
 	if e.closed.Swap(true) {
 		return fmt.Errorf("%w: Close called twice", ErrClosed)
 	}
-	return e.shutdown()
+	done := make(chan error, 1)
+	go func() { done <- e.shutdown() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("offload: Close gave up waiting for copies in flight (%d bytes); the engine is closed and releases its memory when they end: %w",
+			e.stats.inFlightBytes.Load(), ctx.Err())
+	}
 }
