@@ -221,17 +221,25 @@ func (e *Engine) mapRegion(size int64, pool bool) (*poolRegion, error) {
 	}
 	// One scheduler host range per registration range, so that copies are
 	// never coalesced across two registrations.
+	// On CUDA the copier may look up each range's device pointer, on a
+	// thread with the context current.
 	starts := append([]uint64{0}, pr.rangeStarts...)
-	for i, off := range starts {
-		end := uint64(size)
-		if i+1 < len(starts) {
-			end = starts[i+1]
+	err = e.onThread(func() error {
+		for i, off := range starts {
+			end := uint64(size)
+			if i+1 < len(starts) {
+				end = starts[i+1]
+			}
+			if err := e.sched.AddHostRange(pr.host+off, end-off); err != nil {
+				return err
+			}
+			pr.known = append(pr.known, pr.host+off)
 		}
-		if err := e.sched.AddHostRange(pr.host+off, end-off); err != nil {
-			e.unmapRegion(pr)
-			return nil, err
-		}
-		pr.known = append(pr.known, pr.host+off)
+		return nil
+	})
+	if err != nil {
+		e.unmapRegion(pr)
+		return nil, err
 	}
 	if pool && e.tracker != nil {
 		if err := e.tracker.Live(pr.host, uint64(size)); err != nil {

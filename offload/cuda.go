@@ -41,6 +41,15 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	return nil
 }
 
+// onThread runs f on a locked OS thread with the CUDA context current and
+// capture mode relaxed (cuda.OnThread); on the host backend it just runs f.
+func (e *Engine) onThread(f func() error) error {
+	if e.drv == nil {
+		return f()
+	}
+	return cuda.OnThread(e.drv, e.cuCtx, f)
+}
+
 // initGrowThread prepares the growth goroutine's locked OS thread for
 // driver calls: the context current and capture mode relaxed, so pinning
 // never invalidates a serving stack's graph capture on another thread.

@@ -370,3 +370,30 @@ func TestCUDAFakeStickyError(t *testing.T) {
 	_, err = e.Store(context.Background(), []Key{testKey(2)}, []int{1}, StoreOptions{})
 	require.ErrorIs(t, err, ErrClosed)
 }
+
+// TestCUDAFakeNewFromAnyGoroutine: New, called from another goroutine than
+// the one using the engine, on a device that cannot use registered host
+// pointers directly (the copier looks up each range's device pointer, on
+// a thread with the context current), serves byte-exact round trips.
+func TestCUDAFakeNewFromAnyGoroutine(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	layout := g.layout(LayoutLayerSeparate, 16)
+	type result struct {
+		e   *Engine
+		err error
+	}
+	ch := make(chan result)
+	go func() {
+		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+			Layout: layout, Policy: PolicyLRU}, engineHooks{})
+		ch <- result{e, err}
+	}()
+	r := <-ch
+	require.NoError(t, r.err)
+	require.NoError(t, r.e.WaitGrown(context.Background()))
+	storeOverwriteLoad(t, r.e, g, 4, 41)
+	require.NoError(t, r.e.Close())
+}
