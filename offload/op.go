@@ -180,7 +180,10 @@ func (o *Op) LayerEvent(i int) (uintptr, error) {
 // StreamWait makes the caller's stream wait (on the GPU, without blocking
 // the CPU) until the op's copies are complete: for a Store, before the
 // stream overwrites the blocks being copied out; for a Load, before it reads
-// the loaded blocks. On the host backend it waits on the CPU.
+// the loaded blocks. On CUDA it is cuStreamWaitEvent on the op's event and
+// the calling OS thread must have the CUDA context current (as for any
+// stream call of the serving stack). On the host backend it waits on the
+// CPU until the op is done.
 func (o *Op) StreamWait(stream uintptr) error {
 	if o.released.Load() {
 		return ErrReleased
@@ -204,8 +207,8 @@ func (o *Op) Release() error {
 	return o.completion.release()
 }
 
-// finish sets the outcomes still pending to oc with err and closes done.
-// It is called exactly once per op.
+// finish closes done once every outcome is set. It is called exactly once
+// per op (by Engine.finishOp).
 func (o *Op) finish() {
 	close(o.done)
 }
