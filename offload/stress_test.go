@@ -1,6 +1,8 @@
 package offload
 
 import (
+	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -10,8 +12,9 @@ import (
 )
 
 // TestStressCloseInTheMiddle runs stores, loads (with and without leases),
-// lookups and deletes from many goroutines over a pool smaller than the key
-// universe, with random copy delays, and closes the engine while they run.
+// lookups, deletes and two Trims from many goroutines over a pool smaller
+// than the key universe, with random copy delays, and closes the engine
+// while they run.
 // Every load returns exactly the bytes stored under its key, every block
 // of every op gets exactly one outcome, the counters add up, and no
 // goroutine survives Close.
@@ -31,6 +34,27 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 			var count atomic.Int64
 			stop := make(chan struct{})
 			wg := startWorkers(t, e, 6, 40, 1, &ta, &count, stop)
+			// A trimmer gives two regions back while the workers run, and
+			// may race with Close.
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := int64(1); i <= 2; i++ {
+					for count.Load() < 200*i {
+						select {
+						case <-stop:
+							return
+						case <-time.After(time.Millisecond):
+						}
+					}
+					if _, err := e.Trim(context.Background(), 1); err != nil {
+						if !errors.Is(err, ErrClosed) {
+							t.Errorf("Trim: %v", err)
+						}
+						return
+					}
+				}
+			}()
 			for count.Load() < 600 && !t.Failed() {
 				time.Sleep(time.Millisecond)
 			}
