@@ -126,16 +126,17 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 			return fail(fmt.Errorf("mmapmem: fallocate %d bytes of memfd: %w", mapped, err))
 		}
 	}
-	if !o.NoPrefault {
-		threads := o.PrefaultThreads
-		if threads == 0 {
-			threads = DefaultPrefaultThreads()
-		}
-		plan := prefaultPlan{page: b.page, align: max(align, pageSize), threads: threads, method: o.Prefault.resolve()}
-		if o.PrefaultStripe > 0 {
-			plan.stripe = alignUp(o.PrefaultStripe, plan.align)
-		}
-		if err := prefault(mem, plan); err != nil {
+	threads := o.PrefaultThreads
+	if threads == 0 {
+		threads = DefaultPrefaultThreads()
+	}
+	r.plan = prefaultPlan{page: b.page, align: max(align, pageSize), threads: threads, method: o.Prefault.resolve()}
+	if o.PrefaultStripe > 0 {
+		r.plan.stripe = alignUp(o.PrefaultStripe, r.plan.align)
+	}
+	r.deferred = o.DeferPrefault
+	if !o.NoPrefault && !o.DeferPrefault {
+		if err := prefault(mem, r.plan); err != nil {
 			return fail(fmt.Errorf("mmapmem: prefault %s: %w", r, err))
 		}
 	}

@@ -17,6 +17,10 @@
 //     tmpfs is an error from New rather than a SIGBUS later. Its file lives
 //     only in the kernel (memfd_create): nothing is left on disk or in
 //     /dev/shm after a crash.
+//   - Prefaulting never changes contents (MADV_POPULATE_WRITE, or an atomic
+//     add of zero per page), so Region.Prefault is safe on memory in use.
+//     A region mapped with Options.DeferPrefault is left untouched by New
+//     for its owner to prefault range by range with Region.Prefault.
 //   - A failed New leaves nothing mapped and no file descriptor open.
 //   - Close unmaps. Closing twice returns ErrClosed; closing a region that is
 //     held (see Region.Hold: package register holds every region it pinned)

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -127,10 +128,12 @@ func (p prefaultPlan) fault(mem []byte, lo, hi int64) error {
 	return nil
 }
 
-// touch writes a zero into the first byte of every page of chunk (fresh
-// pages are zero, so contents do not change).
+// touch adds zero atomically to the first word of every page of chunk: a
+// write fault per page that never changes the contents, not even of a page
+// another goroutine writes at the same time. chunk starts on a page
+// boundary and is a whole number of pages long.
 func touch(chunk []byte, page int64) {
 	for off := int64(0); off < int64(len(chunk)); off += page {
-		chunk[off] = 0
+		atomic.AddUint32((*uint32)(unsafe.Pointer(&chunk[off])), 0)
 	}
 }

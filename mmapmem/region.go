@@ -34,6 +34,9 @@ var (
 	ErrClosed = errors.New("mmapmem: region is closed")
 	// ErrHeld means the region cannot be closed because it is held (pinned).
 	ErrHeld = errors.New("mmapmem: region is held")
+	// ErrRange means a byte range given to Region.Prefault is not inside
+	// the region's mapping or does not start on a page boundary.
+	ErrRange = errors.New("mmapmem: range outside the region")
 )
 
 // Options select how a region is backed. The zero value is the default:
@@ -54,6 +57,13 @@ type Options struct {
 	NUMANode int
 	// NoPrefault leaves pages to be faulted in on first use.
 	NoPrefault bool
+	// DeferPrefault maps the region without touching it, for a caller that
+	// prefaults it piece by piece with Region.Prefault (package register
+	// does, overlapping the prefault of one registration range with the
+	// registration of the one before). Everything else New does before the
+	// first touch (advice, NUMA binding, the free-memory checks, fallocate)
+	// is done as without it. It excludes NoPrefault.
+	DeferPrefault bool
 	// PrefaultThreads is the number of OS threads that prefault in parallel;
 	// 0 means DefaultPrefaultThreads(). Negative is an error.
 	PrefaultThreads int
@@ -97,6 +107,8 @@ type Region struct {
 	thp      bool
 	node     int
 	fallback string
+	plan     prefaultPlan
+	deferred bool
 
 	mu       sync.Mutex
 	closed   bool
@@ -121,6 +133,9 @@ func New(size int64, opts Options) (*Region, error) {
 	}
 	if opts.PrefaultStripe < 0 {
 		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", ErrOptions, opts.PrefaultStripe)
+	}
+	if opts.NoPrefault && opts.DeferPrefault {
+		return nil, fmt.Errorf("%w: NoPrefault and DeferPrefault are both set: pick one", ErrOptions)
 	}
 	if opts.BindNUMA && opts.NUMANode < 0 {
 		return nil, fmt.Errorf("%w: node %d: must not be negative", ErrNUMANode, opts.NUMANode)
@@ -208,6 +223,38 @@ func (r *Region) NUMANode() (int, bool) { return r.node, r.node >= 0 }
 // Fallback says, when not empty, which option could not be honoured and why
 // (no hugetlbfs pages reserved, THP unavailable).
 func (r *Region) Fallback() string { return r.fallback }
+
+// Deferred reports whether the region was mapped with
+// Options.DeferPrefault: its pages are faulted in by Prefault calls, not by
+// New.
+func (r *Region) Deferred() bool { return r.deferred }
+
+// Prefault faults in bytes [off, off+n) of the mapping for writing, the way
+// New does (the region's prefault threads, method and stripes), and returns
+// once every page of the range is resident. n is rounded up to the page
+// size; off must be a multiple of PageSize and off+n at most Mapped,
+// otherwise the error wraps ErrRange. It never changes the memory's
+// contents, so it is safe on a region in use and on pages already
+// resident. A closed region returns ErrClosed; like Bytes, Prefault must
+// not race with Close.
+func (r *Region) Prefault(off, n int64) error {
+	if off < 0 || n <= 0 || off%r.pageSize != 0 || n > r.mapped-off {
+		return fmt.Errorf("%w: prefault of %d bytes at offset %d of %s: the offset must be a multiple of the page size %d and the range inside the %d bytes mapped",
+			ErrRange, n, off, r, r.pageSize, r.mapped)
+	}
+	r.mu.Lock()
+	closed := r.closed
+	r.mu.Unlock()
+	if closed {
+		return fmt.Errorf("%w: cannot prefault %s", ErrClosed, r)
+	}
+	n = min(alignUp(n, r.pageSize), r.mapped-off)
+	mem := unsafe.Slice((*byte)(unsafe.Add(r.ptr, off)), n)
+	if err := prefault(mem, r.plan); err != nil {
+		return fmt.Errorf("mmapmem: prefault %d bytes at offset %d of %s: %w", n, off, r, err)
+	}
+	return nil
+}
 
 // String names the region for messages: address, size and mapped size.
 func (r *Region) String() string {

@@ -418,6 +418,8 @@ func FuzzNew(f *testing.F) {
 	f.Add(int64(3<<20+1), uint8(0b1000), uint8(7))
 	f.Add(int64(5<<20+3), uint8(0b1000000), uint8(45))
 	f.Add(int64(8192), uint8(0b1100000), uint8(2))
+	f.Add(int64(3<<20+7), uint8(0b10000000), uint8(4))
+	f.Add(int64(4096), uint8(0b10000010), uint8(0))
 	f.Fuzz(func(t *testing.T, size int64, bits, threads uint8) {
 		opts := mmapmem.Options{
 			NoTHP:           bits&1 != 0,
@@ -428,6 +430,7 @@ func FuzzNew(f *testing.F) {
 			PrefaultThreads: int(threads%20) - 1,
 			Prefault:        mmapmem.PrefaultMethod(bits>>5&3) - 1,
 			PrefaultStripe:  int64(threads/20) * 777,
+			DeferPrefault:   bits&128 != 0,
 		}
 		// Keep the target cheap: large regions are mapped, not touched.
 		if size > 16*mib && !opts.Memfd {
@@ -441,7 +444,8 @@ func FuzzNew(f *testing.F) {
 		if err != nil {
 			require.Nil(t, r)
 			require.Equal(t, before, mmapmem.MappedBytes(), "a failed New leaves nothing mapped")
-			valid := size > 0 && size <= mmapmem.MaxSize && opts.PrefaultThreads >= 0 && opts.Prefault >= mmapmem.PrefaultAuto && opts.Prefault <= mmapmem.PrefaultPopulate
+			valid := size > 0 && size <= mmapmem.MaxSize && opts.PrefaultThreads >= 0 && opts.Prefault >= mmapmem.PrefaultAuto && opts.Prefault <= mmapmem.PrefaultPopulate &&
+				!(opts.NoPrefault && opts.DeferPrefault)
 			if !valid {
 				require.True(t, slices.ContainsFunc([]error{mmapmem.ErrSize, mmapmem.ErrOptions}, func(e error) bool { return errors.Is(err, e) }), "error %v", err)
 			}
@@ -450,6 +454,10 @@ func FuzzNew(f *testing.F) {
 		require.Equal(t, size, r.Len())
 		require.GreaterOrEqual(t, r.Mapped(), size)
 		require.Less(t, r.Mapped()-size, r.PageSize())
+		require.Equal(t, opts.DeferPrefault, r.Deferred())
+		if r.Deferred() && r.Mapped() <= 16*mib {
+			require.NoError(t, r.Prefault(0, r.Mapped()))
+		}
 		require.NoError(t, r.Close())
 		require.ErrorIs(t, r.Close(), mmapmem.ErrClosed)
 		require.Equal(t, before, mmapmem.MappedBytes())

@@ -1,0 +1,129 @@
+package mmapmem_test
+
+import (
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/mmapmem"
+)
+
+// TestDeferredPrefault maps regions with DeferPrefault, prefaults them
+// chunk by chunk in a scrambled order and checks after each chunk that its
+// pages, and (without huge pages) only its pages so far, are resident.
+func TestDeferredPrefault(t *testing.T) {
+	checkNoLeak(t)
+	page := int64(os.Getpagesize())
+	opts := map[string]mmapmem.Options{
+		"thp":          {DeferPrefault: true},
+		"no-thp":       {DeferPrefault: true, NoTHP: true, PrefaultThreads: 3},
+		"no-thp-touch": {DeferPrefault: true, NoTHP: true, Prefault: mmapmem.PrefaultTouch, PrefaultStripe: 8192},
+		"memfd":        {DeferPrefault: true, Memfd: true, NoTHP: true},
+		"hugetlb":      {DeferPrefault: true, HugeTLB: true},
+	}
+	for name, o := range opts {
+		for _, size := range []int64{1, 3*mib + 5, 5 * mib} {
+			for _, chunk := range []int64{3 * page, 256 << 10, 2 * mib, 8 * mib} {
+				t.Run(fmt.Sprintf("%s/%d/%d", name, size, chunk), func(t *testing.T) {
+					r, err := mmapmem.New(size, o)
+					require.NoError(t, err)
+					defer func() { require.NoError(t, r.Close()) }()
+					require.True(t, r.Deferred())
+					exact := r.PageSize() == page && !r.THP()
+					chunk := max(chunk/r.PageSize(), 1) * r.PageSize()
+					res, err := mmapmem.ResidentMap(r)
+					require.NoError(t, err)
+					if exact {
+						require.NotContains(t, res, true, "nothing touched by New")
+					}
+					var offs []int64
+					for off := int64(0); off < r.Mapped(); off += chunk {
+						offs = append(offs, off)
+					}
+					// Odd-indexed chunks first, then even, so that a chunk is
+					// often prefaulted before the one below it.
+					order := append(everyOther(offs, 1), everyOther(offs, 0)...)
+					done := map[int64]bool{}
+					for _, off := range order {
+						n := min(chunk, r.Mapped()-off)
+						require.NoError(t, r.Prefault(off, n))
+						for p := off; p < off+n; p += page {
+							done[p/page] = true
+						}
+						res, err := mmapmem.ResidentMap(r)
+						require.NoError(t, err)
+						for i, in := range res {
+							if done[int64(i)] && !in {
+								require.Failf(t, "not resident", "page %d after its chunk at %d", i, off)
+							}
+							if exact && !done[int64(i)] && in {
+								require.Failf(t, "resident too early", "page %d outside the chunks prefaulted so far", i)
+							}
+						}
+					}
+					pages, total, err := mmapmem.Resident(r)
+					require.NoError(t, err)
+					require.Equal(t, total, pages)
+				})
+			}
+		}
+	}
+}
+
+func everyOther(xs []int64, from int) []int64 {
+	var out []int64
+	for i := from; i < len(xs); i += 2 {
+		out = append(out, xs[i])
+	}
+	return out
+}
+
+// TestPrefaultKeepsContents writes a pattern, prefaults again with each
+// method and checks that no byte changed.
+func TestPrefaultKeepsContents(t *testing.T) {
+	checkNoLeak(t)
+	for _, m := range []mmapmem.PrefaultMethod{mmapmem.PrefaultTouch, mmapmem.PrefaultPopulate} {
+		t.Run(m.String(), func(t *testing.T) {
+			r, err := mmapmem.New(3*mib+1, mmapmem.Options{DeferPrefault: true, Prefault: m, PrefaultThreads: 2})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, r.Close()) }()
+			b := r.Bytes()
+			for i := range b {
+				b[i] = byte(i*7 + 1)
+			}
+			require.NoError(t, r.Prefault(0, r.Mapped()))
+			require.NoError(t, r.Prefault(mib, 4096))
+			for i := range b {
+				if b[i] != byte(i*7+1) {
+					require.Failf(t, "contents changed", "byte %d is %d, want %d", i, b[i], byte(i*7+1))
+				}
+			}
+		})
+	}
+}
+
+func TestPrefaultErrors(t *testing.T) {
+	checkNoLeak(t)
+	page := int64(os.Getpagesize())
+	_, err := mmapmem.New(mib, mmapmem.Options{NoPrefault: true, DeferPrefault: true})
+	require.ErrorIs(t, err, mmapmem.ErrOptions)
+	require.ErrorContains(t, err, "NoPrefault and DeferPrefault")
+
+	r, err := mmapmem.New(4*page+1, mmapmem.Options{DeferPrefault: true, NoTHP: true})
+	require.NoError(t, err)
+	cases := []struct{ off, n int64 }{
+		{-page, page}, {0, 0}, {0, -1}, {1, page}, {page / 2, 1}, {0, 5*page + 1}, {5 * page, 1}, {6 * page, page}, {4 * page, page + 1},
+	}
+	for _, c := range cases {
+		err := r.Prefault(c.off, c.n)
+		require.ErrorIs(t, err, mmapmem.ErrRange, "off %d n %d", c.off, c.n)
+		require.ErrorContains(t, err, fmt.Sprintf("prefault of %d bytes at offset %d", c.n, c.off))
+		require.ErrorContains(t, err, fmt.Sprintf("%d bytes mapped", r.Mapped()))
+	}
+	require.NoError(t, r.Prefault(4*page, page), "the last page, beyond Len but inside the mapping")
+	require.NoError(t, r.Prefault(page, 1), "n rounds up to the page")
+	require.NoError(t, r.Close())
+	require.ErrorIs(t, r.Prefault(0, page), mmapmem.ErrClosed)
+}
