@@ -111,7 +111,11 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, err
 		}
 	}
-	if e.cache, err = kvcache.New(kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64)}); err != nil {
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64)}
+	if cfg.ZeroOnRelease {
+		kcfg.OnFree = e.zeroSlot
+	}
+	if e.cache, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}
 	if cfg.StagingBytes > 0 {
@@ -287,6 +291,7 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 // unmapRegion undoes mapRegion (as far as it got).
 func (e *Engine) unmapRegion(pr *poolRegion) {
 	t0 := time.Now()
+	e.slotMem.Delete(pr.id)
 	if pr.tracked {
 		_ = e.tracker.Released(pr.host, uint64(pr.r.Len()))
 	}
@@ -308,6 +313,16 @@ func (e *Engine) unmapRegion(pr *poolRegion) {
 	e.stats.unpinNanos.Add(int64(time.Since(t0)))
 }
 
+// zeroSlot zeroes a slot returning to the free list (Config.ZeroOnRelease):
+// called by the cache once every copy on it has completed, before the slot
+// can be handed out again.
+func (e *Engine) zeroSlot(s kvcache.Slot) {
+	if mem, ok := e.slotMem.Load(s.Region); ok {
+		clear(mem.([]byte)[s.Off : s.Off+uint64(e.slot)])
+		e.stats.zeroed.Add(1)
+	}
+}
+
 // addRegion maps one pool region and hands it to the cache.
 func (e *Engine) addRegion(size int64) error {
 	pr, err := e.mapRegion(size, true)
@@ -318,6 +333,9 @@ func (e *Engine) addRegion(size int64) error {
 	e.nextID++
 	pr.id = e.nextID
 	e.memMu.Unlock()
+	if e.cfg.ZeroOnRelease {
+		e.slotMem.Store(pr.id, pr.r.Bytes())
+	}
 	if _, err := e.cache.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size), RangeStarts: pr.rangeStarts}); err != nil {
 		e.unmapRegion(pr)
 		return err

@@ -1,7 +1,9 @@
 package offload
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"runtime"
 	"testing"
@@ -396,4 +398,61 @@ func TestCUDAFakeNewFromAnyGoroutine(t *testing.T) {
 	require.NoError(t, r.e.WaitGrown(context.Background()))
 	storeOverwriteLoad(t, r.e, g, 4, 41)
 	require.NoError(t, r.e.Close())
+}
+
+// TestCUDAFakeGrowthDuringGlobalCapture: background growth pins regions
+// while the stack captures a graph in global mode on its own thread; the
+// capture is not invalidated (the engine's threads are relaxed) and the
+// graph replays. Growth paused around the capture works too.
+func TestCUDAFakeGrowthDuringGlobalCapture(t *testing.T) {
+	for _, pause := range []bool{false, true} {
+		t.Run(fmt.Sprintf("paused=%v", pause), func(t *testing.T) {
+			d := fakeDriver(t, cudafake.Options{})
+			g := newGPUMem(t, d, 8<<10)
+			defer g.close()
+			slot := int64(8 << 10)
+			atRegion1, proceed := make(chan struct{}), make(chan struct{})
+			e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+				Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU}, engineHooks{beforeGrow: func(i int) {
+				if i == 1 {
+					close(atRegion1)
+					<-proceed
+				}
+			}})
+			require.NoError(t, err)
+			defer func() { require.NoError(t, e.Close()) }()
+			stg, err := e.Staging("out", 256)
+			require.NoError(t, err)
+			src := g.alloc(256)
+			s, err := d.StreamCreate(cuda.StreamNonBlocking, 0)
+			require.NoError(t, err)
+			defer func() { require.NoError(t, d.StreamDestroy(s)) }()
+			<-atRegion1
+			if pause {
+				e.PauseGrowth()
+			}
+			require.NoError(t, d.StreamBeginCapture(s, cuda.CaptureModeGlobal))
+			require.NoError(t, d.MemcpyAsync(cuda.DevicePtr(stg.DevicePtr()), cuda.DevicePtr(src), 256, s))
+			close(proceed)
+			if !pause {
+				require.NoError(t, e.WaitGrown(context.Background()), "pinning during a global capture on another thread")
+			}
+			graph, err := d.StreamEndCapture(s)
+			require.NoError(t, err, "the capture was not invalidated by the engine")
+			if pause {
+				e.ResumeGrowth()
+				require.NoError(t, e.WaitGrown(context.Background()))
+			}
+			exec, err := d.GraphInstantiate(graph)
+			require.NoError(t, err)
+			copy(g.buf, bytes.Repeat([]byte{0x42}, 256))
+			require.NoError(t, d.Memcpy(cuda.DevicePtr(src), cuda.DevicePtr(uintptr(g.bounce)), 256))
+			require.NoError(t, d.GraphLaunch(exec, s))
+			require.NoError(t, d.StreamSynchronize(s))
+			require.Equal(t, bytes.Repeat([]byte{0x42}, 256), stg.Bytes())
+			require.NoError(t, d.GraphExecDestroy(exec))
+			require.NoError(t, d.GraphDestroy(graph))
+			require.Equal(t, 4, e.Stats().Regions)
+		})
+	}
 }

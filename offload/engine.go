@@ -66,6 +66,7 @@ type Engine struct {
 	stagingRegion *poolRegion
 	stagingUsed   int64
 	staged        map[string]*Staging
+	slotMem       sync.Map // RegionID → the region's bytes, for ZeroOnRelease
 	nsMu          sync.Mutex
 	nsIDs         map[string]kvcache.Namespace
 

@@ -425,7 +425,7 @@ func (e *Engine) snapshot() Stats {
 		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()),
 		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
 		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
-		Deletes: c.deletes.Load(), InFlightBytes: c.inFlightBytes.Load(),
+		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
 		Store: c.store.snapshot(), Load: c.load.snapshot(), RegionsTotal: len(e.plan)}
 	s.Misses = s.LookupKeys - s.Hits
 	for i := range s.Outcomes {

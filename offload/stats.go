@@ -57,6 +57,7 @@ type Stats struct {
 	Deletes             int64 `json:"deletes"`              // blocks removed by Delete or Clear
 	AdmissionRejections int64 `json:"admission_rejections"` // keys the policy declined
 	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
+	ZeroedSlots         int64 `json:"zeroed_slots"`         // slots zeroed on release (Config.ZeroOnRelease)
 
 	// Per direction.
 	Store Direction `json:"store"`
@@ -179,6 +180,7 @@ type counters struct {
 	hits                 atomic.Int64
 	outcomes             [numOutcomes]atomic.Int64
 	deletes              atomic.Int64
+	zeroed               atomic.Int64
 	inFlightBytes        atomic.Int64
 	store, load          direction
 }
