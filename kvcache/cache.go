@@ -87,6 +87,14 @@ type Config struct {
 	// least this many times (the lookup of the request that stores it
 	// included), so one-off blocks cost no D2H copy. 0 or 1: store every key.
 	StoreThreshold int
+	// OnFree, when set, is called with a slot that held a block (evicted,
+	// deleted, cleared, or whose store failed) at the moment it returns to
+	// the free list: every reader and transfer on it has ended, and it is
+	// not handed out again before OnFree returns (the owner zeroes it
+	// there). It runs with the cache's lock held and must not call the
+	// cache. Slots of a draining region are not passed: their memory goes
+	// back to the OS.
+	OnFree func(Slot)
 }
 
 type slotState uint8
@@ -141,6 +149,7 @@ type Cache struct {
 	policy    Policy
 	watermark int
 	threshold int
+	onFree    func(Slot)
 	closed    bool
 
 	slots   []slotRec
@@ -191,7 +200,7 @@ func New(cfg Config) (*Cache, error) {
 	}
 	c := &Cache{
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
-		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold,
+		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree,
 		freeHead: -1,
 		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
 	}
@@ -464,6 +473,9 @@ func (c *Cache) release(i int32) {
 		c.setState(s, stateRetired)
 		c.maybeReleasable(rr)
 		return
+	}
+	if c.onFree != nil {
+		c.onFree(c.handle(i))
 	}
 	c.pushFree(i)
 }
