@@ -25,8 +25,13 @@ type Calibration struct {
 	Device string `json:"device,omitempty"`
 	// CTAs is the kernel grid size the kernel rows were measured with.
 	CTAs int `json:"ctas,omitempty"`
-	// TotalBytes is the size of each measured batch.
-	TotalBytes uint64        `json:"total_bytes,omitempty"`
+	// TotalBytes is the size of the buffers the measured segments lie in.
+	TotalBytes uint64 `json:"total_bytes,omitempty"`
+	// PieceBytes and Pieces: each rate is that of up to Pieces
+	// back-to-back Submits of up to PieceBytes each, after a lead Submit
+	// (see CalibrationConfig).
+	PieceBytes uint64        `json:"piece_bytes,omitempty"`
+	Pieces     int           `json:"pieces,omitempty"`
 	Entries    []Measurement `json:"entries"`
 }
 
@@ -49,7 +54,8 @@ func (c *Calibration) Validate() error {
 }
 
 // Markdown renders the table: one row per direction and segment size, one
-// column per method.
+// column per method, and the method Choose takes there with every method
+// available and DefaultDMAMargin.
 func (c *Calibration) Markdown() string {
 	type key struct {
 		dir  Direction
@@ -86,7 +92,7 @@ func (c *Calibration) Markdown() string {
 		b.WriteString("---|")
 	}
 	b.WriteString("---|\n")
-	ch := newChooser(c, true, true)
+	ch := newChooser(c, true, true, DefaultDMAMargin)
 	for _, k := range keys {
 		fmt.Fprintf(&b, "| %s | %s |", k.dir, FormatBytes(k.size))
 		for _, m := range methods {
@@ -121,16 +127,37 @@ type point struct {
 	logSize, gbps float64
 }
 
+// Margins by which Choose prefers a DMA method (the batch API, else
+// memcpy) to the copy kernel; see Options.DMAMargin.
+//
+// The DMA engines leave the SMs to the model; the kernel does not. On the
+// H200 (bench/results/2026-11-29-h200/throughput.md), beside a compute-bound
+// 4096² sgemm on another stream, the kernel on 8 CTAs slowed the sgemm by
+// 87–118% for D2H and 7–11% for H2D (113–286% both ways at once), while
+// the batch API slowed it by at most 0.3% (0.4% both ways) at every
+// segment size from 4 KiB to 2 MiB. A few percent of copy rate is worth
+// that.
+const (
+	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is
+	// taken; about the run-to-run noise of a calibration point.
+	DefaultDMAMargin = 0.03
+	// PreferDMAMargin (Options.PreferDMA): within 15%, for serving stacks
+	// whose kernels need every SM (on the H200 it takes the batch API from
+	// 64 KiB up in both directions).
+	PreferDMAMargin = 0.15
+)
+
 // chooser holds the calibration as per-direction, per-method curves sorted
 // by size, so that choose allocates nothing.
 type chooser struct {
-	curves   [D2D + 1][MethodKernel + 1][]point
-	hasBatch bool
-	hasKern  bool
+	curves    [D2D + 1][MethodKernel + 1][]point
+	hasBatch  bool
+	hasKern   bool
+	dmaMargin float64
 }
 
-func newChooser(c *Calibration, hasBatch, hasKernel bool) *chooser {
-	ch := &chooser{hasBatch: hasBatch, hasKern: hasKernel}
+func newChooser(c *Calibration, hasBatch, hasKernel bool, dmaMargin float64) *chooser {
+	ch := &chooser{hasBatch: hasBatch, hasKern: hasKernel, dmaMargin: dmaMargin}
 	if c == nil {
 		return ch
 	}
@@ -190,10 +217,10 @@ func rate(pts []point, size float64) (float64, bool) {
 // Rules, in order:
 //   - one segment: memcpy (one driver call; every other method needs one or
 //     two plus their own work);
-//   - with calibration curves for the direction: the available method with
-//     the highest interpolated rate at the batch's mean segment size (ties go
-//     to the method listed first of memcpy, batch, kernel, so a DMA engine is
-//     preferred over SMs at equal speed);
+//   - with calibration curves for the direction, interpolated at the
+//     batch's mean segment size: the faster available DMA method (memcpy on
+//     a tie) if its rate is at least (1 - dmaMargin) of the kernel's or the
+//     kernel is unavailable or uncalibrated, else the kernel;
 //   - without: kernel, else batch, else memcpy (the order ANCHORS.md measured
 //     for scattered 4 KiB–2 MiB segments).
 func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Method {
@@ -201,20 +228,22 @@ func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Met
 		return MethodMemcpy
 	}
 	avail := [MethodKernel + 1]bool{MethodMemcpy: true, MethodBatch: ch.hasBatch, MethodKernel: ch.hasKern && kernelOK}
-	size := float64(total) / float64(n)
-	best, bestRate := MethodAuto, -1.0
 	if dir.valid() {
-		for m := MethodMemcpy; m <= MethodKernel; m++ {
-			if !avail[m] {
-				continue
-			}
-			if r, ok := rate(ch.curves[dir][m], size); ok && r > bestRate {
-				best, bestRate = m, r
+		size := float64(total) / float64(n)
+		dma, dmaRate := MethodAuto, -1.0
+		for _, m := range [...]Method{MethodMemcpy, MethodBatch} {
+			if r, ok := rate(ch.curves[dir][m], size); ok && avail[m] && r > dmaRate {
+				dma, dmaRate = m, r
 			}
 		}
-	}
-	if best != MethodAuto {
-		return best
+		kernRate, kernOK := rate(ch.curves[dir][MethodKernel], size)
+		kernOK = kernOK && avail[MethodKernel]
+		switch {
+		case kernOK && (dma == MethodAuto || dmaRate < (1-ch.dmaMargin)*kernRate):
+			return MethodKernel
+		case dma != MethodAuto:
+			return dma
+		}
 	}
 	for _, m := range [...]Method{MethodKernel, MethodBatch} {
 		if avail[m] {

@@ -6,32 +6,90 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
 )
 
-// anchorTable is shaped like ANCHORS.md's H200 measurements: the kernel
-// leads at small segments, the batch API overtakes it for large H2D.
-func anchorTable() *Calibration {
-	var c Calibration
-	add := func(dir Direction, m Method, kib uint64, gbps float64) {
-		c.Entries = append(c.Entries, Measurement{Dir: dir, Method: m, SegBytes: kib << 10, GBps: gbps})
-	}
-	for _, r := range []struct {
-		kib                  uint64
-		mem, batch, kern     float64
-		hmem, hbatch, hkern2 float64
-	}{
-		{4, 1.4, 5.5, 52.1, 1.4, 4.3, 50.7},
-		{16, 5.8, 30.3, 52.4, 5.2, 12.4, 51.1},
-		{64, 17.2, 47.1, 52.4, 15.9, 51.3, 51.2},
-		{256, 36.6, 52.8, 52.6, 34.0, 53.7, 51.2},
-		{2048, 52.0, 55.0, 52.4, 51.3, 54.9, 51.3},
-	} {
-		add(D2H, MethodMemcpy, r.kib, r.mem)
-		add(D2H, MethodBatch, r.kib, r.batch)
-		add(D2H, MethodKernel, r.kib, r.kern)
-		add(H2D, MethodMemcpy, r.kib, r.hmem)
-		add(H2D, MethodBatch, r.kib, r.hbatch)
-		add(H2D, MethodKernel, r.kib, r.hkern2)
+// h200Rates are the scattered-segment rates of the H200 throughput run
+// (bench/results/2026-11-29-h200/throughput.csv, no background load): per
+// variant, direction and segment size, the gated GPU rate and the
+// pipelined rate (8 back-to-back Submits, ungated), in GB/s.
+var h200Rates = []struct {
+	variant         string
+	dir             Direction
+	kib             uint64
+	gated, pipeline float64
+}{
+	{"memcpy", D2H, 4, 1.53, 1.53},
+	{"memcpy", H2D, 4, 1.35, 1.35},
+	{"batch", D2H, 4, 4.41, 4.41},
+	{"batch", H2D, 4, 4.64, 4.64},
+	{"kernel/2", D2H, 4, 33.90, 32.62},
+	{"kernel/2", H2D, 4, 39.52, 38.19},
+	{"kernel/4", D2H, 4, 50.44, 47.37},
+	{"kernel/4", H2D, 4, 50.28, 47.52},
+	{"kernel/8", D2H, 4, 51.95, 48.82},
+	{"kernel/8", H2D, 4, 50.49, 47.64},
+	{"kernel/16", D2H, 4, 51.99, 49.82},
+	{"kernel/16", H2D, 4, 50.74, 48.08},
+	{"memcpy", D2H, 16, 5.24, 5.24},
+	{"memcpy", H2D, 16, 5.04, 5.04},
+	{"batch", D2H, 16, 29.40, 29.25},
+	{"batch", H2D, 16, 35.01, 26.73},
+	{"kernel/2", D2H, 16, 52.36, 51.53},
+	{"kernel/2", H2D, 16, 51.11, 50.42},
+	{"kernel/4", D2H, 16, 52.46, 51.60},
+	{"kernel/4", H2D, 16, 51.21, 50.39},
+	{"kernel/8", D2H, 16, 52.46, 51.66},
+	{"kernel/8", H2D, 16, 51.20, 50.42},
+	{"kernel/16", D2H, 16, 52.48, 51.58},
+	{"kernel/16", H2D, 16, 51.23, 50.52},
+	{"memcpy", D2H, 64, 16.33, 16.33},
+	{"memcpy", H2D, 64, 16.01, 16.01},
+	{"batch", D2H, 64, 51.76, 47.22},
+	{"batch", H2D, 64, 55.22, 52.25},
+	{"kernel/2", D2H, 64, 52.48, 52.02},
+	{"kernel/2", H2D, 64, 51.12, 50.74},
+	{"kernel/4", D2H, 64, 52.51, 51.99},
+	{"kernel/4", H2D, 64, 51.18, 50.58},
+	{"kernel/8", D2H, 64, 52.46, 52.00},
+	{"kernel/8", H2D, 64, 51.15, 50.88},
+	{"kernel/16", D2H, 64, 52.47, 52.13},
+	{"kernel/16", H2D, 64, 51.16, 50.95},
+	{"memcpy", D2H, 256, 35.06, 35.02},
+	{"memcpy", H2D, 256, 34.29, 33.39},
+	{"batch", D2H, 256, 54.22, 53.15},
+	{"batch", H2D, 256, 55.33, 54.55},
+	{"kernel/2", D2H, 256, 52.53, 52.18},
+	{"kernel/2", H2D, 256, 51.24, 51.02},
+	{"kernel/4", D2H, 256, 52.48, 52.23},
+	{"kernel/4", H2D, 256, 51.08, 50.84},
+	{"kernel/8", D2H, 256, 52.60, 52.32},
+	{"kernel/8", H2D, 256, 51.22, 50.77},
+	{"kernel/16", D2H, 256, 52.50, 52.34},
+	{"kernel/16", H2D, 256, 51.20, 50.95},
+	{"memcpy", D2H, 2048, 51.53, 51.50},
+	{"memcpy", H2D, 2048, 51.11, 50.60},
+	{"batch", D2H, 2048, 55.18, 54.96},
+	{"batch", H2D, 2048, 55.28, 54.32},
+	{"kernel/2", D2H, 2048, 52.56, 52.10},
+	{"kernel/2", H2D, 2048, 51.20, 51.01},
+	{"kernel/4", D2H, 2048, 52.52, 52.23},
+	{"kernel/4", H2D, 2048, 51.24, 50.91},
+	{"kernel/8", D2H, 2048, 52.54, 52.42},
+	{"kernel/8", H2D, 2048, 51.15, 50.89},
+	{"kernel/16", D2H, 2048, 52.55, 52.40},
+	{"kernel/16", H2D, 2048, 51.28, 51.09},
+}
+
+// h200Table is the calibration the pipelined H200 rates make: memcpy, batch
+// and the kernel at the default 8 CTAs.
+func h200Table() *Calibration {
+	c := Calibration{Device: "NVIDIA H200", CTAs: DefaultCTAs}
+	for _, r := range h200Rates {
+		m, ok := map[string]Method{"memcpy": MethodMemcpy, "batch": MethodBatch, "kernel/8": MethodKernel}[r.variant]
+		if ok {
+			c.Entries = append(c.Entries, Measurement{Dir: r.dir, Method: m, SegBytes: r.kib << 10, GBps: r.pipeline})
+		}
 	}
 	return &c
 }
@@ -45,31 +103,38 @@ func segsOf(n int, size uint64, align uint64) []Segment {
 }
 
 func TestChoose(t *testing.T) {
-	tab := anchorTable()
+	tab := h200Table()
 	tests := []struct {
 		name           string
 		cal            *Calibration
 		batch, kernel  bool
+		margin         float64
 		dir            Direction
 		n              int
 		size, misalign uint64
 		want           Method
 	}{
-		{"one segment is memcpy", tab, true, true, D2H, 1, 4 << 10, 0, MethodMemcpy},
-		{"small d2h kernel", tab, true, true, D2H, 64, 4 << 10, 0, MethodKernel},
-		{"small h2d kernel", tab, true, true, H2D, 64, 16 << 10, 0, MethodKernel},
-		{"large h2d batch", tab, true, true, H2D, 64, 256 << 10, 0, MethodBatch},
-		{"2 MiB d2h batch", tab, true, true, D2H, 8, 2 << 20, 0, MethodBatch},
-		{"beyond the table clamps", tab, true, true, D2H, 4, 64 << 20, 0, MethodBatch},
-		{"below the table clamps", tab, true, true, D2H, 64, 512, 0, MethodKernel},
-		{"misaligned avoids kernel", tab, true, true, D2H, 64, 4 << 10, 8, MethodBatch},
-		{"no batch api", tab, false, true, H2D, 64, 256 << 10, 0, MethodKernel},
-		{"no batch api, misaligned", tab, false, true, H2D, 64, 256 << 10, 8, MethodMemcpy},
-		{"no kernel", tab, true, false, D2H, 64, 4 << 10, 0, MethodBatch},
-		{"uncalibrated prefers kernel", nil, true, true, H2D, 64, 2 << 20, 0, MethodKernel},
-		{"uncalibrated without kernel", nil, true, false, H2D, 64, 4 << 10, 0, MethodBatch},
-		{"uncalibrated dma only", nil, false, false, H2D, 64, 4 << 10, 0, MethodMemcpy},
-		{"uncalibrated direction", tab, true, true, D2D, 64, 4 << 10, 0, MethodKernel},
+		{"one segment is memcpy", tab, true, true, DefaultDMAMargin, D2H, 1, 4 << 10, 0, MethodMemcpy},
+		{"small d2h kernel", tab, true, true, DefaultDMAMargin, D2H, 64, 4 << 10, 0, MethodKernel},
+		{"small h2d kernel", tab, true, true, DefaultDMAMargin, H2D, 64, 16 << 10, 0, MethodKernel},
+		{"d2h 64 KiB: batch 9% behind, kernel", tab, true, true, DefaultDMAMargin, D2H, 64, 64 << 10, 0, MethodKernel},
+		{"h2d 64 KiB: batch ahead", tab, true, true, DefaultDMAMargin, H2D, 64, 64 << 10, 0, MethodBatch},
+		{"d2h 256 KiB: batch ahead", tab, true, true, DefaultDMAMargin, D2H, 64, 256 << 10, 0, MethodBatch},
+		{"h2d 256 KiB batch", tab, true, true, DefaultDMAMargin, H2D, 64, 256 << 10, 0, MethodBatch},
+		{"2 MiB d2h batch", tab, true, true, DefaultDMAMargin, D2H, 8, 2 << 20, 0, MethodBatch},
+		{"beyond the table clamps", tab, true, true, DefaultDMAMargin, D2H, 4, 64 << 20, 0, MethodBatch},
+		{"below the table clamps", tab, true, true, DefaultDMAMargin, D2H, 64, 512, 0, MethodKernel},
+		{"misaligned avoids kernel", tab, true, true, DefaultDMAMargin, D2H, 64, 4 << 10, 8, MethodBatch},
+		{"no batch api", tab, false, true, DefaultDMAMargin, H2D, 64, 256 << 10, 0, MethodKernel},
+		{"no batch api, memcpy within margin", tab, false, true, PreferDMAMargin, D2H, 8, 2 << 20, 0, MethodMemcpy},
+		{"no batch api, misaligned", tab, false, true, DefaultDMAMargin, H2D, 64, 256 << 10, 8, MethodMemcpy},
+		{"no kernel", tab, true, false, DefaultDMAMargin, D2H, 64, 4 << 10, 0, MethodBatch},
+		{"prefer dma: d2h 64 KiB batch", tab, true, true, PreferDMAMargin, D2H, 64, 64 << 10, 0, MethodBatch},
+		{"prefer dma: d2h 16 KiB still kernel", tab, true, true, PreferDMAMargin, D2H, 64, 16 << 10, 0, MethodKernel},
+		{"uncalibrated prefers kernel", nil, true, true, DefaultDMAMargin, H2D, 64, 2 << 20, 0, MethodKernel},
+		{"uncalibrated without kernel", nil, true, false, DefaultDMAMargin, H2D, 64, 4 << 10, 0, MethodBatch},
+		{"uncalibrated dma only", nil, false, false, DefaultDMAMargin, H2D, 64, 4 << 10, 0, MethodMemcpy},
+		{"uncalibrated direction", tab, true, true, DefaultDMAMargin, D2D, 64, 4 << 10, 0, MethodKernel},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -78,23 +143,93 @@ func TestChoose(t *testing.T) {
 			for _, s := range segs {
 				total += s.Len
 			}
-			ch := newChooser(tc.cal, tc.batch, tc.kernel)
+			ch := newChooser(tc.cal, tc.batch, tc.kernel, tc.margin)
 			require.Equal(t, tc.want, ch.choose(tc.dir, len(segs), total, aligned(segs)))
 		})
 	}
 }
 
+// Issue 5's target: on the H200, the automatic choice (calibrated with the
+// pipelined rates, default margin) is at least 97% of the best method at
+// every segment size and direction, in the pipelined column and in the
+// gated one; with PreferDMA it stays within the wider margin.
+func TestAutoOnH200WithinTarget(t *testing.T) {
+	type key struct {
+		dir Direction
+		kib uint64
+	}
+	type col struct{ gated, pipeline float64 }
+	at := map[key]map[string]col{}
+	for _, r := range h200Rates {
+		k := key{r.dir, r.kib}
+		if at[k] == nil {
+			at[k] = map[string]col{}
+		}
+		at[k][r.variant] = col{r.gated, r.pipeline}
+	}
+	variant := map[Method]string{MethodMemcpy: "memcpy", MethodBatch: "batch", MethodKernel: "kernel/8"}
+	for _, tc := range []struct {
+		margin, need float64
+	}{{DefaultDMAMargin, 0.97}, {PreferDMAMargin, 1 - PreferDMAMargin}} {
+		ch := newChooser(h200Table(), true, true, tc.margin)
+		for k, rates := range at {
+			n := int(max(2, (64<<20)/(k.kib<<10)))
+			pick := rates[variant[ch.choose(k.dir, n, uint64(n)*k.kib<<10, true)]]
+			var best col
+			for _, r := range rates {
+				best.gated, best.pipeline = max(best.gated, r.gated), max(best.pipeline, r.pipeline)
+			}
+			require.GreaterOrEqual(t, pick.pipeline, tc.need*best.pipeline, "%v %d KiB margin %v: pipelined", k.dir, k.kib, tc.margin)
+			require.GreaterOrEqual(t, pick.gated, tc.need*best.gated, "%v %d KiB margin %v: gated", k.dir, k.kib, tc.margin)
+		}
+	}
+}
+
+// Whatever the rates, choose takes a DMA method exactly when the better of
+// memcpy and batch is within the margin of the kernel, and widening the
+// margin never turns a DMA choice into the kernel.
+func TestChooseMarginProperty(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		gen := rapid.Float64Range(0.1, 100)
+		mem, bat, ker := gen.Draw(t, "memcpy"), gen.Draw(t, "batch"), gen.Draw(t, "kernel")
+		margin := rapid.Float64Range(0.001, 0.5).Draw(t, "margin")
+		wider := rapid.Float64Range(margin, 0.9).Draw(t, "wider")
+		cal := &Calibration{Entries: []Measurement{
+			{Dir: H2D, Method: MethodMemcpy, SegBytes: 65536, GBps: mem},
+			{Dir: H2D, Method: MethodBatch, SegBytes: 65536, GBps: bat},
+			{Dir: H2D, Method: MethodKernel, SegBytes: 65536, GBps: ker},
+		}}
+		got := newChooser(cal, true, true, margin).choose(H2D, 16, 16*65536, true)
+		dma, dmaRate := MethodMemcpy, mem
+		if bat > mem {
+			dma, dmaRate = MethodBatch, bat
+		}
+		want := MethodKernel
+		if dmaRate >= (1-margin)*ker {
+			want = dma
+		}
+		if got != want {
+			t.Fatalf("rates memcpy %v batch %v kernel %v margin %v: got %v, want %v", mem, bat, ker, margin, got, want)
+		}
+		if got != MethodKernel {
+			if w := newChooser(cal, true, true, wider).choose(H2D, 16, 16*65536, true); w != got {
+				t.Fatalf("margin %v picks %v but wider %v picks %v", margin, got, wider, w)
+			}
+		}
+	})
+}
+
 // Between calibrated sizes the rate is interpolated in log2(size): the
 // batch API at 32 KiB H2D sits halfway between 16 and 64 KiB.
 func TestRateInterpolation(t *testing.T) {
-	ch := newChooser(anchorTable(), true, true)
+	ch := newChooser(h200Table(), true, true, DefaultDMAMargin)
 	r, ok := rate(ch.curves[H2D][MethodBatch], 32<<10)
 	require.True(t, ok)
-	require.InDelta(t, (12.4+51.3)/2, r, 1e-9)
+	require.InDelta(t, (26.73+52.25)/2, r, 1e-9)
 	_, ok = rate(nil, 4096)
 	require.False(t, ok)
 	// A table measured at one size only gives that rate everywhere.
-	one := newChooser(&Calibration{Entries: []Measurement{{Dir: D2H, Method: MethodBatch, SegBytes: 4096, GBps: 9}}}, true, true)
+	one := newChooser(&Calibration{Entries: []Measurement{{Dir: D2H, Method: MethodBatch, SegBytes: 4096, GBps: 9}}}, true, true, DefaultDMAMargin)
 	r, ok = rate(one.curves[D2H][MethodBatch], 1<<30)
 	require.True(t, ok)
 	require.Equal(t, 9.0, r)
@@ -104,7 +239,7 @@ func TestRateInterpolation(t *testing.T) {
 }
 
 func TestCalibrationValidate(t *testing.T) {
-	good := anchorTable()
+	good := h200Table()
 	require.NoError(t, good.Validate())
 	for _, bad := range []Measurement{
 		{Dir: 0, Method: MethodBatch, SegBytes: 1, GBps: 1},
@@ -120,8 +255,8 @@ func TestCalibrationValidate(t *testing.T) {
 }
 
 func TestCalibrationJSONAndMarkdown(t *testing.T) {
-	tab := anchorTable()
-	tab.Device = "NVIDIA H200"
+	tab := h200Table()
+	tab.PieceBytes, tab.Pieces = 16<<20, 4
 	b, err := json.Marshal(tab)
 	require.NoError(t, err)
 	require.Contains(t, string(b), `"method":"kernel"`)
@@ -132,8 +267,9 @@ func TestCalibrationJSONAndMarkdown(t *testing.T) {
 
 	md := tab.Markdown()
 	require.Contains(t, md, "| dir | segment | memcpy GB/s | batch GB/s | kernel GB/s | chosen |")
-	require.Contains(t, md, "| d2h | 4 KiB | 1.4 | 5.5 | 52.1 | kernel |")
-	require.Contains(t, md, "| h2d | 256 KiB | 34.0 | 53.7 | 51.2 | batch |")
+	require.Contains(t, md, "| d2h | 4 KiB | 1.5 | 4.4 | 48.8 | kernel |")
+	require.Contains(t, md, "| d2h | 64 KiB | 16.3 | 47.2 | 52.0 | kernel |")
+	require.Contains(t, md, "| h2d | 2 MiB | 50.6 | 54.3 | 50.9 | batch |")
 }
 
 func TestFormatBytes(t *testing.T) {

@@ -60,6 +60,16 @@ type Options struct {
 	Calibration *Calibration
 	// Calibrate configures what Calibrate measures.
 	Calibrate CalibrationConfig
+	// DMAMargin: MethodAuto takes a DMA method (the batch API, else
+	// memcpy) over the kernel when its calibrated rate is at least
+	// (1 - DMAMargin) of the kernel's, as the DMA engines leave the SMs to
+	// the model (see DefaultDMAMargin). Zero takes DefaultDMAMargin, or
+	// PreferDMAMargin with PreferDMA; otherwise in (0, 1).
+	DMAMargin float64
+	// PreferDMA widens the default DMAMargin to PreferDMAMargin, for
+	// serving stacks that want the SMs kept for the model whenever the
+	// batch API is close.
+	PreferDMA bool
 	// PTX replaces the embedded kernels.ptx (a PTX built for another target,
 	// or a test driver's image).
 	PTX []byte
@@ -99,6 +109,12 @@ func (o *Options) withDefaults() Options {
 	if r.CopyKernel == "" {
 		r.CopyKernel = DefaultCopyKernel
 	}
+	if r.DMAMargin == 0 {
+		r.DMAMargin = DefaultDMAMargin
+		if r.PreferDMA {
+			r.DMAMargin = PreferDMAMargin
+		}
+	}
 	r.Calibrate = r.Calibrate.withDefaults()
 	return r
 }
@@ -119,6 +135,8 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: DescBuffers %d is negative", ErrInvalidOption, o.DescBuffers)
 	case o.BatchMax < 1:
 		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
+	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
+		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
 	case o.CopyKernel != DefaultCopyKernel && o.CopyKernel != StreamingCopyKernel:
 		return fmt.Errorf("%w: CopyKernel %q is not %q or %q", ErrInvalidOption, o.CopyKernel, DefaultCopyKernel, StreamingCopyKernel)
 	}
@@ -253,7 +271,7 @@ func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
 		}
 	}
 	c.cal = o.Calibration
-	c.chooser.Store(newChooser(o.Calibration, c.caps.Batch, c.caps.Kernel))
+	c.chooser.Store(newChooser(o.Calibration, c.caps.Batch, c.caps.Kernel, o.DMAMargin))
 	return c, nil
 }
 
@@ -326,7 +344,7 @@ func (c *Copier) SetCalibration(cal *Calibration) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.cal = cal
-	c.chooser.Store(newChooser(cal, c.caps.Batch, c.caps.Kernel))
+	c.chooser.Store(newChooser(cal, c.caps.Batch, c.caps.Kernel, c.opts.DMAMargin))
 	return nil
 }
 

@@ -452,7 +452,7 @@ func TestSubmitDoesNotAllocate(t *testing.T) {
 	}
 	segs := segsOf(300, 4096, 0)
 	for _, m := range []Method{MethodMemcpy, MethodBatch, MethodKernel, MethodAuto} {
-		c, err := New(&nullDriver{}, 0, Options{Method: m, DescCapacity: 128, PTX: fakePTX, BatchMax: 64, Calibration: anchorTable()})
+		c, err := New(&nullDriver{}, 0, Options{Method: m, DescCapacity: 128, PTX: fakePTX, BatchMax: 64, Calibration: h200Table()})
 		require.NoError(t, err)
 		var failed error
 		allocs := testing.AllocsPerRun(20, func() {

@@ -15,7 +15,11 @@
 //     pointer of a range given to AddHostRange.
 //
 // MethodAuto picks per batch from a calibration table measured on the device
-// (Calibrate) or loaded (Options.Calibration); Options.Method forces one.
+// (Calibrate: each method's pipelined rate, several back-to-back Submits, as
+// the engine runs them) or loaded (Options.Calibration); Options.Method
+// forces one. A DMA method within Options.DMAMargin of the kernel's rate
+// (default 3%; 15% with Options.PreferDMA) is taken over the kernel, which
+// takes SMs from the model's kernels where the DMA engines do not.
 //
 // Ownership and invariants:
 //

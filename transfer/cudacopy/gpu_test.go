@@ -4,6 +4,7 @@ import (
 	mrand "math/rand/v2"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -105,8 +106,11 @@ func TestGPUCalibrate(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
 	c := newCopier(t, g.Drv, gpuOpts(t, Options{}))
+	start := time.Now()
 	cal, err := c.Calibrate(s)
+	took := time.Since(start)
 	require.NoError(t, err)
 	require.NoError(t, cal.Validate())
-	t.Logf("calibration (%d CTAs, %s per point):\n%s", cal.CTAs, FormatBytes(cal.TotalBytes), cal.Markdown())
+	t.Logf("calibration in %v (%d CTAs, pipelines of a lead and up to %d Submits of up to %s, in %s buffers):\n%s",
+		took.Round(time.Millisecond), cal.CTAs, cal.Pieces, FormatBytes(cal.PieceBytes), FormatBytes(cal.TotalBytes), cal.Markdown())
 }
