@@ -24,21 +24,31 @@ type CUDAOptions struct {
 	// MaxRangeSize. It must be a positive multiple of the page size, at most
 	// MaxRangeSize.
 	RangeLimit int64
+	// PipelineChunk is the registration range, at most RangeLimit, for
+	// regions mapped with mmapmem.Options.DeferPrefault: Register
+	// prefaults each range just before registering it, overlapping the
+	// prefault of range k+1 with the registration of range k. 0 means
+	// DefaultPipelineChunk. It must be a positive multiple of the page
+	// size; above RangeLimit it is cut to RangeLimit. Regions prefaulted
+	// by mmapmem.New are registered in ranges of RangeLimit.
+	PipelineChunk int64
 }
 
-// RangeError is a failed registration of one range. Ranges 0..Index-1 were
-// registered and have been unregistered again.
+// RangeError is a failed registration of one range: its prefault (for a
+// region mapped with mmapmem.Options.DeferPrefault) or its pinning. Ranges
+// 0..Index-1 were pinned and have been unpinned again.
 type RangeError struct {
+	Pinner string // the pinner's Kind
 	Region string // the region, as mmapmem.Region.String reports it
 	Index  int    // the range that failed
 	Count  int    // how many ranges the region has
 	Range  Range
-	Err    error // the driver's error (*cuda.Error)
+	Err    error // the driver's (*cuda.Error), mlock's or the prefault's error
 }
 
 func (e *RangeError) Error() string {
-	return fmt.Sprintf("register: cuda: range %d of %d (offset %d, %d bytes) of %s failed, %d earlier ranges rolled back: %v",
-		e.Index, e.Count, e.Range.Off, e.Range.Len, e.Region, e.Index, e.Err)
+	return fmt.Sprintf("register: %s: range %d of %d (offset %d, %d bytes) of %s failed, %d earlier ranges rolled back: %v",
+		e.Pinner, e.Index, e.Count, e.Range.Off, e.Range.Len, e.Region, e.Index, e.Err)
 }
 
 func (e *RangeError) Unwrap() error { return e.Err }
@@ -69,28 +79,59 @@ func NewCUDA(drv cuda.Driver, ctx cuda.Context, opts CUDAOptions) (*CUDA, error)
 		return nil, fmt.Errorf("%w: RangeLimit %d: must be a positive multiple of the page size %d, at most %d (MaxRangeSize)",
 			ErrOptions, opts.RangeLimit, page, MaxRangeSize)
 	}
+	chunk, err := pipelineChunk(opts.PipelineChunk, page)
+	if err != nil {
+		return nil, err
+	}
 	c := &CUDA{drv: drv, ctx: ctx}
-	c.tracker = newTracker("cuda", func(*mmapmem.Region) int64 { return limit }, c.pin, c.unpin)
+	c.tracker = newTracker("cuda", rangeLimit(limit, min(chunk, limit)), c.pin, c.unpin)
 	return c, nil
 }
 
+// pipelineChunk validates a PipelineChunk option (0: DefaultPipelineChunk).
+func pipelineChunk(chunk, page int64) (int64, error) {
+	if chunk == 0 {
+		return DefaultPipelineChunk, nil
+	}
+	if chunk < 0 || chunk%page != 0 {
+		return 0, fmt.Errorf("%w: PipelineChunk %d: must be a positive multiple of the page size %d", ErrOptions, chunk, page)
+	}
+	return chunk, nil
+}
+
+// rangeLimit is a tracker's range limit: chunk for regions whose prefault
+// was deferred to Register, limit for the others (0: one range).
+func rangeLimit(limit, chunk int64) func(*mmapmem.Region) int64 {
+	return func(r *mmapmem.Region) int64 {
+		if r.Deferred() {
+			return chunk
+		}
+		return limit
+	}
+}
+
+// pin registers ranges in order, each prefaulted first when r's prefault
+// was deferred (see eachPrefaulted), and on a failure at range k
+// unregisters ranges 0..k-1 again.
 func (c *CUDA) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error) {
 	err = cuda.OnThread(c.drv, c.ctx, func() error {
-		for k, rg := range ranges {
-			rerr := c.drv.MemHostRegister(unsafe.Add(r.Pointer(), rg.Off), uint64(rg.Len), RegisterFlags)
-			if rerr == nil {
-				pinned = ranges[:k+1]
-				continue
+		k, perr := eachPrefaulted(r, ranges, func(k int, rg Range) error {
+			if err := c.drv.MemHostRegister(unsafe.Add(r.Pointer(), rg.Off), uint64(rg.Len), RegisterFlags); err != nil {
+				return err
 			}
-			fail := &RangeError{Region: r.String(), Index: k, Count: len(ranges), Range: rg, Err: rerr}
-			var rollback error
-			pinned, rollback = c.unpinLocked(r, pinned)
-			if rollback != nil {
-				return errors.Join(fail, fmt.Errorf("register: cuda: rollback left %d ranges registered: %w", len(pinned), rollback))
-			}
-			return fail
+			pinned = ranges[:k+1]
+			return nil
+		})
+		if perr == nil {
+			return nil
 		}
-		return nil
+		fail := &RangeError{Pinner: c.kind, Region: r.String(), Index: k, Count: len(ranges), Range: ranges[k], Err: perr}
+		var rollback error
+		pinned, rollback = c.unpinLocked(r, pinned)
+		if rollback != nil {
+			return errors.Join(fail, fmt.Errorf("register: cuda: rollback left %d ranges registered: %w", len(pinned), rollback))
+		}
+		return fail
 	})
 	return pinned, err
 }

@@ -13,9 +13,16 @@
 //     (64 GiB by default for CUDA: one cuMemHostRegister of hundreds of GiB
 //     has been seen to fail). Ranges reports them; a slot must never
 //     straddle two ranges.
-//   - A failed Register leaves nothing registered: when range k fails,
-//     ranges 0..k-1 are unregistered again and the error (*RangeError) names
-//     range k, its offset and size, and the driver's reason.
+//   - A region mapped with mmapmem.Options.DeferPrefault is prefaulted by
+//     Register itself, pipelined: its registration ranges are at most the
+//     pinner's pipeline chunk (DefaultPipelineChunk, 2 GiB), range k+1 is
+//     prefaulted on the region's prefault threads while range k is being
+//     registered (or mlocked), and no range is pinned before its prefault
+//     has finished. Ranges reports these ranges like any other.
+//   - A failed Register leaves nothing registered: when range k fails (its
+//     prefault or its pinning), ranges 0..k-1 are unregistered again, the
+//     prefaulting goroutine has ended, and the error (*RangeError) names
+//     range k, its offset and size, and the reason.
 //   - CUDA calls run on a locked OS thread with the pinner's context current
 //     and CU_STREAM_CAPTURE_MODE_RELAXED set (the previous mode restored
 //     afterwards), so pinning never breaks a serving stack's graph capture

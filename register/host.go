@@ -3,6 +3,7 @@ package register
 import (
 	"errors"
 	"fmt"
+	"os"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -21,11 +22,31 @@ type Host struct {
 
 var _ Pinner = (*Host)(nil)
 
-// NewHost returns an mlock pinner.
+// HostOptions configure a Host pinner.
+type HostOptions struct {
+	// PipelineChunk is the mlock range for regions mapped with
+	// mmapmem.Options.DeferPrefault, prefaulted range by range ahead of
+	// mlock (see CUDAOptions.PipelineChunk); 0 means DefaultPipelineChunk.
+	// It must be a positive multiple of the page size. Other regions are
+	// locked in one range.
+	PipelineChunk int64
+}
+
+// NewHost returns an mlock pinner with the default options.
 func NewHost() *Host {
-	h := &Host{mlock: unix.Mlock, munlock: unix.Munlock, getrlimit: unix.Getrlimit}
-	h.tracker = newTracker("host-mlock", func(*mmapmem.Region) int64 { return 0 }, h.pin, h.unpin)
+	h, _ := NewHostWithOptions(HostOptions{}) // the zero options are valid
 	return h
+}
+
+// NewHostWithOptions returns an mlock pinner.
+func NewHostWithOptions(opts HostOptions) (*Host, error) {
+	chunk, err := pipelineChunk(opts.PipelineChunk, int64(os.Getpagesize()))
+	if err != nil {
+		return nil, err
+	}
+	h := &Host{mlock: unix.Mlock, munlock: unix.Munlock, getrlimit: unix.Getrlimit}
+	h.tracker = newTracker("host-mlock", rangeLimit(0, chunk), h.pin, h.unpin)
+	return h, nil
 }
 
 // mapping is the bytes of range rg of r's mapping.
@@ -33,21 +54,30 @@ func mapping(r *mmapmem.Region, rg Range) []byte {
 	return unsafe.Slice((*byte)(unsafe.Add(r.Pointer(), rg.Off)), rg.Len)
 }
 
+// pin locks ranges in order, each prefaulted first when r's prefault was
+// deferred (see eachPrefaulted), and on a failure at range k unlocks
+// ranges 0..k again (a failed mlock may have locked part of range k).
 func (h *Host) pin(r *mmapmem.Region, ranges []Range) ([]Range, error) {
-	for k, rg := range ranges {
-		err := h.mlock(mapping(r, rg))
-		if err == nil {
-			continue
+	mlocked := false
+	k, err := eachPrefaulted(r, ranges, func(_ int, rg Range) error {
+		if err := h.mlock(mapping(r, rg)); err != nil {
+			mlocked = true
+			return h.explain(rg.Len, err)
 		}
-		// A failed mlock may have locked part of the range; unlock it all.
-		_, uerr := h.unpin(r, ranges[:k+1])
-		err = h.explain(rg.Len, err)
-		if uerr != nil {
-			return ranges[:k+1], errors.Join(err, uerr)
-		}
-		return nil, err
+		return nil
+	})
+	if err == nil {
+		return ranges, nil
 	}
-	return ranges, nil
+	touched := ranges[:k]
+	if mlocked {
+		touched = ranges[:k+1]
+	}
+	fail := &RangeError{Pinner: h.kind, Region: r.String(), Index: k, Count: len(ranges), Range: ranges[k], Err: err}
+	if left, uerr := h.unpin(r, touched); uerr != nil {
+		return left, errors.Join(fail, uerr)
+	}
+	return nil, fail
 }
 
 func (h *Host) unpin(r *mmapmem.Region, ranges []Range) ([]Range, error) {

@@ -146,8 +146,9 @@ func (t *tracker) Register(r *mmapmem.Region) error {
 	}
 	t.mu.Lock()
 	if e := t.regions[r]; e != nil {
+		busy := e.busy
 		t.mu.Unlock()
-		if e.busy {
+		if busy {
 			return fmt.Errorf("%w: %s: %s", ErrBusy, t.kind, r)
 		}
 		return fmt.Errorf("%w: %s: %s", ErrAlreadyRegistered, t.kind, r)

@@ -35,9 +35,15 @@ type recorder struct {
 	base  uintptr
 	calls []call
 	modes []cuda.CaptureMode
+	// before, when set, runs at the start of every MemHostRegister with the
+	// range as offsets into the region.
+	before func(off, n int64)
 }
 
 func (r *recorder) MemHostRegister(p unsafe.Pointer, size uint64, flags uint32) error {
+	if r.before != nil {
+		r.before(int64(uintptr(p)-r.base), int64(size))
+	}
 	err := r.Driver.MemHostRegister(p, size, flags)
 	if err == nil {
 		r.mu.Lock()
@@ -75,11 +81,17 @@ func (r *recorder) log() []call {
 // and a cleanup that asserts nothing is left registered.
 func newFake(t *testing.T, limit int64) (*recorder, *register.CUDA) {
 	t.Helper()
+	return newFakeWith(t, register.CUDAOptions{RangeLimit: limit})
+}
+
+// newFakeWith is newFake with all the pinner's options.
+func newFakeWith(t *testing.T, opts register.CUDAOptions) (*recorder, *register.CUDA) {
+	t.Helper()
 	fd := cudafake.New(cudafake.Options{CheckContext: true})
 	rec := &recorder{Driver: fd}
 	ctx, err := fd.PrimaryCtxRetain(0)
 	require.NoError(t, err)
-	p, err := register.NewCUDA(rec, ctx, register.CUDAOptions{RangeLimit: limit})
+	p, err := register.NewCUDA(rec, ctx, opts)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		require.Zero(t, fd.Live().Registrations, "registrations left in the fake driver")
