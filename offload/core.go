@@ -79,6 +79,13 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		node: node, slot: slot, plan: plan, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
 		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{}), stopReap: make(chan struct{})}
 	e.growCond = sync.NewCond(&e.growMu)
+	if e.tracker == nil && transfer.InvariantsEnabled() {
+		// Invariant builds (-race, -tags kvoinvariants) always run the
+		// gating harness: regions poisoned when released (host backend),
+		// every copy's host range checked live at submission and completion.
+		e.tracker = transfer.NewTracker(e.poison)
+		h.tracker = e.tracker
+	}
 	ok := false
 	defer func() {
 		if !ok {
@@ -311,6 +318,14 @@ func (e *Engine) unmapRegion(pr *poolRegion) {
 	_ = pr.r.Close()
 	e.stats.unpinCalls.Add(1)
 	e.stats.unpinNanos.Add(int64(time.Since(t0)))
+}
+
+// poison fills a released pool region with transfer.PoisonByte on the
+// host backend (the gating harness's use-after-free detector).
+func (e *Engine) poison(addr, n uint64) {
+	if e.sim != nil {
+		_ = e.sim.sim.Fill(addr, n, transfer.PoisonByte)
+	}
 }
 
 // zeroSlot zeroes a slot returning to the free list (Config.ZeroOnRelease):

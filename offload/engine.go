@@ -132,6 +132,17 @@ func (e *Engine) checkOpen(call string) error {
 	return nil
 }
 
+// InvariantViolations returns the gating violations recorded so far: a copy
+// whose host range was not live, or was released and reused while it ran.
+// Only builds with invariants on (-race, or -tags kvoinvariants) check
+// them; other builds return nil. Any violation is a bug in the engine.
+func (e *Engine) InvariantViolations() []error {
+	if e.tracker == nil {
+		return nil
+	}
+	return e.tracker.Violations()
+}
+
 // Config returns the engine's configuration with defaults filled in.
 func (e *Engine) Config() Config { return e.cfg }
 
