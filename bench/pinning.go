@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
@@ -27,6 +28,14 @@ type PinningOptions struct {
 	Region mmapmem.Options
 	// RangeLimit is the CUDA registration range limit (0: 64 GiB).
 	RangeLimit int64
+	// PipelineChunk is the pinner's pipeline chunk (0:
+	// register.DefaultPipelineChunk): ours maps the region with
+	// mmapmem.Options.DeferPrefault and register.CUDA.Register prefaults
+	// range k+1 while it registers range k.
+	PipelineChunk int64
+	// Sequential measures ours the old way instead: mmapmem.New prefaults
+	// the whole region, then Register registers it in RangeLimit ranges.
+	Sequential bool
 	// SkipHostAlloc leaves out the cuMemHostAlloc reference.
 	SkipHostAlloc bool
 }
@@ -43,10 +52,13 @@ type PinningResult struct {
 	// Ours (the fields below, through Fallback): the warm run, after
 	// cuMemHostAlloc, on memory the guest has backed once: what an engine
 	// starting on a warmed machine sees, and what cuMemHostAlloc is
-	// compared with. mmapmem.New (mmap, advice, parallel prefault) then a
-	// CUDA registration.
+	// compared with. Map is mmapmem.New, Register is register.CUDA.Register.
+	// Pipelined (Chunk > 0): New maps and advises without touching, and
+	// Register prefaults range k+1 while it registers range k. Sequential
+	// (Chunk = 0): New prefaults everything, then Register registers.
 	Map      time.Duration
 	Register time.Duration
+	Chunk    int64 // the pipeline chunk; 0 when measured sequentially
 	Total    time.Duration
 	GiBps    float64 // Size / Total
 	Mapped   int64   // bytes owned: the region's mapped size
@@ -76,7 +88,8 @@ type PinningRun struct {
 func (r PinningResult) Extra() int64 { return r.Mapped - r.Size }
 
 // MeasurePinning measures, for each size, the end-to-end time to pinned
-// memory through mmapmem and register (cold), then the same size through
+// memory through mmapmem and register (cold; pipelined unless
+// opts.Sequential, see PinningOptions), then the same size through
 // cuMemHostAlloc, then ours again (warm), one after the other so that no
 // two hold memory at once. It retains dev's primary context for the
 // duration.
@@ -95,7 +108,7 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 			err = errors.Join(err, fmt.Errorf("bench: release primary context: %w", rerr))
 		}
 	}()
-	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: opts.RangeLimit})
+	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: opts.RangeLimit, PipelineChunk: opts.PipelineChunk})
 	if err != nil {
 		return nil, err
 	}
@@ -103,9 +116,18 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 	if threads == 0 {
 		threads = mmapmem.DefaultPrefaultThreads()
 	}
+	region := opts.Region
+	var chunk int64
+	if !opts.Sequential {
+		region.NoPrefault, region.DeferPrefault = false, true
+		chunk = cmp.Or(opts.PipelineChunk, register.DefaultPipelineChunk)
+		if opts.RangeLimit > 0 {
+			chunk = min(chunk, opts.RangeLimit)
+		}
+	}
 	for _, size := range sizes {
-		res := PinningResult{Size: size, Threads: threads}
-		if err := measureOurs(p, size, opts.Region, &res); err != nil {
+		res := PinningResult{Size: size, Threads: threads, Chunk: chunk}
+		if err := measureOurs(p, size, region, &res); err != nil {
 			return results, err
 		}
 		res.Cold = PinningRun{Map: res.Map, Register: res.Register, Total: res.Total, GiBps: res.GiBps}
@@ -114,7 +136,7 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 				return results, err
 			}
 		}
-		if err := measureOurs(p, size, opts.Region, &res); err != nil {
+		if err := measureOurs(p, size, region, &res); err != nil {
 			return results, err
 		}
 		if res.HostAlloc > 0 {
@@ -178,12 +200,13 @@ func gibps(size int64, d time.Duration) float64 {
 // when a 48 GiB row is present, whether it meets them.
 func FormatPinning(results []PinningResult) string {
 	var b strings.Builder
-	b.WriteString("| size | cold: mmap + prefault | register | total | GiB/s | warm: mmap + prefault | register | total | GiB/s | ranges | bytes beyond asked | cuMemHostAlloc | its GiB/s | speed-up warm (cold) |\n")
+	b.WriteString("| size | cold: New | Register | total | GiB/s | warm: New | Register | total | GiB/s | ranges | bytes beyond asked | cuMemHostAlloc | its GiB/s | speed-up warm (cold) |\n")
 	b.WriteString("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	var threads int
+	var chunk int64
 	var fallbacks []string
 	for _, r := range results {
-		threads = r.Threads
+		threads, chunk = r.Threads, r.Chunk
 		ref, refRate, speed := "–", "–", "–"
 		if r.HostAlloc > 0 {
 			ref, refRate, speed = ms(r.HostAlloc), fmt.Sprintf("%.1f", r.HostAllocGiBs), fmt.Sprintf("%.1f× (%.1f×)", r.Speedup, r.ColdSpeedup)
@@ -195,9 +218,15 @@ func FormatPinning(results []PinningResult) string {
 			fallbacks = append(fallbacks, fmt.Sprintf("%s: %s", sizeString(r.Size), r.Fallback))
 		}
 	}
-	fmt.Fprintf(&b, "\nOurs: mmapmem.New (THP unless disabled, prefault on %d threads) + cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) in registration ranges. "+
-		"cuMemHostAlloc: one call of the same size (pages backed and pinned on return), owned bytes taken as asked: the driver does not report its rounding.\n"+
-		"Order per size: ours (cold), cuMemHostAlloc, ours (warm), each freed before the next. On a virtual machine the first touch of guest memory the process never used pays the hypervisor's faults (EPT backing): the cold run pays them, cuMemHostAlloc and the warm run reuse that backed memory. Warm is the like-for-like comparison with cuMemHostAlloc; cold is what a freshly booted VM pays once.\n", threads)
+	if chunk > 0 {
+		fmt.Fprintf(&b, "\nOurs, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
+			"Register = register.CUDA.Register in %s ranges, prefaulting range k+1 on %d threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.\n", sizeString(chunk), threads)
+	} else {
+		fmt.Fprintf(&b, "\nOurs, sequential: New = mmapmem.New (mmap, advice, THP unless disabled, prefault on %d threads); "+
+			"Register = cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) in registration ranges.\n", threads)
+	}
+	fmt.Fprintf(&b, "cuMemHostAlloc: one call of the same size (pages backed and pinned on return), owned bytes taken as asked: the driver does not report its rounding.\n"+
+		"Order per size: ours (cold), cuMemHostAlloc, ours (warm), each freed before the next. On a virtual machine the first touch of guest memory the process never used pays the hypervisor's faults (EPT backing): the cold run pays them, cuMemHostAlloc and the warm run reuse that backed memory. Warm is the like-for-like comparison with cuMemHostAlloc; cold is what a freshly booted VM pays once.\n")
 	for _, f := range fallbacks {
 		fmt.Fprintf(&b, "Fallback at %s\n", f)
 	}

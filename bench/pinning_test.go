@@ -16,6 +16,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/mmapmem"
+	"github.com/kvoffload/kvoffload/register"
 )
 
 const gib = 1 << 30
@@ -34,11 +35,17 @@ func TestFormatPinning(t *testing.T) {
 	require.Contains(t, out, "| 48 GiB | 7000 ms | 1180 ms | 8180 ms | 5.9 | 1080 ms | 1180 ms | 2260 ms | 21.2 | 1 | 0 | 19700 ms | 2.4 | 8.7× (2.4×) |")
 	require.Contains(t, out, "| 5368709121 B | 0.00 ms | 0.00 ms | 0.00 ms | 0.0 | 0.00 ms | 0.00 ms | 1000 ms | 5.0 | 1 | 4095 | – | – | – |")
 	require.Contains(t, out, "Order per size: ours (cold), cuMemHostAlloc, ours (warm)")
-	require.Contains(t, out, "prefault on 16 threads")
+	require.Contains(t, out, "Ours, sequential: New = mmapmem.New (mmap, advice, THP unless disabled, prefault on 16 threads)")
+	require.Contains(t, out, "| size | cold: New | Register | total | GiB/s | warm: New | Register |")
 	require.Contains(t, out, "Fallback at 5368709121 B: hugetlbfs pages unavailable")
 	require.Contains(t, out, "At 48 GiB, warm: 21.2 GiB/s, 8.7×, 0 bytes beyond asked: target met.")
 	require.Contains(t, out, "At 48 GiB, cold: 5.9 GiB/s, 2.4×, 0 bytes beyond asked: target MISSED.")
 
+	for i := range results {
+		results[i].Chunk = 2 * gib
+	}
+	require.Contains(t, bench.FormatPinning(results), "Ours, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
+		"Register = register.CUDA.Register in 2 GiB ranges, prefaulting range k+1 on 16 threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.")
 	results[1].Speedup = 6.9
 	require.Contains(t, bench.FormatPinning(results), "At 48 GiB, warm: 21.2 GiB/s, 6.9×, 0 bytes beyond asked: target MISSED.")
 	results[1].Speedup, results[1].GiBps = 8.7, 17.9
@@ -46,17 +53,37 @@ func TestFormatPinning(t *testing.T) {
 }
 
 func TestMeasurePinningFake(t *testing.T) {
+	cases := []struct {
+		name      string
+		opts      bench.PinningOptions
+		chunk     int64 // reported
+		rangeSize int64
+	}{
+		{"pipelined, chunk cut to the range limit", bench.PinningOptions{RangeLimit: 1 << 20}, 1 << 20, 1 << 20},
+		{"pipelined", bench.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10}, 256 << 10, 256 << 10},
+		{"pipelined, default chunk", bench.PinningOptions{}, register.DefaultPipelineChunk, register.DefaultPipelineChunk},
+		{"sequential", bench.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10, Sequential: true}, 0, 1 << 20},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			measurePinningFake(t, c.opts, c.chunk, c.rangeSize)
+		})
+	}
+}
+
+func measurePinningFake(t *testing.T, opts bench.PinningOptions, chunk, rangeSize int64) {
 	fd := cudafake.New(cudafake.Options{CheckContext: true})
 	defer func() { require.NoError(t, fd.Close()) }()
 	sizes := []int64{1<<20 + 1, 3 << 20}
-	results, err := bench.MeasurePinning(fd, 0, sizes, bench.PinningOptions{RangeLimit: 1 << 20})
+	results, err := bench.MeasurePinning(fd, 0, sizes, opts)
 	require.NoError(t, err)
 	require.Len(t, results, 2)
 	for i, r := range results {
 		require.Equal(t, sizes[i], r.Size)
+		require.Equal(t, chunk, r.Chunk)
 		require.GreaterOrEqual(t, r.Extra(), int64(0))
 		require.Less(t, r.Extra(), r.PageSize)
-		require.Equal(t, int((r.Mapped+(1<<20)-1)/(1<<20)), r.Ranges)
+		require.Equal(t, int((r.Mapped+rangeSize-1)/rangeSize), r.Ranges)
 		require.Equal(t, r.Map+r.Register, r.Total)
 		require.Equal(t, r.Cold.Map+r.Cold.Register, r.Cold.Total)
 		require.Positive(t, r.GiBps)
@@ -113,13 +140,31 @@ func pinSizes(t testing.TB) []int64 {
 	return sizes
 }
 
+// pinOptions reads KVO_PIN_CHUNK (the pipeline chunk in GiB, default
+// register.DefaultPipelineChunk) and KVO_PIN_SEQUENTIAL=1 (prefault all,
+// then register, for comparison).
+func pinOptions(t testing.TB) bench.PinningOptions {
+	var opts bench.PinningOptions
+	if s := os.Getenv("KVO_PIN_CHUNK"); s != "" {
+		g, err := strconv.ParseFloat(s, 64)
+		chunk := int64(g*gib) / (2 << 20) * (2 << 20)
+		if err != nil || chunk <= 0 {
+			t.Fatalf("KVO_PIN_CHUNK=%q is not a number of GiB of at least 2 MiB", s)
+		}
+		opts.PipelineChunk = chunk
+	}
+	opts.Sequential = os.Getenv("KVO_PIN_SEQUENTIAL") == "1"
+	return opts
+}
+
 // TestPinningBench measures time to pinned memory on the GPU at the sizes
-// of KVO_PIN_SIZES and logs the table (run with -test.v). With
+// of KVO_PIN_SIZES, pipelined (see pinOptions for KVO_PIN_CHUNK and
+// KVO_PIN_SEQUENTIAL), and logs the table (run with -test.v). With
 // KVO_RESULTS_DIR or KVO_BENCH_OUT set it also writes the table to
 // pinning.md there.
 func TestPinningBench(t *testing.T) {
 	g := cudatest.Open(t)
-	results, err := bench.MeasurePinning(g.Drv, g.Dev, pinSizes(t), bench.PinningOptions{})
+	results, err := bench.MeasurePinning(g.Drv, g.Dev, pinSizes(t), pinOptions(t))
 	require.NoError(t, err)
 	table := bench.FormatPinning(results)
 	t.Log("\n" + table)
@@ -143,7 +188,7 @@ func BenchmarkPinning(b *testing.B) {
 		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) {
 			var gibps, speedup float64
 			for b.Loop() {
-				results, err := bench.MeasurePinning(g.Drv, g.Dev, []int64{size}, bench.PinningOptions{})
+				results, err := bench.MeasurePinning(g.Drv, g.Dev, []int64{size}, pinOptions(b))
 				require.NoError(b, err)
 				gibps += results[0].GiBps
 				speedup += results[0].Speedup

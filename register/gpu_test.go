@@ -19,23 +19,34 @@ import (
 const gib = 1 << 30
 
 // TestGPURegister registers and unregisters 1 GiB (and 48 GiB with
-// KVO_BIG=1) on the real driver, once in one range and once in 256 MiB
-// ranges, and checks the device pointer of every range start.
+// KVO_BIG=1) on the real driver, once in one range, once in 256 MiB
+// ranges, and pipelined (a DeferPrefault region in 256 MiB and 2 GiB
+// ranges), and checks the device pointer of every range start and, when
+// pipelined, that every page is resident.
 func TestGPURegister(t *testing.T) {
 	g := cudatest.Open(t)
 	sizes := []int64{gib + 4097}
 	if os.Getenv("KVO_BIG") == "1" {
 		sizes = append(sizes, 48*gib)
 	}
+	modes := []struct {
+		limit, chunk int64
+		deferred     bool
+	}{{0, 0, false}, {256 << 20, 0, false}, {0, 256 << 20, true}, {0, 0, true}}
 	for _, size := range sizes {
-		for _, limit := range []int64{0, 256 << 20} {
-			p, err := register.NewCUDA(g.Drv, g.Ctx, register.CUDAOptions{RangeLimit: limit})
+		for _, m := range modes {
+			p, err := register.NewCUDA(g.Drv, g.Ctx, register.CUDAOptions{RangeLimit: m.limit, PipelineChunk: m.chunk})
 			require.NoError(t, err)
 			start := time.Now()
-			r, err := mmapmem.New(size, mmapmem.Options{})
+			r, err := mmapmem.New(size, mmapmem.Options{DeferPrefault: m.deferred})
 			require.NoError(t, err)
 			mapped := time.Since(start)
 			require.NoError(t, p.Register(r))
+			if m.deferred {
+				pages, total, err := mmapmem.Resident(r)
+				require.NoError(t, err)
+				require.Equal(t, total, pages, "every page resident after a pipelined Register")
+			}
 			ranges := p.Ranges(r)
 			for _, rg := range ranges {
 				dp, err := g.Drv.MemHostGetDevicePointer(unsafeAdd(r, rg.Off))
@@ -43,8 +54,8 @@ func TestGPURegister(t *testing.T) {
 				require.NotZero(t, dp)
 			}
 			st := p.Stats()
-			t.Logf("%d bytes in %d ranges: mmap+prefault %v, register %v (%.1f GiB/s end to end)",
-				size, len(ranges), mapped, st.RegisterTime, float64(size)/gib/(mapped+st.RegisterTime).Seconds())
+			t.Logf("%d bytes in %d ranges, pipelined %v: New %v, Register %v (%.1f GiB/s end to end)",
+				size, len(ranges), m.deferred, mapped, st.RegisterTime, float64(size)/gib/(mapped+st.RegisterTime).Seconds())
 			require.NoError(t, register.Release(p, r))
 			require.Zero(t, p.Stats().RegisteredBytes)
 		}
