@@ -7,6 +7,8 @@ GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache o
 GPU_LDFLAGS := -s -w
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s
+SOAK_DURATION ?= 5m
+SOAK_BACKEND  ?= auto
 
 .PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins ptx fuzz soak python clean
 
@@ -42,6 +44,7 @@ bench:
 gpu-bins:
 	mkdir -p build/gpu
 	CGO_ENABLED=1 $(GO) build -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload ./cmd/kvoffload
+	CGO_ENABLED=1 $(GO) build -tags 'kvoinvariants invariants' -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload-soak ./cmd/kvoffload
 	for p in $(GPU_PKGS); do \
 		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
 	done
@@ -58,6 +61,13 @@ ptx:
 # testdata/fuzz/ in each package).
 fuzz:
 	FUZZTIME=$(FUZZTIME) bash scripts/fuzz.sh
+
+# The demo's workload for SOAK_DURATION with random Trim, Delete, Clear and
+# engine Close/reopen, built with the invariants on (copy gating with
+# poisoned releases, and the block index checked after every change).
+soak:
+	$(GO) build -tags 'kvoinvariants invariants' -o build/kvoffload-soak ./cmd/kvoffload
+	build/kvoffload-soak soak --duration $(SOAK_DURATION) --backend $(SOAK_BACKEND)
 
 # libkvoffload.so (C ABI) into build/ and into the Python package.
 python:

@@ -90,6 +90,12 @@ type demoConfig struct {
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
 	corruptLoads int
+	// regionBytes is the engine's Config.RegionBytes and FirstRegionBytes (0: the defaults).
+	regionBytes int64
+	// afterRequest, when set, runs after each request with the engine and
+	// the request's keys (the soak's Trim, Delete and Clear); an error ends
+	// the run.
+	afterRequest func(eng *offload.Engine, keys []offload.Key) error
 }
 
 func defaultDemoConfig() demoConfig {
@@ -147,6 +153,7 @@ type demoRun struct {
 
 	storeLat, loadLat []time.Duration
 	corrupted         int
+	lastKeys          []offload.Key // the keys of the request served last
 }
 
 // runDemo runs the demo and returns its report; the report is returned
@@ -213,6 +220,11 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 		if err := r.serve(gen.Next()); err != nil {
 			return r.finish(start, bar), err
 		}
+		if cfg.afterRequest != nil {
+			if err := cfg.afterRequest(r.eng, r.lastKeys); err != nil {
+				return r.finish(start, bar), err
+			}
+		}
 		bar.update(r.rep, time.Since(start))
 	}
 	rep := r.finish(start, bar)
@@ -278,7 +290,7 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 
 func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
 	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
-		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo"}
+		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes}
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
@@ -350,6 +362,7 @@ func (r *demoRun) serve(req trace.Request) error {
 		return err
 	}
 	r.rep.Requests++
+	r.lastKeys = keys
 	if len(keys) > r.cache.blocks() {
 		keys = keys[:r.cache.blocks()]
 		r.rep.RequestsTruncated++

@@ -61,6 +61,7 @@ type command struct {
 
 var commands = map[string]command{
 	"demo":  demoCommand,
+	"soak":  soakCommand,
 	"bench": benchCommand,
 	"info":  infoCommand,
 }
