@@ -271,11 +271,14 @@ type StoreOptions struct {
 
 // LoadOptions modify Load.
 type LoadOptions struct {
-	// Lease, from Lookup, guarantees its keys are still present. When Load
-	// returns an op it has taken the lease over (its blocks stay held by the
-	// op until it is done, and Lease.Release returns ErrReleased); when Load
-	// returns an error the lease is still the caller's. Keys outside it are
-	// looked up at the time of the Load.
+	// Lease, from Lookup, guarantees its keys are loaded: its keys must be
+	// a prefix of the keys loaded, and they are copied from the leased
+	// slots even if Trim, Delete or Clear removed them from the pool since
+	// (the lease kept their bytes). When Load returns an op it has taken
+	// the lease over (the op holds the slots until its copies are done, and
+	// Lease.Release returns ErrReleased); when Load returns an error the
+	// lease is still the caller's. Keys after the leased prefix are looked
+	// up at the time of the Load.
 	Lease *Lease
 	// After is a CUevent after which the destination GPU blocks may be
 	// overwritten (their previous readers are done). 0: no wait.

@@ -98,6 +98,22 @@ func TestBadInput(t *testing.T) {
 		require.Zero(t, op.Count(OutcomeLoaded))
 	})
 
+	t.Run("lease not a prefix of the keys", func(t *testing.T) {
+		res, err := e.Lookup(k[:1], LookupOptions{Lease: true})
+		require.NoError(t, err)
+		mid := stateOf(e)
+		_, err = e.Load(ctx, k[1:2], []int{4}, LoadOptions{Lease: res.Lease})
+		require.ErrorIs(t, err, ErrInvalidArgument)
+		require.ErrorContains(t, err, "must be a prefix")
+		require.Equal(t, mid, stateOf(e))
+		op, err := e.Load(ctx, k[:1], []int{4}, LoadOptions{Lease: res.Lease})
+		require.NoError(t, err, "after a refused Load the lease is still the caller's")
+		require.NoError(t, op.Wait(ctx))
+		require.Equal(t, []Outcome{OutcomeLoaded}, mustOutcomes(op.Outcomes()))
+		require.NoError(t, op.Release())
+		require.ErrorIs(t, res.Lease.Release(), ErrReleased)
+	})
+
 	t.Run("released lease", func(t *testing.T) {
 		res, err := e.Lookup(k[:1], LookupOptions{Lease: true})
 		require.NoError(t, err)

@@ -268,52 +268,80 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 		return nil, fmt.Errorf("%w: Load after Close", ErrClosed)
 	}
 	defer e.leave()
-	if opts.Lease != nil && opts.Lease.released.Load() {
-		return nil, fmt.Errorf("%w: Load with a released lease", ErrReleased)
+	lease := opts.Lease
+	if lease != nil {
+		if lease.eng != e {
+			return nil, fmt.Errorf("%w: Load with a lease from another engine", ErrInvalidArgument)
+		}
+		if len(lease.keys) > len(keys) || !slices.Equal(lease.keys, keys[:len(lease.keys)]) {
+			return nil, fmt.Errorf("%w: Load: the lease's %d keys must be a prefix of the %d keys loaded", ErrInvalidArgument, len(lease.keys), len(keys))
+		}
+		// Take the lease over now; give it back to the caller on error.
+		if lease.released.Swap(true) {
+			return nil, fmt.Errorf("%w: Load with a released lease", ErrReleased)
+		}
 	}
-	if opts.Lease != nil && opts.Lease.eng != e {
-		return nil, fmt.Errorf("%w: Load with a lease from another engine", ErrInvalidArgument)
+	op, err := e.loadLeased(ctx, keys, blockIDs, opts)
+	if err != nil && lease != nil {
+		lease.released.Store(false)
 	}
+	return op, err
+}
+
+// loadLeased is Load once the lease (if any) is owned: the leased prefix
+// of keys is copied from the lease's slots, which its reader holds keep
+// alive (even if the blocks were trimmed or deleted meanwhile) until the
+// copy completes; the other keys are looked up now.
+func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
 	start := time.Now()
-	res, err := e.cache.BeginLoad(keys, blockIDs, nil)
+	var leased []kvcache.Slot
+	if opts.Lease != nil {
+		leased = opts.Lease.slots
+	}
+	n := len(leased)
+	res, err := e.cache.BeginLoad(keys[n:], blockIDs[n:], nil)
 	if err != nil {
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
-	var idx, ids []int
-	var slots []kvcache.Slot
 	op := newOp(e, OpLoad, len(keys))
-	for i, r := range res {
+	idx, ids, slots := make([]int, 0, len(keys)), make([]int, 0, len(keys)), make([]kvcache.Slot, 0, len(keys))
+	for i, s := range leased {
+		idx, ids, slots = append(idx, i), append(ids, blockIDs[i]), append(slots, s)
+	}
+	var looked []kvcache.Slot // the slots BeginLoad took reader holds on
+	for j, r := range res {
 		if r.Found {
-			idx, ids, slots = append(idx, i), append(ids, r.BlockID), append(slots, r.Slot)
+			idx, ids, slots = append(idx, n+j), append(ids, r.BlockID), append(slots, r.Slot)
+			looked = append(looked, r.Slot)
 		} else {
-			op.setOutcome(i, OutcomeMissing, nil)
+			op.setOutcome(n+j, OutcomeMissing, nil)
 		}
 	}
-	takeLease := func() {
-		if opts.Lease != nil && !opts.Lease.released.Swap(true) {
-			e.unlease(opts.Lease.slots)
+	// end drops every reader hold the op has: BeginLoad's and the lease's.
+	end := func() {
+		_ = e.cache.EndLoad(looked)
+		if n > 0 {
+			e.unlease(leased)
 		}
 	}
 	if len(slots) == 0 {
-		takeLease()
 		e.finishOp(op, start)
 		return op, nil
 	}
 	if ctx.Err() != nil {
-		_ = e.cache.EndLoad(slots)
+		end()
 		for _, i := range idx {
 			op.setOutcome(i, OutcomeCancelled, nil)
 		}
-		takeLease()
 		e.finishOp(op, start)
 		return op, nil
 	}
 	segs, ends, err := e.segments(ids, slots, opts.PerLayer)
 	if err != nil {
-		_ = e.cache.EndLoad(slots)
+		_ = e.cache.EndLoad(looked)
 		return nil, err
 	}
 	bytes := int64(len(slots)) * e.slot
@@ -328,7 +356,7 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 			defer close(tdone)
 			e.noteLost(cerr)
 			e.stats.inFlightBytes.Add(-bytes)
-			_ = e.cache.EndLoad(slots)
+			end()
 			e.unhold(slots)
 			oc := OutcomeLoaded
 			if cerr != nil {
@@ -349,7 +377,7 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 		e.ops.Done()
 		e.unhold(slots)
 		e.stats.inFlightBytes.Add(-bytes)
-		_ = e.cache.EndLoad(slots)
+		_ = e.cache.EndLoad(looked)
 		e.noteLost(err)
 		switch {
 		case errors.Is(err, transfer.ErrBusy):
@@ -359,7 +387,6 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 		}
 		return nil, err
 	}
-	takeLease()
 	op.completion = e.newCompletion(top, tdone)
 	return op, nil
 }

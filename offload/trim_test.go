@@ -260,3 +260,50 @@ func TestMaxCachedBytes(t *testing.T) {
 	require.Equal(t, 32*slot, st.OwnedBytes+st.TrimmedBytes)
 	require.Equal(t, st.OwnedBytes, st.SlotsTotal*slot)
 }
+
+// TestLeaseSurvivesTrimAndDelete: a Lookup lease keeps its blocks'
+// bytes through a Trim of their region and a Delete of their keys, so a
+// Load with the lease still loads them; the region is freed after.
+func TestLeaseSurvivesTrimAndDelete(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	sim, err := NewSimGPU(SimOptions{})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Close()) }()
+	slot := int64(8 << 10)
+	e := newTestEngine(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU, Sim: sim})
+	defer func() { require.NoError(t, e.Close()) }()
+	ctx := context.Background()
+	keys := []Key{testKey(1), testKey(2)}
+	for i, k := range keys {
+		writeBlock(t, e, i, keyContent(k, slot))
+	}
+	op, err := e.Store(ctx, keys, []int{0, 1}, StoreOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.NoError(t, op.Release())
+	res, err := e.Lookup(keys, LookupOptions{Lease: true})
+	require.NoError(t, err)
+	require.Equal(t, 2, res.Hits)
+
+	tr, err := e.Trim(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, 8*slot, tr.PendingBytes, "the leased region waits for its lease")
+	n, err := e.Delete(keys)
+	require.NoError(t, err)
+	require.Zero(t, n, "trimmed keys are already gone from the index")
+	look, err := e.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, look.Hits)
+
+	op, err = e.Load(ctx, keys, []int{4, 5}, LoadOptions{Lease: res.Lease})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded}, mustOutcomes(op.Outcomes()))
+	require.Equal(t, keyContent(keys[0], slot), blockBytes(e, 4))
+	require.Equal(t, keyContent(keys[1], slot), blockBytes(e, 5))
+	require.NoError(t, op.Release())
+	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
+	st := e.Stats()
+	require.Equal(t, 8*slot, st.TrimmedBytes)
+	require.Zero(t, st.OwnedBytes)
+}
