@@ -28,6 +28,9 @@ type engineHooks struct {
 	rangeLimit int64
 	// copyOptions configure the CUDA copy method.
 	copyOptions cudacopy.Options
+	// calibrate keeps the background calibration in cudafake tests (their
+	// helper otherwise gives an empty table).
+	calibrate bool
 }
 
 // poolRegion is one mapped, pinned region of the pool (or the staging
@@ -374,6 +377,12 @@ func (e *Engine) grow() {
 		e.growCond.Broadcast()
 		e.growMu.Unlock()
 		return
+	}
+	e.growMu.Lock()
+	stop := e.stopGrow
+	e.growMu.Unlock()
+	if !stop {
+		e.calibrate()
 	}
 	for {
 		e.growMu.Lock()

@@ -3,10 +3,12 @@ package offload
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // openCUDA sets up the CUDA backend: device Config.Device's primary
@@ -28,9 +30,17 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit}); err != nil {
 		return err
 	}
+	// The automatic choice of copy method is calibrated (~150 ms on an
+	// H200) in the background once the first slots are usable; until then
+	// the copier uses its uncalibrated rule.
+	opts := e.hooks.copyOptions
+	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
+		opts.Calibration = &cudacopy.Calibration{}
+		e.calibrateLater = true
+	}
 	err = cuda.OnThread(drv, ctx, func() error {
 		var err error
-		e.cudaDev, err = transfer.NewCUDA(drv, dev, ctx, e.hooks.copyOptions)
+		e.cudaDev, err = transfer.NewCUDA(drv, dev, ctx, opts)
 		return err
 	})
 	if err != nil {
@@ -64,6 +74,27 @@ func (e *Engine) initGrowThread() error {
 		return fmt.Errorf("offload: growth thread: relax capture mode: %w", err)
 	}
 	return nil
+}
+
+// calibrate measures the copy methods on a stream of its own and installs
+// the table the copier chooses from (growth goroutine, context current).
+// A failure leaves the uncalibrated rule in place; Stats.CopyCalibration
+// says what happened.
+func (e *Engine) calibrate() {
+	if !e.calibrateLater {
+		return
+	}
+	t0 := time.Now()
+	s, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	if err == nil {
+		_, err = e.cudaDev.Copier().Calibrate(s)
+		err = errors.Join(err, e.drv.StreamDestroy(s))
+	}
+	msg := fmt.Sprintf("calibrated in %v", time.Since(t0).Round(time.Millisecond))
+	if err != nil {
+		msg = "uncalibrated rule (calibration failed: " + err.Error() + ")"
+	}
+	e.calibration.Store(&msg)
 }
 
 // stagingDevicePtr is the device address of the staging region's first

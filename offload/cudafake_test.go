@@ -108,6 +108,11 @@ func newCUDAEngine(t testing.TB, drv cuda.Driver, cfg Config, h engineHooks) (*E
 	}
 	cfg.SkipMemoryCheck = true
 	h.loadDriver = func() (cuda.Driver, error) { return drv, nil }
+	if h.copyOptions.Method == cudacopy.MethodAuto && h.copyOptions.Calibration == nil && !h.calibrate {
+		// Tests run with the uncalibrated rule; TestCUDAFakeCalibration
+		// covers the background calibration.
+		h.copyOptions.Calibration = &cudacopy.Calibration{}
+	}
 	return newEngine(cfg, h)
 }
 
@@ -211,7 +216,7 @@ func TestCUDAFakeRoundTrip(t *testing.T) {
 			defer g.close()
 			slot := int64(8 << 10)
 			e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
-				Layout: g.layout(kind, 16), Policy: PolicyLRU}, engineHooks{rangeLimit: 16 << 10})
+				StagingBytes: 64 << 10, Layout: g.layout(kind, 16), Policy: PolicyLRU}, engineHooks{rangeLimit: 16 << 10})
 			require.NoError(t, err)
 			name, reason := e.Backend()
 			require.Equal(t, BackendCUDA, name)
@@ -455,4 +460,26 @@ func TestCUDAFakeGrowthDuringGlobalCapture(t *testing.T) {
 			require.Equal(t, 4, e.Stats().Regions)
 		})
 	}
+}
+
+// TestCUDAFakeCalibration: with the automatic method and no saved table,
+// the copy methods are calibrated in the background after New, and the
+// engine serves meanwhile.
+func TestCUDAFakeCalibration(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: 64 << 10, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU},
+		engineHooks{calibrate: true, copyOptions: cudacopy.Options{Calibrate: cudacopy.CalibrationConfig{
+			TotalBytes: 1 << 20, SegSizes: []uint64{16 << 10}, Pieces: 1, Reps: 1}}})
+	require.NoError(t, err)
+	storeOverwriteLoad(t, e, g, 4, 51)
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st := e.Stats()
+	require.Contains(t, st.CopyCalibration, "calibrated in")
+	require.NotNil(t, e.cudaDev.Copier().Calibration())
+	require.NotEmpty(t, e.cudaDev.Copier().Calibration().Entries)
+	storeOverwriteLoad(t, e, g, 4, 52)
+	require.NoError(t, e.Close())
 }

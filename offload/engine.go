@@ -53,8 +53,12 @@ type Engine struct {
 	pinner     register.Pinner
 	cudaDev    *transfer.CUDA
 	stagingDev uint64 // device address of the staging region
-	ownSim     bool
-	tracker    *transfer.Tracker
+	// calibrateLater: the growth goroutine calibrates the copy methods
+	// first; calibration is what it reported.
+	calibrateLater bool
+	calibration    atomic.Pointer[string]
+	ownSim         bool
+	tracker        *transfer.Tracker
 
 	denseAlloc uint64
 

@@ -455,6 +455,9 @@ func (e *Engine) snapshot() Stats {
 		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
 		Store: c.store.snapshot(), Load: c.load.snapshot(), RegionsTotal: len(e.plan)}
 	s.Misses = s.LookupKeys - s.Hits
+	if c := e.calibration.Load(); c != nil {
+		s.CopyCalibration = *c
+	}
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
 	}

@@ -42,6 +42,11 @@ type Stats struct {
 	BlocksReady  int64         `json:"blocks_ready"`  // ready or leased blocks
 	BlocksLeased int64         `json:"blocks_leased"` // blocks with readers
 	BlockBytes   int64         `json:"block_bytes"`   // bytes of one block (one slot)
+	// CopyCalibration says how the CUDA copy method is chosen: "" until
+	// the background calibration (run by the growth goroutine right after
+	// New) is done or on the host backend, then "calibrated in ..." or the
+	// reason the uncalibrated rule stays.
+	CopyCalibration string `json:"copy_calibration,omitempty"`
 
 	// Lookups.
 	Lookups    int64 `json:"lookups"`     // Lookup calls
