@@ -21,7 +21,9 @@
 // (Config.RegionBytes) by a background goroutine; stores simply find more
 // free slots as regions join. Stats.FirstSlot and Stats.FullPool report
 // the two times; PauseGrowth, ResumeGrowth and WaitGrown control and
-// observe growth. If pinning a later region fails, growth stops
+// observe growth. On CUDA the same goroutine first calibrates the choice of
+// copy method (Stats.CopyCalibration); copies issued before that use the
+// uncalibrated rule. If pinning a later region fails, growth stops
 // (WaitGrown returns the error, Stats.GrowthError says why) and the engine
 // keeps serving from the regions it has. On CUDA, regions are registered
 // with cuMemHostRegister in ranges of at most 64 GiB and no slot straddles

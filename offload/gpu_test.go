@@ -140,6 +140,7 @@ func TestGPUPool64(t *testing.T) {
 	fmt.Fprintf(&b, "| WaitGrown returned | %v | |\n", grown.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| pin time (map, prefault, register), all regions | %v | |\n", st.PinTime.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| owned bytes | %d | %d |\n", st.OwnedBytes, cfg.PoolBytes)
+	fmt.Fprintf(&b, "| copy-method calibration (background) | %s | |\n", st.CopyCalibration)
 	closed = true
 	require.NoError(t, e.Close())
 	fmt.Fprintf(&b, "| Close (unregister, unmap) | %v | |\n", time.Since(tClose).Round(time.Millisecond))
