@@ -89,7 +89,7 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	}
 	switch cfg.Policy {
 	case "":
-		cfg.Policy = PolicyTinyLFU
+		cfg.Policy = PolicyLRU
 	case PolicyTinyLFU, PolicyLRU:
 	default:
 		return bad("Policy %q: must be %q or %q", cfg.Policy, PolicyTinyLFU, PolicyLRU)

@@ -18,7 +18,7 @@ func TestWithDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(8192), slot)
 	require.Equal(t, BackendAuto, cfg.Backend)
-	require.Equal(t, PolicyTinyLFU, cfg.Policy)
+	require.Equal(t, PolicyLRU, cfg.Policy)
 	require.Equal(t, HugePagesTHP, cfg.HugePages)
 	require.Equal(t, PinNone, cfg.HostPinning)
 	require.Equal(t, int64(1<<20), cfg.FirstRegionBytes, "first region capped at the pool")

@@ -44,7 +44,7 @@ reports a failed copy.`,
 		fs.StringVar(&cfg.backend, "backend", cfg.backend, "engine backend: auto|cuda|host")
 		fs.IntVar(&cfg.device, "device", cfg.device, "CUDA device ordinal `n`")
 		fs.StringVar(&cfg.pinning, "pinning", cfg.pinning, "host backend pinning: auto|mlock|none (auto: mlock when RLIMIT_MEMLOCK allows it)")
-		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: tinylfu|lru")
+		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
@@ -101,7 +101,7 @@ type demoConfig struct {
 func defaultDemoConfig() demoConfig {
 	return demoConfig{duration: 30 * time.Second, poolBytes: 1 << 30, layoutName: "8b",
 		layoutKind: offload.LayoutLayerSeparate, backend: offload.BackendAuto, pinning: "auto",
-		policy: offload.PolicyTinyLFU, seed: 1, verify: true}
+		policy: offload.PolicyLRU, seed: 1, verify: true}
 }
 
 // check validates the flags that runDemo does not hand to the engine.
