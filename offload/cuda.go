@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
@@ -27,7 +28,7 @@ func (e *Engine) openCUDA(c backendChoice) error {
 		return fmt.Errorf("%w: retaining device %d's primary context: %w", ErrNoDriver, e.cfg.Device, err)
 	}
 	e.drv, e.cuDevice, e.cuCtx, e.ctxHeld = drv, dev, ctx, true
-	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit}); err != nil {
+	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
 		return err
 	}
 	// The automatic choice of copy method is calibrated (~150 ms on an
@@ -49,6 +50,15 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	e.dev = e.cudaDev
 	e.events = true
 	return nil
+}
+
+// pipelineChunk is the registration-range size for pipelined pinning: the
+// largest multiple of the slot stride (the slot size rounded up to
+// kvcache's page alignment) not above register.DefaultPipelineChunk, so
+// that range boundaries fall between slots and no slot is lost to them.
+func pipelineChunk(slot int64) int64 {
+	stride := (slot + kvcache.DefaultSlotAlign - 1) / kvcache.DefaultSlotAlign * kvcache.DefaultSlotAlign
+	return max(register.DefaultPipelineChunk/stride, 1) * stride
 }
 
 // onThread runs f on a locked OS thread with the CUDA context current and
