@@ -151,14 +151,14 @@ func disrupt(ctx context.Context, rng *rand.Rand, e *offload.Engine, keys []offl
 		lo := rng.IntN(len(keys))
 		n, err := e.Delete(keys[lo : lo+1+rng.IntN(len(keys)-lo)])
 		if err != nil {
-			return fmt.Errorf("Delete: %w", err)
+			return fmt.Errorf("soak: delete: %w", err)
 		}
 		res.Deletes++
 		res.DeletedBlocks += int64(n)
 	case p < 0.023:
 		n, err := e.Clear(e.Config().Namespace)
 		if err != nil {
-			return fmt.Errorf("Clear: %w", err)
+			return fmt.Errorf("soak: clear: %w", err)
 		}
 		res.Clears++
 		res.ClearedBlocks += int64(n)
@@ -169,7 +169,7 @@ func disrupt(ctx context.Context, rng *rand.Rand, e *offload.Engine, keys []offl
 		}
 		tr, err := e.Trim(ctx, 1+rng.Int64N(st.OwnedBytes/4+1))
 		if err != nil {
-			return fmt.Errorf("Trim: %w", err)
+			return fmt.Errorf("soak: trim: %w", err)
 		}
 		res.Trims++
 		res.TrimmedBytes += tr.FreedBytes
