@@ -109,6 +109,15 @@ type pinningRow struct {
 	HostAllocFreeSec float64 `json:"hostalloc_free_s"`
 	HostAllocGiBps   float64 `json:"hostalloc_gib_per_s"`
 	Speedup          float64 `json:"speedup"`
+	// The first (cold) run at this size, before cuMemHostAlloc: see
+	// bench.PinningResult.Cold.
+	ColdMapSeconds      float64 `json:"cold_map_s"`
+	ColdRegisterSeconds float64 `json:"cold_register_s"`
+	ColdTotalSeconds    float64 `json:"cold_total_s"`
+	ColdGiBps           float64 `json:"cold_gib_per_s"`
+	ColdSpeedup         float64 `json:"cold_speedup"`
+	// ChunkBytes is the pipelined-registration chunk; 0 when sequential.
+	ChunkBytes int64 `json:"chunk_bytes"`
 }
 
 func toPinningRows(rs []bench.PinningResult) []pinningRow {
@@ -117,7 +126,9 @@ func toPinningRows(rs []bench.PinningResult) []pinningRow {
 		out[i] = pinningRow{SizeBytes: r.Size, MapSeconds: r.Map.Seconds(), RegisterSeconds: r.Register.Seconds(),
 			TotalSeconds: r.Total.Seconds(), GiBps: r.GiBps, MappedBytes: r.Mapped, ExtraBytes: r.Extra(), PageBytes: r.PageSize,
 			Ranges: r.Ranges, Threads: r.Threads, Fallback: r.Fallback, HostAllocSeconds: r.HostAlloc.Seconds(),
-			HostAllocFreeSec: r.HostAllocFree.Seconds(), HostAllocGiBps: r.HostAllocGiBs, Speedup: r.Speedup}
+			HostAllocFreeSec: r.HostAllocFree.Seconds(), HostAllocGiBps: r.HostAllocGiBs, Speedup: r.Speedup,
+			ColdMapSeconds: r.Cold.Map.Seconds(), ColdRegisterSeconds: r.Cold.Register.Seconds(),
+			ColdTotalSeconds: r.Cold.Total.Seconds(), ColdGiBps: r.Cold.GiBps, ColdSpeedup: r.ColdSpeedup, ChunkBytes: r.Chunk}
 	}
 	return out
 }
@@ -240,7 +251,9 @@ func formatPinningRows(rows []pinningRow) string {
 		rs[i] = bench.PinningResult{Size: r.SizeBytes, Map: secs(r.MapSeconds), Register: secs(r.RegisterSeconds),
 			Total: secs(r.TotalSeconds), GiBps: r.GiBps, Mapped: r.MappedBytes, PageSize: r.PageBytes, Ranges: r.Ranges,
 			Threads: r.Threads, Fallback: r.Fallback, HostAlloc: secs(r.HostAllocSeconds), HostAllocFree: secs(r.HostAllocFreeSec),
-			HostAllocGiBs: r.HostAllocGiBps, Speedup: r.Speedup}
+			HostAllocGiBs: r.HostAllocGiBps, Speedup: r.Speedup, ColdSpeedup: r.ColdSpeedup, Chunk: r.ChunkBytes,
+			Cold: bench.PinningRun{Map: secs(r.ColdMapSeconds), Register: secs(r.ColdRegisterSeconds),
+				Total: secs(r.ColdTotalSeconds), GiBps: r.ColdGiBps}}
 	}
 	return bench.FormatPinning(rs)
 }

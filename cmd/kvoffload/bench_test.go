@@ -101,3 +101,15 @@ func TestListFlags(t *testing.T) {
 	require.Error(t, n.Set("2,x"))
 	require.Error(t, n.Set("0"))
 }
+
+// The summary rows keep what FormatPinning needs: the cold run and the
+// pipeline chunk survive the round trip through pinningRow.
+func TestPinningRowsKeepColdAndChunk(t *testing.T) {
+	in := []bench.PinningResult{{Size: 1 << 30, Map: time.Millisecond, Register: 50 * time.Millisecond, Total: 51 * time.Millisecond,
+		GiBps: 19.6, Threads: 16, Chunk: 2 << 30, HostAlloc: 400 * time.Millisecond, Speedup: 7.8, ColdSpeedup: 2.5,
+		Cold: bench.PinningRun{Map: 2 * time.Millisecond, Register: 158 * time.Millisecond, Total: 160 * time.Millisecond, GiBps: 6.25}}}
+	got := formatPinningRows(toPinningRows(in))
+	require.Equal(t, bench.FormatPinning(in), got)
+	require.Contains(t, got, "160 ms")
+	require.Contains(t, got, "pipelined")
+}
