@@ -130,9 +130,10 @@ class Layouts(unittest.TestCase):
 
 @needs_library
 class EngineFromTensors(unittest.TestCase):
-    def test_cuda_tensors_without_gpu(self):
-        # Validation passes; without a GPU the CUDA backend is refused with
-        # the library's message (on a GPU machine the fake addresses fail).
+    def test_cuda_tensors_not_device_memory(self):
+        # Validation of shapes passes; the addresses are not device memory:
+        # without a GPU the CUDA backend is refused (no driver), with one the
+        # engine refuses addresses outside any device allocation.
         with self.assertRaises(kvoffload.KvoError) as cm:
             kvoffload.Engine.from_tensors(layer_pairs(layers=2), pool_bytes=1 << 20, skip_memory_check=True)
         self.assertTrue(str(cm.exception))
