@@ -95,7 +95,23 @@ type Config struct {
 	// cache. Slots of a draining region are not passed: their memory goes
 	// back to the OS.
 	OnFree func(Slot)
+	// MaxSlots, when > 0, is the number of slots the pool is expected to
+	// reach (its planned size over the slot size): New reserves the slot
+	// table and the key index for that many, so that AddRegion, while the
+	// pool grows up to it, never copies the slot table nor rehashes the
+	// index (each O(slots so far), under the cache's lock). The memory is
+	// reserved, not touched: a fresh large allocation is backed lazily.
+	// Beyond MaxSlots both grow as without it.
+	MaxSlots int
 }
+
+// MaxSlots bounds Config.MaxSlots (slot ids are int32).
+const MaxSlots = 1 << 30
+
+// carvePresize bounds the slot offsets carve reserves up front (a 128 MiB
+// slice), so that an absurd region size fails on its slot count, not on
+// an allocation.
+const carvePresize = 1 << 24
 
 type slotState uint8
 
@@ -204,6 +220,13 @@ func New(cfg Config) (*Cache, error) {
 		freeHead: -1,
 		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
 	}
+	if cfg.MaxSlots < 0 || cfg.MaxSlots > MaxSlots {
+		return nil, fmt.Errorf("%w: MaxSlots %d outside [0, %d]", ErrConfig, cfg.MaxSlots, MaxSlots)
+	}
+	if cfg.MaxSlots > 0 {
+		c.slots = make([]slotRec, 0, cfg.MaxSlots)
+		c.index.reserve(cfg.MaxSlots)
+	}
 	if c.threshold > 1 {
 		c.seen = newSeenSketch()
 	}
@@ -289,7 +312,11 @@ func carve(r Region, slotSize, align uint64) ([]uint64, error) {
 		bounds = append(bounds, s)
 	}
 	bounds = append(bounds, r.Size)
-	var offs []uint64
+	// At most one slot per aligned stride, plus one per range (a range may
+	// start mid-stride): sized once (up to carvePresize slots), not regrown
+	// while carving.
+	stride := (slotSize + align - 1) / align * align
+	offs := make([]uint64, 0, min(r.Size/stride+uint64(len(bounds)), carvePresize))
 	base := uint64(r.Base)
 	largest := uint64(0)
 	for i := 0; i+1 < len(bounds); i++ {

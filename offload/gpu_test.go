@@ -139,6 +139,12 @@ func TestGPUPool64(t *testing.T) {
 	fmt.Fprintf(&b, "| full pool (Stats.FullPool) | %v | ≤ 4s |\n", st.FullPool.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| WaitGrown returned | %v | |\n", grown.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| pin time (map, prefault, register), all regions | %v | |\n", st.PinTime.Round(time.Millisecond))
+	gs := st.Growth
+	fmt.Fprintf(&b, "| growth, all pool regions: map (mmap, advice) | %v | |\n", gs.Map.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| growth: pin (prefault + register, pipelined) | %v | |\n", gs.Pin.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| growth: AddHostRange per range | %v | |\n", gs.HostRanges.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| growth: kvcache AddRegion | %v | |\n", gs.Cache.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| other (FullPool − steps: setup, PTX, staging, calibration, waits) | %v | |\n", (st.FullPool - gs.Sum()).Round(time.Millisecond))
 	fmt.Fprintf(&b, "| owned bytes | %d | %d |\n", st.OwnedBytes, cfg.PoolBytes)
 	fmt.Fprintf(&b, "| copy-method calibration (background) | %s | |\n", st.CopyCalibration)
 	closed = true

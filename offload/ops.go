@@ -449,7 +449,7 @@ func (e *Engine) snapshot() Stats {
 	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
 		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
 		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
-		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()),
+		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
 		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
 		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
 		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),

@@ -34,14 +34,17 @@ type Stats struct {
 	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
 	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
 	GrowthPaused bool          `json:"growth_paused"` // PauseGrowth in effect
-	GrowthError  string        `json:"growth_error"`  // why background growth stopped early, if it did
-	Trims        int64         `json:"trims"`         // Trim calls and automatic trims
-	TrimmedBytes int64         `json:"trimmed_bytes"` // bytes given back by Trim
-	SlotsTotal   int64         `json:"slots_total"`   // slots in pinned regions
-	SlotsFree    int64         `json:"slots_free"`    // free slots
-	BlocksReady  int64         `json:"blocks_ready"`  // ready or leased blocks
-	BlocksLeased int64         `json:"blocks_leased"` // blocks with readers
-	BlockBytes   int64         `json:"block_bytes"`   // bytes of one block (one slot)
+	// Growth splits the time spent adding the pool's regions (the first,
+	// pinned by New, included; the staging region not) by step.
+	Growth       GrowthSteps `json:"growth"`
+	GrowthError  string      `json:"growth_error"`  // why background growth stopped early, if it did
+	Trims        int64       `json:"trims"`         // Trim calls and automatic trims
+	TrimmedBytes int64       `json:"trimmed_bytes"` // bytes given back by Trim
+	SlotsTotal   int64       `json:"slots_total"`   // slots in pinned regions
+	SlotsFree    int64       `json:"slots_free"`    // free slots
+	BlocksReady  int64       `json:"blocks_ready"`  // ready or leased blocks
+	BlocksLeased int64       `json:"blocks_leased"` // blocks with readers
+	BlockBytes   int64       `json:"block_bytes"`   // bytes of one block (one slot)
 	// CopyCalibration says how the CUDA copy method is chosen: "" until
 	// the background calibration (run by the growth goroutine right after
 	// New) is done or on the host backend, then "calibrated in ..." or the
@@ -67,6 +70,30 @@ type Stats struct {
 	// Per direction.
 	Store Direction `json:"store"`
 	Load  Direction `json:"load"`
+}
+
+// GrowthSteps is the time spent adding pool regions, summed over regions,
+// by step. FullPool minus their sum is what the engine spent elsewhere: its
+// setup before the first region (PTX load, streams), the staging region,
+// the background calibration, and waiting between regions.
+type GrowthSteps struct {
+	Map        time.Duration `json:"map_ns"`         // mmap and advice; on the host backend the prefault too
+	Pin        time.Duration `json:"pin_ns"`         // CUDA: prefault and registration, pipelined; host: mlock and registration with the simulation
+	HostRanges time.Duration `json:"host_ranges_ns"` // the scheduler's AddHostRange per registration range, and the gating tracker
+	Cache      time.Duration `json:"cache_ns"`       // kvcache AddRegion: carving the region into free slots
+}
+
+// Sum is the time of all steps.
+func (g GrowthSteps) Sum() time.Duration { return g.Map + g.Pin + g.HostRanges + g.Cache }
+
+// growthSteps is the recording side of GrowthSteps.
+type growthSteps struct {
+	mapNanos, pinNanos, hostRangeNanos, cacheNanos atomic.Int64
+}
+
+func (g *growthSteps) snapshot() GrowthSteps {
+	return GrowthSteps{Map: time.Duration(g.mapNanos.Load()), Pin: time.Duration(g.pinNanos.Load()),
+		HostRanges: time.Duration(g.hostRangeNanos.Load()), Cache: time.Duration(g.cacheNanos.Load())}
 }
 
 // Direction counts one copy direction.
@@ -180,6 +207,7 @@ type counters struct {
 	pinCalls, unpinCalls atomic.Int64
 	pinNanos, unpinNanos atomic.Int64
 	firstSlot, fullPool  atomic.Int64
+	steps                growthSteps
 	trims, trimmedBytes  atomic.Int64
 	lookups, lookupKeys  atomic.Int64
 	hits                 atomic.Int64

@@ -1,0 +1,74 @@
+package offload
+
+import (
+	"context"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestGrowthSteps: the growth breakdown counts every pool region's steps,
+// not the staging region's, and the steps (sequential, inside New → full
+// pool) never add up to more than FullPool.
+func TestGrowthSteps(t *testing.T) {
+	slot := int64(8 << 10)
+	e := newTestEngine(t, Config{PoolBytes: 64 * slot, FirstRegionBytes: 16 * slot, RegionBytes: 16 * slot,
+		StagingBytes: 4 * slot, Layout: smallLayout(8), Policy: PolicyLRU})
+	defer func() { require.NoError(t, e.Close()) }()
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st := e.Stats()
+	g := st.Growth
+	require.Positive(t, g.Map)
+	require.Positive(t, g.Pin)
+	require.Positive(t, g.Cache)
+	require.LessOrEqual(t, g.Sum(), st.FullPool)
+	require.EqualValues(t, 5, st.PinCalls, "4 pool regions and the staging region")
+}
+
+// BenchmarkGrowth times growing a host-backend pool (PinNone: mmap and
+// prefault, registration with the simulation) of KVO_GROWTH_GIB GiB (default
+// 4; keep it within the machine's free memory) in 4 KiB slots, 256 MiB
+// regions after a 256 MiB first one, and reports the time of each growth
+// step per pool: map (mmap + prefault here), pin, host ranges, cache
+// (kvcache AddRegion), and the rest of New → full pool.
+func BenchmarkGrowth(b *testing.B) {
+	gib := int64(4)
+	if v := os.Getenv("KVO_GROWTH_GIB"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		require.NoError(b, err)
+		gib = n
+	}
+	layout := LayoutSpec{Kind: LayoutLayerSeparate, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 8, NumBlocks: 64}
+	cfg := Config{PoolBytes: gib << 30, FirstRegionBytes: 256 << 20, RegionBytes: 256 << 20, StagingBytes: -1,
+		Layout: layout, Policy: PolicyLRU, Backend: BackendHost, SkipMemoryCheck: true}
+	var sum GrowthSteps
+	var full, first time.Duration
+	for b.Loop() {
+		e, err := newEngine(cfg, engineHooks{})
+		require.NoError(b, err)
+		require.NoError(b, e.WaitGrown(context.Background()))
+		st := e.Stats()
+		require.Equal(b, int64(4096), st.BlockBytes)
+		sum.Map += st.Growth.Map
+		sum.Pin += st.Growth.Pin
+		sum.HostRanges += st.Growth.HostRanges
+		sum.Cache += st.Growth.Cache
+		full += st.FullPool
+		first += st.FirstSlot
+		require.NoError(b, e.Close())
+	}
+	n := float64(b.N)
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 / n }
+	b.ReportMetric(ms(first), "ms-first-slot")
+	b.ReportMetric(ms(full), "ms-full-pool")
+	b.ReportMetric(ms(sum.Map), "ms-map")
+	b.ReportMetric(ms(sum.Pin), "ms-pin")
+	b.ReportMetric(ms(sum.HostRanges), "ms-host-ranges")
+	b.ReportMetric(ms(sum.Cache), "ms-cache")
+	b.ReportMetric(ms(full-sum.Sum()), "ms-other")
+	b.ReportMetric(float64(cfg.PoolBytes)/(1<<30)/(ms(full)/1e3), "GiB/s")
+	b.Logf("%d GiB, %d slots: %+v", gib, cfg.PoolBytes/4096, sum)
+}
