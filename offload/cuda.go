@@ -16,7 +16,8 @@ import (
 // context (the one a serving stack's CUDA runtime already uses), a pinner
 // registering regions with cuMemHostRegister in ≤ 64 GiB ranges, and the
 // transfer layer's CUDA device (its streams, and the copy kernels' PTX
-// module, loaded here).
+// module, loaded here). Before anything else is set up, every tensor of the
+// layout must lie in device memory (checkDeviceTensors).
 func (e *Engine) openCUDA(c backendChoice) error {
 	drv := c.drv
 	dev, err := drv.DeviceGet(e.cfg.Device)
@@ -28,6 +29,9 @@ func (e *Engine) openCUDA(c backendChoice) error {
 		return fmt.Errorf("%w: retaining device %d's primary context: %w", ErrNoDriver, e.cfg.Device, err)
 	}
 	e.drv, e.cuDevice, e.cuCtx, e.ctxHeld = drv, dev, ctx, true
+	if err := cuda.OnThread(drv, ctx, e.checkDeviceTensors); err != nil {
+		return err
+	}
 	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
 		return err
 	}
@@ -49,6 +53,55 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	}
 	e.dev = e.cudaDev
 	e.events = true
+	return nil
+}
+
+// deviceTensor is the address range one tensor of the layout spans on the
+// GPU, and its name in errors.
+type deviceTensor struct {
+	name       string
+	start, end uint64
+}
+
+// deviceTensors lists the extents of Config.Layout's tensors: each from its
+// base to the end of its last block's segment. The layout has passed
+// withDefaults, so the extents fit in 64 bits.
+func (e *Engine) deviceTensors() []deviceTensor {
+	l := e.cfg.Layout
+	last := uint64(l.NumBlocks - 1)
+	if l.Kind == LayoutCrossLayer {
+		return []deviceTensor{{"cross-layer tensor", l.Base, l.Base + last*l.Stride + uint64(e.slot)}}
+	}
+	segLen := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
+	var ts []deviceTensor
+	for i, t := range l.LayerTensors {
+		ts = append(ts, deviceTensor{fmt.Sprintf("layer %d K tensor", i), t.K, t.K + last*t.Stride + segLen})
+		if t.V != 0 {
+			ts = append(ts, deviceTensor{fmt.Sprintf("layer %d V tensor", i), t.V, t.V + last*t.Stride + segLen})
+		}
+	}
+	return ts
+}
+
+// checkDeviceTensors refuses a layout whose tensors are not device memory
+// (ErrInvalidConfig): each tensor's extent must lie within one allocation
+// (cuMemGetAddressRange), since a copy to or from anything else would raise
+// a sticky CUDA_ERROR_ILLEGAL_ADDRESS that kills the serving process's
+// context. Allocations from a caching allocator (PyTorch's) are segments
+// holding many tensors, so a tensor is always inside one. Runs with the
+// context current.
+func (e *Engine) checkDeviceTensors() error {
+	for _, t := range e.deviceTensors() {
+		base, size, err := e.drv.MemGetAddressRange(cuda.DevicePtr(t.start))
+		if err != nil {
+			return fmt.Errorf("%w: Layout: %s [%#x, %#x) is not device memory of device %d: the driver finds no allocation at %#x: %w",
+				ErrInvalidConfig, t.name, t.start, t.end, e.cfg.Device, t.start, err)
+		}
+		if allocEnd := uint64(base) + size; t.end > allocEnd {
+			return fmt.Errorf("%w: Layout: %s [%#x, %#x) runs %d bytes past the end of its device allocation [%#x, %#x) on device %d",
+				ErrInvalidConfig, t.name, t.start, t.end, t.end-allocEnd, uint64(base), allocEnd, e.cfg.Device)
+		}
+	}
 	return nil
 }
 

@@ -142,6 +142,10 @@ type Driver interface {
 	MemAlloc(size uint64) (DevicePtr, error)
 	MemFree(p DevicePtr) error
 	MemsetD8(dst DevicePtr, value uint8, n uint64) error
+	// MemGetAddressRange is cuMemGetAddressRange_v2: the base and size of
+	// the device allocation containing p. An address in no allocation fails
+	// (CUDA_ERROR_NOT_FOUND or CUDA_ERROR_INVALID_VALUE).
+	MemGetAddressRange(p DevicePtr) (base DevicePtr, size uint64, err error)
 
 	// Memcpy is a synchronous cuMemcpy between unified addresses.
 	Memcpy(dst, src DevicePtr, n uint64) error

@@ -49,6 +49,9 @@ static CUresult kvo_uptr(void* f, uintptr_t p) { return ((CUresult(*)(void*))f)(
 static CUresult kvo_devptr_of(void* f, CUdeviceptr* d, uintptr_t p, unsigned int fl) { return ((CUresult(*)(CUdeviceptr*, void*, unsigned int))f)(d, (void*)p, fl); }
 static CUresult kvo_host_alloc(void* f, void** p, size_t n, unsigned int fl) { return ((CUresult(*)(void**, size_t, unsigned int))f)(p, n, fl); }
 static CUresult kvo_alloc(void* f, CUdeviceptr* d, size_t n) { return ((CUresult(*)(CUdeviceptr*, size_t))f)(d, n); }
+static CUresult kvo_addr_range(void* f, CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+	return ((CUresult(*)(CUdeviceptr*, size_t*, CUdeviceptr))f)(base, size, p);
+}
 static CUresult kvo_dptr(void* f, CUdeviceptr d) { return ((CUresult(*)(CUdeviceptr))f)(d); }
 static CUresult kvo_memset(void* f, CUdeviceptr d, unsigned char v, size_t n) { return ((CUresult(*)(CUdeviceptr, unsigned char, size_t))f)(d, v, n); }
 static CUresult kvo_memcpy(void* f, CUdeviceptr d, CUdeviceptr s, size_t n) { return ((CUresult(*)(CUdeviceptr, CUdeviceptr, size_t))f)(d, s, n); }
@@ -136,7 +139,7 @@ type symbols struct {
 	init, driverGetVersion, deviceGetCount, deviceGet, deviceGetName, deviceGetAttribute,
 	deviceGetPCIBusID, deviceTotalMem, primaryCtxRetain, primaryCtxRelease, ctxSetCurrent,
 	ctxSynchronize, ctxGetStreamPriorityRange, memGetInfo, memHostRegister, memHostUnregister,
-	memHostGetDevicePointer, memHostAlloc, memFreeHost, memAlloc, memFree, memsetD8, memcpy,
+	memHostGetDevicePointer, memHostAlloc, memFreeHost, memAlloc, memFree, memsetD8, memGetAddressRange, memcpy,
 	memcpyAsync, memcpyBatchAsync, streamCreateWithPriority, streamDestroy, streamSynchronize,
 	streamQuery, streamWaitEvent, streamIsCapturing, streamBeginCapture, streamEndCapture,
 	eventCreate, eventDestroy, eventRecord, eventRecordWithFlags, eventQuery, eventSynchronize,
@@ -192,6 +195,7 @@ func (d *libcuda) bindings() []binding {
 		{&s.memAlloc, []string{OpMemAlloc}, false},
 		{&s.memFree, []string{OpMemFree}, false},
 		{&s.memsetD8, []string{OpMemsetD8}, false},
+		{&s.memGetAddressRange, []string{OpMemGetAddressRange}, false},
 		{&s.memcpy, []string{OpMemcpy}, false},
 		{&s.memcpyAsync, []string{OpMemcpyAsync}, false},
 		{&s.streamCreateWithPriority, []string{OpStreamCreate}, false},
@@ -390,6 +394,15 @@ func (d *libcuda) MemFree(p DevicePtr) error {
 
 func (d *libcuda) MemsetD8(dst DevicePtr, value uint8, n uint64) error {
 	return d.check(OpMemsetD8, C.kvo_memset(d.s.memsetD8, C.CUdeviceptr(dst), C.uchar(value), C.size_t(n)))
+}
+
+func (d *libcuda) MemGetAddressRange(p DevicePtr) (DevicePtr, uint64, error) {
+	var base C.CUdeviceptr
+	var size C.size_t
+	if err := d.check(OpMemGetAddressRange, C.kvo_addr_range(d.s.memGetAddressRange, &base, &size, C.CUdeviceptr(p))); err != nil {
+		return 0, 0, err
+	}
+	return DevicePtr(base), uint64(size), nil
 }
 
 func (d *libcuda) Memcpy(dst, src DevicePtr, n uint64) error {

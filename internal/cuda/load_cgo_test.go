@@ -61,6 +61,15 @@ func TestBindingCallingConventions(t *testing.T) {
 	require.ErrorAs(t, err, &ce)
 	require.Equal(t, cuda.Error{Op: cuda.OpMemAlloc, Code: cuda.ErrorOutOfMemory, Name: "STUB_OUT_OF_MEMORY", Text: "stub says no"}, *ce)
 
+	base, size, err := drv.MemGetAddressRange(0x123456)
+	require.NoError(t, err)
+	require.Equal(t, cuda.DevicePtr(0x120000), base)
+	require.Equal(t, uint64(0x10000), size)
+	_, _, err = drv.MemGetAddressRange(0x100)
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, cuda.OpMemGetAddressRange, ce.Op)
+	require.Equal(t, cuda.ErrorNotFound, ce.Code)
+
 	done, err := drv.StreamQuery(1)
 	require.NoError(t, err)
 	require.False(t, done, "CUDA_ERROR_NOT_READY is pending, not an error")

@@ -26,6 +26,7 @@ const (
 	OpMemAlloc                        = "cuMemAlloc_v2"
 	OpMemFree                         = "cuMemFree_v2"
 	OpMemsetD8                        = "cuMemsetD8_v2"
+	OpMemGetAddressRange              = "cuMemGetAddressRange_v2"
 	OpMemcpy                          = "cuMemcpy"
 	OpMemcpyAsync                     = "cuMemcpyAsync"
 	OpMemcpyBatchAsync                = "cuMemcpyBatchAsync"

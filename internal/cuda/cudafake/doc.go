@@ -12,6 +12,8 @@
 //     unregistered before it ran fails on its stream with the sticky
 //     CUDA_ERROR_ILLEGAL_ADDRESS, as a DMA into freed memory would.
 //     Device memory is bounded by Options.DeviceMemory (OOM beyond it).
+//     MemGetAddressRange finds the MemAlloc allocation containing an address
+//     (its requested size) and answers CUDA_ERROR_NOT_FOUND for any other.
 //   - Streams and events. Each stream is a FIFO served by its own goroutine;
 //     MemcpyAsync, MemcpyBatchAsync, LaunchKernel, EventRecord and
 //     StreamWaitEvent enqueue work items. An event completes when its stream

@@ -148,6 +148,25 @@ func TestMemoryErrors(t *testing.T) {
 	require.NoError(t, d.StreamSynchronize(s))
 }
 
+func TestMemGetAddressRange(t *testing.T) {
+	d := open(t, cudafake.Options{})
+	_, hp := hostBuf(t, d, 4096)
+	dev := devBuf(t, d, 1000)
+	for _, p := range []cuda.DevicePtr{dev, dev + 1, dev + 999} {
+		base, size, err := d.MemGetAddressRange(p)
+		require.NoError(t, err)
+		require.Equal(t, dev, base, "address %#x", uint64(p))
+		require.Equal(t, uint64(1000), size, "the requested size, not the mapping's")
+	}
+	for _, p := range []cuda.DevicePtr{dev + 1000, dev - 1, hp, 0, 1 << 40} {
+		_, _, err := d.MemGetAddressRange(p)
+		requireCode(t, err, cuda.ErrorNotFound)
+	}
+	d.FailAt(cuda.OpMemGetAddressRange, d.Calls(cuda.OpMemGetAddressRange)+1, cuda.ErrorInvalidContext)
+	_, _, err := d.MemGetAddressRange(dev)
+	requireCode(t, err, cuda.ErrorInvalidContext)
+}
+
 func TestUseAfterFreeIsSticky(t *testing.T) {
 	d := cudafake.New(cudafake.Options{})
 	defer func() { require.NoError(t, d.Close()) }()

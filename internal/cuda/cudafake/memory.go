@@ -173,6 +173,17 @@ func (m *memory) unregister(op string, p unsafe.Pointer) error {
 	return nil
 }
 
+// deviceRange returns the device allocation (MemAlloc) containing addr.
+func (m *memory) deviceRange(addr uint64) (base, size uint64, ok bool) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	i := m.find(addr)
+	if i < 0 || m.spans[i].kind != spanDevice {
+		return 0, 0, false
+	}
+	return m.spans[i].base, uint64(len(m.spans[i].mem)), true
+}
+
 // hostPointer checks that p lies in registered or host-allocated memory.
 func (m *memory) hostPointer(p unsafe.Pointer) bool {
 	m.mu.RLock()
@@ -312,6 +323,20 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 		return err
 	}
 	return d.mem.free(cuda.OpMemFree, uint64(p), spanDevice)
+}
+
+// MemGetAddressRange implements cuda.Driver: the MemAlloc allocation
+// containing p (its requested size, not the page-rounded mapping);
+// CUDA_ERROR_NOT_FOUND for any other address, host memory included.
+func (d *Driver) MemGetAddressRange(p cuda.DevicePtr) (cuda.DevicePtr, uint64, error) {
+	if err := d.begin(cuda.OpMemGetAddressRange, needCtx); err != nil {
+		return 0, 0, err
+	}
+	base, size, ok := d.mem.deviceRange(uint64(p))
+	if !ok {
+		return 0, 0, cuda.NewError(cuda.OpMemGetAddressRange, cuda.ErrorNotFound)
+	}
+	return cuda.DevicePtr(base), size, nil
 }
 
 // MemsetD8 implements cuda.Driver, at once.

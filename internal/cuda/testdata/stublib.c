@@ -30,6 +30,14 @@ CUresult cuStreamQuery(void* s) { return 600; }
 CUresult cuEventQuery(void* e) { return 0; }
 CUresult cuDeviceGetName(char* s, int n, int dev) { strncpy(s, "Stub GPU", n); return 0; }
 CUresult cuDeviceGetPCIBusId(char* s, int n, int dev) { strncpy(s, "0000:19:00.0", n); return 0; }
+// Every address from 0x10000 up lies in a 64 KiB allocation aligned to
+// 64 KiB; lower addresses are in none.
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+	if (p < 0x10000) return 500;
+	*base = p & ~(CUdeviceptr)0xffff;
+	*size = 0x10000;
+	return 0;
+}
 CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)d, (void*)s, n); return 0; }
 
 // Copies like the driver; a batch of one fails naming copy 0, and wrong
