@@ -194,30 +194,13 @@ func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
 	return nil
 }
 
-// addDeviceRanges tells the scheduler where the layout's tensors are.
+// addDeviceRanges tells the scheduler where the layout's tensors are (the
+// extents deviceTensors computes, which the CUDA backend also checks).
 func (e *Engine) addDeviceRanges() error {
-	l := e.cfg.Layout
-	seg := uint64(e.slot)
-	n := uint64(l.NumBlocks)
-	add := func(base, stride, segLen uint64) error {
-		err := e.sched.AddDeviceRange(base, (n-1)*stride+segLen)
+	for _, t := range e.deviceTensors() {
+		err := e.sched.AddDeviceRange(t.start, t.end-t.start)
 		if err != nil && !errors.Is(err, transfer.ErrInvalidRequest) {
 			return err
-		}
-		return nil
-	}
-	if l.Kind == LayoutCrossLayer {
-		return add(l.Base, l.Stride, seg)
-	}
-	segLen := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
-	for _, t := range l.LayerTensors {
-		if err := add(t.K, t.Stride, segLen); err != nil {
-			return err
-		}
-		if t.V != 0 {
-			if err := add(t.V, t.Stride, segLen); err != nil {
-				return err
-			}
 		}
 	}
 	return nil
