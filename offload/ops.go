@@ -223,27 +223,8 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
 	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: cuda.Event(opts.After), Events: e.events,
-		OnComplete: func(_ *transfer.Op, cerr error) {
-			defer e.ops.Done()
-			defer close(tdone)
-			e.noteLost(cerr)
-			e.stats.inFlightBytes.Add(-bytes)
-			_ = e.cache.CompleteStore(slots, cerr)
-			e.unhold(slots)
-			oc := OutcomeStored
-			if cerr != nil {
-				oc = OutcomeFailed
-			}
-			for _, i := range idx {
-				op.setOutcome(i, oc, cerr)
-			}
-			if cerr == nil {
-				e.stats.store.blocks.Add(int64(len(slots)))
-				e.stats.store.bytes.Add(bytes)
-			}
-			e.finishOp(op, start)
-			e.kickReaper()
-		}}
+		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
+			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr) })}
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -351,27 +332,8 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	tdone := make(chan struct{})
 	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: cuda.Event(opts.After),
 		Events: e.events, Signal: cuda.Event(opts.Signal),
-		OnComplete: func(_ *transfer.Op, cerr error) {
-			defer e.ops.Done()
-			defer close(tdone)
-			e.noteLost(cerr)
-			e.stats.inFlightBytes.Add(-bytes)
-			end()
-			e.unhold(slots)
-			oc := OutcomeLoaded
-			if cerr != nil {
-				oc = OutcomeFailed
-			}
-			for _, i := range idx {
-				op.setOutcome(i, oc, cerr)
-			}
-			if cerr == nil {
-				e.stats.load.blocks.Add(int64(len(slots)))
-				e.stats.load.bytes.Add(bytes)
-			}
-			e.finishOp(op, start)
-			e.kickReaper()
-		}}
+		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
+			func(error) { end() })}
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -389,6 +351,36 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	}
 	op.completion = e.newCompletion(top, tdone)
 	return op, nil
+}
+
+// onTransferDone is the OnComplete of a Store's or Load's copies (bytes
+// over slots, for the blocks at idx of op; tdone closes when it returns):
+// release drops what the direction holds on the slots (CompleteStore; the
+// reader holds and the lease), then the slots are unheld, every block gets
+// ok or OutcomeFailed, dir counts a success and op is finished.
+func (e *Engine) onTransferDone(op *Op, idx []int, slots []kvcache.Slot, bytes int64, start time.Time, tdone chan struct{},
+	ok Outcome, dir *direction, release func(cerr error)) func(*transfer.Op, error) {
+	return func(_ *transfer.Op, cerr error) {
+		defer e.ops.Done()
+		defer close(tdone)
+		e.noteLost(cerr)
+		e.stats.inFlightBytes.Add(-bytes)
+		release(cerr)
+		e.unhold(slots)
+		oc := ok
+		if cerr != nil {
+			oc = OutcomeFailed
+		}
+		for _, i := range idx {
+			op.setOutcome(i, oc, cerr)
+		}
+		if cerr == nil {
+			dir.blocks.Add(int64(len(slots)))
+			dir.bytes.Add(bytes)
+		}
+		e.finishOp(op, start)
+		e.kickReaper()
+	}
 }
 
 // noteLost remembers a sticky device error: from then on Store and Load
