@@ -404,32 +404,26 @@ func kvoGo_op_stream_wait(h C.uint64_t, stream C.uintptr_t) (rc C.int) {
 //export kvoGo_op_event
 func kvoGo_op_event(h C.uint64_t, event *C.uintptr_t) (rc C.int) {
 	defer guard(&rc)
-	if event == nil {
-		return failf("kvo_op_event: event must not be NULL")
-	}
-	op, err := ops.get(uint64(h))
-	if err != nil {
-		return fail(err)
-	}
-	ev, err := op.Event()
-	if err != nil {
-		return fail(err)
-	}
-	*event = C.uintptr_t(ev)
-	return codeOK
+	return opEvent(h, event, "kvo_op_event", (*offload.Op).Event)
 }
 
 //export kvoGo_op_layer_event
 func kvoGo_op_layer_event(h C.uint64_t, layer C.int, event *C.uintptr_t) (rc C.int) {
 	defer guard(&rc)
+	return opEvent(h, event, "kvo_op_layer_event", func(op *offload.Op) (uintptr, error) { return op.LayerEvent(int(layer)) })
+}
+
+// opEvent is kvo_op_event and kvo_op_layer_event: *event gets the CUevent
+// get returns for op h.
+func opEvent(h C.uint64_t, event *C.uintptr_t, call string, get func(*offload.Op) (uintptr, error)) C.int {
 	if event == nil {
-		return failf("kvo_op_layer_event: event must not be NULL")
+		return failf("%s: event must not be NULL", call)
 	}
 	op, err := ops.get(uint64(h))
 	if err != nil {
 		return fail(err)
 	}
-	ev, err := op.LayerEvent(int(layer))
+	ev, err := get(op)
 	if err != nil {
 		return fail(err)
 	}
@@ -651,37 +645,30 @@ func simMemory(h C.uint64_t, call string) (*offload.SimGPU, error) {
 //export kvoGo_sim_write
 func kvoGo_sim_write(h C.uint64_t, addr C.uint64_t, src unsafe.Pointer, n C.size_t) (rc C.int) {
 	defer guard(&rc)
-	if src == nil && n > 0 {
-		return failf("kvo_sim_write: src is NULL with n = %d", uint64(n))
-	}
-	sim, err := simMemory(h, "kvo_sim_write")
-	if err != nil {
-		return fail(err)
-	}
-	if n == 0 {
-		return codeOK
-	}
-	if err := sim.Write(uint64(addr), unsafe.Slice((*byte)(src), int(n))); err != nil {
-		return fail(fmt.Errorf("%w: kvo_sim_write: %w", offload.ErrInvalidArgument, err))
-	}
-	return codeOK
+	return simCopy(h, addr, src, n, "kvo_sim_write", "src", (*offload.SimGPU).Write)
 }
 
 //export kvoGo_sim_read
 func kvoGo_sim_read(h C.uint64_t, addr C.uint64_t, dst unsafe.Pointer, n C.size_t) (rc C.int) {
 	defer guard(&rc)
-	if dst == nil && n > 0 {
-		return failf("kvo_sim_read: dst is NULL with n = %d", uint64(n))
+	return simCopy(h, addr, dst, n, "kvo_sim_read", "dst", (*offload.SimGPU).Read)
+}
+
+// simCopy is kvo_sim_write and kvo_sim_read: move copies n bytes between
+// the caller's buffer p (named arg in errors) and simulated memory at addr.
+func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string, move func(*offload.SimGPU, uint64, []byte) error) C.int {
+	if p == nil && n > 0 {
+		return failf("%s: %s is NULL with n = %d", call, arg, uint64(n))
 	}
-	sim, err := simMemory(h, "kvo_sim_read")
+	sim, err := simMemory(h, call)
 	if err != nil {
 		return fail(err)
 	}
 	if n == 0 {
 		return codeOK
 	}
-	if err := sim.Read(uint64(addr), unsafe.Slice((*byte)(dst), int(n))); err != nil {
-		return fail(fmt.Errorf("%w: kvo_sim_read: %w", offload.ErrInvalidArgument, err))
+	if err := move(sim, uint64(addr), unsafe.Slice((*byte)(p), int(n))); err != nil {
+		return fail(fmt.Errorf("%w: %s: %w", offload.ErrInvalidArgument, call, err))
 	}
 	return codeOK
 }
