@@ -295,39 +295,32 @@ func (s *Sim) UnregisterHost(addr uint64) error {
 
 // Write copies p to simulated memory at addr (host or device).
 func (s *Sim) Write(addr uint64, p []byte) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	b, err := s.bytes(addr, uint64(len(p)))
-	if err != nil {
-		return err
-	}
-	copy(b, p)
-	return nil
+	return s.access(addr, uint64(len(p)), func(b []byte) { copy(b, p) })
 }
 
 // Read copies simulated memory at addr (host or device) into p.
 func (s *Sim) Read(addr uint64, p []byte) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	b, err := s.bytes(addr, uint64(len(p)))
-	if err != nil {
-		return err
-	}
-	copy(p, b)
-	return nil
+	return s.access(addr, uint64(len(p)), func(b []byte) { copy(p, b) })
 }
 
 // Fill sets n bytes at addr to v (the poison hook of the gating harness).
 func (s *Sim) Fill(addr, n uint64, v byte) error {
+	return s.access(addr, n, func(b []byte) {
+		for i := range b {
+			b[i] = v
+		}
+	})
+}
+
+// access runs f on the memory at [addr, addr+n) with memMu held.
+func (s *Sim) access(addr, n uint64, f func([]byte)) error {
 	s.memMu.Lock()
 	defer s.memMu.Unlock()
 	b, err := s.bytes(addr, n)
 	if err != nil {
 		return err
 	}
-	for i := range b {
-		b[i] = v
-	}
+	f(b)
 	return nil
 }
 
