@@ -351,25 +351,7 @@ func (d *Driver) StreamQuery(h cuda.Stream) (bool, error) {
 // StreamWaitEvent implements cuda.Driver: s waits for e's latest record as
 // of this call.
 func (d *Driver) StreamWaitEvent(h cuda.Stream, e cuda.Event, flags uint32) error {
-	const op = cuda.OpStreamWaitEvent
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	call, err := d.beginLocked(op, needCtx)
-	if err != nil {
-		return err
-	}
-	if flags&^cuda.EventWaitExternal != 0 {
-		return cuda.NewError(op, cuda.ErrorInvalidValue)
-	}
-	s, err := d.streamLocked(op, h)
-	if err != nil {
-		return err
-	}
-	ev, err := d.eventLocked(op, e)
-	if err != nil {
-		return err
-	}
-	return d.enqueueLocked(op, call, s, item{kind: itemWait, ev: ev, extern: flags&cuda.EventWaitExternal != 0})
+	return d.eventItem(cuda.OpStreamWaitEvent, itemWait, h, e, flags, cuda.EventWaitExternal)
 }
 
 // StreamIsCapturing implements cuda.Driver.
@@ -485,14 +467,17 @@ func (d *Driver) EventDestroy(h cuda.Event) error {
 	return nil
 }
 
-func (d *Driver) record(op string, e cuda.Event, h cuda.Stream, flags uint32) error {
+// eventItem queues on stream h an item of kind (a record or a wait) on
+// event e, for op: ext is the one flag op accepts, marking the item
+// external.
+func (d *Driver) eventItem(op string, kind itemKind, h cuda.Stream, e cuda.Event, flags, ext uint32) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	call, err := d.beginLocked(op, needCtx)
 	if err != nil {
 		return err
 	}
-	if flags&^cuda.EventRecordExternal != 0 {
+	if flags&^ext != 0 {
 		return cuda.NewError(op, cuda.ErrorInvalidValue)
 	}
 	ev, err := d.eventLocked(op, e)
@@ -503,17 +488,17 @@ func (d *Driver) record(op string, e cuda.Event, h cuda.Stream, flags uint32) er
 	if err != nil {
 		return err
 	}
-	return d.enqueueLocked(op, call, s, item{kind: itemRecord, ev: ev, extern: flags&cuda.EventRecordExternal != 0})
+	return d.enqueueLocked(op, call, s, item{kind: kind, ev: ev, extern: flags&ext != 0})
 }
 
 // EventRecord implements cuda.Driver.
 func (d *Driver) EventRecord(e cuda.Event, s cuda.Stream) error {
-	return d.record(cuda.OpEventRecord, e, s, cuda.EventRecordDefault)
+	return d.eventItem(cuda.OpEventRecord, itemRecord, s, e, cuda.EventRecordDefault, cuda.EventRecordExternal)
 }
 
 // EventRecordWithFlags implements cuda.Driver.
 func (d *Driver) EventRecordWithFlags(e cuda.Event, s cuda.Stream, flags uint32) error {
-	return d.record(cuda.OpEventRecordWithFlags, e, s, flags)
+	return d.eventItem(cuda.OpEventRecordWithFlags, itemRecord, s, e, flags, cuda.EventRecordExternal)
 }
 
 // EventQuery implements cuda.Driver.
