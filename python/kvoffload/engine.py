@@ -56,9 +56,34 @@ def _addr(buf):
     return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value if buf else None
 
 
-class Lease:
+class _Handle:
+    """A library handle in self._handle (0 once given back), given back by
+    release() on leaving a with block, or by the C function named _FREE
+    when collected unreleased (quietly: the interpreter may be shutting
+    down)."""
+
+    _FREE = ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle:
+            self.release()
+
+    def __del__(self):
+        if getattr(self, "_handle", 0) and _lib.in_loading_process():
+            try:
+                getattr(_lib.get(), self._FREE)(self._handle)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class Lease(_Handle):
     """Reader leases taken by Engine.lookup(lease=True): the blocks cannot be
     evicted until release() or until a load takes the lease over."""
+
+    _FREE = "kvo_lease_release"
 
     def __init__(self, engine, handle, hits):
         self._engine = engine
@@ -76,24 +101,12 @@ class Lease:
     def _take(self):
         return self._handle
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        if self._handle:
-            self.release()
-
-    def __del__(self):
-        if getattr(self, "_handle", 0) and _lib.in_loading_process():
-            try:
-                _lib.get().kvo_lease_release(self._handle)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
-
-
-class Op:
+class Op(_Handle):
     """One asynchronous store or load. Use as a context manager (released on
     exit) or call release(); its events are valid until then."""
+
+    _FREE = "kvo_op_release"
 
     def __init__(self, engine, handle, n, kind, keep=()):
         self._engine = engine
@@ -170,20 +183,6 @@ class Op:
         finally:
             self._keep = ()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self._handle:
-            self.release()
-
-    def __del__(self):
-        if getattr(self, "_handle", 0) and _lib.in_loading_process():
-            try:
-                _lib.get().kvo_op_release(self._handle)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
-
 
 _libcuda = None
 
@@ -216,10 +215,12 @@ class Staging:
         return t.view(dtype) if dtype is not None else t
 
 
-class Engine:
+class Engine(_Handle):
     """The offload engine. Build it from the KV cache tensors
     (Engine.from_tensors) or from a config dict (Engine(config)); close it
     with close() or a with block."""
+
+    _FREE = "kvo_engine_destroy"
 
     def __init__(self, config, _keep=()):
         if not isinstance(config, dict):
@@ -394,18 +395,8 @@ class Engine:
     def closed(self):
         return not self._handle
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
-
-    def __del__(self):
-        if getattr(self, "_handle", 0) and _lib.in_loading_process():
-            try:
-                _lib.get().kvo_engine_destroy(self._handle)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 def _record_on(stream):
