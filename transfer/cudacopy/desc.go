@@ -258,29 +258,30 @@ func (t *hostTable) translateHint(addr, n uint64, hint *int) (uint64, bool) {
 			return r.dev + off, true
 		}
 	}
-	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base > addr }) - 1
-	if i < 0 {
-		return 0, false
+	i, d, ok := t.find(addr, n)
+	if ok {
+		*hint = i + 1
 	}
-	r := t.ranges[i]
-	off := addr - r.base
-	if off >= r.size || n > r.size-off {
-		return 0, false
-	}
-	*hint = i + 1
-	return r.dev + off, true
+	return d, ok
 }
 
 // translate maps [addr, addr+n) inside one range to its device address.
 func (t *hostTable) translate(addr, n uint64) (uint64, bool) {
+	_, d, ok := t.find(addr, n)
+	return d, ok
+}
+
+// find searches for the range holding [addr, addr+n): its index and the
+// device address of addr.
+func (t *hostTable) find(addr, n uint64) (int, uint64, bool) {
 	i := sort.Search(len(t.ranges), func(i int) bool { return t.ranges[i].base > addr }) - 1
 	if i < 0 {
-		return 0, false
+		return 0, 0, false
 	}
 	r := t.ranges[i]
 	off := addr - r.base
 	if off >= r.size || n > r.size-off {
-		return 0, false
+		return 0, 0, false
 	}
-	return r.dev + off, true
+	return i, r.dev + off, true
 }
