@@ -95,19 +95,15 @@ func (r PinningResult) Extra() int64 { return r.Mapped - r.Size }
 // duration.
 func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts PinningOptions) (results []PinningResult, err error) {
 	for _, s := range sizes {
-		if s <= 0 || s > mmapmem.MaxSize {
-			return nil, fmt.Errorf("bench: pinning size %d: must be in [1, %d]", s, mmapmem.MaxSize)
+		if err := checkPinningSize(s); err != nil {
+			return nil, err
 		}
 	}
-	ctx, err := drv.PrimaryCtxRetain(dev)
+	ctx, release, err := retainPrimary(drv, dev)
 	if err != nil {
-		return nil, fmt.Errorf("bench: retain primary context of device %d: %w", dev, err)
+		return nil, err
 	}
-	defer func() {
-		if rerr := drv.PrimaryCtxRelease(dev); rerr != nil {
-			err = errors.Join(err, fmt.Errorf("bench: release primary context: %w", rerr))
-		}
-	}()
+	defer release(&err)
 	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: opts.RangeLimit, PipelineChunk: opts.PipelineChunk})
 	if err != nil {
 		return nil, err
@@ -350,23 +346,41 @@ func DefaultPinningVariants() []PinningVariant {
 	return vs
 }
 
+// checkPinningSize refuses a size no region can have.
+func checkPinningSize(size int64) error {
+	if size <= 0 || size > mmapmem.MaxSize {
+		return fmt.Errorf("bench: pinning size %d: must be in [1, %d]", size, mmapmem.MaxSize)
+	}
+	return nil
+}
+
+// retainPrimary retains dev's primary context; release gives it back,
+// joining a failure into *err.
+func retainPrimary(drv cuda.Driver, dev cuda.Device) (ctx cuda.Context, release func(err *error), err error) {
+	ctx, err = drv.PrimaryCtxRetain(dev)
+	if err != nil {
+		return 0, nil, fmt.Errorf("bench: retain primary context of device %d: %w", dev, err)
+	}
+	return ctx, func(err *error) {
+		if rerr := drv.PrimaryCtxRelease(dev); rerr != nil {
+			*err = errors.Join(*err, fmt.Errorf("bench: release primary context: %w", rerr))
+		}
+	}, nil
+}
+
 // MeasurePinningVariants maps, prefaults (and where asked registers) size
 // bytes once per variant, after one unreported warm-up with the default
 // options, releasing each region before the next. It retains dev's primary
 // context for the duration.
 func MeasurePinningVariants(drv cuda.Driver, dev cuda.Device, size int64, variants []PinningVariant) (results []PinningVariantResult, err error) {
-	if size <= 0 || size > mmapmem.MaxSize {
-		return nil, fmt.Errorf("bench: pinning size %d: must be in [1, %d]", size, mmapmem.MaxSize)
+	if err := checkPinningSize(size); err != nil {
+		return nil, err
 	}
-	ctx, err := drv.PrimaryCtxRetain(dev)
+	ctx, release, err := retainPrimary(drv, dev)
 	if err != nil {
-		return nil, fmt.Errorf("bench: retain primary context of device %d: %w", dev, err)
+		return nil, err
 	}
-	defer func() {
-		if rerr := drv.PrimaryCtxRelease(dev); rerr != nil {
-			err = errors.Join(err, fmt.Errorf("bench: release primary context: %w", rerr))
-		}
-	}()
+	defer release(&err)
 	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{})
 	if err != nil {
 		return nil, err
