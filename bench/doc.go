@@ -1,6 +1,6 @@
 // Package bench measures kvoffload against the references it must beat, in
 // the same run on the same machine (absolute figures drift between machines;
-// see ../shared/ANCHORS.md for the H200 anchors).
+// see doc/ANCHORS.md for the H200 anchors).
 //
 // Each measurement is a plain function returning typed results plus a
 // Format function that renders them as a markdown table, so that tests,

@@ -91,7 +91,7 @@ const (
 
 // Defaults applied by New to zero fields.
 const (
-	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: ~50 ms at 47 ms/GiB
+	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: New took 92 ms on the H200 (bench/results/2026-11-29-h200/pool64.md)
 	DefaultRegionBytes        int64 = 4 << 30 // unit of background growth and Trim
 	DefaultStagingBytes       int64 = 16 << 20
 	DefaultMaxInFlightBytes   int64 = 512 << 20

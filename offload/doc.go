@@ -25,9 +25,11 @@
 // copy method (Stats.CopyCalibration); copies issued before that use the
 // uncalibrated rule. If pinning a later region fails, growth stops
 // (WaitGrown returns the error, Stats.GrowthError says why) and the engine
-// keeps serving from the regions it has. On CUDA, regions are registered
-// with cuMemHostRegister in ranges of at most 64 GiB and no slot straddles
-// two ranges. The engine's own threads that call the driver (growth, copy
+// keeps serving from the regions it has. On CUDA, pool regions are mapped
+// untouched and registered with cuMemHostRegister in ranges of about 2 GiB
+// (the largest multiple of the slot stride not above
+// register.DefaultPipelineChunk), range k+1 prefaulted while range k
+// registers; no slot straddles two ranges. The engine's own threads that call the driver (growth, copy
 // submission and completion) set CU_STREAM_CAPTURE_MODE_RELAXED, so a
 // graph capture in global mode on one of the stack's threads is not broken
 // by them.

@@ -1,7 +1,9 @@
 // Package cuda is the CUDA driver API as the engine uses it: a Driver
 // interface, typed errors, and a binding that loads libcuda.so.1 at run time
 // with dlopen/dlsym (cgo, no CUDA headers, toolkit or link-time dependency).
-// Nothing outside internal/cuda, register and transfer sees these types.
+// Only the module's own packages see these types (register, transfer,
+// offload's CUDA backend, bench and the command); offload's public API
+// exposes streams and events as plain uintptr values.
 //
 // Loading. Load opens libcuda.so.1 (RTLD_NOW|RTLD_LOCAL), binds every
 // required entry point by its versioned symbol (cuMemHostRegister_v2,

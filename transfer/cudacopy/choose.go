@@ -131,11 +131,11 @@ type point struct {
 // memcpy) to the copy kernel; see Options.DMAMargin.
 //
 // The DMA engines leave the SMs to the model; the kernel does not. On the
-// H200 (bench/results/2026-11-29-h200/throughput.md), beside a compute-bound
-// 4096² sgemm on another stream, the kernel on 8 CTAs slowed the sgemm by
-// 87–118% for D2H and 7–11% for H2D (113–286% both ways at once), while
-// the batch API slowed it by at most 0.3% (0.4% both ways) at every
-// segment size from 4 KiB to 2 MiB. A few percent of copy rate is worth
+// H200 (bench/results/2026-11-29-h200/results.md, "Beside a matrix
+// product"), beside a compute-bound 4096² sgemm on another stream, the
+// kernel on 8 CTAs slowed the sgemm by 73–158% for D2H and 6.5–10.5% for
+// H2D (95–301% both ways at once), while the batch API changed it by at
+// most 0.4% at every segment size from 4 KiB to 2 MiB. A few percent of copy rate is worth
 // that.
 const (
 	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is

@@ -12,12 +12,15 @@ import (
 )
 
 // Defaults for Options fields left zero. The kernel shape (DefaultCTAs ×
-// DefaultThreads, DefaultCopyKernel) is the one bench.KernelSweepResults.Pick
-// chose from the H200 sweep of 2026-11-29 (notes/gpu_round2): no shape kept
-// an n=2048 sgemm's slowdown within 10% while a D2H copy ran beside it, so
-// Pick fell back to the least worst slowdown, kvo_copy 8×1024 on a
-// least-priority stream (+104% D2H, +28% H2D); H2D alone stays within 10%
-// with 8×256. The sweep reruns with gated timing (bench) to confirm it.
+// DefaultThreads, DefaultCopyKernel) is the smallest grid that copies 4 KiB
+// segments near link speed on the H200 (bench/results/2026-11-29-h200/
+// results.md: kernel/8 at 94% D2H and 91% H2D of the link, kernel/2 at 60%
+// and 71%). No shape in the sweep (kernel_variants.md) kept an n=2048
+// sgemm's slowdown within 10% beside a 64 KiB D2H copy: 8×1024 slowed it by
+// 88–111% (D2H) and 33% (H2D); the least slowdown, 2×256 (+27–32% D2H),
+// moved H2D at only 51–66% of the link. Where the SMs matter more than a
+// few percent of copy rate, DMAMargin and PreferDMA move work to the DMA
+// engines.
 const (
 	DefaultCTAs         = 8
 	DefaultThreads      = 1024
