@@ -13,6 +13,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/cgroup"
 )
 
 // system is what the engine reads about the machine: files under a root
@@ -90,46 +92,22 @@ func (s system) nodeFree(n int) (int64, error) {
 }
 
 // cgroupRoom returns the memory the process's cgroup (and its ancestors)
-// still allows: the smallest limit minus usage; ok is false when no limit
-// is set. It reads cgroup v2 (memory.max, memory.current) and v1
-// (memory.limit_in_bytes, memory.usage_in_bytes).
+// still allows: the smallest limit minus usage (usage counted as 0 when
+// unknown); ok is false when no limit is set. It reads cgroup v2
+// (memory.max, memory.current) and v1 (memory.limit_in_bytes,
+// memory.usage_in_bytes).
 func (s system) cgroupRoom() (room int64, where string, ok bool) {
-	data, err := s.read("/proc/self/cgroup")
+	levels, err := cgroup.Levels(s.read)
 	if err != nil {
 		return 0, "", false
 	}
 	room = math.MaxInt64
-	consider := func(dir, limitFile, usageFile string) {
-		for d := dir; ; d = path.Dir(d) {
-			lim, lerr := s.read(path.Join(d, limitFile))
-			if lerr == nil {
-				v := strings.TrimSpace(string(lim))
-				if l, perr := strconv.ParseInt(v, 10, 64); perr == nil && l < math.MaxInt64/2 {
-					var used int64
-					if u, uerr := s.read(path.Join(d, usageFile)); uerr == nil {
-						used, _ = strconv.ParseInt(strings.TrimSpace(string(u)), 10, 64)
-					}
-					if r := max(l-used, 0); r < room {
-						room, where, ok = r, path.Join(d, limitFile), true
-					}
-				}
-			}
-			if d == "/" || d == "." || d == "/sys/fs/cgroup" || d == "/sys/fs/cgroup/memory" {
-				return
-			}
-		}
-	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		parts := strings.SplitN(sc.Text(), ":", 3)
-		if len(parts) != 3 {
+	for _, lv := range levels {
+		if lv.Unlimited {
 			continue
 		}
-		switch {
-		case parts[0] == "0" && parts[1] == "":
-			consider(path.Join("/sys/fs/cgroup", parts[2]), "memory.max", "memory.current")
-		case strings.Contains(","+parts[1]+",", ",memory,"):
-			consider(path.Join("/sys/fs/cgroup/memory", parts[2]), "memory.limit_in_bytes", "memory.usage_in_bytes")
+		if r := max(lv.Limit-lv.Usage, 0); r < room {
+			room, where, ok = r, lv.LimitFile, true
 		}
 	}
 	return room, where, ok

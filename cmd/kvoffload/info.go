@@ -19,6 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvoffload/kvoffload/internal/cgroup"
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
@@ -226,34 +227,16 @@ func (p prober) bracketed(name string) string {
 // memory.limit_in_bytes) of the process's cgroup and its ancestors, and
 // the file it comes from; -1 when none is set.
 func (p prober) cgroupLimit() (int64, string) {
-	data, err := p.read("proc/self/cgroup")
+	levels, err := cgroup.Levels(func(name string) ([]byte, error) {
+		return os.ReadFile(filepath.Join(p.root, name))
+	})
 	if err != nil {
 		return -1, ""
 	}
 	best, where := int64(-1), ""
-	consider := func(dir, file string) {
-		for d := dir; ; d = filepath.Dir(d) {
-			if s, err := p.read(filepath.Join(d, file)); err == nil {
-				if n, err := strconv.ParseInt(s, 10, 64); err == nil && n < math.MaxInt64/2 && (best < 0 || n < best) {
-					best, where = n, "/"+filepath.Join(d, file)
-				}
-			}
-			if d == "sys/fs/cgroup" || d == "sys/fs/cgroup/memory" || d == "." || d == "/" {
-				return
-			}
-		}
-	}
-	sc := bufio.NewScanner(strings.NewReader(data))
-	for sc.Scan() {
-		parts := strings.SplitN(sc.Text(), ":", 3)
-		if len(parts) != 3 {
-			continue
-		}
-		switch {
-		case parts[0] == "0" && parts[1] == "":
-			consider(filepath.Join("sys/fs/cgroup", parts[2]), "memory.max")
-		case strings.Contains(","+parts[1]+",", ",memory,"):
-			consider(filepath.Join("sys/fs/cgroup/memory", parts[2]), "memory.limit_in_bytes")
+	for _, lv := range levels {
+		if !lv.Unlimited && (best < 0 || lv.Limit < best) {
+			best, where = lv.Limit, lv.LimitFile
 		}
 	}
 	return best, where
