@@ -88,10 +88,17 @@ type Config struct {
 	// included), so one-off blocks cost no D2H copy. 0 or 1: store every key.
 	StoreThreshold int
 	// OnFree, when set, is called with a slot that held a block (evicted,
-	// deleted, cleared, or whose store failed) at the moment it returns to
-	// the free list: every reader and transfer on it has ended, and it is
-	// not handed out again before OnFree returns (the owner zeroes it
-	// there). It runs with the cache's lock held and must not call the
+	// deleted, cleared, or whose store failed) once every reader and
+	// transfer on it has ended, before it returns to the free list (the
+	// owner zeroes it there). It runs without the cache's lock, on the
+	// goroutine of the call that released the slot, after that call's
+	// critical section: meanwhile the slot is "zeroing" (Stats.Zeroing),
+	// neither free nor readable, its region is not released, and other
+	// calls proceed. One exception: a store that finds no free slot zeroes
+	// the slots it evicted for itself at once, under the lock
+	// (Stats.ZeroedUnderLock); it is refused as pool full rather than wait
+	// for slots other calls are zeroing. OnFree may run on several
+	// goroutines at once (for different slots); it must not call the
 	// cache. Slots of a draining region are not passed: their memory goes
 	// back to the OS.
 	OnFree func(Slot)
@@ -121,10 +128,11 @@ const (
 	stateReady
 	stateLeased
 	stateReleasing
+	stateZeroing // released, handed to Config.OnFree outside the lock
 	stateRetired // belongs to a released region, or an unused id
 )
 
-var stateNames = [...]string{"free", "writing", "ready", "leased", "releasing", "retired"}
+var stateNames = [...]string{"free", "writing", "ready", "leased", "releasing", "zeroing", "retired"}
 
 func (s slotState) String() string { return stateNames[s] }
 
@@ -167,6 +175,15 @@ type Cache struct {
 	threshold int
 	onFree    func(Slot)
 	closed    bool
+
+	// toZero holds the slots the current critical section released into
+	// zeroing; unlock hands them to onFree. Empty outside a critical
+	// section. zeroDone (on mu) is signalled when the last zeroing slot
+	// is freed, for Close.
+	toZero   []Slot
+	zeroDone sync.Cond
+	// zeroingLocked is set while zeroHere runs OnFree under the lock.
+	zeroingLocked bool
 
 	slots   []slotRec
 	regions []*regionRec
@@ -220,6 +237,7 @@ func New(cfg Config) (*Cache, error) {
 		freeHead: -1,
 		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
 	}
+	c.zeroDone.L = &c.mu
 	if cfg.MaxSlots < 0 || cfg.MaxSlots > MaxSlots {
 		return nil, fmt.Errorf("%w: MaxSlots %d outside [0, %d]", ErrConfig, cfg.MaxSlots, MaxSlots)
 	}
@@ -240,17 +258,46 @@ func (c *Cache) SlotSize() uint64 { return c.slotSize }
 // Layout returns the cache's layout.
 func (c *Cache) Layout() *Layout { return c.layout }
 
-// Close closes the policy (stopping its goroutines). Later calls fail with
-// ErrClosed (lookups report no hits). Close does not wait for transfers: the
-// caller stops its transfers first.
+// Close closes the policy (stopping its goroutines) and waits for the
+// Config.OnFree calls in progress. Later calls fail with ErrClosed (lookups
+// report no hits). Close does not wait for transfers: the caller stops its
+// transfers first.
 func (c *Cache) Close() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.closed {
+	if !c.closed {
+		c.closed = true
+		c.policy.Close()
+	}
+	for c.counts[stateZeroing] > 0 {
+		c.zeroDone.Wait()
+	}
+}
+
+// unlock ends a critical section: it drops the lock, hands the slots the
+// section released to Config.OnFree, then re-takes the lock briefly to put
+// them on the free list (or retire them, if their region started draining
+// meanwhile). Every method that may release a slot unlocks with it.
+func (c *Cache) unlock() {
+	if len(c.toZero) == 0 {
+		c.mu.Unlock()
 		return
 	}
-	c.closed = true
-	c.policy.Close()
+	batch := c.toZero
+	c.toZero = nil
+	c.mu.Unlock()
+	for _, h := range batch {
+		c.onFree(h)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, h := range batch {
+		c.freeZeroed(int32(h.ID))
+	}
+	if c.toZero == nil {
+		c.toZero = batch[:0]
+	}
+	c.check()
 }
 
 // ---- regions -----------------------------------------------------------------
@@ -265,7 +312,7 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 		return 0, err
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if c.closed {
 		return 0, ErrClosed
 	}
@@ -371,7 +418,7 @@ func (c *Cache) takeIDs(n int32) int32 {
 // TakeReleasable reports it. Errors wrap ErrUnknownRegion.
 func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if c.closed {
 		return false, ErrClosed
 	}
@@ -471,7 +518,12 @@ func (c *Cache) unlinkFree(i int32) {
 }
 
 // alloc takes a free slot into writing for key; -1 when none is free.
+// With none free, it zeroes under the lock a slot this call released (see
+// zeroHere) rather than refuse the store.
 func (c *Cache) alloc(k Key, ns Namespace) int32 {
+	for c.freeHead < 0 && len(c.toZero) > 0 {
+		c.zeroHere()
+	}
 	i := c.freeHead
 	if i < 0 {
 		return -1
@@ -487,12 +539,48 @@ func (c *Cache) alloc(k Key, ns Namespace) int32 {
 	return i
 }
 
-// release frees a releasing slot once no reader and no transfer is left.
+// release frees a releasing slot once no reader and no transfer is left:
+// at once, or, with Config.OnFree, through zeroing (see unlock).
 func (c *Cache) release(i int32) {
 	s := &c.slots[i]
 	if s.state != stateReleasing || s.readers > 0 || s.pending > 0 {
 		return
 	}
+	if c.onFree != nil && !c.regions[s.region].draining {
+		c.setState(s, stateZeroing)
+		c.toZero = append(c.toZero, c.handle(i))
+		return
+	}
+	c.freeSlot(i)
+}
+
+// zeroHere calls Config.OnFree, with the lock held, on the last slot the
+// current call released, and frees it: how a store that found no free slot
+// uses the slots it evicted for itself (Stats.ZeroedUnderLock). Slots other
+// calls are zeroing are never waited for.
+func (c *Cache) zeroHere() {
+	h := c.toZero[len(c.toZero)-1]
+	c.toZero = c.toZero[:len(c.toZero)-1]
+	c.zeroingLocked = true
+	c.onFree(h)
+	c.zeroingLocked = false
+	c.st.ZeroedUnderLock++
+	c.freeZeroed(int32(h.ID))
+}
+
+// freeZeroed frees a slot OnFree has zeroed and wakes Close when it was the
+// last one zeroing.
+func (c *Cache) freeZeroed(i int32) {
+	c.freeSlot(i)
+	if c.counts[stateZeroing] == 0 {
+		c.zeroDone.Broadcast()
+	}
+}
+
+// freeSlot puts a releasing or zeroing slot on the free list, or retires
+// it when its region is draining.
+func (c *Cache) freeSlot(i int32) {
+	s := &c.slots[i]
 	c.setState(s, stateFree)
 	rr := c.regions[s.region]
 	rr.busy--
@@ -500,9 +588,6 @@ func (c *Cache) release(i int32) {
 		c.setState(s, stateRetired)
 		c.maybeReleasable(rr)
 		return
-	}
-	if c.onFree != nil {
-		c.onFree(c.handle(i))
 	}
 	c.pushFree(i)
 }

@@ -33,6 +33,7 @@
 //	writing ─CompleteStore(err)→ releasing → free
 //	ready/leased/writing ─evict, Delete, Clear, RemoveRegion→ releasing
 //	releasing → free once it has no reader and no outstanding transfer
+//	releasing → zeroing → free, instead, with Config.OnFree
 //
 // Only ready and leased blocks are visible to Lookup and BeginLoad. A block
 // leaves the index as soon as it is evicted; its slot is reused only after
@@ -77,7 +78,11 @@
 // One mutex guards the cache; each call handles a whole list of blocks
 // under one acquisition, so the per-block cost stays low under contention
 // (see BenchmarkControlPlane). The policy is called with the lock held;
-// ristretto's callbacks never take it.
+// ristretto's callbacks never take it. Config.OnFree (zeroing a released
+// slot, a memset of the whole slot) runs without it: the call that released
+// the slot leaves it "zeroing" (neither free nor readable, its region not
+// releasable), calls OnFree after its critical section, then re-takes the
+// lock briefly to free it; Close waits for zeroing in progress.
 //
 // # Admission: store everything, or only what was seen twice?
 //

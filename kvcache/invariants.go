@@ -15,8 +15,9 @@ import (
 // every index entry names a writing, ready or leased slot holding its key,
 // and every such slot is indexed once; ready slots have no reader and no
 // transfer, leased ones at least one reader, writing ones exactly their
-// store's transfer; releasing slots wait for a reader or a transfer; no
-// count is negative; draining regions have no free-list slot; per-region
+// store's transfer; releasing slots wait for a reader or a transfer;
+// zeroing slots (Config.OnFree) have neither, and the ones this call released
+// are queued once each for OnFree; no count is negative; draining regions have no free-list slot; per-region
 // busy counts and per-state gauges match; child counts match the parent
 // links; the outcome counters add up.
 func (c *Cache) Verify() error {
@@ -105,6 +106,10 @@ func (c *Cache) verify() error {
 			if s.readers <= 0 || s.storing || s.pending > s.readers {
 				bad("leased slot %d: readers %d, pending %d", i, s.readers, s.pending)
 			}
+		case stateZeroing:
+			if s.readers != 0 || s.pending != 0 || s.storing {
+				bad("zeroing slot %d: readers %d, pending %d, storing %v", i, s.readers, s.pending, s.storing)
+			}
 		case stateReleasing:
 			if s.readers == 0 && s.pending == 0 {
 				bad("releasing slot %d has no reader and no transfer left", i)
@@ -137,6 +142,14 @@ func (c *Cache) verify() error {
 		if s := &c.slots[i]; s.indexed() && s.children != children[int32(i)] {
 			bad("slot %d counts %d children, %d link to it", i, s.children, children[int32(i)])
 		}
+	}
+	queued := make(map[SlotID]bool, len(c.toZero))
+	for _, h := range c.toZero {
+		if queued[h.ID] || int(h.ID) >= len(c.slots) || c.slots[h.ID].state != stateZeroing || c.slots[h.ID].gen != h.Gen {
+			bad("slot %d gen %d queued for zeroing twice or not zeroing", h.ID, h.Gen)
+			break
+		}
+		queued[h.ID] = true
 	}
 	if counts != c.counts {
 		bad("state gauges %v, counted %v", c.counts, counts)

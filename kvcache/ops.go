@@ -72,7 +72,7 @@ type LoadResult struct {
 // (a key twice), ErrBlockID, ErrClosed.
 func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if err := c.checkKeys(req.Keys, req.BlockIDs, false); err != nil {
 		return dst, err
 	}
@@ -157,7 +157,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 // progress, ErrDuplicate for a handle given twice.
 func (c *Cache) CompleteStore(slots []Slot, err error) error {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if c.closed {
 		return ErrClosed
 	}
@@ -220,7 +220,7 @@ func (c *Cache) lookupHandle(h Slot) (*slotRec, error) {
 		return nil, fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
 	}
 	s := &c.slots[h.ID]
-	if s.gen != h.Gen || s.state == stateFree || s.state == stateRetired {
+	if s.gen != h.Gen || s.state == stateFree || s.state == stateZeroing || s.state == stateRetired {
 		return nil, fmt.Errorf("%w: slot %d gen %d (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
 	}
 	return s, nil
@@ -242,7 +242,7 @@ func (c *Cache) LookupLease(keys []Key, dst []Slot) (int, []Slot) {
 
 func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if c.closed {
 		return 0, dst
 	}
@@ -319,7 +319,7 @@ func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }
 // block id twice), ErrBlockID, ErrClosed.
 func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadResult, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if err := c.checkKeys(keys, blockIDs, true); err != nil {
 		return dst, err
 	}
@@ -347,7 +347,7 @@ func (c *Cache) EndLoad(slots []Slot) error { return c.endRead(slots, true) }
 
 func (c *Cache) endRead(slots []Slot, load bool) error {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if c.closed {
 		return ErrClosed
 	}
@@ -384,7 +384,7 @@ func b2i(b bool) int32 {
 // end. Absent keys are ignored. It returns how many keys were removed.
 func (c *Cache) Delete(keys []Key) int {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	n := 0
 	for _, k := range keys {
 		if i, ok := c.index.get(k); ok {
@@ -400,7 +400,7 @@ func (c *Cache) Delete(keys []Key) int {
 // slot table (O(slots)). It returns how many blocks were removed.
 func (c *Cache) Clear(ns Namespace) int {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	n := 0
 	for i := range c.slots {
 		if s := &c.slots[i]; s.ns == ns && s.indexed() {
@@ -417,7 +417,7 @@ func (c *Cache) Clear(ns Namespace) int {
 // call it when idle.
 func (c *Cache) Maintain() {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.unlock()
 	if !c.closed {
 		c.maintain(0)
 		c.check()
@@ -542,7 +542,9 @@ func (c *Cache) setChain(parent int32, on bool) {
 // policy's tracking, so the work is bounded by the blocks it tracks.
 func (c *Cache) maintain(want int) {
 	for {
-		need := max(want+c.watermark-c.nFree, 0)
+		// Zeroing slots are coming free: counting them keeps a release
+		// with Config.OnFree from evicting more blocks in their place.
+		need := max(want+c.watermark-c.nFree-c.counts[stateZeroing], 0)
 		c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
 		if len(c.victims) == 0 {
 			return
@@ -563,7 +565,7 @@ func (c *Cache) maintain(want int) {
 			}
 			c.evict(i, counter, false)
 		}
-		if need == 0 || c.nFree >= want+c.watermark {
+		if need == 0 || c.nFree+c.counts[stateZeroing] >= want+c.watermark {
 			return
 		}
 	}

@@ -18,6 +18,31 @@ type propModel struct {
 	regions map[RegionID]bool
 	nextRgn RegionID
 	base    uintptr
+	// With Config.OnFree: slots written since their last OnFree (by region
+	// and offset; region ids are never reused here).
+	zeroing bool
+	dirty   map[[2]uint64]bool
+}
+
+// onFree is the property test's Config.OnFree: it checks that it runs
+// without the cache's lock, on a zeroing slot no caller holds a handle to.
+func (m *propModel) onFree(t *rapid.T, s Slot) {
+	locked := m.c.zeroingLocked
+	if !locked {
+		require.True(t, m.c.mu.TryLock(), "OnFree called with the cache's lock held outside zeroHere")
+	}
+	st, gen := m.c.slots[s.ID].state, m.c.slots[s.ID].gen
+	if !locked {
+		m.c.mu.Unlock()
+	}
+	require.Equal(t, stateZeroing, st, "slot %d given to OnFree", s.ID)
+	require.Equal(t, s.Gen, gen, "slot %d given to OnFree", s.ID)
+	for _, l := range [][]Slot{m.writing, m.loads, m.leases} {
+		for _, h := range l {
+			require.False(t, h.ID == s.ID && h.Gen == s.Gen, "slot %d zeroed while a caller holds it", s.ID)
+		}
+	}
+	delete(m.dirty, [2]uint64{uint64(s.Region), s.Off})
 }
 
 const propKeys = 48
@@ -57,7 +82,8 @@ func pick(t *rapid.T, l *[]Slot, label string) (Slot, bool) {
 
 // requireNothingEvictable checks the condition of a pool-full refusal: no
 // free slot, and no ready block the store could have evicted (every ready
-// block left belongs to the chain being stored).
+// block left belongs to the chain being stored). With Config.OnFree it holds
+// as well: a store zeroes the slots it evicted for itself rather than refuse.
 func (m *propModel) requireNothingEvictable(t *rapid.T, chain []Key) {
 	m.c.mu.Lock()
 	defer m.c.mu.Unlock()
@@ -87,14 +113,19 @@ func TestPropertyStateMachine(t *testing.T) {
 		if rapid.Bool().Draw(t, "lru") {
 			p = NewLRU()
 		}
-		c, err := New(Config{
+		m := &propModel{regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20, dirty: map[[2]uint64]bool{}}
+		cfg := Config{
 			Layout: layout, SlotAlign: 256, Policy: p,
 			LowWatermark:   rapid.IntRange(0, 2).Draw(t, "watermark"),
 			StoreThreshold: rapid.IntRange(0, 2).Draw(t, "threshold"),
-		})
+		}
+		if m.zeroing = rapid.Bool().Draw(t, "onFree"); m.zeroing {
+			cfg.OnFree = func(s Slot) { m.onFree(t, s) }
+		}
+		c, err := New(cfg)
 		require.NoError(t, err)
 		defer c.Close()
-		m := &propModel{c: c, regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20}
+		m.c = c
 		m.addRegion(t)
 
 		t.Repeat(map[string]func(*rapid.T){
@@ -126,6 +157,11 @@ func TestPropertyStateMachine(t *testing.T) {
 					if r.Outcome == StoreWrite {
 						require.False(t, m.outstanding(r.Slot.ID), "slot %d reused while a transfer is outstanding", r.Slot.ID)
 						require.True(t, m.regions[r.Slot.Region], "slot in region %d that is not in the pool", r.Slot.Region)
+						at := [2]uint64{uint64(r.Slot.Region), r.Slot.Off}
+						require.False(t, m.dirty[at], "slot %d handed out again before OnFree zeroed it", r.Slot.ID)
+						if m.zeroing {
+							m.dirty[at] = true
+						}
 						m.writing = append(m.writing, r.Slot)
 					}
 				}
@@ -174,7 +210,7 @@ func TestPropertyStateMachine(t *testing.T) {
 				n := rapid.IntRange(1, 4).Draw(t, "evict")
 				c.mu.Lock()
 				c.maintain(n + c.nFree)
-				c.mu.Unlock()
+				c.unlock()
 			},
 			"delete": func(t *rapid.T) {
 				ks, _ := m.keyChain(t)
@@ -218,6 +254,7 @@ func TestPropertyStateMachine(t *testing.T) {
 				require.Equal(t, len(m.writing), st.StoresInFlight)
 				require.LessOrEqual(t, st.Writing+st.Ready+st.Leased, st.Slots+st.Releasing)
 				require.GreaterOrEqual(t, st.Free, 0)
+				require.Zero(t, st.Zeroing, "a slot left zeroing after its call returned")
 			},
 		})
 	})

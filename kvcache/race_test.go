@@ -1,18 +1,32 @@
 package kvcache
 
 import (
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
 
 // Many goroutines storing, loading, looking up, deleting and trimming at
-// once, with TinyLFU's goroutine feeding advice: run under -race.
+// once, with TinyLFU's goroutine feeding advice, with and without OnFree
+// zeroing released slots off the lock: run under -race.
 func TestConcurrent(t *testing.T) {
+	for _, zero := range []bool{false, true} {
+		t.Run(fmt.Sprint("onFree=", zero), func(t *testing.T) { testConcurrent(t, zero) })
+	}
+}
+
+func testConcurrent(t *testing.T, zero bool) {
 	p, err := NewTinyLFU(TinyLFUConfig{MaxBlocks: 256})
 	require.NoError(t, err)
-	c := newCache(t, 256, Config{Policy: p, LowWatermark: 16, Layout: tinyLayout(t, 4096)})
+	var zeroed atomic.Int64
+	cfg := Config{Policy: p, LowWatermark: 16, Layout: tinyLayout(t, 4096)}
+	if zero {
+		cfg.OnFree = func(Slot) { zeroed.Add(1) }
+	}
+	c := newCache(t, 256, cfg)
 	const workers, rounds = 8, 150
 	var wg sync.WaitGroup
 	for w := 0; w < workers; w++ {
@@ -79,6 +93,8 @@ func TestConcurrent(t *testing.T) {
 	require.Zero(t, st.Leased)
 	require.Zero(t, st.Writing)
 	require.Equal(t, st.StoreKeys, uint64(workers*rounds*8))
+	require.Zero(t, st.Zeroing)
+	require.Equal(t, zero, zeroed.Load() > 0)
 }
 
 func assertNoErr(t *testing.T, err error) bool {

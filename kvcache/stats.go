@@ -16,6 +16,7 @@ type Stats struct {
 	Ready          int // indexed, no reader
 	Leased         int // indexed, readers > 0
 	Releasing      int // removed from the index, waiting for readers or transfers
+	Zeroing        int // released, being zeroed by Config.OnFree (neither free nor readable)
 	StoresInFlight int // stores not yet completed (writing, or releasing while writing)
 
 	// Store outcomes, per key.
@@ -39,6 +40,10 @@ type Stats struct {
 	// Orphaned counts blocks whose parent left the index while they were
 	// ready: no longest-prefix lookup reaches them any more.
 	Orphaned uint64
+	// ZeroedUnderLock counts slots Config.OnFree zeroed with the cache's
+	// lock held: a store that found no free slot zeroing the slots it had
+	// just evicted (every other release zeroes outside the lock).
+	ZeroedUnderLock uint64
 	// WastedD2HBytes: bytes copied to the host for blocks the policy then
 	// rejected (Rejected × slot size).
 	WastedD2HBytes uint64
@@ -56,6 +61,7 @@ func (c *Cache) Stats() Stats {
 	st.Ready = c.counts[stateReady]
 	st.Leased = c.counts[stateLeased]
 	st.Releasing = c.counts[stateReleasing]
+	st.Zeroing = c.counts[stateZeroing]
 	st.StoresInFlight = int(st.StoreAllocated - st.Stored - st.StoreFailed)
 	return st
 }

@@ -336,8 +336,10 @@ func (e *Engine) poison(addr, n uint64) {
 }
 
 // zeroSlot zeroes a slot returning to the free list (Config.ZeroOnRelease):
-// called by the cache once every copy on it has completed, before the slot
-// can be handed out again.
+// called by the cache (kvcache.Config.OnFree) once every copy and reader on
+// it has ended, before the slot can be handed out again and while its region
+// cannot be released; outside the cache's lock, on the goroutine of the call
+// that released it, possibly alongside other zeroSlot calls.
 func (e *Engine) zeroSlot(s kvcache.Slot) {
 	if mem, ok := e.slotMem.Load(s.Region); ok {
 		clear(mem.([]byte)[s.Off : s.Off+uint64(e.slot)])

@@ -116,7 +116,8 @@
 // slot when its block is evicted, deleted or cleared, after its last copy
 // and reader ended and before the slot is reused (trimmed regions go back
 // to the OS, which zeroes pages before reuse); it costs a memset of the
-// block on the releasing call (BenchmarkZeroOnRelease). No error or log of
+// block on the releasing call, done outside the cache's lock so other calls
+// do not wait for it (BenchmarkZeroOnRelease, BenchmarkZeroOnReleaseContention). No error or log of
 // the engine contains block contents: they name keys (hashes), block ids,
 // sizes and addresses only.
 //
