@@ -279,21 +279,31 @@ func kvoGo_lookup(h C.uint64_t, keysP *C.uint8_t, n C.size_t, lease C.int, hits 
 	return codeOK
 }
 
-//export kvoGo_store
-func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
-	defer guard(&rc)
+// opArgs checks and converts the arguments kvo_store and kvo_load share:
+// the op out-pointer, the engine handle, and the n keys and block ids.
+func opArgs(fn string, h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, opOut *C.uint64_t) (*offload.Engine, []offload.Key, []int, error) {
 	if opOut == nil {
-		return failf("kvo_store: op must not be NULL")
+		return nil, nil, nil, fmt.Errorf("%w: %s: op must not be NULL", offload.ErrInvalidArgument, fn)
 	}
 	eng, err := engine(h)
 	if err != nil {
-		return fail(err)
+		return nil, nil, nil, err
 	}
 	keys, err := goKeys(keysP, n)
 	if err != nil {
-		return fail(err)
+		return nil, nil, nil, err
 	}
 	ids, err := goBlockIDs(idsP, n)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return eng, keys, ids, nil
+}
+
+//export kvoGo_store
+func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, keys, ids, err := opArgs("kvo_store", h, keysP, idsP, n, opOut)
 	if err != nil {
 		return fail(err)
 	}
@@ -308,18 +318,7 @@ func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, af
 //export kvoGo_load
 func kvoGo_load(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, leaseH C.uint64_t, afterEvent C.uintptr_t, perLayer C.int, signal C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
 	defer guard(&rc)
-	if opOut == nil {
-		return failf("kvo_load: op must not be NULL")
-	}
-	eng, err := engine(h)
-	if err != nil {
-		return fail(err)
-	}
-	keys, err := goKeys(keysP, n)
-	if err != nil {
-		return fail(err)
-	}
-	ids, err := goBlockIDs(idsP, n)
+	eng, keys, ids, err := opArgs("kvo_load", h, keysP, idsP, n, opOut)
 	if err != nil {
 		return fail(err)
 	}
