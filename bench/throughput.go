@@ -1175,8 +1175,19 @@ type KernelVariant struct {
 	// HighPriority puts the transfer streams at the device's greatest
 	// priority (else the least, where the matrix product also runs).
 	HighPriority bool `json:"high_priority"`
-	// CopyKernel is cudacopy.DefaultCopyKernel or StreamingCopyKernel.
+	// CopyKernel is cudacopy.DefaultCopyKernel, StreamingCopyKernel or
+	// SysFenceCopyKernel.
 	CopyKernel string `json:"copy_kernel"`
+	// FenceBytes is cudacopy.Options.FenceBytes (SysFenceCopyKernel only).
+	FenceBytes int `json:"fence_bytes,omitempty"`
+}
+
+// kernelLabel is the variant's kernel, with its fence interval if any.
+func (v KernelVariant) kernelLabel() string {
+	if v.FenceBytes > 0 {
+		return v.CopyKernel + "/" + cudacopy.FormatBytes(uint64(v.FenceBytes))
+	}
+	return v.CopyKernel
 }
 
 func (v KernelVariant) String() string {
@@ -1184,7 +1195,24 @@ func (v KernelVariant) String() string {
 	if v.HighPriority {
 		p = "high"
 	}
-	return fmt.Sprintf("%s %d×%d %s", v.CopyKernel, v.CTAs, v.Threads, p)
+	return fmt.Sprintf("%s %d×%d %s", v.kernelLabel(), v.CTAs, v.Threads, p)
+}
+
+// FenceKernelVariants measures kvo_copy_sys's system-scope fence, which
+// bounds each warp's stores in flight to host memory, at 4, 16 and 64 KiB
+// per warp over a few launch shapes, beside kvo_copy at the default shape
+// and at 4 × 256 (the fewest warps that kept H2D near the link).
+func FenceKernelVariants() []KernelVariant {
+	vs := []KernelVariant{
+		{Threads: 1024, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
+		{Threads: 256, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
+	}
+	for _, fence := range []int{1, 4, 16} {
+		for _, sh := range [][2]int{{1024, 8}, {512, 8}, {256, 8}, {1024, 4}, {256, 4}} {
+			vs = append(vs, KernelVariant{Threads: sh[0], CTAs: sh[1], HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit})
+		}
+	}
+	return vs
 }
 
 // DefaultKernelVariants crosses both copy kernels and both priorities with
@@ -1216,6 +1244,11 @@ type KernelSweepConfig struct {
 	// Reps timed per point (default 3).
 	Reps     int
 	Variants []KernelVariant
+	// Dirs measured solo (default "d2h", "h2d"; "both" is both at once).
+	Dirs []string
+	// BesideAll measures every segment size beside the matrix product, not
+	// just the last.
+	BesideAll bool
 	// PTX replaces the embedded kernels.ptx.
 	PTX  []byte
 	Seed uint64
@@ -1245,7 +1278,26 @@ type KernelSweepResults struct {
 	Link     map[string]float64    `json:"link_gbps"`
 	SGEMM    SGEMMInfo             `json:"sgemm"`
 	SegSizes []uint64              `json:"seg_sizes"`
-	Rows     []KernelVariantResult `json:"rows"`
+	// Dirs and BesideSizes are what was measured solo and beside the
+	// matrix product (empty: "d2h", "h2d" and the last size).
+	Dirs        []string              `json:"dirs,omitempty"`
+	BesideSizes []uint64              `json:"beside_sizes,omitempty"`
+	Rows        []KernelVariantResult `json:"rows"`
+}
+
+// dirs and besideSizes apply the defaults of Dirs and BesideSizes.
+func (r KernelSweepResults) dirs() []string {
+	if len(r.Dirs) == 0 {
+		return []string{"d2h", "h2d"}
+	}
+	return r.Dirs
+}
+
+func (r KernelSweepResults) besideSizes() []uint64 {
+	if len(r.BesideSizes) == 0 && len(r.SegSizes) > 0 {
+		return r.SegSizes[len(r.SegSizes)-1:]
+	}
+	return r.BesideSizes
 }
 
 // MeasureKernelVariants measures each copy-kernel variant solo at every
@@ -1269,11 +1321,24 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	if len(cfg.Variants) == 0 {
 		cfg.Variants = DefaultKernelVariants()
 	}
+	if len(cfg.Dirs) == 0 {
+		cfg.Dirs = []string{"d2h", "h2d"}
+	}
+	for _, d := range cfg.Dirs {
+		if d != "d2h" && d != "h2d" && d != "both" {
+			return res, fmt.Errorf("bench: sweep direction %q is not d2h, h2d or both", d)
+		}
+	}
 	tc := ThroughputConfig{TotalBytes: cfg.TotalBytes, SegSizes: cfg.SegSizes, Reps: cfg.Reps, BurnN: cfg.BurnN, Seed: cfg.Seed, PTX: cfg.PTX, CTAs: []int{1}}.withDefaults()
 	if err := tc.validate(); err != nil {
 		return res, err
 	}
 	res.SegSizes = cfg.SegSizes
+	res.Dirs = cfg.Dirs
+	res.BesideSizes = cfg.SegSizes[len(cfg.SegSizes)-1:]
+	if cfg.BesideAll {
+		res.BesideSizes = cfg.SegSizes
+	}
 	b := &bench{drv: drv, cfg: tc}
 	defer func() { err = errors.Join(err, b.close()) }()
 	if err := b.setupBase(); err != nil {
@@ -1312,7 +1377,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	}
 	for _, kv := range cfg.Variants {
 		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Pipelined: map[string]float64{}, SubmitNsPerSeg: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
-		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel})
+		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel, FenceBytes: kv.FenceBytes})
 		if err != nil {
 			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
 				row.Skipped = err.Error()
@@ -1325,7 +1390,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 		if kv.HighPriority {
 			b.s = high
 		}
-		err = b.sweepOne(&row, &variant{name: kv.String(), method: cudacopy.MethodKernel, ctas: kv.CTAs, c: c}, g, res.SGEMM.SoloMs, segs)
+		err = b.sweepOne(&row, &variant{name: kv.String(), method: cudacopy.MethodKernel, ctas: kv.CTAs, c: c}, g, res.SGEMM.SoloMs, segs, res.Dirs, res.BesideSizes)
 		if err = errors.Join(err, c.Close()); err != nil {
 			return res, fmt.Errorf("bench: variant %s: %w", kv, err)
 		}
@@ -1335,12 +1400,19 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	return res, nil
 }
 
-func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs float64, segs map[uint64]segSet) error {
-	sizes := b.cfg.SegSizes
+func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs float64, segs map[uint64]segSet, dirs []string, besideSizes []uint64) error {
 	solo := map[string]timing{}
 	row.Gated = b.gate != nil
-	for _, size := range sizes {
-		for _, dir := range []string{"d2h", "h2d"} {
+	// bytes and segments moved by one run in dir ("both" moves each
+	// direction's).
+	per := func(dir string) uint64 {
+		if dir == "both" {
+			return 2
+		}
+		return 1
+	}
+	for _, size := range b.cfg.SegSizes {
+		for _, dir := range dirs {
 			key := dir + "/" + strconv.FormatUint(size, 10)
 			tm, err := b.reps(b.enqueueFor(v, dir, segs[size]), true)
 			if err != nil {
@@ -1350,9 +1422,9 @@ func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs f
 			if err != nil {
 				return err
 			}
-			row.Solo[key] = gbps(b.cfg.TotalBytes, tm.best)
-			row.Pipelined[key] = gbps(b.cfg.TotalBytes, pipe.best)
-			row.SubmitNsPerSeg[key] = float64(tm.submit.Nanoseconds()) / float64(len(segs[size].d2h))
+			row.Solo[key] = gbps(per(dir)*b.cfg.TotalBytes, tm.best)
+			row.Pipelined[key] = gbps(per(dir)*b.cfg.TotalBytes, pipe.best)
+			row.SubmitNsPerSeg[key] = float64(tm.submit.Nanoseconds()) / float64(per(dir)*uint64(len(segs[size].d2h)))
 			solo[key] = tm
 			row.Gated = row.Gated && tm.held
 		}
@@ -1360,15 +1432,16 @@ func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs f
 	if g == nil {
 		return nil
 	}
-	last := sizes[len(sizes)-1]
-	for _, dir := range []string{"d2h", "h2d"} {
-		key := dir + "/" + strconv.FormatUint(last, 10)
-		tm, slow, err := b.besideGemm(g, soloMs, solo[key], b.enqueueFor(v, dir, segs[last]))
-		if err != nil {
-			return err
+	for _, size := range besideSizes {
+		for _, dir := range dirs {
+			key := dir + "/" + strconv.FormatUint(size, 10)
+			tm, slow, err := b.besideGemm(g, soloMs, solo[key], b.enqueueFor(v, dir, segs[size]))
+			if err != nil {
+				return err
+			}
+			row.Beside[key] = gbps(per(dir)*b.cfg.TotalBytes, tm.best)
+			row.SlowPct[key] = slow
 		}
-		row.Beside[key] = gbps(b.cfg.TotalBytes, tm.best)
-		row.SlowPct[key] = slow
 	}
 	return nil
 }
@@ -1420,7 +1493,11 @@ func (r KernelSweepResults) Pick() (KernelVariantResult, bool) {
 // and the variant Pick recommends.
 func FormatKernelSweep(r KernelSweepResults) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "Link: d2h %.1f GB/s, h2d %.1f GB/s. ", r.Link["d2h"], r.Link["h2d"])
+	fmt.Fprintf(&b, "Link: d2h %.1f GB/s, h2d %.1f GB/s", r.Link["d2h"], r.Link["h2d"])
+	if l, ok := r.Link["both"]; ok {
+		fmt.Fprintf(&b, ", both %.1f GB/s", l)
+	}
+	b.WriteString(". ")
 	if r.SGEMM.Skipped != "" {
 		fmt.Fprintf(&b, "sgemm skipped: %s\n\n", r.SGEMM.Skipped)
 	} else {
@@ -1428,13 +1505,14 @@ func FormatKernelSweep(r KernelSweepResults) string {
 	}
 	var solo, beside []string
 	for _, size := range r.SegSizes {
-		for _, dir := range []string{"d2h", "h2d"} {
+		for _, dir := range r.dirs() {
 			solo = append(solo, dir+"/"+strconv.FormatUint(size, 10))
 		}
 	}
-	if len(r.SegSizes) > 0 {
-		last := strconv.FormatUint(r.SegSizes[len(r.SegSizes)-1], 10)
-		beside = []string{"d2h/" + last, "h2d/" + last}
+	for _, size := range r.besideSizes() {
+		for _, dir := range r.dirs() {
+			beside = append(beside, dir+"/"+strconv.FormatUint(size, 10))
+		}
 	}
 	label := func(k string) string {
 		dir, size, _ := strings.Cut(k, "/")
@@ -1461,7 +1539,7 @@ func FormatKernelSweep(r KernelSweepResults) string {
 		if v.HighPriority {
 			p = "high"
 		}
-		fmt.Fprintf(&b, "| %s | %d×%d | %d | %s |", v.CopyKernel, v.CTAs, v.Threads, v.CTAs*v.Threads/32, p)
+		fmt.Fprintf(&b, "| %s | %d×%d | %d | %s |", v.kernelLabel(), v.CTAs, v.Threads, v.CTAs*v.Threads/32, p)
 		if row.Skipped != "" {
 			fmt.Fprintf(&b, " skipped: %s |\n", row.Skipped)
 			continue

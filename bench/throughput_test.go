@@ -243,6 +243,20 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	require.Contains(t, md, "| kvo_copy_cs | 32×256 | 256 | normal | skipped: ")
 	require.Contains(t, md, "Pick: kvo_copy")
 	t.Log("\n" + md)
+
+	// The fence sweep's shape: both directions and every size beside sgemm.
+	fence := []KernelVariant{{Threads: 256, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: 2 * cudacopy.FenceUnit}}
+	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"d2h", "h2d", "both"}, BesideAll: true})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	require.Empty(t, res.Rows[0].Skipped)
+	require.Len(t, res.Rows[0].Solo, 6)
+	require.Equal(t, []uint64{4 << 10, 64 << 10}, res.BesideSizes)
+	md = FormatKernelSweep(res)
+	require.Contains(t, md, "| d2h 4 KiB | h2d 4 KiB | both 4 KiB | d2h 64 KiB | h2d 64 KiB | both 64 KiB |")
+	require.Contains(t, md, "| kvo_copy_sys/8 KiB | 4×256 | 32 | high |")
+	_, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"up"}})
+	require.ErrorContains(t, err, `"up"`)
 }
 
 func TestKernelSweepPick(t *testing.T) {
@@ -277,13 +291,19 @@ func TestKernelSweepPick(t *testing.T) {
 // TestKernelVariants (KVO_BENCH_VARIANTS=1) sweeps the copy kernel's
 // launch shape, priority and kernel on the GPU and prints one table; the
 // PTX comes from KVO_PTX_FILE when set. KVO_BENCH_BURN_N overrides the
-// matrix size (default 2048).
+// matrix size (default 2048). KVO_BENCH_VARIANTS=fence sweeps
+// FenceKernelVariants instead, each direction and both at once, every size
+// beside the matrix product.
 func TestKernelVariants(t *testing.T) {
-	if os.Getenv("KVO_BENCH_VARIANTS") != "1" {
-		t.Skip("set KVO_BENCH_VARIANTS=1 to run the copy-kernel variant sweep")
+	cfg := KernelSweepConfig{}
+	switch os.Getenv("KVO_BENCH_VARIANTS") {
+	case "1":
+	case "fence":
+		cfg.Variants, cfg.Dirs, cfg.BesideAll = FenceKernelVariants(), []string{"d2h", "h2d", "both"}, true
+	default:
+		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
-	cfg := KernelSweepConfig{}
 	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
 		img, err := os.ReadFile(p)
 		require.NoError(t, err, "KVO_PTX_FILE")

@@ -79,15 +79,31 @@ type Options struct {
 	// CopyKernel names the copy kernel of the PTX module: "" or
 	// DefaultCopyKernel (kvo_copy, generic loads and stores), or
 	// StreamingCopyKernel (kvo_copy_cs: global-space, evict-first loads and
-	// stores; in PTX generated from kernels.cu since it was added).
+	// stores; in PTX generated from kernels.cu since it was added), or
+	// SysFenceCopyKernel (kvo_copy_sys: kvo_copy with a system-scope fence
+	// every FenceBytes per warp on device-to-host copies).
 	CopyKernel string
+	// FenceBytes is, for SysFenceCopyKernel, how many bytes each warp
+	// stores to host memory between system-scope fences, i.e. the most it
+	// has in flight (a multiple of FenceUnit; default DefaultFenceBytes).
+	// Host-to-device copies do not fence. Must be 0 for other kernels.
+	FenceBytes int
 }
 
 // Copy kernels of kernels.cu.
 const (
 	DefaultCopyKernel   = "kvo_copy"
 	StreamingCopyKernel = "kvo_copy_cs"
+	SysFenceCopyKernel  = "kvo_copy_sys"
 )
+
+// FenceUnit is what one warp copies per loop iteration of the copy kernels
+// (32 lanes × 8 loads of 16 bytes): kvo_copy_sys counts fences in these.
+const FenceUnit = 4096
+
+// DefaultFenceBytes is Options.FenceBytes when left 0 with
+// SysFenceCopyKernel.
+const DefaultFenceBytes = 4 * FenceUnit
 
 func (o *Options) withDefaults() Options {
 	r := *o
@@ -111,6 +127,9 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.CopyKernel == "" {
 		r.CopyKernel = DefaultCopyKernel
+	}
+	if r.CopyKernel == SysFenceCopyKernel && r.FenceBytes == 0 {
+		r.FenceBytes = DefaultFenceBytes
 	}
 	if r.DMAMargin == 0 {
 		r.DMAMargin = DefaultDMAMargin
@@ -140,8 +159,12 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
 	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
 		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
-	case o.CopyKernel != DefaultCopyKernel && o.CopyKernel != StreamingCopyKernel:
-		return fmt.Errorf("%w: CopyKernel %q is not %q or %q", ErrInvalidOption, o.CopyKernel, DefaultCopyKernel, StreamingCopyKernel)
+	case o.CopyKernel != DefaultCopyKernel && o.CopyKernel != StreamingCopyKernel && o.CopyKernel != SysFenceCopyKernel:
+		return fmt.Errorf("%w: CopyKernel %q is not %q, %q or %q", ErrInvalidOption, o.CopyKernel, DefaultCopyKernel, StreamingCopyKernel, SysFenceCopyKernel)
+	case o.CopyKernel != SysFenceCopyKernel && o.FenceBytes != 0:
+		return fmt.Errorf("%w: FenceBytes %d is only for CopyKernel %q, not %q", ErrInvalidOption, o.FenceBytes, SysFenceCopyKernel, o.CopyKernel)
+	case o.FenceBytes < 0 || o.FenceBytes%FenceUnit != 0 || o.FenceBytes > 1<<30:
+		return fmt.Errorf("%w: FenceBytes %d is not a multiple of %d in [0, %d]", ErrInvalidOption, o.FenceBytes, FenceUnit, 1<<30)
 	}
 	if o.Calibration != nil {
 		if err := o.Calibration.Validate(); err != nil {
@@ -459,7 +482,11 @@ func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Meth
 		hostSrc: dir == H2D,
 		hostDst: dir == D2H,
 	}
-	return c.launch(s, &ck, c.fnCopy, 0)
+	fence := uint64(0)
+	if dir == D2H {
+		fence = uint64(c.opts.FenceBytes / FenceUnit)
+	}
+	return c.launch(s, &ck, c.fnCopy, fence)
 }
 
 func (c *Copier) checkOpen() error {
@@ -557,7 +584,9 @@ func (c *Copier) endRec(i int32) {
 
 // launch enqueues, per descriptor buffer, the table upload and one launch of
 // fn. For kvo_fill extra is the spin count; for kvo_checksum the output
-// array's address (advanced by 8 bytes per descriptor of earlier launches).
+// array's address (advanced by 8 bytes per descriptor of earlier launches);
+// for kvo_copy_sys the fence interval in FenceUnits (other copy kernels take
+// no third argument).
 func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint64) (Ticket, error) {
 	if !c.caps.Kernel {
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
@@ -602,6 +631,11 @@ func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, kind jobKi
 	case jobChecksum:
 		binary.LittleEndian.PutUint64(b.args[2], extra+uint64(done)*8)
 		args = b.args[:3]
+	case jobCopy:
+		if c.opts.CopyKernel == SysFenceCopyKernel {
+			binary.LittleEndian.PutUint64(b.args[2], extra)
+			args = b.args[:3]
+		}
 	}
 	grid := uint32(min(c.opts.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
 	err := c.drv.LaunchKernel(fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(c.opts.Threads), Y: 1, Z: 1}, 0, s, args...)

@@ -148,6 +148,54 @@ func TestSubmitRoundTripFake(t *testing.T) {
 	}
 }
 
+// launchRecorder records the arguments of every kernel launch.
+type launchRecorder struct {
+	cuda.Driver
+	args [][][]byte
+}
+
+func (r *launchRecorder) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, shm uint32, s cuda.Stream, args ...[]byte) error {
+	cp := make([][]byte, len(args))
+	for i, a := range args {
+		cp[i] = append([]byte(nil), a...)
+	}
+	r.args = append(r.args, cp)
+	return r.Driver.LaunchKernel(f, grid, block, shm, s, args...)
+}
+
+// kvo_copy_sys round-trips like kvo_copy and gets its fence interval, in
+// FenceUnits, on device-to-host launches only.
+func TestSysFenceKernelFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
+	rec := &launchRecorder{Driver: drv}
+	s := newStream(t, drv)
+	for _, tc := range []struct{ fence, want int }{{0, DefaultFenceBytes / FenceUnit}, {3 * FenceUnit, 3}} {
+		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: SysFenceCopyKernel, FenceBytes: tc.fence, PTX: fakePTX, DescCapacity: 7})
+		require.Equal(t, tc.want*FenceUnit, c.Options().FenceBytes)
+		rec.args = nil
+		l := layerSeparate(3, 4, 16<<10)
+		n := l.bytes()
+		src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
+		dev := devMem(t, drv, n)
+		_, _ = rand.Read(src)
+		poison(dst, 0xEE)
+		h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(uint64(tc.fence), 1)))
+		run(t, drv, c, s, H2D, h2d)
+		h2dLaunches := len(rec.args)
+		run(t, drv, c, s, D2H, d2h)
+		require.Equal(t, -1, firstDiff(src, dst))
+		require.Greater(t, h2dLaunches, 1, "several launches per batch")
+		for i, a := range rec.args {
+			require.Len(t, a, 3, "launch %d", i)
+			want := uint64(tc.want)
+			if i < h2dLaunches {
+				want = 0
+			}
+			require.Equal(t, want, binary.LittleEndian.Uint64(a[2]), "launch %d", i)
+		}
+	}
+}
+
 func TestSubmitDeviceToDeviceFake(t *testing.T) {
 	drv := openFake(t, cudafake.Options{})
 	s := newStream(t, drv)
@@ -251,6 +299,9 @@ func TestNewErrors(t *testing.T) {
 		{"chunk misaligned", Options{ChunkBytes: 4100, PTX: fakePTX}, ErrInvalidOption},
 		{"bad method", Options{Method: 9}, ErrInvalidOption},
 		{"unknown copy kernel", Options{CopyKernel: "kvo_memcpy", PTX: fakePTX}, ErrInvalidOption},
+		{"fence bytes with another kernel", Options{FenceBytes: FenceUnit, PTX: fakePTX}, ErrInvalidOption},
+		{"fence bytes not a unit multiple", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit + 16, PTX: fakePTX}, ErrInvalidOption},
+		{"negative fence bytes", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: -FenceUnit, PTX: fakePTX}, ErrInvalidOption},
 		{"streaming kernel absent from the PTX", Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel, PTX: fakePTX}, ErrUnavailable},
 		{"bad calibration", Options{Calibration: &Calibration{Entries: []Measurement{{}}}}, ErrInvalidOption},
 		{"bad calibration sizes", Options{Calibrate: CalibrationConfig{TotalBytes: 4096, SegSizes: []uint64{8192}}}, ErrInvalidOption},

@@ -71,19 +71,23 @@ func TestGPURoundTrip(t *testing.T) {
 	}
 }
 
-// The streaming copy kernel (kvo_copy_cs) moves every layout byte-exact;
-// it skips when the PTX in use predates it.
-func TestGPUStreamingKernelRoundTrip(t *testing.T) {
+// The other copy kernels (kvo_copy_cs; kvo_copy_sys, fencing every 4 KiB
+// and every 64 KiB) move every layout byte-exact.
+func TestGPUOtherKernelsRoundTrip(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
-	c, err := New(g.Drv, g.Dev, gpuOpts(t, Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel}))
-	if err != nil {
-		require.ErrorIs(t, err, ErrUnavailable)
-		t.Skipf("no %s in this PTX (set KVO_PTX_FILE to PTX from `make ptx`): %v", StreamingCopyKernel, err)
-	}
-	t.Cleanup(func() { require.NoError(t, c.Close()) })
-	for i, l := range gpuLayouts() {
-		roundTrip(t, g.Drv, c, s, l, uint64(i))
+	for _, o := range []Options{
+		{CopyKernel: StreamingCopyKernel},
+		{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit},
+		{CopyKernel: SysFenceCopyKernel, FenceBytes: 16 * FenceUnit},
+	} {
+		o.Method = MethodKernel
+		c, err := New(g.Drv, g.Dev, gpuOpts(t, o))
+		require.NoError(t, err, "%s", o.CopyKernel)
+		for i, l := range gpuLayouts() {
+			roundTrip(t, g.Drv, c, s, l, uint64(i))
+		}
+		require.NoError(t, c.Close())
 	}
 }
 

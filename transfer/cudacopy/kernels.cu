@@ -49,8 +49,14 @@ __device__ __forceinline__ void store16(uint4* p, uint4 v) {
     }
 }
 
-template <bool Streaming>
-__device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane) {
+// copy_segment copies one descriptor's bytes with one warp. With Fence, the
+// warp issues a system-scope fence (__threadfence_system) after every
+// fence_iters loop iterations (4 KiB per iteration per warp; 0: never),
+// counted across the warp's segments in *iters: the fence returns once the
+// warp's earlier stores are visible to the host, which bounds the stores
+// each warp has in flight to host memory (see kvo_copy_sys).
+template <bool Streaming, bool Fence>
+__device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, uint64_t fence_iters, uint64_t* iters) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
@@ -64,6 +70,10 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
+            if (Fence && fence_iters != 0 && ++*iters >= fence_iters) {
+                __threadfence_system();
+                *iters = 0;
+            }
         }
         for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
@@ -71,26 +81,38 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming>
-__device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n) {
+template <bool Streaming, bool Fence>
+__device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+    uint64_t iters = 0;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment<Streaming>((const char*)d.src, (char*)d.dst, d.len, lane);
+        copy_segment<Streaming, Fence>((const char*)d.src, (char*)d.dst, d.len, lane, fence_iters, &iters);
     }
 }
 
 // kvo_copy copies every descriptor's src to its dst.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
-    copy_all<false>(descs, n);
+    copy_all<false, false>(descs, n, 0);
 }
 
 // kvo_copy_cs is kvo_copy with global-space, evict-first (streaming) loads
 // and stores.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs, uint32_t n) {
-    copy_all<true>(descs, n);
+    copy_all<true, false>(descs, n, 0);
+}
+
+// kvo_copy_sys is kvo_copy with a system-scope fence after every
+// fence_iters iterations of each warp (0: none). Stores to host memory are
+// posted: without a bound, a device-to-host copy keeps as many in flight as
+// the GPU's queues hold, and the backlog delays every other SM's memory
+// traffic (an n=2048 sgemm ran up to twice as slow beside kvo_copy D2H on the
+// H200, bench/results/2026-11-29-h200/kernel_variants.md). The fence caps
+// each warp's unfinished host stores at fence_iters * 4 KiB.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* descs, uint32_t n, uint64_t fence_iters) {
+    copy_all<false, true>(descs, n, fence_iters);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst

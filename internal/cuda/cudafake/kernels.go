@@ -12,6 +12,9 @@ const (
 	KernelCopy     = "kvo_copy"
 	KernelFill     = "kvo_fill"
 	KernelChecksum = "kvo_checksum"
+	// KernelCopySys is kvo_copy with a fence interval (which changes
+	// nothing the fake can observe).
+	KernelCopySys = "kvo_copy_sys"
 )
 
 // descSize is the size of one descriptor {src, dst, len, aux uint64}.
@@ -22,6 +25,7 @@ var kernelParams = map[string][]int{
 	KernelCopy:     {8, 4},    // descs, n
 	KernelFill:     {8, 4, 8}, // descs, n, spin_cycles
 	KernelChecksum: {8, 4, 8}, // descs, n, out
+	KernelCopySys:  {8, 4, 8}, // descs, n, fence_iters
 }
 
 // maxSpin bounds the sleep that stands in for kvo_fill's spin.
@@ -71,7 +75,7 @@ func (d *Driver) ModuleUnload(m cuda.Module) error {
 }
 
 // ModuleGetFunction implements cuda.Driver for the kernels the fake knows
-// (KernelCopy, KernelFill, KernelChecksum); other names are
+// (KernelCopy, KernelCopySys, KernelFill, KernelChecksum); other names are
 // CUDA_ERROR_NOT_FOUND.
 func (d *Driver) ModuleGetFunction(m cuda.Module, name string) (cuda.Function, error) {
 	d.mu.Lock()
@@ -169,7 +173,7 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 	}
 	for i, ds := range descs {
 		switch name {
-		case KernelCopy:
+		case KernelCopy, KernelCopySys:
 			dst, ok1 := d.mem.slice(ds.dst, ds.len)
 			src, ok2 := d.mem.slice(ds.src, ds.len)
 			if !ok1 || !ok2 {
