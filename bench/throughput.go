@@ -1275,9 +1275,9 @@ type KernelVariantResult struct {
 
 // KernelSweepResults is the whole sweep.
 type KernelSweepResults struct {
-	Link     map[string]float64    `json:"link_gbps"`
-	SGEMM    SGEMMInfo             `json:"sgemm"`
-	SegSizes []uint64              `json:"seg_sizes"`
+	Link     map[string]float64 `json:"link_gbps"`
+	SGEMM    SGEMMInfo          `json:"sgemm"`
+	SegSizes []uint64           `json:"seg_sizes"`
 	// Dirs and BesideSizes are what was measured solo and beside the
 	// matrix product (empty: "d2h", "h2d" and the last size).
 	Dirs        []string              `json:"dirs,omitempty"`
