@@ -134,7 +134,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	if o.PrefaultStripe > 0 {
 		r.plan.stripe = alignUp(o.PrefaultStripe, r.plan.align)
 	}
-	r.deferred = o.DeferPrefault
+	r.deferred.Store(o.DeferPrefault)
 	if !o.NoPrefault && !o.DeferPrefault {
 		if err := prefault(mem, r.plan); err != nil {
 			return fail(fmt.Errorf("mmapmem: prefault %s: %w", r, err))

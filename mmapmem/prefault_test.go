@@ -127,3 +127,39 @@ func TestPrefaultErrors(t *testing.T) {
 	require.NoError(t, r.Close())
 	require.ErrorIs(t, r.Prefault(0, page), mmapmem.ErrClosed)
 }
+
+// TestPrefaultWholeEndsDeferral: one Prefault call covering the whole
+// mapping (n rounded up to the page) ends a deferred prefault; pieces do
+// not, even when together they cover it; a region prefaulted by New was
+// never deferred.
+func TestPrefaultWholeEndsDeferral(t *testing.T) {
+	checkNoLeak(t)
+	page := int64(os.Getpagesize())
+	cases := []struct {
+		name     string
+		opts     mmapmem.Options
+		calls    func(r *mmapmem.Region) [][2]int64 // {off, n}
+		deferred bool
+	}{
+		{"none", mmapmem.Options{DeferPrefault: true}, func(*mmapmem.Region) [][2]int64 { return nil }, true},
+		{"whole", mmapmem.Options{DeferPrefault: true, NoTHP: true}, func(r *mmapmem.Region) [][2]int64 { return [][2]int64{{0, r.Mapped()}} }, false},
+		{"len rounds to mapped", mmapmem.Options{DeferPrefault: true, NoTHP: true}, func(r *mmapmem.Region) [][2]int64 { return [][2]int64{{0, r.Len()}} }, false},
+		{"pieces", mmapmem.Options{DeferPrefault: true, NoTHP: true}, func(r *mmapmem.Region) [][2]int64 {
+			return [][2]int64{{0, page}, {page, r.Mapped() - page}}
+		}, true},
+		{"tail only", mmapmem.Options{DeferPrefault: true, NoTHP: true}, func(r *mmapmem.Region) [][2]int64 { return [][2]int64{{page, r.Mapped() - page}} }, true},
+		{"prefaulted by New", mmapmem.Options{NoTHP: true}, func(r *mmapmem.Region) [][2]int64 { return nil }, false},
+		{"not prefaulted", mmapmem.Options{NoPrefault: true}, func(r *mmapmem.Region) [][2]int64 { return nil }, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r, err := mmapmem.New(3*page+5, c.opts)
+			require.NoError(t, err)
+			defer func() { require.NoError(t, r.Close()) }()
+			for _, call := range c.calls(r) {
+				require.NoError(t, r.Prefault(call[0], call[1]))
+			}
+			require.Equal(t, c.deferred, r.Deferred())
+		})
+	}
+}

@@ -108,7 +108,9 @@ type Region struct {
 	node     int
 	fallback string
 	plan     prefaultPlan
-	deferred bool
+	// deferred: mapped with Options.DeferPrefault and not yet prefaulted
+	// whole by one Prefault call.
+	deferred atomic.Bool
 
 	mu       sync.Mutex
 	closed   bool
@@ -224,10 +226,14 @@ func (r *Region) NUMANode() (int, bool) { return r.node, r.node >= 0 }
 // (no hugetlbfs pages reserved, THP unavailable).
 func (r *Region) Fallback() string { return r.fallback }
 
-// Deferred reports whether the region was mapped with
-// Options.DeferPrefault: its pages are faulted in by Prefault calls, not by
-// New.
-func (r *Region) Deferred() bool { return r.deferred }
+// Deferred reports whether the region's prefault is still deferred: it was
+// mapped with Options.DeferPrefault and no Prefault call has covered its
+// whole mapping yet (a Prefault of [0, Mapped) that succeeds ends the
+// deferral, so that a caller pinning it afterwards, such as package
+// register, treats it as resident and does not prefault it again). Pieces
+// prefaulted by separate calls do not end it, even when together they
+// cover the mapping.
+func (r *Region) Deferred() bool { return r.deferred.Load() }
 
 // Prefault faults in bytes [off, off+n) of the mapping for writing, the way
 // New does (the region's prefault threads, method and stripes), and returns
@@ -235,8 +241,9 @@ func (r *Region) Deferred() bool { return r.deferred }
 // size; off must be a multiple of PageSize and off+n at most Mapped,
 // otherwise the error wraps ErrRange. It never changes the memory's
 // contents, so it is safe on a region in use and on pages already
-// resident. A closed region returns ErrClosed; like Bytes, Prefault must
-// not race with Close.
+// resident. Prefaulting the whole mapping in one call ends a deferred
+// prefault (Deferred then reports false). A closed region returns
+// ErrClosed; like Bytes, Prefault must not race with Close.
 func (r *Region) Prefault(off, n int64) error {
 	if off < 0 || n <= 0 || off%r.pageSize != 0 || n > r.mapped-off {
 		return fmt.Errorf("%w: prefault of %d bytes at offset %d of %s: the offset must be a multiple of the page size %d and the range inside the %d bytes mapped",
@@ -252,6 +259,9 @@ func (r *Region) Prefault(off, n int64) error {
 	mem := unsafe.Slice((*byte)(unsafe.Add(r.ptr, off)), n)
 	if err := prefault(mem, r.plan); err != nil {
 		return fmt.Errorf("mmapmem: prefault %d bytes at offset %d of %s: %w", n, off, r, err)
+	}
+	if off == 0 && n == r.mapped {
+		r.deferred.Store(false)
 	}
 	return nil
 }

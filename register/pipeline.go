@@ -20,11 +20,16 @@ var prefaultRange = (*mmapmem.Region).Prefault
 
 // eachPrefaulted calls pin(k, ranges[k]) for every range in order on the
 // calling goroutine and returns the index of the first range that failed
-// (len(ranges) when none did) with its error. When r was mapped with
-// mmapmem.Options.DeferPrefault, range k is prefaulted (Region.Prefault,
-// on the region's prefault threads) before pin sees it, by a goroutine
-// that works ahead: range k+1 is prefaulted while range k is pinned, so the whole takes about max(prefault, pin) plus one range,
-// instead of their sum. A prefault error fails its range like a pin error
+// (len(ranges) when none did) with its error. When r's prefault is still
+// deferred (mmapmem.Region.Deferred: mapped with
+// mmapmem.Options.DeferPrefault and not prefaulted whole since), range k
+// is prefaulted (Region.Prefault, on the region's prefault threads) before
+// pin sees it, by a goroutine that works ahead: range k+1 is prefaulted
+// while range k is pinned, so the whole takes about max(prefault, pin)
+// plus one range, instead of their sum. A region already resident (mapped
+// without DeferPrefault, or prefaulted whole ahead of Register, as
+// offload's growth does for the region after the one it registers) is
+// pinned range by range without any prefault. A prefault error fails its range like a pin error
 // does. The prefaulting goroutine has ended by the time eachPrefaulted
 // returns, so a caller rolling back ranges 0..k-1 races with nothing.
 func eachPrefaulted(r *mmapmem.Region, ranges []Range, pin func(k int, rg Range) error) (int, error) {

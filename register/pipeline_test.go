@@ -111,6 +111,42 @@ func TestPipelineChunkOnlyForDeferred(t *testing.T) {
 	require.NoError(t, register.Release(p, r))
 }
 
+// TestPrefetchedRegionNotPrefaultedAgain: a region mapped with
+// DeferPrefault and then prefaulted whole (mmapmem.Region.Prefault of its
+// mapping, as offload's growth prefetch does) is resident, so Register
+// takes the plain path: no prefault call, ranges of the range limit.
+func TestPrefetchedRegionNotPrefaultedAgain(t *testing.T) {
+	for _, pinner := range []string{"cuda", "host"} {
+		t.Run(pinner, func(t *testing.T) {
+			var prefaults int
+			register.SetPrefault(t, func(r *mmapmem.Region, off, n int64) error {
+				prefaults++
+				return r.Prefault(off, n)
+			})
+			var p register.Pinner
+			if pinner == "cuda" {
+				_, p = newFakeWith(t, register.CUDAOptions{RangeLimit: 64 * kib, PipelineChunk: 16 * kib})
+			} else {
+				h, err := register.NewHostWithOptions(register.HostOptions{PipelineChunk: 16 * kib})
+				require.NoError(t, err)
+				register.SetHostFuncs(h, func([]byte) error { return nil }, func([]byte) error { return nil }, nil)
+				p = h
+			}
+			r := deferred(t, 200*kib)
+			require.NoError(t, r.Prefault(0, r.Mapped()))
+			require.False(t, r.Deferred())
+			require.NoError(t, p.Register(r))
+			require.Zero(t, prefaults, "a resident region is not prefaulted again")
+			if pinner == "cuda" {
+				require.Equal(t, wantRanges(r, 64*kib), p.Ranges(r))
+			} else {
+				require.Len(t, p.Ranges(r), 1)
+			}
+			require.NoError(t, register.Release(p, r))
+		})
+	}
+}
+
 func TestPipelineChunkOptions(t *testing.T) {
 	fd, _ := newFake(t, 0)
 	for _, chunk := range []int64{-4096, 1000, 4097} {
