@@ -1178,16 +1178,23 @@ type KernelVariant struct {
 	// CopyKernel is cudacopy.DefaultCopyKernel, StreamingCopyKernel or
 	// SysFenceCopyKernel.
 	CopyKernel string `json:"copy_kernel"`
-	// FenceBytes is cudacopy.Options.FenceBytes (SysFenceCopyKernel only).
-	FenceBytes int `json:"fence_bytes,omitempty"`
+	// FenceBytes and PaceGBps are cudacopy.Options' (SysFenceCopyKernel
+	// only).
+	FenceBytes int     `json:"fence_bytes,omitempty"`
+	PaceGBps   float64 `json:"pace_gbps,omitempty"`
 }
 
-// kernelLabel is the variant's kernel, with its fence interval if any.
+// kernelLabel is the variant's kernel, with its fence interval and pace if
+// any.
 func (v KernelVariant) kernelLabel() string {
+	l := v.CopyKernel
 	if v.FenceBytes > 0 {
-		return v.CopyKernel + "/" + cudacopy.FormatBytes(uint64(v.FenceBytes))
+		l += "/" + cudacopy.FormatBytes(uint64(v.FenceBytes))
 	}
-	return v.CopyKernel
+	if v.PaceGBps > 0 {
+		l += fmt.Sprintf(" @%g GB/s", v.PaceGBps)
+	}
+	return l
 }
 
 func (v KernelVariant) String() string {
@@ -1198,21 +1205,25 @@ func (v KernelVariant) String() string {
 	return fmt.Sprintf("%s %d×%d %s", v.kernelLabel(), v.CTAs, v.Threads, p)
 }
 
-// FenceKernelVariants measures kvo_copy_sys's system-scope fence, which
-// bounds each warp's stores in flight to host memory, at 4, 16 and 64 KiB
-// per warp over a few launch shapes, beside kvo_copy at the default shape
-// and at 4 × 256 (the fewest warps that kept H2D near the link).
+// FenceKernelVariants measures kvo_copy_sys's throttles: a system-scope
+// fence every 4 or 16 KiB per warp, alone and with the grid paced at 46, 49
+// or 52 GB/s (the H200's D2H link is 55 GB/s), over 8-CTA shapes, beside
+// kvo_copy at the default shape.
 func FenceKernelVariants() []KernelVariant {
+	sys := func(threads, ctas, fence int, pace float64) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit, PaceGBps: pace}
+	}
 	vs := []KernelVariant{
 		{Threads: 1024, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
-		{Threads: 256, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
+		sys(256, 8, 1, 0),
+		sys(256, 4, 4, 0),
 	}
-	for _, fence := range []int{1, 4, 16} {
-		for _, sh := range [][2]int{{1024, 8}, {512, 8}, {256, 8}, {1024, 4}, {256, 4}} {
-			vs = append(vs, KernelVariant{Threads: sh[0], CTAs: sh[1], HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit})
+	for _, pace := range []float64{46, 49, 52} {
+		for _, threads := range []int{256, 512, 1024} {
+			vs = append(vs, sys(threads, 8, 4, pace))
 		}
 	}
-	return vs
+	return append(vs, sys(512, 8, 16, 49), sys(512, 8, 16, 52), sys(256, 8, 1, 49))
 }
 
 // DefaultKernelVariants crosses both copy kernels and both priorities with
@@ -1377,7 +1388,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	}
 	for _, kv := range cfg.Variants {
 		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Pipelined: map[string]float64{}, SubmitNsPerSeg: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
-		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel, FenceBytes: kv.FenceBytes})
+		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel, FenceBytes: kv.FenceBytes, PaceGBps: kv.PaceGBps})
 		if err != nil {
 			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
 				row.Skipped = err.Error()

@@ -245,7 +245,7 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	t.Log("\n" + md)
 
 	// The fence sweep's shape: both directions and every size beside sgemm.
-	fence := []KernelVariant{{Threads: 256, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: 2 * cudacopy.FenceUnit}}
+	fence := []KernelVariant{{Threads: 256, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: 2 * cudacopy.FenceUnit, PaceGBps: 40}}
 	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"d2h", "h2d", "both"}, BesideAll: true})
 	require.NoError(t, err)
 	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
@@ -254,7 +254,7 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	require.Equal(t, []uint64{4 << 10, 64 << 10}, res.BesideSizes)
 	md = FormatKernelSweep(res)
 	require.Contains(t, md, "| d2h 4 KiB | h2d 4 KiB | both 4 KiB | d2h 64 KiB | h2d 64 KiB | both 64 KiB |")
-	require.Contains(t, md, "| kvo_copy_sys/8 KiB | 4×256 | 32 | high |")
+	require.Contains(t, md, "| kvo_copy_sys/8 KiB @40 GB/s | 4×256 | 32 | high |")
 	_, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"up"}})
 	require.ErrorContains(t, err, `"up"`)
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -32,6 +33,7 @@ const (
 	// accesses long.
 	MinChunkBytes = 512
 	maxThreads    = 1024
+	maxPaceGBps   = 10000
 )
 
 // Options configures a Copier. The zero value is valid and means the
@@ -88,6 +90,12 @@ type Options struct {
 	// has in flight (a multiple of FenceUnit; default DefaultFenceBytes).
 	// Host-to-device copies do not fence. Must be 0 for other kernels.
 	FenceBytes int
+	// PaceGBps is, for SysFenceCopyKernel, the rate in GB/s that each
+	// device-to-host launch keeps its warps under together (each warp
+	// waits so that it copies at most its share; 0: no pacing). Pacing
+	// just under the link's rate stops a backlog of host stores forming.
+	// Must be 0 for other kernels.
+	PaceGBps float64
 }
 
 // Copy kernels of kernels.cu.
@@ -165,6 +173,10 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: FenceBytes %d is only for CopyKernel %q, not %q", ErrInvalidOption, o.FenceBytes, SysFenceCopyKernel, o.CopyKernel)
 	case o.FenceBytes < 0 || o.FenceBytes%FenceUnit != 0 || o.FenceBytes > 1<<30:
 		return fmt.Errorf("%w: FenceBytes %d is not a multiple of %d in [0, %d]", ErrInvalidOption, o.FenceBytes, FenceUnit, 1<<30)
+	case o.CopyKernel != SysFenceCopyKernel && o.PaceGBps != 0:
+		return fmt.Errorf("%w: PaceGBps %v is only for CopyKernel %q, not %q", ErrInvalidOption, o.PaceGBps, SysFenceCopyKernel, o.CopyKernel)
+	case !(o.PaceGBps >= 0 && o.PaceGBps <= maxPaceGBps):
+		return fmt.Errorf("%w: PaceGBps %v not in [0, %d]", ErrInvalidOption, o.PaceGBps, maxPaceGBps)
 	}
 	if o.Calibration != nil {
 		if err := o.Calibration.Validate(); err != nil {
@@ -206,7 +218,7 @@ type descBuf struct {
 	host  unsafe.Pointer
 	table []desc
 	dev   cuda.DevicePtr
-	args  [3][]byte
+	args  [4][]byte
 }
 
 type ticketRec struct {
@@ -340,7 +352,7 @@ func (c *Copier) newDescBuf() (*descBuf, error) {
 		host:  h,
 		table: unsafe.Slice((*desc)(h), c.opts.DescCapacity),
 		dev:   d,
-		args:  [3][]byte{make([]byte, 8), make([]byte, 4), make([]byte, 8)},
+		args:  [4][]byte{make([]byte, 8), make([]byte, 4), make([]byte, 8), make([]byte, 8)},
 	}
 	binary.LittleEndian.PutUint64(b.args[0], uint64(d))
 	c.all = append(c.all, b)
@@ -482,11 +494,11 @@ func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Meth
 		hostSrc: dir == H2D,
 		hostDst: dir == D2H,
 	}
-	fence := uint64(0)
 	if dir == D2H {
-		fence = uint64(c.opts.FenceBytes / FenceUnit)
+		ck.fenceIters = uint64(c.opts.FenceBytes / FenceUnit)
+		ck.paceGBps = c.opts.PaceGBps
 	}
-	return c.launch(s, &ck, c.fnCopy, fence)
+	return c.launch(s, &ck, c.fnCopy, 0)
 }
 
 func (c *Copier) checkOpen() error {
@@ -585,8 +597,7 @@ func (c *Copier) endRec(i int32) {
 // launch enqueues, per descriptor buffer, the table upload and one launch of
 // fn. For kvo_fill extra is the spin count; for kvo_checksum the output
 // array's address (advanced by 8 bytes per descriptor of earlier launches);
-// for kvo_copy_sys the fence interval in FenceUnits (other copy kernels take
-// no third argument).
+// kvo_copy_sys also gets the chunker's fence interval and pace.
 func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint64) (Ticket, error) {
 	if !c.caps.Kernel {
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
@@ -605,7 +616,7 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint
 	for i, b := range rec.bufs {
 		n, err := ck.next(b.table)
 		if err == nil {
-			err = c.enqueue(s, b, fn, ck.kind, n, extra, done, warpsPerCTA)
+			err = c.enqueue(s, b, fn, ck, n, extra, done, warpsPerCTA)
 		}
 		if err != nil {
 			// Buffer i's upload may have been enqueued: withdraw it too.
@@ -617,14 +628,15 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint
 	return t, nil
 }
 
-func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, kind jobKind, n int, extra uint64, done, warpsPerCTA int) error {
+func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, ck *chunker, n int, extra uint64, done, warpsPerCTA int) error {
 	host := cuda.DevicePtr(uintptr(b.host))
 	if err := c.drv.MemcpyAsync(b.dev, host, uint64(n)*descSize, s); err != nil {
 		return fmt.Errorf("cudacopy: uploading %d descriptors: %w", n, err)
 	}
 	binary.LittleEndian.PutUint32(b.args[1], uint32(n))
 	args := b.args[:2]
-	switch kind {
+	grid := uint32(min(c.opts.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
+	switch ck.kind {
 	case jobFill:
 		binary.LittleEndian.PutUint64(b.args[2], extra)
 		args = b.args[:3]
@@ -633,11 +645,11 @@ func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, kind jobKi
 		args = b.args[:3]
 	case jobCopy:
 		if c.opts.CopyKernel == SysFenceCopyKernel {
-			binary.LittleEndian.PutUint64(b.args[2], extra)
-			args = b.args[:3]
+			binary.LittleEndian.PutUint64(b.args[2], ck.fenceIters)
+			binary.LittleEndian.PutUint64(b.args[3], paceNs(ck.paceGBps, min(int(grid)*warpsPerCTA, n)))
+			args = b.args[:4]
 		}
 	}
-	grid := uint32(min(c.opts.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
 	err := c.drv.LaunchKernel(fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(c.opts.Threads), Y: 1, Z: 1}, 0, s, args...)
 	if err != nil {
 		return fmt.Errorf("cudacopy: launching %d descriptors on %d CTAs: %w", n, grid, err)
@@ -740,4 +752,14 @@ func (c *Copier) release() error {
 		errs = append(errs, c.drv.ModuleUnload(c.mod))
 	}
 	return errors.Join(errs...)
+}
+
+// paceNs is kvo_copy_sys's pace_ns: the time one warp's 4 KiB iteration
+// takes at its share of gbps among warps warps (GB/s is bytes per ns); 0
+// without pacing.
+func paceNs(gbps float64, warps int) uint64 {
+	if gbps <= 0 || warps <= 0 {
+		return 0
+	}
+	return uint64(math.Round(FenceUnit * float64(warps) / gbps))
 }

@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
+	"math"
 	mrand "math/rand/v2"
 	"runtime"
 	"testing"
@@ -164,13 +165,18 @@ func (r *launchRecorder) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sh
 }
 
 // kvo_copy_sys round-trips like kvo_copy and gets its fence interval, in
-// FenceUnits, on device-to-host launches only.
+// FenceUnits, and its pace, per warp, on device-to-host launches only.
 func TestSysFenceKernelFake(t *testing.T) {
 	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
 	rec := &launchRecorder{Driver: drv}
 	s := newStream(t, drv)
-	for _, tc := range []struct{ fence, want int }{{0, DefaultFenceBytes / FenceUnit}, {3 * FenceUnit, 3}} {
-		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: SysFenceCopyKernel, FenceBytes: tc.fence, PTX: fakePTX, DescCapacity: 7})
+	for _, tc := range []struct {
+		fence, want int
+		pace        float64
+	}{{0, DefaultFenceBytes / FenceUnit, 0}, {3 * FenceUnit, 3, 8.192}} {
+		// 2 CTAs of 2 warps, 7 descriptors per launch: every launch but
+		// the last runs 4 warps, each at a quarter of the pace.
+		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: SysFenceCopyKernel, FenceBytes: tc.fence, PaceGBps: tc.pace, PTX: fakePTX, DescCapacity: 7, CTAs: 2, Threads: 64})
 		require.Equal(t, tc.want*FenceUnit, c.Options().FenceBytes)
 		rec.args = nil
 		l := layerSeparate(3, 4, 16<<10)
@@ -186,12 +192,18 @@ func TestSysFenceKernelFake(t *testing.T) {
 		require.Equal(t, -1, firstDiff(src, dst))
 		require.Greater(t, h2dLaunches, 1, "several launches per batch")
 		for i, a := range rec.args {
-			require.Len(t, a, 3, "launch %d", i)
-			want := uint64(tc.want)
+			require.Len(t, a, 4, "launch %d", i)
+			want, pace := uint64(tc.want), uint64(0)
+			if tc.pace > 0 {
+				pace = 2000 // 4 warps × 4096 B / 8.192 B/ns
+			}
 			if i < h2dLaunches {
-				want = 0
+				want, pace = 0, 0
 			}
 			require.Equal(t, want, binary.LittleEndian.Uint64(a[2]), "launch %d", i)
+			if i < len(rec.args)-1 || i < h2dLaunches {
+				require.Equal(t, pace, binary.LittleEndian.Uint64(a[3]), "launch %d", i)
+			}
 		}
 	}
 }
@@ -302,6 +314,9 @@ func TestNewErrors(t *testing.T) {
 		{"fence bytes with another kernel", Options{FenceBytes: FenceUnit, PTX: fakePTX}, ErrInvalidOption},
 		{"fence bytes not a unit multiple", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit + 16, PTX: fakePTX}, ErrInvalidOption},
 		{"negative fence bytes", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: -FenceUnit, PTX: fakePTX}, ErrInvalidOption},
+		{"pace with another kernel", Options{PaceGBps: 50, PTX: fakePTX}, ErrInvalidOption},
+		{"negative pace", Options{CopyKernel: SysFenceCopyKernel, PaceGBps: -1, PTX: fakePTX}, ErrInvalidOption},
+		{"NaN pace", Options{CopyKernel: SysFenceCopyKernel, PaceGBps: math.NaN(), PTX: fakePTX}, ErrInvalidOption},
 		{"streaming kernel absent from the PTX", Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel, PTX: fakePTX}, ErrUnavailable},
 		{"bad calibration", Options{Calibration: &Calibration{Entries: []Measurement{{}}}}, ErrInvalidOption},
 		{"bad calibration sizes", Options{Calibrate: CalibrationConfig{TotalBytes: 4096, SegSizes: []uint64{8192}}}, ErrInvalidOption},

@@ -40,6 +40,9 @@ type chunker struct {
 	// checksums every address found in the table is translated.
 	host             *hostTable
 	hostSrc, hostDst bool
+	// fenceIters and paceGBps throttle kvo_copy_sys (D2H only).
+	fenceIters uint64
+	paceGBps   float64
 
 	i    int    // current item
 	off  uint64 // bytes of item i already emitted

@@ -49,14 +49,50 @@ __device__ __forceinline__ void store16(uint4* p, uint4 v) {
     }
 }
 
-// copy_segment copies one descriptor's bytes with one warp. With Fence, the
-// warp issues a system-scope fence (__threadfence_system) after every
-// fence_iters loop iterations (4 KiB per iteration per warp; 0: never),
-// counted across the warp's segments in *iters: the fence returns once the
-// warp's earlier stores are visible to the host, which bounds the stores
-// each warp has in flight to host memory (see kvo_copy_sys).
-template <bool Streaming, bool Fence>
-__device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, uint64_t fence_iters, uint64_t* iters) {
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Throttle is one warp's state in kvo_copy_sys: fence_iters and pace_ns are
+// the kernel's arguments, iters the loop iterations since the last fence,
+// next the earliest time (globaltimer ns) the next iteration may start.
+struct Throttle {
+    uint64_t fence_iters;
+    uint64_t pace_ns;
+    uint64_t iters;
+    uint64_t next;
+};
+
+// throttle runs after each loop iteration of a warp (4 KiB): a system-scope
+// fence (__threadfence_system) every fence_iters iterations, which returns
+// once the warp's earlier stores are visible to the host and so bounds the
+// stores it has in flight; then, with pace_ns, a wait until pace_ns after
+// the previous iteration's start, keeping at most one iteration of credit
+// when the warp fell behind, so the grid's rate stays at or below the
+// configured one instead of outrunning the link.
+__device__ __forceinline__ void throttle(Throttle* th) {
+    if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
+        __threadfence_system();
+        th->iters = 0;
+    }
+    if (th->pace_ns != 0) {
+        th->next += th->pace_ns;
+        uint64_t now = global_ns();
+        if (now > th->next + th->pace_ns) th->next = now - th->pace_ns;
+        while (now < th->next) {
+            __nanosleep(256);
+            now = global_ns();
+        }
+        __syncwarp();
+    }
+}
+
+// copy_segment copies one descriptor's bytes with one warp; with Throttled,
+// throttle runs after every loop iteration (see kvo_copy_sys).
+template <bool Streaming, bool Throttled>
+__device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
@@ -70,10 +106,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
-            if (Fence && fence_iters != 0 && ++*iters >= fence_iters) {
-                __threadfence_system();
-                *iters = 0;
-            }
+            if (Throttled) throttle(th);
         }
         for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
@@ -81,38 +114,41 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming, bool Fence>
-__device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters) {
+template <bool Streaming, bool Throttled>
+__device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
-    uint64_t iters = 0;
+    Throttle th = {fence_iters, pace_ns, 0, 0};
+    if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment<Streaming, Fence>((const char*)d.src, (char*)d.dst, d.len, lane, fence_iters, &iters);
+        copy_segment<Streaming, Throttled>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
     }
 }
 
 // kvo_copy copies every descriptor's src to its dst.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
-    copy_all<false, false>(descs, n, 0);
+    copy_all<false, false>(descs, n, 0, 0);
 }
 
 // kvo_copy_cs is kvo_copy with global-space, evict-first (streaming) loads
 // and stores.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs, uint32_t n) {
-    copy_all<true, false>(descs, n, 0);
+    copy_all<true, false>(descs, n, 0, 0);
 }
 
-// kvo_copy_sys is kvo_copy with a system-scope fence after every
-// fence_iters iterations of each warp (0: none). Stores to host memory are
-// posted: without a bound, a device-to-host copy keeps as many in flight as
-// the GPU's queues hold, and the backlog delays every other SM's memory
-// traffic (an n=2048 sgemm ran up to twice as slow beside kvo_copy D2H on the
-// H200, bench/results/2026-11-29-h200/kernel_variants.md). The fence caps
-// each warp's unfinished host stores at fence_iters * 4 KiB.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* descs, uint32_t n, uint64_t fence_iters) {
-    copy_all<false, true>(descs, n, fence_iters);
+// kvo_copy_sys is kvo_copy with each warp throttled (see throttle): a
+// system-scope fence after every fence_iters iterations (0: none) and, with
+// pace_ns > 0, at most one 4 KiB iteration per pace_ns. Stores to host
+// memory are posted: unthrottled, a device-to-host copy keeps as many in
+// flight as the GPU's queues hold, and the backlog delays every other SM's
+// memory traffic (an n=2048 sgemm ran up to twice as slow beside kvo_copy
+// D2H on the H200, bench/results/2026-11-29-h200/kernel_variants.md). The
+// fence caps each warp's unfinished host stores at fence_iters * 4 KiB; the
+// pace keeps the grid's issue rate under the link's so no backlog forms.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
+    copy_all<false, true>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst

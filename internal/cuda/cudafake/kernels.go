@@ -12,8 +12,8 @@ const (
 	KernelCopy     = "kvo_copy"
 	KernelFill     = "kvo_fill"
 	KernelChecksum = "kvo_checksum"
-	// KernelCopySys is kvo_copy with a fence interval (which changes
-	// nothing the fake can observe).
+	// KernelCopySys is kvo_copy with a fence interval and a pace (which
+	// change nothing the fake can observe).
 	KernelCopySys = "kvo_copy_sys"
 )
 
@@ -22,10 +22,10 @@ const descSize = 32
 
 // kernelParams is each kernel's parameter sizes in bytes.
 var kernelParams = map[string][]int{
-	KernelCopy:     {8, 4},    // descs, n
-	KernelFill:     {8, 4, 8}, // descs, n, spin_cycles
-	KernelChecksum: {8, 4, 8}, // descs, n, out
-	KernelCopySys:  {8, 4, 8}, // descs, n, fence_iters
+	KernelCopy:     {8, 4},       // descs, n
+	KernelFill:     {8, 4, 8},    // descs, n, spin_cycles
+	KernelChecksum: {8, 4, 8},    // descs, n, out
+	KernelCopySys:  {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
 }
 
 // maxSpin bounds the sleep that stands in for kvo_fill's spin.
