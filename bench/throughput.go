@@ -1205,25 +1205,26 @@ func (v KernelVariant) String() string {
 	return fmt.Sprintf("%s %d×%d %s", v.kernelLabel(), v.CTAs, v.Threads, p)
 }
 
-// FenceKernelVariants measures kvo_copy_sys's throttles: a system-scope
-// fence every 4 or 16 KiB per warp, alone and with the grid paced at 46, 49
-// or 52 GB/s (the H200's D2H link is 55 GB/s), over 8-CTA shapes, beside
-// kvo_copy at the default shape.
+// FenceKernelVariants measures kvo_copy_sys's fence (every 4 to 16 KiB
+// per warp, which bounds each warp's host stores in flight) over launch
+// shapes of at most 8 CTAs, and kvo_copy at the default shape and a few
+// smaller ones. Pacing (PaceGBps) is left out: on the H200 it did not lower
+// the matrix product's slowdown at a given D2H rate
+// (bench/results/2026-11-30-h200/fence-sweep-2.md).
 func FenceKernelVariants() []KernelVariant {
-	sys := func(threads, ctas, fence int, pace float64) KernelVariant {
-		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit, PaceGBps: pace}
+	sys := func(threads, ctas, fence int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit}
 	}
-	vs := []KernelVariant{
-		{Threads: 1024, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel},
-		sys(256, 8, 1, 0),
-		sys(256, 4, 4, 0),
+	plain := func(threads, ctas int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel}
 	}
-	for _, pace := range []float64{46, 49, 52} {
-		for _, threads := range []int{256, 512, 1024} {
-			vs = append(vs, sys(threads, 8, 4, pace))
-		}
+	return []KernelVariant{
+		plain(1024, 8), plain(256, 4), plain(256, 6), plain(256, 8), plain(512, 4),
+		sys(256, 8, 1), sys(256, 8, 2), sys(256, 8, 3),
+		sys(320, 8, 1), sys(320, 8, 2), sys(384, 8, 1), sys(384, 8, 2),
+		sys(256, 6, 2), sys(256, 6, 3), sys(256, 4, 2), sys(256, 4, 3),
+		sys(512, 4, 1), sys(512, 4, 2), sys(128, 8, 2), sys(128, 8, 4),
 	}
-	return append(vs, sys(512, 8, 16, 49), sys(512, 8, 16, 52), sys(256, 8, 1, 49))
 }
 
 // DefaultKernelVariants crosses both copy kernels and both priorities with

@@ -292,14 +292,15 @@ func TestKernelSweepPick(t *testing.T) {
 // launch shape, priority and kernel on the GPU and prints one table; the
 // PTX comes from KVO_PTX_FILE when set. KVO_BENCH_BURN_N overrides the
 // matrix size (default 2048). KVO_BENCH_VARIANTS=fence sweeps
-// FenceKernelVariants instead, each direction and both at once, every size
-// beside the matrix product.
+// FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
+// at once, every size beside the matrix product.
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
 	switch os.Getenv("KVO_BENCH_VARIANTS") {
 	case "1":
 	case "fence":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = FenceKernelVariants(), []string{"d2h", "h2d", "both"}, true
+		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	default:
 		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence) to run the copy-kernel variant sweep")
 	}
