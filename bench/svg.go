@@ -205,7 +205,7 @@ func ThroughputChart(r ThroughputResults, dir string) Chart {
 			continue
 		}
 		name := row.Method
-		if row.Method == "kernel" {
+		if row.Method == "kernel" && row.CTAs > 0 {
 			name = fmt.Sprintf("kernel/%d CTAs", row.CTAs)
 		}
 		i, ok := byName[name]

@@ -27,9 +27,11 @@ type ThroughputConfig struct {
 	TotalBytes uint64 `json:"total_bytes"`
 	// SegSizes are the segment sizes (default 4, 16, 64, 256 KiB, 2 MiB).
 	SegSizes []uint64 `json:"seg_sizes"`
-	// CTAs are the kernel grid sizes measured (default 2, 4, 8, 16).
+	// CTAs are the kernel grid sizes measured (default 2, 4, 8, 16), as
+	// "kernel/N" rows beside "kernel", the kernel at its default launch per
+	// direction (cudacopy.DefaultLaunch).
 	CTAs []int `json:"ctas"`
-	// Threads per CTA of the copy kernel (default 1024).
+	// Threads per CTA of the "kernel/N" rows (default 1024).
 	Threads int `json:"threads"`
 	// Reps timed per point after one warm-up (default 5): best and median.
 	Reps int `json:"reps"`
@@ -38,7 +40,8 @@ type ThroughputConfig struct {
 	// BurnN is the matrix size of kvo_sgemm (default 4096; a multiple of 64).
 	BurnN int `json:"burn_n"`
 	// BurnVariants are the variants measured beside the matrix product
-	// (default "auto", "kernel/8", "batch"), named as in the results.
+	// (default "auto", "kernel", "kernel/8", "batch"), named as in the
+	// results.
 	BurnVariants []string `json:"burn_variants"`
 	// Seed of the random slot permutations.
 	Seed uint64 `json:"seed"`
@@ -65,7 +68,7 @@ func (c ThroughputConfig) withDefaults() ThroughputConfig {
 		c.CTAs = []int{2, 4, 8, 16}
 	}
 	if c.Threads == 0 {
-		c.Threads = cudacopy.DefaultThreads
+		c.Threads = 1024
 	}
 	if c.Reps == 0 {
 		c.Reps = 5
@@ -74,7 +77,7 @@ func (c ThroughputConfig) withDefaults() ThroughputConfig {
 		c.BurnN = 4096
 	}
 	if len(c.BurnVariants) == 0 {
-		c.BurnVariants = []string{"auto", fmt.Sprintf("kernel/%d", cudacopy.DefaultCTAs), "batch"}
+		c.BurnVariants = []string{"auto", "kernel", "kernel/8", "batch"}
 	}
 	return c
 }
@@ -137,10 +140,10 @@ type ThroughputRow struct {
 	Chosen string `json:"chosen,omitempty"`
 }
 
-// variant names a row's method and grid as "memcpy", "batch", "kernel/8",
-// "auto" (the names BurnVariants uses).
+// variant names a row's method and grid as "memcpy", "batch", "kernel"
+// (default launches), "kernel/8", "auto" (the names BurnVariants uses).
 func (r ThroughputRow) variant() string {
-	if r.Method == "kernel" {
+	if r.Method == "kernel" && r.CTAs > 0 {
 		return fmt.Sprintf("kernel/%d", r.CTAs)
 	}
 	return r.Method
@@ -396,12 +399,18 @@ func (b *bench) setupCopiers(dev cuda.Device) error {
 	if drv.HasMemcpyBatch() {
 		specs = append(specs, variant{name: "batch", method: cudacopy.MethodBatch})
 	}
+	specs = append(specs, variant{name: "kernel", method: cudacopy.MethodKernel})
 	for _, n := range cfg.CTAs {
 		specs = append(specs, variant{name: fmt.Sprintf("kernel/%d", n), method: cudacopy.MethodKernel, ctas: n})
 	}
-	specs = append(specs, variant{name: "auto", method: cudacopy.MethodAuto, ctas: cudacopy.DefaultCTAs})
+	specs = append(specs, variant{name: "auto", method: cudacopy.MethodAuto})
 	for _, v := range specs {
-		c, err := b.newCopier(dev, cudacopy.Options{Method: v.method, CTAs: v.ctas, Threads: cfg.Threads})
+		o := cudacopy.Options{Method: v.method}
+		if v.ctas > 0 {
+			// The issue's kernel rows: kvo_copy, unthrottled, both ways.
+			o.CTAs, o.Threads, o.CopyKernel = v.ctas, cfg.Threads, cudacopy.DefaultCopyKernel
+		}
+		c, err := b.newCopier(dev, o)
 		if err != nil {
 			return fmt.Errorf("bench: copier %s: %w", v.name, err)
 		}
@@ -1125,7 +1134,7 @@ func FormatThroughput(r ThroughputResults) string {
 	}
 	b.WriteString(formatTargets(r, cell, variants))
 	if r.Calibration != nil {
-		fmt.Fprintf(&b, "\n## Calibration used by auto (%d CTAs, %s per point)\n\n%s", r.Calibration.CTAs, cudacopy.FormatBytes(r.Calibration.TotalBytes), r.Calibration.Markdown())
+		fmt.Fprintf(&b, "\n## Calibration used by auto (kernel D2H %v, H2D %v; %s per point)\n\n%s", r.Calibration.D2H, r.Calibration.H2D, cudacopy.FormatBytes(r.Calibration.TotalBytes), r.Calibration.Markdown())
 	}
 	return b.String()
 }

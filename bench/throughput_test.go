@@ -93,7 +93,7 @@ func sampleResults() ThroughputResults {
 		Config:        ThroughputConfig{TotalBytes: 64 << 20, SegSizes: []uint64{4 << 10}, Reps: 3, Threads: 1024, Command: "transfer_cudacopy.test"},
 		Link:          map[string]float64{"d2h": 55, "h2d": 55, "both": 95},
 		SGEMM:         SGEMMInfo{N: 1024, SoloMs: 0.5, TFLOPS: 4.3},
-		Calibration:   &cudacopy.Calibration{CTAs: 8, TotalBytes: 32 << 20, Entries: []cudacopy.Measurement{{Dir: cudacopy.H2D, Method: cudacopy.MethodKernel, SegBytes: 4096, GBps: 51}}},
+		Calibration:   &cudacopy.Calibration{D2H: cudacopy.GreedyD2HLaunch(), H2D: cudacopy.GreedyD2HLaunch(), TotalBytes: 32 << 20, Entries: []cudacopy.Measurement{{Dir: cudacopy.H2D, Method: cudacopy.MethodKernel, SegBytes: 4096, GBps: 51}}},
 	}
 	for _, dir := range []string{"d2h", "h2d", "both"} {
 		link := r.Link[dir]
@@ -166,8 +166,8 @@ func TestMeasureThroughputFake(t *testing.T) {
 	res, err := MeasureThroughput(drv, 0, cfg)
 	require.NoError(t, err)
 	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
-	// 3 contiguous rows + 2 sizes x 5 variants (memcpy, batch, kernel/2, kernel/4, auto) x 3 dirs.
-	require.Len(t, res.Rows, 3+2*5*3)
+	// 3 contiguous rows + 2 sizes x 6 variants (memcpy, batch, kernel, kernel/2, kernel/4, auto) x 3 dirs.
+	require.Len(t, res.Rows, 3+2*6*3)
 	for _, row := range res.Rows {
 		require.Positive(t, row.GBps, "%+v", row)
 		require.Equal(t, "none", row.Background)
@@ -181,7 +181,7 @@ func TestMeasureThroughputFake(t *testing.T) {
 	}
 	require.Contains(t, res.SGEMM.Skipped, "kvo_sgemm")
 	require.NotNil(t, res.Calibration)
-	require.Contains(t, FormatThroughput(res), "| segment | memcpy | batch | kernel/2 | kernel/4 | auto |")
+	require.Contains(t, FormatThroughput(res), "| segment | memcpy | batch | kernel | kernel/2 | kernel/4 | auto |")
 }
 
 // besideGemm on the fake, with kvo_fill's spin standing in for the matrix

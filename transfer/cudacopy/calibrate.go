@@ -179,7 +179,7 @@ func (c *Copier) Calibrate(s cuda.Stream) (cal *Calibration, err error) {
 		methods = append(methods, MethodKernel)
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x6b766f))
-	out := &Calibration{CTAs: c.opts.CTAs, TotalBytes: cfg.TotalBytes, PieceBytes: cfg.PieceBytes, Pieces: cfg.Pieces}
+	out := &Calibration{D2H: c.d2h.Launch, H2D: c.h2d.Launch, TotalBytes: cfg.TotalBytes, PieceBytes: cfg.PieceBytes, Pieces: cfg.Pieces}
 	largest := slices.Max(cfg.SegSizes)
 	for _, dir := range [...]Direction{D2H, H2D} {
 		warm := cfg.pieces(ScatteredSegments(dir, uint64(host), uint64(dev), largest, int(cfg.TotalBytes/largest), rng), largest)

@@ -23,8 +23,10 @@ type Measurement struct {
 type Calibration struct {
 	// Device names the GPU it was measured on (informational).
 	Device string `json:"device,omitempty"`
-	// CTAs is the kernel grid size the kernel rows were measured with.
-	CTAs int `json:"ctas,omitempty"`
+	// D2H and H2D are the kernel launches the kernel rows were measured
+	// with.
+	D2H Launch `json:"d2h_launch"`
+	H2D Launch `json:"h2d_launch"`
 	// TotalBytes is the size of the buffers the measured segments lie in.
 	TotalBytes uint64 `json:"total_bytes,omitempty"`
 	// PieceBytes and Pieces: each rate is that of up to Pieces
@@ -130,13 +132,15 @@ type point struct {
 // Margins by which Choose prefers a DMA method (the batch API, else
 // memcpy) to the copy kernel; see Options.DMAMargin.
 //
-// The DMA engines leave the SMs to the model; the kernel does not. On the
-// H200 (bench/results/2026-11-29-h200/results.md, "Beside a matrix
+// The DMA engines leave the SMs to the model; the kernel takes a few. On
+// the H200 (bench/results/2026-11-29-h200/results.md, "Beside a matrix
 // product"), beside a compute-bound 4096² sgemm on another stream, the
-// kernel on 8 CTAs slowed the sgemm by 73–158% for D2H and 6.5–10.5% for
-// H2D (95–301% both ways at once), while the batch API changed it by at
-// most 0.4% at every segment size from 4 KiB to 2 MiB. A few percent of copy rate is worth
-// that.
+// unthrottled kernel on 8 CTAs × 1024 slowed the sgemm by 73–158% for D2H
+// and 6.5–10.5% for H2D (95–301% both ways at once), while the batch API
+// changed it by at most 0.4% at every segment size from 4 KiB to 2 MiB.
+// The default launches (DefaultLaunch) cut the kernel's share to a few
+// percent (bench/results/2026-11-30-h200/fence-sweep.md); a few percent of
+// copy rate is still worth leaving the SMs alone.
 const (
 	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is
 	// taken; about the run-to-run noise of a calibration point.

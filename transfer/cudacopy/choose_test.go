@@ -82,9 +82,9 @@ var h200Rates = []struct {
 }
 
 // h200Table is the calibration the pipelined H200 rates make: memcpy, batch
-// and the kernel at the default 8 CTAs.
+// and the kernel at 8 CTAs × 1024 threads.
 func h200Table() *Calibration {
-	c := Calibration{Device: "NVIDIA H200", CTAs: DefaultCTAs}
+	c := Calibration{Device: "NVIDIA H200", D2H: GreedyD2HLaunch(), H2D: GreedyD2HLaunch()}
 	for _, r := range h200Rates {
 		m, ok := map[string]Method{"memcpy": MethodMemcpy, "batch": MethodBatch, "kernel/8": MethodKernel}[r.variant]
 		if ok {

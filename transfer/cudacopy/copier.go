@@ -12,19 +12,9 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
-// Defaults for Options fields left zero. The kernel shape (DefaultCTAs ×
-// DefaultThreads, DefaultCopyKernel) is the smallest grid that copies 4 KiB
-// segments near link speed on the H200 (bench/results/2026-11-29-h200/
-// results.md: kernel/8 at 94% D2H and 91% H2D of the link, kernel/2 at 60%
-// and 71%). No shape in the sweep (kernel_variants.md) kept an n=2048
-// sgemm's slowdown within 10% beside a 64 KiB D2H copy: 8×1024 slowed it by
-// 88–111% (D2H) and 33% (H2D); the least slowdown, 2×256 (+27–32% D2H),
-// moved H2D at only 51–66% of the link. Where the SMs matter more than a
-// few percent of copy rate, DMAMargin and PreferDMA move work to the DMA
-// engines.
+// Defaults for Options fields left zero. The copy kernel's launch is chosen
+// per direction (see DefaultLaunch).
 const (
-	DefaultCTAs         = 8
-	DefaultThreads      = 1024
 	DefaultChunkBytes   = 64 << 10
 	DefaultDescCapacity = 1 << 16
 	DefaultDescBuffers  = 2
@@ -42,11 +32,17 @@ type Options struct {
 	// Method forces one method for every batch (benchmarks, fallback
 	// tests). MethodAuto, the zero value, lets Choose pick per batch.
 	Method Method
-	// CTAs is the copy kernel's grid size: the number of SMs it can occupy
-	// (default 8; at most the device's SM count).
+	// CTAs, when set, is the copy kernel's grid size in both directions:
+	// the number of SMs it can occupy (at most the device's SM count;
+	// default per direction, see DefaultLaunch).
 	CTAs int
-	// Threads per CTA (default 1024; a multiple of 32, at most 1024).
+	// Threads, when set, is the threads per CTA in both directions (a
+	// multiple of 32, at most 1024; default per direction).
 	Threads int
+	// GreedyD2H takes the unthrottled D2H launch (GreedyD2HLaunch: a few
+	// percent more of the link, at the cost of slowing the model's kernels
+	// by up to several times while stores run) as the D2H default.
+	GreedyD2H bool
 	// ChunkBytes bounds the piece of a segment one warp copies, so that
 	// warps stay balanced (default 64 KiB; a multiple of 16, at least 512).
 	ChunkBytes int
@@ -78,24 +74,125 @@ type Options struct {
 	// PTX replaces the embedded kernels.ptx (a PTX built for another target,
 	// or a test driver's image).
 	PTX []byte
-	// CopyKernel names the copy kernel of the PTX module: "" or
-	// DefaultCopyKernel (kvo_copy, generic loads and stores), or
-	// StreamingCopyKernel (kvo_copy_cs: global-space, evict-first loads and
-	// stores; in PTX generated from kernels.cu since it was added), or
-	// SysFenceCopyKernel (kvo_copy_sys: kvo_copy with a system-scope fence
-	// every FenceBytes per warp on device-to-host copies).
+	// CopyKernel, when set, names the copy kernel of the PTX module for
+	// both directions: DefaultCopyKernel (kvo_copy, generic loads and
+	// stores), StreamingCopyKernel (kvo_copy_cs: global-space, evict-first
+	// loads and stores) or SysFenceCopyKernel (kvo_copy_sys: kvo_copy
+	// throttled on device-to-host copies by FenceBytes and PaceGBps).
+	// Default per direction, see DefaultLaunch.
 	CopyKernel string
-	// FenceBytes is, for SysFenceCopyKernel, how many bytes each warp
-	// stores to host memory between system-scope fences, i.e. the most it
-	// has in flight (a multiple of FenceUnit; default DefaultFenceBytes).
-	// Host-to-device copies do not fence. Must be 0 for other kernels.
+	// FenceBytes, when set, is how many bytes each warp of a D2H
+	// SysFenceCopyKernel launch stores to host memory between system-scope
+	// fences, i.e. the most it has in flight (a multiple of FenceUnit;
+	// default DefaultFenceBytes, or the D2H default launch's).
 	FenceBytes int
-	// PaceGBps is, for SysFenceCopyKernel, the rate in GB/s that each
-	// device-to-host launch keeps its warps under together (each warp
-	// waits so that it copies at most its share; 0: no pacing). Pacing
-	// just under the link's rate stops a backlog of host stores forming.
-	// Must be 0 for other kernels.
+	// PaceGBps, when set, is the rate in GB/s that each D2H
+	// SysFenceCopyKernel launch keeps its warps under together (each warp
+	// waits so that it copies at most its share; 0: no pacing).
 	PaceGBps float64
+}
+
+// Launch is one direction's copy-kernel launch: grid, kernel and, for
+// SysFenceCopyKernel on D2H, its throttles (Options.FenceBytes and
+// PaceGBps).
+type Launch struct {
+	CTAs       int     `json:"ctas"`
+	Threads    int     `json:"threads"`
+	Kernel     string  `json:"kernel"`
+	FenceBytes int     `json:"fence_bytes,omitempty"`
+	PaceGBps   float64 `json:"pace_gbps,omitempty"`
+}
+
+func (l Launch) String() string {
+	s := fmt.Sprintf("%s %d×%d", l.Kernel, l.CTAs, l.Threads)
+	if l.FenceBytes > 0 {
+		s += " fence " + FormatBytes(uint64(l.FenceBytes))
+	}
+	if l.PaceGBps > 0 {
+		s += fmt.Sprintf(" pace %g GB/s", l.PaceGBps)
+	}
+	return s
+}
+
+// Launches measured on the H200 beside an n=2048 sgemm on the other SMs
+// (bench/results/2026-11-30-h200/fence-sweep.md, 4–64 KiB segments):
+//   - H2D: kvo_copy on 4 CTAs × 256 threads moved 92–93% of the link and
+//     slowed the sgemm by at most 0.9% (8 × 1024: the same rate, +29–33%).
+//   - D2H: every unthrottled shape that reached 94% of the link slowed the
+//     sgemm by 74–260%: stores to host memory are posted, and their backlog
+//     holds up the other SMs' memory traffic. kvo_copy_sys on 4 × 256 with
+//     a fence every 12 KiB per warp moved 82–88% of the link and slowed it
+//     by at most 2.9%; no throttle on ≤ 8 SMs reached 92% within 10%.
+var (
+	defaultH2D = Launch{CTAs: 4, Threads: 256, Kernel: DefaultCopyKernel}
+	defaultD2H = Launch{CTAs: 4, Threads: 256, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}
+	greedyD2H  = Launch{CTAs: 8, Threads: 1024, Kernel: DefaultCopyKernel}
+)
+
+// DefaultLaunch is the launch used for dir where Options leaves CTAs,
+// Threads and CopyKernel zero: kvo_copy on 4 × 256 for H2D and D2D; for D2H,
+// kvo_copy_sys on 4 × 256 fencing every 12 KiB per warp, or with greedy
+// (Options.GreedyD2H) GreedyD2HLaunch.
+func DefaultLaunch(dir Direction, greedy bool) Launch {
+	switch {
+	case dir != D2H:
+		return defaultH2D
+	case greedy:
+		return greedyD2H
+	}
+	return defaultD2H
+}
+
+// GreedyD2HLaunch is kvo_copy unthrottled on 8 CTAs × 1024 threads: 94–95%
+// of the H200's D2H link, and an sgemm beside it up to 3.6 times slower.
+func GreedyD2HLaunch() Launch { return greedyD2H }
+
+// launch resolves dir's launch: the direction's default, each field
+// Options sets overriding it. Only D2H launches keep a fence or a pace.
+func (o *Options) launch(dir Direction) Launch {
+	l := DefaultLaunch(dir, o.GreedyD2H)
+	if o.CopyKernel != "" && o.CopyKernel != l.Kernel {
+		l.Kernel, l.FenceBytes, l.PaceGBps = o.CopyKernel, 0, 0
+		if l.Kernel == SysFenceCopyKernel {
+			l.FenceBytes = DefaultFenceBytes
+		}
+	}
+	if o.CTAs != 0 {
+		l.CTAs = o.CTAs
+	}
+	if o.Threads != 0 {
+		l.Threads = o.Threads
+	}
+	if o.FenceBytes != 0 {
+		l.FenceBytes = o.FenceBytes
+	}
+	if o.PaceGBps != 0 {
+		l.PaceGBps = o.PaceGBps
+	}
+	if dir != D2H {
+		l.FenceBytes, l.PaceGBps = 0, 0
+	}
+	return l
+}
+
+func (l Launch) validate(dir Direction, sms int) error {
+	switch {
+	case l.CTAs < 1 || l.CTAs > sms:
+		return fmt.Errorf("%w: CTAs %d not in [1, %d] (the device's SM count)", ErrInvalidOption, l.CTAs, sms)
+	case l.Threads < 32 || l.Threads > maxThreads || l.Threads%32 != 0:
+		return fmt.Errorf("%w: Threads %d is not a multiple of 32 in [32, %d]", ErrInvalidOption, l.Threads, maxThreads)
+	case l.Kernel != DefaultCopyKernel && l.Kernel != StreamingCopyKernel && l.Kernel != SysFenceCopyKernel:
+		return fmt.Errorf("%w: CopyKernel %q is not %q, %q or %q", ErrInvalidOption, l.Kernel, DefaultCopyKernel, StreamingCopyKernel, SysFenceCopyKernel)
+	case l.Kernel != SysFenceCopyKernel && l.FenceBytes != 0:
+		return fmt.Errorf("%w: FenceBytes %d is only for CopyKernel %q, not the %v kernel %q", ErrInvalidOption, l.FenceBytes, SysFenceCopyKernel, dir, l.Kernel)
+	case l.Kernel != SysFenceCopyKernel && l.PaceGBps != 0:
+		return fmt.Errorf("%w: PaceGBps %v is only for CopyKernel %q, not the %v kernel %q", ErrInvalidOption, l.PaceGBps, SysFenceCopyKernel, dir, l.Kernel)
+	case l.FenceBytes < 0 || l.FenceBytes%FenceUnit != 0 || l.FenceBytes > 1<<30:
+		return fmt.Errorf("%w: FenceBytes %d is not a multiple of %d in [0, %d]", ErrInvalidOption, l.FenceBytes, FenceUnit, 1<<30)
+	case !(l.PaceGBps >= 0 && l.PaceGBps <= maxPaceGBps):
+		return fmt.Errorf("%w: PaceGBps %v not in [0, %d]", ErrInvalidOption, l.PaceGBps, maxPaceGBps)
+	}
+	return nil
 }
 
 // Copy kernels of kernels.cu.
@@ -109,18 +206,12 @@ const (
 // (32 lanes × 8 loads of 16 bytes): kvo_copy_sys counts fences in these.
 const FenceUnit = 4096
 
-// DefaultFenceBytes is Options.FenceBytes when left 0 with
-// SysFenceCopyKernel.
-const DefaultFenceBytes = 4 * FenceUnit
+// DefaultFenceBytes is the fence interval of a SysFenceCopyKernel launch
+// that Options.CopyKernel asks for without FenceBytes.
+const DefaultFenceBytes = 3 * FenceUnit
 
 func (o *Options) withDefaults() Options {
 	r := *o
-	if r.CTAs == 0 {
-		r.CTAs = DefaultCTAs
-	}
-	if r.Threads == 0 {
-		r.Threads = DefaultThreads
-	}
 	if r.ChunkBytes == 0 {
 		r.ChunkBytes = DefaultChunkBytes
 	}
@@ -132,12 +223,6 @@ func (o *Options) withDefaults() Options {
 	}
 	if r.BatchMax == 0 {
 		r.BatchMax = DefaultBatchMax
-	}
-	if r.CopyKernel == "" {
-		r.CopyKernel = DefaultCopyKernel
-	}
-	if r.CopyKernel == SysFenceCopyKernel && r.FenceBytes == 0 {
-		r.FenceBytes = DefaultFenceBytes
 	}
 	if r.DMAMargin == 0 {
 		r.DMAMargin = DefaultDMAMargin
@@ -153,10 +238,6 @@ func (o *Options) validate(sms int) error {
 	switch {
 	case !o.Method.valid():
 		return fmt.Errorf("%w: Method %d", ErrInvalidOption, int(o.Method))
-	case o.CTAs < 1 || o.CTAs > sms:
-		return fmt.Errorf("%w: CTAs %d not in [1, %d] (the device's SM count)", ErrInvalidOption, o.CTAs, sms)
-	case o.Threads < 32 || o.Threads > maxThreads || o.Threads%32 != 0:
-		return fmt.Errorf("%w: Threads %d is not a multiple of 32 in [32, %d]", ErrInvalidOption, o.Threads, maxThreads)
 	case o.ChunkBytes < MinChunkBytes || o.ChunkBytes%kernelAlign != 0:
 		return fmt.Errorf("%w: ChunkBytes %d is not a multiple of %d of at least %d", ErrInvalidOption, o.ChunkBytes, kernelAlign, MinChunkBytes)
 	case o.DescCapacity < 1 || o.DescCapacity > 1<<24:
@@ -167,16 +248,16 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
 	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
 		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
-	case o.CopyKernel != DefaultCopyKernel && o.CopyKernel != StreamingCopyKernel && o.CopyKernel != SysFenceCopyKernel:
-		return fmt.Errorf("%w: CopyKernel %q is not %q, %q or %q", ErrInvalidOption, o.CopyKernel, DefaultCopyKernel, StreamingCopyKernel, SysFenceCopyKernel)
-	case o.CopyKernel != SysFenceCopyKernel && o.FenceBytes != 0:
-		return fmt.Errorf("%w: FenceBytes %d is only for CopyKernel %q, not %q", ErrInvalidOption, o.FenceBytes, SysFenceCopyKernel, o.CopyKernel)
-	case o.FenceBytes < 0 || o.FenceBytes%FenceUnit != 0 || o.FenceBytes > 1<<30:
-		return fmt.Errorf("%w: FenceBytes %d is not a multiple of %d in [0, %d]", ErrInvalidOption, o.FenceBytes, FenceUnit, 1<<30)
-	case o.CopyKernel != SysFenceCopyKernel && o.PaceGBps != 0:
-		return fmt.Errorf("%w: PaceGBps %v is only for CopyKernel %q, not %q", ErrInvalidOption, o.PaceGBps, SysFenceCopyKernel, o.CopyKernel)
-	case !(o.PaceGBps >= 0 && o.PaceGBps <= maxPaceGBps):
-		return fmt.Errorf("%w: PaceGBps %v not in [0, %d]", ErrInvalidOption, o.PaceGBps, maxPaceGBps)
+	}
+	for _, dir := range []Direction{D2H, H2D} {
+		if err := o.launch(dir).validate(dir, sms); err != nil {
+			return err
+		}
+	}
+	if o.FenceBytes != 0 || o.PaceGBps != 0 {
+		if k := o.launch(D2H).Kernel; k != SysFenceCopyKernel {
+			return fmt.Errorf("%w: FenceBytes %d and PaceGBps %v are only for CopyKernel %q, not %q", ErrInvalidOption, o.FenceBytes, o.PaceGBps, SysFenceCopyKernel, k)
+		}
 	}
 	if o.Calibration != nil {
 		if err := o.Calibration.Validate(); err != nil {
@@ -197,8 +278,10 @@ type Capabilities struct {
 	// the kernel uses registered host pointers as they are.
 	HostPointerIdentity bool `json:"host_pointer_identity"`
 	SMs                 int  `json:"sms"`
-	CTAs                int  `json:"ctas"`
-	Threads             int  `json:"threads"`
+	// D2H and H2D are the copy kernel's launch per direction (D2D copies,
+	// fills and checksums launch like H2D).
+	D2H Launch `json:"d2h"`
+	H2D Launch `json:"h2d"`
 }
 
 // Ticket identifies the descriptor buffers of one Submit (or Fill or
@@ -207,6 +290,12 @@ type Capabilities struct {
 type Ticket struct {
 	idx int32 // record index + 1; 0 = holds nothing
 	gen uint32
+}
+
+// launchFn is a Launch with its kernel's function once the module loaded.
+type launchFn struct {
+	Launch
+	fn cuda.Function
 }
 
 // Holds reports whether the ticket holds descriptor buffers.
@@ -237,8 +326,10 @@ type Copier struct {
 	caps     Capabilities
 	identity bool
 
-	mod                    cuda.Module
-	fnCopy, fnFill, fnCsum cuda.Function
+	mod cuda.Module
+	// d2h and h2d are the resolved copy launches (D2D takes h2d); fill and
+	// csum launch kvo_fill and kvo_checksum on h2d's grid.
+	d2h, h2d, fill, csum launchFn
 
 	chooser atomic.Pointer[chooser]
 	hosts   atomic.Pointer[hostTable] // copy-on-write; nil entries never
@@ -281,10 +372,13 @@ func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
 			Batch:               drv.HasMemcpyBatch(),
 			HostPointerIdentity: ident == 1,
 			SMs:                 sms,
-			CTAs:                o.CTAs,
-			Threads:             o.Threads,
+			D2H:                 o.launch(D2H),
+			H2D:                 o.launch(H2D),
 		},
 	}
+	c.d2h.Launch, c.h2d.Launch = c.caps.D2H, c.caps.H2D
+	c.fill.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_fill"}
+	c.csum.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_checksum"}
 	c.hosts.Store(&hostTable{})
 	c.batchPool.New = func() any {
 		s := make([]cuda.BatchCopy, o.BatchMax)
@@ -325,13 +419,9 @@ func (c *Copier) loadModule() error {
 	if err != nil {
 		return fmt.Errorf("%w: loading the PTX module: %w", ErrUnavailable, err)
 	}
-	fns := [...]struct {
-		name string
-		fn   *cuda.Function
-	}{{c.opts.CopyKernel, &c.fnCopy}, {"kvo_fill", &c.fnFill}, {"kvo_checksum", &c.fnCsum}}
-	for _, f := range fns {
-		if *f.fn, err = c.drv.ModuleGetFunction(mod, f.name); err != nil {
-			return errors.Join(fmt.Errorf("%w: kernel %s: %w", ErrUnavailable, f.name, err), c.drv.ModuleUnload(mod))
+	for _, l := range []*launchFn{&c.d2h, &c.h2d, &c.fill, &c.csum} {
+		if l.fn, err = c.drv.ModuleGetFunction(mod, l.Kernel); err != nil {
+			return errors.Join(fmt.Errorf("%w: kernel %s: %w", ErrUnavailable, l.Kernel, err), c.drv.ModuleUnload(mod))
 		}
 	}
 	c.mod = mod
@@ -494,11 +584,13 @@ func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Meth
 		hostSrc: dir == H2D,
 		hostDst: dir == D2H,
 	}
+	l := &c.h2d
 	if dir == D2H {
-		ck.fenceIters = uint64(c.opts.FenceBytes / FenceUnit)
-		ck.paceGBps = c.opts.PaceGBps
+		l = &c.d2h
+		ck.fenceIters = uint64(l.FenceBytes / FenceUnit)
+		ck.paceGBps = l.PaceGBps
 	}
-	return c.launch(s, &ck, c.fnCopy, 0)
+	return c.launch(s, &ck, l, 0)
 }
 
 func (c *Copier) checkOpen() error {
@@ -598,7 +690,7 @@ func (c *Copier) endRec(i int32) {
 // fn. For kvo_fill extra is the spin count; for kvo_checksum the output
 // array's address (advanced by 8 bytes per descriptor of earlier launches);
 // kvo_copy_sys also gets the chunker's fence interval and pace.
-func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint64) (Ticket, error) {
+func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (Ticket, error) {
 	if !c.caps.Kernel {
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
 	}
@@ -611,12 +703,12 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint
 	if err != nil {
 		return Ticket{}, err
 	}
-	warpsPerCTA := c.opts.Threads / 32
+	warpsPerCTA := l.Threads / 32
 	done := 0
 	for i, b := range rec.bufs {
 		n, err := ck.next(b.table)
 		if err == nil {
-			err = c.enqueue(s, b, fn, ck, n, extra, done, warpsPerCTA)
+			err = c.enqueue(s, b, l, ck, n, extra, done, warpsPerCTA)
 		}
 		if err != nil {
 			// Buffer i's upload may have been enqueued: withdraw it too.
@@ -628,14 +720,14 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, fn cuda.Function, extra uint
 	return t, nil
 }
 
-func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, ck *chunker, n int, extra uint64, done, warpsPerCTA int) error {
+func (c *Copier) enqueue(s cuda.Stream, b *descBuf, l *launchFn, ck *chunker, n int, extra uint64, done, warpsPerCTA int) error {
 	host := cuda.DevicePtr(uintptr(b.host))
 	if err := c.drv.MemcpyAsync(b.dev, host, uint64(n)*descSize, s); err != nil {
 		return fmt.Errorf("cudacopy: uploading %d descriptors: %w", n, err)
 	}
 	binary.LittleEndian.PutUint32(b.args[1], uint32(n))
 	args := b.args[:2]
-	grid := uint32(min(c.opts.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
+	grid := uint32(min(l.CTAs, (n+warpsPerCTA-1)/warpsPerCTA))
 	switch ck.kind {
 	case jobFill:
 		binary.LittleEndian.PutUint64(b.args[2], extra)
@@ -644,13 +736,13 @@ func (c *Copier) enqueue(s cuda.Stream, b *descBuf, fn cuda.Function, ck *chunke
 		binary.LittleEndian.PutUint64(b.args[2], extra+uint64(done)*8)
 		args = b.args[:3]
 	case jobCopy:
-		if c.opts.CopyKernel == SysFenceCopyKernel {
+		if l.Kernel == SysFenceCopyKernel {
 			binary.LittleEndian.PutUint64(b.args[2], ck.fenceIters)
 			binary.LittleEndian.PutUint64(b.args[3], paceNs(ck.paceGBps, min(int(grid)*warpsPerCTA, n)))
 			args = b.args[:4]
 		}
 	}
-	err := c.drv.LaunchKernel(fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(c.opts.Threads), Y: 1, Z: 1}, 0, s, args...)
+	err := c.drv.LaunchKernel(l.fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(l.Threads), Y: 1, Z: 1}, 0, s, args...)
 	if err != nil {
 		return fmt.Errorf("cudacopy: launching %d descriptors on %d CTAs: %w", n, grid, err)
 	}
@@ -695,7 +787,7 @@ func (c *Copier) Fill(s cuda.Stream, segs []FillSegment, spinCycles uint64) (Tic
 		}
 	}
 	ck := chunker{kind: jobFill, fills: segs, chunk: uint64(c.opts.ChunkBytes), host: c.hostTableForKernel()}
-	return c.launch(s, &ck, c.fnFill, spinCycles)
+	return c.launch(s, &ck, &c.fill, spinCycles)
 }
 
 // Checksum writes the checksum of span i (HostChecksum of its bytes) into
@@ -722,7 +814,7 @@ func (c *Copier) Checksum(s cuda.Stream, spans []Span, out cuda.DevicePtr) (Tick
 			out = cuda.DevicePtr(d)
 		}
 	}
-	return c.launch(s, &ck, c.fnCsum, uint64(out))
+	return c.launch(s, &ck, &c.csum, uint64(out))
 }
 
 // Close frees the descriptor buffers and unloads the module. The streams

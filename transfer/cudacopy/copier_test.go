@@ -173,11 +173,12 @@ func TestSysFenceKernelFake(t *testing.T) {
 	for _, tc := range []struct {
 		fence, want int
 		pace        float64
-	}{{0, DefaultFenceBytes / FenceUnit, 0}, {3 * FenceUnit, 3, 8.192}} {
+	}{{0, DefaultFenceBytes / FenceUnit, 0}, {5 * FenceUnit, 5, 8.192}} {
 		// 2 CTAs of 2 warps, 7 descriptors per launch: every launch but
 		// the last runs 4 warps, each at a quarter of the pace.
 		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: SysFenceCopyKernel, FenceBytes: tc.fence, PaceGBps: tc.pace, PTX: fakePTX, DescCapacity: 7, CTAs: 2, Threads: 64})
-		require.Equal(t, tc.want*FenceUnit, c.Options().FenceBytes)
+		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: SysFenceCopyKernel, FenceBytes: tc.want * FenceUnit, PaceGBps: tc.pace}, c.Capabilities().D2H)
+		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: SysFenceCopyKernel}, c.Capabilities().H2D)
 		rec.args = nil
 		l := layerSeparate(3, 4, 16<<10)
 		n := l.bytes()
@@ -311,10 +312,11 @@ func TestNewErrors(t *testing.T) {
 		{"chunk misaligned", Options{ChunkBytes: 4100, PTX: fakePTX}, ErrInvalidOption},
 		{"bad method", Options{Method: 9}, ErrInvalidOption},
 		{"unknown copy kernel", Options{CopyKernel: "kvo_memcpy", PTX: fakePTX}, ErrInvalidOption},
-		{"fence bytes with another kernel", Options{FenceBytes: FenceUnit, PTX: fakePTX}, ErrInvalidOption},
+		{"fence bytes with another kernel", Options{CopyKernel: DefaultCopyKernel, FenceBytes: FenceUnit, PTX: fakePTX}, ErrInvalidOption},
+		{"fence bytes with the greedy D2H launch", Options{GreedyD2H: true, FenceBytes: FenceUnit, PTX: fakePTX}, ErrInvalidOption},
 		{"fence bytes not a unit multiple", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit + 16, PTX: fakePTX}, ErrInvalidOption},
 		{"negative fence bytes", Options{CopyKernel: SysFenceCopyKernel, FenceBytes: -FenceUnit, PTX: fakePTX}, ErrInvalidOption},
-		{"pace with another kernel", Options{PaceGBps: 50, PTX: fakePTX}, ErrInvalidOption},
+		{"pace with another kernel", Options{CopyKernel: StreamingCopyKernel, PaceGBps: 50, PTX: fakePTX}, ErrInvalidOption},
 		{"negative pace", Options{CopyKernel: SysFenceCopyKernel, PaceGBps: -1, PTX: fakePTX}, ErrInvalidOption},
 		{"NaN pace", Options{CopyKernel: SysFenceCopyKernel, PaceGBps: math.NaN(), PTX: fakePTX}, ErrInvalidOption},
 		{"streaming kernel absent from the PTX", Options{Method: MethodKernel, CopyKernel: StreamingCopyKernel, PTX: fakePTX}, ErrUnavailable},

@@ -5,9 +5,13 @@
 //   - memcpy: one cuMemcpyAsync per segment (always available; the fallback);
 //   - batch: cuMemcpyBatchAsync (drivers ≥ 12.8), up to Options.BatchMax
 //     copies per call;
-//   - kernel: kvo_copy from kernels.cu, compiled to PTX for compute_80 and
-//     embedded (see PTX), on a bounded grid (Options.CTAs, default 8) so the
-//     model's kernels keep the rest of the GPU. Each segment is split into
+//   - kernel: kvo_copy (H2D) and kvo_copy_sys (D2H) from kernels.cu,
+//     compiled to PTX for compute_80 and embedded (see PTX), on a bounded
+//     grid (4 CTAs × 256 threads by default, see DefaultLaunch) so the
+//     model's kernels keep the rest of the GPU. D2H launches fence every
+//     12 KiB per warp: posted stores to host memory, unbounded, back up
+//     behind the link and hold up every other SM's memory traffic (an sgemm
+//     beside them ran up to 3.6 times slower). Each segment is split into
 //     chunks of at most Options.ChunkBytes; one warp copies one chunk with
 //     16-byte accesses, several loads in flight per lane. Host memory is
 //     addressed through its registered pointer where the device allows it

@@ -115,6 +115,6 @@ func TestGPUCalibrate(t *testing.T) {
 	took := time.Since(start)
 	require.NoError(t, err)
 	require.NoError(t, cal.Validate())
-	t.Logf("calibration in %v (%d CTAs, pipelines of a lead and up to %d Submits of up to %s, in %s buffers):\n%s",
-		took.Round(time.Millisecond), cal.CTAs, cal.Pieces, FormatBytes(cal.PieceBytes), FormatBytes(cal.TotalBytes), cal.Markdown())
+	t.Logf("calibration in %v (D2H %v, H2D %v, pipelines of a lead and up to %d Submits of up to %s, in %s buffers):\n%s",
+		took.Round(time.Millisecond), cal.D2H, cal.H2D, cal.Pieces, FormatBytes(cal.PieceBytes), FormatBytes(cal.TotalBytes), cal.Markdown())
 }
