@@ -22,8 +22,14 @@ type engineHooks struct {
 	loadDriver func() (cuda.Driver, error)
 	sys        *system
 	tracker    *transfer.Tracker
-	// beforeGrow runs on the growth goroutine before it pins plan[i].
+	// beforeGrow runs on the growth thread before it registers plan[i]
+	// (prefetched: mapped and prefaulted), after the pause check.
 	beforeGrow func(i int)
+	// growStep runs in the growth stages at the steps growStep names, with
+	// the region's plan index and mapping; a non-nil error fails that step
+	// as the step's own failure would (stepPrefault, stepPrefaulted: the
+	// prefetch; stepCache: kvcache AddRegion).
+	growStep func(i int, s growStep, r *mmapmem.Region) error
 	// rangeLimit is the CUDA pinner's registration range limit (0: 64 GiB).
 	rangeLimit int64
 	// copyOptions configure the CUDA copy method.
@@ -206,40 +212,101 @@ func (e *Engine) addDeviceRanges() error {
 	return nil
 }
 
+// regionOptions are the mmapmem options of every region: mapped untouched
+// (DeferPrefault), prefaulted afterwards by the engine or, on CUDA for a
+// region registered without being prefetched, by the pinner range by range.
+func (e *Engine) regionOptions() mmapmem.Options {
+	return mmapmem.Options{NoTHP: e.cfg.HugePages == HugePagesNone, HugeTLB: e.cfg.HugePages == HugePagesHugeTLB,
+		PrefaultThreads: e.cfg.PrefaultThreads, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0), DeferPrefault: true}
+}
+
 // mapRegion maps, prefaults and pins size bytes and makes them known to
-// the copy layer. On error nothing of it is left mapped or pinned.
+// the copy layer, on the calling goroutine (New: the staging region and
+// the first pool region). On error nothing of it is left mapped or pinned.
 func (e *Engine) mapRegion(size int64, pool bool) (*poolRegion, error) {
 	t0 := time.Now()
-	steps := &e.stats.steps
-	if !pool {
-		steps = nil
-	}
-	// On CUDA the region is mapped without touching it: the pinner then
-	// prefaults each registration range while registering the one before
-	// (register's pipelined path), so end-to-end time approaches the larger
-	// of the two instead of their sum.
-	opts := mmapmem.Options{NoTHP: e.cfg.HugePages == HugePagesNone, HugeTLB: e.cfg.HugePages == HugePagesHugeTLB,
-		PrefaultThreads: e.cfg.PrefaultThreads, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0),
-		DeferPrefault: e.pinner != nil}
-	r, err := mmapmem.New(size, opts)
+	r, err := mmapmem.New(size, e.regionOptions())
 	if err != nil {
 		return nil, err
 	}
-	t1 := time.Now()
 	pr := &poolRegion{r: r}
-	if err := e.pinRegion(pr); err != nil {
-		e.unmapRegion(pr)
+	t1 := time.Now()
+	// On CUDA the region stays untouched: the pinner prefaults each
+	// registration range while registering the one before (register's
+	// pipelined path), so the whole takes about the larger of the two
+	// instead of their sum. The host backend has nothing to overlap the
+	// prefault with.
+	if e.pinner == nil {
+		if err := r.Prefault(0, r.Mapped()); err != nil {
+			e.unmapRegion(pr)
+			return nil, fmt.Errorf("offload: prefaulting a region of %d bytes: %w", size, err)
+		}
+	}
+	e.recordMapped(pool, t0, t1)
+	if err := e.pinMapped(pr, pool); err != nil {
 		return nil, err
 	}
-	t2 := time.Now()
+	return pr, nil
+}
+
+// prefetchRegion maps pool region i of size bytes and prefaults it whole on
+// its prefault threads: the prefetch stage of background growth, which
+// needs no CUDA context. The region is then resident, so registering it
+// prefaults nothing again (mmapmem.Region.Deferred is false). On error
+// nothing of it is left mapped.
+func (e *Engine) prefetchRegion(i int, size int64) (*poolRegion, error) {
+	t0 := time.Now()
+	r, err := mmapmem.New(size, e.regionOptions())
+	if err != nil {
+		return nil, fmt.Errorf("offload: mapping pool region %d (%d bytes): %w", i, size, err)
+	}
+	pr := &poolRegion{r: r}
+	t1 := time.Now()
+	err = e.step(i, stepPrefault, r)
+	if err == nil {
+		err = r.Prefault(0, r.Mapped())
+	}
+	if err == nil {
+		err = e.step(i, stepPrefaulted, r)
+	}
+	if err != nil {
+		e.unmapRegion(pr)
+		return nil, fmt.Errorf("offload: prefaulting pool region %d (%d bytes): %w", i, size, err)
+	}
+	e.recordMapped(true, t0, t1)
+	return pr, nil
+}
+
+// recordMapped adds the map (t0 to t1) and prefault (t1 to now) times of a
+// region to the counters, and to the growth steps for a pool region.
+func (e *Engine) recordMapped(pool bool, t0, t1 time.Time) {
+	now := time.Now()
+	e.stats.pinNanos.Add(int64(now.Sub(t0)))
+	if pool {
+		e.stats.steps.mapNanos.Add(int64(t1.Sub(t0)))
+		e.stats.steps.prefaultNanos.Add(int64(now.Sub(t1)))
+	}
+}
+
+// pinMapped pins a mapped region, tells the scheduler its host ranges and
+// declares it live to the gating tracker (pool regions). On error it
+// unmaps the region: nothing of it is left mapped or pinned.
+func (e *Engine) pinMapped(pr *poolRegion, pool bool) error {
+	t0 := time.Now()
+	if err := e.pinRegion(pr); err != nil {
+		e.unmapRegion(pr)
+		return err
+	}
+	t1 := time.Now()
 	// One scheduler host range per registration range, so that copies are
 	// never coalesced across two registrations.
 	// On CUDA the copier may look up each range's device pointer, on a
 	// thread with the context current.
+	size := uint64(pr.r.Len())
 	starts := append([]uint64{0}, pr.rangeStarts...)
-	err = e.onThread(func() error {
+	err := e.onThread(func() error {
 		for i, off := range starts {
-			end := uint64(size)
+			end := size
 			if i+1 < len(starts) {
 				end = starts[i+1]
 			}
@@ -250,25 +317,21 @@ func (e *Engine) mapRegion(size int64, pool bool) (*poolRegion, error) {
 		}
 		return nil
 	})
+	if err == nil && pool && e.tracker != nil {
+		if err = e.tracker.Live(pr.host, size); err == nil {
+			pr.tracked = true
+		}
+	}
 	if err != nil {
 		e.unmapRegion(pr)
-		return nil, err
+		return fmt.Errorf("offload: host ranges of a region of %d bytes: %w", size, err)
 	}
-	if pool && e.tracker != nil {
-		if err := e.tracker.Live(pr.host, uint64(size)); err != nil {
-			e.unmapRegion(pr)
-			return nil, err
-		}
-		pr.tracked = true
-	}
-	e.stats.pinCalls.Add(1)
 	e.stats.pinNanos.Add(int64(time.Since(t0)))
-	if steps != nil {
-		steps.mapNanos.Add(int64(t1.Sub(t0)))
-		steps.pinNanos.Add(int64(t2.Sub(t1)))
-		steps.hostRangeNanos.Add(int64(time.Since(t2)))
+	if pool {
+		e.stats.steps.pinNanos.Add(int64(t1.Sub(t0)))
+		e.stats.steps.hostRangeNanos.Add(int64(time.Since(t1)))
 	}
-	return pr, nil
+	return nil
 }
 
 // pinRegion pins a mapped region: cuMemHostRegister in ≤ 64 GiB ranges on
@@ -281,6 +344,7 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 			return fmt.Errorf("offload: pinning a region of %d bytes: %w", r.Len(), err)
 		}
 		pr.pinned = true
+		e.stats.pinCalls.Add(1)
 		pr.host = uint64(r.Addr())
 		for _, rg := range e.pinner.Ranges(r)[1:] {
 			pr.rangeStarts = append(pr.rangeStarts, uint64(rg.Off))
@@ -299,6 +363,7 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 	}
 	pr.host = host
 	pr.pinned = true
+	e.stats.pinCalls.Add(1)
 	return nil
 }
 
@@ -318,12 +383,12 @@ func (e *Engine) unmapRegion(pr *poolRegion) {
 		} else {
 			_ = e.sim.sim.UnregisterHost(pr.host)
 		}
+		e.stats.unpinCalls.Add(1)
 	}
 	if pr.mlock {
 		_ = unix.Munlock(pr.r.Bytes())
 	}
 	_ = pr.r.Close()
-	e.stats.unpinCalls.Add(1)
 	e.stats.unpinNanos.Add(int64(time.Since(t0)))
 }
 
@@ -347,12 +412,19 @@ func (e *Engine) zeroSlot(s kvcache.Slot) {
 	}
 }
 
-// addRegion maps one pool region and hands it to the cache.
+// addRegion maps and pins one pool region and hands it to the cache, on
+// the calling goroutine (New's first region).
 func (e *Engine) addRegion(size int64) error {
 	pr, err := e.mapRegion(size, true)
 	if err != nil {
 		return err
 	}
+	return e.publishRegion(pr)
+}
+
+// publishRegion hands a pinned pool region to the cache and counts it as
+// owned. On error the region is unpinned and unmapped.
+func (e *Engine) publishRegion(pr *poolRegion) error {
 	e.memMu.Lock()
 	e.nextID++
 	pr.id = e.nextID
@@ -361,6 +433,7 @@ func (e *Engine) addRegion(size int64) error {
 		e.slotMem.Store(pr.id, pr.r.Bytes())
 	}
 	t0 := time.Now()
+	size := pr.r.Len()
 	if _, err := e.cache.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size), RangeStarts: pr.rangeStarts}); err != nil {
 		e.unmapRegion(pr)
 		return err
@@ -373,50 +446,260 @@ func (e *Engine) addRegion(size int64) error {
 	return nil
 }
 
-// grow pins the rest of the pool, one region at a time, on a goroutine
-// locked to its OS thread (never unlocked: the thread, with its CUDA state,
-// exits with the goroutine).
+// growStep names a point of background growth that engineHooks.growStep
+// observes.
+type growStep int
+
+const (
+	// stepPrefault: the prefetch stage mapped the region and is about to
+	// prefault it.
+	stepPrefault growStep = iota
+	// stepPrefaulted: the prefetch stage prefaulted the region and is about
+	// to hand it to the growth thread.
+	stepPrefaulted
+	// stepCache: the publish stage is about to add the pinned region to
+	// the cache.
+	stepCache
+)
+
+// step runs the growStep hook, if any.
+func (e *Engine) step(i int, s growStep, r *mmapmem.Region) error {
+	if e.hooks.growStep == nil {
+		return nil
+	}
+	return e.hooks.growStep(i, s, r)
+}
+
+// growItem is a pool region (plan index i) passed between growth stages,
+// or the error that stopped the stage before it.
+type growItem struct {
+	i   int
+	pr  *poolRegion
+	err error
+}
+
+// growth is the state the stages of one background growth share; the
+// fields are guarded by the engine's growMu.
+type growth struct {
+	e *Engine
+	// ready is the region the prefetch stage hands to the growth thread
+	// (nil: none waiting).
+	ready *growItem
+	// prefetching: the prefetch stage is mapping or prefaulting a region.
+	prefetching bool
+	// prefetchDone: the prefetch stage has ended; pinDone: the growth
+	// thread has stopped taking regions.
+	prefetchDone, pinDone bool
+	// calibrated: the growth thread has run the copy-method calibration.
+	calibrated bool
+}
+
+// grow adds plan[1:] to the pool in a pipeline of three stages, each on a
+// goroutine of its own and each taking the regions in plan order, so that
+// the steps of neighbouring regions overlap:
+//
+//   - prefetch maps region i+1 and prefaults it whole on its prefault
+//     threads (CPU work, no driver call),
+//   - this goroutine, locked to its OS thread with the CUDA context current
+//     (never unlocked: the thread, with its CUDA state, exits with the
+//     goroutine), registers region i and tells the scheduler its host
+//     ranges,
+//   - publish adds region i-1 to the cache (kvcache AddRegion, under the
+//     cache's lock) and counts it as owned, then runs the automatic trim;
+//     the last publication stamps Stats.FullPool.
+//
+// Each stage hands its region to the next one at a time (a region is
+// handed over only once the previous one was taken), so at most one region
+// is prefetched ahead of the one registering, and one registered region
+// waits for publication. The first error of any stage
+// stops growth: later regions are dropped (unpinned and unmapped), earlier
+// ones still join, and WaitGrown reports the error. PauseGrowth stops the
+// growth thread from taking another region to register, and the prefetch
+// stage from mapping another (the one it prefetched meanwhile is held).
+// Once the stages have ended (the
+// pool grown, or growth stopped by an error) the copy methods are
+// calibrated, on this thread, with no prefault competing for the CPUs;
+// only then does WaitGrown return.
 func (e *Engine) grow() {
 	defer e.wg.Done()
 	runtime.LockOSThread()
 	if err := e.initGrowThread(); err != nil {
-		e.growMu.Lock()
-		e.growErr, e.growDone = err, true
-		e.growCond.Broadcast()
-		e.growMu.Unlock()
+		e.growFailed(err)
+		e.endGrowth()
 		return
 	}
+	g := &growth{e: e}
+	pinned := make(chan growItem)
+	var stages sync.WaitGroup
+	stages.Go(g.prefetch)
+	stages.Go(func() { g.publish(pinned) })
+	for {
+		it, ok := g.next()
+		if !ok {
+			break
+		}
+		if it.err != nil {
+			e.growFailed(it.err)
+			break
+		}
+		if e.hooks.beforeGrow != nil {
+			e.hooks.beforeGrow(it.i)
+		}
+		if err := e.pinMapped(it.pr, true); err != nil {
+			e.growFailed(err)
+			break
+		}
+		pinned <- it
+	}
 	e.growMu.Lock()
-	stop := e.stopGrow
+	g.pinDone = true
+	held := g.ready
+	g.ready = nil
+	e.growCond.Broadcast()
 	e.growMu.Unlock()
-	if !stop {
+	if held != nil && held.pr != nil {
+		e.unmapRegion(held.pr)
+	}
+	close(pinned)
+	stages.Wait()
+	e.growMu.Lock()
+	calibrate := !e.stopGrow && !g.calibrated
+	e.growMu.Unlock()
+	if calibrate {
 		e.calibrate()
 	}
-	for {
+	e.endGrowth()
+}
+
+// stoppedLocked reports whether growth must stop: Close, or an error in
+// any stage. The caller holds growMu.
+func (e *Engine) stoppedLocked() bool { return e.stopGrow || e.growErr != nil }
+
+// growFailed records the first error of background growth and wakes every
+// stage waiting on growCond, so that they stop.
+func (e *Engine) growFailed(err error) {
+	e.growMu.Lock()
+	if e.growErr == nil {
+		e.growErr = err
+	}
+	e.growCond.Broadcast()
+	e.growMu.Unlock()
+}
+
+// endGrowth marks background growth finished, for WaitGrown.
+func (e *Engine) endGrowth() {
+	e.growMu.Lock()
+	e.growDone = true
+	e.growCond.Broadcast()
+	e.growMu.Unlock()
+}
+
+// next waits for the next region to register, and reports false when
+// there is none (the plan done, or growth stopped). While growth is paused
+// it takes none: a region the prefetch stage hands over meanwhile is held
+// until growth resumes. While paused, once the prefetch stage is idle, it
+// runs the copy-method calibration (if not done yet), so that a long pause
+// does not leave the copier uncalibrated.
+func (g *growth) next() (growItem, bool) {
+	e := g.e
+	e.growMu.Lock()
+	defer e.growMu.Unlock()
+	for !e.stoppedLocked() {
+		switch {
+		case e.paused && !g.calibrated && !g.prefetching:
+			g.calibrated = true
+			e.growMu.Unlock()
+			e.calibrate()
+			e.growMu.Lock()
+			continue
+		case e.paused:
+		case g.ready != nil:
+			it := *g.ready
+			g.ready = nil
+			e.growCond.Broadcast()
+			return it, true
+		case g.prefetchDone:
+			return growItem{}, false
+		}
+		e.growCond.Wait()
+	}
+	return growItem{}, false
+}
+
+// prefetch is the first growth stage: it maps and prefaults plan[1:] in
+// order, each region handed to the growth thread (through g.ready) before
+// the next starts, and starts none while growth is paused. It ends when
+// the plan is done, growth stops, or the growth thread has stopped taking
+// regions; a region it cannot hand over then is unmapped.
+func (g *growth) prefetch() {
+	e := g.e
+	defer func() {
 		e.growMu.Lock()
-		for e.paused && !e.stopGrow {
+		g.prefetchDone = true
+		e.growCond.Broadcast()
+		e.growMu.Unlock()
+	}()
+	for i := 1; i < len(e.plan); i++ {
+		e.growMu.Lock()
+		for e.paused && !e.stoppedLocked() {
 			e.growCond.Wait()
 		}
-		if e.stopGrow || e.nextRegion >= len(e.plan) {
-			e.growDone = true
-			e.growCond.Broadcast()
+		if e.stoppedLocked() {
 			e.growMu.Unlock()
 			return
 		}
-		size, i := e.plan[e.nextRegion], e.nextRegion
+		g.prefetching = true
 		e.growMu.Unlock()
-		if e.hooks.beforeGrow != nil {
-			e.hooks.beforeGrow(i)
-		}
-		err := e.addRegion(size)
+		pr, err := e.prefetchRegion(i, e.plan[i])
 		e.growMu.Lock()
-		if err != nil {
-			e.growErr = err
-			e.growDone = true
+		g.prefetching = false
+		e.growCond.Broadcast()
+		for g.ready != nil && !g.pinDone {
+			e.growCond.Wait()
+		}
+		gone := g.pinDone
+		if !gone {
+			g.ready = &growItem{i: i, pr: pr, err: err}
 			e.growCond.Broadcast()
-			e.growMu.Unlock()
+		}
+		e.growMu.Unlock()
+		if gone && pr != nil {
+			e.unmapRegion(pr)
+		}
+		if gone || err != nil {
 			return
 		}
+	}
+}
+
+// publish is the last growth stage: it adds the pinned regions to the cache
+// in order and counts them as owned; the last one stamps Stats.FullPool.
+// After Close or a failure of its own it unpins and unmaps what it gets
+// instead (a failure of a later region in an earlier stage does not stop
+// the regions before it from joining). It ends when in is closed.
+func (g *growth) publish(in <-chan growItem) {
+	e := g.e
+	failed := false
+	for it := range in {
+		e.growMu.Lock()
+		drop := failed || e.stopGrow
+		e.growMu.Unlock()
+		if drop {
+			e.unmapRegion(it.pr)
+			continue
+		}
+		err := e.step(it.i, stepCache, it.pr.r)
+		if err != nil {
+			e.unmapRegion(it.pr)
+		} else {
+			err = e.publishRegion(it.pr)
+		}
+		if err != nil {
+			failed = true
+			e.growFailed(fmt.Errorf("offload: adding pool region %d to the cache: %w", it.i, err))
+			continue
+		}
+		e.growMu.Lock()
 		e.nextRegion++
 		if e.nextRegion == len(e.plan) {
 			e.stats.fullPool.Store(int64(time.Since(e.start)))

@@ -36,8 +36,8 @@ func (e *Engine) openCUDA(c backendChoice) error {
 		return err
 	}
 	// The automatic choice of copy method is calibrated (172 ms on an
-	// H200, pool64.md) in the background once the first slots are usable; until then
-	// the copier uses its uncalibrated rule.
+	// H200, pool64.md) by the growth goroutine once the pool is grown;
+	// until then the copier uses its uncalibrated rule.
 	opts := e.hooks.copyOptions
 	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
 		opts.Calibration = &cudacopy.Calibration{}

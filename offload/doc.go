@@ -16,20 +16,27 @@
 //
 // What is pinned when: New maps and pins the staging region
 // (Config.StagingBytes) and the first pool region (Config.FirstRegionBytes),
-// then returns; the first slots are usable at that point. The rest of the
-// pool is mapped, prefaulted and pinned region by region
-// (Config.RegionBytes) by a background goroutine; stores simply find more
-// free slots as regions join. Stats.FirstSlot and Stats.FullPool report
-// the two times; PauseGrowth, ResumeGrowth and WaitGrown control and
-// observe growth. On CUDA the same goroutine first calibrates the choice of
-// copy method (Stats.CopyCalibration); copies issued before that use the
-// uncalibrated rule. If pinning a later region fails, growth stops
-// (WaitGrown returns the error, Stats.GrowthError says why) and the engine
-// keeps serving from the regions it has. On CUDA, pool regions are mapped
-// untouched and registered with cuMemHostRegister in ranges of about 2 GiB
-// (the largest multiple of the slot stride not above
+// then returns; the first slots are usable at that point. On CUDA these two
+// are mapped untouched and registered with cuMemHostRegister in ranges of
+// about 2 GiB (the largest multiple of the slot stride not above
 // register.DefaultPipelineChunk), range k+1 prefaulted while range k
-// registers; no slot straddles two ranges. The engine's own threads that call the driver (growth, copy
+// registers; no slot straddles two ranges. The rest of the pool
+// (Config.RegionBytes each) is added in the background by a pipeline of
+// three stages that each take the regions in order: one maps region i+1 and
+// prefaults it whole on its prefault threads, while the growth thread
+// registers region i (already resident, so in ranges of up to 64 GiB,
+// nothing prefaulted again) and a third stage adds region i-1 to the cache.
+// Stores simply find more free slots as regions join. Stats.FirstSlot and
+// Stats.FullPool report the two times, Stats.Growth the time of each step;
+// PauseGrowth, ResumeGrowth and WaitGrown control and observe growth. On
+// CUDA the growth thread calibrates the choice of copy method once growth
+// has ended (Stats.CopyCalibration), so that the calibration does not
+// delay the pool nor compete with its prefault for the CPUs; copies issued
+// before that use the uncalibrated rule. If a stage fails on a region
+// (prefault, registration, host ranges, cache), growth stops there: the
+// regions before it still join, that region and those after it are
+// released, WaitGrown returns the error, Stats.GrowthError says why, and
+// the engine keeps serving from the regions it has. The engine's own threads that call the driver (growth, copy
 // submission and completion) set CU_STREAM_CAPTURE_MODE_RELAXED, so a
 // graph capture in global mode on one of the stack's threads is not broken
 // by them.

@@ -54,7 +54,8 @@ type Engine struct {
 	cudaDev    *transfer.CUDA
 	stagingDev uint64 // device address of the staging region
 	// calibrateLater: the growth goroutine calibrates the copy methods
-	// first; calibration is what it reported.
+	// once growth has ended (or while it is paused); calibration is what
+	// it reported.
 	calibrateLater bool
 	calibration    atomic.Pointer[string]
 	ownSim         bool

@@ -11,8 +11,9 @@ import (
 )
 
 // TestGrowthSteps: the growth breakdown counts every pool region's steps,
-// not the staging region's, and the steps (sequential, inside New → full
-// pool) never add up to more than FullPool.
+// not the staging region's; each step is taken by one stage at a time, so
+// each step's sum stays within FullPool (their total may not: the stages
+// overlap).
 func TestGrowthSteps(t *testing.T) {
 	slot := int64(8 << 10)
 	e := newTestEngine(t, Config{PoolBytes: 64 * slot, FirstRegionBytes: 16 * slot, RegionBytes: 16 * slot,
@@ -21,10 +22,11 @@ func TestGrowthSteps(t *testing.T) {
 	require.NoError(t, e.WaitGrown(context.Background()))
 	st := e.Stats()
 	g := st.Growth
-	require.Positive(t, g.Map)
-	require.Positive(t, g.Pin)
-	require.Positive(t, g.Cache)
-	require.LessOrEqual(t, g.Sum(), st.FullPool)
+	for name, d := range map[string]time.Duration{"map": g.Map, "prefault": g.Prefault, "pin": g.Pin, "host ranges": g.HostRanges, "cache": g.Cache} {
+		require.Positive(t, d, name)
+		require.LessOrEqual(t, d, st.FullPool, name)
+	}
+	require.Equal(t, g.Map+g.Prefault+g.Pin+g.HostRanges+g.Cache, g.Sum())
 	require.EqualValues(t, 5, st.PinCalls, "4 pool regions and the staging region")
 }
 
@@ -32,8 +34,9 @@ func TestGrowthSteps(t *testing.T) {
 // prefault, registration with the simulation) of KVO_GROWTH_GIB GiB (default
 // 4; keep it within the machine's free memory) in 4 KiB slots, 256 MiB
 // regions after a 256 MiB first one, and reports the time of each growth
-// step per pool: map (mmap + prefault here), pin, host ranges, cache
-// (kvcache AddRegion), and the rest of New → full pool.
+// step per pool: map, prefault, pin, host ranges, cache (kvcache
+// AddRegion); the steps of neighbouring regions overlap, so their sum
+// (ms-steps) may exceed the wall time (ms-full-pool).
 func BenchmarkGrowth(b *testing.B) {
 	gib := int64(4)
 	if v := os.Getenv("KVO_GROWTH_GIB"); v != "" {
@@ -53,6 +56,7 @@ func BenchmarkGrowth(b *testing.B) {
 		st := e.Stats()
 		require.Equal(b, int64(4096), st.BlockBytes)
 		sum.Map += st.Growth.Map
+		sum.Prefault += st.Growth.Prefault
 		sum.Pin += st.Growth.Pin
 		sum.HostRanges += st.Growth.HostRanges
 		sum.Cache += st.Growth.Cache
@@ -65,10 +69,11 @@ func BenchmarkGrowth(b *testing.B) {
 	b.ReportMetric(ms(first), "ms-first-slot")
 	b.ReportMetric(ms(full), "ms-full-pool")
 	b.ReportMetric(ms(sum.Map), "ms-map")
+	b.ReportMetric(ms(sum.Prefault), "ms-prefault")
 	b.ReportMetric(ms(sum.Pin), "ms-pin")
 	b.ReportMetric(ms(sum.HostRanges), "ms-host-ranges")
 	b.ReportMetric(ms(sum.Cache), "ms-cache")
-	b.ReportMetric(ms(full-sum.Sum()), "ms-other")
+	b.ReportMetric(ms(sum.Sum()), "ms-steps")
 	b.ReportMetric(float64(cfg.PoolBytes)/(1<<30)/(ms(full)/1e3), "GiB/s")
 	b.Logf("%d GiB, %d slots: %+v", gib, cfg.PoolBytes/4096, sum)
 }

@@ -7,9 +7,11 @@ import (
 
 // New validates cfg, picks the backend, checks that the machine can hold
 // the pool, maps and pins the staging region and the first pool region, and
-// returns once the first slots are usable. The rest of the pool is mapped
-// and pinned by a background goroutine (see PauseGrowth, WaitGrown,
-// Stats.FullPool). On error nothing is left mapped, pinned or running.
+// returns once the first slots are usable. The rest of the pool is mapped,
+// prefaulted and pinned in the background, region by region in a pipeline
+// (region i+1 prefaulted while region i registers and region i-1 joins the
+// cache); see PauseGrowth, WaitGrown, Stats.FullPool and Stats.Growth. On
+// error nothing is left mapped, pinned or running.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
 }
@@ -49,7 +51,14 @@ func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
 
 // PauseGrowth stops background pinning after the region in progress (for a
 // caller that wants no pinning during its own graph capture; the engine's
-// relaxed capture mode makes that unnecessary). Idempotent.
+// relaxed capture mode makes that unnecessary). Idempotent. The region
+// being registered finishes and joins the pool. The region being
+// prefetched (mapped and prefaulted ahead of registration) finishes its
+// prefault and is held, mapped but not pinned, not counted in
+// Stats.OwnedBytes or Stats.Regions, until ResumeGrowth registers it or
+// Close unmaps it. No further region is mapped meanwhile.
+// If the copy methods are not calibrated yet, the growth thread calibrates
+// them during the pause.
 func (e *Engine) PauseGrowth() {
 	e.growMu.Lock()
 	e.paused = true
@@ -64,9 +73,10 @@ func (e *Engine) ResumeGrowth() {
 	e.growMu.Unlock()
 }
 
-// WaitGrown blocks until the whole pool is pinned, background growth
-// stopped on an error (returned), the engine is closed (ErrClosed), or ctx
-// ends.
+// WaitGrown blocks until background growth has ended: the whole pool
+// pinned, or growth stopped on an error (returned), and then, on CUDA, the
+// copy methods calibrated (Stats.CopyCalibration); or until the engine is
+// closed (ErrClosed), or ctx ends.
 func (e *Engine) WaitGrown(ctx context.Context) error {
 	return e.waitGrown(ctx)
 }

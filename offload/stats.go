@@ -29,7 +29,7 @@ type Stats struct {
 	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
 	PinCalls     int64         `json:"pin_calls"`     // register/mlock calls
 	UnpinCalls   int64         `json:"unpin_calls"`   // unregister/munlock calls
-	PinTime      time.Duration `json:"pin_time_ns"`   // time spent mapping, prefaulting and pinning
+	PinTime      time.Duration `json:"pin_time_ns"`   // time spent mapping, prefaulting and pinning, summed over regions (overlapping in background growth)
 	UnpinTime    time.Duration `json:"unpin_time_ns"` // time spent unpinning and unmapping
 	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
 	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
@@ -45,10 +45,12 @@ type Stats struct {
 	BlocksReady  int64       `json:"blocks_ready"`  // ready or leased blocks
 	BlocksLeased int64       `json:"blocks_leased"` // blocks with readers
 	BlockBytes   int64       `json:"block_bytes"`   // bytes of one block (one slot)
-	// CopyCalibration says how the CUDA copy method is chosen: "" until
-	// the background calibration (run by the growth goroutine right after
-	// New) is done or on the host backend, then "calibrated in ..." or the
-	// reason the uncalibrated rule stays.
+	// CopyCalibration says how the CUDA copy method is chosen: "" on the
+	// host backend and until the background calibration is done (the
+	// copier uses its uncalibrated rule meanwhile), then "calibrated in
+	// ..." or the reason the uncalibrated rule stays. The growth thread
+	// calibrates once growth has ended (before WaitGrown returns), where no
+	// prefault competes for the CPUs, or earlier while growth is paused.
 	CopyCalibration string `json:"copy_calibration,omitempty"`
 
 	// Lookups.
@@ -73,26 +75,30 @@ type Stats struct {
 }
 
 // GrowthSteps is the time spent adding pool regions, summed over regions,
-// by step. FullPool minus their sum is what the engine spent elsewhere: its
-// setup before the first region (PTX load, streams), the staging region,
-// the background calibration, and waiting between regions.
+// by step. Background growth runs the steps of neighbouring regions at the
+// same time (region i+1 is mapped and prefaulted while region i registers,
+// and region i-1 joins the cache meanwhile; see New), so the steps' sum may
+// exceed FullPool, which is the wall time: each step's own sum never does.
+// The first region (pinned by New) is included, the staging region not.
 type GrowthSteps struct {
-	Map        time.Duration `json:"map_ns"`         // mmap and advice; on the host backend the prefault too
-	Pin        time.Duration `json:"pin_ns"`         // CUDA: prefault and registration, pipelined; host: mlock and registration with the simulation
+	Map        time.Duration `json:"map_ns"`         // mmap, advice and NUMA binding
+	Prefault   time.Duration `json:"prefault_ns"`    // prefault of whole regions before pinning: every region but New's first on CUDA (whose prefault is inside Pin), every region on the host backend
+	Pin        time.Duration `json:"pin_ns"`         // CUDA: registration (the first region: prefault and registration, pipelined by range); host: mlock and registration with the simulation
 	HostRanges time.Duration `json:"host_ranges_ns"` // the scheduler's AddHostRange per registration range, and the gating tracker
 	Cache      time.Duration `json:"cache_ns"`       // kvcache AddRegion: carving the region into free slots
 }
 
-// Sum is the time of all steps.
-func (g GrowthSteps) Sum() time.Duration { return g.Map + g.Pin + g.HostRanges + g.Cache }
+// Sum is the time of all steps (more than the wall time where they
+// overlapped).
+func (g GrowthSteps) Sum() time.Duration { return g.Map + g.Prefault + g.Pin + g.HostRanges + g.Cache }
 
 // growthSteps is the recording side of GrowthSteps.
 type growthSteps struct {
-	mapNanos, pinNanos, hostRangeNanos, cacheNanos atomic.Int64
+	mapNanos, prefaultNanos, pinNanos, hostRangeNanos, cacheNanos atomic.Int64
 }
 
 func (g *growthSteps) snapshot() GrowthSteps {
-	return GrowthSteps{Map: time.Duration(g.mapNanos.Load()), Pin: time.Duration(g.pinNanos.Load()),
+	return GrowthSteps{Map: time.Duration(g.mapNanos.Load()), Prefault: time.Duration(g.prefaultNanos.Load()), Pin: time.Duration(g.pinNanos.Load()),
 		HostRanges: time.Duration(g.hostRangeNanos.Load()), Cache: time.Duration(g.cacheNanos.Load())}
 }
 
