@@ -1214,11 +1214,11 @@ func (v KernelVariant) String() string {
 	return fmt.Sprintf("%s %d×%d %s", v.kernelLabel(), v.CTAs, v.Threads, p)
 }
 
-// FenceKernelVariants measures kvo_copy_sys's fence (every 4 to 16 KiB
-// per warp, which bounds each warp's host stores in flight) over launch
-// shapes of at most 8 CTAs, and kvo_copy at the default shape and a few
-// smaller ones. Pacing (PaceGBps) is left out: on the H200 it did not lower
-// the matrix product's slowdown at a given D2H rate
+// FenceKernelVariants measures kvo_copy_sys's fence (every 4 to 12 KiB
+// per warp, which bounds each warp's host stores in flight) and kvo_copy
+// over launch shapes of 32 to 128 warps on at most 8 CTAs. Pacing
+// (PaceGBps) is left out: on the H200 it did not lower the matrix
+// product's slowdown at a given D2H rate
 // (bench/results/2026-11-30-h200/fence-sweep-2.md).
 func FenceKernelVariants() []KernelVariant {
 	sys := func(threads, ctas, fence int) KernelVariant {
@@ -1228,11 +1228,10 @@ func FenceKernelVariants() []KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.DefaultCopyKernel}
 	}
 	return []KernelVariant{
-		plain(1024, 8), plain(256, 4), plain(256, 6), plain(256, 8), plain(512, 4),
-		sys(256, 8, 1), sys(256, 8, 2), sys(256, 8, 3),
-		sys(320, 8, 1), sys(320, 8, 2), sys(384, 8, 1), sys(384, 8, 2),
-		sys(256, 6, 2), sys(256, 6, 3), sys(256, 4, 2), sys(256, 4, 3),
-		sys(512, 4, 1), sys(512, 4, 2), sys(128, 8, 2), sys(128, 8, 4),
+		plain(256, 4), plain(256, 8), plain(512, 4), plain(512, 6), plain(512, 8), plain(1024, 4),
+		sys(256, 4, 3), sys(256, 8, 2), sys(256, 8, 3),
+		sys(512, 4, 1), sys(512, 4, 2), sys(512, 4, 3),
+		sys(512, 8, 1), sys(512, 8, 2), sys(1024, 4, 1), sys(1024, 4, 2),
 	}
 }
 

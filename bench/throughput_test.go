@@ -291,7 +291,8 @@ func TestKernelSweepPick(t *testing.T) {
 // TestKernelVariants (KVO_BENCH_VARIANTS=1) sweeps the copy kernel's
 // launch shape, priority and kernel on the GPU and prints one table; the
 // PTX comes from KVO_PTX_FILE when set. KVO_BENCH_BURN_N overrides the
-// matrix size (default 2048). KVO_BENCH_VARIANTS=fence sweeps
+// matrix size (default 2048), KVO_BENCH_TOTAL_MIB the bytes per direction
+// per run (default 256). KVO_BENCH_VARIANTS=fence sweeps
 // FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
 // at once, every size beside the matrix product.
 func TestKernelVariants(t *testing.T) {
@@ -314,6 +315,11 @@ func TestKernelVariants(t *testing.T) {
 		n, err := strconv.Atoi(v)
 		require.NoError(t, err, "KVO_BENCH_BURN_N")
 		cfg.BurnN = n
+	}
+	if v := os.Getenv("KVO_BENCH_TOTAL_MIB"); v != "" {
+		n, err := strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, "KVO_BENCH_TOTAL_MIB")
+		cfg.TotalBytes = n << 20
 	}
 	res, err := MeasureKernelVariants(g.Drv, g.Dev, cfg)
 	require.NoError(t, err)
