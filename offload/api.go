@@ -162,6 +162,13 @@ type Config struct {
 	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
 	// deleted, so that no KV of a past request stays in host memory.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
+	// GreedyStores (CUDA backend) runs device-to-host copies on the copy
+	// kernel's unthrottled launch (cudacopy.Options.GreedyD2H). On the
+	// H200 that moved 4–16 KiB segments at 93–95% of the link instead of
+	// 79–84%, but a compute-bound kernel running beside the stores was up
+	// to 3.4 times slower (bench/results/2026-11-30-h200). Leave it off
+	// while the model's kernels run.
+	GreedyStores bool `json:"greedy_stores,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
 	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`

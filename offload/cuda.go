@@ -39,6 +39,7 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	// H200, pool64.md) by the growth goroutine once the pool is grown;
 	// until then the copier uses its uncalibrated rule.
 	opts := e.hooks.copyOptions
+	opts.GreedyD2H = opts.GreedyD2H || e.cfg.GreedyStores
 	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
 		opts.Calibration = &cudacopy.Calibration{}
 		e.calibrateLater = true

@@ -483,3 +483,24 @@ func TestCUDAFakeCalibration(t *testing.T) {
 	storeOverwriteLoad(t, e, g, 4, 52)
 	require.NoError(t, e.Close())
 }
+
+// TestCUDAFakeGreedyStores: Config.GreedyStores puts device-to-host copies
+// on the copy kernel's unthrottled launch; loads keep the default one, and
+// blocks round-trip either way.
+func TestCUDAFakeGreedyStores(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	for _, greedy := range []bool{false, true} {
+		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: -1, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU, GreedyStores: greedy},
+			engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodKernel}})
+		require.NoError(t, err)
+		caps := e.cudaDev.Copier().Capabilities()
+		require.Equal(t, cudacopy.DefaultLaunch(cudacopy.D2H, greedy), caps.D2H, "greedy %v", greedy)
+		require.Equal(t, cudacopy.DefaultLaunch(cudacopy.H2D, greedy), caps.H2D, "greedy %v", greedy)
+		storeOverwriteLoad(t, e, g, 4, 61)
+		require.NoError(t, e.Close())
+	}
+	require.NotEqual(t, cudacopy.DefaultLaunch(cudacopy.D2H, false), cudacopy.DefaultLaunch(cudacopy.D2H, true))
+}

@@ -139,7 +139,7 @@ type point struct {
 // and 6.5–10.5% for H2D (95–301% both ways at once), while the batch API
 // changed it by at most 0.4% at every segment size from 4 KiB to 2 MiB.
 // The default launches (DefaultLaunch) cut the kernel's share to a few
-// percent (bench/results/2026-11-30-h200/fence-sweep.md); a few percent of
+// percent (bench/results/2026-11-30-h200/fence-sweep-2g.md); a few percent of
 // copy rate is still worth leaving the SMs alone.
 const (
 	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is

@@ -115,24 +115,28 @@ func (l Launch) String() string {
 }
 
 // Launches measured on the H200 beside an n=2048 sgemm on the other SMs
-// (bench/results/2026-11-30-h200/fence-sweep.md, 4–64 KiB segments):
-//   - H2D: kvo_copy on 4 CTAs × 256 threads moved 92–93% of the link and
-//     slowed the sgemm by at most 0.9% (8 × 1024: the same rate, +29–33%).
-//   - D2H: every unthrottled shape that reached 94% of the link slowed the
-//     sgemm by 74–260%: stores to host memory are posted, and their backlog
-//     holds up the other SMs' memory traffic. kvo_copy_sys on 4 × 256 with
-//     a fence every 12 KiB per warp moved 82–88% of the link and slowed it
-//     by at most 2.9%; no throttle on ≤ 8 SMs reached 92% within 10%.
+// (bench/results/2026-11-30-h200/fence-sweep-2g.md: 2 GiB of 4–64 KiB
+// segments at random slots per run):
+//   - H2D: kvo_copy on 4 CTAs × 512 threads moved 92–93% of the link and
+//     slowed the sgemm by at most 2.6% (4 × 1024 and 8 × 512: the same
+//     rate, +7–21%; 4 × 256 fell to 75% at 4 KiB).
+//   - D2H: every unthrottled shape that reached 93–95% of the link slowed
+//     the sgemm by 34–236%: stores to host memory are posted, and their
+//     backlog holds up the other SMs' memory traffic. kvo_copy_sys on
+//     4 × 512 with a fence after every 4 KiB per warp moved 79–84% of the
+//     link and slowed it by at most 3.4%; longer fence intervals or more
+//     warps gained a few percent of rate at 8–41% slowdown, and no
+//     throttle on ≤ 8 SMs reached 92% within 10%.
 var (
-	defaultH2D = Launch{CTAs: 4, Threads: 256, Kernel: DefaultCopyKernel}
-	defaultD2H = Launch{CTAs: 4, Threads: 256, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}
+	defaultH2D = Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
+	defaultD2H = Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}
 	greedyD2H  = Launch{CTAs: 8, Threads: 1024, Kernel: DefaultCopyKernel}
 )
 
 // DefaultLaunch is the launch used for dir where Options leaves CTAs,
-// Threads and CopyKernel zero: kvo_copy on 4 × 256 for H2D and D2D; for D2H,
-// kvo_copy_sys on 4 × 256 fencing every 12 KiB per warp, or with greedy
-// (Options.GreedyD2H) GreedyD2HLaunch.
+// Threads and CopyKernel zero: kvo_copy on 4 × 512 for H2D and D2D; for D2H,
+// kvo_copy_sys on 4 × 512 fencing after every 4 KiB per warp, or with
+// greedy (Options.GreedyD2H) GreedyD2HLaunch.
 func DefaultLaunch(dir Direction, greedy bool) Launch {
 	switch {
 	case dir != D2H:
@@ -208,7 +212,7 @@ const FenceUnit = 4096
 
 // DefaultFenceBytes is the fence interval of a SysFenceCopyKernel launch
 // that Options.CopyKernel asks for without FenceBytes.
-const DefaultFenceBytes = 3 * FenceUnit
+const DefaultFenceBytes = FenceUnit
 
 func (o *Options) withDefaults() Options {
 	r := *o

@@ -164,6 +164,38 @@ func (r *launchRecorder) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sh
 	return r.Driver.LaunchKernel(f, grid, block, shm, s, args...)
 }
 
+// Options resolve to one launch per direction: the defaults, each set field
+// overriding both directions, fences and paces kept for D2H only.
+func TestLaunchResolution(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	sys := Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit}
+	plain := Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
+	tests := []struct {
+		name     string
+		opts     Options
+		d2h, h2d Launch
+	}{
+		{"defaults", Options{}, sys, plain},
+		{"greedy D2H", Options{GreedyD2H: true}, Launch{CTAs: 8, Threads: 1024, Kernel: DefaultCopyKernel}, plain},
+		{"grid for both", Options{CTAs: 2, Threads: 128}, Launch{CTAs: 2, Threads: 128, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit}, Launch{CTAs: 2, Threads: 128, Kernel: DefaultCopyKernel}},
+		{"plain kernel for both", Options{CopyKernel: DefaultCopyKernel}, plain, plain},
+		{"fence and pace", Options{FenceBytes: 2 * FenceUnit, PaceGBps: 40}, Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: 2 * FenceUnit, PaceGBps: 40}, plain},
+		{"sys kernel for both", Options{CopyKernel: SysFenceCopyKernel, GreedyD2H: true}, Launch{CTAs: 8, Threads: 1024, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}, Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel}},
+	}
+	// No subtests: the context is current on this test's locked thread only.
+	for _, tc := range tests {
+		tc.opts.PTX = fakePTX
+		c, err := New(drv, 0, tc.opts)
+		require.NoError(t, err, tc.name)
+		require.Equal(t, tc.d2h, c.Capabilities().D2H, tc.name)
+		require.Equal(t, tc.h2d, c.Capabilities().H2D, tc.name)
+		require.NoError(t, c.Close())
+	}
+	require.Equal(t, sys, DefaultLaunch(D2H, false))
+	require.Equal(t, plain, DefaultLaunch(D2D, true))
+	require.Equal(t, "kvo_copy_sys 4×512 fence 4 KiB pace 40 GB/s", Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit, PaceGBps: 40}.String())
+}
+
 // kvo_copy_sys round-trips like kvo_copy and gets its fence interval, in
 // FenceUnits, and its pace, per warp, on device-to-host launches only.
 func TestSysFenceKernelFake(t *testing.T) {

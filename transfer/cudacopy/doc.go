@@ -7,11 +7,11 @@
 //     copies per call;
 //   - kernel: kvo_copy (H2D) and kvo_copy_sys (D2H) from kernels.cu,
 //     compiled to PTX for compute_80 and embedded (see PTX), on a bounded
-//     grid (4 CTAs × 256 threads by default, see DefaultLaunch) so the
-//     model's kernels keep the rest of the GPU. D2H launches fence every
-//     12 KiB per warp: posted stores to host memory, unbounded, back up
-//     behind the link and hold up every other SM's memory traffic (an sgemm
-//     beside them ran up to 3.6 times slower). Each segment is split into
+//     grid (4 CTAs × 512 threads by default, see DefaultLaunch) so the
+//     model's kernels keep the rest of the GPU. D2H launches fence after
+//     every 4 KiB per warp: posted stores to host memory, unbounded, back
+//     up behind the link and hold up every other SM's memory traffic (an
+//     sgemm beside them ran up to 3.4 times slower). Each segment is split into
 //     chunks of at most Options.ChunkBytes; one warp copies one chunk with
 //     16-byte accesses, several loads in flight per lane. Host memory is
 //     addressed through its registered pointer where the device allows it
