@@ -10,11 +10,16 @@ import (
 
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its
 // own (loads at the greatest priority, stores at the least), copies through a
-// cudacopy.Copier.
+// cudacopy.Copier. Stores whose blocks form long host-contiguous runs are
+// gathered on a third stream (cudacopy.SubmitGather): every Wait on the
+// store stream is also made on it, so a gather reads the device only after
+// what the store waits for, and the store stream waits for each gather
+// before its DMA, so events recorded on it cover both.
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
 	streams [2]cuda.Stream
+	gather  cuda.Stream
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
 }
@@ -35,6 +40,9 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 			return nil, errors.Join(fmt.Errorf("transfer: creating the %v stream: %w", d, err), c.destroyStreams())
 		}
 		c.streams[d] = s
+	}
+	if c.gather, err = drv.StreamCreate(cuda.StreamNonBlocking, prio[Store]); err != nil {
+		return nil, errors.Join(fmt.Errorf("transfer: creating the gather stream: %w", err), c.destroyStreams())
 	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
@@ -58,6 +66,10 @@ func (c *CUDA) destroyStreams() error {
 			err = errors.Join(err, c.drv.StreamDestroy(s))
 			c.streams[d] = 0
 		}
+	}
+	if c.gather != 0 {
+		err = errors.Join(err, c.drv.StreamDestroy(c.gather))
+		c.gather = 0
 	}
 	return err
 }
@@ -95,7 +107,6 @@ func (c *CUDA) InitThread() error {
 // Copy implements Device.
 func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	c.scratch = c.scratch[:0]
-	cd := cudacopy.H2D
 	for _, g := range segs {
 		if dir == Load {
 			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len})
@@ -103,10 +114,16 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
 		}
 	}
-	if dir == Store {
-		cd = cudacopy.D2H
+	var t cudacopy.Ticket
+	var err error
+	switch {
+	case dir == Store && c.copier.Gatherable(c.scratch):
+		t, err = c.copier.SubmitGather(c.gather, c.streams[Store], c.scratch)
+	case dir == Store:
+		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
+	default:
+		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, c.scratch)
 	}
-	t, err := c.copier.Submit(c.streams[dir], cd, c.scratch)
 	if err != nil {
 		return nil, err
 	}
@@ -116,8 +133,13 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 // Record implements Device.
 func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }
 
-// Wait implements Device.
+// Wait implements Device. A store's wait holds its gathers too.
 func (c *CUDA) Wait(dir Direction, e cuda.Event) error {
+	if dir == Store {
+		if err := c.drv.StreamWaitEvent(c.gather, e, cuda.EventWaitDefault); err != nil {
+			return err
+		}
+	}
 	return c.drv.StreamWaitEvent(c.streams[dir], e, cuda.EventWaitDefault)
 }
 

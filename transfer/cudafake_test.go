@@ -29,6 +29,11 @@ type fakeEnv struct {
 
 func newFakeEnv(t *testing.T, size uint64, method cudacopy.Method, opts cudafake.Options) *fakeEnv {
 	t.Helper()
+	return newFakeEnvCopier(t, size, cudacopy.Options{Method: method}, opts)
+}
+
+func newFakeEnvCopier(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options) *fakeEnv {
+	t.Helper()
 	opts.CheckContext = true
 	d := cudafake.New(opts)
 	runtime.LockOSThread()
@@ -41,7 +46,7 @@ func newFakeEnv(t *testing.T, size uint64, method cudacopy.Method, opts cudafake
 	require.NoError(t, d.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
 	dp, err := d.MemAlloc(size)
 	require.NoError(t, err)
-	cu, err := NewCUDA(d, 0, ctx, cudacopy.Options{Method: method})
+	cu, err := NewCUDA(d, 0, ctx, copts)
 	require.NoError(t, err)
 	tr := NewTracker(nil)
 	host := uint64(uintptr(p))
@@ -155,4 +160,70 @@ func TestCUDAOverFakeCapture(t *testing.T) {
 	g, err := e.drv.StreamEndCapture(cs)
 	require.NoError(t, err, "the engine invalidated a global-mode capture")
 	require.NoError(t, e.drv.GraphDestroy(g))
+}
+
+// TestCUDAOverFakeGatheredStore: stores of whole blocks (16 segments of
+// 16 KiB from different device tensors, back to back in the block's host
+// slot) are gathered on the device and copied to the host in one DMA per
+// block, after the caller's event (Request.After) even when the producer
+// behind it is slow, and arrive byte-exact.
+func TestCUDAOverFakeGatheredStore(t *testing.T) {
+	const seg, per, blocks = 16 << 10, 16, 12
+	const n = seg * per * blocks
+	e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20},
+		cudafake.Options{Seed: 3, MaxDelay: 20 * time.Microsecond})
+	r := rand.New(rand.NewSource(4))
+	want := make([]byte, n)
+	// The producer: a spinning fill of the whole device buffer on a stream
+	// of the test's, then an event the stores wait for.
+	p, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.drv.StreamDestroy(p)) }()
+	clear(e.hostBuf)
+	require.NoError(t, e.drv.MemsetD8(cuda.DevicePtr(e.dev), 0xDD, n))
+	require.NoError(t, e.drv.CtxSynchronize())
+	fill, err := e.cu.Copier().Fill(p, []cudacopy.FillSegment{{Dst: e.dev, Len: n}}, 1<<26)
+	require.NoError(t, err)
+	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.drv.EventDestroy(ev)) }()
+	require.NoError(t, e.drv.EventRecord(ev, p))
+	cudacopy.FillPattern(0, want)
+	// Block b's segment k lives in device tensor k at row dperm[b] and in
+	// host slot hperm[b] at k*seg.
+	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
+	var st []Segment
+	for b := range blocks {
+		for k := range per {
+			st = append(st, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
+		}
+	}
+	copier := e.cu.Copier()
+	require.True(t, copier.Gatherable(toCopier(st[:4*per])), "whole blocks gather")
+	var ops []*Op
+	for i := 0; i < len(st); i += 4 * per {
+		op, err := e.s.Submit(Request{Dir: Store, Segments: st[i : i+4*per], After: ev})
+		require.NoError(t, err)
+		ops = append(ops, op)
+	}
+	for _, op := range ops {
+		require.NoError(t, op.Wait())
+	}
+	require.NoError(t, e.drv.StreamSynchronize(p))
+	require.NoError(t, copier.Retire(fill))
+	for _, sg := range st {
+		off := sg.Dev - e.dev
+		h := sg.Host - e.host
+		require.Equal(t, want[off:off+seg], e.hostBuf[h:h+seg], "device offset %d", off)
+	}
+	require.Positive(t, copier.Gathers(), "the stores were gathered")
+}
+
+// toCopier turns store segments into the copier's D2H form.
+func toCopier(segs []Segment) []cudacopy.Segment {
+	out := make([]cudacopy.Segment, len(segs))
+	for i, g := range segs {
+		out[i] = cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len}
+	}
+	return out
 }

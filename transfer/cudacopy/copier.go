@@ -56,6 +56,15 @@ type Options struct {
 	// BatchMax bounds the copies passed to one cuMemcpyBatchAsync call
 	// (default 4096).
 	BatchMax int
+	// GatherChunkBytes is the size of one device staging chunk of
+	// SubmitGather (default DefaultGatherChunk; a multiple of 16 of at least
+	// 1 MiB). Chunks are allocated as needed and kept until Close.
+	GatherChunkBytes int
+	// GatherMinRun is the mean host-contiguous run (bytes) from which
+	// Gatherable says yes (default DefaultGatherMinRun).
+	GatherMinRun int
+	// NoGather turns SubmitGather off (Gatherable always false).
+	NoGather bool
 	// Calibration is a saved table for Choose. Without one, Choose uses the
 	// uncalibrated rule until Calibrate or SetCalibration installs a table.
 	Calibration *Calibration
@@ -228,6 +237,12 @@ func (o *Options) withDefaults() Options {
 	if r.BatchMax == 0 {
 		r.BatchMax = DefaultBatchMax
 	}
+	if r.GatherChunkBytes == 0 {
+		r.GatherChunkBytes = DefaultGatherChunk
+	}
+	if r.GatherMinRun == 0 {
+		r.GatherMinRun = DefaultGatherMinRun
+	}
 	if r.DMAMargin == 0 {
 		r.DMAMargin = DefaultDMAMargin
 		if r.PreferDMA {
@@ -250,6 +265,10 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: DescBuffers %d is negative", ErrInvalidOption, o.DescBuffers)
 	case o.BatchMax < 1:
 		return fmt.Errorf("%w: BatchMax %d is not positive", ErrInvalidOption, o.BatchMax)
+	case o.GatherChunkBytes < minGatherChunk || o.GatherChunkBytes%kernelAlign != 0 || o.GatherChunkBytes > 1<<30:
+		return fmt.Errorf("%w: GatherChunkBytes %d is not a multiple of %d in [%d, %d]", ErrInvalidOption, o.GatherChunkBytes, kernelAlign, minGatherChunk, 1<<30)
+	case o.GatherMinRun < 1:
+		return fmt.Errorf("%w: GatherMinRun %d is not positive", ErrInvalidOption, o.GatherMinRun)
 	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
 		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
 	}
@@ -318,6 +337,10 @@ type ticketRec struct {
 	gen  uint32
 	live bool
 	bufs []*descBuf
+	// staging and event: a SubmitGather's staging chunks and join event.
+	staging  []cuda.DevicePtr
+	event    cuda.Event
+	hasEvent bool
 }
 
 // Copier copies batches of segments on a caller's stream. See the package
@@ -348,6 +371,11 @@ type Copier struct {
 	recs        []ticketRec
 	freeRecs    []int32
 	outstanding int
+	// SubmitGather's device staging chunks and join events: all allocated,
+	// and those free for reuse.
+	stagingAll, stagingFree []cuda.DevicePtr
+	eventsAll, eventsFree   []cuda.Event
+	gathers                 atomic.Uint64
 }
 
 // New creates a Copier for dev. The calling OS thread must have dev's
@@ -684,6 +712,8 @@ func (c *Copier) endRec(i int32) {
 	r := &c.recs[i]
 	clear(r.bufs)
 	r.bufs = r.bufs[:0]
+	r.staging = r.staging[:0]
+	r.hasEvent = false
 	r.live = false
 	r.gen++
 	c.freeRecs = append(c.freeRecs, i)
@@ -767,7 +797,12 @@ func (c *Copier) Retire(t Ticket) error {
 	if i < 0 || int(i) >= len(c.recs) || !c.recs[i].live || c.recs[i].gen != t.gen {
 		return fmt.Errorf("%w: ticket %d/%d", ErrStaleTicket, t.idx, t.gen)
 	}
-	c.free = append(c.free, c.recs[i].bufs...)
+	r := &c.recs[i]
+	c.free = append(c.free, r.bufs...)
+	c.stagingFree = append(c.stagingFree, r.staging...)
+	if r.hasEvent {
+		c.eventsFree = append(c.eventsFree, r.event)
+	}
 	c.endRec(i)
 	return nil
 }
@@ -847,6 +882,7 @@ func (c *Copier) release() error {
 	if c.caps.Kernel {
 		errs = append(errs, c.drv.ModuleUnload(c.mod))
 	}
+	errs = append(errs, c.releaseGatherAll())
 	return errors.Join(errs...)
 }
 

@@ -1,0 +1,150 @@
+package cudacopy
+
+import (
+	"crypto/rand"
+	mrand "math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+)
+
+// gatherRoundTrip fills the device side of l with random data (through
+// host → device copies), gathers it back to poisoned host memory with
+// SubmitGather on g then s, and checks every byte.
+func gatherRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, g, s cuda.Stream, l layout, seed uint64) {
+	t.Helper()
+	n := l.bytes()
+	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
+	dev := devMem(t, drv, n)
+	_, _ = rand.Read(src)
+	poison(dst, 0xEE)
+	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
+	// The device data is the host data through the same permutation: load
+	// it with the layout's H2D segments first (on g, so the gather, also on
+	// g, is ordered after it).
+	h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(seed, 7)))
+	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
+	require.NoError(t, drv.CtxSynchronize())
+	run(t, drv, c, g, H2D, h2d)
+	tk, err := c.SubmitGather(g, s, d2h)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+	if i := firstDiff(src, dst); i >= 0 {
+		t.Fatalf("%v gathered: byte %d differs: sent %#x, got %#x", l, i, src[i], dst[i])
+	}
+}
+
+func TestSubmitGatherFake(t *testing.T) {
+	for _, noBatch := range []bool{false, true} {
+		drv := openFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
+		g, s := newStream(t, drv), newStream(t, drv)
+		// 1 MiB chunks: blocks of 12 × 48 KiB straddle chunk boundaries, so
+		// one run becomes two DMAs.
+		c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescCapacity: 5, BatchMax: 3})
+		for i, l := range []layout{layerSeparate(9, 6, 48<<10), layerSeparate(40, 4, 4<<10), layerSeparate(3, 1, 512<<10)} {
+			gatherRoundTrip(t, drv, c, g, s, l, uint64(i))
+		}
+		allocs := drv.Calls(cuda.OpMemAlloc)
+		gatherRoundTrip(t, drv, c, g, s, layerSeparate(9, 6, 48<<10), 9)
+		require.Equal(t, allocs+1, drv.Calls(cuda.OpMemAlloc), "staging reused after Retire (only the test's device buffer is new)")
+	}
+}
+
+// The gather reads the device only after what g was made to wait for: a
+// producer on a third stream writes the data after a spin; the store's
+// streams wait for its event, as transfer.CUDA does for a store.
+func TestSubmitGatherWaitsForProducerFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
+	p, g, s := newStream(t, drv), newStream(t, drv), newStream(t, drv)
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	l := layerSeparate(16, 4, 8<<10)
+	n := l.bytes()
+	dev := devMem(t, drv, n)
+	dst := hostMem(t, drv, n)
+	poison(dst, 0xEE)
+	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
+	require.NoError(t, drv.CtxSynchronize())
+	fill, err := c.Fill(p, []FillSegment{{Dst: uint64(dev), Len: n}}, 1<<20)
+	require.NoError(t, err)
+	ev, err := drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, drv.EventDestroy(ev)) }()
+	require.NoError(t, drv.EventRecord(ev, p))
+	require.NoError(t, drv.StreamWaitEvent(g, ev, cuda.EventWaitDefault))
+	require.NoError(t, drv.StreamWaitEvent(s, ev, cuda.EventWaitDefault))
+	_, d2h := l.segments(addr(dst), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(3, 3)))
+	tk, err := c.SubmitGather(g, s, d2h)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+	require.NoError(t, drv.StreamSynchronize(p))
+	require.NoError(t, c.Retire(fill))
+	want := make([]byte, n)
+	FillPattern(0, want)
+	for _, sg := range d2h {
+		off := sg.Src - uint64(dev)
+		h := sg.Dst - addr(dst)
+		require.Equal(t, want[off:off+sg.Len], dst[h:h+sg.Len], "segment at device offset %d", off)
+	}
+}
+
+func TestGatherable(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	_, blocks := layerSeparate(8, 8, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.True(t, c.Gatherable(blocks), "16 segments of 16 KiB per 256 KiB host run")
+	_, scattered := crossLayer(64, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.False(t, c.Gatherable(scattered), "runs of one 16 KiB segment")
+	_, short := layerSeparate(8, 2, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.False(t, c.Gatherable(short), "64 KiB runs")
+	_, big := layerSeparate(2, 1, 2<<20).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.False(t, c.Gatherable(big), "segments larger than a chunk")
+	mis := append([]Segment(nil), blocks...)
+	mis[3].Len -= 8
+	mis[4].Dst -= 8
+	require.False(t, c.Gatherable(mis), "misaligned")
+	require.False(t, c.Gatherable(blocks[:1]))
+
+	forced := newCopier(t, drv, Options{PTX: fakePTX, Method: MethodKernel})
+	require.False(t, forced.Gatherable(blocks), "a forced method")
+	off := newCopier(t, drv, Options{PTX: fakePTX, NoGather: true})
+	require.False(t, off.Gatherable(blocks))
+	_, err := off.SubmitGather(1, 2, blocks)
+	require.ErrorIs(t, err, ErrUnavailable)
+	// A calibration where the batch API beats the kernel at this size:
+	// the DMA method is taken directly, no gather.
+	dma := newCopier(t, drv, Options{PTX: fakePTX, Calibration: &Calibration{Entries: []Measurement{
+		{Dir: D2H, Method: MethodBatch, SegBytes: 16 << 10, GBps: 50}, {Dir: D2H, Method: MethodKernel, SegBytes: 16 << 10, GBps: 40}}}})
+	require.False(t, dma.Gatherable(blocks))
+
+	_, err = c.SubmitGather(1, 2, big)
+	require.ErrorIs(t, err, ErrInvalidSegment)
+	require.ErrorContains(t, err, "larger than a gather chunk")
+	_, err = New(drv, 0, Options{PTX: fakePTX, GatherChunkBytes: 4096})
+	require.ErrorIs(t, err, ErrInvalidOption)
+}
+
+// Failures part-way leave nothing that a later call could disturb, and
+// nothing leaks (openFake checks that every allocation is freed at Close).
+func TestSubmitGatherFailuresFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	g, s := newStream(t, drv), newStream(t, drv)
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	l := layerSeparate(8, 4, 16<<10)
+	n := l.bytes()
+	dev := devMem(t, drv, n)
+	dst := hostMem(t, drv, n)
+	_, d2h := l.segments(addr(dst), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(5, 5)))
+	for _, op := range []string{cuda.OpMemAlloc, cuda.OpEventCreate, cuda.OpLaunchKernel, cuda.OpEventRecord, cuda.OpStreamWaitEvent, cuda.OpMemcpyBatchAsync} {
+		drv.FailAt(op, drv.Calls(op)+1, cuda.ErrorOutOfMemory)
+		_, err := c.SubmitGather(g, s, d2h)
+		require.Error(t, err, op)
+		require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%s: %v", op, err)
+	}
+	// Still works afterwards.
+	tk, err := c.SubmitGather(g, s, d2h)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+}
