@@ -118,3 +118,17 @@ func TestGPUCalibrate(t *testing.T) {
 	t.Logf("calibration in %v (D2H %v, H2D %v, pipelines of a lead and up to %d Submits of up to %s, in %s buffers):\n%s",
 		took.Round(time.Millisecond), cal.D2H, cal.H2D, cal.Pieces, FormatBytes(cal.PieceBytes), FormatBytes(cal.TotalBytes), cal.Markdown())
 }
+
+// SubmitGather moves layer-separate blocks byte-exact on the GPU, with
+// 1 MiB chunks (runs split across chunks) and the default 8 MiB.
+func TestGPUGatherRoundTrip(t *testing.T) {
+	g := cudatest.Open(t)
+	gs, s := newStream(t, g.Drv), newStream(t, g.Drv)
+	for _, chunk := range []int{1 << 20, 0} {
+		c := newCopier(t, g.Drv, gpuOpts(t, Options{GatherChunkBytes: chunk}))
+		for i, l := range []layout{layerSeparate(64, 8, 16<<10), layerSeparate(200, 16, 4<<10), layerSeparate(9, 6, 48<<10)} {
+			gatherRoundTrip(t, g.Drv, c, gs, s, l, uint64(i))
+		}
+		require.Positive(t, c.Gathers())
+	}
+}

@@ -1,0 +1,277 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// BlocksConfig says what MeasureBlocks measures: stores (and, for "both",
+// loads at the same time) of whole KV blocks in the layer-separate layout,
+// where a block's segments come from different device tensors and lie back
+// to back in its host slot, as the offload engine copies them.
+type BlocksConfig struct {
+	// TotalBytes per direction per run (default 2 GiB).
+	TotalBytes uint64 `json:"total_bytes"`
+	// SegSizes are the segment (one layer's K or V of one block) sizes
+	// (default 4, 16 and 32 KiB).
+	SegSizes []uint64 `json:"seg_sizes"`
+	// SegsPerBlock is 2 × layers (default 32: 16 layers).
+	SegsPerBlock int `json:"segs_per_block"`
+	// Reps timed per point (default 3).
+	Reps int `json:"reps"`
+	// BurnN is kvo_sgemm's size for the pass beside it (default 4096; -1
+	// skips it).
+	BurnN int    `json:"burn_n"`
+	Seed  uint64 `json:"seed"`
+	// PTX replaces the embedded kernels.ptx.
+	PTX []byte `json:"-"`
+}
+
+func (c BlocksConfig) withDefaults() BlocksConfig {
+	if c.TotalBytes == 0 {
+		c.TotalBytes = 2 << 30
+	}
+	if len(c.SegSizes) == 0 {
+		c.SegSizes = []uint64{4 << 10, 16 << 10, 32 << 10}
+	}
+	if c.SegsPerBlock == 0 {
+		c.SegsPerBlock = 32
+	}
+	if c.Reps == 0 {
+		c.Reps = 3
+	}
+	if c.BurnN == 0 {
+		c.BurnN = 4096
+	}
+	return c
+}
+
+// BlocksRow is one method at one segment size. GB/s are gated GPU rates
+// (see ThroughputRow.GBps); "both" moves TotalBytes each way, the loads by
+// the automatic choice. Beside* are the store alone beside kvo_sgemm.
+type BlocksRow struct {
+	Method     string  `json:"method"`
+	SegBytes   uint64  `json:"seg_bytes"`
+	BlockBytes uint64  `json:"block_bytes"`
+	D2HGBps    float64 `json:"d2h_gbps"`
+	D2HPct     float64 `json:"d2h_pct_of_link"`
+	BothGBps   float64 `json:"both_gbps"`
+	BothPct    float64 `json:"both_pct_of_link"`
+	// BesideGBps, BesidePctOfSolo and SlowdownPct: the store beside the
+	// matrix product (0 when the burn pass was skipped).
+	BesideGBps      float64 `json:"beside_gbps,omitempty"`
+	BesidePctOfSolo float64 `json:"beside_pct_of_solo,omitempty"`
+	SlowdownPct     float64 `json:"sgemm_slowdown_pct,omitempty"`
+	Gated           bool    `json:"gated"`
+}
+
+// BlocksResults is everything MeasureBlocks measured.
+type BlocksResults struct {
+	Config BlocksConfig       `json:"config"`
+	Link   map[string]float64 `json:"link_gbps"`
+	SGEMM  SGEMMInfo          `json:"sgemm"`
+	Rows   []BlocksRow        `json:"rows"`
+}
+
+// blockSegs is one segment size's stores (devA → hostA) and loads (hostB →
+// devB) of whole blocks at random host slots and device rows.
+func (b *bench) blockSegs(size uint64, per int, seed uint64) (d2h, h2d []cudacopy.Segment) {
+	n := int(b.cfg.TotalBytes / (size * uint64(per)))
+	rng := rand.New(rand.NewPCG(seed, size))
+	hp, dp := rng.Perm(n), rng.Perm(n)
+	slot := size * uint64(per)
+	for blk := range n {
+		for k := range per {
+			h := uint64(hp[blk])*slot + uint64(k)*size
+			d := (uint64(k)*uint64(n) + uint64(dp[blk])) * size
+			d2h = append(d2h, cudacopy.Segment{Dst: b.hostA.addr() + h, Src: uint64(b.devA) + d, Len: size})
+			h2d = append(h2d, cudacopy.Segment{Dst: uint64(b.devB) + d, Src: b.hostB.addr() + h, Len: size})
+		}
+	}
+	return d2h, h2d
+}
+
+// blockMethod is one way of storing blocks.
+type blockMethod struct {
+	name string
+	c    *cudacopy.Copier
+	// gather: SubmitGather always; auto: when Gatherable, else Submit.
+	gather, auto bool
+}
+
+// MeasureBlocks compares the ways of storing whole blocks: the copy kernel
+// at its default (throttled) launch, unthrottled on 8 × 1024, the batch
+// API, SubmitGather (device gather, then one DMA per block), and what the
+// engine does (gather when Gatherable, else the automatic choice), against
+// the contiguous link measured in the same call; each alone, with loads of
+// as many blocks at the same time, and alone beside kvo_sgemm. The calling
+// goroutine must be locked to an OS thread with dev's context current.
+func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res BlocksResults, err error) {
+	cfg = cfg.withDefaults()
+	res.Config = cfg
+	if cfg.SegsPerBlock < 1 || cfg.Reps < 1 {
+		return res, fmt.Errorf("bench: SegsPerBlock %d and Reps %d must be positive", cfg.SegsPerBlock, cfg.Reps)
+	}
+	for _, s := range cfg.SegSizes {
+		if s == 0 || s%16 != 0 || cfg.TotalBytes/(s*uint64(cfg.SegsPerBlock)) < 2 {
+			return res, fmt.Errorf("bench: segment size %d must be a multiple of 16 with at least 2 blocks of %d segments in %d bytes", s, cfg.SegsPerBlock, cfg.TotalBytes)
+		}
+	}
+	tc := ThroughputConfig{TotalBytes: cfg.TotalBytes, SegSizes: cfg.SegSizes, Reps: cfg.Reps, BurnN: max(cfg.BurnN, 64), Seed: cfg.Seed, PTX: cfg.PTX, CTAs: []int{1}}.withDefaults()
+	b := &bench{drv: drv, cfg: tc}
+	defer func() { err = errors.Join(err, b.close()) }()
+	if err := b.setupBase(); err != nil {
+		return res, err
+	}
+	g, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	if err != nil {
+		return res, err
+	}
+	b.onClose(func() error { return drv.StreamDestroy(g) })
+	tr := ThroughputResults{Link: map[string]float64{}}
+	if err := b.link(&tr); err != nil {
+		return res, err
+	}
+	res.Link = tr.Link
+	var methods []*blockMethod
+	for _, m := range []struct {
+		name string
+		o    cudacopy.Options
+	}{
+		{"kernel", cudacopy.Options{Method: cudacopy.MethodKernel}},
+		{"kernel/8", cudacopy.Options{Method: cudacopy.MethodKernel, GreedyD2H: true}},
+		{"batch", cudacopy.Options{Method: cudacopy.MethodBatch}},
+		{"gather", cudacopy.Options{}},
+		{"auto", cudacopy.Options{}},
+	} {
+		if m.name == "batch" && !drv.HasMemcpyBatch() {
+			continue
+		}
+		c, err := b.newCopier(dev, m.o)
+		if err != nil {
+			return res, fmt.Errorf("bench: copier %s: %w", m.name, err)
+		}
+		b.onClose(c.Close)
+		methods = append(methods, &blockMethod{name: m.name, c: c, gather: m.name == "gather", auto: m.name == "auto"})
+	}
+	loads := methods[len(methods)-1].c
+	if _, err := loads.Calibrate(b.s[0]); err != nil {
+		return res, fmt.Errorf("bench: calibration: %w", err)
+	}
+	var gm *gemm
+	if cfg.BurnN > 0 {
+		var skipped string
+		if gm, skipped, err = b.newGemm(); err != nil {
+			return res, err
+		}
+		res.SGEMM = SGEMMInfo{N: cfg.BurnN, Skipped: skipped}
+		if gm != nil {
+			if res.SGEMM.SoloMs, err = gm.solo(b.ev[0], b.ev[2], 5); err != nil {
+				return res, err
+			}
+			n := float64(cfg.BurnN)
+			res.SGEMM.TFLOPS = 2 * n * n * n / (res.SGEMM.SoloMs * 1e9)
+		}
+	} else {
+		res.SGEMM.Skipped = "disabled (BurnN < 0)"
+	}
+	for _, size := range cfg.SegSizes {
+		d2h, h2d := b.blockSegs(size, cfg.SegsPerBlock, cfg.Seed)
+		for _, m := range methods {
+			row, err := b.blockRow(m, loads, g, gm, res, size, d2h, h2d)
+			if err != nil {
+				return res, fmt.Errorf("bench: blocks %s at %s: %w", m.name, cudacopy.FormatBytes(size), err)
+			}
+			res.Rows = append(res.Rows, row)
+		}
+	}
+	return res, nil
+}
+
+func (b *bench) blockRow(m *blockMethod, loads *cudacopy.Copier, g cuda.Stream, gm *gemm, res BlocksResults, size uint64, d2h, h2d []cudacopy.Segment) (BlocksRow, error) {
+	store := func(t *[]tk) error {
+		var x cudacopy.Ticket
+		var err error
+		if m.gather || (m.auto && m.c.Gatherable(d2h)) {
+			// As transfer.CUDA does: the gather stream waits for what the
+			// store stream waits for (here the run's start event).
+			if err = b.drv.StreamWaitEvent(g, b.ev[0], 0); err == nil {
+				x, err = m.c.SubmitGather(g, b.s[0], d2h)
+			}
+		} else {
+			x, err = m.c.Submit(b.s[0], cudacopy.D2H, d2h)
+		}
+		if err != nil {
+			return err
+		}
+		*t = append(*t, tk{m.c, x})
+		return nil
+	}
+	both := func(t *[]tk) error {
+		if err := store(t); err != nil {
+			return err
+		}
+		x, err := loads.Submit(b.s[1], cudacopy.H2D, h2d)
+		if err != nil {
+			return err
+		}
+		*t = append(*t, tk{loads, x})
+		return nil
+	}
+	row := BlocksRow{Method: m.name, SegBytes: size, BlockBytes: size * uint64(res.Config.SegsPerBlock)}
+	n := res.Config.TotalBytes
+	solo, err := b.reps(store, true)
+	if err != nil {
+		return row, err
+	}
+	bt, err := b.reps(both, true)
+	if err != nil {
+		return row, err
+	}
+	row.D2HGBps, row.BothGBps = gbps(n, solo.best), gbps(2*n, bt.best)
+	row.D2HPct = 100 * row.D2HGBps / max(res.Link["d2h"], 1e-9)
+	row.BothPct = 100 * row.BothGBps / max(res.Link["both"], 1e-9)
+	row.Gated = solo.held && bt.held
+	if gm != nil {
+		tm, slow, err := b.besideGemm(gm, res.SGEMM.SoloMs, solo, store)
+		if err != nil {
+			return row, err
+		}
+		row.BesideGBps = gbps(n, tm.best)
+		row.BesidePctOfSolo = 100 * row.BesideGBps / max(row.D2HGBps, 1e-9)
+		row.SlowdownPct = slow
+	}
+	return row, nil
+}
+
+// FormatBlocks renders the results as one markdown table.
+func FormatBlocks(r BlocksResults) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Stores of whole layer-separate blocks (%d segments each, back to back in a host slot, from %d device tensors), %s per direction per run at random slots, best of %d gated runs. Link: d2h %.1f GB/s, both %.1f GB/s. ",
+		r.Config.SegsPerBlock, r.Config.SegsPerBlock, cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Link["d2h"], r.Link["both"])
+	if r.SGEMM.Skipped != "" {
+		fmt.Fprintf(&b, "sgemm skipped: %s.\n\n", r.SGEMM.Skipped)
+	} else {
+		fmt.Fprintf(&b, "kvo_sgemm n=%d alone: %.2f ms.\n\n", r.SGEMM.N, r.SGEMM.SoloMs)
+	}
+	b.WriteString("| segment | block | method | d2h GB/s | both GB/s | d2h beside sgemm | sgemm slowdown |\n|---|---|---|---:|---:|---:|---:|\n")
+	for _, row := range r.Rows {
+		mark := ""
+		if !row.Gated {
+			mark = "†"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %.1f (%.0f%%)%s | %.1f (%.0f%%)%s |", cudacopy.FormatBytes(row.SegBytes), cudacopy.FormatBytes(row.BlockBytes), row.Method,
+			row.D2HGBps, row.D2HPct, mark, row.BothGBps, row.BothPct, mark)
+		if r.SGEMM.Skipped == "" {
+			fmt.Fprintf(&b, " %.1f (%.0f%% of solo) | %+.1f%% |\n", row.BesideGBps, row.BesidePctOfSolo, row.SlowdownPct)
+		} else {
+			b.WriteString(" – | – |\n")
+		}
+	}
+	return b.String()
+}
