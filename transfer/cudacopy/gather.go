@@ -30,10 +30,12 @@ const (
 	minGatherChunk = 1 << 20
 )
 
-// gatherPiece is one DMA of a gathered batch: len bytes from staging to
-// the host address host.
+// gatherPiece is one DMA of a gathered batch: len bytes from staging chunk
+// chunk to the host address host. A piece never spans two chunks: they are
+// separate allocations, even where their addresses happen to be adjacent.
 type gatherPiece struct {
 	host, staging, len uint64
+	chunk              int
 }
 
 // Gatherable reports whether SubmitGather is the better way to copy this
@@ -99,22 +101,7 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 	if err != nil {
 		return Ticket{}, err
 	}
-	gather := make([]Segment, len(segs))
-	pieces := make([]gatherPiece, 0, 8)
-	k, off := 0, uint64(0)
-	for i, sg := range segs {
-		if off+sg.Len > chunk {
-			k, off = k+1, 0
-		}
-		dst := uint64(staging[k]) + off
-		gather[i] = Segment{Dst: dst, Src: sg.Src, Len: sg.Len}
-		if n := len(pieces); n > 0 && pieces[n-1].host+pieces[n-1].len == sg.Dst && pieces[n-1].staging+pieces[n-1].len == dst {
-			pieces[n-1].len += sg.Len
-		} else {
-			pieces = append(pieces, gatherPiece{host: sg.Dst, staging: dst, len: sg.Len})
-		}
-		off += sg.Len
-	}
+	gather, pieces := packGather(segs, chunk, staging)
 	ck := chunker{kind: jobCopy, copies: gather, chunk: uint64(c.opts.ChunkBytes)}
 	t, err := c.launch(g, &ck, &c.h2d, 0)
 	if err != nil {
@@ -132,6 +119,30 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 
 // Gathers is the number of batches SubmitGather has enqueued.
 func (c *Copier) Gathers() uint64 { return c.gathers.Load() }
+
+// packGather places segs, in order, into the staging chunks (a segment
+// that does not fit the rest of a chunk starts the next) and returns the
+// gather copies (device → staging) and the DMAs (staging → host), one per
+// host-contiguous run within a chunk.
+func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segment, []gatherPiece) {
+	gather := make([]Segment, len(segs))
+	pieces := make([]gatherPiece, 0, 8)
+	k, off := 0, uint64(0)
+	for i, sg := range segs {
+		if off+sg.Len > chunk {
+			k, off = k+1, 0
+		}
+		dst := uint64(staging[k]) + off
+		gather[i] = Segment{Dst: dst, Src: sg.Src, Len: sg.Len}
+		if n := len(pieces); n > 0 && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == sg.Dst && pieces[n-1].staging+pieces[n-1].len == dst {
+			pieces[n-1].len += sg.Len
+		} else {
+			pieces = append(pieces, gatherPiece{host: sg.Dst, staging: dst, len: sg.Len, chunk: k})
+		}
+		off += sg.Len
+	}
+	return gather, pieces
+}
 
 // gatherDMA joins s to g's gather and enqueues the staging-to-host copies.
 func (c *Copier) gatherDMA(g, s cuda.Stream, ev cuda.Event, pieces []gatherPiece) error {

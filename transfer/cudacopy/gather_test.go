@@ -148,3 +148,77 @@ func TestSubmitGatherFailuresFake(t *testing.T) {
 	require.NoError(t, err)
 	waitRetire(t, drv, c, s, tk)
 }
+
+// batchChecker fails a batch copy whose source crosses the end of its
+// device allocation (the H200's driver refuses one with
+// CUDA_ERROR_INVALID_VALUE).
+type batchChecker struct {
+	cuda.Driver
+	t *testing.T
+}
+
+func (b *batchChecker) MemcpyBatchAsync(copies []cuda.BatchCopy, s cuda.Stream) error {
+	for i, c := range copies {
+		base, size, err := b.Driver.MemGetAddressRange(c.Src)
+		require.NoError(b.t, err, "copy %d", i)
+		require.LessOrEqual(b.t, uint64(c.Src)+c.Size, uint64(base)+size, "copy %d of %d bytes crosses its source allocation", i, c.Size)
+	}
+	return b.Driver.MemcpyBatchAsync(copies, s)
+}
+
+// Host-adjacent blocks that straddle two staging chunks go out as one DMA
+// per chunk, even when the chunks' addresses are adjacent.
+func TestSubmitGatherPiecesStayInChunksFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	chk := &batchChecker{Driver: drv, t: t}
+	g, s := newStream(t, drv), newStream(t, drv)
+	c := newCopier(t, chk, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	const seg, per = 16 << 10, 24 // 384 KiB blocks: the third straddles chunks
+	n := uint64(seg * per * 6)
+	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
+	dev := devMem(t, drv, n)
+	_, _ = rand.Read(src)
+	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
+	// Blocks in host order: every run continues the previous one.
+	var d2h []Segment
+	for b := range 6 {
+		for k := range per {
+			off := uint64((b*per + k) * seg)
+			d2h = append(d2h, Segment{Dst: addr(dst) + off, Src: uint64(dev) + off, Len: seg})
+		}
+	}
+	tk, err := c.SubmitGather(g, s, d2h)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+	require.Equal(t, src, dst)
+}
+
+// packGather never merges a run across two chunks, even adjacent ones, and
+// merges host-contiguous segments within a chunk.
+func TestPackGather(t *testing.T) {
+	const chunk = 1 << 20
+	staging := []cuda.DevicePtr{0x10000000, 0x10000000 + chunk, 0x10000000 + 2*chunk}
+	var segs []Segment
+	for i := range 10 {
+		segs = append(segs, Segment{Dst: 0x7000000 + uint64(i)*256<<10, Src: 0x90000000 + uint64(9-i)*256<<10, Len: 256 << 10})
+	}
+	gather, pieces := packGather(segs, chunk, staging)
+	require.Len(t, gather, 10)
+	require.Equal(t, []gatherPiece{
+		{host: 0x7000000, staging: 0x10000000, len: 4 * 256 << 10, chunk: 0},
+		{host: 0x7000000 + 4*256<<10, staging: 0x10000000 + chunk, len: 4 * 256 << 10, chunk: 1},
+		{host: 0x7000000 + 8*256<<10, staging: 0x10000000 + 2*chunk, len: 2 * 256 << 10, chunk: 2},
+	}, pieces)
+	for i, g := range gather {
+		require.Equal(t, segs[i].Src, g.Src)
+		require.Equal(t, uint64(staging[i/4])+uint64(i%4)*256<<10, g.Dst)
+	}
+	// A gap in the host addresses starts a new piece in the same chunk.
+	segs[2].Dst += 4096
+	segs[3].Dst += 4096
+	_, pieces = packGather(segs[:4], chunk, staging)
+	require.Len(t, pieces, 2)
+	require.Equal(t, uint64(2*256<<10), pieces[0].len)
+	require.Equal(t, uint64(2*256<<10), pieces[1].len)
+	require.Equal(t, 0, pieces[1].chunk)
+}
