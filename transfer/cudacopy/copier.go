@@ -63,6 +63,9 @@ type Options struct {
 	// GatherMinRun is the mean host-contiguous run (bytes) from which
 	// Gatherable says yes (default DefaultGatherMinRun).
 	GatherMinRun int
+	// GatherRing is the number of staging chunks one SubmitGather reuses
+	// in turn (default DefaultGatherRing).
+	GatherRing int
 	// NoGather turns SubmitGather off (Gatherable always false).
 	NoGather bool
 	// Calibration is a saved table for Choose. Without one, Choose uses the
@@ -243,6 +246,9 @@ func (o *Options) withDefaults() Options {
 	if r.GatherMinRun == 0 {
 		r.GatherMinRun = DefaultGatherMinRun
 	}
+	if r.GatherRing == 0 {
+		r.GatherRing = DefaultGatherRing
+	}
 	if r.DMAMargin == 0 {
 		r.DMAMargin = DefaultDMAMargin
 		if r.PreferDMA {
@@ -269,6 +275,8 @@ func (o *Options) validate(sms int) error {
 		return fmt.Errorf("%w: GatherChunkBytes %d is not a multiple of %d in [%d, %d]", ErrInvalidOption, o.GatherChunkBytes, kernelAlign, minGatherChunk, 1<<30)
 	case o.GatherMinRun < 1:
 		return fmt.Errorf("%w: GatherMinRun %d is not positive", ErrInvalidOption, o.GatherMinRun)
+	case o.GatherRing < 1 || o.GatherRing > 64:
+		return fmt.Errorf("%w: GatherRing %d not in [1, 64]", ErrInvalidOption, o.GatherRing)
 	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
 		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
 	}
@@ -337,10 +345,9 @@ type ticketRec struct {
 	gen  uint32
 	live bool
 	bufs []*descBuf
-	// staging and event: a SubmitGather's staging chunks and join event.
-	staging  []cuda.DevicePtr
-	event    cuda.Event
-	hasEvent bool
+	// staging and events: a SubmitGather's staging chunks and events.
+	staging []cuda.DevicePtr
+	events  []cuda.Event
 }
 
 // Copier copies batches of segments on a caller's stream. See the package
@@ -713,7 +720,7 @@ func (c *Copier) endRec(i int32) {
 	clear(r.bufs)
 	r.bufs = r.bufs[:0]
 	r.staging = r.staging[:0]
-	r.hasEvent = false
+	r.events = r.events[:0]
 	r.live = false
 	r.gen++
 	c.freeRecs = append(c.freeRecs, i)
@@ -800,9 +807,7 @@ func (c *Copier) Retire(t Ticket) error {
 	r := &c.recs[i]
 	c.free = append(c.free, r.bufs...)
 	c.stagingFree = append(c.stagingFree, r.staging...)
-	if r.hasEvent {
-		c.eventsFree = append(c.eventsFree, r.event)
-	}
+	c.eventsFree = append(c.eventsFree, r.events...)
 	c.endRec(i)
 	return nil
 }

@@ -66,16 +66,20 @@ func (c *Copier) Gatherable(segs []Segment) bool {
 }
 
 // SubmitGather copies a D2H batch (Src on the device, Dst in registered host
-// memory) in two steps: the copy kernel gathers the segments, in batch order,
-// into device staging chunks on stream g; s waits for that (an event) and
-// then copies each host-contiguous run of the staging to the host with the
-// batch API (else one cuMemcpyAsync per run). g must already be ordered
-// after the work that wrote the segments' device data (the caller makes g
-// wait on the same events it makes s wait on); completion is that of s:
-// retire the ticket, which holds the staging, after an event recorded on s
-// after this call has completed. Segments must be 16-byte aligned and at
-// most Options.GatherChunkBytes long. On error nothing is left that a later
-// call could disturb: what was enqueued keeps its staging until Close.
+// memory) in two steps per staging chunk: the copy kernel gathers the
+// chunk's segments, in batch order, into device staging on stream g; s
+// waits for that (an event) and copies each host-contiguous run of the
+// chunk to the host with the batch API (else one cuMemcpyAsync per run).
+// Chunks go round a ring of at most Options.GatherRing staging buffers: g
+// gathers chunk k+1 while s copies chunk k out, and waits for s's copy of
+// chunk k-GatherRing before reusing its buffer, so a batch of any size uses
+// at most GatherRing × GatherChunkBytes of device memory. g must already be
+// ordered after the work that wrote the segments' device data (the caller
+// makes g wait on the same events it makes s wait on); completion is that
+// of s: retire the ticket, which holds the staging, after an event recorded
+// on s after this call has completed. Segments must be 16-byte aligned and
+// at most Options.GatherChunkBytes long. On error what was enqueued keeps
+// its buffers until Close.
 func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) {
 	if err := validateSegments(segs, kernelAlign); err != nil {
 		return Ticket{}, err
@@ -87,43 +91,115 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
 	}
 	chunk := uint64(c.opts.GatherChunkBytes)
-	nchunks, off := 1, uint64(0)
 	for i, sg := range segs {
 		if sg.Len > chunk {
 			return Ticket{}, fmt.Errorf("%w: segment %d of %d bytes is larger than a gather chunk of %d bytes", ErrInvalidSegment, i, sg.Len, chunk)
 		}
-		if off+sg.Len > chunk {
-			nchunks, off = nchunks+1, 0
-		}
-		off += sg.Len
 	}
-	staging, ev, err := c.acquireGather(nchunks)
+	parts := chunkParts(segs, chunk)
+	ring := min(len(parts), c.opts.GatherRing)
+	staging, evs, err := c.acquireGather(ring, 2*ring)
 	if err != nil {
 		return Ticket{}, err
 	}
 	gather, pieces := packGather(segs, chunk, staging)
-	ck := chunker{kind: jobCopy, copies: gather, chunk: uint64(c.opts.ChunkBytes)}
-	t, err := c.launch(g, &ck, &c.h2d, 0)
+	// One chunker per chunk, so that each chunk's gather ends a launch.
+	cks := make([]chunker, len(parts))
+	nbuf := 0
+	for k, p := range parts {
+		cks[k] = chunker{kind: jobCopy, copies: gather[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
+		nbuf += (cks[k].count() + c.opts.DescCapacity - 1) / c.opts.DescCapacity
+	}
+	t, rec, err := c.acquire(nbuf)
 	if err != nil {
-		c.releaseGather(staging, ev)
+		c.releaseGather(staging, evs)
 		return Ticket{}, err
 	}
-	c.attachGather(t, staging, ev)
-	if err := c.gatherDMA(g, s, ev, pieces); err != nil {
-		c.abandonAll(t)
-		return Ticket{}, err
+	c.attachGather(t, staging, evs)
+	bufs := rec.bufs
+	gathered, copied := evs[:ring], evs[ring:]
+	pi := 0
+	for k := range parts {
+		slot := k % ring
+		err := c.gatherChunk(g, s, &cks[k], &bufs, k >= ring, gathered[slot], copied[slot])
+		if err == nil {
+			end := pi
+			for end < len(pieces) && pieces[end].chunk == k {
+				end++
+			}
+			err = c.gatherDMA(s, pieces[pi:end])
+			pi = end
+		}
+		if err == nil {
+			err = c.drv.EventRecord(copied[slot], s)
+		}
+		if err != nil {
+			c.abandonAll(t)
+			return Ticket{}, err
+		}
 	}
 	c.gathers.Add(1)
 	return t, nil
 }
 
+// DefaultGatherRing is the number of staging chunks one SubmitGather
+// cycles through (Options.GatherRing).
+const DefaultGatherRing = 4
+
 // Gathers is the number of batches SubmitGather has enqueued.
 func (c *Copier) Gathers() uint64 { return c.gathers.Load() }
 
-// packGather places segs, in order, into the staging chunks (a segment
-// that does not fit the rest of a chunk starts the next) and returns the
-// gather copies (device → staging) and the DMAs (staging → host), one per
-// host-contiguous run within a chunk.
+// part is the index range [lo, hi) of the segments packed into one chunk.
+type part struct{ lo, hi int }
+
+// chunkParts splits segs the way packGather places them.
+func chunkParts(segs []Segment, chunk uint64) []part {
+	var parts []part
+	lo, off := 0, uint64(0)
+	for i, sg := range segs {
+		if off+sg.Len > chunk {
+			parts = append(parts, part{lo, i})
+			lo, off = i, 0
+		}
+		off += sg.Len
+	}
+	return append(parts, part{lo, len(segs)})
+}
+
+// gatherChunk enqueues one chunk's gather on g (after s's copy out of the
+// same staging buffer, if reuse) from the ticket's next descriptor buffers,
+// then joins s to it.
+func (c *Copier) gatherChunk(g, s cuda.Stream, ck *chunker, bufs *[]*descBuf, reuse bool, gathered, copied cuda.Event) error {
+	if reuse {
+		if err := c.drv.StreamWaitEvent(g, copied, cuda.EventWaitDefault); err != nil {
+			return fmt.Errorf("cudacopy: waiting to reuse a gather chunk: %w", err)
+		}
+	}
+	warps := c.h2d.Threads / 32
+	for !ck.done() {
+		b := (*bufs)[0]
+		*bufs = (*bufs)[1:]
+		n, err := ck.next(b.table)
+		if err == nil {
+			err = c.enqueue(g, b, &c.h2d, ck, n, 0, 0, warps)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if err := c.drv.EventRecord(gathered, g); err != nil {
+		return fmt.Errorf("cudacopy: recording a gather's event: %w", err)
+	}
+	if err := c.drv.StreamWaitEvent(s, gathered, cuda.EventWaitDefault); err != nil {
+		return fmt.Errorf("cudacopy: joining a gather: %w", err)
+	}
+	return nil
+}
+
+// packGather places segs, in order, into chunks (a segment that does not
+// fit the rest of a chunk starts the next; chunk k lives in staging[k %
+// len(staging)]) and returns the gather copies (device → staging) and the
+// DMAs (staging → host), one per host-contiguous run within a chunk.
 func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segment, []gatherPiece) {
 	gather := make([]Segment, len(segs))
 	pieces := make([]gatherPiece, 0, 8)
@@ -132,7 +208,7 @@ func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segme
 		if off+sg.Len > chunk {
 			k, off = k+1, 0
 		}
-		dst := uint64(staging[k]) + off
+		dst := uint64(staging[k%len(staging)]) + off
 		gather[i] = Segment{Dst: dst, Src: sg.Src, Len: sg.Len}
 		if n := len(pieces); n > 0 && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == sg.Dst && pieces[n-1].staging+pieces[n-1].len == dst {
 			pieces[n-1].len += sg.Len
@@ -144,14 +220,8 @@ func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segme
 	return gather, pieces
 }
 
-// gatherDMA joins s to g's gather and enqueues the staging-to-host copies.
-func (c *Copier) gatherDMA(g, s cuda.Stream, ev cuda.Event, pieces []gatherPiece) error {
-	if err := c.drv.EventRecord(ev, g); err != nil {
-		return fmt.Errorf("cudacopy: recording the gather's event: %w", err)
-	}
-	if err := c.drv.StreamWaitEvent(s, ev, cuda.EventWaitDefault); err != nil {
-		return fmt.Errorf("cudacopy: joining the gather: %w", err)
-	}
+// gatherDMA enqueues the staging-to-host copies of one chunk on s.
+func (c *Copier) gatherDMA(s cuda.Stream, pieces []gatherPiece) error {
 	if !c.caps.Batch {
 		for i, p := range pieces {
 			if err := c.drv.MemcpyAsync(cuda.DevicePtr(p.host), cuda.DevicePtr(p.staging), p.len, s); err != nil {
@@ -175,26 +245,26 @@ func (c *Copier) gatherDMA(g, s cuda.Stream, ev cuda.Event, pieces []gatherPiece
 	return nil
 }
 
-// acquireGather takes n staging chunks and a join event, allocating what
-// the pools lack (kept until Close, like descriptor buffers).
-func (c *Copier) acquireGather(n int) ([]cuda.DevicePtr, cuda.Event, error) {
+// acquireGather takes n staging chunks and m events, allocating what the
+// pools lack (kept until Close, like descriptor buffers).
+func (c *Copier) acquireGather(n, m int) ([]cuda.DevicePtr, []cuda.Event, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
-		return nil, 0, ErrClosed
+		return nil, nil, ErrClosed
 	}
 	for len(c.stagingFree) < n {
 		p, err := c.drv.MemAlloc(uint64(c.opts.GatherChunkBytes))
 		if err != nil {
-			return nil, 0, fmt.Errorf("cudacopy: gather staging chunk of %d bytes (%d in use): %w", c.opts.GatherChunkBytes, len(c.stagingAll)-len(c.stagingFree), err)
+			return nil, nil, fmt.Errorf("cudacopy: gather staging chunk of %d bytes (%d in use): %w", c.opts.GatherChunkBytes, len(c.stagingAll)-len(c.stagingFree), err)
 		}
 		c.stagingAll = append(c.stagingAll, p)
 		c.stagingFree = append(c.stagingFree, p)
 	}
-	if len(c.eventsFree) == 0 {
+	for len(c.eventsFree) < m {
 		e, err := c.drv.EventCreate(cuda.EventDisableTiming)
 		if err != nil {
-			return nil, 0, fmt.Errorf("cudacopy: gather event: %w", err)
+			return nil, nil, fmt.Errorf("cudacopy: gather event: %w", err)
 		}
 		c.eventsAll = append(c.eventsAll, e)
 		c.eventsFree = append(c.eventsFree, e)
@@ -202,27 +272,28 @@ func (c *Copier) acquireGather(n int) ([]cuda.DevicePtr, cuda.Event, error) {
 	k := len(c.stagingFree) - n
 	staging := append([]cuda.DevicePtr(nil), c.stagingFree[k:]...)
 	c.stagingFree = c.stagingFree[:k]
-	ev := c.eventsFree[len(c.eventsFree)-1]
-	c.eventsFree = c.eventsFree[:len(c.eventsFree)-1]
-	return staging, ev, nil
+	j := len(c.eventsFree) - m
+	evs := append([]cuda.Event(nil), c.eventsFree[j:]...)
+	c.eventsFree = c.eventsFree[:j]
+	return staging, evs, nil
 }
 
-// releaseGather returns staging and an event that nothing enqueued uses.
-func (c *Copier) releaseGather(staging []cuda.DevicePtr, ev cuda.Event) {
+// releaseGather returns staging and events that nothing enqueued uses.
+func (c *Copier) releaseGather(staging []cuda.DevicePtr, evs []cuda.Event) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.stagingFree = append(c.stagingFree, staging...)
-	c.eventsFree = append(c.eventsFree, ev)
+	c.eventsFree = append(c.eventsFree, evs...)
 }
 
-// attachGather makes the staging and event part of ticket t: Retire returns
-// them, abandon withdraws them.
-func (c *Copier) attachGather(t Ticket, staging []cuda.DevicePtr, ev cuda.Event) {
+// attachGather makes the staging and events part of ticket t: Retire
+// returns them, abandon withdraws them.
+func (c *Copier) attachGather(t Ticket, staging []cuda.DevicePtr, evs []cuda.Event) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	r := &c.recs[t.idx-1]
 	r.staging = append(r.staging[:0], staging...)
-	r.event, r.hasEvent = ev, true
+	r.events = append(r.events[:0], evs...)
 }
 
 // abandonAll ends a ticket whose work may all have been enqueued: its

@@ -47,6 +47,10 @@ func TestSubmitGatherFake(t *testing.T) {
 		for i, l := range []layout{layerSeparate(9, 6, 48<<10), layerSeparate(40, 4, 4<<10), layerSeparate(3, 1, 512<<10)} {
 			gatherRoundTrip(t, drv, c, g, s, l, uint64(i))
 		}
+		// One staging chunk for a 5 MiB batch: every gather after the first
+		// waits for the previous chunk's copy out.
+		one := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
+		gatherRoundTrip(t, drv, one, g, s, layerSeparate(9, 6, 48<<10), 5)
 		allocs := drv.Calls(cuda.OpMemAlloc)
 		gatherRoundTrip(t, drv, c, g, s, layerSeparate(9, 6, 48<<10), 9)
 		require.Equal(t, allocs+1, drv.Calls(cuda.OpMemAlloc), "staging reused after Retire (only the test's device buffer is new)")

@@ -120,12 +120,13 @@ func TestGPUCalibrate(t *testing.T) {
 }
 
 // SubmitGather moves layer-separate blocks byte-exact on the GPU, with
-// 1 MiB chunks (runs split across chunks) and the default 8 MiB.
+// 1 MiB chunks (runs split across chunks; one chunk reused throughout, and
+// the default ring) and the default 8 MiB.
 func TestGPUGatherRoundTrip(t *testing.T) {
 	g := cudatest.Open(t)
 	gs, s := newStream(t, g.Drv), newStream(t, g.Drv)
-	for _, chunk := range []int{1 << 20, 0} {
-		c := newCopier(t, g.Drv, gpuOpts(t, Options{GatherChunkBytes: chunk}))
+	for _, o := range []Options{{GatherChunkBytes: 1 << 20, GatherRing: 1}, {GatherChunkBytes: 1 << 20}, {}} {
+		c := newCopier(t, g.Drv, gpuOpts(t, o))
 		for i, l := range []layout{layerSeparate(64, 8, 16<<10), layerSeparate(200, 16, 4<<10), layerSeparate(9, 6, 48<<10)} {
 			gatherRoundTrip(t, g.Drv, c, gs, s, l, uint64(i))
 		}
