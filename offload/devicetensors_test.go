@@ -55,7 +55,12 @@ func TestCUDADeviceTensors(t *testing.T) {
 			return dtLayout(LayerTensors{K: g.alloc(full), V: g.alloc(full), Stride: dtSeg}, LayerTensors{K: g.alloc(full - dtSeg), V: g.alloc(full), Stride: dtSeg})
 		}, []string{"layer 1 K tensor", "runs 2048 bytes past the end of its device allocation"}},
 		{"stride twice the allocation's", func(g *gpuMem) LayoutSpec {
-			return dtLayout(LayerTensors{K: g.alloc(2 * full), V: g.alloc(full), Stride: 2 * dtSeg}, LayerTensors{K: g.alloc(2 * full), V: g.alloc(2 * full), Stride: 2 * dtSeg})
+			// K sits in the upper half of a 4×full allocation, so that V's
+			// span (2×full from its base) cannot reach it wherever the
+			// allocator puts V: the layout's overlap check must not fire
+			// before the extent check.
+			k := g.alloc(4*full) + 2*full
+			return dtLayout(LayerTensors{K: k, V: g.alloc(full), Stride: 2 * dtSeg}, LayerTensors{K: g.alloc(2 * full), V: g.alloc(2 * full), Stride: 2 * dtSeg})
 		}, []string{"layer 0 V tensor", "runs 30720 bytes past the end"}},
 		{"cross-layer base one byte in", func(g *gpuMem) LayoutSpec {
 			l := g.layout(LayoutCrossLayer, dtBlocks)
