@@ -30,7 +30,8 @@ type CUDAOptions struct {
 	// prefault of range k+1 with the registration of range k. 0 means
 	// DefaultPipelineChunk. It must be a positive multiple of the page
 	// size; above RangeLimit it is cut to RangeLimit. Regions prefaulted
-	// by mmapmem.New are registered in ranges of RangeLimit.
+	// by mmapmem.New, or whole by Region.Prefault, are registered in
+	// ranges of RangeLimit.
 	PipelineChunk int64
 }
 
