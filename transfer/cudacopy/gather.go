@@ -220,29 +220,17 @@ func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segme
 	return gather, pieces
 }
 
-// gatherDMA enqueues the staging-to-host copies of one chunk on s.
+// gatherDMA enqueues the staging-to-host copies of one chunk on s: the
+// batch API where the driver has it, else one cuMemcpyAsync per run.
 func (c *Copier) gatherDMA(s cuda.Stream, pieces []gatherPiece) error {
-	if !c.caps.Batch {
-		for i, p := range pieces {
-			if err := c.drv.MemcpyAsync(cuda.DevicePtr(p.host), cuda.DevicePtr(p.staging), p.len, s); err != nil {
-				return fmt.Errorf("cudacopy: gathered run %d of %d (%d bytes): %w", i, len(pieces), p.len, err)
-			}
-		}
-		return nil
+	segs := make([]Segment, len(pieces))
+	for i, p := range pieces {
+		segs[i] = Segment{Dst: p.host, Src: p.staging, Len: p.len}
 	}
-	sp := c.batchPool.Get().(*[]cuda.BatchCopy)
-	defer c.batchPool.Put(sp)
-	scratch := *sp
-	for base := 0; base < len(pieces); base += len(scratch) {
-		part := pieces[base:min(base+len(scratch), len(pieces))]
-		for i, p := range part {
-			scratch[i] = cuda.BatchCopy{Dst: cuda.DevicePtr(p.host), Src: cuda.DevicePtr(p.staging), Size: p.len}
-		}
-		if err := c.drv.MemcpyBatchAsync(scratch[:len(part)], s); err != nil {
-			return fmt.Errorf("cudacopy: gathered runs [%d, %d) of %d: %w", base, base+len(part), len(pieces), err)
-		}
+	if c.caps.Batch {
+		return c.batch(s, segs)
 	}
-	return nil
+	return c.memcpy(s, segs)
 }
 
 // acquireGather takes n staging chunks and m events, allocating what the
