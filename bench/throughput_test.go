@@ -323,14 +323,20 @@ func TestKernelVariants(t *testing.T) {
 	}
 	res, err := MeasureKernelVariants(g.Drv, g.Dev, cfg)
 	require.NoError(t, err)
-	md := FormatKernelSweep(res)
+	writeBenchOut(t, "kernel_variants", FormatKernelSweep(res), res)
+}
+
+// writeBenchOut prints md and, with KVO_BENCH_OUT set, writes it and res
+// (as JSON) there as name.md and name.json.
+func writeBenchOut(t *testing.T, name, md string, res any) {
+	t.Helper()
 	fmt.Println(md)
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
 		js, err := json.MarshalIndent(res, "", "  ")
 		require.NoError(t, err)
 		require.NoError(t, os.MkdirAll(dir, 0o755))
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "kernel_variants.md"), []byte(md), 0o644))
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "kernel_variants.json"), js, 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name+".md"), []byte(md), 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name+".json"), js, 0o644))
 	}
 }
 
@@ -363,13 +369,5 @@ func TestBlocksBench(t *testing.T) {
 	g := cudatest.Open(t)
 	res, err := MeasureBlocks(g.Drv, g.Dev, BlocksConfig{})
 	require.NoError(t, err)
-	md := FormatBlocks(res)
-	fmt.Println(md)
-	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
-		js, err := json.MarshalIndent(res, "", "  ")
-		require.NoError(t, err)
-		require.NoError(t, os.MkdirAll(dir, 0o755))
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "blocks.md"), []byte(md), 0o644))
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "blocks.json"), js, 0o644))
-	}
+	writeBenchOut(t, "blocks", FormatBlocks(res), res)
 }
