@@ -7,14 +7,17 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
-// Gathered stores. A KV block's segments are scattered over the model's
-// tensors on the device but packed back to back in its host slot, so a
-// store of whole blocks is a few long host-contiguous runs. SubmitGather
-// copies such a batch without the SMs writing host memory: the copy kernel
-// gathers the segments into device staging (device-to-device, at HBM speed,
-// on a stream of its own), then the DMA engines copy each run to the host
-// in one piece, at the link's full rate and without the backlog of posted
-// host stores that slows the model's kernels (see DefaultLaunch).
+// Staged copies: gathered stores and scattered loads. A KV block's segments
+// are scattered over the model's tensors on the device but packed back to
+// back in its host slot, so a store or load of whole blocks is a few long
+// host-contiguous runs. SubmitGather copies such a store without the SMs
+// writing host memory: the copy kernel gathers the segments into device
+// staging (device-to-device, at HBM speed, on a stream of its own), then the
+// DMA engines copy each run to the host in one piece, at the link's full
+// rate and without the backlog of posted host stores that slows the model's
+// kernels (see DefaultLaunch). SubmitScatter is the mirror image for loads:
+// one DMA per run into staging, then the kernel scatters it on the device,
+// so both directions at once move with the DMA engines' large transfers.
 
 // Defaults for the gather options.
 const (
@@ -44,7 +47,21 @@ type gatherPiece struct {
 // chunk, and the segments form host-contiguous runs (in batch order) of at
 // least Options.GatherMinRun bytes on average. Always false with a forced
 // Method or Options.NoGather, or without the kernel.
-func (c *Copier) Gatherable(segs []Segment) bool {
+func (c *Copier) Gatherable(segs []Segment) bool { return c.stageable(D2H, segs) }
+
+// Scatterable is Gatherable for an H2D batch and SubmitScatter (host runs
+// on the Src side).
+func (c *Copier) Scatterable(segs []Segment) bool { return c.stageable(H2D, segs) }
+
+// hostSide is the host address of a segment copied in dir.
+func hostSide(dir Direction, g Segment) uint64 {
+	if dir == D2H {
+		return g.Dst
+	}
+	return g.Src
+}
+
+func (c *Copier) stageable(dir Direction, segs []Segment) bool {
 	if c.opts.NoGather || c.opts.Method != MethodAuto || !c.caps.Kernel || len(segs) < 2 {
 		return false
 	}
@@ -55,14 +72,14 @@ func (c *Copier) Gatherable(segs []Segment) bool {
 			return false
 		}
 		total += g.Len
-		if i == 0 || segs[i-1].Dst+segs[i-1].Len != g.Dst {
+		if i == 0 || hostSide(dir, segs[i-1])+segs[i-1].Len != hostSide(dir, g) {
 			runs++
 		}
 	}
 	if total/uint64(runs) < uint64(c.opts.GatherMinRun) || !aligned(segs) {
 		return false
 	}
-	return c.chooser.Load().choose(D2H, len(segs), total, true) == MethodKernel
+	return c.chooser.Load().choose(dir, len(segs), total, true) == MethodKernel
 }
 
 // SubmitGather copies a D2H batch (Src on the device, Dst in registered host
@@ -81,11 +98,30 @@ func (c *Copier) Gatherable(segs []Segment) bool {
 // at most Options.GatherChunkBytes long. On error what was enqueued keeps
 // its buffers until Close.
 func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) {
+	return c.staged(D2H, g, s, segs)
+}
+
+// SubmitScatter copies an H2D batch (Src in registered host memory, Dst on
+// the device) in two steps per staging chunk: s copies each host-contiguous
+// run of the chunk into device staging with the batch API (else one
+// cuMemcpyAsync per run), then g waits for that (an event) and the copy
+// kernel scatters the chunk to the segments' device addresses; s waits for
+// the last scatter before returning, so completion is that of s, and g
+// starts nothing before what s was waiting for. Chunks go round the ring of
+// Options.GatherRing staging buffers as in SubmitGather (s waits for the
+// scatter out of a buffer before loading it again). Other rules as for
+// SubmitGather.
+func (c *Copier) SubmitScatter(s, g cuda.Stream, segs []Segment) (Ticket, error) {
+	return c.staged(H2D, g, s, segs)
+}
+
+// staged is SubmitGather (D2H) and SubmitScatter (H2D).
+func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket, error) {
 	if err := validateSegments(segs, kernelAlign); err != nil {
 		return Ticket{}, err
 	}
 	if c.opts.NoGather {
-		return Ticket{}, fmt.Errorf("%w: gathering is off (Options.NoGather)", ErrUnavailable)
+		return Ticket{}, fmt.Errorf("%w: staged copies are off (Options.NoGather)", ErrUnavailable)
 	}
 	if !c.caps.Kernel {
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
@@ -93,7 +129,7 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 	chunk := uint64(c.opts.GatherChunkBytes)
 	for i, sg := range segs {
 		if sg.Len > chunk {
-			return Ticket{}, fmt.Errorf("%w: segment %d of %d bytes is larger than a gather chunk of %d bytes", ErrInvalidSegment, i, sg.Len, chunk)
+			return Ticket{}, fmt.Errorf("%w: segment %d of %d bytes is larger than a staging chunk of %d bytes", ErrInvalidSegment, i, sg.Len, chunk)
 		}
 	}
 	parts := chunkParts(segs, chunk)
@@ -102,12 +138,12 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 	if err != nil {
 		return Ticket{}, err
 	}
-	gather, pieces := packGather(segs, chunk, staging)
-	// One chunker per chunk, so that each chunk's gather ends a launch.
+	kern, pieces := packStaged(dir, segs, chunk, staging)
+	// One chunker per chunk, so that each chunk's kernel work ends a launch.
 	cks := make([]chunker, len(parts))
 	nbuf := 0
 	for k, p := range parts {
-		cks[k] = chunker{kind: jobCopy, copies: gather[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
+		cks[k] = chunker{kind: jobCopy, copies: kern[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
 		nbuf += (cks[k].count() + c.opts.DescCapacity - 1) / c.opts.DescCapacity
 	}
 	t, rec, err := c.acquire(nbuf)
@@ -117,25 +153,41 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 	}
 	c.attachGather(t, staging, evs)
 	bufs := rec.bufs
-	gathered, copied := evs[:ring], evs[ring:]
+	// D2H: a = gathered (on g), b = copied out (on s).
+	// H2D: a = loaded into staging (on s), b = scattered (on g).
+	a, b := evs[:ring], evs[ring:]
 	pi := 0
-	for k := range parts {
-		slot := k % ring
-		err := c.gatherChunk(g, s, &cks[k], &bufs, k >= ring, gathered[slot], copied[slot])
-		if err == nil {
-			end := pi
-			for end < len(pieces) && pieces[end].chunk == k {
-				end++
-			}
-			err = c.gatherDMA(s, pieces[pi:end])
-			pi = end
+	chunkPieces := func(k int) []gatherPiece {
+		end := pi
+		for end < len(pieces) && pieces[end].chunk == k {
+			end++
 		}
-		if err == nil {
-			err = c.drv.EventRecord(copied[slot], s)
+		ps := pieces[pi:end]
+		pi = end
+		return ps
+	}
+	for k := range parts {
+		slot, reuse := k%ring, k >= ring
+		if dir == D2H {
+			err = c.gatherChunk(g, s, &cks[k], &bufs, reuse, a[slot], b[slot])
+			if err == nil {
+				err = c.stagingDMA(dir, s, chunkPieces(k))
+			}
+			if err == nil {
+				err = c.drv.EventRecord(b[slot], s)
+			}
+		} else {
+			err = c.scatterChunk(g, s, &cks[k], &bufs, reuse, chunkPieces(k), a[slot], b[slot])
 		}
 		if err != nil {
 			c.abandonAll(t)
 			return Ticket{}, err
+		}
+	}
+	if dir == H2D {
+		if err := c.drv.StreamWaitEvent(s, b[(len(parts)-1)%ring], cuda.EventWaitDefault); err != nil {
+			c.abandonAll(t)
+			return Ticket{}, fmt.Errorf("cudacopy: joining the last scatter: %w", err)
 		}
 	}
 	c.gathers.Add(1)
@@ -146,13 +198,14 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 // cycles through (Options.GatherRing).
 const DefaultGatherRing = 4
 
-// Gathers is the number of batches SubmitGather has enqueued.
+// Gathers is the number of batches SubmitGather and SubmitScatter have
+// enqueued.
 func (c *Copier) Gathers() uint64 { return c.gathers.Load() }
 
 // part is the index range [lo, hi) of the segments packed into one chunk.
 type part struct{ lo, hi int }
 
-// chunkParts splits segs the way packGather places them.
+// chunkParts splits segs the way packStaged places them.
 func chunkParts(segs []Segment, chunk uint64) []part {
 	var parts []part
 	lo, off := 0, uint64(0)
@@ -175,6 +228,47 @@ func (c *Copier) gatherChunk(g, s cuda.Stream, ck *chunker, bufs *[]*descBuf, re
 			return fmt.Errorf("cudacopy: waiting to reuse a gather chunk: %w", err)
 		}
 	}
+	if err := c.launchChunk(g, ck, bufs); err != nil {
+		return err
+	}
+	if err := c.drv.EventRecord(gathered, g); err != nil {
+		return fmt.Errorf("cudacopy: recording a gather's event: %w", err)
+	}
+	if err := c.drv.StreamWaitEvent(s, gathered, cuda.EventWaitDefault); err != nil {
+		return fmt.Errorf("cudacopy: joining a gather: %w", err)
+	}
+	return nil
+}
+
+// scatterChunk loads one chunk's host runs into staging on s (after g's
+// scatter out of the same staging buffer, if reuse), then scatters it on g.
+func (c *Copier) scatterChunk(g, s cuda.Stream, ck *chunker, bufs *[]*descBuf, reuse bool, pieces []gatherPiece, loaded, scattered cuda.Event) error {
+	if reuse {
+		if err := c.drv.StreamWaitEvent(s, scattered, cuda.EventWaitDefault); err != nil {
+			return fmt.Errorf("cudacopy: waiting to reuse a scatter chunk: %w", err)
+		}
+	}
+	if err := c.stagingDMA(H2D, s, pieces); err != nil {
+		return err
+	}
+	if err := c.drv.EventRecord(loaded, s); err != nil {
+		return fmt.Errorf("cudacopy: recording a staged load's event: %w", err)
+	}
+	if err := c.drv.StreamWaitEvent(g, loaded, cuda.EventWaitDefault); err != nil {
+		return fmt.Errorf("cudacopy: joining a staged load: %w", err)
+	}
+	if err := c.launchChunk(g, ck, bufs); err != nil {
+		return err
+	}
+	if err := c.drv.EventRecord(scattered, g); err != nil {
+		return fmt.Errorf("cudacopy: recording a scatter's event: %w", err)
+	}
+	return nil
+}
+
+// launchChunk launches the copy kernel on g for one chunk's descriptors,
+// from the ticket's next descriptor buffers.
+func (c *Copier) launchChunk(g cuda.Stream, ck *chunker, bufs *[]*descBuf) error {
 	warps := c.h2d.Threads / 32
 	for !ck.done() {
 		b := (*bufs)[0]
@@ -187,45 +281,48 @@ func (c *Copier) gatherChunk(g, s cuda.Stream, ck *chunker, bufs *[]*descBuf, re
 			return err
 		}
 	}
-	if err := c.drv.EventRecord(gathered, g); err != nil {
-		return fmt.Errorf("cudacopy: recording a gather's event: %w", err)
-	}
-	if err := c.drv.StreamWaitEvent(s, gathered, cuda.EventWaitDefault); err != nil {
-		return fmt.Errorf("cudacopy: joining a gather: %w", err)
-	}
 	return nil
 }
 
-// packGather places segs, in order, into chunks (a segment that does not
+// packStaged places segs, in order, into chunks (a segment that does not
 // fit the rest of a chunk starts the next; chunk k lives in staging[k %
-// len(staging)]) and returns the gather copies (device → staging) and the
-// DMAs (staging → host), one per host-contiguous run within a chunk.
-func packGather(segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segment, []gatherPiece) {
-	gather := make([]Segment, len(segs))
+// len(staging)]) and returns the kernel's copies (D2H: device → staging;
+// H2D: staging → device) and the DMAs, one per host-contiguous run within a
+// chunk.
+func packStaged(dir Direction, segs []Segment, chunk uint64, staging []cuda.DevicePtr) ([]Segment, []gatherPiece) {
+	kern := make([]Segment, len(segs))
 	pieces := make([]gatherPiece, 0, 8)
 	k, off := 0, uint64(0)
 	for i, sg := range segs {
 		if off+sg.Len > chunk {
 			k, off = k+1, 0
 		}
-		dst := uint64(staging[k%len(staging)]) + off
-		gather[i] = Segment{Dst: dst, Src: sg.Src, Len: sg.Len}
-		if n := len(pieces); n > 0 && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == sg.Dst && pieces[n-1].staging+pieces[n-1].len == dst {
+		stg, host := uint64(staging[k%len(staging)])+off, hostSide(dir, sg)
+		if dir == D2H {
+			kern[i] = Segment{Dst: stg, Src: sg.Src, Len: sg.Len}
+		} else {
+			kern[i] = Segment{Dst: sg.Dst, Src: stg, Len: sg.Len}
+		}
+		if n := len(pieces); n > 0 && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == host && pieces[n-1].staging+pieces[n-1].len == stg {
 			pieces[n-1].len += sg.Len
 		} else {
-			pieces = append(pieces, gatherPiece{host: sg.Dst, staging: dst, len: sg.Len, chunk: k})
+			pieces = append(pieces, gatherPiece{host: host, staging: stg, len: sg.Len, chunk: k})
 		}
 		off += sg.Len
 	}
-	return gather, pieces
+	return kern, pieces
 }
 
-// gatherDMA enqueues the staging-to-host copies of one chunk on s: the
-// batch API where the driver has it, else one cuMemcpyAsync per run.
-func (c *Copier) gatherDMA(s cuda.Stream, pieces []gatherPiece) error {
+// stagingDMA enqueues one chunk's copies between staging and the host on s
+// (D2H: staging → host; H2D: host → staging): the batch API where the
+// driver has it, else one cuMemcpyAsync per run.
+func (c *Copier) stagingDMA(dir Direction, s cuda.Stream, pieces []gatherPiece) error {
 	segs := make([]Segment, len(pieces))
 	for i, p := range pieces {
 		segs[i] = Segment{Dst: p.host, Src: p.staging, Len: p.len}
+		if dir == H2D {
+			segs[i] = Segment{Dst: p.staging, Src: p.host, Len: p.len}
+		}
 	}
 	if c.caps.Batch {
 		return c.batch(s, segs)

@@ -1,6 +1,7 @@
 package cudacopy
 
 import (
+	"bytes"
 	"crypto/rand"
 	mrand "math/rand/v2"
 	"testing"
@@ -125,7 +126,7 @@ func TestGatherable(t *testing.T) {
 
 	_, err = c.SubmitGather(1, 2, big)
 	require.ErrorIs(t, err, ErrInvalidSegment)
-	require.ErrorContains(t, err, "larger than a gather chunk")
+	require.ErrorContains(t, err, "larger than a staging chunk")
 	_, err = New(drv, 0, Options{PTX: fakePTX, GatherChunkBytes: 4096})
 	require.ErrorIs(t, err, ErrInvalidOption)
 }
@@ -197,7 +198,7 @@ func TestSubmitGatherPiecesStayInChunksFake(t *testing.T) {
 	require.Equal(t, src, dst)
 }
 
-// packGather never merges a run across two chunks, even adjacent ones, and
+// packStaged never merges a run across two chunks, even adjacent ones, and
 // merges host-contiguous segments within a chunk.
 func TestPackGather(t *testing.T) {
 	const chunk = 1 << 20
@@ -206,7 +207,7 @@ func TestPackGather(t *testing.T) {
 	for i := range 10 {
 		segs = append(segs, Segment{Dst: 0x7000000 + uint64(i)*256<<10, Src: 0x90000000 + uint64(9-i)*256<<10, Len: 256 << 10})
 	}
-	gather, pieces := packGather(segs, chunk, staging)
+	gather, pieces := packStaged(D2H, segs, chunk, staging)
 	require.Len(t, gather, 10)
 	require.Equal(t, []gatherPiece{
 		{host: 0x7000000, staging: 0x10000000, len: 4 * 256 << 10, chunk: 0},
@@ -220,9 +221,90 @@ func TestPackGather(t *testing.T) {
 	// A gap in the host addresses starts a new piece in the same chunk.
 	segs[2].Dst += 4096
 	segs[3].Dst += 4096
-	_, pieces = packGather(segs[:4], chunk, staging)
+	_, pieces = packStaged(D2H, segs[:4], chunk, staging)
 	require.Len(t, pieces, 2)
 	require.Equal(t, uint64(2*256<<10), pieces[0].len)
 	require.Equal(t, uint64(2*256<<10), pieces[1].len)
 	require.Equal(t, 0, pieces[1].chunk)
+
+	// H2D: the host side is Src, and the kernel copies staging → device.
+	loads := make([]Segment, 3)
+	for i := range loads {
+		loads[i] = Segment{Dst: 0x90000000 + uint64(2-i)*256<<10, Src: 0x7000000 + uint64(i)*256<<10, Len: 256 << 10}
+	}
+	scatter, pieces := packStaged(H2D, loads, chunk, staging[:1])
+	require.Equal(t, []gatherPiece{{host: 0x7000000, staging: 0x10000000, len: 3 * 256 << 10}}, pieces)
+	for i, g := range scatter {
+		require.Equal(t, Segment{Dst: loads[i].Dst, Src: 0x10000000 + uint64(i)*256<<10, Len: 256 << 10}, g)
+	}
+}
+
+// scatterRoundTrip loads l's blocks from random host data with
+// SubmitScatter on s then g into a poisoned device buffer, copies the
+// device buffer back and checks every byte against the same permutation.
+func scatterRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, s, g cuda.Stream, l layout, seed uint64) {
+	t.Helper()
+	n := l.bytes()
+	src, back := hostMem(t, drv, n), hostMem(t, drv, n)
+	dev := devMem(t, drv, n)
+	_, _ = rand.Read(src)
+	poison(back, 0xEE)
+	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
+	require.NoError(t, drv.CtxSynchronize())
+	h2d, _ := l.segments(addr(src), uint64(dev), addr(back), mrand.New(mrand.NewPCG(seed, 9)))
+	tk, err := c.SubmitScatter(s, g, h2d)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
+	require.NoError(t, drv.Memcpy(cuda.DevicePtr(addr(back)), dev, n))
+	for i, sg := range h2d {
+		h, d := sg.Src-addr(src), sg.Dst-uint64(dev)
+		if !bytes.Equal(src[h:h+sg.Len], back[d:d+sg.Len]) {
+			t.Fatalf("%v scattered: segment %d (host offset %d, device offset %d) differs", l, i, h, d)
+		}
+	}
+}
+
+func TestSubmitScatterFake(t *testing.T) {
+	for _, noBatch := range []bool{false, true} {
+		drv := openFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
+		s, g := newStream(t, drv), newStream(t, drv)
+		c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescCapacity: 5, BatchMax: 3})
+		for i, l := range []layout{layerSeparate(9, 6, 48<<10), layerSeparate(40, 4, 4<<10), layerSeparate(3, 1, 512<<10)} {
+			scatterRoundTrip(t, drv, c, s, g, l, uint64(i))
+		}
+		// One staging chunk for a 5 MiB batch: every load into it after
+		// the first waits for the previous chunk's scatter.
+		one := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
+		scatterRoundTrip(t, drv, one, s, g, layerSeparate(9, 6, 48<<10), 5)
+	}
+}
+
+func TestScatterable(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	blocks, stores := layerSeparate(8, 8, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.True(t, c.Scatterable(blocks))
+	require.False(t, c.Scatterable(stores), "host runs on the Dst side are not an H2D batch's")
+	_, scattered := crossLayer(64, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.False(t, c.Scatterable(scattered))
+}
+
+func TestSubmitScatterFailuresFake(t *testing.T) {
+	drv := openFake(t, cudafake.Options{})
+	s, g := newStream(t, drv), newStream(t, drv)
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
+	l := layerSeparate(8, 4, 64<<10)
+	n := l.bytes()
+	dev := devMem(t, drv, n)
+	src := hostMem(t, drv, n)
+	h2d, _ := l.segments(addr(src), uint64(dev), addr(src), mrand.New(mrand.NewPCG(5, 5)))
+	for _, op := range []string{cuda.OpMemAlloc, cuda.OpEventCreate, cuda.OpLaunchKernel, cuda.OpEventRecord, cuda.OpStreamWaitEvent, cuda.OpMemcpyBatchAsync} {
+		drv.FailAt(op, drv.Calls(op)+1, cuda.ErrorOutOfMemory)
+		_, err := c.SubmitScatter(s, g, h2d)
+		require.Error(t, err, op)
+		require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%s: %v", op, err)
+	}
+	tk, err := c.SubmitScatter(s, g, h2d)
+	require.NoError(t, err)
+	waitRetire(t, drv, c, s, tk)
 }

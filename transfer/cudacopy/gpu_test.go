@@ -133,3 +133,17 @@ func TestGPUGatherRoundTrip(t *testing.T) {
 		require.Positive(t, c.Gathers())
 	}
 }
+
+// SubmitScatter loads layer-separate blocks byte-exact on the GPU, with
+// 1 MiB chunks (one reused throughout, and the default ring) and 8 MiB.
+func TestGPUScatterRoundTrip(t *testing.T) {
+	g := cudatest.Open(t)
+	s, gs := newStream(t, g.Drv), newStream(t, g.Drv)
+	for _, o := range []Options{{GatherChunkBytes: 1 << 20, GatherRing: 1}, {GatherChunkBytes: 1 << 20}, {}} {
+		c := newCopier(t, g.Drv, gpuOpts(t, o))
+		for i, l := range []layout{layerSeparate(64, 8, 16<<10), layerSeparate(200, 16, 4<<10), layerSeparate(9, 6, 48<<10)} {
+			scatterRoundTrip(t, g.Drv, c, s, gs, l, uint64(i))
+		}
+		require.Positive(t, c.Gathers())
+	}
+}
