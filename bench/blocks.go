@@ -10,10 +10,10 @@ import (
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
-// BlocksConfig says what MeasureBlocks measures: stores (and, for "both",
-// loads at the same time) of whole KV blocks in the layer-separate layout,
-// where a block's segments come from different device tensors and lie back
-// to back in its host slot, as the offload engine copies them.
+// BlocksConfig says what MeasureBlocks measures: stores, loads, and both at
+// once, of whole KV blocks in the layer-separate layout, where a block's
+// segments come from different device tensors and lie back to back in its
+// host slot, as the offload engine copies them.
 type BlocksConfig struct {
 	// TotalBytes per direction per run (default 2 GiB).
 	TotalBytes uint64 `json:"total_bytes"`
@@ -52,14 +52,16 @@ func (c BlocksConfig) withDefaults() BlocksConfig {
 }
 
 // BlocksRow is one method at one segment size. GB/s are gated GPU rates
-// (see ThroughputRow.GBps); "both" moves TotalBytes each way, the loads by
-// the automatic choice. Beside* are the store alone beside kvo_sgemm.
+// (see ThroughputRow.GBps); "both" moves TotalBytes each way. Beside* are
+// the store alone beside kvo_sgemm.
 type BlocksRow struct {
 	Method     string  `json:"method"`
 	SegBytes   uint64  `json:"seg_bytes"`
 	BlockBytes uint64  `json:"block_bytes"`
 	D2HGBps    float64 `json:"d2h_gbps"`
 	D2HPct     float64 `json:"d2h_pct_of_link"`
+	H2DGBps    float64 `json:"h2d_gbps"`
+	H2DPct     float64 `json:"h2d_pct_of_link"`
 	BothGBps   float64 `json:"both_gbps"`
 	BothPct    float64 `json:"both_pct_of_link"`
 	// BesideGBps, BesidePctOfSolo and SlowdownPct: the store beside the
@@ -96,21 +98,24 @@ func (b *bench) blockSegs(size uint64, per int, seed uint64) (d2h, h2d []cudacop
 	return d2h, h2d
 }
 
-// blockMethod is one way of storing blocks.
+// blockMethod is one way of storing and loading blocks.
 type blockMethod struct {
 	name string
 	c    *cudacopy.Copier
-	// gather: SubmitGather always; auto: when Gatherable, else Submit.
-	gather, auto bool
+	// staged: SubmitGather and SubmitScatter always; auto: when Gatherable
+	// (Scatterable), else Submit.
+	staged, auto bool
 }
 
-// MeasureBlocks compares the ways of storing whole blocks: the copy kernel
-// at its default (throttled) launch, unthrottled on 8 × 1024, the batch
-// API, SubmitGather (device gather, then one DMA per block), and what the
-// engine does (gather when Gatherable, else the automatic choice), against
-// the contiguous link measured in the same call; each alone, with loads of
-// as many blocks at the same time, and alone beside kvo_sgemm. The calling
-// goroutine must be locked to an OS thread with dev's context current.
+// MeasureBlocks compares the ways of storing and loading whole blocks: the
+// copy kernel at its default launches, with unthrottled stores on 8 × 1024,
+// the batch API, staged copies (SubmitGather / SubmitScatter: one DMA per
+// block between host and device staging, the kernel on the device side),
+// and what the engine does (staged when Gatherable / Scatterable, else the
+// automatic choice), against the contiguous link measured in the same
+// call: stores alone, loads alone, both at once, and stores beside
+// kvo_sgemm. The calling goroutine must be locked to an OS thread with
+// dev's context current.
 func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res BlocksResults, err error) {
 	cfg = cfg.withDefaults()
 	res.Config = cfg
@@ -128,11 +133,14 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	if err := b.setupBase(); err != nil {
 		return res, err
 	}
-	g, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
-	if err != nil {
-		return res, err
+	var aux [2]cuda.Stream // gather, scatter
+	for i := range aux {
+		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, 0); err != nil {
+			return res, err
+		}
+		st := aux[i]
+		b.onClose(func() error { return drv.StreamDestroy(st) })
 	}
-	b.onClose(func() error { return drv.StreamDestroy(g) })
 	tr := ThroughputResults{Link: map[string]float64{}}
 	if err := b.link(&tr); err != nil {
 		return res, err
@@ -146,7 +154,7 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 		{"kernel", cudacopy.Options{Method: cudacopy.MethodKernel}},
 		{"kernel/8", cudacopy.Options{Method: cudacopy.MethodKernel, GreedyD2H: true}},
 		{"batch", cudacopy.Options{Method: cudacopy.MethodBatch}},
-		{"gather", cudacopy.Options{}},
+		{"staged", cudacopy.Options{}},
 		{"auto", cudacopy.Options{}},
 	} {
 		if m.name == "batch" && !drv.HasMemcpyBatch() {
@@ -157,10 +165,9 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 			return res, fmt.Errorf("bench: copier %s: %w", m.name, err)
 		}
 		b.onClose(c.Close)
-		methods = append(methods, &blockMethod{name: m.name, c: c, gather: m.name == "gather", auto: m.name == "auto"})
+		methods = append(methods, &blockMethod{name: m.name, c: c, staged: m.name == "staged", auto: m.name == "auto"})
 	}
-	loads := methods[len(methods)-1].c
-	if _, err := loads.Calibrate(b.s[0]); err != nil {
+	if _, err := methods[len(methods)-1].c.Calibrate(b.s[0]); err != nil {
 		return res, fmt.Errorf("bench: calibration: %w", err)
 	}
 	var gm *gemm
@@ -183,7 +190,7 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	for _, size := range cfg.SegSizes {
 		d2h, h2d := b.blockSegs(size, cfg.SegsPerBlock, cfg.Seed)
 		for _, m := range methods {
-			row, err := b.blockRow(m, loads, g, gm, res, size, d2h, h2d)
+			row, err := b.blockRow(m, aux, gm, res, size, d2h, h2d)
 			if err != nil {
 				return res, fmt.Errorf("bench: blocks %s at %s: %w", m.name, cudacopy.FormatBytes(size), err)
 			}
@@ -193,18 +200,32 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	return res, nil
 }
 
-func (b *bench) blockRow(m *blockMethod, loads *cudacopy.Copier, g cuda.Stream, gm *gemm, res BlocksResults, size uint64, d2h, h2d []cudacopy.Segment) (BlocksRow, error) {
+func (b *bench) blockRow(m *blockMethod, aux [2]cuda.Stream, gm *gemm, res BlocksResults, size uint64, d2h, h2d []cudacopy.Segment) (BlocksRow, error) {
 	store := func(t *[]tk) error {
 		var x cudacopy.Ticket
 		var err error
-		if m.gather || (m.auto && m.c.Gatherable(d2h)) {
+		if m.staged || (m.auto && m.c.Gatherable(d2h)) {
 			// As transfer.CUDA does: the gather stream waits for what the
 			// store stream waits for (here the run's start event).
-			if err = b.drv.StreamWaitEvent(g, b.ev[0], 0); err == nil {
-				x, err = m.c.SubmitGather(g, b.s[0], d2h)
+			if err = b.drv.StreamWaitEvent(aux[0], b.ev[0], 0); err == nil {
+				x, err = m.c.SubmitGather(aux[0], b.s[0], d2h)
 			}
 		} else {
 			x, err = m.c.Submit(b.s[0], cudacopy.D2H, d2h)
+		}
+		if err != nil {
+			return err
+		}
+		*t = append(*t, tk{m.c, x})
+		return nil
+	}
+	load := func(t *[]tk) error {
+		var x cudacopy.Ticket
+		var err error
+		if m.staged || (m.auto && m.c.Scatterable(h2d)) {
+			x, err = m.c.SubmitScatter(b.s[1], aux[1], h2d)
+		} else {
+			x, err = m.c.Submit(b.s[1], cudacopy.H2D, h2d)
 		}
 		if err != nil {
 			return err
@@ -216,12 +237,7 @@ func (b *bench) blockRow(m *blockMethod, loads *cudacopy.Copier, g cuda.Stream, 
 		if err := store(t); err != nil {
 			return err
 		}
-		x, err := loads.Submit(b.s[1], cudacopy.H2D, h2d)
-		if err != nil {
-			return err
-		}
-		*t = append(*t, tk{loads, x})
-		return nil
+		return load(t)
 	}
 	row := BlocksRow{Method: m.name, SegBytes: size, BlockBytes: size * uint64(res.Config.SegsPerBlock)}
 	n := res.Config.TotalBytes
@@ -229,14 +245,19 @@ func (b *bench) blockRow(m *blockMethod, loads *cudacopy.Copier, g cuda.Stream, 
 	if err != nil {
 		return row, err
 	}
+	lt, err := b.reps(load, true)
+	if err != nil {
+		return row, err
+	}
 	bt, err := b.reps(both, true)
 	if err != nil {
 		return row, err
 	}
-	row.D2HGBps, row.BothGBps = gbps(n, solo.best), gbps(2*n, bt.best)
+	row.D2HGBps, row.H2DGBps, row.BothGBps = gbps(n, solo.best), gbps(n, lt.best), gbps(2*n, bt.best)
 	row.D2HPct = 100 * row.D2HGBps / max(res.Link["d2h"], 1e-9)
+	row.H2DPct = 100 * row.H2DGBps / max(res.Link["h2d"], 1e-9)
 	row.BothPct = 100 * row.BothGBps / max(res.Link["both"], 1e-9)
-	row.Gated = solo.held && bt.held
+	row.Gated = solo.held && lt.held && bt.held
 	if gm != nil {
 		tm, slow, err := b.besideGemm(gm, res.SGEMM.SoloMs, solo, store)
 		if err != nil {
@@ -252,21 +273,21 @@ func (b *bench) blockRow(m *blockMethod, loads *cudacopy.Copier, g cuda.Stream, 
 // FormatBlocks renders the results as one markdown table.
 func FormatBlocks(r BlocksResults) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "Stores of whole layer-separate blocks (%d segments each, back to back in a host slot, from %d device tensors), %s per direction per run at random slots, best of %d gated runs. Link: d2h %.1f GB/s, both %.1f GB/s. ",
-		r.Config.SegsPerBlock, r.Config.SegsPerBlock, cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Link["d2h"], r.Link["both"])
+	fmt.Fprintf(&b, "Stores and loads of whole layer-separate blocks (%d segments each, back to back in a host slot, from %d device tensors), %s per direction per run at random slots, best of %d gated runs († where a gate did not hold). Link: d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s. ",
+		r.Config.SegsPerBlock, r.Config.SegsPerBlock, cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Link["d2h"], r.Link["h2d"], r.Link["both"])
 	if r.SGEMM.Skipped != "" {
 		fmt.Fprintf(&b, "sgemm skipped: %s.\n\n", r.SGEMM.Skipped)
 	} else {
 		fmt.Fprintf(&b, "kvo_sgemm n=%d alone: %.2f ms.\n\n", r.SGEMM.N, r.SGEMM.SoloMs)
 	}
-	b.WriteString("| segment | block | method | d2h GB/s | both GB/s | d2h beside sgemm | sgemm slowdown |\n|---|---|---|---:|---:|---:|---:|\n")
+	b.WriteString("| segment | block | method | d2h GB/s | h2d GB/s | both GB/s | d2h beside sgemm | sgemm slowdown |\n|---|---|---|---:|---:|---:|---:|---:|\n")
 	for _, row := range r.Rows {
 		mark := ""
 		if !row.Gated {
 			mark = "†"
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %.1f (%.0f%%)%s | %.1f (%.0f%%)%s |", cudacopy.FormatBytes(row.SegBytes), cudacopy.FormatBytes(row.BlockBytes), row.Method,
-			row.D2HGBps, row.D2HPct, mark, row.BothGBps, row.BothPct, mark)
+		fmt.Fprintf(&b, "| %s | %s | %s | %.1f (%.0f%%)%s | %.1f (%.0f%%)%s | %.1f (%.0f%%)%s |", cudacopy.FormatBytes(row.SegBytes), cudacopy.FormatBytes(row.BlockBytes), row.Method,
+			row.D2HGBps, row.D2HPct, mark, row.H2DGBps, row.H2DPct, mark, row.BothGBps, row.BothPct, mark)
 		if r.SGEMM.Skipped == "" {
 			fmt.Fprintf(&b, " %.1f (%.0f%% of solo) | %+.1f%% |\n", row.BesideGBps, row.BesidePctOfSolo, row.SlowdownPct)
 		} else {

@@ -350,11 +350,12 @@ func TestMeasureBlocksFake(t *testing.T) {
 	require.Len(t, res.Rows, 2*5)
 	for _, row := range res.Rows {
 		require.Positive(t, row.D2HGBps, "%+v", row)
+		require.Positive(t, row.H2DGBps, "%+v", row)
 		require.Positive(t, row.BothGBps, "%+v", row)
 		require.Equal(t, 8*row.SegBytes, row.BlockBytes)
 	}
 	md := FormatBlocks(res)
-	require.Contains(t, md, "| 4 KiB | 32 KiB | gather |")
+	require.Contains(t, md, "| 4 KiB | 32 KiB | staged |")
 	require.Contains(t, md, "sgemm skipped")
 	_, err = MeasureBlocks(drv, 0, BlocksConfig{TotalBytes: 1 << 20, SegSizes: []uint64{1 << 20}, BurnN: -1})
 	require.ErrorContains(t, err, "at least 2 blocks")
