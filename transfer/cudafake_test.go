@@ -273,3 +273,39 @@ func toLoad(segs []Segment) []cudacopy.Segment {
 	}
 	return out
 }
+
+// TestCUDAOverFakePartialCopyFailure: a gathered store whose second DMA
+// call fails after the first chunk's DMA was queued (behind a slow
+// producer) reports the failure only once nothing it queued can still
+// write the host slots.
+func TestCUDAOverFakePartialCopyFailure(t *testing.T) {
+	const seg, per, blocks = 16 << 10, 32, 8
+	const n = seg * per * blocks
+	e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20},
+		cudafake.Options{Seed: 7})
+	p, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.drv.StreamDestroy(p)) }()
+	clear(e.hostBuf)
+	fill, err := e.cu.Copier().Fill(p, []cudacopy.FillSegment{{Dst: e.dev, Len: n}}, 1<<26)
+	require.NoError(t, err)
+	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.drv.EventDestroy(ev)) }()
+	require.NoError(t, e.drv.EventRecord(ev, p))
+	var st []Segment
+	for b := range blocks {
+		for k := range per {
+			st = append(st, Segment{Dev: e.dev + uint64(k*blocks+b)*seg, Host: e.host + uint64(b*per+k)*seg, Len: seg})
+		}
+	}
+	e.drv.FailAt(cuda.OpMemcpyBatchAsync, e.drv.Calls(cuda.OpMemcpyBatchAsync)+2, cuda.ErrorInvalidValue)
+	op, err := e.s.Submit(Request{Dir: Store, Segments: st, After: ev})
+	require.NoError(t, err)
+	require.Error(t, op.Wait())
+	seen := append([]byte(nil), e.hostBuf[:n]...)
+	require.NoError(t, e.drv.StreamSynchronize(p))
+	require.NoError(t, e.drv.CtxSynchronize())
+	require.NoError(t, e.cu.Copier().Retire(fill))
+	require.Equal(t, seen, e.hostBuf[:n], "host slots written after the failed store was reported")
+}

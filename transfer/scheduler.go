@@ -561,12 +561,15 @@ func (s *Scheduler) issue(b *batch) {
 				b.descs = coalesce(b.descs, &last, op.segs[lo:op.layerEnds[l]])
 			}
 		}
+		// A Copy that fails may have enqueued part of its work (a batch
+		// cut into several driver calls, a gathered store's first chunks):
+		// from here on a failure waits for the stream before the batch ends.
+		enqueued = true
 		retire, err := s.dev.Copy(d, b.descs[start:])
 		if err != nil {
 			fail(fmt.Errorf("transfer: %v copy of %d segments: %w", d, len(b.descs)-start, err))
 			return
 		}
-		enqueued = true
 		b.retires = append(b.retires, retire)
 		for _, op := range b.ops {
 			if err := s.recordLayer(op, l); err != nil {
