@@ -14,16 +14,15 @@ import (
 // gathered on a third stream (cudacopy.SubmitGather): every Wait on the
 // store stream is also made on it, so a gather reads the device only after
 // what the store waits for, and the store stream waits for each gather
-// before its DMA, so events recorded on it cover both. Loads of such blocks
-// are scattered on a fourth (cudacopy.SubmitScatter), which starts each
-// scatter only after the load stream's DMA into staging and which the load
-// stream waits for before anything recorded after the copy.
+// before its DMA, so events recorded on it cover both. Loads always go by
+// Submit: cudacopy.SubmitScatter, the mirror image, moved whole blocks at
+// 72% of the H200's link where the copy kernel moves 92%
+// (bench/results/2026-11-30-h200/blocks.md).
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
 	streams [2]cuda.Stream
 	gather  cuda.Stream
-	scatter cuda.Stream
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
 }
@@ -48,9 +47,6 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	if c.gather, err = drv.StreamCreate(cuda.StreamNonBlocking, prio[Store]); err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: creating the gather stream: %w", err), c.destroyStreams())
 	}
-	if c.scatter, err = drv.StreamCreate(cuda.StreamNonBlocking, prio[Load]); err != nil {
-		return nil, errors.Join(fmt.Errorf("transfer: creating the scatter stream: %w", err), c.destroyStreams())
-	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
@@ -74,11 +70,9 @@ func (c *CUDA) destroyStreams() error {
 			c.streams[d] = 0
 		}
 	}
-	for _, s := range []*cuda.Stream{&c.gather, &c.scatter} {
-		if *s != 0 {
-			err = errors.Join(err, c.drv.StreamDestroy(*s))
-			*s = 0
-		}
+	if c.gather != 0 {
+		err = errors.Join(err, c.drv.StreamDestroy(c.gather))
+		c.gather = 0
 	}
 	return err
 }
@@ -130,8 +124,6 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 		t, err = c.copier.SubmitGather(c.gather, c.streams[Store], c.scratch)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
-	case c.copier.Scatterable(c.scratch):
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.scatter, c.scratch)
 	default:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, c.scratch)
 	}

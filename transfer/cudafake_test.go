@@ -228,52 +228,6 @@ func toCopier(segs []Segment) []cudacopy.Segment {
 	return out
 }
 
-// TestCUDAOverFakeScatteredLoad: loads of whole blocks (host slots back to
-// back, segments to 16 device tensors) go to the device with one DMA per
-// block into staging and a scatter, arrive byte-exact, and the per-layer
-// events of a load (two groups of blocks here) are recorded after their
-// scatters.
-func TestCUDAOverFakeScatteredLoad(t *testing.T) {
-	const seg, per, blocks = 16 << 10, 16, 12
-	const n = seg * per * blocks
-	e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20, GatherRing: 1},
-		cudafake.Options{Seed: 5, MaxDelay: 2 * time.Millisecond})
-	r := rand.New(rand.NewSource(6))
-	src := randBytes(r, n)
-	copy(e.hostBuf, src)
-	require.NoError(t, e.drv.MemsetD8(cuda.DevicePtr(e.dev), 0xDD, n))
-	require.NoError(t, e.drv.CtxSynchronize())
-	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
-	var ld []Segment
-	for b := range blocks {
-		for k := range per {
-			ld = append(ld, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
-		}
-	}
-	require.True(t, e.cu.Copier().Scatterable(toLoad(ld)))
-	before := e.cu.Copier().Gathers()
-	op, err := e.s.Submit(Request{Dir: Load, Segments: ld, LayerEnds: []int{len(ld) / 2, len(ld)}, Events: true})
-	require.NoError(t, err)
-	require.NoError(t, op.Wait())
-	require.NoError(t, op.Release())
-	require.Greater(t, e.cu.Copier().Gathers(), before, "the load was scattered")
-	back := e.hostBuf[n:]
-	require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(e.host+n), cuda.DevicePtr(e.dev), n))
-	for _, sg := range ld {
-		h, d := sg.Host-e.host, sg.Dev-e.dev
-		require.Equal(t, src[h:h+seg], back[d:d+seg], "device offset %d", d)
-	}
-}
-
-// toLoad turns load segments into the copier's H2D form.
-func toLoad(segs []Segment) []cudacopy.Segment {
-	out := make([]cudacopy.Segment, len(segs))
-	for i, g := range segs {
-		out[i] = cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len}
-	}
-	return out
-}
-
 // TestCUDAOverFakePartialCopyFailure: a gathered store whose second DMA
 // call fails after the first chunk's DMA was queued (behind a slow
 // producer) reports the failure only once nothing it queued can still

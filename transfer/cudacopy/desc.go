@@ -268,6 +268,14 @@ func (t *hostTable) translateHint(addr, n uint64, hint *int) (uint64, bool) {
 	return d, ok
 }
 
+// rangeOf is the index of the range holding [addr, addr+n), or -1.
+func (t *hostTable) rangeOf(addr, n uint64) int {
+	if i, _, ok := t.find(addr, n); ok {
+		return i
+	}
+	return -1
+}
+
 // translate maps [addr, addr+n) inside one range to its device address.
 func (t *hostTable) translate(addr, n uint64) (uint64, bool) {
 	_, d, ok := t.find(addr, n)

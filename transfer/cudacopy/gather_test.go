@@ -22,6 +22,7 @@ func gatherRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, g, s cuda.Stream,
 	dev := devMem(t, drv, n)
 	_, _ = rand.Read(src)
 	poison(dst, 0xEE)
+	knownHost(t, c, dst)
 	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
 	// The device data is the host data through the same permutation: load
 	// it with the layout's H2D segments first (on g, so the gather, also on
@@ -36,6 +37,14 @@ func gatherRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, g, s cuda.Stream,
 	if i := firstDiff(src, dst); i >= 0 {
 		t.Fatalf("%v gathered: byte %d differs: sent %#x, got %#x", l, i, src[i], dst[i])
 	}
+}
+
+// knownHost tells c about the registered buffer b for the test's duration,
+// so that staged copies merge host runs inside it.
+func knownHost(t *testing.T, c *Copier, b []byte) {
+	t.Helper()
+	require.NoError(t, c.AddHostRange(uintptr(addr(b)), uint64(len(b))))
+	t.Cleanup(func() { require.NoError(t, c.RemoveHostRange(uintptr(addr(b)))) })
 }
 
 func TestSubmitGatherFake(t *testing.T) {
@@ -55,6 +64,12 @@ func TestSubmitGatherFake(t *testing.T) {
 		allocs := drv.Calls(cuda.OpMemAlloc)
 		gatherRoundTrip(t, drv, c, g, s, layerSeparate(9, 6, 48<<10), 9)
 		require.Equal(t, allocs+1, drv.Calls(cuda.OpMemAlloc), "staging reused after Retire (only the test's device buffer is new)")
+		// The chunks of a batch share descriptor buffers: 6 chunks' 108
+		// descriptors fit the one buffer New allocated.
+		single := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescBuffers: 1})
+		hostAllocs := drv.Calls(cuda.OpMemHostAlloc)
+		gatherRoundTrip(t, drv, single, g, s, layerSeparate(9, 6, 48<<10), 10)
+		require.Equal(t, hostAllocs, drv.Calls(cuda.OpMemHostAlloc), "no descriptor buffer beyond the first")
 	}
 }
 
@@ -99,6 +114,8 @@ func TestGatherable(t *testing.T) {
 	drv := openFake(t, cudafake.Options{})
 	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
 	_, blocks := layerSeparate(8, 8, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
+	require.False(t, c.Gatherable(blocks), "host runs outside every known range")
+	require.NoError(t, c.AddHostRange(1<<30, 64<<20))
 	require.True(t, c.Gatherable(blocks), "16 segments of 16 KiB per 256 KiB host run")
 	_, scattered := crossLayer(64, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
 	require.False(t, c.Gatherable(scattered), "runs of one 16 KiB segment")
@@ -207,7 +224,8 @@ func TestPackGather(t *testing.T) {
 	for i := range 10 {
 		segs = append(segs, Segment{Dst: 0x7000000 + uint64(i)*256<<10, Src: 0x90000000 + uint64(9-i)*256<<10, Len: 256 << 10})
 	}
-	gather, pieces := packStaged(D2H, segs, chunk, staging)
+	hosts := &hostTable{ranges: []hostRange{{base: 0x7000000, size: 16 << 20, dev: 0x7000000}}}
+	gather, pieces := packStaged(D2H, segs, chunk, staging, hosts)
 	require.Len(t, gather, 10)
 	require.Equal(t, []gatherPiece{
 		{host: 0x7000000, staging: 0x10000000, len: 4 * 256 << 10, chunk: 0},
@@ -221,7 +239,7 @@ func TestPackGather(t *testing.T) {
 	// A gap in the host addresses starts a new piece in the same chunk.
 	segs[2].Dst += 4096
 	segs[3].Dst += 4096
-	_, pieces = packStaged(D2H, segs[:4], chunk, staging)
+	_, pieces = packStaged(D2H, segs[:4], chunk, staging, hosts)
 	require.Len(t, pieces, 2)
 	require.Equal(t, uint64(2*256<<10), pieces[0].len)
 	require.Equal(t, uint64(2*256<<10), pieces[1].len)
@@ -232,11 +250,19 @@ func TestPackGather(t *testing.T) {
 	for i := range loads {
 		loads[i] = Segment{Dst: 0x90000000 + uint64(2-i)*256<<10, Src: 0x7000000 + uint64(i)*256<<10, Len: 256 << 10}
 	}
-	scatter, pieces := packStaged(H2D, loads, chunk, staging[:1])
+	scatter, pieces := packStaged(H2D, loads, chunk, staging[:1], hosts)
 	require.Equal(t, []gatherPiece{{host: 0x7000000, staging: 0x10000000, len: 3 * 256 << 10}}, pieces)
 	for i, g := range scatter {
 		require.Equal(t, Segment{Dst: loads[i].Dst, Src: 0x10000000 + uint64(i)*256<<10, Len: 256 << 10}, g)
 	}
+	// Two registrations meeting between the second and third segment: no
+	// DMA spans them; outside every range, each segment goes alone.
+	two := &hostTable{ranges: []hostRange{{base: 0x7000000, size: 512 << 10, dev: 0x7000000}, {base: 0x7000000 + 512<<10, size: 16 << 20, dev: 0x7000000 + 512<<10}}}
+	_, pieces = packStaged(H2D, loads, chunk, staging[:1], two)
+	require.Len(t, pieces, 2)
+	require.Equal(t, []uint64{512 << 10, 256 << 10}, []uint64{pieces[0].len, pieces[1].len})
+	_, pieces = packStaged(H2D, loads, chunk, staging[:1], &hostTable{})
+	require.Len(t, pieces, 3)
 }
 
 // scatterRoundTrip loads l's blocks from random host data with
@@ -249,6 +275,7 @@ func scatterRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, s, g cuda.Stream
 	dev := devMem(t, drv, n)
 	_, _ = rand.Read(src)
 	poison(back, 0xEE)
+	knownHost(t, c, src)
 	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
 	require.NoError(t, drv.CtxSynchronize())
 	h2d, _ := l.segments(addr(src), uint64(dev), addr(back), mrand.New(mrand.NewPCG(seed, 9)))
@@ -282,6 +309,8 @@ func TestSubmitScatterFake(t *testing.T) {
 func TestScatterable(t *testing.T) {
 	drv := openFake(t, cudafake.Options{})
 	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	require.NoError(t, c.AddHostRange(1<<20, 64<<20))
+	require.NoError(t, c.AddHostRange(1<<30, 64<<20))
 	blocks, stores := layerSeparate(8, 8, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
 	require.True(t, c.Scatterable(blocks))
 	require.False(t, c.Scatterable(stores), "host runs on the Dst side are not an H2D batch's")
