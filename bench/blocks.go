@@ -102,8 +102,8 @@ func (b *bench) blockSegs(size uint64, per int, seed uint64) (d2h, h2d []cudacop
 type blockMethod struct {
 	name string
 	c    *cudacopy.Copier
-	// staged: SubmitGather and SubmitScatter always; auto: when Gatherable
-	// (Scatterable), else Submit.
+	// staged: SubmitGather and SubmitScatter always; auto: what the engine
+	// does (SubmitGather when Gatherable, else Submit; loads by Submit).
 	staged, auto bool
 }
 
@@ -111,8 +111,9 @@ type blockMethod struct {
 // copy kernel at its default launches, with unthrottled stores on 8 × 1024,
 // the batch API, staged copies (SubmitGather / SubmitScatter: one DMA per
 // block between host and device staging, the kernel on the device side),
-// and what the engine does (staged when Gatherable / Scatterable, else the
-// automatic choice), against the contiguous link measured in the same
+// and what the engine does (SubmitGather when Gatherable, else the
+// automatic choice; loads by the automatic choice), against the contiguous
+// link measured in the same
 // call: stores alone, loads alone, both at once, and stores beside
 // kvo_sgemm. The calling goroutine must be locked to an OS thread with
 // dev's context current.
@@ -133,9 +134,13 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	if err := b.setupBase(); err != nil {
 		return res, err
 	}
-	var aux [2]cuda.Stream // gather, scatter
+	_, greatest, err := drv.StreamPriorityRange()
+	if err != nil {
+		return res, err
+	}
+	var aux [2]cuda.Stream // gather, scatter: as transfer.CUDA's gather stream
 	for i := range aux {
-		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, 0); err != nil {
+		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, greatest); err != nil {
 			return res, err
 		}
 		st := aux[i]
@@ -222,7 +227,7 @@ func (b *bench) blockRow(m *blockMethod, aux [2]cuda.Stream, gm *gemm, res Block
 	load := func(t *[]tk) error {
 		var x cudacopy.Ticket
 		var err error
-		if m.staged || (m.auto && m.c.Scatterable(h2d)) {
+		if m.staged {
 			x, err = m.c.SubmitScatter(b.s[1], aux[1], h2d)
 		} else {
 			x, err = m.c.Submit(b.s[1], cudacopy.H2D, h2d)

@@ -44,7 +44,10 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		}
 		c.streams[d] = s
 	}
-	if c.gather, err = drv.StreamCreate(cuda.StreamNonBlocking, prio[Store]); err != nil {
+	// The gather stream runs short device-to-device kernels that the store's
+	// DMAs wait for: at the greatest priority, so the model's kernels do
+	// not starve them.
+	if c.gather, err = drv.StreamCreate(cuda.StreamNonBlocking, greatest); err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: creating the gather stream: %w", err), c.destroyStreams())
 	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
