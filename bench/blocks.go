@@ -134,13 +134,13 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	if err := b.setupBase(); err != nil {
 		return res, err
 	}
-	_, greatest, err := drv.StreamPriorityRange()
+	least, _, err := drv.StreamPriorityRange()
 	if err != nil {
 		return res, err
 	}
 	var aux [2]cuda.Stream // gather, scatter: as transfer.CUDA's gather stream
 	for i := range aux {
-		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, greatest); err != nil {
+		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, least); err != nil {
 			return res, err
 		}
 		st := aux[i]
