@@ -180,10 +180,18 @@ func (c *CUDA) IsCapturing(s cuda.Stream) (bool, error) {
 // Close implements Device: the copier and the streams. The calling thread
 // must have the context current and the Scheduler must be closed.
 func (c *CUDA) Close() error {
-	var err error
 	if c.copier != nil {
-		err = c.copier.Close()
+		err := c.copier.Close()
+		if errors.Is(err, cudacopy.ErrInFlight) {
+			// Copies still hold descriptor buffers or staging: keep the
+			// copier and the streams, so a Close after they are retired
+			// frees everything.
+			return err
+		}
 		c.copier = nil
+		if err != nil {
+			return errors.Join(err, c.destroyStreams())
+		}
 	}
-	return errors.Join(err, c.destroyStreams())
+	return c.destroyStreams()
 }

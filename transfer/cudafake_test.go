@@ -263,3 +263,31 @@ func TestCUDAOverFakePartialCopyFailure(t *testing.T) {
 	require.NoError(t, e.cu.Copier().Retire(fill))
 	require.Equal(t, seen, e.hostBuf[:n], "host slots written after the failed store was reported")
 }
+
+// TestCUDACloseInFlight: Close with a copy not yet retired refuses and
+// keeps everything; once the ticket is retired, Close frees it all.
+func TestCUDACloseInFlight(t *testing.T) {
+	d := cudafake.New(cudafake.Options{CheckContext: true})
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	ctx, err := d.PrimaryCtxRetain(0)
+	require.NoError(t, err)
+	require.NoError(t, d.CtxSetCurrent(ctx))
+	cu, err := NewCUDA(d, 0, ctx, cudacopy.Options{Method: cudacopy.MethodKernel})
+	require.NoError(t, err)
+	a, err := d.MemAlloc(1 << 20)
+	require.NoError(t, err)
+	b, err := d.MemAlloc(1 << 20)
+	require.NoError(t, err)
+	tk, err := cu.Copier().Submit(cu.Stream(Load), cudacopy.D2D, []cudacopy.Segment{{Dst: uint64(b), Src: uint64(a), Len: 1 << 20}, {Dst: uint64(a), Src: uint64(b) + 4096, Len: 4096}})
+	require.NoError(t, err)
+	require.ErrorIs(t, cu.Close(), cudacopy.ErrInFlight)
+	require.NoError(t, cu.SyncStream(Load))
+	require.NoError(t, cu.Copier().Retire(tk))
+	require.NoError(t, cu.Close())
+	require.NoError(t, d.MemFree(a))
+	require.NoError(t, d.MemFree(b))
+	require.NoError(t, d.PrimaryCtxRelease(0))
+	require.True(t, d.Live().IsZero(), "leaked: %+v", d.Live())
+	require.NoError(t, d.Close())
+}
