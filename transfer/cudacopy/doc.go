@@ -18,6 +18,11 @@
 //     (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM), else through the device
 //     pointer of a range given to AddHostRange.
 //
+// Staged copies (SubmitGather, SubmitScatter; gather.go) move whole blocks —
+// segments from many device tensors, back to back in a host slot — with one
+// DMA per block between the host and device staging and the kernel on the
+// device side only; Gatherable says when a store should go that way.
+//
 // MethodAuto picks per batch from a calibration table measured on the device
 // (Calibrate: each method's pipelined rate, several back-to-back Submits, as
 // the engine runs them) or loaded (Options.Calibration); Options.Method
