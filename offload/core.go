@@ -606,6 +606,9 @@ func (g *growth) next() (growItem, bool) {
 	defer e.growMu.Unlock()
 	for !e.stoppedLocked() {
 		switch {
+		case g.ready == nil && g.prefetchDone:
+			// Nothing left to register: a pause has nothing to hold.
+			return growItem{}, false
 		case e.paused && !g.calibrated && !g.prefetching:
 			g.calibrated = true
 			e.growMu.Unlock()
@@ -618,8 +621,6 @@ func (g *growth) next() (growItem, bool) {
 			g.ready = nil
 			e.growCond.Broadcast()
 			return it, true
-		case g.prefetchDone:
-			return growItem{}, false
 		}
 		e.growCond.Wait()
 	}

@@ -500,3 +500,23 @@ func TestGrowthCalibration(t *testing.T) {
 		})
 	}
 }
+
+// A PauseGrowth that comes once the last region is on its way does not hold
+// WaitGrown: nothing is left to pause.
+func TestGrowthPausedAfterLastRegion(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	engine := make(chan *Engine, 1)
+	h := engineHooks{beforeGrow: func(i int) {
+		if i == 3 {
+			(<-engine).PauseGrowth()
+		}
+	}}
+	e, err := newEngine(growConfig(smallLayout(8)), h)
+	require.NoError(t, err)
+	engine <- e
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, e.WaitGrown(ctx), "WaitGrown held by a pause with nothing left to grow")
+	require.Equal(t, 4, e.Stats().Regions)
+	require.NoError(t, e.Close())
+}
