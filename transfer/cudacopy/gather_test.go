@@ -148,27 +148,39 @@ func TestGatherable(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidOption)
 }
 
-// Failures part-way leave nothing that a later call could disturb, and
-// nothing leaks (openFake checks that every allocation is freed at Close).
-func TestSubmitGatherFailuresFake(t *testing.T) {
+// Failures part-way, in either direction, leave nothing that a later call
+// could disturb, and nothing leaks (openFake checks that every allocation is
+// freed at Close).
+func TestStagedFailuresFake(t *testing.T) {
 	drv := openFake(t, cudafake.Options{})
 	g, s := newStream(t, drv), newStream(t, drv)
-	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
-	l := layerSeparate(8, 4, 16<<10)
+	l := layerSeparate(8, 4, 64<<10)
 	n := l.bytes()
 	dev := devMem(t, drv, n)
-	dst := hostMem(t, drv, n)
-	_, d2h := l.segments(addr(dst), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(5, 5)))
-	for _, op := range []string{cuda.OpMemAlloc, cuda.OpEventCreate, cuda.OpLaunchKernel, cuda.OpEventRecord, cuda.OpStreamWaitEvent, cuda.OpMemcpyBatchAsync} {
-		drv.FailAt(op, drv.Calls(op)+1, cuda.ErrorOutOfMemory)
-		_, err := c.SubmitGather(g, s, d2h)
-		require.Error(t, err, op)
-		require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%s: %v", op, err)
+	host := hostMem(t, drv, n)
+	h2d, d2h := l.segments(addr(host), uint64(dev), addr(host), mrand.New(mrand.NewPCG(5, 5)))
+	for _, dir := range []Direction{D2H, H2D} {
+		// A copier of its own per direction: nothing pooled yet, so every
+		// allocation below is reached.
+		c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
+		knownHost(t, c, host)
+		submit := func() (Ticket, error) {
+			if dir == D2H {
+				return c.SubmitGather(g, s, d2h)
+			}
+			return c.SubmitScatter(s, g, h2d)
+		}
+		for _, op := range []string{cuda.OpMemAlloc, cuda.OpEventCreate, cuda.OpLaunchKernel, cuda.OpEventRecord, cuda.OpStreamWaitEvent, cuda.OpMemcpyBatchAsync} {
+			drv.FailAt(op, drv.Calls(op)+1, cuda.ErrorOutOfMemory)
+			_, err := submit()
+			require.Error(t, err, "%v %s", dir, op)
+			require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%v %s: %v", dir, op, err)
+		}
+		// Still works afterwards.
+		tk, err := submit()
+		require.NoError(t, err)
+		waitRetire(t, drv, c, s, tk)
 	}
-	// Still works afterwards.
-	tk, err := c.SubmitGather(g, s, d2h)
-	require.NoError(t, err)
-	waitRetire(t, drv, c, s, tk)
 }
 
 // batchChecker fails a batch copy whose source crosses the end of its
@@ -316,24 +328,4 @@ func TestScatterable(t *testing.T) {
 	require.False(t, c.Scatterable(stores), "host runs on the Dst side are not an H2D batch's")
 	_, scattered := crossLayer(64, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
 	require.False(t, c.Scatterable(scattered))
-}
-
-func TestSubmitScatterFailuresFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
-	s, g := newStream(t, drv), newStream(t, drv)
-	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
-	l := layerSeparate(8, 4, 64<<10)
-	n := l.bytes()
-	dev := devMem(t, drv, n)
-	src := hostMem(t, drv, n)
-	h2d, _ := l.segments(addr(src), uint64(dev), addr(src), mrand.New(mrand.NewPCG(5, 5)))
-	for _, op := range []string{cuda.OpMemAlloc, cuda.OpEventCreate, cuda.OpLaunchKernel, cuda.OpEventRecord, cuda.OpStreamWaitEvent, cuda.OpMemcpyBatchAsync} {
-		drv.FailAt(op, drv.Calls(op)+1, cuda.ErrorOutOfMemory)
-		_, err := c.SubmitScatter(s, g, h2d)
-		require.Error(t, err, op)
-		require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory), "%s: %v", op, err)
-	}
-	tk, err := c.SubmitScatter(s, g, h2d)
-	require.NoError(t, err)
-	waitRetire(t, drv, c, s, tk)
 }

@@ -119,30 +119,17 @@ func TestGPUCalibrate(t *testing.T) {
 		took.Round(time.Millisecond), cal.D2H, cal.H2D, cal.Pieces, FormatBytes(cal.PieceBytes), FormatBytes(cal.TotalBytes), cal.Markdown())
 }
 
-// SubmitGather moves layer-separate blocks byte-exact on the GPU, with
-// 1 MiB chunks (runs split across chunks; one chunk reused throughout, and
-// the default ring) and the default 8 MiB.
-func TestGPUGatherRoundTrip(t *testing.T) {
+// SubmitGather and SubmitScatter move layer-separate blocks byte-exact on
+// the GPU, with 1 MiB chunks (runs split across chunks; one chunk reused
+// throughout, and the default ring) and the default 8 MiB.
+func TestGPUStagedRoundTrip(t *testing.T) {
 	g := cudatest.Open(t)
-	gs, s := newStream(t, g.Drv), newStream(t, g.Drv)
+	s, aux := newStream(t, g.Drv), newStream(t, g.Drv)
 	for _, o := range []Options{{GatherChunkBytes: 1 << 20, GatherRing: 1}, {GatherChunkBytes: 1 << 20}, {}} {
 		c := newCopier(t, g.Drv, gpuOpts(t, o))
 		for i, l := range []layout{layerSeparate(64, 8, 16<<10), layerSeparate(200, 16, 4<<10), layerSeparate(9, 6, 48<<10)} {
-			gatherRoundTrip(t, g.Drv, c, gs, s, l, uint64(i))
-		}
-		require.Positive(t, c.Gathers())
-	}
-}
-
-// SubmitScatter loads layer-separate blocks byte-exact on the GPU, with
-// 1 MiB chunks (one reused throughout, and the default ring) and 8 MiB.
-func TestGPUScatterRoundTrip(t *testing.T) {
-	g := cudatest.Open(t)
-	s, gs := newStream(t, g.Drv), newStream(t, g.Drv)
-	for _, o := range []Options{{GatherChunkBytes: 1 << 20, GatherRing: 1}, {GatherChunkBytes: 1 << 20}, {}} {
-		c := newCopier(t, g.Drv, gpuOpts(t, o))
-		for i, l := range []layout{layerSeparate(64, 8, 16<<10), layerSeparate(200, 16, 4<<10), layerSeparate(9, 6, 48<<10)} {
-			scatterRoundTrip(t, g.Drv, c, s, gs, l, uint64(i))
+			gatherRoundTrip(t, g.Drv, c, aux, s, l, uint64(i))
+			scatterRoundTrip(t, g.Drv, c, s, aux, l, uint64(i))
 		}
 		require.Positive(t, c.Gathers())
 	}
