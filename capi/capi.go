@@ -460,24 +460,22 @@ func kvoGo_op_outcomes(h C.uint64_t, out *C.uint8_t, n C.size_t) (rc C.int) {
 //export kvoGo_op_release
 func kvoGo_op_release(h C.uint64_t) (rc C.int) {
 	defer guard(&rc)
-	op, err := ops.take(uint64(h))
-	if err != nil {
-		return fail(err)
-	}
-	if err := op.Release(); err != nil {
-		return fail(err)
-	}
-	return codeOK
+	return release(ops, h)
 }
 
 //export kvoGo_lease_release
 func kvoGo_lease_release(h C.uint64_t) (rc C.int) {
 	defer guard(&rc)
-	l, err := leases.take(uint64(h))
+	return release(leases, h)
+}
+
+// release takes handle h out of r and releases what it names.
+func release[T interface{ Release() error }](r *registry[T], h C.uint64_t) C.int {
+	v, err := r.take(uint64(h))
 	if err != nil {
 		return fail(err)
 	}
-	if err := l.Release(); err != nil {
+	if err := v.Release(); err != nil {
 		return fail(err)
 	}
 	return codeOK
