@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cgroup"
+	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
 // system is what the engine reads about the machine: files under a root
@@ -154,7 +155,7 @@ func (s system) checkFits(need int64, mlock bool, node int) error {
 // /sys/bus/pci/devices/<bus id>/numa_node, or -1 when sysfs says none (-1)
 // or has no such file.
 func (s system) gpuNUMANode(busID string) int {
-	data, err := s.read(path.Join("/sys/bus/pci/devices", sysfsBusID(busID), "numa_node"))
+	data, err := s.read(path.Join("/sys/bus/pci/devices", cuda.SysfsBusID(busID), "numa_node"))
 	if err != nil {
 		return -1
 	}
@@ -163,23 +164,6 @@ func (s system) gpuNUMANode(busID string) int {
 		return -1
 	}
 	return n
-}
-
-// sysfsBusID turns a CUDA or nvidia-smi PCI bus id ("0000:19:00.0",
-// "00000000:19:00.0") into sysfs's form: lower case, 4-digit domain.
-func sysfsBusID(id string) string {
-	id = strings.ToLower(strings.TrimSpace(id))
-	dom, rest, ok := strings.Cut(id, ":")
-	if !ok {
-		return id
-	}
-	if len(dom) > 4 {
-		dom = dom[len(dom)-4:]
-	}
-	for len(dom) < 4 {
-		dom = "0" + dom
-	}
-	return dom + ":" + rest
 }
 
 func gib(n int64) float64 { return float64(n) / (1 << 30) }

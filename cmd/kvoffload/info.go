@@ -294,7 +294,7 @@ func (p prober) device(drv cuda.Driver, ordinal int) deviceInfo {
 	if d.PCIBusID == "" {
 		return d
 	}
-	dir := filepath.Join("sys/bus/pci/devices", sysfsBusID(d.PCIBusID))
+	dir := filepath.Join("sys/bus/pci/devices", cuda.SysfsBusID(d.PCIBusID))
 	if s, err := p.read(filepath.Join(dir, "current_link_speed")); err == nil {
 		d.LinkSpeed = s
 		d.LinkGen = pcieGen(s)
@@ -337,20 +337,6 @@ func pcieGen(speed string) int {
 		}
 	}
 	return 0
-}
-
-// sysfsBusID turns a CUDA PCI bus id ("00000000:19:00.0") into sysfs's
-// form: lower case, 4-digit domain.
-func sysfsBusID(id string) string {
-	id = strings.ToLower(strings.TrimSpace(id))
-	dom, rest, ok := strings.Cut(id, ":")
-	if !ok {
-		return id
-	}
-	if len(dom) > 4 {
-		dom = dom[len(dom)-4:]
-	}
-	return strings.Repeat("0", 4-len(dom)) + dom + ":" + rest
 }
 
 func (m machineInfo) print(w io.Writer) error {

@@ -32,7 +32,7 @@ func TestInfoWithFakeDriver(t *testing.T) {
 	require.NoError(t, err)
 	bus, err := drv.DevicePCIBusID(dev)
 	require.NoError(t, err)
-	pci := "sys/bus/pci/devices/" + sysfsBusID(bus) + "/"
+	pci := "sys/bus/pci/devices/" + cuda.SysfsBusID(bus) + "/"
 	root := fakeRoot(t, map[string]string{
 		"proc/meminfo": "MemTotal:       131072000 kB\nMemAvailable:   120000000 kB\nHugePages_Total:       4\nHugePages_Free:        3\nHugepagesize:       2048 kB\n",
 		"sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never\n",
@@ -117,7 +117,4 @@ func TestPCIeGen(t *testing.T) {
 	for in, want := range map[string]int{"2.5 GT/s PCIe": 1, "8.0 GT/s PCIe": 3, "16 GT/s": 4, "32.0 GT/s PCIe": 5, "64.0 GT/s PCIe": 6, "Unknown": 0, "": 0, "7 GT/s": 0} {
 		require.Equal(t, want, pcieGen(in), in)
 	}
-	require.Equal(t, "0000:19:00.0", sysfsBusID("00000000:19:00.0"))
-	require.Equal(t, "0000:0a:00.0", sysfsBusID("0000:0A:00.0"))
-	require.Equal(t, "0001:00:06.0", sysfsBusID("1:00:06.0"))
 }
