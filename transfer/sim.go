@@ -162,17 +162,26 @@ func (s *Sim) Gate(id cuda.Stream) (open func(), err error) {
 	return func() { once.Do(func() { close(ch) }) }, nil
 }
 
-// RecordEvent records e on any stream.
-func (s *Sim) RecordEvent(e cuda.Event, id cuda.Stream) error {
-	s.mu.Lock()
-	if s.sticky != nil {
-		s.mu.Unlock()
-		return s.sticky
+// eventLocked returns event e, or the sticky error (with sticky set) or an
+// unknown-event error. The caller holds s.mu.
+func (s *Sim) eventLocked(e cuda.Event, sticky bool) (*simEvent, error) {
+	if sticky && s.sticky != nil {
+		return nil, s.sticky
 	}
 	ev := s.events[e]
 	if ev == nil {
+		return nil, fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+	}
+	return ev, nil
+}
+
+// RecordEvent records e on any stream.
+func (s *Sim) RecordEvent(e cuda.Event, id cuda.Stream) error {
+	s.mu.Lock()
+	ev, err := s.eventLocked(e, true)
+	if err != nil {
 		s.mu.Unlock()
-		return fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+		return err
 	}
 	ev.recorded++
 	target := ev.recorded
@@ -190,14 +199,10 @@ func (s *Sim) RecordEvent(e cuda.Event, id cuda.Stream) error {
 // StreamWaitEvent makes stream id wait for e's most recent record.
 func (s *Sim) StreamWaitEvent(id cuda.Stream, e cuda.Event) error {
 	s.mu.Lock()
-	if s.sticky != nil {
+	ev, err := s.eventLocked(e, true)
+	if err != nil {
 		s.mu.Unlock()
-		return s.sticky
-	}
-	ev := s.events[e]
-	if ev == nil {
-		s.mu.Unlock()
-		return fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+		return err
 	}
 	target := ev.recorded
 	s.mu.Unlock()
@@ -443,8 +448,8 @@ func (s *Sim) CreateEvent(bool) (cuda.Event, error) {
 func (s *Sim) DestroyEvent(e cuda.Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.events[e] == nil {
-		return fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+	if _, err := s.eventLocked(e, false); err != nil {
+		return err
 	}
 	delete(s.events, e)
 	return nil
@@ -454,12 +459,9 @@ func (s *Sim) DestroyEvent(e cuda.Event) error {
 func (s *Sim) Query(e cuda.Event) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.sticky != nil {
-		return false, s.sticky
-	}
-	ev := s.events[e]
-	if ev == nil {
-		return false, fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+	ev, err := s.eventLocked(e, true)
+	if err != nil {
+		return false, err
 	}
 	return ev.done >= ev.recorded, nil
 }
@@ -468,9 +470,9 @@ func (s *Sim) Query(e cuda.Event) (bool, error) {
 func (s *Sim) Sync(e cuda.Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	ev := s.events[e]
-	if ev == nil {
-		return fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
+	ev, err := s.eventLocked(e, false)
+	if err != nil {
+		return err
 	}
 	target := ev.recorded
 	for ev.done < target && s.sticky == nil {
