@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 func TestCalibrationConfigDefaultsAndValidate(t *testing.T) {
@@ -61,7 +62,7 @@ func TestCalibrationPieces(t *testing.T) {
 // Calibrate on the fake driver records every method at every point and
 // the pipeline shape it used.
 func TestCalibratePipelinedFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{PTX: fakePTX, Calibrate: CalibrationConfig{TotalBytes: 256 << 10, SegSizes: []uint64{4 << 10, 64 << 10}, PieceBytes: 64 << 10, PieceSegs: 8}})
 	cal, err := c.Calibrate(s)
@@ -97,7 +98,7 @@ func (d *failingLaunch) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sha
 // in newCopier's cleanup, would report ErrInFlight) and nothing allocated.
 func TestCalibrateFailureRetiresEverything(t *testing.T) {
 	for _, n := range []int{1, 3, 9} {
-		drv := &failingLaunch{Driver: openFake(t, cudafake.Options{}), n: n}
+		drv := &failingLaunch{Driver: cudatest.OpenFake(t, cudafake.Options{}), n: n}
 		s := newStream(t, drv)
 		c := newCopier(t, drv, Options{PTX: fakePTX, Calibrate: CalibrationConfig{TotalBytes: 256 << 10, SegSizes: []uint64{4 << 10, 64 << 10}, PieceBytes: 64 << 10, PieceSegs: 8}})
 		_, err := c.Calibrate(s)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 // TestCopierConcurrentUse backs the documented claim that a Copier is safe
@@ -19,7 +20,7 @@ import (
 // and streams share one Copier with a single pooled descriptor buffer, each
 // round-tripping its own buffers in 4 KiB segments, and every byte arrives.
 func TestCopierConcurrentUse(t *testing.T) {
-	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
+	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 20_000})
 	const workers, n, seg = 4, 64 << 10, 4 << 10
 	type bufs struct {
 		src, dst []byte

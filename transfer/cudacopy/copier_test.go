@@ -6,7 +6,6 @@ import (
 	"errors"
 	"math"
 	mrand "math/rand/v2"
-	"runtime"
 	"testing"
 	"unsafe"
 
@@ -15,32 +14,12 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 // fakePTX is any non-empty image: the fake driver interprets the kernels by
 // name.
 var fakePTX = []byte("// kvo kernels (interpreted by cudafake)")
-
-// openFake returns a fake driver with a context current on the locked test
-// thread; the test fails if anything is left live when it ends.
-func openFake(t *testing.T, opts cudafake.Options) *cudafake.Driver {
-	t.Helper()
-	opts.CheckContext = true
-	d := cudafake.New(opts)
-	runtime.LockOSThread()
-	ctx, err := d.PrimaryCtxRetain(0)
-	require.NoError(t, err)
-	require.NoError(t, d.CtxSetCurrent(ctx))
-	t.Cleanup(func() {
-		defer runtime.UnlockOSThread()
-		if !t.Failed() {
-			require.NoError(t, d.PrimaryCtxRelease(0))
-			require.True(t, d.Live().IsZero(), "leaked: %+v", d.Live())
-		}
-		require.NoError(t, d.Close())
-	})
-	return d
-}
 
 // hostMem is an mmap'd region registered with drv (DEVICEMAP, PORTABLE).
 func hostMem(t testing.TB, drv cuda.Driver, n uint64) []byte {
@@ -136,7 +115,7 @@ func firstDiff(a, b []byte) int {
 }
 
 func TestSubmitRoundTripFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{MaxDelay: 50_000})
+	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 50_000})
 	s := newStream(t, drv)
 	layouts := []layout{crossLayer(7, 4<<10), crossLayer(3, 80<<10), layerSeparate(5, 3, 4<<10), layerSeparate(2, 2, 48<<10)}
 	for _, m := range []Method{MethodMemcpy, MethodBatch, MethodKernel, MethodAuto} {
@@ -167,7 +146,7 @@ func (r *launchRecorder) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sh
 // Options resolve to one launch per direction: the defaults, each set field
 // overriding both directions, fences and paces kept for D2H only.
 func TestLaunchResolution(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	sys := Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit}
 	plain := Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
 	tests := []struct {
@@ -199,7 +178,7 @@ func TestLaunchResolution(t *testing.T) {
 // kvo_copy_sys round-trips like kvo_copy and gets its fence interval, in
 // FenceUnits, and its pace, per warp, on device-to-host launches only.
 func TestSysFenceKernelFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
+	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 20_000})
 	rec := &launchRecorder{Driver: drv}
 	s := newStream(t, drv)
 	for _, tc := range []struct {
@@ -242,7 +221,7 @@ func TestSysFenceKernelFake(t *testing.T) {
 }
 
 func TestSubmitDeviceToDeviceFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
 	const n = 64 << 10
@@ -259,7 +238,7 @@ func TestSubmitDeviceToDeviceFake(t *testing.T) {
 // Without CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM the kernel path needs the
 // host range registered with the Copier.
 func TestKernelNeedsHostRangeWithoutIdentity(t *testing.T) {
-	drv := openFake(t, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}})
+	drv := cudatest.OpenFake(t, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
 	require.False(t, c.Capabilities().HostPointerIdentity)
@@ -286,7 +265,7 @@ func TestKernelNeedsHostRangeWithoutIdentity(t *testing.T) {
 }
 
 func TestFillAndChecksumFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{PTX: fakePTX, ChunkBytes: 4096, DescCapacity: 3})
 	fillAndChecksum(t, drv, c, s)
@@ -331,7 +310,7 @@ func fillAndChecksum(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream) {
 }
 
 func TestNewErrors(t *testing.T) {
-	drv := openFake(t, cudafake.Options{NoMemcpyBatch: true})
+	drv := cudatest.OpenFake(t, cudafake.Options{NoMemcpyBatch: true})
 	tests := []struct {
 		name string
 		opts Options
@@ -379,7 +358,7 @@ func TestNewErrors(t *testing.T) {
 }
 
 func TestSubmitValidationEnqueuesNothing(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX})
 	auto := newCopier(t, drv, Options{PTX: fakePTX})
@@ -404,7 +383,7 @@ func TestSubmitValidationEnqueuesNothing(t *testing.T) {
 }
 
 func TestTicketsAndClose(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c, err := New(drv, 0, Options{Method: MethodKernel, PTX: fakePTX, DescBuffers: 1, DescCapacity: 2})
 	require.NoError(t, err)
@@ -442,7 +421,7 @@ func TestTicketsAndClose(t *testing.T) {
 // work may still read are withdrawn, the rest go back, and later batches
 // run on fresh buffers.
 func TestLaunchFailureWithdrawsBuffers(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{Method: MethodKernel, PTX: fakePTX, DescBuffers: 3, DescCapacity: 2})
 	l := crossLayer(6, 4096)
@@ -475,7 +454,7 @@ func TestLaunchFailureWithdrawsBuffers(t *testing.T) {
 }
 
 func TestMemcpyAndBatchErrorsName(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	l := crossLayer(4, 4096)
 	src, dst := hostMem(t, drv, l.bytes()), hostMem(t, drv, l.bytes())
@@ -493,7 +472,7 @@ func TestMemcpyAndBatchErrorsName(t *testing.T) {
 }
 
 func TestCalibrateFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)
 	c := newCopier(t, drv, Options{PTX: fakePTX, Calibrate: CalibrationConfig{TotalBytes: 64 << 10, SegSizes: []uint64{4 << 10, 16 << 10}, Reps: 1}})
 	require.Nil(t, c.Calibration())

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 // gatherRoundTrip fills the device side of l with random data (through
@@ -49,7 +50,7 @@ func knownHost(t *testing.T, c *Copier, b []byte) {
 
 func TestSubmitGatherFake(t *testing.T) {
 	for _, noBatch := range []bool{false, true} {
-		drv := openFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
+		drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
 		g, s := newStream(t, drv), newStream(t, drv)
 		// 1 MiB chunks: blocks of 12 × 48 KiB straddle chunk boundaries, so
 		// one run becomes two DMAs.
@@ -77,7 +78,7 @@ func TestSubmitGatherFake(t *testing.T) {
 // producer on a third stream writes the data after a spin; the store's
 // streams wait for its event, as transfer.CUDA does for a store.
 func TestSubmitGatherWaitsForProducerFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{MaxDelay: 20_000})
+	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 20_000})
 	p, g, s := newStream(t, drv), newStream(t, drv), newStream(t, drv)
 	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
 	l := layerSeparate(16, 4, 8<<10)
@@ -111,7 +112,7 @@ func TestSubmitGatherWaitsForProducerFake(t *testing.T) {
 }
 
 func TestGatherable(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
 	_, blocks := layerSeparate(8, 8, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
 	require.False(t, c.Gatherable(blocks), "host runs outside every known range")
@@ -152,7 +153,7 @@ func TestGatherable(t *testing.T) {
 // could disturb, and nothing leaks (openFake checks that every allocation is
 // freed at Close).
 func TestStagedFailuresFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	g, s := newStream(t, drv), newStream(t, drv)
 	l := layerSeparate(8, 4, 64<<10)
 	n := l.bytes()
@@ -203,7 +204,7 @@ func (b *batchChecker) MemcpyBatchAsync(copies []cuda.BatchCopy, s cuda.Stream) 
 // Host-adjacent blocks that straddle two staging chunks go out as one DMA
 // per chunk, even when the chunks' addresses are adjacent.
 func TestSubmitGatherPiecesStayInChunksFake(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	chk := &batchChecker{Driver: drv, t: t}
 	g, s := newStream(t, drv), newStream(t, drv)
 	c := newCopier(t, chk, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
@@ -305,7 +306,7 @@ func scatterRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, s, g cuda.Stream
 
 func TestSubmitScatterFake(t *testing.T) {
 	for _, noBatch := range []bool{false, true} {
-		drv := openFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
+		drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 50_000, NoMemcpyBatch: noBatch})
 		s, g := newStream(t, drv), newStream(t, drv)
 		c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescCapacity: 5, BatchMax: 3})
 		for i, l := range []layout{layerSeparate(9, 6, 48<<10), layerSeparate(40, 4, 4<<10), layerSeparate(3, 1, 512<<10)} {
@@ -319,7 +320,7 @@ func TestSubmitScatterFake(t *testing.T) {
 }
 
 func TestScatterable(t *testing.T) {
-	drv := openFake(t, cudafake.Options{})
+	drv := cudatest.OpenFake(t, cudafake.Options{})
 	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
 	require.NoError(t, c.AddHostRange(1<<20, 64<<20))
 	require.NoError(t, c.AddHostRange(1<<30, 64<<20))

@@ -15,30 +15,10 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// open returns a fake with a context current on the locked test thread; the
-// test fails if anything is left live when it ends.
-func open(t *testing.T, opts cudafake.Options) *cudafake.Driver {
-	t.Helper()
-	opts.CheckContext = true
-	d := cudafake.New(opts)
-	runtime.LockOSThread()
-	ctx, err := d.PrimaryCtxRetain(0)
-	require.NoError(t, err)
-	require.NoError(t, d.CtxSetCurrent(ctx))
-	t.Cleanup(func() {
-		defer runtime.UnlockOSThread()
-		if !t.Failed() {
-			require.NoError(t, d.PrimaryCtxRelease(0))
-			require.True(t, d.Live().IsZero(), "leaked: %+v", d.Live())
-		}
-		require.NoError(t, d.Close())
-	})
-	return d
-}
 
 // hostBuf is mmap'd host memory registered with the fake.
 func hostBuf(t *testing.T, d *cudafake.Driver, n int) ([]byte, cuda.DevicePtr) {
@@ -105,7 +85,7 @@ func requireCode(t *testing.T, err error, code cuda.Result) {
 }
 
 func TestRoundTripThroughRegisteredMemory(t *testing.T) {
-	d := open(t, cudafake.Options{MaxDelay: time.Millisecond, Seed: 1})
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: time.Millisecond, Seed: 1})
 	const n = 1<<16 + 123
 	host, hp := hostBuf(t, d, n)
 	dev := devBuf(t, d, n)
@@ -125,7 +105,7 @@ func TestRoundTripThroughRegisteredMemory(t *testing.T) {
 }
 
 func TestMemoryErrors(t *testing.T) {
-	d := open(t, cudafake.Options{DeviceMemory: 1 << 20})
+	d := cudatest.OpenFake(t, cudafake.Options{DeviceMemory: 1 << 20})
 	host, hp := hostBuf(t, d, 4096)
 	dev := devBuf(t, d, 4096)
 	s := newStream(t, d)
@@ -149,7 +129,7 @@ func TestMemoryErrors(t *testing.T) {
 }
 
 func TestMemGetAddressRange(t *testing.T) {
-	d := open(t, cudafake.Options{})
+	d := cudatest.OpenFake(t, cudafake.Options{})
 	_, hp := hostBuf(t, d, 4096)
 	dev := devBuf(t, d, 1000)
 	for _, p := range []cuda.DevicePtr{dev, dev + 1, dev + 999} {
@@ -196,7 +176,7 @@ func TestUseAfterFreeIsSticky(t *testing.T) {
 
 func TestFaultInjection(t *testing.T) {
 	t.Run("FailAt", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		d.FailAt(cuda.OpMemAlloc, 2, cuda.ErrorOutOfMemory)
 		p, err := d.MemAlloc(8)
 		require.NoError(t, err)
@@ -213,7 +193,7 @@ func TestFaultInjection(t *testing.T) {
 		require.NoError(t, d.MemFree(q))
 	})
 	t.Run("Hook", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		var seen []int
 		d.SetHook(func(op string, call int) cuda.Result {
 			if op == cuda.OpStreamCreate {
@@ -262,7 +242,7 @@ func TestFaultInjection(t *testing.T) {
 		requireCode(t, err, cuda.ErrorIllegalAddress)
 	})
 	t.Run("HangAt", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		s := newStream(t, d)
 		e := newEvent(t, d)
 		d.HangAt(cuda.OpEventRecordWithFlags, 1)
@@ -275,7 +255,7 @@ func TestFaultInjection(t *testing.T) {
 		waitEvent(t, d, e)
 	})
 	t.Run("NoMemcpyBatch", func(t *testing.T) {
-		d := open(t, cudafake.Options{NoMemcpyBatch: true})
+		d := cudatest.OpenFake(t, cudafake.Options{NoMemcpyBatch: true})
 		require.False(t, d.HasMemcpyBatch())
 		requireCode(t, d.MemcpyBatchAsync([]cuda.BatchCopy{{}}, 1), cuda.ErrorNotSupported)
 		d.SetMemcpyBatch(true)
@@ -300,7 +280,7 @@ func TestFaultInjection(t *testing.T) {
 }
 
 func TestStreamWaitEventOrdersAcrossStreams(t *testing.T) {
-	d := open(t, cudafake.Options{MaxDelay: 2 * time.Millisecond, Seed: 7})
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 2 * time.Millisecond, Seed: 7})
 	const seg = 4096
 	host, hp := hostBuf(t, d, 2*seg+64)
 	dev := devBuf(t, d, seg)
@@ -332,7 +312,7 @@ func putDesc(b []byte, src, dst, n, aux uint64) {
 }
 
 func TestKernels(t *testing.T) {
-	d := open(t, cudafake.Options{})
+	d := cudatest.OpenFake(t, cudafake.Options{})
 	const seg, nseg = 1000, 5
 	host, hp := hostBuf(t, d, 3*seg*nseg+nseg*32+nseg*8)
 	src, dst, table, out := host[:seg*nseg], host[seg*nseg:2*seg*nseg], 3*seg*nseg, 3*seg*nseg+nseg*32
@@ -370,7 +350,7 @@ func TestKernels(t *testing.T) {
 }
 
 func TestMemcpyBatch(t *testing.T) {
-	d := open(t, cudafake.Options{MaxDelay: 50 * time.Microsecond})
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 50 * time.Microsecond})
 	const piece, n = 512, 200
 	host, hp := hostBuf(t, d, piece*n)
 	back, bp := hostBuf(t, d, piece*n)
@@ -400,7 +380,7 @@ func TestMemcpyBatch(t *testing.T) {
 }
 
 func TestOutOfOrderCompletion(t *testing.T) {
-	d := open(t, cudafake.Options{MaxDelay: 200 * time.Microsecond, Seed: 3})
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 200 * time.Microsecond, Seed: 3})
 	const streams = 4
 	var evs []cuda.Event
 	for range streams {
@@ -444,7 +424,7 @@ func onThread(t *testing.T, d *cudafake.Driver, f func()) {
 }
 
 func TestGraphCaptureAndReplay(t *testing.T) {
-	d := open(t, cudafake.Options{MaxDelay: 100 * time.Microsecond})
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 100 * time.Microsecond})
 	host, hp := hostBuf(t, d, 256)
 	dev := devBuf(t, d, 128)
 	s := newStream(t, d)
@@ -488,7 +468,7 @@ func TestCaptureSafety(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			d := open(t, cudafake.Options{})
+			d := cudatest.OpenFake(t, cudafake.Options{})
 			s := newStream(t, d)
 			e := newEvent(t, d)
 			require.NoError(t, d.StreamBeginCapture(s, tt.captureMode))
@@ -513,7 +493,7 @@ func TestCaptureSafety(t *testing.T) {
 		})
 	}
 	t.Run("own thread unsafe call", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		s := newStream(t, d)
 		require.NoError(t, d.StreamBeginCapture(s, cuda.CaptureModeThreadLocal))
 		_, err := d.MemAlloc(8)
@@ -523,7 +503,7 @@ func TestCaptureSafety(t *testing.T) {
 		requireCode(t, err, cuda.ErrorStreamCaptureInvalidated)
 	})
 	t.Run("end from wrong thread", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		s := newStream(t, d)
 		require.NoError(t, d.StreamBeginCapture(s, cuda.CaptureModeGlobal))
 		onThread(t, d, func() {
@@ -537,7 +517,7 @@ func TestCaptureSafety(t *testing.T) {
 		requireCode(t, err, cuda.ErrorIllegalState)
 	})
 	t.Run("captured event", func(t *testing.T) {
-		d := open(t, cudafake.Options{})
+		d := cudatest.OpenFake(t, cudafake.Options{})
 		s := newStream(t, d)
 		e := newEvent(t, d)
 		require.NoError(t, d.StreamBeginCapture(s, cuda.CaptureModeRelaxed))

@@ -5,7 +5,8 @@
 //
 // The context is current only on the thread of the goroutine that called
 // Open. Subtests (t.Run) and benchmarks' sub-runs run on goroutines of their
-// own: a subtest that calls the driver calls GPU.Lock first.
+// own: a subtest that calls the driver calls GPU.Lock first. OpenFake does the
+// same with the fake driver, for tests that run everywhere.
 package cudatest
 
 import (
@@ -14,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 )
 
 // Required reports whether KVO_REQUIRE_GPU=1 asks for GPU tests to fail
@@ -79,4 +81,39 @@ func (g *GPU) Lock(t testing.TB) {
 	if err := g.Drv.CtxSetCurrent(g.Ctx); err != nil {
 		t.Fatalf("CtxSetCurrent: %v", err)
 	}
+}
+
+// OpenFake returns a fake driver (cudafake, with CheckContext set) whose
+// primary context of device 0 is current on the test's goroutine, locked to
+// its OS thread until the test ends. At the end it releases the context
+// and, unless the test already failed, fails it if anything is left
+// allocated, registered or created.
+func OpenFake(t testing.TB, opts cudafake.Options) *cudafake.Driver {
+	t.Helper()
+	opts.CheckContext = true
+	d := cudafake.New(opts)
+	runtime.LockOSThread()
+	ctx, err := d.PrimaryCtxRetain(0)
+	if err == nil {
+		err = d.CtxSetCurrent(ctx)
+	}
+	if err != nil {
+		runtime.UnlockOSThread()
+		t.Fatalf("cudatest: fake context: %v", err)
+	}
+	t.Cleanup(func() {
+		defer runtime.UnlockOSThread()
+		if !t.Failed() {
+			if err := d.PrimaryCtxRelease(0); err != nil {
+				t.Errorf("cudatest: releasing the fake context: %v", err)
+			}
+			if live := d.Live(); !live.IsZero() {
+				t.Errorf("cudatest: leaked: %+v", live)
+			}
+		}
+		if err := d.Close(); err != nil {
+			t.Errorf("cudatest: closing the fake: %v", err)
+		}
+	})
+	return d
 }
