@@ -144,7 +144,7 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 	if err != nil {
 		return Ticket{}, err
 	}
-	kern, pieces := packStaged(dir, segs, chunk, staging, c.hosts.Load())
+	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load())
 	// One chunker per chunk, so that each chunk's kernel work ends a launch;
 	// the chunks' descriptors share the ticket's buffers back to back.
 	cks := make([]chunker, len(parts))
@@ -212,7 +212,8 @@ func (c *Copier) Gathers() uint64 { return c.gathers.Load() }
 // part is the index range [lo, hi) of the segments packed into one chunk.
 type part struct{ lo, hi int }
 
-// chunkParts splits segs the way packStaged places them.
+// chunkParts splits segs into staging chunks of at most chunk bytes, in
+// order: a segment that does not fit the rest of a chunk starts the next.
 func chunkParts(segs []Segment, chunk uint64) []part {
 	var parts []part
 	lo, off := 0, uint64(0)
@@ -315,34 +316,35 @@ func (c *Copier) launchChunk(g cuda.Stream, ck *chunker, cur *descCursor) error 
 	return nil
 }
 
-// packStaged places segs, in order, into chunks (a segment that does not
-// fit the rest of a chunk starts the next; chunk k lives in staging[k %
-// len(staging)]) and returns the kernel's copies (D2H: device → staging;
+// packStaged places segs into the chunks parts gives (chunkParts: in
+// order, a segment that does not fit the rest of a chunk starts the next;
+// chunk k lives in staging[k % len(staging)]) and returns the kernel's copies (D2H: device → staging;
 // H2D: staging → device) and the DMAs, one per host-contiguous run within a
 // chunk and within one of hosts' registered ranges (a copy may not span two
 // registrations; segments in no known range get a DMA each).
-func packStaged(dir Direction, segs []Segment, chunk uint64, staging []cuda.DevicePtr, hosts *hostTable) ([]Segment, []gatherPiece) {
+func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable) ([]Segment, []gatherPiece) {
 	kern := make([]Segment, len(segs))
 	pieces := make([]gatherPiece, 0, 8)
-	k, off, prev := 0, uint64(0), -1
-	for i, sg := range segs {
-		if off+sg.Len > chunk {
-			k, off = k+1, 0
+	prev := -1
+	for k, p := range parts {
+		off := uint64(0)
+		for i := p.lo; i < p.hi; i++ {
+			sg := segs[i]
+			stg, host := uint64(staging[k%len(staging)])+off, hostSide(dir, sg)
+			if dir == D2H {
+				kern[i] = Segment{Dst: stg, Src: sg.Src, Len: sg.Len}
+			} else {
+				kern[i] = Segment{Dst: sg.Dst, Src: stg, Len: sg.Len}
+			}
+			r := hosts.rangeOf(host, sg.Len)
+			if n := len(pieces); n > 0 && r >= 0 && r == prev && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == host && pieces[n-1].staging+pieces[n-1].len == stg {
+				pieces[n-1].len += sg.Len
+			} else {
+				pieces = append(pieces, gatherPiece{host: host, staging: stg, len: sg.Len, chunk: k})
+			}
+			prev = r
+			off += sg.Len
 		}
-		stg, host := uint64(staging[k%len(staging)])+off, hostSide(dir, sg)
-		if dir == D2H {
-			kern[i] = Segment{Dst: stg, Src: sg.Src, Len: sg.Len}
-		} else {
-			kern[i] = Segment{Dst: sg.Dst, Src: stg, Len: sg.Len}
-		}
-		r := hosts.rangeOf(host, sg.Len)
-		if n := len(pieces); n > 0 && r >= 0 && r == prev && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == host && pieces[n-1].staging+pieces[n-1].len == stg {
-			pieces[n-1].len += sg.Len
-		} else {
-			pieces = append(pieces, gatherPiece{host: host, staging: stg, len: sg.Len, chunk: k})
-		}
-		prev = r
-		off += sg.Len
 	}
 	return kern, pieces
 }
