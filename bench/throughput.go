@@ -1184,10 +1184,9 @@ type KernelVariant struct {
 	// HighPriority puts the transfer streams at the device's greatest
 	// priority (else the least, where the matrix product also runs).
 	HighPriority bool `json:"high_priority"`
-	// CopyKernel is cudacopy.DefaultCopyKernel, StreamingCopyKernel or
-	// SysFenceCopyKernel.
+	// CopyKernel is one of cudacopy's copy kernels (DefaultCopyKernel etc.).
 	CopyKernel string `json:"copy_kernel"`
-	// FenceBytes and PaceGBps are cudacopy.Options' (SysFenceCopyKernel
+	// FenceBytes and PaceGBps are cudacopy.Options' (throttled kernels
 	// only).
 	FenceBytes int     `json:"fence_bytes,omitempty"`
 	PaceGBps   float64 `json:"pace_gbps,omitempty"`
@@ -1232,6 +1231,23 @@ func FenceKernelVariants() []KernelVariant {
 		sys(256, 4, 3), sys(256, 8, 2), sys(256, 8, 3),
 		sys(512, 4, 1), sys(512, 4, 2), sys(512, 4, 3),
 		sys(512, 8, 1), sys(512, 8, 2), sys(1024, 4, 1), sys(1024, 4, 2),
+	}
+}
+
+// StoreKernelVariants measures how the copy kernel stores to host memory
+// and fences on device-to-host copies: write-through stores
+// (kvo_copy_wt, unthrottled, and kvo_copy_wt_sys, fenced) and the lighter
+// fence.acq_rel.sys (kvo_copy_rel), beside the default D2H launch
+// (kvo_copy_sys fencing every 4 KiB on 4 × 512).
+func StoreKernelVariants() []KernelVariant {
+	v := func(kernel string, threads, ctas, fence int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
+	}
+	return []KernelVariant{
+		v(cudacopy.SysFenceCopyKernel, 512, 4, 1),
+		v(cudacopy.WriteThroughCopyKernel, 256, 2, 0), v(cudacopy.WriteThroughCopyKernel, 256, 8, 0), v(cudacopy.WriteThroughCopyKernel, 512, 4, 0),
+		v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 1), v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 2), v(cudacopy.WriteThroughSysCopyKernel, 512, 8, 1),
+		v(cudacopy.AcqRelCopyKernel, 512, 4, 1), v(cudacopy.AcqRelCopyKernel, 512, 4, 2), v(cudacopy.AcqRelCopyKernel, 512, 8, 1),
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -169,7 +170,7 @@ func (o *Options) launch(dir Direction) Launch {
 	l := DefaultLaunch(dir, o.GreedyD2H)
 	if o.CopyKernel != "" && o.CopyKernel != l.Kernel {
 		l.Kernel, l.FenceBytes, l.PaceGBps = o.CopyKernel, 0, 0
-		if l.Kernel == SysFenceCopyKernel {
+		if l.Throttled() {
 			l.FenceBytes = DefaultFenceBytes
 		}
 	}
@@ -192,17 +193,18 @@ func (o *Options) launch(dir Direction) Launch {
 }
 
 func (l Launch) validate(dir Direction, sms int) error {
+	known, throttled := copyKernel(l.Kernel)
 	switch {
 	case l.CTAs < 1 || l.CTAs > sms:
 		return fmt.Errorf("%w: CTAs %d not in [1, %d] (the device's SM count)", ErrInvalidOption, l.CTAs, sms)
 	case l.Threads < 32 || l.Threads > maxThreads || l.Threads%32 != 0:
 		return fmt.Errorf("%w: Threads %d is not a multiple of 32 in [32, %d]", ErrInvalidOption, l.Threads, maxThreads)
-	case l.Kernel != DefaultCopyKernel && l.Kernel != StreamingCopyKernel && l.Kernel != SysFenceCopyKernel:
-		return fmt.Errorf("%w: CopyKernel %q is not %q, %q or %q", ErrInvalidOption, l.Kernel, DefaultCopyKernel, StreamingCopyKernel, SysFenceCopyKernel)
-	case l.Kernel != SysFenceCopyKernel && l.FenceBytes != 0:
-		return fmt.Errorf("%w: FenceBytes %d is only for CopyKernel %q, not the %v kernel %q", ErrInvalidOption, l.FenceBytes, SysFenceCopyKernel, dir, l.Kernel)
-	case l.Kernel != SysFenceCopyKernel && l.PaceGBps != 0:
-		return fmt.Errorf("%w: PaceGBps %v is only for CopyKernel %q, not the %v kernel %q", ErrInvalidOption, l.PaceGBps, SysFenceCopyKernel, dir, l.Kernel)
+	case !known:
+		return fmt.Errorf("%w: CopyKernel %q is not one of %s", ErrInvalidOption, l.Kernel, copyKernelNames())
+	case !throttled && l.FenceBytes != 0:
+		return fmt.Errorf("%w: FenceBytes %d is only for a throttled CopyKernel such as %q, not the %v kernel %q", ErrInvalidOption, l.FenceBytes, SysFenceCopyKernel, dir, l.Kernel)
+	case !throttled && l.PaceGBps != 0:
+		return fmt.Errorf("%w: PaceGBps %v is only for a throttled CopyKernel such as %q, not the %v kernel %q", ErrInvalidOption, l.PaceGBps, SysFenceCopyKernel, dir, l.Kernel)
 	case l.FenceBytes < 0 || l.FenceBytes%FenceUnit != 0 || l.FenceBytes > 1<<30:
 		return fmt.Errorf("%w: FenceBytes %d is not a multiple of %d in [0, %d]", ErrInvalidOption, l.FenceBytes, FenceUnit, 1<<30)
 	case !(l.PaceGBps >= 0 && l.PaceGBps <= maxPaceGBps):
@@ -216,7 +218,54 @@ const (
 	DefaultCopyKernel   = "kvo_copy"
 	StreamingCopyKernel = "kvo_copy_cs"
 	SysFenceCopyKernel  = "kvo_copy_sys"
+	// WriteThroughCopyKernel is kvo_copy storing with st.global.wt.
+	WriteThroughCopyKernel = "kvo_copy_wt"
+	// WriteThroughSysCopyKernel is kvo_copy_sys storing with st.global.wt.
+	WriteThroughSysCopyKernel = "kvo_copy_wt_sys"
+	// AcqRelCopyKernel is kvo_copy_sys fencing with fence.acq_rel.sys.
+	AcqRelCopyKernel = "kvo_copy_rel"
 )
+
+// copyKernels lists the copy kernels of kernels.cu, in the order error
+// messages name them, each with whether it takes kvo_copy_sys's throttle
+// arguments (fence interval and pace).
+var copyKernels = []struct {
+	name      string
+	throttled bool
+}{
+	{DefaultCopyKernel, false},
+	{StreamingCopyKernel, false},
+	{SysFenceCopyKernel, true},
+	{WriteThroughCopyKernel, false},
+	{WriteThroughSysCopyKernel, true},
+	{AcqRelCopyKernel, true},
+}
+
+// copyKernel reports whether name is a copy kernel and whether it takes
+// the throttle arguments (FenceBytes and PaceGBps apply to it).
+func copyKernel(name string) (known, throttled bool) {
+	for _, k := range copyKernels {
+		if k.name == name {
+			return true, k.throttled
+		}
+	}
+	return false, false
+}
+
+// Throttled reports whether the kernel takes kvo_copy_sys's fence interval
+// and pace (Options.FenceBytes and PaceGBps).
+func (l Launch) Throttled() bool {
+	_, t := copyKernel(l.Kernel)
+	return t
+}
+
+func copyKernelNames() string {
+	names := make([]string, len(copyKernels))
+	for i, k := range copyKernels {
+		names[i] = fmt.Sprintf("%q", k.name)
+	}
+	return strings.Join(names, ", ")
+}
 
 // FenceUnit is what one warp copies per loop iteration of the copy kernels
 // (32 lanes × 8 loads of 16 bytes): kvo_copy_sys counts fences in these.
@@ -286,8 +335,8 @@ func (o *Options) validate(sms int) error {
 		}
 	}
 	if o.FenceBytes != 0 || o.PaceGBps != 0 {
-		if k := o.launch(D2H).Kernel; k != SysFenceCopyKernel {
-			return fmt.Errorf("%w: FenceBytes %d and PaceGBps %v are only for CopyKernel %q, not %q", ErrInvalidOption, o.FenceBytes, o.PaceGBps, SysFenceCopyKernel, k)
+		if l := o.launch(D2H); !l.Throttled() {
+			return fmt.Errorf("%w: FenceBytes %d and PaceGBps %v are only for a throttled CopyKernel such as %q, not %q", ErrInvalidOption, o.FenceBytes, o.PaceGBps, SysFenceCopyKernel, l.Kernel)
 		}
 	}
 	if o.Calibration != nil {
@@ -777,7 +826,7 @@ func (c *Copier) enqueue(s cuda.Stream, b *descBuf, l *launchFn, ck *chunker, n 
 		binary.LittleEndian.PutUint64(b.args[2], extra+uint64(done)*8)
 		args = b.args[:3]
 	case jobCopy:
-		if l.Kernel == SysFenceCopyKernel {
+		if l.Throttled() {
 			binary.LittleEndian.PutUint64(b.args[2], ck.fenceIters)
 			binary.LittleEndian.PutUint64(b.args[3], paceNs(ck.paceGBps, min(int(grid)*warpsPerCTA, n)))
 			args = b.args[:4]

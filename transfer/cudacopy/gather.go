@@ -305,8 +305,8 @@ func (c *Copier) launchChunk(g cuda.Stream, ck *chunker, cur *descCursor) error 
 		// are for later use of the buffer by enqueue.
 		grid := uint32(min(l.CTAs, (n+warps-1)/warps))
 		args := [][]byte{cuda.Arg(uint64(dev)), cuda.Arg(uint32(n)), cuda.Arg(uint64(0)), cuda.Arg(uint64(0))}
-		if l.Kernel != SysFenceCopyKernel {
-			args = args[:2] // kvo_copy, kvo_copy_cs: (descs, n)
+		if !l.Throttled() {
+			args = args[:2] // the unthrottled kernels: (descs, n)
 		}
 		if err := c.drv.LaunchKernel(l.fn, cuda.Dim3{X: grid, Y: 1, Z: 1}, cuda.Dim3{X: uint32(l.Threads), Y: 1, Z: 1}, 0, g, args...); err != nil {
 			return fmt.Errorf("cudacopy: launching %d staged descriptors on %d CTAs: %w", n, grid, err)
