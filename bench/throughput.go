@@ -229,6 +229,80 @@ type variant struct {
 	method cudacopy.Method
 	ctas   int
 	c      *cudacopy.Copier
+	// h2d, when set, submits the H2D side instead of c.
+	h2d *cudacopy.Copier
+	// fan, when set, spreads a run's DMA submissions over more streams.
+	fan *fan
+}
+
+// fan is a variant's extra streams per direction ([0] D2H, [1] H2D), each
+// with an event that joins it back into the bench's stream of that
+// direction. A side submitted with a DMA method spreads its segments over
+// them; a kernel side stays on the bench's stream, one launch at a time.
+type fan struct {
+	s  [2][]cuda.Stream
+	ev [2][]cuda.Event
+}
+
+// newFan creates n streams and events per direction at priority prio.
+func (b *bench) newFan(n, prio int) (*fan, error) {
+	f := &fan{}
+	for d := range f.s {
+		for range n {
+			s, err := b.drv.StreamCreate(cuda.StreamNonBlocking, prio)
+			if err != nil {
+				return nil, err
+			}
+			b.onClose(func() error { return b.drv.StreamDestroy(s) })
+			e, err := b.drv.EventCreate(cuda.EventDisableTiming)
+			if err != nil {
+				return nil, err
+			}
+			b.onClose(func() error { return b.drv.EventDestroy(e) })
+			f.s[d], f.ev[d] = append(f.s[d], s), append(f.ev[d], e)
+		}
+	}
+	return f, nil
+}
+
+// submitSide submits one direction's segments of v: on s, or, for a DMA
+// copier with a fan, split evenly over the fan's streams, which start
+// after b.ev[0] (the run's start) and join back into s.
+func (b *bench) submitSide(v *variant, t *[]tk, s cuda.Stream, d cudacopy.Direction, segs []cudacopy.Segment) error {
+	c := v.c
+	if d == cudacopy.H2D && v.h2d != nil {
+		c = v.h2d
+	}
+	side := 0
+	if d == cudacopy.H2D {
+		side = 1
+	}
+	if v.fan == nil || c.Options().Method == cudacopy.MethodKernel {
+		x, err := c.Submit(s, d, segs)
+		if err != nil {
+			return err
+		}
+		*t = append(*t, tk{c, x})
+		return nil
+	}
+	ss, evs := v.fan.s[side], v.fan.ev[side]
+	for i, fs := range ss {
+		lo, hi := i*len(segs)/len(ss), (i+1)*len(segs)/len(ss)
+		if err := b.drv.StreamWaitEvent(fs, b.ev[0], 0); err != nil {
+			return err
+		}
+		if lo < hi {
+			x, err := c.Submit(fs, d, segs[lo:hi])
+			if err != nil {
+				return err
+			}
+			*t = append(*t, tk{c, x})
+		}
+		if err := errors.Join(b.drv.EventRecord(evs[i], fs), b.drv.StreamWaitEvent(s, evs[i], 0)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // bench holds the resources of one MeasureThroughput call.
@@ -652,31 +726,27 @@ const (
 
 // enqueueFor returns the submission of one run of v in dir.
 func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) error {
-	submit := func(t *[]tk, s cuda.Stream, d cudacopy.Direction, ss []cudacopy.Segment) error {
-		x, err := v.c.Submit(s, d, ss)
-		if err != nil {
-			return err
-		}
-		*t = append(*t, tk{v.c, x})
-		return nil
-	}
 	switch dir {
 	case "d2h":
-		return func(t *[]tk) error { return submit(t, b.s[0], cudacopy.D2H, segs.d2h) }
+		return func(t *[]tk) error { return b.submitSide(v, t, b.s[0], cudacopy.D2H, segs.d2h) }
 	case "h2d":
-		return func(t *[]tk) error { return submit(t, b.s[1], cudacopy.H2D, segs.h2d) }
+		return func(t *[]tk) error { return b.submitSide(v, t, b.s[1], cudacopy.H2D, segs.h2d) }
 	}
 	part := dmaPart
 	if v.method == cudacopy.MethodKernel || v.method == cudacopy.MethodAuto {
 		part = kernelPart
 	}
+	if v.fan != nil {
+		// Each fanned side is one submission per stream already.
+		part = len(segs.d2h)
+	}
 	return func(t *[]tk) error {
 		for lo := 0; lo < len(segs.d2h); lo += part {
 			hi := min(lo+part, len(segs.d2h))
-			if err := submit(t, b.s[0], cudacopy.D2H, segs.d2h[lo:hi]); err != nil {
+			if err := b.submitSide(v, t, b.s[0], cudacopy.D2H, segs.d2h[lo:hi]); err != nil {
 				return err
 			}
-			if err := submit(t, b.s[1], cudacopy.H2D, segs.h2d[lo:hi]); err != nil {
+			if err := b.submitSide(v, t, b.s[1], cudacopy.H2D, segs.h2d[lo:hi]); err != nil {
 				return err
 			}
 		}
@@ -712,11 +782,9 @@ func (b *bench) pipelinedFor(v *variant, dir string, segs segSet) func(*[]tk) er
 				if lo == hi {
 					continue
 				}
-				x, err := v.c.Submit(sd.s, sd.d, sd.segs[lo:hi])
-				if err != nil {
+				if err := b.submitSide(v, t, sd.s, sd.d, sd.segs[lo:hi]); err != nil {
 					return err
 				}
-				*t = append(*t, tk{v.c, x})
 			}
 		}
 		return nil
@@ -1190,11 +1258,42 @@ type KernelVariant struct {
 	// only).
 	FenceBytes int     `json:"fence_bytes,omitempty"`
 	PaceGBps   float64 `json:"pace_gbps,omitempty"`
+	// Method is the D2H side's method (zero: MethodKernel); a DMA method
+	// leaves the launch fields unused.
+	Method cudacopy.Method `json:"method,omitempty"`
+	// H2DMethod, when set, is the H2D side's method, with the copier's
+	// default launches (zero: the same copier as D2H).
+	H2DMethod cudacopy.Method `json:"h2d_method,omitempty"`
+	// Streams spreads each DMA side of a run over this many streams
+	// (zero or one: the bench's own stream per direction).
+	Streams int `json:"streams,omitempty"`
+}
+
+func (v KernelVariant) method() cudacopy.Method {
+	if v.Method == cudacopy.MethodAuto {
+		return cudacopy.MethodKernel
+	}
+	return v.Method
 }
 
 // kernelLabel is the variant's kernel, with its fence interval and pace if
-// any.
+// any; for a DMA method, the method and its streams; then the H2D side's
+// method if it has its own.
 func (v KernelVariant) kernelLabel() string {
+	l := v.kernelOnlyLabel()
+	if m := v.method(); m != cudacopy.MethodKernel {
+		l = m.String()
+	}
+	if v.Streams > 1 {
+		l += fmt.Sprintf(" ×%d streams", v.Streams)
+	}
+	if v.H2DMethod != cudacopy.MethodAuto {
+		l += " · h2d " + v.H2DMethod.String()
+	}
+	return l
+}
+
+func (v KernelVariant) kernelOnlyLabel() string {
 	l := v.CopyKernel
 	if v.FenceBytes > 0 {
 		l += "/" + cudacopy.FormatBytes(uint64(v.FenceBytes))
@@ -1248,6 +1347,20 @@ func StoreKernelVariants() []KernelVariant {
 		v(cudacopy.WriteThroughCopyKernel, 256, 2, 0), v(cudacopy.WriteThroughCopyKernel, 256, 8, 0), v(cudacopy.WriteThroughCopyKernel, 512, 4, 0),
 		v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 1), v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 2), v(cudacopy.WriteThroughSysCopyKernel, 512, 8, 1),
 		v(cudacopy.AcqRelCopyKernel, 512, 4, 1), v(cudacopy.AcqRelCopyKernel, 512, 4, 2), v(cudacopy.AcqRelCopyKernel, 512, 8, 1),
+	}
+}
+
+// BatchKernelVariants measures the batch API spread over 1 to 8 streams
+// per direction (several copy engines at once), and, both ways at once,
+// the default kernel launches on one side with the batch API on the other.
+func BatchKernelVariants() []KernelVariant {
+	v := func(m, h2d cudacopy.Method, streams int) KernelVariant {
+		return KernelVariant{Threads: 512, CTAs: 4, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: cudacopy.FenceUnit, Method: m, H2DMethod: h2d, Streams: streams}
+	}
+	b, k := cudacopy.MethodBatch, cudacopy.MethodKernel
+	return []KernelVariant{
+		v(b, 0, 1), v(b, 0, 2), v(b, 0, 4), v(b, 0, 8),
+		v(k, b, 4), v(b, k, 4),
 	}
 }
 
@@ -1413,7 +1526,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	}
 	for _, kv := range cfg.Variants {
 		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Pipelined: map[string]float64{}, SubmitNsPerSeg: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
-		c, err := b.newCopier(dev, cudacopy.Options{Method: cudacopy.MethodKernel, CTAs: kv.CTAs, Threads: kv.Threads, CopyKernel: kv.CopyKernel, FenceBytes: kv.FenceBytes, PaceGBps: kv.PaceGBps})
+		v, err := b.sweepVariant(dev, kv)
 		if err != nil {
 			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
 				row.Skipped = err.Error()
@@ -1426,14 +1539,57 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 		if kv.HighPriority {
 			b.s = high
 		}
-		err = b.sweepOne(&row, &variant{name: kv.String(), method: cudacopy.MethodKernel, ctas: kv.CTAs, c: c}, g, res.SGEMM.SoloMs, segs, res.Dirs, res.BesideSizes)
-		if err = errors.Join(err, c.Close()); err != nil {
+		if v.fan != nil && !kv.HighPriority {
+			// The fan's streams were made at the greatest priority.
+			row.Skipped = "Streams needs HighPriority"
+			res.Rows = append(res.Rows, row)
+			continue
+		}
+		err = b.sweepOne(&row, v, g, res.SGEMM.SoloMs, segs, res.Dirs, res.BesideSizes)
+		err = errors.Join(err, v.c.Close())
+		if v.h2d != nil {
+			err = errors.Join(err, v.h2d.Close())
+		}
+		if err != nil {
 			return res, fmt.Errorf("bench: variant %s: %w", kv, err)
 		}
 		res.Rows = append(res.Rows, row)
 	}
 	b.s = high
 	return res, nil
+}
+
+// sweepVariant makes kv's copiers (and its fan of streams, at the
+// greatest priority).
+func (b *bench) sweepVariant(dev cuda.Device, kv KernelVariant) (*variant, error) {
+	o := cudacopy.Options{Method: kv.method()}
+	if o.Method == cudacopy.MethodKernel {
+		o.CTAs, o.Threads, o.CopyKernel, o.FenceBytes, o.PaceGBps = kv.CTAs, kv.Threads, kv.CopyKernel, kv.FenceBytes, kv.PaceGBps
+	}
+	c, err := b.newCopier(dev, o)
+	if err != nil {
+		return nil, err
+	}
+	v := &variant{name: kv.String(), method: o.Method, ctas: kv.CTAs, c: c}
+	if kv.H2DMethod != cudacopy.MethodAuto {
+		if v.h2d, err = b.newCopier(dev, cudacopy.Options{Method: kv.H2DMethod}); err != nil {
+			return nil, errors.Join(err, c.Close())
+		}
+	}
+	if kv.Streams > 1 {
+		_, greatest, err := b.drv.StreamPriorityRange()
+		if err == nil {
+			v.fan, err = b.newFan(kv.Streams, greatest)
+		}
+		if err != nil {
+			err = errors.Join(err, c.Close())
+			if v.h2d != nil {
+				err = errors.Join(err, v.h2d.Close())
+			}
+			return nil, err
+		}
+	}
+	return v, nil
 }
 
 func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs float64, segs map[uint64]segSet, dirs []string, besideSizes []uint64) error {

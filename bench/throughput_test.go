@@ -255,6 +255,20 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	md = FormatKernelSweep(res)
 	require.Contains(t, md, "| d2h 4 KiB | h2d 4 KiB | both 4 KiB | d2h 64 KiB | h2d 64 KiB | both 64 KiB |")
 	require.Contains(t, md, "| kvo_copy_sys/8 KiB @40 GB/s | 4×256 | 32 | high |")
+
+	// The batch sweep: DMA sides fanned over several streams, mixed sides.
+	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: BatchKernelVariants(), Dirs: []string{"d2h", "h2d", "both"}})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	require.Len(t, res.Rows, len(BatchKernelVariants()))
+	for _, row := range res.Rows {
+		require.Empty(t, row.Skipped, "%s", row.Variant)
+		require.Len(t, row.Solo, 6)
+	}
+	md = FormatKernelSweep(res)
+	require.Contains(t, md, "| batch ×4 streams | 4×512 |")
+	require.Contains(t, md, "| kvo_copy_sys/4 KiB ×4 streams · h2d batch | 4×512 |")
+	require.Contains(t, md, "| batch ×4 streams · h2d kernel | 4×512 |")
 	_, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"up"}})
 	require.ErrorContains(t, err, `"up"`)
 }
@@ -295,7 +309,8 @@ func TestKernelSweepPick(t *testing.T) {
 // per run (default 256). KVO_BENCH_VARIANTS=fence sweeps
 // FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
 // at once, every size beside the matrix product; KVO_BENCH_VARIANTS=store
-// sweeps StoreKernelVariants the same way, D2H and both at once.
+// sweeps StoreKernelVariants the same way, D2H and both at once, and
+// KVO_BENCH_VARIANTS=batch BatchKernelVariants, each direction and both.
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
 	switch os.Getenv("KVO_BENCH_VARIANTS") {
@@ -303,11 +318,14 @@ func TestKernelVariants(t *testing.T) {
 	case "fence":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = FenceKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
+	case "batch":
+		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
+		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	case "store":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = StoreKernelVariants(), []string{"d2h", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	default:
-		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, or store) to run the copy-kernel variant sweep")
+		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, store, batch) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
 	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
