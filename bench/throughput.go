@@ -235,6 +235,19 @@ type variant struct {
 	fan *fan
 }
 
+// methodFor is the method v's copier takes for segs in dir: its forced
+// method, or what MethodAuto chooses for them.
+func (v *variant) methodFor(d cudacopy.Direction, segs []cudacopy.Segment) cudacopy.Method {
+	c := v.c
+	if d == cudacopy.H2D && v.h2d != nil {
+		c = v.h2d
+	}
+	if m := c.Options().Method; m != cudacopy.MethodAuto {
+		return m
+	}
+	return c.Choose(d, segs)
+}
+
 // fan is a variant's extra streams per direction ([0] D2H, [1] H2D), each
 // with an event that joins it back into the bench's stream of that
 // direction. A side submitted with a DMA method spreads its segments over
@@ -717,8 +730,13 @@ func (b *bench) segments(size uint64) segSet {
 }
 
 // Segments per Submit when both directions interleave: small enough that
-// the second stream starts early, and for the kernel one full descriptor
-// buffer, so that parts do not each hold a mostly empty buffer.
+// the second stream starts early, and where both directions take the
+// kernel (forced, or chosen by MethodAuto for the whole run) one full
+// descriptor buffer, so that parts do not each hold a mostly empty buffer.
+// MethodAuto is submitted in the parts of the method it takes: in kernel
+// parts, a run that took the batch API both ways left the H2D stream idle
+// while the CPU enqueued the D2H side (both ways at 64 KiB: 77 GB/s,
+// against 96 forced; bench/results/2026-11-30-h200/throughput.csv).
 const (
 	dmaPart    = 8192
 	kernelPart = cudacopy.DefaultDescCapacity
@@ -733,7 +751,7 @@ func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) erro
 		return func(t *[]tk) error { return b.submitSide(v, t, b.s[1], cudacopy.H2D, segs.h2d) }
 	}
 	part := dmaPart
-	if v.method == cudacopy.MethodKernel || v.method == cudacopy.MethodAuto {
+	if v.methodFor(cudacopy.D2H, segs.d2h) == cudacopy.MethodKernel && v.methodFor(cudacopy.H2D, segs.h2d) == cudacopy.MethodKernel {
 		part = kernelPart
 	}
 	if v.fan != nil {

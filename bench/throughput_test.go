@@ -394,3 +394,47 @@ func TestBlocksBench(t *testing.T) {
 	require.NoError(t, err)
 	writeBenchOut(t, "blocks", FormatBlocks(res), res)
 }
+
+// Both directions at once are submitted in the parts of the method the
+// variant takes: kernel parts (one descriptor buffer) only where both sides
+// take the kernel, MethodAuto included.
+func TestEnqueueBothParts(t *testing.T) {
+	drv := cudafake.New(cudafake.Options{})
+	defer func() { require.NoError(t, drv.Close()) }()
+	const segs = 2*dmaPart + 1
+	b := &bench{drv: drv, cfg: ThroughputConfig{TotalBytes: segs * 4096, SegSizes: []uint64{4 << 10}, CTAs: []int{2}, Reps: 1}.withDefaults()}
+	require.NoError(t, b.setup(0))
+	defer func() { require.NoError(t, b.close()) }()
+	batchEverywhere := &cudacopy.Calibration{Entries: []cudacopy.Measurement{
+		{Dir: cudacopy.D2H, Method: cudacopy.MethodBatch, SegBytes: 4096, GBps: 50},
+		{Dir: cudacopy.D2H, Method: cudacopy.MethodKernel, SegBytes: 4096, GBps: 10},
+		{Dir: cudacopy.H2D, Method: cudacopy.MethodBatch, SegBytes: 4096, GBps: 50},
+		{Dir: cudacopy.H2D, Method: cudacopy.MethodKernel, SegBytes: 4096, GBps: 10},
+	}}
+	ss := b.segments(4096)
+	for _, tc := range []struct {
+		o       cudacopy.Options
+		tickets int
+	}{
+		{cudacopy.Options{Method: cudacopy.MethodKernel}, 2},
+		{cudacopy.Options{Method: cudacopy.MethodBatch}, 6},
+		{cudacopy.Options{Calibration: batchEverywhere}, 6},
+	} {
+		c, err := b.newCopier(0, tc.o)
+		require.NoError(t, err)
+		b.onClose(c.Close)
+		v := &variant{name: tc.o.Method.String(), method: tc.o.Method, c: c}
+		if tc.o.Calibration != nil {
+			require.Equal(t, cudacopy.MethodBatch, v.methodFor(cudacopy.D2H, ss.d2h))
+		}
+		r, err := b.measure(func(t *[]tk) error {
+			err := b.enqueueFor(v, "both", ss)(t)
+			if len(*t) != tc.tickets {
+				return fmt.Errorf("%d submissions, want %d", len(*t), tc.tickets)
+			}
+			return err
+		}, 0)
+		require.NoError(t, err, "%s", v.name)
+		require.Positive(t, r.ms)
+	}
+}
