@@ -1351,23 +1351,6 @@ func FenceKernelVariants() []KernelVariant {
 	}
 }
 
-// StoreKernelVariants measures how the copy kernel stores to host memory
-// and fences on device-to-host copies: write-through stores
-// (kvo_copy_wt, unthrottled, and kvo_copy_wt_sys, fenced) and the lighter
-// fence.acq_rel.sys (kvo_copy_rel), beside the default D2H launch
-// (kvo_copy_sys fencing every 4 KiB on 4 × 512).
-func StoreKernelVariants() []KernelVariant {
-	v := func(kernel string, threads, ctas, fence int) KernelVariant {
-		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
-	}
-	return []KernelVariant{
-		v(cudacopy.SysFenceCopyKernel, 512, 4, 1),
-		v(cudacopy.WriteThroughCopyKernel, 256, 2, 0), v(cudacopy.WriteThroughCopyKernel, 256, 8, 0), v(cudacopy.WriteThroughCopyKernel, 512, 4, 0),
-		v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 1), v(cudacopy.WriteThroughSysCopyKernel, 512, 4, 2), v(cudacopy.WriteThroughSysCopyKernel, 512, 8, 1),
-		v(cudacopy.AcqRelCopyKernel, 512, 4, 1), v(cudacopy.AcqRelCopyKernel, 512, 4, 2), v(cudacopy.AcqRelCopyKernel, 512, 8, 1),
-	}
-}
-
 // BatchKernelVariants measures the batch API spread over 1 to 8 streams
 // per direction (several copy engines at once), and, both ways at once,
 // the default kernel launches on one side with the batch API on the other.

@@ -308,9 +308,8 @@ func TestKernelSweepPick(t *testing.T) {
 // matrix size (default 2048), KVO_BENCH_TOTAL_MIB the bytes per direction
 // per run (default 256). KVO_BENCH_VARIANTS=fence sweeps
 // FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
-// at once, every size beside the matrix product; KVO_BENCH_VARIANTS=store
-// sweeps StoreKernelVariants the same way, D2H and both at once, and
-// KVO_BENCH_VARIANTS=batch BatchKernelVariants, each direction and both.
+// at once, every size beside the matrix product; KVO_BENCH_VARIANTS=batch
+// sweeps BatchKernelVariants the same way.
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
 	switch os.Getenv("KVO_BENCH_VARIANTS") {
@@ -321,11 +320,8 @@ func TestKernelVariants(t *testing.T) {
 	case "batch":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
-	case "store":
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = StoreKernelVariants(), []string{"d2h", "both"}, true
-		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	default:
-		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, store, batch) to run the copy-kernel variant sweep")
+		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, or batch) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
 	if p := os.Getenv("KVO_PTX_FILE"); p != "" {

@@ -218,12 +218,6 @@ const (
 	DefaultCopyKernel   = "kvo_copy"
 	StreamingCopyKernel = "kvo_copy_cs"
 	SysFenceCopyKernel  = "kvo_copy_sys"
-	// WriteThroughCopyKernel is kvo_copy storing with st.global.wt.
-	WriteThroughCopyKernel = "kvo_copy_wt"
-	// WriteThroughSysCopyKernel is kvo_copy_sys storing with st.global.wt.
-	WriteThroughSysCopyKernel = "kvo_copy_wt_sys"
-	// AcqRelCopyKernel is kvo_copy_sys fencing with fence.acq_rel.sys.
-	AcqRelCopyKernel = "kvo_copy_rel"
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
@@ -236,9 +230,6 @@ var copyKernels = []struct {
 	{DefaultCopyKernel, false},
 	{StreamingCopyKernel, false},
 	{SysFenceCopyKernel, true},
-	{WriteThroughCopyKernel, false},
-	{WriteThroughSysCopyKernel, true},
-	{AcqRelCopyKernel, true},
 }
 
 // copyKernel reports whether name is a copy kernel and whether it takes

@@ -71,9 +71,8 @@ func TestGPURoundTrip(t *testing.T) {
 	}
 }
 
-// The other copy kernels (kvo_copy_cs and kvo_copy_wt; kvo_copy_sys,
-// kvo_copy_wt_sys and kvo_copy_rel, fencing every 4 KiB and every 64 KiB)
-// move every layout byte-exact.
+// The other copy kernels (kvo_copy_cs; kvo_copy_sys, fencing every 4 KiB
+// and every 64 KiB) move every layout byte-exact.
 func TestGPUOtherKernelsRoundTrip(t *testing.T) {
 	g := cudatest.Open(t)
 	s := newStream(t, g.Drv)
@@ -81,10 +80,6 @@ func TestGPUOtherKernelsRoundTrip(t *testing.T) {
 		{CopyKernel: StreamingCopyKernel},
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit},
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: 16 * FenceUnit},
-		{CopyKernel: WriteThroughCopyKernel},
-		{CopyKernel: WriteThroughSysCopyKernel, FenceBytes: FenceUnit},
-		{CopyKernel: AcqRelCopyKernel, FenceBytes: FenceUnit},
-		{CopyKernel: AcqRelCopyKernel, FenceBytes: 16 * FenceUnit},
 	} {
 		o.Method = MethodKernel
 		c, err := New(g.Drv, g.Dev, gpuOpts(t, o))

@@ -31,29 +31,19 @@ __device__ __forceinline__ uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-// How the copy kernels store (Store) and what kvo_copy_sys-style kernels
-// fence with (Fence).
-enum Store { StoreGeneric, StoreStreaming, StoreWriteThrough };
-enum Fence { FenceSC, FenceAcqRel };
-
-// load16/store16 move one 16-byte word. StoreStreaming uses the global
+// load16/store16 move one 16-byte word. Streaming = true uses the global
 // state space with evict-first hints (ld.global.cs / st.global.cs), so the
 // copy neither goes through generic addressing nor pushes other kernels'
-// data out of L2; StoreWriteThrough stores with st.global.wt, which writes
-// through L2 to system memory instead of leaving dirty lines there for
-// later eviction (loads as StoreGeneric); StoreGeneric leaves the choice to
-// the compiler (generic ld/st).
-template <Store S>
+// data out of L2; false leaves the choice to the compiler (generic ld/st).
+template <bool Streaming>
 __device__ __forceinline__ uint4 load16(const uint4* p) {
-    if (S == StoreStreaming) return __ldcs(p);
+    if (Streaming) return __ldcs(p);
     return *p;
 }
-template <Store S>
+template <bool Streaming>
 __device__ __forceinline__ void store16(uint4* p, uint4 v) {
-    if (S == StoreStreaming) {
+    if (Streaming) {
         __stcs(p, v);
-    } else if (S == StoreWriteThrough) {
-        __stwt(p, v);
     } else {
         *p = v;
     }
@@ -76,20 +66,15 @@ struct Throttle {
 };
 
 // throttle runs after each loop iteration of a warp (4 KiB): a system-scope
-// fence (__threadfence_system, or fence.acq_rel.sys with FenceAcqRel) every fence_iters iterations, which returns
+// fence (__threadfence_system) every fence_iters iterations, which returns
 // once the warp's earlier stores are visible to the host and so bounds the
 // stores it has in flight; then, with pace_ns, a wait until pace_ns after
 // the previous iteration's start, keeping at most one iteration of credit
 // when the warp fell behind, so the grid's rate stays at or below the
 // configured one instead of outrunning the link.
-template <Fence F>
 __device__ __forceinline__ void throttle(Throttle* th) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
-        if (F == FenceAcqRel) {
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-        } else {
-            __threadfence_system();
-        }
+        __threadfence_system();
         th->iters = 0;
     }
     if (th->pace_ns != 0) {
@@ -106,7 +91,7 @@ __device__ __forceinline__ void throttle(Throttle* th) {
 
 // copy_segment copies one descriptor's bytes with one warp; with Throttled,
 // throttle runs after every loop iteration (see kvo_copy_sys).
-template <Store S, bool Throttled, Fence F>
+template <bool Streaming, bool Throttled>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -118,18 +103,18 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
         for (; i + 32 * (UNROLL - 1) < n; i += 32 * UNROLL) {
             uint4 r[UNROLL];
 #pragma unroll
-            for (int k = 0; k < UNROLL; k++) r[k] = load16<S>(s + i + 32 * k);
+            for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
-            for (int k = 0; k < UNROLL; k++) store16<S>(d + i + 32 * k, r[k]);
-            if (Throttled) throttle<F>(th);
+            for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
+            if (Throttled) throttle(th);
         }
-        for (; i < n; i += 32) store16<S>(d + i, load16<S>(s + i));
+        for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
         for (uint64_t i = lane; i < len; i += 32) dst[i] = src[i];
     }
 }
 
-template <Store S, bool Throttled, Fence F = FenceSC>
+template <bool Streaming, bool Throttled>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -138,19 +123,19 @@ __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t
     if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment<S, Throttled, F>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
+        copy_segment<Streaming, Throttled>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
     }
 }
 
 // kvo_copy copies every descriptor's src to its dst.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy(const Desc* descs, uint32_t n) {
-    copy_all<StoreGeneric, false>(descs, n, 0, 0);
+    copy_all<false, false>(descs, n, 0, 0);
 }
 
 // kvo_copy_cs is kvo_copy with global-space, evict-first (streaming) loads
 // and stores.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs, uint32_t n) {
-    copy_all<StoreStreaming, false>(descs, n, 0, 0);
+    copy_all<true, false>(descs, n, 0, 0);
 }
 
 // kvo_copy_sys is kvo_copy with each warp throttled (see throttle): a
@@ -163,23 +148,7 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs
 // fence caps each warp's unfinished host stores at fence_iters * 4 KiB; the
 // pace keeps the grid's issue rate under the link's so no backlog forms.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<StoreGeneric, true>(descs, n, fence_iters, pace_ns);
-}
-
-// kvo_copy_wt is kvo_copy with write-through stores (st.global.wt).
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_wt(const Desc* descs, uint32_t n) {
-    copy_all<StoreWriteThrough, false>(descs, n, 0, 0);
-}
-
-// kvo_copy_wt_sys is kvo_copy_sys with write-through stores.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_wt_sys(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<StoreWriteThrough, true>(descs, n, fence_iters, pace_ns);
-}
-
-// kvo_copy_rel is kvo_copy_sys fencing with fence.acq_rel.sys instead of
-// the sequentially consistent fence.sc.sys.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_rel(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<StoreGeneric, true, FenceAcqRel>(descs, n, fence_iters, pace_ns);
+    copy_all<false, true>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
