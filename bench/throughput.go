@@ -1351,6 +1351,20 @@ func FenceKernelVariants() []KernelVariant {
 	}
 }
 
+// ProbeKernelVariants measures kvo_copy_probe (each warp reads back a word
+// it stored every 4 to 16 KiB, in place of kvo_copy_sys's fence) beside
+// the default D2H launch.
+func ProbeKernelVariants() []KernelVariant {
+	v := func(kernel string, threads, ctas, fence int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
+	}
+	p := cudacopy.ProbeCopyKernel
+	return []KernelVariant{
+		v(cudacopy.SysFenceCopyKernel, 512, 4, 1),
+		v(p, 512, 4, 1), v(p, 512, 4, 2), v(p, 512, 8, 1), v(p, 256, 8, 1), v(p, 1024, 4, 1), v(p, 256, 4, 4),
+	}
+}
+
 // BatchKernelVariants measures the batch API spread over 1 to 8 streams
 // per direction (several copy engines at once), and, both ways at once,
 // the default kernel launches on one side with the batch API on the other.

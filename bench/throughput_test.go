@@ -317,6 +317,9 @@ func TestKernelVariants(t *testing.T) {
 	case "fence":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = FenceKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
+	case "probe":
+		cfg.Variants, cfg.Dirs, cfg.BesideAll = ProbeKernelVariants(), []string{"d2h", "both"}, true
+		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	case "batch":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}

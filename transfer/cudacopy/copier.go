@@ -218,6 +218,9 @@ const (
 	DefaultCopyKernel   = "kvo_copy"
 	StreamingCopyKernel = "kvo_copy_cs"
 	SysFenceCopyKernel  = "kvo_copy_sys"
+	// ProbeCopyKernel is kvo_copy_sys throttled by reading back a word it
+	// stored instead of a fence.
+	ProbeCopyKernel = "kvo_copy_probe"
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
@@ -230,6 +233,7 @@ var copyKernels = []struct {
 	{DefaultCopyKernel, false},
 	{StreamingCopyKernel, false},
 	{SysFenceCopyKernel, true},
+	{ProbeCopyKernel, true},
 }
 
 // copyKernel reports whether name is a copy kernel and whether it takes

@@ -80,6 +80,7 @@ func TestGPUOtherKernelsRoundTrip(t *testing.T) {
 		{CopyKernel: StreamingCopyKernel},
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit},
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: 16 * FenceUnit},
+		{CopyKernel: ProbeCopyKernel, FenceBytes: FenceUnit},
 	} {
 		o.Method = MethodKernel
 		c, err := New(g.Drv, g.Dev, gpuOpts(t, o))

@@ -72,9 +72,18 @@ struct Throttle {
 // the previous iteration's start, keeping at most one iteration of credit
 // when the warp fell behind, so the grid's rate stays at or below the
 // configured one instead of outrunning the link.
-__device__ __forceinline__ void throttle(Throttle* th) {
+template <bool Probe>
+__device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
-        __threadfence_system();
+        if (Probe) {
+            // Read back a word this lane just stored (a volatile load goes
+            // to memory) and wait for it: the read's round trip stands in
+            // for the fence.
+            uint32_t v = *(volatile const uint32_t*)last;
+            asm volatile("" ::"r"(v));
+        } else {
+            __threadfence_system();
+        }
         th->iters = 0;
     }
     if (th->pace_ns != 0) {
@@ -91,7 +100,7 @@ __device__ __forceinline__ void throttle(Throttle* th) {
 
 // copy_segment copies one descriptor's bytes with one warp; with Throttled,
 // throttle runs after every loop iteration (see kvo_copy_sys).
-template <bool Streaming, bool Throttled>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -106,7 +115,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
-            if (Throttled) throttle(th);
+            if (Throttled) throttle<Probe>(th, d + i);
         }
         for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
@@ -114,7 +123,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming, bool Throttled>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -123,7 +132,7 @@ __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t
     if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment<Streaming, Throttled>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
+        copy_segment<Streaming, Throttled, Probe>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
     }
 }
 
@@ -149,6 +158,12 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_cs(const Desc* descs
 // pace keeps the grid's issue rate under the link's so no backlog forms.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     copy_all<false, true>(descs, n, fence_iters, pace_ns);
+}
+
+// kvo_copy_probe is kvo_copy_sys with a read-back of the last stored word
+// in place of the system-scope fence.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
+    copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
