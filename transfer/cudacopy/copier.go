@@ -221,6 +221,9 @@ const (
 	// ProbeCopyKernel is kvo_copy_sys throttled by reading back a word it
 	// stored instead of a fence.
 	ProbeCopyKernel = "kvo_copy_probe"
+	// LineProbeCopyKernel reads back one word per 128-byte line of each
+	// warp's last 4 KiB.
+	LineProbeCopyKernel = "kvo_copy_probe2"
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
@@ -234,6 +237,7 @@ var copyKernels = []struct {
 	{StreamingCopyKernel, false},
 	{SysFenceCopyKernel, true},
 	{ProbeCopyKernel, true},
+	{LineProbeCopyKernel, true},
 }
 
 // copyKernel reports whether name is a copy kernel and whether it takes

@@ -72,14 +72,18 @@ struct Throttle {
 // the previous iteration's start, keeping at most one iteration of credit
 // when the warp fell behind, so the grid's rate stays at or below the
 // configured one instead of outrunning the link.
-template <bool Probe>
-__device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
+template <int Probe>
+__device__ __forceinline__ void throttle(Throttle* th, const uint4* last, const uint4* line) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
-        if (Probe) {
+        if (Probe == 1) {
             // Read back a word this lane just stored (a volatile load goes
             // to memory) and wait for it: the read's round trip stands in
             // for the fence.
             uint32_t v = *(volatile const uint32_t*)last;
+            asm volatile("" ::"r"(v));
+        } else if (Probe == 2) {
+            // The same with one read per 128-byte line of the warp's 4 KiB.
+            uint32_t v = *(volatile const uint32_t*)line;
             asm volatile("" ::"r"(v));
         } else {
             __threadfence_system();
@@ -100,7 +104,7 @@ __device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
 
 // copy_segment copies one descriptor's bytes with one warp; with Throttled,
 // throttle runs after every loop iteration (see kvo_copy_sys).
-template <bool Streaming, bool Throttled, bool Probe = false>
+template <bool Streaming, bool Throttled, int Probe = 0>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -115,7 +119,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
-            if (Throttled) throttle<Probe>(th, d + i);
+            if (Throttled) throttle<Probe>(th, d + i, d + (i - lane) + 8 * lane);
         }
         for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
@@ -123,7 +127,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming, bool Throttled, bool Probe = false>
+template <bool Streaming, bool Throttled, int Probe = 0>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -163,7 +167,13 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* desc
 // kvo_copy_probe is kvo_copy_sys with a read-back of the last stored word
 // in place of the system-scope fence.
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
+    copy_all<false, true, 1>(descs, n, fence_iters, pace_ns);
+}
+
+// kvo_copy_probe2 is kvo_copy_probe reading back one word of each 128-byte
+// line of the warp's last 4 KiB.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe2(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
+    copy_all<false, true, 2>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
