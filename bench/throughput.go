@@ -1358,11 +1358,10 @@ func ProbeKernelVariants() []KernelVariant {
 	v := func(kernel string, threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
 	}
-	p, l := cudacopy.ProbeCopyKernel, cudacopy.LineProbeCopyKernel
+	p := cudacopy.ProbeCopyKernel
 	return []KernelVariant{
 		v(cudacopy.SysFenceCopyKernel, 512, 4, 1),
-		v(p, 256, 8, 1), v(p, 512, 4, 1), v(p, 256, 4, 1), v(p, 256, 6, 1),
-		v(l, 512, 4, 1), v(l, 256, 8, 1), v(l, 512, 8, 1), v(l, 512, 4, 2), v(l, 1024, 4, 1),
+		v(p, 256, 6, 1), v(p, 192, 8, 1), v(p, 256, 7, 1), v(p, 384, 4, 1), v(p, 320, 6, 1), v(p, 256, 8, 1), v(p, 256, 6, 1),
 	}
 }
 

@@ -165,9 +165,10 @@ type Config struct {
 	// GreedyStores (CUDA backend) runs device-to-host copies on the copy
 	// kernel's unthrottled launch (cudacopy.Options.GreedyD2H). On the
 	// H200 that moved 4–16 KiB segments at 93–95% of the link instead of
-	// 79–84%, but a compute-bound kernel running beside the stores was up
-	// to 3.4 times slower (bench/results/2026-11-30-h200). Leave it off
-	// while the model's kernels run.
+	// the default launch's 91–93%, but a compute-bound kernel running
+	// beside the stores was up to 3.4 times slower instead of ≤ 6.3%
+	// (bench/results/2026-11-30-h200). Leave it off while the model's
+	// kernels run.
 	GreedyStores bool `json:"greedy_stores,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.

@@ -90,23 +90,25 @@ type Options struct {
 	// CopyKernel, when set, names the copy kernel of the PTX module for
 	// both directions: DefaultCopyKernel (kvo_copy, generic loads and
 	// stores), StreamingCopyKernel (kvo_copy_cs: global-space, evict-first
-	// loads and stores) or SysFenceCopyKernel (kvo_copy_sys: kvo_copy
-	// throttled on device-to-host copies by FenceBytes and PaceGBps).
+	// loads and stores), SysFenceCopyKernel (kvo_copy_sys: kvo_copy
+	// throttled on device-to-host copies by a system fence every
+	// FenceBytes, and by PaceGBps) or ProbeCopyKernel (kvo_copy_probe: the
+	// same with a read-back of a stored word in place of the fence).
 	// Default per direction, see DefaultLaunch.
 	CopyKernel string
-	// FenceBytes, when set, is how many bytes each warp of a D2H
-	// SysFenceCopyKernel launch stores to host memory between system-scope
-	// fences, i.e. the most it has in flight (a multiple of FenceUnit;
+	// FenceBytes, when set, is how many bytes each warp of a D2H launch of
+	// a throttled kernel (SysFenceCopyKernel, ProbeCopyKernel) stores to
+	// host memory between fences or read-backs (a multiple of FenceUnit;
 	// default DefaultFenceBytes, or the D2H default launch's).
 	FenceBytes int
-	// PaceGBps, when set, is the rate in GB/s that each D2H
-	// SysFenceCopyKernel launch keeps its warps under together (each warp
+	// PaceGBps, when set, is the rate in GB/s that each D2H launch of a
+	// throttled kernel keeps its warps under together (each warp
 	// waits so that it copies at most its share; 0: no pacing).
 	PaceGBps float64
 }
 
-// Launch is one direction's copy-kernel launch: grid, kernel and, for
-// SysFenceCopyKernel on D2H, its throttles (Options.FenceBytes and
+// Launch is one direction's copy-kernel launch: grid, kernel and, for a
+// throttled kernel on D2H, its throttles (Options.FenceBytes and
 // PaceGBps).
 type Launch struct {
 	CTAs       int     `json:"ctas"`
@@ -138,18 +140,21 @@ func (l Launch) String() string {
 //     backlog holds up the other SMs' memory traffic. kvo_copy_sys on
 //     4 × 512 with a fence after every 4 KiB per warp moved 79–84% of the
 //     link and slowed it by at most 3.4%; longer fence intervals or more
-//     warps gained a few percent of rate at 8–41% slowdown, and no
-//     throttle on ≤ 8 SMs reached 92% within 10%.
+//     warps gained a few percent of rate at 8–41% slowdown.
+//     kvo_copy_probe, reading back a stored word every 4 KiB per warp
+//     instead of fencing, on 8 × 192 moved 91–93% and slowed the sgemm by
+//     at most 6.3% (bench/results/2026-11-30-h200/probe-sweep-3.md; 64
+//     warps: the same rate at +7–22%, 32 warps: 65% at 4 KiB).
 var (
 	defaultH2D = Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
-	defaultD2H = Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}
+	defaultD2H = Launch{CTAs: 8, Threads: 192, Kernel: ProbeCopyKernel, FenceBytes: DefaultFenceBytes}
 	greedyD2H  = Launch{CTAs: 8, Threads: 1024, Kernel: DefaultCopyKernel}
 )
 
 // DefaultLaunch is the launch used for dir where Options leaves CTAs,
 // Threads and CopyKernel zero: kvo_copy on 4 × 512 for H2D and D2D; for D2H,
-// kvo_copy_sys on 4 × 512 fencing after every 4 KiB per warp, or with
-// greedy (Options.GreedyD2H) GreedyD2HLaunch.
+// kvo_copy_probe on 8 × 192 reading back after every 4 KiB per warp, or
+// with greedy (Options.GreedyD2H) GreedyD2HLaunch.
 func DefaultLaunch(dir Direction, greedy bool) Launch {
 	switch {
 	case dir != D2H:
@@ -219,11 +224,8 @@ const (
 	StreamingCopyKernel = "kvo_copy_cs"
 	SysFenceCopyKernel  = "kvo_copy_sys"
 	// ProbeCopyKernel is kvo_copy_sys throttled by reading back a word it
-	// stored instead of a fence.
+	// stored instead of a fence: the default D2H kernel.
 	ProbeCopyKernel = "kvo_copy_probe"
-	// LineProbeCopyKernel reads back one word per 128-byte line of each
-	// warp's last 4 KiB.
-	LineProbeCopyKernel = "kvo_copy_probe2"
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
@@ -237,7 +239,6 @@ var copyKernels = []struct {
 	{StreamingCopyKernel, false},
 	{SysFenceCopyKernel, true},
 	{ProbeCopyKernel, true},
-	{LineProbeCopyKernel, true},
 }
 
 // copyKernel reports whether name is a copy kernel and whether it takes
@@ -267,11 +268,12 @@ func copyKernelNames() string {
 }
 
 // FenceUnit is what one warp copies per loop iteration of the copy kernels
-// (32 lanes × 8 loads of 16 bytes): kvo_copy_sys counts fences in these.
+// (32 lanes × 8 loads of 16 bytes): the throttled kernels count their
+// fence interval in these.
 const FenceUnit = 4096
 
-// DefaultFenceBytes is the fence interval of a SysFenceCopyKernel launch
-// that Options.CopyKernel asks for without FenceBytes.
+// DefaultFenceBytes is the fence (or read-back) interval of a throttled
+// kernel's launch that Options.CopyKernel asks for without FenceBytes.
 const DefaultFenceBytes = FenceUnit
 
 func (o *Options) withDefaults() Options {
@@ -778,7 +780,7 @@ func (c *Copier) endRec(i int32) {
 // launch enqueues, per descriptor buffer, the table upload and one launch of
 // fn. For kvo_fill extra is the spin count; for kvo_checksum the output
 // array's address (advanced by 8 bytes per descriptor of earlier launches);
-// kvo_copy_sys also gets the chunker's fence interval and pace.
+// the throttled kernels also get the chunker's fence interval and pace.
 func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (Ticket, error) {
 	if !c.caps.Kernel {
 		return Ticket{}, fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
@@ -939,7 +941,7 @@ func (c *Copier) release() error {
 	return errors.Join(errs...)
 }
 
-// paceNs is kvo_copy_sys's pace_ns: the time one warp's 4 KiB iteration
+// paceNs is the throttled kernels' pace_ns: the time one warp's 4 KiB iteration
 // takes at its share of gbps among warps warps (GB/s is bytes per ns); 0
 // without pacing.
 func paceNs(gbps float64, warps int) uint64 {

@@ -147,18 +147,19 @@ func (r *launchRecorder) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, sh
 // overriding both directions, fences and paces kept for D2H only.
 func TestLaunchResolution(t *testing.T) {
 	drv := cudatest.OpenFake(t, cudafake.Options{})
-	sys := Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit}
+	probe := Launch{CTAs: 8, Threads: 192, Kernel: ProbeCopyKernel, FenceBytes: FenceUnit}
 	plain := Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
 	tests := []struct {
 		name     string
 		opts     Options
 		d2h, h2d Launch
 	}{
-		{"defaults", Options{}, sys, plain},
+		{"defaults", Options{}, probe, plain},
 		{"greedy D2H", Options{GreedyD2H: true}, Launch{CTAs: 8, Threads: 1024, Kernel: DefaultCopyKernel}, plain},
-		{"grid for both", Options{CTAs: 2, Threads: 128}, Launch{CTAs: 2, Threads: 128, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit}, Launch{CTAs: 2, Threads: 128, Kernel: DefaultCopyKernel}},
-		{"plain kernel for both", Options{CopyKernel: DefaultCopyKernel}, plain, plain},
-		{"fence and pace", Options{FenceBytes: 2 * FenceUnit, PaceGBps: 40}, Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: 2 * FenceUnit, PaceGBps: 40}, plain},
+		{"grid for both", Options{CTAs: 2, Threads: 128}, Launch{CTAs: 2, Threads: 128, Kernel: ProbeCopyKernel, FenceBytes: FenceUnit}, Launch{CTAs: 2, Threads: 128, Kernel: DefaultCopyKernel}},
+		{"plain kernel for both, each direction's grid", Options{CopyKernel: DefaultCopyKernel}, Launch{CTAs: 8, Threads: 192, Kernel: DefaultCopyKernel}, plain},
+		{"fence and pace", Options{FenceBytes: 2 * FenceUnit, PaceGBps: 40}, Launch{CTAs: 8, Threads: 192, Kernel: ProbeCopyKernel, FenceBytes: 2 * FenceUnit, PaceGBps: 40}, plain},
+		{"fenced kernel", Options{CopyKernel: SysFenceCopyKernel}, Launch{CTAs: 8, Threads: 192, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}, Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel}},
 		{"sys kernel for both", Options{CopyKernel: SysFenceCopyKernel, GreedyD2H: true}, Launch{CTAs: 8, Threads: 1024, Kernel: SysFenceCopyKernel, FenceBytes: DefaultFenceBytes}, Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel}},
 	}
 	// No subtests: the context is current on this test's locked thread only.
@@ -170,26 +171,33 @@ func TestLaunchResolution(t *testing.T) {
 		require.Equal(t, tc.h2d, c.Capabilities().H2D, tc.name)
 		require.NoError(t, c.Close())
 	}
-	require.Equal(t, sys, DefaultLaunch(D2H, false))
+	require.Equal(t, probe, DefaultLaunch(D2H, false))
 	require.Equal(t, plain, DefaultLaunch(D2D, true))
 	require.Equal(t, "kvo_copy_sys 4×512 fence 4 KiB pace 40 GB/s", Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit, PaceGBps: 40}.String())
 }
 
-// kvo_copy_sys round-trips like kvo_copy and gets its fence interval, in
-// FenceUnits, and its pace, per warp, on device-to-host launches only.
-func TestSysFenceKernelFake(t *testing.T) {
+// The throttled kernels (kvo_copy_sys, kvo_copy_probe) round-trip like
+// kvo_copy and get their fence interval, in FenceUnits, and their pace, per
+// warp, on device-to-host launches only.
+func TestThrottledKernelsFake(t *testing.T) {
 	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 20_000})
 	rec := &launchRecorder{Driver: drv}
 	s := newStream(t, drv)
 	for _, tc := range []struct {
+		kernel      string
 		fence, want int
 		pace        float64
-	}{{0, DefaultFenceBytes / FenceUnit, 0}, {5 * FenceUnit, 5, 8.192}} {
+	}{
+		{SysFenceCopyKernel, 0, DefaultFenceBytes / FenceUnit, 0},
+		{SysFenceCopyKernel, 5 * FenceUnit, 5, 8.192},
+		{ProbeCopyKernel, 0, DefaultFenceBytes / FenceUnit, 0},
+		{ProbeCopyKernel, 3 * FenceUnit, 3, 8.192},
+	} {
 		// 2 CTAs of 2 warps, 7 descriptors per launch: every launch but
 		// the last runs 4 warps, each at a quarter of the pace.
-		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: SysFenceCopyKernel, FenceBytes: tc.fence, PaceGBps: tc.pace, PTX: fakePTX, DescCapacity: 7, CTAs: 2, Threads: 64})
-		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: SysFenceCopyKernel, FenceBytes: tc.want * FenceUnit, PaceGBps: tc.pace}, c.Capabilities().D2H)
-		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: SysFenceCopyKernel}, c.Capabilities().H2D)
+		c := newCopier(t, rec, Options{Method: MethodKernel, CopyKernel: tc.kernel, FenceBytes: tc.fence, PaceGBps: tc.pace, PTX: fakePTX, DescCapacity: 7, CTAs: 2, Threads: 64})
+		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: tc.kernel, FenceBytes: tc.want * FenceUnit, PaceGBps: tc.pace}, c.Capabilities().D2H)
+		require.Equal(t, Launch{CTAs: 2, Threads: 64, Kernel: tc.kernel}, c.Capabilities().H2D)
 		rec.args = nil
 		l := layerSeparate(3, 4, 16<<10)
 		n := l.bytes()

@@ -40,7 +40,7 @@ type chunker struct {
 	// checksums every address found in the table is translated.
 	host             *hostTable
 	hostSrc, hostDst bool
-	// fenceIters and paceGBps throttle kvo_copy_sys (D2H only).
+	// fenceIters and paceGBps throttle kvo_copy_sys and kvo_copy_probe (D2H only).
 	fenceIters uint64
 	paceGBps   float64
 

@@ -65,25 +65,22 @@ struct Throttle {
     uint64_t next;
 };
 
-// throttle runs after each loop iteration of a warp (4 KiB): a system-scope
-// fence (__threadfence_system) every fence_iters iterations, which returns
-// once the warp's earlier stores are visible to the host and so bounds the
-// stores it has in flight; then, with pace_ns, a wait until pace_ns after
+// throttle runs after each loop iteration of a warp (4 KiB): every
+// fence_iters iterations, a system-scope fence (__threadfence_system),
+// which returns once the warp's earlier stores are visible to the host and
+// so bounds the stores it has in flight, or with Probe a read-back of a
+// word the lane just stored (see kvo_copy_probe); then, with pace_ns, a wait until pace_ns after
 // the previous iteration's start, keeping at most one iteration of credit
 // when the warp fell behind, so the grid's rate stays at or below the
 // configured one instead of outrunning the link.
-template <int Probe>
-__device__ __forceinline__ void throttle(Throttle* th, const uint4* last, const uint4* line) {
+template <bool Probe>
+__device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
-        if (Probe == 1) {
+        if (Probe) {
             // Read back a word this lane just stored (a volatile load goes
             // to memory) and wait for it: the read's round trip stands in
             // for the fence.
             uint32_t v = *(volatile const uint32_t*)last;
-            asm volatile("" ::"r"(v));
-        } else if (Probe == 2) {
-            // The same with one read per 128-byte line of the warp's 4 KiB.
-            uint32_t v = *(volatile const uint32_t*)line;
             asm volatile("" ::"r"(v));
         } else {
             __threadfence_system();
@@ -104,7 +101,7 @@ __device__ __forceinline__ void throttle(Throttle* th, const uint4* last, const 
 
 // copy_segment copies one descriptor's bytes with one warp; with Throttled,
 // throttle runs after every loop iteration (see kvo_copy_sys).
-template <bool Streaming, bool Throttled, int Probe = 0>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -119,7 +116,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
-            if (Throttled) throttle<Probe>(th, d + i, d + (i - lane) + 8 * lane);
+            if (Throttled) throttle<Probe>(th, d + i);
         }
         for (; i < n; i += 32) store16<Streaming>(d + i, load16<Streaming>(s + i));
     } else {
@@ -127,7 +124,7 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming, bool Throttled, int Probe = 0>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -164,16 +161,18 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* desc
     copy_all<false, true>(descs, n, fence_iters, pace_ns);
 }
 
-// kvo_copy_probe is kvo_copy_sys with a read-back of the last stored word
-// in place of the system-scope fence.
+// kvo_copy_probe is kvo_copy_sys with a read-back in place of the fence:
+// every fence_iters iterations each lane loads (volatile, so from host
+// memory) the first word it stored in the iteration and waits for it. A
+// read of host memory cannot pass the posted stores queued ahead of it on
+// its way out, so its round trip grows with the backlog and holds the warp
+// back while one builds, without the fence's wait for every earlier store
+// of the warp to be acknowledged. On the H200, 8 CTAs × 192 threads with a
+// read-back every 4 KiB moved 91–93% of the D2H link at 4–64 KiB and slowed
+// an sgemm beside it by at most 6.3%; the fence every 4 KiB (kvo_copy_sys,
+// 4 × 512) moved 78–85% (bench/results/2026-11-30-h200/probe-sweep-3.md).
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<false, true, 1>(descs, n, fence_iters, pace_ns);
-}
-
-// kvo_copy_probe2 is kvo_copy_probe reading back one word of each 128-byte
-// line of the warp's last 4 KiB.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe2(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<false, true, 2>(descs, n, fence_iters, pace_ns);
+    copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst

@@ -15,6 +15,9 @@ const (
 	// KernelCopySys is kvo_copy with a fence interval and a pace (which
 	// change nothing the fake can observe).
 	KernelCopySys = "kvo_copy_sys"
+	// KernelCopyProbe is kvo_copy_sys throttled by read-backs instead of
+	// fences (the same to the fake).
+	KernelCopyProbe = "kvo_copy_probe"
 )
 
 // descSize is the size of one descriptor {src, dst, len, aux uint64}.
@@ -22,10 +25,11 @@ const descSize = 32
 
 // kernelParams is each kernel's parameter sizes in bytes.
 var kernelParams = map[string][]int{
-	KernelCopy:     {8, 4},       // descs, n
-	KernelFill:     {8, 4, 8},    // descs, n, spin_cycles
-	KernelChecksum: {8, 4, 8},    // descs, n, out
-	KernelCopySys:  {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
+	KernelCopy:      {8, 4},       // descs, n
+	KernelFill:      {8, 4, 8},    // descs, n, spin_cycles
+	KernelChecksum:  {8, 4, 8},    // descs, n, out
+	KernelCopySys:   {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
+	KernelCopyProbe: {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
 }
 
 // maxSpin bounds the sleep that stands in for kvo_fill's spin.
@@ -75,7 +79,7 @@ func (d *Driver) ModuleUnload(m cuda.Module) error {
 }
 
 // ModuleGetFunction implements cuda.Driver for the kernels the fake knows
-// (KernelCopy, KernelCopySys, KernelFill, KernelChecksum); other names are
+// (KernelCopy, KernelCopySys, KernelCopyProbe, KernelFill, KernelChecksum); other names are
 // CUDA_ERROR_NOT_FOUND.
 func (d *Driver) ModuleGetFunction(m cuda.Module, name string) (cuda.Function, error) {
 	d.mu.Lock()
@@ -173,7 +177,7 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 	}
 	for i, ds := range descs {
 		switch name {
-		case KernelCopy, KernelCopySys:
+		case KernelCopy, KernelCopySys, KernelCopyProbe:
 			dst, ok1 := d.mem.slice(ds.dst, ds.len)
 			src, ok2 := d.mem.slice(ds.src, ds.len)
 			if !ok1 || !ok2 {
