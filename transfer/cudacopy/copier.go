@@ -226,9 +226,6 @@ const (
 	// ProbeCopyKernel is kvo_copy_sys throttled by reading back a word it
 	// stored instead of a fence: the default D2H kernel.
 	ProbeCopyKernel = "kvo_copy_probe"
-	// PipeProbeCopyKernel waits for each read-back only before its next
-	// stores.
-	PipeProbeCopyKernel = "kvo_copy_probe_pipe"
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
@@ -242,7 +239,6 @@ var copyKernels = []struct {
 	{StreamingCopyKernel, false},
 	{SysFenceCopyKernel, true},
 	{ProbeCopyKernel, true},
-	{PipeProbeCopyKernel, true},
 }
 
 // copyKernel reports whether name is a copy kernel and whether it takes

@@ -81,8 +81,6 @@ func TestGPUOtherKernelsRoundTrip(t *testing.T) {
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: FenceUnit},
 		{CopyKernel: SysFenceCopyKernel, FenceBytes: 16 * FenceUnit},
 		{CopyKernel: ProbeCopyKernel, FenceBytes: FenceUnit},
-		{CopyKernel: PipeProbeCopyKernel, FenceBytes: FenceUnit},
-		{CopyKernel: PipeProbeCopyKernel, FenceBytes: 16 * FenceUnit},
 	} {
 		o.Method = MethodKernel
 		c, err := New(g.Drv, g.Dev, gpuOpts(t, o))

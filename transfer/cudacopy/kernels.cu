@@ -63,19 +63,7 @@ struct Throttle {
     uint64_t pace_ns;
     uint64_t iters;
     uint64_t next;
-    uint32_t probe;   // Probe 2: the read-back in flight
-    bool pending;     // Probe 2: probe not waited for yet
 };
-
-// wait_probe waits for a pipelined read-back (Probe 2) before the next
-// stores; the memory clobber keeps the loads before it and the stores after.
-template <int Probe>
-__device__ __forceinline__ void wait_probe(Throttle* th) {
-    if (Probe == 2 && th->pending) {
-        asm volatile("" ::"r"(th->probe) : "memory");
-        th->pending = false;
-    }
-}
 
 // throttle runs after each loop iteration of a warp (4 KiB): every
 // fence_iters iterations, a system-scope fence (__threadfence_system),
@@ -85,13 +73,10 @@ __device__ __forceinline__ void wait_probe(Throttle* th) {
 // the previous iteration's start, keeping at most one iteration of credit
 // when the warp fell behind, so the grid's rate stays at or below the
 // configured one instead of outrunning the link.
-template <int Probe>
+template <bool Probe>
 __device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
-        if (Probe == 2) {
-            th->probe = *(volatile const uint32_t*)last;
-            th->pending = true;
-        } else if (Probe == 1) {
+        if (Probe) {
             // Read back a word this lane just stored (a volatile load goes
             // to memory) and wait for it: the read's round trip stands in
             // for the fence.
@@ -116,7 +101,7 @@ __device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
 
 // copy_segment copies one descriptor's bytes with one warp; with Throttled,
 // throttle runs after every loop iteration (see kvo_copy_sys).
-template <bool Streaming, bool Throttled, int Probe = 0>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_t len, unsigned lane, Throttle* th) {
     if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -129,7 +114,6 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
             uint4 r[UNROLL];
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) r[k] = load16<Streaming>(s + i + 32 * k);
-            if (Throttled) wait_probe<Probe>(th);
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) store16<Streaming>(d + i + 32 * k, r[k]);
             if (Throttled) throttle<Probe>(th, d + i);
@@ -140,12 +124,12 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
-template <bool Streaming, bool Throttled, int Probe = 0>
+template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
-    Throttle th = {fence_iters, pace_ns, 0, 0, 0, false};
+    Throttle th = {fence_iters, pace_ns, 0, 0};
     if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
@@ -188,13 +172,7 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* desc
 // an sgemm beside it by at most 6.3%; the fence every 4 KiB (kvo_copy_sys,
 // 4 × 512) moved 78–85% (bench/results/2026-11-30-h200/probe-sweep-3.md).
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<false, true, 1>(descs, n, fence_iters, pace_ns);
-}
-
-// kvo_copy_probe_pipe is kvo_copy_probe waiting for each read-back only
-// before its next stores, after the next loads are issued.
-extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe_pipe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
-    copy_all<false, true, 2>(descs, n, fence_iters, pace_ns);
+    copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
 }
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
