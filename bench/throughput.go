@@ -1358,9 +1358,10 @@ func ProbeKernelVariants() []KernelVariant {
 	v := func(kernel string, threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
 	}
-	p, q := cudacopy.ProbeCopyKernel, cudacopy.PipeProbeCopyKernel
+	p := cudacopy.ProbeCopyKernel
 	return []KernelVariant{
-		v(p, 192, 8, 1), v(q, 192, 8, 1), v(q, 256, 6, 1), v(q, 160, 8, 1), v(q, 256, 8, 1), v(p, 192, 8, 1),
+		v(cudacopy.SysFenceCopyKernel, 512, 4, 1),
+		v(p, 256, 6, 1), v(p, 192, 8, 1), v(p, 256, 7, 1), v(p, 384, 4, 1), v(p, 320, 6, 1), v(p, 256, 8, 1), v(p, 256, 6, 1),
 	}
 }
 

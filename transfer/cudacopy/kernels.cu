@@ -69,10 +69,10 @@ struct Throttle {
 // fence_iters iterations, a system-scope fence (__threadfence_system),
 // which returns once the warp's earlier stores are visible to the host and
 // so bounds the stores it has in flight, or with Probe a read-back of a
-// word the lane just stored (see kvo_copy_probe); then, with pace_ns, a wait until pace_ns after
-// the previous iteration's start, keeping at most one iteration of credit
-// when the warp fell behind, so the grid's rate stays at or below the
-// configured one instead of outrunning the link.
+// word the lane just stored (see kvo_copy_probe); then, with pace_ns, a
+// wait until pace_ns after the previous iteration's start, keeping at most
+// one iteration of credit when the warp fell behind, so the grid's rate
+// stays at or below the configured one instead of outrunning the link.
 template <bool Probe>
 __device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
