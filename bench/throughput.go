@@ -1352,8 +1352,9 @@ func FenceKernelVariants() []KernelVariant {
 }
 
 // ProbeKernelVariants measures kvo_copy_probe (each warp reads back a word
-// it stored every 4 to 16 KiB, in place of kvo_copy_sys's fence) beside
-// the default D2H launch.
+// it stored every 4 KiB, in place of kvo_copy_sys's fence) on 32 to 64
+// warps, beside kvo_copy_sys's launch before it; the list that picked the
+// default D2H launch (bench/results/2026-11-30-h200/probe-sweep-3.md).
 func ProbeKernelVariants() []KernelVariant {
 	v := func(kernel string, threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}
