@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -118,6 +119,16 @@ func (w *worker) run(stop <-chan struct{}) {
 			return
 		}
 		w.count.Add(1)
+		// Yield between ops, as a caller interleaving its own work would.
+		// An op that finds nothing to do (every store refused, every load
+		// missing) returns without blocking, so without a yield the
+		// workers keep every P busy for whole preemption slices (10 ms)
+		// while the goroutines that finish copies (the simulation's
+		// streams, the completion poller, growth) wait behind them on
+		// their timers: at GOMAXPROCS=1 a worker could do a thousand ops
+		// per copy, deleting every block while it is still being written,
+		// so no block ever became ready.
+		runtime.Gosched()
 	}
 }
 
