@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
 // keyContent is the content every test stores under k: a pure function of
@@ -294,4 +296,21 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 	require.Equal(t, st.Store.Ops, st.Store.Latency.Count)
 	require.Equal(t, st.Load.Ops, st.Load.Latency.Count)
 	require.Equal(t, ta.outcomes[OutcomeLoaded], ta.loaded)
+}
+
+// gatedEvent returns an event recorded on a new caller stream of sim that
+// waits at a gate, the stream, and the gate's opener (idempotent; defer it
+// before the engine's Close runs, which waits for the copies): a store
+// given the event as StoreOptions.After stays in flight until open is
+// called.
+func gatedEvent(t *testing.T, sim *SimGPU) (ev cuda.Event, cs cuda.Stream, open func()) {
+	t.Helper()
+	cs = sim.sim.NewStream()
+	openGate, err := sim.sim.Gate(cs)
+	require.NoError(t, err)
+	open = sync.OnceFunc(openGate)
+	ev, err = sim.sim.CreateEvent(false)
+	require.NoError(t, err)
+	require.NoError(t, sim.sim.RecordEvent(ev, cs))
+	return ev, cs, open
 }

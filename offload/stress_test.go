@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -116,14 +115,8 @@ func TestPoolFullOfDeletedWritesRecovers(t *testing.T) {
 
 			// The stores wait on an event recorded on a stream held at a
 			// gate: their copies stay in flight until it opens.
-			cs := sim.sim.NewStream()
-			openGate, err := sim.sim.Gate(cs)
-			require.NoError(t, err)
-			gate := sync.OnceFunc(openGate)
+			ev, cs, gate := gatedEvent(t, sim)
 			defer gate()
-			ev, err := sim.sim.CreateEvent(false)
-			require.NoError(t, err)
-			require.NoError(t, sim.sim.RecordEvent(ev, cs))
 			var keys []Key
 			var ops []*Op
 			for i := range 6 {

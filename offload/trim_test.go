@@ -3,7 +3,6 @@ package offload
 import (
 	"bytes"
 	"context"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -139,14 +138,8 @@ func TestTrimWaitsOnlyForCopies(t *testing.T) {
 
 	// The store waits (StoreOptions.After) on an event recorded on a caller
 	// stream held at a gate, so it stays in flight.
-	cs := sim.sim.NewStream()
-	openGate, err := sim.sim.Gate(cs)
-	require.NoError(t, err)
-	gate := sync.OnceFunc(openGate)
+	ev, cs, gate := gatedEvent(t, sim)
 	defer gate()
-	ev, err := sim.sim.CreateEvent(false)
-	require.NoError(t, err)
-	require.NoError(t, sim.sim.RecordEvent(ev, cs))
 	keys := []Key{testKey(1)}
 	writeBlock(t, e, 0, keyContent(keys[0], slot))
 	op, err := e.Store(context.Background(), keys, []int{0}, StoreOptions{After: uintptr(ev), AfterStream: uintptr(cs)})
