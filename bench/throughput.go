@@ -1366,6 +1366,17 @@ func ProbeKernelVariants() []KernelVariant {
 	}
 }
 
+// ProbeGridVariants measures kvo_copy_probe's D2H grid from 48 to 64 warps
+// (the default 8 × 192 twice, for the run-to-run spread) with H2D on its
+// own copier at the default launch, so that both directions at once run
+// as the engine runs them.
+func ProbeGridVariants() []KernelVariant {
+	v := func(threads, ctas int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.ProbeCopyKernel, FenceBytes: cudacopy.FenceUnit, H2DMethod: cudacopy.MethodKernel}
+	}
+	return []KernelVariant{v(192, 8), v(224, 8), v(256, 7), v(256, 8), v(192, 8)}
+}
+
 // BatchKernelVariants measures the batch API spread over 1 to 8 streams
 // per direction (several copy engines at once), and, both ways at once,
 // the default kernel launches on one side with the batch API on the other.

@@ -320,6 +320,9 @@ func TestKernelVariants(t *testing.T) {
 	case "probe":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = ProbeKernelVariants(), []string{"d2h", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
+	case "probegrid":
+		cfg.Variants, cfg.Dirs, cfg.BesideAll = ProbeGridVariants(), []string{"d2h", "both"}, true
+		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	case "batch":
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
