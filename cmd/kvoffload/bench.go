@@ -50,9 +50,20 @@ Without a GPU it exits with status 1 and says why.`,
 		device := fs.Int("device", 0, "CUDA device ordinal `n`")
 		fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "`seed` of the random slot permutations")
 		asJSON := fs.Bool("json", false, "print the JSON summary instead of the tables")
+		ptx := fs.String("ptx", "", "copy kernels from this PTX `file` instead of the embedded one (one built on the GPU machine)")
 		return func(_ context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
+			}
+			if *ptx != "" {
+				img, err := os.ReadFile(*ptx)
+				switch {
+				case err != nil:
+					return fmt.Errorf("%w: --ptx: %w", errUsage, err)
+				case len(img) == 0:
+					return fmt.Errorf("%w: --ptx %s is empty", errUsage, *ptx)
+				}
+				cfg.PTX = img
 			}
 			switch {
 			case *only != "all" && *only != "throughput" && *only != "pinning":

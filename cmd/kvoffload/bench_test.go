@@ -113,3 +113,20 @@ func TestPinningRowsKeepColdAndChunk(t *testing.T) {
 	require.Contains(t, got, "160 ms")
 	require.Contains(t, got, "pipelined")
 }
+
+// --ptx names a readable, non-empty file, or the command line is wrong.
+func TestBenchPTXFlag(t *testing.T) {
+	dir := t.TempDir()
+	empty := filepath.Join(dir, "empty.ptx")
+	require.NoError(t, os.WriteFile(empty, nil, 0o644))
+	for _, tc := range []struct{ file, want string }{
+		{filepath.Join(dir, "missing.ptx"), "--ptx: open"},
+		{empty, "--ptx " + empty + " is empty"},
+	} {
+		code, stdout, errs := runCLI(t, "bench", "--out", filepath.Join(dir, "out"), "--ptx", tc.file)
+		require.Equal(t, exitUsage, code, tc.file)
+		require.Empty(t, stdout)
+		require.Contains(t, errs, tc.want)
+	}
+	require.NoDirExists(t, filepath.Join(dir, "out"))
+}
