@@ -17,6 +17,6 @@ timeout 420 "$B/kvoffload" bench --only throughput --out "$R" --reps 3 --ptx "$O
 (cd "$OUT" && tar czf i.tgz i && rm -rf i)
 x() { tar xzOf "$OUT/i.tgz" "i/$1"; }
 x ptxas.txt | grep -E 'Function properties|registers|spill' | paste - - - | sed 's/ptxas info    ://g' | grep kvo_copy_probe | cut -c1-170
-x sass-probe.txt | grep -n -A8 'STRONG.SYS' | head -24
+x sass-probe.txt | grep -n -B10 -A3 'STRONG.SYS' | head -30
 x gpu-cudacopy.log | grep -E '^(--- |ok|FAIL|panic)' | sort | uniq -c
 x bench.log | grep -E 'target|met|MISSED' | head -34

@@ -63,6 +63,8 @@ struct Throttle {
     uint64_t pace_ns;
     uint64_t iters;
     uint64_t next;
+    uint32_t probe;  // Probe: the read-back in flight
+    bool pending;    // Probe: a read-back was issued
 };
 
 // throttle runs after each loop iteration of a warp (4 KiB): every
@@ -77,15 +79,18 @@ template <bool Probe>
 __device__ __forceinline__ void throttle(Throttle* th, const uint4* last) {
     if (th->fence_iters != 0 && ++th->iters >= th->fence_iters) {
         if (Probe) {
-            // Read back a word this lane just stored (a volatile load goes
-            // to memory) and wait for it: the read's round trip stands in
-            // for the fence. The branch on the value is the wait: a load
-            // whose value nothing uses stalls the warp only when its
-            // register is next written, wherever the compiler put that.
-            // The key is a kernel argument the compiler cannot know; a
-            // stored word equal to it costs a 32 ns sleep.
-            uint32_t v = *(volatile const uint32_t*)last;
-            if (v == ((uint32_t)(th->fence_iters >> 32) ^ 0x9E3779B9u)) __nanosleep(32);
+            // Wait for the previous read-back, then read back a word this
+            // lane just stored (a volatile load goes to memory): each
+            // read's round trip stands in for a fence, and the warp has at
+            // most two intervals of stores ahead of the last read that
+            // returned. The branch on the value is the wait (a load whose
+            // value nothing uses stalls the warp only when its register is
+            // next written, wherever the compiler put that); the key is a
+            // kernel argument the compiler cannot know, and a stored word
+            // equal to it costs a 32 ns sleep.
+            if (th->pending && th->probe == ((uint32_t)(th->fence_iters >> 32) ^ 0x9E3779B9u)) __nanosleep(32);
+            th->probe = *(volatile const uint32_t*)last;
+            th->pending = true;
         } else {
             __threadfence_system();
         }
@@ -133,7 +138,7 @@ __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t
     unsigned lane = threadIdx.x & 31;
     uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
-    Throttle th = {fence_iters, pace_ns, 0, 0};
+    Throttle th = {fence_iters, pace_ns, 0, 0, 0, false};
     if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
@@ -166,9 +171,9 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* desc
 }
 
 // kvo_copy_probe is kvo_copy_sys with a read-back in place of the fence:
-// every fence_iters iterations each lane loads (volatile, so from host
-// memory) the first word it stored in the iteration and waits for it. A
-// read of host memory cannot pass the posted stores queued ahead of it on
+// every fence_iters iterations each lane waits for its previous read-back,
+// then loads (volatile, so from host memory) the first word it stored in
+// the iteration. A read of host memory cannot pass the posted stores queued ahead of it on
 // its way out, so its round trip grows with the backlog and holds the warp
 // back while one builds, without the fence's wait for every earlier store
 // of the warp to be acknowledged. On the H200, 8 CTAs × 192 threads with a
