@@ -754,8 +754,8 @@ func (b *bench) enqueueFor(v *variant, dir string, segs segSet) func(*[]tk) erro
 	if v.methodFor(cudacopy.D2H, segs.d2h) == cudacopy.MethodKernel && v.methodFor(cudacopy.H2D, segs.h2d) == cudacopy.MethodKernel {
 		part = kernelPart
 	}
-	if v.fan != nil {
-		// Each fanned side is one submission per stream already.
+	if v.fan != nil && v.methodFor(cudacopy.D2H, segs.d2h) != cudacopy.MethodKernel && v.methodFor(cudacopy.H2D, segs.h2d) != cudacopy.MethodKernel {
+		// Both sides are fanned: each is one submission per stream already.
 		part = len(segs.d2h)
 	}
 	return func(t *[]tk) error {
@@ -1298,15 +1298,19 @@ func (v KernelVariant) method() cudacopy.Method {
 // any; for a DMA method, the method and its streams; then the H2D side's
 // method if it has its own.
 func (v KernelVariant) kernelLabel() string {
+	streams := ""
+	if v.Streams > 1 {
+		streams = fmt.Sprintf(" ×%d streams", v.Streams)
+	}
 	l := v.kernelOnlyLabel()
 	if m := v.method(); m != cudacopy.MethodKernel {
-		l = m.String()
+		l = m.String() + streams
 	}
-	if v.Streams > 1 {
-		l += fmt.Sprintf(" ×%d streams", v.Streams)
-	}
-	if v.H2DMethod != cudacopy.MethodAuto {
-		l += " · h2d " + v.H2DMethod.String()
+	if m := v.H2DMethod; m != cudacopy.MethodAuto {
+		l += " · h2d " + m.String()
+		if m != cudacopy.MethodKernel {
+			l += streams
+		}
 	}
 	return l
 }
@@ -1352,7 +1356,7 @@ func FenceKernelVariants() []KernelVariant {
 }
 
 // ProbeKernelVariants measures kvo_copy_probe (each warp reads back a word
-// it stored every 4 KiB, in place of kvo_copy_sys's fence) on 32 to 64
+// it stored every 4 KiB, in place of kvo_copy_sys's fence) on 48 to 64
 // warps, beside kvo_copy_sys's launch before it; the list that picked the
 // default D2H launch (bench/results/2026-11-30-h200/probe-sweep-3.md).
 func ProbeKernelVariants() []KernelVariant {
@@ -1553,6 +1557,12 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 	}
 	for _, kv := range cfg.Variants {
 		row := KernelVariantResult{Variant: kv, Solo: map[string]float64{}, Pipelined: map[string]float64{}, SubmitNsPerSeg: map[string]float64{}, Beside: map[string]float64{}, SlowPct: map[string]float64{}}
+		if kv.Streams > 1 && !kv.HighPriority {
+			// The fan's streams are made at the greatest priority.
+			row.Skipped = "Streams needs HighPriority"
+			res.Rows = append(res.Rows, row)
+			continue
+		}
 		v, err := b.sweepVariant(dev, kv)
 		if err != nil {
 			if errors.Is(err, cudacopy.ErrUnavailable) || errors.Is(err, cudacopy.ErrInvalidOption) {
@@ -1565,12 +1575,6 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 		b.s = normal
 		if kv.HighPriority {
 			b.s = high
-		}
-		if v.fan != nil && !kv.HighPriority {
-			// The fan's streams were made at the greatest priority.
-			row.Skipped = "Streams needs HighPriority"
-			res.Rows = append(res.Rows, row)
-			continue
 		}
 		err = b.sweepOne(&row, v, g, res.SGEMM.SoloMs, segs, res.Dirs, res.BesideSizes)
 		err = errors.Join(err, v.c.Close())
@@ -1758,7 +1762,11 @@ func FormatKernelSweep(r KernelSweepResults) string {
 		if v.HighPriority {
 			p = "high"
 		}
-		fmt.Fprintf(&b, "| %s | %d×%d | %d | %s |", v.kernelLabel(), v.CTAs, v.Threads, v.CTAs*v.Threads/32, p)
+		if v.method() == cudacopy.MethodKernel {
+			fmt.Fprintf(&b, "| %s | %d×%d | %d | %s |", v.kernelLabel(), v.CTAs, v.Threads, v.CTAs*v.Threads/32, p)
+		} else {
+			fmt.Fprintf(&b, "| %s | – | – | %s |", v.kernelLabel(), p)
+		}
 		if row.Skipped != "" {
 			fmt.Fprintf(&b, " skipped: %s |\n", row.Skipped)
 			continue

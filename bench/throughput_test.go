@@ -266,9 +266,14 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 		require.Len(t, row.Solo, 6)
 	}
 	md = FormatKernelSweep(res)
-	require.Contains(t, md, "| batch ×4 streams | 4×512 |")
-	require.Contains(t, md, "| kvo_copy_sys/4 KiB ×4 streams · h2d batch | 4×512 |")
-	require.Contains(t, md, "| batch ×4 streams · h2d kernel | 4×512 |")
+	require.Contains(t, md, "| batch ×4 streams | – | – | high |")
+	require.Contains(t, md, "| kvo_copy_sys/4 KiB · h2d batch ×4 streams | 4×512 |")
+	require.Contains(t, md, "| batch ×4 streams · h2d kernel | – | – | high |")
+	// A fan needs the greatest priority: skipped before any copier exists.
+	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: []KernelVariant{{Method: cudacopy.MethodBatch, Streams: 2}}})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	require.Equal(t, "Streams needs HighPriority", res.Rows[0].Skipped)
 	_, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: fence, Dirs: []string{"up"}})
 	require.ErrorContains(t, err, `"up"`)
 }
@@ -309,7 +314,8 @@ func TestKernelSweepPick(t *testing.T) {
 // per run (default 256). KVO_BENCH_VARIANTS=fence sweeps
 // FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
 // at once, every size beside the matrix product; KVO_BENCH_VARIANTS=batch
-// sweeps BatchKernelVariants the same way.
+// sweeps BatchKernelVariants the same way, =probe ProbeKernelVariants and
+// =probegrid ProbeGridVariants (D2H and both at once).
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
 	switch os.Getenv("KVO_BENCH_VARIANTS") {
@@ -327,7 +333,7 @@ func TestKernelVariants(t *testing.T) {
 		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
 	default:
-		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, or batch) to run the copy-kernel variant sweep")
+		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, batch, probe, probegrid) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
 	if p := os.Getenv("KVO_PTX_FILE"); p != "" {

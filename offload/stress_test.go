@@ -61,10 +61,12 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 			// key present, so that the checks below never run on a
 			// schedule that left them nothing to check (the device's
 			// progress against the workers' is the scheduler's choice).
-			// maxOps bounds the wait should the engine stop making
-			// progress; the assertions below then report it.
-			const minOps, maxOps = 600, 100 * 600
-			for n := count.Load(); n < maxOps && !t.Failed(); n = count.Load() {
+			// maxOps and maxWait bound the wait should the engine, or the
+			// workers, stop making progress; the assertions below then
+			// report it.
+			const minOps, maxOps, maxWait = 600, 100 * 600, time.Minute
+			deadline := time.Now().Add(maxWait)
+			for n := count.Load(); n < maxOps && !t.Failed() && time.Now().Before(deadline); n = count.Load() {
 				out := e.Stats().Outcomes
 				if n >= minOps && out[OutcomeLoaded] > 0 && out[OutcomeAlreadyPresent] > 0 {
 					break

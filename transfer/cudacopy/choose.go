@@ -140,7 +140,7 @@ type point struct {
 // changed it by at most 0.4% at every segment size from 4 KiB to 2 MiB.
 // The default launches (DefaultLaunch) cut the kernel's share to a few
 // percent (bench/results/2026-11-30-h200/probe-sweep-3.md, and
-// 2026-11-30-h200-s3/results.md: ≤ 1.6% beside a 4096² sgemm); a few
+// 2026-11-30-h200-s3/results.md: ≤ 2.4% beside a 4096² sgemm); a few
 // percent of copy rate is still worth leaving the SMs alone.
 const (
 	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is

@@ -94,7 +94,9 @@ type Options struct {
 	// throttled on device-to-host copies by a system fence every
 	// FenceBytes, and by PaceGBps) or ProbeCopyKernel (kvo_copy_probe: the
 	// same with a read-back of a stored word in place of the fence).
-	// Default per direction, see DefaultLaunch.
+	// Default per direction, see DefaultLaunch. Each direction keeps its
+	// default grid unless CTAs and Threads are set too (kvo_copy_sys was
+	// measured on 4 × 512, not on the D2H default 8 × 192).
 	CopyKernel string
 	// FenceBytes, when set, is how many bytes each warp of a D2H launch of
 	// a throttled kernel (SysFenceCopyKernel, ProbeCopyKernel) stores to
@@ -144,7 +146,10 @@ func (l Launch) String() string {
 //     kvo_copy_probe, reading back a stored word every 4 KiB per warp
 //     instead of fencing, on 8 × 192 moved 91–93% and slowed the sgemm by
 //     at most 6.3% (bench/results/2026-11-30-h200/probe-sweep-3.md; 64
-//     warps: the same rate at +7–22%, 32 warps: 65% at 4 KiB).
+//     warps: the same rate at +7–22%; 32 warps, probe-sweep-2.md: 65% at
+//     4 KiB). Only whole 4 KiB iterations of a warp are throttled: a
+//     segment or chunk (Options.ChunkBytes) under 4 KiB, a misaligned
+//     segment and a segment's tail are stored without a read-back.
 var (
 	defaultH2D = Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
 	defaultD2H = Launch{CTAs: 8, Threads: 192, Kernel: ProbeCopyKernel, FenceBytes: DefaultFenceBytes}

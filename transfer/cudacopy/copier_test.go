@@ -552,14 +552,20 @@ func TestSubmitDoesNotAllocate(t *testing.T) {
 	}
 }
 
-// The embedded PTX, when present, holds the kernels New looks up.
+// The embedded PTX, when present, holds every kernel New can look up (the
+// copy kernels, the default D2H one among them, and kvo_fill, kvo_checksum).
 func TestEmbeddedPTX(t *testing.T) {
 	b, err := PTX()
 	if err != nil {
 		require.ErrorIs(t, err, ErrUnavailable)
 		return
 	}
-	for _, k := range []string{"kvo_copy", "kvo_fill", "kvo_checksum"} {
+	names := []string{"kvo_fill", "kvo_checksum"}
+	for _, k := range copyKernels {
+		names = append(names, k.name)
+	}
+	require.Contains(t, names, DefaultLaunch(D2H, false).Kernel)
+	for _, k := range names {
 		require.Contains(t, string(b), ".entry "+k+"(")
 	}
 	require.Contains(t, string(b), ".target sm_80")
