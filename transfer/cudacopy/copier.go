@@ -123,7 +123,11 @@ type Launch struct {
 func (l Launch) String() string {
 	s := fmt.Sprintf("%s %d×%d", l.Kernel, l.CTAs, l.Threads)
 	if l.FenceBytes > 0 {
-		s += " fence " + FormatBytes(uint64(l.FenceBytes))
+		what := " fence "
+		if l.Kernel == ProbeCopyKernel {
+			what = " read-back "
+		}
+		s += what + FormatBytes(uint64(l.FenceBytes))
 	}
 	if l.PaceGBps > 0 {
 		s += fmt.Sprintf(" pace %g GB/s", l.PaceGBps)

@@ -174,6 +174,7 @@ func TestLaunchResolution(t *testing.T) {
 	require.Equal(t, probe, DefaultLaunch(D2H, false))
 	require.Equal(t, plain, DefaultLaunch(D2D, true))
 	require.Equal(t, "kvo_copy_sys 4×512 fence 4 KiB pace 40 GB/s", Launch{CTAs: 4, Threads: 512, Kernel: SysFenceCopyKernel, FenceBytes: FenceUnit, PaceGBps: 40}.String())
+	require.Equal(t, "kvo_copy_probe 8×192 read-back 4 KiB", DefaultLaunch(D2H, false).String())
 }
 
 // The throttled kernels (kvo_copy_sys, kvo_copy_probe) round-trip like
