@@ -177,17 +177,8 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	}
 	var gm *gemm
 	if cfg.BurnN > 0 {
-		var skipped string
-		if gm, skipped, err = b.newGemm(); err != nil {
+		if gm, res.SGEMM, err = b.soloGemm(); err != nil {
 			return res, err
-		}
-		res.SGEMM = SGEMMInfo{N: cfg.BurnN, Skipped: skipped}
-		if gm != nil {
-			if res.SGEMM.SoloMs, err = gm.solo(b.ev[0], b.ev[2], 5); err != nil {
-				return res, err
-			}
-			n := float64(cfg.BurnN)
-			res.SGEMM.TFLOPS = 2 * n * n * n / (res.SGEMM.SoloMs * 1e9)
 		}
 	} else {
 		res.SGEMM.Skipped = "disabled (BurnN < 0)"

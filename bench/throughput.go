@@ -878,17 +878,11 @@ func (b *bench) scattered(res *ThroughputResults, v *variant, dir string, size u
 // burnPass measures the burn variants while kvo_sgemm runs on b.burn.
 func (b *bench) burnPass(res *ThroughputResults, solo map[string]ThroughputRow) error {
 	cfg := b.cfg
-	res.SGEMM.N = cfg.BurnN
-	g, skipped, err := b.newGemm()
-	if err != nil || skipped != "" {
-		res.SGEMM.Skipped = skipped
+	g, info, err := b.soloGemm()
+	res.SGEMM = info
+	if err != nil || g == nil {
 		return err
 	}
-	if res.SGEMM.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
-		return fmt.Errorf("bench: sgemm solo: %w", err)
-	}
-	n := uint64(cfg.BurnN)
-	res.SGEMM.TFLOPS = 2 * float64(n*n*n) / (res.SGEMM.SoloMs * 1e9)
 	byName := map[string]*variant{}
 	for _, v := range b.variants {
 		byName[v.name] = v
@@ -971,6 +965,21 @@ func (b *bench) newGemm() (g *gemm, skipped string, err error) {
 		}
 	}
 	return &gemm{drv: drv, fn: fn, s: b.burn, n: uint32(n), args: [][]byte{cuda.Arg(uint64(mats[0])), cuda.Arg(uint64(mats[1])), cuda.Arg(uint64(mats[2])), cuda.Arg(uint32(n))}}, "", nil
+}
+
+// soloGemm makes the matrix product (nil, with info.Skipped saying why,
+// where the PTX has no kvo_sgemm) and times it alone.
+func (b *bench) soloGemm() (g *gemm, info SGEMMInfo, err error) {
+	info.N = b.cfg.BurnN
+	if g, info.Skipped, err = b.newGemm(); err != nil || g == nil {
+		return nil, info, err
+	}
+	if info.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
+		return nil, info, fmt.Errorf("bench: sgemm solo: %w", err)
+	}
+	n := float64(info.N)
+	info.TFLOPS = 2 * n * n * n / (info.SoloMs * 1e9)
+	return g, info, nil
 }
 
 // Bounds of the burn pass: timed reps per point (no warm-up: the products
@@ -1538,18 +1547,10 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 		return res, err
 	}
 	res.Link = tr.Link
-	res.SGEMM.N = cfg.BurnN
-	g, skipped, err := b.newGemm()
+	g, info, err := b.soloGemm()
+	res.SGEMM = info
 	if err != nil {
 		return res, err
-	}
-	res.SGEMM.Skipped = skipped
-	if g != nil {
-		if res.SGEMM.SoloMs, err = g.solo(b.ev[0], b.ev[2], 5); err != nil {
-			return res, fmt.Errorf("bench: sgemm solo: %w", err)
-		}
-		n := float64(cfg.BurnN)
-		res.SGEMM.TFLOPS = 2 * n * n * n / (res.SGEMM.SoloMs * 1e9)
 	}
 	segs := map[uint64]segSet{}
 	for _, size := range cfg.SegSizes {
