@@ -283,6 +283,22 @@ func holdAt(p stagePoint, m *marks, release <-chan struct{}) engineHooks {
 	}
 }
 
+// heldAt starts a growth rig on backend whose growth is held at p, and
+// returns once it is there, with the marks and the channel whose close
+// releases it; the caller closes the rig.
+func heldAt(t *testing.T, backend string, p stagePoint) (*growRig, *marks, chan struct{}) {
+	t.Helper()
+	m := newMarks(t)
+	release := make(chan struct{})
+	rg, err := newGrowRig(t, backend, m, cudafake.Options{}, holdAt(p, m, release), nil)
+	require.NoError(t, err)
+	if !m.wait("at", "growth ran") {
+		rg.close()
+		t.FailNow()
+	}
+	return rg, m, release
+}
+
 // TestGrowthPauseAtEachStage pauses growth while it is held at each stage
 // point: the regions in registration or publication join, the prefetched
 // one is held mapped but not owned, nothing more is mapped until
@@ -293,13 +309,9 @@ func TestGrowthPauseAtEachStage(t *testing.T) {
 		for _, p := range stagePoints {
 			for _, end := range []string{"resume", "close"} {
 				t.Run(fmt.Sprintf("%s/%s/%s", backend, p.name, end), func(t *testing.T) {
-					m := newMarks(t)
-					release := make(chan struct{})
-					rg, err := newGrowRig(t, backend, m, cudafake.Options{}, holdAt(p, m, release), nil)
-					require.NoError(t, err)
+					rg, m, release := heldAt(t, backend, p)
 					defer rg.close()
 					e := rg.e
-					require.True(t, m.wait("at", "growth ran"))
 					e.PauseGrowth()
 					close(release)
 					ok := assert.Eventually(t, func() bool {
@@ -339,13 +351,9 @@ func TestGrowthCloseAtEachStage(t *testing.T) {
 	for _, backend := range []string{BackendHost, BackendCUDA} {
 		for _, p := range stagePoints {
 			t.Run(backend+"/"+p.name, func(t *testing.T) {
-				m := newMarks(t)
-				release := make(chan struct{})
-				rg, err := newGrowRig(t, backend, m, cudafake.Options{}, holdAt(p, m, release), nil)
-				require.NoError(t, err)
+				rg, _, release := heldAt(t, backend, p)
 				defer rg.close()
 				e := rg.e
-				require.True(t, m.wait("at", "growth ran"))
 				closed := make(chan error, 1)
 				go func() { closed <- e.Close() }()
 				require.Eventually(t, func() bool {
