@@ -79,6 +79,17 @@ func waitRetire(t testing.TB, drv cuda.Driver, c *Copier, s cuda.Stream, tk Tick
 	require.NoError(t, c.Retire(tk))
 }
 
+// testBuffers allocates n bytes of registered host memory twice and of
+// device memory once: src random, dst poisoned with 0xEE.
+func testBuffers(t *testing.T, drv cuda.Driver, n uint64) (src, dst []byte, dev cuda.DevicePtr) {
+	t.Helper()
+	src, dst = hostMem(t, drv, n), hostMem(t, drv, n)
+	dev = devMem(t, drv, n)
+	_, _ = rand.Read(src)
+	poison(dst, 0xEE)
+	return src, dst, dev
+}
+
 func poison(b []byte, v byte) {
 	for i := range b {
 		b[i] = v
@@ -91,10 +102,7 @@ func poison(b []byte, v byte) {
 func roundTrip(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, l layout, seed uint64) {
 	t.Helper()
 	n := l.bytes()
-	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
-	dev := devMem(t, drv, n)
-	_, _ = rand.Read(src)
-	poison(dst, 0xEE)
+	src, dst, dev := testBuffers(t, drv, n)
 	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
 	require.NoError(t, drv.CtxSynchronize())
 	h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(seed, 1)))
@@ -202,10 +210,7 @@ func TestThrottledKernelsFake(t *testing.T) {
 		rec.args = nil
 		l := layerSeparate(3, 4, 16<<10)
 		n := l.bytes()
-		src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
-		dev := devMem(t, drv, n)
-		_, _ = rand.Read(src)
-		poison(dst, 0xEE)
+		src, dst, dev := testBuffers(t, drv, n)
 		h2d, d2h := l.segments(addr(src), uint64(dev), addr(dst), mrand.New(mrand.NewPCG(uint64(tc.fence), 1)))
 		run(t, drv, c, s, H2D, h2d)
 		h2dLaunches := len(rec.args)

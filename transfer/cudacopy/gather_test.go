@@ -19,10 +19,7 @@ import (
 func gatherRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, g, s cuda.Stream, l layout, seed uint64) {
 	t.Helper()
 	n := l.bytes()
-	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
-	dev := devMem(t, drv, n)
-	_, _ = rand.Read(src)
-	poison(dst, 0xEE)
+	src, dst, dev := testBuffers(t, drv, n)
 	knownHost(t, c, dst)
 	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
 	// The device data is the host data through the same permutation: load
@@ -284,10 +281,7 @@ func TestPackGather(t *testing.T) {
 func scatterRoundTrip(t *testing.T, drv cuda.Driver, c *Copier, s, g cuda.Stream, l layout, seed uint64) {
 	t.Helper()
 	n := l.bytes()
-	src, back := hostMem(t, drv, n), hostMem(t, drv, n)
-	dev := devMem(t, drv, n)
-	_, _ = rand.Read(src)
-	poison(back, 0xEE)
+	src, back, dev := testBuffers(t, drv, n)
 	knownHost(t, c, src)
 	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
 	require.NoError(t, drv.CtxSynchronize())
