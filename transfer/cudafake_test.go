@@ -174,20 +174,10 @@ func TestCUDAOverFakeGatheredStore(t *testing.T) {
 		cudafake.Options{Seed: 3, MaxDelay: 20 * time.Microsecond})
 	r := rand.New(rand.NewSource(4))
 	want := make([]byte, n)
-	// The producer: a spinning fill of the whole device buffer on a stream
-	// of the test's, then an event the stores wait for.
-	p, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, e.drv.StreamDestroy(p)) }()
 	clear(e.hostBuf)
 	require.NoError(t, e.drv.MemsetD8(cuda.DevicePtr(e.dev), 0xDD, n))
 	require.NoError(t, e.drv.CtxSynchronize())
-	fill, err := e.cu.Copier().Fill(p, []cudacopy.FillSegment{{Dst: e.dev, Len: n}}, 1<<26)
-	require.NoError(t, err)
-	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, e.drv.EventDestroy(ev)) }()
-	require.NoError(t, e.drv.EventRecord(ev, p))
+	p, fill, ev := slowProducer(t, e, n)
 	cudacopy.FillPattern(0, want)
 	// Block b's segment k lives in device tensor k at row dperm[b] and in
 	// host slot hperm[b] at k*seg.
@@ -219,6 +209,24 @@ func TestCUDAOverFakeGatheredStore(t *testing.T) {
 	require.Positive(t, copier.Gathers(), "the stores were gathered")
 }
 
+// slowProducer starts what stores wait for: a spinning fill of the first n
+// bytes of e's device buffer on a stream p of the test's, and an event ev
+// recorded after it. The caller synchronizes p and retires fill; p and ev
+// are destroyed at cleanup.
+func slowProducer(t *testing.T, e *fakeEnv, n uint64) (p cuda.Stream, fill cudacopy.Ticket, ev cuda.Event) {
+	t.Helper()
+	p, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, e.drv.StreamDestroy(p)) })
+	fill, err = e.cu.Copier().Fill(p, []cudacopy.FillSegment{{Dst: e.dev, Len: n}}, 1<<26)
+	require.NoError(t, err)
+	ev, err = e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, e.drv.EventDestroy(ev)) })
+	require.NoError(t, e.drv.EventRecord(ev, p))
+	return p, fill, ev
+}
+
 // toCopier turns store segments into the copier's D2H form.
 func toCopier(segs []Segment) []cudacopy.Segment {
 	out := make([]cudacopy.Segment, len(segs))
@@ -237,16 +245,8 @@ func TestCUDAOverFakePartialCopyFailure(t *testing.T) {
 	const n = seg * per * blocks
 	e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20},
 		cudafake.Options{Seed: 7})
-	p, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, e.drv.StreamDestroy(p)) }()
 	clear(e.hostBuf)
-	fill, err := e.cu.Copier().Fill(p, []cudacopy.FillSegment{{Dst: e.dev, Len: n}}, 1<<26)
-	require.NoError(t, err)
-	ev, err := e.drv.EventCreate(cuda.EventDisableTiming)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, e.drv.EventDestroy(ev)) }()
-	require.NoError(t, e.drv.EventRecord(ev, p))
+	p, fill, ev := slowProducer(t, e, n)
 	var st []Segment
 	for b := range blocks {
 		for k := range per {
