@@ -123,11 +123,11 @@ type Launch struct {
 func (l Launch) String() string {
 	s := fmt.Sprintf("%s %d×%d", l.Kernel, l.CTAs, l.Threads)
 	if l.FenceBytes > 0 {
-		what := " fence "
-		if l.Kernel == ProbeCopyKernel {
-			what = " read-back "
+		what := "fence"
+		if _, throttle := copyKernel(l.Kernel); throttle != "" {
+			what = throttle
 		}
-		s += what + FormatBytes(uint64(l.FenceBytes))
+		s += " " + what + " " + FormatBytes(uint64(l.FenceBytes))
 	}
 	if l.PaceGBps > 0 {
 		s += fmt.Sprintf(" pace %g GB/s", l.PaceGBps)
@@ -207,7 +207,8 @@ func (o *Options) launch(dir Direction) Launch {
 }
 
 func (l Launch) validate(dir Direction, sms int) error {
-	known, throttled := copyKernel(l.Kernel)
+	known, throttle := copyKernel(l.Kernel)
+	throttled := throttle != ""
 	switch {
 	case l.CTAs < 1 || l.CTAs > sms:
 		return fmt.Errorf("%w: CTAs %d not in [1, %d] (the device's SM count)", ErrInvalidOption, l.CTAs, sms)
@@ -238,34 +239,35 @@ const (
 )
 
 // copyKernels lists the copy kernels of kernels.cu, in the order error
-// messages name them, each with whether it takes kvo_copy_sys's throttle
-// arguments (fence interval and pace).
+// messages name them, each with how it throttles device-to-host stores
+// every FenceBytes ("fence", "read-back"), or "" for a kernel that does not
+// take the throttle arguments (fence interval and pace).
 var copyKernels = []struct {
-	name      string
-	throttled bool
+	name     string
+	throttle string
 }{
-	{DefaultCopyKernel, false},
-	{StreamingCopyKernel, false},
-	{SysFenceCopyKernel, true},
-	{ProbeCopyKernel, true},
+	{DefaultCopyKernel, ""},
+	{StreamingCopyKernel, ""},
+	{SysFenceCopyKernel, "fence"},
+	{ProbeCopyKernel, "read-back"},
 }
 
-// copyKernel reports whether name is a copy kernel and whether it takes
-// the throttle arguments (FenceBytes and PaceGBps apply to it).
-func copyKernel(name string) (known, throttled bool) {
+// copyKernel reports whether name is a copy kernel and how it throttles
+// ("" where FenceBytes and PaceGBps do not apply to it).
+func copyKernel(name string) (known bool, throttle string) {
 	for _, k := range copyKernels {
 		if k.name == name {
-			return true, k.throttled
+			return true, k.throttle
 		}
 	}
-	return false, false
+	return false, ""
 }
 
 // Throttled reports whether the kernel takes kvo_copy_sys's fence interval
 // and pace (Options.FenceBytes and PaceGBps).
 func (l Launch) Throttled() bool {
 	_, t := copyKernel(l.Kernel)
-	return t
+	return t != ""
 }
 
 func copyKernelNames() string {
