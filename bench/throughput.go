@@ -235,13 +235,18 @@ type variant struct {
 	fan *fan
 }
 
+// copier is the copier that submits v's segments in d.
+func (v *variant) copier(d cudacopy.Direction) *cudacopy.Copier {
+	if d == cudacopy.H2D && v.h2d != nil {
+		return v.h2d
+	}
+	return v.c
+}
+
 // methodFor is the method v's copier takes for segs in dir: its forced
 // method, or what MethodAuto chooses for them.
 func (v *variant) methodFor(d cudacopy.Direction, segs []cudacopy.Segment) cudacopy.Method {
-	c := v.c
-	if d == cudacopy.H2D && v.h2d != nil {
-		c = v.h2d
-	}
+	c := v.copier(d)
 	if m := c.Options().Method; m != cudacopy.MethodAuto {
 		return m
 	}
@@ -282,10 +287,7 @@ func (b *bench) newFan(n, prio int) (*fan, error) {
 // copier with a fan, split evenly over the fan's streams, which start
 // after b.ev[0] (the run's start) and join back into s.
 func (b *bench) submitSide(v *variant, t *[]tk, s cuda.Stream, d cudacopy.Direction, segs []cudacopy.Segment) error {
-	c := v.c
-	if d == cudacopy.H2D && v.h2d != nil {
-		c = v.h2d
-	}
+	c := v.copier(d)
 	side := 0
 	if d == cudacopy.H2D {
 		side = 1
