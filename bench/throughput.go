@@ -243,6 +243,15 @@ func (v *variant) copier(d cudacopy.Direction) *cudacopy.Copier {
 	return v.c
 }
 
+// close closes the copiers of a variant made by sweepVariant (its fan is
+// the bench's to release).
+func (v *variant) close() error {
+	if v.h2d == nil {
+		return v.c.Close()
+	}
+	return errors.Join(v.c.Close(), v.h2d.Close())
+}
+
 // methodFor is the method v's copier takes for segs in dir: its forced
 // method, or what MethodAuto chooses for them.
 func (v *variant) methodFor(d cudacopy.Direction, segs []cudacopy.Segment) cudacopy.Method {
@@ -1580,11 +1589,7 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 			b.s = high
 		}
 		err = b.sweepOne(&row, v, g, res.SGEMM.SoloMs, segs, res.Dirs, res.BesideSizes)
-		err = errors.Join(err, v.c.Close())
-		if v.h2d != nil {
-			err = errors.Join(err, v.h2d.Close())
-		}
-		if err != nil {
+		if err = errors.Join(err, v.close()); err != nil {
 			return res, fmt.Errorf("bench: variant %s: %w", kv, err)
 		}
 		res.Rows = append(res.Rows, row)
@@ -1616,11 +1621,7 @@ func (b *bench) sweepVariant(dev cuda.Device, kv KernelVariant) (*variant, error
 			v.fan, err = b.newFan(kv.Streams, greatest)
 		}
 		if err != nil {
-			err = errors.Join(err, c.Close())
-			if v.h2d != nil {
-				err = errors.Join(err, v.h2d.Close())
-			}
-			return nil, err
+			return nil, errors.Join(err, v.close())
 		}
 	}
 	return v, nil
