@@ -318,21 +318,21 @@ func TestKernelSweepPick(t *testing.T) {
 // =probegrid ProbeGridVariants (D2H and both at once).
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
-	switch os.Getenv("KVO_BENCH_VARIANTS") {
-	case "1":
-	case "fence":
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = FenceKernelVariants(), []string{"d2h", "h2d", "both"}, true
+	all, stores := []string{"d2h", "h2d", "both"}, []string{"d2h", "both"}
+	sweeps := map[string]struct {
+		variants func() []KernelVariant
+		dirs     []string
+	}{
+		"fence":     {FenceKernelVariants, all},
+		"probe":     {ProbeKernelVariants, stores},
+		"probegrid": {ProbeGridVariants, stores},
+		"batch":     {BatchKernelVariants, all},
+	}
+	name := os.Getenv("KVO_BENCH_VARIANTS")
+	if sw, ok := sweeps[name]; ok {
+		cfg.Variants, cfg.Dirs, cfg.BesideAll = sw.variants(), sw.dirs, true
 		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
-	case "probe":
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = ProbeKernelVariants(), []string{"d2h", "both"}, true
-		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
-	case "probegrid":
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = ProbeGridVariants(), []string{"d2h", "both"}, true
-		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
-	case "batch":
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = BatchKernelVariants(), []string{"d2h", "h2d", "both"}, true
-		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
-	default:
+	} else if name != "1" {
 		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, batch, probe, probegrid) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
