@@ -335,7 +335,7 @@ type bench struct {
 	cfg        ThroughputConfig
 	s          [2]cuda.Stream // [0]: D2H, [1]: H2D; transfer priority
 	burn       cuda.Stream
-	ev         [4]cuda.Event // start, mid, end, spare
+	ev         [4]cuda.Event // start, H2D side's end, end, D2H side's end
 	mod        cuda.Module
 	modLoaded  bool
 	gate       *gate       // nil: runs are timed ungated
@@ -589,6 +589,9 @@ type run struct {
 	ms     float64
 	submit time.Duration
 	held   bool
+	// sideMs is when each stream's work ended ([0] b.s[0], the D2H side;
+	// [1] b.s[1], the H2D side), from the same start as ms.
+	sideMs [2]float64
 }
 
 // measure times enqueue (which submits on b.s[0] and/or b.s[1]) between
@@ -620,7 +623,7 @@ func (b *bench) measure(enqueue func(tickets *[]tk) error, hold time.Duration) (
 		r.held = !started
 	}
 	if err == nil {
-		err = errors.Join(drv.EventRecord(b.ev[1], b.s[1]), drv.StreamWaitEvent(b.s[0], b.ev[1], 0), drv.EventRecord(b.ev[2], b.s[0]))
+		err = errors.Join(drv.EventRecord(b.ev[3], b.s[0]), drv.EventRecord(b.ev[1], b.s[1]), drv.StreamWaitEvent(b.s[0], b.ev[1], 0), drv.EventRecord(b.ev[2], b.s[0]))
 	}
 	err = errors.Join(err, drv.StreamSynchronize(b.s[0]), drv.StreamSynchronize(b.s[1]))
 	for _, t := range tickets {
@@ -629,9 +632,18 @@ func (b *bench) measure(enqueue func(tickets *[]tk) error, hold time.Duration) (
 	if err != nil {
 		return run{}, err
 	}
-	ms, err := drv.EventElapsedTime(b.ev[0], b.ev[2])
-	r.ms = float64(ms)
-	return r, err
+	for i, e := range []cuda.Event{b.ev[3], b.ev[1], b.ev[2]} {
+		ms, err := drv.EventElapsedTime(b.ev[0], e)
+		if err != nil {
+			return run{}, err
+		}
+		if i < 2 {
+			r.sideMs[i] = float64(ms)
+		} else {
+			r.ms = float64(ms)
+		}
+	}
+	return r, nil
 }
 
 type tk struct {
@@ -642,6 +654,7 @@ type tk struct {
 // timing summarises the timed runs of one point.
 type timing struct {
 	best, median float64       // ms
+	bestSides    [2]float64    // the best run's sideMs
 	submit       time.Duration // median CPU time of enqueue
 	held         bool          // every run was gated and the gate held
 	ungated      bool          // no gate ran: the submission exceeds maxGate/2 (or no kvo_fill)
@@ -685,10 +698,14 @@ func (b *bench) reps(enqueue func(tickets *[]tk) error, gated bool) (timing, err
 	subs := make([]time.Duration, 0, n)
 	held := hold > 0
 	ungated := hold == 0
+	var sides [2]float64
 	for range n {
 		r, err := b.measure(enqueue, hold)
 		if err != nil {
 			return timing{}, err
+		}
+		if len(times) == 0 || r.ms < slices.Min(times) {
+			sides = r.sideMs
 		}
 		times = append(times, r.ms)
 		subs = append(subs, r.submit)
@@ -696,7 +713,7 @@ func (b *bench) reps(enqueue func(tickets *[]tk) error, gated bool) (timing, err
 	}
 	slices.Sort(times)
 	slices.Sort(subs)
-	return timing{best: times[0], median: times[len(times)/2], submit: subs[len(subs)/2], held: held, ungated: ungated}, nil
+	return timing{best: times[0], median: times[len(times)/2], bestSides: sides, submit: subs[len(subs)/2], held: held, ungated: ungated}, nil
 }
 
 func gbps(bytes uint64, ms float64) float64 { return float64(bytes) / (ms * 1e6) }
@@ -1305,6 +1322,10 @@ type KernelVariant struct {
 	// Streams spreads each DMA side of a run over this many streams
 	// (zero or one: the bench's own stream per direction).
 	Streams int `json:"streams,omitempty"`
+	// H2DCTAs and H2DThreads, when set, are the H2D copier's grid with
+	// H2DMethod MethodKernel (zero: its default launch).
+	H2DCTAs    int `json:"h2d_ctas,omitempty"`
+	H2DThreads int `json:"h2d_threads,omitempty"`
 }
 
 func (v KernelVariant) method() cudacopy.Method {
@@ -1330,6 +1351,8 @@ func (v KernelVariant) kernelLabel() string {
 		l += " · h2d " + m.String()
 		if m != cudacopy.MethodKernel {
 			l += streams
+		} else if v.H2DCTAs != 0 || v.H2DThreads != 0 {
+			l += fmt.Sprintf(" %d×%d", v.H2DCTAs, v.H2DThreads)
 		}
 	}
 	return l
@@ -1401,6 +1424,23 @@ func ProbeGridVariants() []KernelVariant {
 	return []KernelVariant{v(192, 8), v(224, 8), v(256, 7), v(256, 8), v(192, 8)}
 }
 
+// BidirKernelVariants measures both directions at once on kernel
+// launches: the D2H read-back's interval (4 to 16 KiB) and grid against
+// the H2D grid (the default 4 × 512 up to 8 × 1024, more host reads in
+// flight), with the unthrottled kvo_copy both ways for reference.
+func BidirKernelVariants() []KernelVariant {
+	v := func(kernel string, threads, ctas, fence, h2dCTAs, h2dThreads int) KernelVariant {
+		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit,
+			H2DMethod: cudacopy.MethodKernel, H2DCTAs: h2dCTAs, H2DThreads: h2dThreads}
+	}
+	p := cudacopy.ProbeCopyKernel
+	return []KernelVariant{
+		v(p, 192, 8, 1, 0, 0), v(p, 192, 8, 1, 8, 512), v(p, 192, 8, 1, 8, 1024),
+		v(p, 192, 8, 2, 0, 0), v(p, 192, 8, 2, 8, 1024), v(p, 192, 8, 4, 0, 0),
+		v(p, 256, 8, 1, 8, 1024), v(cudacopy.DefaultCopyKernel, 1024, 8, 0, 8, 1024),
+	}
+}
+
 // BatchKernelVariants measures the batch API spread over 1 to 8 streams
 // per direction (several copy engines at once), and, both ways at once,
 // the default kernel launches on one side with the batch API on the other.
@@ -1465,12 +1505,15 @@ type KernelVariantResult struct {
 	// the CPU cost of Submit per segment; Gated whether every solo run's
 	// gate held. Beside is GB/s beside kvo_sgemm (gated) and SlowPct the
 	// sgemm's slowdown then.
-	Solo           map[string]float64 `json:"solo_gbps"`
-	Pipelined      map[string]float64 `json:"pipelined_gbps"`
-	SubmitNsPerSeg map[string]float64 `json:"submit_ns_per_seg"`
-	Gated          bool               `json:"gated"`
-	Beside         map[string]float64 `json:"beside_gbps"`
-	SlowPct        map[string]float64 `json:"sgemm_slowdown_pct"`
+	Solo map[string]float64 `json:"solo_gbps"`
+	// BothSides is, for each "both" point of Solo, each direction's GB/s
+	// over its own stream's end ([0] D2H, [1] H2D) in the same run.
+	BothSides      map[string][2]float64 `json:"both_sides_gbps,omitempty"`
+	Pipelined      map[string]float64    `json:"pipelined_gbps"`
+	SubmitNsPerSeg map[string]float64    `json:"submit_ns_per_seg"`
+	Gated          bool                  `json:"gated"`
+	Beside         map[string]float64    `json:"beside_gbps"`
+	SlowPct        map[string]float64    `json:"sgemm_slowdown_pct"`
 }
 
 // KernelSweepResults is the whole sweep.
@@ -1611,7 +1654,11 @@ func (b *bench) sweepVariant(dev cuda.Device, kv KernelVariant) (*variant, error
 	}
 	v := &variant{name: kv.String(), method: o.Method, ctas: kv.CTAs, c: c}
 	if kv.H2DMethod != cudacopy.MethodAuto {
-		if v.h2d, err = b.newCopier(dev, cudacopy.Options{Method: kv.H2DMethod}); err != nil {
+		o := cudacopy.Options{Method: kv.H2DMethod}
+		if o.Method == cudacopy.MethodKernel {
+			o.CTAs, o.Threads = kv.H2DCTAs, kv.H2DThreads
+		}
+		if v.h2d, err = b.newCopier(dev, o); err != nil {
 			return nil, errors.Join(err, c.Close())
 		}
 	}
@@ -1650,6 +1697,12 @@ func (b *bench) sweepOne(row *KernelVariantResult, v *variant, g *gemm, soloMs f
 				return err
 			}
 			row.Solo[key] = gbps(per(dir)*b.cfg.TotalBytes, tm.best)
+			if dir == "both" {
+				if row.BothSides == nil {
+					row.BothSides = map[string][2]float64{}
+				}
+				row.BothSides[key] = [2]float64{gbps(b.cfg.TotalBytes, tm.bestSides[0]), gbps(b.cfg.TotalBytes, tm.bestSides[1])}
+			}
 			row.Pipelined[key] = gbps(per(dir)*b.cfg.TotalBytes, pipe.best)
 			row.SubmitNsPerSeg[key] = float64(tm.submit.Nanoseconds()) / float64(per(dir)*uint64(len(segs[size].d2h)))
 			solo[key] = tm
@@ -1746,7 +1799,7 @@ func FormatKernelSweep(r KernelSweepResults) string {
 		n, _ := strconv.ParseUint(size, 10, 64)
 		return dir + " " + cudacopy.FormatBytes(n)
 	}
-	b.WriteString("GPU rates gated (a spin kernel holds the streams while the CPU enqueues; † where it did not hold); pipelined: " + strconv.Itoa(pipeParts) + " ungated Submits; ns/seg: CPU cost of Submit per segment.\n\n")
+	b.WriteString("GPU rates gated (a spin kernel holds the streams while the CPU enqueues; † where it did not hold); pipelined: " + strconv.Itoa(pipeParts) + " ungated Submits; ns/seg: CPU cost of Submit per segment; both (d2h · h2d): each direction's bytes over the time its own stream ended.\n\n")
 	b.WriteString("| kernel | CTAs×threads | warps | priority |")
 	for _, k := range solo {
 		fmt.Fprintf(&b, " %s |", label(k))
@@ -1781,7 +1834,11 @@ func FormatKernelSweep(r KernelSweepResults) string {
 		}
 		for _, k := range solo {
 			dir, _, _ := strings.Cut(k, "/")
-			fmt.Fprintf(&b, " %.1f (%.0f%%)%s |", row.Solo[k], 100*row.Solo[k]/max(r.Link[dir], 1e-9), mark)
+			fmt.Fprintf(&b, " %.1f (%.0f%%)%s", row.Solo[k], 100*row.Solo[k]/max(r.Link[dir], 1e-9), mark)
+			if sd, ok := row.BothSides[k]; ok {
+				fmt.Fprintf(&b, " (d2h %.1f · h2d %.1f)", sd[0], sd[1])
+			}
+			b.WriteString(" |")
 		}
 		for _, k := range solo {
 			fmt.Fprintf(&b, " %.1f · %.0f |", row.Pipelined[k], row.SubmitNsPerSeg[k])

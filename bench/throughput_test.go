@@ -269,6 +269,25 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	require.Contains(t, md, "| batch ×4 streams | – | – | high |")
 	require.Contains(t, md, "| kvo_copy_sys/4 KiB · h2d batch ×4 streams | 4×512 |")
 	require.Contains(t, md, "| batch ×4 streams · h2d kernel | – | – | high |")
+	// The bidirectional sweep: the H2D side on its own grid, and each
+	// direction's rate within a run of both at once, each at least half the
+	// total (its bytes over its own end, which is at most the run's end).
+	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: BidirKernelVariants(), Dirs: []string{"h2d", "both"}, SegSizes: []uint64{4 << 10}})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	for _, row := range res.Rows {
+		require.Empty(t, row.Skipped, "%s", row.Variant)
+		sides, total := row.BothSides["both/4096"], row.Solo["both/4096"]
+		require.Positive(t, total)
+		for _, side := range sides {
+			require.GreaterOrEqual(t, side, total/2*(1-1e-9), "%s: %v of %v", row.Variant, sides, total)
+		}
+		require.NotContains(t, row.BothSides, "h2d/4096")
+	}
+	md = FormatKernelSweep(res)
+	require.Contains(t, md, "| kvo_copy_probe/4 KiB · h2d kernel 8×1024 | 8×192 | 48 | high |")
+	require.Contains(t, md, "| kvo_copy · h2d kernel 8×1024 | 8×1024 | 256 | high |")
+	require.Regexp(t, `\| [0-9.]+ \(\d+%\) \(d2h [0-9.]+ · h2d [0-9.]+\) \|`, md)
 	// A fan needs the greatest priority: skipped before any copier exists.
 	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: []KernelVariant{{Method: cudacopy.MethodBatch, Streams: 2}}})
 	require.NoError(t, err)
@@ -315,25 +334,28 @@ func TestKernelSweepPick(t *testing.T) {
 // FenceKernelVariants instead, at 4, 16 and 64 KiB, each direction and both
 // at once, every size beside the matrix product; KVO_BENCH_VARIANTS=batch
 // sweeps BatchKernelVariants the same way, =probe ProbeKernelVariants and
-// =probegrid ProbeGridVariants (D2H and both at once).
+// =probegrid ProbeGridVariants (D2H and both at once), =bidir
+// BidirKernelVariants (each direction and both at once, 4 and 16 KiB).
 func TestKernelVariants(t *testing.T) {
 	cfg := KernelSweepConfig{}
 	all, stores := []string{"d2h", "h2d", "both"}, []string{"d2h", "both"}
+	small, upTo64K := []uint64{4 << 10, 16 << 10}, []uint64{4 << 10, 16 << 10, 64 << 10}
 	sweeps := map[string]struct {
 		variants func() []KernelVariant
 		dirs     []string
+		sizes    []uint64
 	}{
-		"fence":     {FenceKernelVariants, all},
-		"probe":     {ProbeKernelVariants, stores},
-		"probegrid": {ProbeGridVariants, stores},
-		"batch":     {BatchKernelVariants, all},
+		"fence":     {FenceKernelVariants, all, upTo64K},
+		"probe":     {ProbeKernelVariants, stores, upTo64K},
+		"probegrid": {ProbeGridVariants, stores, upTo64K},
+		"batch":     {BatchKernelVariants, all, upTo64K},
+		"bidir":     {BidirKernelVariants, all, small},
 	}
 	name := os.Getenv("KVO_BENCH_VARIANTS")
 	if sw, ok := sweeps[name]; ok {
-		cfg.Variants, cfg.Dirs, cfg.BesideAll = sw.variants(), sw.dirs, true
-		cfg.SegSizes = []uint64{4 << 10, 16 << 10, 64 << 10}
+		cfg.Variants, cfg.Dirs, cfg.BesideAll, cfg.SegSizes = sw.variants(), sw.dirs, true, sw.sizes
 	} else if name != "1" {
-		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, batch, probe, probegrid) to run the copy-kernel variant sweep")
+		t.Skip("set KVO_BENCH_VARIANTS=1 (or fence, batch, probe, probegrid, bidir) to run the copy-kernel variant sweep")
 	}
 	g := cudatest.Open(t)
 	if p := os.Getenv("KVO_PTX_FILE"); p != "" {
