@@ -162,7 +162,8 @@ var (
 
 // DefaultLaunch is the launch used for dir where Options leaves CTAs,
 // Threads and CopyKernel zero: kvo_copy on 4 × 512 for H2D and D2D; for D2H,
-// kvo_copy_probe on 8 × 192 reading back after every 4 KiB per warp, or
+// kvo_copy_probe on 8 × 192 reading back after every 4 KiB per warp (8 KiB
+// for a batch of segments under 8 KiB, see SmallSegmentFenceBytes), or
 // with greedy (Options.GreedyD2H) GreedyD2HLaunch.
 func DefaultLaunch(dir Direction, greedy bool) Launch {
 	switch {
@@ -286,6 +287,33 @@ const FenceUnit = 4096
 // DefaultFenceBytes is the fence (or read-back) interval of a throttled
 // kernel's launch that Options.CopyKernel asks for without FenceBytes.
 const DefaultFenceBytes = FenceUnit
+
+// SmallSegmentFenceBytes is the read-back interval that kvo_copy_probe
+// takes, where Options leave FenceBytes unset, for a D2H batch whose
+// segments average less than it. On the H200, reading back after every
+// 4 KiB segment moved 85–91% of the D2H link from one machine instance to
+// the next, every 8 KiB (two segments) 92% each time, and the sgemm beside
+// it slowed as much as with 4 KiB; from 16 KiB segments the 8 KiB interval
+// gained under 1% of rate and slowed the sgemm 4–15 points more
+// (bench/results/2026-11-30-h200-s4/bidir-sweep.md).
+const SmallSegmentFenceBytes = 2 * FenceUnit
+
+// fenceBytes is the fence or read-back interval of launch l for a D2H
+// batch of segs: l's, or SmallSegmentFenceBytes for small segments (see
+// there).
+func (c *Copier) fenceBytes(l Launch, segs []Segment) int {
+	if c.opts.FenceBytes != 0 || l.Kernel != ProbeCopyKernel || l.FenceBytes >= SmallSegmentFenceBytes {
+		return l.FenceBytes
+	}
+	limit, total := uint64(len(segs))*SmallSegmentFenceBytes, uint64(0)
+	for _, g := range segs {
+		if g.Len >= limit-total {
+			return l.FenceBytes
+		}
+		total += g.Len
+	}
+	return SmallSegmentFenceBytes
+}
 
 func (o *Options) withDefaults() Options {
 	r := *o
@@ -687,7 +715,7 @@ func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Meth
 	l := &c.h2d
 	if dir == D2H {
 		l = &c.d2h
-		ck.fenceIters = uint64(l.FenceBytes / FenceUnit)
+		ck.fenceIters = uint64(c.fenceBytes(l.Launch, segs) / FenceUnit)
 		ck.paceGBps = l.PaceGBps
 	}
 	return c.launch(s, &ck, l, 0)

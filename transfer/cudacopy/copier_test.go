@@ -234,6 +234,62 @@ func TestThrottledKernelsFake(t *testing.T) {
 	}
 }
 
+// The default read-back interval doubles for a D2H batch whose segments
+// average under SmallSegmentFenceBytes, unless Options set FenceBytes or
+// another kernel; H2D launches carry no throttle.
+func TestSmallSegmentFence(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{})
+	rec := &launchRecorder{Driver: drv}
+	s := newStream(t, drv)
+	const n = 256 << 10
+	src, dst, dev := testBuffers(t, drv, n)
+	segs := func(size uint64, dir Direction) []Segment {
+		var out []Segment
+		for off := uint64(0); off < n; off += size {
+			if dir == D2H {
+				out = append(out, Segment{Dst: addr(dst) + off, Src: uint64(dev) + off, Len: size})
+			} else {
+				out = append(out, Segment{Dst: uint64(dev) + off, Src: addr(src) + off, Len: size})
+			}
+		}
+		return out
+	}
+	mixed := append(segs(4<<10, D2H)[:60:60], Segment{Dst: addr(dst) + 240<<10, Src: uint64(dev) + 240<<10, Len: 16 << 10})
+	for _, tc := range []struct {
+		name string
+		opts Options
+		segs []Segment
+		want uint64
+	}{
+		{"4 KiB segments", Options{}, segs(4<<10, D2H), 2},
+		{"4 KiB segments, probe named", Options{CopyKernel: ProbeCopyKernel}, segs(4<<10, D2H), 2},
+		{"16 KiB segments", Options{}, segs(16<<10, D2H), 1},
+		{"8 KiB segments", Options{}, segs(8<<10, D2H), 1},
+		{"mean under 8 KiB", Options{}, mixed, 2},
+		{"FenceBytes set", Options{FenceBytes: FenceUnit}, segs(4<<10, D2H), 1},
+		{"longer FenceBytes kept", Options{FenceBytes: 3 * FenceUnit}, segs(4<<10, D2H), 3},
+		{"fence kernel", Options{CopyKernel: SysFenceCopyKernel}, segs(4<<10, D2H), 1},
+		{"H2D", Options{}, segs(4<<10, H2D), 0},
+	} {
+		tc.opts.Method, tc.opts.PTX = MethodKernel, fakePTX
+		c := newCopier(t, rec, tc.opts)
+		rec.args = nil
+		dir := D2H
+		if tc.want == 0 {
+			dir = H2D
+		}
+		run(t, drv, c, s, dir, tc.segs)
+		require.NotEmpty(t, rec.args, tc.name)
+		for i, a := range rec.args {
+			got := uint64(0)
+			if len(a) == 4 {
+				got = binary.LittleEndian.Uint64(a[2])
+			}
+			require.Equal(t, tc.want, got, "%s: launch %d", tc.name, i)
+		}
+	}
+}
+
 func TestSubmitDeviceToDeviceFake(t *testing.T) {
 	drv := cudatest.OpenFake(t, cudafake.Options{})
 	s := newStream(t, drv)

@@ -9,8 +9,9 @@
 //     compiled to PTX for compute_80 and embedded (see PTX), on a bounded
 //     grid (4 CTAs × 512 threads H2D, 8 × 192 D2H, see DefaultLaunch) so
 //     the model's kernels keep the rest of the GPU. D2H warps read back a
-//     word they stored after every 4 KiB, and wait for each read-back
-//     before issuing the next: posted stores to host memory, unbounded,
+//     word they stored after every 4 KiB (8 KiB in batches of smaller
+//     segments), and wait for each read-back before issuing the next:
+//     posted stores to host memory, unbounded,
 //     back up behind the link and hold up every other SM's memory traffic
 //     (an sgemm beside them ran up to 3.4 times slower), and the read's
 //     round trip grows with that backlog. Each segment is split into
