@@ -103,7 +103,8 @@ type blockMethod struct {
 	name string
 	c    *cudacopy.Copier
 	// staged: SubmitGather and SubmitScatter always; auto: what the engine
-	// does (SubmitGather when Gatherable, else Submit; loads by Submit).
+	// does (SubmitGather when Gatherable, SubmitScatter when Scatterable,
+	// else Submit).
 	staged, auto bool
 }
 
@@ -111,8 +112,8 @@ type blockMethod struct {
 // copy kernel at its default launches, with unthrottled stores on 8 × 1024,
 // the batch API, staged copies (SubmitGather / SubmitScatter: one DMA per
 // block between host and device staging, the kernel on the device side),
-// and what the engine does (SubmitGather when Gatherable, else the
-// automatic choice; loads by the automatic choice), against the contiguous
+// and what the engine does (SubmitGather when Gatherable, SubmitScatter when
+// Scatterable, else the automatic choice), against the contiguous
 // link measured in the same
 // call: stores alone, loads alone, both at once, and stores beside
 // kvo_sgemm. The calling goroutine must be locked to an OS thread with
@@ -134,13 +135,15 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	if err := b.setupBase(); err != nil {
 		return res, err
 	}
-	least, _, err := drv.StreamPriorityRange()
+	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return res, err
 	}
-	var aux [2]cuda.Stream // gather, scatter: as transfer.CUDA's gather stream
-	for i := range aux {
-		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, least); err != nil {
+	// gather, scatter: as transfer.CUDA's staging streams, at the priority
+	// of their direction's stream.
+	var aux [2]cuda.Stream
+	for i, prio := range []int{least, greatest} {
+		if aux[i], err = drv.StreamCreate(cuda.StreamNonBlocking, prio); err != nil {
 			return res, err
 		}
 		st := aux[i]
@@ -201,7 +204,7 @@ func (b *bench) blockRow(m *blockMethod, aux [2]cuda.Stream, gm *gemm, res Block
 		var x cudacopy.Ticket
 		var err error
 		if m.staged || (m.auto && m.c.Gatherable(d2h)) {
-			// As transfer.CUDA does: the gather stream waits for what the
+			// As transfer.CUDA does: the staging stream waits for what the
 			// store stream waits for (here the run's start event).
 			if err = b.drv.StreamWaitEvent(aux[0], b.ev[0], 0); err == nil {
 				x, err = m.c.SubmitGather(aux[0], b.s[0], d2h)
@@ -218,8 +221,10 @@ func (b *bench) blockRow(m *blockMethod, aux [2]cuda.Stream, gm *gemm, res Block
 	load := func(t *[]tk) error {
 		var x cudacopy.Ticket
 		var err error
-		if m.staged {
-			x, err = m.c.SubmitScatter(b.s[1], aux[1], h2d)
+		if m.staged || (m.auto && m.c.Scatterable(h2d)) {
+			if err = b.drv.StreamWaitEvent(aux[1], b.ev[0], 0); err == nil {
+				x, err = m.c.SubmitScatter(b.s[1], aux[1], h2d)
+			}
 		} else {
 			x, err = m.c.Submit(b.s[1], cudacopy.H2D, h2d)
 		}

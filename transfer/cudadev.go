@@ -10,19 +10,24 @@ import (
 
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its
 // own (loads at the greatest priority, stores at the least), copies through a
-// cudacopy.Copier. Stores whose blocks form long host-contiguous runs are
-// gathered on a third stream (cudacopy.SubmitGather): every Wait on the
-// store stream is also made on it, so a gather reads the device only after
-// what the store waits for, and the store stream waits for each gather
-// before its DMA, so events recorded on it cover both. Loads always go by
-// Submit: cudacopy.SubmitScatter, the mirror image, moved whole blocks at
-// 72% of the H200's link where the copy kernel moves 92%
-// (bench/results/2026-11-30-h200/blocks.md).
+// cudacopy.Copier. Copies of whole blocks whose host runs are long
+// (Gatherable, Scatterable) are staged through device memory so that the
+// DMA engines move them: stores are gathered on a stream of their own
+// (cudacopy.SubmitGather) and copied out on the store stream; loads are
+// copied in on the load stream and scattered on another stream
+// (cudacopy.SubmitScatter). Every Wait on a direction's stream is also made
+// on its staging stream, so a gather reads, and a scatter writes, the device
+// only after what the copy waits for; the direction's stream joins each
+// staging kernel (the store stream before its DMA, the load stream after
+// the last scatter), so events recorded on it cover both. On the H200,
+// staged copies of 512 KiB–1 MiB blocks moved 94–97% of the link each way
+// and 92–97 GB/s both ways at once, where the copy kernels move 92–93% and
+// 78 GB/s (bench/results/2026-11-30-h200-s4/blocks-staged.md).
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
 	streams [2]cuda.Stream
-	gather  cuda.Stream
+	staging [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
 }
@@ -44,12 +49,17 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		}
 		c.streams[d] = s
 	}
-	// The gather stream at the stores' (least) priority, as measured on the
+	// Each staging stream at its direction's priority. As measured on the
 	// H200 (blocks.md): beside a 4096² sgemm, gathers of 512 KiB–1 MiB blocks
-	// kept 100% of their solo rate; those of 128 KiB blocks of 4 KiB
-	// segments starved (17%), but the engine does not gather those.
-	if c.gather, err = drv.StreamCreate(cuda.StreamNonBlocking, prio[Store]); err != nil {
-		return nil, errors.Join(fmt.Errorf("transfer: creating the gather stream: %w", err), c.destroyStreams())
+	// on the least priority kept 100% of their solo rate; those of 128 KiB
+	// blocks of 4 KiB segments starved (17%), but the engine does not gather
+	// those.
+	for _, d := range []Direction{Load, Store} {
+		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
+		if err != nil {
+			return nil, errors.Join(fmt.Errorf("transfer: creating the %v staging stream: %w", d, err), c.destroyStreams())
+		}
+		c.staging[d] = s
 	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
@@ -68,15 +78,13 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 
 func (c *CUDA) destroyStreams() error {
 	var err error
-	for d, s := range c.streams {
-		if s != 0 {
-			err = errors.Join(err, c.drv.StreamDestroy(s))
-			c.streams[d] = 0
+	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.staging} {
+		for d, s := range ss {
+			if s != 0 {
+				err = errors.Join(err, c.drv.StreamDestroy(s))
+				ss[d] = 0
+			}
 		}
-	}
-	if c.gather != 0 {
-		err = errors.Join(err, c.drv.StreamDestroy(c.gather))
-		c.gather = 0
 	}
 	return err
 }
@@ -125,7 +133,9 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	var err error
 	switch {
 	case dir == Store && c.copier.Gatherable(c.scratch):
-		t, err = c.copier.SubmitGather(c.gather, c.streams[Store], c.scratch)
+		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch)
+	case dir == Load && c.copier.Scatterable(c.scratch):
+		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
 	default:
@@ -140,12 +150,11 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 // Record implements Device.
 func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }
 
-// Wait implements Device. A store's wait holds its gathers too.
+// Wait implements Device. It holds the direction's staging kernels (a
+// store's gathers, a load's scatters) too.
 func (c *CUDA) Wait(dir Direction, e cuda.Event) error {
-	if dir == Store {
-		if err := c.drv.StreamWaitEvent(c.gather, e, cuda.EventWaitDefault); err != nil {
-			return err
-		}
+	if err := c.drv.StreamWaitEvent(c.staging[dir], e, cuda.EventWaitDefault); err != nil {
+		return err
 	}
 	return c.drv.StreamWaitEvent(c.streams[dir], e, cuda.EventWaitDefault)
 }

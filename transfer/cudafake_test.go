@@ -209,6 +209,58 @@ func TestCUDAOverFakeGatheredStore(t *testing.T) {
 	require.Positive(t, copier.Gathers(), "the stores were gathered")
 }
 
+// TestCUDAOverFakeScatteredLoad: loads of whole blocks (16 segments of
+// 16 KiB, back to back in the block's host slot, to different device
+// tensors) are copied into device staging in one DMA per block and
+// scattered on the device, after the caller's event (Request.After): a slow
+// fill of the destination behind that event must not overwrite them.
+func TestCUDAOverFakeScatteredLoad(t *testing.T) {
+	const seg, per, blocks = 16 << 10, 16, 12
+	const n = seg * per * blocks
+	e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20},
+		cudafake.Options{Seed: 5, MaxDelay: 20 * time.Microsecond})
+	r := rand.New(rand.NewSource(6))
+	_, _ = r.Read(e.hostBuf[:n])
+	p, fill, ev := slowProducer(t, e, n)
+	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
+	var ld []Segment
+	for b := range blocks {
+		for k := range per {
+			ld = append(ld, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
+		}
+	}
+	copier := e.cu.Copier()
+	before := copier.Gathers()
+	require.True(t, copier.Scatterable(toCopierLoad(ld[:4*per])), "whole blocks scatter")
+	var ops []*Op
+	for i := 0; i < len(ld); i += 4 * per {
+		op, err := e.s.Submit(Request{Dir: Load, Segments: ld[i : i+4*per], After: ev})
+		require.NoError(t, err)
+		ops = append(ops, op)
+	}
+	for _, op := range ops {
+		require.NoError(t, op.Wait())
+	}
+	require.NoError(t, e.drv.StreamSynchronize(p))
+	require.NoError(t, copier.Retire(fill))
+	back := e.hostBuf[n : 2*n]
+	require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(e.host+n), cuda.DevicePtr(e.dev), n))
+	for _, sg := range ld {
+		off, h := sg.Dev-e.dev, sg.Host-e.host
+		require.Equal(t, e.hostBuf[h:h+seg], back[off:off+seg], "device offset %d", off)
+	}
+	require.Greater(t, copier.Gathers(), before, "the loads were scattered")
+}
+
+// toCopierLoad turns load segments into the copier's H2D form.
+func toCopierLoad(segs []Segment) []cudacopy.Segment {
+	out := make([]cudacopy.Segment, len(segs))
+	for i, g := range segs {
+		out[i] = cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len}
+	}
+	return out
+}
+
 // slowProducer starts what stores wait for: a spinning fill of the first n
 // bytes of e's device buffer on a stream p of the test's, and an event ev
 // recorded after it. The caller synchronizes p and retires fill; p and ev

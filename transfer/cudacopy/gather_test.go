@@ -324,3 +324,78 @@ func TestScatterable(t *testing.T) {
 	_, scattered := crossLayer(64, 16<<10).segments(1<<20, 1<<40, 1<<30, mrand.New(mrand.NewPCG(1, 1)))
 	require.False(t, c.Scatterable(scattered))
 }
+
+// streamLog records the stream of every async copy, event wait and kernel
+// launch, in order.
+type streamLog struct {
+	cuda.Driver
+	ops []streamOp
+}
+
+type streamOp struct {
+	op string
+	s  cuda.Stream
+}
+
+func (r *streamLog) MemcpyAsync(dst, src cuda.DevicePtr, n uint64, s cuda.Stream) error {
+	r.ops = append(r.ops, streamOp{cuda.OpMemcpyAsync, s})
+	return r.Driver.MemcpyAsync(dst, src, n, s)
+}
+
+func (r *streamLog) StreamWaitEvent(s cuda.Stream, e cuda.Event, flags uint32) error {
+	r.ops = append(r.ops, streamOp{cuda.OpStreamWaitEvent, s})
+	return r.Driver.StreamWaitEvent(s, e, flags)
+}
+
+func (r *streamLog) LaunchKernel(f cuda.Function, grid, block cuda.Dim3, shm uint32, s cuda.Stream, args ...[]byte) error {
+	r.ops = append(r.ops, streamOp{cuda.OpLaunchKernel, s})
+	return r.Driver.LaunchKernel(f, grid, block, shm, s, args...)
+}
+
+// A staged batch uploads its descriptors on the kernel's stream before
+// anything else there, one copy per descriptor buffer: an upload per chunk,
+// behind the wait for the chunk's load, queued on the host-to-device copy
+// engine behind the next chunks' loads and held each scatter back.
+func TestStagedUploadsDescriptorsFirstFake(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{})
+	rec := &streamLog{Driver: drv}
+	s, g := newStream(t, drv), newStream(t, drv)
+	// 768 segments of 4 KiB in 1 MiB chunks (3 chunks of 256), 300
+	// descriptors per buffer: 3 buffers; chunks 1 and 2 each span two.
+	c := newCopier(t, rec, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescCapacity: 300})
+	l := layerSeparate(96, 4, 4<<10)
+	for _, dir := range []Direction{H2D, D2H} {
+		rec.ops = nil
+		if dir == H2D {
+			scatterRoundTrip(t, rec, c, s, g, l, 1)
+		} else {
+			gatherRoundTrip(t, rec, c, g, s, l, 1)
+		}
+		var onG []string
+		for _, o := range rec.ops {
+			if o.s == g {
+				onG = append(onG, o.op)
+			}
+		}
+		if dir == D2H {
+			// gatherRoundTrip first loads the device data with Submit on g:
+			// an upload and a launch per buffer.
+			require.Equal(t, []string{cuda.OpMemcpyAsync, cuda.OpLaunchKernel, cuda.OpMemcpyAsync, cuda.OpLaunchKernel, cuda.OpMemcpyAsync, cuda.OpLaunchKernel}, onG[:6])
+			onG = onG[6:]
+		}
+		uploads := 0
+		for uploads < len(onG) && onG[uploads] == cuda.OpMemcpyAsync {
+			uploads++
+		}
+		require.Equal(t, 3, uploads, "%v: %v", dir, onG)
+		require.NotContains(t, onG[uploads:], cuda.OpMemcpyAsync, "%v: %v", dir, onG)
+		// One launch per chunk and buffer: 1 + 2 + 2.
+		launches := 0
+		for _, op := range onG[uploads:] {
+			if op == cuda.OpLaunchKernel {
+				launches++
+			}
+		}
+		require.Equal(t, 5, launches, "%v: %v", dir, onG)
+	}
+}

@@ -227,3 +227,122 @@ func TestMixedBound(t *testing.T) {
 	}
 	writeBenchOut(t, "mixed_bound", md.String(), nil)
 }
+
+// TestStagedLoadProbe (KVO_BENCH_PARBATCH=1) looks for what holds
+// SubmitScatter (one DMA per block into device staging, then the kernel
+// scatters it) near 72% of the H2D link in the block benchmark, where
+// SubmitGather reaches 93–96% D2H: the same loads with the scatter stream
+// at the least or greatest priority, a deeper ring of larger chunks, a
+// larger scatter grid, and the DMA alone (each block's host run into one
+// contiguous device area, no scatter).
+func TestStagedLoadProbe(t *testing.T) {
+	if os.Getenv("KVO_BENCH_PARBATCH") != "1" {
+		t.Skip("set KVO_BENCH_PARBATCH=1 to probe the staged load path")
+	}
+	g := cudatest.Open(t)
+	b := &bench{drv: g.Drv, cfg: ThroughputConfig{TotalBytes: 2 << 30, SegSizes: []uint64{4 << 10}, CTAs: []int{1}, Reps: 3}.withDefaults()}
+	defer func() { require.NoError(t, b.close()) }()
+	require.NoError(t, b.setupBase())
+	tr := ThroughputResults{Link: map[string]float64{}}
+	require.NoError(t, b.link(&tr))
+	least, greatest, err := g.Drv.StreamPriorityRange()
+	require.NoError(t, err)
+	aux := map[string]cuda.Stream{}
+	for name, prio := range map[string]int{"least": least, "greatest": greatest, "least gather": least, "greatest gather": greatest} {
+		s, err := g.Drv.StreamCreate(cuda.StreamNonBlocking, prio)
+		require.NoError(t, err)
+		b.onClose(func() error { return g.Drv.StreamDestroy(s) })
+		aux[name] = s
+	}
+	copier := func(o cudacopy.Options) *cudacopy.Copier {
+		c, err := b.newCopier(g.Dev, o)
+		require.NoError(t, err)
+		b.onClose(c.Close)
+		return c
+	}
+	def := copier(cudacopy.Options{})
+	deep := copier(cudacopy.Options{GatherRing: 8, GatherChunkBytes: 32 << 20})
+	wide := copier(cudacopy.Options{CTAs: 8, Threads: 1024})
+	batch := copier(cudacopy.Options{Method: cudacopy.MethodBatch})
+	var md strings.Builder
+	fmt.Fprintf(&md, "Link: h2d %.1f GB/s, both %.1f GB/s. Loads of whole blocks (32 segments each, back to back in a host slot), 2 GiB at random slots, gated, best of 3 (both: %% of the bidirectional link).\n\n", tr.Link["h2d"], tr.Link["both"])
+	md.WriteString("| segment | block | variant | GB/s | % of link |\n|---|---|---|---:|---:|\n")
+	for _, size := range []uint64{4 << 10, 16 << 10} {
+		const per = 32
+		d2h, h2d := b.blockSegs(size, per, 1)
+		// both: the store gathered as transfer.CUDA does (the gather stream
+		// waits for the run's start), the load staged.
+		both := func(prio string) func(*[]tk) error {
+			return func(t *[]tk) error {
+				if err := b.drv.StreamWaitEvent(aux[prio+" gather"], b.ev[0], 0); err != nil {
+					return err
+				}
+				x, err := def.SubmitGather(aux[prio+" gather"], b.s[0], d2h)
+				*t = append(*t, tk{def, x})
+				if err != nil {
+					return err
+				}
+				y, err := def.SubmitScatter(b.s[1], aux[prio], h2d)
+				*t = append(*t, tk{def, y})
+				return err
+			}
+		}
+		// The DMA alone: each block's host run into the next slot of one
+		// contiguous device area.
+		var runs []cudacopy.Segment
+		for i := 0; i < len(h2d); i += per {
+			runs = append(runs, cudacopy.Segment{Dst: uint64(b.devB) + uint64(i)*size, Src: h2d[i].Src, Len: per * size})
+		}
+		for _, v := range []struct {
+			name string
+			f    func(*[]tk) error
+		}{
+			{"staged, scatter stream at least priority", func(t *[]tk) error {
+				x, err := def.SubmitScatter(b.s[1], aux["least"], h2d)
+				*t = append(*t, tk{def, x})
+				return err
+			}},
+			{"staged, scatter stream at greatest priority", func(t *[]tk) error {
+				x, err := def.SubmitScatter(b.s[1], aux["greatest"], h2d)
+				*t = append(*t, tk{def, x})
+				return err
+			}},
+			{"staged, ring 8 × 32 MiB", func(t *[]tk) error {
+				x, err := deep.SubmitScatter(b.s[1], aux["least"], h2d)
+				*t = append(*t, tk{deep, x})
+				return err
+			}},
+			{"staged, scatter on 8 × 1024", func(t *[]tk) error {
+				x, err := wide.SubmitScatter(b.s[1], aux["least"], h2d)
+				*t = append(*t, tk{wide, x})
+				return err
+			}},
+			{"batch API, one copy per block, no scatter", func(t *[]tk) error {
+				x, err := batch.Submit(b.s[1], cudacopy.H2D, runs)
+				*t = append(*t, tk{batch, x})
+				return err
+			}},
+			{"both: staged each way, aux streams at least priority", both("least")},
+			{"both: staged each way, aux streams at greatest priority", both("greatest")},
+			{"kernel (Submit)", func(t *[]tk) error {
+				x, err := def.Submit(b.s[1], cudacopy.H2D, h2d)
+				*t = append(*t, tk{def, x})
+				return err
+			}},
+		} {
+			tm, err := b.reps(v.f, true)
+			require.NoError(t, err, v.name)
+			mark := ""
+			if !tm.held {
+				mark = "†"
+			}
+			bytes, link := b.cfg.TotalBytes, tr.Link["h2d"]
+			if strings.HasPrefix(v.name, "both") {
+				bytes, link = 2*bytes, tr.Link["both"]
+			}
+			r := gbps(bytes, tm.best)
+			fmt.Fprintf(&md, "| %s | %s | %s | %.1f%s | %.0f%% |\n", cudacopy.FormatBytes(size), cudacopy.FormatBytes(per*size), v.name, r, mark, 100*r/link)
+		}
+	}
+	writeBenchOut(t, "staged_load_probe", md.String(), nil)
+}
