@@ -450,6 +450,9 @@ func (e *Engine) snapshot() Stats {
 	if c := e.calibration.Load(); c != nil {
 		s.CopyCalibration = *c
 	}
+	if e.cudaDev != nil {
+		s.StagedCopies = e.cudaDev.StagedCopies()
+	}
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
 	}

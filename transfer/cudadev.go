@@ -3,6 +3,7 @@ package transfer
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
@@ -30,6 +31,7 @@ type CUDA struct {
 	staging [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
+	staged  atomic.Int64       // copies submitted staged (StagedCopies)
 }
 
 // NewCUDA creates the engine's streams and copier on dev. The calling OS
@@ -89,6 +91,11 @@ func (c *CUDA) destroyStreams() error {
 	return err
 }
 
+// StagedCopies is the number of copies Copy submitted staged through device
+// memory (stores gathered, loads scattered); safe to call at any time, also
+// after Close.
+func (c *CUDA) StagedCopies() int64 { return c.staged.Load() }
+
 // Copier is the copy method the device uses (for its Fill and Checksum
 // kernels, calibration, and capabilities).
 func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
@@ -133,9 +140,13 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	var err error
 	switch {
 	case dir == Store && c.copier.Gatherable(c.scratch):
-		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch)
+		if t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch); err == nil {
+			c.staged.Add(1)
+		}
 	case dir == Load && c.copier.Scatterable(c.scratch):
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch)
+		if t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch); err == nil {
+			c.staged.Add(1)
+		}
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
 	default:

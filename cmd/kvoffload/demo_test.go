@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -104,6 +105,11 @@ func TestDemoCommandJSON(t *testing.T) {
 	for _, w := range []string{"prefix hit ratio", "GB/s", "op latency", "CPU time per block", "pool: owned vs used", "verification", "PASS"} {
 		require.Contains(t, out, w)
 	}
+	require.NotContains(t, out, "staged copies", "a host-backend report has no staged copies row")
+	var b strings.Builder
+	require.NoError(t, (&demoReport{Backend: "cuda", StagedCopies: 42, Verify: true}).print(&b))
+	require.Contains(t, b.String(), "staged copies")
+	require.Contains(t, b.String(), "42 (whole blocks gathered or scattered")
 }
 
 func TestDemoCUDABackendWithoutDriverFails(t *testing.T) {
