@@ -24,7 +24,10 @@
 // Staged copies (SubmitGather, SubmitScatter; gather.go) move whole blocks —
 // segments from many device tensors, back to back in a host slot — with one
 // DMA per block between the host and device staging and the kernel on the
-// device side only; Gatherable says when a store should go that way.
+// device side only; Gatherable and Scatterable say when a store or a load
+// should go that way. A staged batch writes and uploads all its descriptors
+// before its first DMA, so that no descriptor upload waits behind a chunk's
+// DMA on a copy engine.
 //
 // MethodAuto picks per batch from a calibration table measured on the device
 // (Calibrate: each method's pipelined rate, several back-to-back Submits, as
