@@ -17,6 +17,20 @@ import (
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
+// openProbe opens the GPU and a bench of 2 GiB per direction at sizes,
+// timed reps times, with the contiguous link measured; the bench is closed
+// at the test's end.
+func openProbe(t *testing.T, sizes []uint64, reps int) (*cudatest.GPU, *bench, ThroughputResults) {
+	t.Helper()
+	g := cudatest.Open(t)
+	b := &bench{drv: g.Drv, cfg: ThroughputConfig{TotalBytes: 2 << 30, SegSizes: sizes, CTAs: []int{1}, Reps: reps}.withDefaults()}
+	t.Cleanup(func() { require.NoError(t, b.close()) })
+	require.NoError(t, b.setupBase())
+	tr := ThroughputResults{Link: map[string]float64{}}
+	require.NoError(t, b.link(&tr))
+	return g, b, tr
+}
+
 // TestParallelBatch (KVO_BENCH_PARBATCH=1) asks whether the batch API's
 // CPU cost per segment (about 0.45 µs on the H200, so 9 GB/s of 4 KiB
 // segments from one thread) spreads over several submitting threads: a
@@ -29,12 +43,7 @@ func TestParallelBatch(t *testing.T) {
 	if os.Getenv("KVO_BENCH_PARBATCH") != "1" {
 		t.Skip("set KVO_BENCH_PARBATCH=1 to measure the batch API submitted from several threads")
 	}
-	g := cudatest.Open(t)
-	b := &bench{drv: g.Drv, cfg: ThroughputConfig{TotalBytes: 2 << 30, SegSizes: []uint64{4 << 10, 16 << 10}, CTAs: []int{1}, Reps: 1}.withDefaults()}
-	defer func() { require.NoError(t, b.close()) }()
-	require.NoError(t, b.setupBase())
-	tr := ThroughputResults{Link: map[string]float64{}}
-	require.NoError(t, b.link(&tr))
+	g, b, tr := openProbe(t, []uint64{4 << 10, 16 << 10}, 1)
 	batch, err := b.newCopier(g.Dev, cudacopy.Options{Method: cudacopy.MethodBatch})
 	require.NoError(t, err)
 	b.onClose(batch.Close)
@@ -163,12 +172,7 @@ func TestMixedBound(t *testing.T) {
 	if os.Getenv("KVO_BENCH_PARBATCH") != "1" {
 		t.Skip("set KVO_BENCH_PARBATCH=1 to measure the bounds of a CPU-staged path")
 	}
-	g := cudatest.Open(t)
-	b := &bench{drv: g.Drv, cfg: ThroughputConfig{TotalBytes: 2 << 30, SegSizes: []uint64{4 << 10, 16 << 10}, CTAs: []int{1}, Reps: 3}.withDefaults()}
-	defer func() { require.NoError(t, b.close()) }()
-	require.NoError(t, b.setupBase())
-	tr := ThroughputResults{Link: map[string]float64{}}
-	require.NoError(t, b.link(&tr))
+	g, b, tr := openProbe(t, []uint64{4 << 10, 16 << 10}, 3)
 	kernel, err := b.newCopier(g.Dev, cudacopy.Options{Method: cudacopy.MethodKernel})
 	require.NoError(t, err)
 	b.onClose(kernel.Close)
@@ -239,12 +243,7 @@ func TestStagedLoadProbe(t *testing.T) {
 	if os.Getenv("KVO_BENCH_PARBATCH") != "1" {
 		t.Skip("set KVO_BENCH_PARBATCH=1 to probe the staged load path")
 	}
-	g := cudatest.Open(t)
-	b := &bench{drv: g.Drv, cfg: ThroughputConfig{TotalBytes: 2 << 30, SegSizes: []uint64{4 << 10}, CTAs: []int{1}, Reps: 3}.withDefaults()}
-	defer func() { require.NoError(t, b.close()) }()
-	require.NoError(t, b.setupBase())
-	tr := ThroughputResults{Link: map[string]float64{}}
-	require.NoError(t, b.link(&tr))
+	g, b, tr := openProbe(t, []uint64{4 << 10}, 3)
 	least, greatest, err := g.Drv.StreamPriorityRange()
 	require.NoError(t, err)
 	aux := map[string]cuda.Stream{}

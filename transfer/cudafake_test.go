@@ -179,26 +179,10 @@ func TestCUDAOverFakeGatheredStore(t *testing.T) {
 	require.NoError(t, e.drv.CtxSynchronize())
 	p, fill, ev := slowProducer(t, e, n)
 	cudacopy.FillPattern(0, want)
-	// Block b's segment k lives in device tensor k at row dperm[b] and in
-	// host slot hperm[b] at k*seg.
-	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
-	var st []Segment
-	for b := range blocks {
-		for k := range per {
-			st = append(st, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
-		}
-	}
+	st := wholeBlocks(e, r, seg, per, blocks)
 	copier := e.cu.Copier()
 	require.True(t, copier.Gatherable(toCopier(st[:4*per])), "whole blocks gather")
-	var ops []*Op
-	for i := 0; i < len(st); i += 4 * per {
-		op, err := e.s.Submit(Request{Dir: Store, Segments: st[i : i+4*per], After: ev})
-		require.NoError(t, err)
-		ops = append(ops, op)
-	}
-	for _, op := range ops {
-		require.NoError(t, op.Wait())
-	}
+	submitAfter(t, e, Store, st, 4*per, ev)
 	require.NoError(t, e.drv.StreamSynchronize(p))
 	require.NoError(t, copier.Retire(fill))
 	for _, sg := range st {
@@ -222,25 +206,11 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 	r := rand.New(rand.NewSource(6))
 	_, _ = r.Read(e.hostBuf[:n])
 	p, fill, ev := slowProducer(t, e, n)
-	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
-	var ld []Segment
-	for b := range blocks {
-		for k := range per {
-			ld = append(ld, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
-		}
-	}
+	ld := wholeBlocks(e, r, seg, per, blocks)
 	copier := e.cu.Copier()
-	before := copier.Gathers()
+	before := e.cu.StagedCopies()
 	require.True(t, copier.Scatterable(toCopierLoad(ld[:4*per])), "whole blocks scatter")
-	var ops []*Op
-	for i := 0; i < len(ld); i += 4 * per {
-		op, err := e.s.Submit(Request{Dir: Load, Segments: ld[i : i+4*per], After: ev})
-		require.NoError(t, err)
-		ops = append(ops, op)
-	}
-	for _, op := range ops {
-		require.NoError(t, op.Wait())
-	}
+	submitAfter(t, e, Load, ld, 4*per, ev)
 	require.NoError(t, e.drv.StreamSynchronize(p))
 	require.NoError(t, copier.Retire(fill))
 	back := e.hostBuf[n : 2*n]
@@ -249,7 +219,36 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 		off, h := sg.Dev-e.dev, sg.Host-e.host
 		require.Equal(t, e.hostBuf[h:h+seg], back[off:off+seg], "device offset %d", off)
 	}
-	require.Greater(t, copier.Gathers(), before, "the loads were scattered")
+	require.Greater(t, e.cu.StagedCopies(), before, "the loads were scattered")
+}
+
+// wholeBlocks is blocks layer-separate blocks of per segments of seg
+// bytes: block b's segment k lives in device tensor k at row dperm[b] and in
+// host slot hperm[b] at k*seg, both permutations drawn from r.
+func wholeBlocks(e *fakeEnv, r *rand.Rand, seg uint64, per, blocks int) []Segment {
+	hperm, dperm := r.Perm(blocks), r.Perm(blocks)
+	var segs []Segment
+	for b := range blocks {
+		for k := range per {
+			segs = append(segs, Segment{Dev: e.dev + uint64(k*blocks+dperm[b])*seg, Host: e.host + uint64(hperm[b]*per+k)*seg, Len: seg})
+		}
+	}
+	return segs
+}
+
+// submitAfter submits segs in dir as requests of per segments, each after
+// ev, and waits for them all.
+func submitAfter(t *testing.T, e *fakeEnv, dir Direction, segs []Segment, per int, ev cuda.Event) {
+	t.Helper()
+	var ops []*Op
+	for i := 0; i < len(segs); i += per {
+		op, err := e.s.Submit(Request{Dir: dir, Segments: segs[i:min(i+per, len(segs))], After: ev})
+		require.NoError(t, err)
+		ops = append(ops, op)
+	}
+	for _, op := range ops {
+		require.NoError(t, op.Wait())
+	}
 }
 
 // toCopierLoad turns load segments into the copier's H2D form.
