@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"encoding/csv"
 	"errors"
 	"fmt"
@@ -1316,14 +1317,16 @@ type KernelVariant struct {
 	// Method is the D2H side's method (zero: MethodKernel); a DMA method
 	// leaves the launch fields unused.
 	Method cudacopy.Method `json:"method,omitempty"`
-	// H2DMethod, when set, is the H2D side's method, with the copier's
-	// default launches (zero: the same copier as D2H).
+	// H2DMethod, when set, is the H2D side's method, on a copier of its own
+	// with the default launches, or H2DCTAs × H2DThreads for MethodKernel
+	// (zero: the same copier as D2H).
 	H2DMethod cudacopy.Method `json:"h2d_method,omitempty"`
 	// Streams spreads each DMA side of a run over this many streams
 	// (zero or one: the bench's own stream per direction).
 	Streams int `json:"streams,omitempty"`
 	// H2DCTAs and H2DThreads, when set, are the H2D copier's grid with
-	// H2DMethod MethodKernel (zero: its default launch).
+	// H2DMethod MethodKernel, each zero field the default launch's; with
+	// another H2DMethod the variant is skipped.
 	H2DCTAs    int `json:"h2d_ctas,omitempty"`
 	H2DThreads int `json:"h2d_threads,omitempty"`
 }
@@ -1352,7 +1355,8 @@ func (v KernelVariant) kernelLabel() string {
 		if m != cudacopy.MethodKernel {
 			l += streams
 		} else if v.H2DCTAs != 0 || v.H2DThreads != 0 {
-			l += fmt.Sprintf(" %d×%d", v.H2DCTAs, v.H2DThreads)
+			d := cudacopy.DefaultLaunch(cudacopy.H2D, false)
+			l += fmt.Sprintf(" %d×%d", cmp.Or(v.H2DCTAs, d.CTAs), cmp.Or(v.H2DThreads, d.Threads))
 		}
 	}
 	return l
@@ -1644,6 +1648,9 @@ func MeasureKernelVariants(drv cuda.Driver, dev cuda.Device, cfg KernelSweepConf
 // sweepVariant makes kv's copiers (and its fan of streams, at the
 // greatest priority).
 func (b *bench) sweepVariant(dev cuda.Device, kv KernelVariant) (*variant, error) {
+	if (kv.H2DCTAs != 0 || kv.H2DThreads != 0) && kv.H2DMethod != cudacopy.MethodKernel {
+		return nil, fmt.Errorf("%w: H2DCTAs %d and H2DThreads %d need H2DMethod kernel, not %v", cudacopy.ErrInvalidOption, kv.H2DCTAs, kv.H2DThreads, kv.H2DMethod)
+	}
 	o := cudacopy.Options{Method: kv.method()}
 	if o.Method == cudacopy.MethodKernel {
 		o.CTAs, o.Threads, o.CopyKernel, o.FenceBytes, o.PaceGBps = kv.CTAs, kv.Threads, kv.CopyKernel, kv.FenceBytes, kv.PaceGBps

@@ -288,6 +288,17 @@ func TestMeasureKernelVariantsFake(t *testing.T) {
 	require.Contains(t, md, "| kvo_copy_probe/4 KiB · h2d kernel 8×1024 | 8×192 | 48 | high |")
 	require.Contains(t, md, "| kvo_copy · h2d kernel 8×1024 | 8×1024 | 256 | high |")
 	require.Regexp(t, `\| [0-9.]+ \(\d+%\) \(d2h [0-9.]+ · h2d [0-9.]+\) \|`, md)
+	// An H2D grid without the H2D kernel is refused; one field alone takes
+	// the other from the default launch.
+	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Dirs: []string{"h2d"}, SegSizes: []uint64{4 << 10}, Variants: []KernelVariant{
+		{Threads: 192, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.ProbeCopyKernel, H2DMethod: cudacopy.MethodBatch, H2DCTAs: 8},
+		{Threads: 192, CTAs: 8, HighPriority: true, CopyKernel: cudacopy.ProbeCopyKernel, H2DMethod: cudacopy.MethodKernel, H2DCTAs: 8},
+	}})
+	require.NoError(t, err)
+	require.True(t, drv.Live().IsZero(), "leaked: %+v", drv.Live())
+	require.Contains(t, res.Rows[0].Skipped, "H2DCTAs 8 and H2DThreads 0 need H2DMethod kernel")
+	require.Empty(t, res.Rows[1].Skipped)
+	require.Contains(t, FormatKernelSweep(res), "| kvo_copy_probe · h2d kernel 8×512 | 8×192 |")
 	// A fan needs the greatest priority: skipped before any copier exists.
 	res, err = MeasureKernelVariants(drv, 0, KernelSweepConfig{TotalBytes: 256 << 10, Reps: 1, Variants: []KernelVariant{{Method: cudacopy.MethodBatch, Streams: 2}}})
 	require.NoError(t, err)

@@ -52,10 +52,11 @@ type Stats struct {
 	// calibrates once growth has ended (before WaitGrown returns), where no
 	// prefault competes for the CPUs, or earlier while growth is paused.
 	CopyCalibration string `json:"copy_calibration,omitempty"`
-	// StagedCopies counts the CUDA copies of whole blocks staged through
-	// device memory so that the DMA engines move them (stores gathered on
-	// the device before one DMA per block, loads scattered after it; see
-	// transfer.CUDA); 0 on the host backend.
+	// StagedCopies counts the CUDA copy batches (one per store or load
+	// batch the engine submits, not per block) of whole blocks staged
+	// through device memory so that the DMA engines move them (stores
+	// gathered on the device before one DMA per block, loads scattered
+	// after it; see transfer.CUDA); 0 on the host backend.
 	StagedCopies int64 `json:"staged_copies"`
 
 	// Lookups.

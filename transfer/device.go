@@ -15,7 +15,11 @@ type Device interface {
 	// InitThread prepares the calling (locked) OS thread for driver calls:
 	// the context current and stream capture mode relaxed.
 	InitThread() error
-	// Copy enqueues segs on dir's stream. The returned retire func must be
+	// Copy enqueues segs on dir's stream; part of the work may run on
+	// another stream of the device's (CUDA's staging streams), which waits
+	// for what dir's stream waits for and which dir's stream joins before
+	// the copy's completion, also when Copy fails after enqueueing some of
+	// it. The returned retire func must be
 	// called once, after an event recorded after the copy has completed (or
 	// the stream is known idle), so the method's descriptor buffers can be
 	// reused. On error nothing needs retiring.

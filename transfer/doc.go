@@ -1,6 +1,7 @@
 // Package transfer moves segments between device memory and registered host
 // memory asynchronously: it owns the engine's two streams (loads at higher
-// priority than stores; on CUDA a third for gathered stores, see CUDA),
+// priority than stores; on CUDA also a staging stream per direction, for
+// gathered stores and scattered loads, see CUDA),
 // batches, events and completion. It knows segments
 // and addresses, never keys; the owner of the slots (kvcache, composed by
 // offload) changes slot state only when an op completes.

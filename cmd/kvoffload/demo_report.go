@@ -32,8 +32,8 @@ type demoReport struct {
 	EngineStoreBytes int64 `json:"engine_store_bytes"`
 	EngineLoadBytes  int64 `json:"engine_load_bytes"`
 	Evictions        int64 `json:"pool_evictions"`
-	// StagedCopies is the engine's Stats.StagedCopies: copies of whole
-	// blocks moved through device staging by the DMA engines (CUDA).
+	// StagedCopies is the engine's Stats.StagedCopies: copy batches of
+	// whole blocks moved through device staging by the DMA engines (CUDA).
 	StagedCopies int64 `json:"staged_copies"`
 
 	// CPUSeconds is the process's CPU time while stores and loads were in
@@ -114,7 +114,7 @@ func (r *demoReport) print(w io.Writer) error {
 	}
 	row("CPU time per block", "%.1f µs (%.2f s while copies were in flight)", r.CPUMicrosPerBlock, r.CPUSeconds)
 	if r.Backend == "cuda" {
-		row("staged copies", "%d (whole blocks gathered or scattered on the device, moved by the DMA engines)", r.StagedCopies)
+		row("staged copies", "%d batches (of whole blocks gathered or scattered on the device, moved by the DMA engines)", r.StagedCopies)
 	}
 	row("pool: owned vs used", "%s owned (%s), %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), r.Pinning, formatSize(r.UsedBytes), r.Evictions)
 	row("recompute", "%.2f s", r.RecomputeSeconds)

@@ -109,7 +109,7 @@ func TestDemoCommandJSON(t *testing.T) {
 	var b strings.Builder
 	require.NoError(t, (&demoReport{Backend: "cuda", StagedCopies: 42, Verify: true}).print(&b))
 	require.Contains(t, b.String(), "staged copies")
-	require.Contains(t, b.String(), "42 (whole blocks gathered or scattered")
+	require.Contains(t, b.String(), "42 batches (of whole blocks gathered or scattered")
 }
 
 func TestDemoCUDABackendWithoutDriverFails(t *testing.T) {

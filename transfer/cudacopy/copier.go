@@ -101,7 +101,9 @@ type Options struct {
 	// FenceBytes, when set, is how many bytes each warp of a D2H launch of
 	// a throttled kernel (SysFenceCopyKernel, ProbeCopyKernel) stores to
 	// host memory between fences or read-backs (a multiple of FenceUnit;
-	// default DefaultFenceBytes, or the D2H default launch's).
+	// default DefaultFenceBytes, or the D2H default launch's, and for
+	// kvo_copy_probe SmallSegmentFenceBytes in batches of segments
+	// averaging under it; setting FenceBytes turns that off).
 	FenceBytes int
 	// PaceGBps, when set, is the rate in GB/s that each D2H launch of a
 	// throttled kernel keeps its warps under together (each warp

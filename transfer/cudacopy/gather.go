@@ -109,14 +109,17 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 // run of the chunk into device staging with the batch API (else one
 // cuMemcpyAsync per run), then g waits for that (an event) and the copy
 // kernel scatters the chunk to the segments' device addresses; s waits for
-// the last scatter before returning, so completion is that of s, and g
-// starts nothing before what s was waiting for. Chunks go round the ring of
+// the last scatter before returning, so completion is that of s, and no
+// scatter starts before what s was waiting for (only the upload of the
+// batch's descriptors may run on g earlier). Chunks go round the ring of
 // Options.GatherRing staging buffers as in SubmitGather (s waits for the
 // scatter out of a buffer before loading it again). Other rules as for
-// SubmitGather. On the H200 it moved whole blocks at 72% of the link, where
-// the copy kernel moves 92%, and raised stores and loads at once only from
-// 78% to 81% (bench/results/2026-11-30-h200/blocks.md): transfer's engine
-// path does not use it.
+// SubmitGather, except on error: s then waits for everything enqueued on g
+// (or the call waits for g), so that no scatter writes the device after s's
+// work has completed. On the H200 it moved whole blocks of 512 KiB–1 MiB at
+// 95% of the link, where the copy kernel moves 92%
+// (bench/results/2026-11-30-h200-s4/engine-staged/blocks.md); transfer.CUDA
+// uses it for loads where Scatterable.
 func (c *Copier) SubmitScatter(s, g cuda.Stream, segs []Segment) (Ticket, error) {
 	return c.staged(H2D, g, s, segs)
 }
@@ -168,13 +171,23 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 	launches := make([][]launchRange, len(parts))
 	for k := range parts {
 		if launches[k], err = bufs.fill(&cks[k]); err != nil {
-			c.abandonAll(t)
+			// Nothing is enqueued yet: everything goes back to the pools.
+			c.releaseGather(staging, evs)
+			c.abandon(t, 0)
 			return Ticket{}, err
 		}
 	}
-	if err := c.uploadDescs(g, bufs); err != nil {
+	// fail ends the ticket after an error once work may be enqueued; a
+	// scatter already launched on g must not outlive s's completion.
+	fail := func(err error) (Ticket, error) {
+		if dir == H2D {
+			err = errors.Join(err, c.joinAfterFailure(s, g, evs[0]))
+		}
 		c.abandonAll(t)
 		return Ticket{}, err
+	}
+	if err := c.uploadDescs(g, bufs); err != nil {
+		return fail(err)
 	}
 	// D2H: a = gathered (on g), b = copied out (on s).
 	// H2D: a = loaded into staging (on s), b = scattered (on g).
@@ -203,14 +216,12 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 			err = c.scatterChunk(g, s, launches[k], bufs, reuse, chunkPieces(k), a[slot], b[slot])
 		}
 		if err != nil {
-			c.abandonAll(t)
-			return Ticket{}, err
+			return fail(err)
 		}
 	}
 	if dir == H2D {
 		if err := c.drv.StreamWaitEvent(s, b[(len(parts)-1)%ring], cuda.EventWaitDefault); err != nil {
-			c.abandonAll(t)
-			return Ticket{}, fmt.Errorf("cudacopy: joining the last scatter: %w", err)
+			return fail(fmt.Errorf("cudacopy: joining the last scatter: %w", err))
 		}
 	}
 	c.gathers.Add(1)
@@ -456,6 +467,23 @@ func (c *Copier) attachGather(t Ticket, staging []cuda.DevicePtr, evs []cuda.Eve
 	r := &c.recs[t.idx-1]
 	r.staging = append(r.staging[:0], staging...)
 	r.events = append(r.events[:0], evs...)
+}
+
+// joinAfterFailure makes s wait for everything enqueued on g so far (e
+// re-recorded on g: earlier waits on e keep the record they saw), or, if
+// that fails, waits for g on the CPU: after a failed staged load, s's
+// completion then covers every scatter already launched.
+func (c *Copier) joinAfterFailure(s, g cuda.Stream, e cuda.Event) error {
+	err := c.drv.EventRecord(e, g)
+	if err == nil {
+		if err = c.drv.StreamWaitEvent(s, e, cuda.EventWaitDefault); err == nil {
+			return nil
+		}
+	}
+	if serr := c.drv.StreamSynchronize(g); serr != nil {
+		return fmt.Errorf("cudacopy: joining the scatters of a failed load: %w", errors.Join(err, serr))
+	}
+	return nil
 }
 
 // abandonAll ends a ticket whose work may all have been enqueued: its

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	mrand "math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -397,5 +398,41 @@ func TestStagedUploadsDescriptorsFirstFake(t *testing.T) {
 			}
 		}
 		require.Equal(t, 5, launches, "%v: %v", dir, onG)
+	}
+}
+
+// A staged load that fails after some scatters were launched leaves s
+// waiting for them: once s has drained, nothing of the load still runs on
+// g (the engine reports the failure by recording an event on s, and the
+// device blocks must not change after it). Each failing call is one of the
+// pipeline's later ones: a chunk's event wait or batch copy, or the final
+// join.
+func TestStagedLoadFailureJoinsScattersFake(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 2 * time.Millisecond})
+	g, s := newStream(t, drv), newStream(t, drv)
+	l := layerSeparate(12, 4, 64<<10) // 3 MiB: three 1 MiB chunks
+	n := l.bytes()
+	dev := devMem(t, drv, n)
+	host := hostMem(t, drv, n)
+	h2d, _ := l.segments(addr(host), uint64(dev), addr(host), mrand.New(mrand.NewPCG(6, 6)))
+	c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20})
+	knownHost(t, c, host)
+	for _, tc := range []struct {
+		op string
+		at int // the op's call within SubmitScatter, from 1
+	}{
+		{cuda.OpStreamWaitEvent, 4}, // chunk 2's join of its load, after chunk 1's scatter
+		{cuda.OpMemcpyBatchAsync, 3},
+		{cuda.OpStreamWaitEvent, 6}, // the final join of the last scatter
+	} {
+		drv.FailAt(tc.op, drv.Calls(tc.op)+tc.at, cuda.ErrorInvalidValue)
+		before := drv.Calls(cuda.OpLaunchKernel)
+		_, err := c.SubmitScatter(s, g, h2d)
+		require.Error(t, err, "%s #%d", tc.op, tc.at)
+		require.Greater(t, drv.Calls(cuda.OpLaunchKernel), before, "%s #%d: a scatter was launched before the failure", tc.op, tc.at)
+		require.NoError(t, drv.StreamSynchronize(s))
+		idle, err := drv.StreamQuery(g)
+		require.NoError(t, err)
+		require.True(t, idle, "%s #%d: a scatter still runs after s drained", tc.op, tc.at)
 	}
 }
