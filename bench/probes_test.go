@@ -269,6 +269,15 @@ func TestStagedLoadProbe(t *testing.T) {
 	for _, size := range []uint64{4 << 10, 16 << 10} {
 		const per = 32
 		d2h, h2d := b.blockSegs(size, per, 1)
+		// scatter loads h2d staged with c, its scatter on the aux stream
+		// named prio.
+		scatter := func(c *cudacopy.Copier, prio string) func(*[]tk) error {
+			return func(t *[]tk) error {
+				x, err := c.SubmitScatter(b.s[1], aux[prio], h2d)
+				*t = append(*t, tk{c, x})
+				return err
+			}
+		}
 		// both: the store gathered as transfer.CUDA does (the gather stream
 		// waits for the run's start), the load staged.
 		both := func(prio string) func(*[]tk) error {
@@ -281,8 +290,14 @@ func TestStagedLoadProbe(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				y, err := def.SubmitScatter(b.s[1], aux[prio], h2d)
-				*t = append(*t, tk{def, y})
+				return scatter(def, prio)(t)
+			}
+		}
+		// submit loads segs with c's Submit.
+		submit := func(c *cudacopy.Copier, segs []cudacopy.Segment) func(*[]tk) error {
+			return func(t *[]tk) error {
+				x, err := c.Submit(b.s[1], cudacopy.H2D, segs)
+				*t = append(*t, tk{c, x})
 				return err
 			}
 		}
@@ -296,38 +311,14 @@ func TestStagedLoadProbe(t *testing.T) {
 			name string
 			f    func(*[]tk) error
 		}{
-			{"staged, scatter stream at least priority", func(t *[]tk) error {
-				x, err := def.SubmitScatter(b.s[1], aux["least"], h2d)
-				*t = append(*t, tk{def, x})
-				return err
-			}},
-			{"staged, scatter stream at greatest priority", func(t *[]tk) error {
-				x, err := def.SubmitScatter(b.s[1], aux["greatest"], h2d)
-				*t = append(*t, tk{def, x})
-				return err
-			}},
-			{"staged, ring 8 × 32 MiB", func(t *[]tk) error {
-				x, err := deep.SubmitScatter(b.s[1], aux["least"], h2d)
-				*t = append(*t, tk{deep, x})
-				return err
-			}},
-			{"staged, scatter on 8 × 1024", func(t *[]tk) error {
-				x, err := wide.SubmitScatter(b.s[1], aux["least"], h2d)
-				*t = append(*t, tk{wide, x})
-				return err
-			}},
-			{"batch API, one copy per block, no scatter", func(t *[]tk) error {
-				x, err := batch.Submit(b.s[1], cudacopy.H2D, runs)
-				*t = append(*t, tk{batch, x})
-				return err
-			}},
+			{"staged, scatter stream at least priority", scatter(def, "least")},
+			{"staged, scatter stream at greatest priority", scatter(def, "greatest")},
+			{"staged, ring 8 × 32 MiB", scatter(deep, "least")},
+			{"staged, scatter on 8 × 1024", scatter(wide, "least")},
+			{"batch API, one copy per block, no scatter", submit(batch, runs)},
 			{"both: staged each way, aux streams at least priority", both("least")},
 			{"both: staged each way, aux streams at greatest priority", both("greatest")},
-			{"kernel (Submit)", func(t *[]tk) error {
-				x, err := def.Submit(b.s[1], cudacopy.H2D, h2d)
-				*t = append(*t, tk{def, x})
-				return err
-			}},
+			{"kernel (Submit)", submit(def, h2d)},
 		} {
 			tm, err := b.reps(v.f, true)
 			require.NoError(t, err, v.name)

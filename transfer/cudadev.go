@@ -138,15 +138,14 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	}
 	var t cudacopy.Ticket
 	var err error
+	staged := false
 	switch {
 	case dir == Store && c.copier.Gatherable(c.scratch):
-		if t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch); err == nil {
-			c.staged.Add(1)
-		}
+		staged = true
+		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch)
 	case dir == Load && c.copier.Scatterable(c.scratch):
-		if t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch); err == nil {
-			c.staged.Add(1)
-		}
+		staged = true
+		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
 	default:
@@ -154,6 +153,9 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	}
 	if err != nil {
 		return nil, err
+	}
+	if staged {
+		c.staged.Add(1)
 	}
 	return func() { _ = c.copier.Retire(t) }, nil
 }

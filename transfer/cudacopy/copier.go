@@ -304,15 +304,9 @@ const SmallSegmentFenceBytes = 2 * FenceUnit
 // batch of segs: l's, or SmallSegmentFenceBytes for small segments (see
 // there).
 func (c *Copier) fenceBytes(l Launch, segs []Segment) int {
-	if c.opts.FenceBytes != 0 || l.Kernel != ProbeCopyKernel || l.FenceBytes >= SmallSegmentFenceBytes {
+	if c.opts.FenceBytes != 0 || l.Kernel != ProbeCopyKernel || l.FenceBytes >= SmallSegmentFenceBytes ||
+		len(segs) == 0 || segBytes(segs)/uint64(len(segs)) >= SmallSegmentFenceBytes {
 		return l.FenceBytes
-	}
-	limit, total := uint64(len(segs))*SmallSegmentFenceBytes, uint64(0)
-	for _, g := range segs {
-		if g.Len >= limit-total {
-			return l.FenceBytes
-		}
-		total += g.Len
 	}
 	return SmallSegmentFenceBytes
 }
@@ -610,11 +604,7 @@ func (c *Copier) SetCalibration(cal *Calibration) error {
 // MethodAuto: see chooser.choose for the rules. The kernel is only chosen
 // for batches whose every address and length is 16-byte aligned.
 func (c *Copier) Choose(dir Direction, segs []Segment) Method {
-	var total uint64
-	for _, s := range segs {
-		total += s.Len
-	}
-	return c.chooser.Load().choose(dir, len(segs), total, aligned(segs))
+	return c.chooser.Load().choose(dir, len(segs), segBytes(segs), aligned(segs))
 }
 
 // AddHostRange tells the Copier about a registered host range. Where the

@@ -3,6 +3,7 @@ package cudacopy
 import (
 	"errors"
 	"fmt"
+	"math"
 )
 
 // Segment is one contiguous copy of Len bytes from Src to Dst. Both are
@@ -185,6 +186,18 @@ func checkRange(i int, side string, addr, n uint64) error {
 		return fmt.Errorf("%w: segment %d %s range %#x+%d wraps the address space", ErrInvalidSegment, i, side, addr, n)
 	}
 	return nil
+}
+
+// segBytes is the total length of segs, saturating at the largest uint64.
+func segBytes(segs []Segment) uint64 {
+	var total uint64
+	for _, s := range segs {
+		if s.Len > math.MaxUint64-total {
+			return math.MaxUint64
+		}
+		total += s.Len
+	}
+	return total
 }
 
 // aligned reports whether every segment is kernelAlign-aligned.
