@@ -281,6 +281,17 @@ type StoreOptions struct {
 	AfterStream uintptr
 	// Namespace tags the stored blocks for Clear; default Config.Namespace.
 	Namespace string
+	// Parent is the key of the block before keys[0] when the call's keys
+	// are one chain (one sequence's blocks, in order): a sequence stored
+	// over several calls (decode adds a block at a time) stays one chain,
+	// so eviction takes its tail, never its middle. The zero Key: keys[0]
+	// starts a sequence. keys[i-1] is the parent of keys[i].
+	Parent Key
+	// Parents, for a call holding blocks of several sequences, gives one
+	// parent per key (the zero Key starts a sequence); it replaces Parent,
+	// and must have len(keys) entries. A key whose parent is refused in
+	// the same call is refused the same way, as within one chain.
+	Parents []Key
 }
 
 // LoadOptions modify Load.

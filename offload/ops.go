@@ -174,9 +174,9 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if ns == "" {
 		ns = e.cfg.Namespace
 	}
-	res, err := e.cache.BeginStore(kvcache.StoreRequest{Namespace: e.namespace(ns), Keys: keys, BlockIDs: blockIDs}, nil)
+	res, err := e.beginStore(e.namespace(ns), keys, blockIDs, opts)
 	if err != nil {
-		return nil, fmt.Errorf("%w: Store: %w", ErrInvalidArgument, err)
+		return nil, err
 	}
 	op := newOp(e, OpStore, len(keys))
 	var idx []int
@@ -242,6 +242,88 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	}
 	op.completion = e.newCompletion(top, tdone)
 	return op, nil
+}
+
+// storeRun is a maximal run of a Store's keys that form one chain: each
+// key's parent is the key before it, the first key's is parent.
+type storeRun struct {
+	parent   Key
+	from, to int // keys[from:to]
+}
+
+// storeRuns splits a Store's keys into chains by StoreOptions.Parent and
+// Parents, after checking them (ErrInvalidArgument).
+func storeRuns(keys []Key, opts StoreOptions) ([]storeRun, error) {
+	if opts.Parents == nil {
+		return []storeRun{{parent: opts.Parent, from: 0, to: len(keys)}}, nil
+	}
+	if opts.Parent != (Key{}) {
+		return nil, fmt.Errorf("%w: Store: Parent %s and Parents both given; Parents names every key's parent", ErrInvalidArgument, opts.Parent)
+	}
+	if len(opts.Parents) != len(keys) {
+		return nil, fmt.Errorf("%w: Store: %d parents for %d keys", ErrInvalidArgument, len(opts.Parents), len(keys))
+	}
+	seen := make(map[Key]struct{}, len(keys))
+	var runs []storeRun
+	for i, k := range keys {
+		if _, dup := seen[k]; dup {
+			return nil, fmt.Errorf("%w: Store: key %s appears twice (index %d)", ErrInvalidArgument, k, i)
+		}
+		seen[k] = struct{}{}
+		p := opts.Parents[i]
+		if p == k {
+			return nil, fmt.Errorf("%w: Store: key %s (index %d) is its own parent", ErrInvalidArgument, k, i)
+		}
+		if i > 0 && p == keys[i-1] {
+			runs[len(runs)-1].to = i + 1
+			continue
+		}
+		runs = append(runs, storeRun{parent: p, from: i, to: i + 1})
+	}
+	return runs, nil
+}
+
+// beginStore reserves slots for a Store's keys, one kvcache chain per run
+// (storeRuns). A run whose parent was refused earlier in the call is
+// refused the same way: no lookup could reach it. On error nothing stays
+// reserved.
+func (e *Engine) beginStore(ns kvcache.Namespace, keys []Key, blockIDs []int, opts StoreOptions) ([]kvcache.StoreResult, error) {
+	runs, err := storeRuns(keys, opts)
+	if err != nil {
+		return nil, err
+	}
+	res := make([]kvcache.StoreResult, 0, len(keys))
+	var refused map[Key]kvcache.StoreOutcome
+	for _, r := range runs {
+		if oc, ok := refused[r.parent]; ok {
+			for i := r.from; i < r.to; i++ {
+				res = append(res, kvcache.StoreResult{Outcome: oc, BlockID: blockIDs[i]})
+				refused[keys[i]] = oc
+			}
+			continue
+		}
+		n := len(res)
+		res, err = e.cache.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: r.parent, Keys: keys[r.from:r.to], BlockIDs: blockIDs[r.from:r.to]}, res)
+		if err != nil {
+			var reserved []kvcache.Slot
+			for _, x := range res[:n] {
+				if x.Outcome == kvcache.StoreWrite {
+					reserved = append(reserved, x.Slot)
+				}
+			}
+			_ = e.cache.CompleteStore(reserved, err)
+			return nil, fmt.Errorf("%w: Store: %w", ErrInvalidArgument, err)
+		}
+		for j, x := range res[n:] {
+			if x.Outcome == kvcache.StoreRefusedFull || x.Outcome == kvcache.StoreRefusedAdmission {
+				if refused == nil {
+					refused = map[Key]kvcache.StoreOutcome{}
+				}
+				refused[keys[r.from+j]] = x.Outcome
+			}
+		}
+	}
+	return res, nil
 }
 
 func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
