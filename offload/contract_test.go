@@ -98,3 +98,38 @@ func TestStoreParentOptionsInvalid(t *testing.T) {
 	_, err = e.Store(ctx, []Key{testKey(1)}, []int{0}, StoreOptions{Parents: []Key{testKey(1)}})
 	require.ErrorIs(t, err, ErrInvalidArgument, "a key that is its own parent")
 }
+
+// Interleaved K/V ([num_blocks, 2, ...] per layer: V right after K in each
+// block, stride two segments) stores and loads every block, the last one
+// included: the K and V extents overlap and the engine must know their
+// union, not refuse V's.
+func TestInterleavedKVLastBlock(t *testing.T) {
+	sim, err := NewSimGPU(SimOptions{})
+	require.NoError(t, err)
+	defer sim.Close()
+	const blocks = 8
+	l := smallLayout(blocks)
+	seg := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
+	for range l.Layers {
+		base, err := sim.Alloc(2 * seg * blocks)
+		require.NoError(t, err)
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: base, V: base + seg, Stride: 2 * seg})
+	}
+	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: l, Sim: sim})
+	defer e.Close()
+	ctx := context.Background()
+	keys := []Key{testKey(1), testKey(2)}
+	storeEach(t, e, keys, []int{blocks - 1, 0}, StoreOptions{}, OutcomeStored)
+	want := [][]byte{blockBytes(e, blocks-1), blockBytes(e, 0)}
+	require.NotEqual(t, want[0], want[1])
+	for _, id := range []int{blocks - 1, 0} {
+		fillBlock(t, e, id, 0xEE)
+	}
+	op, err := e.Load(ctx, keys, []int{0, blocks - 1}, LoadOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded}, mustOutcomes(op.Outcomes()))
+	require.NoError(t, op.Release())
+	require.Equal(t, want[0], blockBytes(e, 0))
+	require.Equal(t, want[1], blockBytes(e, blocks-1))
+}

@@ -1,10 +1,11 @@
 package offload
 
 import (
+	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"time"
 
@@ -200,16 +201,37 @@ func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
 	return nil
 }
 
-// addDeviceRanges tells the scheduler where the layout's tensors are (the
-// extents deviceTensors computes, which the CUDA backend also checks).
+// addDeviceRanges tells the scheduler where the layout's tensors are: the
+// union of the extents deviceTensors computes (which the CUDA backend also
+// checks). Tensors may overlap (interleaved K/V: V starts inside K's
+// extent and ends past it), so overlapping extents are merged into one
+// range; merely adjacent ones stay separate, as they may be separate
+// allocations.
 func (e *Engine) addDeviceRanges() error {
-	for _, t := range e.deviceTensors() {
-		err := e.sched.AddDeviceRange(t.start, t.end-t.start)
-		if err != nil && !errors.Is(err, transfer.ErrInvalidRequest) {
-			return err
+	for _, r := range mergeExtents(e.deviceTensors()) {
+		if err := e.sched.AddDeviceRange(r.start, r.end-r.start); err != nil {
+			return fmt.Errorf("offload: device range [%#x, %#x) of %s: %w", r.start, r.end, r.name, err)
 		}
 	}
 	return nil
+}
+
+// mergeExtents returns the union of ts as ranges sorted by start, merging
+// extents that overlap (not those that only touch).
+func mergeExtents(ts []deviceTensor) []deviceTensor {
+	ts = slices.Clone(ts)
+	slices.SortFunc(ts, func(a, b deviceTensor) int { return cmp.Compare(a.start, b.start) })
+	var out []deviceTensor
+	for _, t := range ts {
+		if n := len(out); n > 0 && t.start < out[n-1].end {
+			last := &out[n-1]
+			last.end = max(last.end, t.end)
+			last.name += " and " + t.name
+			continue
+		}
+		out = append(out, t)
+	}
+	return out
 }
 
 // regionOptions are the mmapmem options of every region: mapped untouched
