@@ -2,9 +2,12 @@ package offload
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
 // storeEach stores keys from blockIDs with opts and requires every block to
@@ -132,4 +135,27 @@ func TestInterleavedKVLastBlock(t *testing.T) {
 	require.NoError(t, op.Release())
 	require.Equal(t, want[0], blockBytes(e, 0))
 	require.Equal(t, want[1], blockBytes(e, blocks-1))
+}
+
+// Backend "auto" with device addresses in the layout and no usable driver
+// is an error from New naming the reason, not a host engine whose first
+// Store fails as device-lost.
+func TestAutoBackendWithoutDriverRefusesDeviceLayout(t *testing.T) {
+	noDriver := func() (cuda.Driver, error) { return nil, fmt.Errorf("%w: libcuda.so.1: cannot open shared object file", cuda.ErrNoDriver) }
+	l := smallLayout(4)
+	for range l.Layers {
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: 0x7f0000000000, V: 0x7f0000100000, Stride: 2048})
+	}
+	_, err := newEngine(Config{PoolBytes: 64 << 10, Layout: l, SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	require.ErrorIs(t, err, ErrNoDriver)
+	require.ErrorContains(t, err, "libcuda.so.1: cannot open shared object file")
+	require.ErrorContains(t, err, "device addresses")
+
+	// Without device addresses, auto picks the host backend, as before.
+	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	require.NoError(t, err)
+	name, reason := e.Backend()
+	require.Equal(t, BackendHost, name)
+	require.Contains(t, reason, "CUDA unavailable")
+	require.NoError(t, e.Close())
 }

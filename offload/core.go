@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -69,6 +70,12 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	choice, err := selectBackend(cfg.Backend, cfg.Device, h.loadDriver)
 	if err != nil {
 		return nil, err
+	}
+	if choice.name == BackendHost && cfg.Backend == BackendAuto && cfg.Sim == nil && !layoutEmpty(cfg.Layout) {
+		// The layout's addresses are device addresses and nothing can copy
+		// them: the host backend would fail every Store as device-lost.
+		return nil, fmt.Errorf("%w: Backend \"auto\": the Layout gives device addresses but %s; ask for Backend \"host\" with a SimGPU to simulate, or fix the driver",
+			ErrNoDriver, strings.TrimPrefix(choice.reason, "auto: "))
 	}
 	if choice.name == BackendCUDA && layoutEmpty(cfg.Layout) {
 		// Only reachable with "auto": withDefaults refuses "cuda" without tensors.
