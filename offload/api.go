@@ -98,6 +98,11 @@ const (
 	DefaultMaxQueuedBytes     int64 = 2 << 30
 	DefaultQueueDepth               = 256
 	DefaultMaxPrefaultThreads       = 16
+	// DefaultMemoryHeadroomBytes is the memory growth leaves free for
+	// the rest of the machine: before mapping each region, growth checks
+	// that the region plus this much is still available, and stops with
+	// Stats.GrowthError otherwise, instead of pinning into an OOM kill.
+	DefaultMemoryHeadroomBytes int64 = 2 << 30
 )
 
 // Config says what New builds. The zero value of every field but PoolBytes
@@ -155,10 +160,16 @@ type Config struct {
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout, tensor-parallel rank) and tags stored blocks for Clear.
 	Namespace string `json:"namespace,omitempty"`
-	// MaxCachedBytes, when positive, is a bound on owned (pinned) pool bytes:
-	// above it the engine trims regions automatically after growth or
-	// stores. 0 means no bound.
+	// MaxCachedBytes, when positive, is a bound on the pool bytes ever
+	// pinned: growth stops there (the pool is planned up to it, not up to
+	// PoolBytes), and GrowTo never asks beyond it. 0 means no bound.
 	MaxCachedBytes int64 `json:"max_cached_bytes,omitempty"`
+	// MemoryHeadroomBytes is kept free when growth re-checks the machine's
+	// memory before each region (MemAvailable, the cgroup limit, the NUMA
+	// node's free memory, as New checks the whole pool). Default
+	// DefaultMemoryHeadroomBytes; negative means none. SkipMemoryCheck
+	// skips the re-check too.
+	MemoryHeadroomBytes int64 `json:"memory_headroom_bytes,omitempty"`
 	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
 	// deleted, so that no KV of a past request stays in host memory.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`

@@ -33,6 +33,12 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if cfg.RegionBytes == 0 {
 		cfg.RegionBytes = DefaultRegionBytes
 	}
+	switch {
+	case cfg.MemoryHeadroomBytes == 0:
+		cfg.MemoryHeadroomBytes = DefaultMemoryHeadroomBytes
+	case cfg.MemoryHeadroomBytes < 0:
+		cfg.MemoryHeadroomBytes = 0
+	}
 	if cfg.FirstRegionBytes == 0 {
 		cfg.FirstRegionBytes = DefaultFirstRegionBytes
 	}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"math"
 	"runtime"
 	"slices"
 	"strings"
@@ -52,6 +53,7 @@ type poolRegion struct {
 	mlock       bool
 	known       []uint64 // bases of the host ranges told to the scheduler
 	tracked     bool     // declared live to the gating Tracker
+	planned     int64    // the plan's size for a pool region (Engine.committed counts it)
 }
 
 func newEngine(cfg Config, h engineHooks) (*Engine, error) {
@@ -85,7 +87,11 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if numa.auto && choice.name == BackendCUDA {
 		node = sys.gpuNUMANode(choice.busID)
 	}
-	plan := regionPlan(cfg.PoolBytes, cfg.FirstRegionBytes, cfg.RegionBytes, slot)
+	target := cfg.PoolBytes
+	if cfg.MaxCachedBytes > 0 {
+		target = min(target, cfg.MaxCachedBytes)
+	}
+	plan := regionPlan(target, min(cfg.FirstRegionBytes, target), cfg.RegionBytes, slot)
 	if !cfg.SkipMemoryCheck {
 		need := cfg.PoolBytes + max(cfg.StagingBytes, 0)
 		if err := sys.checkFits(need, cfg.HostPinning == PinMlock, node); err != nil {
@@ -93,7 +99,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		}
 	}
 	e := &Engine{cfg: cfg, hooks: h, backend: choice.name, backendReason: choice.reason, start: start,
-		node: node, slot: slot, plan: plan, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
+		node: node, slot: slot, plan: plan, target: target, sys: sys, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
 		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{}), stopReap: make(chan struct{})}
 	e.growCond = sync.NewCond(&e.growMu)
 	if e.tracker == nil && transfer.InvariantsEnabled() {
@@ -159,7 +165,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	e.stats.firstSlot.Store(int64(time.Since(start)))
-	e.nextRegion = 1
+	e.nextRegion, e.committed, e.growFrom = 1, plan[0], 1
 	if len(plan) == 1 {
 		e.stats.fullPool.Store(int64(time.Since(start)))
 	}
@@ -448,7 +454,72 @@ func (e *Engine) addRegion(size int64) error {
 	if err != nil {
 		return err
 	}
+	pr.planned = size
 	return e.publishRegion(pr)
+}
+
+// uncommit forgets bytes of pool regions that were dropped before joining
+// the pool or trimmed out of it.
+func (e *Engine) uncommit(bytes int64) {
+	e.growMu.Lock()
+	e.committed -= bytes
+	e.growMu.Unlock()
+}
+
+// dropGrowing unmaps a region growth mapped but will not publish.
+func (e *Engine) dropGrowing(pr *poolRegion) {
+	e.unmapRegion(pr)
+	e.uncommit(pr.planned)
+}
+
+// nextSizeLocked is the size of plan region i that growth may map now,
+// reserving it in committed; false when growth has reached its target or
+// the plan's end. A region that fits only in part is shrunk to whole
+// slots, and the plan ends there. growMu held.
+func (e *Engine) nextSizeLocked(i int) (int64, bool) {
+	if i >= len(e.plan) {
+		return 0, false
+	}
+	size := min(e.plan[i], (e.target-e.committed)/e.slot*e.slot)
+	if size < e.slot {
+		e.plan = e.plan[:i]
+		if e.nextRegion == len(e.plan) && e.stats.fullPool.Load() == 0 {
+			e.stats.fullPool.Store(int64(time.Since(e.start)))
+		}
+		return 0, false
+	}
+	if size < e.plan[i] {
+		e.plan[i] = size
+		e.plan = e.plan[:i+1]
+	}
+	e.committed += size
+	return size, true
+}
+
+// checkRoom re-checks, before growth maps a region of size bytes, that
+// the machine still holds it plus Config.MemoryHeadroomBytes (other
+// processes pin and allocate meanwhile: eight ranks started together all
+// pass New's check). The error stops growth (Stats.GrowthError).
+func (e *Engine) checkRoom(size int64) error {
+	if e.cfg.SkipMemoryCheck {
+		return nil
+	}
+	need, ok := addSizes(size, e.cfg.MemoryHeadroomBytes)
+	if !ok {
+		return fmt.Errorf("%w: region of %d bytes plus headroom %d bytes overflows", ErrInvalidConfig, size, e.cfg.MemoryHeadroomBytes)
+	}
+	if err := e.sys.checkFits(need, e.cfg.HostPinning == PinMlock, e.node); err != nil {
+		return fmt.Errorf("offload: growth stopped before a region of %d bytes (with %d bytes of headroom kept): %w", size, e.cfg.MemoryHeadroomBytes, err)
+	}
+	return nil
+}
+
+// addSizes is a+b for non-negative sizes, false on overflow.
+func addSizes(a, b int64) (int64, bool) {
+	if a > math.MaxInt64-b {
+		return 0, false
+	}
+	return a + b, true
 }
 
 // publishRegion hands a pinned pool region to the cache and counts it as
@@ -575,6 +646,7 @@ func (e *Engine) grow() {
 			e.hooks.beforeGrow(it.i)
 		}
 		if err := e.pinMapped(it.pr, true); err != nil {
+			e.uncommit(it.pr.planned)
 			e.growFailed(err)
 			break
 		}
@@ -587,7 +659,7 @@ func (e *Engine) grow() {
 	e.growCond.Broadcast()
 	e.growMu.Unlock()
 	if held != nil && held.pr != nil {
-		e.unmapRegion(held.pr)
+		e.dropGrowing(held.pr)
 	}
 	close(pinned)
 	stages.Wait()
@@ -669,7 +741,10 @@ func (g *growth) prefetch() {
 		e.growCond.Broadcast()
 		e.growMu.Unlock()
 	}()
-	for i := 1; i < len(e.plan); i++ {
+	e.growMu.Lock()
+	from := e.growFrom
+	e.growMu.Unlock()
+	for i := from; ; i++ {
 		e.growMu.Lock()
 		for e.paused && !e.stoppedLocked() {
 			e.growCond.Wait()
@@ -678,9 +753,23 @@ func (g *growth) prefetch() {
 			e.growMu.Unlock()
 			return
 		}
+		size, ok := e.nextSizeLocked(i)
+		if !ok {
+			e.growMu.Unlock()
+			return
+		}
 		g.prefetching = true
 		e.growMu.Unlock()
-		pr, err := e.prefetchRegion(i, e.plan[i])
+		err := e.checkRoom(size)
+		var pr *poolRegion
+		if err == nil {
+			pr, err = e.prefetchRegion(i, size)
+		}
+		if err != nil {
+			e.uncommit(size)
+		} else {
+			pr.planned = size
+		}
 		e.growMu.Lock()
 		g.prefetching = false
 		e.growCond.Broadcast()
@@ -694,7 +783,7 @@ func (g *growth) prefetch() {
 		}
 		e.growMu.Unlock()
 		if gone && pr != nil {
-			e.unmapRegion(pr)
+			e.dropGrowing(pr)
 		}
 		if gone || err != nil {
 			return
@@ -715,14 +804,14 @@ func (g *growth) publish(in <-chan growItem) {
 		drop := failed || e.stopGrow
 		e.growMu.Unlock()
 		if drop {
-			e.unmapRegion(it.pr)
+			e.dropGrowing(it.pr)
 			continue
 		}
 		err := e.step(it.i, stepCache, it.pr.r)
 		if err != nil {
-			e.unmapRegion(it.pr)
-		} else {
-			err = e.publishRegion(it.pr)
+			e.dropGrowing(it.pr)
+		} else if err = e.publishRegion(it.pr); err != nil {
+			e.uncommit(it.pr.planned)
 		}
 		if err != nil {
 			failed = true

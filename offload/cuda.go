@@ -159,6 +159,8 @@ func (e *Engine) calibrate() {
 		msg = "uncalibrated rule (calibration failed: " + err.Error() + ")"
 	}
 	e.calibration.Store(&msg)
+	// Once: growth started again by GrowTo does not calibrate again.
+	e.calibrateLater = false
 }
 
 // stagingDevicePtr is the device address of the staging region's first

@@ -34,6 +34,15 @@ type Engine struct {
 	growErr    error
 	nextRegion int
 	plan       []int64
+	// target is the bytes of pool regions growth may have mapped at once
+	// (PoolBytes, or MaxCachedBytes when smaller; Trim lowers it to what is
+	// left, GrowTo raises it); committed is the bytes of pool regions
+	// mapped by New or growth and not yet trimmed or dropped (planned
+	// sizes). Growth maps a region only while committed + its size ≤
+	// target. growFrom is the plan index the running growth starts at.
+	target, committed int64
+	growFrom          int
+	sys               system
 
 	node   int
 	slot   int64

@@ -28,7 +28,9 @@ func (e *Engine) Stats() Stats { return e.snapshot() }
 // released by the engine when its last lease ends; when ctx ends first, what
 // is not freed yet is reported pending too, and is freed later all the same.
 // bytes ≤ 0 trims nothing. Staging buffers are never trimmed. Trimmed
-// memory does not come back.
+// memory stays released: background growth, if still running, stops at
+// what is left after the trim (regions already being grown included), and
+// the pool grows again only when GrowTo asks for it.
 func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	if !e.enter() {
 		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)
@@ -71,6 +73,46 @@ func (e *Engine) ResumeGrowth() {
 	e.paused = false
 	e.growCond.Broadcast()
 	e.growMu.Unlock()
+}
+
+// GrowTo sets the pool size that background growth aims at to bytes
+// (capped at Config.PoolBytes and Config.MaxCachedBytes) and, when growth
+// has ended below it, starts growing again in the background: the way to
+// have memory back after Trim, or after growth stopped on an error
+// (Stats.GrowthError, which GrowTo clears). A lower size stops growth
+// there; it never trims (Trim does). WaitGrown waits for the new growth.
+func (e *Engine) GrowTo(bytes int64) error {
+	if !e.enter() {
+		return fmt.Errorf("%w: GrowTo after Close", ErrClosed)
+	}
+	defer e.leave()
+	if bytes < 0 {
+		return fmt.Errorf("%w: GrowTo(%d): must not be negative", ErrInvalidArgument, bytes)
+	}
+	limit := e.cfg.PoolBytes
+	if e.cfg.MaxCachedBytes > 0 {
+		limit = min(limit, e.cfg.MaxCachedBytes)
+	}
+	e.growMu.Lock()
+	defer e.growMu.Unlock()
+	e.target = min(bytes, limit)
+	if !e.growDone || e.stopGrow || e.committed+e.slot > e.target {
+		return nil
+	}
+	// Growth has ended: plan regions for the rest and start it again.
+	e.growErr = nil
+	e.growFrom = len(e.plan)
+	region := e.cfg.RegionBytes / e.slot * e.slot
+	for left := e.target - e.committed; left >= e.slot; {
+		n := min(region, left/e.slot*e.slot)
+		e.plan = append(e.plan, n)
+		left -= n
+	}
+	e.growDone = false
+	e.stats.fullPool.Store(0)
+	e.wg.Add(1)
+	go e.grow()
+	return nil
 }
 
 // WaitGrown blocks until background growth has ended: the whole pool

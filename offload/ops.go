@@ -527,7 +527,7 @@ func (e *Engine) snapshot() Stats {
 		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
 		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
 		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
-		Store: c.store.snapshot(), Load: c.load.snapshot(), RegionsTotal: len(e.plan)}
+		Store: c.store.snapshot(), Load: c.load.snapshot()}
 	s.Misses = s.LookupKeys - s.Hits
 	if c := e.calibration.Load(); c != nil {
 		s.CopyCalibration = *c
@@ -545,6 +545,7 @@ func (e *Engine) snapshot() Stats {
 	}
 	e.memMu.Unlock()
 	e.growMu.Lock()
+	s.RegionsTotal, s.GrowthTargetBytes = len(e.plan), e.target
 	s.GrowthPaused = e.paused
 	if e.growErr != nil {
 		s.GrowthError = e.growErr.Error()
@@ -660,12 +661,20 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 		picked = append(picked, pr)
 		want += pr.r.Len()
 	}
+	var pickedBytes int64
 	for _, pr := range picked {
 		e.regions = slices.DeleteFunc(e.regions, func(x *poolRegion) bool { return x == pr })
 		e.draining[pr.id] = pr
 		e.owned -= pr.r.Len()
+		pickedBytes += pr.planned
 	}
 	e.memMu.Unlock()
+	// Growth must not undo the trim: the pool may grow back only to what
+	// is left (regions already being grown included), until GrowTo.
+	e.growMu.Lock()
+	e.committed -= pickedBytes
+	e.target = min(e.target, e.committed)
+	e.growMu.Unlock()
 	cs := e.cache.Stats()
 	for _, pr := range picked {
 		if _, err := e.cache.RemoveRegion(pr.id); err != nil {

@@ -1,11 +1,14 @@
 package offload
 
 import (
+	"context"
 	"math"
 	"testing"
 	"testing/fstest"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/mmapmem"
 )
 
 func fakeSystem(files map[string]string, memlock uint64) system {
@@ -103,4 +106,30 @@ func TestHostSystemReads(t *testing.T) {
 	lim, err := s.memlock()
 	require.NoError(t, err)
 	require.Positive(t, lim)
+}
+
+// TestGrowthRechecksMemory: growth re-reads the machine's memory before
+// each region and stops (Stats.GrowthError) when the region plus the
+// headroom no longer fits (other ranks pinned meanwhile), keeping what it
+// has; New's check of the whole pool passed when it ran.
+func TestGrowthRechecksMemory(t *testing.T) {
+	slot := int64(8 << 10)
+	fsys := fstest.MapFS{"proc/meminfo": &fstest.MapFile{Data: []byte("MemAvailable: 1048576 kB\n")}} // 1 GiB
+	hooks := engineHooks{sys: &system{fsys: fsys}, growStep: func(i int, s growStep, _ *mmapmem.Region) error {
+		if i == 1 && s == stepPrefaulted {
+			// Other processes took the memory: 40 KiB left (the headroom is 32 KiB).
+			fsys["proc/meminfo"] = &fstest.MapFile{Data: []byte("MemAvailable: 40 kB\n")}
+		}
+		return nil
+	}}
+	e, err := newEngine(Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot, StagingBytes: -1,
+		MemoryHeadroomBytes: 32 << 10, NUMANode: NUMANone, Layout: smallLayout(8), Backend: BackendHost}, hooks)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	err = e.WaitGrown(context.Background())
+	require.ErrorIs(t, err, ErrInsufficientMemory)
+	require.ErrorContains(t, err, "growth stopped before a region of 65536 bytes (with 32768 bytes of headroom kept)")
+	st := e.Stats()
+	require.Equal(t, 16*slot, st.OwnedBytes, "regions 0 and 1 kept")
+	require.Contains(t, st.GrowthError, "MemAvailable")
 }

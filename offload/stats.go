@@ -34,6 +34,9 @@ type Stats struct {
 	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
 	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
 	GrowthPaused bool          `json:"growth_paused"` // PauseGrowth in effect
+	// GrowthTargetBytes is the pool size growth aims at: PoolBytes (or
+	// MaxCachedBytes when smaller), lowered by Trim, raised by GrowTo.
+	GrowthTargetBytes int64 `json:"growth_target_bytes"`
 	// Growth splits the time spent adding the pool's regions (the first,
 	// pinned by New, included; the staging region not) by step.
 	Growth       GrowthSteps `json:"growth"`

@@ -5,6 +5,7 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/stretchr/testify/require"
@@ -237,8 +238,9 @@ func TestCloseStopsPausedGrowth(t *testing.T) {
 	require.ErrorIs(t, e.WaitGrown(context.Background()), ErrClosed)
 }
 
-// TestMaxCachedBytes: with a bound below the pool, the engine trims
-// automatically after growth and ends at or below the bound.
+// TestMaxCachedBytes: with a bound below the pool, growth stops at the
+// bound: nothing beyond it is ever pinned (no pin-then-trim), the last
+// region shrunk to fit, and GrowTo cannot ask past it.
 func TestMaxCachedBytes(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	slot := int64(8 << 10)
@@ -246,12 +248,57 @@ func TestMaxCachedBytes(t *testing.T) {
 		MaxCachedBytes: 20 * slot, Layout: smallLayout(8)})
 	defer func() { require.NoError(t, e.Close()) }()
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
 	st := e.Stats()
-	require.LessOrEqual(t, st.OwnedBytes, 20*slot)
-	require.Positive(t, st.Trims)
-	require.Equal(t, 32*slot, st.OwnedBytes+st.TrimmedBytes)
+	require.Equal(t, 20*slot, st.OwnedBytes, "grown to the bound exactly")
+	require.Zero(t, st.Trims, "nothing pinned beyond the bound, so nothing trimmed")
+	require.Zero(t, st.TrimmedBytes)
+	require.Equal(t, int64(4), st.PinCalls, "the staging region, then pool regions of 8, 8 and 4 slots")
+	require.Equal(t, 3, st.RegionsTotal)
+	require.Equal(t, 20*slot, st.GrowthTargetBytes)
 	require.Equal(t, st.OwnedBytes, st.SlotsTotal*slot)
+	require.NoError(t, e.GrowTo(32*slot))
+	require.NoError(t, e.WaitGrown(context.Background()))
+	require.Equal(t, 20*slot, e.Stats().OwnedBytes, "GrowTo is capped at MaxCachedBytes")
+}
+
+// TestTrimDuringGrowthStaysTrimmed: a Trim while the pool still grows is
+// not undone by growth: growth stops at what was left (the region being
+// grown at the time included), and GrowTo brings the pool back.
+func TestTrimDuringGrowthStaysTrimmed(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	slot := int64(8 << 10)
+	reached := make(chan struct{})
+	release := make(chan struct{})
+	hooks := engineHooks{sys: &system{fsys: fstest.MapFS{}}, beforeGrow: func(i int) {
+		if i == 2 {
+			close(reached)
+			<-release
+		}
+	}}
+	e, err := newEngine(Config{PoolBytes: 64 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, hooks)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	<-reached // regions 0 and 1 joined (or are joining); region 2 is about to be pinned
+	res, err := e.Trim(context.Background(), 8*slot)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Regions)
+	close(release)
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st := e.Stats()
+	require.Less(t, st.OwnedBytes, 64*slot-8*slot, "growth stopped after the trim instead of pinning the rest")
+	// Regions 0-2, and regions 3 (handed over) and 4 (being prefaulted)
+	// which the prefetch stage may have mapped ahead, less the trimmed one.
+	require.LessOrEqual(t, st.OwnedBytes, 5*8*slot-8*slot, "at most the regions mapped before the trim, less the trimmed one")
+	require.Equal(t, st.OwnedBytes, st.GrowthTargetBytes)
+
+	require.NoError(t, e.GrowTo(64*slot))
+	require.NoError(t, e.WaitGrown(context.Background()))
+	st = e.Stats()
+	require.Equal(t, 64*slot, st.OwnedBytes, "GrowTo grows the pool back to its size")
+	require.Equal(t, st.OwnedBytes, st.SlotsTotal*slot)
+	require.NotZero(t, st.FullPool)
+	require.ErrorIs(t, e.GrowTo(-1), ErrInvalidArgument)
 }
 
 // TestLeaseSurvivesTrimAndDelete: a Lookup lease keeps its blocks'
