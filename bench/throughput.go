@@ -183,9 +183,44 @@ type ThroughputResults struct {
 	Capabilities  cudacopy.Capabilities `json:"capabilities"`
 	Calibration   *cudacopy.Calibration `json:"calibration"`
 	Config        ThroughputConfig      `json:"config"`
-	Link          map[string]float64    `json:"link_gbps"`
-	SGEMM         SGEMMInfo             `json:"sgemm"`
-	Rows          []ThroughputRow       `json:"rows"`
+	// Link is the contiguous reference each way and both ways at once: the
+	// best of LinkBefore (measured before the rows) and LinkAfter (after
+	// them). Every row's PctOfLink is against it.
+	Link       map[string]float64 `json:"link_gbps"`
+	LinkBefore map[string]float64 `json:"link_before_gbps,omitempty"`
+	LinkAfter  map[string]float64 `json:"link_after_gbps,omitempty"`
+	SGEMM      SGEMMInfo          `json:"sgemm"`
+	Rows       []ThroughputRow    `json:"rows"`
+	// Invalid lists the rows faster than MaxPctOfLink of the link: the
+	// reference was wrong or the row was mis-timed, so no target is
+	// reported. Empty when the run is valid.
+	Invalid []string `json:"invalid,omitempty"`
+}
+
+// MaxPctOfLink is the most a row may reach against the contiguous link
+// before the run is invalid: a scattered copy cannot beat one contiguous
+// copy of the same bytes by more than measurement noise.
+const MaxPctOfLink = 102
+
+// LinkVerdict checks rows against link (GB/s by direction): one line per
+// row above MaxPctOfLink of its direction's link, or per row whose
+// direction has no link measured. No lines: the run is valid.
+func LinkVerdict(link map[string]float64, rows []ThroughputRow) []string {
+	var bad []string
+	for _, row := range rows {
+		if row.Method == "contiguous" {
+			continue
+		}
+		l := link[row.Dir]
+		name := fmt.Sprintf("%s %s %s (%s)", row.variant(), row.Dir, cudacopy.FormatBytes(row.SegBytes), row.Background)
+		switch {
+		case l <= 0:
+			bad = append(bad, fmt.Sprintf("%s: no %s link reference", name, row.Dir))
+		case 100*row.GBps/l > MaxPctOfLink:
+			bad = append(bad, fmt.Sprintf("%s: %.1f GB/s = %.1f%% of the link (%.1f GB/s), above %d%%", name, row.GBps, 100*row.GBps/l, l, MaxPctOfLink))
+		}
+	}
+	return bad
 }
 
 // hostRegion is an mmap'd, prefaulted, registered host buffer.
@@ -391,6 +426,11 @@ func MeasureThroughput(drv cuda.Driver, dev cuda.Device, cfg ThroughputConfig) (
 	if err := b.link(&res); err != nil {
 		return res, err
 	}
+	defer func() {
+		if err == nil {
+			err = b.relink(&res)
+		}
+	}()
 	solo := map[string]ThroughputRow{}
 	for _, size := range cfg.SegSizes {
 		segs := b.segments(size)
@@ -683,11 +723,15 @@ func holdFor(submit time.Duration) time.Duration {
 // twice the warm-up's submit time plus gateMargin (none when that exceeds
 // maxGate).
 func (b *bench) reps(enqueue func(tickets *[]tk) error, gated bool) (timing, error) {
+	return b.repsN(enqueue, gated, b.cfg.Reps)
+}
+
+// repsN is reps with n timed runs instead of cfg.Reps.
+func (b *bench) repsN(enqueue func(tickets *[]tk) error, gated bool, n int) (timing, error) {
 	warm, err := b.measure(enqueue, 0)
 	if err != nil {
 		return timing{}, err
 	}
-	n := b.cfg.Reps
 	if warm.ms > slowRunMs {
 		n = min(n, slowReps)
 	}
@@ -719,7 +763,21 @@ func (b *bench) reps(enqueue func(tickets *[]tk) error, gated bool) (timing, err
 
 func gbps(bytes uint64, ms float64) float64 { return float64(bytes) / (ms * 1e6) }
 
-func (b *bench) link(res *ThroughputResults) error {
+// Link reference: linkWarm of contiguous copies both ways (at most
+// linkWarmRuns runs) before the timed runs, which are at least linkReps.
+// A link that idles may run below its speed at first (power states, a
+// PCIe link trained down), and one warm-up copy was not enough: a run on
+// the H200 measured 46 GB/s against 55 in another program the same minute.
+const (
+	linkWarm     = 500 * time.Millisecond
+	linkWarmRuns = 64
+	linkReps     = 8
+)
+
+// measureLink times the contiguous reference: TotalBytes in one copy
+// devA → hostA on b.s[0] (d2h), hostB → devB on b.s[1] (h2d), and both at
+// once (separate streams and buffers), after a warm-up of both ways.
+func (b *bench) measureLink() (map[string]timing, error) {
 	n := b.cfg.TotalBytes
 	d2h := func(tickets *[]tk) error {
 		return b.drv.MemcpyAsync(cuda.DevicePtr(b.hostA.addr()), b.devA, n, b.s[0])
@@ -727,22 +785,81 @@ func (b *bench) link(res *ThroughputResults) error {
 	h2d := func(tickets *[]tk) error {
 		return b.drv.MemcpyAsync(b.devB, cuda.DevicePtr(b.hostB.addr()), n, b.s[1])
 	}
-	for _, c := range []struct {
-		dir   string
-		bytes uint64
-		f     func(*[]tk) error
-	}{
-		{"d2h", n, d2h},
-		{"h2d", n, h2d},
-		{"both", 2 * n, func(t *[]tk) error { return errors.Join(d2h(t), h2d(t)) }},
-	} {
-		tm, err := b.reps(c.f, true)
-		if err != nil {
-			return fmt.Errorf("bench: contiguous %s: %w", c.dir, err)
+	both := func(t *[]tk) error { return errors.Join(d2h(t), h2d(t)) }
+	start := time.Now()
+	for i := 0; i < linkWarmRuns && time.Since(start) < linkWarm; i++ {
+		if _, err := b.measure(both, 0); err != nil {
+			return nil, fmt.Errorf("bench: contiguous warm-up: %w", err)
 		}
-		res.Link[c.dir] = gbps(c.bytes, tm.best)
-		res.Rows = append(res.Rows, ThroughputRow{Method: "contiguous", Dir: c.dir, SegBytes: n, GBps: gbps(c.bytes, tm.best), MedianGBps: gbps(c.bytes, tm.median), PctOfLink: 100, Background: "none", Gated: tm.held})
 	}
+	out := map[string]timing{}
+	for _, c := range []struct {
+		dir string
+		f   func(*[]tk) error
+	}{{"d2h", d2h}, {"h2d", h2d}, {"both", both}} {
+		tm, err := b.repsN(c.f, true, max(b.cfg.Reps, linkReps))
+		if err != nil {
+			return nil, fmt.Errorf("bench: contiguous %s: %w", c.dir, err)
+		}
+		out[c.dir] = tm
+	}
+	return out, nil
+}
+
+// linkBytes is the bytes one contiguous run of dir moves.
+func (b *bench) linkBytes(dir string) uint64 {
+	if dir == "both" {
+		return 2 * b.cfg.TotalBytes
+	}
+	return b.cfg.TotalBytes
+}
+
+// link measures the contiguous reference into res.Link and
+// res.LinkBefore and appends its rows.
+func (b *bench) link(res *ThroughputResults) error {
+	tms, err := b.measureLink()
+	if err != nil {
+		return err
+	}
+	res.LinkBefore = map[string]float64{}
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		tm := tms[dir]
+		g := gbps(b.linkBytes(dir), tm.best)
+		res.Link[dir], res.LinkBefore[dir] = g, g
+		res.Rows = append(res.Rows, ThroughputRow{Method: "contiguous", Dir: dir, SegBytes: b.cfg.TotalBytes, GBps: g, MedianGBps: gbps(b.linkBytes(dir), tm.median), PctOfLink: 100, Background: "none", Gated: tm.held})
+	}
+	return nil
+}
+
+// relink measures the reference again after the rows (res.LinkAfter),
+// keeps the faster of the two per direction as res.Link (and in the
+// contiguous rows), recomputes every row's PctOfLink against it, and
+// records the rows above MaxPctOfLink in res.Invalid.
+func (b *bench) relink(res *ThroughputResults) error {
+	tms, err := b.measureLink()
+	if err != nil {
+		return err
+	}
+	res.LinkAfter = map[string]float64{}
+	for i := range res.Rows {
+		row := &res.Rows[i]
+		if row.Method != "contiguous" {
+			continue
+		}
+		tm := tms[row.Dir]
+		g := gbps(b.linkBytes(row.Dir), tm.best)
+		res.LinkAfter[row.Dir] = g
+		if g > row.GBps {
+			row.GBps, row.MedianGBps, row.Gated = g, gbps(b.linkBytes(row.Dir), tm.median), tm.held
+			res.Link[row.Dir] = g
+		}
+	}
+	for i := range res.Rows {
+		if l := res.Link[res.Rows[i].Dir]; l > 0 {
+			res.Rows[i].PctOfLink = 100 * res.Rows[i].GBps / l
+		}
+	}
+	res.Invalid = LinkVerdict(res.Link, res.Rows)
 	return nil
 }
 
@@ -1186,7 +1303,13 @@ func FormatThroughput(r ThroughputResults) string {
 	}
 	fmt.Fprintf(&b, "%s per direction per run, best of %d (median in the CSV), CUDA events; kernel %d threads/CTA; batch API: %v.\n\n",
 		cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Config.Threads, r.Capabilities.Batch)
-	fmt.Fprintf(&b, "Link (contiguous, pinned): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.\n\n", r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+	fmt.Fprintf(&b, "Link (contiguous, pinned): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.", r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+	if r.LinkBefore != nil && r.LinkAfter != nil {
+		fmt.Fprintf(&b, " The best of before the rows (d2h %.1f, h2d %.1f, both %.1f) and after them (d2h %.1f, h2d %.1f, both %.1f), each after a warm-up of %v, best of %d.",
+			r.LinkBefore["d2h"], r.LinkBefore["h2d"], r.LinkBefore["both"], r.LinkAfter["d2h"], r.LinkAfter["h2d"], r.LinkAfter["both"], linkWarm, max(r.Config.Reps, linkReps))
+	}
+	b.WriteString("\n\n")
+	b.WriteString(formatInvalid(r.Invalid))
 	b.WriteString("GPU rate (the first table per direction): each run enqueued while the streams wait behind a spin kernel sized at twice the measured submit time, then timed with events, so the time is the copies', not the CPU's building them; † marks points where the gate did not hold or none ran (submission over " + maxGate.String() + "/2: the rate includes the CPU time, which is that method's limit). Pipelined: the same bytes as " + strconv.Itoa(pipeParts) + " back-to-back Submits per direction, ungated, as a serving engine overlaps them (where no gate ran, the ungated run itself: the same driver calls). Points whose warm-up took over " + strconv.Itoa(slowRunMs) + " ms get " + strconv.Itoa(slowReps) + " timed runs. CPU: median wall time of Submit per segment.\n\n")
 
 	var variants []string
@@ -1256,10 +1379,29 @@ func FormatThroughput(r ThroughputResults) string {
 		}
 		b.WriteString("\n")
 	}
-	b.WriteString(formatTargets(r, cell, variants))
+	if len(r.Invalid) > 0 {
+		b.WriteString("## Targets\n\nNot reported: the run is INVALID (see above).\n")
+	} else {
+		b.WriteString(formatTargets(r, cell, variants))
+	}
 	if r.Calibration != nil {
 		fmt.Fprintf(&b, "\n## Calibration used by auto (kernel D2H %v, H2D %v; %s per point)\n\n%s", r.Calibration.D2H, r.Calibration.H2D, cudacopy.FormatBytes(r.Calibration.TotalBytes), r.Calibration.Markdown())
 	}
+	return b.String()
+}
+
+// formatInvalid renders LinkVerdict's lines as the INVALID notice, or
+// nothing for a valid run.
+func formatInvalid(bad []string) string {
+	if len(bad) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "**INVALID**: %d row(s) above %d%% of the link; the link reference or those rows are wrong, and no target is reported:\n\n", len(bad), MaxPctOfLink)
+	for _, l := range bad {
+		fmt.Fprintf(&b, "- %s\n", l)
+	}
+	b.WriteString("\n")
 	return b.String()
 }
 

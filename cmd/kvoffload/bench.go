@@ -31,6 +31,11 @@ cuMemHostRegister against cuMemHostAlloc), and writes into --out:
                                 the link as a dashed line (dir: d2h, h2d, both)
   results.md                    the tables printed on stdout
 
+The link reference (one contiguous copy each way and both ways at once) is
+measured after a warm-up, before and after the rows, and the faster is kept.
+A row above 102% of it makes the run INVALID: the tables say so instead of
+reporting targets, summary.json has "valid": false, and the exit status is 3.
+
 Without a GPU it exits with status 1 and says why.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		cfg := bench.DefaultThroughputConfig()
@@ -101,6 +106,21 @@ type benchSummary struct {
 	Throughput *bench.ThroughputResults `json:"throughput,omitempty"`
 	Pinning    []pinningRow             `json:"pinning,omitempty"`
 	Skipped    []string                 `json:"skipped,omitempty"`
+	// Valid is false when a throughput row exceeded bench.MaxPctOfLink of
+	// the link (Throughput.Invalid says which): no target is reported.
+	Valid bool `json:"valid"`
+}
+
+// verdict sets s.Valid from the throughput rows' check against the link
+// (bench.LinkVerdict, done by MeasureThroughput) and returns an
+// errVerification error for an invalid run.
+func (s *benchSummary) verdict() error {
+	s.Valid = s.Throughput == nil || len(s.Throughput.Invalid) == 0
+	if s.Valid {
+		return nil
+	}
+	return fmt.Errorf("%w: the throughput run is INVALID: %d row(s) above %d%% of the link reference (first: %s)",
+		errVerification, len(s.Throughput.Invalid), bench.MaxPctOfLink, s.Throughput.Invalid[0])
 }
 
 // pinningRow is a bench.PinningResult in seconds and bytes, for JSON and CSV.
@@ -189,6 +209,7 @@ func (b benchRun) run(e *env, asJSON bool) error {
 			}
 		}
 	}
+	runErr = errors.Join(runErr, sum.verdict())
 	files, err := writeBenchFiles(b.out, sum)
 	if err != nil {
 		return errors.Join(runErr, err)

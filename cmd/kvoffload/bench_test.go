@@ -130,3 +130,37 @@ func TestBenchPTXFlag(t *testing.T) {
 	}
 	require.NoDirExists(t, filepath.Join(dir, "out"))
 }
+
+// A throughput row above 102% of the link makes the run invalid: "valid":
+// false in summary.json, INVALID and no targets in results.md, and an
+// error that exits with status 3.
+func TestBenchVerdict(t *testing.T) {
+	link := map[string]float64{"d2h": 46.2, "h2d": 45.7, "both": 62.1}
+	rows := []bench.ThroughputRow{
+		{Method: "contiguous", Dir: "d2h", SegBytes: 2 << 30, GBps: 46.2, PctOfLink: 100, Background: "none"},
+		{Method: "auto", CTAs: 8, Dir: "d2h", SegBytes: 64 << 10, GBps: 52, PctOfLink: 112.6, Background: "none", Chosen: "kernel"},
+	}
+	res := bench.ThroughputResults{Device: "test GPU", Link: link, Config: bench.DefaultThroughputConfig(), Rows: rows, Invalid: bench.LinkVerdict(link, rows)}
+	sum := benchSummary{Command: "kvoffload bench", Throughput: &res}
+	err := sum.verdict()
+	require.ErrorIs(t, err, errVerification)
+	require.Contains(t, err.Error(), "INVALID")
+	require.False(t, sum.Valid)
+	dir := t.TempDir()
+	_, err = writeBenchFiles(dir, sum)
+	require.NoError(t, err)
+	js, err := os.ReadFile(filepath.Join(dir, "summary.json"))
+	require.NoError(t, err)
+	require.Contains(t, string(js), `"valid": false`)
+	md, err := os.ReadFile(filepath.Join(dir, "results.md"))
+	require.NoError(t, err)
+	require.Contains(t, string(md), "**INVALID**")
+	require.Contains(t, string(md), "Not reported: the run is INVALID")
+	require.NotContains(t, string(md), "[≥97%")
+
+	res.Link = map[string]float64{"d2h": 55.3, "h2d": 55.4, "both": 95.1}
+	res.Invalid = bench.LinkVerdict(res.Link, rows)
+	require.NoError(t, sum.verdict())
+	require.True(t, sum.Valid)
+	require.True(t, (&benchSummary{}).verdict() == nil, "a pinning-only run is valid")
+}

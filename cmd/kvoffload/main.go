@@ -10,7 +10,8 @@
 // Every command takes --help and --json. Sizes take units (4096, 64KiB,
 // 1GiB, 2G, 100GB). Errors go to stderr; the exit status is 0 on success,
 // 1 on a runtime error, 2 on bad usage and 3 when the demo finds a block
-// whose content is wrong.
+// whose content is wrong or a bench run is invalid (a row faster than the
+// link reference).
 package main
 
 import (
@@ -37,8 +38,8 @@ const (
 // errUsage marks errors caused by the command line (exit status 2).
 var errUsage = errors.New("usage")
 
-// errVerification marks a demo whose verification found a wrong block
-// (exit status 3).
+// errVerification marks a demo whose verification found a wrong block, or
+// a bench run whose rows contradict its link reference (exit status 3).
 var errVerification = errors.New("verification failed")
 
 // env is what a command runs with: its output streams and whether stderr

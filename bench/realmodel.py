@@ -1,0 +1,676 @@
+#!/usr/bin/env python3
+"""Reload vs recompute on a real model's KV cache, through kvoffload.
+
+An 8B-class Llama geometry (32 layers, 32 attention heads, 8 KV heads of
+128, hidden 4096, intermediate 14336, vocab 32000) is built in transformers
+from its config with random bf16 weights on the GPU (nothing is downloaded).
+For each prompt length it prefills N random tokens (SDPA attention), copies
+the KV cache into a paged layout (per layer a K and a V tensor
+[num_blocks, 16, 8, 128], token-major as vLLM keeps it) at random,
+non-contiguous block ids, stores those blocks through the engine, poisons
+the GPU cache, loads them into other random block ids and checks every
+block's bytes against the original KV. It then decodes a few tokens with
+eager attention from the original KV and from the reloaded blocks: the
+logits must be bit-identical (cuDNN's SDPA is not bit-reproducible, eager
+is).
+
+Each size is warmed up once (that first op is reported separately) and
+timed over --reps repetitions (medians), against references measured in the
+same run: the prefill (recompute), and a contiguous pinned copy of the same
+bytes by torch each way (best of --reps). Targets are printed as PASS/FAIL;
+only wrong bytes or logits make the exit status nonzero (1).
+
+    make python   # python/kvoffload/libkvoffload.so
+    PYTHONPATH=python python3 bench/realmodel.py --out realmodel.md
+    PYTHONPATH=python python3 bench/realmodel.py --tokens 2048 --reps 3
+    python3 bench/realmodel.py --selfcheck   # no torch, no GPU: the bookkeeping
+
+The paging and table logic is plain Python (the functions before the torch
+section) so that python/tests/test_realmodel_bench.py runs it in CI, where
+there is no torch.
+"""
+
+import argparse
+import datetime
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+TPB = 16  # tokens per block
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 32, 32, 8, 128
+HIDDEN, INTERMEDIATE, VOCAB = 4096, 14336, 32000
+DTYPE_BYTES = 2  # bf16
+DEFAULT_TOKENS = (2048, 8192, 32768)
+
+# Targets (issue 21): reload at >= 92% of a contiguous pinned H2D copy of the
+# same bytes, store at >= 90% of a contiguous D2H copy, and per-layer events
+# no later than their share of the whole load plus 1 ms.
+RELOAD_MIN = 0.92
+STORE_MIN = 0.90
+LAYER_SLACK_MS = 1.0
+
+
+# ---- plain Python: block ids, paging, results --------------------------------
+
+def blocks_for(tokens, tpb=TPB):
+    """Full blocks of a prompt of tokens (the benchmark uses multiples of tpb)."""
+    if tokens <= 0 or tokens % tpb:
+        raise ValueError(f"tokens = {tokens}: must be a positive multiple of {tpb}")
+    return tokens // tpb
+
+
+def kv_bytes(tokens, layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=DTYPE_BYTES):
+    """Bytes of K and V for tokens over all layers."""
+    return 2 * layers * tokens * kv_heads * head_dim * dtype_bytes
+
+
+def assign_block_ids(num_blocks, n, rng):
+    """Two disjoint lists of n GPU block ids in random order out of
+    num_blocks, as an allocator hands them out after churn: the blocks the
+    prefill wrote (stored from) and the blocks a later request got (loaded
+    into)."""
+    if 2 * n > num_blocks:
+        raise ValueError(f"{2 * n} distinct blocks asked for, the cache has {num_blocks}")
+    ids = rng.sample(range(num_blocks), 2 * n)
+    return ids[:n], ids[n:]
+
+
+def paged_slot(token, ids, tpb=TPB):
+    """Where token lives in the paged cache: (block id, offset in the block)."""
+    return ids[token // tpb], token % tpb
+
+
+def to_paged(seq, ids, num_blocks, tpb=TPB, fill=None):
+    """A sequence of per-token items (one per token) written into a paged
+    cache of num_blocks blocks of tpb slots at block ids: what the torch
+    code does with index_copy_ on [num_blocks, tpb, heads, dim]."""
+    if len(seq) != len(ids) * tpb:
+        raise ValueError(f"{len(seq)} tokens do not fill {len(ids)} blocks of {tpb}")
+    paged = [[fill] * tpb for _ in range(num_blocks)]
+    for t, item in enumerate(seq):
+        b, o = paged_slot(t, ids, tpb)
+        paged[b][o] = item
+    return paged
+
+
+def from_paged(paged, ids, tpb=TPB):
+    """The sequence held by blocks ids of a paged cache, in token order."""
+    return [paged[b][o] for b in ids for o in range(tpb)]
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ratio(num, den):
+    return num / den if den else float("nan")
+
+
+def layer_verdicts(layer_ms, total_ms, slack_ms=LAYER_SLACK_MS):
+    """Layers whose event came later than (l+1)*total/L + slack: a list of
+    (layer, ms, bound) for the late ones (empty: PASS)."""
+    n = len(layer_ms)
+    late = []
+    for l, ms in enumerate(layer_ms):
+        bound = (l + 1) * total_ms / n + slack_ms
+        if ms > bound:
+            late.append((l, ms, bound))
+    return late
+
+
+def targets(row):
+    """The PASS/FAIL lines of one size's row (see Row)."""
+    out = []
+    fr = row["floor_over_reload"]
+    out.append((fr >= RELOAD_MIN, f"{row['tokens']} tokens: reload {row['reload_ms']:.2f} ms, contiguous H2D "
+                f"{row['h2d_ms']:.2f} ms: {100 * fr:.1f}% of the floor [>= {100 * RELOAD_MIN:.0f}%]"))
+    sr = row["d2h_over_store"]
+    out.append((sr >= STORE_MIN, f"{row['tokens']} tokens: store {row['store_ms']:.2f} ms, contiguous D2H "
+                f"{row['d2h_ms']:.2f} ms: {100 * sr:.1f}% of the floor [>= {100 * STORE_MIN:.0f}%]"))
+    late = layer_verdicts(row["layer_ms"], row["layer_total_ms"])
+    if late:
+        l, ms, bound = late[0]
+        text = (f"{row['tokens']} tokens: per-layer load: {len(late)} of {len(row['layer_ms'])} layers late, "
+                f"first layer {l} at {ms:.2f} ms > {bound:.2f} ms [(l+1)*total/L + {LAYER_SLACK_MS:g} ms]")
+    else:
+        text = (f"{row['tokens']} tokens: per-layer load: every layer l by (l+1)*total/L + {LAYER_SLACK_MS:g} ms "
+                f"(layer 0 at {row['layer_ms'][0]:.2f} ms, all at {row['layer_total_ms']:.2f} ms)")
+    out.append((not late, text))
+    return out
+
+
+def make_row(tokens, prefill_ms, reload_ms, load_return_ms, layer_ms, layer_total_ms, store_ms, h2d_ms, d2h_ms,
+             first=None):
+    """One size's results: medians of the timed reps (layer_ms: the median
+    per layer), best-of references, and the warm-up's times in first."""
+    return {
+        "tokens": tokens,
+        "kv_gb": kv_bytes(tokens) / 1e9,
+        "prefill_ms": prefill_ms,
+        "reload_ms": reload_ms,
+        "h2d_ms": h2d_ms,
+        "floor_over_reload": ratio(h2d_ms, reload_ms),
+        "load_return_ms": load_return_ms,
+        "layer_ms": list(layer_ms),
+        "layer_total_ms": layer_total_ms,
+        "store_ms": store_ms,
+        "d2h_ms": d2h_ms,
+        "d2h_over_store": ratio(d2h_ms, store_ms),
+        "recompute_over_reload": ratio(prefill_ms, reload_ms),
+        "first": first or {},
+    }
+
+
+TABLE_HEADER = (
+    "| tokens | KV GB | recompute (prefill ms) | reload ms | contiguous H2D ms | floor/reload "
+    "| load() returned after ms | per-layer load: layer 0 / all ms | store ms | contiguous D2H ms "
+    "| D2H/store | recompute/reload |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+
+
+def format_table(rows):
+    lines = [TABLE_HEADER]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['kv_gb']:.2f} | {r['prefill_ms']:.1f} | {r['reload_ms']:.2f} | {r['h2d_ms']:.2f} "
+            f"| {r['floor_over_reload']:.2f} | {r['load_return_ms']:.3f} | {r['layer_ms'][0]:.2f} / "
+            f"{r['layer_total_ms']:.2f} | {r['store_ms']:.2f} | {r['d2h_ms']:.2f} | {r['d2h_over_store']:.2f} "
+            f"| {r['recompute_over_reload']:.1f}x |\n")
+    return "".join(lines)
+
+
+def format_first(rows):
+    """The warm-up (first) op of each size, for warm start."""
+    lines = ["| tokens | first store ms | first load ms | first prefill ms |\n|---:|---:|---:|---:|\n"]
+    for r in rows:
+        f = r["first"]
+        lines.append(f"| {r['tokens']} | {f.get('store_ms', float('nan')):.2f} | {f.get('load_ms', float('nan')):.2f} "
+                     f"| {f.get('prefill_ms', float('nan')):.1f} |\n")
+    return "".join(lines)
+
+
+def format_targets(rows):
+    return "".join(f"- {'PASS' if ok else 'FAIL'}: {text}\n" for r in rows for ok, text in targets(r))
+
+
+def format_report(command, machine, rows, checks, reps, started):
+    """The results file: command, date, machine, then the tables."""
+    out = [
+        "# kvoffload: reload vs recompute on an 8B-class Llama's KV cache\n\n",
+        f"Command: `{command}`  \nDate: {started}  \n",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + "\n\n",
+        f"Llama geometry, random bf16 weights: {LAYERS} layers, {HEADS} heads, {KV_HEADS} KV heads of {HEAD_DIM}, "
+        f"hidden {HIDDEN}, intermediate {INTERMEDIATE}, vocab {VOCAB}; {TPB}-token blocks "
+        f"({kv_bytes(TPB) >> 20} MiB per block over all layers) at random GPU block ids. "
+        f"Median of {reps} timed reps after one warm-up; contiguous copies: best of {reps}. "
+        "reload: CUDA events on the compute stream, from just before load() to after the stream waited on the op. "
+        "load() returned after: wall clock of the call. Per-layer: a per_layer load, the compute stream waiting "
+        "on each layer's event in turn and recording its own event after each.\n\n",
+        format_table(rows), "\n## First op (warm-up) per size\n\n", format_first(rows),
+        "\n## Targets\n\n", format_targets(rows), "\n## Checks\n\n",
+        "".join(f"- {'ok' if ok else 'MISMATCH'}: {text}\n" for ok, text in checks),
+    ]
+    return "".join(out)
+
+
+def selfcheck():
+    """The plain-Python part, without torch or a GPU. Raises AssertionError."""
+    assert blocks_for(2048) == 128 and blocks_for(32768) == 2048
+    for bad in (0, 15, 2047):
+        try:
+            blocks_for(bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"blocks_for({bad}) accepted")
+    assert kv_bytes(16) == 2 << 20, "one 16-token block of the 8B geometry is 2 MiB"
+    assert kv_bytes(8192) == 1 << 30
+
+    rng = random.Random(7)
+    num_blocks, n = 300, 128
+    src, dst = assign_block_ids(num_blocks, n, rng)
+    assert len(src) == len(dst) == n
+    assert not set(src) & set(dst), "store and load ids overlap"
+    assert len(set(src)) == n and all(0 <= b < num_blocks for b in src + dst)
+    assert src != sorted(src), "ids should be scattered, not handed out in order"
+    try:
+        assign_block_ids(10, 6, rng)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("assign_block_ids gave 12 distinct ids out of 10")
+
+    seq = [("tok", t) for t in range(n * TPB)]
+    paged = to_paged(seq, src, num_blocks)
+    assert from_paged(paged, src) == seq
+    for t in (0, 15, 16, 1000, n * TPB - 1):
+        b, o = paged_slot(t, src)
+        assert paged[b][o] == seq[t] and b == src[t // TPB] and o == t % TPB
+    untouched = set(range(num_blocks)) - set(src)
+    assert all(paged[b] == [None] * TPB for b in untouched), "a block outside the ids was written"
+    # Store from src, load into dst: the block-to-block copy the engine does.
+    moved = [[None] * TPB for _ in range(num_blocks)]
+    for s, d in zip(src, dst):
+        moved[d] = list(paged[s])
+    assert from_paged(moved, dst) == seq
+
+    assert layer_verdicts([1.0, 2.0, 3.0, 4.0], 4.0) == []
+    assert layer_verdicts([3.5, 2.0, 3.0, 4.0], 4.0) == [(0, 3.5, 2.0)]
+    row = make_row(2048, prefill_ms=61.5, reload_ms=5.0, load_return_ms=0.2, layer_ms=[0.3 * (i + 1) for i in range(32)],
+                   layer_total_ms=9.6, store_ms=5.2, h2d_ms=4.8, d2h_ms=4.9, first={"store_ms": 9, "load_ms": 8})
+    assert abs(row["kv_gb"] - 0.268435456) < 1e-9
+    v = targets(row)
+    assert [ok for ok, _ in v] == [True, True, True], v
+    slow = dict(row, floor_over_reload=0.5, d2h_over_store=0.89, layer_ms=[5.0] + row["layer_ms"][1:])
+    assert [ok for ok, _ in targets(slow)] == [False, False, False]
+    md = format_report("python3 bench/realmodel.py --selfcheck", {"gpu": "none"}, [row],
+                       [(True, "2048 tokens: 128 blocks byte-exact")], 5, "2026-01-01T00:00:00Z")
+    for want in ("| 2048 | 0.27 | 61.5 | 5.00 | 4.80 | 0.96 | 0.200 | 0.30 / 9.60 | 5.20 | 4.90 | 0.94 | 12.3x |",
+                 "- PASS: 2048 tokens: reload 5.00 ms", "| 2048 | 9.00 | 8.00 | nan |", "Command: `python3",
+                 "- ok: 2048 tokens"):
+        assert want in md, (want, md)
+    return md
+
+
+# ---- torch: the benchmark on the GPU ------------------------------------------
+
+def machine_info():
+    import torch
+    info = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if drv.returncode == 0 and drv.stdout.strip():
+            info["driver"] = drv.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info["cpus"] = os.cpu_count()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["memory"] = f"{int(line.split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return info
+
+
+def set_attn(model, impl):
+    """Switches the attention implementation of a built model (transformers
+    5.x reads config._attn_implementation at every forward)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
+    got = getattr(model.config, "_attn_implementation", None)
+    if got != impl:
+        raise RuntimeError(f"could not switch attention to {impl!r}: config says {got!r} "
+                           "(this transformers version has neither set_attn_implementation nor a settable "
+                           "config._attn_implementation)")
+
+
+def build_model(max_tokens, seed):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, max_position_embeddings=max(8192, 2 * max_tokens),
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    # Random weights, drawn on the GPU whatever the constructor did: normal
+    # (std 0.02) matrices, norm weights left at 1.
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype != torch.bfloat16 or p.device.type != "cuda":
+                raise RuntimeError(f"parameter {name} is {p.dtype} on {p.device}, want bfloat16 on cuda")
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+    set_attn(model, "sdpa")
+    return model
+
+
+def layer_kv(cache, i):
+    """Layer i's (key, value) of a transformers cache: 5.x DynamicCache
+    (cache.layers[i].keys/.values), 4.x (key_cache/value_cache lists), or
+    the legacy tuple of tuples."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[i].keys, layers[i].values
+    if hasattr(cache, "key_cache"):
+        return cache.key_cache[i], cache.value_cache[i]
+    if isinstance(cache, (tuple, list)):
+        return cache[i][0], cache[i][1]
+    raise RuntimeError(f"cannot read layer {i} of a {type(cache).__name__}: neither .layers[i].keys, "
+                       ".key_cache nor a tuple")
+
+
+def build_cache(kv, config):
+    """A DynamicCache holding kv (a list of (key, value) [1, heads, seq, dim])."""
+    from transformers import DynamicCache
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:
+        cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    n = kv[0][0].shape[2]
+    if cache.get_seq_length() != n:
+        raise RuntimeError(f"rebuilt DynamicCache says {cache.get_seq_length()} tokens, want {n}")
+    return cache
+
+
+def prefill(model, ids):
+    import torch
+    with torch.no_grad():
+        try:
+            return model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        except TypeError:  # transformers < 4.50
+            return model(input_ids=ids, use_cache=True, num_logits_to_keep=1)
+
+
+def decode(model, cache, first_token, steps):
+    """Greedy decode of steps tokens from cache (which it extends); returns
+    the logits of each step."""
+    import torch
+    out, tok = [], first_token.view(1, 1)
+    with torch.no_grad():
+        for _ in range(steps):
+            o = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            logits = o.logits[:, -1].float()
+            out.append(logits)
+            tok = logits.argmax(-1).view(1, 1)
+    return out
+
+
+def events_ms(start, end):
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_gpu(fn, reps, stream):
+    """Times fn on stream with CUDA events reps times: the list of ms."""
+    import torch
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(stream)
+        fn()
+        e.record(stream)
+        out.append(events_ms(s, e))
+    return out
+
+
+class Bench:
+    """The engine over a paged cache sized for the largest prompt, the
+    model, and the pinned buffers of the contiguous references."""
+
+    def __init__(self, args):
+        import torch
+
+        import kvoffload
+        self.torch, self.kvo, self.args = torch, kvoffload, args
+        self.rng = random.Random(args.seed)
+        nmax = blocks_for(max(args.tokens))
+        self.num_blocks = 2 * nmax + 64
+        self.model = build_model(max(args.tokens), args.seed)
+        self.compute = torch.cuda.current_stream()
+        self.kv = [(torch.zeros(self.num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
+                    torch.zeros(self.num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"))
+                   for _ in range(LAYERS)]
+        # Room for two sizes' blocks: a store after delete never waits for
+        # freed slots.
+        pool = (2 * nmax + 16) * kv_bytes(TPB)
+        t0 = time.perf_counter()
+        self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
+                                                 namespace="realmodel/llama-8b-geometry/bf16", policy="lru")
+        self.engine_s = time.perf_counter() - t0
+        maxb = kv_bytes(max(args.tokens))
+        self.host = torch.empty(maxb, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(maxb, dtype=torch.uint8, device="cuda")
+        self.checks = []
+
+    def close(self):
+        self.eng.close()
+
+    def contiguous(self, nbytes):
+        """Best ms of a pinned H2D and a D2H copy of nbytes (torch, non_blocking)."""
+        h, d = self.host[:nbytes], self.dev[:nbytes]
+        d.copy_(h, non_blocking=True)
+        h.copy_(d, non_blocking=True)
+        h2d = min(time_gpu(lambda: d.copy_(h, non_blocking=True), self.args.reps, self.compute))
+        d2h = min(time_gpu(lambda: h.copy_(d, non_blocking=True), self.args.reps, self.compute))
+        return h2d, d2h
+
+    def scatter(self, kv, ids):
+        """The prefill's KV ([1, heads, n, dim] per layer) into the paged
+        cache at block ids (index_copy_ on the compute stream)."""
+        idx = self.torch.tensor(ids, device="cuda")
+        for (k, v), (pk, pv) in zip(kv, self.kv):
+            for src, dst in ((k, pk), (v, pv)):
+                dst.index_copy_(0, idx, src[0].transpose(0, 1).reshape(len(ids), TPB, KV_HEADS, HEAD_DIM))
+
+    def gather(self, ids):
+        """The paged blocks ids as a list of (key, value) [1, heads, n, dim]."""
+        idx = self.torch.tensor(ids, device="cuda")
+        n = len(ids) * TPB
+        return [tuple(t.index_select(0, idx).reshape(n, KV_HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0).contiguous()
+                      for t in (pk, pv)) for pk, pv in self.kv]
+
+    def bad_blocks(self, ids, ref):
+        """Blocks ids of the paged cache that differ from ref (a list of
+        paged-layout (K, V) per layer), bit for bit."""
+        torch = self.torch
+        idx = torch.tensor(ids, device="cuda")
+        bad = torch.zeros(len(ids), dtype=torch.bool, device="cuda")
+        for (pk, pv), (rk, rv) in zip(self.kv, ref):
+            for t, r in ((pk, rk), (pv, rv)):
+                bad |= (t.index_select(0, idx).view(torch.int16) != r.view(torch.int16)).view(len(ids), -1).any(1)
+        return int(bad.sum())
+
+    def poison(self):
+        for pk, pv in self.kv:
+            pk.view(self.torch.int16).fill_(0x7fc1)  # a NaN in bf16
+            pv.view(self.torch.int16).fill_(0x7fc1)
+
+    def store(self, keys, ids):
+        """One store: (GPU ms from before the call until the compute stream
+        may reuse the blocks, outcomes)."""
+        torch = self.torch
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(self.compute)
+        op = self.eng.store(keys, ids, after=self.compute)
+        op.wait_stream(self.compute)
+        e.record(self.compute)
+        ms = events_ms(s, e)
+        outcomes = op.wait()
+        op.release()
+        return ms, outcomes
+
+    def load(self, keys, ids, per_layer=False):
+        """One load: (GPU ms until the compute stream is released, wall ms
+        of the load() call, per-layer ms or None, outcomes)."""
+        torch = self.torch
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(self.compute)
+        t0 = time.perf_counter()
+        op = self.eng.load(keys, ids, after=self.compute, per_layer=per_layer)
+        call_ms = (time.perf_counter() - t0) * 1e3
+        lev = []
+        if per_layer:
+            for layer in range(LAYERS):
+                op.wait_layer(layer, self.compute)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(self.compute)
+                lev.append(ev)
+        op.wait_stream(self.compute)
+        e.record(self.compute)
+        ms = events_ms(s, e)
+        layers = [s.elapsed_time(ev) for ev in lev] if per_layer else None
+        outcomes = op.wait()
+        op.release()
+        return ms, call_ms, layers, outcomes
+
+    def run_size(self, tokens):
+        torch, args = self.torch, self.args
+        nb = blocks_for(tokens)
+        src, dst = assign_block_ids(self.num_blocks, nb, self.rng)
+        gen = torch.Generator(device="cuda").manual_seed(args.seed + tokens)
+        ids = torch.randint(0, VOCAB, (1, tokens), device="cuda", generator=gen)
+        set_attn(self.model, "sdpa")
+        first = {}
+
+        # Recompute: the prefill (the first one is the warm-up).
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = prefill(self.model, ids)
+        torch.cuda.synchronize()
+        first["prefill_ms"] = (time.perf_counter() - t0) * 1e3
+        # Contiguous copies: the reloaded KV is rebuilt contiguous too, so that
+        # both decodes run the same kernels on the same layouts.
+        orig = [tuple(t.clone(memory_format=torch.contiguous_format) for t in layer_kv(out.past_key_values, i))
+                for i in range(LAYERS)]
+        first_token = out.logits[0, -1].argmax()
+        del out
+        if tuple(orig[0][0].shape) != (1, KV_HEADS, tokens, HEAD_DIM):
+            raise RuntimeError(f"layer 0 keys are {tuple(orig[0][0].shape)}, want (1, {KV_HEADS}, {tokens}, {HEAD_DIM})")
+        prefill_ms = median(time_gpu(lambda: prefill(self.model, ids), args.reps, self.compute))
+        torch.cuda.empty_cache()
+
+        # The KV into the paged cache at scattered ids; the reference in paged layout.
+        self.poison()
+        self.scatter(orig, src)
+        ref = [(pk.index_select(0, torch.tensor(src, device="cuda")), pv.index_select(0, torch.tensor(src, device="cuda")))
+               for pk, pv in self.kv]
+        for t in (0, TPB - 1, TPB, tokens // 2 + 3, tokens - 1):  # the torch paging agrees with paged_slot
+            b, o = paged_slot(t, src)
+            if not torch.equal(self.kv[5][0][b, o].view(torch.int16), orig[5][0][0, :, t].view(torch.int16)):
+                raise RuntimeError(f"token {t}: paged block {b} slot {o} does not hold it")
+        keys = self.eng.keys(ids[0].tolist())
+        if len(keys) != nb:
+            raise RuntimeError(f"{len(keys)} keys for {nb} blocks")
+
+        # Warm-up store and load: the first op of this size, checked byte for byte.
+        first["store_ms"], outc = self.store(keys, src)
+        if outc != ["stored"] * nb:
+            raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
+        self.poison()
+        first["load_ms"], _, _, outc = self.load(keys, dst)
+        if outc != ["loaded"] * nb:
+            raise RuntimeError(f"load outcomes: {sorted(set(outc))}")
+        bad = self.bad_blocks(dst, ref)
+        self.checks.append((bad == 0, f"{tokens} tokens: {nb - bad} of {nb} blocks byte-exact after store, poison, "
+                                      f"load into other block ids"))
+
+        # Decode from the original KV and from the reloaded blocks, eager attention.
+        set_attn(self.model, "eager")
+        la = decode(self.model, build_cache([(k.clone(), v.clone()) for k, v in orig], self.model.config), first_token,
+                    args.decode)
+        lb = decode(self.model, build_cache(self.gather(dst), self.model.config), first_token, args.decode)
+        same = all(torch.equal(a, b) for a, b in zip(la, lb))
+        self.checks.append((same, f"{tokens} tokens: {args.decode} eager decode steps, logits "
+                                  f"{'bit-identical' if same else 'DIFFER'} from the original and the reloaded KV"))
+        set_attn(self.model, "sdpa")
+        del la, lb, orig
+        torch.cuda.empty_cache()
+
+        # Timed: loads (whole op), per-layer loads, stores.
+        reload, calls, layer_runs, totals, stores = [], [], [], [], []
+        for _ in range(args.reps):
+            ms, call, _, outc = self.load(keys, dst)
+            reload.append(ms)
+            calls.append(call)
+        for _ in range(args.reps):
+            ms, _, layers, outc = self.load(keys, dst, per_layer=True)
+            layer_runs.append(layers)
+            totals.append(ms)
+        bad = self.bad_blocks(dst, ref)
+        self.checks.append((bad == 0, f"{tokens} tokens: {nb - bad} of {nb} blocks byte-exact after the timed loads"))
+        for _ in range(args.reps):
+            self.eng.delete(keys)
+            ms, outc = self.store(keys, src)
+            if outc != ["stored"] * nb:
+                raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
+            stores.append(ms)
+        self.eng.delete(keys)
+        h2d, d2h = self.contiguous(kv_bytes(tokens))
+        del ref
+        torch.cuda.empty_cache()
+        layer_ms = [median([run[l] for run in layer_runs]) for l in range(LAYERS)]
+        return make_row(tokens, prefill_ms, median(reload), median(calls), layer_ms, median(totals), median(stores),
+                        h2d, d2h, first)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                    help="prompt lengths, multiples of 16 (default: 2048 8192 32768)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
+    ap.add_argument("--decode", type=int, default=4, help="eager decode steps compared (default 4)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of weights, prompts and block ids")
+    ap.add_argument("--out", help="also write the results (markdown) to this file")
+    ap.add_argument("--selfcheck", action="store_true", help="check the paging and table logic without torch; exit")
+    args = ap.parse_args(argv)
+    if args.selfcheck:
+        selfcheck()
+        print("realmodel selfcheck: ok")
+        return 0
+    for t in args.tokens:
+        blocks_for(t)
+    if args.reps < 1 or args.decode < 1:
+        ap.error("--reps and --decode must be at least 1")
+    try:
+        import torch
+    except ImportError:
+        print("realmodel: needs torch with CUDA (and transformers); --selfcheck runs without", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("realmodel: no CUDA device", file=sys.stderr)
+        return 2
+    command = "python3 bench/realmodel.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    t0 = time.perf_counter()
+    b = Bench(args)
+    print(f"realmodel: model and engine ready in {time.perf_counter() - t0:.1f} s "
+          f"(engine {b.engine_s:.2f} s, {b.num_blocks} GPU blocks per layer)", file=sys.stderr)
+    rows = []
+    try:
+        for tokens in args.tokens:
+            t1 = time.perf_counter()
+            rows.append(b.run_size(tokens))
+            print(f"realmodel: {tokens} tokens done in {time.perf_counter() - t1:.1f} s", file=sys.stderr)
+    finally:
+        b.close()
+    report = format_report(command.strip(), machine_info(), rows, b.checks, args.reps, started)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    ok = all(ok for ok, _ in b.checks)
+    if not ok:
+        print("realmodel: MISMATCH: bytes or logits differ (see Checks)", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
