@@ -12,8 +12,7 @@
 #
 # Here (with Go): `make gpu-bins` builds every binary a suite needs into build/gpu/,
 # records the commit, and packs them as build/gpu.tar.gz (under 60 MiB). There (no
-# Go; Python 3.12, torch): this script unpacks that archive into build/gpu/ when it
-# is newer, runs the suites in the order given, and for each writes
+# Go; Python 3.12, torch): this script unpacks that archive into build/gpu/, runs the suites in the order given, and for each writes
 # <machine>/<suite>.txt (the command, the commit, the date and the machine at its
 # top, then every command it ran with its output) and, where the suite writes
 # tables, <machine>/<suite>/. After each suite it packs everything as
@@ -191,16 +190,16 @@ quote() {
 	echo "${out% }"
 }
 
-# unpack puts make gpu-bins' archive in build/gpu/ when the folder is older.
+# unpack replaces build/gpu/ with make gpu-bins' archive, when there is one (always:
+# the carried file's time says nothing about which build it holds).
 unpack() {
-	if [ -f "$ARCHIVE" ] && { [ ! -f "$B/COMMIT" ] || [ "$ARCHIVE" -nt "$B/COMMIT" ]; }; then
+	if [ -f "$ARCHIVE" ]; then
 		rm -rf "$B"
 		mkdir -p "$ROOT/build"
 		if ! tar -xzf "$ARCHIVE" -C "$ROOT/build"; then
 			echo "cannot unpack $ARCHIVE" >&2
 			exit 2
 		fi
-		touch "$B/COMMIT"
 	fi
 	if [ ! -f "$B/COMMIT" ]; then
 		echo "no build/gpu/COMMIT: run make gpu-bins here and carry build/gpu.tar.gz" >&2
