@@ -12,12 +12,13 @@
 #
 # Here (with Go): `make gpu-bins` builds every binary a suite needs into build/gpu/,
 # records the commit, and packs them as build/gpu.tar.gz (under 60 MiB). There (no
-# Go; Python 3.12, torch): this script unpacks that archive into build/gpu/, runs the suites in the order given, and for each writes
-# <machine>/<suite>.txt (the command, the commit, the date and the machine at its
-# top, then every command it ran with its output) and, where the suite writes
-# tables, <machine>/<suite>/. After each suite it packs everything as
-# $OUT/results.tar.gz and writes $OUT/summary.txt (a call stopped at its limit still
-# returns what finished: two files, inside the device tool's 8). The short table
+# Go; Python 3.12, torch): this script unpacks that archive into build/gpu/, runs
+# the suites in the order given, and for each writes <machine>/<suite>.txt (the
+# command, the commit, the date and the machine at its top, then every command it
+# ran with its output) and, where the suite writes tables, <machine>/<suite>/.
+# After each suite it packs everything as $OUT/results.tar.gz and writes
+# $OUT/summary.txt (a call stopped at its limit still returns what finished: two
+# files, inside the device tool's 8). The short table
 # (suite, rc, pass/fail/skip, seconds) is printed last; the exit status is 1 when
 # any suite failed. A suite fails when a command of it fails or when a test skips:
 # the GPU tests run with KVO_REQUIRE_GPU=1, which turns a missing GPU into a failure,
