@@ -40,15 +40,31 @@ demo:
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 1x $(PKGS)
 
-# Stripped cgo binaries for the GPU machine, carried with the device tool.
+# Everything the GPU suites need (scripts/gpu/run.sh): stripped cgo test
+# binaries, the CLI, the soak build (invariants on) and libkvoffload.so, with
+# the commit they were built from, packed into GPU_ARCHIVE for the device
+# tool's carry (64 MiB a call, the working tree included).
+GPU_ARCHIVE  := build/gpu.tar.gz
+GPU_MAX_MIB  ?= 60
 gpu-bins:
+	rm -rf build/gpu $(GPU_ARCHIVE)
 	mkdir -p build/gpu
 	CGO_ENABLED=1 $(GO) build -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload ./cmd/kvoffload
 	CGO_ENABLED=1 $(GO) build -tags 'kvoinvariants invariants' -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload-soak ./cmd/kvoffload
 	for p in $(GPU_PKGS); do \
 		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
 	done
-	ls -la build/gpu
+	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -ldflags='$(GPU_LDFLAGS)' -o build/gpu/libkvoffload.so ./capi
+	rm -f build/gpu/libkvoffload.h
+	{ git rev-parse HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > build/gpu/COMMIT
+	git diff --quiet HEAD 2>/dev/null || printf -- '-dirty' >> build/gpu/COMMIT
+	echo >> build/gpu/COMMIT
+	tar -czf $(GPU_ARCHIVE) -C build gpu
+	@size=$$(stat -c %s $(GPU_ARCHIVE)); \
+	echo "$(GPU_ARCHIVE): $$((size / 1048576)) MiB ($$size bytes), commit $$(cat build/gpu/COMMIT)"; \
+	if [ $$size -gt $$(($(GPU_MAX_MIB) * 1048576)) ]; then \
+		echo "$(GPU_ARCHIVE) is over $(GPU_MAX_MIB) MiB: the device tool carries 64 MiB a call, the working tree included" >&2; exit 1; \
+	fi
 
 # Regenerates the copy kernel's PTX; needs nvcc (run on the GPU machine).
 # PTX ISA 7.0 is the lowest that targets sm_80 (checked with ptxas on the H200

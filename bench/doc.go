@@ -7,5 +7,8 @@
 // benchmarks and the command-line tool print the same thing. Measurements
 // that need a GPU take a cuda.Driver; their tests skip without one
 // (internal/cuda/cudatest) and run on the GPU machine from binaries built
-// here. Nothing here asserts a speed: targets are printed next to results.
+// here (make gpu-bins), by scripts/gpu/run.sh's suites bench, blocks and
+// sweep:NAME; their results are in bench/results/<machine>/, listed in
+// bench/results/README.md. Nothing here asserts a speed: targets are printed
+// next to results.
 package bench

@@ -882,7 +882,7 @@ func (b *bench) segments(size uint64) segSet {
 // MethodAuto is submitted in the parts of the method it takes: in kernel
 // parts, a run that took the batch API both ways left the H2D stream idle
 // while the CPU enqueued the D2H side (both ways at 64 KiB: 77 GB/s,
-// against 96 forced; bench/results/2026-11-30-h200/throughput.csv).
+// against 96 forced; git show 5fe4e35:bench/results/2026-11-30-h200/throughput.csv).
 const (
 	dmaPart    = 8192
 	kernelPart = cudacopy.DefaultDescCapacity
@@ -1528,7 +1528,7 @@ func (v KernelVariant) String() string {
 // over launch shapes of 32 to 128 warps on at most 8 CTAs. Pacing
 // (PaceGBps) is left out: on the H200 it did not lower the matrix
 // product's slowdown at a given D2H rate
-// (bench/results/2026-11-30-h200/fence-sweep-2.md).
+// (git show 5fe4e35:bench/results/2026-11-30-h200/fence-sweep-2.md).
 func FenceKernelVariants() []KernelVariant {
 	sys := func(threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit}
@@ -1547,7 +1547,7 @@ func FenceKernelVariants() []KernelVariant {
 // ProbeKernelVariants measures kvo_copy_probe (each warp reads back a word
 // it stored every 4 KiB, in place of kvo_copy_sys's fence) on 48 to 64
 // warps, beside kvo_copy_sys's launch before it; the list that picked the
-// default D2H launch (bench/results/2026-11-30-h200/probe-sweep-3.md).
+// default D2H launch (bench/results/h200/sweep-probe/, scripts/gpu/run.sh sweep:probe).
 func ProbeKernelVariants() []KernelVariant {
 	v := func(kernel string, threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}

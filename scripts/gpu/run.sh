@@ -1,25 +1,345 @@
 #!/usr/bin/env bash
-# Runs the GPU test binaries built by `make gpu-bins` on the GPU machine, with
-# KVO_REQUIRE_GPU=1 so that a skipped GPU test fails, and prints a short table
-# last. Usage: scripts/gpu/run.sh [binary-name-regexp] [-- extra test flags]
+# shellcheck disable=SC2317,SC2001 # suite functions are called by name; sed reads plainer
+# The one way to run kvoffload's GPU suites on the GPU machine, and to bring
+# their results into bench/results/<machine>/.
+#
+#   bash scripts/gpu/run.sh SUITE...          run suites, results under $OUT
+#   bash scripts/gpu/run.sh --list            the suites, one a line, with what they run
+#   bash scripts/gpu/run.sh --collect FROM    copy fetched results (FROM: the folder
+#                                             holding results.tar.gz, or the file) into
+#                                             bench/results/<machine>/, replacing each
+#                                             suite's earlier result
+#
+# Here (with Go): `make gpu-bins` builds every binary a suite needs into build/gpu/,
+# records the commit, and packs them as build/gpu.tar.gz (under 60 MiB). There (no
+# Go; Python 3.12, torch): this script unpacks that archive into build/gpu/, runs
+# the suites in the order given, and for each writes <machine>/<suite>.txt (the
+# command, the commit, the date and the machine at its top, then every command it
+# ran with its output) and, where the suite writes tables, <machine>/<suite>/.
+# After each suite it packs everything as $OUT/results.tar.gz and writes
+# $OUT/summary.txt (a call stopped at its limit still returns what finished: two
+# files, inside the device tool's 8). The short table
+# (suite, rc, pass/fail/skip, seconds) is printed last; the exit status is 1 when
+# any suite failed. A suite fails when a command of it fails or when a test skips:
+# the GPU tests run with KVO_REQUIRE_GPU=1, which turns a missing GPU into a failure,
+# and the opt-in tests that have suites of their own are left out by name.
+#
+# With the device tool (10 minutes a call), `all` takes two calls on one machine;
+# pool64 goes first in the first call so that it meets a fresh VM's cold memory:
+#   make gpu-bins                      # here, then with carry ["build/gpu.tar.gz"]:
+#   bash scripts/gpu/run.sh pool64 tests demo soak python   # call 1, about 5 minutes
+#   bash scripts/gpu/run.sh bench blocks                    # call 2, about 6 minutes
+#   bash scripts/gpu/run.sh --collect /path/to/files_at     # here, once per call
+# then update bench/results/README.md's table from the headers of the new files.
+#
+# A new suite is one function, suite_NAME, run with the suite's folder in $D; it
+# runs its commands through `step` (or `step_in DIR` for a test binary that reads
+# its package's testdata), and is listed in SUITES (and ALL_SUITES when `all`
+# should run it). `NAME:ARG` passes ARG to the function as $1 (its result is
+# NAME-ARG.txt). Nothing here needs Go.
 set -u
-OUT=${OUT:-/tmp/kvo-out}; mkdir -p "$OUT"
-export KVO_REQUIRE_GPU=1 KVO_BENCH_OUT="$OUT"
-filter=${1:-.}
-shift || true
-[ "${1:-}" = "--" ] && shift
-summary=()
-for bin in build/gpu/*.test; do
-  name=$(basename "$bin" .test)
-  echo "$name" | grep -Eq "$filter" || continue
-  start=$(date +%s)
-  pkgdir=$(echo "$name" | tr _ /)   # tests run in their package directory (testdata)
-  [ -d "$pkgdir" ] || pkgdir=.
-  (cd "$pkgdir" && "$OLDPWD/$bin" -test.v -test.count=1 -test.timeout=9m "$@") >"$OUT/$name.log" 2>&1
-  rc=$?
-  secs=$(( $(date +%s) - start ))
-  pass=$(grep -c '^--- PASS' "$OUT/$name.log"); fail=$(grep -c '^--- FAIL' "$OUT/$name.log"); skip=$(grep -c '^--- SKIP' "$OUT/$name.log")
-  summary+=("$(printf '%-28s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %5ds' "$name" "$rc" "$pass" "$fail" "$skip" "$secs")")
-  grep -E '^(--- FAIL|panic|FAIL)' -A15 "$OUT/$name.log" | head -60
-done
-echo; echo "== GPU test summary =="; printf '%s\n' "${summary[@]}"
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT" || exit 2
+B=$ROOT/build/gpu
+ARCHIVE=$ROOT/build/gpu.tar.gz
+OUT=${OUT:-/tmp/kvo-out}
+
+# name|what it runs (for --list); ALL_SUITES is what `all` runs, in that order.
+SUITES=(
+	"tests|every package's GPU tests (-test.run GPU, KVO_REQUIRE_GPU=1)"
+	"bench|kvoffload info; the throughput benchmark (kvoffload bench --only throughput --reps 3)"
+	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
+	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
+	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
+	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
+	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
+	"realmodel|the real-model benchmark (python3 bench/realmodel.py)"
+	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
+)
+ALL_SUITES=(pool64 tests demo soak python bench blocks)
+
+# ---------------------------------------------------------------- the suites
+
+suite_tests() {
+	local bin name
+	for bin in "$B"/*.test; do
+		name=$(basename "$bin" .test)
+		# Tests run in their package's folder (testdata). Left out: the 64 GiB pool
+		# (pool64) and the CLI's checks for a machine without a driver.
+		step_in "$(pkgdir "$name")" timeout 300 "$bin" -test.v -test.count=1 -test.timeout 4m \
+			-test.run GPU -test.skip 'Pool64|WithoutGPU'
+	done
+}
+
+suite_bench() {
+	step "$B/kvoffload" info
+	step timeout 420 "$B/kvoffload" bench --only throughput --reps 3 --out "$D"
+}
+
+suite_blocks() {
+	KVO_BENCH_BLOCKS=1 KVO_BENCH_OUT=$D step_in bench timeout 300 "$B/bench.test" -test.v \
+		-test.run 'TestBlocksBench$' -test.timeout 4m
+}
+
+suite_pool64() {
+	local run
+	for run in first second; do
+		KVO_BIG=1 KVO_BENCH_OUT=$D step_in offload timeout 180 "$B/offload.test" -test.v \
+			-test.run 'TestGPUPool64$' -test.timeout 3m
+		[ -f "$D/pool64.md" ] && mv "$D/pool64.md" "$D/pool64-$run.md"
+	done
+}
+
+suite_demo() {
+	step timeout 60 "$B/kvoffload" demo --backend cuda --duration 10s
+	step timeout 40 "$B/kvoffload" demo --backend cuda --duration 5s --layout tiny
+}
+
+suite_soak() {
+	step timeout 90 "$B/kvoffload-soak" soak --backend cuda --duration 30s
+	step timeout 90 "$B/kvoffload-soak" soak --backend cuda --duration 30s --layout 8b --pool-bytes 512MiB
+}
+
+suite_python() {
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
+		step timeout 240 python3 -m unittest discover -s python/tests -t python -v
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 120 python3 examples/torch_offload.py
+}
+
+suite_realmodel() {
+	if [ ! -f bench/realmodel.py ]; then
+		echo "bench/realmodel.py does not exist at this commit" >>"$F"
+		return 1
+	fi
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 540 python3 bench/realmodel.py --out "$D/realmodel.md"
+}
+
+suite_sweep() {
+	local what=${1:-}
+	case $what in
+	parbatch) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestParallelBatch$' -test.timeout 7m ;;
+	mixed) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestMixedBound$' -test.timeout 7m ;;
+	staged) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestStagedLoadProbe$' -test.timeout 7m ;;
+	'') echo "sweep needs a name: sweep:bidir, sweep:parbatch, ... (--list)" >>"$F"; return 1 ;;
+	*) KVO_BENCH_VARIANTS=$what KVO_BENCH_TOTAL_MIB=${KVO_BENCH_TOTAL_MIB:-2048} KVO_BENCH_OUT=$D \
+		step_in bench timeout 540 "$B/bench.test" -test.v -test.run 'TestKernelVariants$' -test.timeout 9m ;;
+	esac
+}
+
+# ---------------------------------------------------------------- machinery
+
+# pkgdir transfer_cudacopy → transfer/cudacopy (the folder a test binary runs in).
+pkgdir() {
+	local d
+	d=$(echo "$1" | tr _ /)
+	[ -d "$d" ] || d=.
+	echo "$d"
+}
+
+# step CMD... runs CMD with the suite's environment, appending "$ CMD" and its output
+# to the result file $F; a failure makes the suite fail (STEP_RC).
+step() {
+	local rc
+	{ echo; echo "\$ $(env_prefix)$(quote "$@")"; } >>"$F"
+	"$@" >>"$F" 2>&1
+	rc=$?
+	echo "[exit $rc]" >>"$F"
+	[ "$rc" -eq 0 ] || STEP_RC=$rc
+	return 0
+}
+
+# step_in DIR CMD... is step with DIR as the working directory.
+step_in() {
+	local dir=$1 rc
+	shift
+	{ echo; echo "\$ (cd $dir && $(env_prefix "$dir")$(quote -C "$dir" "$@"))"; } >>"$F"
+	(cd "$dir" && "$@") >>"$F" 2>&1
+	rc=$?
+	echo "[exit $rc]" >>"$F"
+	[ "$rc" -eq 0 ] || STEP_RC=$rc
+	return 0
+}
+
+# env_prefix [DIR] prints the KVO_/KVOFFLOAD_/PYTHONPATH/CUDA_ variables a step sees
+# beyond the run's own (assignments written before `step` are exported to it).
+env_prefix() {
+	local v
+	env | grep -E '^(KVO_|KVOFFLOAD_|PYTHONPATH=|CUDA_)' | grep -vxF -e "KVO_REQUIRE_GPU=1" | sort |
+		while read -r v; do printf '%s ' "$(quote -C "${1:-.}" "$v")"; done
+}
+
+# quote [-C DIR] WORD... prints the words quoted for the shell, with paths in the
+# repository relative to DIR (default: its root) and paths in the results relative
+# to the results folder (h200/blocks).
+quote() {
+	local w out='' rel=''
+	if [ "$1" = -C ]; then
+		[ "$2" != . ] && rel=$(echo "$2" | sed 's|[^/][^/]*|..|g')/
+		shift 2
+	fi
+	for w in "$@"; do
+		w=${w//$WORK\//}
+		w=${w//$ROOT\//$rel}
+		case $w in
+		*[!A-Za-z0-9_./:=,@%+-]*) out+="'${w//\'/\'\\\'\'}' " ;;
+		*) out+="$w " ;;
+		esac
+	done
+	echo "${out% }"
+}
+
+# unpack replaces build/gpu/ with make gpu-bins' archive, when there is one (always:
+# the carried file's time says nothing about which build it holds).
+unpack() {
+	if [ -f "$ARCHIVE" ]; then
+		rm -rf "$B"
+		mkdir -p "$ROOT/build"
+		if ! tar -xzf "$ARCHIVE" -C "$ROOT/build"; then
+			echo "cannot unpack $ARCHIVE" >&2
+			exit 2
+		fi
+	fi
+	if [ ! -f "$B/COMMIT" ]; then
+		echo "no build/gpu/COMMIT: run make gpu-bins here and carry build/gpu.tar.gz" >&2
+		exit 2
+	fi
+}
+
+# machine_facts sets GPU_NAME, MACHINE (the results folder: h200) and MACHINE_LINE.
+machine_facts() {
+	local q gen width genmax widthmax mem cpu
+	GPU_NAME=none DRIVER=none gen='?' width='?' genmax='?' widthmax='?' mem='?'
+	if q=$(nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,memory.total \
+		--format=csv,noheader 2>/dev/null | head -1) && [ -n "$q" ]; then
+		IFS=, read -r GPU_NAME DRIVER gen width genmax widthmax mem <<<"$q"
+		GPU_NAME=$(echo "$GPU_NAME" | xargs) DRIVER=$(echo "$DRIVER" | xargs)
+		gen=$(echo "$gen" | xargs) width=$(echo "$width" | xargs) genmax=$(echo "$genmax" | xargs)
+		widthmax=$(echo "$widthmax" | xargs) mem=$(echo "$mem" | xargs)
+	fi
+	MACHINE=${KVO_MACHINE:-$(echo "$GPU_NAME" | sed -E 's/^NVIDIA //I' | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')}
+	[ "$GPU_NAME" = none ] && MACHINE=${KVO_MACHINE:-nogpu}
+	cpu=$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs)
+	MACHINE_LINE="$GPU_NAME ($mem), driver $DRIVER, PCIe Gen$gen x$width now (max Gen$genmax x$widthmax); $(nproc) CPUs ($cpu); $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo) memory; $(uname -r)"
+}
+
+# counts FILE prints "pass fail skip" from go test -v and unittest output.
+counts() {
+	local f=$1 pass fail skip ran uf ue us
+	pass=$(grep -cE '^--- PASS' "$f")
+	fail=$(grep -cE '^--- FAIL|^panic:' "$f")
+	skip=$(grep -cE '^--- SKIP' "$f")
+	# unittest: "Ran N tests", then "OK", "OK (skipped=K)" or "FAILED (failures=a, errors=b, skipped=c)".
+	ran=$(grep -E '^Ran [0-9]+ tests?' "$f" | awk '{s += $2} END {print s + 0}')
+	uf=$(grep -oE '(failures|errors)=[0-9]+' "$f" | cut -d= -f2 | awk '{s += $1} END {print s + 0}')
+	us=$(grep -oE 'skipped=[0-9]+' "$f" | cut -d= -f2 | awk '{s += $1} END {print s + 0}')
+	ue=$((uf + us))
+	echo "$((pass + ran - ue)) $((fail + uf)) $((skip + us))"
+}
+
+run_suite() {
+	local spec=$1 fn arg name start secs rc p f s
+	fn=${spec%%:*} arg=
+	[ "$fn" != "$spec" ] && arg=${spec#*:}
+	name=$fn${arg:+-$arg}
+	D=$WORK/$MACHINE/$name F=$WORK/$MACHINE/$name.txt STEP_RC=0
+	rm -rf "$D" "$F" && mkdir -p "$D"
+	{
+		echo "# kvoffload GPU suite: $name"
+		echo "command: bash scripts/gpu/run.sh $CMDLINE"
+		echo "suite:   $name (suite_$fn in scripts/gpu/run.sh${arg:+, argument $arg})"
+		echo "commit:  $COMMIT"
+		echo "date:    $(date -u +%FT%TZ)"
+		echo "machine: $MACHINE_LINE"
+		echo "env:     KVO_REQUIRE_GPU=1 (below, $MACHINE/$name is the folder beside this file)"
+	} >"$F"
+	echo "== $name"
+	start=$(date +%s)
+	if declare -F "suite_$fn" >/dev/null; then
+		if ! "suite_$fn" ${arg:+"$arg"} && [ "$STEP_RC" -eq 0 ]; then STEP_RC=1; fi
+	else
+		echo "no suite $fn (bash scripts/gpu/run.sh --list)" >>"$F"
+		STEP_RC=2
+	fi
+	secs=$(($(date +%s) - start))
+	rc=$STEP_RC
+	read -r p f s <<<"$(counts "$F")"
+	[ "$rc" -eq 0 ] && [ "$f" -gt 0 ] && rc=1
+	[ "$rc" -eq 0 ] && [ "$s" -gt 0 ] && rc=1 # KVO_REQUIRE_GPU=1: a skip is a failure
+	rmdir "$D" 2>/dev/null
+	printf '\n== %s: %s (rc %s, %s passed, %s failed, %s skipped, %ss)\n' "$name" \
+		"$([ "$rc" -eq 0 ] && echo PASS || echo FAIL)" "$rc" "$p" "$f" "$s" "$secs" >>"$F"
+	ROWS+=("$(printf '%-16s %-4s rc=%-3s pass=%-4s fail=%-4s skip=%-4s %5ss' "$name" \
+		"$([ "$rc" -eq 0 ] && echo ok || echo FAIL)" "$rc" "$p" "$f" "$s" "$secs")")
+	[ "$rc" -eq 0 ] || { FAILED=1; grep -E '^(--- FAIL|panic:|FAIL|FAILED|ERROR:|Traceback)|\[exit [1-9]' "$F" | head -20; }
+	pack
+}
+
+# pack writes what has finished to $OUT: results.tar.gz and summary.txt.
+pack() {
+	{
+		echo "bash scripts/gpu/run.sh $CMDLINE"
+		echo "commit $COMMIT; $MACHINE_LINE"
+		echo
+		printf '%s\n' "${ROWS[@]}"
+	} >"$OUT/summary.txt"
+	tar -czf "$OUT/results.tar.gz" -C "$WORK" "$MACHINE"
+}
+
+collect() {
+	local from=$1 tmp m f name
+	[ -d "$from" ] && from=$from/results.tar.gz
+	[ -f "$from" ] || { echo "no $from" >&2; exit 2; }
+	tmp=$(mktemp -d)
+	tar -xzf "$from" -C "$tmp" || exit 2
+	for m in "$tmp"/*/; do
+		m=$(basename "$m")
+		mkdir -p "bench/results/$m"
+		for f in "$tmp/$m"/*.txt; do
+			name=$(basename "$f" .txt)
+			rm -rf "bench/results/$m/$name" "bench/results/$m/$name.txt"
+			cp "$f" "bench/results/$m/"
+			[ -d "$tmp/$m/$name" ] && cp -r "$tmp/$m/$name" "bench/results/$m/"
+			echo "bench/results/$m/$name.txt: $(sed -n 's/^== .*: \(PASS\|FAIL\) .*/\1/p' "$f" | tail -1), $(grep -m1 '^commit:' "$f"), $(grep -m1 '^date:' "$f")"
+		done
+	done
+	rm -rf "$tmp"
+	echo "now update bench/results/README.md's table (figure, file, command, commit, date)"
+}
+
+list() {
+	local s
+	for s in "${SUITES[@]}"; do printf '%-12s %s\n' "${s%%|*}" "${s#*|}"; done
+	printf '%-12s %s\n' all "${ALL_SUITES[*]}"
+}
+
+main() {
+	case ${1:-} in
+	'' | -h | --help) sed -n '3,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
+	--list | suites) list; exit 0 ;;
+	--collect) collect "${2:?--collect FROM}"; exit 0 ;;
+	esac
+	CMDLINE="$*"
+	local specs=() s
+	for s in "$@"; do
+		if [ "$s" = all ]; then specs+=("${ALL_SUITES[@]}"); else specs+=("$s"); fi
+	done
+	unpack
+	COMMIT="$(cat "$B/COMMIT") (binaries from make gpu-bins)"
+	machine_facts
+	mkdir -p "$OUT"
+	WORK=$(mktemp -d)
+	export KVO_REQUIRE_GPU=1
+	ROWS=() FAILED=0
+	echo "commit $COMMIT; $MACHINE_LINE"
+	for s in "${specs[@]}"; do run_suite "$s"; done
+	rm -rf "$WORK"
+	echo
+	echo "== summary: bash scripts/gpu/run.sh $CMDLINE (results in $OUT/results.tar.gz)"
+	printf '%s\n' "${ROWS[@]}"
+	exit "$FAILED"
+}
+
+main "$@"
