@@ -141,7 +141,9 @@ func TestInterleavedKVLastBlock(t *testing.T) {
 // is an error from New naming the reason, not a host engine whose first
 // Store fails as device-lost.
 func TestAutoBackendWithoutDriverRefusesDeviceLayout(t *testing.T) {
-	noDriver := func() (cuda.Driver, error) { return nil, fmt.Errorf("%w: libcuda.so.1: cannot open shared object file", cuda.ErrNoDriver) }
+	noDriver := func() (cuda.Driver, error) {
+		return nil, fmt.Errorf("%w: libcuda.so.1: cannot open shared object file", cuda.ErrNoDriver)
+	}
 	l := smallLayout(4)
 	for range l.Layers {
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: 0x7f0000000000, V: 0x7f0000100000, Stride: 2048})

@@ -39,8 +39,10 @@ func (k OpKind) String() string {
 //     channel); the events may be reused by later ops.
 //
 // An Op's methods are safe for concurrent use; Release must be called once,
-// by the op's owner, after the op is Done (Release of an op not done waits
-// for it).
+// by the op's owner, once it no longer needs the op's events (after a
+// StreamWait, it may release at once). Release never waits: the op's
+// copies go on, its blocks still get their outcomes (counted in Stats), and
+// its events return to the engine when they retire.
 type Op struct {
 	kind OpKind
 	eng  *Engine
@@ -194,10 +196,12 @@ func (o *Op) StreamWait(stream uintptr) error {
 	return o.completion.streamWait(stream)
 }
 
-// Release gives the op's events back to the engine. It waits for the op to
-// be done first. A second Release returns ErrReleased.
+// Release gives the op's events back to the engine and returns at once:
+// when the op's copies are still in flight, the engine's completion thread
+// recycles the events once they retire. A stream that already waits on
+// them (StreamWait) stays ordered after the copies. A second Release
+// returns ErrReleased.
 func (o *Op) Release() error {
-	<-o.done
 	if o.released.Swap(true) {
 		return ErrReleased
 	}

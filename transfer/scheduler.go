@@ -160,8 +160,13 @@ type Scheduler struct {
 	sticky    error
 	closed    bool
 	opEvents  []cuda.Event // pooled op events, free to record
-	batchEvs  []cuda.Event // pooled batch events
-	descs     [][]Segment  // pooled descriptor buffers
+	// lentEvents counts the op events held by ops (not in opEvents), so
+	// that destroyEvents destroys them too; eventsGone: destroyEvents
+	// ran, and events released later are dropped, not pooled.
+	lentEvents map[cuda.Event]struct{}
+	eventsGone bool
+	batchEvs   []cuda.Event // pooled batch events
+	descs      [][]Segment  // pooled descriptor buffers
 
 	wake           chan struct{}
 	pending        [2]chan *batch
@@ -660,6 +665,14 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 		}
 		evs = append(evs, e)
 	}
+	s.mu.Lock()
+	if s.lentEvents == nil {
+		s.lentEvents = map[cuda.Event]struct{}{}
+	}
+	for _, e := range evs {
+		s.lentEvents[e] = struct{}{}
+	}
+	s.mu.Unlock()
 	op.ev = evs[0]
 	if n > 1 {
 		op.layerEvs = evs[1:]
@@ -667,9 +680,16 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 	return nil
 }
 
+// putOpEvents returns op events to the pool; after destroyEvents (which
+// destroyed them with the rest) it only forgets them.
 func (s *Scheduler) putOpEvents(evs []cuda.Event) {
 	s.mu.Lock()
-	s.opEvents = append(s.opEvents, evs...)
+	for _, e := range evs {
+		delete(s.lentEvents, e)
+	}
+	if !s.eventsGone {
+		s.opEvents = append(s.opEvents, evs...)
+	}
 	s.mu.Unlock()
 }
 
@@ -816,7 +836,10 @@ func (s *Scheduler) violate(err error) {
 func (s *Scheduler) destroyEvents() {
 	s.mu.Lock()
 	evs := append(s.batchEvs, s.opEvents...)
-	s.batchEvs, s.opEvents = nil, nil
+	for e := range s.lentEvents {
+		evs = append(evs, e)
+	}
+	s.batchEvs, s.opEvents, s.lentEvents, s.eventsGone = nil, nil, nil, true
 	s.mu.Unlock()
 	for _, e := range evs {
 		_ = s.dev.DestroyEvent(e)

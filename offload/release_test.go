@@ -1,0 +1,64 @@
+package offload
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+)
+
+// Op.Release returns at once, also while the op's copies are still in
+// flight: the op's events go back to the pool when they retire, recycled
+// by the engine's completion thread. It never waits for the GPU.
+func TestReleaseDoesNotWait(t *testing.T) {
+	sim, err := NewSimGPU(SimOptions{})
+	require.NoError(t, err)
+	defer sim.Close()
+	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: simLayout(t, sim, 8), Sim: sim})
+	ev, _, open := gatedEvent(t, sim)
+	defer open()
+	ctx := context.Background()
+	op, err := e.Store(ctx, []Key{testKey(1), testKey(2)}, []int{0, 1}, StoreOptions{After: uintptr(ev)})
+	require.NoError(t, err)
+	released := make(chan error, 1)
+	go func() { released <- op.Release() }()
+	select {
+	case err := <-released:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		open()
+		t.Fatal("Release waited for the op's copies")
+	}
+	require.Zero(t, e.Stats().Store.Ops, "the copies are still held by the gate")
+	open()
+	require.Eventually(t, func() bool { return e.Stats().Store.Ops == 1 }, 10*time.Second, time.Millisecond)
+	require.ErrorIs(t, op.Release(), ErrReleased)
+	require.NoError(t, e.Close())
+	require.Equal(t, int64(2), e.Stats().Outcomes[OutcomeStored], "the released op's blocks were still stored")
+}
+
+// Events of ops never released are destroyed at Close (the fake driver's
+// leak check fails otherwise), and an op released after Close does not
+// recycle its events into the closed engine's pool.
+func TestCloseDestroysUnreleasedOpEvents(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 64 << 10, StagingBytes: -1, Layout: g.layout(LayoutLayerSeparate, 8)}, engineHooks{})
+	require.NoError(t, err)
+	ctx := context.Background()
+	st, err := e.Store(ctx, []Key{testKey(1), testKey(2)}, []int{0, 1}, StoreOptions{})
+	require.NoError(t, err)
+	require.NoError(t, st.Wait(ctx))
+	ld, err := e.Load(ctx, []Key{testKey(1), testKey(2)}, []int{2, 3}, LoadOptions{PerLayer: true})
+	require.NoError(t, err)
+	require.NoError(t, ld.Wait(ctx))
+	require.NoError(t, e.Close())
+	require.Zero(t, d.Live().Events, "no event left after Close: %+v", d.Live())
+	require.NoError(t, st.Release())
+	require.NoError(t, ld.Release())
+	require.Zero(t, d.Live().Events)
+}
