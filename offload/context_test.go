@@ -31,7 +31,7 @@ func keepsContext(t *testing.T, drv cuda.Driver, g *gpuMem, app cuda.Context) {
 	}
 
 	e, err := newCUDAEngine(t, drv, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
-		StagingBytes: 64 << 10, Layout: layout, Policy: PolicyLRU}, engineHooks{rangeLimit: 16 << 10})
+		StagingBytes: 64 << 10, Layout: layout, Policy: PolicyLRU}, engineHooks{})
 	require.NoError(t, err)
 	after("New")
 	require.NoError(t, e.WaitGrown(context.Background()))
