@@ -65,8 +65,9 @@ var _ Pinner = (*CUDA)(nil)
 
 // NewCUDA returns a CUDA pinner that registers with drv in context ctx. Each
 // call locks the calling goroutine to its OS thread, makes ctx current there
-// (it stays current afterwards) and sets the thread's stream capture mode to
-// relaxed for the duration of the driver calls.
+// and sets the thread's stream capture mode to relaxed for the duration of
+// the driver calls (cuda.OnThread): the thread's previous context and
+// capture mode are restored afterwards.
 func NewCUDA(drv cuda.Driver, ctx cuda.Context, opts CUDAOptions) (*CUDA, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("register: cuda: no driver: %w", cuda.ErrNoDriver)

@@ -25,6 +25,10 @@
 // and Thread keeps a locked goroutine for repeated work. Both also set the
 // thread's capture mode to relaxed, so that the engine's driver calls never
 // invalidate a CUDA graph that the serving stack captures in global mode.
+// OnThread runs on the caller's thread, which through the C ABI is the
+// application's: it restores the thread's previous context (and with it the
+// CUDA runtime's current device) and capture mode afterwards. A Thread's OS
+// thread is the engine's own and keeps its settings.
 //
 // Memory. The binding keeps all C memory handling inside this package:
 // kernel parameters and batch-copy arrays are copied into C memory for the

@@ -128,6 +128,9 @@ type Driver interface {
 	PrimaryCtxRetain(dev Device) (Context, error)
 	PrimaryCtxRelease(dev Device) error
 	CtxSetCurrent(ctx Context) error
+	// CtxGetCurrent is cuCtxGetCurrent: the calling OS thread's current
+	// context, 0 when it has none.
+	CtxGetCurrent() (Context, error)
 	CtxSynchronize() error
 	// StreamPriorityRange is cuCtxGetStreamPriorityRange (least, greatest).
 	StreamPriorityRange() (least, greatest int, err error)

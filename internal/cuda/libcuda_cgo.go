@@ -41,6 +41,12 @@ static CUresult kvo_attr(void* f, int* v, int a, CUdevice d) { return ((CUresult
 static CUresult kvo_size_dev(void* f, size_t* v, CUdevice d) { return ((CUresult(*)(size_t*, CUdevice))f)(v, d); }
 static CUresult kvo_size_size(void* f, size_t* a, size_t* b) { return ((CUresult(*)(size_t*, size_t*))f)(a, b); }
 static CUresult kvo_ctx_retain(void* f, CUcontext* c, CUdevice d) { return ((CUresult(*)(CUcontext*, CUdevice))f)(c, d); }
+static CUresult kvo_ctx_get(void* f, uintptr_t* c) {
+	CUcontext q = NULL;
+	CUresult r = ((CUresult(*)(CUcontext*))f)(&q);
+	*c = (uintptr_t)q;
+	return r;
+}
 static CUresult kvo_dev(void* f, CUdevice d) { return ((CUresult(*)(CUdevice))f)(d); }
 static CUresult kvo_ptr(void* f, void* p) { return ((CUresult(*)(void*))f)(p); }
 static CUresult kvo_void(void* f) { return ((CUresult(*)(void))f)(); }
@@ -137,7 +143,7 @@ const libName = "libcuda.so.1"
 // symbols holds the bound driver entry points.
 type symbols struct {
 	init, driverGetVersion, deviceGetCount, deviceGet, deviceGetName, deviceGetAttribute,
-	deviceGetPCIBusID, deviceTotalMem, primaryCtxRetain, primaryCtxRelease, ctxSetCurrent,
+	deviceGetPCIBusID, deviceTotalMem, primaryCtxRetain, primaryCtxRelease, ctxSetCurrent, ctxGetCurrent,
 	ctxSynchronize, ctxGetStreamPriorityRange, memGetInfo, memHostRegister, memHostUnregister,
 	memHostGetDevicePointer, memHostAlloc, memFreeHost, memAlloc, memFree, memsetD8, memGetAddressRange, memcpy,
 	memcpyAsync, memcpyBatchAsync, streamCreateWithPriority, streamDestroy, streamSynchronize,
@@ -184,6 +190,7 @@ func (d *libcuda) bindings() []binding {
 		{&s.primaryCtxRetain, []string{OpPrimaryCtxRetain}, false},
 		{&s.primaryCtxRelease, []string{OpPrimaryCtxRelease}, false},
 		{&s.ctxSetCurrent, []string{OpCtxSetCurrent}, false},
+		{&s.ctxGetCurrent, []string{OpCtxGetCurrent}, false},
 		{&s.ctxSynchronize, []string{OpCtxSynchronize}, false},
 		{&s.ctxGetStreamPriorityRange, []string{OpStreamPriorityRange}, false},
 		{&s.memGetInfo, []string{OpMemGetInfo}, false},
@@ -340,6 +347,14 @@ func (d *libcuda) PrimaryCtxRelease(dev Device) error {
 
 func (d *libcuda) CtxSetCurrent(ctx Context) error {
 	return d.check(OpCtxSetCurrent, C.kvo_h(d.s.ctxSetCurrent, C.uintptr_t(ctx)))
+}
+
+func (d *libcuda) CtxGetCurrent() (Context, error) {
+	var c C.uintptr_t
+	if err := d.check(OpCtxGetCurrent, C.kvo_ctx_get(d.s.ctxGetCurrent, &c)); err != nil {
+		return 0, err
+	}
+	return Context(c), nil
 }
 
 func (d *libcuda) CtxSynchronize() error {

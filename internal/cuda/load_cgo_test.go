@@ -55,6 +55,9 @@ func TestBindingCallingConventions(t *testing.T) {
 	bus, err := drv.DevicePCIBusID(0)
 	require.NoError(t, err)
 	require.Equal(t, "0000:19:00.0", bus)
+	cur, err := drv.CtxGetCurrent()
+	require.NoError(t, err)
+	require.Equal(t, cuda.Context(0xc0c0), cur)
 
 	_, err = drv.MemAlloc(1)
 	var ce *cuda.Error

@@ -15,6 +15,7 @@ const (
 	OpPrimaryCtxRetain                = "cuDevicePrimaryCtxRetain"
 	OpPrimaryCtxRelease               = "cuDevicePrimaryCtxRelease_v2"
 	OpCtxSetCurrent                   = "cuCtxSetCurrent"
+	OpCtxGetCurrent                   = "cuCtxGetCurrent"
 	OpCtxSynchronize                  = "cuCtxSynchronize"
 	OpStreamPriorityRange             = "cuCtxGetStreamPriorityRange"
 	OpMemGetInfo                      = "cuMemGetInfo_v2"

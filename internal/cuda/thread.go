@@ -13,14 +13,30 @@ var ErrThreadClosed = errors.New("cuda: thread closed")
 // OnThread runs f with the calling goroutine locked to its OS thread, ctx
 // current on that thread and the thread's capture mode relaxed (so that f's
 // driver calls never invalidate a graph capture another thread is making in
-// global mode). The previous capture mode is restored afterwards; ctx stays
-// current on the thread. f must not start goroutines that call the driver:
-// they would run on other threads.
+// global mode). The calling thread may be an application's (through the C
+// ABI, the Python thread that called the engine), whose current context is
+// also its CUDA runtime's current device: OnThread saves the thread's
+// current context (cuCtxGetCurrent) and capture mode, and restores both
+// afterwards, also when f fails or panics; a failed restore is joined into
+// the error returned. When ctx is already current it is not set again. f
+// must not start goroutines that call the driver: they would run on other
+// threads.
 func OnThread(drv Driver, ctx Context, f func() error) (err error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	if err := drv.CtxSetCurrent(ctx); err != nil {
-		return fmt.Errorf("cuda: make context current: %w", err)
+	saved, err := drv.CtxGetCurrent()
+	if err != nil {
+		return fmt.Errorf("cuda: read the thread's current context: %w", err)
+	}
+	if saved != ctx {
+		if err := drv.CtxSetCurrent(ctx); err != nil {
+			return fmt.Errorf("cuda: make context current: %w", err)
+		}
+		defer func() {
+			if rerr := drv.CtxSetCurrent(saved); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("cuda: restore the thread's context %#x: %w", uintptr(saved), rerr))
+			}
+		}()
 	}
 	prev, err := drv.ThreadExchangeStreamCaptureMode(CaptureModeRelaxed)
 	if err != nil {
@@ -35,7 +51,8 @@ func OnThread(drv Driver, ctx Context, f func() error) (err error) {
 }
 
 // Thread is a goroutine locked to its own OS thread, with a context current
-// and capture mode relaxed, that runs the functions given to Do one at a
+// and capture mode relaxed (neither restored: the thread is the engine's
+// and exits with the goroutine), that runs the functions given to Do one at a
 // time. Engine goroutines that call the driver often (pollers, pinning,
 // trimming) use one instead of locking themselves. Do may be called from
 // any goroutine; Close stops the thread after the work already submitted.

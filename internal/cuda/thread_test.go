@@ -1,6 +1,8 @@
 package cuda_test
 
 import (
+	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"testing"
@@ -94,4 +96,93 @@ func TestThread(t *testing.T) {
 
 	_, err = cuda.NewThread(d, 0x999)
 	require.True(t, cuda.IsCode(err, cuda.ErrorInvalidContext), "%v", err)
+}
+
+// lockThread locks the (sub)test's goroutine to its OS thread until t ends:
+// the current context is per OS thread.
+func lockThread(t *testing.T) {
+	runtime.LockOSThread()
+	t.Cleanup(runtime.UnlockOSThread)
+}
+
+// currentCtx is the calling OS thread's current context.
+func currentCtx(t *testing.T, d cuda.Driver) cuda.Context {
+	t.Helper()
+	c, err := d.CtxGetCurrent()
+	require.NoError(t, err)
+	return c
+}
+
+// TestOnThreadRestoresContext: OnThread runs on the caller's thread (the
+// application's, through the C ABI), so whatever context that thread had
+// current, none included, is current again afterwards, also when f fails
+// or panics.
+func TestOnThreadRestoresContext(t *testing.T) {
+	d := cudafake.New(cudafake.Options{Devices: 2, CheckContext: true})
+	defer func() { require.NoError(t, d.Close()) }()
+	appCtx, err := d.PrimaryCtxRetain(1) // the application's device
+	require.NoError(t, err)
+	defer func() { require.NoError(t, d.PrimaryCtxRelease(1)) }()
+	engCtx, err := d.PrimaryCtxRetain(0) // the engine's
+	require.NoError(t, err)
+	defer func() { require.NoError(t, d.PrimaryCtxRelease(0)) }()
+
+	inside := func() error {
+		if c := currentCtx(t, d); c != engCtx {
+			return fmt.Errorf("context %#x current inside OnThread, want %#x", c, engCtx)
+		}
+		_, _, err := d.MemGetInfo() // a context-bound call
+		return err
+	}
+	boom := errors.New("boom")
+	for _, saved := range []cuda.Context{appCtx, 0} {
+		t.Run(fmt.Sprintf("saved=%#x", saved), func(t *testing.T) {
+			lockThread(t)
+			require.NoError(t, d.CtxSetCurrent(saved))
+			require.NoError(t, cuda.OnThread(d, engCtx, inside))
+			require.Equal(t, saved, currentCtx(t, d))
+
+			err := cuda.OnThread(d, engCtx, func() error { return errors.Join(inside(), boom) })
+			require.ErrorIs(t, err, boom)
+			require.Equal(t, saved, currentCtx(t, d), "restored after f's error")
+
+			require.PanicsWithValue(t, "panic in f", func() {
+				_ = cuda.OnThread(d, engCtx, func() error { panic("panic in f") })
+			})
+			require.Equal(t, saved, currentCtx(t, d), "restored after f's panic")
+
+			require.Error(t, cuda.OnThread(d, 0x999, func() error { return errors.New("f must not run") }))
+			require.Equal(t, saved, currentCtx(t, d), "unchanged when ctx cannot be made current")
+		})
+	}
+
+	t.Run("already current", func(t *testing.T) {
+		lockThread(t)
+		require.NoError(t, d.CtxSetCurrent(engCtx))
+		sets := d.Calls(cuda.OpCtxSetCurrent)
+		require.NoError(t, cuda.OnThread(d, engCtx, inside))
+		require.Equal(t, sets, d.Calls(cuda.OpCtxSetCurrent), "no set when ctx is already current")
+		require.Equal(t, engCtx, currentCtx(t, d))
+	})
+
+	t.Run("restore fails", func(t *testing.T) {
+		lockThread(t)
+		require.NoError(t, d.CtxSetCurrent(appCtx))
+		d.FailAt(cuda.OpCtxSetCurrent, d.Calls(cuda.OpCtxSetCurrent)+2, cuda.ErrorInvalidValue)
+		err := cuda.OnThread(d, engCtx, func() error { return boom })
+		require.ErrorIs(t, err, boom, "f's error is kept")
+		require.True(t, cuda.IsCode(err, cuda.ErrorInvalidValue), "the restore's failure is joined: %v", err)
+		require.ErrorContains(t, err, "restore the thread's context")
+	})
+
+	t.Run("current context unreadable", func(t *testing.T) {
+		lockThread(t)
+		require.NoError(t, d.CtxSetCurrent(appCtx))
+		d.FailAt(cuda.OpCtxGetCurrent, d.Calls(cuda.OpCtxGetCurrent)+1, cuda.ErrorInvalidValue)
+		ran := false
+		err := cuda.OnThread(d, engCtx, func() error { ran = true; return nil })
+		require.True(t, cuda.IsCode(err, cuda.ErrorInvalidValue), "%v", err)
+		require.False(t, ran, "f does not run when the caller's context could not be saved")
+		require.Equal(t, appCtx, currentCtx(t, d))
+	})
 }

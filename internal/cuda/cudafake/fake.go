@@ -490,6 +490,17 @@ func (d *Driver) CtxSetCurrent(ctx cuda.Context) error {
 	return nil
 }
 
+// CtxGetCurrent implements cuda.Driver: the context bound to the calling OS
+// thread, 0 when none is.
+func (d *Driver) CtxGetCurrent() (cuda.Context, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.beginLocked(cuda.OpCtxGetCurrent, 0); err != nil {
+		return 0, err
+	}
+	return d.current[unix.Gettid()], nil
+}
+
 // CtxSynchronize implements cuda.Driver: it waits for the work queued on
 // every stream at the time of the call.
 func (d *Driver) CtxSynchronize() error {

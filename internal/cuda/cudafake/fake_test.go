@@ -268,6 +268,33 @@ func TestFaultInjection(t *testing.T) {
 		requireCode(t, err, cuda.ErrorInvalidContext)
 		requireCode(t, d.CtxSetCurrent(0x100), cuda.ErrorInvalidContext)
 	})
+	t.Run("CtxGetCurrent", func(t *testing.T) {
+		d := cudafake.New(cudafake.Options{Devices: 2})
+		defer func() { require.NoError(t, d.Close()) }()
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		cur, err := d.CtxGetCurrent()
+		require.NoError(t, err)
+		require.Zero(t, cur, "no context current on a new thread")
+		ctx, err := d.PrimaryCtxRetain(1)
+		require.NoError(t, err)
+		defer func() { require.NoError(t, d.PrimaryCtxRelease(1)) }()
+		require.NoError(t, d.CtxSetCurrent(ctx))
+		cur, err = d.CtxGetCurrent()
+		require.NoError(t, err)
+		require.Equal(t, ctx, cur)
+		other := make(chan cuda.Context)
+		go func() {
+			runtime.LockOSThread() // a thread of its own, exiting with the goroutine
+			c, _ := d.CtxGetCurrent()
+			other <- c
+		}()
+		require.Zero(t, <-other, "the current context is per OS thread")
+		require.NoError(t, d.CtxSetCurrent(0))
+		cur, err = d.CtxGetCurrent()
+		require.NoError(t, err)
+		require.Zero(t, cur)
+	})
 	t.Run("Close", func(t *testing.T) {
 		d := cudafake.New(cudafake.Options{})
 		_, err := d.MemAlloc(8) // unmapped by Close
