@@ -3,6 +3,7 @@ package offload
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -402,29 +403,64 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 	return nil
 }
 
-// unmapRegion undoes mapRegion (as far as it got).
-func (e *Engine) unmapRegion(pr *poolRegion) {
+// unmapRegion undoes mapRegion (as far as it got). A failed unpin is
+// retried once (the pinner keeps the ranges it could not unpin, and a
+// second Unregister retries just those); a region still pinned is not
+// unmapped under the driver (mmapmem refuses while it is held). Every
+// failure is returned and counted in Stats (TeardownErrors,
+// TeardownError): callers that cannot return it (trim, growth rollback)
+// leave it to Stats.
+func (e *Engine) unmapRegion(pr *poolRegion) error {
 	t0 := time.Now()
+	var errs []error
 	e.slotMem.Delete(pr.id)
 	if pr.tracked {
-		_ = e.tracker.Released(pr.host, uint64(pr.r.Len()))
+		if err := e.tracker.Released(pr.host, uint64(pr.r.Len())); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, base := range pr.known {
-		_ = e.sched.RemoveHostRange(base)
+		if err := e.sched.RemoveHostRange(base); err != nil {
+			errs = append(errs, fmt.Errorf("forgetting host range %#x: %w", base, err))
+		}
 	}
+	pr.known = nil
 	if pr.pinned {
+		var err error
 		if e.pinner != nil {
-			_ = e.pinner.Unregister(pr.r)
+			if err = e.pinner.Unregister(pr.r); err != nil {
+				err = e.pinner.Unregister(pr.r)
+			}
 		} else {
-			_ = e.sim.sim.UnregisterHost(pr.host)
+			err = e.sim.sim.UnregisterHost(pr.host)
 		}
 		e.stats.unpinCalls.Add(1)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("unpinning a region of %d bytes: %w", pr.r.Len(), err))
+		} else {
+			pr.pinned = false
+		}
 	}
 	if pr.mlock {
-		_ = unix.Munlock(pr.r.Bytes())
+		if err := unix.Munlock(pr.r.Bytes()); err != nil {
+			errs = append(errs, fmt.Errorf("munlock of %d bytes: %w", pr.r.Len(), err))
+		}
+		pr.mlock = false
 	}
-	_ = pr.r.Close()
+	if !pr.pinned {
+		if err := pr.r.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("unmapping a region of %d bytes: %w", pr.r.Len(), err))
+		}
+	}
 	e.stats.unpinNanos.Add(int64(time.Since(t0)))
+	err := errors.Join(errs...)
+	if err != nil {
+		err = fmt.Errorf("offload: releasing a region: %w", err)
+		e.stats.teardownErrors.Add(1)
+		msg := err.Error()
+		e.teardownErr.Store(&msg)
+	}
+	return err
 }
 
 // poison fills a released pool region with transfer.PoisonByte on the

@@ -54,6 +54,8 @@ type Engine struct {
 	drv    cuda.Driver     // nil on the host backend
 	events bool            // ops carry CUDA events (CUDA backend)
 	lost   atomic.Pointer[error]
+	// teardownErr is the last error releasing a region (Stats.TeardownError).
+	teardownErr atomic.Pointer[string]
 
 	// CUDA backend only.
 	cuDevice   cuda.Device

@@ -535,6 +535,10 @@ func (e *Engine) snapshot() Stats {
 	if e.cudaDev != nil {
 		s.StagedCopies = e.cudaDev.StagedCopies()
 	}
+	s.TeardownErrors = c.teardownErrors.Load()
+	if m := e.teardownErr.Load(); m != nil {
+		s.TeardownError = *m
+	}
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
 	}
@@ -793,7 +797,7 @@ func (e *Engine) teardown() error {
 	e.regions, e.draining, e.stagingRegion, e.owned = nil, nil, nil, 0
 	e.memMu.Unlock()
 	for _, pr := range all {
-		e.unmapRegion(pr)
+		errs = append(errs, e.unmapRegion(pr))
 	}
 	errs = append(errs, e.closeCUDADevice(), e.releaseContext())
 	if e.denseAlloc != 0 {

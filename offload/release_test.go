@@ -2,11 +2,13 @@ package offload
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 )
 
@@ -61,4 +63,42 @@ func TestCloseDestroysUnreleasedOpEvents(t *testing.T) {
 	require.NoError(t, st.Release())
 	require.NoError(t, ld.Release())
 	require.Zero(t, d.Live().Events)
+}
+
+// Teardown errors are returned by Close and counted in Stats, never
+// swallowed: a failed unpin is retried once (nothing stays pinned when the
+// retry succeeds), and one that fails again is reported.
+func TestTeardownErrorsReported(t *testing.T) {
+	for _, permanent := range []bool{false, true} {
+		t.Run(fmt.Sprint("permanent=", permanent), func(t *testing.T) {
+			d := cudafake.New(cudafake.Options{CheckContext: true})
+			defer func() { _ = d.Close() }()
+			g := newGPUMem(t, d, 8<<10)
+			defer g.close()
+			e, err := newCUDAEngine(t, d, Config{PoolBytes: 64 << 10, StagingBytes: -1, Layout: g.layout(LayoutLayerSeparate, 8)}, engineHooks{})
+			require.NoError(t, err)
+			require.NoError(t, e.WaitGrown(context.Background()))
+			failed := 0
+			d.SetHook(func(op string, _ int) cuda.Result {
+				if op == cuda.OpMemHostUnregister && (permanent || failed == 0) {
+					failed++
+					return cuda.ErrorInvalidValue
+				}
+				return 0
+			})
+			err = e.Close()
+			d.SetHook(nil)
+			st := e.Stats()
+			if !permanent {
+				require.NoError(t, err, "the retry unpinned the region")
+				require.Zero(t, d.Live().Registrations, "nothing stays pinned")
+				require.Zero(t, st.TeardownErrors)
+				return
+			}
+			require.ErrorContains(t, err, "unpinning a region of 65536 bytes")
+			require.ErrorContains(t, err, "CUDA_ERROR_INVALID_VALUE")
+			require.Equal(t, int64(1), st.TeardownErrors)
+			require.Contains(t, st.TeardownError, "unpinning")
+		})
+	}
 }

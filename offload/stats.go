@@ -39,15 +39,21 @@ type Stats struct {
 	GrowthTargetBytes int64 `json:"growth_target_bytes"`
 	// Growth splits the time spent adding the pool's regions (the first,
 	// pinned by New, included; the staging region not) by step.
-	Growth       GrowthSteps `json:"growth"`
-	GrowthError  string      `json:"growth_error"`  // why background growth stopped early, if it did
-	Trims        int64       `json:"trims"`         // Trim calls and automatic trims
-	TrimmedBytes int64       `json:"trimmed_bytes"` // bytes given back by Trim
-	SlotsTotal   int64       `json:"slots_total"`   // slots in pinned regions
-	SlotsFree    int64       `json:"slots_free"`    // free slots
-	BlocksReady  int64       `json:"blocks_ready"`  // ready or leased blocks
-	BlocksLeased int64       `json:"blocks_leased"` // blocks with readers
-	BlockBytes   int64       `json:"block_bytes"`   // bytes of one block (one slot)
+	Growth      GrowthSteps `json:"growth"`
+	GrowthError string      `json:"growth_error"` // why background growth stopped early, if it did
+	// TeardownErrors counts regions whose release (unpin, munlock, unmap)
+	// failed, on every path (Trim, growth rollback, Close, which also
+	// returns them); TeardownError is the last such error. A region whose
+	// unpin failed twice stays mapped rather than be unmapped while pinned.
+	TeardownErrors int64  `json:"teardown_errors"`
+	TeardownError  string `json:"teardown_error,omitempty"`
+	Trims          int64  `json:"trims"`         // Trim calls and automatic trims
+	TrimmedBytes   int64  `json:"trimmed_bytes"` // bytes given back by Trim
+	SlotsTotal     int64  `json:"slots_total"`   // slots in pinned regions
+	SlotsFree      int64  `json:"slots_free"`    // free slots
+	BlocksReady    int64  `json:"blocks_ready"`  // ready or leased blocks
+	BlocksLeased   int64  `json:"blocks_leased"` // blocks with readers
+	BlockBytes     int64  `json:"block_bytes"`   // bytes of one block (one slot)
 	// CopyCalibration says how the CUDA copy method is chosen: "" on the
 	// host backend and until the background calibration is done (the
 	// copier uses its uncalibrated rule meanwhile), then "calibrated in
@@ -229,6 +235,7 @@ type counters struct {
 	outcomes             [numOutcomes]atomic.Int64
 	deletes              atomic.Int64
 	zeroed               atomic.Int64
+	teardownErrors       atomic.Int64
 	inFlightBytes        atomic.Int64
 	store, load          direction
 }
