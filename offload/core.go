@@ -782,6 +782,11 @@ func (g *growth) prefetch() {
 	e.growMu.Unlock()
 	for i := from; ; i++ {
 		e.growMu.Lock()
+		if i >= len(e.plan) {
+			// Nothing left: a pause has nothing to hold.
+			e.growMu.Unlock()
+			return
+		}
 		for e.paused && !e.stoppedLocked() {
 			e.growCond.Wait()
 		}

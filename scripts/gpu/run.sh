@@ -57,7 +57,7 @@ SUITES=(
 	"realmodel|the real-model benchmark (python3 bench/realmodel.py)"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
-ALL_SUITES=(pool64 tests demo soak python bench blocks)
+ALL_SUITES=(pool64 tests demo soak python realmodel bench blocks)
 
 # ---------------------------------------------------------------- the suites
 
