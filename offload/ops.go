@@ -534,6 +534,7 @@ func (e *Engine) snapshot() Stats {
 	}
 	if e.cudaDev != nil {
 		s.StagedCopies = e.cudaDev.StagedCopies()
+		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
