@@ -181,6 +181,16 @@ type Config struct {
 	// (bench/results/2026-11-30-h200). Leave it off while the model's
 	// kernels run.
 	GreedyStores bool `json:"greedy_stores,omitempty"`
+	// MaxDeviceBytes (CUDA backend) bounds the GPU memory the copy layer
+	// allocates beside the serving stack's: descriptor tables, the staging
+	// chunks of staged copies and, while it runs, the calibration buffer.
+	// 0 means cudacopy.DefaultMaxDeviceBytes (256 MiB: three staged copies
+	// per direction in flight with their full rings of staging, and the
+	// calibration buffer beside them). A copy short of it waits for earlier
+	// copies to complete and reuses their memory; one that could never fit
+	// is split. Negative, or below one descriptor table and one staging
+	// chunk (cudacopy.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
+	MaxDeviceBytes int64 `json:"max_device_bytes,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
 	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`

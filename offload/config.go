@@ -6,6 +6,7 @@ import (
 	"strconv"
 
 	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // numaSetting is Config.NUMANode parsed.
@@ -38,6 +39,12 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		cfg.MemoryHeadroomBytes = DefaultMemoryHeadroomBytes
 	case cfg.MemoryHeadroomBytes < 0:
 		cfg.MemoryHeadroomBytes = 0
+	}
+	if cfg.MaxDeviceBytes < 0 {
+		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, cudacopy.DefaultMaxDeviceBytes)
+	}
+	if m := cudacopy.MinDeviceBytes(cudacopy.Options{}); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
+		return bad("MaxDeviceBytes = %d is below the minimum %d (one descriptor table and one staging chunk)", cfg.MaxDeviceBytes, m)
 	}
 	if cfg.FirstRegionBytes == 0 {
 		cfg.FirstRegionBytes = DefaultFirstRegionBytes

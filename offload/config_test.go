@@ -56,6 +56,8 @@ func TestWithDefaultsErrors(t *testing.T) {
 		{"unknown layout", func(c *Config) { c.Layout.Kind = "paged" }, ErrInvalidConfig, `Layout.Kind "paged"`},
 		{"zero layers", func(c *Config) { c.Layout.Layers = 0 }, ErrInvalidConfig, "Layers = 0"},
 		{"zero blocks", func(c *Config) { c.Layout.NumBlocks = 0 }, ErrInvalidConfig, "NumBlocks = 0"},
+		{"negative device bytes", func(c *Config) { c.MaxDeviceBytes = -1 }, ErrInvalidConfig, "MaxDeviceBytes = -1"},
+		{"device bytes below the minimum", func(c *Config) { c.MaxDeviceBytes = 1 << 20 }, ErrInvalidConfig, "minimum 10485760"},
 		{"cuda without tensors", func(c *Config) { c.Backend = BackendCUDA }, ErrInvalidConfig, "needs the device tensors"},
 		{"stride below segment", func(c *Config) {
 			c.Layout.LayerTensors = []LayerTensors{{K: 1 << 30, V: 1 << 31, Stride: 16}, {K: 1 << 32, V: 1 << 33, Stride: 16}}

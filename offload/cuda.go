@@ -40,6 +40,9 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	// until then the copier uses its uncalibrated rule.
 	opts := e.hooks.copyOptions
 	opts.GreedyD2H = opts.GreedyD2H || e.cfg.GreedyStores
+	if e.cfg.MaxDeviceBytes != 0 {
+		opts.MaxDeviceBytes = e.cfg.MaxDeviceBytes
+	}
 	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
 		opts.Calibration = &cudacopy.Calibration{}
 		e.calibrateLater = true

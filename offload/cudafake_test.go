@@ -268,8 +268,44 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
 	staged := e.Stats().StagedCopies
 	require.Greater(t, staged, stores, "the load was staged")
+	st := e.Stats()
+	require.EqualValues(t, cudacopy.DefaultMaxDeviceBytes, st.MaxDeviceBytes)
+	require.Positive(t, st.DeviceBytes, "staging chunks and descriptor tables are reported")
+	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
 	require.NoError(t, e.Close())
 	require.Equal(t, staged, e.Stats().StagedCopies, "readable after Close")
+}
+
+// Config.MaxDeviceBytes reaches the copier: with room for one staging
+// chunk and a few descriptor tables, staged stores and loads still
+// round-trip and the copy layer's device memory stays under the bound.
+func TestCUDAFakeMaxDeviceBytes(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{Seed: 4, MaxDelay: 50 * time.Microsecond})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	base := d.Live().DeviceBytes
+	const bound = 1<<20 + 4*64*32
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+		Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU, MaxDeviceBytes: 12 << 20},
+		engineHooks{copyOptions: cudacopy.Options{GatherMinRun: int(slot), GatherChunkBytes: 1 << 20, DescCapacity: 64, MaxDeviceBytes: bound}})
+	require.NoError(t, err)
+	require.NoError(t, e.WaitGrown(context.Background()))
+	require.EqualValues(t, 12<<20, e.Stats().MaxDeviceBytes, "Config.MaxDeviceBytes overrides the copier option")
+	const n = 6
+	contents := randomContents(rand.New(rand.NewPCG(5, 1)), n, e.slot)
+	keys, src, dst := make([]Key, n), make([]int, n), make([]int, n)
+	for i := range n {
+		keys[i], src[i], dst[i] = testKey(4000+i), i, n+i
+		g.write(e, i, contents[i])
+	}
+	storeAll(t, e, keys, src, StoreOptions{})
+	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
+	st := e.Stats()
+	require.Positive(t, st.StagedCopies)
+	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
+	require.NoError(t, e.Close())
+	require.LessOrEqual(t, d.PeakDeviceBytes()-base, uint64(12<<20))
 }
 
 func TestCUDAFakeAutoBackend(t *testing.T) {

@@ -534,6 +534,7 @@ func (e *Engine) snapshot() Stats {
 	}
 	if e.cudaDev != nil {
 		s.StagedCopies = e.cudaDev.StagedCopies()
+		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	s.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {

@@ -67,6 +67,12 @@ type Stats struct {
 	// gathered on the device before one DMA per block, loads scattered
 	// after it; see transfer.CUDA); 0 on the host backend.
 	StagedCopies int64 `json:"staged_copies"`
+	// DeviceBytes is the GPU memory the copy layer has allocated now
+	// (descriptor tables, staging chunks, the calibration buffer while it
+	// runs), never above MaxDeviceBytes, the bound in force
+	// (Config.MaxDeviceBytes or its default); both 0 on the host backend.
+	DeviceBytes    int64 `json:"device_bytes"`
+	MaxDeviceBytes int64 `json:"max_device_bytes"`
 
 	// Lookups.
 	Lookups    int64 `json:"lookups"`     // Lookup calls

@@ -3,6 +3,7 @@ package transfer
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
@@ -31,10 +32,19 @@ type CUDA struct {
 	staging [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
+	tickets []cudacopy.Ticket  // Copy's, likewise
 	staged  atomic.Int64       // copies submitted staged (StagedCopies)
+	splits  atomic.Int64       // BudgetSplits
+	// meter is the copier, kept after Close for its device memory counters.
+	meter *cudacopy.Copier
 }
 
-// NewCUDA creates the engine's streams and copier on dev. The calling OS
+// NewCUDA creates the engine's streams and copier on dev. The copier's
+// device memory (descriptor tables, staging chunks) stays within
+// opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
+// short of it waits, on the submitting thread, for the oldest earlier copy
+// to complete, and a copy no single copier call could hold is split in
+// halves (BudgetSplits). The calling OS
 // thread must have ctx (dev's context) current; the engine threads make it
 // current on theirs.
 func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
@@ -67,6 +77,7 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
+	c.meter = c.copier
 	// The automatic choice of method is calibrated on this device before
 	// anything is queued (about 150 ms on an H200), unless the method is
 	// forced or a saved calibration was given.
@@ -136,29 +147,95 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
 		}
 	}
+	ts := c.tickets[:0]
+	defer func() { c.tickets = ts[:0] }()
+	if err := c.submit(dir, c.scratch, &ts); err != nil {
+		if len(ts) > 0 {
+			// Pieces of a split copy were enqueued: their memory is reused
+			// only once they are known finished.
+			err = errors.Join(err, c.drv.StreamSynchronize(c.streams[dir]))
+			for _, t := range ts {
+				_ = c.copier.Retire(t)
+			}
+		}
+		return nil, err
+	}
+	if len(ts) == 1 {
+		t := ts[0]
+		return func() { _ = c.copier.Retire(t) }, nil
+	}
+	split := slices.Clone(ts)
+	return func() {
+		for _, t := range split {
+			_ = c.copier.Retire(t)
+		}
+	}, nil
+}
+
+// submit submits segs in one copier call, or, where that needs more device
+// memory than the copier's MaxDeviceBytes can ever give one call
+// (cudacopy.ErrDeviceBudget), in halves (a lone segment by its length),
+// appending each call's ticket to ts in stream order.
+func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
 	staged := false
 	switch {
-	case dir == Store && c.copier.Gatherable(c.scratch):
+	case dir == Store && c.copier.Gatherable(segs):
 		staged = true
-		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], c.scratch)
-	case dir == Load && c.copier.Scatterable(c.scratch):
+		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], segs)
+	case dir == Load && c.copier.Scatterable(segs):
 		staged = true
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], c.scratch)
+		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], segs)
 	case dir == Store:
-		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, c.scratch)
+		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
-		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, c.scratch)
+		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, segs)
 	}
-	if err != nil {
-		return nil, err
+	if err == nil {
+		if staged {
+			c.staged.Add(1)
+		}
+		*ts = append(*ts, t)
+		return nil
 	}
-	if staged {
-		c.staged.Add(1)
+	if !errors.Is(err, cudacopy.ErrDeviceBudget) {
+		return err
 	}
-	return func() { _ = c.copier.Retire(t) }, nil
+	if len(segs) == 1 {
+		g := segs[0]
+		half := g.Len / 2 &^ 15 // the kernel's alignment kept
+		if half == 0 {
+			return err
+		}
+		c.splits.Add(1)
+		if err := c.submit(dir, []cudacopy.Segment{{Dst: g.Dst, Src: g.Src, Len: half}}, ts); err != nil {
+			return err
+		}
+		return c.submit(dir, []cudacopy.Segment{{Dst: g.Dst + half, Src: g.Src + half, Len: g.Len - half}}, ts)
+	}
+	c.splits.Add(1)
+	if err := c.submit(dir, segs[:len(segs)/2], ts); err != nil {
+		return err
+	}
+	return c.submit(dir, segs[len(segs)/2:], ts)
 }
+
+// DeviceBytes is the device memory the copier has allocated now
+// (descriptor tables, staging chunks, a calibration buffer); 0 after
+// Close. PeakDeviceBytes is the most it has had at once, MaxDeviceBytes
+// its bound (cudacopy.Options.MaxDeviceBytes). Safe at any time.
+func (c *CUDA) DeviceBytes() int64 { return c.meter.DeviceBytes() }
+
+// PeakDeviceBytes: see DeviceBytes.
+func (c *CUDA) PeakDeviceBytes() int64 { return c.meter.PeakDeviceBytes() }
+
+// MaxDeviceBytes: see DeviceBytes.
+func (c *CUDA) MaxDeviceBytes() int64 { return c.meter.MaxDeviceBytes() }
+
+// BudgetSplits is the number of times Copy split a copy in two because one
+// copier call could never hold it within MaxDeviceBytes.
+func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
 
 // Record implements Device.
 func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }

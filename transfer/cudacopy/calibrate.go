@@ -153,11 +153,11 @@ func (c *Copier) Calibrate(s cuda.Stream) (cal *Calibration, err error) {
 		return nil, fmt.Errorf("cudacopy: calibration host buffer of %d bytes: %w", cfg.TotalBytes, err)
 	}
 	defer func() { err = errors.Join(err, c.drv.MemFreeHost(hostP)) }()
-	dev, err := c.drv.MemAlloc(cfg.TotalBytes)
+	dev, err := c.allocRaw(cfg.TotalBytes, "calibration device buffer")
 	if err != nil {
-		return nil, fmt.Errorf("cudacopy: calibration device buffer of %d bytes: %w", cfg.TotalBytes, err)
+		return nil, err
 	}
-	defer func() { err = errors.Join(err, c.drv.MemFree(dev)) }()
+	defer func() { err = errors.Join(err, c.freeRaw(dev, cfg.TotalBytes)) }()
 	host := uintptr(hostP)
 	if err := c.AddHostRange(host, cfg.TotalBytes); err != nil {
 		return nil, err

@@ -20,6 +20,18 @@ const (
 	DefaultDescCapacity = 1 << 16
 	DefaultDescBuffers  = 2
 	DefaultBatchMax     = 4096
+	// DefaultMaxDeviceBytes bounds the device memory of a Copier
+	// (Options.MaxDeviceBytes): 256 MiB holds, with the other defaults,
+	// three staged copies per direction in flight at once, each with its
+	// ring of four 8 MiB staging chunks and two 2 MiB descriptor tables
+	// (131072 descriptors: a reload of 2048 blocks of 64 segments), that
+	// is 216 MiB, plus Calibrate's 32 MiB device buffer beside them. One
+	// staged copy per direction keeps the DMA engines busy while the
+	// host enqueues the next, so the copy rates measured with the
+	// unbounded pools (staged copies 94–97% of the link, the copy kernels
+	// 92–93%) need no more; a copy beyond the bound waits for the oldest
+	// one to complete instead of allocating.
+	DefaultMaxDeviceBytes = 256 << 20
 	// MinChunkBytes keeps chunks at least one warp-iteration of 16-byte
 	// accesses long.
 	MinChunkBytes = 512
@@ -52,14 +64,17 @@ type Options struct {
 	// needs more is split into several launches.
 	DescCapacity int
 	// DescBuffers is the number of descriptor buffers allocated by New
-	// (default 2). More are allocated when all are in flight and are kept.
+	// (default 2, at most what MaxDeviceBytes holds). More are allocated,
+	// within MaxDeviceBytes, when all are in flight, and are kept for
+	// reuse.
 	DescBuffers int
 	// BatchMax bounds the copies passed to one cuMemcpyBatchAsync call
 	// (default 4096).
 	BatchMax int
 	// GatherChunkBytes is the size of one device staging chunk of
 	// SubmitGather (default DefaultGatherChunk; a multiple of 16 of at least
-	// 1 MiB). Chunks are allocated as needed and kept until Close.
+	// 1 MiB). Chunks are allocated as needed, within MaxDeviceBytes, and
+	// kept for reuse.
 	GatherChunkBytes int
 	// GatherMinRun is the mean host-contiguous run (bytes) from which
 	// Gatherable says yes (default DefaultGatherMinRun).
@@ -67,6 +82,19 @@ type Options struct {
 	// GatherRing is the number of staging chunks one SubmitGather reuses
 	// in turn (default DefaultGatherRing).
 	GatherRing int
+	// MaxDeviceBytes bounds the device memory the Copier allocates at any
+	// time: descriptor tables (DescCapacity × 32 bytes each), the staging
+	// chunks of SubmitGather and SubmitScatter (GatherChunkBytes each) and,
+	// while Calibrate runs, its device buffer (Calibrate.TotalBytes).
+	// Default DefaultMaxDeviceBytes; at least MinDeviceBytes of the
+	// options. Tables and chunks are pooled for reuse; a call that needs
+	// more than is free frees idle pooled ones it does not need, then
+	// waits (on the calling thread) for the oldest outstanding batch's
+	// copies to complete and reuses their memory (Retire is then only
+	// bookkeeping). A staged copy whose ring of chunks would not fit takes
+	// fewer chunks in turn, down to one. A call that could never fit is
+	// ErrDeviceBudget, naming the bytes it needs and the bound.
+	MaxDeviceBytes int64
 	// NoGather turns SubmitGather off (Gatherable always false).
 	NoGather bool
 	// Calibration is a saved table for Choose. Without one, Choose uses the
@@ -334,6 +362,9 @@ func (o *Options) withDefaults() Options {
 	if r.GatherRing == 0 {
 		r.GatherRing = DefaultGatherRing
 	}
+	if r.MaxDeviceBytes == 0 {
+		r.MaxDeviceBytes = DefaultMaxDeviceBytes
+	}
 	if r.DMAMargin == 0 {
 		r.DMAMargin = DefaultDMAMargin
 		if r.PreferDMA {
@@ -370,6 +401,10 @@ func (o *Options) validate(sms int) error {
 			return err
 		}
 	}
+	if m := MinDeviceBytes(*o); o.MaxDeviceBytes < m {
+		return fmt.Errorf("%w: MaxDeviceBytes %d is below the minimum %d (one descriptor table of %d bytes and one staging chunk of %d bytes)",
+			ErrInvalidOption, o.MaxDeviceBytes, m, int64(o.DescCapacity)*descSize, m-int64(o.DescCapacity)*descSize)
+	}
 	if o.FenceBytes != 0 || o.PaceGBps != 0 {
 		if l := o.launch(D2H); !l.Throttled() {
 			return fmt.Errorf("%w: FenceBytes %d and PaceGBps %v are only for a throttled CopyKernel such as %q, not %q", ErrInvalidOption, o.FenceBytes, o.PaceGBps, SysFenceCopyKernel, l.Kernel)
@@ -381,6 +416,18 @@ func (o *Options) validate(sms int) error {
 		}
 	}
 	return o.Calibrate.validate()
+}
+
+// MinDeviceBytes is the least Options.MaxDeviceBytes that o (defaults
+// applied) accepts: one descriptor table (DescCapacity × 32 bytes) and,
+// unless NoGather, one staging chunk (GatherChunkBytes).
+func MinDeviceBytes(o Options) int64 {
+	o = o.withDefaults()
+	n := int64(o.DescCapacity) * descSize
+	if !o.NoGather {
+		n += int64(o.GatherChunkBytes)
+	}
+	return n
 }
 
 // Capabilities says what a Copier found on its device.
@@ -430,10 +477,27 @@ type ticketRec struct {
 	gen  uint32
 	live bool
 	bufs []*descBuf
-	// staging and events: a SubmitGather's staging chunks and events.
+	// staging and events: a SubmitGather's staging chunks and events (a
+	// kernel launch's one event: done).
+	staging []cuda.DevicePtr
+	events  []cuda.Event
+	// seq orders tickets by acquisition; done (0 until the ticket's work is
+	// all enqueued) is recorded after it, on the stream whose completion is
+	// the ticket's: a call short of device memory waits for the oldest
+	// done event and takes the ticket's memory back early (reclaim).
+	seq  uint64
+	done cuda.Event
+}
+
+// grant is what acquire gave a ticket.
+type grant struct {
+	bufs    []*descBuf
 	staging []cuda.DevicePtr
 	events  []cuda.Event
 }
+
+// need is what a call asks acquire for.
+type need struct{ bufs, staging, events int }
 
 // Copier copies batches of segments on a caller's stream. See the package
 // documentation for the ownership rules. A Copier is safe for concurrent
@@ -456,6 +520,7 @@ type Copier struct {
 	batchPool sync.Pool // *[]cuda.BatchCopy of cap BatchMax
 
 	mu          sync.Mutex
+	cond        *sync.Cond // on mu: a ticket's done event set, or a ticket ended
 	closed      bool
 	cal         *Calibration
 	free        []*descBuf
@@ -468,6 +533,13 @@ type Copier struct {
 	stagingAll, stagingFree []cuda.DevicePtr
 	eventsAll, eventsFree   []cuda.Event
 	gathers                 atomic.Uint64
+	// Device memory allocated (descriptor tables, staging chunks,
+	// Calibrate's buffer): devBytes under mu, mirrored in devNow for
+	// lock-free readers, and its peak.
+	devBytes        int64
+	devNow, devPeak atomic.Int64
+	seq             uint64
+	budgetWaits     atomic.Int64
 }
 
 // New creates a Copier for dev. The calling OS thread must have dev's
@@ -500,6 +572,7 @@ func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
 			H2D:                 o.launch(H2D),
 		},
 	}
+	c.cond = sync.NewCond(&c.mu)
 	c.d2h.Launch, c.h2d.Launch = c.caps.D2H, c.caps.H2D
 	c.fill.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_fill"}
 	c.csum.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_checksum"}
@@ -518,7 +591,7 @@ func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
 		}
 	} else {
 		c.caps.Kernel = true
-		for range o.DescBuffers {
+		for range min(int64(o.DescBuffers), o.MaxDeviceBytes/c.descBytes()) {
 			b, err := c.newDescBuf()
 			if err != nil {
 				return nil, errors.Join(err, c.release())
@@ -552,13 +625,18 @@ func (c *Copier) loadModule() error {
 	return nil
 }
 
+// descBytes is the device memory of one descriptor table.
+func (c *Copier) descBytes() int64 { return int64(c.opts.DescCapacity) * descSize }
+
+// newDescBuf allocates a descriptor buffer; the caller holds mu (or is
+// New) and has checked that its table fits MaxDeviceBytes.
 func (c *Copier) newDescBuf() (*descBuf, error) {
 	size := uint64(c.opts.DescCapacity) * descSize
 	h, err := c.drv.MemHostAlloc(size, cuda.HostAllocPortable)
 	if err != nil {
 		return nil, fmt.Errorf("cudacopy: descriptor staging buffer of %d bytes: %w", size, err)
 	}
-	d, err := c.drv.MemAlloc(size)
+	d, err := c.devAllocLocked(size)
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("cudacopy: descriptor table of %d bytes: %w", size, err), c.drv.MemFreeHost(h))
 	}
@@ -756,36 +834,6 @@ func (c *Copier) batch(s cuda.Stream, segs []Segment) error {
 	return nil
 }
 
-// acquire takes n descriptor buffers and a ticket record.
-func (c *Copier) acquire(n int) (Ticket, *ticketRec, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return Ticket{}, nil, ErrClosed
-	}
-	for len(c.free) < n {
-		b, err := c.newDescBuf()
-		if err != nil {
-			return Ticket{}, nil, err
-		}
-		c.free = append(c.free, b)
-	}
-	var idx int32
-	if k := len(c.freeRecs); k > 0 {
-		idx = c.freeRecs[k-1]
-		c.freeRecs = c.freeRecs[:k-1]
-	} else {
-		c.recs = append(c.recs, ticketRec{})
-		idx = int32(len(c.recs) - 1)
-	}
-	r := &c.recs[idx]
-	r.live = true
-	r.bufs = append(r.bufs[:0], c.free[len(c.free)-n:]...)
-	c.free = c.free[:len(c.free)-n]
-	c.outstanding++
-	return Ticket{idx: idx + 1, gen: r.gen}, r, nil
-}
-
 // abandon ends a ticket whose launch failed: the first used buffers may
 // still be read by enqueued work and are withdrawn; the rest are returned.
 func (c *Copier) abandon(t Ticket, used int) {
@@ -793,6 +841,10 @@ func (c *Copier) abandon(t Ticket, used int) {
 	defer c.mu.Unlock()
 	r := &c.recs[t.idx-1]
 	c.free = append(c.free, r.bufs[used:]...)
+	if used == 0 {
+		c.stagingFree = append(c.stagingFree, r.staging...)
+		c.eventsFree = append(c.eventsFree, r.events...)
+	}
 	c.endRec(t.idx - 1)
 }
 
@@ -802,7 +854,9 @@ func (c *Copier) endRec(i int32) {
 	r.bufs = r.bufs[:0]
 	r.staging = r.staging[:0]
 	r.events = r.events[:0]
+	r.done = 0
 	r.live = false
+	c.cond.Broadcast()
 	r.gen++
 	c.freeRecs = append(c.freeRecs, i)
 	c.outstanding--
@@ -821,13 +875,13 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 	}
 	total := ck.count()
 	nbuf := (total + c.opts.DescCapacity - 1) / c.opts.DescCapacity
-	t, rec, err := c.acquire(nbuf)
+	t, gr, err := c.acquire(need{bufs: nbuf, events: 1})
 	if err != nil {
 		return Ticket{}, err
 	}
 	warpsPerCTA := l.Threads / 32
 	done := 0
-	for i, b := range rec.bufs {
+	for i, b := range gr.bufs {
 		n, err := ck.next(b.table)
 		if err == nil {
 			err = c.enqueue(s, b, l, ck, n, extra, done, warpsPerCTA)
@@ -839,6 +893,11 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 		}
 		done += n
 	}
+	if err := c.drv.EventRecord(gr.events[0], s); err != nil {
+		c.abandon(t, len(gr.bufs))
+		return Ticket{}, fmt.Errorf("cudacopy: recording a launch's completion event: %w", err)
+	}
+	c.setDone(t, gr.events[0])
 	return t, nil
 }
 
@@ -962,7 +1021,7 @@ func (c *Copier) Close() error {
 func (c *Copier) release() error {
 	var errs []error
 	for _, b := range c.all {
-		errs = append(errs, c.drv.MemFree(b.dev), c.drv.MemFreeHost(b.host))
+		errs = append(errs, c.devFreeLocked(b.dev, uint64(c.descBytes())), c.drv.MemFreeHost(b.host))
 	}
 	c.all, c.free = nil, nil
 	if c.caps.Kernel {

@@ -590,6 +590,10 @@ func (d *nullDriver) MemcpyAsync(_, _ cuda.DevicePtr, _ uint64, _ cuda.Stream) e
 	return nil
 }
 func (d *nullDriver) MemcpyBatchAsync([]cuda.BatchCopy, cuda.Stream) error { return nil }
+func (d *nullDriver) EventCreate(uint32) (cuda.Event, error)               { return 3, nil }
+func (d *nullDriver) EventDestroy(cuda.Event) error                        { return nil }
+func (d *nullDriver) EventRecord(cuda.Event, cuda.Stream) error            { return nil }
+func (d *nullDriver) EventSynchronize(cuda.Event) error                    { return nil }
 func (d *nullDriver) LaunchKernel(cuda.Function, cuda.Dim3, cuda.Dim3, uint32, cuda.Stream, ...[]byte) error {
 	return nil
 }

@@ -93,13 +93,14 @@ func (c *Copier) stageable(dir Direction, segs []Segment) bool {
 // Chunks go round a ring of at most Options.GatherRing staging buffers: g
 // gathers chunk k+1 while s copies chunk k out, and waits for s's copy of
 // chunk k-GatherRing before reusing its buffer, so a batch of any size uses
-// at most GatherRing × GatherChunkBytes of device memory. g must already be
+// at most GatherRing × GatherChunkBytes of device memory (fewer chunks
+// where Options.MaxDeviceBytes leaves room for fewer). g must already be
 // ordered after the work that wrote the segments' device data (the caller
 // makes g wait on the same events it makes s wait on); completion is that
 // of s: retire the ticket, which holds the staging, after an event recorded
 // on s after this call has completed. Segments must be 16-byte aligned and
 // at most Options.GatherChunkBytes long. On error what was enqueued keeps
-// its buffers until Close.
+// its buffers until Close (counted in DeviceBytes meanwhile).
 func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) {
 	return c.staged(D2H, g, s, segs)
 }
@@ -142,37 +143,39 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 		}
 	}
 	parts := chunkParts(segs, chunk)
-	ring := min(len(parts), c.opts.GatherRing)
-	staging, evs, err := c.acquireGather(ring, 2*ring)
+	// One chunker per chunk, so that each chunk's kernel work ends a launch;
+	// the chunks' descriptors share the ticket's buffers back to back. The
+	// count depends only on the lengths, so it is known before the staging.
+	ndesc := 0
+	for _, p := range parts {
+		ck := chunker{kind: jobCopy, copies: segs[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
+		ndesc += ck.count()
+	}
+	nbuf := (ndesc + c.opts.DescCapacity - 1) / c.opts.DescCapacity
+	// The ring takes fewer chunks where MaxDeviceBytes leaves room for
+	// fewer beside the descriptor tables (at least one).
+	fit := (c.opts.MaxDeviceBytes - int64(nbuf)*c.descBytes()) / int64(chunk)
+	ring := int(min(int64(len(parts)), int64(c.opts.GatherRing), max(fit, 1)))
+	t, gr, err := c.acquire(need{bufs: nbuf, staging: ring, events: 2 * ring})
 	if err != nil {
 		return Ticket{}, err
 	}
+	staging, evs := gr.staging, gr.events
 	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load())
-	// One chunker per chunk, so that each chunk's kernel work ends a launch;
-	// the chunks' descriptors share the ticket's buffers back to back.
 	cks := make([]chunker, len(parts))
-	ndesc := 0
 	for k, p := range parts {
 		cks[k] = chunker{kind: jobCopy, copies: kern[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
-		ndesc += cks[k].count()
 	}
-	t, rec, err := c.acquire((ndesc + c.opts.DescCapacity - 1) / c.opts.DescCapacity)
-	if err != nil {
-		c.releaseGather(staging, evs)
-		return Ticket{}, err
-	}
-	c.attachGather(t, staging, evs)
 	// Every chunk's descriptors are written first and uploaded on g ahead
 	// of the pipeline, one copy per buffer: an upload per chunk, after the
 	// wait for the chunk's load, queued behind the next chunks' loads on
 	// the host-to-device copy engine and held the scatter back (staged
 	// loads moved 72% of the H2D link on the H200, the DMAs alone 100%).
-	bufs := &descCursor{bufs: rec.bufs}
+	bufs := &descCursor{bufs: gr.bufs}
 	launches := make([][]launchRange, len(parts))
 	for k := range parts {
 		if launches[k], err = bufs.fill(&cks[k]); err != nil {
 			// Nothing is enqueued yet: everything goes back to the pools.
-			c.releaseGather(staging, evs)
 			c.abandon(t, 0)
 			return Ticket{}, err
 		}
@@ -224,6 +227,10 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 			return fail(fmt.Errorf("cudacopy: joining the last scatter: %w", err))
 		}
 	}
+	// b[last] is recorded after everything: D2H on s after the last copy
+	// out (s joined every gather), H2D on g after the last scatter (g
+	// joined every load).
+	c.setDone(t, b[(len(parts)-1)%ring])
 	c.gathers.Add(1)
 	return t, nil
 }
@@ -418,57 +425,6 @@ func (c *Copier) stagingDMA(dir Direction, s cuda.Stream, pieces []gatherPiece) 
 	return c.memcpy(s, segs)
 }
 
-// acquireGather takes n staging chunks and m events, allocating what the
-// pools lack (kept until Close, like descriptor buffers).
-func (c *Copier) acquireGather(n, m int) ([]cuda.DevicePtr, []cuda.Event, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return nil, nil, ErrClosed
-	}
-	for len(c.stagingFree) < n {
-		p, err := c.drv.MemAlloc(uint64(c.opts.GatherChunkBytes))
-		if err != nil {
-			return nil, nil, fmt.Errorf("cudacopy: gather staging chunk of %d bytes (%d in use): %w", c.opts.GatherChunkBytes, len(c.stagingAll)-len(c.stagingFree), err)
-		}
-		c.stagingAll = append(c.stagingAll, p)
-		c.stagingFree = append(c.stagingFree, p)
-	}
-	for len(c.eventsFree) < m {
-		e, err := c.drv.EventCreate(cuda.EventDisableTiming)
-		if err != nil {
-			return nil, nil, fmt.Errorf("cudacopy: gather event: %w", err)
-		}
-		c.eventsAll = append(c.eventsAll, e)
-		c.eventsFree = append(c.eventsFree, e)
-	}
-	k := len(c.stagingFree) - n
-	staging := append([]cuda.DevicePtr(nil), c.stagingFree[k:]...)
-	c.stagingFree = c.stagingFree[:k]
-	j := len(c.eventsFree) - m
-	evs := append([]cuda.Event(nil), c.eventsFree[j:]...)
-	c.eventsFree = c.eventsFree[:j]
-	return staging, evs, nil
-}
-
-// releaseGather returns staging and events that nothing enqueued uses.
-func (c *Copier) releaseGather(staging []cuda.DevicePtr, evs []cuda.Event) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.stagingFree = append(c.stagingFree, staging...)
-	c.eventsFree = append(c.eventsFree, evs...)
-}
-
-// attachGather makes the staging and events part of ticket t: Retire
-// returns them, abandon withdraws them.
-func (c *Copier) attachGather(t Ticket, staging []cuda.DevicePtr, evs []cuda.Event) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	r := &c.recs[t.idx-1]
-	r.staging = append(r.staging[:0], staging...)
-	r.events = append(r.events[:0], evs...)
-}
-
 // joinAfterFailure makes s wait for everything enqueued on g so far (e
 // re-recorded on g: earlier waits on e keep the record they saw), or, if
 // that fails, waits for g on the CPU: after a failed staged load, s's
@@ -498,7 +454,7 @@ func (c *Copier) abandonAll(t Ticket) {
 func (c *Copier) releaseGatherAll() error {
 	var errs []error
 	for _, p := range c.stagingAll {
-		errs = append(errs, c.drv.MemFree(p))
+		errs = append(errs, c.devFreeLocked(p, uint64(c.opts.GatherChunkBytes)))
 	}
 	for _, e := range c.eventsAll {
 		errs = append(errs, c.drv.EventDestroy(e))

@@ -146,6 +146,13 @@ var (
 	ErrInFlight = errors.New("cudacopy: tickets outstanding")
 	// ErrClosed: the Copier was closed.
 	ErrClosed = errors.New("cudacopy: closed")
+	// ErrDeviceBudget: a call needs more device memory (descriptor tables,
+	// staging chunks, a calibration buffer) than Options.MaxDeviceBytes
+	// can ever give it: more than the bound, or more than what retiring
+	// every outstanding batch would free (memory withdrawn after driver
+	// errors stays counted until Close). The error names the bytes needed
+	// and the bound; split the batch and submit the pieces.
+	ErrDeviceBudget = errors.New("cudacopy: over the device memory budget")
 )
 
 // kernelAlign is the alignment kvo_copy needs for its 16-byte accesses; the

@@ -215,6 +215,10 @@ func (d *Driver) Calls(op string) int {
 	return d.calls[op]
 }
 
+// PeakDeviceBytes is the most device memory (MemAlloc bytes) that has been
+// allocated at once since New.
+func (d *Driver) PeakDeviceBytes() uint64 { return d.mem.devicePeak() }
+
 // Live counts what is currently allocated, registered and created.
 func (d *Driver) Live() Counts {
 	d.mu.Lock()

@@ -557,3 +557,18 @@ func TestCaptureSafety(t *testing.T) {
 		require.True(t, errors.Is(d.StreamBeginCapture(0, cuda.CaptureModeGlobal), &cuda.Error{Code: cuda.ErrorStreamCaptureUnsupported}))
 	})
 }
+
+func TestPeakDeviceBytes(t *testing.T) {
+	d := cudafake.New(cudafake.Options{})
+	defer func() { require.NoError(t, d.Close()) }()
+	a, err := d.MemAlloc(3 << 20)
+	require.NoError(t, err)
+	b, err := d.MemAlloc(1 << 20)
+	require.NoError(t, err)
+	require.NoError(t, d.MemFree(a))
+	c, err := d.MemAlloc(2 << 20)
+	require.NoError(t, err)
+	require.Equal(t, uint64(4<<20), d.PeakDeviceBytes())
+	require.NoError(t, errors.Join(d.MemFree(b), d.MemFree(c)))
+	require.Equal(t, uint64(4<<20), d.PeakDeviceBytes())
+}

@@ -39,6 +39,7 @@ type memory struct {
 	spans    []*span // sorted by base, non-overlapping
 	capacity uint64
 	used     uint64
+	peak     uint64 // the most used has been (PeakDeviceBytes)
 }
 
 // find returns the index of the span containing addr, or -1.
@@ -124,6 +125,7 @@ func (m *memory) alloc(op string, size uint64, kind spanKind) (*span, error) {
 	m.insert(s)
 	if kind == spanDevice {
 		m.used += size
+		m.peak = max(m.peak, m.used)
 	}
 	return s, nil
 }
@@ -196,6 +198,12 @@ func (m *memory) deviceUsed() uint64 {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	return m.used
+}
+
+func (m *memory) devicePeak() uint64 {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return m.peak
 }
 
 func (m *memory) count(c *Counts) {
