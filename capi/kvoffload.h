@@ -14,8 +14,19 @@
  *    failed call made by the calling thread, valid until that thread's next
  *    kvo_* call. Calls that succeed clear it to "".
  *  - Handles (kvo_engine_t, kvo_op_t, kvo_lease_t) are opaque non-zero
- *    integers, not pointers. A handle that is unknown, already destroyed or
- *    of the wrong kind is refused with KVO_EINVAL (never a crash).
+ *    integers, not pointers, never reused within a process. A bad handle is
+ *    an error code, never a crash:
+ *      - a destroyed engine's handle: KVO_ECLOSED, from every call taking
+ *        an engine (kvo_engine_destroy included);
+ *      - a released op's or lease's handle (a lease handed to a kvo_load
+ *        that succeeded counts as released): KVO_ERELEASED, from every call
+ *        taking an op or a lease (kvo_op_release and kvo_lease_release
+ *        included);
+ *      - 0, a value never issued, or a handle of another kind (an engine
+ *        handle passed as an op): KVO_EINVAL.
+ *    Ops and leases outlive their engine: after kvo_engine_destroy they are
+ *    still valid handles (kvo_op_wait, kvo_op_outcomes, the releases work)
+ *    and must still be released.
  *  - Keys are 16 bytes each, passed packed: n keys are 16*n bytes.
  *  - CUDA objects cross as plain integers: device pointers as uint64_t,
  *    CUstream and CUevent as uintptr_t (0 means none / the legacy default
@@ -65,12 +76,12 @@ extern "C" {
 
 /* Error codes. */
 #define KVO_OK          0
-#define KVO_EINVAL     -1  /* bad argument: NULL pointer, length, block id, handle, key, JSON */
-#define KVO_ECLOSED    -2  /* the engine was destroyed / closed */
+#define KVO_EINVAL     -1  /* bad argument: NULL pointer, length, block id, key, JSON, a handle never issued or of another kind */
+#define KVO_ECLOSED    -2  /* the engine handle was destroyed (kvo_engine_destroy) */
 #define KVO_EBUSY      -3  /* the queue for in-flight room is full (kvo_load) */
 #define KVO_ENODRIVER  -4  /* the CUDA backend was asked for but libcuda/a device is missing */
 #define KVO_ENOMEM     -5  /* the machine cannot hold the pool, or no staging room is left */
-#define KVO_ERELEASED  -6  /* the op or lease was already released */
+#define KVO_ERELEASED  -6  /* the op or lease handle was already released (a lease: or taken over by kvo_load) */
 #define KVO_ECAPTURING -7  /* the after_stream of a store is capturing a CUDA graph */
 #define KVO_EFAIL      -8  /* a copy or the driver failed; see kvo_last_error */
 #define KVO_ETIMEOUT   -9  /* kvo_op_wait: the timeout passed before the op was done */
@@ -113,8 +124,10 @@ const char* kvo_last_error(void);
 int kvo_engine_create(const char* config_json, kvo_engine_t* out);
 
 /* Closes the engine: refuses new calls, waits for copies in flight, unpins
- * and unmaps the pool. Ops and leases of the engine stay valid handles
- * (kvo_op_wait, kvo_op_outcomes, releases) and must still be released. */
+ * and unmaps the pool, and frees the handle: every later call taking it
+ * (this one included) returns KVO_ECLOSED. Ops and leases of the engine
+ * stay valid handles (kvo_op_wait, kvo_op_outcomes, releases) and must
+ * still be released. */
 int kvo_engine_destroy(kvo_engine_t engine);
 
 /* Writes the engine's configuration with defaults filled in (and, on the
@@ -142,12 +155,14 @@ int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids
 
 /* Copies the blocks stored under keys[i] into GPU blocks block_ids[i],
  * asynchronously. lease: from kvo_lookup (0: none); on success the load
- * takes it over and the lease handle is consumed (do not release it); on
- * failure the caller still owns it. after_event: the destination blocks may
- * be overwritten after it (0: none). per_layer != 0 records one event per
- * layer (kvo_op_layer_event). signal_event: a caller-owned CUevent also
- * recorded when the load completes (0: none). Fails fast with KVO_EBUSY
- * when the queue is full. */
+ * takes it over and the lease handle is consumed (do not release it; using
+ * it again is KVO_ERELEASED); on failure the caller still owns it. The
+ * engine handle is checked first: a destroyed engine is KVO_ECLOSED, with
+ * any lease. after_event: the destination blocks may be overwritten after
+ * it (0: none). per_layer != 0 records one event per layer
+ * (kvo_op_layer_event). signal_event: a caller-owned CUevent also recorded
+ * when the load completes (0: none). Fails fast with KVO_EBUSY when the
+ * queue is full. */
 int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
              size_t n, kvo_lease_t lease, uintptr_t after_event, int per_layer,
              uintptr_t signal_event, kvo_op_t* op);
@@ -177,10 +192,14 @@ int kvo_op_layer_event(kvo_op_t op, int layer, uintptr_t* event);
 int kvo_op_outcomes(kvo_op_t op, uint8_t* out, size_t n);
 
 /* Gives the op's events back to the engine (waiting for the op to be done
- * first) and frees the handle. Every op must be released exactly once. */
+ * first) and frees the handle. Every op must be released exactly once; a
+ * second release returns KVO_ERELEASED, as does every other kvo_op_* call
+ * on a released op. */
 int kvo_op_release(kvo_op_t op);
 
-/* Releases a lease taken by kvo_lookup and frees the handle. */
+/* Releases a lease taken by kvo_lookup and frees the handle. KVO_ERELEASED
+ * for a lease already released or taken over by a kvo_load. Valid after
+ * the engine was destroyed. */
 int kvo_lease_release(kvo_lease_t lease);
 
 /* The staging buffer called name (NUL-terminated), of exactly bytes bytes,

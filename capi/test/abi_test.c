@@ -267,6 +267,85 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	CHECK(freed == 0 && pending == 0, "trim 0 freed %" PRIu64 " pending %" PRIu64, freed, pending);
 }
 
+// Stale handles: a released op or lease is KVO_ERELEASED in every call
+// that takes it; a destroyed engine is KVO_ECLOSED in every call that takes
+// it, while the ops and leases it handed out stay valid handles; a handle
+// that never was one of its kind is KVO_EINVAL.
+static void test_stale_handles(void) {
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create(config, &e));
+	uint8_t keys[2 * KVO_KEY_BYTES];
+	make_key(keys, 1, 21);
+	make_key(keys + KVO_KEY_BYTES, 2, 21);
+	int64_t src[2] = {0, 1}, dst[2] = {2, 3};
+	uint8_t out[2];
+	uintptr_t ev = 0;
+	int done = 0;
+	size_t hits = 0, count = 0;
+
+	// A released op.
+	kvo_op_t op = 0;
+	OK(kvo_store(e, keys, src, 2, 0, 0, &op));
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_release(op));
+	FAILS(kvo_op_wait(op, -1), KVO_ERELEASED);
+	FAILS(kvo_op_wait(op, 0), KVO_ERELEASED);
+	FAILS(kvo_op_query(op, &done), KVO_ERELEASED);
+	FAILS(kvo_op_stream_wait(op, 0), KVO_ERELEASED);
+	FAILS(kvo_op_event(op, &ev), KVO_ERELEASED);
+	FAILS(kvo_op_layer_event(op, 0, &ev), KVO_ERELEASED);
+	FAILS(kvo_op_outcomes(op, out, 2), KVO_ERELEASED);
+	FAILS(kvo_op_release(op), KVO_ERELEASED);
+	// Of the right kind but never issued: KVO_EINVAL, not KVO_ERELEASED.
+	FAILS(kvo_op_wait(op + 1000000, 0), KVO_EINVAL);
+	FAILS(kvo_op_release(op + 1000000), KVO_EINVAL);
+
+	// A released lease, and one taken over by a load.
+	kvo_lease_t lease = 0;
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	CHECK(hits == 2 && lease != 0, "hits %zu lease %" PRIu64, hits, lease);
+	OK(kvo_lease_release(lease));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op), KVO_ERELEASED);
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	OK(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
+	kvo_op_t op2 = 0;
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op2), KVO_ERELEASED);
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_release(op));
+	FAILS(kvo_lease_release(lease + 1000000), KVO_EINVAL);
+
+	// A destroyed engine: every call taking it is KVO_ECLOSED; its op and
+	// lease stay valid and must still be released.
+	OK(kvo_store(e, keys, src, 2, 0, 0, &op));
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	OK(kvo_engine_destroy(e));
+	FAILS(kvo_engine_destroy(e), KVO_ECLOSED);
+	char buf[64];
+	size_t need = 0;
+	FAILS(kvo_engine_config_json(e, buf, sizeof buf, &need), KVO_ECLOSED);
+	FAILS(kvo_lookup(e, keys, 2, 0, &hits, NULL), KVO_ECLOSED);
+	FAILS(kvo_store(e, keys, src, 2, 0, 0, &op2), KVO_ECLOSED);
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op2), KVO_ECLOSED); // the lease stays the caller's
+	void* p = NULL;
+	FAILS(kvo_staging(e, "x", 64, &p, NULL), KVO_ECLOSED);
+	FAILS(kvo_stats_json(e, buf, sizeof buf, &need), KVO_ECLOSED);
+	FAILS(kvo_trim(e, 0, -1, NULL, NULL), KVO_ECLOSED);
+	FAILS(kvo_delete(e, keys, 2, &count), KVO_ECLOSED);
+	FAILS(kvo_clear(e, "", &count), KVO_ECLOSED);
+	FAILS(kvo_sim_write(e, 0, buf, 1), KVO_ECLOSED);
+	FAILS(kvo_sim_read(e, 0, buf, 1), KVO_ECLOSED);
+	FAILS(kvo_lookup(e + 1000000, keys, 2, 0, &hits, NULL), KVO_EINVAL);
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_query(op, &done));
+	CHECK(done == 1, "done = %d", done);
+	OK(kvo_op_outcomes(op, out, 2));
+	OK(kvo_op_release(op));
+	OK(kvo_lease_release(lease));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
+}
+
 // Several threads storing, looking up and loading disjoint blocks of one
 // engine at once, each checking its own errors and data.
 typedef struct {
@@ -354,6 +433,7 @@ int main(void) {
 	test_round_trip(e);
 	test_errors(e);
 	test_stats_staging_trim(e);
+	test_stale_handles();
 	test_threads(e);
 	test_fork(e);
 
