@@ -300,14 +300,43 @@ func opArgs(fn string, h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size
 	return eng, keys, ids, nil
 }
 
+// storeParents converts kvo_store's parent (one key or NULL) and parents
+// (n keys or NULL) into StoreOptions.Parent and Parents; at most one of
+// them may be given.
+func storeParents(parentP, parentsP *C.uint8_t, n C.size_t) (offload.Key, []offload.Key, error) {
+	var parent offload.Key
+	if parentP != nil && parentsP != nil {
+		return parent, nil, fmt.Errorf("%w: kvo_store: parent and parents both given; parents names every key's parent, pass NULL for parent", offload.ErrInvalidArgument)
+	}
+	if parentP != nil {
+		copy(parent[:], unsafe.Slice((*byte)(unsafe.Pointer(parentP)), keyBytes))
+		return parent, nil, nil
+	}
+	if parentsP == nil {
+		return parent, nil, nil
+	}
+	parents, err := goKeys(parentsP, n)
+	if err != nil {
+		return parent, nil, err
+	}
+	if parents == nil {
+		parents = []offload.Key{} // n = 0: given, and empty
+	}
+	return parent, parents, nil
+}
+
 //export kvoGo_store
-func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
+func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, parentP, parentsP *C.uint8_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
 	defer guard(&rc)
 	eng, keys, ids, err := opArgs("kvo_store", h, keysP, idsP, n, opOut)
 	if err != nil {
 		return fail(err)
 	}
-	op, err := eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: uintptr(afterEvent), AfterStream: uintptr(afterStream)})
+	parent, parents, err := storeParents(parentP, parentsP, n)
+	if err != nil {
+		return fail(err)
+	}
+	op, err := eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: uintptr(afterEvent), AfterStream: uintptr(afterStream), Parent: parent, Parents: parents})
 	if err != nil {
 		return fail(err)
 	}

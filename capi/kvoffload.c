@@ -79,9 +79,11 @@ int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease, si
 }
 
 int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,
-              uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op) {
+              const uint8_t* parent, const uint8_t* parents, uintptr_t after_event,
+              uintptr_t after_stream, kvo_op_t* op) {
 	ENTER();
-	return kvoGo_store(engine, (uint8_t*)keys, (int64_t*)block_ids, n, after_event, after_stream, op);
+	return kvoGo_store(engine, (uint8_t*)keys, (int64_t*)block_ids, n, (uint8_t*)parent,
+	                   (uint8_t*)parents, after_event, after_stream, op);
 }
 
 int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,

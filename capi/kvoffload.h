@@ -71,8 +71,10 @@ extern "C" {
 
 /* The version of this ABI. A caller checks kvo_abi_version() ==
  * KVO_ABI_VERSION before any other call; a library of another version
- * must not be used. */
-#define KVO_ABI_VERSION 1
+ * must not be used. It changes only on an incompatible change:
+ *   1  the first release;
+ *   2  kvo_store gained parent and parents (before after_event). */
+#define KVO_ABI_VERSION 2
 
 /* Error codes. */
 #define KVO_OK          0
@@ -144,14 +146,32 @@ int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease,
                size_t* hits, kvo_lease_t* lease_out);
 
 /* Copies GPU blocks block_ids[i] into the pool under keys[i],
- * asynchronously. after_event: a CUevent recorded on the caller's stream
- * after the kernels that wrote the blocks (0: none); after_stream: the
- * stream it was recorded on (0: unknown), refused with KVO_ECAPTURING when
- * capturing. Per-block outcomes come from kvo_op_outcomes once done.
+ * asynchronously. Per-block outcomes come from kvo_op_outcomes once done.
  * Before overwriting the blocks, the caller's stream waits on the op
- * (kvo_op_stream_wait). */
+ * (kvo_op_stream_wait).
+ *
+ * parent, parents: where the keys hang in their sequences' chains, so that
+ * a sequence stored over several calls (decode adds a block at a time)
+ * stays one chain and eviction takes its tail, never its middle. At most
+ * one may be non-NULL (both: KVO_EINVAL).
+ *  - parent (16 bytes): the keys are one sequence's blocks in order and
+ *    parent is the key of the block before keys[0]; keys[i-1] is the parent
+ *    of keys[i]. 16 zero bytes, or parent and parents both NULL: keys[0]
+ *    starts a sequence.
+ *  - parents (16*n bytes): for a call holding blocks of several sequences,
+ *    the parent of each key (16 zero bytes: the key starts a sequence). A
+ *    key whose parent is refused in the same call is refused the same way.
+ *    KVO_EINVAL when a key is its own parent or appears twice.
+ *
+ * after_event: a CUevent recorded on the caller's stream after the kernels
+ * that wrote the blocks (0: none); the copies wait on its most recent
+ * record at the time they are issued, which may be after kvo_store
+ * returns: do not record it again before the op is done. after_stream: the
+ * stream it was recorded on (0: unknown), refused with KVO_ECAPTURING when
+ * capturing. */
 int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
-              size_t n, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
+              size_t n, const uint8_t* parent, const uint8_t* parents,
+              uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
 
 /* Copies the blocks stored under keys[i] into GPU blocks block_ids[i],
  * asynchronously. lease: from kvo_lookup (0: none); on success the load
@@ -159,7 +179,9 @@ int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids
  * it again is KVO_ERELEASED); on failure the caller still owns it. The
  * engine handle is checked first: a destroyed engine is KVO_ECLOSED, with
  * any lease. after_event: the destination blocks may be overwritten after
- * it (0: none). per_layer != 0 records one event per layer
+ * it (0: none); as for kvo_store, the copies wait on its most recent record
+ * at the time they are issued: do not record it again before the op is
+ * done. per_layer != 0 records one event per layer
  * (kvo_op_layer_event). signal_event: a caller-owned CUevent also recorded
  * when the load completes (0: none). Fails fast with KVO_EBUSY when the
  * queue is full. */

@@ -1,7 +1,8 @@
 // abi_test exercises libkvoffload.so through kvoffload.h on the host
-// backend: create, store, lookup, lease, load, outcomes, stats, staging,
-// trim, delete, clear, errors, stale handles, concurrent calls from several
-// pthreads, the per-thread last error, and the refusal in a forked child.
+// backend: create, store (with parent and parents), lookup, lease, load,
+// outcomes, stats, staging, trim, delete, clear, errors, stale handles
+// (codes per kind), concurrent calls from several pthreads, the per-thread
+// last error, and the refusal in a forked child.
 // It is built and run by capi's Go test (TestABI); it prints what failed and
 // exits non-zero on the first failure.
 
@@ -131,7 +132,7 @@ static void test_round_trip(kvo_engine_t e) {
 		write_block(e, i, 0);
 	}
 	kvo_op_t op = 0;
-	OK(kvo_store(e, keys, src, N, 0, 0, &op));
+	OK(kvo_store(e, keys, src, N, NULL, NULL, 0, 0, &op));
 	CHECK(op != 0, "op handle 0");
 	OK(kvo_op_wait(op, -1));
 	int done = 0;
@@ -147,7 +148,7 @@ static void test_round_trip(kvo_engine_t e) {
 	FAILS(kvo_op_wait(op, 0), KVO_ERELEASED);
 
 	// The same keys again: already present.
-	OK(kvo_store(e, keys, src, N, 0, 0, &op));
+	OK(kvo_store(e, keys, src, N, NULL, NULL, 0, 0, &op));
 	OK(kvo_op_wait(op, -1));
 	check_outcomes(op, N, KVO_OUTCOME_ALREADY_PRESENT);
 	OK(kvo_op_release(op));
@@ -203,12 +204,12 @@ static void test_errors(kvo_engine_t e) {
 	int64_t dup[2] = {3, 3};
 	int64_t neg[2] = {-1, 2};
 	kvo_op_t op = 0;
-	FAILS(kvo_store(e, keys, bad, 2, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, bad, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
 	CHECK(strstr(kvo_last_error(), "64") != NULL, "error does not name the limit: %s", kvo_last_error());
-	FAILS(kvo_store(e, keys, dup, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, keys, neg, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, NULL, dup, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, keys, dup, 2, 0, 0, NULL), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, dup, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, neg, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, NULL, dup, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, dup, 2, NULL, NULL, 0, 0, NULL), KVO_EINVAL);
 	FAILS(kvo_load(e, keys, bad, 2, 0, 0, 0, 0, &op), KVO_EINVAL);
 	CHECK(op == 0, "op written on error");
 	size_t hits;
@@ -267,6 +268,103 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	CHECK(freed == 0 && pending == 0, "trim 0 freed %" PRIu64 " pending %" PRIu64, freed, pending);
 }
 
+static int64_t stat_of(kvo_engine_t e, const char* name) {
+	char buf[8192], pat[64];
+	size_t need = 0;
+	OK(kvo_stats_json(e, buf, sizeof buf, &need));
+	snprintf(pat, sizeof pat, "\"%s\":", name);
+	const char* p = strstr(buf, pat);
+	CHECK(p != NULL, "no %s in %s", name, buf);
+	return strtoll(p + strlen(pat), NULL, 10);
+}
+
+// small_engine is an engine whose pool holds blocks blocks of one page
+// (4 KiB) each, in one region.
+static kvo_engine_t small_engine(int blocks) {
+	char cfg[1024];
+	snprintf(cfg, sizeof cfg,
+	         "{\"pool_bytes\": %d, \"first_region_bytes\": %d, \"backend\": \"host\", \"staging_bytes\": 4096,"
+	         " \"skip_memory_check\": true, \"policy\": \"lru\","
+	         " \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 64,"
+	         " \"dtype_bytes\": 2, \"tokens_per_block\": 4, \"num_blocks\": 8}}",
+	         blocks * 4096, blocks * 4096);
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create(cfg, &e));
+	CHECK(stat_of(e, "slots_total") == blocks, "%" PRId64 " slots, want %d", stat_of(e, "slots_total"), blocks);
+	return e;
+}
+
+static void store_all(kvo_engine_t e, const uint8_t* keys, const int64_t* ids, size_t n, const uint8_t* parent,
+                      const uint8_t* parents) {
+	kvo_op_t op = 0;
+	OK(kvo_store(e, keys, ids, n, parent, parents, 0, 0, &op));
+	OK(kvo_op_wait(op, -1));
+	check_outcomes(op, n, KVO_OUTCOME_STORED);
+	OK(kvo_op_release(op));
+}
+
+// A sequence stored over several calls stays one chain when each call
+// names the block before its first key (parent), or each key's parent
+// (parents): eviction then takes the sequence's tail, not its middle.
+static void test_store_parents(void) {
+	uint8_t seq[3 * KVO_KEY_BYTES], other[2 * KVO_KEY_BYTES];
+	for (int i = 0; i < 3; i++) make_key(seq + i * KVO_KEY_BYTES, 500 + i, 1);
+	make_key(other, 600, 1);
+	make_key(other + KVO_KEY_BYTES, 601, 1);
+	int64_t ids[3] = {0, 1, 2}, id3 = 3, id4 = 4;
+	size_t hits = 0;
+
+	// parent: three slots; the fourth block evicts seq[2], the tail.
+	kvo_engine_t e = small_engine(3);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	store_all(e, seq + 2 * KVO_KEY_BYTES, ids + 2, 1, seq + KVO_KEY_BYTES, NULL);
+	store_all(e, other, &id3, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits == 2, "hits %zu: the tail of the sequence was not the block evicted", hits);
+	CHECK(stat_of(e, "orphans") == 0, "orphans %" PRId64, stat_of(e, "orphans"));
+	OK(kvo_engine_destroy(e));
+
+	// Without it seq[2] starts a chain of its own, and seq[1] (the oldest
+	// chain's tail) is evicted: the middle of the sequence.
+	e = small_engine(3);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	store_all(e, seq + 2 * KVO_KEY_BYTES, ids + 2, 1, NULL, NULL);
+	store_all(e, other, &id3, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits < 2, "hits %zu without parent: the control does not show what parent changes", hits);
+	OK(kvo_engine_destroy(e));
+
+	// parents: one call with a new sequence's first block and seq[2].
+	e = small_engine(4);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	uint8_t mixed[2 * KVO_KEY_BYTES], parents[2 * KVO_KEY_BYTES];
+	memcpy(mixed, other, KVO_KEY_BYTES);
+	memcpy(mixed + KVO_KEY_BYTES, seq + 2 * KVO_KEY_BYTES, KVO_KEY_BYTES);
+	memset(parents, 0, KVO_KEY_BYTES);
+	memcpy(parents + KVO_KEY_BYTES, seq + KVO_KEY_BYTES, KVO_KEY_BYTES);
+	int64_t mixed_ids[2] = {3, 2};
+	store_all(e, mixed, mixed_ids, 2, NULL, parents);
+	store_all(e, other + KVO_KEY_BYTES, &id4, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits >= 2, "hits %zu: the middle of the sequence was evicted", hits);
+	CHECK(stat_of(e, "orphans") == 0, "orphans %" PRId64, stat_of(e, "orphans"));
+
+	// Refused: parent and parents both, a key its own parent, a key twice.
+	kvo_op_t op = 0;
+	uint8_t zero[KVO_KEY_BYTES] = {0};
+	FAILS(kvo_store(e, mixed, mixed_ids, 2, zero, parents, 0, 0, &op), KVO_EINVAL);
+	memcpy(parents, mixed, KVO_KEY_BYTES);
+	FAILS(kvo_store(e, mixed, mixed_ids, 2, NULL, parents, 0, 0, &op), KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "its own parent") != NULL, "error: %s", kvo_last_error());
+	uint8_t twice[2 * KVO_KEY_BYTES];
+	memcpy(twice, other, KVO_KEY_BYTES);
+	memcpy(twice + KVO_KEY_BYTES, other, KVO_KEY_BYTES);
+	memset(parents, 0, sizeof parents);
+	FAILS(kvo_store(e, twice, mixed_ids, 2, NULL, parents, 0, 0, &op), KVO_EINVAL);
+	CHECK(op == 0, "op written on error");
+	OK(kvo_engine_destroy(e));
+}
+
 // Stale handles: a released op or lease is KVO_ERELEASED in every call
 // that takes it; a destroyed engine is KVO_ECLOSED in every call that takes
 // it, while the ops and leases it handed out stay valid handles; a handle
@@ -285,7 +383,7 @@ static void test_stale_handles(void) {
 
 	// A released op.
 	kvo_op_t op = 0;
-	OK(kvo_store(e, keys, src, 2, 0, 0, &op));
+	OK(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op));
 	OK(kvo_op_wait(op, -1));
 	OK(kvo_op_release(op));
 	FAILS(kvo_op_wait(op, -1), KVO_ERELEASED);
@@ -318,7 +416,7 @@ static void test_stale_handles(void) {
 
 	// A destroyed engine: every call taking it is KVO_ECLOSED; its op and
 	// lease stay valid and must still be released.
-	OK(kvo_store(e, keys, src, 2, 0, 0, &op));
+	OK(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op));
 	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
 	OK(kvo_engine_destroy(e));
 	FAILS(kvo_engine_destroy(e), KVO_ECLOSED);
@@ -326,7 +424,7 @@ static void test_stale_handles(void) {
 	size_t need = 0;
 	FAILS(kvo_engine_config_json(e, buf, sizeof buf, &need), KVO_ECLOSED);
 	FAILS(kvo_lookup(e, keys, 2, 0, &hits, NULL), KVO_ECLOSED);
-	FAILS(kvo_store(e, keys, src, 2, 0, 0, &op2), KVO_ECLOSED);
+	FAILS(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op2), KVO_ECLOSED);
 	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op2), KVO_ECLOSED); // the lease stays the caller's
 	void* p = NULL;
 	FAILS(kvo_staging(e, "x", 64, &p, NULL), KVO_ECLOSED);
@@ -367,13 +465,13 @@ static void* worker(void* p) {
 			write_block(a->e, (int)src[i], r);
 		}
 		kvo_op_t op;
-		OK(kvo_store(a->e, keys, src, PER_THREAD, 0, 0, &op));
+		OK(kvo_store(a->e, keys, src, PER_THREAD, NULL, NULL, 0, 0, &op));
 		OK(kvo_op_wait(op, -1));
 		check_outcomes(op, PER_THREAD, KVO_OUTCOME_STORED);
 		OK(kvo_op_release(op));
 		// An error on this thread leaves a message only here.
 		int64_t bad = NUM_BLOCKS + a->id;
-		FAILS(kvo_store(a->e, keys, &bad, 1, 0, 0, &op), KVO_EINVAL);
+		FAILS(kvo_store(a->e, keys, &bad, 1, NULL, NULL, 0, 0, &op), KVO_EINVAL);
 		char want[32];
 		snprintf(want, sizeof want, "%d", NUM_BLOCKS + a->id);
 		CHECK(strstr(kvo_last_error(), want) != NULL, "thread %d sees another thread's error: %s", a->id, kvo_last_error());
@@ -434,6 +532,7 @@ int main(void) {
 	test_errors(e);
 	test_stats_staging_trim(e);
 	test_stale_handles();
+	test_store_parents();
 	test_threads(e);
 	test_fork(e);
 

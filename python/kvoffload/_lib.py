@@ -28,7 +28,7 @@ import threading
 
 from . import errors
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # KVO_ABI_VERSION of capi/kvoffload.h
 _LIB_NAME = "libkvoffload.so"
 _MAX_GOMAXPROCS = 8
 
@@ -62,7 +62,7 @@ _PROTOTYPES = {
     "kvo_engine_destroy": [_u64],
     "kvo_engine_config_json": [_u64, ctypes.c_char_p, _size, _sizep],
     "kvo_lookup": [_u64, _vp, _size, _int, _sizep, _u64p],
-    "kvo_store": [_u64, _vp, _vp, _size, _uptr, _uptr, _u64p],
+    "kvo_store": [_u64, _vp, _vp, _size, _vp, _vp, _uptr, _uptr, _u64p],
     "kvo_load": [_u64, _vp, _vp, _size, _u64, _uptr, _int, _uptr, _u64p],
     "kvo_op_wait": [_u64, _i64],
     "kvo_op_query": [_u64, ctypes.POINTER(_int)],

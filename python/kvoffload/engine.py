@@ -5,7 +5,7 @@ import ctypes
 import json
 
 from . import _lib, errors
-from .keys import chain_keys, pack_keys
+from .keys import KEY_BYTES, ZERO_KEY, chain_keys, pack_keys
 from .layout import layout_from_tensors
 
 # Per-block outcomes (kvo_op_outcomes), by code.
@@ -47,6 +47,26 @@ def _block_ids(block_ids, n):
     if len(ids) != n:
         raise errors.InvalidArgumentError(f"{n} keys but {len(ids)} block ids")
     return ids
+
+
+def _parents(parent, parents, n):
+    """Store's parent (one key) and parents (n keys, None entries for
+    ZERO_KEY) packed for kvo_store: (bytes or None, bytes or None)."""
+    if parent is not None and parents is not None:
+        raise errors.InvalidArgumentError("store: parent and parents both given; parents names every key's parent")
+    if parent is not None:
+        if not isinstance(parent, (bytes, bytearray, memoryview)) or len(bytes(parent)) != KEY_BYTES:
+            raise errors.InvalidArgumentError(f"store: parent must be a {KEY_BYTES}-byte key, got {parent!r:.40}")
+        return bytes(parent), None
+    if parents is None:
+        return None, None
+    if isinstance(parents, (bytes, bytearray, memoryview)):
+        raw, k = pack_keys(parents)
+    else:
+        raw, k = pack_keys([ZERO_KEY if p is None else p for p in parents])
+    if k != n:
+        raise errors.InvalidArgumentError(f"store: {n} keys but {k} parents")
+    return None, raw
 
 
 def _addr(buf):
@@ -291,20 +311,29 @@ class Engine(_Handle):
             return hits.value
         return hits.value, (Lease(self, lh.value, hits.value) if lh.value else None)
 
-    def store(self, keys, block_ids, after=None):
+    def store(self, keys, block_ids, after=None, parent=None, parents=None):
         """Copies GPU blocks block_ids[i] to the pool under keys[i],
         asynchronously; returns an Op. after: the torch.cuda.Stream whose
         queued kernels write those blocks: an event is recorded on it now and
         the copies wait for it (nothing else is needed for ordering). Before
-        the stack overwrites the blocks, its stream must op.wait_stream()."""
+        the stack overwrites the blocks, its stream must op.wait_stream().
+
+        parent / parents keep a sequence stored over several calls one chain
+        (eviction then takes its tail, never its middle); give at most one.
+        parent: the keys are one sequence's blocks in order and parent is
+        the key of the block before keys[0] (None or ZERO_KEY: keys[0]
+        starts the sequence). parents: for a call holding blocks of several
+        sequences, one parent per key (None or ZERO_KEY: that key starts a
+        sequence)."""
         raw, n = pack_keys(keys)
         ids = _block_ids(block_ids, n)
+        praw, psraw = _parents(parent, parents, n)
         event, ev, st = None, 0, 0
         if after is not None:
             event, ev, st = _record_on(after)
         op = ctypes.c_uint64(0)
-        _lib.check(_lib.get().kvo_store(self._h(), _addr(raw), _addr(ids), n, ev, st, ctypes.byref(op)),
-                   "kvo_store")
+        _lib.check(_lib.get().kvo_store(self._h(), _addr(raw), _addr(ids), n, _addr(praw), _addr(psraw), ev, st,
+                                        ctypes.byref(op)), "kvo_store")
         return Op(self, op.value, n, "store", keep=(event,) if event is not None else ())
 
     def load(self, keys, block_ids, lease=None, after=None, per_layer=False, signal=None):
