@@ -35,6 +35,7 @@ const (
 	codeFail       = -8
 	codeTimeout    = -9
 	codeNotDone    = -11
+	codeGrowth     = -12
 	keyBytes       = 16
 	maxBlocksInOne = 1 << 26 // keys per call: bounds the size computations below
 )
@@ -62,6 +63,12 @@ func fail(err error) C.int {
 	}
 	C.kvoSetError((*C.char)(unsafe.Pointer(&msg[0])), C.size_t(len(msg)))
 	return code(err)
+}
+
+// failCode is fail with the code given rather than the one err maps to.
+func failCode(err error, c C.int) C.int {
+	fail(err)
+	return c
 }
 
 // failf is fail of an invalid-argument error made from format and args.
@@ -696,5 +703,62 @@ func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string,
 	if err := move(sim, uint64(addr), unsafe.Slice((*byte)(p), int(n))); err != nil {
 		return fail(fmt.Errorf("%w: %s: %w", offload.ErrInvalidArgument, call, err))
 	}
+	return codeOK
+}
+
+//export kvoGo_wait_grown
+func kvoGo_wait_grown(h C.uint64_t, timeoutNS C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	ctx, cancel := timeoutCtx(timeoutNS)
+	defer cancel()
+	err = eng.WaitGrown(ctx)
+	if err == nil {
+		return codeOK
+	}
+	return failCode(err, growthCode(err, eng.Stats().GrowthError != ""))
+}
+
+// growthCode is kvo_wait_grown's code for WaitGrown's error err, where
+// growthFailed tells whether background growth stopped on an error of its
+// own (Stats.GrowthError): that error is KVO_EGROWTH whatever it wraps (an
+// mlock refused, ENOMEM, a driver error), so that a caller tells it from
+// a timeout (KVO_ETIMEOUT) and from Close (KVO_ECLOSED).
+func growthCode(err error, growthFailed bool) C.int {
+	switch {
+	case err == nil:
+		return codeOK
+	case growthFailed:
+		return codeGrowth
+	case errors.Is(err, offload.ErrClosed):
+		return codeClosed
+	case errors.Is(err, context.DeadlineExceeded):
+		return codeTimeout
+	}
+	return codeFail
+}
+
+//export kvoGo_pause_growth
+func kvoGo_pause_growth(h C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	eng.PauseGrowth()
+	return codeOK
+}
+
+//export kvoGo_resume_growth
+func kvoGo_resume_growth(h C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	eng.ResumeGrowth()
 	return codeOK
 }

@@ -178,3 +178,18 @@ int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n)
 	ENTER();
 	return kvoGo_sim_read(engine, device_addr, dst, n);
 }
+
+int kvo_wait_grown(kvo_engine_t engine, int64_t timeout_ns) {
+	ENTER();
+	return kvoGo_wait_grown(engine, timeout_ns);
+}
+
+int kvo_pause_growth(kvo_engine_t engine) {
+	ENTER();
+	return kvoGo_pause_growth(engine);
+}
+
+int kvo_resume_growth(kvo_engine_t engine) {
+	ENTER();
+	return kvoGo_resume_growth(engine);
+}

@@ -89,6 +89,7 @@ extern "C" {
 #define KVO_ETIMEOUT   -9  /* kvo_op_wait: the timeout passed before the op was done */
 #define KVO_EFORK     -10  /* called in a forked child of the process that loaded the library */
 #define KVO_ENOTDONE  -11  /* kvo_op_outcomes: the op is not done yet */
+#define KVO_EGROWTH   -12  /* kvo_wait_grown: background growth of the pool stopped on an error */
 
 /* Per-block outcomes written by kvo_op_outcomes. */
 #define KVO_OUTCOME_PENDING            0
@@ -261,6 +262,28 @@ int kvo_clear(kvo_engine_t engine, const char* namespace_, size_t* cleared);
 int kvo_chain_keys(const uint8_t* namespace_, size_t namespace_len, const uint8_t* parent,
                    const uint32_t* tokens, size_t n_tokens, size_t tokens_per_block,
                    uint8_t* out, size_t out_cap, size_t* n_keys);
+
+/* Background growth. kvo_engine_create returns once the pool's first
+ * region is pinned; the rest is mapped and pinned region by region in the
+ * background (the engine works meanwhile, with fewer slots).
+ *
+ * kvo_wait_grown waits until growth has ended, at most timeout_ns
+ * (< 0: no limit; 0: poll), and returns:
+ *   KVO_OK       the whole pool is pinned (and, on CUDA, the copy methods
+ *                calibrated);
+ *   KVO_ETIMEOUT growth goes on (or is paused) after timeout_ns;
+ *   KVO_EGROWTH  growth stopped on an error (kvo_last_error says which,
+ *                e.g. an mlock or cuMemHostRegister refused): the engine
+ *                keeps the regions pinned so far and works with them;
+ *                every later call returns KVO_EGROWTH again;
+ *   KVO_ECLOSED  the engine was destroyed (or closed while growing).
+ *
+ * kvo_pause_growth stops pinning after the region in progress (the one
+ * being prefetched is held, mapped but not pinned) until
+ * kvo_resume_growth; both are idempotent and never block. */
+int kvo_wait_grown(kvo_engine_t engine, int64_t timeout_ns);
+int kvo_pause_growth(kvo_engine_t engine);
+int kvo_resume_growth(kvo_engine_t engine);
 
 /* Host backend only (KVO_EINVAL on CUDA): copy bytes into / out of the
  * engine's simulated GPU memory at a simulated device address (from

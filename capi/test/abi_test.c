@@ -268,6 +268,14 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	CHECK(freed == 0 && pending == 0, "trim 0 freed %" PRIu64 " pending %" PRIu64, freed, pending);
 }
 
+// stats_has reports whether the engine's stats JSON contains text.
+static int stats_has(kvo_engine_t e, const char* text) {
+	char buf[8192];
+	size_t need = 0;
+	OK(kvo_stats_json(e, buf, sizeof buf, &need));
+	return strstr(buf, text) != NULL;
+}
+
 static int64_t stat_of(kvo_engine_t e, const char* name) {
 	char buf[8192], pat[64];
 	size_t need = 0;
@@ -365,6 +373,41 @@ static void test_store_parents(void) {
 	OK(kvo_engine_destroy(e));
 }
 
+// Background growth: paused, kvo_wait_grown times out; resumed, it
+// returns KVO_OK with every region pinned.
+static void test_growth(void) {
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create("{\"pool_bytes\": 268435456, \"first_region_bytes\": 1048576, \"region_bytes\": 1048576,"
+	                     " \"backend\": \"host\", \"staging_bytes\": 4096, \"skip_memory_check\": true,"
+	                     " \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 64,"
+	                     " \"dtype_bytes\": 2, \"tokens_per_block\": 4, \"num_blocks\": 8}}",
+	                     &e));
+	OK(kvo_pause_growth(e));
+	OK(kvo_pause_growth(e)); // idempotent
+	CHECK(stats_has(e, "\"growth_paused\":true"), "growth_paused not set");
+	int64_t total = stat_of(e, "regions_total");
+	CHECK(total == 256, "regions_total %" PRId64, total);
+	FAILS(kvo_wait_grown(e, 0), KVO_ETIMEOUT);
+	FAILS(kvo_wait_grown(e, 20 * 1000 * 1000), KVO_ETIMEOUT);
+	int64_t paused_at = stat_of(e, "regions");
+	CHECK(paused_at < total, "%" PRId64 " of %" PRId64 " regions pinned while paused", paused_at, total);
+	usleep(20 * 1000);
+	CHECK(stat_of(e, "regions") == paused_at, "regions %" PRId64 " grew from %" PRId64 " while paused",
+	      stat_of(e, "regions"), paused_at);
+	OK(kvo_resume_growth(e));
+	OK(kvo_resume_growth(e));
+	CHECK(stats_has(e, "\"growth_paused\":false"), "growth_paused still set");
+	OK(kvo_wait_grown(e, -1));
+	OK(kvo_wait_grown(e, 0));
+	CHECK(stat_of(e, "regions") == total, "regions %" PRId64 " of %" PRId64 " after kvo_wait_grown",
+	      stat_of(e, "regions"), total);
+	OK(kvo_engine_destroy(e));
+	FAILS(kvo_wait_grown(e, 0), KVO_ECLOSED);
+	FAILS(kvo_pause_growth(e), KVO_ECLOSED);
+	FAILS(kvo_resume_growth(e), KVO_ECLOSED);
+	FAILS(kvo_wait_grown(0, 0), KVO_EINVAL);
+}
+
 // Stale handles: a released op or lease is KVO_ERELEASED in every call
 // that takes it; a destroyed engine is KVO_ECLOSED in every call that takes
 // it, while the ops and leases it handed out stay valid handles; a handle
@@ -434,6 +477,9 @@ static void test_stale_handles(void) {
 	FAILS(kvo_clear(e, "", &count), KVO_ECLOSED);
 	FAILS(kvo_sim_write(e, 0, buf, 1), KVO_ECLOSED);
 	FAILS(kvo_sim_read(e, 0, buf, 1), KVO_ECLOSED);
+	FAILS(kvo_wait_grown(e, 0), KVO_ECLOSED);
+	FAILS(kvo_pause_growth(e), KVO_ECLOSED);
+	FAILS(kvo_resume_growth(e), KVO_ECLOSED);
 	FAILS(kvo_lookup(e + 1000000, keys, 2, 0, &hits, NULL), KVO_EINVAL);
 	OK(kvo_op_wait(op, -1));
 	OK(kvo_op_query(op, &done));
@@ -533,6 +579,7 @@ int main(void) {
 	test_stats_staging_trim(e);
 	test_stale_handles();
 	test_store_parents();
+	test_growth();
 	test_threads(e);
 	test_fork(e);
 

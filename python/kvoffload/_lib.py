@@ -80,6 +80,9 @@ _PROTOTYPES = {
     "kvo_chain_keys": [_vp, _size, _vp, _vp, _size, _size, _vp, _size, _sizep],
     "kvo_sim_write": [_u64, _u64, _vp, _size],
     "kvo_sim_read": [_u64, _u64, _vp, _size],
+    "kvo_wait_grown": [_u64, _i64],
+    "kvo_pause_growth": [_u64],
+    "kvo_resume_growth": [_u64],
 }
 _RESTYPES = {"kvo_last_error": ctypes.c_char_p}
 

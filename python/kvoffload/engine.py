@@ -3,6 +3,7 @@
 import array
 import ctypes
 import json
+import time
 
 from . import _lib, errors
 from .keys import KEY_BYTES, ZERO_KEY, chain_keys, pack_keys
@@ -401,6 +402,36 @@ class Engine(_Handle):
         _lib.check(_lib.get().kvo_staging(self._h(), name.encode(), int(nbytes), ctypes.byref(ptr),
                                           ctypes.byref(dev)), "kvo_staging")
         return Staging(name, ptr.value or 0, dev.value, int(nbytes))
+
+    def wait_grown(self, timeout=None):
+        """Waits until background growth has ended: the whole pool pinned
+        (True), or timeout seconds passed first (False; growth goes on, or
+        stays paused). Raises GrowthError if growth stopped on an error (the
+        engine keeps working with what it pinned), EngineClosedError if the
+        engine is closed. timeout=None: no limit; 0: poll. Signals are
+        handled while it waits (KeyboardInterrupt interrupts it)."""
+        lib = _lib.get()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            slice_ns = _WAIT_SLICE_NS
+            if deadline is not None:
+                slice_ns = min(slice_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
+            rc = lib.kvo_wait_grown(self._h(), slice_ns)
+            if rc == errors.KVO_OK:
+                return True
+            if rc != errors.KVO_ETIMEOUT:
+                _lib.check(rc, "kvo_wait_grown")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def pause_growth(self):
+        """Stops background pinning after the region in progress, until
+        resume_growth(). Idempotent; never blocks."""
+        _lib.check(_lib.get().kvo_pause_growth(self._h()), "kvo_pause_growth")
+
+    def resume_growth(self):
+        """Lets background pinning continue. Idempotent."""
+        _lib.check(_lib.get().kvo_resume_growth(self._h()), "kvo_resume_growth")
 
     def sim_write(self, device_addr, data):
         """Host backend: writes bytes into the simulated GPU memory."""

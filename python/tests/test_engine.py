@@ -163,6 +163,26 @@ class HostEngine(unittest.TestCase):
                 f()
         self.assertEqual(eng.lookup(keys), 0, "nothing stored by a refused call")
 
+    def test_growth_pause_wait_resume(self):
+        cfg = small_config(1, pool_bytes=256 << 20, first_region_bytes=1 << 20, region_bytes=1 << 20)
+        with kvoffload.Engine(cfg) as eng:
+            eng.pause_growth()
+            eng.pause_growth()  # idempotent
+            self.assertTrue(eng.stats()["growth_paused"])
+            self.assertFalse(eng.wait_grown(0))
+            self.assertFalse(eng.wait_grown(0.03))
+            st = eng.stats()
+            self.assertLess(st["regions"], st["regions_total"])
+            eng.resume_growth()
+            self.assertFalse(eng.stats()["growth_paused"])
+            self.assertTrue(eng.wait_grown())
+            self.assertTrue(eng.wait_grown(0))
+            st = eng.stats()
+            self.assertEqual(st["regions"], st["regions_total"])
+        for f in (eng.wait_grown, eng.pause_growth, eng.resume_growth):
+            with self.assertRaises(kvoffload.EngineClosedError):
+                f()
+
     def test_cuda_backend_refused(self):
         # Backend "cuda" with addresses that are not device memory is always
         # refused: without a driver as NoDriverError, with one because the
