@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"time"
 	"unsafe"
 
@@ -541,6 +542,13 @@ func kvoGo_staging(h C.uint64_t, name *C.char, size C.uint64_t, ptr *C.uintptr_t
 	return codeOK
 }
 
+// statsJSON is what kvo_stats_json writes: the engine's Stats and, from
+// the library, the Go runtime's GOMAXPROCS.
+type statsJSON struct {
+	offload.Stats
+	GoMaxProcs int `json:"go_maxprocs"`
+}
+
 //export kvoGo_stats_json
 func kvoGo_stats_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
@@ -548,7 +556,7 @@ func kvoGo_stats_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.si
 	if err != nil {
 		return fail(err)
 	}
-	return writeJSON(eng.Stats(), buf, capacity, needed)
+	return writeJSON(statsJSON{Stats: eng.Stats(), GoMaxProcs: runtime.GOMAXPROCS(0)}, buf, capacity, needed)
 }
 
 //export kvoGo_trim

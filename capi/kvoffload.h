@@ -41,10 +41,11 @@
  *    kvo_engine_destroy.
  *
  * The Go runtime inside a non-Go process
- *  - Loading the library starts the Go runtime (its own threads; their number
- *    running Go code at once is bounded by the GOMAXPROCS environment
- *    variable read at load — the Python package sets it to min(ncpu, 8)
- *    unless the user did).
+ *  - Loading the library starts the Go runtime (its own threads). The
+ *    number running Go code at once (GOMAXPROCS) is the GOMAXPROCS
+ *    environment variable's value when it is set at load, else min(CPUs
+ *    available to the process, 8): the library caps it itself and writes
+ *    no environment variable. kvo_stats_json reports it ("go_maxprocs").
  *  - Go installs handlers only for synchronous signals (SIGSEGV, SIGBUS,
  *    SIGFPE) and SIGPIPE, chaining to handlers that were there before;
  *    handlers already installed for other signals (SIGINT, SIGTERM...) are
@@ -232,9 +233,11 @@ int kvo_lease_release(kvo_lease_t lease);
 int kvo_staging(kvo_engine_t engine, const char* name, uint64_t bytes,
                 void** ptr, uint64_t* device_ptr);
 
-/* Writes the engine's statistics as a JSON object into buf (NUL-terminated);
- * *needed gets the size including the NUL. If cap is too small nothing is
- * written and KVO_EINVAL is returned (call again with *needed bytes). */
+/* Writes the engine's statistics (the fields of Go's offload.Stats, plus
+ * "go_maxprocs": the Go runtime's GOMAXPROCS) as a JSON object into buf
+ * (NUL-terminated); *needed gets the size including the NUL. If cap is too
+ * small nothing is written and KVO_EINVAL is returned (call again with
+ * *needed bytes). */
 int kvo_stats_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
 
 /* Gives up to bytes of pinned pool memory back to the OS, waiting at most

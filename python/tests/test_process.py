@@ -1,6 +1,6 @@
 """The Go runtime inside Python: signals still reach Python's handlers,
-the runtime's threads keep asynchronous signals blocked, GOMAXPROCS gets a
-default, a forked child is refused, and a growth error is reported."""
+the runtime's threads keep asynchronous signals blocked, the library caps
+GOMAXPROCS without touching os.environ, a forked child is refused, and a growth error is reported."""
 
 import os
 import resource
@@ -22,9 +22,14 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     from kvoffload import _lib
     from tests.helpers import host_config, keys_for, write_block
 
-    want = sys.argv[1]
+    env = dict(os.environ)
     eng = kvoffload.Engine(host_config(sim={"seed": 1, "min_delay_ns": 200000, "max_delay_ns": 2000000}))
-    assert os.environ["GOMAXPROCS"] == want, (os.environ["GOMAXPROCS"], want)
+    assert dict(os.environ) == env, "loading the library changed os.environ"
+    procs = eng.stats()["go_maxprocs"]
+    if sys.argv[1].startswith("max:"):  # the runtime's default (CPUs, cgroup limit), capped
+        assert 1 <= procs <= int(sys.argv[1][4:]), (procs, sys.argv[1])
+    else:
+        assert procs == int(sys.argv[1]), (procs, sys.argv[1])
 
     def round_trip(i):
         keys = keys_for(4, 1000 + i)
@@ -135,7 +140,7 @@ class Signals(unittest.TestCase):
 
     def test_sigint_during_transfers(self):
         env = {k: v for k, v in os.environ.items() if k != "GOMAXPROCS"}
-        self.run_script(env, str(min(_ncpu(), 8)))
+        self.run_script(env, f"max:{min(_ncpu(), 8)}")
 
     def test_gomaxprocs_of_the_user_kept(self):
         self.run_script(dict(os.environ, GOMAXPROCS="3"), "3")

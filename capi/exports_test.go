@@ -32,3 +32,18 @@ func TestGrowthCode(t *testing.T) {
 		require.Equal(t, c.want, int(growthCode(c.err, c.failed)), "%v (growth failed: %v)", c.err, c.failed)
 	}
 }
+
+func TestCappedMaxProcs(t *testing.T) {
+	for _, c := range []struct {
+		env           string
+		current, want int
+	}{
+		{"", 2, 0},   // at most maxProcs CPUs: the runtime's default stays
+		{"", 8, 0},   //
+		{"", 64, 8},  // more: capped
+		{"3", 64, 0}, // set by the user: kept
+		{"32", 32, 0},
+	} {
+		require.Equal(t, c.want, cappedMaxProcs(c.env, c.current), "GOMAXPROCS=%q, current %d", c.env, c.current)
+	}
+}
