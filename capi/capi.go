@@ -249,6 +249,15 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 	return codeOK
 }
 
+// configJSON is what kvo_engine_config_json writes: the engine's Config
+// with the backend in use in place of the configured one ("auto" resolved)
+// and the device always present (Config drops a zero device).
+type configJSON struct {
+	offload.Config
+	Backend string `json:"backend"`
+	Device  int    `json:"device"`
+}
+
 //export kvoGo_engine_config_json
 func kvoGo_engine_config_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
@@ -256,7 +265,9 @@ func kvoGo_engine_config_json(h C.uint64_t, buf *C.char, capacity C.size_t, need
 	if err != nil {
 		return fail(err)
 	}
-	return writeJSON(eng.Config(), buf, capacity, needed)
+	cfg := eng.Config()
+	backend, _ := eng.Backend()
+	return writeJSON(configJSON{Config: cfg, Backend: backend, Device: cfg.Device}, buf, capacity, needed)
 }
 
 //export kvoGo_lookup
@@ -543,10 +554,11 @@ func kvoGo_staging(h C.uint64_t, name *C.char, size C.uint64_t, ptr *C.uintptr_t
 }
 
 // statsJSON is what kvo_stats_json writes: the engine's Stats and, from
-// the library, the Go runtime's GOMAXPROCS.
+// the library, why the backend was picked and the Go runtime's GOMAXPROCS.
 type statsJSON struct {
 	offload.Stats
-	GoMaxProcs int `json:"go_maxprocs"`
+	BackendReason string `json:"backend_reason"`
+	GoMaxProcs    int    `json:"go_maxprocs"`
 }
 
 //export kvoGo_stats_json
@@ -556,7 +568,8 @@ func kvoGo_stats_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.si
 	if err != nil {
 		return fail(err)
 	}
-	return writeJSON(statsJSON{Stats: eng.Stats(), GoMaxProcs: runtime.GOMAXPROCS(0)}, buf, capacity, needed)
+	_, reason := eng.Backend()
+	return writeJSON(statsJSON{Stats: eng.Stats(), BackendReason: reason, GoMaxProcs: runtime.GOMAXPROCS(0)}, buf, capacity, needed)
 }
 
 //export kvoGo_trim

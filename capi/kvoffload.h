@@ -136,7 +136,9 @@ int kvo_engine_destroy(kvo_engine_t engine);
 
 /* Writes the engine's configuration with defaults filled in (and, on the
  * host backend, the simulated tensors' addresses) as JSON into buf (NUL-
- * terminated). *needed gets the size including the NUL; if cap is smaller
+ * terminated). "backend" is the backend in use ("host" or "cuda": "auto"
+ * resolved) and "device" is always present (0 included); other zero-valued
+ * optional fields may be left out. *needed gets the size including the NUL; if cap is smaller
  * nothing is written and KVO_EINVAL is returned. */
 int kvo_engine_config_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
 
@@ -234,7 +236,8 @@ int kvo_staging(kvo_engine_t engine, const char* name, uint64_t bytes,
                 void** ptr, uint64_t* device_ptr);
 
 /* Writes the engine's statistics (the fields of Go's offload.Stats, plus
- * "go_maxprocs": the Go runtime's GOMAXPROCS) as a JSON object into buf
+ * "backend_reason": why the backend in use was picked, and "go_maxprocs":
+ * the Go runtime's GOMAXPROCS) as a JSON object into buf
  * (NUL-terminated); *needed gets the size including the NUL. If cap is too
  * small nothing is written and KVO_EINVAL is returned (call again with
  * *needed bytes). */

@@ -54,6 +54,8 @@ static void parse_layout(kvo_engine_t e) {
 	char* buf = malloc(need);
 	OK(kvo_engine_config_json(e, buf, need, &need));
 	CHECK(strlen(buf) + 1 == need, "length %zu, needed %zu", strlen(buf), need);
+	CHECK(strstr(buf, "\"backend\":\"host\"") != NULL, "no backend in %s", buf);
+	CHECK(strstr(buf, "\"device\":0") != NULL, "no device 0 in %s", buf);
 	const char* p = strstr(buf, "\"layer_tensors\":[");
 	CHECK(p != NULL, "no layer_tensors in %s", buf);
 	p += strlen("\"layer_tensors\":[");
@@ -249,6 +251,8 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	char* buf = malloc(need);
 	OK(kvo_stats_json(e, buf, need, &need));
 	CHECK(strstr(buf, "\"backend\":\"host\"") != NULL, "stats: %s", buf);
+	CHECK(strstr(buf, "\"backend_reason\":\"") != NULL, "stats: %s", buf);
+	CHECK(strstr(buf, "\"go_maxprocs\":") != NULL, "stats: %s", buf);
 	CHECK(strstr(buf, "\"outcomes\":[") != NULL, "stats: %s", buf);
 	free(buf);
 

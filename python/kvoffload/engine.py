@@ -452,6 +452,21 @@ class Engine(_Handle):
         self._keep = ()
 
     @property
+    def backend(self):
+        """The backend in use: "cuda" or "host" (a config's "auto" resolved)."""
+        return self.config["backend"]
+
+    @property
+    def backend_reason(self):
+        """Why the engine picked its backend (e.g. no libcuda for "auto")."""
+        return self.stats().get("backend_reason", "")
+
+    @property
+    def device(self):
+        """The CUDA device ordinal of the engine (0 on the host backend)."""
+        return self.config.get("device", 0)
+
+    @property
     def closed(self):
         return not self._handle
 

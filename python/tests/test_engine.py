@@ -163,6 +163,23 @@ class HostEngine(unittest.TestCase):
                 f()
         self.assertEqual(eng.lookup(keys), 0, "nothing stored by a refused call")
 
+    def test_backend_and_device(self):
+        self.assertEqual(self.eng.backend, "host")
+        self.assertEqual(self.eng.device, 0)
+        self.assertEqual(self.eng.config["device"], 0)  # present although zero
+        self.assertTrue(self.eng.backend_reason)
+        cfg = host_config()
+        del cfg["backend"]  # auto: the host backend without a GPU, reported as such
+        try:
+            eng = kvoffload.Engine(cfg)
+        except kvoffload.KvoError as e:
+            self.skipTest(f"backend auto refused here: {e}")
+        with eng:
+            self.assertIn(eng.backend, ("host", "cuda"))
+            self.assertEqual(eng.config["backend"], eng.backend)
+            self.assertEqual(eng.stats()["backend"], eng.backend)
+            self.assertTrue(eng.backend_reason)
+
     def test_growth_pause_wait_resume(self):
         cfg = small_config(1, pool_bytes=256 << 20, first_region_bytes=1 << 20, region_bytes=1 << 20)
         with kvoffload.Engine(cfg) as eng:
