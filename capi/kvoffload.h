@@ -36,9 +36,10 @@
  *    only during the call, never kept.
  *  - Asynchrony: kvo_store and kvo_load return at once with an op; the
  *    caller waits on the CPU (kvo_op_wait / kvo_op_query) or on the GPU
- *    (kvo_op_stream_wait, kvo_op_event). No call blocks on the GPU except
- *    kvo_op_wait, kvo_op_release of an op not yet done, kvo_trim and
- *    kvo_engine_destroy.
+ *    (kvo_op_stream_wait, kvo_op_event). No call waits for copies or for
+ *    growth except kvo_op_wait and kvo_wait_grown (each for at most its
+ *    timeout), kvo_op_release of an op not yet done, kvo_trim,
+ *    kvo_engine_destroy and, on the host backend, kvo_op_stream_wait.
  *
  * The Go runtime inside a non-Go process
  *  - Loading the library starts the Go runtime (its own threads). The
