@@ -33,7 +33,8 @@
  *    stream where a stream is expected).
  *  - Every function is safe to call from several threads at once, on the
  *    same engine or different ones. Pointers passed in are read or written
- *    only during the call, never kept.
+ *    only during the call, never kept; CUDA events passed in (after_event,
+ *    signal_event) are used until the op is done.
  *  - Asynchrony: kvo_store and kvo_load return at once with an op; the
  *    caller waits on the CPU (kvo_op_wait / kvo_op_query) or on the GPU
  *    (kvo_op_stream_wait, kvo_op_event). No call waits for copies or for
@@ -171,9 +172,10 @@ int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease,
  * after_event: a CUevent recorded on the caller's stream after the kernels
  * that wrote the blocks (0: none); the copies wait on its most recent
  * record at the time they are issued, which may be after kvo_store
- * returns: do not record it again before the op is done. after_stream: the
- * stream it was recorded on (0: unknown), refused with KVO_ECAPTURING when
- * capturing. */
+ * returns: do not record it again or destroy it before the op is done
+ * (kvo_op_query / kvo_op_wait), whether or not the op was released.
+ * after_stream: the stream it was recorded on (0: unknown), refused with
+ * KVO_ECAPTURING when capturing. */
 int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
               size_t n, const uint8_t* parent, const uint8_t* parents,
               uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
@@ -185,11 +187,11 @@ int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids
  * engine handle is checked first: a destroyed engine is KVO_ECLOSED, with
  * any lease. after_event: the destination blocks may be overwritten after
  * it (0: none); as for kvo_store, the copies wait on its most recent record
- * at the time they are issued: do not record it again before the op is
- * done. per_layer != 0 records one event per layer
+ * at the time they are issued: do not record it again or destroy it before
+ * the op is done. per_layer != 0 records one event per layer
  * (kvo_op_layer_event). signal_event: a caller-owned CUevent also recorded
- * when the load completes (0: none). Fails fast with KVO_EBUSY when the
- * queue is full. */
+ * when the load completes (0: none); keep it valid until the op is done.
+ * Fails fast with KVO_EBUSY when the queue is full. */
 int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
              size_t n, kvo_lease_t lease, uintptr_t after_event, int per_layer,
              uintptr_t signal_event, kvo_op_t* op);
