@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"time"
 	"unsafe"
 
@@ -35,6 +36,7 @@ const (
 	codeFail       = -8
 	codeTimeout    = -9
 	codeNotDone    = -11
+	codeGrowth     = -12
 	keyBytes       = 16
 	maxBlocksInOne = 1 << 26 // keys per call: bounds the size computations below
 )
@@ -62,6 +64,12 @@ func fail(err error) C.int {
 	}
 	C.kvoSetError((*C.char)(unsafe.Pointer(&msg[0])), C.size_t(len(msg)))
 	return code(err)
+}
+
+// failCode is fail with the code given rather than the one err maps to.
+func failCode(err error, c C.int) C.int {
+	fail(err)
+	return c
 }
 
 // failf is fail of an invalid-argument error made from format and args.
@@ -241,6 +249,15 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 	return codeOK
 }
 
+// configJSON is what kvo_engine_config_json writes: the engine's Config
+// with the backend in use in place of the configured one ("auto" resolved)
+// and the device always present (Config drops a zero device).
+type configJSON struct {
+	offload.Config
+	Backend string `json:"backend"`
+	Device  int    `json:"device"`
+}
+
 //export kvoGo_engine_config_json
 func kvoGo_engine_config_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
@@ -248,7 +265,9 @@ func kvoGo_engine_config_json(h C.uint64_t, buf *C.char, capacity C.size_t, need
 	if err != nil {
 		return fail(err)
 	}
-	return writeJSON(eng.Config(), buf, capacity, needed)
+	cfg := eng.Config()
+	backend, _ := eng.Backend()
+	return writeJSON(configJSON{Config: cfg, Backend: backend, Device: cfg.Device}, buf, capacity, needed)
 }
 
 //export kvoGo_lookup
@@ -300,14 +319,43 @@ func opArgs(fn string, h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size
 	return eng, keys, ids, nil
 }
 
+// storeParents converts kvo_store's parent (one key or NULL) and parents
+// (n keys or NULL) into StoreOptions.Parent and Parents; at most one of
+// them may be given.
+func storeParents(parentP, parentsP *C.uint8_t, n C.size_t) (offload.Key, []offload.Key, error) {
+	var parent offload.Key
+	if parentP != nil && parentsP != nil {
+		return parent, nil, fmt.Errorf("%w: kvo_store: parent and parents both given; parents names every key's parent, pass NULL for parent", offload.ErrInvalidArgument)
+	}
+	if parentP != nil {
+		copy(parent[:], unsafe.Slice((*byte)(unsafe.Pointer(parentP)), keyBytes))
+		return parent, nil, nil
+	}
+	if parentsP == nil {
+		return parent, nil, nil
+	}
+	parents, err := goKeys(parentsP, n)
+	if err != nil {
+		return parent, nil, err
+	}
+	if parents == nil {
+		parents = []offload.Key{} // n = 0: given, and empty
+	}
+	return parent, parents, nil
+}
+
 //export kvoGo_store
-func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
+func kvoGo_store(h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, parentP, parentsP *C.uint8_t, afterEvent, afterStream C.uintptr_t, opOut *C.uint64_t) (rc C.int) {
 	defer guard(&rc)
 	eng, keys, ids, err := opArgs("kvo_store", h, keysP, idsP, n, opOut)
 	if err != nil {
 		return fail(err)
 	}
-	op, err := eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: uintptr(afterEvent), AfterStream: uintptr(afterStream)})
+	parent, parents, err := storeParents(parentP, parentsP, n)
+	if err != nil {
+		return fail(err)
+	}
+	op, err := eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: uintptr(afterEvent), AfterStream: uintptr(afterStream), Parent: parent, Parents: parents})
 	if err != nil {
 		return fail(err)
 	}
@@ -505,6 +553,14 @@ func kvoGo_staging(h C.uint64_t, name *C.char, size C.uint64_t, ptr *C.uintptr_t
 	return codeOK
 }
 
+// statsJSON is what kvo_stats_json writes: the engine's Stats and, from
+// the library, why the backend was picked and the Go runtime's GOMAXPROCS.
+type statsJSON struct {
+	offload.Stats
+	BackendReason string `json:"backend_reason"`
+	GoMaxProcs    int    `json:"go_maxprocs"`
+}
+
 //export kvoGo_stats_json
 func kvoGo_stats_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
@@ -512,7 +568,8 @@ func kvoGo_stats_json(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.si
 	if err != nil {
 		return fail(err)
 	}
-	return writeJSON(eng.Stats(), buf, capacity, needed)
+	_, reason := eng.Backend()
+	return writeJSON(statsJSON{Stats: eng.Stats(), BackendReason: reason, GoMaxProcs: runtime.GOMAXPROCS(0)}, buf, capacity, needed)
 }
 
 //export kvoGo_trim
@@ -667,5 +724,62 @@ func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string,
 	if err := move(sim, uint64(addr), unsafe.Slice((*byte)(p), int(n))); err != nil {
 		return fail(fmt.Errorf("%w: %s: %w", offload.ErrInvalidArgument, call, err))
 	}
+	return codeOK
+}
+
+//export kvoGo_wait_grown
+func kvoGo_wait_grown(h C.uint64_t, timeoutNS C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	ctx, cancel := timeoutCtx(timeoutNS)
+	defer cancel()
+	err = eng.WaitGrown(ctx)
+	if err == nil {
+		return codeOK
+	}
+	return failCode(err, growthCode(err, eng.Stats().GrowthError != ""))
+}
+
+// growthCode is kvo_wait_grown's code for WaitGrown's error err, where
+// growthFailed tells whether background growth stopped on an error of its
+// own (Stats.GrowthError): that error is KVO_EGROWTH whatever it wraps (an
+// mlock refused, ENOMEM, a driver error), so that a caller tells it from
+// a timeout (KVO_ETIMEOUT) and from Close (KVO_ECLOSED).
+func growthCode(err error, growthFailed bool) C.int {
+	switch {
+	case err == nil:
+		return codeOK
+	case growthFailed:
+		return codeGrowth
+	case errors.Is(err, offload.ErrClosed):
+		return codeClosed
+	case errors.Is(err, context.DeadlineExceeded):
+		return codeTimeout
+	}
+	return codeFail
+}
+
+//export kvoGo_pause_growth
+func kvoGo_pause_growth(h C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	eng.PauseGrowth()
+	return codeOK
+}
+
+//export kvoGo_resume_growth
+func kvoGo_resume_growth(h C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	eng, err := engine(h)
+	if err != nil {
+		return fail(err)
+	}
+	eng.ResumeGrowth()
 	return codeOK
 }

@@ -19,6 +19,9 @@
 //     the calling thread's last error (C thread-local storage) and leaves no
 //     partial state.
 //   - Every entry point is safe for concurrent use from many C threads.
+//   - Loading the library caps the Go runtime's GOMAXPROCS at 8 (runtime.go)
+//     unless the GOMAXPROCS environment variable is set; it writes no
+//     environment variable.
 //
 // Without cgo (CGO_ENABLED=0) the package builds as an empty command, so
 // that the module builds anywhere.

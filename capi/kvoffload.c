@@ -79,9 +79,11 @@ int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease, si
 }
 
 int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,
-              uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op) {
+              const uint8_t* parent, const uint8_t* parents, uintptr_t after_event,
+              uintptr_t after_stream, kvo_op_t* op) {
 	ENTER();
-	return kvoGo_store(engine, (uint8_t*)keys, (int64_t*)block_ids, n, after_event, after_stream, op);
+	return kvoGo_store(engine, (uint8_t*)keys, (int64_t*)block_ids, n, (uint8_t*)parent,
+	                   (uint8_t*)parents, after_event, after_stream, op);
 }
 
 int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,
@@ -175,4 +177,19 @@ int kvo_sim_write(kvo_engine_t engine, uint64_t device_addr, const void* src, si
 int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n) {
 	ENTER();
 	return kvoGo_sim_read(engine, device_addr, dst, n);
+}
+
+int kvo_wait_grown(kvo_engine_t engine, int64_t timeout_ns) {
+	ENTER();
+	return kvoGo_wait_grown(engine, timeout_ns);
+}
+
+int kvo_pause_growth(kvo_engine_t engine) {
+	ENTER();
+	return kvoGo_pause_growth(engine);
+}
+
+int kvo_resume_growth(kvo_engine_t engine) {
+	ENTER();
+	return kvoGo_resume_growth(engine);
 }

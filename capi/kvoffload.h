@@ -14,26 +14,40 @@
  *    failed call made by the calling thread, valid until that thread's next
  *    kvo_* call. Calls that succeed clear it to "".
  *  - Handles (kvo_engine_t, kvo_op_t, kvo_lease_t) are opaque non-zero
- *    integers, not pointers. A handle that is unknown, already destroyed or
- *    of the wrong kind is refused with KVO_EINVAL (never a crash).
+ *    integers, not pointers, never reused within a process. A bad handle is
+ *    an error code, never a crash:
+ *      - a destroyed engine's handle: KVO_ECLOSED, from every call taking
+ *        an engine (kvo_engine_destroy included);
+ *      - a released op's or lease's handle (a lease handed to a kvo_load
+ *        that succeeded counts as released): KVO_ERELEASED, from every call
+ *        taking an op or a lease (kvo_op_release and kvo_lease_release
+ *        included);
+ *      - 0, a value never issued, or a handle of another kind (an engine
+ *        handle passed as an op): KVO_EINVAL.
+ *    Ops and leases outlive their engine: after kvo_engine_destroy they are
+ *    still valid handles (kvo_op_wait, kvo_op_outcomes, the releases work)
+ *    and must still be released.
  *  - Keys are 16 bytes each, passed packed: n keys are 16*n bytes.
  *  - CUDA objects cross as plain integers: device pointers as uint64_t,
  *    CUstream and CUevent as uintptr_t (0 means none / the legacy default
  *    stream where a stream is expected).
  *  - Every function is safe to call from several threads at once, on the
  *    same engine or different ones. Pointers passed in are read or written
- *    only during the call, never kept.
+ *    only during the call, never kept; CUDA events passed in (after_event,
+ *    signal_event) are used until the op is done.
  *  - Asynchrony: kvo_store and kvo_load return at once with an op; the
  *    caller waits on the CPU (kvo_op_wait / kvo_op_query) or on the GPU
- *    (kvo_op_stream_wait, kvo_op_event). No call blocks on the GPU except
- *    kvo_op_wait, kvo_op_release of an op not yet done, kvo_trim and
- *    kvo_engine_destroy.
+ *    (kvo_op_stream_wait, kvo_op_event). No call waits for copies or for
+ *    growth except kvo_op_wait and kvo_wait_grown (each for at most its
+ *    timeout), kvo_op_release of an op not yet done, kvo_trim,
+ *    kvo_engine_destroy and, on the host backend, kvo_op_stream_wait.
  *
  * The Go runtime inside a non-Go process
- *  - Loading the library starts the Go runtime (its own threads; their number
- *    running Go code at once is bounded by the GOMAXPROCS environment
- *    variable read at load — the Python package sets it to min(ncpu, 8)
- *    unless the user did).
+ *  - Loading the library starts the Go runtime (its own threads). The
+ *    number running Go code at once (GOMAXPROCS) is the GOMAXPROCS
+ *    environment variable's value when it is set at load, else min(CPUs
+ *    available to the process, 8): the library caps it itself and writes
+ *    no environment variable. kvo_stats_json reports it ("go_maxprocs").
  *  - Go installs handlers only for synchronous signals (SIGSEGV, SIGBUS,
  *    SIGFPE) and SIGPIPE, chaining to handlers that were there before;
  *    handlers already installed for other signals (SIGINT, SIGTERM...) are
@@ -60,22 +74,25 @@ extern "C" {
 
 /* The version of this ABI. A caller checks kvo_abi_version() ==
  * KVO_ABI_VERSION before any other call; a library of another version
- * must not be used. */
-#define KVO_ABI_VERSION 1
+ * must not be used. It changes only on an incompatible change:
+ *   1  the first release;
+ *   2  kvo_store gained parent and parents (before after_event). */
+#define KVO_ABI_VERSION 2
 
 /* Error codes. */
 #define KVO_OK          0
-#define KVO_EINVAL     -1  /* bad argument: NULL pointer, length, block id, handle, key, JSON */
-#define KVO_ECLOSED    -2  /* the engine was destroyed / closed */
+#define KVO_EINVAL     -1  /* bad argument: NULL pointer, length, block id, key, JSON, a handle never issued or of another kind */
+#define KVO_ECLOSED    -2  /* the engine handle was destroyed (kvo_engine_destroy) */
 #define KVO_EBUSY      -3  /* the queue for in-flight room is full (kvo_load) */
 #define KVO_ENODRIVER  -4  /* the CUDA backend was asked for but libcuda/a device is missing */
 #define KVO_ENOMEM     -5  /* the machine cannot hold the pool, or no staging room is left */
-#define KVO_ERELEASED  -6  /* the op or lease was already released */
+#define KVO_ERELEASED  -6  /* the op or lease handle was already released (a lease: or taken over by kvo_load) */
 #define KVO_ECAPTURING -7  /* the after_stream of a store is capturing a CUDA graph */
 #define KVO_EFAIL      -8  /* a copy or the driver failed; see kvo_last_error */
 #define KVO_ETIMEOUT   -9  /* kvo_op_wait: the timeout passed before the op was done */
 #define KVO_EFORK     -10  /* called in a forked child of the process that loaded the library */
 #define KVO_ENOTDONE  -11  /* kvo_op_outcomes: the op is not done yet */
+#define KVO_EGROWTH   -12  /* kvo_wait_grown: background growth of the pool stopped on an error */
 
 /* Per-block outcomes written by kvo_op_outcomes. */
 #define KVO_OUTCOME_PENDING            0
@@ -113,13 +130,17 @@ const char* kvo_last_error(void);
 int kvo_engine_create(const char* config_json, kvo_engine_t* out);
 
 /* Closes the engine: refuses new calls, waits for copies in flight, unpins
- * and unmaps the pool. Ops and leases of the engine stay valid handles
- * (kvo_op_wait, kvo_op_outcomes, releases) and must still be released. */
+ * and unmaps the pool, and frees the handle: every later call taking it
+ * (this one included) returns KVO_ECLOSED. Ops and leases of the engine
+ * stay valid handles (kvo_op_wait, kvo_op_outcomes, releases) and must
+ * still be released. */
 int kvo_engine_destroy(kvo_engine_t engine);
 
 /* Writes the engine's configuration with defaults filled in (and, on the
  * host backend, the simulated tensors' addresses) as JSON into buf (NUL-
- * terminated). *needed gets the size including the NUL; if cap is smaller
+ * terminated). "backend" is the backend in use ("host" or "cuda": "auto"
+ * resolved) and "device" is always present (0 included); other zero-valued
+ * optional fields may be left out. *needed gets the size including the NUL; if cap is smaller
  * nothing is written and KVO_EINVAL is returned. */
 int kvo_engine_config_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
 
@@ -131,23 +152,46 @@ int kvo_lookup(kvo_engine_t engine, const uint8_t* keys, size_t n, int lease,
                size_t* hits, kvo_lease_t* lease_out);
 
 /* Copies GPU blocks block_ids[i] into the pool under keys[i],
- * asynchronously. after_event: a CUevent recorded on the caller's stream
- * after the kernels that wrote the blocks (0: none); after_stream: the
- * stream it was recorded on (0: unknown), refused with KVO_ECAPTURING when
- * capturing. Per-block outcomes come from kvo_op_outcomes once done.
+ * asynchronously. Per-block outcomes come from kvo_op_outcomes once done.
  * Before overwriting the blocks, the caller's stream waits on the op
- * (kvo_op_stream_wait). */
+ * (kvo_op_stream_wait).
+ *
+ * parent, parents: where the keys hang in their sequences' chains, so that
+ * a sequence stored over several calls (decode adds a block at a time)
+ * stays one chain and eviction takes its tail, never its middle. At most
+ * one may be non-NULL (both: KVO_EINVAL).
+ *  - parent (16 bytes): the keys are one sequence's blocks in order and
+ *    parent is the key of the block before keys[0]; keys[i-1] is the parent
+ *    of keys[i]. 16 zero bytes, or parent and parents both NULL: keys[0]
+ *    starts a sequence.
+ *  - parents (16*n bytes): for a call holding blocks of several sequences,
+ *    the parent of each key (16 zero bytes: the key starts a sequence). A
+ *    key whose parent is refused in the same call is refused the same way.
+ *    KVO_EINVAL when a key is its own parent or appears twice.
+ *
+ * after_event: a CUevent recorded on the caller's stream after the kernels
+ * that wrote the blocks (0: none); the copies wait on its most recent
+ * record at the time they are issued, which may be after kvo_store
+ * returns: do not record it again or destroy it before the op is done
+ * (kvo_op_query / kvo_op_wait), whether or not the op was released.
+ * after_stream: the stream it was recorded on (0: unknown), refused with
+ * KVO_ECAPTURING when capturing. */
 int kvo_store(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
-              size_t n, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
+              size_t n, const uint8_t* parent, const uint8_t* parents,
+              uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op);
 
 /* Copies the blocks stored under keys[i] into GPU blocks block_ids[i],
  * asynchronously. lease: from kvo_lookup (0: none); on success the load
- * takes it over and the lease handle is consumed (do not release it); on
- * failure the caller still owns it. after_event: the destination blocks may
- * be overwritten after it (0: none). per_layer != 0 records one event per
- * layer (kvo_op_layer_event). signal_event: a caller-owned CUevent also
- * recorded when the load completes (0: none). Fails fast with KVO_EBUSY
- * when the queue is full. */
+ * takes it over and the lease handle is consumed (do not release it; using
+ * it again is KVO_ERELEASED); on failure the caller still owns it. The
+ * engine handle is checked first: a destroyed engine is KVO_ECLOSED, with
+ * any lease. after_event: the destination blocks may be overwritten after
+ * it (0: none); as for kvo_store, the copies wait on its most recent record
+ * at the time they are issued: do not record it again or destroy it before
+ * the op is done. per_layer != 0 records one event per layer
+ * (kvo_op_layer_event). signal_event: a caller-owned CUevent also recorded
+ * when the load completes (0: none); keep it valid until the op is done.
+ * Fails fast with KVO_EBUSY when the queue is full. */
 int kvo_load(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids,
              size_t n, kvo_lease_t lease, uintptr_t after_event, int per_layer,
              uintptr_t signal_event, kvo_op_t* op);
@@ -177,10 +221,14 @@ int kvo_op_layer_event(kvo_op_t op, int layer, uintptr_t* event);
 int kvo_op_outcomes(kvo_op_t op, uint8_t* out, size_t n);
 
 /* Gives the op's events back to the engine (waiting for the op to be done
- * first) and frees the handle. Every op must be released exactly once. */
+ * first) and frees the handle. Every op must be released exactly once; a
+ * second release returns KVO_ERELEASED, as does every other kvo_op_* call
+ * on a released op. */
 int kvo_op_release(kvo_op_t op);
 
-/* Releases a lease taken by kvo_lookup and frees the handle. */
+/* Releases a lease taken by kvo_lookup and frees the handle. KVO_ERELEASED
+ * for a lease already released or taken over by a kvo_load. Valid after
+ * the engine was destroyed. */
 int kvo_lease_release(kvo_lease_t lease);
 
 /* The staging buffer called name (NUL-terminated), of exactly bytes bytes,
@@ -190,9 +238,12 @@ int kvo_lease_release(kvo_lease_t lease);
 int kvo_staging(kvo_engine_t engine, const char* name, uint64_t bytes,
                 void** ptr, uint64_t* device_ptr);
 
-/* Writes the engine's statistics as a JSON object into buf (NUL-terminated);
- * *needed gets the size including the NUL. If cap is too small nothing is
- * written and KVO_EINVAL is returned (call again with *needed bytes). */
+/* Writes the engine's statistics (the fields of Go's offload.Stats, plus
+ * "backend_reason": why the backend in use was picked, and "go_maxprocs":
+ * the Go runtime's GOMAXPROCS) as a JSON object into buf
+ * (NUL-terminated); *needed gets the size including the NUL. If cap is too
+ * small nothing is written and KVO_EINVAL is returned (call again with
+ * *needed bytes). */
 int kvo_stats_json(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
 
 /* Gives up to bytes of pinned pool memory back to the OS, waiting at most
@@ -220,6 +271,28 @@ int kvo_clear(kvo_engine_t engine, const char* namespace_, size_t* cleared);
 int kvo_chain_keys(const uint8_t* namespace_, size_t namespace_len, const uint8_t* parent,
                    const uint32_t* tokens, size_t n_tokens, size_t tokens_per_block,
                    uint8_t* out, size_t out_cap, size_t* n_keys);
+
+/* Background growth. kvo_engine_create returns once the pool's first
+ * region is pinned; the rest is mapped and pinned region by region in the
+ * background (the engine works meanwhile, with fewer slots).
+ *
+ * kvo_wait_grown waits until growth has ended, at most timeout_ns
+ * (< 0: no limit; 0: poll), and returns:
+ *   KVO_OK       the whole pool is pinned (and, on CUDA, the copy methods
+ *                calibrated);
+ *   KVO_ETIMEOUT growth goes on (or is paused) after timeout_ns;
+ *   KVO_EGROWTH  growth stopped on an error (kvo_last_error says which,
+ *                e.g. an mlock or cuMemHostRegister refused): the engine
+ *                keeps the regions pinned so far and works with them;
+ *                every later call returns KVO_EGROWTH again;
+ *   KVO_ECLOSED  the engine was destroyed (or closed while growing).
+ *
+ * kvo_pause_growth stops pinning after the region in progress (the one
+ * being prefetched is held, mapped but not pinned) until
+ * kvo_resume_growth; both are idempotent and never block. */
+int kvo_wait_grown(kvo_engine_t engine, int64_t timeout_ns);
+int kvo_pause_growth(kvo_engine_t engine);
+int kvo_resume_growth(kvo_engine_t engine);
 
 /* Host backend only (KVO_EINVAL on CUDA): copy bytes into / out of the
  * engine's simulated GPU memory at a simulated device address (from

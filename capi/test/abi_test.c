@@ -1,7 +1,8 @@
 // abi_test exercises libkvoffload.so through kvoffload.h on the host
-// backend: create, store, lookup, lease, load, outcomes, stats, staging,
-// trim, delete, clear, errors, stale handles, concurrent calls from several
-// pthreads, the per-thread last error, and the refusal in a forked child.
+// backend: create, store (with parent and parents), lookup, lease, load,
+// outcomes, stats, staging, trim, delete, clear, errors, stale handles
+// (codes per kind), concurrent calls from several pthreads, the per-thread
+// last error, and the refusal in a forked child.
 // It is built and run by capi's Go test (TestABI); it prints what failed and
 // exits non-zero on the first failure.
 
@@ -53,6 +54,8 @@ static void parse_layout(kvo_engine_t e) {
 	char* buf = malloc(need);
 	OK(kvo_engine_config_json(e, buf, need, &need));
 	CHECK(strlen(buf) + 1 == need, "length %zu, needed %zu", strlen(buf), need);
+	CHECK(strstr(buf, "\"backend\":\"host\"") != NULL, "no backend in %s", buf);
+	CHECK(strstr(buf, "\"device\":0") != NULL, "no device 0 in %s", buf);
 	const char* p = strstr(buf, "\"layer_tensors\":[");
 	CHECK(p != NULL, "no layer_tensors in %s", buf);
 	p += strlen("\"layer_tensors\":[");
@@ -131,7 +134,7 @@ static void test_round_trip(kvo_engine_t e) {
 		write_block(e, i, 0);
 	}
 	kvo_op_t op = 0;
-	OK(kvo_store(e, keys, src, N, 0, 0, &op));
+	OK(kvo_store(e, keys, src, N, NULL, NULL, 0, 0, &op));
 	CHECK(op != 0, "op handle 0");
 	OK(kvo_op_wait(op, -1));
 	int done = 0;
@@ -147,7 +150,7 @@ static void test_round_trip(kvo_engine_t e) {
 	FAILS(kvo_op_wait(op, 0), KVO_ERELEASED);
 
 	// The same keys again: already present.
-	OK(kvo_store(e, keys, src, N, 0, 0, &op));
+	OK(kvo_store(e, keys, src, N, NULL, NULL, 0, 0, &op));
 	OK(kvo_op_wait(op, -1));
 	check_outcomes(op, N, KVO_OUTCOME_ALREADY_PRESENT);
 	OK(kvo_op_release(op));
@@ -203,12 +206,12 @@ static void test_errors(kvo_engine_t e) {
 	int64_t dup[2] = {3, 3};
 	int64_t neg[2] = {-1, 2};
 	kvo_op_t op = 0;
-	FAILS(kvo_store(e, keys, bad, 2, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, bad, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
 	CHECK(strstr(kvo_last_error(), "64") != NULL, "error does not name the limit: %s", kvo_last_error());
-	FAILS(kvo_store(e, keys, dup, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, keys, neg, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, NULL, dup, 2, 0, 0, &op), KVO_EINVAL);
-	FAILS(kvo_store(e, keys, dup, 2, 0, 0, NULL), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, dup, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, neg, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, NULL, dup, 2, NULL, NULL, 0, 0, &op), KVO_EINVAL);
+	FAILS(kvo_store(e, keys, dup, 2, NULL, NULL, 0, 0, NULL), KVO_EINVAL);
 	FAILS(kvo_load(e, keys, bad, 2, 0, 0, 0, 0, &op), KVO_EINVAL);
 	CHECK(op == 0, "op written on error");
 	size_t hits;
@@ -248,6 +251,8 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	char* buf = malloc(need);
 	OK(kvo_stats_json(e, buf, need, &need));
 	CHECK(strstr(buf, "\"backend\":\"host\"") != NULL, "stats: %s", buf);
+	CHECK(strstr(buf, "\"backend_reason\":\"") != NULL, "stats: %s", buf);
+	CHECK(strstr(buf, "\"go_maxprocs\":") != NULL, "stats: %s", buf);
 	CHECK(strstr(buf, "\"outcomes\":[") != NULL, "stats: %s", buf);
 	free(buf);
 
@@ -265,6 +270,228 @@ static void test_stats_staging_trim(kvo_engine_t e) {
 	uint64_t freed = 1, pending = 1;
 	OK(kvo_trim(e, 0, -1, &freed, &pending));
 	CHECK(freed == 0 && pending == 0, "trim 0 freed %" PRIu64 " pending %" PRIu64, freed, pending);
+}
+
+// stats_has reports whether the engine's stats JSON contains text.
+static int stats_has(kvo_engine_t e, const char* text) {
+	char buf[8192];
+	size_t need = 0;
+	OK(kvo_stats_json(e, buf, sizeof buf, &need));
+	return strstr(buf, text) != NULL;
+}
+
+static int64_t stat_of(kvo_engine_t e, const char* name) {
+	char buf[8192], pat[64];
+	size_t need = 0;
+	OK(kvo_stats_json(e, buf, sizeof buf, &need));
+	snprintf(pat, sizeof pat, "\"%s\":", name);
+	const char* p = strstr(buf, pat);
+	CHECK(p != NULL, "no %s in %s", name, buf);
+	return strtoll(p + strlen(pat), NULL, 10);
+}
+
+// small_engine is an engine whose pool holds blocks blocks of one page
+// (4 KiB) each, in one region.
+static kvo_engine_t small_engine(int blocks) {
+	char cfg[1024];
+	snprintf(cfg, sizeof cfg,
+	         "{\"pool_bytes\": %d, \"first_region_bytes\": %d, \"backend\": \"host\", \"staging_bytes\": 4096,"
+	         " \"skip_memory_check\": true, \"policy\": \"lru\","
+	         " \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 64,"
+	         " \"dtype_bytes\": 2, \"tokens_per_block\": 4, \"num_blocks\": 8}}",
+	         blocks * 4096, blocks * 4096);
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create(cfg, &e));
+	CHECK(stat_of(e, "slots_total") == blocks, "%" PRId64 " slots, want %d", stat_of(e, "slots_total"), blocks);
+	return e;
+}
+
+static void store_all(kvo_engine_t e, const uint8_t* keys, const int64_t* ids, size_t n, const uint8_t* parent,
+                      const uint8_t* parents) {
+	kvo_op_t op = 0;
+	OK(kvo_store(e, keys, ids, n, parent, parents, 0, 0, &op));
+	OK(kvo_op_wait(op, -1));
+	check_outcomes(op, n, KVO_OUTCOME_STORED);
+	OK(kvo_op_release(op));
+}
+
+// A sequence stored over several calls stays one chain when each call
+// names the block before its first key (parent), or each key's parent
+// (parents): eviction then takes the sequence's tail, not its middle.
+static void test_store_parents(void) {
+	uint8_t seq[3 * KVO_KEY_BYTES], other[2 * KVO_KEY_BYTES];
+	for (int i = 0; i < 3; i++) make_key(seq + i * KVO_KEY_BYTES, 500 + i, 1);
+	make_key(other, 600, 1);
+	make_key(other + KVO_KEY_BYTES, 601, 1);
+	int64_t ids[3] = {0, 1, 2}, id3 = 3, id4 = 4;
+	size_t hits = 0;
+
+	// parent: three slots; the fourth block evicts seq[2], the tail.
+	kvo_engine_t e = small_engine(3);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	store_all(e, seq + 2 * KVO_KEY_BYTES, ids + 2, 1, seq + KVO_KEY_BYTES, NULL);
+	store_all(e, other, &id3, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits == 2, "hits %zu: the tail of the sequence was not the block evicted", hits);
+	CHECK(stat_of(e, "orphans") == 0, "orphans %" PRId64, stat_of(e, "orphans"));
+	OK(kvo_engine_destroy(e));
+
+	// Without it seq[2] starts a chain of its own, and seq[1] (the oldest
+	// chain's tail) is evicted: the middle of the sequence.
+	e = small_engine(3);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	store_all(e, seq + 2 * KVO_KEY_BYTES, ids + 2, 1, NULL, NULL);
+	store_all(e, other, &id3, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits < 2, "hits %zu without parent: the control does not show what parent changes", hits);
+	OK(kvo_engine_destroy(e));
+
+	// parents: one call with a new sequence's first block and seq[2].
+	e = small_engine(4);
+	store_all(e, seq, ids, 2, NULL, NULL);
+	uint8_t mixed[2 * KVO_KEY_BYTES], parents[2 * KVO_KEY_BYTES];
+	memcpy(mixed, other, KVO_KEY_BYTES);
+	memcpy(mixed + KVO_KEY_BYTES, seq + 2 * KVO_KEY_BYTES, KVO_KEY_BYTES);
+	memset(parents, 0, KVO_KEY_BYTES);
+	memcpy(parents + KVO_KEY_BYTES, seq + KVO_KEY_BYTES, KVO_KEY_BYTES);
+	int64_t mixed_ids[2] = {3, 2};
+	store_all(e, mixed, mixed_ids, 2, NULL, parents);
+	store_all(e, other + KVO_KEY_BYTES, &id4, 1, NULL, NULL);
+	OK(kvo_lookup(e, seq, 3, 0, &hits, NULL));
+	CHECK(hits >= 2, "hits %zu: the middle of the sequence was evicted", hits);
+	CHECK(stat_of(e, "orphans") == 0, "orphans %" PRId64, stat_of(e, "orphans"));
+
+	// Refused: parent and parents both, a key its own parent, a key twice.
+	kvo_op_t op = 0;
+	uint8_t zero[KVO_KEY_BYTES] = {0};
+	FAILS(kvo_store(e, mixed, mixed_ids, 2, zero, parents, 0, 0, &op), KVO_EINVAL);
+	memcpy(parents, mixed, KVO_KEY_BYTES);
+	FAILS(kvo_store(e, mixed, mixed_ids, 2, NULL, parents, 0, 0, &op), KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "its own parent") != NULL, "error: %s", kvo_last_error());
+	uint8_t twice[2 * KVO_KEY_BYTES];
+	memcpy(twice, other, KVO_KEY_BYTES);
+	memcpy(twice + KVO_KEY_BYTES, other, KVO_KEY_BYTES);
+	memset(parents, 0, sizeof parents);
+	FAILS(kvo_store(e, twice, mixed_ids, 2, NULL, parents, 0, 0, &op), KVO_EINVAL);
+	CHECK(op == 0, "op written on error");
+	OK(kvo_engine_destroy(e));
+}
+
+// Background growth: paused, kvo_wait_grown times out; resumed, it
+// returns KVO_OK with every region pinned.
+static void test_growth(void) {
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create("{\"pool_bytes\": 268435456, \"first_region_bytes\": 1048576, \"region_bytes\": 1048576,"
+	                     " \"backend\": \"host\", \"staging_bytes\": 4096, \"skip_memory_check\": true,"
+	                     " \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 64,"
+	                     " \"dtype_bytes\": 2, \"tokens_per_block\": 4, \"num_blocks\": 8}}",
+	                     &e));
+	OK(kvo_pause_growth(e));
+	OK(kvo_pause_growth(e)); // idempotent
+	CHECK(stats_has(e, "\"growth_paused\":true"), "growth_paused not set");
+	int64_t total = stat_of(e, "regions_total");
+	CHECK(total == 256, "regions_total %" PRId64, total);
+	FAILS(kvo_wait_grown(e, 0), KVO_ETIMEOUT);
+	FAILS(kvo_wait_grown(e, 20 * 1000 * 1000), KVO_ETIMEOUT);
+	int64_t paused_at = stat_of(e, "regions");
+	CHECK(paused_at < total, "%" PRId64 " of %" PRId64 " regions pinned while paused", paused_at, total);
+	usleep(20 * 1000);
+	CHECK(stat_of(e, "regions") == paused_at, "regions %" PRId64 " grew from %" PRId64 " while paused",
+	      stat_of(e, "regions"), paused_at);
+	OK(kvo_resume_growth(e));
+	OK(kvo_resume_growth(e));
+	CHECK(stats_has(e, "\"growth_paused\":false"), "growth_paused still set");
+	OK(kvo_wait_grown(e, -1));
+	OK(kvo_wait_grown(e, 0));
+	CHECK(stat_of(e, "regions") == total, "regions %" PRId64 " of %" PRId64 " after kvo_wait_grown",
+	      stat_of(e, "regions"), total);
+	OK(kvo_engine_destroy(e));
+	FAILS(kvo_wait_grown(e, 0), KVO_ECLOSED);
+	FAILS(kvo_pause_growth(e), KVO_ECLOSED);
+	FAILS(kvo_resume_growth(e), KVO_ECLOSED);
+	FAILS(kvo_wait_grown(0, 0), KVO_EINVAL);
+}
+
+// Stale handles: a released op or lease is KVO_ERELEASED in every call
+// that takes it; a destroyed engine is KVO_ECLOSED in every call that takes
+// it, while the ops and leases it handed out stay valid handles; a handle
+// that never was one of its kind is KVO_EINVAL.
+static void test_stale_handles(void) {
+	kvo_engine_t e = 0;
+	OK(kvo_engine_create(config, &e));
+	uint8_t keys[2 * KVO_KEY_BYTES];
+	make_key(keys, 1, 21);
+	make_key(keys + KVO_KEY_BYTES, 2, 21);
+	int64_t src[2] = {0, 1}, dst[2] = {2, 3};
+	uint8_t out[2];
+	uintptr_t ev = 0;
+	int done = 0;
+	size_t hits = 0, count = 0;
+
+	// A released op.
+	kvo_op_t op = 0;
+	OK(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op));
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_release(op));
+	FAILS(kvo_op_wait(op, -1), KVO_ERELEASED);
+	FAILS(kvo_op_wait(op, 0), KVO_ERELEASED);
+	FAILS(kvo_op_query(op, &done), KVO_ERELEASED);
+	FAILS(kvo_op_stream_wait(op, 0), KVO_ERELEASED);
+	FAILS(kvo_op_event(op, &ev), KVO_ERELEASED);
+	FAILS(kvo_op_layer_event(op, 0, &ev), KVO_ERELEASED);
+	FAILS(kvo_op_outcomes(op, out, 2), KVO_ERELEASED);
+	FAILS(kvo_op_release(op), KVO_ERELEASED);
+	// Of the right kind but never issued: KVO_EINVAL, not KVO_ERELEASED.
+	FAILS(kvo_op_wait(op + 1000000, 0), KVO_EINVAL);
+	FAILS(kvo_op_release(op + 1000000), KVO_EINVAL);
+
+	// A released lease, and one taken over by a load.
+	kvo_lease_t lease = 0;
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	CHECK(hits == 2 && lease != 0, "hits %zu lease %" PRIu64, hits, lease);
+	OK(kvo_lease_release(lease));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op), KVO_ERELEASED);
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	OK(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
+	kvo_op_t op2 = 0;
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op2), KVO_ERELEASED);
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_release(op));
+	FAILS(kvo_lease_release(lease + 1000000), KVO_EINVAL);
+
+	// A destroyed engine: every call taking it is KVO_ECLOSED; its op and
+	// lease stay valid and must still be released.
+	OK(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op));
+	OK(kvo_lookup(e, keys, 2, 1, &hits, &lease));
+	OK(kvo_engine_destroy(e));
+	FAILS(kvo_engine_destroy(e), KVO_ECLOSED);
+	char buf[64];
+	size_t need = 0;
+	FAILS(kvo_engine_config_json(e, buf, sizeof buf, &need), KVO_ECLOSED);
+	FAILS(kvo_lookup(e, keys, 2, 0, &hits, NULL), KVO_ECLOSED);
+	FAILS(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &op2), KVO_ECLOSED);
+	FAILS(kvo_load(e, keys, dst, 2, lease, 0, 0, 0, &op2), KVO_ECLOSED); // the lease stays the caller's
+	void* p = NULL;
+	FAILS(kvo_staging(e, "x", 64, &p, NULL), KVO_ECLOSED);
+	FAILS(kvo_stats_json(e, buf, sizeof buf, &need), KVO_ECLOSED);
+	FAILS(kvo_trim(e, 0, -1, NULL, NULL), KVO_ECLOSED);
+	FAILS(kvo_delete(e, keys, 2, &count), KVO_ECLOSED);
+	FAILS(kvo_clear(e, "", &count), KVO_ECLOSED);
+	FAILS(kvo_sim_write(e, 0, buf, 1), KVO_ECLOSED);
+	FAILS(kvo_sim_read(e, 0, buf, 1), KVO_ECLOSED);
+	FAILS(kvo_wait_grown(e, 0), KVO_ECLOSED);
+	FAILS(kvo_pause_growth(e), KVO_ECLOSED);
+	FAILS(kvo_resume_growth(e), KVO_ECLOSED);
+	FAILS(kvo_lookup(e + 1000000, keys, 2, 0, &hits, NULL), KVO_EINVAL);
+	OK(kvo_op_wait(op, -1));
+	OK(kvo_op_query(op, &done));
+	CHECK(done == 1, "done = %d", done);
+	OK(kvo_op_outcomes(op, out, 2));
+	OK(kvo_op_release(op));
+	OK(kvo_lease_release(lease));
+	FAILS(kvo_lease_release(lease), KVO_ERELEASED);
 }
 
 // Several threads storing, looking up and loading disjoint blocks of one
@@ -288,13 +515,13 @@ static void* worker(void* p) {
 			write_block(a->e, (int)src[i], r);
 		}
 		kvo_op_t op;
-		OK(kvo_store(a->e, keys, src, PER_THREAD, 0, 0, &op));
+		OK(kvo_store(a->e, keys, src, PER_THREAD, NULL, NULL, 0, 0, &op));
 		OK(kvo_op_wait(op, -1));
 		check_outcomes(op, PER_THREAD, KVO_OUTCOME_STORED);
 		OK(kvo_op_release(op));
 		// An error on this thread leaves a message only here.
 		int64_t bad = NUM_BLOCKS + a->id;
-		FAILS(kvo_store(a->e, keys, &bad, 1, 0, 0, &op), KVO_EINVAL);
+		FAILS(kvo_store(a->e, keys, &bad, 1, NULL, NULL, 0, 0, &op), KVO_EINVAL);
 		char want[32];
 		snprintf(want, sizeof want, "%d", NUM_BLOCKS + a->id);
 		CHECK(strstr(kvo_last_error(), want) != NULL, "thread %d sees another thread's error: %s", a->id, kvo_last_error());
@@ -354,6 +581,9 @@ int main(void) {
 	test_round_trip(e);
 	test_errors(e);
 	test_stats_staging_trim(e);
+	test_stale_handles();
+	test_store_parents();
+	test_growth();
 	test_threads(e);
 	test_fork(e);
 

@@ -17,7 +17,7 @@ GOMAXPROCS, fork).
 """
 
 from .engine import OUTCOMES, Engine, Lease, Op, Staging, abi_version, library_pid
-from .errors import (AbiVersionError, BusyError, CapturingError, EngineClosedError, ForkedChildError,
+from .errors import (AbiVersionError, BusyError, CapturingError, EngineClosedError, ForkedChildError, GrowthError,
                      InvalidArgumentError, KvoError, LibraryError, NoDriverError, NotDoneError, OpTimeoutError,
                      OutOfMemoryError, ReleasedError, TransferFailedError)
 from .keys import KEY_BYTES, ZERO_KEY, block_key, chain_keys
@@ -27,5 +27,5 @@ __all__ = [
     "block_key", "chain_keys", "KEY_BYTES", "ZERO_KEY",
     "KvoError", "InvalidArgumentError", "EngineClosedError", "BusyError", "NoDriverError", "OutOfMemoryError",
     "ReleasedError", "CapturingError", "TransferFailedError", "OpTimeoutError", "ForkedChildError",
-    "NotDoneError", "LibraryError", "AbiVersionError",
+    "NotDoneError", "GrowthError", "LibraryError", "AbiVersionError",
 ]

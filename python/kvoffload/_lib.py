@@ -5,9 +5,10 @@ The library is loaded lazily, on the first call that needs it (creating an
 Engine, abi_version()), so that importing kvoffload starts no Go runtime.
 Loading it:
 
-* sets GOMAXPROCS to min(CPUs available, 8) unless the environment already
-  has it, which bounds the threads running Go code at once (the engine's
-  work is copies on the GPU and bookkeeping: a few threads are plenty);
+* changes nothing in os.environ: the library itself caps the Go runtime's
+  GOMAXPROCS (the threads running Go code at once) at min(CPUs available,
+  8) unless the GOMAXPROCS environment variable is set, in which case the
+  runtime uses that (stats()["go_maxprocs"] shows the value in effect);
 * blocks the asynchronous signals (SIGINT, SIGTERM, SIGHUP, ...) in the
   loading thread while the library's constructor starts the Go runtime, so
   that every thread the runtime creates, then and later, keeps them blocked
@@ -28,9 +29,8 @@ import threading
 
 from . import errors
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # KVO_ABI_VERSION of capi/kvoffload.h
 _LIB_NAME = "libkvoffload.so"
-_MAX_GOMAXPROCS = 8
 
 # The asynchronous signals kept off the Go runtime's threads. Synchronous
 # signals (SIGSEGV, SIGBUS, SIGFPE...) and SIGPIPE are the runtime's own;
@@ -62,7 +62,7 @@ _PROTOTYPES = {
     "kvo_engine_destroy": [_u64],
     "kvo_engine_config_json": [_u64, ctypes.c_char_p, _size, _sizep],
     "kvo_lookup": [_u64, _vp, _size, _int, _sizep, _u64p],
-    "kvo_store": [_u64, _vp, _vp, _size, _uptr, _uptr, _u64p],
+    "kvo_store": [_u64, _vp, _vp, _size, _vp, _vp, _uptr, _uptr, _u64p],
     "kvo_load": [_u64, _vp, _vp, _size, _u64, _uptr, _int, _uptr, _u64p],
     "kvo_op_wait": [_u64, _i64],
     "kvo_op_query": [_u64, ctypes.POINTER(_int)],
@@ -80,6 +80,9 @@ _PROTOTYPES = {
     "kvo_chain_keys": [_vp, _size, _vp, _vp, _size, _size, _vp, _size, _sizep],
     "kvo_sim_write": [_u64, _u64, _vp, _size],
     "kvo_sim_read": [_u64, _u64, _vp, _size],
+    "kvo_wait_grown": [_u64, _i64],
+    "kvo_pause_growth": [_u64],
+    "kvo_resume_growth": [_u64],
 }
 _RESTYPES = {"kvo_last_error": ctypes.c_char_p}
 
@@ -97,17 +100,8 @@ def library_path():
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), _LIB_NAME)
 
 
-def _default_gomaxprocs():
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        ncpu = os.cpu_count() or 1
-    return max(1, min(ncpu, _MAX_GOMAXPROCS))
-
-
 def load_library(path):
-    """Loads the library at path with the signal mask and environment
-    described above, checks its ABI version and declares its prototypes.
+    """Loads the library at path with the signal mask described above, checks its ABI version and declares its prototypes.
     Raises LibraryError when the file cannot be loaded and AbiVersionError
     for a library of another ABI version. Loading one library twice is
     harmless (the dynamic loader returns the same one)."""
@@ -115,7 +109,6 @@ def load_library(path):
         raise errors.LibraryError(
             f"kvoffload: no library at {path!r}: build it with capi/build.sh "
             f"(go build -buildmode=c-shared -o build/libkvoffload.so ./capi) or set KVOFFLOAD_LIB")
-    os.environ.setdefault("GOMAXPROCS", str(_default_gomaxprocs()))
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_SIGNALS)
     try:
         try:

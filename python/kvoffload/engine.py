@@ -1,11 +1,13 @@
 """Engine, Op, Lease and Staging: the library's objects in Python."""
 
 import array
+import collections
 import ctypes
 import json
+import time
 
 from . import _lib, errors
-from .keys import chain_keys, pack_keys
+from .keys import KEY_BYTES, ZERO_KEY, chain_keys, pack_keys
 from .layout import layout_from_tensors
 
 # Per-block outcomes (kvo_op_outcomes), by code.
@@ -47,6 +49,26 @@ def _block_ids(block_ids, n):
     if len(ids) != n:
         raise errors.InvalidArgumentError(f"{n} keys but {len(ids)} block ids")
     return ids
+
+
+def _parents(parent, parents, n):
+    """Store's parent (one key) and parents (n keys, None entries for
+    ZERO_KEY) packed for kvo_store: (bytes or None, bytes or None)."""
+    if parent is not None and parents is not None:
+        raise errors.InvalidArgumentError("store: parent and parents both given; parents names every key's parent")
+    if parent is not None:
+        if not isinstance(parent, (bytes, bytearray, memoryview)) or len(bytes(parent)) != KEY_BYTES:
+            raise errors.InvalidArgumentError(f"store: parent must be a {KEY_BYTES}-byte key, got {parent!r:.40}")
+        return bytes(parent), None
+    if parents is None:
+        return None, None
+    if isinstance(parents, (bytes, bytearray, memoryview)):
+        raw, k = pack_keys(parents)
+    else:
+        raw, k = pack_keys([ZERO_KEY if p is None else p for p in parents])
+    if k != n:
+        raise errors.InvalidArgumentError(f"store: {n} keys but {k} parents")
+    return None, raw
 
 
 def _addr(buf):
@@ -104,14 +126,21 @@ class Lease(_Handle):
 
 class Op(_Handle):
     """One asynchronous store or load. Use as a context manager (released on
-    exit) or call release(); its events are valid until then."""
+    exit) or call release(); its events are valid until then.
+
+    Neither release() nor the finalizer ever waits for the op: an op not
+    done yet is handed to its engine, which releases it (and gives its
+    after= event back to the engine's pool) once it is done, at the
+    engine's next store, load or close. Until then the op keeps alive the
+    torch events its copies may still wait on or record."""
 
     _FREE = "kvo_op_release"
 
-    def __init__(self, engine, handle, n, kind, keep=()):
+    def __init__(self, engine, handle, n, kind, keep=(), pooled=()):
         self._engine = engine
         self._handle = handle
-        self._keep = keep  # objects (torch events) that must outlive the op
+        self._keep = tuple(keep)  # caller objects (a signal event) that must outlive the copies
+        self._pooled = list(pooled)  # events of engine._events, given back once the op is done
         self.kind = kind
         self.n = n
 
@@ -128,18 +157,22 @@ class Op(_Handle):
         lib = _lib.get()
         h = self._h()
         if timeout is not None:
-            _lib.check(lib.kvo_op_wait(h, max(0, int(timeout * 1e9))), "kvo_op_wait")
-            return self.outcomes()
-        while True:
+            rc = lib.kvo_op_wait(h, max(0, int(timeout * 1e9)))
+        else:
             rc = lib.kvo_op_wait(h, _WAIT_SLICE_NS)
-            if rc != errors.KVO_ETIMEOUT:
-                _lib.check(rc, "kvo_op_wait")
-                return self.outcomes()
+            while rc == errors.KVO_ETIMEOUT:
+                rc = lib.kvo_op_wait(h, _WAIT_SLICE_NS)
+        if rc in (errors.KVO_OK, errors.KVO_EFAIL):  # done, copies failed or not
+            self._settle()
+        _lib.check(rc, "kvo_op_wait")
+        return self.outcomes()
 
     def done(self):
         """Whether the op is done (never blocks)."""
         d = ctypes.c_int(0)
         _lib.check(_lib.get().kvo_op_query(self._h(), ctypes.byref(d)), "kvo_op_query")
+        if d.value:
+            self._settle()
         return bool(d.value)
 
     def outcomes(self):
@@ -173,15 +206,48 @@ class Op(_Handle):
         if ev:
             _cuda_stream_wait_event(_stream_handle(stream), ev)
 
+    def _settle(self):
+        """The op is done: its copies are issued and complete, so the events
+        its copies waited on or recorded are free again. Each pooled event
+        goes back once, even with several threads settling at once
+        (list.pop is atomic)."""
+        while True:
+            try:
+                ev = self._pooled.pop()
+            except IndexError:
+                break
+            self._engine._events.put(ev)
+        self._keep = ()
+
     def release(self):
-        """Gives the op's events back (waiting for it to be done). Raises
-        ReleasedError the second time."""
+        """Frees the op's handle and gives its events back; never waits: an
+        op not done yet is released by its engine once done (see the class
+        doc). Raises ReleasedError the second time."""
         h = self._h()
         self._handle = 0
-        try:
-            _lib.check(_lib.get().kvo_op_release(h), "kvo_op_release")
-        finally:
-            self._keep = ()
+        self._release(h)
+
+    def _release(self, h):
+        lib = _lib.get()
+        d = ctypes.c_int(0)
+        if lib.kvo_op_query(h, ctypes.byref(d)) == errors.KVO_OK and not d.value:
+            pooled, self._pooled, keep, self._keep = self._pooled, [], self._keep, ()
+            eng = self._engine
+            eng._retiring.append((h, pooled, keep))
+            if eng.closed:  # closed meanwhile (the op is done then): no reap will come
+                eng._release_retiring()
+            return
+        self._settle()
+        _lib.check(lib.kvo_op_release(h), "kvo_op_release")
+
+    def __del__(self):
+        h = getattr(self, "_handle", 0)
+        if h and _lib.in_loading_process():
+            self._handle = 0
+            try:
+                self._release(h)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
 
 _libcuda = None
@@ -230,6 +296,8 @@ class Engine(_Handle):
         _lib.check(lib.kvo_engine_create(json.dumps(config).encode(), ctypes.byref(h)), "kvo_engine_create")
         self._handle = h.value
         self._keep = _keep
+        self._events = _EventPool()  # after= events, reused once their op is done
+        self._retiring = collections.deque()  # (handle, pooled events, kept objects) of ops released in flight
         self.config = self._config()
         self.namespace = self.config.get("namespace", "")
         self.tokens_per_block = self.config["layout"]["tokens_per_block"]
@@ -291,28 +359,45 @@ class Engine(_Handle):
             return hits.value
         return hits.value, (Lease(self, lh.value, hits.value) if lh.value else None)
 
-    def store(self, keys, block_ids, after=None):
+    def store(self, keys, block_ids, after=None, parent=None, parents=None):
         """Copies GPU blocks block_ids[i] to the pool under keys[i],
         asynchronously; returns an Op. after: the torch.cuda.Stream whose
-        queued kernels write those blocks: an event is recorded on it now and
-        the copies wait for it (nothing else is needed for ordering). Before
-        the stack overwrites the blocks, its stream must op.wait_stream()."""
+        queued kernels write those blocks: an event (from the engine's pool,
+        see _EventPool) is recorded on it now and the copies wait for it
+        (nothing else is needed for ordering). Before the stack overwrites
+        the blocks, its stream must op.wait_stream().
+
+        parent / parents keep a sequence stored over several calls one chain
+        (eviction then takes its tail, never its middle); give at most one.
+        parent: the keys are one sequence's blocks in order and parent is
+        the key of the block before keys[0] (None or ZERO_KEY: keys[0]
+        starts the sequence). parents: for a call holding blocks of several
+        sequences, one parent per key (None or ZERO_KEY: that key starts a
+        sequence)."""
         raw, n = pack_keys(keys)
         ids = _block_ids(block_ids, n)
+        praw, psraw = _parents(parent, parents, n)
+        h = self._h()
+        self._reap()
         event, ev, st = None, 0, 0
         if after is not None:
-            event, ev, st = _record_on(after)
+            event, ev, st = _record_on(after, self._events)
         op = ctypes.c_uint64(0)
-        _lib.check(_lib.get().kvo_store(self._h(), _addr(raw), _addr(ids), n, ev, st, ctypes.byref(op)),
-                   "kvo_store")
-        return Op(self, op.value, n, "store", keep=(event,) if event is not None else ())
+        try:
+            _lib.check(_lib.get().kvo_store(h, _addr(raw), _addr(ids), n, _addr(praw), _addr(psraw), ev, st,
+                                            ctypes.byref(op)), "kvo_store")
+        except BaseException:
+            if event is not None:
+                self._events.put(event)  # nothing was issued: free again
+            raise
+        return Op(self, op.value, n, "store", pooled=() if event is None else (event,))
 
     def load(self, keys, block_ids, lease=None, after=None, per_layer=False, signal=None):
         """Copies the blocks stored under keys[i] into GPU blocks
         block_ids[i], asynchronously; returns an Op (wait_stream it before
         reading the blocks). lease: from lookup(lease=True), taken over.
         after: a stream whose queued work must finish before the blocks are
-        overwritten. per_layer: one event per layer (op.wait_layer).
+        overwritten (an event of the engine's pool is recorded on it). per_layer: one event per layer (op.wait_layer).
         signal: a caller-owned torch.cuda.Event (or CUevent int) also
         recorded at completion."""
         raw, n = pack_keys(keys)
@@ -324,16 +409,59 @@ class Engine(_Handle):
             lh = lease._take()
             if not lh:
                 raise errors.ReleasedError("kvoffload: lease already released or taken over by a load")
+        sig = _event_handle(signal)
+        h = self._h()
+        self._reap()
         event, ev = None, 0
         if after is not None:
-            event, ev, _ = _record_on(after)
+            event, ev, _ = _record_on(after, self._events)
         op = ctypes.c_uint64(0)
-        _lib.check(_lib.get().kvo_load(self._h(), _addr(raw), _addr(ids), n, lh, ev, 1 if per_layer else 0,
-                                       _event_handle(signal), ctypes.byref(op)), "kvo_load")
+        try:
+            _lib.check(_lib.get().kvo_load(h, _addr(raw), _addr(ids), n, lh, ev, 1 if per_layer else 0, sig,
+                                           ctypes.byref(op)), "kvo_load")
+        except BaseException:
+            if event is not None:
+                self._events.put(event)  # nothing was issued: free again
+            raise
         if lease is not None:
             lease._handle = 0
-        keep = tuple(x for x in (event, signal) if x is not None and not isinstance(x, int))
-        return Op(self, op.value, n, "load", keep=keep)
+        keep = (signal,) if signal is not None and not isinstance(signal, int) else ()
+        return Op(self, op.value, n, "load", keep=keep, pooled=() if event is None else (event,))
+
+    def _reap(self):
+        """Releases the ops released while in flight (Op.release, the
+        finalizer) that are done now, giving their events back to the pool;
+        never waits. Each entry is popped by one thread only."""
+        retiring = self._retiring
+        if not retiring:
+            return
+        lib = _lib.get()
+        for _ in range(len(retiring)):
+            try:
+                entry = retiring.popleft()
+            except IndexError:
+                break
+            h, pooled, _keep = entry
+            d = ctypes.c_int(0)
+            rc = lib.kvo_op_query(h, ctypes.byref(d))
+            if rc == errors.KVO_OK and not d.value:
+                retiring.append(entry)
+                continue
+            if rc == errors.KVO_OK:
+                for ev in pooled:
+                    self._events.put(ev)
+            lib.kvo_op_release(h)  # done: frees the handle at once; its code is nobody's to see
+
+    def _release_retiring(self):
+        """After the engine is destroyed (every op done): releases the ops
+        handed over by Op.release while in flight."""
+        lib = _lib.get()
+        while True:
+            try:
+                h, _, _ = self._retiring.popleft()
+            except IndexError:
+                return
+            lib.kvo_op_release(h)
 
     def delete(self, keys):
         """Removes keys from the pool; returns how many were present."""
@@ -373,6 +501,36 @@ class Engine(_Handle):
                                           ctypes.byref(dev)), "kvo_staging")
         return Staging(name, ptr.value or 0, dev.value, int(nbytes))
 
+    def wait_grown(self, timeout=None):
+        """Waits until background growth has ended: the whole pool pinned
+        (True), or timeout seconds passed first (False; growth goes on, or
+        stays paused). Raises GrowthError if growth stopped on an error (the
+        engine keeps working with what it pinned), EngineClosedError if the
+        engine is closed. timeout=None: no limit; 0: poll. Signals are
+        handled while it waits (KeyboardInterrupt interrupts it)."""
+        lib = _lib.get()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            slice_ns = _WAIT_SLICE_NS
+            if deadline is not None:
+                slice_ns = min(slice_ns, max(0, int((deadline - time.monotonic()) * 1e9)))
+            rc = lib.kvo_wait_grown(self._h(), slice_ns)
+            if rc == errors.KVO_OK:
+                return True
+            if rc != errors.KVO_ETIMEOUT:
+                _lib.check(rc, "kvo_wait_grown")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def pause_growth(self):
+        """Stops background pinning after the region in progress, until
+        resume_growth(). Idempotent; never blocks."""
+        _lib.check(_lib.get().kvo_pause_growth(self._h()), "kvo_pause_growth")
+
+    def resume_growth(self):
+        """Lets background pinning continue. Idempotent."""
+        _lib.check(_lib.get().kvo_resume_growth(self._h()), "kvo_resume_growth")
+
     def sim_write(self, device_addr, data):
         """Host backend: writes bytes into the simulated GPU memory."""
         data = bytes(data)
@@ -388,8 +546,36 @@ class Engine(_Handle):
         """Closes the engine (waits for copies in flight). Idempotent."""
         h, self._handle = self._handle, 0
         if h:
-            _lib.check(_lib.get().kvo_engine_destroy(h), "kvo_engine_destroy")
+            try:
+                _lib.check(_lib.get().kvo_engine_destroy(h), "kvo_engine_destroy")
+            finally:
+                self._release_retiring()
         self._keep = ()
+
+    def __del__(self):
+        h = getattr(self, "_handle", 0)
+        if h and _lib.in_loading_process():
+            self._handle = 0
+            try:
+                _lib.get().kvo_engine_destroy(h)
+                self._release_retiring()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    @property
+    def backend(self):
+        """The backend in use: "cuda" or "host" (a config's "auto" resolved)."""
+        return self.config["backend"]
+
+    @property
+    def backend_reason(self):
+        """Why the engine picked its backend (e.g. no libcuda for "auto")."""
+        return self.stats().get("backend_reason", "")
+
+    @property
+    def device(self):
+        """The CUDA device ordinal of the engine (0 on the host backend)."""
+        return self.config.get("device", 0)
 
     @property
     def closed(self):
@@ -399,14 +585,59 @@ class Engine(_Handle):
         self.close()
 
 
-def _record_on(stream):
-    """Records a fresh torch event on stream; returns (event, CUevent, CUstream)."""
+class _EventPool:
+    """The events an engine records on after= streams, reused.
+
+    An event passed as StoreOptions.After / LoadOptions.After is waited on
+    by the op's copies at its most recent record at the time they are
+    issued, which may be after store()/load() return: recording it again
+    before then would make them wait on the wrong work. So an event goes
+    back to the pool only once the op that used it is done (Op._settle:
+    after wait() or done() saw it done, or when the op is released done,
+    or when its engine reaps it after a release while in flight); a call
+    that fails gives it back at once (nothing was issued). Lock-free
+    (deque.pop/append are atomic), so that a finalizer may give events
+    back on any thread. At most keep idle events are kept."""
+
+    def __init__(self, factory=None, keep=16):
+        self._factory = factory or _torch_event
+        self._free = collections.deque()
+        self._keep = keep
+        self.created = 0  # events made by factory (tests, stats)
+
+    def get(self):
+        try:
+            return self._free.pop()
+        except IndexError:
+            self.created += 1
+            return self._factory()
+
+    def put(self, event):
+        if len(self._free) < self._keep:
+            self._free.append(event)
+
+    def idle(self):
+        return len(self._free)
+
+
+def _torch_event():
     import torch
-    if not isinstance(stream, torch.cuda.Stream):
+    return torch.cuda.Event()
+
+
+def _record_on(stream, pool):
+    """Records an event of pool on stream (a torch.cuda.Stream, or any
+    object with .cuda_stream that pool's events can record on); returns
+    (event, CUevent, CUstream)."""
+    if not hasattr(stream, "cuda_stream"):
         raise errors.InvalidArgumentError(f"after must be a torch.cuda.Stream, got {type(stream).__name__}")
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event, int(event.cuda_event), int(stream.cuda_stream)
+    event = pool.get()
+    try:
+        event.record(stream)
+        return event, int(event.cuda_event), int(stream.cuda_stream)
+    except BaseException:
+        pool.put(event)
+        raise
 
 
 def abi_version():

@@ -14,6 +14,7 @@ KVO_EFAIL = -8
 KVO_ETIMEOUT = -9
 KVO_EFORK = -10
 KVO_ENOTDONE = -11
+KVO_EGROWTH = -12
 
 
 class KvoError(Exception):
@@ -83,6 +84,12 @@ class NotDoneError(KvoError):
     code = KVO_ENOTDONE
 
 
+class GrowthError(KvoError):
+    """Background growth of the pool stopped on an error (Engine.wait_grown);
+    the engine keeps working with the regions pinned so far."""
+    code = KVO_EGROWTH
+
+
 class LibraryError(KvoError):
     """libkvoffload.so could not be found or loaded."""
 
@@ -93,7 +100,7 @@ class AbiVersionError(LibraryError):
 
 _BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, EngineClosedError, BusyError, NoDriverError, OutOfMemoryError,
-    ReleasedError, CapturingError, TransferFailedError, OpTimeoutError, ForkedChildError, NotDoneError)}
+    ReleasedError, CapturingError, TransferFailedError, OpTimeoutError, ForkedChildError, NotDoneError, GrowthError)}
 
 
 def from_code(code, message):

@@ -51,3 +51,12 @@ def block_holds(eng, block, src, salt):
 
 def keys_for(n, seed):
     return kvoffload.chain_keys(range(seed * 100000, seed * 100000 + n * TPB), TPB, namespace="py-test")
+
+
+def small_config(blocks, **over):
+    """A host engine whose pool holds exactly blocks blocks (4 KiB each:
+    head_dim 64), in one region (unless over says otherwise)."""
+    cfg = host_config(**dict({"pool_bytes": blocks * 4096, "first_region_bytes": blocks * 4096, "staging_bytes": 4096},
+                             **over))
+    cfg["layout"] = dict(cfg["layout"], head_dim=64, num_blocks=8)
+    return cfg

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import tempfile
 import unittest
@@ -6,7 +7,8 @@ import unittest
 import kvoffload
 from kvoffload import _lib
 
-from .helpers import NUM_BLOCKS, block_holds, host_config, keys_for, needs_library, write_block
+from .helpers import (NUM_BLOCKS, block_holds, have_library, host_config, keys_for, needs_library, small_config,
+                      write_block)
 
 
 @needs_library
@@ -118,6 +120,86 @@ class HostEngine(unittest.TestCase):
         with self.assertRaises(kvoffload.EngineClosedError):
             eng.lookup(keys_for(1, 5))
 
+    def test_store_parent_keeps_chain(self):
+        seq, other = keys_for(3, 40), keys_for(1, 41)
+
+        def run(parent):
+            with kvoffload.Engine(small_config(3)) as eng:
+                self.assertEqual(eng.stats()["slots_total"], 3)
+                for ks, ids, kw in ((seq[:2], [0, 1], {}), (seq[2:], [2], {"parent": parent}), (other, [3], {})):
+                    with eng.store(ks, ids, **kw) as op:
+                        self.assertEqual(op.wait(), ["stored"] * len(ks))
+                self.assertEqual(eng.stats()["orphans"], 0)
+                return eng.lookup(seq)
+
+        self.assertEqual(run(seq[1]), 2, "with parent the sequence's tail is evicted")
+        self.assertLess(run(None), 2, "without parent seq[2] is a chain of its own and seq[1] goes first")
+
+    def test_store_parents_mixed_call(self):
+        seq, b, c = keys_for(3, 42), keys_for(1, 43)[0], keys_for(1, 44)[0]
+        with kvoffload.Engine(small_config(4)) as eng:
+            eng.store(seq[:2], [0, 1]).wait()
+            with eng.store([b, seq[2]], [3, 2], parents=[None, seq[1]]) as op:
+                self.assertEqual(op.wait(), ["stored"] * 2)
+            eng.store([c], [4]).wait()
+            self.assertGreaterEqual(eng.lookup(seq), 2, "the middle of seq is never evicted")
+            self.assertEqual(eng.stats()["orphans"], 0)
+            # Packed parents and ZERO_KEY are accepted too.
+            with eng.store(keys_for(2, 45), [5, 6], parents=kvoffload.ZERO_KEY + seq[2]) as op:
+                op.wait()
+
+    def test_store_parent_bad_input(self):
+        eng, keys = self.eng, keys_for(2, 46)
+        cases = {
+            "parent and parents": lambda: eng.store(keys, [0, 1], parent=keys[0], parents=[None, None]),
+            "parent of 15 bytes": lambda: eng.store(keys, [0, 1], parent=b"x" * 15),
+            "fewer parents": lambda: eng.store(keys, [0, 1], parents=[None]),
+            "more packed parents": lambda: eng.store(keys, [0, 1], parents=bytes(48)),
+            "key its own parent": lambda: eng.store(keys, [0, 1], parents=[keys[0], None]),
+            "parent not bytes": lambda: eng.store(keys, [0, 1], parents=[None, "k" * 16]),
+        }
+        for name, f in cases.items():
+            with self.subTest(name), self.assertRaises(kvoffload.InvalidArgumentError):
+                f()
+        self.assertEqual(eng.lookup(keys), 0, "nothing stored by a refused call")
+
+    def test_backend_and_device(self):
+        self.assertEqual(self.eng.backend, "host")
+        self.assertEqual(self.eng.device, 0)
+        self.assertEqual(self.eng.config["device"], 0)  # present although zero
+        self.assertTrue(self.eng.backend_reason)
+        cfg = host_config()
+        del cfg["backend"]  # auto: the host backend without a GPU, reported as such
+        try:
+            eng = kvoffload.Engine(cfg)
+        except kvoffload.KvoError as e:
+            self.skipTest(f"backend auto refused here: {e}")
+        with eng:
+            self.assertIn(eng.backend, ("host", "cuda"))
+            self.assertEqual(eng.config["backend"], eng.backend)
+            self.assertEqual(eng.stats()["backend"], eng.backend)
+            self.assertTrue(eng.backend_reason)
+
+    def test_growth_pause_wait_resume(self):
+        cfg = small_config(1, pool_bytes=256 << 20, first_region_bytes=1 << 20, region_bytes=1 << 20)
+        with kvoffload.Engine(cfg) as eng:
+            eng.pause_growth()
+            eng.pause_growth()  # idempotent
+            self.assertTrue(eng.stats()["growth_paused"])
+            self.assertFalse(eng.wait_grown(0))
+            self.assertFalse(eng.wait_grown(0.03))
+            st = eng.stats()
+            self.assertLess(st["regions"], st["regions_total"])
+            eng.resume_growth()
+            self.assertFalse(eng.stats()["growth_paused"])
+            self.assertTrue(eng.wait_grown())
+            self.assertTrue(eng.wait_grown(0))
+            st = eng.stats()
+            self.assertEqual(st["regions"], st["regions_total"])
+        for f in (eng.wait_grown, eng.pause_growth, eng.resume_growth):
+            with self.assertRaises(kvoffload.EngineClosedError):
+                f()
+
     def test_cuda_backend_refused(self):
         # Backend "cuda" with addresses that are not device memory is always
         # refused: without a driver as NoDriverError, with one because the
@@ -138,16 +220,30 @@ class Library(unittest.TestCase):
             _lib.load_library("/nonexistent/libkvoffload.so")
         self.assertIn("capi/build.sh", str(cm.exception))
 
+    def test_abi_version_matches_header(self):
+        header = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "capi", "kvoffload.h")
+        if not os.path.exists(header):
+            self.skipTest("no capi/kvoffload.h next to the package")
+        with open(header) as f:
+            m = re.search(r"^#define KVO_ABI_VERSION (\d+)$", f.read(), re.M)
+        self.assertIsNotNone(m)
+        self.assertEqual(int(m.group(1)), _lib.ABI_VERSION, "kvoffload.h and _lib.ABI_VERSION disagree")
+        if have_library():
+            self.assertEqual(kvoffload.abi_version(), _lib.ABI_VERSION)
+
     @unittest.skipUnless(subprocess.run(["which", "gcc"], capture_output=True).returncode == 0, "no gcc")
     def test_other_abi_version(self):
         with tempfile.TemporaryDirectory() as d:
             src, so = os.path.join(d, "fake.c"), os.path.join(d, "libfake.so")
-            with open(src, "w") as f:
-                f.write("int kvo_abi_version(void) { return 99; }\n")
-            subprocess.run(["gcc", "-shared", "-fPIC", "-o", so, src], check=True)
-            with self.assertRaises(kvoffload.AbiVersionError) as cm:
-                _lib.load_library(so)
-            self.assertIn("99", str(cm.exception))
+            for other in (99, _lib.ABI_VERSION - 1):
+                lib = os.path.join(d, f"libfake{other}.so")  # a new name: the loader caches by name
+                with open(src, "w") as f:
+                    f.write(f"int kvo_abi_version(void) {{ return {other}; }}\n")
+                subprocess.run(["gcc", "-shared", "-fPIC", "-o", lib, src], check=True)
+                with self.assertRaises(kvoffload.AbiVersionError) as cm:
+                    _lib.load_library(lib)
+                self.assertIn(f"ABI version {other}", str(cm.exception))
+                self.assertIn("rebuild", str(cm.exception))
             with open(src, "w") as f:
                 f.write("int not_kvoffload(void) { return 1; }\n")
             subprocess.run(["gcc", "-shared", "-fPIC", "-o", so, src], check=True)

@@ -1,8 +1,9 @@
 """The Go runtime inside Python: signals still reach Python's handlers,
-the runtime's threads keep asynchronous signals blocked, GOMAXPROCS gets a
-default, and a forked child is refused."""
+the runtime's threads keep asynchronous signals blocked, the library caps
+GOMAXPROCS without touching os.environ, a forked child is refused, and a growth error is reported."""
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -21,9 +22,14 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     from kvoffload import _lib
     from tests.helpers import host_config, keys_for, write_block
 
-    want = sys.argv[1]
+    env = dict(os.environ)
     eng = kvoffload.Engine(host_config(sim={"seed": 1, "min_delay_ns": 200000, "max_delay_ns": 2000000}))
-    assert os.environ["GOMAXPROCS"] == want, (os.environ["GOMAXPROCS"], want)
+    assert dict(os.environ) == env, "loading the library changed os.environ"
+    procs = eng.stats()["go_maxprocs"]
+    if sys.argv[1].startswith("max:"):  # the runtime's default (CPUs, cgroup limit), capped
+        assert 1 <= procs <= int(sys.argv[1][4:]), (procs, sys.argv[1])
+    else:
+        assert procs == int(sys.argv[1]), (procs, sys.argv[1])
 
     def round_trip(i):
         keys = keys_for(4, 1000 + i)
@@ -86,6 +92,40 @@ SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
+GROWTH_ERROR_SCRIPT = textwrap.dedent("""
+    import resource
+    import kvoffload
+    from tests.helpers import host_config, keys_for, write_block
+
+    # A first region of 1 MiB, then 64 MiB regions that the address-space
+    # limit set below refuses (with room left for threads and the heap).
+    cfg = host_config(pool_bytes=256 << 20, first_region_bytes=1 << 20, region_bytes=64 << 20, staging_bytes=4096)
+    cfg["layout"] = dict(cfg["layout"], head_dim=64, num_blocks=8)
+    eng = kvoffload.Engine(cfg)
+    eng.pause_growth()
+    with open("/proc/self/status") as f:
+        vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), resource.RLIM_INFINITY))
+    eng.resume_growth()
+    for timeout in (30, None, 0):
+        try:
+            eng.wait_grown(timeout)
+            raise SystemExit(f"wait_grown({timeout}) returned after growth failed")
+        except kvoffload.GrowthError as e:
+            assert e.code == kvoffload.errors.KVO_EGROWTH and "cannot allocate memory" in str(e), (e.code, str(e))
+    st = eng.stats()
+    assert st["growth_error"] and st["regions"] < st["regions_total"], st
+    keys = keys_for(2, 5)  # the engine works with the regions it has
+    write_block(eng, 0, 1)
+    write_block(eng, 1, 1)
+    with eng.store(keys, [0, 1]) as op:
+        assert op.wait() == ["stored", "stored"]
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    eng.close()
+    print("growth error ok")
+""")
+
+
 def _ncpu():
     return len(os.sched_getaffinity(0))
 
@@ -100,10 +140,24 @@ class Signals(unittest.TestCase):
 
     def test_sigint_during_transfers(self):
         env = {k: v for k, v in os.environ.items() if k != "GOMAXPROCS"}
-        self.run_script(env, str(min(_ncpu(), 8)))
+        self.run_script(env, f"max:{min(_ncpu(), 8)}")
 
     def test_gomaxprocs_of_the_user_kept(self):
         self.run_script(dict(os.environ, GOMAXPROCS="3"), "3")
+
+
+@needs_library
+class Growth(unittest.TestCase):
+    def test_growth_error(self):
+        # Thread stacks of 1 MiB (glibc sizes them from RLIMIT_STACK at
+        # exec) so that the address-space limit leaves room for threads.
+        def small_stacks():
+            resource.setrlimit(resource.RLIMIT_STACK, (1 << 20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
+
+        proc = subprocess.run([sys.executable, "-c", GROWTH_ERROR_SCRIPT], cwd=PYTHON_DIR, capture_output=True,
+                              text=True, timeout=120, preexec_fn=small_stacks)
+        self.assertEqual(proc.returncode, 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        self.assertIn("growth error ok", proc.stdout)
 
 
 @needs_library
