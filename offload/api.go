@@ -42,6 +42,9 @@ var (
 	ErrDeviceLost = errors.New("offload: device lost")
 	// ErrNotDone: Outcomes was called before the op completed.
 	ErrNotDone = errors.New("offload: op not done")
+	// ErrGrowth: background growth stopped on an error (WaitGrown); the
+	// engine keeps serving from the regions it has. GrowTo tries again.
+	ErrGrowth = errors.New("offload: background growth stopped")
 )
 
 // Backend names accepted by Config.Backend and reported by Engine.Backend.

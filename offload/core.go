@@ -883,7 +883,7 @@ func (e *Engine) waitGrown(ctx context.Context) error {
 	}
 	switch {
 	case e.growErr != nil:
-		return fmt.Errorf("offload: background growth stopped: %w", e.growErr)
+		return fmt.Errorf("%w: %w", ErrGrowth, e.growErr)
 	case e.growDone && e.nextRegion < len(e.plan):
 		return fmt.Errorf("%w: growth stopped by Close", ErrClosed)
 	case e.growDone:
