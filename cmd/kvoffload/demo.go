@@ -47,6 +47,7 @@ reports a failed copy.`,
 		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
+		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
@@ -86,6 +87,8 @@ type demoConfig struct {
 	policy     string
 	seed       uint64
 	verify     bool
+	// prefaultThreads is the engine's Config.PrefaultThreads (0: its default).
+	prefaultThreads int
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -122,6 +125,8 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --device %d must not be negative", errUsage, c.device)
 	case c.poolBytes <= 0:
 		return shape, fmt.Errorf("%w: --pool-bytes %d must be positive", errUsage, c.poolBytes)
+	case c.prefaultThreads < 0:
+		return shape, fmt.Errorf("%w: --prefault-threads %d must not be negative (0: the default)", errUsage, c.prefaultThreads)
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:
@@ -290,7 +295,8 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 
 func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
 	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
-		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes}
+		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes,
+		PrefaultThreads: cfg.prefaultThreads}
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {

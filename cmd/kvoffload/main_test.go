@@ -72,6 +72,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"bench", "--total-bytes", "-4KiB"}, `invalid size "-4KiB": negative`},
 		{[]string{"bench", "--pool-sizes", "1GiB,-1GiB"}, `invalid size "-1GiB": negative`},
 		{[]string{"bench", "--seg-sizes", "-1"}, `invalid size "-1": negative`},
+		{[]string{"demo", "--prefault-threads", "-2"}, "--prefault-threads -2 must not be negative"},
 		{[]string{"soak", "--duration", "-1s"}, "--duration -1s must be positive"},
 		{[]string{"soak", "--duration", "0"}, "--duration 0s must be positive"},
 		{[]string{"demo", "--layout", "8b", "--pool-bytes", "1MiB"}, "cannot hold one 2 MiB block"},
