@@ -146,6 +146,29 @@ func (c demoConfig) check() (modelShape, error) {
 	return shape, nil
 }
 
+// plan checks c (check, and that the pool holds a block) and returns the
+// GPU cache's layout and the number of blocks the pool holds.
+func (c demoConfig) plan() (cacheLayout, int64, error) {
+	shape, err := c.check()
+	if err != nil {
+		return cacheLayout{}, 0, err
+	}
+	lay := cacheLayout{shape: shape, kind: c.layoutKind}
+	blockBytes := lay.blockBytes()
+	if c.poolBytes < blockBytes {
+		return cacheLayout{}, 0, fmt.Errorf("%w: --pool-bytes %s cannot hold one %s block of layout %s", errUsage, formatSize(c.poolBytes), formatSize(blockBytes), c.layoutName)
+	}
+	poolBlocks := c.poolBytes / blockBytes
+	lay.blocks = c.gpuBlocks
+	if lay.blocks == 0 {
+		lay.blocks = int(max(poolBlocks/4, 16))
+	}
+	if err := checkLayout(lay); err != nil {
+		return cacheLayout{}, 0, err
+	}
+	return lay, poolBlocks, nil
+}
+
 // demoRun is one demo in progress: the engine, the cache memory, the
 // serving stack's view of its GPU cache and the counters.
 type demoRun struct {
@@ -165,23 +188,11 @@ type demoRun struct {
 // with errVerification too. progress, when not nil, gets a progress bar;
 // notice gets one-line notes (backend fallback, pinning).
 func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice func(string)) (*demoReport, error) {
-	shape, err := cfg.check()
+	lay, poolBlocks, err := cfg.plan()
 	if err != nil {
 		return nil, err
 	}
-	lay := cacheLayout{shape: shape, kind: cfg.layoutKind}
-	blockBytes := lay.blockBytes()
-	if cfg.poolBytes < blockBytes {
-		return nil, fmt.Errorf("%w: --pool-bytes %s cannot hold one %s block of layout %s", errUsage, formatSize(cfg.poolBytes), formatSize(blockBytes), cfg.layoutName)
-	}
-	poolBlocks := cfg.poolBytes / blockBytes
-	lay.blocks = cfg.gpuBlocks
-	if lay.blocks == 0 {
-		lay.blocks = int(max(poolBlocks/4, 16))
-	}
-	if err := checkLayout(lay); err != nil {
-		return nil, err
-	}
+	shape, blockBytes := lay.shape, lay.blockBytes()
 
 	// The CUDA driver binds contexts to OS threads: the serving loop keeps
 	// its thread.
