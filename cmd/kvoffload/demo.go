@@ -225,6 +225,7 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	for {
 		if ctx.Err() != nil {
 			notice("interrupted: reporting what ran")
+			r.rep.Interrupted = true
 			break
 		}
 		if cfg.requests > 0 && r.rep.Requests >= cfg.requests {

@@ -62,6 +62,7 @@ type soakConfig struct {
 type soakResult struct {
 	Backend        string  `json:"backend"`
 	Invariants     bool    `json:"invariants"`
+	Interrupted    bool    `json:"interrupted"` // a signal ended the soak before its --duration
 	Seconds        float64 `json:"seconds"`
 	Engines        int     `json:"engines"` // opened and closed
 	Requests       int64   `json:"requests"`
@@ -156,6 +157,7 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 		}
 	}
 	res.Seconds = time.Since(start).Seconds()
+	res.Interrupted = ctx.Err() != nil
 	res.Ops = res.StoreOps + res.LoadOps + res.Trims + res.Deletes + res.Clears
 	if stopped != nil {
 		return res, stopped
@@ -242,6 +244,9 @@ func (r *soakResult) print(w io.Writer, asJSON bool) error {
   errors                     %d
 `, r.Seconds, r.Backend, onOff(r.Invariants), r.Engines, r.Requests, r.Ops, r.StoreOps, r.LoadOps, r.Trims, r.TrimmedBytes,
 		r.Deletes, r.DeletedBlocks, r.Clears, r.ClearedBlocks, r.BlocksVerified, r.VerifyFailures, r.FailedCopies, r.Violations, r.Errors)
+	if err == nil && r.Interrupted {
+		_, err = fmt.Fprintf(w, "  interrupted                before the end of --duration: this reports what ran\n")
+	}
 	if err == nil && r.FirstError != "" {
 		_, err = fmt.Fprintf(w, "  first error                %s\n", r.FirstError)
 	}
