@@ -86,9 +86,9 @@ type prefaultPlan struct {
 // heap, the engine mapping its next region) waits for the call to end,
 // while every page fault and madvise queued behind that writer waits too.
 // Populating a 2 GiB part in one call stopped a serving loop on a 2-CPU VM
-// for up to 22 s (bench/results/cpu/growth-serving.md); 8 MiB pieces bound
-// the wait to a few milliseconds (about 40 ms where the hypervisor backs
-// each page on first touch) and cost nothing measurable in prefault speed.
+// for up to 22 s; with 8 MiB pieces its longest gap between two requests
+// was 0.05–0.7 s (bench/results/cpu/growth-serving.md), and the prefault
+// of a warm 4 GiB region took as long as in one call, within the noise.
 const prefaultPiece int64 = 8 << 20
 
 // ErrPrefaultStopped means a prefault ended early because Options.PrefaultStop
