@@ -130,7 +130,15 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	if threads == 0 {
 		threads = DefaultPrefaultThreads()
 	}
-	r.plan = prefaultPlan{page: b.page, align: max(align, pageSize), threads: threads, method: o.Prefault.resolve()}
+	nice := o.PrefaultNice
+	switch {
+	case nice == 0:
+		nice = DefaultPrefaultNice
+	case nice < 0:
+		nice = 0
+	}
+	r.plan = prefaultPlan{page: b.page, align: max(align, pageSize), threads: threads, method: o.Prefault.resolve(),
+		nice: nice, stop: o.PrefaultStop}
 	if o.PrefaultStripe > 0 {
 		r.plan.stripe = alignUp(o.PrefaultStripe, r.plan.align)
 	}

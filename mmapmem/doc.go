@@ -21,6 +21,12 @@
 //     add of zero per page), so Region.Prefault is safe on memory in use.
 //     A region mapped with Options.DeferPrefault is left untouched by New
 //     for its owner to prefault range by range with Region.Prefault.
+//   - Prefaulting never holds the process's mmap_lock for long: each
+//     thread faults its part in pieces of a few MiB, one madvise each, so
+//     that the rest of the process (the Go runtime mapping heap, a serving
+//     loop faulting pages) waits milliseconds, not seconds. Its threads run
+//     at a lowered priority (Options.PrefaultNice) and it stops between
+//     pieces once Options.PrefaultStop is closed.
 //   - A failed New leaves nothing mapped and no file descriptor open.
 //   - Close unmaps. Closing twice returns ErrClosed; closing a region that is
 //     held (see Region.Hold: package register holds every region it pinned)

@@ -33,3 +33,7 @@ func ResidentMap(r *Region) ([]bool, error) {
 	}
 	return out, nil
 }
+
+// LowerPriority is lowerPriority: it raises the calling thread's nice value
+// by inc.
+func LowerPriority(inc int) { lowerPriority(inc) }

@@ -3,9 +3,11 @@ package mmapmem_test
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/mmapmem"
 )
@@ -162,4 +164,96 @@ func TestPrefaultWholeEndsDeferral(t *testing.T) {
 			require.Equal(t, c.deferred, r.Deferred())
 		})
 	}
+}
+
+// TestPrefaultStop: a prefault whose PrefaultStop is closed ends before
+// its next piece with ErrPrefaultStopped, both in Region.Prefault and in
+// New, which then leaves nothing mapped.
+func TestPrefaultStop(t *testing.T) {
+	checkNoLeak(t)
+	stop := make(chan struct{})
+	close(stop)
+	r, err := mmapmem.New(64*mib, mmapmem.Options{DeferPrefault: true, NoTHP: true, PrefaultThreads: 2, PrefaultStop: stop})
+	require.NoError(t, err, "a deferred prefault does not start in New")
+	defer func() { require.NoError(t, r.Close()) }()
+	err = r.Prefault(0, r.Mapped())
+	require.ErrorIs(t, err, mmapmem.ErrPrefaultStopped)
+	require.True(t, r.Deferred(), "a stopped prefault does not end the deferral")
+	pages, _, err := mmapmem.Resident(r)
+	require.NoError(t, err)
+	require.Zero(t, pages, "stopped before its first piece")
+
+	_, err = mmapmem.New(64*mib, mmapmem.Options{NoTHP: true, PrefaultStop: stop})
+	require.ErrorIs(t, err, mmapmem.ErrPrefaultStopped)
+
+	open := make(chan struct{})
+	r2, err := mmapmem.New(64*mib, mmapmem.Options{NoTHP: true, PrefaultStop: open})
+	require.NoError(t, err, "an open stop channel stops nothing")
+	require.NoError(t, r2.Close())
+}
+
+// TestPrefaultStopMidway closes PrefaultStop from another goroutine while
+// one thread prefaults a region piece by piece (the touch method on base
+// pages, slow enough to be caught half-way): the prefault ends early, with
+// part of the region resident.
+func TestPrefaultStopMidway(t *testing.T) {
+	checkNoLeak(t)
+	mmapmem.ForceTouchPrefault(t)
+	stop := make(chan struct{})
+	r, err := mmapmem.New(512*mib, mmapmem.Options{DeferPrefault: true, NoTHP: true, PrefaultThreads: 1, PrefaultStop: stop})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, r.Close()) }()
+	go func() {
+		for {
+			if pages, _, err := mmapmem.Resident(r); err != nil || pages > 0 {
+				close(stop)
+				return
+			}
+		}
+	}()
+	err = r.Prefault(0, r.Mapped())
+	if err == nil {
+		t.Skip("the prefault of 512 MiB finished before the stop was seen")
+	}
+	require.ErrorIs(t, err, mmapmem.ErrPrefaultStopped)
+	pages, total, err := mmapmem.Resident(r)
+	require.NoError(t, err)
+	require.Positive(t, pages)
+	require.Less(t, pages, total, "stopped before the end")
+}
+
+// TestPrefaultPriority: prefault threads run at the nice value raised by
+// PrefaultNice, and the caller's thread keeps its own.
+func TestPrefaultPriority(t *testing.T) {
+	checkNoLeak(t)
+	done := make(chan int)
+	go func() {
+		runtime.LockOSThread() // not unlocked: the thread ends with this goroutine
+		before, err := unix.Getpriority(unix.PRIO_PROCESS, 0)
+		require.NoError(t, err)
+		mmapmem.LowerPriority(3)
+		after, err := unix.Getpriority(unix.PRIO_PROCESS, 0)
+		require.NoError(t, err)
+		done <- before - after // the raw call returns 20 - nice
+	}()
+	require.Equal(t, 3, <-done)
+
+	for _, nice := range []int{0, 5, -1} {
+		res := make(chan [2]int)
+		go func() {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			before, _ := unix.Getpriority(unix.PRIO_PROCESS, 0)
+			r, err := mmapmem.New(16*mib, mmapmem.Options{NoTHP: true, PrefaultThreads: 2, PrefaultNice: nice})
+			require.NoError(t, err)
+			require.NoError(t, r.Close())
+			after, _ := unix.Getpriority(unix.PRIO_PROCESS, 0)
+			res <- [2]int{before, after}
+		}()
+		p := <-res
+		require.Equal(t, p[0], p[1], "PrefaultNice %d: the caller's thread keeps its priority", nice)
+	}
+	_, err := mmapmem.New(mib, mmapmem.Options{PrefaultNice: 20})
+	require.ErrorIs(t, err, mmapmem.ErrOptions)
+	require.ErrorContains(t, err, "PrefaultNice 20: must be at most 19")
 }

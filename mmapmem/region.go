@@ -70,6 +70,21 @@ type Options struct {
 	// Prefault is how pages are faulted in (PrefaultAuto, the zero value:
 	// DefaultPrefaultMethod).
 	Prefault PrefaultMethod
+	// PrefaultNice is added to the nice value of the threads that prefault
+	// (New, Region.Prefault), so that on a machine whose CPUs are busy the
+	// prefault yields to the process's other threads (a serving loop)
+	// rather than taking an equal share; where CPUs are idle it runs as
+	// fast as before. 0 means DefaultPrefaultNice; negative keeps the
+	// threads at the caller's priority; above 19 is an error. The threads
+	// end with the prefault (a raised nice value cannot be lowered again
+	// without privilege).
+	PrefaultNice int
+	// PrefaultStop, when closed, makes a prefault in progress (New's, or a
+	// Region.Prefault call) stop within one piece of a few MiB per thread
+	// and return an error wrapping ErrPrefaultStopped, instead of
+	// finishing a region of GiBs (an engine closing while its pool grows).
+	// nil never stops.
+	PrefaultStop <-chan struct{}
 	// PrefaultStripe, when positive, hands the region out to the prefault
 	// threads in stripes of this many bytes taken in turn from a shared
 	// counter, rather than one contiguous part per thread (0). It is
@@ -90,6 +105,13 @@ type Options struct {
 // DefaultPrefaultThreads is the number of prefault threads used when
 // Options.PrefaultThreads is 0: the number of CPUs, at most 16.
 func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
+
+// DefaultPrefaultNice is the nice increment of prefault threads when
+// Options.PrefaultNice is 0: 10, a weight of about a tenth of a thread at
+// the default priority, so that a serving loop sharing the CPUs with the
+// pool's growth keeps most of its request rate
+// (bench/results/cpu/growth-serving.md).
+const DefaultPrefaultNice = 10
 
 // mappedBytes counts the bytes this package has mapped and not unmapped yet,
 // so tests can check that a failed New leaves nothing behind.
@@ -132,6 +154,9 @@ func New(size int64, opts Options) (*Region, error) {
 	}
 	if !opts.Prefault.valid() {
 		return nil, fmt.Errorf("%w: Prefault method %d: must be PrefaultAuto, PrefaultTouch or PrefaultPopulate", ErrOptions, int(opts.Prefault))
+	}
+	if opts.PrefaultNice > 19 {
+		return nil, fmt.Errorf("%w: PrefaultNice %d: must be at most 19 (0: DefaultPrefaultNice, negative: none)", ErrOptions, opts.PrefaultNice)
 	}
 	if opts.PrefaultStripe < 0 {
 		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", ErrOptions, opts.PrefaultStripe)
@@ -239,7 +264,9 @@ func (r *Region) Deferred() bool { return r.deferred.Load() }
 // New does (the region's prefault threads, method and stripes), and returns
 // once every page of the range is resident. n is rounded up to the page
 // size; off must be a multiple of PageSize and off+n at most Mapped,
-// otherwise the error wraps ErrRange. It never changes the memory's
+// otherwise the error wraps ErrRange. When Options.PrefaultStop is closed
+// it returns early, within a piece of a few MiB per thread, with an error
+// wrapping ErrPrefaultStopped. It never changes the memory's
 // contents, so it is safe on a region in use and on pages already
 // resident. Prefaulting the whole mapping in one call ends a deferred
 // prefault (Deferred then reports false). A closed region returns

@@ -47,6 +47,7 @@ reports a failed copy.`,
 		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
+		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
@@ -86,6 +87,8 @@ type demoConfig struct {
 	policy     string
 	seed       uint64
 	verify     bool
+	// prefaultThreads is the engine's Config.PrefaultThreads (0: its default).
+	prefaultThreads int
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -122,6 +125,8 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --device %d must not be negative", errUsage, c.device)
 	case c.poolBytes <= 0:
 		return shape, fmt.Errorf("%w: --pool-bytes %d must be positive", errUsage, c.poolBytes)
+	case c.prefaultThreads < 0:
+		return shape, fmt.Errorf("%w: --prefault-threads %d must not be negative (0: the default)", errUsage, c.prefaultThreads)
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:
@@ -139,6 +144,29 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --policy %q must be tinylfu or lru", errUsage, c.policy)
 	}
 	return shape, nil
+}
+
+// plan checks c (check, and that the pool holds a block) and returns the
+// GPU cache's layout and the number of blocks the pool holds.
+func (c demoConfig) plan() (cacheLayout, int64, error) {
+	shape, err := c.check()
+	if err != nil {
+		return cacheLayout{}, 0, err
+	}
+	lay := cacheLayout{shape: shape, kind: c.layoutKind}
+	blockBytes := lay.blockBytes()
+	if c.poolBytes < blockBytes {
+		return cacheLayout{}, 0, fmt.Errorf("%w: --pool-bytes %s cannot hold one %s block of layout %s", errUsage, formatSize(c.poolBytes), formatSize(blockBytes), c.layoutName)
+	}
+	poolBlocks := c.poolBytes / blockBytes
+	lay.blocks = c.gpuBlocks
+	if lay.blocks == 0 {
+		lay.blocks = int(max(poolBlocks/4, 16))
+	}
+	if err := checkLayout(lay); err != nil {
+		return cacheLayout{}, 0, err
+	}
+	return lay, poolBlocks, nil
 }
 
 // demoRun is one demo in progress: the engine, the cache memory, the
@@ -160,23 +188,11 @@ type demoRun struct {
 // with errVerification too. progress, when not nil, gets a progress bar;
 // notice gets one-line notes (backend fallback, pinning).
 func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice func(string)) (*demoReport, error) {
-	shape, err := cfg.check()
+	lay, poolBlocks, err := cfg.plan()
 	if err != nil {
 		return nil, err
 	}
-	lay := cacheLayout{shape: shape, kind: cfg.layoutKind}
-	blockBytes := lay.blockBytes()
-	if cfg.poolBytes < blockBytes {
-		return nil, fmt.Errorf("%w: --pool-bytes %s cannot hold one %s block of layout %s", errUsage, formatSize(cfg.poolBytes), formatSize(blockBytes), cfg.layoutName)
-	}
-	poolBlocks := cfg.poolBytes / blockBytes
-	lay.blocks = cfg.gpuBlocks
-	if lay.blocks == 0 {
-		lay.blocks = int(max(poolBlocks/4, 16))
-	}
-	if err := checkLayout(lay); err != nil {
-		return nil, err
-	}
+	shape, blockBytes := lay.shape, lay.blockBytes()
 
 	// The CUDA driver binds contexts to OS threads: the serving loop keeps
 	// its thread.
@@ -209,6 +225,7 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	for {
 		if ctx.Err() != nil {
 			notice("interrupted: reporting what ran")
+			r.rep.Interrupted = true
 			break
 		}
 		if cfg.requests > 0 && r.rep.Requests >= cfg.requests {
@@ -290,7 +307,8 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 
 func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
 	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
-		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes}
+		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes,
+		PrefaultThreads: cfg.prefaultThreads}
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {

@@ -20,6 +20,9 @@ type demoReport struct {
 	Policy        string `json:"policy"`
 	Verify        bool   `json:"verify"`
 
+	// Interrupted: a signal (or the caller) ended the run before its
+	// --duration or --requests; the report covers what ran.
+	Interrupted       bool        `json:"interrupted"`
 	Seconds           float64     `json:"seconds"`
 	Requests          int         `json:"requests"`
 	RequestsTruncated int         `json:"requests_truncated"` // longer than the GPU cache: cut to it
@@ -97,6 +100,9 @@ func (r *demoReport) print(w io.Writer) error {
 	trunc := ""
 	if r.RequestsTruncated > 0 {
 		trunc = fmt.Sprintf(" (%d cut to the GPU cache)", r.RequestsTruncated)
+	}
+	if r.Interrupted {
+		trunc += "; interrupted before the end: this reports what ran"
 	}
 	row("requests", "%d in %.1f s%s", r.Requests, r.Seconds, trunc)
 	bl := r.Blocks

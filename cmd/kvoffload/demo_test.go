@@ -85,6 +85,7 @@ func TestDemoInterrupted(t *testing.T) {
 	rep, err := runDemo(ctx, tinyDemo(offload.BackendHost), nil, func(s string) { notes = append(notes, s) })
 	require.NoError(t, err)
 	require.Zero(t, rep.Requests)
+	require.True(t, rep.Interrupted)
 	require.Contains(t, fmt.Sprint(notes), "interrupted")
 }
 

@@ -9,9 +9,12 @@
 //
 // Every command takes --help and --json. Sizes take units (4096, 64KiB,
 // 1GiB, 2G, 100GB). Errors go to stderr; the exit status is 0 on success,
-// 1 on a runtime error, 2 on bad usage and 3 when the demo finds a block
+// 1 on a runtime error, 2 on bad usage, 3 when the demo finds a block
 // whose content is wrong or a bench run is invalid (a row faster than the
-// link reference).
+// link reference), and 130 (SIGINT, Ctrl-C) or 143 (SIGTERM) when a
+// signal interrupted the command, which then reports what ran, marked
+// interrupted (a wrong block found before still exits 3). A second signal
+// ends the process at once.
 package main
 
 import (
@@ -67,10 +70,34 @@ var commands = map[string]command{
 	"info":  infoCommand,
 }
 
+// interruption is the cause of a command's context ending on a signal.
+type interruption struct{ sig syscall.Signal }
+
+func (i interruption) Error() string { return "interrupted by " + i.sig.String() }
+
+// exitStatus is the shell's status for a process ended by the signal.
+func (i interruption) exitStatus() int { return 128 + int(i.sig) }
+
+// interrupted returns the signal that ended ctx, if one did.
+func interrupted(ctx context.Context) (interruption, bool) {
+	var i interruption
+	ok := errors.As(context.Cause(ctx), &i)
+	return i, ok
+}
+
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signals := []os.Signal{os.Interrupt, syscall.SIGTERM}
+	signal.Notify(sigs, signals...)
+	go func() {
+		s := <-sigs
+		// The next signal takes its default action: a second Ctrl-C ends
+		// a command that is slow to stop.
+		signal.Reset(signals...)
+		cancel(interruption{s.(syscall.Signal)})
+	}()
 	code := run(ctx, os.Args[1:], &env{stdout: os.Stdout, stderr: os.Stderr, stderrIsTTY: isTerminal(os.Stderr)})
-	stop()
 	os.Exit(code)
 }
 
@@ -110,7 +137,10 @@ func run(ctx context.Context, args []string, e *env) int {
 		return exitUsage
 	}
 	err := runFn(ctx, e, fs.Args())
+	sig, wasInterrupted := interrupted(ctx)
 	switch {
+	case err == nil && wasInterrupted:
+		return sig.exitStatus()
 	case err == nil:
 		return exitOK
 	case errors.Is(err, errUsage):
@@ -119,6 +149,9 @@ func run(ctx context.Context, args []string, e *env) int {
 	case errors.Is(err, errVerification):
 		fmt.Fprintf(e.stderr, "kvoffload %s: %v\n", name, err)
 		return exitVerify
+	case wasInterrupted:
+		fmt.Fprintf(e.stderr, "kvoffload %s: %v\n", name, err)
+		return sig.exitStatus()
 	default:
 		fmt.Fprintf(e.stderr, "kvoffload %s: %v\n", name, err)
 		return exitError

@@ -62,6 +62,7 @@ type soakConfig struct {
 type soakResult struct {
 	Backend        string  `json:"backend"`
 	Invariants     bool    `json:"invariants"`
+	Interrupted    bool    `json:"interrupted"` // a signal ended the soak before its --duration
 	Seconds        float64 `json:"seconds"`
 	Engines        int     `json:"engines"` // opened and closed
 	Requests       int64   `json:"requests"`
@@ -96,18 +97,27 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 	if cfg.duration <= 0 {
 		return nil, fmt.Errorf("%w: --duration %v must be positive", errUsage, cfg.duration)
 	}
+	// The flags are checked once, as every round would check them.
+	for _, kind := range soakLayoutKinds {
+		if _, _, err := cfg.round(cfg.duration, kind, offload.PolicyLRU, 0).plan(); err != nil {
+			return nil, err
+		}
+	}
 	rng := rand.New(rand.NewPCG(cfg.seed, 0x50a4))
 	res := &soakResult{Backend: cfg.backend, Invariants: transfer.InvariantsEnabled()}
 	start := time.Now()
+	var (
+		lastErr string // the error of the round before, "" when it passed
+		repeats int    // rounds in a row that failed with lastErr
+		stopped error
+	)
 	for ctx.Err() == nil {
 		left := cfg.duration - time.Since(start)
 		if left <= 0 {
 			break
 		}
-		d := demoConfig{duration: min(left, time.Duration(2+rng.IntN(9))*time.Second), poolBytes: cfg.poolBytes,
-			layoutName: cfg.layout, layoutKind: []string{offload.LayoutLayerSeparate, offload.LayoutCrossLayer}[rng.IntN(2)],
-			backend: cfg.backend, pinning: offload.PinNone, policy: []string{offload.PolicyTinyLFU, offload.PolicyLRU}[rng.IntN(2)],
-			seed: rng.Uint64(), verify: true, regionBytes: max(cfg.poolBytes/8, 1<<20)}
+		d := cfg.round(min(left, time.Duration(2+rng.IntN(9))*time.Second), soakLayoutKinds[rng.IntN(2)],
+			[]string{offload.PolicyTinyLFU, offload.PolicyLRU}[rng.IntN(2)], rng.Uint64())
 		var eng *offload.Engine
 		d.afterRequest = func(e *offload.Engine, keys []offload.Key) error {
 			eng = e
@@ -133,13 +143,50 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 				res.fail(v)
 			}
 		}
+		switch {
+		case err == nil:
+			lastErr, repeats = "", 0
+		case err.Error() == lastErr:
+			repeats++
+		default:
+			lastErr, repeats = err.Error(), 1
+		}
+		if repeats >= soakMaxRepeats {
+			stopped = fmt.Errorf("soak: stopped after %d rounds in a row failed with the same error: %w", repeats, err)
+			break
+		}
 	}
 	res.Seconds = time.Since(start).Seconds()
+	res.Interrupted = ctx.Err() != nil
 	res.Ops = res.StoreOps + res.LoadOps + res.Trims + res.Deletes + res.Clears
+	if stopped != nil {
+		return res, stopped
+	}
 	if res.Errors > 0 || res.VerifyFailures > 0 || res.FailedCopies > 0 {
 		return res, fmt.Errorf("soak: %d errors, %d wrong blocks, %d failed copies (first: %s)", res.Errors, res.VerifyFailures, res.FailedCopies, res.FirstError)
 	}
 	return res, nil
+}
+
+// soakLayoutKinds are the GPU cache layouts the rounds pick from.
+var soakLayoutKinds = []string{offload.LayoutLayerSeparate, offload.LayoutCrossLayer}
+
+// soakMaxRepeats is how many rounds in a row may fail with the same error
+// before the soak stops with it: an error every round meets (a device
+// gone, memory that is not there) is reported once, not once per round
+// until the duration ends.
+const soakMaxRepeats = 3
+
+// round is the demo one round runs: a fresh engine of cfg's pool in
+// regions of an eighth of it (at least 1 MiB and one block), no pinning,
+// every loaded block verified.
+func (cfg soakConfig) round(d time.Duration, kind, policy string, seed uint64) demoConfig {
+	region := max(cfg.poolBytes/8, 1<<20)
+	if shape, ok := layoutPresets[cfg.layout]; ok {
+		region = max(region, cacheLayout{shape: shape, kind: kind}.blockBytes())
+	}
+	return demoConfig{duration: d, poolBytes: cfg.poolBytes, layoutName: cfg.layout, layoutKind: kind,
+		backend: cfg.backend, pinning: offload.PinNone, policy: policy, seed: seed, verify: true, regionBytes: region}
 }
 
 // disrupt does, at random after a request, one of: delete some of the
@@ -197,6 +244,9 @@ func (r *soakResult) print(w io.Writer, asJSON bool) error {
   errors                     %d
 `, r.Seconds, r.Backend, onOff(r.Invariants), r.Engines, r.Requests, r.Ops, r.StoreOps, r.LoadOps, r.Trims, r.TrimmedBytes,
 		r.Deletes, r.DeletedBlocks, r.Clears, r.ClearedBlocks, r.BlocksVerified, r.VerifyFailures, r.FailedCopies, r.Violations, r.Errors)
+	if err == nil && r.Interrupted {
+		_, err = fmt.Fprintf(w, "  interrupted                before the end of --duration: this reports what ran\n")
+	}
 	if err == nil && r.FirstError != "" {
 		_, err = fmt.Fprintf(w, "  first error                %s\n", r.FirstError)
 	}

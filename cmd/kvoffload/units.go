@@ -30,6 +30,9 @@ const maxSize int64 = 1 << 48
 // "100GB". A fraction must come out as a whole number of bytes.
 func parseSize(s string) (int64, error) {
 	t := strings.TrimSpace(s)
+	if strings.HasPrefix(t, "-") {
+		return 0, fmt.Errorf("%w %q: negative; a size is 0 to %s", errSize, s, formatSize(maxSize))
+	}
 	i := strings.IndexFunc(t, func(r rune) bool { return (r < '0' || r > '9') && r != '.' })
 	num, unit := t, ""
 	if i >= 0 {

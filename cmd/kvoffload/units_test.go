@@ -30,6 +30,8 @@ func TestParseSize(t *testing.T) {
 		{in: "GiB", bad: true},
 		{in: "", bad: true},
 		{in: "-1GiB", bad: true},
+		{in: "-1", bad: true},
+		{in: " -0", bad: true},
 		{in: "1XB", bad: true},
 		{in: "1.2.3MiB", bad: true},
 		{in: "99999999999999999999", bad: true},
