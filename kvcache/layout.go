@@ -49,8 +49,14 @@ var (
 	DeepSeekMLA = Geometry{Layers: 61, KVHeads: 1, HeadDim: 576, DTypeBytes: 2, TokensPerBlock: 64}
 )
 
+// MaxLayers bounds Geometry.Layers: a layout holds one entry per layer
+// (and DenseSpec builds them), so an absurd layer count must fail on the
+// count, not on an allocation. Real models have at most a few hundred.
+const MaxLayers = 1 << 16
+
 // SegmentLen returns the bytes of one layer's K (or V) of one block:
-// KVHeads × HeadDim × DTypeBytes × TokensPerBlock.
+// KVHeads × HeadDim × DTypeBytes × TokensPerBlock. It also checks Layers
+// (at least 1, at most MaxLayers).
 func (g Geometry) SegmentLen() (uint64, error) {
 	dims := []struct {
 		name string
@@ -63,6 +69,9 @@ func (g Geometry) SegmentLen() (uint64, error) {
 		if d.v <= 0 {
 			return 0, fmt.Errorf("%w: %s = %d, must be at least 1", ErrGeometry, d.name, d.v)
 		}
+	}
+	if g.Layers > MaxLayers {
+		return 0, fmt.Errorf("%w: Layers = %d, at most %d", ErrGeometry, g.Layers, MaxLayers)
 	}
 	n := uint64(1)
 	for _, d := range dims[1:] {
@@ -157,6 +166,9 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 		return nil, fmt.Errorf("%w: NumBlocks = %d, must be at least 1", ErrLayout, spec.NumBlocks)
 	}
 	g := spec.Geometry
+	if spec.Kind == MLA && g.KVHeads != 1 {
+		return nil, fmt.Errorf("%w: KVHeads = %d, an MLA layout has one latent per layer (must be 1)", ErrGeometry, g.KVHeads)
+	}
 	l := &Layout{spec: spec, segLen: segLen}
 	l.spec.Layers = append([]LayerTensors(nil), spec.Layers...)
 	segSpan, ok := alignUp(segLen, SegmentAlign)
