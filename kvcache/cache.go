@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"unsafe"
 )
 
 // Cache errors. Every error wraps one of these and names the bad value.
@@ -114,6 +115,22 @@ type Config struct {
 
 // MaxSlots bounds Config.MaxSlots (slot ids are int32).
 const MaxSlots = 1 << 30
+
+// ReserveBytes returns the bytes New reserves for Config.MaxSlots = n: the
+// slot table and the key index. They are reserved, not touched, but count
+// against the address space and, once the pool fills, memory; callers
+// sizing a pool add them to what they check.
+func ReserveBytes(n int) int64 {
+	if n <= 0 {
+		return 0
+	}
+	n = min(n, MaxSlots)
+	size := 16
+	for size < 2*n {
+		size <<= 1
+	}
+	return int64(n)*int64(unsafe.Sizeof(slotRec{})) + int64(size)*int64(unsafe.Sizeof(indexEntry{}))
+}
 
 // carvePresize bounds the slot offsets carve reserves up front (a 128 MiB
 // slice), so that an absurd region size fails on its slot count, not on

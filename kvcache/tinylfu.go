@@ -64,10 +64,26 @@ type TinyLFU struct {
 	dropped []Entry // inserts ristretto dropped; retried (cache lock held)
 }
 
+// TinyLFUBytes estimates the bytes NewTinyLFU allocates for MaxBlocks = n:
+// ristretto's count-min sketch (4 rows of 4-bit counters over 10 × n
+// counters, rounded up to a power of two) and its doorkeeper bloom filter,
+// bounded above by 4 bytes per rounded counter. Callers sizing a pool add it
+// to what they check.
+func TinyLFUBytes(n int) int64 {
+	if n <= 0 {
+		return 0
+	}
+	c := int64(1)
+	for c < 10*int64(min(n, MaxSlots)) {
+		c <<= 1
+	}
+	return 4 * c
+}
+
 // NewTinyLFU returns a TinyLFU policy. Close it to stop ristretto's goroutines.
 func NewTinyLFU(cfg TinyLFUConfig) (*TinyLFU, error) {
-	if cfg.MaxBlocks < 1 {
-		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be at least 1", ErrConfig, cfg.MaxBlocks)
+	if cfg.MaxBlocks < 1 || cfg.MaxBlocks > MaxSlots {
+		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be in [1, %d]", ErrConfig, cfg.MaxBlocks, MaxSlots)
 	}
 	if cfg.BufferItems == 0 {
 		cfg.BufferItems = 64

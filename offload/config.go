@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"strconv"
 
@@ -55,6 +56,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		cfg.StagingBytes = DefaultStagingBytes
 	case cfg.StagingBytes < 0:
 		cfg.StagingBytes = -1
+	}
+	if _, ok := addSizes(cfg.PoolBytes, max(cfg.StagingBytes, 0)); !ok {
+		return bad("PoolBytes = %d plus StagingBytes = %d overflows int64 (at most %d)", cfg.PoolBytes, cfg.StagingBytes, int64(math.MaxInt64))
 	}
 	switch cfg.Backend {
 	case "":
@@ -130,7 +134,17 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if err != nil {
 		return bad("Layout: %w", err)
 	}
+	if layout.SlotSize() > math.MaxInt64 {
+		return bad("Layout: slot size %d bytes exceeds %d", layout.SlotSize(), int64(math.MaxInt64))
+	}
 	slot := int64(layout.SlotSize())
+	if layoutEmpty(cfg.Layout) {
+		// The host backend allocates the tensors: NumBlocks slots of
+		// device memory, placed from denseProbeBase.
+		if n, ok := mulSizes(slot, int64(cfg.Layout.NumBlocks)); !ok || n > math.MaxInt64-denseProbeBase {
+			return bad("Layout: NumBlocks = %d × slot size %d bytes overflows the device address space", cfg.Layout.NumBlocks, slot)
+		}
+	}
 	if cfg.PoolBytes < slot {
 		return Config{}, numaSetting{}, 0, fmt.Errorf("%w: PoolBytes = %d cannot hold one block of %d bytes", ErrPoolTooSmall, cfg.PoolBytes, slot)
 	}
@@ -140,7 +154,42 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if cfg.MaxInFlightBytes < slot {
 		return bad("MaxInFlightBytes = %d: must hold at least one block of %d bytes", cfg.MaxInFlightBytes, slot)
 	}
+	if blocks := cfg.PoolBytes / slot; blocks > kvcache.MaxSlots {
+		return bad("PoolBytes = %d holds %d blocks of %d bytes, at most %d (kvcache.MaxSlots)", cfg.PoolBytes, blocks, slot, kvcache.MaxSlots)
+	}
+	if n := regionCount(planTarget(cfg), min(cfg.FirstRegionBytes, planTarget(cfg)), cfg.RegionBytes, slot); n > MaxRegions {
+		return bad("PoolBytes = %d in regions of RegionBytes = %d (first FirstRegionBytes = %d) makes %d regions, at most %d (MaxRegions)",
+			planTarget(cfg), cfg.RegionBytes, cfg.FirstRegionBytes, n, MaxRegions)
+	}
 	return cfg, numa, slot, nil
+}
+
+// MaxRegions bounds the regions a pool is planned in: PoolBytes (or
+// MaxCachedBytes when smaller) over RegionBytes, plus the first region.
+// New refuses a plan of more, before building it: the plan has one entry
+// per region.
+const MaxRegions = 1 << 16
+
+// planTarget is the pool bytes the region plan covers: PoolBytes, or
+// MaxCachedBytes when positive and smaller.
+func planTarget(cfg Config) int64 {
+	if cfg.MaxCachedBytes > 0 {
+		return min(cfg.PoolBytes, cfg.MaxCachedBytes)
+	}
+	return cfg.PoolBytes
+}
+
+// regionCount is len(regionPlan(pool, first, region, slot)), computed
+// without building the plan; region must hold a slot.
+func regionCount(pool, first, region, slot int64) int64 {
+	first = first / slot * slot
+	region = region / slot * slot
+	left := pool/slot*slot - min(first, pool/slot*slot)
+	n := 1 + left/region
+	if left%region != 0 {
+		n++
+	}
+	return n
 }
 
 func layoutKind(s string) (kvcache.LayoutKind, error) {

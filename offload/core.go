@@ -88,17 +88,45 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if numa.auto && choice.name == BackendCUDA {
 		node = sys.gpuNUMANode(choice.busID)
 	}
-	target := cfg.PoolBytes
-	if cfg.MaxCachedBytes > 0 {
-		target = min(target, cfg.MaxCachedBytes)
+	if node >= 0 {
+		if err := sys.checkNode(node); err != nil {
+			return nil, err
+		}
 	}
-	plan := regionPlan(target, min(cfg.FirstRegionBytes, target), cfg.RegionBytes, slot)
-	if !cfg.SkipMemoryCheck {
-		need := cfg.PoolBytes + max(cfg.StagingBytes, 0)
+	// Everything proportional to the pool's size (the region plan, the
+	// cache's slot table and key index, TinyLFU's sketch) is sized and
+	// checked before any of it is allocated. withDefaults bounded the
+	// sums and the region count; the memory check counts the tables.
+	maxBlocks := int(cfg.PoolBytes / slot)
+	reserve := min(maxBlocks, kvcache.MaxSlots)
+	lfuBlocks := maxBlocks
+	if cfg.SkipMemoryCheck {
+		// Unchecked, the tables are bounded instead: beyond the bound they
+		// grow with the regions actually added.
+		for reserve > 1 && kvcache.ReserveBytes(reserve) > uncheckedTableBytes {
+			reserve /= 2
+		}
+		for lfuBlocks > 1 && kvcache.TinyLFUBytes(lfuBlocks) > uncheckedTableBytes {
+			lfuBlocks /= 2
+		}
+	} else {
+		tables := kvcache.ReserveBytes(reserve)
+		if cfg.Policy == PolicyTinyLFU {
+			tables += kvcache.TinyLFUBytes(lfuBlocks)
+		}
+		need, ok := addSizes(cfg.PoolBytes, max(cfg.StagingBytes, 0))
+		if ok {
+			need, ok = addSizes(need, tables)
+		}
+		if !ok {
+			return nil, fmt.Errorf("%w: PoolBytes = %d plus StagingBytes = %d plus %d bytes of slot tables overflows int64", ErrInvalidConfig, cfg.PoolBytes, cfg.StagingBytes, tables)
+		}
 		if err := sys.checkFits(need, cfg.HostPinning == PinMlock, node); err != nil {
 			return nil, err
 		}
 	}
+	target := planTarget(cfg)
+	plan := regionPlan(target, min(cfg.FirstRegionBytes, target), cfg.RegionBytes, slot)
 	e := &Engine{cfg: cfg, hooks: h, backend: choice.name, backendReason: choice.reason, start: start,
 		node: node, slot: slot, plan: plan, target: target, sys: sys, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
 		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{}), stopReap: make(chan struct{})}
@@ -136,9 +164,8 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	var pol kvcache.Policy
-	maxBlocks := int(cfg.PoolBytes / slot)
 	if cfg.Policy == PolicyTinyLFU {
-		if pol, err = kvcache.NewTinyLFU(kvcache.TinyLFUConfig{MaxBlocks: maxBlocks}); err != nil {
+		if pol, err = kvcache.NewTinyLFU(kvcache.TinyLFUConfig{MaxBlocks: lfuBlocks}); err != nil {
 			return nil, err
 		}
 	}
@@ -147,7 +174,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// and rehashed the index (O(slots so far) under the cache's lock; 4.5 s
 	// over a 64 GiB pool of 8 KiB slots, measured by kvcache's
 	// BenchmarkAddRegionGrowth).
-	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: min(maxBlocks, kvcache.MaxSlots)}
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve}
 	if cfg.ZeroOnRelease {
 		kcfg.OnFree = e.zeroSlot
 	}
@@ -556,6 +583,22 @@ func addSizes(a, b int64) (int64, bool) {
 		return 0, false
 	}
 	return a + b, true
+}
+
+// uncheckedTableBytes bounds the bytes of the cache's slot table and key
+// index, and of TinyLFU's sketch, reserved up front when
+// Config.SkipMemoryCheck leaves them unchecked.
+const uncheckedTableBytes = 64 << 20
+
+// mulSizes is a×b for non-negative sizes, false on overflow.
+func mulSizes(a, b int64) (int64, bool) {
+	if a < 0 || b < 0 {
+		return 0, false
+	}
+	if a != 0 && b > math.MaxInt64/a {
+		return 0, false
+	}
+	return a * b, true
 }
 
 // publishRegion hands a pinned pool region to the cache and counts it as

@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -21,9 +22,13 @@ import (
 // system is what the engine reads about the machine: files under a root
 // (tests point it at a fake /proc and /sys tree) and RLIMIT_MEMLOCK.
 type system struct {
-	fsys     fs.FS
-	memlock  func() (uint64, error) // soft RLIMIT_MEMLOCK; math.MaxUint64 for unlimited
-	fsysName string                 // for messages
+	fsys    fs.FS
+	memlock func() (uint64, error) // soft RLIMIT_MEMLOCK; math.MaxUint64 for unlimited
+	// addrSpace returns the address space the soft RLIMIT_AS leaves the
+	// process (the limit minus VmSize); ok is false without a limit. Nil:
+	// not checked.
+	addrSpace func() (room int64, ok bool)
+	fsysName  string // for messages
 }
 
 func hostSystem() system {
@@ -36,7 +41,25 @@ func hostSystem() system {
 			return math.MaxUint64, nil
 		}
 		return r.Cur, nil
-	}}
+	}, addrSpace: hostAddrSpace}
+}
+
+// hostAddrSpace is system.addrSpace of this process: the soft RLIMIT_AS
+// minus VmSize of /proc/self/status.
+func hostAddrSpace() (int64, bool) {
+	var r unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_AS, &r); err != nil || r.Cur == unix.RLIM_INFINITY || r.Cur > math.MaxInt64 {
+		return 0, false
+	}
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0, false
+	}
+	used, ok := meminfoField(data, "VmSize")
+	if !ok {
+		return 0, false
+	}
+	return max(int64(r.Cur)-used, 0), true
 }
 
 func (s system) read(p string) ([]byte, error) {
@@ -130,6 +153,11 @@ func (s system) checkFits(need int64, mlock bool, node int) error {
 	if room, where, ok := s.cgroupRoom(); ok && room < need {
 		return refuse(room, "the cgroup limit "+where+" (minus usage)")
 	}
+	if s.addrSpace != nil {
+		if room, ok := s.addrSpace(); ok && room < need {
+			return refuse(room, "RLIMIT_AS (ulimit -v) minus the process's VmSize")
+		}
+	}
 	if mlock && s.memlock != nil {
 		lim, err := s.memlock()
 		if err != nil {
@@ -149,6 +177,28 @@ func (s system) checkFits(need int64, mlock bool, node int) error {
 		}
 	}
 	return nil
+}
+
+// checkNode refuses a NUMA node the machine does not have, with an error
+// wrapping ErrInvalidConfig that names the node and the nodes that exist
+// (the nodeN entries of /sys/devices/system/node).
+func (s system) checkNode(node int) error {
+	const dir = "/sys/devices/system/node"
+	ents, err := fs.ReadDir(s.fsys, strings.TrimPrefix(dir, "/"))
+	var nodes []int
+	for _, e := range ents {
+		if n, err := strconv.Atoi(strings.TrimPrefix(e.Name(), "node")); err == nil && strings.HasPrefix(e.Name(), "node") && n >= 0 {
+			if n == node {
+				return nil
+			}
+			nodes = append(nodes, n)
+		}
+	}
+	if err != nil || len(nodes) == 0 {
+		return fmt.Errorf("%w: NUMANode %q: this machine has no NUMA nodes under %s", ErrInvalidConfig, strconv.Itoa(node), dir)
+	}
+	slices.Sort(nodes)
+	return fmt.Errorf("%w: NUMANode %q: no such node; this machine has nodes %v (%s)", ErrInvalidConfig, strconv.Itoa(node), nodes, dir)
 }
 
 // gpuNUMANode returns the NUMA node of the PCI device busID from
