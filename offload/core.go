@@ -103,11 +103,19 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if cfg.SkipMemoryCheck {
 		// Unchecked, the tables are bounded instead: beyond the bound they
 		// grow with the regions actually added.
-		for reserve > 1 && kvcache.ReserveBytes(reserve) > uncheckedTableBytes {
-			reserve /= 2
+		// They are Go heap, whose exhaustion is fatal, so they are also
+		// shrunk until twice their size fits (MemAvailable, cgroup,
+		// RLIMIT_AS).
+		fits := func() bool {
+			t := kvcache.ReserveBytes(reserve)
+			if cfg.Policy == PolicyTinyLFU {
+				t += kvcache.TinyLFUBytes(lfuBlocks)
+			}
+			return t <= uncheckedTableBytes && sys.checkFits(2*t+goArenaBytes, false, -1) == nil
 		}
-		for lfuBlocks > 1 && kvcache.TinyLFUBytes(lfuBlocks) > uncheckedTableBytes {
-			lfuBlocks /= 2
+		for !fits() && (reserve > 0 || lfuBlocks > 1) {
+			reserve /= 2
+			lfuBlocks = max(lfuBlocks/2, 1)
 		}
 	} else {
 		tables := kvcache.ReserveBytes(reserve)
@@ -589,6 +597,11 @@ func addSizes(a, b int64) (int64, bool) {
 // index, and of TinyLFU's sketch, reserved up front when
 // Config.SkipMemoryCheck leaves them unchecked.
 const uncheckedTableBytes = 64 << 20
+
+// goArenaBytes is the Go heap's unit of address-space reservation (a
+// heap arena on 64-bit Linux): the slack a table allocation may need
+// beyond its own size.
+const goArenaBytes = 64 << 20
 
 // mulSizes is a×b for non-negative sizes, false on overflow.
 func mulSizes(a, b int64) (int64, bool) {
