@@ -697,7 +697,7 @@ type growth struct {
 //     goroutine), registers region i and tells the scheduler its host
 //     ranges,
 //   - publish adds region i-1 to the cache (kvcache AddRegion, under the
-//     cache's lock) and counts it as owned, then runs the automatic trim;
+//     cache's lock) and counts it as owned;
 //     the last publication stamps Stats.FullPool.
 //
 // Each stage hands its region to the next one at a time (a region is
@@ -921,7 +921,6 @@ func (g *growth) publish(in <-chan growItem) {
 			e.stats.fullPool.Store(int64(time.Since(e.start)))
 		}
 		e.growMu.Unlock()
-		e.autoTrim()
 	}
 }
 

@@ -717,21 +717,6 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	}
 }
 
-// autoTrim keeps owned bytes under MaxCachedBytes.
-func (e *Engine) autoTrim() {
-	if e.cfg.MaxCachedBytes <= 0 {
-		return
-	}
-	e.memMu.Lock()
-	over := e.owned - e.cfg.MaxCachedBytes
-	e.memMu.Unlock()
-	if over > 0 {
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		_, _ = e.trim(ctx, over)
-	}
-}
-
 // stagingAlign is the alignment of staging buffers (a GPU cache line).
 const stagingAlign = 256
 

@@ -47,7 +47,7 @@ type Stats struct {
 	// unpin failed twice stays mapped rather than be unmapped while pinned.
 	TeardownErrors int64  `json:"teardown_errors"`
 	TeardownError  string `json:"teardown_error,omitempty"`
-	Trims          int64  `json:"trims"`         // Trim calls and automatic trims
+	Trims          int64  `json:"trims"`         // Trim calls
 	TrimmedBytes   int64  `json:"trimmed_bytes"` // bytes given back by Trim
 	SlotsTotal     int64  `json:"slots_total"`   // slots in pinned regions
 	SlotsFree      int64  `json:"slots_free"`    // free slots
