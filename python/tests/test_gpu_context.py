@@ -21,44 +21,14 @@ import unittest
 
 import kvoffload
 
-from .helpers import have_library
+from .gpuhelpers import gpu_test, torch
 
-REQUIRE = os.environ.get("KVO_REQUIRE_GPU") == "1"
-
-try:
-    import torch
-    HAVE_GPU = torch.cuda.is_available()
-except ImportError:
-    torch = None
-    HAVE_GPU = False
 
 LAYERS, HEADS, DIM, TPB = 2, 8, 128, 16
 N = 8  # blocks stored and loaded
 BLOCKS = 2 * N
 BLOCK_BYTES = LAYERS * 2 * TPB * HEADS * DIM * 2
 POOL = 4 * N * BLOCK_BYTES
-
-
-def _skip_reason():
-    if not have_library():
-        return "no libkvoffload.so"
-    if torch is None:
-        return "no torch"
-    if not HAVE_GPU:
-        return "no CUDA device"
-    return None
-
-
-def gpu_test(cls):
-    reason = _skip_reason()
-    if reason is None:
-        return cls
-    if REQUIRE:
-        def setUp(self):
-            self.fail(f"KVO_REQUIRE_GPU=1 but {reason}")
-        cls.setUp = setUp
-        return cls
-    return unittest.skip(reason)(cls)
 
 
 _cuda = None
