@@ -102,12 +102,7 @@ func (e *Engine) GrowTo(bytes int64) error {
 	// Growth has ended: plan regions for the rest and start it again.
 	e.growErr = nil
 	e.growFrom = len(e.plan)
-	region := e.cfg.RegionBytes / e.slot * e.slot
-	for left := e.target - e.committed; left >= e.slot; {
-		n := min(region, left/e.slot*e.slot)
-		e.plan = append(e.plan, n)
-		left -= n
-	}
+	e.plan = append(e.plan, regionPlan(e.target-e.committed, e.cfg.RegionBytes, e.cfg.RegionBytes, e.slot)...)
 	e.growDone = false
 	e.stats.fullPool.Store(0)
 	e.wg.Add(1)
