@@ -56,6 +56,9 @@ type Op struct {
 	// completion is the engine-side handle for events and for the wait
 	// Release does; nil for an op that never reached the transfer layer.
 	completion completion
+	// layers is the number of per-layer events (LayerEvent's range) of a
+	// Load with PerLayer on a layer-separate or MLA layout; 0 otherwise.
+	layers int
 }
 
 // completion is the part of an op that lives in the copy layer.
@@ -163,11 +166,19 @@ func (o *Op) Event() (uintptr, error) {
 }
 
 // LayerEvent is the event recorded after layer i's copies of a Load with
-// LoadOptions.PerLayer; 0 on the host backend. Layer outside the layout, or
-// an op without per-layer events: ErrInvalidArgument.
+// LoadOptions.PerLayer (layer-separate and MLA layouts); 0 on the host
+// backend and for a load none of whose blocks was copied. A layer outside
+// [0, layers), or an op without per-layer events (a Store, a Load without
+// PerLayer, a cross-layer layout): ErrInvalidArgument, on every backend.
 func (o *Op) LayerEvent(i int) (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
+	}
+	if o.layers == 0 {
+		return 0, fmt.Errorf("%w: layer %d: the %s op has no per-layer events (only a Load with PerLayer on a layer-separate or MLA layout has)", ErrInvalidArgument, i, o.kind)
+	}
+	if i < 0 || i >= o.layers {
+		return 0, fmt.Errorf("%w: layer %d: outside the op's %d layers [0, %d)", ErrInvalidArgument, i, o.layers, o.layers)
 	}
 	if o.completion == nil {
 		return 0, nil

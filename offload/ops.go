@@ -37,8 +37,11 @@ func (c *copyCompletion) event() uintptr {
 	return uintptr(ev)
 }
 
+// layerEvent is layer i's event: on the host backend 0, and true only
+// for a load submitted with per-layer events (LayerEnds) and i among its
+// layers; Op.LayerEvent has checked both (Op.layers) before asking.
 func (c *copyCompletion) layerEvent(i int) (uintptr, bool) {
-	if i < 0 || i >= c.op.Layers() {
+	if i < 0 || i >= c.op.Layers() || c.op.Dir() != transfer.Load {
 		return 0, false
 	}
 	if !c.events {
@@ -370,6 +373,9 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
 	op := newOp(e, OpLoad, len(keys))
+	if opts.PerLayer && e.layout.Kind() != kvcache.CrossLayer {
+		op.layers = e.layout.Geometry().Layers // what segments groups the copies by
+	}
 	idx, ids, slots := make([]int, 0, len(keys)), make([]int, 0, len(keys)), make([]kvcache.Slot, 0, len(keys))
 	for i, s := range leased {
 		idx, ids, slots = append(idx, i), append(ids, blockIDs[i]), append(slots, s)
