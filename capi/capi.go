@@ -714,6 +714,14 @@ func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string,
 	if p == nil && n > 0 {
 		return failf("%s: %s is NULL with n = %d", call, arg, uint64(n))
 	}
+	// Checked before unsafe.Slice, which panics on a length above MaxInt or
+	// a buffer wrapping the address space.
+	if uint64(n) > math.MaxInt64 {
+		return failf("%s: n = %d bytes is above %d", call, uint64(n), int64(math.MaxInt64))
+	}
+	if end := uintptr(p) + uintptr(n); end < uintptr(p) {
+		return failf("%s: %s at %#x with n = %d bytes wraps the address space (at most %d bytes there)", call, arg, uintptr(p), uint64(n), ^uintptr(0)-uintptr(p)+1)
+	}
 	sim, err := simMemory(h, call)
 	if err != nil {
 		return fail(err)

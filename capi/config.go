@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/kvoffload/kvoffload/offload"
@@ -35,6 +36,9 @@ func parseConfig(text string) (offload.Config, offload.SimOptions, error) {
 	}
 	if dec.More() {
 		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig)
+	}
+	if i := strings.IndexByte(cc.Namespace, 0); i >= 0 {
+		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: namespace %q has a NUL byte at %d: kvo_clear takes the namespace as a NUL-terminated C string and could not name it", offload.ErrInvalidConfig, cc.Namespace, i)
 	}
 	var opts offload.SimOptions
 	if cc.Sim != nil {

@@ -16,7 +16,8 @@ func TestParseConfig(t *testing.T) {
 	require.Equal(t, "cross-layer", cfg.Layout.Kind)
 	require.Equal(t, int64(3), sim.Seed)
 	for _, bad := range []string{``, `{`, `[]`, `{"pool_bytes": "x"}`, `{"nope": 1}`, `{"layout": {"nope": 1}}`,
-		`{} {}`, `{"sim": {"min_delay_ns": 5, "max_delay_ns": 1}}`, `{"sim": {"min_delay_ns": -1}}`} {
+		`{} {}`, `{"sim": {"min_delay_ns": 5, "max_delay_ns": 1}}`, `{"sim": {"min_delay_ns": -1}}`,
+		`{"namespace": "ns\u0000garbage"}`} {
 		_, _, err := parseConfig(bad)
 		require.ErrorIs(t, err, offload.ErrInvalidConfig, "%q", bad)
 	}

@@ -47,3 +47,15 @@ func TestCappedMaxProcs(t *testing.T) {
 		require.Equal(t, c.want, cappedMaxProcs(c.env, c.current), "GOMAXPROCS=%q, current %d", c.env, c.current)
 	}
 }
+
+// Bad configuration and arguments are KVO_EINVAL, whatever wraps them: a
+// NUMA node the machine lacks is offload.ErrInvalidConfig (issue 19).
+func TestCodeInvalid(t *testing.T) {
+	for _, err := range []error{
+		fmt.Errorf("%w: NUMANode \"99\": no such node", offload.ErrInvalidConfig),
+		fmt.Errorf("kvoffload: create: %w", fmt.Errorf("%w: layer 99", offload.ErrInvalidArgument)),
+		fmt.Errorf("%w: PoolBytes too small", offload.ErrPoolTooSmall),
+	} {
+		require.Equal(t, codeInval, int(code(err)), "%v", err)
+	}
+}

@@ -126,7 +126,9 @@ const char* kvo_last_error(void);
  * "base", "stride"}, ...). Unknown fields are refused (KVO_EINVAL). On the
  * host backend a layout without tensors is allocated in the engine's
  * simulated GPU (see kvo_sim_write), whose random copy delays an optional
- * "sim": {"seed", "min_delay_ns", "max_delay_ns"} sets. */
+ * "sim": {"seed", "min_delay_ns", "max_delay_ns"} sets. A bad field value
+ * (a NUMA node the machine lacks, a namespace with a NUL byte, which
+ * kvo_clear could not name) is KVO_EINVAL. */
 int kvo_engine_create(const char* config_json, kvo_engine_t* out);
 
 /* Closes the engine: refuses new calls, waits for copies in flight, unpins
@@ -212,7 +214,9 @@ int kvo_op_stream_wait(kvo_op_t op, uintptr_t stream);
  * kvo_op_release. */
 int kvo_op_event(kvo_op_t op, uintptr_t* event);
 
-/* The event recorded after layer's copies of a per-layer load. */
+/* The event recorded after layer's copies of a per-layer load (0 on the
+ * host backend). KVO_EINVAL for a layer outside [0, layers), a store, a
+ * load without per_layer, or a cross-layer layout. */
 int kvo_op_layer_event(kvo_op_t op, int layer, uintptr_t* event);
 
 /* Writes the op's n per-block outcomes (KVO_OUTCOME_*) into out, in key
@@ -296,7 +300,9 @@ int kvo_resume_growth(kvo_engine_t engine);
 
 /* Host backend only (KVO_EINVAL on CUDA): copy bytes into / out of the
  * engine's simulated GPU memory at a simulated device address (from
- * kvo_engine_config_json's layout). For tests and demos without a GPU. */
+ * kvo_engine_config_json's layout). For tests and demos without a GPU.
+ * n above INT64_MAX, a buffer wrapping the address space, or a range
+ * outside the simulated memory: KVO_EINVAL. */
 int kvo_sim_write(kvo_engine_t engine, uint64_t device_addr, const void* src, size_t n);
 int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n);
 

@@ -243,6 +243,70 @@ static void test_errors(kvo_engine_t e) {
 	CHECK(kvo_last_error()[0] == '\0', "error not cleared: %s", kvo_last_error());
 }
 
+// test_bad_values: values the library used to take with the wrong code or
+// truncated (issue 19): a NUMA node the machine lacks and a namespace with
+// a NUL byte are KVO_EINVAL at creation; kvo_sim_read/kvo_sim_write with
+// n above INT64_MAX or a buffer wrapping the address space are KVO_EINVAL
+// (not a recovered panic, KVO_EFAIL); kvo_op_layer_event is KVO_EINVAL for a
+// store, a load without per_layer and a layer outside the layout.
+static void test_bad_values(kvo_engine_t e) {
+	kvo_engine_t e2 = 0;
+	FAILS(kvo_engine_create("{\"pool_bytes\": 1048576, \"backend\": \"host\", \"skip_memory_check\": true,"
+	                        " \"numa_node\": \"99\", \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2,"
+	                        " \"kv_heads\": 2, \"head_dim\": 8, \"dtype_bytes\": 2, \"tokens_per_block\": 4,"
+	                        " \"num_blocks\": 64}}",
+	                        &e2),
+	      KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "\"99\"") != NULL, "error does not name the node: %s", kvo_last_error());
+	FAILS(kvo_engine_create("{\"pool_bytes\": 1048576, \"backend\": \"host\", \"skip_memory_check\": true,"
+	                        " \"namespace\": \"ns\\u0000garbage\", \"layout\": {\"kind\": \"layer-separate\","
+	                        " \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 8, \"dtype_bytes\": 2,"
+	                        " \"tokens_per_block\": 4, \"num_blocks\": 64}}",
+	                        &e2),
+	      KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "NUL") != NULL, "error does not say NUL: %s", kvo_last_error());
+	CHECK(e2 == 0, "engine handle written on error");
+
+	uint8_t buf[16];
+	FAILS(kvo_sim_read(e, k_addr[0], buf, SIZE_MAX), KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "panic") == NULL, "a panic: %s", kvo_last_error());
+	FAILS(kvo_sim_write(e, k_addr[0], buf, (size_t)1 << 63), KVO_EINVAL);
+	FAILS(kvo_sim_read(e, k_addr[0], (void*)(UINTPTR_MAX - 7), 16), KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "wraps") != NULL, "error: %s", kvo_last_error());
+	FAILS(kvo_sim_read(e, k_addr[0], buf, (size_t)1 << 40), KVO_EINVAL); // beyond the simulated memory
+	OK(kvo_sim_read(e, k_addr[0], buf, sizeof buf));
+	void* p = NULL;
+	FAILS(kvo_staging(e, "big", UINT64_MAX, &p, NULL), KVO_EINVAL);
+	uint64_t freed = 0;
+	FAILS(kvo_trim(e, UINT64_MAX, 0, &freed, NULL), KVO_EINVAL);
+
+	uint8_t keys[2 * KVO_KEY_BYTES];
+	make_key(keys, 1, 41);
+	make_key(keys + KVO_KEY_BYTES, 2, 41);
+	int64_t src[2] = {0, 1}, dst[2] = {2, 3};
+	kvo_op_t st = 0, ld = 0, pl = 0;
+	uintptr_t ev = 1;
+	OK(kvo_store(e, keys, src, 2, NULL, NULL, 0, 0, &st));
+	OK(kvo_op_wait(st, -1));
+	FAILS(kvo_op_layer_event(st, 0, &ev), KVO_EINVAL);
+	OK(kvo_load(e, keys, dst, 2, 0, 0, 0, 0, &ld));
+	OK(kvo_op_wait(ld, -1));
+	FAILS(kvo_op_layer_event(ld, 0, &ev), KVO_EINVAL);
+	OK(kvo_load(e, keys, dst, 2, 0, 0, 1, 0, &pl));
+	OK(kvo_op_wait(pl, -1));
+	OK(kvo_op_layer_event(pl, LAYERS - 1, &ev));
+	CHECK(ev == 0, "host backend layer event %" PRIuPTR, ev);
+	FAILS(kvo_op_layer_event(pl, LAYERS, &ev), KVO_EINVAL);
+	FAILS(kvo_op_layer_event(pl, -1, &ev), KVO_EINVAL);
+	FAILS(kvo_op_layer_event(pl, 99, &ev), KVO_EINVAL);
+	CHECK(strstr(kvo_last_error(), "99") != NULL, "error does not name the layer: %s", kvo_last_error());
+	OK(kvo_op_release(st));
+	OK(kvo_op_release(ld));
+	OK(kvo_op_release(pl));
+	size_t deleted = 0;
+	OK(kvo_delete(e, keys, 2, &deleted));
+}
+
 static void test_stats_staging_trim(kvo_engine_t e) {
 	char small[4];
 	size_t need = 0;
@@ -580,6 +644,7 @@ int main(void) {
 	parse_layout(e);
 	test_round_trip(e);
 	test_errors(e);
+	test_bad_values(e);
 	test_stats_staging_trim(e);
 	test_stale_handles();
 	test_store_parents();
