@@ -17,7 +17,7 @@ GOMAXPROCS, fork).
 """
 
 from .engine import OUTCOMES, Engine, Lease, Op, Staging, abi_version, library_pid
-from .errors import (AbiVersionError, BusyError, CapturingError, EngineClosedError, ForkedChildError, GrowthError,
+from .errors import (AbiVersionError, ArgumentTypeError, BusyError, CapturingError, EngineClosedError, ForkedChildError, GrowthError,
                      InvalidArgumentError, KvoError, LibraryError, NoDriverError, NotDoneError, OpTimeoutError,
                      OutOfMemoryError, ReleasedError, TransferFailedError)
 from .keys import KEY_BYTES, ZERO_KEY, block_key, chain_keys
@@ -25,7 +25,7 @@ from .keys import KEY_BYTES, ZERO_KEY, block_key, chain_keys
 __all__ = [
     "Engine", "Op", "Lease", "Staging", "OUTCOMES", "abi_version", "library_pid",
     "block_key", "chain_keys", "KEY_BYTES", "ZERO_KEY",
-    "KvoError", "InvalidArgumentError", "EngineClosedError", "BusyError", "NoDriverError", "OutOfMemoryError",
+    "KvoError", "InvalidArgumentError", "ArgumentTypeError", "EngineClosedError", "BusyError", "NoDriverError", "OutOfMemoryError",
     "ReleasedError", "CapturingError", "TransferFailedError", "OpTimeoutError", "ForkedChildError",
     "NotDoneError", "GrowthError", "LibraryError", "AbiVersionError",
 ]

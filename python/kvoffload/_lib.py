@@ -23,6 +23,8 @@ Go code; the error is raised as ForkedChildError.
 """
 
 import ctypes
+import math
+import operator
 import os
 import signal
 import threading
@@ -52,6 +54,15 @@ _size = ctypes.c_size_t
 _sizep = ctypes.POINTER(ctypes.c_size_t)
 _int = ctypes.c_int
 _vp = ctypes.c_void_p
+
+# The ranges of the C types of the prototypes below. ctypes converts a
+# Python int out of its type's range silently (modulo 2**bits), so every
+# integer a caller gives is checked against these first (check_int).
+INT_MIN, INT_MAX = -(1 << (8 * ctypes.sizeof(ctypes.c_int) - 1)), (1 << (8 * ctypes.sizeof(ctypes.c_int) - 1)) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+UINTPTR_MAX = SIZE_MAX  # uintptr_t is declared as c_size_t
 
 # name: argument types; every function returns int (an error code) unless
 # listed in _RESTYPES.
@@ -164,6 +175,70 @@ def in_loading_process():
 def last_error(lib):
     msg = lib.kvo_last_error()
     return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check_int(name, value, lo, hi):
+    """value as an int, checked before ctypes converts it (which would
+    truncate it silently): ArgumentTypeError (a TypeError) naming name for
+    a bool or a non-integer (objects with __index__, like numpy integers,
+    are integers), InvalidArgumentError (a ValueError) naming the value and
+    the limit for one outside [lo, hi]."""
+    if isinstance(value, bool):
+        raise errors.ArgumentTypeError(f"kvoffload: {name} must be an integer, got a bool ({value!r})")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise errors.ArgumentTypeError(
+            f"kvoffload: {name} must be an integer, got {type(value).__name__} ({value!r:.40})") from None
+    if v < lo:
+        raise errors.InvalidArgumentError(f"kvoffload: {name} = {v} is below {lo}, the least it may be")
+    if v > hi:
+        raise errors.InvalidArgumentError(f"kvoffload: {name} = {v} is above {hi}, the most it may be")
+    return v
+
+
+def c_string(name, value):
+    """value (str, encoded as UTF-8, or bytes) as the bytes of a
+    NUL-terminated C string: a NUL byte inside would silently end the string
+    the library sees, so it is InvalidArgumentError (a ValueError) naming
+    name; any other type is ArgumentTypeError (a TypeError)."""
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+    elif isinstance(value, (bytes, bytearray)):
+        raw = bytes(value)
+    else:
+        raise errors.ArgumentTypeError(f"kvoffload: {name} must be a str, got {type(value).__name__} ({value!r:.40})")
+    i = raw.find(b"\0")
+    if i >= 0:
+        raise errors.InvalidArgumentError(
+            f"kvoffload: {name} {value!r:.60} has a NUL byte at {i}: the library takes it as a NUL-terminated C string")
+    return raw
+
+
+def timeout_ns(name, timeout):
+    """A timeout in seconds (an int or float; None: no limit) as the
+    int64_t nanoseconds the library takes: -1 for None, 0 for a negative
+    one, INT64_MAX (about 292 years) for one above it or infinite. NaN or a
+    non-number: InvalidArgumentError / ArgumentTypeError naming name."""
+    if timeout is None:
+        return -1
+    bad = errors.ArgumentTypeError(f"kvoffload: {name} must be a number of seconds or None, got "
+                                   f"{type(timeout).__name__} ({timeout!r:.40})")
+    if isinstance(timeout, (bool, str, bytes, bytearray)):
+        raise bad
+    try:
+        t = float(timeout)
+    except OverflowError:  # an int beyond float's range
+        t = math.inf if timeout > 0 else -math.inf
+    except (TypeError, ValueError):
+        raise bad from None
+    if math.isnan(t):
+        raise errors.InvalidArgumentError(f"kvoffload: {name} is NaN, must be a number of seconds or None")
+    if t <= 0:
+        return 0
+    if t >= INT64_MAX / 1e9:
+        return INT64_MAX
+    return int(t * 1e9)
 
 
 def check(rc, call):

@@ -25,8 +25,8 @@ def _stream_handle(stream):
     if hasattr(stream, "cuda_stream"):
         return int(stream.cuda_stream)
     if isinstance(stream, int) and not isinstance(stream, bool):
-        return stream
-    raise errors.InvalidArgumentError(f"stream must be a torch.cuda.Stream or an int, got {type(stream).__name__}")
+        return _lib.check_int("stream", stream, 0, _lib.UINTPTR_MAX)
+    raise errors.ArgumentTypeError(f"stream must be a torch.cuda.Stream or an int, got {type(stream).__name__}")
 
 
 def _event_handle(event):
@@ -35,17 +35,33 @@ def _event_handle(event):
     if hasattr(event, "cuda_event"):
         return int(event.cuda_event)
     if isinstance(event, int) and not isinstance(event, bool):
-        return event
-    raise errors.InvalidArgumentError(f"event must be a torch.cuda.Event or an int, got {type(event).__name__}")
+        return _lib.check_int("signal", event, 0, _lib.UINTPTR_MAX)
+    raise errors.ArgumentTypeError(f"signal must be a torch.cuda.Event or an int, got {type(event).__name__}")
 
 
 def _block_ids(block_ids, n):
+    """block_ids (a sequence of ints, or a tensor/array with .tolist()) as
+    the int64_t array kvo_store/kvo_load take: a bool or non-integer is
+    ArgumentTypeError, a value outside int64 InvalidArgumentError, each
+    naming its index (the library checks the layout's range)."""
     if hasattr(block_ids, "tolist"):
         block_ids = block_ids.tolist()
+    if block_ids is None or isinstance(block_ids, (str, bytes)):
+        raise errors.ArgumentTypeError(f"block_ids must be a sequence of integers, got {type(block_ids).__name__}")
+    try:
+        block_ids = list(block_ids)
+    except TypeError:
+        raise errors.ArgumentTypeError(
+            f"block_ids must be a sequence of integers, got {type(block_ids).__name__}") from None
     try:
         ids = array.array("q", block_ids)
-    except (TypeError, OverflowError) as e:
-        raise errors.InvalidArgumentError(f"block ids must be integers: {e}") from e
+        bad = any(type(b) is bool for b in block_ids)  # array takes bools as 0 and 1
+    except (TypeError, OverflowError):
+        bad = True
+    if bad:
+        for i, b in enumerate(block_ids):
+            _lib.check_int(f"block id {i}", b, _lib.INT64_MIN, _lib.INT64_MAX)
+        raise errors.ArgumentTypeError("block ids must be integers")  # not reached
     if len(ids) != n:
         raise errors.InvalidArgumentError(f"{n} keys but {len(ids)} block ids")
     return ids
@@ -157,7 +173,7 @@ class Op(_Handle):
         lib = _lib.get()
         h = self._h()
         if timeout is not None:
-            rc = lib.kvo_op_wait(h, max(0, int(timeout * 1e9)))
+            rc = lib.kvo_op_wait(h, _lib.timeout_ns("timeout", timeout))
         else:
             rc = lib.kvo_op_wait(h, _WAIT_SLICE_NS)
             while rc == errors.KVO_ETIMEOUT:
@@ -194,9 +210,12 @@ class Op(_Handle):
         return ev.value
 
     def layer_event(self, layer):
-        """The CUevent recorded after layer's copies of a per_layer load."""
+        """The CUevent recorded after layer's copies of a per_layer load (0
+        on the host backend). InvalidArgumentError for a layer outside the
+        layout, a store, or a load without per_layer."""
+        layer = _lib.check_int("layer", layer, _lib.INT_MIN, _lib.INT_MAX)
         ev = ctypes.c_size_t(0)
-        _lib.check(_lib.get().kvo_op_layer_event(self._h(), int(layer), ctypes.byref(ev)), "kvo_op_layer_event")
+        _lib.check(_lib.get().kvo_op_layer_event(self._h(), layer, ctypes.byref(ev)), "kvo_op_layer_event")
         return ev.value
 
     def wait_layer(self, layer, stream):
@@ -290,10 +309,14 @@ class Engine(_Handle):
 
     def __init__(self, config, _keep=()):
         if not isinstance(config, dict):
-            raise errors.InvalidArgumentError(f"config must be a dict, got {type(config).__name__}")
+            raise errors.ArgumentTypeError(f"config must be a dict, got {type(config).__name__}")
+        try:
+            text = json.dumps(config)  # escapes a NUL in a string: the library refuses it in the namespace
+        except (TypeError, ValueError) as e:
+            raise errors.ArgumentTypeError(f"kvoffload: config is not JSON: {e}") from e
         lib = _lib.get()
         h = ctypes.c_uint64(0)
-        _lib.check(lib.kvo_engine_create(json.dumps(config).encode(), ctypes.byref(h)), "kvo_engine_create")
+        _lib.check(lib.kvo_engine_create(text.encode(), ctypes.byref(h)), "kvo_engine_create")
         self._handle = h.value
         self._keep = _keep
         self._events = _EventPool()  # after= events, reused once their op is done
@@ -310,6 +333,7 @@ class Engine(_Handle):
         pool size; other keyword arguments are Config fields (namespace,
         staging_bytes, policy, ...). The tensors must stay allocated while
         the engine lives; the engine keeps references to them."""
+        pool_bytes = _lib.check_int("pool_bytes", pool_bytes, _lib.INT64_MIN, _lib.INT64_MAX)
         layout, backend, device, keep = layout_from_tensors(
             kv_caches, kind=kind, tokens_per_block=tokens_per_block, kv_heads=kv_heads,
             head_dim=head_dim, layers=layers)
@@ -317,7 +341,7 @@ class Engine(_Handle):
             raise errors.InvalidArgumentError(
                 "kvoffload: KV tensors are on the cpu: the host backend's simulated GPU allocates its own "
                 "memory; create the engine from a config dict (Engine({...})) and use sim_write/sim_read")
-        cfg = dict(config, pool_bytes=int(pool_bytes), layout=layout)
+        cfg = dict(config, pool_bytes=pool_bytes, layout=layout)
         cfg.setdefault("backend", backend)
         cfg.setdefault("device", device)
         return cls(cfg, _keep=keep)
@@ -472,9 +496,9 @@ class Engine(_Handle):
 
     def clear(self, namespace=None):
         """Removes every block of namespace (default: the engine's)."""
-        ns = self.namespace if namespace is None else namespace
+        ns = _lib.c_string("namespace", self.namespace if namespace is None else namespace)
         out = ctypes.c_size_t(0)
-        _lib.check(_lib.get().kvo_clear(self._h(), ns.encode(), ctypes.byref(out)), "kvo_clear")
+        _lib.check(_lib.get().kvo_clear(self._h(), ns, ctypes.byref(out)), "kvo_clear")
         return out.value
 
     def stats(self):
@@ -484,22 +508,21 @@ class Engine(_Handle):
     def trim(self, nbytes, timeout=None):
         """Gives up to nbytes of pinned pool memory back; returns
         {"freed_bytes", "pending_bytes"}."""
-        if nbytes < 0:
-            raise errors.InvalidArgumentError(f"trim: nbytes = {nbytes}, must be >= 0")
+        nbytes = _lib.check_int("trim: nbytes", nbytes, 0, _lib.INT64_MAX)
+        t = _lib.timeout_ns("trim: timeout", timeout)
         freed, pending = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        t = -1 if timeout is None else max(0, int(timeout * 1e9))
-        _lib.check(_lib.get().kvo_trim(self._h(), int(nbytes), t, ctypes.byref(freed), ctypes.byref(pending)),
+        _lib.check(_lib.get().kvo_trim(self._h(), nbytes, t, ctypes.byref(freed), ctypes.byref(pending)),
                    "kvo_trim")
         return {"freed_bytes": freed.value, "pending_bytes": pending.value}
 
     def staging(self, name, nbytes):
         """The pinned staging buffer called name, of exactly nbytes bytes."""
-        if nbytes < 0:
-            raise errors.InvalidArgumentError(f"staging: nbytes = {nbytes}, must be >= 0")
+        raw = _lib.c_string("staging: name", name)
+        nbytes = _lib.check_int("staging: nbytes", nbytes, 0, _lib.INT64_MAX)
         ptr, dev = ctypes.c_void_p(0), ctypes.c_uint64(0)
-        _lib.check(_lib.get().kvo_staging(self._h(), name.encode(), int(nbytes), ctypes.byref(ptr),
+        _lib.check(_lib.get().kvo_staging(self._h(), raw, nbytes, ctypes.byref(ptr),
                                           ctypes.byref(dev)), "kvo_staging")
-        return Staging(name, ptr.value or 0, dev.value, int(nbytes))
+        return Staging(name, ptr.value or 0, dev.value, nbytes)
 
     def wait_grown(self, timeout=None):
         """Waits until background growth has ended: the whole pool pinned
@@ -509,7 +532,8 @@ class Engine(_Handle):
         engine is closed. timeout=None: no limit; 0: poll. Signals are
         handled while it waits (KeyboardInterrupt interrupts it)."""
         lib = _lib.get()
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        limit = _lib.timeout_ns("wait_grown: timeout", timeout)  # checks it
+        deadline = None if limit < 0 or limit == _lib.INT64_MAX else time.monotonic() + limit / 1e9
         while True:
             slice_ns = _WAIT_SLICE_NS
             if deadline is not None:
@@ -533,11 +557,16 @@ class Engine(_Handle):
 
     def sim_write(self, device_addr, data):
         """Host backend: writes bytes into the simulated GPU memory."""
+        device_addr = _lib.check_int("sim_write: device_addr", device_addr, 0, _lib.UINT64_MAX)
+        if isinstance(data, (str, int)):  # bytes(5) would be 5 zero bytes
+            raise errors.ArgumentTypeError(f"sim_write: data must be bytes-like, got {type(data).__name__}")
         data = bytes(data)
         _lib.check(_lib.get().kvo_sim_write(self._h(), device_addr, _addr(data), len(data)), "kvo_sim_write")
 
     def sim_read(self, device_addr, nbytes):
         """Host backend: reads nbytes of simulated GPU memory."""
+        device_addr = _lib.check_int("sim_read: device_addr", device_addr, 0, _lib.UINT64_MAX)
+        nbytes = _lib.check_int("sim_read: nbytes", nbytes, 0, _lib.INT64_MAX)
         buf = ctypes.create_string_buffer(max(nbytes, 1))
         _lib.check(_lib.get().kvo_sim_read(self._h(), device_addr, buf, nbytes), "kvo_sim_read")
         return buf.raw[:nbytes]

@@ -34,6 +34,12 @@ class InvalidArgumentError(KvoError, ValueError):
     code = KVO_EINVAL
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a bool or a str where an int is
+    expected, None for keys): an InvalidArgumentError that is also a
+    TypeError."""
+
+
 class EngineClosedError(KvoError):
     """The engine was closed."""
     code = KVO_ECLOSED

@@ -11,7 +11,7 @@ kvcache/testdata/key_vectors.json pin both implementations."""
 import hashlib
 import struct
 
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 
 KEY_BYTES = 16
 ZERO_KEY = bytes(KEY_BYTES)
@@ -47,9 +47,15 @@ def block_key(tokens, namespace=b"", parent=None):
 def _block_key(tokens, ns, parent):
     try:
         packed = struct.pack("<%dI" % len(tokens), *tokens)
-    except struct.error as e:
-        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN), None)
-        raise InvalidArgumentError(f"token id {bad!r} is not an integer in [0, {_MAX_TOKEN}]") from e
+        bad = any(type(t) is bool for t in tokens)  # struct takes bools as 0 and 1
+    except struct.error:
+        bad = True
+    if bad:
+        t = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int)), None)
+        if t is not None:
+            raise ArgumentTypeError(f"token id {t!r} is a {type(t).__name__}, must be an integer in [0, {_MAX_TOKEN}]")
+        t = next(t for t in tokens if not 0 <= t <= _MAX_TOKEN)
+        raise InvalidArgumentError(f"token id {t!r} is outside [0, {_MAX_TOKEN}]")
     return hashlib.sha256(parent + packed + ns).digest()[:KEY_BYTES]
 
 
@@ -79,10 +85,17 @@ def pack_keys(keys):
         if len(raw) % KEY_BYTES:
             raise InvalidArgumentError(f"packed keys are {len(raw)} bytes, not a multiple of {KEY_BYTES}")
         return raw, len(raw) // KEY_BYTES
+    if isinstance(keys, str):
+        raise ArgumentTypeError(f"keys must be {KEY_BYTES}-byte keys or packed bytes, got a str")
+    try:
+        it = iter(keys)
+    except TypeError:
+        raise ArgumentTypeError(f"keys must be an iterable of {KEY_BYTES}-byte keys or packed bytes, "
+                                f"got {type(keys).__name__}") from None
     parts = []
-    for i, k in enumerate(keys):
+    for i, k in enumerate(it):
         if not isinstance(k, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError(f"key {i} is a {type(k).__name__}, must be {KEY_BYTES} bytes")
+            raise ArgumentTypeError(f"key {i} is a {type(k).__name__}, must be {KEY_BYTES} bytes")
         k = bytes(k)
         if len(k) != KEY_BYTES:
             raise InvalidArgumentError(f"key {i} is {len(k)} bytes, must be {KEY_BYTES}")

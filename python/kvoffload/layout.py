@@ -118,11 +118,15 @@ def _per_layer(kv_caches, kind, tpb, heads, dim):
     backend, device = _device_of(named)
     num_blocks = first.shape[0]
     elsize = first.element_size()
+    if kind == MLA and heads not in (None, 1):
+        raise _bad(f"mla has one latent vector per token: kv_heads = {heads!r} was given, must be 1 (or omitted)")
     if kind == MLA:
         if len(first.shape) == 3:
             shape_tpb, latent = first.shape[1], first.shape[2]
             if tpb is not None and tpb != shape_tpb:
                 raise _bad(f"layer 0 has shape {tuple(first.shape)}: tokens_per_block is {shape_tpb}, {tpb} was given")
+            if dim is not None and dim != latent:
+                raise _bad(f"layer 0 has shape {tuple(first.shape)}: head_dim (the latent size) is {latent}, {dim} was given")
             geo = (shape_tpb, 1, latent)
         else:
             geo = _geometry(first.shape, "layer 0", tpb, 1, dim, 0)
