@@ -1,45 +1,42 @@
 package offload
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 )
 
-// configChildEnv carries FuzzNewConfig's input (a Config as JSON) to the
-// child process that runs it (TestConfigChild).
-const configChildEnv = "KVOFFLOAD_CONFIG_CHILD"
+// The child is a small program of its own (internal/configchild), built
+// once per test run with CGO_ENABLED=0: no cgo threads, no race detector
+// shadow memory, no coverage counters. It limits its address space
+// (RLIMIT_AS) to what the Go runtime mapped at start plus 1 GiB before
+// calling New, so that an allocation proportional to a bad size fails the
+// child ("fatal error: out of memory", a non-zero exit) and the target,
+// while the runtime's own reservations (several hundred MiB of address
+// space, mostly never touched) do not eat the budget.
 
-// configChildASKiB is the child's address-space limit (RLIMIT_AS): 1 GiB.
-//
-// Why a child process: an allocation proportional to a bad size must fail
-// the target, and in-process it would only grow the fuzz worker (or abort
-// it with "fatal error: out of memory", which Go cannot recover). The
-// limit is set with the shell's `ulimit -v` before exec, not with
-// setrlimit inside the child: the Go runtime sizes its reservations at
-// start (a test binary maps ~1.2 GiB of address space without a limit,
-// ~0.7 GiB when started under 1 GiB), so lowering the limit afterwards
-// would leave it no room at all. Even so the offload test binary starts
-// at ~1 GiB of VmSize under the limit with 8 MiB thread stacks (cgo
-// threads' stacks come from RLIMIT_STACK), leaving ~10 MiB: the child
-// also runs with `ulimit -s 1024` and GOMAXPROCS=2 (fewer threads), which
-// leaves ~40 MiB, so small pools get built and large ones are refused by
-// the memory check (which counts RLIMIT_AS) or fail to map.
-// GOMEMLIMIT keeps the child's heap from growing lazily into the limit.
-//
-// Known open (issue 19): under `go test -fuzz` the child is the
-// coverage-instrumented binary, which at 1 GiB sometimes cannot even
-// start its heap, and at 1.5 GiB the target still finds New aborting in
-// kvcache.New on a 256 TiB pool with SkipMemoryCheck (the unchecked slot
-// table reservation is sized from VmSize room, which does not bound what
-// the Go heap can map). The seeds pass under plain `go test`. The race detector reserves terabytes of
-// shadow address space, so under -race the child runs without the limit
-// (the target still catches panics there); `make fuzz` (scripts/fuzz.sh)
-// builds without -race.
-const configChildASKiB = 1 << 20
+// configChild builds internal/configchild once and returns its path.
+var configChild = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "kvo-configchild")
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "configchild")
+	cmd := exec.Command("go", "build", "-o", bin, "./internal/configchild")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building internal/configchild: %w\n%s", err, out)
+	}
+	return bin, nil
+})
 
 // FuzzNewConfig feeds New extreme sizes (math.MaxInt64, negative, 2^62 …)
 // on the host backend, with and without the memory check: New must
@@ -73,43 +70,26 @@ func FuzzNewConfig(f *testing.F) {
 	})
 }
 
-// runConfigChild runs TestConfigChild on the config in under the address
-// space limit and fails t if it does not pass.
+// runConfigChild runs the config in through configchild under the
+// address-space limit and fails t unless New returned (an engine or an
+// error) without a panic or an abort.
 func runConfigChild(t *testing.T, in []byte) {
 	t.Helper()
-	cmdline := `exec "$0" -test.run='^TestConfigChild$' -test.count=1`
-	if !raceEnabled {
-		cmdline = "ulimit -s 256 && ulimit -v " + itoa(configChildASKiB) + " && " + cmdline
+	bin, err := configChild()
+	if err != nil {
+		t.Fatal(err)
 	}
-	cmd := exec.Command("/bin/sh", "-c", cmdline, os.Args[0])
-	cmd.Env = append(os.Environ(), configChildEnv+"="+string(in), "GOMEMLIMIT=256MiB", "GOMAXPROCS=1", "GOTRACEBACK=single")
+	// New on a config that fits prefaults its first region at most (1 GiB
+	// under the limit): seconds. A child still running after a minute is
+	// a hang, and fails the target like a crash.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin)
+	cmd.Stdin = bytes.NewReader(in)
+	cmd.Env = append(os.Environ(), "GOTRACEBACK=single")
 	start := time.Now()
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		t.Fatalf("New(%s) in a child under RLIMIT_AS %d KiB: %v after %v\n%s", in, configChildASKiB, err, time.Since(start), out)
-	}
-}
-
-func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
-
-// TestConfigChild is FuzzNewConfig's child: it runs New on the Config in
-// $KVOFFLOAD_CONFIG_CHILD and closes the engine if New succeeded. It is
-// skipped when run directly.
-func TestConfigChild(t *testing.T) {
-	in := os.Getenv(configChildEnv)
-	if in == "" {
-		t.Skip("run by FuzzNewConfig in a child process")
-	}
-	var cfg Config
-	if err := json.Unmarshal([]byte(in), &cfg); err != nil {
-		t.Fatal(err)
-	}
-	e, err := New(cfg)
-	if err != nil {
-		t.Logf("refused: %v", err)
-		return
-	}
-	if err := e.Close(); err != nil {
-		t.Logf("close: %v", err)
+		t.Fatalf("New(%s) in a child limited to 1 GiB of address space: %v after %v\n%s", in, err, time.Since(start), out)
 	}
 }

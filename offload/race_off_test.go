@@ -1,5 +1,0 @@
-//go:build !race
-
-package offload
-
-const raceEnabled = false
