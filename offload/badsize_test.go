@@ -89,13 +89,17 @@ func TestHugePoolTablesBounded(t *testing.T) {
 // TestMemoryCheckCountsTables: the memory check counts the slot tables:
 // a pool that fits alone but not with its tables is refused.
 func TestMemoryCheckCountsTables(t *testing.T) {
-	// 64 MiB of 32-byte slots: 2^21 slots, their tables far above 64 MiB.
-	tiny := LayoutSpec{Kind: LayoutLayerSeparate, Layers: 1, KVHeads: 1, HeadDim: 1, DTypeBytes: 1, TokensPerBlock: 1, NumBlocks: 2}
-	sys := fakeSystem(map[string]string{"proc/meminfo": "MemAvailable: 98304 kB\n"}, math.MaxUint64) // 96 MiB
-	_, err := newEngine(Config{PoolBytes: 64 << 20, StagingBytes: -1, Layout: tiny, Backend: BackendHost}, engineHooks{sys: &sys})
+	// 64 MiB of 4 KiB slots (one page each): 2^14 slots.
+	page := LayoutSpec{Kind: LayoutLayerSeparate, Layers: 1, KVHeads: 1, HeadDim: 1024, DTypeBytes: 2, TokensPerBlock: 1, NumBlocks: 2}
+	tables := kvcache.ReserveBytes(1 << 14)
+	avail := (int64(64<<20) + tables/2) / 1024 // the pool fits, the pool and its tables do not
+	sys := fakeSystem(map[string]string{"proc/meminfo": fmt.Sprintf("MemAvailable: %d kB\n", avail)}, math.MaxUint64)
+	e, err := newEngine(Config{PoolBytes: 64 << 20, StagingBytes: -1, Layout: page, Backend: BackendHost}, engineHooks{sys: &sys})
+	if err == nil {
+		require.NoError(t, e.Close())
+	}
 	require.ErrorIs(t, err, ErrInsufficientMemory)
-	need := int64(64<<20) + kvcache.ReserveBytes(1<<21)
-	require.Contains(t, err.Error(), fmt.Sprintf("%d bytes", need))
+	require.Contains(t, err.Error(), fmt.Sprintf("%d bytes", int64(64<<20)+tables))
 }
 
 // TestSizeOverflow: sums and products of sizes that overflow int64 are

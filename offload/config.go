@@ -154,8 +154,8 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if cfg.MaxInFlightBytes < slot {
 		return bad("MaxInFlightBytes = %d: must hold at least one block of %d bytes", cfg.MaxInFlightBytes, slot)
 	}
-	if blocks := cfg.PoolBytes / slot; blocks > kvcache.MaxSlots {
-		return bad("PoolBytes = %d holds %d blocks of %d bytes, at most %d (kvcache.MaxSlots)", cfg.PoolBytes, blocks, slot, kvcache.MaxSlots)
+	if blocks := cfg.PoolBytes / slotStride(slot); blocks > kvcache.MaxSlots {
+		return bad("PoolBytes = %d holds %d blocks of %d bytes (%d with alignment), at most %d (kvcache.MaxSlots)", cfg.PoolBytes, blocks, slot, slotStride(slot), kvcache.MaxSlots)
 	}
 	if n := regionCount(planTarget(cfg), min(cfg.FirstRegionBytes, planTarget(cfg)), cfg.RegionBytes, slot); n > MaxRegions {
 		return bad("PoolBytes = %d in regions of RegionBytes = %d (first FirstRegionBytes = %d) makes %d regions, at most %d (MaxRegions)",

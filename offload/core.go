@@ -97,26 +97,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// cache's slot table and key index, TinyLFU's sketch) is sized and
 	// checked before any of it is allocated. withDefaults bounded the
 	// sums and the region count; the memory check counts the tables.
-	maxBlocks := int(cfg.PoolBytes / slot)
+	maxBlocks := int(cfg.PoolBytes / slotStride(slot))
 	reserve := min(maxBlocks, kvcache.MaxSlots)
 	lfuBlocks := maxBlocks
 	if cfg.SkipMemoryCheck {
-		// Unchecked, the tables are bounded instead: beyond the bound they
-		// grow with the regions actually added.
-		// They are Go heap, whose exhaustion is fatal, so they are also
-		// shrunk until twice their size fits (MemAvailable, cgroup,
-		// RLIMIT_AS).
-		fits := func() bool {
-			t := kvcache.ReserveBytes(reserve)
-			if cfg.Policy == PolicyTinyLFU {
-				t += kvcache.TinyLFUBytes(lfuBlocks)
-			}
-			return t <= uncheckedTableBytes && sys.checkFits(2*t+goArenaBytes, false, -1) == nil
-		}
-		for !fits() && (reserve > 0 || lfuBlocks > 1) {
-			reserve /= 2
-			lfuBlocks = max(lfuBlocks/2, 1)
-		}
+		// Unchecked, the tables are bounded instead (they are Go heap,
+		// whose exhaustion is fatal): beyond the bound the slot table and
+		// index grow with the regions actually added, and TinyLFU's
+		// sketch stays at the bound.
+		reserve = min(reserve, uncheckedReserveSlots)
+		lfuBlocks = min(lfuBlocks, uncheckedReserveSlots)
 	} else {
 		tables := kvcache.ReserveBytes(reserve)
 		if cfg.Policy == PolicyTinyLFU {
@@ -593,15 +583,10 @@ func addSizes(a, b int64) (int64, bool) {
 	return a + b, true
 }
 
-// uncheckedTableBytes bounds the bytes of the cache's slot table and key
-// index, and of TinyLFU's sketch, reserved up front when
-// Config.SkipMemoryCheck leaves them unchecked.
-const uncheckedTableBytes = 64 << 20
-
-// goArenaBytes is the Go heap's unit of address-space reservation (a
-// heap arena on 64-bit Linux): the slack a table allocation may need
-// beyond its own size.
-const goArenaBytes = 64 << 20
+// uncheckedReserveSlots bounds the slots the cache's tables and TinyLFU's
+// sketch are sized for up front when Config.SkipMemoryCheck leaves them
+// unchecked (a few MiB).
+const uncheckedReserveSlots = 1 << 16
 
 // mulSizes is a×b for non-negative sizes, false on overflow.
 func mulSizes(a, b int64) (int64, bool) {

@@ -114,8 +114,14 @@ func (e *Engine) checkDeviceTensors() error {
 // kvcache's page alignment) not above register.DefaultPipelineChunk, so
 // that range boundaries fall between slots and no slot is lost to them.
 func pipelineChunk(slot int64) int64 {
-	stride := (slot + kvcache.DefaultSlotAlign - 1) / kvcache.DefaultSlotAlign * kvcache.DefaultSlotAlign
+	stride := slotStride(slot)
 	return max(register.DefaultPipelineChunk/stride, 1) * stride
+}
+
+// slotStride is the pool bytes one slot of slot bytes takes: its size
+// rounded up to kvcache's slot alignment (every slot starts on a page).
+func slotStride(slot int64) int64 {
+	return (slot + kvcache.DefaultSlotAlign - 1) / kvcache.DefaultSlotAlign * kvcache.DefaultSlotAlign
 }
 
 // onThread runs f on a locked OS thread with the CUDA context current and
