@@ -183,14 +183,15 @@ def wheel_files(version, lib_bytes, tag, pkg_dir):
     return files
 
 
-def build(lib, out, root=ROOT):
+def build(lib, out, root=ROOT, pkg_dir=None):
     """Writes the wheel into out (replacing one of the same version) and
-    returns its path."""
+    returns its path. The package's .py files come from pkg_dir (default:
+    root's python/kvoffload)."""
     version = read_version(root)
     with open(lib, "rb") as f:
         lib_bytes = f.read()
     tag = platform_tag(lib_bytes)
-    files = wheel_files(version, lib_bytes, tag, os.path.join(root, "python", NAME))
+    files = wheel_files(version, lib_bytes, tag, pkg_dir or os.path.join(root, "python", NAME))
     os.makedirs(out, exist_ok=True)
     for old in os.listdir(out):
         if old.startswith(f"{NAME}-{version}-") and old.endswith(".whl"):

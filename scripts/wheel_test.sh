@@ -2,8 +2,8 @@
 # Installs the kvoffload wheel into a fresh virtual environment and runs the
 # Python package's tests (python/tests) against the installed copy, outside
 # the source tree: the tests are copied to a temporary folder laid out like
-# the repository (python/tests, with capi/, kvcache/, bench/ and internal/
-# linked in for the files they read), PYTHONPATH and KVOFFLOAD_LIB are
+# the repository (python/tests, with capi/, kvcache/, bench/, internal/ and
+# scripts/ linked in for the files they read), PYTHONPATH and KVOFFLOAD_LIB are
 # unset, so `import kvoffload` finds the venv's package and the package its
 # library beside it. Needs no Go and no network (pip install --no-index).
 #
@@ -52,7 +52,7 @@ fi
 mkdir -p "$tmp/src/python"
 cp -r "$root/python/tests" "$tmp/src/python/tests"
 find "$tmp/src/python/tests" -name __pycache__ -prune -exec rm -rf {} +
-for d in capi kvcache bench internal; do ln -s "$root/$d" "$tmp/src/$d"; done
+for d in capi kvcache bench internal scripts; do ln -s "$root/$d" "$tmp/src/$d"; done
 
 cd "$tmp/src/python"
 unset PYTHONPATH KVOFFLOAD_LIB
