@@ -4,19 +4,28 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload
-GPU_LDFLAGS := -s -w
+GPU_LDFLAGS := -s -w $(VERSION_LDFLAGS)
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s
 SOAK_DURATION ?= 5m
 SOAK_BACKEND  ?= auto
+PYTHON      ?= python3
 
-.PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins ptx fuzz soak python clean
+# The release version, one source: internal/version/VERSION (embedded in Go
+# by internal/version, written into the wheel's __version__, the tag
+# v$(VERSION)). The commit goes into the binaries for `kvoffload version`
+# when Go's own VCS stamp is off (-buildvcs=false).
+VERSION     := $(shell cat internal/version/VERSION)
+COMMIT      := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
+VERSION_LDFLAGS := -X github.com/kvoffload/kvoffload/internal/version.commit=$(COMMIT)
+
+.PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins ptx fuzz soak python wheel wheel-test release-tag clean
 
 all: build
 
 build:
 	$(GO) build $(PKGS)
-	$(GO) build -o build/kvoffload ./cmd/kvoffload
+	$(GO) build -ldflags='$(VERSION_LDFLAGS)' -o build/kvoffload ./cmd/kvoffload
 
 vet:
 	$(GO) vet $(PKGS)
@@ -32,7 +41,7 @@ nocgo:
 	CGO_ENABLED=0 $(GO) build $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
 
-test: vet staticcheck nocgo race
+test: vet staticcheck nocgo race wheel-test
 
 demo:
 	$(GO) run ./cmd/kvoffload demo
@@ -89,5 +98,34 @@ soak:
 python:
 	bash capi/build.sh
 
+# The wheel: dist/kvoffload-$(VERSION)-py3-none-manylinux_<glibc>_<arch>.whl,
+# the pure-Python package and libkvoffload.so (scripts/build_wheel.py, the
+# standard library only). The platform tag is the newest GLIBC_ symbol
+# version the library needs; objdump, when there, must agree.
+wheel:
+	rm -rf build/wheel
+	mkdir -p build/wheel dist
+	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -ldflags='-s -w $(VERSION_LDFLAGS)' -o build/wheel/libkvoffload.so ./capi
+	rm -f build/wheel/libkvoffload.h
+	@if command -v objdump >/dev/null 2>&1; then \
+		want=$$(objdump -T build/wheel/libkvoffload.so | grep -o 'GLIBC_[0-9.]*' | sed 's/^GLIBC_//' | sort -uV | tail -1 | awk -F. '{print $$1 "_" $$2}'); \
+		got=$$($(PYTHON) scripts/build_wheel.py --tag-only --lib build/wheel/libkvoffload.so); \
+		echo "objdump -T: newest GLIBC_ $$want; platform tag $$got"; \
+		case $$got in manylinux_$${want}_*) ;; *) echo "the platform tag disagrees with objdump" >&2; exit 1 ;; esac; \
+	fi
+	$(PYTHON) scripts/build_wheel.py --lib build/wheel/libkvoffload.so --out dist
+
+# The wheel installed into a fresh venv (pip --no-index) and the Python
+# tests run against the installed copy, outside the source tree.
+wheel-test: wheel
+	PYTHON=$(PYTHON) bash scripts/wheel_test.sh
+
+# Tags the current commit v$(VERSION), the module's release tag (refused
+# when the tag exists: bump internal/version/VERSION first).
+release-tag:
+	@if git rev-parse -q --verify "refs/tags/v$(VERSION)" >/dev/null; then \
+		echo "tag v$(VERSION) exists: bump internal/version/VERSION" >&2; exit 1; fi
+	git tag -a "v$(VERSION)" -m "kvoffload $(VERSION)"
+
 clean:
-	rm -rf build
+	rm -rf build dist

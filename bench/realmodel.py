@@ -21,7 +21,7 @@ bytes by torch each way (best of --reps). Targets are printed as PASS/FAIL;
 only wrong bytes or logits make the exit status nonzero (1).
 
     make python   # python/kvoffload/libkvoffload.so
-    PYTHONPATH=python python3 bench/realmodel.py --out realmodel.md
+    PYTHONPATH=python python3 bench/realmodel.py --out realmodel.md   # and realmodel.svg
     PYTHONPATH=python python3 bench/realmodel.py --tokens 2048 --reps 3
     python3 bench/realmodel.py --selfcheck   # no torch, no GPU: the bookkeeping
 
@@ -214,6 +214,80 @@ def format_report(command, machine, rows, checks, reps, started):
         "\n## Targets\n\n", format_targets(rows), "\n## Checks\n\n",
         "".join(f"- {'ok' if ok else 'MISMATCH'}: {text}\n" for ok, text in checks),
     ]
+    return "".join(out)
+
+
+def _esc(text):
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def svg_path(out):
+    """The plot's file beside the --out report: realmodel.md -> realmodel.svg."""
+    return os.path.splitext(out)[0] + ".svg"
+
+
+def format_svg(rows, title="kvoffload: reload vs recompute, 8B-class Llama KV cache"):
+    """An SVG plot (hand-written text, no library) of reload and recompute
+    (prefill) time against prompt length, with the contiguous H2D copy of
+    the same bytes dashed: log2 tokens across, log10 ms up."""
+    import math
+    series = [("recompute (prefill)", "prefill_ms", "#d62728", ""),
+              ("reload (kvoffload load)", "reload_ms", "#1f77b4", ""),
+              ("contiguous H2D copy", "h2d_ms", "#7f7f7f", "6,4")]
+    pts = [(r["tokens"], r[key]) for r in rows for _, key, _, _ in series
+           if r["tokens"] > 0 and isinstance(r.get(key), (int, float)) and r[key] > 0 and math.isfinite(r[key])]
+    w, h, left, right, top, bottom = 720, 440, 70, 200, 40, 55
+    pw, ph = w - left - right, h - top - bottom
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+           'font-family="sans-serif" font-size="12">\n',
+           f'<rect width="{w}" height="{h}" fill="white"/>\n',
+           f'<text x="{left + pw / 2:.1f}" y="22" text-anchor="middle" font-size="14">{_esc(title)}</text>\n']
+    if not pts:
+        out.append(f'<text x="{w / 2:.1f}" y="{h / 2:.1f}" text-anchor="middle">no results</text>\n</svg>\n')
+        return "".join(out)
+    xs = [math.log2(t) for t, _ in pts]
+    x0, x1 = min(xs), max(xs)
+    if x1 - x0 < 1e-9:
+        x0, x1 = x0 - 1, x1 + 1
+    y0 = math.floor(math.log10(min(v for _, v in pts)))
+    y1 = math.ceil(math.log10(max(v for _, v in pts)))
+    if y1 <= y0:
+        y1 = y0 + 1
+
+    def px(tokens):
+        return left + (math.log2(tokens) - x0) / (x1 - x0) * pw
+
+    def py(ms):
+        return top + ph - (math.log10(ms) - y0) / (y1 - y0) * ph
+
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>\n')
+    for d in range(y0, y1 + 1):
+        y = py(10 ** d)
+        label = f"{10 ** d:g}"
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>\n')
+    for t in sorted({r["tokens"] for r in rows if r["tokens"] > 0}):
+        x = px(t)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#eee"/>'
+                   f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{t}</text>\n')
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{h - 12}" text-anchor="middle">prompt length (tokens, log scale)</text>\n')
+    out.append(f'<text transform="translate(18 {top + ph / 2:.1f}) rotate(-90)" text-anchor="middle">'
+               'time (ms, log scale)</text>\n')
+    for i, (name, key, color, dash) in enumerate(series):
+        line = [(px(r["tokens"]), py(r[key])) for r in sorted(rows, key=lambda r: r["tokens"])
+                if r["tokens"] > 0 and isinstance(r.get(key), (int, float)) and r[key] > 0 and math.isfinite(r[key])]
+        if line:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            points = " ".join(f"{x:.1f},{y:.1f}" for x, y in line)
+            out.append(f'<polyline class="series" data-series="{key}" fill="none" stroke="{color}" stroke-width="2"'
+                       f'{dash_attr} points="{points}"/>\n')
+            for x, y in line:
+                out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>\n')
+        ly = top + 10 + i * 20
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<line x1="{left + pw + 12}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" '
+                   f'stroke-width="2"{dash_attr}/><text x="{left + pw + 42}" y="{ly + 4}">{_esc(name)}</text>\n')
+    out.append("</svg>\n")
     return "".join(out)
 
 
@@ -628,7 +702,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--decode", type=int, default=4, help="eager decode steps compared (default 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of weights, prompts and block ids")
-    ap.add_argument("--out", help="also write the results (markdown) to this file")
+    ap.add_argument("--out", help="also write the results (markdown) to this file, and beside it an SVG plot "
+                    "of reload and recompute time by prompt length (realmodel.md: realmodel.svg)")
     ap.add_argument("--selfcheck", action="store_true", help="check the paging and table logic without torch; exit")
     args = ap.parse_args(argv)
     if args.selfcheck:
@@ -666,6 +741,9 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(report)
+        with open(svg_path(args.out), "w") as f:
+            f.write(format_svg(rows))
+        print(f"realmodel: wrote {args.out} and {svg_path(args.out)}", file=sys.stderr)
     ok = all(ok for ok, _ in b.checks)
     if not ok:
         print("realmodel: MISMATCH: bytes or logits differ (see Checks)", file=sys.stderr)

@@ -32,6 +32,20 @@ void kvoSetError(const char* msg, size_t n) {
 
 const char* kvo_last_error(void) { return kvo_err; }
 
+// The release version, from Go once (the first call waits for the Go
+// runtime's start like any call into Go), then from this pointer: a forked
+// child that asks first gets "" rather than a call into a dead runtime.
+static const char* kvo_version_str;
+
+const char* kvo_version(void) {
+	const char* v = __atomic_load_n(&kvo_version_str, __ATOMIC_ACQUIRE);
+	if (v == NULL && getpid() == kvo_pid) {
+		v = kvoGo_version();
+		__atomic_store_n(&kvo_version_str, v, __ATOMIC_RELEASE);
+	}
+	return v != NULL ? v : "";
+}
+
 int kvo_abi_version(void) { return KVO_ABI_VERSION; }
 
 // enter clears the last error and refuses a forked child.

@@ -5,7 +5,7 @@
  *         (or capi/build.sh). Link with -lkvoffload, or dlopen it.
  *
  * Conventions
- *  - Every function but kvo_abi_version and kvo_last_error returns an int
+ *  - Every function but kvo_abi_version, kvo_version and kvo_last_error returns an int
  *    error code: KVO_OK (0) or one of the negative KVO_E* codes below. On
  *    error, kvo_last_error() returns a message naming the bad value and the
  *    limit it broke; output parameters are left untouched and nothing is
@@ -118,6 +118,12 @@ int kvo_abi_version(void);
 /* The message of the calling thread's last failed call ("" if none).
  * Never NULL; valid until the thread's next kvo_* call. */
 const char* kvo_last_error(void);
+
+/* The library's release version ("0.1.0"; internal/version/VERSION), the
+ * same as the Python package's __version__ and `kvoffload version`. It says
+ * which build this is; KVO_ABI_VERSION says whether it can be used. Never
+ * NULL, never fails; a static string. */
+const char* kvo_version(void);
 
 /* Creates an engine from a JSON object with the fields of Go's
  * offload.Config (snake_case: "pool_bytes", "backend", "namespace",

@@ -184,10 +184,17 @@ func (b benchRun) run(e *env, asJSON bool) error {
 		return fmt.Errorf("--out: %w", err)
 	}
 	sum := benchSummary{Command: b.cfg.Command, Started: time.Now().UTC(), Machine: defaultProber().collect(b.device)}
+	// Spinners on the passes (on a terminal, without --json).
+	var progress io.Writer
+	if e.stderrIsTTY && !asJSON {
+		progress = e.stderr
+	}
 	var runErr error
 	if b.only != "pinning" {
 		fmt.Fprintln(e.stderr, "kvoffload bench: measuring throughput (a few minutes)...")
+		sp := startStep(progress, "throughput")
 		res, err := b.throughput(drv, dev)
+		sp.end()
 		if err != nil {
 			runErr = fmt.Errorf("throughput: %w", err)
 		} else {
@@ -202,7 +209,9 @@ func (b benchRun) run(e *env, asJSON bool) error {
 		}
 		if len(sizes) > 0 {
 			fmt.Fprintln(e.stderr, "kvoffload bench: measuring pinning...")
+			sp := startStep(progress, "pinning")
 			rs, err := bench.MeasurePinning(drv, dev, sizes, bench.PinningOptions{SkipHostAlloc: b.skipHostAlloc})
+			sp.end()
 			sum.Pinning = toPinningRows(rs)
 			if err != nil {
 				runErr = fmt.Errorf("pinning: %w", err)

@@ -185,7 +185,8 @@ type demoRun struct {
 }
 
 // runDemo runs the demo and returns its report; the report is returned
-// with errVerification too. progress, when not nil, gets a progress bar;
+// with errVerification too. progress, when not nil, gets a progress bar
+// (and a spinner on the engine's start and close when they take seconds);
 // notice gets one-line notes (backend fallback, pinning).
 func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice func(string)) (*demoReport, error) {
 	lay, poolBlocks, err := cfg.plan()
@@ -200,12 +201,18 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	defer runtime.UnlockOSThread()
 
 	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + cfg.layoutKind}
+	sp := startStep(progress, fmt.Sprintf("starting the engine (%s pool, %s backend)", formatSize(cfg.poolBytes), cfg.backend))
 	opened, err := openDemo(cfg, lay, notice)
+	sp.end()
 	if err != nil {
 		return nil, err
 	}
 	r.eng, r.mem = opened.eng, opened.mem
-	defer func() { err = errors.Join(err, opened.close()) }()
+	defer func() {
+		sp := startStep(progress, "closing the engine")
+		err = errors.Join(err, opened.close())
+		sp.end()
+	}()
 
 	r.cache = newGPUCache(lay.blocks)
 	name, reason := r.eng.Backend()

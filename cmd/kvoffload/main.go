@@ -6,6 +6,9 @@
 //	                 as CSV, JSON and an SVG plot (needs a GPU)
 //	kvoffload info   driver, devices, PCIe links, NUMA, huge pages, memlock
 //	                 and cgroup limits, and the backend "auto" would pick
+//	kvoffload version
+//	                 the release version (internal/version/VERSION) and the
+//	                 commit the binary was built from (also --version)
 //
 // Every command takes --help and --json. Sizes take units (4096, 64KiB,
 // 1GiB, 2G, 100GB). Errors go to stderr; the exit status is 0 on success,
@@ -64,10 +67,11 @@ type command struct {
 }
 
 var commands = map[string]command{
-	"demo":  demoCommand,
-	"soak":  soakCommand,
-	"bench": benchCommand,
-	"info":  infoCommand,
+	"demo":    demoCommand,
+	"soak":    soakCommand,
+	"bench":   benchCommand,
+	"info":    infoCommand,
+	"version": versionCommand,
 }
 
 // interruption is the cause of a command's context ending on a signal.
@@ -109,6 +113,8 @@ func run(ctx context.Context, args []string, e *env) int {
 	}
 	name := args[0]
 	switch name {
+	case "--version":
+		name = "version"
 	case "-h", "-help", "--help", "help":
 		if len(args) > 1 {
 			if c, ok := commands[args[1]]; ok {
@@ -180,7 +186,7 @@ func usage(w io.Writer) {
 	fmt.Fprintln(w, "kvoffload: a KV-cache CPU-offload engine — demo, benchmarks and machine facts.")
 	fmt.Fprintln(w, "\nUsage: kvoffload <command> [flags]\n\nCommands:")
 	for _, n := range commandNames() {
-		fmt.Fprintf(w, "  %-6s %s\n", n, commands[n].summary)
+		fmt.Fprintf(w, "  %-7s %s\n", n, commands[n].summary)
 	}
 	fmt.Fprintln(w, "\nRun kvoffload <command> --help for its flags. Sizes take units: 4096, 64KiB, 1GiB, 2G, 100GB.")
 }

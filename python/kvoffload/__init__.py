@@ -21,9 +21,13 @@ from .errors import (AbiVersionError, ArgumentTypeError, BusyError, CapturingErr
                      InvalidArgumentError, KvoError, LibraryError, NoDriverError, NotDoneError, OpTimeoutError,
                      OutOfMemoryError, ReleasedError, TransferFailedError)
 from .keys import KEY_BYTES, ZERO_KEY, block_key, chain_keys
+from .version import library_version
+
+# The release version: internal/version/VERSION (the wheel builder writes it here too).
+__version__ = "0.1.0"
 
 __all__ = [
-    "Engine", "Op", "Lease", "Staging", "OUTCOMES", "abi_version", "library_pid",
+    "Engine", "Op", "Lease", "Staging", "OUTCOMES", "abi_version", "library_pid", "library_version",
     "block_key", "chain_keys", "KEY_BYTES", "ZERO_KEY",
     "KvoError", "InvalidArgumentError", "ArgumentTypeError", "EngineClosedError", "BusyError", "NoDriverError", "OutOfMemoryError",
     "ReleasedError", "CapturingError", "TransferFailedError", "OpTimeoutError", "ForkedChildError",

@@ -55,6 +55,46 @@ class RealModelBench(unittest.TestCase):
         self.assertIn("first layer 7", text)
         self.assertEqual([ok for ok, _ in rm.targets(dict(row, floor_over_reload=0.919))][:1], [False])
 
+    def test_svg(self):
+        import xml.etree.ElementTree as ET
+        rm = self.rm
+        rows = [rm.make_row(t, prefill_ms=0.03 * t, reload_ms=t / 400, load_return_ms=0.2, layer_ms=[1.0] * 32,
+                            layer_total_ms=t / 400, store_ms=t / 390, h2d_ms=t / 420, d2h_ms=t / 410)
+                for t in (8192, 2048, 32768)]
+        svg = rm.format_svg(rows)
+        root = ET.fromstring(svg)  # well-formed XML
+        ns = {"s": "http://www.w3.org/2000/svg"}
+        self.assertEqual(root.tag, "{http://www.w3.org/2000/svg}svg")
+        lines = {p.get("data-series"): p for p in root.findall("s:polyline", ns)}
+        self.assertEqual(set(lines), {"prefill_ms", "reload_ms", "h2d_ms"})
+        texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+        for want in ("2048", "8192", "32768", "reload (kvoffload load)", "recompute (prefill)"):
+            self.assertIn(want, texts)
+
+        def points(key):
+            return [tuple(map(float, p.split(","))) for p in lines[key].get("points").split()]
+
+        reload, recompute = points("reload_ms"), points("prefill_ms")
+        self.assertEqual(len(reload), 3)
+        # Across by prompt length, left to right; longer times higher up
+        # (smaller y); recompute is slower than reload at every length.
+        self.assertEqual([x for x, _ in reload], sorted(x for x, _ in reload))
+        self.assertTrue(all(yr > yc for (_, yr), (_, yc) in zip(reload, recompute)))
+        self.assertTrue(reload[0][1] > reload[-1][1])
+        for x, y in reload + recompute:
+            self.assertTrue(0 <= x <= float(root.get("width")) and 0 <= y <= float(root.get("height")))
+        self.assertEqual(rm.svg_path("/tmp/out/realmodel.md"), "/tmp/out/realmodel.svg")
+
+    def test_svg_edge_cases(self):
+        import xml.etree.ElementTree as ET
+        rm = self.rm
+        ET.fromstring(rm.format_svg([]))
+        one = rm.make_row(2048, prefill_ms=61.5, reload_ms=5.0, load_return_ms=0.2, layer_ms=[1.0] * 32,
+                          layer_total_ms=5.0, store_ms=5.2, h2d_ms=float("nan"), d2h_ms=4.9)
+        root = ET.fromstring(rm.format_svg([one], title="a <title> & more"))
+        keys = [p.get("data-series") for p in root.findall("{http://www.w3.org/2000/svg}polyline")]
+        self.assertEqual(sorted(keys), ["prefill_ms", "reload_ms"])  # the nan series is left out
+
 
 if __name__ == "__main__":
     unittest.main()

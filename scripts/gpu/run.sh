@@ -30,6 +30,8 @@
 #   bash scripts/gpu/run.sh pool64 tests demo soak python   # call 1, about 5 minutes
 #   bash scripts/gpu/run.sh bench blocks                    # call 2, about 6 minutes
 #   bash scripts/gpu/run.sh --collect /path/to/files_at     # here, once per call
+# The wheel (not in all): `make wheel` here, carry ["dist"] (and build/gpu.tar.gz
+# when other suites run in the same call), then `bash scripts/gpu/run.sh wheel`.
 # then update bench/results/README.md's table from the headers of the new files.
 #
 # A new suite is one function, suite_NAME, run with the suite's folder in $D; it
@@ -55,6 +57,7 @@ SUITES=(
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
 	"realmodel|the real-model benchmark (python3 bench/realmodel.py)"
+	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
 ALL_SUITES=(pool64 tests demo soak python realmodel bench blocks)
@@ -106,6 +109,14 @@ suite_python() {
 		step timeout 240 python3 -m unittest discover -s python/tests -t python -v
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 120 python3 examples/torch_offload.py
+}
+
+# The wheel make wheel built here (carry ["dist"], with or without
+# build/gpu.tar.gz): installed with pip --no-index into a venv made with
+# --system-site-packages (torch is in the system's site), python/tests run
+# against the installed copy outside the source tree (scripts/wheel_test.sh).
+suite_wheel() {
+	PYTHONUNBUFFERED=1 step timeout 420 bash scripts/wheel_test.sh --system-site-packages
 }
 
 suite_realmodel() {
@@ -326,8 +337,15 @@ main() {
 	for s in "$@"; do
 		if [ "$s" = all ]; then specs+=("${ALL_SUITES[@]}"); else specs+=("$s"); fi
 	done
-	unpack
-	COMMIT="$(cat "$B/COMMIT") (binaries from make gpu-bins)"
+	local only_wheel=1
+	for s in "${specs[@]}"; do [ "$s" = wheel ] || only_wheel=0; done
+	if [ "$only_wheel" = 1 ] && [ ! -f "$ARCHIVE" ] && [ ! -f "$B/COMMIT" ]; then
+		# Only the wheel suite and no make gpu-bins archive: the wheel is what is tested.
+		COMMIT="$(cd dist 2>/dev/null && echo kvoffload-*.whl) (the wheel from make wheel)"
+	else
+		unpack
+		COMMIT="$(cat "$B/COMMIT") (binaries from make gpu-bins)"
+	fi
 	machine_facts
 	mkdir -p "$OUT"
 	WORK=$(mktemp -d)
