@@ -145,6 +145,11 @@ type Config struct {
 	// PrefaultThreads is the number of threads touching a region's pages
 	// before it is pinned. Default min(NumCPU, DefaultMaxPrefaultThreads).
 	PrefaultThreads int `json:"prefault_threads,omitempty"`
+	// PrefaultNice is added to the prefault threads' nice value, so that
+	// on a machine whose CPUs are busy growth yields to the serving loop.
+	// 0 means mmapmem.DefaultPrefaultNice; negative keeps the caller's
+	// priority; above 19 is ErrInvalidConfig.
+	PrefaultNice int `json:"prefault_nice,omitempty"`
 	// Policy is PolicyLRU (default) or PolicyTinyLFU. LRU is the default
 	// because it measured better: on kvcache's synthetic serving trace
 	// (BenchmarkHitRatio) TinyLFU never beat LRU by more than 0.003 in hit

@@ -41,6 +41,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	case cfg.MemoryHeadroomBytes < 0:
 		cfg.MemoryHeadroomBytes = 0
 	}
+	if cfg.PrefaultNice > 19 {
+		return bad("PrefaultNice = %d: at most 19 (the lowest priority); negative keeps the caller's", cfg.PrefaultNice)
+	}
 	if cfg.MaxDeviceBytes < 0 {
 		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, cudacopy.DefaultMaxDeviceBytes)
 	}

@@ -50,6 +50,7 @@ func TestWithDefaultsErrors(t *testing.T) {
 		{"unknown policy", func(c *Config) { c.Policy = "arc" }, ErrInvalidConfig, `Policy "arc"`},
 		{"negative device", func(c *Config) { c.Device = -1 }, ErrInvalidConfig, "Device = -1"},
 		{"negative threads", func(c *Config) { c.PrefaultThreads = -1 }, ErrInvalidConfig, "PrefaultThreads = -1"},
+		{"nice above 19", func(c *Config) { c.PrefaultNice = 20 }, ErrInvalidConfig, "PrefaultNice = 20"},
 		{"negative in flight", func(c *Config) { c.MaxInFlightBytes = -1 }, ErrInvalidConfig, "MaxInFlightBytes = -1"},
 		{"in flight below a block", func(c *Config) { c.MaxInFlightBytes = 100 }, ErrInvalidConfig, "MaxInFlightBytes = 100"},
 		{"region below a block", func(c *Config) { c.RegionBytes = 100 }, ErrInvalidConfig, "RegionBytes = 100"},

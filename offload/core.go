@@ -278,7 +278,7 @@ func mergeExtents(ts []deviceTensor) []deviceTensor {
 // region registered without being prefetched, by the pinner range by range.
 func (e *Engine) regionOptions() mmapmem.Options {
 	return mmapmem.Options{NoTHP: e.cfg.HugePages == HugePagesNone, HugeTLB: e.cfg.HugePages == HugePagesHugeTLB,
-		PrefaultThreads: e.cfg.PrefaultThreads, PrefaultStop: e.stopReap, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0), DeferPrefault: true}
+		PrefaultThreads: e.cfg.PrefaultThreads, PrefaultNice: e.cfg.PrefaultNice, PrefaultStop: e.stopReap, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0), DeferPrefault: true}
 }
 
 // mapRegion maps, prefaults and pins size bytes and makes them known to

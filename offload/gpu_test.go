@@ -121,6 +121,11 @@ func TestGPUPool64(t *testing.T) {
 		require.NoError(t, err, "KVO_PREFAULT_THREADS")
 		cfg.PrefaultThreads = n
 	}
+	if v := os.Getenv("KVO_PREFAULT_NICE"); v != "" {
+		n, err := strconv.Atoi(v)
+		require.NoError(t, err, "KVO_PREFAULT_NICE")
+		cfg.PrefaultNice = n
+	}
 	t0 := time.Now()
 	e, err := New(cfg)
 	newReturned := time.Since(t0)

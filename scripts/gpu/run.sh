@@ -53,6 +53,7 @@ SUITES=(
 	"bench|kvoffload info; the throughput benchmark (kvoffload bench --only throughput --reps 3)"
 	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
+	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
 	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
@@ -91,6 +92,20 @@ suite_pool64() {
 		KVO_BIG=1 KVO_BENCH_OUT=$D step_in offload timeout 180 "$B/offload.test" -test.v \
 			-test.run 'TestGPUPool64$' -test.timeout 3m
 		[ -f "$D/pool64.md" ] && mv "$D/pool64.md" "$D/pool64-$run.md"
+	done
+}
+
+# Warm 64 GiB pools with the prefault threads at the caller's priority
+# (KVO_PREFAULT_NICE=-1) and at the default nice, alternating, twice each:
+# what lowering their priority costs on idle CPUs, on one machine.
+suite_pool64nice() {
+	local run nice
+	for run in 1 2; do
+		for nice in -1 0; do
+			KVO_BIG=1 KVO_PREFAULT_NICE=$nice KVO_BENCH_OUT=$D step_in offload timeout 180 "$B/offload.test" -test.v \
+				-test.run 'TestGPUPool64$' -test.timeout 3m
+			[ -f "$D/pool64.md" ] && mv "$D/pool64.md" "$D/pool64-nice$nice-$run.md"
+		done
 	done
 }
 
