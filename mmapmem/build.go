@@ -133,7 +133,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	nice := o.PrefaultNice
 	switch {
 	case nice == 0:
-		nice = DefaultPrefaultNice
+		nice = DefaultPrefaultNice()
 	case nice < 0:
 		nice = 0
 	}

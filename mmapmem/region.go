@@ -73,8 +73,9 @@ type Options struct {
 	// PrefaultNice is added to the nice value of the threads that prefault
 	// (New, Region.Prefault), so that on a machine whose CPUs are busy the
 	// prefault yields to the process's other threads (a serving loop)
-	// rather than taking an equal share; where CPUs are idle it runs as
-	// fast as before. 0 means DefaultPrefaultNice; negative keeps the
+	// rather than taking an equal share (it also slows the prefault where
+	// other threads of the growth compete). 0 means DefaultPrefaultNice();
+	// negative keeps the
 	// threads at the caller's priority; above 19 is an error. The threads
 	// end with the prefault (a raised nice value cannot be lowered again
 	// without privilege).
@@ -107,11 +108,22 @@ type Options struct {
 func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
 
 // DefaultPrefaultNice is the nice increment of prefault threads when
-// Options.PrefaultNice is 0: 10, a weight of about a tenth of a thread at
-// the default priority, so that a serving loop sharing the CPUs with the
-// pool's growth keeps most of its request rate
-// (bench/results/cpu/growth-serving.md).
-const DefaultPrefaultNice = 10
+// Options.PrefaultNice is 0: on a machine of at most smallMachineCPUs CPUs,
+// 10 (a weight of about a tenth of a thread at the default priority), so
+// that a serving loop sharing the few CPUs with the pool's growth keeps
+// most of its request rate; on larger machines none, where the lowered
+// priority slowed growth itself without a serving loop to protect
+// (bench/results/README.md, the growth rows).
+func DefaultPrefaultNice() int {
+	if runtime.NumCPU() <= smallMachineCPUs {
+		return 10
+	}
+	return 0
+}
+
+// smallMachineCPUs is the most CPUs of a machine on which prefault threads
+// run at a lowered priority by default.
+const smallMachineCPUs = 4
 
 // mappedBytes counts the bytes this package has mapped and not unmapped yet,
 // so tests can check that a failed New leaves nothing behind.
@@ -156,7 +168,7 @@ func New(size int64, opts Options) (*Region, error) {
 		return nil, fmt.Errorf("%w: Prefault method %d: must be PrefaultAuto, PrefaultTouch or PrefaultPopulate", ErrOptions, int(opts.Prefault))
 	}
 	if opts.PrefaultNice > 19 {
-		return nil, fmt.Errorf("%w: PrefaultNice %d: must be at most 19 (0: DefaultPrefaultNice, negative: none)", ErrOptions, opts.PrefaultNice)
+		return nil, fmt.Errorf("%w: PrefaultNice %d: must be at most 19 (0: DefaultPrefaultNice(), negative: none)", ErrOptions, opts.PrefaultNice)
 	}
 	if opts.PrefaultStripe < 0 {
 		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", ErrOptions, opts.PrefaultStripe)

@@ -147,7 +147,8 @@ type Config struct {
 	PrefaultThreads int `json:"prefault_threads,omitempty"`
 	// PrefaultNice is added to the prefault threads' nice value, so that
 	// on a machine whose CPUs are busy growth yields to the serving loop.
-	// 0 means mmapmem.DefaultPrefaultNice; negative keeps the caller's
+	// 0 means mmapmem.DefaultPrefaultNice() (10 on machines of at most 4
+	// CPUs, none on larger ones); negative keeps the caller's
 	// priority; above 19 is ErrInvalidConfig.
 	PrefaultNice int `json:"prefault_nice,omitempty"`
 	// Policy is PolicyLRU (default) or PolicyTinyLFU. LRU is the default

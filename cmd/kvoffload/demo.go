@@ -48,6 +48,7 @@ reports a failed copy.`,
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
+		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
@@ -89,6 +90,8 @@ type demoConfig struct {
 	verify     bool
 	// prefaultThreads is the engine's Config.PrefaultThreads (0: its default).
 	prefaultThreads int
+	// prefaultNice is the engine's Config.PrefaultNice (0: its default).
+	prefaultNice int
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -315,7 +318,7 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
 	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
 		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes,
-		PrefaultThreads: cfg.prefaultThreads}
+		PrefaultThreads: cfg.prefaultThreads, PrefaultNice: cfg.prefaultNice}
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {

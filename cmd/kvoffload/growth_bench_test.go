@@ -26,7 +26,8 @@ import (
 //
 //	KVO_GROWTH_BENCH=8GiB go test -run TestServingDuringGrowth -v -count=1 ./cmd/kvoffload
 //
-// KVO_GROWTH_THREADS sets --prefault-threads (0 or unset: the default).
+// KVO_GROWTH_THREADS sets --prefault-threads (0 or unset: the default),
+// KVO_GROWTH_NICE --prefault-nice.
 // The demo is the one of issue 19: --layout tiny --gpu-blocks 64, host
 // backend, no pinning. The results of a run are in
 // bench/results/cpu/growth-serving.md.
@@ -45,6 +46,10 @@ func TestServingDuringGrowth(t *testing.T) {
 	cfg := defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
 	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	if s := os.Getenv("KVO_GROWTH_NICE"); s != "" {
+		cfg.prefaultNice, err = strconv.Atoi(s)
+		require.NoError(t, err)
+	}
 	shown := threads
 	if shown == 0 {
 		shown = mmapmem.DefaultPrefaultThreads()
@@ -111,6 +116,10 @@ func TestServingDuringGrowth(t *testing.T) {
 	cfg = defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
 	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	if s := os.Getenv("KVO_GROWTH_NICE"); s != "" {
+		cfg.prefaultNice, err = strconv.Atoi(s)
+		require.NoError(t, err)
+	}
 	cfg.duration = short
 	eng = nil
 	cfg.afterRequest = func(e *offload.Engine, _ []offload.Key) error { eng = e; return nil }
