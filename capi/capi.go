@@ -240,6 +240,7 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 		return fail(err)
 	}
 	err = e.eng.Close()
+	dropEvents(h)
 	if serr := e.sim.Close(); err == nil && serr != nil {
 		err = fmt.Errorf("kvoffload: closing the simulated GPU: %w", serr)
 	}

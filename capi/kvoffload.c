@@ -207,3 +207,37 @@ int kvo_resume_growth(kvo_engine_t engine) {
 	ENTER();
 	return kvoGo_resume_growth(engine);
 }
+
+int kvo_metrics_text(kvo_engine_t engine, char* buf, size_t cap, size_t* needed) {
+	ENTER();
+	return kvoGo_metrics_text(engine, buf, cap, needed);
+}
+
+int kvo_events_open(kvo_engine_t engine, int64_t buffer) {
+	ENTER();
+	return kvoGo_events_open(engine, buffer);
+}
+
+int kvo_events_poll(kvo_engine_t engine, char* buf, size_t cap, size_t* needed) {
+	ENTER();
+	return kvoGo_events_poll(engine, buf, cap, needed);
+}
+
+int kvo_events_dropped(kvo_engine_t engine, uint64_t* dropped) {
+	ENTER();
+	return kvoGo_events_dropped(engine, dropped);
+}
+
+int kvo_events_close(kvo_engine_t engine) {
+	ENTER();
+	return kvoGo_events_close(engine);
+}
+
+int kvo_store_tokens(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,
+                     const uint8_t* parent, const uint8_t* parents, const uint32_t* tokens,
+                     size_t n_tokens, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op_out) {
+	ENTER();
+	return kvoGo_store_tokens(engine, (uint8_t*)keys, (int64_t*)block_ids, n, (uint8_t*)parent,
+	                          (uint8_t*)parents, (uint32_t*)tokens, n_tokens, after_event, after_stream,
+	                          op_out);
+}

@@ -312,6 +312,43 @@ int kvo_resume_growth(kvo_engine_t engine);
 int kvo_sim_write(kvo_engine_t engine, uint64_t device_addr, const void* src, size_t n);
 int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n);
 
+/* ---- Metrics and KV events ------------------------------------------------
+ *
+ * kvo_metrics_text writes the engine's metrics in the Prometheus text
+ * exposition format (what `kvoffload demo --metrics` serves at /metrics;
+ * the metric names are in the README), NUL-terminated; *needed gets the size
+ * with the NUL; a smaller cap writes nothing and returns KVO_EINVAL.
+ *
+ * kvo_events_open subscribes the engine handle to the engine's KV events
+ * (Go's Engine.Events): a bounded queue of buffer events (0: 65536) that
+ * never slows the engine; events that find it full are dropped and counted
+ * (kvo_events_dropped). One stream per engine handle (a second open is
+ * KVO_EINVAL until kvo_events_close). kvo_events_poll never blocks: it
+ * writes the events waiting (at most 4096) as a NUL-terminated JSON array
+ * of objects in vLLM's field names:
+ *   {"type": "BlockStored", "block_hashes": ["<32 hex digits>"],
+ *    "parent_block_hash": "<hex>" (absent: none), "token_ids": [...],
+ *    "block_size": n, "medium": "CPU"}
+ *   {"type": "BlockRemoved", "block_hashes": ["<hex>"], "medium": "CPU"}
+ *   {"type": "AllBlocksCleared"}
+ * ("[]" when none). When cap is too small it writes nothing, returns
+ * KVO_EINVAL with *needed, and keeps the batch for the next call. Stored
+ * events come after the block is ready, removed ones after it left the
+ * index. Calls on an engine without kvo_events_open are KVO_EINVAL. */
+int kvo_metrics_text(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
+int kvo_events_open(kvo_engine_t engine, int64_t buffer);
+int kvo_events_poll(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
+int kvo_events_dropped(kvo_engine_t engine, uint64_t* dropped);
+int kvo_events_close(kvo_engine_t engine);
+
+/* kvo_store with the token ids of the blocks stored: n_tokens = n ×
+ * tokens_per_block (KVO_EINVAL otherwise), or 0 and tokens NULL for none.
+ * They go into the blocks' BlockStored events, since routers hash tokens
+ * themselves; the copy is the same as kvo_store's. */
+int kvo_store_tokens(kvo_engine_t engine, const uint8_t* keys, const int64_t* block_ids, size_t n,
+                     const uint8_t* parent, const uint8_t* parents, const uint32_t* tokens,
+                     size_t n_tokens, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op_out);
+
 #ifdef __cplusplus
 }
 #endif

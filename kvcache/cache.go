@@ -103,6 +103,13 @@ type Config struct {
 	// cache. Slots of a draining region are not passed: their memory goes
 	// back to the OS.
 	OnFree func(Slot)
+	// OnIndex, when set, is called with the cache's lock held when a block
+	// becomes visible (CompleteStore succeeded) and when a visible block
+	// leaves the index (evicted, rejected, deleted, cleared, trimmed), in
+	// the order the cache saw them: a key's removal never comes before its
+	// ready. Blocks dropped while still being written are reported by
+	// neither. It must not block nor call the cache (see IndexEvent).
+	OnIndex func(IndexEvent)
 	// MaxSlots, when > 0, is the number of slots the pool is expected to
 	// reach (its planned size over the slot size): New reserves the slot
 	// table and the key index for that many, so that AddRegion, while the
@@ -191,6 +198,7 @@ type Cache struct {
 	watermark int
 	threshold int
 	onFree    func(Slot)
+	onIndex   func(IndexEvent)
 	closed    bool
 
 	// toZero holds the slots the current critical section released into
@@ -250,7 +258,7 @@ func New(cfg Config) (*Cache, error) {
 	}
 	c := &Cache{
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
-		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree,
+		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree, onIndex: cfg.OnIndex,
 		freeHead: -1,
 		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
 	}

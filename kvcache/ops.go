@@ -202,6 +202,9 @@ func (c *Cache) CompleteStore(slots []Slot, err error) error {
 				}
 			}
 			c.policy.Inserted(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+			if c.onIndex != nil {
+				c.onIndex(IndexEvent{Ready: true, Key: s.key, Slot: c.handle(i), Namespace: s.ns})
+			}
 		}
 	}
 	c.maintain(0)
@@ -496,6 +499,9 @@ func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 	s := &c.slots[i]
 	if tell && s.visible() {
 		c.policy.Removed(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+	}
+	if c.onIndex != nil && s.visible() {
+		c.onIndex(IndexEvent{Key: s.key, Slot: c.handle(i), Namespace: s.ns})
 	}
 	c.unindex(i)
 	*counter++

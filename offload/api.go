@@ -322,6 +322,11 @@ type StoreOptions struct {
 	// and must have len(keys) entries. A key whose parent is refused in
 	// the same call is refused the same way, as within one chain.
 	Parents []Key
+	// Tokens, optional, are the token ids of the blocks stored,
+	// TokensPerBlock per key in key order (len(keys) × TokensPerBlock):
+	// they go into the blocks' EventStored (Engine.Events), since routers
+	// hash tokens themselves. Nil: events carry no tokens.
+	Tokens []uint32
 }
 
 // LoadOptions modify Load.

@@ -176,6 +176,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if cfg.ZeroOnRelease {
 		kcfg.OnFree = e.zeroSlot
 	}
+	kcfg.OnIndex = e.hub.onIndex
 	if e.cache, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}

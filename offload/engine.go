@@ -96,6 +96,7 @@ type Engine struct {
 	inflight map[kvcache.RegionID]int
 	changed  chan struct{}
 	stopReap chan struct{}
+	hub      eventHub // Events' streams (events.go)
 }
 
 // Lease is a set of reader leases taken by Lookup: its blocks cannot be

@@ -177,6 +177,9 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if ns == "" {
 		ns = e.cfg.Namespace
 	}
+	if err := checkTokens(len(keys), opts.Tokens, e.cfg.Layout.TokensPerBlock); err != nil {
+		return nil, err
+	}
 	res, err := e.beginStore(e.namespace(ns), keys, blockIDs, opts)
 	if err != nil {
 		return nil, err
@@ -201,8 +204,10 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		e.finishOp(op, start)
 		return op, nil
 	}
+	e.hub.noteStore(keys, idx, slots, opts, e.cfg.Layout.TokensPerBlock)
 	fail := func(oc Outcome, cause error) (*Op, error) {
 		_ = e.cache.CompleteStore(slots, cause)
+		e.hub.forget(slots)
 		for _, i := range idx {
 			if oc == OutcomeFailed {
 				op.setOutcome(i, oc, cause)
@@ -227,7 +232,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	tdone := make(chan struct{})
 	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: cuda.Event(opts.After), Events: e.events,
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
-			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr) })}
+			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr); e.hub.forget(slots) })}
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -239,6 +244,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 			return fail(OutcomeRefusedBusy, err)
 		case errors.Is(err, transfer.ErrDeviceLost):
 			_ = e.cache.CompleteStore(slots, err)
+			e.hub.forget(slots)
 			return nil, fmt.Errorf("%w: Store refused: %w", ErrDeviceLost, err)
 		}
 		return fail(OutcomeFailed, err)
@@ -758,7 +764,9 @@ func (e *Engine) shutdown() error {
 	e.closeMu.Lock()
 	defer e.closeMu.Unlock()
 	e.ops.Wait()
-	return e.teardown()
+	err := e.teardown()
+	e.hub.closeAll()
+	return err
 }
 
 // teardown releases everything New built; used by Close and by a failed New.

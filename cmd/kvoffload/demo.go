@@ -49,6 +49,8 @@ reports a failed copy.`,
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
+		fs.StringVar(&cfg.metricsAddr, "metrics", "", "serve Prometheus metrics at http://`addr`/metrics while the demo runs")
+		fs.StringVar(&cfg.eventsAddr, "events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://*:5557)")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
@@ -92,6 +94,8 @@ type demoConfig struct {
 	prefaultThreads int
 	// prefaultNice is the engine's Config.PrefaultNice (0: its default).
 	prefaultNice int
+	// metricsAddr and eventsAddr: --metrics and --events (demo_observe.go).
+	metricsAddr, eventsAddr string
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -211,6 +215,9 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 		return nil, err
 	}
 	r.eng, r.mem = opened.eng, opened.mem
+	if err := observe(opened, cfg, notice); err != nil {
+		return nil, errors.Join(err, opened.close())
+	}
 	defer func() {
 		sp := startStep(progress, "closing the engine")
 		err = errors.Join(err, opened.close())

@@ -94,6 +94,12 @@ _PROTOTYPES = {
     "kvo_wait_grown": [_u64, _i64],
     "kvo_pause_growth": [_u64],
     "kvo_resume_growth": [_u64],
+    "kvo_metrics_text": [_u64, ctypes.c_char_p, _size, _sizep],
+    "kvo_events_open": [_u64, _i64],
+    "kvo_events_poll": [_u64, ctypes.c_char_p, _size, _sizep],
+    "kvo_events_dropped": [_u64, _u64p],
+    "kvo_events_close": [_u64],
+    "kvo_store_tokens": [_u64, _vp, _vp, _size, _vp, _vp, _vp, _size, _uptr, _uptr, _u64p],
 }
 _RESTYPES = {"kvo_last_error": ctypes.c_char_p}
 

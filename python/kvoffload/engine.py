@@ -87,6 +87,16 @@ def _parents(parent, parents, n):
     return None, raw
 
 
+def _tokens(tokens):
+    """Token ids as the uint32 array kvo_store_tokens takes."""
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    try:
+        return array.array("I", tokens)
+    except (TypeError, OverflowError) as e:
+        raise errors.InvalidArgumentError(f"store: tokens must be uint32 token ids: {e}") from None
+
+
 def _addr(buf):
     """The address of a bytes object or array's data, for the call's duration."""
     if isinstance(buf, array.array):
@@ -383,7 +393,7 @@ class Engine(_Handle):
             return hits.value
         return hits.value, (Lease(self, lh.value, hits.value) if lh.value else None)
 
-    def store(self, keys, block_ids, after=None, parent=None, parents=None):
+    def store(self, keys, block_ids, after=None, parent=None, parents=None, tokens=None):
         """Copies GPU blocks block_ids[i] to the pool under keys[i],
         asynchronously; returns an Op. after: the torch.cuda.Stream whose
         queued kernels write those blocks: an event (from the engine's pool,
@@ -397,7 +407,11 @@ class Engine(_Handle):
         the key of the block before keys[0] (None or ZERO_KEY: keys[0]
         starts the sequence). parents: for a call holding blocks of several
         sequences, one parent per key (None or ZERO_KEY: that key starts a
-        sequence)."""
+        sequence).
+
+        tokens: the blocks' token ids, tokens_per_block per key in key order
+        (len(keys) × tokens_per_block), carried into their BlockStored events
+        (events()); None: events carry no tokens."""
         raw, n = pack_keys(keys)
         ids = _block_ids(block_ids, n)
         praw, psraw = _parents(parent, parents, n)
@@ -408,8 +422,14 @@ class Engine(_Handle):
             event, ev, st = _record_on(after, self._events)
         op = ctypes.c_uint64(0)
         try:
-            _lib.check(_lib.get().kvo_store(h, _addr(raw), _addr(ids), n, _addr(praw), _addr(psraw), ev, st,
-                                            ctypes.byref(op)), "kvo_store")
+            if tokens is None:
+                _lib.check(_lib.get().kvo_store(h, _addr(raw), _addr(ids), n, _addr(praw), _addr(psraw), ev, st,
+                                                ctypes.byref(op)), "kvo_store")
+            else:
+                toks = _tokens(tokens)
+                _lib.check(_lib.get().kvo_store_tokens(h, _addr(raw), _addr(ids), n, _addr(praw), _addr(psraw),
+                                                       _addr(toks), len(toks), ev, st, ctypes.byref(op)),
+                           "kvo_store_tokens")
         except BaseException:
             if event is not None:
                 self._events.put(event)  # nothing was issued: free again
@@ -504,6 +524,72 @@ class Engine(_Handle):
     def stats(self):
         """The engine's counters as a dict (see Go's offload.Stats)."""
         return self._json(_lib.get().kvo_stats_json, "kvo_stats_json")
+
+    # ---- metrics and KV events ------------------------------------------
+
+    def metrics_text(self):
+        """The engine's metrics in the Prometheus text exposition format
+        (what `kvoffload demo --metrics` serves at /metrics)."""
+        return self._text(_lib.get().kvo_metrics_text, "kvo_metrics_text")
+
+    def events(self, buffer=0, timeout=0.0, poll_interval=0.001):
+        """An iterator over the engine's KV events, subscribed now: dicts in
+        vLLM's field names ({"type": "BlockStored" | "BlockRemoved" |
+        "AllBlocksCleared", "block_hashes": [key bytes], "parent_block_hash":
+        key bytes or None, "token_ids", "block_size", "medium": "CPU"}), in
+        the order the pool's index changed, each after the fact. buffer:
+        events held for a slow reader (0: 65536); past it events are dropped
+        and counted (events_dropped()), the engine never waits. The iterator
+        ends once no event came for timeout seconds (0: when none is
+        waiting; None: never, until the engine is closed). One subscription
+        per engine: close() the iterator (or let it end) before another."""
+        _lib.check(_lib.get().kvo_events_open(self._h(), _lib.check_int("events: buffer", buffer, 0, 1 << 30)),
+                   "kvo_events_open")
+        return self._event_iter(timeout, poll_interval)
+
+    def _event_iter(self, timeout, poll_interval):
+        try:
+            idle_since = time.monotonic()
+            while True:
+                try:
+                    batch = self._text(_lib.get().kvo_events_poll, "kvo_events_poll")
+                except errors.EngineClosedError:
+                    return
+                evs = json.loads(batch)
+                for ev in evs:
+                    yield _event(ev)
+                    if ev["type"] == "AllBlocksCleared":
+                        return  # the engine closed
+                if evs:
+                    idle_since = time.monotonic()
+                    continue
+                if timeout is not None and time.monotonic() - idle_since >= timeout:
+                    return
+                time.sleep(poll_interval)
+        finally:
+            if self._handle:
+                try:
+                    _lib.get().kvo_events_close(self._handle)
+                except Exception:
+                    pass
+
+    def events_dropped(self):
+        """Events the open events() iterator lost because it was slow."""
+        out = ctypes.c_uint64(0)
+        _lib.check(_lib.get().kvo_events_dropped(self._h(), ctypes.byref(out)), "kvo_events_dropped")
+        return out.value
+
+    def _text(self, fn, call):
+        need = ctypes.c_size_t(0)
+        size = 1 << 14
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            rc = fn(self._h(), buf, size, ctypes.byref(need))
+            if rc == errors.KVO_EINVAL and need.value > size:
+                size = need.value
+                continue
+            _lib.check(rc, call)
+            return buf.value.decode()
 
     def trim(self, nbytes, timeout=None):
         """Gives up to nbytes of pinned pool memory back; returns
@@ -680,3 +766,13 @@ def library_pid():
 
 
 __all__ = ["Engine", "Op", "Lease", "Staging", "OUTCOMES", "abi_version", "library_pid"]
+
+
+def _event(ev):
+    """A kvo_events_poll object with its hex block hashes as key bytes."""
+    if "block_hashes" in ev:
+        ev["block_hashes"] = [bytes.fromhex(h) for h in ev["block_hashes"]]
+    if ev["type"] == "BlockStored":
+        p = ev.get("parent_block_hash")
+        ev["parent_block_hash"] = None if p is None else bytes.fromhex(p)
+    return ev

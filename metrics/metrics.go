@@ -1,0 +1,225 @@
+// Package metrics exports an offload.Engine's Stats as Prometheus metrics.
+//
+// It is a view: a Collector reads Engine.Stats on every scrape and turns
+// each field into a metric, so the metrics and Stats never disagree (Stats
+// stays the source). The offload package does not import this one: a Go
+// program that does not want client_golang does not get it.
+//
+// Names follow vLLM's KV-offload metrics (vLLM v0.27.0:
+// CPUOffloadingMetrics in vllm/v1/kv_offload/cpu, and the offloading
+// connector's kv_offload_total_bytes / kv_offload_total_time by
+// transfer_type) with vLLM's "vllm:kv_offload_" prefix replaced by
+// "kvoffload_"; metrics vLLM has no counterpart for (pool, growth) use the
+// same prefix. The README lists the correspondence.
+package metrics
+
+import (
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/kvoffload/kvoffload/offload"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/common/expfmt"
+)
+
+// Source is what the Collector reads: *offload.Engine.
+type Source interface {
+	Stats() offload.Stats
+}
+
+// Transfer types, spelled as vLLM's offloading connector labels them.
+const (
+	GPUToCPU = "GPU_to_CPU" // stores
+	CPUToGPU = "CPU_to_GPU" // loads
+)
+
+// TierCPU is the tier label of the host pool.
+const TierCPU = "cpu"
+
+// Collector is a prometheus.Collector over one engine's Stats.
+type Collector struct {
+	src    Source
+	labels prometheus.Labels
+	d      descs
+}
+
+type descs struct {
+	lookups, blockLookups, hits, misses                 *prometheus.Desc
+	outcomes, skipped, evictions, deletes, admission    *prometheus.Desc
+	blocks, bytes, ops, latency                         *prometheus.Desc
+	usage, poolBytes, ownedBytes, inUse, inFlight       *prometheus.Desc
+	stagingBytes, slots, ready, leased, blockBytes      *prometheus.Desc
+	growthTarget, growthPaused, growthDone, growthError *prometheus.Desc
+	regions, trims, trimmed                             *prometheus.Desc
+}
+
+// New returns a Collector of src's Stats; constLabels (may be nil) are added
+// to every metric (an engine name, a model).
+func New(src Source, constLabels prometheus.Labels) *Collector {
+	c := &Collector{src: src, labels: constLabels}
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc("kvoffload_"+name, help, labels, constLabels)
+	}
+	c.d = descs{
+		lookups:      d("lookups_total", "Lookup calls.", "tier"),
+		blockLookups: d("cpu_block_lookup_total", "Blocks looked up (keys asked about).", "tier"),
+		hits:         d("cpu_block_hit_total", "Blocks found: the longest ready prefix of each lookup.", "tier"),
+		misses:       d("cpu_block_miss_total", "Blocks looked up and not found.", "tier"),
+		outcomes:     d("block_outcomes_total", "Final outcome of every block of every Store and Load.", "outcome"),
+		skipped:      d("stores_skipped_total", "Blocks a Store did not copy, by reason (already present, refused full/busy/admission, cancelled, failed).", "reason"),
+		evictions:    d("block_eviction_total", "Blocks evicted (policy, Trim, automatic trim).", "tier"),
+		deletes:      d("block_deletes_total", "Blocks removed by Delete or Clear.", "tier"),
+		admission:    d("admission_rejections_total", "Keys the admission policy declined.", "tier"),
+		blocks:       d("total_blocks_total", "Blocks copied.", "transfer_type"),
+		bytes:        d("total_bytes_total", "Bytes copied.", "transfer_type"),
+		ops:          d("transfer_ops_total", "Store or Load ops finished.", "transfer_type"),
+		latency:      d("transfer_latency_seconds", "Op latency, call to done.", "transfer_type"),
+		usage:        d("cpu_cache_usage_perc", "Fraction of the pinned pool held by copies in flight (in-flight bytes over owned bytes).", "tier"),
+		poolBytes:    d("pool_capacity_bytes", "Configured pool size.", "tier"),
+		ownedBytes:   d("pool_owned_bytes", "Pool bytes mapped and pinned now.", "tier"),
+		inUse:        d("pool_in_use_bytes", "Pool bytes holding a block (writing, ready, leased, releasing).", "tier"),
+		inFlight:     d("pool_in_flight_bytes", "Bytes being copied, both directions.", "tier"),
+		stagingBytes: d("staging_bytes", "Staging region: reserved or used.", "state"),
+		slots:        d("pool_slots", "Slots of pinned regions: total or free.", "state"),
+		ready:        d("blocks_ready", "Ready or leased blocks.", "tier"),
+		leased:       d("blocks_leased", "Blocks with readers.", "tier"),
+		blockBytes:   d("block_bytes", "Bytes of one block (one slot).", "tier"),
+		growthTarget: d("growth_target_bytes", "Pool size background growth aims at.", "tier"),
+		growthPaused: d("growth_paused", "1 while PauseGrowth is in effect.", "tier"),
+		growthDone:   d("growth_complete", "1 once every planned region is pinned.", "tier"),
+		growthError:  d("growth_error", "1 when background growth stopped on an error.", "tier"),
+		regions:      d("pool_regions", "Pool regions: pinned now or planned.", "state"),
+		trims:        d("trims_total", "Trim calls.", "tier"),
+		trimmed:      d("trimmed_bytes_total", "Bytes given back by Trim.", "tier"),
+	}
+	return c
+}
+
+func (c *Collector) all() []*prometheus.Desc {
+	d := &c.d
+	return []*prometheus.Desc{d.lookups, d.blockLookups, d.hits, d.misses, d.outcomes, d.skipped, d.evictions, d.deletes,
+		d.admission, d.blocks, d.bytes, d.ops, d.latency, d.usage, d.poolBytes, d.ownedBytes, d.inUse, d.inFlight,
+		d.stagingBytes, d.slots, d.ready, d.leased, d.blockBytes, d.growthTarget, d.growthPaused, d.growthDone,
+		d.growthError, d.regions, d.trims, d.trimmed}
+}
+
+// Describe implements prometheus.Collector.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.all() {
+		ch <- d
+	}
+}
+
+// skippedReasons are the outcomes of a Store's blocks that were not copied.
+var skippedReasons = []offload.Outcome{offload.OutcomeAlreadyPresent, offload.OutcomeRefusedFull, offload.OutcomeRefusedBusy,
+	offload.OutcomeRefusedAdmission}
+
+// Collect implements prometheus.Collector: one Stats snapshot per scrape.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.src.Stats()
+	d := &c.d
+	counter := func(desc *prometheus.Desc, v int64, label string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.CounterValue, float64(v), label)
+	}
+	gauge := func(desc *prometheus.Desc, v float64, label string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, v, label)
+	}
+	b := func(x bool) float64 {
+		if x {
+			return 1
+		}
+		return 0
+	}
+	counter(d.lookups, s.Lookups, TierCPU)
+	counter(d.blockLookups, s.LookupKeys, TierCPU)
+	counter(d.hits, s.Hits, TierCPU)
+	counter(d.misses, s.Misses, TierCPU)
+	for i, v := range s.Outcomes {
+		if oc := offload.Outcome(i); oc != offload.OutcomePending {
+			counter(d.outcomes, v, oc.String())
+		}
+	}
+	for _, oc := range skippedReasons {
+		counter(d.skipped, s.Outcome(oc), oc.String())
+	}
+	counter(d.evictions, s.Evictions, TierCPU)
+	counter(d.deletes, s.Deletes, TierCPU)
+	counter(d.admission, s.AdmissionRejections, TierCPU)
+	for _, dir := range []struct {
+		name string
+		d    offload.Direction
+	}{{GPUToCPU, s.Store}, {CPUToGPU, s.Load}} {
+		counter(d.blocks, dir.d.Blocks, dir.name)
+		counter(d.bytes, dir.d.Bytes, dir.name)
+		counter(d.ops, dir.d.Ops, dir.name)
+		ch <- histogram(d.latency, dir.d.Latency, dir.name)
+	}
+	usage := 0.0
+	if s.OwnedBytes > 0 {
+		usage = float64(s.InFlightBytes) / float64(s.OwnedBytes)
+	}
+	gauge(d.usage, usage, TierCPU)
+	gauge(d.poolBytes, float64(s.PoolBytes), TierCPU)
+	gauge(d.ownedBytes, float64(s.OwnedBytes), TierCPU)
+	gauge(d.inUse, float64(s.InUseBytes), TierCPU)
+	gauge(d.inFlight, float64(s.InFlightBytes), TierCPU)
+	gauge(d.stagingBytes, float64(s.StagingBytes), "reserved")
+	gauge(d.stagingBytes, float64(s.StagingUsed), "used")
+	gauge(d.slots, float64(s.SlotsTotal), "total")
+	gauge(d.slots, float64(s.SlotsFree), "free")
+	gauge(d.ready, float64(s.BlocksReady), TierCPU)
+	gauge(d.leased, float64(s.BlocksLeased), TierCPU)
+	gauge(d.blockBytes, float64(s.BlockBytes), TierCPU)
+	gauge(d.growthTarget, float64(s.GrowthTargetBytes), TierCPU)
+	gauge(d.growthPaused, b(s.GrowthPaused), TierCPU)
+	gauge(d.growthDone, b(s.FullPool > 0), TierCPU)
+	gauge(d.growthError, b(s.GrowthError != ""), TierCPU)
+	gauge(d.regions, float64(s.Regions), "pinned")
+	gauge(d.regions, float64(s.RegionsTotal), "planned")
+	counter(d.trims, s.Trims, TierCPU)
+	counter(d.trimmed, s.TrimmedBytes, TierCPU)
+}
+
+// histogram turns Stats' log2 latency histogram into a Prometheus one: the
+// bucket bounds are offload.BucketUpper in seconds (the last bucket, which
+// has no bound, is +Inf).
+func histogram(desc *prometheus.Desc, h offload.Histogram, label string) prometheus.Metric {
+	buckets := make(map[float64]uint64, offload.HistogramBuckets-1)
+	var cum uint64
+	for i := 0; i < offload.HistogramBuckets-1; i++ {
+		cum += uint64(h.Counts[i])
+		buckets[offload.BucketUpper(i).Seconds()] = cum
+	}
+	// The snapshot is not atomic: a bucket read after Count may have moved on.
+	return prometheus.MustNewConstHistogram(desc, max(uint64(h.Count), cum+uint64(h.Counts[offload.HistogramBuckets-1])), h.Sum.Seconds(), buckets, label)
+}
+
+// Registry returns a registry holding a Collector of src.
+func Registry(src Source, constLabels prometheus.Labels) *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(New(src, constLabels))
+	return reg
+}
+
+// Handler serves src's metrics (the /metrics endpoint).
+func Handler(src Source) http.Handler {
+	return promhttp.HandlerFor(Registry(src, nil), promhttp.HandlerOpts{Timeout: 10 * time.Second})
+}
+
+// WriteText writes src's metrics in the Prometheus text exposition format,
+// what /metrics serves to a client that asks for text.
+func WriteText(w io.Writer, src Source) error {
+	mfs, err := Registry(src, nil).Gather()
+	if err != nil {
+		return err
+	}
+	enc := expfmt.NewEncoder(w, expfmt.NewFormat(expfmt.TypeTextPlain))
+	for _, mf := range mfs {
+		if err := enc.Encode(mf); err != nil {
+			return err
+		}
+	}
+	return nil
+}

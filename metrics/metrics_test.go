@@ -1,0 +1,133 @@
+package metrics_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/kvoffload/kvoffload/metrics"
+	"github.com/kvoffload/kvoffload/offload"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"github.com/stretchr/testify/require"
+)
+
+func newEngine(t *testing.T) *offload.Engine {
+	t.Helper()
+	e, err := offload.New(offload.Config{PoolBytes: 8 * 8192, Backend: offload.BackendHost, SkipMemoryCheck: true,
+		Layout: offload.LayoutSpec{Kind: offload.LayoutLayerSeparate, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: 16}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
+	return e
+}
+
+// work stores more blocks than the pool holds (evictions), loads and looks
+// some up.
+func work(t *testing.T, e *offload.Engine) {
+	ctx := context.Background()
+	tokens := make([]uint32, 16*16)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := e.Keys(tokens)
+	for i := 0; i < len(keys); i += 4 {
+		op, err := e.Store(ctx, keys[i:i+4], []int{i, i + 1, i + 2, i + 3}, offload.StoreOptions{})
+		require.NoError(t, err)
+		require.NoError(t, op.Wait(ctx))
+		require.NoError(t, op.Release())
+	}
+	_, err := e.Lookup(keys, offload.LookupOptions{})
+	require.NoError(t, err)
+	op, err := e.Load(ctx, keys[12:], []int{0, 1, 2, 3}, offload.LoadOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.NoError(t, op.Release())
+}
+
+func parse(t *testing.T, r io.Reader) map[string]*dto.MetricFamily {
+	t.Helper()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	mfs, err := p.TextToMetricFamilies(r)
+	require.NoError(t, err)
+	return mfs
+}
+
+// value returns the sample of family name whose label (if given) matches.
+func value(t *testing.T, mfs map[string]*dto.MetricFamily, name, label, want string) float64 {
+	t.Helper()
+	mf, ok := mfs[name]
+	require.True(t, ok, "metric %s missing", name)
+	for _, m := range mf.GetMetric() {
+		match := label == ""
+		for _, lp := range m.GetLabel() {
+			if lp.GetName() == label && lp.GetValue() == want {
+				match = true
+			}
+		}
+		if !match {
+			continue
+		}
+		switch {
+		case m.Counter != nil:
+			return m.Counter.GetValue()
+		case m.Gauge != nil:
+			return m.Gauge.GetValue()
+		case m.Histogram != nil:
+			return float64(m.Histogram.GetSampleCount())
+		}
+	}
+	t.Fatalf("%s{%s=%q} missing", name, label, want)
+	return 0
+}
+
+// TestScrapeAgreesWithStats scrapes /metrics over HTTP, parses it with the
+// Prometheus text parser and checks the samples against Stats.
+func TestScrapeAgreesWithStats(t *testing.T) {
+	e := newEngine(t)
+	work(t, e)
+	srv := httptest.NewServer(metrics.Handler(e))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	mfs := parse(t, resp.Body)
+	s := e.Stats() // idle engine: nothing moves between the scrape and this
+
+	require.Positive(t, s.Evictions)
+	require.Equal(t, float64(s.Lookups), value(t, mfs, "kvoffload_lookups_total", "tier", "cpu"))
+	require.Equal(t, float64(s.LookupKeys), value(t, mfs, "kvoffload_cpu_block_lookup_total", "tier", "cpu"))
+	require.Equal(t, float64(s.Hits), value(t, mfs, "kvoffload_cpu_block_hit_total", "tier", "cpu"))
+	require.Equal(t, float64(s.Misses), value(t, mfs, "kvoffload_cpu_block_miss_total", "tier", "cpu"))
+	require.Equal(t, float64(s.Evictions), value(t, mfs, "kvoffload_block_eviction_total", "tier", "cpu"))
+	require.Equal(t, float64(s.Outcome(offload.OutcomeStored)), value(t, mfs, "kvoffload_block_outcomes_total", "outcome", "stored"))
+	require.Equal(t, float64(s.Outcome(offload.OutcomeRefusedFull)), value(t, mfs, "kvoffload_stores_skipped_total", "reason", "refused-full"))
+	require.Equal(t, float64(s.Store.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Load.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.CPUToGPU))
+	require.Equal(t, float64(s.Store.Blocks), value(t, mfs, "kvoffload_total_blocks_total", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Store.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Load.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.CPUToGPU))
+	require.Equal(t, float64(s.PoolBytes), value(t, mfs, "kvoffload_pool_capacity_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.OwnedBytes), value(t, mfs, "kvoffload_pool_owned_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.InUseBytes), value(t, mfs, "kvoffload_pool_in_use_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.InFlightBytes), value(t, mfs, "kvoffload_pool_in_flight_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.SlotsFree), value(t, mfs, "kvoffload_pool_slots", "state", "free"))
+	require.Equal(t, float64(s.GrowthTargetBytes), value(t, mfs, "kvoffload_growth_target_bytes", "tier", "cpu"))
+	require.Equal(t, dto.MetricType_HISTOGRAM, mfs["kvoffload_transfer_latency_seconds"].GetType())
+	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_cpu_block_hit_total"].GetType())
+}
+
+// TestWriteTextIsTheExposition checks that WriteText (what the C ABI and
+// Python return) parses the same way.
+func TestWriteTextIsTheExposition(t *testing.T) {
+	e := newEngine(t)
+	work(t, e)
+	var buf bytes.Buffer
+	require.NoError(t, metrics.WriteText(&buf, e))
+	mfs := parse(t, &buf)
+	require.Equal(t, float64(e.Stats().Hits), value(t, mfs, "kvoffload_cpu_block_hit_total", "tier", "cpu"))
+}
