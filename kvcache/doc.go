@@ -39,7 +39,7 @@
 // leaves the index as soon as it is evicted; its slot is reused only after
 // every lease is given back and every transfer on it (the store's D2H, each
 // load's H2D) is reported done. Transfers report completions: the cache never
-// assumes a copy finished. Verify checks all this; the "invariants" build tag
+// assumes a copy finished. Verify checks all this; the kvoinvariants build tag
 // runs it after every call.
 //
 // # Slots
