@@ -109,8 +109,7 @@ func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
 // DefaultPrefaultNice is the nice increment of prefault threads when
 // Options.PrefaultNice is 0: 10, a weight of about a tenth of a thread at
 // the default priority, so that a serving loop sharing the CPUs with the
-// pool's growth keeps most of its request rate
-// (bench/results/cpu/growth-serving.md).
+// pool's growth keeps most of its request rate.
 const DefaultPrefaultNice = 10
 
 // mappedBytes counts the bytes this package has mapped and not unmapped yet,
