@@ -39,8 +39,8 @@ func LinkVerdict(link map[string]float64, rows []ThroughputRow) []string {
 // Link reference: linkWarm of contiguous copies both ways (at most
 // linkWarmRuns runs) before the timed runs, which are at least linkReps.
 // A link that idles may run below its speed at first (power states, a
-// PCIe link trained down), and one warm-up copy was not enough: a run on
-// the H200 measured 46 GB/s against 55 in another program the same minute.
+// PCIe link trained down), and one warm-up copy is not enough: it left the
+// reference well below what another program measured the same minute.
 const (
 	linkWarm     = 500 * time.Millisecond
 	linkWarmRuns = 64

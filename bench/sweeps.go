@@ -95,9 +95,8 @@ func (v KernelVariant) String() string {
 // FenceKernelVariants measures kvo_copy_sys's fence (every 4 to 12 KiB
 // per warp, which bounds each warp's host stores in flight) and kvo_copy
 // over launch shapes of 32 to 128 warps on at most 8 CTAs. Pacing
-// (PaceGBps) is left out: on the H200 it did not lower the matrix
-// product's slowdown at a given D2H rate
-// (git show 5fe4e35:bench/results/2026-11-30-h200/fence-sweep-2.md).
+// (PaceGBps) is left out: it did not lower the matrix product's slowdown
+// at a given D2H rate.
 func FenceKernelVariants() []KernelVariant {
 	sys := func(threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: cudacopy.SysFenceCopyKernel, FenceBytes: fence * cudacopy.FenceUnit}
@@ -116,7 +115,7 @@ func FenceKernelVariants() []KernelVariant {
 // ProbeKernelVariants measures kvo_copy_probe (each warp reads back a word
 // it stored every 4 KiB, in place of kvo_copy_sys's fence) on 48 to 64
 // warps, beside kvo_copy_sys's launch before it; the list that picked the
-// default D2H launch (bench/results/h200/sweep-probe/, scripts/gpu/run.sh sweep:probe).
+// default D2H launch (run by scripts/gpu/run.sh sweep:probe).
 func ProbeKernelVariants() []KernelVariant {
 	v := func(kernel string, threads, ctas, fence int) KernelVariant {
 		return KernelVariant{Threads: threads, CTAs: ctas, HighPriority: true, CopyKernel: kernel, FenceBytes: fence * cudacopy.FenceUnit}

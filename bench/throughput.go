@@ -744,8 +744,8 @@ func (b *bench) segments(size uint64) segSet {
 // descriptor buffer, so that parts do not each hold a mostly empty buffer.
 // MethodAuto is submitted in the parts of the method it takes: in kernel
 // parts, a run that took the batch API both ways left the H2D stream idle
-// while the CPU enqueued the D2H side (both ways at 64 KiB: 77 GB/s,
-// against 96 forced; git show 5fe4e35:bench/results/2026-11-30-h200/throughput.csv).
+// while the CPU enqueued the D2H side, and ran well below the forced batch
+// API.
 const (
 	dmaPart    = 8192
 	kernelPart = cudacopy.DefaultDescCapacity
