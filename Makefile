@@ -59,7 +59,7 @@ gpu-bins:
 	rm -rf build/gpu $(GPU_ARCHIVE)
 	mkdir -p build/gpu
 	CGO_ENABLED=1 $(GO) build -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload ./cmd/kvoffload
-	CGO_ENABLED=1 $(GO) build -tags 'kvoinvariants invariants' -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload-soak ./cmd/kvoffload
+	CGO_ENABLED=1 $(GO) build -tags kvoinvariants -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload-soak ./cmd/kvoffload
 	for p in $(GPU_PKGS); do \
 		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
 	done
@@ -91,7 +91,7 @@ fuzz:
 # engine Close/reopen, built with the invariants on (copy gating with
 # poisoned releases, and the block index checked after every change).
 soak:
-	$(GO) build -tags 'kvoinvariants invariants' -o build/kvoffload-soak ./cmd/kvoffload
+	$(GO) build -tags kvoinvariants -o build/kvoffload-soak ./cmd/kvoffload
 	build/kvoffload-soak soak --duration $(SOAK_DURATION) --backend $(SOAK_BACKEND)
 
 # libkvoffload.so (C ABI) into build/ and into the Python package.

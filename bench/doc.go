@@ -1,6 +1,6 @@
 // Package bench measures kvoffload against the references it must beat, in
-// the same run on the same machine (absolute figures drift between machines;
-// see doc/ANCHORS.md for the H200 anchors).
+// the same run on the same machine (absolute figures drift between
+// machines; doc/ANCHORS.md has the reference figures).
 //
 // Each measurement is a plain function returning typed results plus a
 // Format function that renders them as a markdown table, so that tests,

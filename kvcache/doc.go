@@ -39,7 +39,7 @@
 // leaves the index as soon as it is evicted; its slot is reused only after
 // every lease is given back and every transfer on it (the store's D2H, each
 // load's H2D) is reported done. Transfers report completions: the cache never
-// assumes a copy finished. Verify checks all this; the "invariants" build tag
+// assumes a copy finished. Verify checks all this; the kvoinvariants build tag
 // runs it after every call.
 //
 // # Slots
@@ -86,24 +86,16 @@
 //
 // # Admission: store everything, or only what was seen twice?
 //
-// BenchmarkHitRatio (trace.Default, 1500 requests, 2 MiB blocks, watermark
-// 1/64 of the pool; `go test ./kvcache -run '^$' -bench HitRatio -benchtime 1x`)
-// measured, as hit ratio / GiB copied D2H / GiB of it wasted on blocks
-// TinyLFU rejected after the copy:
-//
-//	slots   TinyLFU t=1          TinyLFU t=2          LRU t=1        LRU t=2
-//	 2048   0.250 / 89 / 48      0.252 / 63 / 30      0.215 / 433    0.248 / 196
-//	 8192   0.337 / 215 / 117    0.345 / 112 / 46     0.382 / 342    0.407 / 108
-//	32768   0.468 / 261 / 89     0.493 / 61 / 0       0.553 / 247    0.493 / 61
-//
-// (t = StoreThreshold.) TinyLFU's after-the-fact admission wastes 34–54% of
-// its D2H bytes, and on this trace it does not beat LRU: it rejects the
-// fresh blocks of a conversation, which its next turn needs. Storing only
-// keys looked up twice removes most of that waste, and for pools smaller
-// than the working set it raises the hit ratio of both policies while
-// cutting D2H traffic 1.4–3×; when the pool holds the working set
-// (32768 slots) it costs LRU 6 points of hit ratio. The decision: LRU is the
-// default policy; StoreThreshold defaults to 1 (store everything) and the
-// engine should set it to 2 when its pool is smaller than its working set
-// or link time for stores is scarce, and always with TinyLFU.
+// BenchmarkHitRatio replays trace.Default (multi-turn conversations) with
+// both policies, storing every block or only keys seen twice. On it,
+// TinyLFU's after-the-fact admission wastes a large share of its D2H bytes
+// on blocks it then rejects, and it does not beat LRU: it rejects the fresh
+// blocks of a conversation, which its next turn needs. Storing only keys
+// looked up twice removes most of that waste, and for pools smaller than
+// the working set it raises the hit ratio of both policies while cutting
+// D2H traffic several times; when the pool holds the working set it costs
+// LRU some hit ratio. The decision: LRU is the default policy;
+// StoreThreshold defaults to 1 (store everything) and the engine should
+// set it to 2 when its pool is smaller than its working set or link time
+// for stores is scarce, and always with TinyLFU.
 package kvcache

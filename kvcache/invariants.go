@@ -7,7 +7,7 @@ import (
 
 // Verify checks every invariant of the index and the pool and returns the
 // first violation (nil when all hold). It walks every slot: O(slots). Tests
-// call it after every step; built with the "invariants" tag, every mutating
+// call it after every step; built with the kvoinvariants tag, every mutating
 // call runs it and panics on a violation (as pebble's invariants do).
 //
 // The invariants: each slot is in exactly one state; free slots are exactly
@@ -182,7 +182,7 @@ func (c *Cache) verify() error {
 	return errors.Join(errs...)
 }
 
-// check runs verify after a mutation when built with the invariants tag.
+// check runs verify after a mutation when built with the kvoinvariants tag.
 func (c *Cache) check() {
 	if invariantsOn {
 		if err := c.verify(); err != nil {

@@ -1,5 +1,6 @@
-//go:build !invariants
+//go:build !kvoinvariants
 
 package kvcache
 
+// invariantsOn: see invariants_on.go.
 const invariantsOn = false

@@ -28,10 +28,10 @@ const (
 )
 
 // DefaultPrefaultMethod is what PrefaultAuto means: MADV_POPULATE_WRITE,
-// the fastest in bench's TestPinningVariants on the H200 machine
-// (2026-11-29, 8 GiB with THP on 16 threads: populate 53.5 GiB/s vs touch
-// 51.5, 56.1 vs 54.1 in 2 MiB stripes; populate + register 20.0 GiB/s vs
-// 18.0); it falls back to touching where the kernel lacks it.
+// which faults pages in without writing them and is a little faster than
+// touching, alone and followed by registration (bench's
+// TestPinningVariants compares them); it falls back to touching where the
+// kernel lacks it.
 const DefaultPrefaultMethod = PrefaultPopulate
 
 func (m PrefaultMethod) String() string {
@@ -85,10 +85,9 @@ type prefaultPlan struct {
 // mprotect or MADV_HUGEPAGE in the process: the Go runtime growing its
 // heap, the engine mapping its next region) waits for the call to end,
 // while every page fault and madvise queued behind that writer waits too.
-// Populating a 2 GiB part in one call stopped a serving loop on a 2-CPU VM
-// for up to 22 s; with 8 MiB pieces its longest gap between two requests
-// was 0.05–0.7 s (bench/results/cpu/growth-serving.md), and the prefault
-// of a warm 4 GiB region took as long as in one call, within the noise.
+// Populating a part of gigabytes in one call can stop a serving loop on a
+// small machine for seconds; 8 MiB pieces keep its stalls short and cost
+// the prefault no measurable time.
 const prefaultPiece int64 = 8 << 20
 
 // ErrPrefaultStopped means a prefault ended early because Options.PrefaultStop

@@ -112,8 +112,7 @@ func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
 // 10 (a weight of about a tenth of a thread at the default priority), so
 // that a serving loop sharing the few CPUs with the pool's growth keeps
 // most of its request rate; on larger machines none, where the lowered
-// priority slowed growth itself without a serving loop to protect
-// (bench/results/README.md, the growth rows).
+// priority slowed growth itself without a serving loop to protect.
 func DefaultPrefaultNice() int {
 	if runtime.NumCPU() <= smallMachineCPUs {
 		return 10

@@ -44,7 +44,7 @@ type RangeError struct {
 	Index  int    // the range that failed
 	Count  int    // how many ranges the region has
 	Range  Range
-	Err    error // the driver's (*cuda.Error), mlock's or the prefault's error
+	Err    error // the driver's (*cuda.Error) or the prefault's error
 }
 
 func (e *RangeError) Error() string {

@@ -1,7 +1,6 @@
 // Package register pins regions (package mmapmem) so that DMA engines can
-// read and write them: CUDA registers them with cuMemHostRegister_v2, Host
-// locks them with mlock(2), and None pins nothing, for development machines
-// where an ordinary user cannot lock much memory. All three implement Pinner.
+// read and write them: CUDA, its Pinner, registers them with
+// cuMemHostRegister_v2. (The host backend's mlock pinning lives in offload.)
 //
 // Invariants:
 //   - register, not mmapmem, knows which regions are registered: a Pinner
@@ -17,7 +16,7 @@
 //     Register itself, pipelined: its registration ranges are at most the
 //     pinner's pipeline chunk (DefaultPipelineChunk, 2 GiB), range k+1 is
 //     prefaulted on the region's prefault threads while range k is being
-//     registered (or mlocked), and no range is pinned before its prefault
+//     registered, and no range is pinned before its prefault
 //     has finished. Ranges reports these ranges like any other.
 //   - A failed Register leaves nothing registered: when range k fails (its
 //     prefault or its pinning), ranges 0..k-1 are unregistered again, the

@@ -4,18 +4,32 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
 
 // A registered region cannot be closed; Release unregisters and closes it.
+// (The driver here is the fake of internal/cuda/cudafake.)
 func ExampleRelease() {
+	drv := cudafake.New(cudafake.Options{})
+	defer drv.Close()
+	ctx, err := drv.PrimaryCtxRetain(0)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer drv.PrimaryCtxRelease(0)
+	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	r, err := mmapmem.New(1<<20, mmapmem.Options{})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	p := register.NewNone()
 	fmt.Println(p.Register(r))
 	fmt.Println(p.Ranges(r))
 	fmt.Println(errors.Is(r.Close(), mmapmem.ErrHeld))

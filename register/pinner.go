@@ -18,9 +18,6 @@ var (
 	// ErrBusy means the region's registration or unregistration is in
 	// progress on another goroutine.
 	ErrBusy = errors.New("register: region registration in progress")
-	// ErrMemlockLimit means mlock was refused because of RLIMIT_MEMLOCK (or
-	// the lack of CAP_IPC_LOCK).
-	ErrMemlockLimit = errors.New("register: memory lock limit")
 	// ErrOptions means a pinner was constructed with an invalid option.
 	ErrOptions = errors.New("register: invalid options")
 )
@@ -55,9 +52,10 @@ type Stats struct {
 	MaxUnregisterTime time.Duration
 }
 
-// Pinner pins regions. Implementations are safe for concurrent use.
+// Pinner pins regions. CUDA is its implementation; tests and callers hold
+// it as a Pinner. Implementations are safe for concurrent use.
 type Pinner interface {
-	// Kind names the implementation: "cuda", "host-mlock" or "none".
+	// Kind names the implementation ("cuda").
 	Kind() string
 	// Register pins all of r's mapping and holds r so it cannot be closed.
 	// On error nothing of r is pinned and r is not held, unless undoing a

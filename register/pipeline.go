@@ -9,8 +9,8 @@ import (
 // DefaultPipelineChunk is the registration range used for regions mapped
 // with mmapmem.Options.DeferPrefault when a pinner's options leave it 0:
 // 2 GiB, a multiple of every huge-page size, small enough that prefaulting
-// the next range and registering this one overlap well (a 2 GiB range
-// registers in about 60 ms on the H200 machine) and large enough that the
+// the next range and registering this one overlap well (registering a
+// range takes far less time than prefaulting it) and large enough that the
 // per-call overhead stays negligible.
 const DefaultPipelineChunk int64 = 2 << 30
 

@@ -116,35 +116,19 @@ func TestPipelineChunkOnlyForDeferred(t *testing.T) {
 // mapping, as offload's growth prefetch does) is resident, so Register
 // takes the plain path: no prefault call, ranges of the range limit.
 func TestPrefetchedRegionNotPrefaultedAgain(t *testing.T) {
-	for _, pinner := range []string{"cuda", "host"} {
-		t.Run(pinner, func(t *testing.T) {
-			var prefaults int
-			register.SetPrefault(t, func(r *mmapmem.Region, off, n int64) error {
-				prefaults++
-				return r.Prefault(off, n)
-			})
-			var p register.Pinner
-			if pinner == "cuda" {
-				_, p = newFakeWith(t, register.CUDAOptions{RangeLimit: 64 * kib, PipelineChunk: 16 * kib})
-			} else {
-				h, err := register.NewHostWithOptions(register.HostOptions{PipelineChunk: 16 * kib})
-				require.NoError(t, err)
-				register.SetHostFuncs(h, func([]byte) error { return nil }, func([]byte) error { return nil }, nil)
-				p = h
-			}
-			r := deferred(t, 200*kib)
-			require.NoError(t, r.Prefault(0, r.Mapped()))
-			require.False(t, r.Deferred())
-			require.NoError(t, p.Register(r))
-			require.Zero(t, prefaults, "a resident region is not prefaulted again")
-			if pinner == "cuda" {
-				require.Equal(t, wantRanges(r, 64*kib), p.Ranges(r))
-			} else {
-				require.Len(t, p.Ranges(r), 1)
-			}
-			require.NoError(t, register.Release(p, r))
-		})
-	}
+	var prefaults int
+	register.SetPrefault(t, func(r *mmapmem.Region, off, n int64) error {
+		prefaults++
+		return r.Prefault(off, n)
+	})
+	_, p := newFakeWith(t, register.CUDAOptions{RangeLimit: 64 * kib, PipelineChunk: 16 * kib})
+	r := deferred(t, 200*kib)
+	require.NoError(t, r.Prefault(0, r.Mapped()))
+	require.False(t, r.Deferred())
+	require.NoError(t, p.Register(r))
+	require.Zero(t, prefaults, "a resident region is not prefaulted again")
+	require.Equal(t, wantRanges(r, 64*kib), p.Ranges(r))
+	require.NoError(t, register.Release(p, r))
 }
 
 func TestPipelineChunkOptions(t *testing.T) {
@@ -153,8 +137,6 @@ func TestPipelineChunkOptions(t *testing.T) {
 		_, err := register.NewCUDA(fd, 0, register.CUDAOptions{PipelineChunk: chunk})
 		require.ErrorIs(t, err, register.ErrOptions)
 		require.ErrorContains(t, err, fmt.Sprintf("PipelineChunk %d", chunk))
-		_, err = register.NewHostWithOptions(register.HostOptions{PipelineChunk: chunk})
-		require.ErrorIs(t, err, register.ErrOptions)
 	}
 }
 
@@ -220,104 +202,40 @@ func TestPipelinedPrefaultFailure(t *testing.T) {
 	const chunk = 64 * kib
 	const n = 4
 	errPrefault := errors.New("prefault refused")
-	for _, kind := range []string{"cuda", "host-mlock"} {
-		for k := range n {
-			t.Run(fmt.Sprintf("%s/range %d", kind, k), func(t *testing.T) {
-				rec, c := newFakeWith(t, register.CUDAOptions{PipelineChunk: chunk})
-				var p register.Pinner = c
-				if kind == "host-mlock" {
-					h, err := register.NewHostWithOptions(register.HostOptions{PipelineChunk: chunk})
-					require.NoError(t, err)
-					p = h
+	for k := range n {
+		t.Run(fmt.Sprintf("range %d", k), func(t *testing.T) {
+			rec, p := newFakeWith(t, register.CUDAOptions{PipelineChunk: chunk})
+			r := deferred(t, n*chunk)
+			rec.base = r.Addr()
+			register.SetPrefault(t, func(r *mmapmem.Region, off, n int64) error {
+				if off == int64(k)*chunk {
+					return errPrefault
 				}
-				r := deferred(t, n*chunk)
-				rec.base = r.Addr()
-				register.SetPrefault(t, func(r *mmapmem.Region, off, n int64) error {
-					if off == int64(k)*chunk {
-						return errPrefault
-					}
-					return r.Prefault(off, n)
-				})
-				ign := goleak.IgnoreCurrent()
-				err := p.Register(r)
-				goleak.VerifyNone(t, ign)
-
-				var re *register.RangeError
-				require.ErrorAs(t, err, &re)
-				require.Equal(t, k, re.Index)
-				require.ErrorIs(t, err, errPrefault)
-				require.ErrorContains(t, err, fmt.Sprintf("register: %s: range %d of %d (offset %d, %d bytes)", kind, k, n, k*chunk, chunk))
-				require.False(t, p.Registered(r))
-				require.Empty(t, r.Holders())
-				require.Zero(t, p.Stats().RegisteredBytes)
-				if kind == "cuda" {
-					var want []call
-					for i := range k {
-						want = append(want, call{Off: int64(i) * chunk, Len: chunk})
-					}
-					for i := k - 1; i >= 0; i-- {
-						want = append(want, call{Unregister: true, Off: int64(i) * chunk})
-					}
-					require.Equal(t, want, rec.log())
-				}
-				require.NoError(t, r.Close())
+				return r.Prefault(off, n)
 			})
-		}
-	}
-}
+			ign := goleak.IgnoreCurrent()
+			err := p.Register(r)
+			goleak.VerifyNone(t, ign)
 
-// TestHostPipelined locks a deferred region range by range with real mlock
-// (checking each range is resident before it is locked), then fails mlock
-// at range k and checks ranges 0..k are unlocked and the error names k.
-func TestHostPipelined(t *testing.T) {
-	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	const chunk = 16 * kib
-	h, err := register.NewHostWithOptions(register.HostOptions{PipelineChunk: chunk})
-	require.NoError(t, err)
-	r := deferred(t, 100*kib+3)
-	defer func() { require.NoError(t, r.Close()) }()
-	var locked []int64
-	early := false
-	register.SetHostFuncs(h, func(b []byte) error {
-		off := int64(uintptr(unsafe.Pointer(&b[0])) - r.Addr())
-		if !resident(t, r, off, int64(len(b))) {
-			early = true
-		}
-		locked = append(locked, off)
-		return unix.Mlock(b)
-	}, nil, nil)
-	require.NoError(t, h.Register(r))
-	want := wantRanges(r, chunk)
-	require.Equal(t, want, h.Ranges(r))
-	require.Len(t, locked, len(want))
-	require.False(t, early, "a range was locked before its prefault ended")
-	require.NoError(t, h.Unregister(r))
-
-	for k := range len(want) {
-		var unlocked []int64
-		register.SetHostFuncs(h, func(b []byte) error {
-			if int64(uintptr(unsafe.Pointer(&b[0]))-r.Addr()) == want[k].Off {
-				return unix.EAGAIN
+			var re *register.RangeError
+			require.ErrorAs(t, err, &re)
+			require.Equal(t, k, re.Index)
+			require.ErrorIs(t, err, errPrefault)
+			require.ErrorContains(t, err, fmt.Sprintf("register: cuda: range %d of %d (offset %d, %d bytes)", k, n, k*chunk, chunk))
+			require.False(t, p.Registered(r))
+			require.Empty(t, r.Holders())
+			require.Zero(t, p.Stats().RegisteredBytes)
+			var want []call
+			for i := range k {
+				want = append(want, call{Off: int64(i) * chunk, Len: chunk})
 			}
-			return unix.Mlock(b)
-		}, func(b []byte) error {
-			unlocked = append(unlocked, int64(uintptr(unsafe.Pointer(&b[0]))-r.Addr()))
-			return unix.Munlock(b)
-		}, nil)
-		err := h.Register(r)
-		var re *register.RangeError
-		require.ErrorAs(t, err, &re)
-		require.Equal(t, k, re.Index)
-		require.ErrorIs(t, err, unix.EAGAIN)
-		require.ErrorContains(t, err, fmt.Sprintf("register: host-mlock: range %d of %d", k, len(want)))
-		var wantUnlocked []int64
-		for i := range k + 1 {
-			wantUnlocked = append(wantUnlocked, want[i].Off)
-		}
-		require.Equal(t, wantUnlocked, unlocked, "ranges 0..k unlocked")
-		require.False(t, h.Registered(r))
+			for i := k - 1; i >= 0; i-- {
+				want = append(want, call{Unregister: true, Off: int64(i) * chunk})
+			}
+			require.Equal(t, want, rec.log())
+			require.NoError(t, r.Close())
+		})
 	}
-	register.SetHostFuncs(h, unix.Mlock, unix.Munlock, nil)
 }
 
 // TestPipelineProperty draws a size, range limit, pipeline chunk and an

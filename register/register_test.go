@@ -115,7 +115,7 @@ func newRegion(t *testing.T, size int64) *mmapmem.Region {
 
 func pinners(t *testing.T) map[string]register.Pinner {
 	_, c := newFake(t, 64*kib)
-	return map[string]register.Pinner{"none": register.NewNone(), "host-mlock": register.NewHost(), "cuda": c}
+	return map[string]register.Pinner{"cuda": c}
 }
 
 func TestLifecycle(t *testing.T) {
@@ -170,7 +170,8 @@ func TestLifecycle(t *testing.T) {
 }
 
 func TestNilRegion(t *testing.T) {
-	require.ErrorContains(t, register.NewNone().Register(nil), "nil region")
+	_, p := newFake(t, 0)
+	require.ErrorContains(t, p.Register(nil), "nil region")
 }
 
 func TestCUDARanges(t *testing.T) {

@@ -21,10 +21,9 @@ import (
 // on its staging stream, so a gather reads, and a scatter writes, the device
 // only after what the copy waits for; the direction's stream joins each
 // staging kernel (the store stream before its DMA, the load stream after
-// the last scatter), so events recorded on it cover both. On the H200,
-// staged copies of 512 KiB–1 MiB blocks moved 94–97% of the link each way
-// and 92–97 GB/s both ways at once, where the copy kernels move 92–93% and
-// 78 GB/s (bench/results/2026-11-30-h200-s4/blocks-staged.md).
+// the last scatter), so events recorded on it cover both. Staged copies of
+// whole blocks are faster than the copy kernels each way, and much faster
+// both ways at once, because the DMA engines do the host side.
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
@@ -61,11 +60,10 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		}
 		c.streams[d] = s
 	}
-	// Each staging stream at its direction's priority. As measured on the
-	// H200 (blocks.md): beside a 4096² sgemm, gathers of 512 KiB–1 MiB blocks
-	// on the least priority kept 100% of their solo rate; those of 128 KiB
-	// blocks of 4 KiB segments starved (17%), but the engine does not gather
-	// those.
+	// Each staging stream at its direction's priority. Beside the model's
+	// kernels, gathers of large blocks keep their rate even at the least
+	// priority; gathers of small blocks of small segments would starve, but
+	// the engine does not gather those (Gatherable).
 	for _, d := range []Direction{Load, Store} {
 		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
 		if err != nil {
@@ -79,8 +77,9 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	}
 	c.meter = c.copier
 	// The automatic choice of method is calibrated on this device before
-	// anything is queued (about 150 ms on an H200), unless the method is
-	// forced or a saved calibration was given.
+	// anything is queued (a fraction of a second, see
+	// cudacopy.CalibrationConfig), unless the method is forced or a saved
+	// calibration was given.
 	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
 		if _, err := c.copier.Calibrate(c.streams[Store]); err != nil {
 			return nil, errors.Join(fmt.Errorf("transfer: calibrating copy methods: %w", err), c.copier.Close(), c.destroyStreams())

@@ -22,7 +22,7 @@ var soakCommand = command{
 random layout kind and policy, and closed at the round's end. Between requests it deletes some of
 the request's keys, clears the namespace, or trims part of the pool, at
 random (seeded by --seed). Builds with invariants on (make soak builds with
--tags 'kvoinvariants invariants') also check the copy gating (host ranges
+-tags kvoinvariants) also check the copy gating (host ranges
 live for every copy; released regions poisoned) and the block index after
 every change. It prints ops, blocks verified and errors; any error, wrong
 block or invariant violation makes the exit status non-zero.`,
@@ -257,5 +257,5 @@ func onOff(b bool) string {
 	if b {
 		return "on"
 	}
-	return "off (build with -tags 'kvoinvariants invariants')"
+	return "off (build with -tags kvoinvariants)"
 }

@@ -21,14 +21,14 @@
 // Threads and contexts. The driver binds the current context and the
 // stream-capture mode to the OS thread, and Go moves goroutines between
 // threads. A goroutine that calls the driver must therefore lock its thread
-// and make the context current first: OnThread does both for one function,
-// and Thread keeps a locked goroutine for repeated work. Both also set the
-// thread's capture mode to relaxed, so that the engine's driver calls never
-// invalidate a CUDA graph that the serving stack captures in global mode.
-// OnThread runs on the caller's thread, which through the C ABI is the
-// application's: it restores the thread's previous context (and with it the
-// CUDA runtime's current device) and capture mode afterwards. A Thread's OS
-// thread is the engine's own and keeps its settings.
+// and make the context current first. OnThread does both for one function
+// on the caller's thread, and sets the thread's capture mode to relaxed, so
+// that the engine's driver calls never invalidate a CUDA graph that the
+// serving stack captures in global mode. The caller's thread may be the
+// application's (through the C ABI), so OnThread restores its previous
+// context (and with it the CUDA runtime's current device) and capture mode
+// afterwards. The engine's own long-lived goroutines (the copy scheduler's,
+// pool growth) lock their threads and set the same mode themselves, for good.
 //
 // Memory. The binding keeps all C memory handling inside this package:
 // kernel parameters and batch-copy arrays are copied into C memory for the

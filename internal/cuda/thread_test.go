@@ -70,34 +70,6 @@ func TestOnThreadRestoresCaptureMode(t *testing.T) {
 	require.Error(t, cuda.OnThread(d, 0x999, func() error { return nil }))
 }
 
-func TestThread(t *testing.T) {
-	d, ctx, s, e := capturing(t)
-	th, err := cuda.NewThread(d, ctx)
-	require.NoError(t, err)
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Go(func() {
-			for range 10 {
-				require.NoError(t, th.Do(func() error {
-					_, err := d.EventQuery(e)
-					return err
-				}))
-			}
-		})
-	}
-	wg.Wait()
-	require.PanicsWithValue(t, "boom", func() { _ = th.Do(func() error { panic("boom") }) })
-	th.Close()
-	th.Close()
-	require.ErrorIs(t, th.Do(func() error { return nil }), cuda.ErrThreadClosed)
-	g, err := d.StreamEndCapture(s)
-	require.NoError(t, err, "queries from a Thread must not invalidate a global capture")
-	require.NoError(t, d.GraphDestroy(g))
-
-	_, err = cuda.NewThread(d, 0x999)
-	require.True(t, cuda.IsCode(err, cuda.ErrorInvalidContext), "%v", err)
-}
-
 // lockThread locks the (sub)test's goroutine to its OS thread until t ends:
 // the current context is per OS thread.
 func lockThread(t *testing.T) {

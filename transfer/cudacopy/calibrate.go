@@ -39,8 +39,9 @@ type CalibrationConfig struct {
 	Reps int `json:"reps"`
 	// PointBudget bounds the wall time of one point (default 4 ms): a run
 	// stops adding pieces, and a point stops adding runs, once it is spent
-	// (one timed piece and one run always happen). With the defaults the
-	// whole calibration takes about 150 ms on an H200.
+	// (one timed piece and one run always happen). The whole calibration
+	// thus takes about the number of points times PointBudget: a fraction
+	// of a second with the defaults.
 	PointBudget time.Duration `json:"point_budget_ns"`
 	// Seed of the random slot permutations.
 	Seed uint64 `json:"seed"`

@@ -21,13 +21,13 @@ type Measurement struct {
 // Calibrate measures it, Options.Calibration or SetCalibration loads a saved
 // one (it marshals to JSON).
 type Calibration struct {
-	// Device names the GPU it was measured on (informational).
+	// Device names the GPU it was calibrated on (informational).
 	Device string `json:"device,omitempty"`
-	// D2H and H2D are the kernel launches the kernel rows were measured
+	// D2H and H2D are the kernel launches the kernel rows were timed
 	// with.
 	D2H Launch `json:"d2h_launch"`
 	H2D Launch `json:"h2d_launch"`
-	// TotalBytes is the size of the buffers the measured segments lie in.
+	// TotalBytes is the size of the buffers the timed segments lie in.
 	TotalBytes uint64 `json:"total_bytes,omitempty"`
 	// PieceBytes and Pieces: each rate is that of up to Pieces
 	// back-to-back Submits of up to PieceBytes each, after a lead Submit
@@ -132,23 +132,18 @@ type point struct {
 // Margins by which Choose prefers a DMA method (the batch API, else
 // memcpy) to the copy kernel; see Options.DMAMargin.
 //
-// The DMA engines leave the SMs to the model; the kernel takes a few. On
-// the H200 (bench/results/2026-11-29-h200/results.md, "Beside a matrix
-// product"), beside a compute-bound 4096² sgemm on another stream, the
-// unthrottled kernel on 8 CTAs × 1024 slowed the sgemm by 73–158% for D2H
-// and 6.5–10.5% for H2D (95–301% both ways at once), while the batch API
-// changed it by at most 0.4% at every segment size from 4 KiB to 2 MiB.
-// The default launches (DefaultLaunch) cut the kernel's share to a few
-// percent (bench/results/2026-11-30-h200/probe-sweep-3.md, and
-// 2026-11-30-h200-s3/results.md: ≤ 2.4% beside a 4096² sgemm); a few
-// percent of copy rate is still worth leaving the SMs alone.
+// The DMA engines leave the SMs to the model; the kernel takes a few and
+// slows the model's kernels beside it, a little at the default launches
+// (DefaultLaunch), much more unthrottled. The batch API leaves them
+// untouched at every segment size. So a few percent of copy rate is worth
+// giving up to leave the SMs alone.
 const (
 	// DefaultDMAMargin: a DMA method within 3% of the kernel's rate is
 	// taken; about the run-to-run noise of a calibration point.
 	DefaultDMAMargin = 0.03
 	// PreferDMAMargin (Options.PreferDMA): within 15%, for serving stacks
-	// whose kernels need every SM (on the H200 it takes the batch API from
-	// 64 KiB up in both directions).
+	// whose kernels need every SM (typically it takes the batch API for
+	// medium and large segments in both directions).
 	PreferDMAMargin = 0.15
 )
 
@@ -226,8 +221,8 @@ func rate(pts []point, size float64) (float64, bool) {
 //     batch's mean segment size: the faster available DMA method (memcpy on
 //     a tie) if its rate is at least (1 - dmaMargin) of the kernel's or the
 //     kernel is unavailable or uncalibrated, else the kernel;
-//   - without: kernel, else batch, else memcpy (the order ANCHORS.md measured
-//     for scattered 4 KiB–2 MiB segments).
+//   - without: kernel, else batch, else memcpy (fastest first for
+//     scattered segments of 4 KiB–2 MiB, doc/ANCHORS.md).
 func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Method {
 	if n <= 1 {
 		return MethodMemcpy

@@ -27,10 +27,9 @@ const (
 	// (131072 descriptors: a reload of 2048 blocks of 64 segments), that
 	// is 216 MiB, plus Calibrate's 32 MiB device buffer beside them. One
 	// staged copy per direction keeps the DMA engines busy while the
-	// host enqueues the next, so the copy rates measured with the
-	// unbounded pools (staged copies 94–97% of the link, the copy kernels
-	// 92–93%) need no more; a copy beyond the bound waits for the oldest
-	// one to complete instead of allocating.
+	// host enqueues the next, so copies run as fast as with unbounded
+	// pools; a copy beyond the bound waits for the oldest one to complete
+	// instead of allocating.
 	DefaultMaxDeviceBytes = 256 << 20
 	// MinChunkBytes keeps chunks at least one warp-iteration of 16-byte
 	// accesses long.
@@ -123,8 +122,8 @@ type Options struct {
 	// FenceBytes, and by PaceGBps) or ProbeCopyKernel (kvo_copy_probe: the
 	// same with a read-back of a stored word in place of the fence).
 	// Default per direction, see DefaultLaunch. Each direction keeps its
-	// default grid unless CTAs and Threads are set too (kvo_copy_sys was
-	// measured on 4 × 512, not on the D2H default 8 × 192).
+	// default grid unless CTAs and Threads are set too (kvo_copy_sys is
+	// meant for 4 × 512, not the D2H default 8 × 192).
 	CopyKernel string
 	// FenceBytes, when set, is how many bytes each warp of a D2H launch of
 	// a throttled kernel (SysFenceCopyKernel, ProbeCopyKernel) stores to
@@ -165,25 +164,21 @@ func (l Launch) String() string {
 	return s
 }
 
-// Launches measured on the H200 beside an n=2048 sgemm on the other SMs
-// (bench/results/2026-11-30-h200/fence-sweep-2g.md: 2 GiB of 4–64 KiB
-// segments at random slots per run):
-//   - H2D: kvo_copy on 4 CTAs × 512 threads moved 92–93% of the link and
-//     slowed the sgemm by at most 2.6% (4 × 1024 and 8 × 512: the same
-//     rate, +7–21%; 4 × 256 fell to 75% at 4 KiB).
-//   - D2H: every unthrottled shape that reached 93–95% of the link slowed
-//     the sgemm by 34–236%: stores to host memory are posted, and their
-//     backlog holds up the other SMs' memory traffic. kvo_copy_sys on
-//     4 × 512 with a fence after every 4 KiB per warp moved 79–84% of the
-//     link and slowed it by at most 3.4%; longer fence intervals or more
-//     warps gained a few percent of rate at 8–41% slowdown.
-//     kvo_copy_probe, reading back a stored word every 4 KiB per warp
-//     instead of fencing, on 8 × 192 moved 91–93% and slowed the sgemm by
-//     at most 6.3% (bench/results/2026-11-30-h200/probe-sweep-3.md; 64
-//     warps: the same rate at +7–22%; 32 warps, probe-sweep-2.md: 65% at
-//     4 KiB). Only whole 4 KiB iterations of a warp are throttled: a
-//     segment or chunk (Options.ChunkBytes) under 4 KiB, a misaligned
-//     segment and a segment's tail are stored without a read-back.
+// The default launches are the fewest warps that still move small
+// segments near link speed while leaving the model's kernels on the other
+// SMs nearly untouched (the sweeps of package bench chose them):
+//   - H2D: kvo_copy on 4 CTAs × 512 threads. More warps add no rate and
+//     slow the model's kernels; fewer lose rate on 4 KiB segments.
+//   - D2H: stores to host memory are posted, and an unthrottled kernel's
+//     backlog of them holds up the other SMs' memory traffic. So the
+//     default is kvo_copy_probe on 8 × 192: each warp reads back a word it
+//     stored after every 4 KiB and waits for it, which bounds its stores
+//     in flight at a small cost in rate. (kvo_copy_sys's system fence
+//     bounds them too, but waits for every earlier store of the warp, and
+//     costs more rate.) Only whole 4 KiB iterations of a warp are
+//     throttled: a segment or chunk (Options.ChunkBytes) under 4 KiB, a
+//     misaligned segment and a segment's tail are stored without a
+//     read-back.
 var (
 	defaultH2D = Launch{CTAs: 4, Threads: 512, Kernel: DefaultCopyKernel}
 	defaultD2H = Launch{CTAs: 8, Threads: 192, Kernel: ProbeCopyKernel, FenceBytes: DefaultFenceBytes}
@@ -205,8 +200,9 @@ func DefaultLaunch(dir Direction, greedy bool) Launch {
 	return defaultD2H
 }
 
-// GreedyD2HLaunch is kvo_copy unthrottled on 8 CTAs × 1024 threads: 94–95%
-// of the H200's D2H link, and an sgemm beside it up to 3.6 times slower.
+// GreedyD2HLaunch is kvo_copy unthrottled on 8 CTAs × 1024 threads: a
+// little faster than the default D2H launch, at the price of slowing the
+// model's kernels beside it several times over (see DefaultLaunch).
 func GreedyD2HLaunch() Launch { return greedyD2H }
 
 // launch resolves dir's launch: the direction's default, each field
@@ -320,12 +316,11 @@ const DefaultFenceBytes = FenceUnit
 
 // SmallSegmentFenceBytes is the read-back interval that kvo_copy_probe
 // takes, where Options leave FenceBytes unset, for a D2H batch whose
-// segments average less than it. On the H200, reading back after every
-// 4 KiB segment moved 85–91% of the D2H link from one machine instance to
-// the next, every 8 KiB (two segments) 92% each time, and the sgemm beside
-// it slowed as much as with 4 KiB; from 16 KiB segments the 8 KiB interval
-// gained under 1% of rate and slowed the sgemm 4–15 points more
-// (bench/results/2026-11-30-h200-s4/bidir-sweep.md).
+// segments average less than it. With segments that small, reading back
+// after every segment costs rate and varies from machine to machine;
+// every two segments is steadier and slows the model's kernels no more.
+// With larger segments the longer interval gains little rate and slows
+// them more, so it is kept for small segments only.
 const SmallSegmentFenceBytes = 2 * FenceUnit
 
 // fenceBytes is the fence or read-back interval of launch l for a D2H

@@ -11,10 +11,10 @@
 //     the model's kernels keep the rest of the GPU. D2H warps read back a
 //     word they stored after every 4 KiB (8 KiB in batches of smaller
 //     segments), and wait for each read-back before issuing the next:
-//     posted stores to host memory, unbounded,
-//     back up behind the link and hold up every other SM's memory traffic
-//     (an sgemm beside them ran up to 3.4 times slower), and the read's
-//     round trip grows with that backlog. Each segment is split into
+//     posted stores to host memory, unbounded, back up behind the link
+//     and hold up every other SM's memory traffic (a matrix product beside
+//     them runs several times slower), and the read's round trip grows
+//     with that backlog. Each segment is split into
 //     chunks of at most Options.ChunkBytes; one warp copies one chunk with
 //     16-byte accesses, several loads in flight per lane. Host memory is
 //     addressed through its registered pointer where the device allows it

@@ -25,8 +25,7 @@ const (
 	DefaultGatherChunk = 8 << 20
 	// DefaultGatherMinRun is the mean host-contiguous run from which
 	// Gatherable says yes: one DMA per run then moves at least this much,
-	// which the batch API does at link speed on the H200 (results.md: 98%
-	// from 256 KiB).
+	// which is enough for the batch API to run at link speed.
 	DefaultGatherMinRun = 256 << 10
 	// minGatherChunk keeps a chunk larger than the largest segment the
 	// kernel method is chosen for.
@@ -117,10 +116,8 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 // scatter out of a buffer before loading it again). Other rules as for
 // SubmitGather, except on error: s then waits for everything enqueued on g
 // (or the call waits for g), so that no scatter writes the device after s's
-// work has completed. On the H200 it moved whole blocks of 512 KiB–1 MiB at
-// 95% of the link, where the copy kernel moves 92%
-// (bench/results/2026-11-30-h200-s4/engine-staged/blocks.md); transfer.CUDA
-// uses it for loads where Scatterable.
+// work has completed. For whole blocks it is faster than the copy kernel
+// alone; transfer.CUDA uses it for loads where Scatterable.
 func (c *Copier) SubmitScatter(s, g cuda.Stream, segs []Segment) (Ticket, error) {
 	return c.staged(H2D, g, s, segs)
 }
@@ -169,8 +166,8 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 	// Every chunk's descriptors are written first and uploaded on g ahead
 	// of the pipeline, one copy per buffer: an upload per chunk, after the
 	// wait for the chunk's load, queued behind the next chunks' loads on
-	// the host-to-device copy engine and held the scatter back (staged
-	// loads moved 72% of the H2D link on the H200, the DMAs alone 100%).
+	// the host-to-device copy engine and held the scatter back, well below
+	// the rate of the DMAs alone.
 	bufs := &descCursor{bufs: gr.bufs}
 	launches := make([][]launchRange, len(parts))
 	for k := range parts {
