@@ -197,16 +197,13 @@ type Config struct {
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
 	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`
-	// Sim is the simulated GPU of the host backend (tests and demos write
-	// and read "device" memory through it). Nil: the engine makes its own,
-	// returned by Engine.Sim. Ignored on the CUDA backend.
-	Sim *SimGPU `json:"-"`
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache as plain data (it
 // mirrors kvcache.LayoutSpec). Addresses are CUDA device addresses on the
-// CUDA backend and SimGPU addresses on the host backend; on the host backend
-// a layout without tensors is allocated densely in the engine's SimGPU.
+// CUDA backend and simulated-device addresses (package hostsim) on the host
+// backend; on the host backend a layout without tensors is allocated densely
+// in the engine's simulated device.
 type LayoutSpec struct {
 	// Kind is LayoutLayerSeparate, LayoutCrossLayer or LayoutMLA.
 	Kind string `json:"kind"`
@@ -296,7 +293,7 @@ type StoreOptions struct {
 	// that wrote the blocks; the copies wait on its most recent record (at
 	// the time they are issued). 0: no wait (the caller guarantees the blocks
 	// are already written). On the host backend it is an event of the
-	// SimGPU's simulation.
+	// simulated device (package hostsim).
 	After uintptr
 	// AfterStream is the stream After was recorded on, optional: when given
 	// and it is capturing a CUDA graph, the Store is refused with
@@ -341,7 +338,7 @@ type LoadOptions struct {
 	// copies nothing (every key missing) does not record it. Like the op's
 	// events, it makes the Load fail fast with ErrBusy rather than queue when
 	// the in-flight bound is full. 0: none. On the host backend it is an
-	// event of the SimGPU's simulation.
+	// event of the simulated device (package hostsim).
 	Signal uintptr
 }
 

@@ -21,8 +21,12 @@ import (
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
-// engineHooks are test-only injections.
+// engineHooks are injections: sim from package hostsim (and tests), the
+// rest test-only.
 type engineHooks struct {
+	// sim is the host backend's simulated device (nil: the engine makes
+	// its own and closes it).
+	sim        *transfer.Sim
 	loadDriver func() (cuda.Driver, error)
 	sys        *system
 	tracker    *transfer.Tracker
@@ -74,10 +78,10 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	if choice.name == BackendHost && cfg.Backend == BackendAuto && cfg.Sim == nil && !layoutEmpty(cfg.Layout) {
+	if choice.name == BackendHost && cfg.Backend == BackendAuto && h.sim == nil && !layoutEmpty(cfg.Layout) {
 		// The layout's addresses are device addresses and nothing can copy
 		// them: the host backend would fail every Store as device-lost.
-		return nil, fmt.Errorf("%w: Backend \"auto\": the Layout gives device addresses but %s; ask for Backend \"host\" with a SimGPU to simulate, or fix the driver",
+		return nil, fmt.Errorf("%w: Backend \"auto\": the Layout gives device addresses but %s; ask for Backend \"host\" with a hostsim.GPU to simulate, or fix the driver",
 			ErrNoDriver, strings.TrimPrefix(choice.reason, "auto: "))
 	}
 	if choice.name == BackendCUDA && layoutEmpty(cfg.Layout) {
@@ -206,13 +210,13 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 // without tensors allocated densely in it.
 func (e *Engine) openSim() error {
 	var err error
-	if e.sim = e.cfg.Sim; e.sim == nil {
-		if e.sim, err = NewSimGPU(SimOptions{}); err != nil {
+	if e.sim = e.hooks.sim; e.sim == nil {
+		if e.sim, err = transfer.NewSim(transfer.SimConfig{}); err != nil {
 			return err
 		}
 		e.ownSim = true
 	}
-	e.dev = e.sim.sim
+	e.dev = e.sim
 	if layoutEmpty(e.cfg.Layout) {
 		spec, _ := kvLayoutSpec(e.cfg.Layout)
 		if err := e.allocDense(&spec); err != nil {
@@ -223,7 +227,7 @@ func (e *Engine) openSim() error {
 	return nil
 }
 
-// allocDense places a layout given without tensors in the SimGPU.
+// allocDense places a layout given without tensors in the simulated device.
 func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
 	probe := kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, denseProbeBase)
 	l, err := kvcache.NewLayout(probe)
@@ -231,7 +235,7 @@ func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
 		return fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
 	n := l.SlotSize() * uint64(spec.NumBlocks)
-	base, err := e.sim.Alloc(n)
+	base, err := e.sim.MemAlloc(n)
 	if err != nil {
 		return err
 	}
@@ -418,7 +422,7 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 		}
 		pr.mlock = true
 	}
-	host, err := e.sim.sim.RegisterHost(r.Bytes())
+	host, err := e.sim.RegisterHost(r.Bytes())
 	if err != nil {
 		return err
 	}
@@ -457,7 +461,7 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 				err = e.pinner.Unregister(pr.r)
 			}
 		} else {
-			err = e.sim.sim.UnregisterHost(pr.host)
+			err = e.sim.UnregisterHost(pr.host)
 		}
 		e.stats.unpinCalls.Add(1)
 		if err != nil {
@@ -492,7 +496,7 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 // host backend (the gating harness's use-after-free detector).
 func (e *Engine) poison(addr, n uint64) {
 	if e.sim != nil {
-		_ = e.sim.sim.Fill(addr, n, transfer.PoisonByte)
+		_ = e.sim.Fill(addr, n, transfer.PoisonByte)
 	}
 }
 

@@ -11,7 +11,7 @@
 // suit an H200 serving box. Backend "auto" (the default) picks CUDA when
 // libcuda.so.1 loads, the device exists and the layout gives device
 // addresses; otherwise the host backend, which simulates the GPU in host
-// memory (SimGPU) so the same engine runs in CI and on laptops.
+// memory (package hostsim) so the same engine runs in CI and on laptops.
 // Engine.Backend says which was picked and why.
 //
 // What is pinned when: New maps and pins the staging region

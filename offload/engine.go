@@ -49,7 +49,7 @@ type Engine struct {
 	layout *kvcache.Layout
 	cache  *kvcache.Cache
 	sched  *transfer.Scheduler
-	sim    *SimGPU
+	sim    *transfer.Sim // the host backend's simulated device
 	dev    transfer.Device // the Sim or the CUDA device
 	drv    cuda.Driver     // nil on the host backend
 	events bool            // ops carry CUDA events (CUDA backend)
@@ -146,17 +146,6 @@ func (e *Engine) checkOpen(call string) error {
 		return fmt.Errorf("%w: %s after Close", ErrClosed, call)
 	}
 	return nil
-}
-
-// InvariantViolations returns the gating violations recorded so far: a copy
-// whose host range was not live, or was released and reused while it ran.
-// Only builds with invariants on (-race, or -tags kvoinvariants) check
-// them; other builds return nil. Any violation is a bug in the engine.
-func (e *Engine) InvariantViolations() []error {
-	if e.tracker == nil {
-		return nil
-	}
-	return e.tracker.Violations()
 }
 
 // Config returns the engine's configuration with defaults filled in.

@@ -793,7 +793,7 @@ func (e *Engine) teardown() error {
 	}
 	errs = append(errs, e.closeCUDADevice(), e.releaseContext())
 	if e.denseAlloc != 0 {
-		errs = append(errs, e.sim.sim.MemFree(e.denseAlloc))
+		errs = append(errs, e.sim.MemFree(e.denseAlloc))
 	}
 	if e.ownSim && e.sim != nil {
 		errs = append(errs, e.sim.Close())

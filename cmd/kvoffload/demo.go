@@ -17,6 +17,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache/trace"
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 var demoCommand = command{
@@ -356,7 +357,7 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 			}
 		}
 	}
-	sim, err := offload.NewSimGPU(offload.SimOptions{Seed: int64(cfg.seed)})
+	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed)})
 	if err != nil {
 		return nil, err
 	}
@@ -365,8 +366,8 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 		return nil, errors.Join(err, sim.Close())
 	}
 	ec := engineConfig(cfg, mem.layout(), offload.BackendHost)
-	ec.Sim, ec.HostPinning = sim, pin
-	eng, err := offload.New(ec)
+	ec.HostPinning = pin
+	eng, err := hostsim.NewEngine(ec, sim)
 	if err != nil {
 		return nil, errors.Join(err, mem.close(), sim.Close())
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // tinyDemo is a demo small enough for a unit test on two cores.
@@ -136,7 +137,7 @@ func TestKVMemoryVerify(t *testing.T) {
 	defer func() { require.NoError(t, drv.Close()) }()
 	cm, err := newCUDAMemory(drv, 0, lay)
 	require.NoError(t, err)
-	sim, err := offload.NewSimGPU(offload.SimOptions{})
+	sim, err := hostsim.NewGPU(hostsim.Options{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	hm, err := newHostMemory(sim, lay)

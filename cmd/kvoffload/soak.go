@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -138,7 +139,7 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 			res.fail(fmt.Errorf("round %d (%s, %s, seed %d): %w", res.Engines, d.layoutKind, d.policy, d.seed, err))
 		}
 		if eng != nil {
-			for _, v := range eng.InvariantViolations() {
+			for _, v := range hostsim.InvariantViolations(eng) {
 				res.Violations++
 				res.fail(v)
 			}
@@ -221,7 +222,7 @@ func disrupt(ctx context.Context, rng *rand.Rand, e *offload.Engine, keys []offl
 		res.Trims++
 		res.TrimmedBytes += tr.FreedBytes
 	}
-	if v := e.InvariantViolations(); len(v) > 0 {
+	if v := hostsim.InvariantViolations(e); len(v) > 0 {
 		return fmt.Errorf("%d gating violations, first: %w", len(v), v[0])
 	}
 	return nil
