@@ -49,7 +49,7 @@ type Engine struct {
 	layout *kvcache.Layout
 	cache  *kvcache.Cache
 	sched  *transfer.Scheduler
-	sim    *transfer.Sim // the host backend's simulated device
+	sim    *transfer.Sim   // the host backend's simulated device
 	dev    transfer.Device // the Sim or the CUDA device
 	drv    cuda.Driver     // nil on the host backend
 	events bool            // ops carry CUDA events (CUDA backend)
