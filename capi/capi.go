@@ -254,7 +254,7 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 // and the device always present (Config drops a zero device).
 type configJSON struct {
 	offload.Config
-	Backend string `json:"backend"`
+	Backend offload.Backend `json:"backend"`
 	Device  int    `json:"device"`
 }
 

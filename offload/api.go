@@ -47,30 +47,44 @@ var (
 	ErrGrowth = errors.New("offload: background growth stopped")
 )
 
-// Backend names accepted by Config.Backend and reported by Engine.Backend.
+// Backend is a backend's name: accepted by Config.Backend and reported by
+// Engine.Backend. In JSON it is the constant's string; "" (or no field)
+// means the default.
+type Backend string
+
+// Backends.
 const (
-	BackendAuto = "auto" // CUDA when libcuda loads and the device exists, else host
-	BackendCUDA = "cuda" // cuMemHostRegister'd pool, copies on the GPU
-	BackendHost = "host" // no GPU: copies by goroutines between host addresses
+	BackendAuto Backend = "auto" // CUDA when libcuda loads and the device exists, else host
+	BackendCUDA Backend = "cuda" // cuMemHostRegister'd pool, copies on the GPU
+	BackendHost Backend = "host" // no GPU: copies by goroutines between host addresses
 )
 
-// Host pinning modes for the host backend (Config.HostPinning).
+// HostPinning is how the host backend pins its regions (Config.HostPinning).
+type HostPinning string
+
+// Host pinning modes.
 const (
-	PinNone  = "none"  // pages are only prefaulted (default)
-	PinMlock = "mlock" // mlock(2) each region; bounded by RLIMIT_MEMLOCK
+	PinNone  HostPinning = "none"  // pages are only prefaulted (default)
+	PinMlock HostPinning = "mlock" // mlock(2) each region; bounded by RLIMIT_MEMLOCK
 )
 
-// Huge page modes (Config.HugePages).
+// HugePages is the page size regions are mapped with (Config.HugePages).
+type HugePages string
+
+// Huge page modes.
 const (
-	HugePagesTHP     = "thp"     // madvise(MADV_HUGEPAGE) (default)
-	HugePagesNone    = "none"    // 4 KiB pages
-	HugePagesHugeTLB = "hugetlb" // MAP_HUGETLB from the hugetlbfs pool
+	HugePagesTHP     HugePages = "thp"     // madvise(MADV_HUGEPAGE) (default)
+	HugePagesNone    HugePages = "none"    // 4 KiB pages
+	HugePagesHugeTLB HugePages = "hugetlb" // MAP_HUGETLB from the hugetlbfs pool
 )
 
-// Policies (Config.Policy).
+// Policy is the admission and eviction policy (Config.Policy).
+type Policy string
+
+// Policies.
 const (
-	PolicyTinyLFU = "tinylfu" // ristretto TinyLFU admission + sampled LFU eviction
-	PolicyLRU     = "lru"     // exact least-recently-used, admits everything (default)
+	PolicyTinyLFU Policy = "tinylfu" // ristretto TinyLFU admission + sampled LFU eviction
+	PolicyLRU     Policy = "lru"     // exact least-recently-used, admits everything (default)
 )
 
 // NUMA settings (Config.NUMANode) besides a decimal node number.
@@ -79,17 +93,21 @@ const (
 	NUMANone = "none" // no binding
 )
 
-// Layout kinds (LayoutSpec.Kind).
+// LayoutKind is how the stack's KV cache tensors are arranged
+// (LayoutSpec.Kind).
+type LayoutKind string
+
+// Layout kinds.
 const (
 	// LayoutLayerSeparate: one K and one V tensor per layer, each indexed by
 	// block id (vLLM's classic layout); LayerTensors has Layers entries.
-	LayoutLayerSeparate = "layer-separate"
+	LayoutLayerSeparate LayoutKind = "layer-separate"
 	// LayoutCrossLayer: one tensor whose block holds all layers' K and V
 	// contiguously; Base and Stride locate it.
-	LayoutCrossLayer = "cross-layer"
+	LayoutCrossLayer LayoutKind = "cross-layer"
 	// LayoutMLA: one latent tensor per layer (DeepSeek MLA), KVHeads = 1 and
 	// HeadDim = the latent width; LayerTensors has Layers entries, V = 0.
-	LayoutMLA = "mla"
+	LayoutMLA LayoutKind = "mla"
 )
 
 // Defaults applied by New to zero fields.
@@ -131,13 +149,13 @@ type Config struct {
 	// Layout is the serving stack's GPU KV cache. Required.
 	Layout LayoutSpec `json:"layout"`
 	// Backend is BackendAuto (default), BackendCUDA or BackendHost.
-	Backend string `json:"backend,omitempty"`
+	Backend Backend `json:"backend,omitempty"`
 	// HostPinning is PinNone (default) or PinMlock; host backend only.
-	HostPinning string `json:"host_pinning,omitempty"`
+	HostPinning HostPinning `json:"host_pinning,omitempty"`
 	// Device is the CUDA device ordinal (default 0).
 	Device int `json:"device,omitempty"`
 	// HugePages is HugePagesTHP (default), HugePagesNone or HugePagesHugeTLB.
-	HugePages string `json:"huge_pages,omitempty"`
+	HugePages HugePages `json:"huge_pages,omitempty"`
 	// NUMANode is NUMAAuto (default: the GPU's own node, from
 	// /sys/bus/pci/devices/<bus id>/numa_node; none when sysfs says -1),
 	// NUMANone, or a decimal node number to bind the pool to.
@@ -152,7 +170,7 @@ type Config struct {
 	// its D2H bytes on blocks it rejected after the copy; and its control
 	// plane costs ~5 µs per block against LRU's ~0.6–0.8 µs (H200 host,
 	// bench/results/2026-11-29-h200/control-plane.txt).
-	Policy string `json:"policy,omitempty"`
+	Policy Policy `json:"policy,omitempty"`
 	// MaxInFlightBytes bounds the bytes being copied per direction; work
 	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
 	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
@@ -206,7 +224,7 @@ type Config struct {
 // in the engine's simulated device.
 type LayoutSpec struct {
 	// Kind is LayoutLayerSeparate, LayoutCrossLayer or LayoutMLA.
-	Kind string `json:"kind"`
+	Kind LayoutKind `json:"kind"`
 	// Layers is the number of attention layers.
 	Layers int `json:"layers"`
 	// KVHeads is the number of KV heads (per tensor-parallel rank); 1 for MLA.
@@ -359,4 +377,4 @@ type TrimResult struct {
 
 // Backend returns the backend in use (BackendCUDA or BackendHost) and why it
 // was picked.
-func (e *Engine) Backend() (name, reason string) { return e.backend, e.backendReason }
+func (e *Engine) Backend() (name Backend, reason string) { return e.backend, e.backendReason }

@@ -8,7 +8,7 @@ import (
 
 // backendChoice is the outcome of selectBackend.
 type backendChoice struct {
-	name   string
+	name   Backend
 	reason string
 	drv    cuda.Driver // nil on the host backend
 	busID  string      // the device's PCI bus id (CUDA only)
@@ -17,7 +17,7 @@ type backendChoice struct {
 // selectBackend resolves Config.Backend: "auto" picks CUDA when the driver
 // loads and device exists, else the host backend, and says why; "cuda"
 // fails with ErrNoDriver when it cannot; "host" never touches the driver.
-func selectBackend(want string, device int, load func() (cuda.Driver, error)) (backendChoice, error) {
+func selectBackend(want Backend, device int, load func() (cuda.Driver, error)) (backendChoice, error) {
 	if want == BackendHost {
 		return backendChoice{name: BackendHost, reason: "asked for (Backend \"host\")"}, nil
 	}

@@ -66,7 +66,7 @@ func (g *gpuMem) alloc(n uint64) uint64 {
 // layout allocates a KV cache of blocks blocks in device memory: 2 layers,
 // K and V of 1 head × 64 × bf16 × 16 tokens per layer and block (8 KiB a
 // block), layer-separate or cross-layer.
-func (g *gpuMem) layout(kind string, blocks int) LayoutSpec {
+func (g *gpuMem) layout(kind LayoutKind, blocks int) LayoutSpec {
 	l := LayoutSpec{Kind: kind, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: blocks}
 	seg := uint64(2048)
 	if kind == LayoutCrossLayer {
@@ -178,7 +178,7 @@ func storeOverwriteLoad(t *testing.T, e *Engine, g *gpuMem, n int, seed uint64) 
 	require.NoError(t, err)
 	defer func() { require.NoError(t, g.drv.EventDestroy(sig)) }()
 	op = loadCheck(t, e, g, keys, src, contents, LoadOptions{PerLayer: true, Signal: uintptr(sig)})
-	if e.layout.Kind().String() != LayoutCrossLayer {
+	if LayoutKind(e.layout.Kind().String()) != LayoutCrossLayer {
 		for l := range 2 {
 			lev, err := op.LayerEvent(l)
 			require.NoError(t, err)
@@ -209,8 +209,8 @@ func fakeDriver(t *testing.T, opts cudafake.Options) *cudafake.Driver {
 }
 
 func TestCUDAFakeRoundTrip(t *testing.T) {
-	for _, kind := range []string{LayoutLayerSeparate, LayoutCrossLayer} {
-		t.Run(kind, func(t *testing.T) {
+	for _, kind := range []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer} {
+		t.Run(string(kind), func(t *testing.T) {
 			d := fakeDriver(t, cudafake.Options{Seed: 1, MaxDelay: 50 * time.Microsecond})
 			g := newGPUMem(t, d, 8<<10)
 			defer g.close()

@@ -18,7 +18,7 @@ import (
 // concurrent use by many goroutines; Close ends it.
 type Engine struct {
 	cfg           Config
-	backend       string
+	backend       Backend
 	backendReason string
 	start         time.Time
 	hooks         engineHooks

@@ -14,7 +14,7 @@ import (
 // atomic as a whole: a counter read early may lag one read later by the
 // ops completing in between.
 type Stats struct {
-	Backend string `json:"backend"`
+	Backend Backend `json:"backend"`
 
 	// Memory (bytes).
 	PoolBytes     int64 `json:"pool_bytes"`      // configured pool size

@@ -23,8 +23,8 @@ import (
 // goroutine survives Close.
 func TestStressCloseInTheMiddle(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	for _, policy := range []string{PolicyLRU, PolicyTinyLFU} {
-		t.Run(policy, func(t *testing.T) {
+	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
+		t.Run(string(policy), func(t *testing.T) {
 			sim, err := transfer.NewSim(transfer.SimConfig{Seed: 7, MaxDelay: 200 * time.Microsecond})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()
@@ -105,8 +105,8 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 // stores and loads again.
 func TestPoolFullOfDeletedWritesRecovers(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	for _, policy := range []string{PolicyLRU, PolicyTinyLFU} {
-		t.Run(policy, func(t *testing.T) {
+	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
+		t.Run(string(policy), func(t *testing.T) {
 			sim, err := transfer.NewSim(transfer.SimConfig{})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()

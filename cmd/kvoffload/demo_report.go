@@ -5,20 +5,22 @@ import (
 	"fmt"
 	"io"
 	"text/tabwriter"
+
+	"github.com/kvoffload/kvoffload/offload"
 )
 
 // demoReport is the demo's result, printed as a table or as JSON.
 type demoReport struct {
-	Backend       string `json:"backend"`
-	BackendReason string `json:"backend_reason"`
-	Layout        string `json:"layout"`
-	LayoutKind    string `json:"layout_kind"`
-	BlockBytes    int64  `json:"block_bytes"`
-	GPUBlocks     int    `json:"gpu_blocks"`
-	PoolBytes     int64  `json:"pool_bytes"`
-	Pinning       string `json:"pinning"`
-	Policy        string `json:"policy"`
-	Verify        bool   `json:"verify"`
+	Backend       offload.Backend    `json:"backend"`
+	BackendReason string             `json:"backend_reason"`
+	Layout        string             `json:"layout"`
+	LayoutKind    offload.LayoutKind `json:"layout_kind"`
+	BlockBytes    int64              `json:"block_bytes"`
+	GPUBlocks     int                `json:"gpu_blocks"`
+	PoolBytes     int64              `json:"pool_bytes"`
+	Pinning       string             `json:"pinning"`
+	Policy        offload.Policy     `json:"policy"`
+	Verify        bool               `json:"verify"`
 
 	// Interrupted: a signal (or the caller) ended the run before its
 	// --duration or --requests; the report covers what ran.

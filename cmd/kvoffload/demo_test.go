@@ -18,14 +18,14 @@ import (
 )
 
 // tinyDemo is a demo small enough for a unit test on two cores.
-func tinyDemo(backend string) demoConfig {
+func tinyDemo(backend offload.Backend) demoConfig {
 	c := defaultDemoConfig()
 	c.duration = 2 * time.Second
 	c.layoutName = "tiny"
 	c.poolBytes = 2 << 20
 	c.gpuBlocks = 64
 	c.backend = backend
-	c.pinning = offload.PinNone
+	c.pinning = string(offload.PinNone)
 	return c
 }
 
@@ -43,8 +43,8 @@ func requireConsistent(t *testing.T, rep *demoReport) {
 }
 
 func TestDemoHostPasses(t *testing.T) {
-	for _, kind := range []string{offload.LayoutLayerSeparate, offload.LayoutCrossLayer} {
-		t.Run(kind, func(t *testing.T) {
+	for _, kind := range []offload.LayoutKind{offload.LayoutLayerSeparate, offload.LayoutCrossLayer} {
+		t.Run(string(kind), func(t *testing.T) {
 			cfg := tinyDemo(offload.BackendHost)
 			cfg.layoutKind = kind
 			rep, err := runDemo(context.Background(), cfg, nil, noNotice)
@@ -97,7 +97,7 @@ func TestDemoCommandJSON(t *testing.T) {
 	var rep demoReport
 	require.NoError(t, json.Unmarshal([]byte(out), &rep))
 	require.Equal(t, 30, rep.Requests)
-	require.Equal(t, "host", rep.Backend)
+	require.Equal(t, offload.BackendHost, rep.Backend)
 	require.Equal(t, int64(1<<20), rep.PoolBytes)
 	requireConsistent(t, &rep)
 
@@ -234,7 +234,7 @@ func TestDemoGPU(t *testing.T) {
 	cfg.layoutName, cfg.poolBytes, cfg.gpuBlocks = "8b", 1<<30, 128
 	rep, err := runDemo(context.Background(), cfg, nil, noNotice)
 	require.NoError(t, err)
-	require.Equal(t, "cuda", rep.Backend)
+	require.Equal(t, offload.BackendCUDA, rep.Backend)
 	require.Positive(t, rep.Verified)
 	require.Zero(t, rep.VerifyFailures)
 	requireConsistent(t, rep)

@@ -44,7 +44,7 @@ func TestServingDuringGrowth(t *testing.T) {
 	}
 	cfg := defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
-	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, string(offload.PinNone), threads
 	shown := threads
 	if shown == 0 {
 		shown = mmapmem.DefaultPrefaultThreads()
@@ -110,7 +110,7 @@ func TestServingDuringGrowth(t *testing.T) {
 	const short = time.Second
 	cfg = defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
-	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, string(offload.PinNone), threads
 	cfg.duration = short
 	eng = nil
 	cfg.afterRequest = func(e *offload.Engine, _ []offload.Key) error { eng = e; return nil }
