@@ -255,7 +255,7 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 type configJSON struct {
 	offload.Config
 	Backend offload.Backend `json:"backend"`
-	Device  int    `json:"device"`
+	Device  int             `json:"device"`
 }
 
 //export kvoGo_engine_config_json
