@@ -4,7 +4,7 @@ import (
 	"errors"
 	"strconv"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // Sentinel errors callers branch on (errors.Is). Every error the package
@@ -21,7 +21,7 @@ var (
 	ErrBusy = errors.New("offload: engine busy")
 	// ErrNoDriver: the CUDA backend was asked for but libcuda.so.1 (or a
 	// device) is not available, or the module was built with CGO_ENABLED=0.
-	ErrNoDriver = cuda.ErrNoDriver
+	ErrNoDriver = transfer.ErrNoDriver
 	// ErrPoolTooSmall: the configured pool cannot hold a single block.
 	ErrPoolTooSmall = errors.New("offload: pool too small")
 	// ErrInsufficientMemory: the machine (MemAvailable, the cgroup's memory

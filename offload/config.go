@@ -8,7 +8,7 @@ import (
 	"strconv"
 
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // numaSetting is Config.NUMANode parsed.
@@ -43,9 +43,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		cfg.MemoryHeadroomBytes = 0
 	}
 	if cfg.MaxDeviceBytes < 0 {
-		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, cudacopy.DefaultMaxDeviceBytes)
+		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, transfer.DefaultMaxDeviceBytes)
 	}
-	if m := cudacopy.MinDeviceBytes(cudacopy.Options{}); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
+	if m := transfer.MinDeviceBytes(); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
 		return bad("MaxDeviceBytes = %d is below the minimum %d (one descriptor table and one staging chunk)", cfg.MaxDeviceBytes, m)
 	}
 	if cfg.FirstRegionBytes == 0 {

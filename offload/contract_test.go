@@ -149,13 +149,13 @@ func TestAutoBackendWithoutDriverRefusesDeviceLayout(t *testing.T) {
 	for range l.Layers {
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: 0x7f0000000000, V: 0x7f0000100000, Stride: 2048})
 	}
-	_, err := newEngine(Config{PoolBytes: 64 << 10, Layout: l, SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	_, err := newEngine(Config{PoolBytes: 64 << 10, Layout: l, SkipMemoryCheck: true}, engineHooks{loadDriver: loader(noDriver)})
 	require.ErrorIs(t, err, ErrNoDriver)
 	require.ErrorContains(t, err, "libcuda.so.1: cannot open shared object file")
 	require.ErrorContains(t, err, "device addresses")
 
 	// Without device addresses, auto picks the host backend, as before.
-	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), SkipMemoryCheck: true}, engineHooks{loadDriver: loader(noDriver)})
 	require.NoError(t, err)
 	name, reason := e.Backend()
 	require.Equal(t, BackendHost, name)

@@ -14,11 +14,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/transfer"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // engineHooks are injections: sim from package hostsim (and tests), the
@@ -27,7 +25,7 @@ type engineHooks struct {
 	// sim is the host backend's simulated device (nil: the engine makes
 	// its own and closes it).
 	sim        *transfer.Sim
-	loadDriver func() (cuda.Driver, error)
+	loadDriver func() (*transfer.Driver, error)
 	sys        *system
 	tracker    *transfer.Tracker
 	// beforeGrow runs on the growth thread before it registers plan[i]
@@ -41,7 +39,7 @@ type engineHooks struct {
 	// rangeLimit is the CUDA pinner's registration range limit (0: 64 GiB).
 	rangeLimit int64
 	// copyOptions configure the CUDA copy method.
-	copyOptions cudacopy.Options
+	copyOptions transfer.CopyOptions
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
@@ -68,7 +66,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	if h.loadDriver == nil {
-		h.loadDriver = cuda.Load
+		h.loadDriver = transfer.LoadDriver
 	}
 	sys := hostSystem()
 	if h.sys != nil {

@@ -15,6 +15,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudahook"
+	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -107,7 +109,7 @@ func newCUDAEngine(t testing.TB, drv cuda.Driver, cfg Config, h engineHooks) (*E
 		cfg.Backend = BackendCUDA
 	}
 	cfg.SkipMemoryCheck = true
-	h.loadDriver = func() (cuda.Driver, error) { return drv, nil }
+	h.loadDriver = func() (*transfer.Driver, error) { return driverOf(drv), nil }
 	if h.copyOptions.Method == cudacopy.MethodAuto && h.copyOptions.Calibration == nil && !h.calibrate {
 		// Tests run with the uncalibrated rule; TestCUDAFakeCalibration
 		// covers the background calibration.
@@ -569,4 +571,18 @@ func TestCUDAFakeGreedyStores(t *testing.T) {
 		require.NoError(t, e.Close())
 	}
 	require.NotEqual(t, cudacopy.DefaultLaunch(cudacopy.D2H, false), cudacopy.DefaultLaunch(cudacopy.D2H, true))
+}
+
+// driverOf is drv (a fake, or the real driver) as the engine loads it.
+func driverOf(drv cuda.Driver) *transfer.Driver { return cudahook.WrapDriver(drv).(*transfer.Driver) }
+
+// loader is load as engineHooks.loadDriver.
+func loader(load func() (cuda.Driver, error)) func() (*transfer.Driver, error) {
+	return func() (*transfer.Driver, error) {
+		drv, err := load()
+		if err != nil {
+			return nil, err
+		}
+		return driverOf(drv), nil
+	}
 }

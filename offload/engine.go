@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
@@ -49,28 +48,24 @@ type Engine struct {
 	layout *kvcache.Layout
 	cache  *kvcache.Cache
 	sched  *transfer.Scheduler
-	sim    *transfer.Sim   // the host backend's simulated device
-	dev    transfer.Device // the Sim or the CUDA device
-	drv    cuda.Driver     // nil on the host backend
-	events bool            // ops carry CUDA events (CUDA backend)
+	sim    *transfer.Sim     // the host backend's simulated device
+	dev    transfer.Device   // the Sim or the CUDA device
+	gpu    *transfer.Context // the device's primary context; nil on the host backend
+	events bool              // ops carry CUDA events (CUDA backend)
 	lost   atomic.Pointer[error]
 	// teardownErr is the last error releasing a region (Stats.TeardownError).
 	teardownErr atomic.Pointer[string]
 
 	// CUDA backend only.
-	cuDevice   cuda.Device
-	cuCtx      cuda.Context
-	ctxHeld    bool // primary context retained
 	pinner     register.Pinner
 	cudaDev    *transfer.CUDA
 	stagingDev uint64 // device address of the staging region
-	// calibrateLater: the growth goroutine calibrates the copy methods
-	// once growth has ended (or while it is paused); calibration is what
-	// it reported.
-	calibrateLater bool
-	calibration    atomic.Pointer[string]
-	ownSim         bool
-	tracker        *transfer.Tracker
+	// calibration is what the growth goroutine reported of calibrating
+	// the copy methods, which it does once growth has ended (or while it
+	// is paused).
+	calibration atomic.Pointer[string]
+	ownSim      bool
+	tracker     *transfer.Tracker
 
 	denseAlloc uint64
 

@@ -11,7 +11,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -304,7 +303,7 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 // before the engine's Close runs, which waits for the copies): a store
 // given the event as StoreOptions.After stays in flight until open is
 // called.
-func gatedEvent(t *testing.T, sim *transfer.Sim) (ev cuda.Event, cs cuda.Stream, open func()) {
+func gatedEvent(t *testing.T, sim *transfer.Sim) (ev transfer.Event, cs transfer.Stream, open func()) {
 	t.Helper()
 	cs = sim.NewStream()
 	openGate, err := sim.Gate(cs)

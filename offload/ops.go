@@ -7,7 +7,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/transfer"
 )
@@ -19,11 +18,11 @@ type copyCompletion struct {
 	op     *transfer.Op
 	done   <-chan struct{}
 	events bool
-	drv    cuda.Driver
+	gpu    *transfer.Context
 }
 
 func (e *Engine) newCompletion(op *transfer.Op, done <-chan struct{}) *copyCompletion {
-	return &copyCompletion{op: op, done: done, events: e.events, drv: e.drv}
+	return &copyCompletion{op: op, done: done, events: e.events, gpu: e.gpu}
 }
 
 func (c *copyCompletion) event() uintptr {
@@ -63,7 +62,7 @@ func (c *copyCompletion) streamWait(stream uintptr) error {
 	if err != nil {
 		return err
 	}
-	if err := c.drv.StreamWaitEvent(cuda.Stream(stream), ev, cuda.EventWaitDefault); err != nil {
+	if err := c.gpu.StreamWaitEvent(transfer.Stream(stream), ev); err != nil {
 		return fmt.Errorf("offload: stream %#x waiting on the op's event: %w", stream, err)
 	}
 	return nil
@@ -164,7 +163,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		if opts.After == 0 {
 			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
 		}
-		capturing, err := e.dev.IsCapturing(cuda.Stream(opts.AfterStream))
+		capturing, err := e.dev.IsCapturing(transfer.Stream(opts.AfterStream))
 		if err != nil {
 			return nil, fmt.Errorf("offload: Store: checking AfterStream %#x: %w", opts.AfterStream, err)
 		}
@@ -225,7 +224,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: cuda.Event(opts.After), Events: e.events,
+	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: transfer.Event(opts.After), Events: e.events,
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
 			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr) })}
 	top, err := e.sched.Submit(req)
@@ -418,8 +417,8 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: cuda.Event(opts.After),
-		Events: e.events, Signal: cuda.Event(opts.Signal),
+	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: transfer.Event(opts.After),
+		Events: e.events, Signal: transfer.Event(opts.Signal),
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
 			func(error) { end() })}
 	top, err := e.sched.Submit(req)

@@ -37,9 +37,13 @@ type CUDA struct {
 	splits  atomic.Int64       // BudgetSplits
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
+	// calibrateLater: Calibrate has the copy methods to measure (set by
+	// Context.NewCUDA before the device is used; read and cleared by the
+	// one goroutine that calibrates).
+	calibrateLater bool
 }
 
-// NewCUDA creates the engine's streams and copier on dev. The copier's
+// newCUDA creates the engine's streams and copier on dev. The copier's
 // device memory (descriptor tables, staging chunks) stays within
 // opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
 // short of it waits, on the submitting thread, for the oldest earlier copy
@@ -47,7 +51,7 @@ type CUDA struct {
 // halves (BudgetSplits). The calling OS
 // thread must have ctx (dev's context) current; the engine threads make it
 // current on theirs.
-func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
+func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
 	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
@@ -112,7 +116,7 @@ func (c *CUDA) StagedCopies() int64 { return c.staged.Load() }
 func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
 
 // Stream is the engine's stream for dir.
-func (c *CUDA) Stream(dir Direction) cuda.Stream { return c.streams[dir] }
+func (c *CUDA) Stream(dir Direction) Stream { return Stream(c.streams[dir]) }
 
 // AddHostRange tells the copier about a registered host range (the
 // Scheduler forwards its own AddHostRange here). Where the device cannot
@@ -238,41 +242,44 @@ func (c *CUDA) MaxDeviceBytes() int64 { return c.meter.MaxDeviceBytes() }
 func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
 
 // Record implements Device.
-func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }
+func (c *CUDA) Record(dir Direction, e Event) error {
+	return c.drv.EventRecord(cuda.Event(e), c.streams[dir])
+}
 
 // Wait implements Device. It holds the direction's staging kernels (a
 // store's gathers, a load's scatters) too.
-func (c *CUDA) Wait(dir Direction, e cuda.Event) error {
-	if err := c.drv.StreamWaitEvent(c.staging[dir], e, cuda.EventWaitDefault); err != nil {
+func (c *CUDA) Wait(dir Direction, e Event) error {
+	if err := c.drv.StreamWaitEvent(c.staging[dir], cuda.Event(e), cuda.EventWaitDefault); err != nil {
 		return err
 	}
-	return c.drv.StreamWaitEvent(c.streams[dir], e, cuda.EventWaitDefault)
+	return c.drv.StreamWaitEvent(c.streams[dir], cuda.Event(e), cuda.EventWaitDefault)
 }
 
 // SyncStream implements Device.
 func (c *CUDA) SyncStream(dir Direction) error { return c.drv.StreamSynchronize(c.streams[dir]) }
 
 // CreateEvent implements Device.
-func (c *CUDA) CreateEvent(blockingSync bool) (cuda.Event, error) {
+func (c *CUDA) CreateEvent(blockingSync bool) (Event, error) {
 	flags := cuda.EventDisableTiming
 	if blockingSync {
 		flags |= cuda.EventBlockingSync
 	}
-	return c.drv.EventCreate(flags)
+	e, err := c.drv.EventCreate(flags)
+	return Event(e), err
 }
 
 // DestroyEvent implements Device.
-func (c *CUDA) DestroyEvent(e cuda.Event) error { return c.drv.EventDestroy(e) }
+func (c *CUDA) DestroyEvent(e Event) error { return c.drv.EventDestroy(cuda.Event(e)) }
 
 // Query implements Device.
-func (c *CUDA) Query(e cuda.Event) (bool, error) { return c.drv.EventQuery(e) }
+func (c *CUDA) Query(e Event) (bool, error) { return c.drv.EventQuery(cuda.Event(e)) }
 
 // Sync implements Device.
-func (c *CUDA) Sync(e cuda.Event) error { return c.drv.EventSynchronize(e) }
+func (c *CUDA) Sync(e Event) error { return c.drv.EventSynchronize(cuda.Event(e)) }
 
 // IsCapturing implements Device: an active or invalidated capture counts.
-func (c *CUDA) IsCapturing(s cuda.Stream) (bool, error) {
-	st, err := c.drv.StreamIsCapturing(s)
+func (c *CUDA) IsCapturing(s Stream) (bool, error) {
+	st, err := c.drv.StreamIsCapturing(cuda.Stream(s))
 	return st != cuda.CaptureStatusNone, err
 }
 
