@@ -167,7 +167,7 @@ type Config struct {
 	// because it measured better: on kvcache's synthetic serving trace
 	// (BenchmarkHitRatio) TinyLFU never beat LRU by more than 0.003 in hit
 	// ratio and lost 3–8 points at the larger pools, while wasting 34–54% of
-	// its D2H bytes on blocks it rejected after the copy; and its control
+	// its store bytes on blocks it rejected after the copy; and its control
 	// plane costs ~5 µs per block against LRU's ~0.6–0.8 µs (H200 host,
 	// bench/results/2026-11-29-h200/control-plane.txt).
 	Policy Policy `json:"policy,omitempty"`
@@ -194,8 +194,8 @@ type Config struct {
 	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
 	// deleted, so that no KV of a past request stays in host memory.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
-	// GreedyStores (CUDA backend) runs device-to-host copies on the copy
-	// kernel's unthrottled launch (cudacopy.Options.GreedyD2H). On the
+	// GreedyStores (CUDA backend) runs stores on the copy kernel's
+	// unthrottled launch (transfer.CUDAOptions.GreedyStores). On the
 	// H200 that moved 4–16 KiB segments at 93–95% of the link instead of
 	// the default launch's 91–93%, but a compute-bound kernel running
 	// beside the stores was up to 3.4 times slower instead of ≤ 6.3%
@@ -203,14 +203,14 @@ type Config struct {
 	// kernels run.
 	GreedyStores bool `json:"greedy_stores,omitempty"`
 	// MaxDeviceBytes (CUDA backend) bounds the GPU memory the copy layer
-	// allocates beside the serving stack's: descriptor tables, the staging
-	// chunks of staged copies and, while it runs, the calibration buffer.
-	// 0 means cudacopy.DefaultMaxDeviceBytes (256 MiB: three staged copies
-	// per direction in flight with their full rings of staging, and the
-	// calibration buffer beside them). A copy short of it waits for earlier
-	// copies to complete and reuses their memory; one that could never fit
-	// is split. Negative, or below one descriptor table and one staging
-	// chunk (cudacopy.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
+	// allocates beside the serving stack's: descriptor tables, the bounce
+	// chunks of bounced copies and, while it runs, the calibration buffer.
+	// 0 means transfer.DefaultMaxDeviceBytes (256 MiB: three bounced copies
+	// per direction in flight with their full rings of bounce chunks, and
+	// the calibration buffer beside them). A copy short of it waits for
+	// earlier copies to complete and reuses their memory; one that could
+	// never fit is split. Negative, or below one descriptor table and one
+	// bounce chunk (transfer.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
 	MaxDeviceBytes int64 `json:"max_device_bytes,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.

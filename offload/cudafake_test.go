@@ -246,7 +246,7 @@ func TestCUDAFakeRoundTrip(t *testing.T) {
 
 // Stores and loads of whole blocks whose host runs reach
 // Options.GatherMinRun go staged through device memory (gathered,
-// scattered), count in Stats.StagedCopies, and round-trip byte-exact.
+// scattered), count in Stats.BounceCopies, and round-trip byte-exact.
 func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 	d := fakeDriver(t, cudafake.Options{Seed: 2, MaxDelay: 50 * time.Microsecond})
 	g := newGPUMem(t, d, 8<<10)
@@ -256,7 +256,7 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU}, engineHooks{copyOptions: cudacopy.Options{GatherMinRun: int(slot)}})
 	require.NoError(t, err)
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Zero(t, e.Stats().StagedCopies)
+	require.Zero(t, e.Stats().BounceCopies)
 	const n = 6
 	contents := randomContents(rand.New(rand.NewPCG(3, 1)), n, e.slot)
 	keys, src, dst := make([]Key, n), make([]int, n), make([]int, n)
@@ -265,17 +265,17 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		g.write(e, i, contents[i])
 	}
 	storeAll(t, e, keys, src, StoreOptions{})
-	stores := e.Stats().StagedCopies
+	stores := e.Stats().BounceCopies
 	require.Positive(t, stores, "the store was staged")
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
-	staged := e.Stats().StagedCopies
+	staged := e.Stats().BounceCopies
 	require.Greater(t, staged, stores, "the load was staged")
 	st := e.Stats()
 	require.EqualValues(t, cudacopy.DefaultMaxDeviceBytes, st.MaxDeviceBytes)
 	require.Positive(t, st.DeviceBytes, "staging chunks and descriptor tables are reported")
 	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
 	require.NoError(t, e.Close())
-	require.Equal(t, staged, e.Stats().StagedCopies, "readable after Close")
+	require.Equal(t, staged, e.Stats().BounceCopies, "readable after Close")
 }
 
 // Config.MaxDeviceBytes reaches the copier: with room for one staging
@@ -304,7 +304,7 @@ func TestCUDAFakeMaxDeviceBytes(t *testing.T) {
 	storeAll(t, e, keys, src, StoreOptions{})
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
 	st := e.Stats()
-	require.Positive(t, st.StagedCopies)
+	require.Positive(t, st.BounceCopies)
 	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
 	require.NoError(t, e.Close())
 	require.LessOrEqual(t, d.PeakDeviceBytes()-base, uint64(12<<20))

@@ -538,7 +538,7 @@ func (e *Engine) snapshot() Stats {
 		s.CopyCalibration = *c
 	}
 	if e.cudaDev != nil {
-		s.StagedCopies = e.cudaDev.StagedCopies()
+		s.BounceCopies = e.cudaDev.BounceCopies()
 		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	s.TeardownErrors = c.teardownErrors.Load()

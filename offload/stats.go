@@ -61,14 +61,14 @@ type Stats struct {
 	// calibrates once growth has ended (before WaitGrown returns), where no
 	// prefault competes for the CPUs, or earlier while growth is paused.
 	CopyCalibration string `json:"copy_calibration,omitempty"`
-	// StagedCopies counts the CUDA copy batches (one per store or load
-	// batch the engine submits, not per block) of whole blocks staged
-	// through device memory so that the DMA engines move them (stores
+	// BounceCopies counts the CUDA copy batches (one per store or load
+	// batch the engine submits, not per block) of whole blocks bounced
+	// through device chunks so that the DMA engines move them (stores
 	// gathered on the device before one DMA per block, loads scattered
 	// after it; see transfer.CUDA); 0 on the host backend.
-	StagedCopies int64 `json:"staged_copies"`
+	BounceCopies int64 `json:"bounce_copies"`
 	// DeviceBytes is the GPU memory the copy layer has allocated now
-	// (descriptor tables, staging chunks, the calibration buffer while it
+	// (descriptor tables, bounce chunks, the calibration buffer while it
 	// runs), never above MaxDeviceBytes, the bound in force
 	// (Config.MaxDeviceBytes or its default); both 0 on the host backend.
 	DeviceBytes    int64 `json:"device_bytes"`

@@ -13,27 +13,27 @@ import (
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its
 // own (loads at the greatest priority, stores at the least), copies through a
 // cudacopy.Copier. Copies of whole blocks whose host runs are long
-// (Gatherable, Scatterable) are staged through device memory so that the
+// (Gatherable, Scatterable) are bounced through device memory so that the
 // DMA engines move them: stores are gathered on a stream of their own
 // (cudacopy.SubmitGather) and copied out on the store stream; loads are
 // copied in on the load stream and scattered on another stream
 // (cudacopy.SubmitScatter). Every Wait on a direction's stream is also made
-// on its staging stream, so a gather reads, and a scatter writes, the device
+// on its bounce stream, so a gather reads, and a scatter writes, the device
 // only after what the copy waits for; the direction's stream joins each
-// staging kernel (the store stream before its DMA, the load stream after
+// bounce kernel (the store stream before its DMA, the load stream after
 // the last scatter), so events recorded on it cover both. On the H200,
-// staged copies of 512 KiB–1 MiB blocks moved 94–97% of the link each way
+// bounced copies of 512 KiB–1 MiB blocks moved 94–97% of the link each way
 // and 92–97 GB/s both ways at once, where the copy kernels move 92–93% and
 // 78 GB/s (bench/results/2026-11-30-h200-s4/blocks-staged.md).
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
 	streams [2]cuda.Stream
-	staging [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
+	bounce  [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
 	tickets []cudacopy.Ticket  // Copy's, likewise
-	staged  atomic.Int64       // copies submitted staged (StagedCopies)
+	bounced atomic.Int64       // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64       // BudgetSplits
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
@@ -44,7 +44,7 @@ type CUDA struct {
 }
 
 // newCUDA creates the engine's streams and copier on dev. The copier's
-// device memory (descriptor tables, staging chunks) stays within
+// device memory (descriptor tables, bounce chunks) stays within
 // opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
 // short of it waits, on the submitting thread, for the oldest earlier copy
 // to complete, and a copy no single copier call could hold is split in
@@ -65,7 +65,7 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		}
 		c.streams[d] = s
 	}
-	// Each staging stream at its direction's priority. As measured on the
+	// Each bounce stream at its direction's priority. As measured on the
 	// H200 (blocks.md): beside a 4096² sgemm, gathers of 512 KiB–1 MiB blocks
 	// on the least priority kept 100% of their solo rate; those of 128 KiB
 	// blocks of 4 KiB segments starved (17%), but the engine does not gather
@@ -73,9 +73,9 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	for _, d := range []Direction{Load, Store} {
 		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
 		if err != nil {
-			return nil, errors.Join(fmt.Errorf("transfer: creating the %v staging stream: %w", d, err), c.destroyStreams())
+			return nil, errors.Join(fmt.Errorf("transfer: creating the %v bounce stream: %w", d, err), c.destroyStreams())
 		}
-		c.staging[d] = s
+		c.bounce[d] = s
 	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
@@ -95,7 +95,7 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 
 func (c *CUDA) destroyStreams() error {
 	var err error
-	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.staging} {
+	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.bounce} {
 		for d, s := range ss {
 			if s != 0 {
 				err = errors.Join(err, c.drv.StreamDestroy(s))
@@ -106,10 +106,10 @@ func (c *CUDA) destroyStreams() error {
 	return err
 }
 
-// StagedCopies is the number of copies Copy submitted staged through device
+// BounceCopies is the number of copies Copy submitted bounced through device
 // memory (stores gathered, loads scattered); safe to call at any time, also
 // after Close.
-func (c *CUDA) StagedCopies() int64 { return c.staged.Load() }
+func (c *CUDA) BounceCopies() int64 { return c.bounced.Load() }
 
 // Copier is the copy method the device uses (for its Fill and Checksum
 // kernels, calibration, and capabilities).
@@ -183,22 +183,22 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
-	staged := false
+	bounced := false
 	switch {
 	case dir == Store && c.copier.Gatherable(segs):
-		staged = true
-		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], segs)
+		bounced = true
+		t, err = c.copier.SubmitGather(c.bounce[Store], c.streams[Store], segs)
 	case dir == Load && c.copier.Scatterable(segs):
-		staged = true
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], segs)
+		bounced = true
+		t, err = c.copier.SubmitScatter(c.streams[Load], c.bounce[Load], segs)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, segs)
 	}
 	if err == nil {
-		if staged {
-			c.staged.Add(1)
+		if bounced {
+			c.bounced.Add(1)
 		}
 		*ts = append(*ts, t)
 		return nil
@@ -226,7 +226,7 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 }
 
 // DeviceBytes is the device memory the copier has allocated now
-// (descriptor tables, staging chunks, a calibration buffer); 0 after
+// (descriptor tables, bounce chunks, a calibration buffer); 0 after
 // Close. PeakDeviceBytes is the most it has had at once, MaxDeviceBytes
 // its bound (cudacopy.Options.MaxDeviceBytes). Safe at any time.
 func (c *CUDA) DeviceBytes() int64 { return c.meter.DeviceBytes() }
@@ -246,10 +246,10 @@ func (c *CUDA) Record(dir Direction, e Event) error {
 	return c.drv.EventRecord(cuda.Event(e), c.streams[dir])
 }
 
-// Wait implements Device. It holds the direction's staging kernels (a
+// Wait implements Device. It holds the direction's bounce kernel (a
 // store's gathers, a load's scatters) too.
 func (c *CUDA) Wait(dir Direction, e Event) error {
-	if err := c.drv.StreamWaitEvent(c.staging[dir], cuda.Event(e), cuda.EventWaitDefault); err != nil {
+	if err := c.drv.StreamWaitEvent(c.bounce[dir], cuda.Event(e), cuda.EventWaitDefault); err != nil {
 		return err
 	}
 	return c.drv.StreamWaitEvent(c.streams[dir], cuda.Event(e), cuda.EventWaitDefault)
@@ -289,7 +289,7 @@ func (c *CUDA) Close() error {
 	if c.copier != nil {
 		err := c.copier.Close()
 		if errors.Is(err, cudacopy.ErrInFlight) {
-			// Copies still hold descriptor buffers or staging: keep the
+			// Copies still hold descriptor buffers or bounce chunks: keep the
 			// copier and the streams, so a Close after they are retired
 			// frees everything.
 			return err

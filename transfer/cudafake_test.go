@@ -208,7 +208,7 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 	p, fill, ev := slowProducer(t, e, n)
 	ld := wholeBlocks(e, r, seg, per, blocks)
 	copier := e.cu.Copier()
-	before := e.cu.StagedCopies()
+	before := e.cu.BounceCopies()
 	require.True(t, copier.Scatterable(toCopierLoad(ld[:4*per])), "whole blocks scatter")
 	submitAfter(t, e, Load, ld, 4*per, ev)
 	require.NoError(t, e.drv.StreamSynchronize(p))
@@ -219,7 +219,7 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 		off, h := sg.Dev-e.dev, sg.Host-e.host
 		require.Equal(t, e.hostBuf[h:h+seg], back[off:off+seg], "device offset %d", off)
 	}
-	require.Greater(t, e.cu.StagedCopies(), before, "the loads were scattered")
+	require.Greater(t, e.cu.BounceCopies(), before, "the loads were scattered")
 }
 
 // wholeBlocks is blocks layer-separate blocks of per segments of seg

@@ -14,7 +14,7 @@ type Device interface {
 	// the context current and stream capture mode relaxed.
 	InitThread() error
 	// Copy enqueues segs on dir's stream; part of the work may run on
-	// another stream of the device's (CUDA's staging streams), which waits
+	// another stream of the device's (CUDA's bounce streams), which waits
 	// for what dir's stream waits for and which dir's stream joins before
 	// the copy's completion, also when Copy fails after enqueueing some of
 	// it. The returned retire func must be

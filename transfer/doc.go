@@ -1,6 +1,6 @@
 // Package transfer moves segments between device memory and registered host
 // memory asynchronously: it owns the engine's two streams (loads at higher
-// priority than stores; on CUDA also a staging stream per direction, for
+// priority than stores; on CUDA also a bounce stream per direction, for
 // gathered stores and scattered loads, see CUDA),
 // batches, events and completion. It knows segments
 // and addresses, never keys; the owner of the slots (kvcache, composed by

@@ -622,7 +622,7 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 	st := r.eng.Stats()
 	rep.PinnedBytes, rep.UsedBytes = st.OwnedBytes, st.InUseBytes
 	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Store.Bytes, st.Load.Bytes
-	rep.Evictions, rep.StagedCopies = st.Evictions, st.StagedCopies
+	rep.Evictions, rep.BounceCopies = st.Evictions, st.BounceCopies
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration

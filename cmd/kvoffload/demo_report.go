@@ -37,9 +37,9 @@ type demoReport struct {
 	EngineStoreBytes int64 `json:"engine_store_bytes"`
 	EngineLoadBytes  int64 `json:"engine_load_bytes"`
 	Evictions        int64 `json:"pool_evictions"`
-	// StagedCopies is the engine's Stats.StagedCopies: copy batches of
-	// whole blocks moved through device staging by the DMA engines (CUDA).
-	StagedCopies int64 `json:"staged_copies"`
+	// BounceCopies is the engine's Stats.BounceCopies: copy batches of
+	// whole blocks bounced through device chunks by the DMA engines (CUDA).
+	BounceCopies int64 `json:"bounce_copies"`
 
 	// CPUSeconds is the process's CPU time while stores and loads were in
 	// flight; CPUMicrosPerBlock divides it by the blocks moved.
@@ -122,7 +122,7 @@ func (r *demoReport) print(w io.Writer) error {
 	}
 	row("CPU time per block", "%.1f µs (%.2f s while copies were in flight)", r.CPUMicrosPerBlock, r.CPUSeconds)
 	if r.Backend == "cuda" {
-		row("staged copies", "%d batches (of whole blocks gathered or scattered on the device, moved by the DMA engines)", r.StagedCopies)
+		row("bounce copies", "%d batches (of whole blocks gathered or scattered through device chunks, moved by the DMA engines)", r.BounceCopies)
 	}
 	row("pool: owned vs used", "%s owned (%s), %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), r.Pinning, formatSize(r.UsedBytes), r.Evictions)
 	row("recompute", "%.2f s", r.RecomputeSeconds)

@@ -107,10 +107,10 @@ func TestDemoCommandJSON(t *testing.T) {
 	for _, w := range []string{"prefix hit ratio", "GB/s", "op latency", "CPU time per block", "pool: owned vs used", "verification", "PASS"} {
 		require.Contains(t, out, w)
 	}
-	require.NotContains(t, out, "staged copies", "a host-backend report has no staged copies row")
+	require.NotContains(t, out, "bounce copies", "a host-backend report has no bounce copies row")
 	var b strings.Builder
-	require.NoError(t, (&demoReport{Backend: "cuda", StagedCopies: 42, Verify: true}).print(&b))
-	require.Contains(t, b.String(), "staged copies")
+	require.NoError(t, (&demoReport{Backend: "cuda", BounceCopies: 42, Verify: true}).print(&b))
+	require.Contains(t, b.String(), "bounce copies")
 	require.Contains(t, b.String(), "42 batches (of whole blocks gathered or scattered")
 }
 
