@@ -144,19 +144,6 @@ func (e *Engine) calibrate() {
 	e.calibration.Store(&msg)
 }
 
-// stagingDevicePtr is the device address of the staging region's first
-// byte: its registered host pointer as the GPU sees it.
-func (e *Engine) stagingDevicePtr(pr *poolRegion) (uint64, error) {
-	if e.gpu == nil {
-		return pr.host, nil
-	}
-	p, err := e.gpu.HostDevicePointer(pr.r.Pointer())
-	if err != nil {
-		return 0, fmt.Errorf("offload: staging region's device pointer: %w", err)
-	}
-	return p, nil
-}
-
 // closeCUDADevice releases the CUDA device (after the scheduler is closed).
 func (e *Engine) closeCUDADevice() error {
 	if e.cudaDev == nil {

@@ -107,34 +107,6 @@ type Lease struct {
 // Keys returns the leased keys (the prefix Lookup found), in order.
 func (l *Lease) Keys() []Key { return append([]Key(nil), l.keys...) }
 
-// Staging is a pinned host buffer at a fixed address for the engine's
-// lifetime, carved from the reserved staging region that Trim never touches
-// (for values a captured CUDA graph copies to or from the host). Its memory
-// is valid until Close.
-type Staging struct {
-	name string
-	addr uintptr
-	dev  uint64
-	size int64
-	buf  []byte
-}
-
-// Name is the name given to Engine.Staging.
-func (s *Staging) Name() string { return s.name }
-
-// Len is the buffer's size in bytes, exactly as asked.
-func (s *Staging) Len() int64 { return s.size }
-
-// Addr is the buffer's host address.
-func (s *Staging) Addr() uintptr { return s.addr }
-
-// DevicePtr is the address a kernel or copy uses for the buffer (the
-// registered host pointer on CUDA; equal to Addr on the host backend).
-func (s *Staging) DevicePtr() uint64 { return s.dev }
-
-// Bytes is the buffer's memory. It must not be used after Close.
-func (s *Staging) Bytes() []byte { return s.buf }
-
 // checkOpen returns ErrClosed after Close.
 func (e *Engine) checkOpen(call string) error {
 	if e.closed.Load() {

@@ -217,3 +217,22 @@ func (s system) gpuNUMANode(busID string) int {
 }
 
 func gib(n int64) float64 { return float64(n) / (1 << 30) }
+
+// addSizes is a+b for non-negative sizes, false on overflow.
+func addSizes(a, b int64) (int64, bool) {
+	if a > math.MaxInt64-b {
+		return 0, false
+	}
+	return a + b, true
+}
+
+// mulSizes is a×b for non-negative sizes, false on overflow.
+func mulSizes(a, b int64) (int64, bool) {
+	if a < 0 || b < 0 {
+		return 0, false
+	}
+	if a != 0 && b > math.MaxInt64/a {
+		return 0, false
+	}
+	return a * b, true
+}

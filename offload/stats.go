@@ -245,3 +245,57 @@ type counters struct {
 	inFlightBytes        atomic.Int64
 	store, load          direction
 }
+
+// Stats returns a snapshot of the engine's counters; cheap, callable from
+// any goroutine, also after Close.
+func (e *Engine) Stats() Stats { return e.snapshot() }
+
+func (e *Engine) snapshot() Stats {
+	c := &e.stats
+	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
+		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
+		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
+		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
+		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
+		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
+		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
+		Store: c.store.snapshot(), Load: c.load.snapshot()}
+	s.Misses = s.LookupKeys - s.Hits
+	if c := e.calibration.Load(); c != nil {
+		s.CopyCalibration = *c
+	}
+	if e.cudaDev != nil {
+		s.BounceCopies = e.cudaDev.BounceCopies()
+		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
+	}
+	s.TeardownErrors = c.teardownErrors.Load()
+	if m := e.teardownErr.Load(); m != nil {
+		s.TeardownError = *m
+	}
+	for i := range s.Outcomes {
+		s.Outcomes[i] = c.outcomes[i].Load()
+	}
+	e.memMu.Lock()
+	s.OwnedBytes, s.Regions, s.StagingUsed = e.owned, len(e.regions), e.stagingUsed
+	if e.stagingRegion != nil {
+		s.StagingBytes = e.stagingRegion.r.Len()
+	}
+	e.memMu.Unlock()
+	e.growMu.Lock()
+	s.RegionsTotal, s.GrowthTargetBytes = len(e.plan), e.target
+	s.GrowthPaused = e.paused
+	if e.growErr != nil {
+		s.GrowthError = e.growErr.Error()
+	}
+	e.growMu.Unlock()
+	if e.cache != nil {
+		cs := e.cache.Stats()
+		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)
+		s.BlocksReady, s.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
+		s.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
+		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
+		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
+		s.Orphans = int64(cs.Orphaned)
+	}
+	return s
+}
