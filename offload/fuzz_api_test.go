@@ -96,7 +96,7 @@ func FuzzStaging(f *testing.F) {
 			}
 			return
 		}
-		lo, hi := e.stagingRegion.r.Addr(), e.stagingRegion.r.Addr()+uintptr(e.stagingRegion.r.Len())
+		lo, hi := e.stage.region.r.Addr(), e.stage.region.r.Addr()+uintptr(e.stage.region.r.Len())
 		if s.Len() != size || int64(len(s.Bytes())) != size || s.Addr() < lo || s.Addr()+uintptr(size) > hi {
 			t.Fatalf("Staging(%q, %d) = %d bytes at %#x, region [%#x,%#x)", name, size, s.Len(), s.Addr(), lo, hi)
 		}

@@ -22,17 +22,17 @@ import (
 // If the copy methods are not calibrated yet, the growth thread calibrates
 // them during the pause.
 func (e *Engine) PauseGrowth() {
-	e.growMu.Lock()
-	e.paused = true
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	e.growth.paused = true
+	e.growth.mu.Unlock()
 }
 
 // ResumeGrowth lets background pinning continue. Idempotent.
 func (e *Engine) ResumeGrowth() {
-	e.growMu.Lock()
-	e.paused = false
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	e.growth.paused = false
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
 }
 
 // GrowTo sets the pool size that background growth aims at to bytes
@@ -53,17 +53,17 @@ func (e *Engine) GrowTo(bytes int64) error {
 	if e.cfg.MaxCachedBytes > 0 {
 		limit = min(limit, e.cfg.MaxCachedBytes)
 	}
-	e.growMu.Lock()
-	defer e.growMu.Unlock()
-	e.target = min(bytes, limit)
-	if !e.growDone || e.stopGrow || e.committed+e.slot > e.target {
+	e.growth.mu.Lock()
+	defer e.growth.mu.Unlock()
+	e.growth.target = min(bytes, limit)
+	if !e.growth.done || e.growth.stop || e.growth.committed+e.slot > e.growth.target {
 		return nil
 	}
 	// Growth has ended: plan regions for the rest and start it again.
-	e.growErr = nil
-	e.growFrom = len(e.plan)
-	e.plan = append(e.plan, regionPlan(e.target-e.committed, e.cfg.RegionBytes, e.cfg.RegionBytes, e.slot)...)
-	e.growDone = false
+	e.growth.err = nil
+	e.growth.from = len(e.growth.plan)
+	e.growth.plan = append(e.growth.plan, regionPlan(e.growth.target-e.growth.committed, e.cfg.RegionBytes, e.cfg.RegionBytes, e.slot)...)
+	e.growth.done = false
 	e.stats.fullPool.Store(0)
 	e.wg.Add(1)
 	go e.grow()
@@ -109,9 +109,9 @@ func (e *Engine) prefetchRegion(i int, size int64) (*poolRegion, error) {
 // uncommit forgets bytes of pool regions that were dropped before joining
 // the pool or trimmed out of it.
 func (e *Engine) uncommit(bytes int64) {
-	e.growMu.Lock()
-	e.committed -= bytes
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	e.growth.committed -= bytes
+	e.growth.mu.Unlock()
 }
 
 // dropGrowing unmaps a region growth mapped but will not publish.
@@ -123,24 +123,24 @@ func (e *Engine) dropGrowing(pr *poolRegion) {
 // nextSizeLocked is the size of plan region i that growth may map now,
 // reserving it in committed; false when growth has reached its target or
 // the plan's end. A region that fits only in part is shrunk to whole
-// slots, and the plan ends there. growMu held.
+// slots, and the plan ends there. growth.mu held.
 func (e *Engine) nextSizeLocked(i int) (int64, bool) {
-	if i >= len(e.plan) {
+	if i >= len(e.growth.plan) {
 		return 0, false
 	}
-	size := min(e.plan[i], (e.target-e.committed)/e.slot*e.slot)
+	size := min(e.growth.plan[i], (e.growth.target-e.growth.committed)/e.slot*e.slot)
 	if size < e.slot {
-		e.plan = e.plan[:i]
-		if e.nextRegion == len(e.plan) && e.stats.fullPool.Load() == 0 {
+		e.growth.plan = e.growth.plan[:i]
+		if e.growth.next == len(e.growth.plan) && e.stats.fullPool.Load() == 0 {
 			e.stats.fullPool.Store(int64(time.Since(e.start)))
 		}
 		return 0, false
 	}
-	if size < e.plan[i] {
-		e.plan[i] = size
-		e.plan = e.plan[:i+1]
+	if size < e.growth.plan[i] {
+		e.growth.plan[i] = size
+		e.growth.plan = e.growth.plan[:i+1]
 	}
-	e.committed += size
+	e.growth.committed += size
 	return size, true
 }
 
@@ -165,10 +165,10 @@ func (e *Engine) checkRoom(size int64) error {
 // publishRegion hands a pinned pool region to the cache and counts it as
 // owned. On error the region is unpinned and unmapped.
 func (e *Engine) publishRegion(pr *poolRegion) error {
-	e.memMu.Lock()
-	e.nextID++
-	pr.id = e.nextID
-	e.memMu.Unlock()
+	e.memory.mu.Lock()
+	e.memory.nextID++
+	pr.id = e.memory.nextID
+	e.memory.mu.Unlock()
 	if e.cfg.ZeroOnRelease {
 		e.slotMem.Store(pr.id, pr.r.Bytes())
 	}
@@ -179,10 +179,10 @@ func (e *Engine) publishRegion(pr *poolRegion) error {
 		return err
 	}
 	e.stats.steps.cacheNanos.Add(int64(time.Since(t0)))
-	e.memMu.Lock()
-	e.regions = append(e.regions, pr)
-	e.owned += size
-	e.memMu.Unlock()
+	e.memory.mu.Lock()
+	e.memory.regions = append(e.memory.regions, pr)
+	e.memory.owned += size
+	e.memory.mu.Unlock()
 	return nil
 }
 
@@ -218,9 +218,9 @@ type growItem struct {
 	err error
 }
 
-// growth is the state the stages of one background growth share; the
-// fields are guarded by the engine's growMu.
-type growth struct {
+// growRun is the state the stages of one background growth share; the
+// fields are guarded by the engine's growth.mu.
+type growRun struct {
 	e *Engine
 	// ready is the region the prefetch stage hands to the growth thread
 	// (nil: none waiting).
@@ -268,7 +268,7 @@ func (e *Engine) grow() {
 		e.endGrowth()
 		return
 	}
-	g := &growth{e: e}
+	g := &growRun{e: e}
 	pinned := make(chan growItem)
 	var stages sync.WaitGroup
 	stages.Go(g.prefetch)
@@ -292,20 +292,20 @@ func (e *Engine) grow() {
 		}
 		pinned <- it
 	}
-	e.growMu.Lock()
+	e.growth.mu.Lock()
 	g.pinDone = true
 	held := g.ready
 	g.ready = nil
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
 	if held != nil && held.pr != nil {
 		e.dropGrowing(held.pr)
 	}
 	close(pinned)
 	stages.Wait()
-	e.growMu.Lock()
-	calibrate := !e.stopGrow && !g.calibrated
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	calibrate := !e.growth.stop && !g.calibrated
+	e.growth.mu.Unlock()
 	if calibrate {
 		e.calibrate()
 	}
@@ -313,26 +313,26 @@ func (e *Engine) grow() {
 }
 
 // stoppedLocked reports whether growth must stop: Close, or an error in
-// any stage. The caller holds growMu.
-func (e *Engine) stoppedLocked() bool { return e.stopGrow || e.growErr != nil }
+// any stage. The caller holds growth.mu.
+func (e *Engine) stoppedLocked() bool { return e.growth.stop || e.growth.err != nil }
 
 // growFailed records the first error of background growth and wakes every
 // stage waiting on growCond, so that they stop.
 func (e *Engine) growFailed(err error) {
-	e.growMu.Lock()
-	if e.growErr == nil {
-		e.growErr = err
+	e.growth.mu.Lock()
+	if e.growth.err == nil {
+		e.growth.err = err
 	}
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
 }
 
 // endGrowth marks background growth finished, for WaitGrown.
 func (e *Engine) endGrowth() {
-	e.growMu.Lock()
-	e.growDone = true
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	e.growth.done = true
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
 }
 
 // next waits for the next region to register, and reports false when
@@ -341,29 +341,29 @@ func (e *Engine) endGrowth() {
 // until growth resumes. While paused, once the prefetch stage is idle, it
 // runs the copy-method calibration (if not done yet), so that a long pause
 // does not leave the copier uncalibrated.
-func (g *growth) next() (growItem, bool) {
+func (g *growRun) next() (growItem, bool) {
 	e := g.e
-	e.growMu.Lock()
-	defer e.growMu.Unlock()
+	e.growth.mu.Lock()
+	defer e.growth.mu.Unlock()
 	for !e.stoppedLocked() {
 		switch {
 		case g.ready == nil && g.prefetchDone:
 			// Nothing left to register: a pause has nothing to hold.
 			return growItem{}, false
-		case e.paused && !g.calibrated && !g.prefetching:
+		case e.growth.paused && !g.calibrated && !g.prefetching:
 			g.calibrated = true
-			e.growMu.Unlock()
+			e.growth.mu.Unlock()
 			e.calibrate()
-			e.growMu.Lock()
+			e.growth.mu.Lock()
 			continue
-		case e.paused:
+		case e.growth.paused:
 		case g.ready != nil:
 			it := *g.ready
 			g.ready = nil
-			e.growCond.Broadcast()
+			e.growth.cond.Broadcast()
 			return it, true
 		}
-		e.growCond.Wait()
+		e.growth.cond.Wait()
 	}
 	return growItem{}, false
 }
@@ -373,38 +373,38 @@ func (g *growth) next() (growItem, bool) {
 // the next starts, and starts none while growth is paused. It ends when
 // the plan is done, growth stops, or the growth thread has stopped taking
 // regions; a region it cannot hand over then is unmapped.
-func (g *growth) prefetch() {
+func (g *growRun) prefetch() {
 	e := g.e
 	defer func() {
-		e.growMu.Lock()
+		e.growth.mu.Lock()
 		g.prefetchDone = true
-		e.growCond.Broadcast()
-		e.growMu.Unlock()
+		e.growth.cond.Broadcast()
+		e.growth.mu.Unlock()
 	}()
-	e.growMu.Lock()
-	from := e.growFrom
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	from := e.growth.from
+	e.growth.mu.Unlock()
 	for i := from; ; i++ {
-		e.growMu.Lock()
-		if i >= len(e.plan) {
+		e.growth.mu.Lock()
+		if i >= len(e.growth.plan) {
 			// Nothing left: a pause has nothing to hold.
-			e.growMu.Unlock()
+			e.growth.mu.Unlock()
 			return
 		}
-		for e.paused && !e.stoppedLocked() {
-			e.growCond.Wait()
+		for e.growth.paused && !e.stoppedLocked() {
+			e.growth.cond.Wait()
 		}
 		if e.stoppedLocked() {
-			e.growMu.Unlock()
+			e.growth.mu.Unlock()
 			return
 		}
 		size, ok := e.nextSizeLocked(i)
 		if !ok {
-			e.growMu.Unlock()
+			e.growth.mu.Unlock()
 			return
 		}
 		g.prefetching = true
-		e.growMu.Unlock()
+		e.growth.mu.Unlock()
 		err := e.checkRoom(size)
 		var pr *poolRegion
 		if err == nil {
@@ -415,18 +415,18 @@ func (g *growth) prefetch() {
 		} else {
 			pr.planned = size
 		}
-		e.growMu.Lock()
+		e.growth.mu.Lock()
 		g.prefetching = false
-		e.growCond.Broadcast()
+		e.growth.cond.Broadcast()
 		for g.ready != nil && !g.pinDone {
-			e.growCond.Wait()
+			e.growth.cond.Wait()
 		}
 		gone := g.pinDone
 		if !gone {
 			g.ready = &growItem{i: i, pr: pr, err: err}
-			e.growCond.Broadcast()
+			e.growth.cond.Broadcast()
 		}
-		e.growMu.Unlock()
+		e.growth.mu.Unlock()
 		if gone && pr != nil {
 			e.dropGrowing(pr)
 		}
@@ -441,13 +441,13 @@ func (g *growth) prefetch() {
 // After Close or a failure of its own it unpins and unmaps what it gets
 // instead (a failure of a later region in an earlier stage does not stop
 // the regions before it from joining). It ends when in is closed.
-func (g *growth) publish(in <-chan growItem) {
+func (g *growRun) publish(in <-chan growItem) {
 	e := g.e
 	failed := false
 	for it := range in {
-		e.growMu.Lock()
-		drop := failed || e.stopGrow
-		e.growMu.Unlock()
+		e.growth.mu.Lock()
+		drop := failed || e.growth.stop
+		e.growth.mu.Unlock()
 		if drop {
 			e.dropGrowing(it.pr)
 			continue
@@ -463,33 +463,33 @@ func (g *growth) publish(in <-chan growItem) {
 			e.growFailed(fmt.Errorf("offload: adding pool region %d to the cache: %w", it.i, err))
 			continue
 		}
-		e.growMu.Lock()
-		e.nextRegion++
-		if e.nextRegion == len(e.plan) {
+		e.growth.mu.Lock()
+		e.growth.next++
+		if e.growth.next == len(e.growth.plan) {
 			e.stats.fullPool.Store(int64(time.Since(e.start)))
 		}
-		e.growMu.Unlock()
+		e.growth.mu.Unlock()
 	}
 }
 
 func (e *Engine) waitGrown(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() {
-		e.growMu.Lock()
-		e.growCond.Broadcast()
-		e.growMu.Unlock()
+		e.growth.mu.Lock()
+		e.growth.cond.Broadcast()
+		e.growth.mu.Unlock()
 	})
 	defer stop()
-	e.growMu.Lock()
-	defer e.growMu.Unlock()
-	for !e.growDone && ctx.Err() == nil {
-		e.growCond.Wait()
+	e.growth.mu.Lock()
+	defer e.growth.mu.Unlock()
+	for !e.growth.done && ctx.Err() == nil {
+		e.growth.cond.Wait()
 	}
 	switch {
-	case e.growErr != nil:
-		return fmt.Errorf("%w: %w", ErrGrowth, e.growErr)
-	case e.growDone && e.nextRegion < len(e.plan):
+	case e.growth.err != nil:
+		return fmt.Errorf("%w: %w", ErrGrowth, e.growth.err)
+	case e.growth.done && e.growth.next < len(e.growth.plan):
 		return fmt.Errorf("%w: growth stopped by Close", ErrClosed)
-	case e.growDone:
+	case e.growth.done:
 		return nil
 	}
 	return ctx.Err()

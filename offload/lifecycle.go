@@ -174,12 +174,12 @@ func (e *Engine) shutdown() error {
 
 // teardown releases everything New built; used by Close and by a failed New.
 func (e *Engine) teardown() error {
-	e.growMu.Lock()
-	e.stopGrow = true
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
-	if e.stopReap != nil {
-		close(e.stopReap)
+	e.growth.mu.Lock()
+	e.growth.stop = true
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
+	if e.reaping.stop != nil {
+		close(e.reaping.stop)
 	}
 	e.wg.Wait()
 	var errs []error
@@ -189,16 +189,16 @@ func (e *Engine) teardown() error {
 	if e.cache != nil {
 		e.cache.Close()
 	}
-	e.memMu.Lock()
-	all := append([]*poolRegion(nil), e.regions...)
-	for _, pr := range e.draining {
+	e.memory.mu.Lock()
+	all := append([]*poolRegion(nil), e.memory.regions...)
+	for _, pr := range e.memory.draining {
 		all = append(all, pr)
 	}
-	if e.stagingRegion != nil {
-		all = append(all, e.stagingRegion)
+	if e.stage.region != nil {
+		all = append(all, e.stage.region)
 	}
-	e.regions, e.draining, e.stagingRegion, e.owned = nil, nil, nil, 0
-	e.memMu.Unlock()
+	e.memory.regions, e.memory.draining, e.stage.region, e.memory.owned = nil, nil, nil, 0
+	e.memory.mu.Unlock()
 	for _, pr := range all {
 		errs = append(errs, e.unmapRegion(pr))
 	}
@@ -281,9 +281,13 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	target := planTarget(cfg)
 	plan := regionPlan(target, min(cfg.FirstRegionBytes, target), cfg.RegionBytes, slot)
 	e := &Engine{cfg: cfg, hooks: h, backend: choice.name, backendReason: choice.reason, start: start,
-		node: node, slot: slot, plan: plan, target: target, sys: sys, tracker: h.tracker, nsIDs: map[string]kvcache.Namespace{},
-		staged: map[string]*Staging{}, reapKick: make(chan struct{}, 1), inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{}), stopReap: make(chan struct{})}
-	e.growCond = sync.NewCond(&e.growMu)
+		node: node, slot: slot, sys: sys, tracker: h.tracker,
+		growth:  growthState{plan: plan, target: target},
+		memory:  poolMemory{inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{})},
+		stage:   stagingArea{buffers: map[string]*Staging{}},
+		reaping: reaperState{kick: make(chan struct{}, 1), stop: make(chan struct{})},
+		names:   namespaces{ids: map[string]kvcache.Namespace{}}}
+	e.growth.cond = sync.NewCond(&e.growth.mu)
 	if e.tracker == nil && transfer.InvariantsEnabled() {
 		// Invariant builds (-race, -tags kvoinvariants) always run the
 		// gating harness: regions poisoned when released (host backend),
@@ -335,10 +339,10 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	if cfg.StagingBytes > 0 {
-		if e.stagingRegion, err = e.mapRegion(cfg.StagingBytes, false); err != nil {
+		if e.stage.region, err = e.mapRegion(cfg.StagingBytes, false); err != nil {
 			return nil, fmt.Errorf("offload: staging region: %w", err)
 		}
-		if e.stagingDev, err = e.stagingDevicePtr(e.stagingRegion); err != nil {
+		if e.stage.dev, err = e.stagingDevicePtr(e.stage.region); err != nil {
 			return nil, err
 		}
 	}
@@ -346,7 +350,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	e.stats.firstSlot.Store(int64(time.Since(start)))
-	e.nextRegion, e.committed, e.growFrom = 1, plan[0], 1
+	e.growth.next, e.growth.committed, e.growth.from = 1, plan[0], 1
 	if len(plan) == 1 {
 		e.stats.fullPool.Store(int64(time.Since(start)))
 	}

@@ -25,7 +25,7 @@ type poolRegion struct {
 	mlock       bool
 	known       []uint64 // bases of the host ranges told to the scheduler
 	tracked     bool     // declared live to the gating Tracker
-	planned     int64    // the plan's size for a pool region (Engine.committed counts it)
+	planned     int64    // the plan's size for a pool region (growthState.committed counts it)
 }
 
 // regionOptions are the mmapmem options of every region: mapped untouched
@@ -33,7 +33,7 @@ type poolRegion struct {
 // region registered without being prefetched, by the pinner range by range.
 func (e *Engine) regionOptions() mmapmem.Options {
 	return mmapmem.Options{NoTHP: e.cfg.HugePages == HugePagesNone, HugeTLB: e.cfg.HugePages == HugePagesHugeTLB,
-		PrefaultThreads: e.cfg.PrefaultThreads, PrefaultStop: e.stopReap, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0), DeferPrefault: true}
+		PrefaultThreads: e.cfg.PrefaultThreads, PrefaultStop: e.reaping.stop, BindNUMA: e.node >= 0, NUMANode: max(e.node, 0), DeferPrefault: true}
 }
 
 // mapRegion maps, prefaults and pins size bytes and makes them known to
@@ -267,7 +267,7 @@ func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 
 func (e *Engine) kickReaper() {
 	select {
-	case e.reapKick <- struct{}{}:
+	case e.reaping.kick <- struct{}{}:
 	default:
 	}
 }
@@ -277,9 +277,9 @@ func (e *Engine) reaper() {
 	defer e.wg.Done()
 	for {
 		select {
-		case <-e.reapKick:
+		case <-e.reaping.kick:
 			e.reap()
-		case <-e.stopReap:
+		case <-e.reaping.stop:
 			return
 		}
 	}
@@ -288,8 +288,8 @@ func (e *Engine) reaper() {
 func (e *Engine) reap() {
 	// One reap at a time: when reap returns, every region the cache had
 	// released by the time it was called is unmapped, whoever took it.
-	e.reapMu.Lock()
-	defer e.reapMu.Unlock()
+	e.reaping.mu.Lock()
+	defer e.reaping.mu.Unlock()
 	ids := e.cache.TakeReleasable(nil)
 	if len(ids) == 0 {
 		return
@@ -297,53 +297,53 @@ func (e *Engine) reap() {
 	// The region stays in draining (where Trim counts it pending) until it
 	// is unmapped and counted.
 	for _, id := range ids {
-		e.memMu.Lock()
-		pr := e.draining[id]
-		e.memMu.Unlock()
+		e.memory.mu.Lock()
+		pr := e.memory.draining[id]
+		e.memory.mu.Unlock()
 		if pr == nil {
 			continue
 		}
 		e.unmapRegion(pr)
 		e.stats.trimmedBytes.Add(pr.r.Len())
-		e.memMu.Lock()
-		delete(e.draining, id)
-		e.memMu.Unlock()
+		e.memory.mu.Lock()
+		delete(e.memory.draining, id)
+		e.memory.mu.Unlock()
 	}
-	e.memMu.Lock()
+	e.memory.mu.Lock()
 	e.notifyLocked()
-	e.memMu.Unlock()
+	e.memory.mu.Unlock()
 }
 
-// notifyLocked wakes every Trim waiting for a region to settle. memMu held.
+// notifyLocked wakes every Trim waiting for a region to settle. memory.mu held.
 func (e *Engine) notifyLocked() {
-	close(e.changed)
-	e.changed = make(chan struct{})
+	close(e.memory.changed)
+	e.memory.changed = make(chan struct{})
 }
 
 // hold counts slots as having a copy in flight (Trim waits for those, not
 // for leases).
 func (e *Engine) hold(slots []kvcache.Slot) {
-	e.memMu.Lock()
+	e.memory.mu.Lock()
 	for _, s := range slots {
-		e.inflight[s.Region]++
+		e.memory.inflight[s.Region]++
 	}
-	e.memMu.Unlock()
+	e.memory.mu.Unlock()
 }
 
 // unhold ends hold; a draining region whose last copy ended wakes Trim.
 func (e *Engine) unhold(slots []kvcache.Slot) {
-	e.memMu.Lock()
+	e.memory.mu.Lock()
 	wake := false
 	for _, s := range slots {
-		if e.inflight[s.Region]--; e.inflight[s.Region] == 0 {
-			delete(e.inflight, s.Region)
-			wake = wake || e.draining[s.Region] != nil
+		if e.memory.inflight[s.Region]--; e.memory.inflight[s.Region] == 0 {
+			delete(e.memory.inflight, s.Region)
+			wake = wake || e.memory.draining[s.Region] != nil
 		}
 	}
 	if wake {
 		e.notifyLocked()
 	}
-	e.memMu.Unlock()
+	e.memory.mu.Unlock()
 }
 
 func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
@@ -352,31 +352,31 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 		return res, nil
 	}
 	e.stats.trims.Add(1)
-	e.memMu.Lock()
-	if e.draining == nil {
-		e.draining = map[kvcache.RegionID]*poolRegion{}
+	e.memory.mu.Lock()
+	if e.memory.draining == nil {
+		e.memory.draining = map[kvcache.RegionID]*poolRegion{}
 	}
 	var picked []*poolRegion
 	var want int64
-	for i := len(e.regions) - 1; i >= 0 && want < bytes; i-- {
-		pr := e.regions[i]
+	for i := len(e.memory.regions) - 1; i >= 0 && want < bytes; i-- {
+		pr := e.memory.regions[i]
 		picked = append(picked, pr)
 		want += pr.r.Len()
 	}
 	var pickedBytes int64
 	for _, pr := range picked {
-		e.regions = slices.DeleteFunc(e.regions, func(x *poolRegion) bool { return x == pr })
-		e.draining[pr.id] = pr
-		e.owned -= pr.r.Len()
+		e.memory.regions = slices.DeleteFunc(e.memory.regions, func(x *poolRegion) bool { return x == pr })
+		e.memory.draining[pr.id] = pr
+		e.memory.owned -= pr.r.Len()
 		pickedBytes += pr.planned
 	}
-	e.memMu.Unlock()
+	e.memory.mu.Unlock()
 	// Growth must not undo the trim: the pool may grow back only to what
 	// is left (regions already being grown included), until GrowTo.
-	e.growMu.Lock()
-	e.committed -= pickedBytes
-	e.target = min(e.target, e.committed)
-	e.growMu.Unlock()
+	e.growth.mu.Lock()
+	e.growth.committed -= pickedBytes
+	e.growth.target = min(e.growth.target, e.growth.committed)
+	e.growth.mu.Unlock()
 	cs := e.cache.Stats()
 	for _, pr := range picked {
 		if _, err := e.cache.RemoveRegion(pr.id); err != nil {
@@ -390,19 +390,19 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	// is freed by the reaper when its last lease ends.
 	for {
 		e.reap()
-		e.memMu.Lock()
+		e.memory.mu.Lock()
 		busy := false
 		res.FreedBytes, res.PendingBytes = 0, 0
 		for _, pr := range picked {
-			if e.draining[pr.id] == nil {
+			if e.memory.draining[pr.id] == nil {
 				res.FreedBytes += pr.r.Len()
 				continue
 			}
 			res.PendingBytes += pr.r.Len()
-			busy = busy || e.inflight[pr.id] > 0
+			busy = busy || e.memory.inflight[pr.id] > 0
 		}
-		changed := e.changed
-		e.memMu.Unlock()
+		changed := e.memory.changed
+		e.memory.mu.Unlock()
 		if !busy {
 			return res, nil
 		}

@@ -71,12 +71,12 @@ func (c *copyCompletion) streamWait(stream uintptr) error {
 func (c *copyCompletion) release() error { return c.op.Release() }
 
 func (e *Engine) namespace(ns string) kvcache.Namespace {
-	e.nsMu.Lock()
-	defer e.nsMu.Unlock()
-	id, ok := e.nsIDs[ns]
+	e.names.mu.Lock()
+	defer e.names.mu.Unlock()
+	id, ok := e.names.ids[ns]
 	if !ok {
-		id = kvcache.Namespace(len(e.nsIDs) + 1)
-		e.nsIDs[ns] = id
+		id = kvcache.Namespace(len(e.names.ids) + 1)
+		e.names.ids[ns] = id
 	}
 	return id
 }
@@ -499,9 +499,9 @@ func (e *Engine) delete(keys []Key) int {
 }
 
 func (e *Engine) clear(ns string) int {
-	e.nsMu.Lock()
-	id, ok := e.nsIDs[ns]
-	e.nsMu.Unlock()
+	e.names.mu.Lock()
+	id, ok := e.names.ids[ns]
+	e.names.mu.Unlock()
 	if !ok {
 		return 0
 	}

@@ -217,9 +217,9 @@ func TestGrowthPipelineOverlap(t *testing.T) {
 			require.Equal(t, 4, st.Regions)
 			require.Equal(t, 32*growSlot, st.OwnedBytes)
 			require.Positive(t, st.FullPool)
-			rg.e.memMu.Lock()
-			defer rg.e.memMu.Unlock()
-			for i, pr := range rg.e.regions {
+			rg.e.memory.mu.Lock()
+			defer rg.e.memory.mu.Unlock()
+			for i, pr := range rg.e.memory.regions {
 				if i > 0 {
 					require.Same(t, rg.region(i), pr.r, "region %d came from the prefetch stage", i)
 				}
@@ -357,9 +357,9 @@ func TestGrowthCloseAtEachStage(t *testing.T) {
 				closed := make(chan error, 1)
 				go func() { closed <- e.Close() }()
 				require.Eventually(t, func() bool {
-					e.growMu.Lock()
-					defer e.growMu.Unlock()
-					return e.stopGrow
+					e.growth.mu.Lock()
+					defer e.growth.mu.Unlock()
+					return e.growth.stop
 				}, time.Minute, time.Millisecond, "Close stops growth")
 				close(release)
 				require.NoError(t, <-closed)
@@ -469,9 +469,9 @@ func TestGrowthCalibration(t *testing.T) {
 					defer mu.Unlock()
 					if op == cuda.OpStreamCreate && eng != nil {
 						// The calibration's stream: nothing else creates one after New.
-						eng.memMu.Lock()
-						regionsAtCalibration = append(regionsAtCalibration, len(eng.regions))
-						eng.memMu.Unlock()
+						eng.memory.mu.Lock()
+						regionsAtCalibration = append(regionsAtCalibration, len(eng.memory.regions))
+						eng.memory.mu.Unlock()
 						fullAtCalibration = append(fullAtCalibration, time.Duration(eng.stats.fullPool.Load()))
 					}
 					return 0

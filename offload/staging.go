@@ -46,27 +46,27 @@ func (e *Engine) staging(name string, bytes int64) (*Staging, error) {
 	if bytes <= 0 {
 		return nil, fmt.Errorf("%w: Staging %q of %d bytes: must be at least 1", ErrInvalidArgument, name, bytes)
 	}
-	e.memMu.Lock()
-	defer e.memMu.Unlock()
-	if s, ok := e.staged[name]; ok {
+	e.memory.mu.Lock()
+	defer e.memory.mu.Unlock()
+	if s, ok := e.stage.buffers[name]; ok {
 		if s.size != bytes {
 			return nil, fmt.Errorf("%w: Staging %q exists with %d bytes, asked for %d", ErrInvalidArgument, name, s.size, bytes)
 		}
 		return s, nil
 	}
-	if e.stagingRegion == nil {
+	if e.stage.region == nil {
 		return nil, fmt.Errorf("%w: Staging %q: no staging region (Config.StagingBytes < 0)", ErrInsufficientMemory, name)
 	}
-	off := (e.stagingUsed + stagingAlign - 1) / stagingAlign * stagingAlign
-	total := e.stagingRegion.r.Len()
+	off := (e.stage.used + stagingAlign - 1) / stagingAlign * stagingAlign
+	total := e.stage.region.r.Len()
 	if off+bytes > total {
 		return nil, fmt.Errorf("%w: Staging %q of %d bytes: %d of %d staging bytes left (raise Config.StagingBytes)", ErrInsufficientMemory, name, bytes, total-off, total)
 	}
-	buf := e.stagingRegion.r.Bytes()[off : off+bytes : off+bytes]
-	addr := e.stagingRegion.r.Addr() + uintptr(off)
-	s := &Staging{name: name, addr: addr, dev: e.stagingDev + uint64(off), size: bytes, buf: buf}
-	e.staged[name] = s
-	e.stagingUsed = off + bytes
+	buf := e.stage.region.r.Bytes()[off : off+bytes : off+bytes]
+	addr := e.stage.region.r.Addr() + uintptr(off)
+	s := &Staging{name: name, addr: addr, dev: e.stage.dev + uint64(off), size: bytes, buf: buf}
+	e.stage.buffers[name] = s
+	e.stage.used = off + bytes
 	return s, nil
 }
 

@@ -275,19 +275,19 @@ func (e *Engine) snapshot() Stats {
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
 	}
-	e.memMu.Lock()
-	s.OwnedBytes, s.Regions, s.StagingUsed = e.owned, len(e.regions), e.stagingUsed
-	if e.stagingRegion != nil {
-		s.StagingBytes = e.stagingRegion.r.Len()
+	e.memory.mu.Lock()
+	s.OwnedBytes, s.Regions, s.StagingUsed = e.memory.owned, len(e.memory.regions), e.stage.used
+	if e.stage.region != nil {
+		s.StagingBytes = e.stage.region.r.Len()
 	}
-	e.memMu.Unlock()
-	e.growMu.Lock()
-	s.RegionsTotal, s.GrowthTargetBytes = len(e.plan), e.target
-	s.GrowthPaused = e.paused
-	if e.growErr != nil {
-		s.GrowthError = e.growErr.Error()
+	e.memory.mu.Unlock()
+	e.growth.mu.Lock()
+	s.RegionsTotal, s.GrowthTargetBytes = len(e.growth.plan), e.growth.target
+	s.GrowthPaused = e.growth.paused
+	if e.growth.err != nil {
+		s.GrowthError = e.growth.err.Error()
 	}
-	e.growMu.Unlock()
+	e.growth.mu.Unlock()
 	if e.cache != nil {
 		cs := e.cache.Stats()
 		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)

@@ -27,9 +27,9 @@ func newHookedEngine(t *testing.T, cfg Config, h engineHooks) *Engine {
 // drained waits until no trimmed region is left to free.
 func drained(e *Engine) bool {
 	e.reap()
-	e.memMu.Lock()
-	defer e.memMu.Unlock()
-	return len(e.draining) == 0
+	e.memory.mu.Lock()
+	defer e.memory.mu.Unlock()
+	return len(e.memory.draining) == 0
 }
 
 // TestTrimUnderLoad trims region after region while workers store and load
@@ -75,7 +75,7 @@ func TestTrimUnderLoad(t *testing.T) {
 		lres, err = e.Lookup(keys, LookupOptions{Lease: true})
 		require.NoError(t, err)
 		require.Equal(t, 1, lres.Hits)
-		if lres.Lease.slots[0].Region == e.regions[len(e.regions)-1].id {
+		if lres.Lease.slots[0].Region == e.memory.regions[len(e.memory.regions)-1].id {
 			break
 		}
 		require.NoError(t, lres.Lease.Release())
@@ -104,9 +104,9 @@ func TestTrimUnderLoad(t *testing.T) {
 	close(stop)
 	wg.Wait()
 	require.Positive(t, pending, "the region holding the lease is pending, and Trim did not wait for it")
-	e.memMu.Lock()
-	_, leasedStillMapped := e.draining[leasedRegion]
-	e.memMu.Unlock()
+	e.memory.mu.Lock()
+	_, leasedStillMapped := e.memory.draining[leasedRegion]
+	e.memory.mu.Unlock()
 	require.True(t, leasedStillMapped)
 	require.NoError(t, lres.Lease.Release())
 	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
