@@ -21,6 +21,7 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // Error codes; they match the KVO_* macros of kvoffload.h.
@@ -46,7 +47,7 @@ const (
 // owned by the entry and closed after the engine.
 type engineEntry struct {
 	eng *offload.Engine
-	sim *offload.SimGPU
+	sim *hostsim.GPU
 }
 
 var (
@@ -215,12 +216,11 @@ func kvoGo_engine_create(configJSON *C.char, out *C.uint64_t) (rc C.int) {
 	if err != nil {
 		return fail(err)
 	}
-	sim, err := offload.NewSimGPU(opts)
+	sim, err := hostsim.NewGPU(opts)
 	if err != nil {
 		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
 	}
-	cfg.Sim = sim
-	eng, err := offload.New(cfg)
+	eng, err := hostsim.NewEngine(cfg, sim)
 	if err != nil {
 		sim.Close()
 		return fail(err)
@@ -255,8 +255,8 @@ func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
 // and the device always present (Config drops a zero device).
 type configJSON struct {
 	offload.Config
-	Backend string `json:"backend"`
-	Device  int    `json:"device"`
+	Backend offload.Backend `json:"backend"`
+	Device  int             `json:"device"`
 }
 
 //export kvoGo_engine_config_json
@@ -686,7 +686,7 @@ func kvoGo_chain_keys(ns *C.uint8_t, nsLen C.size_t, parentP *C.uint8_t, tokensP
 }
 
 // simMemory returns the engine's simulated GPU, refusing the CUDA backend.
-func simMemory(h C.uint64_t, call string) (*offload.SimGPU, error) {
+func simMemory(h C.uint64_t, call string) (*hostsim.GPU, error) {
 	e, err := engineOf(h)
 	if err != nil {
 		return nil, err
@@ -700,18 +700,18 @@ func simMemory(h C.uint64_t, call string) (*offload.SimGPU, error) {
 //export kvoGo_sim_write
 func kvoGo_sim_write(h C.uint64_t, addr C.uint64_t, src unsafe.Pointer, n C.size_t) (rc C.int) {
 	defer guard(&rc)
-	return simCopy(h, addr, src, n, "kvo_sim_write", "src", (*offload.SimGPU).Write)
+	return simCopy(h, addr, src, n, "kvo_sim_write", "src", (*hostsim.GPU).Write)
 }
 
 //export kvoGo_sim_read
 func kvoGo_sim_read(h C.uint64_t, addr C.uint64_t, dst unsafe.Pointer, n C.size_t) (rc C.int) {
 	defer guard(&rc)
-	return simCopy(h, addr, dst, n, "kvo_sim_read", "dst", (*offload.SimGPU).Read)
+	return simCopy(h, addr, dst, n, "kvo_sim_read", "dst", (*hostsim.GPU).Read)
 }
 
 // simCopy is kvo_sim_write and kvo_sim_read: move copies n bytes between
 // the caller's buffer p (named arg in errors) and simulated memory at addr.
-func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string, move func(*offload.SimGPU, uint64, []byte) error) C.int {
+func simCopy(h, addr C.uint64_t, p unsafe.Pointer, n C.size_t, call, arg string, move func(*hostsim.GPU, uint64, []byte) error) C.int {
 	if p == nil && n > 0 {
 		return failf("%s: %s is NULL with n = %d", call, arg, uint64(n))
 	}

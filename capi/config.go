@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // createConfig is the JSON kvo_engine_create accepts: offload.Config plus
@@ -27,25 +28,25 @@ type simConfig struct {
 
 // parseConfig decodes one JSON object, refusing unknown fields and
 // trailing data; errors wrap offload.ErrInvalidConfig.
-func parseConfig(text string) (offload.Config, offload.SimOptions, error) {
+func parseConfig(text string) (offload.Config, hostsim.Options, error) {
 	dec := json.NewDecoder(bytes.NewReader([]byte(text)))
 	dec.DisallowUnknownFields()
 	var cc createConfig
 	if err := dec.Decode(&cc); err != nil {
-		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: config JSON: %w", offload.ErrInvalidConfig, err)
+		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: config JSON: %w", offload.ErrInvalidConfig, err)
 	}
 	if dec.More() {
-		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig)
+		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig)
 	}
 	if i := strings.IndexByte(cc.Namespace, 0); i >= 0 {
-		return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: namespace %q has a NUL byte at %d: kvo_clear takes the namespace as a NUL-terminated C string and could not name it", offload.ErrInvalidConfig, cc.Namespace, i)
+		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: namespace %q has a NUL byte at %d: kvo_clear takes the namespace as a NUL-terminated C string and could not name it", offload.ErrInvalidConfig, cc.Namespace, i)
 	}
-	var opts offload.SimOptions
+	var opts hostsim.Options
 	if cc.Sim != nil {
 		if cc.Sim.MinDelayNS < 0 || cc.Sim.MaxDelayNS < cc.Sim.MinDelayNS {
-			return offload.Config{}, offload.SimOptions{}, fmt.Errorf("%w: sim delays [%d, %d] ns are not 0 <= min <= max", offload.ErrInvalidConfig, cc.Sim.MinDelayNS, cc.Sim.MaxDelayNS)
+			return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: sim delays [%d, %d] ns are not 0 <= min <= max", offload.ErrInvalidConfig, cc.Sim.MinDelayNS, cc.Sim.MaxDelayNS)
 		}
-		opts = offload.SimOptions{Seed: cc.Sim.Seed, MinDelay: time.Duration(cc.Sim.MinDelayNS), MaxDelay: time.Duration(cc.Sim.MaxDelayNS)}
+		opts = hostsim.Options{Seed: cc.Sim.Seed, MinDelay: time.Duration(cc.Sim.MinDelayNS), MaxDelay: time.Duration(cc.Sim.MaxDelayNS)}
 	}
 	return cc.Config, opts, nil
 }

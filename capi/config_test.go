@@ -13,7 +13,7 @@ func TestParseConfig(t *testing.T) {
 		"layout": {"kind": "cross-layer", "layers": 2, "num_blocks": 4}}`)
 	require.NoError(t, err)
 	require.Equal(t, int64(4096), cfg.PoolBytes)
-	require.Equal(t, "cross-layer", cfg.Layout.Kind)
+	require.Equal(t, offload.LayoutCrossLayer, cfg.Layout.Kind)
 	require.Equal(t, int64(3), sim.Seed)
 	for _, bad := range []string{``, `{`, `[]`, `{"pool_bytes": "x"}`, `{"nope": 1}`, `{"layout": {"nope": 1}}`,
 		`{} {}`, `{"sim": {"min_delay_ns": 5, "max_delay_ns": 1}}`, `{"sim": {"min_delay_ns": -1}}`,

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"strconv"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // Sentinel errors callers branch on (errors.Is). Every error the package
@@ -21,7 +21,7 @@ var (
 	ErrBusy = errors.New("offload: engine busy")
 	// ErrNoDriver: the CUDA backend was asked for but libcuda.so.1 (or a
 	// device) is not available, or the module was built with CGO_ENABLED=0.
-	ErrNoDriver = cuda.ErrNoDriver
+	ErrNoDriver = transfer.ErrNoDriver
 	// ErrPoolTooSmall: the configured pool cannot hold a single block.
 	ErrPoolTooSmall = errors.New("offload: pool too small")
 	// ErrInsufficientMemory: the machine (MemAvailable, the cgroup's memory
@@ -47,30 +47,44 @@ var (
 	ErrGrowth = errors.New("offload: background growth stopped")
 )
 
-// Backend names accepted by Config.Backend and reported by Engine.Backend.
+// Backend is a backend's name: accepted by Config.Backend and reported by
+// Engine.Backend. In JSON it is the constant's string; "" (or no field)
+// means the default.
+type Backend string
+
+// Backends.
 const (
-	BackendAuto = "auto" // CUDA when libcuda loads and the device exists, else host
-	BackendCUDA = "cuda" // cuMemHostRegister'd pool, copies on the GPU
-	BackendHost = "host" // no GPU: copies by goroutines between host addresses
+	BackendAuto Backend = "auto" // CUDA when libcuda loads and the device exists, else host
+	BackendCUDA Backend = "cuda" // cuMemHostRegister'd pool, copies on the GPU
+	BackendHost Backend = "host" // no GPU: copies by goroutines between host addresses
 )
 
-// Host pinning modes for the host backend (Config.HostPinning).
+// HostPinning is how the host backend pins its regions (Config.HostPinning).
+type HostPinning string
+
+// Host pinning modes.
 const (
-	PinNone  = "none"  // pages are only prefaulted (default)
-	PinMlock = "mlock" // mlock(2) each region; bounded by RLIMIT_MEMLOCK
+	PinNone  HostPinning = "none"  // pages are only prefaulted (default)
+	PinMlock HostPinning = "mlock" // mlock(2) each region; bounded by RLIMIT_MEMLOCK
 )
 
-// Huge page modes (Config.HugePages).
+// HugePages is the page size regions are mapped with (Config.HugePages).
+type HugePages string
+
+// Huge page modes.
 const (
-	HugePagesTHP     = "thp"     // madvise(MADV_HUGEPAGE) (default)
-	HugePagesNone    = "none"    // 4 KiB pages
-	HugePagesHugeTLB = "hugetlb" // MAP_HUGETLB from the hugetlbfs pool
+	HugePagesTHP     HugePages = "thp"     // madvise(MADV_HUGEPAGE) (default)
+	HugePagesNone    HugePages = "none"    // 4 KiB pages
+	HugePagesHugeTLB HugePages = "hugetlb" // MAP_HUGETLB from the hugetlbfs pool
 )
 
-// Policies (Config.Policy).
+// Policy is the admission and eviction policy (Config.Policy).
+type Policy string
+
+// Policies.
 const (
-	PolicyTinyLFU = "tinylfu" // ristretto TinyLFU admission + sampled LFU eviction
-	PolicyLRU     = "lru"     // exact least-recently-used, admits everything (default)
+	PolicyTinyLFU Policy = "tinylfu" // ristretto TinyLFU admission + sampled LFU eviction
+	PolicyLRU     Policy = "lru"     // exact least-recently-used, admits everything (default)
 )
 
 // NUMA settings (Config.NUMANode) besides a decimal node number.
@@ -79,17 +93,21 @@ const (
 	NUMANone = "none" // no binding
 )
 
-// Layout kinds (LayoutSpec.Kind).
+// LayoutKind is how the stack's KV cache tensors are arranged
+// (LayoutSpec.Kind).
+type LayoutKind string
+
+// Layout kinds.
 const (
 	// LayoutLayerSeparate: one K and one V tensor per layer, each indexed by
 	// block id (vLLM's classic layout); LayerTensors has Layers entries.
-	LayoutLayerSeparate = "layer-separate"
+	LayoutLayerSeparate LayoutKind = "layer-separate"
 	// LayoutCrossLayer: one tensor whose block holds all layers' K and V
 	// contiguously; Base and Stride locate it.
-	LayoutCrossLayer = "cross-layer"
+	LayoutCrossLayer LayoutKind = "cross-layer"
 	// LayoutMLA: one latent tensor per layer (DeepSeek MLA), KVHeads = 1 and
 	// HeadDim = the latent width; LayerTensors has Layers entries, V = 0.
-	LayoutMLA = "mla"
+	LayoutMLA LayoutKind = "mla"
 )
 
 // Defaults applied by New to zero fields.
@@ -131,13 +149,13 @@ type Config struct {
 	// Layout is the serving stack's GPU KV cache. Required.
 	Layout LayoutSpec `json:"layout"`
 	// Backend is BackendAuto (default), BackendCUDA or BackendHost.
-	Backend string `json:"backend,omitempty"`
+	Backend Backend `json:"backend,omitempty"`
 	// HostPinning is PinNone (default) or PinMlock; host backend only.
-	HostPinning string `json:"host_pinning,omitempty"`
+	HostPinning HostPinning `json:"host_pinning,omitempty"`
 	// Device is the CUDA device ordinal (default 0).
 	Device int `json:"device,omitempty"`
 	// HugePages is HugePagesTHP (default), HugePagesNone or HugePagesHugeTLB.
-	HugePages string `json:"huge_pages,omitempty"`
+	HugePages HugePages `json:"huge_pages,omitempty"`
 	// NUMANode is NUMAAuto (default: the GPU's own node, from
 	// /sys/bus/pci/devices/<bus id>/numa_node; none when sysfs says -1),
 	// NUMANone, or a decimal node number to bind the pool to.
@@ -155,10 +173,10 @@ type Config struct {
 	// because it measured better: on kvcache's synthetic serving trace
 	// (BenchmarkHitRatio) TinyLFU never beat LRU by more than 0.003 in hit
 	// ratio and lost 3–8 points at the larger pools, while wasting 34–54% of
-	// its D2H bytes on blocks it rejected after the copy; and its control
+	// its store bytes on blocks it rejected after the copy; and its control
 	// plane costs ~5 µs per block against LRU's ~0.6–0.8 µs (H200 host,
 	// bench/results/2026-11-29-h200/control-plane.txt).
-	Policy string `json:"policy,omitempty"`
+	Policy Policy `json:"policy,omitempty"`
 	// MaxInFlightBytes bounds the bytes being copied per direction; work
 	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
 	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
@@ -182,8 +200,8 @@ type Config struct {
 	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
 	// deleted, so that no KV of a past request stays in host memory.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
-	// GreedyStores (CUDA backend) runs device-to-host copies on the copy
-	// kernel's unthrottled launch (cudacopy.Options.GreedyD2H). On the
+	// GreedyStores (CUDA backend) runs stores on the copy kernel's
+	// unthrottled launch (transfer.CUDAOptions.GreedyStores). On the
 	// H200 that moved 4–16 KiB segments at 93–95% of the link instead of
 	// the default launch's 91–93%, but a compute-bound kernel running
 	// beside the stores was up to 3.4 times slower instead of ≤ 6.3%
@@ -191,31 +209,28 @@ type Config struct {
 	// kernels run.
 	GreedyStores bool `json:"greedy_stores,omitempty"`
 	// MaxDeviceBytes (CUDA backend) bounds the GPU memory the copy layer
-	// allocates beside the serving stack's: descriptor tables, the staging
-	// chunks of staged copies and, while it runs, the calibration buffer.
-	// 0 means cudacopy.DefaultMaxDeviceBytes (256 MiB: three staged copies
-	// per direction in flight with their full rings of staging, and the
-	// calibration buffer beside them). A copy short of it waits for earlier
-	// copies to complete and reuses their memory; one that could never fit
-	// is split. Negative, or below one descriptor table and one staging
-	// chunk (cudacopy.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
+	// allocates beside the serving stack's: descriptor tables, the bounce
+	// chunks of bounced copies and, while it runs, the calibration buffer.
+	// 0 means transfer.DefaultMaxDeviceBytes (256 MiB: three bounced copies
+	// per direction in flight with their full rings of bounce chunks, and
+	// the calibration buffer beside them). A copy short of it waits for
+	// earlier copies to complete and reuses their memory; one that could
+	// never fit is split. Negative, or below one descriptor table and one
+	// bounce chunk (transfer.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
 	MaxDeviceBytes int64 `json:"max_device_bytes,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
 	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`
-	// Sim is the simulated GPU of the host backend (tests and demos write
-	// and read "device" memory through it). Nil: the engine makes its own,
-	// returned by Engine.Sim. Ignored on the CUDA backend.
-	Sim *SimGPU `json:"-"`
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache as plain data (it
 // mirrors kvcache.LayoutSpec). Addresses are CUDA device addresses on the
-// CUDA backend and SimGPU addresses on the host backend; on the host backend
-// a layout without tensors is allocated densely in the engine's SimGPU.
+// CUDA backend and simulated-device addresses (package hostsim) on the host
+// backend; on the host backend a layout without tensors is allocated densely
+// in the engine's simulated device.
 type LayoutSpec struct {
 	// Kind is LayoutLayerSeparate, LayoutCrossLayer or LayoutMLA.
-	Kind string `json:"kind"`
+	Kind LayoutKind `json:"kind"`
 	// Layers is the number of attention layers.
 	Layers int `json:"layers"`
 	// KVHeads is the number of KV heads (per tensor-parallel rank); 1 for MLA.
@@ -302,7 +317,7 @@ type StoreOptions struct {
 	// that wrote the blocks; the copies wait on its most recent record (at
 	// the time they are issued). 0: no wait (the caller guarantees the blocks
 	// are already written). On the host backend it is an event of the
-	// SimGPU's simulation.
+	// simulated device (package hostsim).
 	After uintptr
 	// AfterStream is the stream After was recorded on, optional: when given
 	// and it is capturing a CUDA graph, the Store is refused with
@@ -352,7 +367,7 @@ type LoadOptions struct {
 	// copies nothing (every key missing) does not record it. Like the op's
 	// events, it makes the Load fail fast with ErrBusy rather than queue when
 	// the in-flight bound is full. 0: none. On the host backend it is an
-	// event of the SimGPU's simulation.
+	// event of the simulated device (package hostsim).
 	Signal uintptr
 }
 
@@ -373,4 +388,4 @@ type TrimResult struct {
 
 // Backend returns the backend in use (BackendCUDA or BackendHost) and why it
 // was picked.
-func (e *Engine) Backend() (name, reason string) { return e.backend, e.backendReason }
+func (e *Engine) Backend() (name Backend, reason string) { return e.backend, e.backendReason }

@@ -145,7 +145,7 @@ func TestNewBadConfig(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			c.cfg.SkipMemoryCheck = true
-			e, err := newEngine(c.cfg, engineHooks{loadDriver: noDriver})
+			e, err := newEngine(c.cfg, engineHooks{loadDriver: loader(noDriver)})
 			require.Nil(t, e)
 			require.ErrorIs(t, err, c.want)
 			require.ErrorContains(t, err, c.msg)

@@ -69,7 +69,7 @@ func bigSlotLayout() LayoutSpec {
 // cache's slot table, key index and TinyLFU sketch (proportional to
 // PoolBytes / slot) are not reserved first.
 func TestHugePoolTablesBounded(t *testing.T) {
-	for _, policy := range []string{PolicyLRU, PolicyTinyLFU} {
+	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
 		for _, skip := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/skip=%v", policy, skip), func(t *testing.T) {
 				cfg := Config{PoolBytes: 1 << 48, RegionBytes: 1 << 40, FirstRegionBytes: 1 << 48, Layout: bigSlotLayout(),

@@ -1,13 +1,14 @@
 package offload
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
 	"strconv"
 
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // numaSetting is Config.NUMANode parsed.
@@ -45,9 +46,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("PrefaultNice = %d: at most 19 (the lowest priority); negative keeps the caller's", cfg.PrefaultNice)
 	}
 	if cfg.MaxDeviceBytes < 0 {
-		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, cudacopy.DefaultMaxDeviceBytes)
+		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, transfer.DefaultMaxDeviceBytes)
 	}
-	if m := cudacopy.MinDeviceBytes(cudacopy.Options{}); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
+	if m := transfer.MinDeviceBytes(); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
 		return bad("MaxDeviceBytes = %d is below the minimum %d (one descriptor table and one staging chunk)", cfg.MaxDeviceBytes, m)
 	}
 	if cfg.FirstRegionBytes == 0 {
@@ -63,29 +64,24 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if _, ok := addSizes(cfg.PoolBytes, max(cfg.StagingBytes, 0)); !ok {
 		return bad("PoolBytes = %d plus StagingBytes = %d overflows int64 (at most %d)", cfg.PoolBytes, cfg.StagingBytes, int64(math.MaxInt64))
 	}
-	switch cfg.Backend {
-	case "":
+	if cfg.Backend == "" {
 		cfg.Backend = BackendAuto
-	case BackendAuto, BackendCUDA, BackendHost:
-	default:
-		return bad("Backend %q: must be %q, %q or %q", cfg.Backend, BackendAuto, BackendCUDA, BackendHost)
 	}
-	switch cfg.HostPinning {
-	case "":
+	if cfg.HostPinning == "" {
 		cfg.HostPinning = PinNone
-	case PinNone, PinMlock:
-	default:
-		return bad("HostPinning %q: must be %q or %q", cfg.HostPinning, PinNone, PinMlock)
+	}
+	if cfg.HugePages == "" {
+		cfg.HugePages = HugePagesTHP
+	}
+	if cfg.Policy == "" {
+		cfg.Policy = PolicyLRU
+	}
+	if err := errors.Join(checkEnum("Backend", cfg.Backend, backends), checkEnum("HostPinning", cfg.HostPinning, pinnings),
+		checkEnum("HugePages", cfg.HugePages, hugePages), checkEnum("Policy", cfg.Policy, policies)); err != nil {
+		return Config{}, numaSetting{}, 0, err
 	}
 	if cfg.Device < 0 {
 		return bad("Device = %d: must not be negative", cfg.Device)
-	}
-	switch cfg.HugePages {
-	case "":
-		cfg.HugePages = HugePagesTHP
-	case HugePagesTHP, HugePagesNone, HugePagesHugeTLB:
-	default:
-		return bad("HugePages %q: must be %q, %q or %q", cfg.HugePages, HugePagesTHP, HugePagesNone, HugePagesHugeTLB)
 	}
 	var numa numaSetting
 	switch cfg.NUMANode {
@@ -106,13 +102,6 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	}
 	if cfg.PrefaultThreads == 0 {
 		cfg.PrefaultThreads = min(runtime.NumCPU(), DefaultMaxPrefaultThreads)
-	}
-	switch cfg.Policy {
-	case "":
-		cfg.Policy = PolicyLRU
-	case PolicyTinyLFU, PolicyLRU:
-	default:
-		return bad("Policy %q: must be %q or %q", cfg.Policy, PolicyTinyLFU, PolicyLRU)
 	}
 	if cfg.MaxInFlightBytes < 0 || cfg.MaxQueuedBytes < 0 || cfg.MaxCachedBytes < 0 {
 		return bad("MaxInFlightBytes = %d, MaxQueuedBytes = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.MaxQueuedBytes, cfg.MaxCachedBytes)
@@ -195,8 +184,8 @@ func regionCount(pool, first, region, slot int64) int64 {
 	return n
 }
 
-func layoutKind(s string) (kvcache.LayoutKind, error) {
-	switch s {
+func layoutKind(k LayoutKind) (kvcache.LayoutKind, error) {
+	switch k {
 	case LayoutLayerSeparate:
 		return kvcache.LayerSeparate, nil
 	case LayoutCrossLayer:
@@ -204,7 +193,7 @@ func layoutKind(s string) (kvcache.LayoutKind, error) {
 	case LayoutMLA:
 		return kvcache.MLA, nil
 	}
-	return 0, fmt.Errorf("%w: Layout.Kind %q: must be %q, %q or %q", ErrInvalidConfig, s, LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA)
+	return 0, checkEnum("Layout.Kind", k, layoutKinds)
 }
 
 // denseProbeBase is a made-up address for checking a layout given without
@@ -236,7 +225,7 @@ func kvLayoutSpec(l LayoutSpec) (kvcache.LayoutSpec, error) {
 
 // fromKVLayoutSpec converts kvcache's layout spec back to plain data.
 func fromKVLayoutSpec(s kvcache.LayoutSpec) LayoutSpec {
-	l := LayoutSpec{Kind: s.Kind.String(), Layers: s.Geometry.Layers, KVHeads: s.Geometry.KVHeads,
+	l := LayoutSpec{Kind: LayoutKind(s.Kind.String()), Layers: s.Geometry.Layers, KVHeads: s.Geometry.KVHeads,
 		HeadDim: s.Geometry.HeadDim, DTypeBytes: s.Geometry.DTypeBytes, TokensPerBlock: s.Geometry.TokensPerBlock,
 		NumBlocks: s.NumBlocks, Base: s.Base, Stride: s.Stride}
 	for _, t := range s.Layers {

@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"encoding/json"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -94,7 +95,7 @@ func FuzzConfig(f *testing.F) {
 	f.Add(int64(100), int64(-1), 0, 0, 0, 0, 0, 0, "x", "y", "z")
 	f.Add(int64(1<<40), int64(1<<62), 1<<20, 1<<20, 1<<20, 8, 1<<20, 1<<30, "host", "lru", "7")
 	f.Fuzz(func(t *testing.T, pool, region int64, layers, heads, dim, dt, tpb, blocks int, backend, policy, numa string) {
-		cfg := Config{PoolBytes: pool, RegionBytes: region, Backend: backend, Policy: policy, NUMANode: numa,
+		cfg := Config{PoolBytes: pool, RegionBytes: region, Backend: Backend(backend), Policy: Policy(policy), NUMANode: numa,
 			Layout: LayoutSpec{Kind: LayoutCrossLayer, Layers: layers, KVHeads: heads, HeadDim: dim, DTypeBytes: dt, TokensPerBlock: tpb, NumBlocks: blocks}}
 		out, _, slot, err := withDefaults(cfg)
 		if err != nil {
@@ -112,4 +113,36 @@ func FuzzConfig(f *testing.F) {
 		require.LessOrEqual(t, sum, out.PoolBytes)
 		require.Greater(t, sum+slot, out.PoolBytes-out.PoolBytes%slot)
 	})
+}
+
+// The typed Config enums keep their JSON strings both ways, take "" as the
+// default, and refuse an unknown value with ErrInvalidConfig naming it.
+func TestConfigEnumsJSON(t *testing.T) {
+	cfg := Config{PoolBytes: 1 << 20, Backend: BackendHost, HostPinning: PinMlock, HugePages: HugePagesHugeTLB,
+		Policy: PolicyTinyLFU, Layout: LayoutSpec{Kind: LayoutMLA}}
+	b, err := json.Marshal(cfg)
+	require.NoError(t, err)
+	for _, want := range []string{`"backend":"host"`, `"host_pinning":"mlock"`, `"huge_pages":"hugetlb"`, `"policy":"tinylfu"`, `"kind":"mla"`} {
+		require.Contains(t, string(b), want)
+	}
+	var back Config
+	require.NoError(t, json.Unmarshal(b, &back))
+	require.Equal(t, cfg, back)
+
+	var empty Config
+	require.NoError(t, json.Unmarshal([]byte(`{"backend":"","policy":""}`), &empty))
+	require.Equal(t, Backend(""), empty.Backend)
+
+	for _, c := range []struct{ json, field string }{
+		{`{"backend":"gpu"}`, `Backend "gpu"`},
+		{`{"host_pinning":"always"}`, `HostPinning "always"`},
+		{`{"huge_pages":"2m"}`, `HugePages "2m"`},
+		{`{"policy":"lfu"}`, `Policy "lfu"`},
+		{`{"layout":{"kind":"paged"}}`, `Layout.Kind "paged"`},
+	} {
+		var got Config
+		err := json.Unmarshal([]byte(c.json), &got)
+		require.ErrorIs(t, err, ErrInvalidConfig, c.json)
+		require.ErrorContains(t, err, c.field, c.json)
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // storeEach stores keys from blockIDs with opts and requires every block to
@@ -107,18 +108,18 @@ func TestStoreParentOptionsInvalid(t *testing.T) {
 // included: the K and V extents overlap and the engine must know their
 // union, not refuse V's.
 func TestInterleavedKVLastBlock(t *testing.T) {
-	sim, err := NewSimGPU(SimOptions{})
+	sim, err := transfer.NewSim(transfer.SimConfig{})
 	require.NoError(t, err)
 	defer sim.Close()
 	const blocks = 8
 	l := smallLayout(blocks)
 	seg := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
 	for range l.Layers {
-		base, err := sim.Alloc(2 * seg * blocks)
+		base, err := sim.MemAlloc(2 * seg * blocks)
 		require.NoError(t, err)
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: base, V: base + seg, Stride: 2 * seg})
 	}
-	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: l, Sim: sim})
+	e := newEngineOn(t, Config{PoolBytes: 64 << 10, Layout: l}, sim)
 	defer e.Close()
 	ctx := context.Background()
 	keys := []Key{testKey(1), testKey(2)}
@@ -148,13 +149,13 @@ func TestAutoBackendWithoutDriverRefusesDeviceLayout(t *testing.T) {
 	for range l.Layers {
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: 0x7f0000000000, V: 0x7f0000100000, Stride: 2048})
 	}
-	_, err := newEngine(Config{PoolBytes: 64 << 10, Layout: l, SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	_, err := newEngine(Config{PoolBytes: 64 << 10, Layout: l, SkipMemoryCheck: true}, engineHooks{loadDriver: loader(noDriver)})
 	require.ErrorIs(t, err, ErrNoDriver)
 	require.ErrorContains(t, err, "libcuda.so.1: cannot open shared object file")
 	require.ErrorContains(t, err, "device addresses")
 
 	// Without device addresses, auto picks the host backend, as before.
-	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), SkipMemoryCheck: true}, engineHooks{loadDriver: noDriver})
+	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), SkipMemoryCheck: true}, engineHooks{loadDriver: loader(noDriver)})
 	require.NoError(t, err)
 	name, reason := e.Backend()
 	require.Equal(t, BackendHost, name)

@@ -1,15 +1,12 @@
 package offload
 
 import (
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // openCUDA sets up the CUDA backend: device Config.Device's primary
@@ -19,39 +16,22 @@ import (
 // module, loaded here). Before anything else is set up, every tensor of the
 // layout must lie in device memory (checkDeviceTensors).
 func (e *Engine) openCUDA(c backendChoice) error {
-	drv := c.drv
-	dev, err := drv.DeviceGet(e.cfg.Device)
+	gpu, err := c.drv.Open(e.cfg.Device)
 	if err != nil {
-		return fmt.Errorf("%w: device %d: %w", ErrNoDriver, e.cfg.Device, err)
-	}
-	ctx, err := drv.PrimaryCtxRetain(dev)
-	if err != nil {
-		return fmt.Errorf("%w: retaining device %d's primary context: %w", ErrNoDriver, e.cfg.Device, err)
-	}
-	e.drv, e.cuDevice, e.cuCtx, e.ctxHeld = drv, dev, ctx, true
-	if err := cuda.OnThread(drv, ctx, e.checkDeviceTensors); err != nil {
 		return err
 	}
-	if e.pinner, err = register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
+	e.gpu = gpu
+	if err := gpu.Do(e.checkDeviceTensors); err != nil {
+		return err
+	}
+	if e.pinner, err = register.NewCUDAFor(gpu, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
 		return err
 	}
 	// The automatic choice of copy method is calibrated (172 ms on an
 	// H200, pool64.md) by the growth goroutine once the pool is grown;
 	// until then the copier uses its uncalibrated rule.
-	opts := e.hooks.copyOptions
-	opts.GreedyD2H = opts.GreedyD2H || e.cfg.GreedyStores
-	if e.cfg.MaxDeviceBytes != 0 {
-		opts.MaxDeviceBytes = e.cfg.MaxDeviceBytes
-	}
-	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
-		opts.Calibration = &cudacopy.Calibration{}
-		e.calibrateLater = true
-	}
-	err = cuda.OnThread(drv, ctx, func() error {
-		var err error
-		e.cudaDev, err = transfer.NewCUDA(drv, dev, ctx, opts)
-		return err
-	})
+	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
+		CalibrateLater: true, Copy: e.hooks.copyOptions})
 	if err != nil {
 		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)
 	}
@@ -96,14 +76,14 @@ func (e *Engine) deviceTensors() []deviceTensor {
 // context current.
 func (e *Engine) checkDeviceTensors() error {
 	for _, t := range e.deviceTensors() {
-		base, size, err := e.drv.MemGetAddressRange(cuda.DevicePtr(t.start))
+		base, size, err := e.gpu.AllocationRange(t.start)
 		if err != nil {
 			return fmt.Errorf("%w: Layout: %s [%#x, %#x) is not device memory of device %d: the driver finds no allocation at %#x: %w",
 				ErrInvalidConfig, t.name, t.start, t.end, e.cfg.Device, t.start, err)
 		}
-		if allocEnd := uint64(base) + size; t.end > allocEnd {
+		if allocEnd := base + size; t.end > allocEnd {
 			return fmt.Errorf("%w: Layout: %s [%#x, %#x) runs %d bytes past the end of its device allocation [%#x, %#x) on device %d",
-				ErrInvalidConfig, t.name, t.start, t.end, t.end-allocEnd, uint64(base), allocEnd, e.cfg.Device)
+				ErrInvalidConfig, t.name, t.start, t.end, t.end-allocEnd, base, allocEnd, e.cfg.Device)
 		}
 	}
 	return nil
@@ -125,78 +105,52 @@ func slotStride(slot int64) int64 {
 }
 
 // onThread runs f on a locked OS thread with the CUDA context current and
-// capture mode relaxed (cuda.OnThread); on the host backend it just runs f.
+// capture mode relaxed (transfer.Context.Do); on the host backend it just
+// runs f.
 func (e *Engine) onThread(f func() error) error {
-	if e.drv == nil {
+	if e.gpu == nil {
 		return f()
 	}
-	return cuda.OnThread(e.drv, e.cuCtx, f)
+	return e.gpu.Do(f)
 }
 
 // initGrowThread prepares the growth goroutine's locked OS thread for
 // driver calls: the context current and capture mode relaxed, so pinning
 // never invalidates a serving stack's graph capture on another thread.
 func (e *Engine) initGrowThread() error {
-	if e.drv == nil {
+	if e.gpu == nil {
 		return nil
 	}
-	if err := e.drv.CtxSetCurrent(e.cuCtx); err != nil {
-		return fmt.Errorf("offload: growth thread: make context current: %w", err)
-	}
-	if _, err := e.drv.ThreadExchangeStreamCaptureMode(cuda.CaptureModeRelaxed); err != nil {
-		return fmt.Errorf("offload: growth thread: relax capture mode: %w", err)
+	if err := e.gpu.InitThread(); err != nil {
+		return fmt.Errorf("offload: growth thread: %w", err)
 	}
 	return nil
 }
 
-// calibrate measures the copy methods on a stream of its own and installs
-// the table the copier chooses from (growth goroutine, context current).
+// calibrate measures the copy methods on a stream of their own and
+// installs the table the copier chooses from (growth goroutine, context
+// current), once: growth started again by GrowTo does not calibrate again.
 // A failure leaves the uncalibrated rule in place; Stats.CopyCalibration
 // says what happened.
 func (e *Engine) calibrate() {
-	if !e.calibrateLater {
+	if e.cudaDev == nil || !e.cudaDev.CalibrationPending() {
 		return
 	}
-	t0 := time.Now()
-	s, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
-	if err == nil {
-		_, err = e.cudaDev.Copier().Calibrate(s)
-		err = errors.Join(err, e.drv.StreamDestroy(s))
-	}
-	msg := fmt.Sprintf("calibrated in %v", time.Since(t0).Round(time.Millisecond))
+	took, err := e.cudaDev.Calibrate()
+	msg := fmt.Sprintf("calibrated in %v", took.Round(time.Millisecond))
 	if err != nil {
 		msg = "uncalibrated rule (calibration failed: " + err.Error() + ")"
 	}
 	e.calibration.Store(&msg)
-	// Once: growth started again by GrowTo does not calibrate again.
-	e.calibrateLater = false
 }
 
-// stagingDevicePtr is the device address of the staging region's first
-// byte: its registered host pointer as the GPU sees it.
-func (e *Engine) stagingDevicePtr(pr *poolRegion) (uint64, error) {
-	if e.drv == nil {
-		return pr.host, nil
-	}
-	var p cuda.DevicePtr
-	err := cuda.OnThread(e.drv, e.cuCtx, func() error {
-		var err error
-		p, err = e.drv.MemHostGetDevicePointer(pr.r.Pointer())
-		return err
-	})
-	if err != nil {
-		return 0, fmt.Errorf("offload: staging region's device pointer: %w", err)
-	}
-	return uint64(p), nil
-}
-
-// closeCUDA releases the CUDA device (after the scheduler is closed).
+// closeCUDADevice releases the CUDA device (after the scheduler is closed).
 func (e *Engine) closeCUDADevice() error {
 	if e.cudaDev == nil {
 		return nil
 	}
-	err := cuda.OnThread(e.drv, e.cuCtx, e.cudaDev.Close)
-	if cuda.IsSticky(err) {
+	err := e.gpu.Do(e.cudaDev.Close)
+	if transfer.IsContextLost(err) {
 		// The context is lost: its streams and module went with it.
 		return nil
 	}
@@ -206,12 +160,11 @@ func (e *Engine) closeCUDADevice() error {
 // releaseContext drops the primary context reference taken by openCUDA
 // (after every region is unregistered).
 func (e *Engine) releaseContext() error {
-	if !e.ctxHeld {
+	if e.gpu == nil {
 		return nil
 	}
-	e.ctxHeld = false
-	if err := e.drv.PrimaryCtxRelease(e.cuDevice); err != nil && !errors.Is(err, cuda.ErrNoDriver) {
-		return fmt.Errorf("offload: releasing device %d's primary context: %w", e.cfg.Device, err)
+	if err := e.gpu.Release(); err != nil {
+		return fmt.Errorf("offload: %w", err)
 	}
 	return nil
 }

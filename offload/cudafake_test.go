@@ -15,6 +15,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudahook"
+	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -66,7 +68,7 @@ func (g *gpuMem) alloc(n uint64) uint64 {
 // layout allocates a KV cache of blocks blocks in device memory: 2 layers,
 // K and V of 1 head × 64 × bf16 × 16 tokens per layer and block (8 KiB a
 // block), layer-separate or cross-layer.
-func (g *gpuMem) layout(kind string, blocks int) LayoutSpec {
+func (g *gpuMem) layout(kind LayoutKind, blocks int) LayoutSpec {
 	l := LayoutSpec{Kind: kind, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: blocks}
 	seg := uint64(2048)
 	if kind == LayoutCrossLayer {
@@ -107,7 +109,7 @@ func newCUDAEngine(t testing.TB, drv cuda.Driver, cfg Config, h engineHooks) (*E
 		cfg.Backend = BackendCUDA
 	}
 	cfg.SkipMemoryCheck = true
-	h.loadDriver = func() (cuda.Driver, error) { return drv, nil }
+	h.loadDriver = func() (*transfer.Driver, error) { return driverOf(drv), nil }
 	if h.copyOptions.Method == cudacopy.MethodAuto && h.copyOptions.Calibration == nil && !h.calibrate {
 		// Tests run with the uncalibrated rule; TestCUDAFakeCalibration
 		// covers the background calibration.
@@ -178,7 +180,7 @@ func storeOverwriteLoad(t *testing.T, e *Engine, g *gpuMem, n int, seed uint64) 
 	require.NoError(t, err)
 	defer func() { require.NoError(t, g.drv.EventDestroy(sig)) }()
 	op = loadCheck(t, e, g, keys, src, contents, LoadOptions{PerLayer: true, Signal: uintptr(sig)})
-	if e.layout.Kind().String() != LayoutCrossLayer {
+	if LayoutKind(e.layout.Kind().String()) != LayoutCrossLayer {
 		for l := range 2 {
 			lev, err := op.LayerEvent(l)
 			require.NoError(t, err)
@@ -209,8 +211,8 @@ func fakeDriver(t *testing.T, opts cudafake.Options) *cudafake.Driver {
 }
 
 func TestCUDAFakeRoundTrip(t *testing.T) {
-	for _, kind := range []string{LayoutLayerSeparate, LayoutCrossLayer} {
-		t.Run(kind, func(t *testing.T) {
+	for _, kind := range []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer} {
+		t.Run(string(kind), func(t *testing.T) {
 			d := fakeDriver(t, cudafake.Options{Seed: 1, MaxDelay: 50 * time.Microsecond})
 			g := newGPUMem(t, d, 8<<10)
 			defer g.close()
@@ -244,7 +246,7 @@ func TestCUDAFakeRoundTrip(t *testing.T) {
 
 // Stores and loads of whole blocks whose host runs reach
 // Options.GatherMinRun go staged through device memory (gathered,
-// scattered), count in Stats.StagedCopies, and round-trip byte-exact.
+// scattered), count in Stats.BounceCopies, and round-trip byte-exact.
 func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 	d := fakeDriver(t, cudafake.Options{Seed: 2, MaxDelay: 50 * time.Microsecond})
 	g := newGPUMem(t, d, 8<<10)
@@ -254,7 +256,7 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU}, engineHooks{copyOptions: cudacopy.Options{GatherMinRun: int(slot)}})
 	require.NoError(t, err)
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Zero(t, e.Stats().StagedCopies)
+	require.Zero(t, e.Stats().BounceCopies)
 	const n = 6
 	contents := randomContents(rand.New(rand.NewPCG(3, 1)), n, e.slot)
 	keys, src, dst := make([]Key, n), make([]int, n), make([]int, n)
@@ -263,17 +265,17 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		g.write(e, i, contents[i])
 	}
 	storeAll(t, e, keys, src, StoreOptions{})
-	stores := e.Stats().StagedCopies
+	stores := e.Stats().BounceCopies
 	require.Positive(t, stores, "the store was staged")
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
-	staged := e.Stats().StagedCopies
+	staged := e.Stats().BounceCopies
 	require.Greater(t, staged, stores, "the load was staged")
 	st := e.Stats()
 	require.EqualValues(t, cudacopy.DefaultMaxDeviceBytes, st.MaxDeviceBytes)
 	require.Positive(t, st.DeviceBytes, "staging chunks and descriptor tables are reported")
 	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
 	require.NoError(t, e.Close())
-	require.Equal(t, staged, e.Stats().StagedCopies, "readable after Close")
+	require.Equal(t, staged, e.Stats().BounceCopies, "readable after Close")
 }
 
 // Config.MaxDeviceBytes reaches the copier: with room for one staging
@@ -302,7 +304,7 @@ func TestCUDAFakeMaxDeviceBytes(t *testing.T) {
 	storeAll(t, e, keys, src, StoreOptions{})
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
 	st := e.Stats()
-	require.Positive(t, st.StagedCopies)
+	require.Positive(t, st.BounceCopies)
 	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
 	require.NoError(t, e.Close())
 	require.LessOrEqual(t, d.PeakDeviceBytes()-base, uint64(12<<20))
@@ -569,4 +571,18 @@ func TestCUDAFakeGreedyStores(t *testing.T) {
 		require.NoError(t, e.Close())
 	}
 	require.NotEqual(t, cudacopy.DefaultLaunch(cudacopy.D2H, false), cudacopy.DefaultLaunch(cudacopy.D2H, true))
+}
+
+// driverOf is drv (a fake, or the real driver) as the engine loads it.
+func driverOf(drv cuda.Driver) *transfer.Driver { return cudahook.WrapDriver(drv).(*transfer.Driver) }
+
+// loader is load as engineHooks.loadDriver.
+func loader(load func() (cuda.Driver, error)) func() (*transfer.Driver, error) {
+	return func() (*transfer.Driver, error) {
+		drv, err := load()
+		if err != nil {
+			return nil, err
+		}
+		return driverOf(drv), nil
+	}
 }

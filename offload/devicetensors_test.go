@@ -116,11 +116,11 @@ func FuzzDeviceTensors(f *testing.F) {
 	f.Add(^uint64(0)-100, uint64(0), uint64(2048), uint16(2))
 	d := cudafake.New(cudafake.Options{CheckContext: true})
 	f.Cleanup(func() { require.NoError(f, d.Close()) })
-	ctx, err := d.PrimaryCtxRetain(0)
+	gpu, err := driverOf(d).Open(0)
 	require.NoError(f, err)
 	const size, seg = 1 << 16, 2048
 	var base cuda.DevicePtr
-	require.NoError(f, cuda.OnThread(d, ctx, func() (err error) {
+	require.NoError(f, gpu.Do(func() (err error) {
 		base, err = d.MemAlloc(size)
 		return err
 	}))
@@ -131,11 +131,11 @@ func FuzzDeviceTensors(f *testing.F) {
 		if err != nil {
 			return
 		}
-		e := &Engine{cfg: cfg, drv: d, cuCtx: ctx, slot: slot}
+		e := &Engine{cfg: cfg, gpu: gpu, slot: slot}
 		k := uint64(base) + kOff
 		end := k + uint64(blocks-1)*stride + seg
 		inside := k >= uint64(base) && end <= uint64(base)+size
-		err = cuda.OnThread(d, ctx, e.checkDeviceTensors)
+		err = gpu.Do(e.checkDeviceTensors)
 		if inside != (err == nil) {
 			t.Fatalf("K at base+%#x, stride %d, %d blocks: inside %v, check says %v", kOff, stride, blocks, inside, err)
 		}

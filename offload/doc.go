@@ -11,8 +11,22 @@
 // suit an H200 serving box. Backend "auto" (the default) picks CUDA when
 // libcuda.so.1 loads, the device exists and the layout gives device
 // addresses; otherwise the host backend, which simulates the GPU in host
-// memory (SimGPU) so the same engine runs in CI and on laptops.
-// Engine.Backend says which was picked and why.
+// memory so the same engine runs in CI and on laptops. Engine.Backend says
+// which was picked and why. The Config enums (Backend, HostPinning,
+// HugePages, Policy, LayoutKind) are typed strings; in JSON they are the
+// constants' strings, and an unknown one is ErrInvalidConfig.
+//
+// # What this package builds on, and what it leaves out
+//
+// The engine composes kvcache (the block index, slots and policy),
+// register (pinning), transfer (copies, streams, events and everything
+// else that calls the CUDA driver) and mmapmem (regions). It calls the
+// driver only through transfer's and register's APIs, and its API exposes
+// CUDA events and streams as uintptr values. Test and demo scaffolding is
+// not here: the host backend's simulated GPU, an engine attached to one
+// (to write and read its "device" memory), and the gating-invariant
+// violations live in package offload/hostsim, which tests, the demo and
+// the C ABI's kvo_sim_* calls import.
 //
 // What is pinned when: New maps and pins the staging region
 // (Config.StagingBytes) and the first pool region (Config.FirstRegionBytes),

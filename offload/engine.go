@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
@@ -17,86 +16,114 @@ import (
 // pool of pinned host memory. Create it with New; every method is safe for
 // concurrent use by many goroutines; Close ends it.
 type Engine struct {
+	// Set by New and never changed.
 	cfg           Config
-	backend       string
+	backend       Backend
 	backendReason string
 	start         time.Time
 	hooks         engineHooks
+	sys           system
+	node          int
+	slot          int64
+	layout        *kvcache.Layout
+	cache         *kvcache.Cache // locks itself
+	sched         *transfer.Scheduler
+	tracker       *transfer.Tracker
 
-	closed     atomic.Bool
-	closeMu    sync.RWMutex // held (read) by calls in progress; Close takes it to drain
-	stats      counters
-	growMu     sync.Mutex
-	growCond   *sync.Cond
-	paused     bool
-	stopGrow   bool
-	growDone   bool
-	growErr    error
-	nextRegion int
-	plan       []int64
+	// The copy device. Set by New; the CUDA fields are nil on the host
+	// backend, sim is nil on CUDA.
+	dev        transfer.Device   // the Sim or the CUDA device
+	sim        *transfer.Sim     // the host backend's simulated device
+	ownSim     bool              // the engine made sim, and closes it
+	denseAlloc uint64            // the layout's tensors allocated in sim (0: none)
+	gpu        *transfer.Context // the device's primary context
+	cudaDev    *transfer.CUDA
+	pinner     register.Pinner
+	events     bool // ops carry CUDA events (CUDA backend)
+
+	// Atomics, read by Stats and the calls at any time.
+	stats counters
+	lost  atomic.Pointer[error] // the sticky error that lost the device
+	// teardownErr is the last error releasing a region (Stats.TeardownError).
+	teardownErr atomic.Pointer[string]
+	// calibration is what the growth goroutine reported of calibrating
+	// the copy methods, which it does once growth has ended (or while it
+	// is paused).
+	calibration atomic.Pointer[string]
+
+	// Lifecycle: closed is set once by Close; closeMu is held (read) by
+	// calls in progress (enter, leave), and Close takes it to drain them.
+	closed  atomic.Bool
+	closeMu sync.RWMutex
+	ops     sync.WaitGroup // ops not finished
+	wg      sync.WaitGroup // grow and reaper goroutines
+
+	growth  growthState
+	memory  poolMemory
+	stage   stagingArea
+	reaping reaperState
+	names   namespaces
+	hub     eventHub // Events' streams (events.go)
+	slotMem sync.Map // RegionID → the region's bytes, for ZeroOnRelease
+}
+
+// growthState is background growth's plan and progress; mu guards every
+// field, and cond (on mu) wakes the growth stages and WaitGrown.
+type growthState struct {
+	mu     sync.Mutex
+	cond   *sync.Cond
+	paused bool  // PauseGrowth
+	stop   bool  // Close: growth ends after the region in progress
+	done   bool  // the running growth has ended
+	err    error // why growth stopped (Stats.GrowthError), until GrowTo
+	next   int   // the plan index of the next region to prefetch
+	plan   []int64
 	// target is the bytes of pool regions growth may have mapped at once
 	// (PoolBytes, or MaxCachedBytes when smaller; Trim lowers it to what is
 	// left, GrowTo raises it); committed is the bytes of pool regions
 	// mapped by New or growth and not yet trimmed or dropped (planned
 	// sizes). Growth maps a region only while committed + its size ≤
-	// target. growFrom is the plan index the running growth starts at.
+	// target. from is the plan index the running growth starts at.
 	target, committed int64
-	growFrom          int
-	sys               system
+	from              int
+}
 
-	node   int
-	slot   int64
-	layout *kvcache.Layout
-	cache  *kvcache.Cache
-	sched  *transfer.Scheduler
-	sim    *SimGPU
-	dev    transfer.Device // the Sim or the CUDA device
-	drv    cuda.Driver     // nil on the host backend
-	events bool            // ops carry CUDA events (CUDA backend)
-	lost   atomic.Pointer[error]
-	// teardownErr is the last error releasing a region (Stats.TeardownError).
-	teardownErr atomic.Pointer[string]
-
-	// CUDA backend only.
-	cuDevice   cuda.Device
-	cuCtx      cuda.Context
-	ctxHeld    bool // primary context retained
-	pinner     register.Pinner
-	cudaDev    *transfer.CUDA
-	stagingDev uint64 // device address of the staging region
-	// calibrateLater: the growth goroutine calibrates the copy methods
-	// once growth has ended (or while it is paused); calibration is what
-	// it reported.
-	calibrateLater bool
-	calibration    atomic.Pointer[string]
-	ownSim         bool
-	tracker        *transfer.Tracker
-
-	denseAlloc uint64
-
-	memMu         sync.Mutex
-	regions       []*poolRegion
-	draining      map[kvcache.RegionID]*poolRegion
-	nextID        kvcache.RegionID
-	owned         int64
-	stagingRegion *poolRegion
-	stagingUsed   int64
-	staged        map[string]*Staging
-	slotMem       sync.Map // RegionID → the region's bytes, for ZeroOnRelease
-	nsMu          sync.Mutex
-	nsIDs         map[string]kvcache.Namespace
-
-	ops      sync.WaitGroup // ops not finished
-	wg       sync.WaitGroup // grow and reaper goroutines
-	reapKick chan struct{}
-	reapMu   sync.Mutex // serialises reap
+// poolMemory is the pool's regions; mu guards every field.
+type poolMemory struct {
+	mu       sync.Mutex
+	regions  []*poolRegion // in the cache, oldest first
+	draining map[kvcache.RegionID]*poolRegion
+	nextID   kvcache.RegionID
+	owned    int64 // bytes of the regions in the pool
 	// inflight counts, per region, the slots with a copy in flight;
-	// changed is closed and replaced (under memMu) whenever a region is
-	// freed or its in-flight count drops to zero, waking Trim.
+	// changed is closed and replaced whenever a region is freed or its
+	// in-flight count drops to zero, waking Trim.
 	inflight map[kvcache.RegionID]int
 	changed  chan struct{}
-	stopReap chan struct{}
-	hub      eventHub // Events' streams (events.go)
+}
+
+// stagingArea is the reserved staging region and the buffers carved from
+// it. region and dev are set by New; used and buffers are guarded by the
+// engine's memory.mu.
+type stagingArea struct {
+	region  *poolRegion
+	dev     uint64 // device address of the region
+	used    int64
+	buffers map[string]*Staging
+}
+
+// reaperState drives the reaper goroutine: kick wakes it, stop ends it,
+// and mu serialises reap.
+type reaperState struct {
+	mu   sync.Mutex
+	kick chan struct{}
+	stop chan struct{}
+}
+
+// namespaces are the cache's namespace ids by name; mu guards ids.
+type namespaces struct {
+	mu  sync.Mutex
+	ids map[string]kvcache.Namespace
 }
 
 // Lease is a set of reader leases taken by Lookup: its blocks cannot be
@@ -113,51 +140,12 @@ type Lease struct {
 // Keys returns the leased keys (the prefix Lookup found), in order.
 func (l *Lease) Keys() []Key { return append([]Key(nil), l.keys...) }
 
-// Staging is a pinned host buffer at a fixed address for the engine's
-// lifetime, carved from the reserved staging region that Trim never touches
-// (for values a captured CUDA graph copies to or from the host). Its memory
-// is valid until Close.
-type Staging struct {
-	name string
-	addr uintptr
-	dev  uint64
-	size int64
-	buf  []byte
-}
-
-// Name is the name given to Engine.Staging.
-func (s *Staging) Name() string { return s.name }
-
-// Len is the buffer's size in bytes, exactly as asked.
-func (s *Staging) Len() int64 { return s.size }
-
-// Addr is the buffer's host address.
-func (s *Staging) Addr() uintptr { return s.addr }
-
-// DevicePtr is the address a kernel or copy uses for the buffer (the
-// registered host pointer on CUDA; equal to Addr on the host backend).
-func (s *Staging) DevicePtr() uint64 { return s.dev }
-
-// Bytes is the buffer's memory. It must not be used after Close.
-func (s *Staging) Bytes() []byte { return s.buf }
-
 // checkOpen returns ErrClosed after Close.
 func (e *Engine) checkOpen(call string) error {
 	if e.closed.Load() {
 		return fmt.Errorf("%w: %s after Close", ErrClosed, call)
 	}
 	return nil
-}
-
-// InvariantViolations returns the gating violations recorded so far: a copy
-// whose host range was not live, or was released and reused while it ran.
-// Only builds with invariants on (-race, or -tags kvoinvariants) check
-// them; other builds return nil. Any violation is a bug in the engine.
-func (e *Engine) InvariantViolations() []error {
-	if e.tracker == nil {
-		return nil
-	}
-	return e.tracker.Violations()
 }
 
 // Config returns the engine's configuration with defaults filled in.

@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 func newTestEngine(t *testing.T, cfg Config) *Engine {
@@ -79,4 +81,15 @@ func TestStoreLoadRoundTrip(t *testing.T) {
 	_, err = e.Lookup(keys, LookupOptions{})
 	require.ErrorIs(t, err, ErrClosed)
 	require.ErrorIs(t, e.Close(), ErrClosed)
+}
+
+// newEngineOn is newTestEngine over the simulated device sim (which the
+// test owns and closes), as hostsim.NewEngine builds it.
+func newEngineOn(t *testing.T, cfg Config, sim *transfer.Sim) *Engine {
+	t.Helper()
+	cfg.Backend = BackendHost
+	cfg.SkipMemoryCheck = true
+	e, err := newEngine(cfg, engineHooks{sim: sim})
+	require.NoError(t, err)
+	return e
 }

@@ -7,6 +7,7 @@ import (
 	"log"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // The serving loop on the host backend: store two blocks the GPU computed,
@@ -29,10 +30,10 @@ func Example() {
 	ctx := context.Background()
 
 	// The layout was given without tensors, so the engine placed the KV
-	// cache in its simulated GPU: block b is at Base + b*Stride.
+	// cache in its simulated GPU (package hostsim): block b is at Base + b*Stride.
 	l := eng.Config().Layout
 	block := func(id int) uint64 { return l.Base + uint64(id)*l.Stride }
-	gpu := eng.Sim()
+	gpu := hostsim.GPUOf(eng)
 	_ = gpu.Write(block(0), bytes.Repeat([]byte("a"), int(l.Stride)))
 	_ = gpu.Write(block(1), bytes.Repeat([]byte("b"), int(l.Stride)))
 

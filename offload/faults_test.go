@@ -231,13 +231,13 @@ func TestFaultNoDriver(t *testing.T) {
 	layout := LayoutSpec{Kind: LayoutCrossLayer, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16,
 		NumBlocks: 4, Base: 1 << 30, Stride: 8 << 10}
 	e, err := newEngine(Config{PoolBytes: 64 << 10, Layout: layout, Backend: BackendCUDA, SkipMemoryCheck: true},
-		engineHooks{loadDriver: missing})
+		engineHooks{loadDriver: loader(missing)})
 	require.Nil(t, e)
 	require.ErrorIs(t, err, ErrNoDriver)
 	require.ErrorContains(t, err, "libcuda.so.1")
 
 	e, err = newEngine(Config{PoolBytes: 64 << 10, Layout: smallLayout(4), Backend: BackendAuto, SkipMemoryCheck: true},
-		engineHooks{loadDriver: missing})
+		engineHooks{loadDriver: loader(missing)})
 	require.NoError(t, err)
 	name, reason := e.Backend()
 	require.Equal(t, BackendHost, name)

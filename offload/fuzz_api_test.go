@@ -96,7 +96,7 @@ func FuzzStaging(f *testing.F) {
 			}
 			return
 		}
-		lo, hi := e.stagingRegion.r.Addr(), e.stagingRegion.r.Addr()+uintptr(e.stagingRegion.r.Len())
+		lo, hi := e.stage.region.r.Addr(), e.stage.region.r.Addr()+uintptr(e.stage.region.r.Len())
 		if s.Len() != size || int64(len(s.Bytes())) != size || s.Addr() < lo || s.Addr()+uintptr(size) > hi {
 			t.Fatalf("Staging(%q, %d) = %d bytes at %#x, region [%#x,%#x)", name, size, s.Len(), s.Addr(), lo, hi)
 		}
@@ -120,7 +120,7 @@ func FuzzLayoutSpec(f *testing.F) {
 	f.Add(uint8(0), 2, 1, 64, 2, 16, 8, uint64(1<<20), uint64(1<<20), uint64(2048))
 	f.Add(uint8(1), 0, -1, 0, 3, 0, -8, uint64(0), uint64(1), uint64(0))
 	f.Fuzz(func(t *testing.T, kind uint8, layers, heads, dim, dt, tpb, blocks int, k, v, stride uint64) {
-		kinds := []string{LayoutLayerSeparate, LayoutMLA, LayoutCrossLayer, "bogus"}
+		kinds := []LayoutKind{LayoutLayerSeparate, LayoutMLA, LayoutCrossLayer, "bogus"}
 		l := LayoutSpec{Kind: kinds[int(kind)%len(kinds)], Layers: layers, KVHeads: heads, HeadDim: dim, DTypeBytes: dt,
 			TokensPerBlock: tpb, NumBlocks: blocks}
 		for i := 0; i < min(max(layers, 0), 4); i++ {

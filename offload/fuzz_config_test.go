@@ -57,7 +57,7 @@ func FuzzNewConfig(f *testing.F) {
 	f.Fuzz(func(t *testing.T, pool, first, region, staging, maxCached int64, layers, heads, headDim, dtype, tokens, blocks int, kind uint8, skip bool, numa string) {
 		cfg := Config{PoolBytes: pool, FirstRegionBytes: first, RegionBytes: region, StagingBytes: staging, MaxCachedBytes: maxCached,
 			Backend: BackendHost, SkipMemoryCheck: skip, NUMANode: numa, HugePages: HugePagesNone, PrefaultThreads: 1,
-			Layout: LayoutSpec{Kind: []string{LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA}[kind%3], Layers: layers, KVHeads: heads,
+			Layout: LayoutSpec{Kind: []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA}[kind%3], Layers: layers, KVHeads: heads,
 				HeadDim: headDim, DTypeBytes: dtype, TokensPerBlock: tokens, NumBlocks: blocks}}
 		if kind%2 == 1 {
 			cfg.Policy = PolicyTinyLFU

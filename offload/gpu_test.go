@@ -21,8 +21,8 @@ import (
 // TestGPUStoreLoad runs the store → overwrite → load scenario on the H200
 // with real device memory, for both layouts, before and after a Trim.
 func TestGPUStoreLoad(t *testing.T) {
-	for _, kind := range []string{LayoutLayerSeparate, LayoutCrossLayer} {
-		t.Run(kind, func(t *testing.T) {
+	for _, kind := range []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer} {
+		t.Run(string(kind), func(t *testing.T) {
 			gpu := cudatest.Open(t)
 			g := newGPUMem(t, gpu.Drv, 8<<10)
 			defer g.close()

@@ -11,7 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // keyContent is the content every test stores under k: a pure function of
@@ -50,13 +50,13 @@ func writeBlock(t errorer, e *Engine, id int, content []byte) {
 
 // simLayout allocates smallLayout(blocks)'s tensors in sim (so that the
 // test, not the engine, owns the "GPU" memory and can read it after Close).
-func simLayout(t testing.TB, sim *SimGPU, blocks int) LayoutSpec {
+func simLayout(t testing.TB, sim *transfer.Sim, blocks int) LayoutSpec {
 	l := smallLayout(blocks)
 	seg := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
 	for range l.Layers {
-		k, err := sim.Alloc(seg * uint64(blocks))
+		k, err := sim.MemAlloc(seg * uint64(blocks))
 		require.NoError(t, err)
-		v, err := sim.Alloc(seg * uint64(blocks))
+		v, err := sim.MemAlloc(seg * uint64(blocks))
 		require.NoError(t, err)
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: k, V: v, Stride: seg})
 	}
@@ -303,14 +303,14 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 // before the engine's Close runs, which waits for the copies): a store
 // given the event as StoreOptions.After stays in flight until open is
 // called.
-func gatedEvent(t *testing.T, sim *SimGPU) (ev cuda.Event, cs cuda.Stream, open func()) {
+func gatedEvent(t *testing.T, sim *transfer.Sim) (ev transfer.Event, cs transfer.Stream, open func()) {
 	t.Helper()
-	cs = sim.sim.NewStream()
-	openGate, err := sim.sim.Gate(cs)
+	cs = sim.NewStream()
+	openGate, err := sim.Gate(cs)
 	require.NoError(t, err)
 	open = sync.OnceFunc(openGate)
-	ev, err = sim.sim.CreateEvent(false)
+	ev, err = sim.CreateEvent(false)
 	require.NoError(t, err)
-	require.NoError(t, sim.sim.RecordEvent(ev, cs))
+	require.NoError(t, sim.RecordEvent(ev, cs))
 	return ev, cs, open
 }

@@ -1,8 +1,18 @@
 package offload
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/mmapmem"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // New validates cfg, picks the backend, checks that the machine can hold
@@ -14,108 +24,6 @@ import (
 // error nothing is left mapped, pinned or running.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
-}
-
-// Stats returns a snapshot of the engine's counters; cheap, callable from
-// any goroutine, also after Close.
-func (e *Engine) Stats() Stats { return e.snapshot() }
-
-// Trim gives pinned pool memory back to the OS in whole regions, newest
-// first, until at least bytes are picked (or every pool region is): it
-// evicts the regions' ready blocks, waits (honouring ctx) for the copies in
-// flight on them, then unpins and unmaps them. It never waits for leases: a
-// region holding leased blocks is reported in TrimResult.PendingBytes and
-// released by the engine when its last lease ends; when ctx ends first, what
-// is not freed yet is reported pending too, and is freed later all the same.
-// bytes ≤ 0 trims nothing. Staging buffers are never trimmed. Trimmed
-// memory stays released: background growth, if still running, stops at
-// what is left after the trim (regions already being grown included), and
-// the pool grows again only when GrowTo asks for it.
-func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
-	if !e.enter() {
-		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)
-	}
-	defer e.leave()
-	return e.trim(ctx, bytes)
-}
-
-// Staging returns the staging buffer called name, of exactly bytes bytes,
-// at an address fixed until Close. Asking again for the same name and size
-// returns the same buffer; a different size is an error. When the reserved
-// staging region (Config.StagingBytes) has no room left it returns
-// ErrInsufficientMemory.
-func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
-	if err := e.checkOpen("Staging"); err != nil {
-		return nil, err
-	}
-	return e.staging(name, bytes)
-}
-
-// PauseGrowth stops background pinning after the region in progress (for a
-// caller that wants no pinning during its own graph capture; the engine's
-// relaxed capture mode makes that unnecessary). Idempotent. The region
-// being registered finishes and joins the pool. The region being
-// prefetched (mapped and prefaulted ahead of registration) finishes its
-// prefault and is held, mapped but not pinned, not counted in
-// Stats.OwnedBytes or Stats.Regions, until ResumeGrowth registers it or
-// Close unmaps it. No further region is mapped meanwhile.
-// If the copy methods are not calibrated yet, the growth thread calibrates
-// them during the pause.
-func (e *Engine) PauseGrowth() {
-	e.growMu.Lock()
-	e.paused = true
-	e.growMu.Unlock()
-}
-
-// ResumeGrowth lets background pinning continue. Idempotent.
-func (e *Engine) ResumeGrowth() {
-	e.growMu.Lock()
-	e.paused = false
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
-}
-
-// GrowTo sets the pool size that background growth aims at to bytes
-// (capped at Config.PoolBytes and Config.MaxCachedBytes) and, when growth
-// has ended below it, starts growing again in the background: the way to
-// have memory back after Trim, or after growth stopped on an error
-// (Stats.GrowthError, which GrowTo clears). A lower size stops growth
-// there; it never trims (Trim does). WaitGrown waits for the new growth.
-func (e *Engine) GrowTo(bytes int64) error {
-	if !e.enter() {
-		return fmt.Errorf("%w: GrowTo after Close", ErrClosed)
-	}
-	defer e.leave()
-	if bytes < 0 {
-		return fmt.Errorf("%w: GrowTo(%d): must not be negative", ErrInvalidArgument, bytes)
-	}
-	limit := e.cfg.PoolBytes
-	if e.cfg.MaxCachedBytes > 0 {
-		limit = min(limit, e.cfg.MaxCachedBytes)
-	}
-	e.growMu.Lock()
-	defer e.growMu.Unlock()
-	e.target = min(bytes, limit)
-	if !e.growDone || e.stopGrow || e.committed+e.slot > e.target {
-		return nil
-	}
-	// Growth has ended: plan regions for the rest and start it again.
-	e.growErr = nil
-	e.growFrom = len(e.plan)
-	e.plan = append(e.plan, regionPlan(e.target-e.committed, e.cfg.RegionBytes, e.cfg.RegionBytes, e.slot)...)
-	e.growDone = false
-	e.stats.fullPool.Store(0)
-	e.wg.Add(1)
-	go e.grow()
-	return nil
-}
-
-// WaitGrown blocks until background growth has ended: the whole pool
-// pinned, or growth stopped on an error (returned), and then, on CUDA, the
-// copy methods calibrated (Stats.CopyCalibration); or until the engine is
-// closed (ErrClosed), or ctx ends.
-func (e *Engine) WaitGrown(ctx context.Context) error {
-	return e.waitGrown(ctx)
 }
 
 // Close refuses new calls (ErrClosed), cancels queued work, waits for the
@@ -147,3 +55,316 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 			e.stats.inFlightBytes.Load(), ctx.Err())
 	}
 }
+
+// engineHooks are injections: sim from package hostsim (and tests), the
+// rest test-only.
+type engineHooks struct {
+	// sim is the host backend's simulated device (nil: the engine makes
+	// its own and closes it).
+	sim        *transfer.Sim
+	loadDriver func() (*transfer.Driver, error)
+	sys        *system
+	tracker    *transfer.Tracker
+	// beforeGrow runs on the growth thread before it registers plan[i]
+	// (prefetched: mapped and prefaulted), after the pause check.
+	beforeGrow func(i int)
+	// growStep runs in the growth stages at the steps growStep names, with
+	// the region's plan index and mapping; a non-nil error fails that step
+	// as the step's own failure would (stepPrefault, stepPrefaulted: the
+	// prefetch; stepCache: kvcache AddRegion).
+	growStep func(i int, s growStep, r *mmapmem.Region) error
+	// rangeLimit is the CUDA pinner's registration range limit (0: 64 GiB).
+	rangeLimit int64
+	// copyOptions configure the CUDA copy method.
+	copyOptions transfer.CopyOptions
+	// calibrate keeps the background calibration in cudafake tests (their
+	// helper otherwise gives an empty table).
+	calibrate bool
+}
+
+// openSim sets up the host backend: the simulated GPU, with a layout given
+// without tensors allocated densely in it.
+func (e *Engine) openSim() error {
+	var err error
+	if e.sim = e.hooks.sim; e.sim == nil {
+		if e.sim, err = transfer.NewSim(transfer.SimConfig{}); err != nil {
+			return err
+		}
+		e.ownSim = true
+	}
+	e.dev = e.sim
+	if layoutEmpty(e.cfg.Layout) {
+		spec, _ := kvLayoutSpec(e.cfg.Layout)
+		if err := e.allocDense(&spec); err != nil {
+			return err
+		}
+		e.cfg.Layout = fromKVLayoutSpec(spec)
+	}
+	return nil
+}
+
+// allocDense places a layout given without tensors in the simulated device.
+func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
+	probe := kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, denseProbeBase)
+	l, err := kvcache.NewLayout(probe)
+	if err != nil {
+		return fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
+	}
+	n := l.SlotSize() * uint64(spec.NumBlocks)
+	base, err := e.sim.MemAlloc(n)
+	if err != nil {
+		return err
+	}
+	e.denseAlloc = base
+	*spec = kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, base)
+	return nil
+}
+
+// addDeviceRanges tells the scheduler where the layout's tensors are: the
+// union of the extents deviceTensors computes (which the CUDA backend also
+// checks). Tensors may overlap (interleaved K/V: V starts inside K's
+// extent and ends past it), so overlapping extents are merged into one
+// range; merely adjacent ones stay separate, as they may be separate
+// allocations.
+func (e *Engine) addDeviceRanges() error {
+	for _, r := range mergeExtents(e.deviceTensors()) {
+		if err := e.sched.AddDeviceRange(r.start, r.end-r.start); err != nil {
+			return fmt.Errorf("offload: device range [%#x, %#x) of %s: %w", r.start, r.end, r.name, err)
+		}
+	}
+	return nil
+}
+
+// mergeExtents returns the union of ts as ranges sorted by start, merging
+// extents that overlap (not those that only touch).
+func mergeExtents(ts []deviceTensor) []deviceTensor {
+	ts = slices.Clone(ts)
+	slices.SortFunc(ts, func(a, b deviceTensor) int { return cmp.Compare(a.start, b.start) })
+	var out []deviceTensor
+	for _, t := range ts {
+		if n := len(out); n > 0 && t.start < out[n-1].end {
+			last := &out[n-1]
+			last.end = max(last.end, t.end)
+			last.name += " and " + t.name
+			continue
+		}
+		out = append(out, t)
+	}
+	return out
+}
+
+// enter marks a call in progress so Close waits for it; false after Close.
+func (e *Engine) enter() bool {
+	e.closeMu.RLock()
+	if e.closed.Load() {
+		e.closeMu.RUnlock()
+		return false
+	}
+	return true
+}
+
+func (e *Engine) leave() { e.closeMu.RUnlock() }
+
+func (e *Engine) shutdown() error {
+	e.closeMu.Lock()
+	defer e.closeMu.Unlock()
+	e.ops.Wait()
+	err := e.teardown()
+	e.hub.closeAll()
+	return err
+}
+
+// teardown releases everything New built; used by Close and by a failed New.
+func (e *Engine) teardown() error {
+	e.growth.mu.Lock()
+	e.growth.stop = true
+	e.growth.cond.Broadcast()
+	e.growth.mu.Unlock()
+	if e.reaping.stop != nil {
+		close(e.reaping.stop)
+	}
+	e.wg.Wait()
+	var errs []error
+	if e.sched != nil {
+		errs = append(errs, e.sched.Close())
+	}
+	if e.cache != nil {
+		e.cache.Close()
+	}
+	e.memory.mu.Lock()
+	all := append([]*poolRegion(nil), e.memory.regions...)
+	for _, pr := range e.memory.draining {
+		all = append(all, pr)
+	}
+	if e.stage.region != nil {
+		all = append(all, e.stage.region)
+	}
+	e.memory.regions, e.memory.draining, e.stage.region, e.memory.owned = nil, nil, nil, 0
+	e.memory.mu.Unlock()
+	for _, pr := range all {
+		errs = append(errs, e.unmapRegion(pr))
+	}
+	errs = append(errs, e.closeCUDADevice(), e.releaseContext())
+	if e.denseAlloc != 0 {
+		errs = append(errs, e.sim.MemFree(e.denseAlloc))
+	}
+	if e.ownSim && e.sim != nil {
+		errs = append(errs, e.sim.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func newEngine(cfg Config, h engineHooks) (*Engine, error) {
+	start := time.Now()
+	cfg, numa, slot, err := withDefaults(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if h.loadDriver == nil {
+		h.loadDriver = transfer.LoadDriver
+	}
+	sys := hostSystem()
+	if h.sys != nil {
+		sys = *h.sys
+	}
+	choice, err := selectBackend(cfg.Backend, cfg.Device, h.loadDriver)
+	if err != nil {
+		return nil, err
+	}
+	if choice.name == BackendHost && cfg.Backend == BackendAuto && h.sim == nil && !layoutEmpty(cfg.Layout) {
+		// The layout's addresses are device addresses and nothing can copy
+		// them: the host backend would fail every Store as device-lost.
+		return nil, fmt.Errorf("%w: Backend \"auto\": the Layout gives device addresses but %s; ask for Backend \"host\" with a hostsim.GPU to simulate, or fix the driver",
+			ErrNoDriver, strings.TrimPrefix(choice.reason, "auto: "))
+	}
+	if choice.name == BackendCUDA && layoutEmpty(cfg.Layout) {
+		// Only reachable with "auto": withDefaults refuses "cuda" without tensors.
+		choice = backendChoice{name: BackendHost, reason: "auto: " + choice.reason + ", but the Layout gives no device addresses (LayerTensors, or Base and Stride), so the host backend simulates the GPU"}
+	}
+	node := numa.node
+	if numa.auto && choice.name == BackendCUDA {
+		node = sys.gpuNUMANode(choice.busID)
+	}
+	if node >= 0 {
+		if err := sys.checkNode(node); err != nil {
+			return nil, err
+		}
+	}
+	// Everything proportional to the pool's size (the region plan, the
+	// cache's slot table and key index, TinyLFU's sketch) is sized and
+	// checked before any of it is allocated. withDefaults bounded the
+	// sums and the region count; the memory check counts the tables.
+	maxBlocks := int(cfg.PoolBytes / slotStride(slot))
+	reserve := min(maxBlocks, kvcache.MaxSlots)
+	lfuBlocks := maxBlocks
+	if cfg.SkipMemoryCheck {
+		// Unchecked, the tables are bounded instead (they are Go heap,
+		// whose exhaustion is fatal): beyond the bound the slot table and
+		// index grow with the regions actually added, and TinyLFU's
+		// sketch stays at the bound.
+		reserve = min(reserve, uncheckedReserveSlots)
+		lfuBlocks = min(lfuBlocks, uncheckedReserveSlots)
+	} else {
+		tables := kvcache.ReserveBytes(reserve)
+		if cfg.Policy == PolicyTinyLFU {
+			tables += kvcache.TinyLFUBytes(lfuBlocks)
+		}
+		need, ok := addSizes(cfg.PoolBytes, max(cfg.StagingBytes, 0))
+		if ok {
+			need, ok = addSizes(need, tables)
+		}
+		if !ok {
+			return nil, fmt.Errorf("%w: PoolBytes = %d plus StagingBytes = %d plus %d bytes of slot tables overflows int64", ErrInvalidConfig, cfg.PoolBytes, cfg.StagingBytes, tables)
+		}
+		if err := sys.checkFits(need, cfg.HostPinning == PinMlock, node); err != nil {
+			return nil, err
+		}
+	}
+	target := planTarget(cfg)
+	plan := regionPlan(target, min(cfg.FirstRegionBytes, target), cfg.RegionBytes, slot)
+	e := &Engine{cfg: cfg, hooks: h, backend: choice.name, backendReason: choice.reason, start: start,
+		node: node, slot: slot, sys: sys, tracker: h.tracker,
+		growth:  growthState{plan: plan, target: target},
+		memory:  poolMemory{inflight: map[kvcache.RegionID]int{}, changed: make(chan struct{})},
+		stage:   stagingArea{buffers: map[string]*Staging{}},
+		reaping: reaperState{kick: make(chan struct{}, 1), stop: make(chan struct{})},
+		names:   namespaces{ids: map[string]kvcache.Namespace{}}}
+	e.growth.cond = sync.NewCond(&e.growth.mu)
+	if e.tracker == nil && transfer.InvariantsEnabled() {
+		// Invariant builds (-race, -tags kvoinvariants) always run the
+		// gating harness: regions poisoned when released (host backend),
+		// every copy's host range checked live at submission and completion.
+		e.tracker = transfer.NewTracker(e.poison)
+		h.tracker = e.tracker
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			e.teardown()
+		}
+	}()
+	if choice.name == BackendCUDA {
+		if err := e.openCUDA(choice); err != nil {
+			return nil, err
+		}
+	} else if err := e.openSim(); err != nil {
+		return nil, err
+	}
+	spec, _ := kvLayoutSpec(e.cfg.Layout)
+	if e.layout, err = kvcache.NewLayout(spec); err != nil {
+		return nil, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
+	}
+	if e.sched, err = transfer.New(e.dev, transfer.Config{
+		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
+	}); err != nil {
+		return nil, err
+	}
+	if err := e.addDeviceRanges(); err != nil {
+		return nil, err
+	}
+	var pol kvcache.Policy
+	if cfg.Policy == PolicyTinyLFU {
+		if pol, err = kvcache.NewTinyLFU(kvcache.TinyLFUConfig{MaxBlocks: lfuBlocks}); err != nil {
+			return nil, err
+		}
+	}
+	// MaxSlots reserves the cache's slot table and key index for the whole
+	// pool up front: without it, each region added copied the slot table
+	// and rehashed the index (O(slots so far) under the cache's lock; 4.5 s
+	// over a 64 GiB pool of 8 KiB slots, measured by kvcache's
+	// BenchmarkAddRegionGrowth).
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve}
+	if cfg.ZeroOnRelease {
+		kcfg.OnFree = e.zeroSlot
+	}
+	kcfg.OnIndex = e.hub.onIndex
+	if e.cache, err = kvcache.New(kcfg); err != nil {
+		return nil, err
+	}
+	if cfg.StagingBytes > 0 {
+		if e.stage.region, err = e.mapRegion(cfg.StagingBytes, false); err != nil {
+			return nil, fmt.Errorf("offload: staging region: %w", err)
+		}
+		if e.stage.dev, err = e.stagingDevicePtr(e.stage.region); err != nil {
+			return nil, err
+		}
+	}
+	if err := e.addRegion(plan[0]); err != nil {
+		return nil, err
+	}
+	e.stats.firstSlot.Store(int64(time.Since(start)))
+	e.growth.next, e.growth.committed, e.growth.from = 1, plan[0], 1
+	if len(plan) == 1 {
+		e.stats.fullPool.Store(int64(time.Since(start)))
+	}
+	e.wg.Add(2)
+	go e.grow()
+	go e.reaper()
+	ok = true
+	return e, nil
+}
+
+// uncheckedReserveSlots bounds the slots the cache's tables and TinyLFU's
+// sketch are sized for up front when Config.SkipMemoryCheck leaves them
+// unchecked (a few MiB).
+const uncheckedReserveSlots = 1 << 16

@@ -7,7 +7,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/transfer"
 )
@@ -19,11 +18,11 @@ type copyCompletion struct {
 	op     *transfer.Op
 	done   <-chan struct{}
 	events bool
-	drv    cuda.Driver
+	gpu    *transfer.Context
 }
 
 func (e *Engine) newCompletion(op *transfer.Op, done <-chan struct{}) *copyCompletion {
-	return &copyCompletion{op: op, done: done, events: e.events, drv: e.drv}
+	return &copyCompletion{op: op, done: done, events: e.events, gpu: e.gpu}
 }
 
 func (c *copyCompletion) event() uintptr {
@@ -63,7 +62,7 @@ func (c *copyCompletion) streamWait(stream uintptr) error {
 	if err != nil {
 		return err
 	}
-	if err := c.drv.StreamWaitEvent(cuda.Stream(stream), ev, cuda.EventWaitDefault); err != nil {
+	if err := c.gpu.StreamWaitEvent(transfer.Stream(stream), ev); err != nil {
 		return fmt.Errorf("offload: stream %#x waiting on the op's event: %w", stream, err)
 	}
 	return nil
@@ -71,25 +70,13 @@ func (c *copyCompletion) streamWait(stream uintptr) error {
 
 func (c *copyCompletion) release() error { return c.op.Release() }
 
-// enter marks a call in progress so Close waits for it; false after Close.
-func (e *Engine) enter() bool {
-	e.closeMu.RLock()
-	if e.closed.Load() {
-		e.closeMu.RUnlock()
-		return false
-	}
-	return true
-}
-
-func (e *Engine) leave() { e.closeMu.RUnlock() }
-
 func (e *Engine) namespace(ns string) kvcache.Namespace {
-	e.nsMu.Lock()
-	defer e.nsMu.Unlock()
-	id, ok := e.nsIDs[ns]
+	e.names.mu.Lock()
+	defer e.names.mu.Unlock()
+	id, ok := e.names.ids[ns]
 	if !ok {
-		id = kvcache.Namespace(len(e.nsIDs) + 1)
-		e.nsIDs[ns] = id
+		id = kvcache.Namespace(len(e.names.ids) + 1)
+		e.names.ids[ns] = id
 	}
 	return id
 }
@@ -164,7 +151,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		if opts.After == 0 {
 			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
 		}
-		capturing, err := e.dev.IsCapturing(cuda.Stream(opts.AfterStream))
+		capturing, err := e.dev.IsCapturing(transfer.Stream(opts.AfterStream))
 		if err != nil {
 			return nil, fmt.Errorf("offload: Store: checking AfterStream %#x: %w", opts.AfterStream, err)
 		}
@@ -230,7 +217,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: cuda.Event(opts.After), Events: e.events,
+	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: transfer.Event(opts.After), Events: e.events,
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
 			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr); e.hub.forget(slots) })}
 	top, err := e.sched.Submit(req)
@@ -424,8 +411,8 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: cuda.Event(opts.After),
-		Events: e.events, Signal: cuda.Event(opts.Signal),
+	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: transfer.Event(opts.After),
+		Events: e.events, Signal: transfer.Event(opts.Signal),
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
 			func(error) { end() })}
 	top, err := e.sched.Submit(req)
@@ -518,9 +505,9 @@ func (e *Engine) delete(keys []Key) int {
 }
 
 func (e *Engine) clear(ns string) int {
-	e.nsMu.Lock()
-	id, ok := e.nsIDs[ns]
-	e.nsMu.Unlock()
+	e.names.mu.Lock()
+	id, ok := e.names.ids[ns]
+	e.names.mu.Unlock()
 	if !ok {
 		return 0
 	}
@@ -528,283 +515,4 @@ func (e *Engine) clear(ns string) int {
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()
 	return n
-}
-
-func (e *Engine) snapshot() Stats {
-	c := &e.stats
-	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
-		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
-		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
-		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
-		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
-		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
-		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
-		Store: c.store.snapshot(), Load: c.load.snapshot()}
-	s.Misses = s.LookupKeys - s.Hits
-	if c := e.calibration.Load(); c != nil {
-		s.CopyCalibration = *c
-	}
-	if e.cudaDev != nil {
-		s.StagedCopies = e.cudaDev.StagedCopies()
-		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
-	}
-	s.TeardownErrors = c.teardownErrors.Load()
-	if m := e.teardownErr.Load(); m != nil {
-		s.TeardownError = *m
-	}
-	for i := range s.Outcomes {
-		s.Outcomes[i] = c.outcomes[i].Load()
-	}
-	e.memMu.Lock()
-	s.OwnedBytes, s.Regions, s.StagingUsed = e.owned, len(e.regions), e.stagingUsed
-	if e.stagingRegion != nil {
-		s.StagingBytes = e.stagingRegion.r.Len()
-	}
-	e.memMu.Unlock()
-	e.growMu.Lock()
-	s.RegionsTotal, s.GrowthTargetBytes = len(e.plan), e.target
-	s.GrowthPaused = e.paused
-	if e.growErr != nil {
-		s.GrowthError = e.growErr.Error()
-	}
-	e.growMu.Unlock()
-	if e.cache != nil {
-		cs := e.cache.Stats()
-		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)
-		s.BlocksReady, s.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
-		s.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
-		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
-		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
-		s.Orphans = int64(cs.Orphaned)
-	}
-	return s
-}
-
-func (e *Engine) kickReaper() {
-	select {
-	case e.reapKick <- struct{}{}:
-	default:
-	}
-}
-
-// reaper unpins and unmaps regions the cache has finished draining.
-func (e *Engine) reaper() {
-	defer e.wg.Done()
-	for {
-		select {
-		case <-e.reapKick:
-			e.reap()
-		case <-e.stopReap:
-			return
-		}
-	}
-}
-
-func (e *Engine) reap() {
-	// One reap at a time: when reap returns, every region the cache had
-	// released by the time it was called is unmapped, whoever took it.
-	e.reapMu.Lock()
-	defer e.reapMu.Unlock()
-	ids := e.cache.TakeReleasable(nil)
-	if len(ids) == 0 {
-		return
-	}
-	// The region stays in draining (where Trim counts it pending) until it
-	// is unmapped and counted.
-	for _, id := range ids {
-		e.memMu.Lock()
-		pr := e.draining[id]
-		e.memMu.Unlock()
-		if pr == nil {
-			continue
-		}
-		e.unmapRegion(pr)
-		e.stats.trimmedBytes.Add(pr.r.Len())
-		e.memMu.Lock()
-		delete(e.draining, id)
-		e.memMu.Unlock()
-	}
-	e.memMu.Lock()
-	e.notifyLocked()
-	e.memMu.Unlock()
-}
-
-// notifyLocked wakes every Trim waiting for a region to settle. memMu held.
-func (e *Engine) notifyLocked() {
-	close(e.changed)
-	e.changed = make(chan struct{})
-}
-
-// hold counts slots as having a copy in flight (Trim waits for those, not
-// for leases).
-func (e *Engine) hold(slots []kvcache.Slot) {
-	e.memMu.Lock()
-	for _, s := range slots {
-		e.inflight[s.Region]++
-	}
-	e.memMu.Unlock()
-}
-
-// unhold ends hold; a draining region whose last copy ended wakes Trim.
-func (e *Engine) unhold(slots []kvcache.Slot) {
-	e.memMu.Lock()
-	wake := false
-	for _, s := range slots {
-		if e.inflight[s.Region]--; e.inflight[s.Region] == 0 {
-			delete(e.inflight, s.Region)
-			wake = wake || e.draining[s.Region] != nil
-		}
-	}
-	if wake {
-		e.notifyLocked()
-	}
-	e.memMu.Unlock()
-}
-
-func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
-	res := TrimResult{RequestedBytes: bytes}
-	if bytes <= 0 {
-		return res, nil
-	}
-	e.stats.trims.Add(1)
-	e.memMu.Lock()
-	if e.draining == nil {
-		e.draining = map[kvcache.RegionID]*poolRegion{}
-	}
-	var picked []*poolRegion
-	var want int64
-	for i := len(e.regions) - 1; i >= 0 && want < bytes; i-- {
-		pr := e.regions[i]
-		picked = append(picked, pr)
-		want += pr.r.Len()
-	}
-	var pickedBytes int64
-	for _, pr := range picked {
-		e.regions = slices.DeleteFunc(e.regions, func(x *poolRegion) bool { return x == pr })
-		e.draining[pr.id] = pr
-		e.owned -= pr.r.Len()
-		pickedBytes += pr.planned
-	}
-	e.memMu.Unlock()
-	// Growth must not undo the trim: the pool may grow back only to what
-	// is left (regions already being grown included), until GrowTo.
-	e.growMu.Lock()
-	e.committed -= pickedBytes
-	e.target = min(e.target, e.committed)
-	e.growMu.Unlock()
-	cs := e.cache.Stats()
-	for _, pr := range picked {
-		if _, err := e.cache.RemoveRegion(pr.id); err != nil {
-			return res, err
-		}
-	}
-	res.EvictedBlocks = int(e.cache.Stats().Trimmed - cs.Trimmed)
-	res.Regions = len(picked)
-	// Wait for the copies in flight on the picked regions, never for
-	// leases: a region still leased once its copies are done is pending and
-	// is freed by the reaper when its last lease ends.
-	for {
-		e.reap()
-		e.memMu.Lock()
-		busy := false
-		res.FreedBytes, res.PendingBytes = 0, 0
-		for _, pr := range picked {
-			if e.draining[pr.id] == nil {
-				res.FreedBytes += pr.r.Len()
-				continue
-			}
-			res.PendingBytes += pr.r.Len()
-			busy = busy || e.inflight[pr.id] > 0
-		}
-		changed := e.changed
-		e.memMu.Unlock()
-		if !busy {
-			return res, nil
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			return res, nil
-		}
-	}
-}
-
-// stagingAlign is the alignment of staging buffers (a GPU cache line).
-const stagingAlign = 256
-
-func (e *Engine) staging(name string, bytes int64) (*Staging, error) {
-	if bytes <= 0 {
-		return nil, fmt.Errorf("%w: Staging %q of %d bytes: must be at least 1", ErrInvalidArgument, name, bytes)
-	}
-	e.memMu.Lock()
-	defer e.memMu.Unlock()
-	if s, ok := e.staged[name]; ok {
-		if s.size != bytes {
-			return nil, fmt.Errorf("%w: Staging %q exists with %d bytes, asked for %d", ErrInvalidArgument, name, s.size, bytes)
-		}
-		return s, nil
-	}
-	if e.stagingRegion == nil {
-		return nil, fmt.Errorf("%w: Staging %q: no staging region (Config.StagingBytes < 0)", ErrInsufficientMemory, name)
-	}
-	off := (e.stagingUsed + stagingAlign - 1) / stagingAlign * stagingAlign
-	total := e.stagingRegion.r.Len()
-	if off+bytes > total {
-		return nil, fmt.Errorf("%w: Staging %q of %d bytes: %d of %d staging bytes left (raise Config.StagingBytes)", ErrInsufficientMemory, name, bytes, total-off, total)
-	}
-	buf := e.stagingRegion.r.Bytes()[off : off+bytes : off+bytes]
-	addr := e.stagingRegion.r.Addr() + uintptr(off)
-	s := &Staging{name: name, addr: addr, dev: e.stagingDev + uint64(off), size: bytes, buf: buf}
-	e.staged[name] = s
-	e.stagingUsed = off + bytes
-	return s, nil
-}
-
-func (e *Engine) shutdown() error {
-	e.closeMu.Lock()
-	defer e.closeMu.Unlock()
-	e.ops.Wait()
-	err := e.teardown()
-	e.hub.closeAll()
-	return err
-}
-
-// teardown releases everything New built; used by Close and by a failed New.
-func (e *Engine) teardown() error {
-	e.growMu.Lock()
-	e.stopGrow = true
-	e.growCond.Broadcast()
-	e.growMu.Unlock()
-	if e.stopReap != nil {
-		close(e.stopReap)
-	}
-	e.wg.Wait()
-	var errs []error
-	if e.sched != nil {
-		errs = append(errs, e.sched.Close())
-	}
-	if e.cache != nil {
-		e.cache.Close()
-	}
-	e.memMu.Lock()
-	all := append([]*poolRegion(nil), e.regions...)
-	for _, pr := range e.draining {
-		all = append(all, pr)
-	}
-	if e.stagingRegion != nil {
-		all = append(all, e.stagingRegion)
-	}
-	e.regions, e.draining, e.stagingRegion, e.owned = nil, nil, nil, 0
-	e.memMu.Unlock()
-	for _, pr := range all {
-		errs = append(errs, e.unmapRegion(pr))
-	}
-	errs = append(errs, e.closeCUDADevice(), e.releaseContext())
-	if e.denseAlloc != 0 {
-		errs = append(errs, e.sim.sim.MemFree(e.denseAlloc))
-	}
-	if e.ownSim && e.sim != nil {
-		errs = append(errs, e.sim.Close())
-	}
-	return errors.Join(errs...)
 }

@@ -8,14 +8,15 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
-func newSimEngine(t *testing.T, blocks int) (*Engine, *SimGPU) {
+func newSimEngine(t *testing.T, blocks int) (*Engine, *transfer.Sim) {
 	t.Helper()
-	sim, err := NewSimGPU(SimOptions{})
+	sim, err := transfer.NewSim(transfer.SimConfig{})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sim.Close()) })
-	e := newTestEngine(t, Config{PoolBytes: 64 << 10, Layout: simLayout(t, sim, blocks), Policy: PolicyLRU, Sim: sim})
+	e := newEngineOn(t, Config{PoolBytes: 64 << 10, Layout: simLayout(t, sim, blocks), Policy: PolicyLRU}, sim)
 	return e, sim
 }
 
@@ -25,10 +26,10 @@ func TestStoreAfterCapturingStream(t *testing.T) {
 	t.Cleanup(func() { goleak.VerifyNone(t) })
 	e, sim := newSimEngine(t, 8)
 	defer func() { require.NoError(t, e.Close()) }()
-	cs := sim.sim.NewStream()
-	ev, err := sim.sim.CreateEvent(false)
+	cs := sim.NewStream()
+	ev, err := sim.CreateEvent(false)
 	require.NoError(t, err)
-	require.NoError(t, sim.sim.SetCapturing(cs, true))
+	require.NoError(t, sim.SetCapturing(cs, true))
 	before := stateOf(e)
 	_, err = e.Store(context.Background(), []Key{testKey(1)}, []int{0}, StoreOptions{After: uintptr(ev), AfterStream: uintptr(cs)})
 	require.ErrorIs(t, err, ErrCapturing)
@@ -36,8 +37,8 @@ func TestStoreAfterCapturingStream(t *testing.T) {
 	require.Equal(t, before, stateOf(e))
 	require.Zero(t, e.Stats().InUseBytes)
 
-	require.NoError(t, sim.sim.SetCapturing(cs, false))
-	require.NoError(t, sim.sim.RecordEvent(ev, cs))
+	require.NoError(t, sim.SetCapturing(cs, false))
+	require.NoError(t, sim.RecordEvent(ev, cs))
 	op, err := e.Store(context.Background(), []Key{testKey(1)}, []int{0}, StoreOptions{After: uintptr(ev), AfterStream: uintptr(cs)})
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
@@ -54,13 +55,13 @@ func TestStoreWaitsForAfter(t *testing.T) {
 	defer func() { require.NoError(t, e.Close()) }()
 	k := []Key{testKey(9)}
 	writeBlock(t, e, 3, make([]byte, e.slot))
-	cs := sim.sim.NewStream()
-	open, err := sim.sim.Gate(cs)
+	cs := sim.NewStream()
+	open, err := sim.Gate(cs)
 	require.NoError(t, err)
-	require.NoError(t, sim.sim.Launch(cs, func() { writeBlock(t, e, 3, keyContent(k[0], e.slot)) }))
-	ev, err := sim.sim.CreateEvent(false)
+	require.NoError(t, sim.Launch(cs, func() { writeBlock(t, e, 3, keyContent(k[0], e.slot)) }))
+	ev, err := sim.CreateEvent(false)
 	require.NoError(t, err)
-	require.NoError(t, sim.sim.RecordEvent(ev, cs))
+	require.NoError(t, sim.RecordEvent(ev, cs))
 	op, err := e.Store(context.Background(), k, []int{3}, StoreOptions{After: uintptr(ev)})
 	require.NoError(t, err)
 	open()
@@ -89,17 +90,17 @@ func TestLoadSignalsCallerEvent(t *testing.T) {
 	require.NoError(t, op.Wait(context.Background()))
 	require.NoError(t, op.Release())
 
-	sig, err := sim.sim.CreateEvent(false)
+	sig, err := sim.CreateEvent(false)
 	require.NoError(t, err)
-	cs := sim.sim.NewStream()
+	cs := sim.NewStream()
 	for _, keys := range [][]Key{k, {testKey(77)}} {
 		writeBlock(t, e, 6, make([]byte, e.slot))
 		op, err = e.Load(context.Background(), keys, []int{6}, LoadOptions{Signal: uintptr(sig), PerLayer: true})
 		require.NoError(t, err)
 		var seen []byte
-		require.NoError(t, sim.sim.StreamWaitEvent(cs, sig))
-		require.NoError(t, sim.sim.Launch(cs, func() { seen = blockBytes(e, 6) }))
-		require.NoError(t, sim.sim.StreamSynchronize(cs))
+		require.NoError(t, sim.StreamWaitEvent(cs, sig))
+		require.NoError(t, sim.Launch(cs, func() { seen = blockBytes(e, 6) }))
+		require.NoError(t, sim.StreamSynchronize(cs))
 		require.NoError(t, op.Wait(context.Background()))
 		if keys[0] == k[0] {
 			require.Equal(t, keyContent(k[0], e.slot), seen)
@@ -118,7 +119,7 @@ func TestStickyErrorRefusesNewWork(t *testing.T) {
 	t.Cleanup(func() { goleak.VerifyNone(t) })
 	e, sim := newSimEngine(t, 8)
 	defer func() { _ = e.Close() }()
-	sim.sim.InjectError(cuda.NewError("cuMemcpyAsync", cuda.ErrorIllegalAddress))
+	sim.InjectError(cuda.NewError("cuMemcpyAsync", cuda.ErrorIllegalAddress))
 	op, err := e.Store(context.Background(), []Key{testKey(1)}, []int{0}, StoreOptions{})
 	if err == nil {
 		<-op.Done()

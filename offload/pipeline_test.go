@@ -106,7 +106,7 @@ var stepNames = map[growStep]string{stepRegister: "register", stepPrefault: "pre
 // before h's hook runs. setup runs before New (rg.d is set on CUDA). The
 // caller must call close (CUDA: on the test's goroutine, whose thread
 // newGPUMem locks).
-func newGrowRig(t *testing.T, backend string, m *marks, opts cudafake.Options, h engineHooks, setup func(*growRig)) (*growRig, error) {
+func newGrowRig(t *testing.T, backend Backend, m *marks, opts cudafake.Options, h engineHooks, setup func(*growRig)) (*growRig, error) {
 	rg := &growRig{t: t, mapped: map[int]*mmapmem.Region{}}
 	step, before := h.growStep, h.beforeGrow
 	h.growStep = func(i int, s growStep, r *mmapmem.Region) error {
@@ -175,8 +175,8 @@ func (rg *growRig) region(i int) *mmapmem.Region {
 // registered resident (not deferred: nothing prefaulted again); the first
 // region, pinned by New, took the pipelined path.
 func TestGrowthPipelineOverlap(t *testing.T) {
-	for _, backend := range []string{BackendHost, BackendCUDA} {
-		t.Run(backend, func(t *testing.T) {
+	for _, backend := range []Backend{BackendHost, BackendCUDA} {
+		t.Run(string(backend), func(t *testing.T) {
 			m := newMarks(t)
 			// registering(i) runs while region i is being registered.
 			registering := func(i int) {
@@ -217,9 +217,9 @@ func TestGrowthPipelineOverlap(t *testing.T) {
 			require.Equal(t, 4, st.Regions)
 			require.Equal(t, 32*growSlot, st.OwnedBytes)
 			require.Positive(t, st.FullPool)
-			rg.e.memMu.Lock()
-			defer rg.e.memMu.Unlock()
-			for i, pr := range rg.e.regions {
+			rg.e.memory.mu.Lock()
+			defer rg.e.memory.mu.Unlock()
+			for i, pr := range rg.e.memory.regions {
 				if i > 0 {
 					require.Same(t, rg.region(i), pr.r, "region %d came from the prefetch stage", i)
 				}
@@ -286,7 +286,7 @@ func holdAt(p stagePoint, m *marks, release <-chan struct{}) engineHooks {
 // heldAt starts a growth rig on backend whose growth is held at p, and
 // returns once it is there, with the marks and the channel whose close
 // releases it; the caller closes the rig.
-func heldAt(t *testing.T, backend string, p stagePoint) (*growRig, *marks, chan struct{}) {
+func heldAt(t *testing.T, backend Backend, p stagePoint) (*growRig, *marks, chan struct{}) {
 	t.Helper()
 	m := newMarks(t)
 	release := make(chan struct{})
@@ -305,7 +305,7 @@ func heldAt(t *testing.T, backend string, p stagePoint) (*growRig, *marks, chan 
 // ResumeGrowth, which completes the pool. A second round closes while
 // paused instead: the held region is unmapped.
 func TestGrowthPauseAtEachStage(t *testing.T) {
-	for _, backend := range []string{BackendHost, BackendCUDA} {
+	for _, backend := range []Backend{BackendHost, BackendCUDA} {
 		for _, p := range stagePoints {
 			for _, end := range []string{"resume", "close"} {
 				t.Run(fmt.Sprintf("%s/%s/%s", backend, p.name, end), func(t *testing.T) {
@@ -348,18 +348,18 @@ func TestGrowthPauseAtEachStage(t *testing.T) {
 // pipeline had mapped is unmapped (and, on CUDA, unregistered: fakeDriver
 // checks), no goroutine is left.
 func TestGrowthCloseAtEachStage(t *testing.T) {
-	for _, backend := range []string{BackendHost, BackendCUDA} {
+	for _, backend := range []Backend{BackendHost, BackendCUDA} {
 		for _, p := range stagePoints {
-			t.Run(backend+"/"+p.name, func(t *testing.T) {
+			t.Run(string(backend)+"/"+p.name, func(t *testing.T) {
 				rg, _, release := heldAt(t, backend, p)
 				defer rg.close()
 				e := rg.e
 				closed := make(chan error, 1)
 				go func() { closed <- e.Close() }()
 				require.Eventually(t, func() bool {
-					e.growMu.Lock()
-					defer e.growMu.Unlock()
-					return e.stopGrow
+					e.growth.mu.Lock()
+					defer e.growth.mu.Unlock()
+					return e.growth.stop
 				}, time.Minute, time.Millisecond, "Close stops growth")
 				close(release)
 				require.NoError(t, <-closed)
@@ -385,27 +385,27 @@ func calibrationOptions() cudacopy.Options {
 func TestGrowthFailureAtEachStage(t *testing.T) {
 	cases := []struct {
 		name     string
-		backends []string
+		backends []Backend
 		opts     cudafake.Options
 		step     growStep // the hook fails region 2 at this step (stepRegister: none)
 		fail     func(d *cudafake.Driver)
 		want     string
 	}{
-		{"prefault", []string{BackendHost, BackendCUDA}, cudafake.Options{}, stepPrefault, nil, "prefaulting pool region 2"},
-		{"prefaulted", []string{BackendHost}, cudafake.Options{}, stepPrefaulted, nil, "prefaulting pool region 2"},
+		{"prefault", []Backend{BackendHost, BackendCUDA}, cudafake.Options{}, stepPrefault, nil, "prefaulting pool region 2"},
+		{"prefaulted", []Backend{BackendHost}, cudafake.Options{}, stepPrefaulted, nil, "prefaulting pool region 2"},
 		// No staging region, one range per region: call 3 is region 2.
-		{"register", []string{BackendCUDA}, cudafake.Options{}, stepRegister, func(d *cudafake.Driver) {
+		{"register", []Backend{BackendCUDA}, cudafake.Options{}, stepRegister, func(d *cudafake.Driver) {
 			d.FailAt(cuda.OpMemHostRegister, 3, cuda.ErrorOutOfMemory)
 		}, "CUDA_ERROR_OUT_OF_MEMORY"},
-		{"host ranges", []string{BackendCUDA}, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}},
+		{"host ranges", []Backend{BackendCUDA}, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}},
 			stepRegister, func(d *cudafake.Driver) {
 				d.FailAt(cuda.OpMemHostGetDevicePointer, 3, cuda.ErrorInvalidValue)
 			}, "host ranges of a region"},
-		{"cache", []string{BackendHost, BackendCUDA}, cudafake.Options{}, stepCache, nil, "adding pool region 2 to the cache"},
+		{"cache", []Backend{BackendHost, BackendCUDA}, cudafake.Options{}, stepCache, nil, "adding pool region 2 to the cache"},
 	}
 	for _, c := range cases {
 		for _, backend := range c.backends {
-			t.Run(c.name+"/"+backend, func(t *testing.T) {
+			t.Run(c.name+"/"+string(backend), func(t *testing.T) {
 				m := newMarks(t)
 				h := engineHooks{growStep: func(i int, s growStep, _ *mmapmem.Region) error {
 					if i == 2 && s == c.step {
@@ -469,9 +469,9 @@ func TestGrowthCalibration(t *testing.T) {
 					defer mu.Unlock()
 					if op == cuda.OpStreamCreate && eng != nil {
 						// The calibration's stream: nothing else creates one after New.
-						eng.memMu.Lock()
-						regionsAtCalibration = append(regionsAtCalibration, len(eng.regions))
-						eng.memMu.Unlock()
+						eng.memory.mu.Lock()
+						regionsAtCalibration = append(regionsAtCalibration, len(eng.memory.regions))
+						eng.memory.mu.Unlock()
 						fullAtCalibration = append(fullAtCalibration, time.Duration(eng.stats.fullPool.Load()))
 					}
 					return 0

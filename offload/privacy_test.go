@@ -52,9 +52,9 @@ func TestPoolMemoryPrivate(t *testing.T) {
 		StagingBytes: 16 << 10, Layout: smallLayout(8)})
 	defer func() { require.NoError(t, e.Close()) }()
 	require.NoError(t, e.WaitGrown(context.Background()))
-	e.memMu.Lock()
-	regions := append([]*poolRegion{e.stagingRegion}, e.regions...)
-	e.memMu.Unlock()
+	e.memory.mu.Lock()
+	regions := append([]*poolRegion{e.stage.region}, e.memory.regions...)
+	e.memory.mu.Unlock()
 	require.Len(t, regions, 5)
 	for i, pr := range regions {
 		addr := pr.r.Addr()
@@ -77,9 +77,9 @@ func slotOf(t *testing.T, e *Engine, k Key) []byte {
 }
 
 func regionBytes(e *Engine, s kvcache.Slot) []byte {
-	e.memMu.Lock()
-	defer e.memMu.Unlock()
-	for _, pr := range e.regions {
+	e.memory.mu.Lock()
+	defer e.memory.mu.Unlock()
+	for _, pr := range e.memory.regions {
 		if pr.id == s.Region {
 			return pr.r.Bytes()[s.Off : s.Off+uint64(e.slot)]
 		}

@@ -16,7 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cgroup"
-	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // system is what the engine reads about the machine: files under a root
@@ -205,7 +205,7 @@ func (s system) checkNode(node int) error {
 // /sys/bus/pci/devices/<bus id>/numa_node, or -1 when sysfs says none (-1)
 // or has no such file.
 func (s system) gpuNUMANode(busID string) int {
-	data, err := s.read(path.Join("/sys/bus/pci/devices", cuda.SysfsBusID(busID), "numa_node"))
+	data, err := s.read(path.Join("/sys/bus/pci/devices", transfer.SysfsBusID(busID), "numa_node"))
 	if err != nil {
 		return -1
 	}
@@ -217,3 +217,22 @@ func (s system) gpuNUMANode(busID string) int {
 }
 
 func gib(n int64) float64 { return float64(n) / (1 << 30) }
+
+// addSizes is a+b for non-negative sizes, false on overflow.
+func addSizes(a, b int64) (int64, bool) {
+	if a > math.MaxInt64-b {
+		return 0, false
+	}
+	return a + b, true
+}
+
+// mulSizes is a×b for non-negative sizes, false on overflow.
+func mulSizes(a, b int64) (int64, bool) {
+	if a < 0 || b < 0 {
+		return 0, false
+	}
+	if a != 0 && b > math.MaxInt64/a {
+		return 0, false
+	}
+	return a * b, true
+}

@@ -14,7 +14,7 @@ import (
 // atomic as a whole: a counter read early may lag one read later by the
 // ops completing in between.
 type Stats struct {
-	Backend string `json:"backend"`
+	Backend Backend `json:"backend"`
 
 	// Memory (bytes).
 	PoolBytes     int64 `json:"pool_bytes"`      // configured pool size
@@ -61,14 +61,14 @@ type Stats struct {
 	// calibrates once growth has ended (before WaitGrown returns), where no
 	// prefault competes for the CPUs, or earlier while growth is paused.
 	CopyCalibration string `json:"copy_calibration,omitempty"`
-	// StagedCopies counts the CUDA copy batches (one per store or load
-	// batch the engine submits, not per block) of whole blocks staged
-	// through device memory so that the DMA engines move them (stores
+	// BounceCopies counts the CUDA copy batches (one per store or load
+	// batch the engine submits, not per block) of whole blocks bounced
+	// through device chunks so that the DMA engines move them (stores
 	// gathered on the device before one DMA per block, loads scattered
 	// after it; see transfer.CUDA); 0 on the host backend.
-	StagedCopies int64 `json:"staged_copies"`
+	BounceCopies int64 `json:"bounce_copies"`
 	// DeviceBytes is the GPU memory the copy layer has allocated now
-	// (descriptor tables, staging chunks, the calibration buffer while it
+	// (descriptor tables, bounce chunks, the calibration buffer while it
 	// runs), never above MaxDeviceBytes, the bound in force
 	// (Config.MaxDeviceBytes or its default); both 0 on the host backend.
 	DeviceBytes    int64 `json:"device_bytes"`
@@ -244,4 +244,58 @@ type counters struct {
 	teardownErrors       atomic.Int64
 	inFlightBytes        atomic.Int64
 	store, load          direction
+}
+
+// Stats returns a snapshot of the engine's counters; cheap, callable from
+// any goroutine, also after Close.
+func (e *Engine) Stats() Stats { return e.snapshot() }
+
+func (e *Engine) snapshot() Stats {
+	c := &e.stats
+	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
+		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
+		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
+		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
+		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
+		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
+		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
+		Store: c.store.snapshot(), Load: c.load.snapshot()}
+	s.Misses = s.LookupKeys - s.Hits
+	if c := e.calibration.Load(); c != nil {
+		s.CopyCalibration = *c
+	}
+	if e.cudaDev != nil {
+		s.BounceCopies = e.cudaDev.BounceCopies()
+		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
+	}
+	s.TeardownErrors = c.teardownErrors.Load()
+	if m := e.teardownErr.Load(); m != nil {
+		s.TeardownError = *m
+	}
+	for i := range s.Outcomes {
+		s.Outcomes[i] = c.outcomes[i].Load()
+	}
+	e.memory.mu.Lock()
+	s.OwnedBytes, s.Regions, s.StagingUsed = e.memory.owned, len(e.memory.regions), e.stage.used
+	if e.stage.region != nil {
+		s.StagingBytes = e.stage.region.r.Len()
+	}
+	e.memory.mu.Unlock()
+	e.growth.mu.Lock()
+	s.RegionsTotal, s.GrowthTargetBytes = len(e.growth.plan), e.growth.target
+	s.GrowthPaused = e.growth.paused
+	if e.growth.err != nil {
+		s.GrowthError = e.growth.err.Error()
+	}
+	e.growth.mu.Unlock()
+	if e.cache != nil {
+		cs := e.cache.Stats()
+		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)
+		s.BlocksReady, s.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
+		s.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
+		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
+		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
+		s.Orphans = int64(cs.Orphaned)
+	}
+	return s
 }

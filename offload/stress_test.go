@@ -10,6 +10,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestStressCloseInTheMiddle runs stores, loads (with and without leases),
@@ -21,14 +23,14 @@ import (
 // goroutine survives Close.
 func TestStressCloseInTheMiddle(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	for _, policy := range []string{PolicyLRU, PolicyTinyLFU} {
-		t.Run(policy, func(t *testing.T) {
-			sim, err := NewSimGPU(SimOptions{Seed: 7, MaxDelay: 200 * time.Microsecond})
+	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
+		t.Run(string(policy), func(t *testing.T) {
+			sim, err := transfer.NewSim(transfer.SimConfig{Seed: 7, MaxDelay: 200 * time.Microsecond})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()
 			slot := int64(8 << 10)
-			e := newTestEngine(t, Config{PoolBytes: 24 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
-				Layout: simLayout(t, sim, 48), Policy: policy, Sim: sim, MaxInFlightBytes: 4 * slot, MaxQueuedBytes: 16 * slot})
+			e := newEngineOn(t, Config{PoolBytes: 24 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+				Layout: simLayout(t, sim, 48), Policy: policy, MaxInFlightBytes: 4 * slot, MaxQueuedBytes: 16 * slot}, sim)
 			require.Equal(t, slot, e.slot)
 
 			var ta tally
@@ -103,14 +105,14 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 // stores and loads again.
 func TestPoolFullOfDeletedWritesRecovers(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	for _, policy := range []string{PolicyLRU, PolicyTinyLFU} {
-		t.Run(policy, func(t *testing.T) {
-			sim, err := NewSimGPU(SimOptions{})
+	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
+		t.Run(string(policy), func(t *testing.T) {
+			sim, err := transfer.NewSim(transfer.SimConfig{})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()
 			slot := int64(8 << 10)
-			e := newTestEngine(t, Config{PoolBytes: 24 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
-				Layout: simLayout(t, sim, 48), Policy: policy, Sim: sim})
+			e := newEngineOn(t, Config{PoolBytes: 24 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
+				Layout: simLayout(t, sim, 48), Policy: policy}, sim)
 			defer func() { require.NoError(t, e.Close()) }()
 			require.NoError(t, e.WaitGrown(context.Background()))
 			require.Equal(t, 24, e.cache.Stats().Slots)

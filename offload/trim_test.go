@@ -27,9 +27,9 @@ func newHookedEngine(t *testing.T, cfg Config, h engineHooks) *Engine {
 // drained waits until no trimmed region is left to free.
 func drained(e *Engine) bool {
 	e.reap()
-	e.memMu.Lock()
-	defer e.memMu.Unlock()
-	return len(e.draining) == 0
+	e.memory.mu.Lock()
+	defer e.memory.mu.Unlock()
+	return len(e.memory.draining) == 0
 }
 
 // TestTrimUnderLoad trims region after region while workers store and load
@@ -40,14 +40,14 @@ func drained(e *Engine) bool {
 // bytes, and the memory counters add up.
 func TestTrimUnderLoad(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := NewSimGPU(SimOptions{Seed: 3, MaxDelay: 200 * time.Microsecond})
+	sim, err := transfer.NewSim(transfer.SimConfig{Seed: 3, MaxDelay: 200 * time.Microsecond})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
-	tracker := transfer.NewTracker(func(addr, n uint64) { _ = sim.sim.Fill(addr, n, transfer.PoisonByte) })
+	tracker := transfer.NewTracker(func(addr, n uint64) { _ = sim.Fill(addr, n, transfer.PoisonByte) })
 	slot := int64(8 << 10)
 	e := newHookedEngine(t, Config{PoolBytes: 40 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot,
-		Layout: simLayout(t, sim, 48), Policy: PolicyLRU, Sim: sim, MaxInFlightBytes: 4 * slot},
-		engineHooks{tracker: tracker})
+		Layout: simLayout(t, sim, 48), Policy: PolicyLRU, MaxInFlightBytes: 4 * slot},
+		engineHooks{tracker: tracker, sim: sim})
 	defer func() { require.NoError(t, e.Close()) }()
 	require.NoError(t, e.WaitGrown(context.Background()))
 	st := e.Stats()
@@ -75,7 +75,7 @@ func TestTrimUnderLoad(t *testing.T) {
 		lres, err = e.Lookup(keys, LookupOptions{Lease: true})
 		require.NoError(t, err)
 		require.Equal(t, 1, lres.Hits)
-		if lres.Lease.slots[0].Region == e.regions[len(e.regions)-1].id {
+		if lres.Lease.slots[0].Region == e.memory.regions[len(e.memory.regions)-1].id {
 			break
 		}
 		require.NoError(t, lres.Lease.Release())
@@ -104,9 +104,9 @@ func TestTrimUnderLoad(t *testing.T) {
 	close(stop)
 	wg.Wait()
 	require.Positive(t, pending, "the region holding the lease is pending, and Trim did not wait for it")
-	e.memMu.Lock()
-	_, leasedStillMapped := e.draining[leasedRegion]
-	e.memMu.Unlock()
+	e.memory.mu.Lock()
+	_, leasedStillMapped := e.memory.draining[leasedRegion]
+	e.memory.mu.Unlock()
 	require.True(t, leasedStillMapped)
 	require.NoError(t, lres.Lease.Release())
 	require.Eventually(t, func() bool { return drained(e) }, 10*time.Second, time.Millisecond)
@@ -130,11 +130,11 @@ func TestTrimUnderLoad(t *testing.T) {
 // whose ctx ends first reports the region pending and it is freed later.
 func TestTrimWaitsOnlyForCopies(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := NewSimGPU(SimOptions{})
+	sim, err := transfer.NewSim(transfer.SimConfig{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	slot := int64(8 << 10)
-	e := newTestEngine(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU, Sim: sim})
+	e := newEngineOn(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU}, sim)
 	defer func() { require.NoError(t, e.Close()) }()
 
 	// The store waits (StoreOptions.After) on an event recorded on a caller
@@ -306,11 +306,11 @@ func TestTrimDuringGrowthStaysTrimmed(t *testing.T) {
 // Load with the lease still loads them; the region is freed after.
 func TestLeaseSurvivesTrimAndDelete(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := NewSimGPU(SimOptions{})
+	sim, err := transfer.NewSim(transfer.SimConfig{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	slot := int64(8 << 10)
-	e := newTestEngine(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU, Sim: sim})
+	e := newEngineOn(t, Config{PoolBytes: 8 * slot, Layout: simLayout(t, sim, 8), Policy: PolicyLRU}, sim)
 	defer func() { require.NoError(t, e.Close()) }()
 	ctx := context.Background()
 	keys := []Key{testKey(1), testKey(2)}

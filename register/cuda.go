@@ -7,7 +7,9 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cudahook"
 	"github.com/kvoffload/kvoffload/mmapmem"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // MaxRangeSize is the default and largest CUDA registration range: 64 GiB.
@@ -62,6 +64,17 @@ type CUDA struct {
 }
 
 var _ Pinner = (*CUDA)(nil)
+
+// NewCUDAFor returns a CUDA pinner that registers in c's context (see
+// NewCUDA): the way packages above transfer, which never see the driver,
+// pin for the context their copies run in.
+func NewCUDAFor(c *transfer.Context, opts CUDAOptions) (*CUDA, error) {
+	drv, ctx, ok := cudahook.ContextOf(c)
+	if !ok {
+		return nil, fmt.Errorf("register: cuda: no context: %w", cuda.ErrNoDriver)
+	}
+	return NewCUDA(drv, ctx, opts)
+}
 
 // NewCUDA returns a CUDA pinner that registers with drv in context ctx. Each
 // call locks the calling goroutine to its OS thread, makes ctx current there

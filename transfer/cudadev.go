@@ -13,40 +13,44 @@ import (
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its
 // own (loads at the greatest priority, stores at the least), copies through a
 // cudacopy.Copier. Copies of whole blocks whose host runs are long
-// (Gatherable, Scatterable) are staged through device memory so that the
+// (Gatherable, Scatterable) are bounced through device memory so that the
 // DMA engines move them: stores are gathered on a stream of their own
 // (cudacopy.SubmitGather) and copied out on the store stream; loads are
 // copied in on the load stream and scattered on another stream
 // (cudacopy.SubmitScatter). Every Wait on a direction's stream is also made
-// on its staging stream, so a gather reads, and a scatter writes, the device
+// on its bounce stream, so a gather reads, and a scatter writes, the device
 // only after what the copy waits for; the direction's stream joins each
-// staging kernel (the store stream before its DMA, the load stream after
-// the last scatter), so events recorded on it cover both. Staged copies of
+// bounce kernel (the store stream before its DMA, the load stream after
+// the last scatter), so events recorded on it cover both. Bounced copies of
 // whole blocks are faster than the copy kernels each way, and much faster
 // both ways at once, because the DMA engines do the host side.
 type CUDA struct {
 	drv     cuda.Driver
 	ctx     cuda.Context
 	streams [2]cuda.Stream
-	staging [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
+	bounce  [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
 	scratch []cudacopy.Segment // Copy is called only by the submitting thread
 	tickets []cudacopy.Ticket  // Copy's, likewise
-	staged  atomic.Int64       // copies submitted staged (StagedCopies)
+	bounced atomic.Int64       // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64       // BudgetSplits
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
+	// calibrateLater: Calibrate has the copy methods to measure (set by
+	// Context.NewCUDA before the device is used; read and cleared by the
+	// one goroutine that calibrates).
+	calibrateLater bool
 }
 
-// NewCUDA creates the engine's streams and copier on dev. The copier's
-// device memory (descriptor tables, staging chunks) stays within
+// newCUDA creates the engine's streams and copier on dev. The copier's
+// device memory (descriptor tables, bounce chunks) stays within
 // opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
 // short of it waits, on the submitting thread, for the oldest earlier copy
 // to complete, and a copy no single copier call could hold is split in
 // halves (BudgetSplits). The calling OS
 // thread must have ctx (dev's context) current; the engine threads make it
 // current on theirs.
-func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
+func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
 	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
@@ -60,16 +64,16 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		}
 		c.streams[d] = s
 	}
-	// Each staging stream at its direction's priority. Beside the model's
+	// Each bounce stream at its direction's priority. Beside the model's
 	// kernels, gathers of large blocks keep their rate even at the least
 	// priority; gathers of small blocks of small segments would starve, but
 	// the engine does not gather those (Gatherable).
 	for _, d := range []Direction{Load, Store} {
 		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
 		if err != nil {
-			return nil, errors.Join(fmt.Errorf("transfer: creating the %v staging stream: %w", d, err), c.destroyStreams())
+			return nil, errors.Join(fmt.Errorf("transfer: creating the %v bounce stream: %w", d, err), c.destroyStreams())
 		}
-		c.staging[d] = s
+		c.bounce[d] = s
 	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
@@ -90,7 +94,7 @@ func NewCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 
 func (c *CUDA) destroyStreams() error {
 	var err error
-	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.staging} {
+	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.bounce} {
 		for d, s := range ss {
 			if s != 0 {
 				err = errors.Join(err, c.drv.StreamDestroy(s))
@@ -101,17 +105,17 @@ func (c *CUDA) destroyStreams() error {
 	return err
 }
 
-// StagedCopies is the number of copies Copy submitted staged through device
+// BounceCopies is the number of copies Copy submitted bounced through device
 // memory (stores gathered, loads scattered); safe to call at any time, also
 // after Close.
-func (c *CUDA) StagedCopies() int64 { return c.staged.Load() }
+func (c *CUDA) BounceCopies() int64 { return c.bounced.Load() }
 
 // Copier is the copy method the device uses (for its Fill and Checksum
 // kernels, calibration, and capabilities).
 func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
 
 // Stream is the engine's stream for dir.
-func (c *CUDA) Stream(dir Direction) cuda.Stream { return c.streams[dir] }
+func (c *CUDA) Stream(dir Direction) Stream { return Stream(c.streams[dir]) }
 
 // AddHostRange tells the copier about a registered host range (the
 // Scheduler forwards its own AddHostRange here). Where the device cannot
@@ -178,22 +182,22 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
-	staged := false
+	bounced := false
 	switch {
 	case dir == Store && c.copier.Gatherable(segs):
-		staged = true
-		t, err = c.copier.SubmitGather(c.staging[Store], c.streams[Store], segs)
+		bounced = true
+		t, err = c.copier.SubmitGather(c.bounce[Store], c.streams[Store], segs)
 	case dir == Load && c.copier.Scatterable(segs):
-		staged = true
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.staging[Load], segs)
+		bounced = true
+		t, err = c.copier.SubmitScatter(c.streams[Load], c.bounce[Load], segs)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, segs)
 	}
 	if err == nil {
-		if staged {
-			c.staged.Add(1)
+		if bounced {
+			c.bounced.Add(1)
 		}
 		*ts = append(*ts, t)
 		return nil
@@ -221,7 +225,7 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 }
 
 // DeviceBytes is the device memory the copier has allocated now
-// (descriptor tables, staging chunks, a calibration buffer); 0 after
+// (descriptor tables, bounce chunks, a calibration buffer); 0 after
 // Close. PeakDeviceBytes is the most it has had at once, MaxDeviceBytes
 // its bound (cudacopy.Options.MaxDeviceBytes). Safe at any time.
 func (c *CUDA) DeviceBytes() int64 { return c.meter.DeviceBytes() }
@@ -237,41 +241,44 @@ func (c *CUDA) MaxDeviceBytes() int64 { return c.meter.MaxDeviceBytes() }
 func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
 
 // Record implements Device.
-func (c *CUDA) Record(dir Direction, e cuda.Event) error { return c.drv.EventRecord(e, c.streams[dir]) }
+func (c *CUDA) Record(dir Direction, e Event) error {
+	return c.drv.EventRecord(cuda.Event(e), c.streams[dir])
+}
 
-// Wait implements Device. It holds the direction's staging kernels (a
+// Wait implements Device. It holds the direction's bounce kernel (a
 // store's gathers, a load's scatters) too.
-func (c *CUDA) Wait(dir Direction, e cuda.Event) error {
-	if err := c.drv.StreamWaitEvent(c.staging[dir], e, cuda.EventWaitDefault); err != nil {
+func (c *CUDA) Wait(dir Direction, e Event) error {
+	if err := c.drv.StreamWaitEvent(c.bounce[dir], cuda.Event(e), cuda.EventWaitDefault); err != nil {
 		return err
 	}
-	return c.drv.StreamWaitEvent(c.streams[dir], e, cuda.EventWaitDefault)
+	return c.drv.StreamWaitEvent(c.streams[dir], cuda.Event(e), cuda.EventWaitDefault)
 }
 
 // SyncStream implements Device.
 func (c *CUDA) SyncStream(dir Direction) error { return c.drv.StreamSynchronize(c.streams[dir]) }
 
 // CreateEvent implements Device.
-func (c *CUDA) CreateEvent(blockingSync bool) (cuda.Event, error) {
+func (c *CUDA) CreateEvent(blockingSync bool) (Event, error) {
 	flags := cuda.EventDisableTiming
 	if blockingSync {
 		flags |= cuda.EventBlockingSync
 	}
-	return c.drv.EventCreate(flags)
+	e, err := c.drv.EventCreate(flags)
+	return Event(e), err
 }
 
 // DestroyEvent implements Device.
-func (c *CUDA) DestroyEvent(e cuda.Event) error { return c.drv.EventDestroy(e) }
+func (c *CUDA) DestroyEvent(e Event) error { return c.drv.EventDestroy(cuda.Event(e)) }
 
 // Query implements Device.
-func (c *CUDA) Query(e cuda.Event) (bool, error) { return c.drv.EventQuery(e) }
+func (c *CUDA) Query(e Event) (bool, error) { return c.drv.EventQuery(cuda.Event(e)) }
 
 // Sync implements Device.
-func (c *CUDA) Sync(e cuda.Event) error { return c.drv.EventSynchronize(e) }
+func (c *CUDA) Sync(e Event) error { return c.drv.EventSynchronize(cuda.Event(e)) }
 
 // IsCapturing implements Device: an active or invalidated capture counts.
-func (c *CUDA) IsCapturing(s cuda.Stream) (bool, error) {
-	st, err := c.drv.StreamIsCapturing(s)
+func (c *CUDA) IsCapturing(s Stream) (bool, error) {
+	st, err := c.drv.StreamIsCapturing(cuda.Stream(s))
 	return st != cuda.CaptureStatusNone, err
 }
 
@@ -281,7 +288,7 @@ func (c *CUDA) Close() error {
 	if c.copier != nil {
 		err := c.copier.Close()
 		if errors.Is(err, cudacopy.ErrInFlight) {
-			// Copies still hold descriptor buffers or staging: keep the
+			// Copies still hold descriptor buffers or bounce chunks: keep the
 			// copier and the streams, so a Close after they are retired
 			// frees everything.
 			return err

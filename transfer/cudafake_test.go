@@ -46,7 +46,7 @@ func newFakeEnvCopier(t *testing.T, size uint64, copts cudacopy.Options, opts cu
 	require.NoError(t, d.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
 	dp, err := d.MemAlloc(size)
 	require.NoError(t, err)
-	cu, err := NewCUDA(d, 0, ctx, copts)
+	cu, err := newCUDA(d, 0, ctx, copts)
 	require.NoError(t, err)
 	tr := NewTracker(nil)
 	host := uint64(uintptr(p))
@@ -121,7 +121,7 @@ func TestCUDAOverFakeSticky(t *testing.T) {
 	defer func() { _ = e.drv.EventDestroy(ev) }()
 	e.drv.HangAt(cuda.OpEventRecord, e.drv.Calls(cuda.OpEventRecord)+1)
 	require.NoError(t, e.drv.EventRecord(ev, cs))
-	op, err := e.s.Submit(Request{Dir: Store, After: ev, AfterStream: &cs, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
+	op, err := e.s.Submit(Request{Dir: Store, After: Event(ev), AfterStream: streamPtr(cs), Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
 	require.NoError(t, err)
 	e.drv.MakeSticky(cuda.ErrorIllegalAddress)
 	err = op.Wait()
@@ -145,7 +145,7 @@ func TestCUDAOverFakeCapture(t *testing.T) {
 	defer func() { _ = e.drv.EventDestroy(ev) }()
 	require.NoError(t, e.drv.StreamBeginCapture(cs, cuda.CaptureModeGlobal))
 	require.NoError(t, e.drv.EventRecord(ev, cs))
-	_, err = e.s.Submit(Request{Dir: Store, After: ev, AfterStream: &cs, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
+	_, err = e.s.Submit(Request{Dir: Store, After: Event(ev), AfterStream: streamPtr(cs), Segments: []Segment{{Dev: e.dev, Host: e.host, Len: 4096}}})
 	require.ErrorIs(t, err, ErrCapturing)
 	for i := range 20 {
 		seg := []Segment{{Dev: e.dev + uint64(i)*4096, Host: e.host + uint64(i)*4096, Len: 4096}}
@@ -208,7 +208,7 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 	p, fill, ev := slowProducer(t, e, n)
 	ld := wholeBlocks(e, r, seg, per, blocks)
 	copier := e.cu.Copier()
-	before := e.cu.StagedCopies()
+	before := e.cu.BounceCopies()
 	require.True(t, copier.Scatterable(toCopierLoad(ld[:4*per])), "whole blocks scatter")
 	submitAfter(t, e, Load, ld, 4*per, ev)
 	require.NoError(t, e.drv.StreamSynchronize(p))
@@ -219,7 +219,7 @@ func TestCUDAOverFakeScatteredLoad(t *testing.T) {
 		off, h := sg.Dev-e.dev, sg.Host-e.host
 		require.Equal(t, e.hostBuf[h:h+seg], back[off:off+seg], "device offset %d", off)
 	}
-	require.Greater(t, e.cu.StagedCopies(), before, "the loads were scattered")
+	require.Greater(t, e.cu.BounceCopies(), before, "the loads were scattered")
 }
 
 // wholeBlocks is blocks layer-separate blocks of per segments of seg
@@ -242,7 +242,7 @@ func submitAfter(t *testing.T, e *fakeEnv, dir Direction, segs []Segment, per in
 	t.Helper()
 	var ops []*Op
 	for i := 0; i < len(segs); i += per {
-		op, err := e.s.Submit(Request{Dir: dir, Segments: segs[i:min(i+per, len(segs))], After: ev})
+		op, err := e.s.Submit(Request{Dir: dir, Segments: segs[i:min(i+per, len(segs))], After: Event(ev)})
 		require.NoError(t, err)
 		ops = append(ops, op)
 	}
@@ -305,7 +305,7 @@ func TestCUDAOverFakePartialCopyFailure(t *testing.T) {
 		}
 	}
 	e.drv.FailAt(cuda.OpMemcpyBatchAsync, e.drv.Calls(cuda.OpMemcpyBatchAsync)+2, cuda.ErrorInvalidValue)
-	op, err := e.s.Submit(Request{Dir: Store, Segments: st, After: ev})
+	op, err := e.s.Submit(Request{Dir: Store, Segments: st, After: Event(ev)})
 	require.NoError(t, err)
 	require.Error(t, op.Wait())
 	seen := append([]byte(nil), e.hostBuf[:n]...)
@@ -324,13 +324,13 @@ func TestCUDACloseInFlight(t *testing.T) {
 	ctx, err := d.PrimaryCtxRetain(0)
 	require.NoError(t, err)
 	require.NoError(t, d.CtxSetCurrent(ctx))
-	cu, err := NewCUDA(d, 0, ctx, cudacopy.Options{Method: cudacopy.MethodKernel})
+	cu, err := newCUDA(d, 0, ctx, cudacopy.Options{Method: cudacopy.MethodKernel})
 	require.NoError(t, err)
 	a, err := d.MemAlloc(1 << 20)
 	require.NoError(t, err)
 	b, err := d.MemAlloc(1 << 20)
 	require.NoError(t, err)
-	tk, err := cu.Copier().Submit(cu.Stream(Load), cudacopy.D2D, []cudacopy.Segment{{Dst: uint64(b), Src: uint64(a), Len: 1 << 20}, {Dst: uint64(a), Src: uint64(b) + 4096, Len: 4096}})
+	tk, err := cu.Copier().Submit(cuda.Stream(cu.Stream(Load)), cudacopy.D2D, []cudacopy.Segment{{Dst: uint64(b), Src: uint64(a), Len: 1 << 20}, {Dst: uint64(a), Src: uint64(b) + 4096, Len: 4096}})
 	require.NoError(t, err)
 	require.ErrorIs(t, cu.Close(), cudacopy.ErrInFlight)
 	require.NoError(t, cu.SyncStream(Load))
@@ -341,4 +341,10 @@ func TestCUDACloseInFlight(t *testing.T) {
 	require.NoError(t, d.PrimaryCtxRelease(0))
 	require.True(t, d.Live().IsZero(), "leaked: %+v", d.Live())
 	require.NoError(t, d.Close())
+}
+
+// streamPtr is a driver stream as Request.AfterStream takes it.
+func streamPtr(s cuda.Stream) *Stream {
+	p := Stream(s)
+	return &p
 }

@@ -1,22 +1,20 @@
 package transfer
 
-import "github.com/kvoffload/kvoffload/internal/cuda"
-
 // Device is what the scheduler drives: two engine streams (one per
-// Direction), events, and a copy method. Implementations: CUDA (NewCUDA, over
-// cuda.Driver and transfer/cudacopy) and Sim (a host simulation for machines
+// Direction), events, and a copy method. Implementations: CUDA (Context.NewCUDA,
+// over the driver and transfer/cudacopy) and Sim (a host simulation for machines
 // without a GPU).
 //
 // Threading: every method except IsCapturing is called only from the
 // scheduler's engine goroutines, each locked to its OS thread, after
-// InitThread has run on that thread. Events are cuda.Event handles in both
+// InitThread has run on that thread. Events are Event handles in both
 // implementations; 0 is never a valid event.
 type Device interface {
 	// InitThread prepares the calling (locked) OS thread for driver calls:
 	// the context current and stream capture mode relaxed.
 	InitThread() error
 	// Copy enqueues segs on dir's stream; part of the work may run on
-	// another stream of the device's (CUDA's staging streams), which waits
+	// another stream of the device's (CUDA's bounce streams), which waits
 	// for what dir's stream waits for and which dir's stream joins before
 	// the copy's completion, also when Copy fails after enqueueing some of
 	// it. The returned retire func must be
@@ -25,24 +23,24 @@ type Device interface {
 	// reused. On error nothing needs retiring.
 	Copy(dir Direction, segs []Segment) (retire func(), err error)
 	// Record records e on dir's stream.
-	Record(dir Direction, e cuda.Event) error
+	Record(dir Direction, e Event) error
 	// Wait makes dir's stream wait for the most recent record of e.
-	Wait(dir Direction, e cuda.Event) error
+	Wait(dir Direction, e Event) error
 	// SyncStream blocks until dir's stream is idle.
 	SyncStream(dir Direction) error
 
 	// CreateEvent creates an event (timing disabled); blockingSync selects
 	// blocking synchronisation for Sync.
-	CreateEvent(blockingSync bool) (cuda.Event, error)
-	DestroyEvent(e cuda.Event) error
+	CreateEvent(blockingSync bool) (Event, error)
+	DestroyEvent(e Event) error
 	// Query reports whether e's most recent record has completed.
-	Query(e cuda.Event) (bool, error)
+	Query(e Event) (bool, error)
 	// Sync blocks until e's most recent record has completed.
-	Sync(e cuda.Event) error
+	Sync(e Event) error
 
 	// IsCapturing reports whether a caller's stream is capturing a graph. It
 	// is called on the caller's goroutine (see Request.AfterStream).
-	IsCapturing(s cuda.Stream) (bool, error)
+	IsCapturing(s Stream) (bool, error)
 	// Close releases the streams and the copy method. The scheduler is
 	// closed first.
 	Close() error

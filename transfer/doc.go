@@ -1,14 +1,26 @@
 // Package transfer moves segments between device memory and registered host
 // memory asynchronously: it owns the engine's two streams (loads at higher
-// priority than stores; on CUDA also a staging stream per direction, for
+// priority than stores; on CUDA also a bounce stream per direction, for
 // gathered stores and scattered loads, see CUDA),
 // batches, events and completion. It knows segments
 // and addresses, never keys; the owner of the slots (kvcache, composed by
 // offload) changes slot state only when an op completes.
 //
-// A Scheduler runs over a Device: NewCUDA (cuda.Driver, copying through
-// transfer/cudacopy) or Sim (a host simulation with random, seeded delays
-// and CUDA's event and stream-wait semantics, for CI).
+// A Scheduler runs over a Device: CUDA (copying through transfer/cudacopy)
+// or Sim (a host simulation with random, seeded delays and CUDA's event and
+// stream-wait semantics, for CI).
+//
+// The CUDA side starts from the driver, which this package owns with the
+// streams, events and device memory: LoadDriver loads libcuda.so.1,
+// Driver.Probe checks a device, Driver.Open retains its primary Context,
+// and Context.NewCUDA makes the CUDA device in it. Context also runs
+// functions with the context current (Do), prepares engine threads
+// (InitThread), and answers the driver questions its owner asks
+// (AllocationRange, HostDevicePointer, StreamWaitEvent on a caller's
+// stream); package register pins host memory for a Context. Events and
+// streams are Event and Stream values, plain integers: the driver's CUevent
+// and CUstream, or the Sim's. No exported name of this package is of an
+// internal type.
 //
 // Life of a request: Submit validates every segment against the host and
 // device ranges the scheduler was told about (AddHostRange, AddDeviceRange)

@@ -64,7 +64,7 @@ func BenchmarkGPUCompletion(b *testing.B) {
 					defer runtime.UnlockOSThread()
 					_ = e.g.Drv.CtxSetCurrent(e.g.Ctx)
 					for {
-						if done, err := e.g.Drv.EventQuery(ev); done || err != nil {
+						if done, err := e.g.Drv.EventQuery(cuda.Event(ev)); done || err != nil {
 							seen <- time.Now()
 							return
 						}
@@ -123,15 +123,15 @@ func BenchmarkGPUTimeToFirstLayer(b *testing.B) {
 	b.ResetTimer()
 	for range b.N {
 		require.NoError(b, e.g.Drv.EventRecord(start, cs))
-		op, err := e.s.Submit(Request{Dir: Load, Segments: segs, LayerEnds: ends, Events: true, After: start})
+		op, err := e.s.Submit(Request{Dir: Load, Segments: segs, LayerEnds: ends, Events: true, After: Event(start)})
 		require.NoError(b, err)
 		l0, err := op.LayerEvent(0)
 		require.NoError(b, err)
 		whole, err := op.Event()
 		require.NoError(b, err)
-		require.NoError(b, e.g.Drv.StreamWaitEvent(cs, l0, 0))
+		require.NoError(b, e.g.Drv.StreamWaitEvent(cs, cuda.Event(l0), 0))
 		require.NoError(b, e.g.Drv.EventRecord(first, cs))
-		require.NoError(b, e.g.Drv.StreamWaitEvent(cs, whole, 0))
+		require.NoError(b, e.g.Drv.StreamWaitEvent(cs, cuda.Event(whole), 0))
 		require.NoError(b, e.g.Drv.EventRecord(all, cs))
 		require.NoError(b, e.g.Drv.StreamSynchronize(cs))
 		require.NoError(b, op.Wait())

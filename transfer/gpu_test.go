@@ -39,7 +39,7 @@ func newGPUEnv(tb testing.TB, size uint64, cfg Config) *gpuEnv {
 	require.NoError(tb, g.Drv.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
 	dp, err := g.Drv.MemAlloc(size)
 	require.NoError(tb, err)
-	cu, err := NewCUDA(g.Drv, g.Dev, g.Ctx, cudacopy.Options{})
+	cu, err := newCUDA(g.Drv, g.Dev, g.Ctx, cudacopy.Options{})
 	require.NoError(tb, err)
 	s, err := New(cu, cfg)
 	require.NoError(tb, err)
@@ -191,7 +191,7 @@ func TestGPUStoreAfterProducer(t *testing.T) {
 			require.NoError(t, e.g.Drv.EventRecord(ev, cs))
 			req := Request{Dir: Store, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}}
 			if wait {
-				req.After, req.AfterStream = ev, &cs
+				req.After, req.AfterStream = Event(ev), streamPtr(cs)
 			}
 			op, err := e.s.Submit(req)
 			require.NoError(t, err)
@@ -222,12 +222,12 @@ func TestGPUWriteAfterRead(t *testing.T) {
 			e.fill(t, cs, []cudacopy.FillSegment{{Dst: e.dev, Len: n, Seed: 1}}, 0)()
 			retireHold := e.fill(t, hold, []cudacopy.FillSegment{{Dst: e.dev + n, Len: 4096, Seed: 9}}, spinCycles)
 			require.NoError(t, e.g.Drv.EventRecord(holdEv, hold))
-			op, err := e.s.Submit(Request{Dir: Store, After: holdEv, Events: true, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
+			op, err := e.s.Submit(Request{Dir: Store, After: Event(holdEv), Events: true, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
 			require.NoError(t, err)
 			if wait {
 				sev, err := op.Event()
 				require.NoError(t, err)
-				require.NoError(t, e.g.Drv.StreamWaitEvent(cs, sev, 0))
+				require.NoError(t, e.g.Drv.StreamWaitEvent(cs, cuda.Event(sev), 0))
 			}
 			retire := e.fill(t, cs, []cudacopy.FillSegment{{Dst: e.dev, Len: n, Seed: 2}}, 0)
 			require.NoError(t, op.Wait())
@@ -275,7 +275,7 @@ func TestGPULayerLoad(t *testing.T) {
 	for l := range layers {
 		lev, err := op.LayerEvent(l)
 		require.NoError(t, err)
-		require.NoError(t, e.g.Drv.StreamWaitEvent(cs, lev, 0))
+		require.NoError(t, e.g.Drv.StreamWaitEvent(cs, cuda.Event(lev), 0))
 		off := uint64(l*blocks) * seg
 		tk, err := e.cu.Copier().Checksum(cs, []cudacopy.Span{{Addr: e.dev + off, Len: blocks * seg}}, out+cuda.DevicePtr(8*l))
 		require.NoError(t, err)
@@ -313,7 +313,7 @@ func TestGPUCapture(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.g.Drv.MemFree(out)) }()
 	// A first load records sig so that the captured wait has a record.
-	op, err := e.s.Submit(Request{Dir: Load, Signal: sig, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
+	op, err := e.s.Submit(Request{Dir: Load, Signal: Event(sig), Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
 	require.NoError(t, err)
 	require.NoError(t, op.Wait())
 	require.NoError(t, e.g.Drv.StreamBeginCapture(cs, cuda.CaptureModeGlobal))
@@ -413,7 +413,7 @@ func TestGPUCapture(t *testing.T) {
 	res := e.hostBuf[7*n:]
 	for i := range 1000 {
 		cudacopy.FillPattern(uint64(i), e.hostBuf[:n])
-		op, err := e.s.Submit(Request{Dir: Load, Signal: sig, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
+		op, err := e.s.Submit(Request{Dir: Load, Signal: Event(sig), Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
 		require.NoError(t, err)
 		require.NoError(t, e.g.Drv.GraphLaunch(exec, cs))
 		// The read-back stays on cs (a non-blocking stream): the legacy

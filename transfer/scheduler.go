@@ -123,11 +123,11 @@ type Request struct {
 	// after the work producing the source (for a store: the kernels writing
 	// the blocks). The copies wait on its most recent record at the time
 	// the op is issued to the engine stream.
-	After cuda.Event
+	After Event
 	// AfterStream, if set, is the stream After was recorded on: the request
 	// is refused with ErrCapturing if it is capturing. Checked on the
 	// caller's goroutine, whose thread must have the context current.
-	AfterStream *cuda.Stream
+	AfterStream *Stream
 	// Events asks for an op event (Op.Event) and, with LayerEnds, one per
 	// layer (Op.LayerEvent). Such an op is issued to the engine stream
 	// before Submit returns (so the caller may wait on its events at once)
@@ -136,7 +136,7 @@ type Request struct {
 	// Signal (0: none) is a caller-owned event recorded on the engine stream
 	// after the op's copies (for a graph's external event-wait node). Like
 	// Events, the op is issued before Submit returns.
-	Signal cuda.Event
+	Signal Event
 	// OnComplete, if set, is called once on a completion goroutine when the
 	// op completes or fails. It must not block.
 	OnComplete func(op *Op, err error)
@@ -159,14 +159,14 @@ type Scheduler struct {
 	batches   [2]int
 	sticky    error
 	closed    bool
-	opEvents  []cuda.Event // pooled op events, free to record
+	opEvents  []Event // pooled op events, free to record
 	// lentEvents counts the op events held by ops (not in opEvents), so
 	// that destroyEvents destroys them too; eventsGone: destroyEvents
 	// ran, and events released later are dropped, not pooled.
-	lentEvents map[cuda.Event]struct{}
+	lentEvents map[Event]struct{}
 	eventsGone bool
-	batchEvs   []cuda.Event // pooled batch events
-	descs      [][]Segment  // pooled descriptor buffers
+	batchEvs   []Event     // pooled batch events
+	descs      [][]Segment // pooled descriptor buffers
 
 	wake           chan struct{}
 	pending        [2]chan *batch
@@ -185,8 +185,8 @@ type Op struct {
 	req       Request
 	enq       chan struct{} // immediate ops: closed once issued (or failed)
 
-	ev       cuda.Event
-	layerEvs []cuda.Event
+	ev       Event
+	layerEvs []Event
 	gens     []uint64
 
 	done chan struct{}
@@ -200,7 +200,7 @@ type Op struct {
 type batch struct {
 	dir     Direction
 	ops     []*Op
-	ev      cuda.Event
+	ev      Event
 	retires []func()
 	descs   []Segment
 	hash    uint64
@@ -256,7 +256,7 @@ type hostRanger interface {
 // [base, base+size) is registered host memory that segments may use. Over
 // CUDA on a device that cannot use registered host pointers directly the
 // copy method looks up the range's device pointer on the calling thread,
-// which must then have the context current (as for NewCUDA).
+// which must then have the context current (as for Context.NewCUDA).
 func (s *Scheduler) AddHostRange(base, size uint64) error {
 	if err := s.host.add(base, size); err != nil {
 		return err
@@ -625,7 +625,7 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 	return nil
 }
 
-func (s *Scheduler) batchEvent() (cuda.Event, error) {
+func (s *Scheduler) batchEvent() (Event, error) {
 	s.mu.Lock()
 	if n := len(s.batchEvs); n > 0 {
 		e := s.batchEvs[n-1]
@@ -650,7 +650,7 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 	if len(op.req.LayerEnds) > 0 {
 		n += len(op.layerEnds)
 	}
-	evs := make([]cuda.Event, 0, n)
+	evs := make([]Event, 0, n)
 	s.mu.Lock()
 	for len(evs) < n && len(s.opEvents) > 0 {
 		evs = append(evs, s.opEvents[len(s.opEvents)-1])
@@ -667,7 +667,7 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 	}
 	s.mu.Lock()
 	if s.lentEvents == nil {
-		s.lentEvents = map[cuda.Event]struct{}{}
+		s.lentEvents = map[Event]struct{}{}
 	}
 	for _, e := range evs {
 		s.lentEvents[e] = struct{}{}
@@ -682,7 +682,7 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 
 // putOpEvents returns op events to the pool; after destroyEvents (which
 // destroyed them with the rest) it only forgets them.
-func (s *Scheduler) putOpEvents(evs []cuda.Event) {
+func (s *Scheduler) putOpEvents(evs []Event) {
 	s.mu.Lock()
 	for _, e := range evs {
 		delete(s.lentEvents, e)
@@ -766,7 +766,7 @@ func (s *Scheduler) completer(d Direction, ready chan<- error) {
 }
 
 // await waits for e by the configured method.
-func (s *Scheduler) await(e cuda.Event) error {
+func (s *Scheduler) await(e Event) error {
 	if s.cfg.Completion == CompletionBlocking {
 		return s.dev.Sync(e)
 	}
@@ -864,7 +864,7 @@ func (op *Op) complete(err error) {
 }
 
 func (op *Op) recycle() {
-	var evs []cuda.Event
+	var evs []Event
 	if op.ev != 0 {
 		evs = append(evs, op.ev)
 	}
@@ -902,7 +902,7 @@ func (op *Op) Wait() error {
 // Event is the op's completion event, recorded on the engine stream after
 // all of its copies: a caller's stream waits on it (cuStreamWaitEvent) to
 // read loaded blocks or to overwrite stored ones. Valid until Release.
-func (op *Op) Event() (cuda.Event, error) {
+func (op *Op) Event() (Event, error) {
 	op.mu.Lock()
 	defer op.mu.Unlock()
 	if op.released {
@@ -919,7 +919,7 @@ func (op *Op) Layers() int { return len(op.layerEnds) }
 
 // LayerEvent is the event recorded after layer l's copies (requests with
 // LayerEnds and Events). Valid until Release.
-func (op *Op) LayerEvent(l int) (cuda.Event, error) {
+func (op *Op) LayerEvent(l int) (Event, error) {
 	op.mu.Lock()
 	defer op.mu.Unlock()
 	if op.released {

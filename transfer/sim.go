@@ -46,10 +46,10 @@ type Sim struct {
 	mu      sync.Mutex
 	cond    *sync.Cond // broadcast when an event completes or an error is set
 	rng     *rand.Rand
-	events  map[cuda.Event]*simEvent
-	streams map[cuda.Stream]*simStream
+	events  map[Event]*simEvent
+	streams map[Stream]*simStream
 	nextID  uintptr
-	engine  [2]cuda.Stream
+	engine  [2]Stream
 	sticky  error // set by InjectError: returned by every later call
 	failCp  error // returned by the next Copy
 	closed  bool
@@ -85,8 +85,8 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 	s := &Sim{
 		cfg:     cfg,
 		rng:     rand.New(rand.NewSource(cfg.Seed)),
-		events:  map[cuda.Event]*simEvent{},
-		streams: map[cuda.Stream]*simStream{},
+		events:  map[Event]*simEvent{},
+		streams: map[Stream]*simStream{},
 		nextDev: simDevBase,
 	}
 	s.cond = sync.NewCond(&s.mu)
@@ -96,11 +96,11 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 }
 
 // NewStream creates a stream (for the engine, or a caller's stream in tests).
-func (s *Sim) NewStream() cuda.Stream {
+func (s *Sim) NewStream() Stream {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.nextID++
-	id := cuda.Stream(s.nextID)
+	id := Stream(s.nextID)
 	st := &simStream{ops: make(chan func(), 4096), done: make(chan struct{})}
 	s.streams[id] = st
 	go func() {
@@ -112,7 +112,7 @@ func (s *Sim) NewStream() cuda.Stream {
 	return id
 }
 
-func (s *Sim) stream(id cuda.Stream) (*simStream, error) {
+func (s *Sim) stream(id Stream) (*simStream, error) {
 	st := s.streams[id]
 	if st == nil {
 		return nil, fmt.Errorf("%w: unknown stream %#x", ErrSim, uintptr(id))
@@ -121,7 +121,7 @@ func (s *Sim) stream(id cuda.Stream) (*simStream, error) {
 }
 
 // enqueue appends op to stream id; s.mu must not be held.
-func (s *Sim) enqueue(id cuda.Stream, op func()) error {
+func (s *Sim) enqueue(id Stream, op func()) error {
 	s.sendMu.RLock()
 	defer s.sendMu.RUnlock()
 	s.mu.Lock()
@@ -138,7 +138,7 @@ func (s *Sim) enqueue(id cuda.Stream, op func()) error {
 }
 
 // SetCapturing marks a caller stream as capturing a graph (or not).
-func (s *Sim) SetCapturing(id cuda.Stream, on bool) error {
+func (s *Sim) SetCapturing(id Stream, on bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st, err := s.stream(id)
@@ -150,10 +150,10 @@ func (s *Sim) SetCapturing(id cuda.Stream, on bool) error {
 }
 
 // Launch runs fn in stream order on stream id, like a kernel.
-func (s *Sim) Launch(id cuda.Stream, fn func()) error { return s.enqueue(id, fn) }
+func (s *Sim) Launch(id Stream, fn func()) error { return s.enqueue(id, fn) }
 
 // Gate blocks stream id at this point until the returned func is called.
-func (s *Sim) Gate(id cuda.Stream) (open func(), err error) {
+func (s *Sim) Gate(id Stream) (open func(), err error) {
 	ch := make(chan struct{})
 	var once sync.Once
 	if err := s.enqueue(id, func() { <-ch }); err != nil {
@@ -164,7 +164,7 @@ func (s *Sim) Gate(id cuda.Stream) (open func(), err error) {
 
 // eventLocked returns event e, or the sticky error (with sticky set) or an
 // unknown-event error. The caller holds s.mu.
-func (s *Sim) eventLocked(e cuda.Event, sticky bool) (*simEvent, error) {
+func (s *Sim) eventLocked(e Event, sticky bool) (*simEvent, error) {
 	if sticky && s.sticky != nil {
 		return nil, s.sticky
 	}
@@ -176,7 +176,7 @@ func (s *Sim) eventLocked(e cuda.Event, sticky bool) (*simEvent, error) {
 }
 
 // RecordEvent records e on any stream.
-func (s *Sim) RecordEvent(e cuda.Event, id cuda.Stream) error {
+func (s *Sim) RecordEvent(e Event, id Stream) error {
 	s.mu.Lock()
 	ev, err := s.eventLocked(e, true)
 	if err != nil {
@@ -197,7 +197,7 @@ func (s *Sim) RecordEvent(e cuda.Event, id cuda.Stream) error {
 }
 
 // StreamWaitEvent makes stream id wait for e's most recent record.
-func (s *Sim) StreamWaitEvent(id cuda.Stream, e cuda.Event) error {
+func (s *Sim) StreamWaitEvent(id Stream, e Event) error {
 	s.mu.Lock()
 	ev, err := s.eventLocked(e, true)
 	if err != nil {
@@ -216,7 +216,7 @@ func (s *Sim) StreamWaitEvent(id cuda.Stream, e cuda.Event) error {
 }
 
 // StreamSynchronize blocks until stream id is idle.
-func (s *Sim) StreamSynchronize(id cuda.Stream) error {
+func (s *Sim) StreamSynchronize(id Stream) error {
 	ch := make(chan struct{})
 	if err := s.enqueue(id, func() { close(ch) }); err != nil {
 		return err
@@ -423,29 +423,29 @@ func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
 }
 
 // Record implements Device.
-func (s *Sim) Record(dir Direction, e cuda.Event) error { return s.RecordEvent(e, s.engine[dir]) }
+func (s *Sim) Record(dir Direction, e Event) error { return s.RecordEvent(e, s.engine[dir]) }
 
 // Wait implements Device.
-func (s *Sim) Wait(dir Direction, e cuda.Event) error { return s.StreamWaitEvent(s.engine[dir], e) }
+func (s *Sim) Wait(dir Direction, e Event) error { return s.StreamWaitEvent(s.engine[dir], e) }
 
 // SyncStream implements Device.
 func (s *Sim) SyncStream(dir Direction) error { return s.StreamSynchronize(s.engine[dir]) }
 
 // CreateEvent implements Device (and serves callers' events in tests).
-func (s *Sim) CreateEvent(bool) (cuda.Event, error) {
+func (s *Sim) CreateEvent(bool) (Event, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.sticky != nil {
 		return 0, s.sticky
 	}
 	s.nextID++
-	e := cuda.Event(s.nextID)
+	e := Event(s.nextID)
 	s.events[e] = &simEvent{}
 	return e, nil
 }
 
 // DestroyEvent implements Device.
-func (s *Sim) DestroyEvent(e cuda.Event) error {
+func (s *Sim) DestroyEvent(e Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, err := s.eventLocked(e, false); err != nil {
@@ -456,7 +456,7 @@ func (s *Sim) DestroyEvent(e cuda.Event) error {
 }
 
 // Query implements Device.
-func (s *Sim) Query(e cuda.Event) (bool, error) {
+func (s *Sim) Query(e Event) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.eventLocked(e, true)
@@ -467,7 +467,7 @@ func (s *Sim) Query(e cuda.Event) (bool, error) {
 }
 
 // Sync implements Device.
-func (s *Sim) Sync(e cuda.Event) error {
+func (s *Sim) Sync(e Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.eventLocked(e, false)
@@ -482,7 +482,7 @@ func (s *Sim) Sync(e cuda.Event) error {
 }
 
 // IsCapturing implements Device.
-func (s *Sim) IsCapturing(id cuda.Stream) (bool, error) {
+func (s *Sim) IsCapturing(id Stream) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st, err := s.stream(id)

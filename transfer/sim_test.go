@@ -27,7 +27,7 @@ type simEnv struct {
 	size       uint64
 	hostBuf    []byte
 	tracker    *Tracker
-	callerStrm cuda.Stream
+	callerStrm Stream
 }
 
 func newSimEnv(t *testing.T, size uint64, cfg Config, sc SimConfig) *simEnv {
@@ -74,7 +74,7 @@ func randBytes(r *rand.Rand, n uint64) []byte {
 
 // pendingEvent returns a caller event recorded behind a closed gate on the
 // caller stream, and the func that opens the gate.
-func (e *simEnv) pendingEvent(t *testing.T) (cuda.Event, func()) {
+func (e *simEnv) pendingEvent(t *testing.T) (Event, func()) {
 	t.Helper()
 	open, err := e.sim.Gate(e.callerStrm)
 	require.NoError(t, err)
@@ -252,7 +252,7 @@ func TestBusyBounds(t *testing.T) {
 	const seg = 4096
 	e := newSimEnv(t, 1<<20, Config{MaxInFlightBytes: 4 * seg, MaxQueuedBytes: 3 * seg, MaxBatchesInFlight: 1}, SimConfig{Seed: 3})
 	ev, open := e.pendingEvent(t)
-	req := func(i int, after cuda.Event) Request {
+	req := func(i int, after Event) Request {
 		return Request{Dir: Store, After: after, Segments: []Segment{{Dev: e.dev + uint64(i)*seg, Host: e.host + uint64(i)*seg, Len: seg}}}
 	}
 	var ops []*Op
@@ -448,7 +448,7 @@ func TestLayerEvents(t *testing.T) {
 			}
 		}
 	}
-	var streams []cuda.Stream
+	var streams []Stream
 	for l := range layers {
 		lev, err := op.LayerEvent(l)
 		require.NoError(t, err)

@@ -17,6 +17,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache/trace"
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 var demoCommand = command{
@@ -40,11 +41,11 @@ reports a failed copy.`,
 		fs.Var(sizeFlag{&cfg.poolBytes}, "pool-bytes", "host pool `size` (units: 512MiB, 1GiB, 32G)")
 		fs.IntVar(&cfg.gpuBlocks, "gpu-blocks", cfg.gpuBlocks, "blocks in the GPU KV cache, `n` (0: a quarter of the pool's blocks, at least 16)")
 		fs.StringVar(&cfg.layoutName, "layout", cfg.layoutName, "model geometry: "+presetNames())
-		fs.StringVar(&cfg.layoutKind, "layout-kind", cfg.layoutKind, "GPU cache layout: layer-separate|cross-layer")
-		fs.StringVar(&cfg.backend, "backend", cfg.backend, "engine backend: auto|cuda|host")
+		fs.Var(stringFlag[offload.LayoutKind]{&cfg.layoutKind}, "layout-kind", "GPU cache layout: layer-separate|cross-layer")
+		fs.Var(stringFlag[offload.Backend]{&cfg.backend}, "backend", "engine backend: auto|cuda|host")
 		fs.IntVar(&cfg.device, "device", cfg.device, "CUDA device ordinal `n`")
 		fs.StringVar(&cfg.pinning, "pinning", cfg.pinning, "host backend pinning: auto|mlock|none (auto: mlock when RLIMIT_MEMLOCK allows it)")
-		fs.StringVar(&cfg.policy, "policy", cfg.policy, "host pool policy: lru|tinylfu")
+		fs.Var(stringFlag[offload.Policy]{&cfg.policy}, "policy", "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
@@ -83,11 +84,11 @@ type demoConfig struct {
 	poolBytes  int64
 	gpuBlocks  int
 	layoutName string
-	layoutKind string
-	backend    string
+	layoutKind offload.LayoutKind
+	backend    offload.Backend
 	device     int
 	pinning    string
-	policy     string
+	policy     offload.Policy
 	seed       uint64
 	verify     bool
 	// prefaultThreads is the engine's Config.PrefaultThreads (0: its default).
@@ -141,7 +142,7 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --backend %q must be auto, cuda or host", errUsage, c.backend)
 	}
 	switch c.pinning {
-	case "auto", offload.PinMlock, offload.PinNone:
+	case "auto", string(offload.PinMlock), string(offload.PinNone):
 	default:
 		return shape, fmt.Errorf("%w: --pinning %q must be auto, mlock or none", errUsage, c.pinning)
 	}
@@ -207,7 +208,7 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 
-	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + cfg.layoutKind}
+	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind)}
 	sp := startStep(progress, fmt.Sprintf("starting the engine (%s pool, %s backend)", formatSize(cfg.poolBytes), cfg.backend))
 	opened, err := openDemo(cfg, lay, notice)
 	sp.end()
@@ -322,7 +323,7 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 	return openHostDemo(cfg, lay, notice)
 }
 
-func engineConfig(cfg demoConfig, lay cacheLayout, backend string) offload.Config {
+func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offload.Config {
 	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
 		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes,
 		PrefaultThreads: cfg.prefaultThreads, PrefaultNice: cfg.prefaultNice}
@@ -354,7 +355,7 @@ func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
 }
 
 func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, error) {
-	pin := cfg.pinning
+	pin := offload.HostPinning(cfg.pinning)
 	if pin == "auto" {
 		pin = offload.PinNone
 		var lim unix.Rlimit
@@ -366,7 +367,7 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 			}
 		}
 	}
-	sim, err := offload.NewSimGPU(offload.SimOptions{Seed: int64(cfg.seed)})
+	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed)})
 	if err != nil {
 		return nil, err
 	}
@@ -375,12 +376,12 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 		return nil, errors.Join(err, sim.Close())
 	}
 	ec := engineConfig(cfg, mem.layout(), offload.BackendHost)
-	ec.Sim, ec.HostPinning = sim, pin
-	eng, err := offload.New(ec)
+	ec.HostPinning = pin
+	eng, err := hostsim.NewEngine(ec, sim)
 	if err != nil {
 		return nil, errors.Join(err, mem.close(), sim.Close())
 	}
-	return &opened{eng: eng, mem: mem, pinning: "host " + pin, close: func() error {
+	return &opened{eng: eng, mem: mem, pinning: "host " + string(pin), close: func() error {
 		return errors.Join(eng.Close(), mem.close(), sim.Close())
 	}}, nil
 }
@@ -631,7 +632,7 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 	st := r.eng.Stats()
 	rep.PinnedBytes, rep.UsedBytes = st.OwnedBytes, st.InUseBytes
 	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Store.Bytes, st.Load.Bytes
-	rep.Evictions, rep.StagedCopies = st.Evictions, st.StagedCopies
+	rep.Evictions, rep.BounceCopies = st.Evictions, st.BounceCopies
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration
@@ -696,4 +697,20 @@ func (b *demoBar) finish() {
 	if b.bar != nil {
 		_ = b.bar.Finish()
 	}
+}
+
+// stringFlag is a flag.Value for a flag whose value is one of offload's
+// string-typed Config enums; check and the engine validate it.
+type stringFlag[T ~string] struct{ p *T }
+
+func (f stringFlag[T]) String() string {
+	if f.p == nil {
+		return ""
+	}
+	return string(*f.p)
+}
+
+func (f stringFlag[T]) Set(s string) error {
+	*f.p = T(s)
+	return nil
 }

@@ -37,7 +37,7 @@ func presetNames() string {
 // segment for the cross-layer kind).
 type cacheLayout struct {
 	shape  modelShape
-	kind   string
+	kind   offload.LayoutKind
 	blocks int
 	base   uint64
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -35,11 +36,11 @@ type kvMemory interface {
 // hostMemory is the cache in the host backend's simulated GPU.
 type hostMemory struct {
 	lay  cacheLayout
-	sim  *offload.SimGPU
+	sim  *hostsim.GPU
 	pool sync.Pool // *[]byte of one segment
 }
 
-func newHostMemory(sim *offload.SimGPU, lay cacheLayout) (*hostMemory, error) {
+func newHostMemory(sim *hostsim.GPU, lay cacheLayout) (*hostMemory, error) {
 	base, err := sim.Alloc(uint64(lay.Bytes()))
 	if err != nil {
 		return nil, fmt.Errorf("allocating the %s simulated GPU cache: %w", formatSize(lay.Bytes()), err)

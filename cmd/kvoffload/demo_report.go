@@ -5,20 +5,22 @@ import (
 	"fmt"
 	"io"
 	"text/tabwriter"
+
+	"github.com/kvoffload/kvoffload/offload"
 )
 
 // demoReport is the demo's result, printed as a table or as JSON.
 type demoReport struct {
-	Backend       string `json:"backend"`
-	BackendReason string `json:"backend_reason"`
-	Layout        string `json:"layout"`
-	LayoutKind    string `json:"layout_kind"`
-	BlockBytes    int64  `json:"block_bytes"`
-	GPUBlocks     int    `json:"gpu_blocks"`
-	PoolBytes     int64  `json:"pool_bytes"`
-	Pinning       string `json:"pinning"`
-	Policy        string `json:"policy"`
-	Verify        bool   `json:"verify"`
+	Backend       offload.Backend    `json:"backend"`
+	BackendReason string             `json:"backend_reason"`
+	Layout        string             `json:"layout"`
+	LayoutKind    offload.LayoutKind `json:"layout_kind"`
+	BlockBytes    int64              `json:"block_bytes"`
+	GPUBlocks     int                `json:"gpu_blocks"`
+	PoolBytes     int64              `json:"pool_bytes"`
+	Pinning       string             `json:"pinning"`
+	Policy        offload.Policy     `json:"policy"`
+	Verify        bool               `json:"verify"`
 
 	// Interrupted: a signal (or the caller) ended the run before its
 	// --duration or --requests; the report covers what ran.
@@ -35,9 +37,9 @@ type demoReport struct {
 	EngineStoreBytes int64 `json:"engine_store_bytes"`
 	EngineLoadBytes  int64 `json:"engine_load_bytes"`
 	Evictions        int64 `json:"pool_evictions"`
-	// StagedCopies is the engine's Stats.StagedCopies: copy batches of
-	// whole blocks moved through device staging by the DMA engines (CUDA).
-	StagedCopies int64 `json:"staged_copies"`
+	// BounceCopies is the engine's Stats.BounceCopies: copy batches of
+	// whole blocks bounced through device chunks by the DMA engines (CUDA).
+	BounceCopies int64 `json:"bounce_copies"`
 
 	// CPUSeconds is the process's CPU time while stores and loads were in
 	// flight; CPUMicrosPerBlock divides it by the blocks moved.
@@ -120,7 +122,7 @@ func (r *demoReport) print(w io.Writer) error {
 	}
 	row("CPU time per block", "%.1f µs (%.2f s while copies were in flight)", r.CPUMicrosPerBlock, r.CPUSeconds)
 	if r.Backend == "cuda" {
-		row("staged copies", "%d batches (of whole blocks gathered or scattered on the device, moved by the DMA engines)", r.StagedCopies)
+		row("bounce copies", "%d batches (of whole blocks gathered or scattered through device chunks, moved by the DMA engines)", r.BounceCopies)
 	}
 	row("pool: owned vs used", "%s owned (%s), %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), r.Pinning, formatSize(r.UsedBytes), r.Evictions)
 	row("recompute", "%.2f s", r.RecomputeSeconds)

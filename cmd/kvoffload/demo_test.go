@@ -14,17 +14,18 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // tinyDemo is a demo small enough for a unit test on two cores.
-func tinyDemo(backend string) demoConfig {
+func tinyDemo(backend offload.Backend) demoConfig {
 	c := defaultDemoConfig()
 	c.duration = 2 * time.Second
 	c.layoutName = "tiny"
 	c.poolBytes = 2 << 20
 	c.gpuBlocks = 64
 	c.backend = backend
-	c.pinning = offload.PinNone
+	c.pinning = string(offload.PinNone)
 	return c
 }
 
@@ -42,8 +43,8 @@ func requireConsistent(t *testing.T, rep *demoReport) {
 }
 
 func TestDemoHostPasses(t *testing.T) {
-	for _, kind := range []string{offload.LayoutLayerSeparate, offload.LayoutCrossLayer} {
-		t.Run(kind, func(t *testing.T) {
+	for _, kind := range []offload.LayoutKind{offload.LayoutLayerSeparate, offload.LayoutCrossLayer} {
+		t.Run(string(kind), func(t *testing.T) {
 			cfg := tinyDemo(offload.BackendHost)
 			cfg.layoutKind = kind
 			rep, err := runDemo(context.Background(), cfg, nil, noNotice)
@@ -96,7 +97,7 @@ func TestDemoCommandJSON(t *testing.T) {
 	var rep demoReport
 	require.NoError(t, json.Unmarshal([]byte(out), &rep))
 	require.Equal(t, 30, rep.Requests)
-	require.Equal(t, "host", rep.Backend)
+	require.Equal(t, offload.BackendHost, rep.Backend)
 	require.Equal(t, int64(1<<20), rep.PoolBytes)
 	requireConsistent(t, &rep)
 
@@ -106,10 +107,10 @@ func TestDemoCommandJSON(t *testing.T) {
 	for _, w := range []string{"prefix hit ratio", "GB/s", "op latency", "CPU time per block", "pool: owned vs used", "verification", "PASS"} {
 		require.Contains(t, out, w)
 	}
-	require.NotContains(t, out, "staged copies", "a host-backend report has no staged copies row")
+	require.NotContains(t, out, "bounce copies", "a host-backend report has no bounce copies row")
 	var b strings.Builder
-	require.NoError(t, (&demoReport{Backend: "cuda", StagedCopies: 42, Verify: true}).print(&b))
-	require.Contains(t, b.String(), "staged copies")
+	require.NoError(t, (&demoReport{Backend: "cuda", BounceCopies: 42, Verify: true}).print(&b))
+	require.Contains(t, b.String(), "bounce copies")
 	require.Contains(t, b.String(), "42 batches (of whole blocks gathered or scattered")
 }
 
@@ -136,7 +137,7 @@ func TestKVMemoryVerify(t *testing.T) {
 	defer func() { require.NoError(t, drv.Close()) }()
 	cm, err := newCUDAMemory(drv, 0, lay)
 	require.NoError(t, err)
-	sim, err := offload.NewSimGPU(offload.SimOptions{})
+	sim, err := hostsim.NewGPU(hostsim.Options{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	hm, err := newHostMemory(sim, lay)
@@ -233,7 +234,7 @@ func TestDemoGPU(t *testing.T) {
 	cfg.layoutName, cfg.poolBytes, cfg.gpuBlocks = "8b", 1<<30, 128
 	rep, err := runDemo(context.Background(), cfg, nil, noNotice)
 	require.NoError(t, err)
-	require.Equal(t, "cuda", rep.Backend)
+	require.Equal(t, offload.BackendCUDA, rep.Backend)
 	require.Positive(t, rep.Verified)
 	require.Zero(t, rep.VerifyFailures)
 	requireConsistent(t, rep)

@@ -45,7 +45,7 @@ func TestServingDuringGrowth(t *testing.T) {
 	}
 	cfg := defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
-	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, string(offload.PinNone), threads
 	if s := os.Getenv("KVO_GROWTH_NICE"); s != "" {
 		cfg.prefaultNice, err = strconv.Atoi(s)
 		require.NoError(t, err)
@@ -115,7 +115,7 @@ func TestServingDuringGrowth(t *testing.T) {
 	const short = time.Second
 	cfg = defaultDemoConfig()
 	cfg.layoutName, cfg.gpuBlocks, cfg.poolBytes = "tiny", 64, pool
-	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, offload.PinNone, threads
+	cfg.backend, cfg.pinning, cfg.prefaultThreads = offload.BackendHost, string(offload.PinNone), threads
 	if s := os.Getenv("KVO_GROWTH_NICE"); s != "" {
 		cfg.prefaultNice, err = strconv.Atoi(s)
 		require.NoError(t, err)

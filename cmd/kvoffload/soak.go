@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -29,7 +30,7 @@ block or invariant violation makes the exit status non-zero.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		cfg := soakConfig{duration: 5 * time.Minute, backend: offload.BackendAuto, seed: 1, poolBytes: 64 << 20, layout: "tiny"}
 		fs.DurationVar(&cfg.duration, "duration", cfg.duration, "run for `time`")
-		fs.StringVar(&cfg.backend, "backend", cfg.backend, "engine backend: auto|cuda|host")
+		fs.Var(stringFlag[offload.Backend]{&cfg.backend}, "backend", "engine backend: auto|cuda|host")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "random `seed` of the workload and the disruptions")
 		fs.BoolVar(&cfg.json, "json", false, "print the result as JSON")
 		fs.Var(sizeFlag{&cfg.poolBytes}, "pool-bytes", "host pool `size` of each engine")
@@ -51,7 +52,7 @@ block or invariant violation makes the exit status non-zero.`,
 
 type soakConfig struct {
 	duration  time.Duration
-	backend   string
+	backend   offload.Backend
 	seed      uint64
 	json      bool
 	poolBytes int64
@@ -60,27 +61,27 @@ type soakConfig struct {
 
 // soakResult is what a soak prints.
 type soakResult struct {
-	Backend        string  `json:"backend"`
-	Invariants     bool    `json:"invariants"`
-	Interrupted    bool    `json:"interrupted"` // a signal ended the soak before its --duration
-	Seconds        float64 `json:"seconds"`
-	Engines        int     `json:"engines"` // opened and closed
-	Requests       int64   `json:"requests"`
-	Ops            int64   `json:"ops"` // stores, loads, trims, deletes, clears
-	StoreOps       int64   `json:"store_ops"`
-	LoadOps        int64   `json:"load_ops"`
-	Trims          int64   `json:"trims"`
-	TrimmedBytes   int64   `json:"trimmed_bytes"`
-	Deletes        int64   `json:"deletes"`
-	DeletedBlocks  int64   `json:"deleted_blocks"`
-	Clears         int64   `json:"clears"`
-	ClearedBlocks  int64   `json:"cleared_blocks"`
-	BlocksVerified int64   `json:"blocks_verified"`
-	VerifyFailures int64   `json:"verify_failures"`
-	FailedCopies   int64   `json:"failed_copies"`
-	Violations     int64   `json:"invariant_violations"`
-	Errors         int64   `json:"errors"`
-	FirstError     string  `json:"first_error,omitempty"`
+	Backend        offload.Backend `json:"backend"`
+	Invariants     bool            `json:"invariants"`
+	Interrupted    bool            `json:"interrupted"` // a signal ended the soak before its --duration
+	Seconds        float64         `json:"seconds"`
+	Engines        int             `json:"engines"` // opened and closed
+	Requests       int64           `json:"requests"`
+	Ops            int64           `json:"ops"` // stores, loads, trims, deletes, clears
+	StoreOps       int64           `json:"store_ops"`
+	LoadOps        int64           `json:"load_ops"`
+	Trims          int64           `json:"trims"`
+	TrimmedBytes   int64           `json:"trimmed_bytes"`
+	Deletes        int64           `json:"deletes"`
+	DeletedBlocks  int64           `json:"deleted_blocks"`
+	Clears         int64           `json:"clears"`
+	ClearedBlocks  int64           `json:"cleared_blocks"`
+	BlocksVerified int64           `json:"blocks_verified"`
+	VerifyFailures int64           `json:"verify_failures"`
+	FailedCopies   int64           `json:"failed_copies"`
+	Violations     int64           `json:"invariant_violations"`
+	Errors         int64           `json:"errors"`
+	FirstError     string          `json:"first_error,omitempty"`
 }
 
 func (r *soakResult) fail(err error) {
@@ -117,7 +118,7 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 			break
 		}
 		d := cfg.round(min(left, time.Duration(2+rng.IntN(9))*time.Second), soakLayoutKinds[rng.IntN(2)],
-			[]string{offload.PolicyTinyLFU, offload.PolicyLRU}[rng.IntN(2)], rng.Uint64())
+			[]offload.Policy{offload.PolicyTinyLFU, offload.PolicyLRU}[rng.IntN(2)], rng.Uint64())
 		var eng *offload.Engine
 		d.afterRequest = func(e *offload.Engine, keys []offload.Key) error {
 			eng = e
@@ -138,7 +139,7 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 			res.fail(fmt.Errorf("round %d (%s, %s, seed %d): %w", res.Engines, d.layoutKind, d.policy, d.seed, err))
 		}
 		if eng != nil {
-			for _, v := range eng.InvariantViolations() {
+			for _, v := range hostsim.InvariantViolations(eng) {
 				res.Violations++
 				res.fail(v)
 			}
@@ -169,7 +170,7 @@ func runSoak(ctx context.Context, cfg soakConfig, notices io.Writer) (*soakResul
 }
 
 // soakLayoutKinds are the GPU cache layouts the rounds pick from.
-var soakLayoutKinds = []string{offload.LayoutLayerSeparate, offload.LayoutCrossLayer}
+var soakLayoutKinds = []offload.LayoutKind{offload.LayoutLayerSeparate, offload.LayoutCrossLayer}
 
 // soakMaxRepeats is how many rounds in a row may fail with the same error
 // before the soak stops with it: an error every round meets (a device
@@ -180,13 +181,13 @@ const soakMaxRepeats = 3
 // round is the demo one round runs: a fresh engine of cfg's pool in
 // regions of an eighth of it (at least 1 MiB and one block), no pinning,
 // every loaded block verified.
-func (cfg soakConfig) round(d time.Duration, kind, policy string, seed uint64) demoConfig {
+func (cfg soakConfig) round(d time.Duration, kind offload.LayoutKind, policy offload.Policy, seed uint64) demoConfig {
 	region := max(cfg.poolBytes/8, 1<<20)
 	if shape, ok := layoutPresets[cfg.layout]; ok {
 		region = max(region, cacheLayout{shape: shape, kind: kind}.blockBytes())
 	}
 	return demoConfig{duration: d, poolBytes: cfg.poolBytes, layoutName: cfg.layout, layoutKind: kind,
-		backend: cfg.backend, pinning: offload.PinNone, policy: policy, seed: seed, verify: true, regionBytes: region}
+		backend: cfg.backend, pinning: string(offload.PinNone), policy: policy, seed: seed, verify: true, regionBytes: region}
 }
 
 // disrupt does, at random after a request, one of: delete some of the
@@ -221,7 +222,7 @@ func disrupt(ctx context.Context, rng *rand.Rand, e *offload.Engine, keys []offl
 		res.Trims++
 		res.TrimmedBytes += tr.FreedBytes
 	}
-	if v := e.InvariantViolations(); len(v) > 0 {
+	if v := hostsim.InvariantViolations(e); len(v) > 0 {
 		return fmt.Errorf("%d gating violations, first: %w", len(v), v[0])
 	}
 	return nil

@@ -1,0 +1,74 @@
+package offload
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// The Config enums unmarshal from JSON (and any text) as their constants'
+// strings; "" means the field's default, and anything else is refused with
+// ErrInvalidConfig naming the value and the accepted ones. withDefaults
+// checks them again for values set in Go.
+
+var (
+	backends    = []Backend{BackendAuto, BackendCUDA, BackendHost}
+	pinnings    = []HostPinning{PinNone, PinMlock}
+	hugePages   = []HugePages{HugePagesTHP, HugePagesNone, HugePagesHugeTLB}
+	policies    = []Policy{PolicyTinyLFU, PolicyLRU}
+	layoutKinds = []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA}
+)
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known backend or "".
+func (b *Backend) UnmarshalText(text []byte) error { return parseEnum(b, text, "Backend", backends) }
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known mode or "".
+func (p *HostPinning) UnmarshalText(text []byte) error {
+	return parseEnum(p, text, "HostPinning", pinnings)
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known mode or "".
+func (h *HugePages) UnmarshalText(text []byte) error {
+	return parseEnum(h, text, "HugePages", hugePages)
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known policy or "".
+func (p *Policy) UnmarshalText(text []byte) error { return parseEnum(p, text, "Policy", policies) }
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known kind (never ""
+// once defaults apply: a layout needs its kind).
+func (k *LayoutKind) UnmarshalText(text []byte) error {
+	return parseEnum(k, text, "Layout.Kind", layoutKinds)
+}
+
+// parseEnum sets *dst to text if it is "" or one of valid.
+func parseEnum[T ~string](dst *T, text []byte, field string, valid []T) error {
+	v := T(text)
+	if v != "" {
+		if err := checkEnum(field, v, valid); err != nil {
+			return err
+		}
+	}
+	*dst = v
+	return nil
+}
+
+// checkEnum refuses a value not among valid (ErrInvalidConfig).
+func checkEnum[T ~string](field string, v T, valid []T) error {
+	if slices.Contains(valid, v) {
+		return nil
+	}
+	return fmt.Errorf("%w: %s %q: must be %s", ErrInvalidConfig, field, string(v), quoteList(valid))
+}
+
+// quoteList is `"a", "b" or "c"`.
+func quoteList[T ~string](vs []T) string {
+	q := make([]string, len(vs))
+	for i, v := range vs {
+		q[i] = fmt.Sprintf("%q", string(v))
+	}
+	if len(q) == 1 {
+		return q[0]
+	}
+	return strings.Join(q[:len(q)-1], ", ") + " or " + q[len(q)-1]
+}

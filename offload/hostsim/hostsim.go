@@ -1,0 +1,86 @@
+// Package hostsim is the host backend's simulated device: "GPU memory" in
+// ordinary host memory at made-up addresses, copies run by goroutines after
+// a random, seeded delay, completions out of order across directions as on
+// a GPU. It is for tests, demos and the C ABI's kvo_sim_* calls, not for a
+// serving stack's main path, which imports only package offload.
+//
+// An engine on the host backend (offload.Config.Backend "host", or "auto"
+// without a driver) always runs over a simulated device: NewEngine gives
+// it one the caller made (so that the caller allocates, writes and reads
+// the KV cache in it, and can read it after Close); offload.New makes its
+// own, which GPUOf returns.
+package hostsim
+
+import (
+	"time"
+
+	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/internal/simhook"
+	"github.com/kvoffload/kvoffload/transfer"
+)
+
+// Options configure a GPU.
+type Options struct {
+	// Seed seeds the random copy delays, so a failing run can be replayed.
+	Seed int64
+	// MinDelay and MaxDelay bound the random delay before each copy runs.
+	MinDelay, MaxDelay time.Duration
+}
+
+// GPU is a simulated GPU. Tests and demos allocate a KV cache in it and
+// read and write it.
+type GPU struct{ sim *transfer.Sim }
+
+// NewGPU starts a simulated GPU. Close it after the engines using it.
+func NewGPU(opts Options) (*GPU, error) {
+	s, err := transfer.NewSim(transfer.SimConfig{Seed: opts.Seed, MinDelay: opts.MinDelay, MaxDelay: opts.MaxDelay})
+	if err != nil {
+		return nil, err
+	}
+	return &GPU{sim: s}, nil
+}
+
+// Alloc allocates n bytes of simulated device memory.
+func (g *GPU) Alloc(n uint64) (uint64, error) { return g.sim.MemAlloc(n) }
+
+// Free frees an Alloc allocation.
+func (g *GPU) Free(addr uint64) error { return g.sim.MemFree(addr) }
+
+// Write copies p to simulated device memory at addr.
+func (g *GPU) Write(addr uint64, p []byte) error { return g.sim.Write(addr, p) }
+
+// Read copies simulated device memory at addr into p.
+func (g *GPU) Read(addr uint64, p []byte) error { return g.sim.Read(addr, p) }
+
+// Close stops the simulation.
+func (g *GPU) Close() error { return g.sim.Close() }
+
+// NewEngine is offload.New with gpu as the device of the host backend,
+// when that backend is selected (Backend "host", or "auto" without a
+// driver, where a Layout giving addresses is then taken as addresses in
+// gpu); on the CUDA backend gpu is unused. The engine does not close gpu.
+func NewEngine(cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
+	e, err := simhook.NewEngine(cfg, gpu.sim)
+	if err != nil {
+		return nil, err
+	}
+	return e.(*offload.Engine), nil
+}
+
+// GPUOf returns the simulated GPU of an engine on the host backend (the
+// one given to NewEngine, or the one offload.New made, in which a layout
+// given without tensors was allocated); nil on the CUDA backend. The
+// engine closes a GPU it made itself: do not Close that one.
+func GPUOf(e *offload.Engine) *GPU {
+	s := simhook.Sim(e)
+	if s == nil {
+		return nil
+	}
+	return &GPU{sim: s}
+}
+
+// InvariantViolations returns the gating violations e recorded so far: a
+// copy whose host range was not live, or was released and reused while it
+// ran. Only builds with invariants on (-race, or -tags kvoinvariants)
+// check them; other builds return nil. Any violation is a bug in the engine.
+func InvariantViolations(e *offload.Engine) []error { return simhook.Violations(e) }

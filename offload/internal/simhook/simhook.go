@@ -1,0 +1,19 @@
+// Package simhook is how package hostsim reaches what package offload
+// keeps unexported for it: an engine built over a given simulated device,
+// the engine's simulated device, and its gating-invariant violations.
+// Package offload sets the functions in its init; only hostsim calls them.
+// The engine and config travel as any because offload imports this
+// package (hostsim asserts them back to *offload.Engine).
+package simhook
+
+import "github.com/kvoffload/kvoffload/transfer"
+
+var (
+	// NewEngine builds an engine from cfg (an offload.Config) whose host
+	// backend, if selected, uses sim as its device.
+	NewEngine func(cfg any, sim *transfer.Sim) (eng any, err error)
+	// Sim returns an *offload.Engine's simulated device (nil on CUDA).
+	Sim func(eng any) *transfer.Sim
+	// Violations returns an *offload.Engine's gating violations.
+	Violations func(eng any) []error
+)
