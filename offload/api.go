@@ -112,7 +112,7 @@ const (
 
 // Defaults applied by New to zero fields.
 const (
-	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: New took 92 ms on the H200 (bench/results/2026-11-29-h200/pool64.md)
+	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: small enough that New is quick, large enough to serve at once
 	DefaultRegionBytes        int64 = 4 << 30 // unit of background growth and Trim
 	DefaultStagingBytes       int64 = 16 << 20
 	DefaultMaxInFlightBytes   int64 = 512 << 20
@@ -127,7 +127,8 @@ const (
 )
 
 // Config says what New builds. The zero value of every field but PoolBytes
-// and Layout means "the default"; the defaults suit an H200 serving box.
+// and Layout means "the default"; the defaults suit a GPU serving machine
+// with tens to hundreds of GiB of host memory.
 // It is plain data with JSON tags so that the C ABI and the CLI can pass it
 // as JSON.
 type Config struct {
@@ -169,13 +170,11 @@ type Config struct {
 	// CPUs, none on larger ones); negative keeps the caller's
 	// priority; above 19 is ErrInvalidConfig.
 	PrefaultNice int `json:"prefault_nice,omitempty"`
-	// Policy is PolicyLRU (default) or PolicyTinyLFU. LRU is the default
-	// because it measured better: on kvcache's synthetic serving trace
-	// (BenchmarkHitRatio) TinyLFU never beat LRU by more than 0.003 in hit
-	// ratio and lost 3–8 points at the larger pools, while wasting 34–54% of
-	// its store bytes on blocks it rejected after the copy; and its control
-	// plane costs ~5 µs per block against LRU's ~0.6–0.8 µs (H200 host,
-	// bench/results/2026-11-29-h200/control-plane.txt).
+	// Policy is PolicyLRU (default) or PolicyTinyLFU. LRU is the default:
+	// on kvcache's synthetic serving trace (BenchmarkHitRatio) TinyLFU hit
+	// no more often, wasted many of its store copies on blocks it rejected
+	// after the copy, and costs several times LRU's CPU per block
+	// (bench/results/README.md).
 	Policy Policy `json:"policy,omitempty"`
 	// MaxInFlightBytes bounds the bytes being copied per direction; work
 	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
@@ -201,12 +200,11 @@ type Config struct {
 	// deleted, so that no KV of a past request stays in host memory.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
 	// GreedyStores (CUDA backend) runs stores on the copy kernel's
-	// unthrottled launch (transfer.CUDAOptions.GreedyStores). On the
-	// H200 that moved 4–16 KiB segments at 93–95% of the link instead of
-	// the default launch's 91–93%, but a compute-bound kernel running
-	// beside the stores was up to 3.4 times slower instead of ≤ 6.3%
-	// (bench/results/2026-11-30-h200). Leave it off while the model's
-	// kernels run.
+	// unthrottled launch (transfer.CUDAOptions.GreedyStores): small
+	// segments move a little faster, but the backlog of posted writes to
+	// host memory slows a compute-bound kernel running beside the stores
+	// several times (the fence sweep in bench/results/README.md). Leave it
+	// off while the model's kernels run.
 	GreedyStores bool `json:"greedy_stores,omitempty"`
 	// MaxDeviceBytes (CUDA backend) bounds the GPU memory the copy layer
 	// allocates beside the serving stack's: descriptor tables, the bounce

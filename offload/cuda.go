@@ -27,9 +27,9 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if e.pinner, err = register.NewCUDAFor(gpu, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
 		return err
 	}
-	// The automatic choice of copy method is calibrated (172 ms on an
-	// H200, pool64.md) by the growth goroutine once the pool is grown;
-	// until then the copier uses its uncalibrated rule.
+	// The automatic choice of copy method is calibrated (a fraction of a
+	// second) by the growth goroutine once the pool is grown; until then
+	// the copier uses its uncalibrated rule.
 	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
 		CalibrateLater: true, Copy: e.hooks.copyOptions})
 	if err != nil {

@@ -8,7 +8,7 @@
 // New takes a Config: the pool size in bytes (exact, never rounded to a
 // power of two), the Layout of the stack's GPU KV cache (its geometry and
 // the device addresses of its tensors), and optional tuning whose defaults
-// suit an H200 serving box. Backend "auto" (the default) picks CUDA when
+// suit a GPU serving machine. Backend "auto" (the default) picks CUDA when
 // libcuda.so.1 loads, the device exists and the layout gives device
 // addresses; otherwise the host backend, which simulates the GPU in host
 // memory so the same engine runs in CI and on laptops. Engine.Backend says
@@ -130,9 +130,8 @@
 // them out of core dumps and MADV_DONTFORK out of a fork's child. Anonymous
 // rather than memfd-backed on purpose: memfd memory is shmem, whose
 // transparent huge pages are governed by shmem_enabled, "never" on most
-// distributions, and losing them doubled prefault+pin time at 1 GiB
-// (0.40 s anonymous with THP against 0.73-0.83 s memfd, measured on the CI
-// machine) and multiplies the pages the driver pins; a memfd would add a
+// distributions, and losing them about doubles prefault+pin time and
+// multiplies the pages the driver pins; a memfd would add a
 // shareable handle and nothing private. Config.ZeroOnRelease zeroes a
 // slot when its block is evicted, deleted or cleared, after its last copy
 // and reader ended and before the slot is reused (trimmed regions go back

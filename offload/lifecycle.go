@@ -330,8 +330,8 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	// MaxSlots reserves the cache's slot table and key index for the whole
 	// pool up front: without it, each region added copied the slot table
-	// and rehashed the index (O(slots so far) under the cache's lock; 4.5 s
-	// over a 64 GiB pool of 8 KiB slots, measured by kvcache's
+	// and rehashed the index (O(slots so far) under the cache's lock,
+	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
 	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve}
 	if cfg.ZeroOnRelease {
