@@ -10,8 +10,9 @@
 #   bash scripts/wheel_test.sh [--system-site-packages] [WHEEL]
 #
 # WHEEL defaults to the one dist/ holds for internal/version/VERSION.
-# --system-site-packages lets the venv see the system's packages (torch on
-# the GPU machine: scripts/gpu/run.sh wheel, with KVO_REQUIRE_GPU=1).
+# --system-site-packages lets the venv see the system's packages and those of
+# the interpreter that made it (torch on the GPU machine: scripts/gpu/run.sh
+# wheel, with KVO_REQUIRE_GPU=1).
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,6 +49,14 @@ else
 	pip=("$py" -m pip --python "$venv/bin/python")
 fi
 "${pip[@]}" install --no-index --no-deps --disable-pip-version-check --no-cache-dir -q "$wheel"
+if [ ${#venv_flags[@]} -gt 0 ]; then
+	# --system-site-packages shows the base interpreter's packages only: when
+	# $py is itself a venv (the GPU machine's python3 is /opt/torch/.venv),
+	# its packages (torch) come in through a .pth file, after the new venv's own.
+	parent=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+	site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+	[ "$parent" = "$site" ] || echo "$parent" >"$site/_kvo_parent_site.pth"
+fi
 
 mkdir -p "$tmp/src/python"
 cp -r "$root/python/tests" "$tmp/src/python/tests"
