@@ -78,6 +78,32 @@ type BlocksResults struct {
 	Link   map[string]float64 `json:"link_gbps"`
 	SGEMM  SGEMMInfo          `json:"sgemm"`
 	Rows   []BlocksRow        `json:"rows"`
+	// Invalid lists the rows above MaxPctOfLink of their direction's link
+	// reference (BlocksVerdict): a reference a row beats is broken, and
+	// the run reports no figure against it.
+	Invalid []string `json:"invalid,omitempty"`
+}
+
+// BlocksVerdict lists every rate of rows above MaxPctOfLink percent of its
+// link reference, or with no reference, as LinkVerdict does for the
+// throughput rows.
+func BlocksVerdict(link map[string]float64, rows []BlocksRow) []string {
+	var bad []string
+	for _, row := range rows {
+		for _, d := range []struct {
+			dir  string
+			gbps float64
+		}{{"d2h", row.D2HGBps}, {"h2d", row.H2DGBps}, {"both", row.BothGBps}} {
+			name := fmt.Sprintf("%s %s %s", row.Method, d.dir, cudacopy.FormatBytes(row.SegBytes))
+			switch l := link[d.dir]; {
+			case l <= 0:
+				bad = append(bad, fmt.Sprintf("%s: no %s link reference", name, d.dir))
+			case 100*d.gbps/l > MaxPctOfLink:
+				bad = append(bad, fmt.Sprintf("%s: %.1f GB/s = %.1f%% of the link (%.1f GB/s), above %d%%", name, d.gbps, 100*d.gbps/l, l, MaxPctOfLink))
+			}
+		}
+	}
+	return bad
 }
 
 // blockSegs is one segment size's stores (devA → hostA) and loads (hostB →
@@ -196,6 +222,7 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 			res.Rows = append(res.Rows, row)
 		}
 	}
+	res.Invalid = BlocksVerdict(res.Link, res.Rows)
 	return res, nil
 }
 
@@ -276,6 +303,13 @@ func FormatBlocks(r BlocksResults) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Stores and loads of whole layer-separate blocks (%d segments each, back to back in a host slot, from %d device tensors), %s per direction per run at random slots, best of %d gated runs († where a gate did not hold). Link: d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s. ",
 		r.Config.SegsPerBlock, r.Config.SegsPerBlock, cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+	if len(r.Invalid) > 0 {
+		fmt.Fprintf(&b, "\n\n**INVALID**: rates above %d%% of their link reference, so the reference is broken and no figure here stands:\n\n", MaxPctOfLink)
+		for _, x := range r.Invalid {
+			fmt.Fprintf(&b, "- %s\n", x)
+		}
+		b.WriteString("\n")
+	}
 	if r.SGEMM.Skipped != "" {
 		fmt.Fprintf(&b, "sgemm skipped: %s.\n\n", r.SGEMM.Skipped)
 	} else {

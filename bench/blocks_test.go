@@ -41,4 +41,22 @@ func TestBlocksBench(t *testing.T) {
 	res, err := MeasureBlocks(g.Drv, g.Dev, BlocksConfig{})
 	require.NoError(t, err)
 	writeBenchOut(t, "blocks", FormatBlocks(res), res)
+	if len(res.Invalid) > 0 {
+		t.Errorf("the run is INVALID: %q", res.Invalid)
+	}
+}
+
+// BlocksVerdict marks a row above MaxPctOfLink of its direction's link
+// invalid, and a missing reference too; rows at the link pass.
+func TestBlocksVerdict(t *testing.T) {
+	link := map[string]float64{"d2h": 55.3, "h2d": 55.4, "both": 92.6}
+	ok := BlocksRow{Method: "auto", SegBytes: 32 << 10, D2HGBps: 55.3, H2DGBps: 55.0, BothGBps: 92.6 * 1.019}
+	require.Empty(t, BlocksVerdict(link, []BlocksRow{ok}))
+	over := ok
+	over.BothGBps = 96.4 // 104% of 92.6: the blocks run of b6fdae6
+	bad := BlocksVerdict(link, []BlocksRow{ok, over})
+	require.Len(t, bad, 1)
+	require.Contains(t, bad[0], "auto both 32 KiB: 96.4 GB/s = 104.1% of the link (92.6 GB/s), above 102%")
+	require.Len(t, BlocksVerdict(map[string]float64{"d2h": 55.3, "h2d": 55.4}, []BlocksRow{ok}), 1, "no both-ways reference")
+	require.Contains(t, FormatBlocks(BlocksResults{Link: link, Rows: []BlocksRow{over}, Invalid: bad}), "**INVALID**")
 }
