@@ -1,0 +1,212 @@
+package disk
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvoffload/kvoffload/tier/record"
+	"github.com/stretchr/testify/require"
+)
+
+// BenchmarkOpenScan measures Open's rebuild of the index from 100,000
+// records' headers (4 KiB payloads; the scan reads one 4 KiB header a
+// record whatever the payload size). The target is 2 s per 100,000 records.
+func BenchmarkOpenScan(b *testing.B) {
+	const records, size = 100_000, align
+	cfg := config(directDir(b), size, records)
+	s, err := Open(cfg)
+	require.NoError(b, err)
+	var wg sync.WaitGroup
+	var next atomic.Int64
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p := alignedBuf(size)
+			for i := next.Add(1) - 1; i < records; i = next.Add(1) - 1 {
+				k := key(int(i))
+				copy(p, k[:])
+				if err := s.Put(k, p); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	require.NoError(b, s.Close())
+	for b.Loop() {
+		s, err := Open(cfg)
+		require.NoError(b, err)
+		require.Equal(b, int64(records), s.Stats().Records)
+		require.NoError(b, s.Close())
+	}
+	per := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(per*1e9/records, "ns/record")
+	b.ReportMetric(per*100_000/records, "s/100k-records")
+}
+
+// The fio comparison: an 8B-class 16-token block (Llama-3-8B geometry,
+// bf16: 2 MiB) plus its header sector.
+const (
+	fioPayload   = 2 << 20
+	fioRecord    = fioPayload + record.HeaderSize
+	fioPassBytes = 4 << 30 // bytes written (then read) per pass
+	fioRounds    = 3       // passes each way per queue depth; the median is reported
+)
+
+// TestDiskVsFio compares Put and Get from Q goroutines (checksums on) with
+// fio --direct=1 --ioengine=psync --numjobs=Q at the record size, on the
+// file system of $KVO_DISK_BENCH, for Q = 1, 4, 16, and prints a Markdown
+// table. It needs fio on PATH and about 2×4 GiB free there.
+func TestDiskVsFio(t *testing.T) {
+	dir := os.Getenv("KVO_DISK_BENCH")
+	if dir == "" {
+		t.Skip("KVO_DISK_BENCH=DIR runs the disk tier against fio on DIR's file system")
+	}
+	fio, err := exec.LookPath("fio")
+	require.NoError(t, err, "fio is needed (apt-get install -y fio)")
+	work, err := os.MkdirTemp(dir, "kvo-disk-vs-fio-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(work) })
+	records := int64(fioPassBytes / fioRecord)
+
+	type row struct{ fioW, tierW, fioR, tierR []float64 }
+	rows := map[int]*row{}
+	qs := []int{1, 4, 16}
+	for _, q := range qs {
+		r := &row{}
+		rows[q] = r
+		for range fioRounds {
+			w, rd := runFio(t, fio, work, q, records)
+			r.fioW, r.fioR = append(r.fioW, w), append(r.fioR, rd)
+			w, rd = runTier(t, work, q, records)
+			r.tierW, r.tierR = append(r.tierW, w), append(r.tierR, rd)
+		}
+	}
+	var out strings.Builder
+	fmt.Fprintf(&out, "| Q | fio write GB/s | Put GB/s | Put / fio | fio read GB/s | Get GB/s | Get / fio |\n")
+	fmt.Fprintf(&out, "|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, q := range qs {
+		r := rows[q]
+		fw, tw, fr, tr := median(r.fioW), median(r.tierW), median(r.fioR), median(r.tierR)
+		fmt.Fprintf(&out, "| %d | %.2f | %.2f | %.0f%% | %.2f | %.2f | %.0f%% |\n", q, fw/1e9, tw/1e9, 100*tw/fw, fr/1e9, tr/1e9, 100*tr/fr)
+	}
+	fmt.Fprintf(&out, "\nEvery pass moves %d records of %d bytes (%.2f GB); median of %d passes each way, fio and the tier alternating.\n",
+		records, fioRecord, float64(records*fioRecord)/1e9, fioRounds)
+	for _, q := range qs {
+		r := rows[q]
+		fmt.Fprintf(&out, "- Q=%d passes (GB/s): fio write %s, Put %s, fio read %s, Get %s\n", q, gbs(r.fioW), gbs(r.tierW), gbs(r.fioR), gbs(r.tierR))
+	}
+	t.Log("\n" + out.String())
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+func gbs(v []float64) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		parts[i] = fmt.Sprintf("%.2f", x/1e9)
+	}
+	return strings.Join(parts, " ")
+}
+
+// runFio writes then reads a fresh file of records×fioRecord bytes, each of
+// q jobs its own contiguous share, and returns the bytes per second each way.
+func runFio(t *testing.T, fio, work string, q int, records int64) (write, read float64) {
+	path := filepath.Join(work, "fio.dat")
+	defer os.Remove(path)
+	per := records / int64(q) * fioRecord
+	run := func(rw string) float64 {
+		cmd := exec.Command(fio, "--name=kvo", "--filename="+path, "--direct=1", "--ioengine=psync",
+			fmt.Sprintf("--numjobs=%d", q), fmt.Sprintf("--bs=%d", fioRecord), "--rw="+rw,
+			fmt.Sprintf("--size=%d", per), fmt.Sprintf("--offset_increment=%d", per),
+			"--group_reporting", "--output-format=json")
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		require.NoError(t, cmd.Run(), "fio: %s", stderr.String())
+		var res struct {
+			Jobs []struct {
+				Read struct {
+					BWBytes float64 `json:"bw_bytes"`
+				} `json:"read"`
+				Write struct {
+					BWBytes float64 `json:"bw_bytes"`
+				} `json:"write"`
+			} `json:"jobs"`
+		}
+		require.NoError(t, json.Unmarshal(stdout.Bytes(), &res), "fio output: %s", stdout.String())
+		require.Len(t, res.Jobs, 1)
+		if rw == "write" {
+			return res.Jobs[0].Write.BWBytes
+		}
+		return res.Jobs[0].Read.BWBytes
+	}
+	return run("write"), run("read")
+}
+
+// runTier opens a fresh store of records slots, Puts records blocks from q
+// goroutines (each from its own aligned buffer, as the engine's pinned
+// slots), then Gets them all back, and returns record bytes per second each
+// way (header included, as fio's block size includes it).
+func runTier(t *testing.T, work string, q int, records int64) (write, read float64) {
+	dir := filepath.Join(work, "tier")
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	defer os.RemoveAll(dir)
+	s, err := Open(Config{Dirs: []string{dir}, CapacityBytes: records * SlotBytes(fioPayload),
+		RecordPayloadBytes: fioPayload, Fingerprint: testFP, Direct: DirectRequire})
+	require.NoError(t, err)
+	defer s.Close()
+	bufs := make([][]byte, q)
+	for g := range bufs {
+		bufs[g] = alignedBuf(fioPayload)
+		for i := range bufs[g] {
+			bufs[g][i] = byte(i*131 + g)
+		}
+	}
+	pass := func(op func(g int, k [16]byte) error) float64 {
+		var next atomic.Int64
+		var wg sync.WaitGroup
+		start := time.Now()
+		for g := range q {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := next.Add(1) - 1; i < records; i = next.Add(1) - 1 {
+					if err := op(g, key(int(i))); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		return float64(records*fioRecord) / time.Since(start).Seconds()
+	}
+	write = pass(func(g int, k [16]byte) error { return s.Put(k, bufs[g]) })
+	read = pass(func(g int, k [16]byte) error {
+		ok, err := s.Get(k, bufs[g])
+		if err == nil && !ok {
+			err = fmt.Errorf("key %x: miss", k)
+		}
+		return err
+	})
+	st := s.Stats()
+	require.Equal(t, records, st.Hits)
+	require.Zero(t, st.Corrupt+st.IOErrors+st.Evictions)
+	return write, read
+}
