@@ -140,7 +140,11 @@ func TestRoundTrip(t *testing.T) {
 	for name, kind := range fsKinds() {
 		for _, size := range []int64{3 * align, 10000} {
 			t.Run(fmt.Sprintf("%s/%d", name, size), func(t *testing.T) {
-				s := open(t, kind.config(t, size, 8))
+				cfg := kind.config(t, size, 8)
+				if size%align != 0 {
+					cfg.Fsync = FsyncEach // the payload, a flush, the header, a flush
+				}
+				s := open(t, cfg)
 				st := s.Stats()
 				require.Equal(t, kind.mode, st.Mode)
 				for i := range 4 {
@@ -222,6 +226,8 @@ func TestMixedDirs(t *testing.T) {
 	}
 	for i := range 6 {
 		mustGet(t, s, key(i))
+		// Puts fill each file from its start, the directories in turn.
+		require.Equal(t, int64(i/2)*s.slotBytes+int64(i%2)*3*s.slotBytes, slotOff(t, s, key(i)))
 	}
 	require.Zero(t, s.Stats().Evictions)
 }
@@ -327,7 +333,7 @@ func TestTornRecords(t *testing.T) {
 			// over a new payload, then three intact records.
 			ks := make([][16]byte, 8)
 			for i := range 8 {
-				ks[(s.slotBytes*7-slotOff(t, s, key(i)))/s.slotBytes] = key(i)
+				ks[7-slotOff(t, s, key(i))/s.slotBytes] = key(i)
 			}
 			cut, flipped, badHeader, staleSum, crashed, intact := ks[0], ks[1], ks[2], ks[3], ks[4], ks[5:]
 			off := func(k [16]byte) int64 { return slotOff(t, s, k) }

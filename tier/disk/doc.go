@@ -20,11 +20,13 @@
 //     format and host-layout versions, the fingerprint, the key, the length
 //     and the payload's CRC-32C are verified before it returns true. A
 //     failure is a miss, counted (Stats.Corrupt), and the record is dropped.
-//   - A Put writes its payload, then its header (which carries the payload
-//     checksum), inside its own slot. A crash in between leaves either the
-//     slot's previous header over a partly new payload or a torn header:
-//     the first fails its payload checksum at the first Get, the second is
-//     discarded at Open (Stats.TornAtOpen). No write touches another slot.
+//   - A Put writes its record inside its own slot: header and payload in one
+//     pwritev, or with FsyncEach the payload, a flush, the header (which
+//     carries the payload checksum), a flush. No write touches another
+//     slot. A crash can leave a slot whose header and payload do not match
+//     (its previous header over a new payload, or a new header over a partly
+//     written one): the payload checksum fails at the first Get, which
+//     drops it. A damaged header is discarded at Open (Stats.TornAtOpen).
 //     With FsyncEach, a header on stable storage implies its payload is.
 //   - Open rebuilds the index from the headers alone (payloads are verified
 //     when read), 32 header reads in flight per directory.

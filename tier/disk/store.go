@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -165,8 +166,29 @@ func Open(cfg Config) (*Store, error) {
 			}
 		}
 	}
+	s.orderFree()
 	s.bounce = newBouncePool(int(s.slotBytes), bounceBuffers)
 	return s, nil
+}
+
+// orderFree orders the free list (a stack) so that Puts fill each file from
+// its start, in file order, taking the directories in turn.
+func (s *Store) orderFree() {
+	perDir := make([][]int32, len(s.dirs))
+	for _, i := range s.free {
+		perDir[s.slots[i].dir] = append(perDir[s.slots[i].dir], i)
+	}
+	n := len(s.free)
+	order := s.free[:0]
+	for k := 0; len(order) < n; k++ {
+		for _, f := range perDir {
+			if k < len(f) {
+				order = append(order, f[k])
+			}
+		}
+	}
+	slices.Reverse(order)
+	s.free = order
 }
 
 func (s *Store) closeDirs() {
@@ -270,7 +292,7 @@ func (s *Store) wipeSlot(d *dirFile, off int64) {
 		}
 		b := s.bounce.get()
 		clear(b)
-		if err := pwriteFull(d.fd, b, off); err != nil {
+		if err := pwriteFull(d.fd, [][]byte{b}, off); err != nil {
 			s.ioErrors.Add(1)
 		}
 		s.bounce.put(b)
@@ -278,7 +300,7 @@ func (s *Store) wipeSlot(d *dirFile, off int64) {
 	}
 	hdr := headerBufs.Get().(*[]byte)
 	clear(*hdr)
-	if err := pwriteFull(d.fd, *hdr, off); err != nil {
+	if err := pwriteFull(d.fd, [][]byte{*hdr}, off); err != nil {
 		s.ioErrors.Add(1)
 	}
 	headerBufs.Put(hdr)
@@ -286,11 +308,14 @@ func (s *Store) wipeSlot(d *dirFile, off int64) {
 
 // Put stores payload (exactly RecordPayloadBytes) under key. A key already
 // stored (or being stored) is kept and Put returns nil. When no slot is
-// free the least recently used record is evicted. The payload is written
-// with O_DIRECT straight from payload when it is 4 KiB-aligned in address
-// and length, through a bounce buffer otherwise; the header, which holds the
-// payload's checksum, is written after it, so a crash mid-write leaves a
-// record that fails its checksum, never another record damaged.
+// free the least recently used record is evicted. The record goes to the
+// kernel with O_DIRECT straight from payload when it is 4 KiB-aligned in
+// address and length, through a bounce buffer otherwise: header and payload
+// in one pwritev (one I/O), or with FsyncEach the payload, fdatasync, the
+// header, fdatasync. The write stays inside the record's slot. A crash can
+// leave a slot whose header and payload do not match (the payload checksum
+// fails at the first Get) or a damaged header (discarded at Open); with
+// FsyncEach a header on stable storage implies its payload is.
 //
 // Errors are for counting, never for retrying at once: ErrPayloadSize,
 // ErrClosed, ErrFull (every slot busy), and ErrIO wrapping the errno (ENOSPC,
@@ -363,7 +388,8 @@ func (s *Store) Put(key [16]byte, payload []byte) error {
 	return nil
 }
 
-// write writes slot i's payload, then its header.
+// write writes slot i's record: header and payload in one pwritev, or with
+// FsyncEach the payload, a flush, the header, a flush.
 func (s *Store) write(i int32, key [16]byte, payload []byte) error {
 	d := s.dirs[s.slots[i].dir]
 	off := int64(i-d.first) * s.slotBytes
@@ -387,22 +413,25 @@ func (s *Store) write(i int32, key [16]byte, payload []byte) error {
 		clear(b[n:s.padded])
 		body = b[:s.padded]
 	}
-	if err := pwriteFull(d.fd, body, off+record.HeaderSize); err != nil {
-		return opError("write payload to", d.path, err)
-	}
-	if err := s.sync(d); err != nil {
-		return err
-	}
-	if err := pwriteFull(d.fd, *hdr, off); err != nil {
-		return opError("write header to", d.path, err)
-	}
-	return s.sync(d)
-}
-
-func (s *Store) sync(d *dirFile) error {
 	if s.cfg.Fsync != FsyncEach {
+		if err := pwriteFull(d.fd, [][]byte{*hdr, body}, off); err != nil {
+			return opError("write record to", d.path, err)
+		}
 		return nil
 	}
+	if err := pwriteFull(d.fd, [][]byte{body}, off+record.HeaderSize); err != nil {
+		return opError("write payload to", d.path, err)
+	}
+	if err := fdatasync(d); err != nil {
+		return err
+	}
+	if err := pwriteFull(d.fd, [][]byte{*hdr}, off); err != nil {
+		return opError("write header to", d.path, err)
+	}
+	return fdatasync(d)
+}
+
+func fdatasync(d *dirFile) error {
 	if err := unix.Fdatasync(d.fd); err != nil {
 		return opError("fdatasync", d.path, err)
 	}

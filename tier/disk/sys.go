@@ -34,31 +34,28 @@ func isAligned(b []byte) bool {
 
 func roundUp(n, a int64) int64 { return (n + a - 1) / a * a }
 
-// pwriteFull writes all of b at off, retrying short writes and EINTR.
-func pwriteFull(fd int, b []byte, off int64) error {
-	for len(b) > 0 {
-		n, err := unix.Pwrite(fd, b, off)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return err
-		}
-		if n == 0 {
-			return io.ErrShortWrite
-		}
-		b, off = b[n:], off+int64(n)
-	}
-	return nil
+// pwriteFull writes every buffer of bufs, in order, from off, retrying
+// short writes and EINTR.
+func pwriteFull(fd int, bufs [][]byte, off int64) error {
+	return ioFull(fd, bufs, off, true)
 }
 
-// preadFull fills every buffer of bufs, in order, from off: one preadv, and
-// preads for whatever a short read left. Reading past the end of the file is
-// io.ErrUnexpectedEOF.
+// preadFull fills every buffer of bufs, in order, from off. Reading past the
+// end of the file is io.ErrUnexpectedEOF.
 func preadFull(fd int, bufs [][]byte, off int64) error {
-	n, err := unix.Preadv(fd, bufs, off)
+	return ioFull(fd, bufs, off, false)
+}
+
+// ioFull is one preadv/pwritev, then preads/pwrites for whatever a short
+// transfer left.
+func ioFull(fd int, bufs [][]byte, off int64, write bool) error {
+	vec, one := unix.Preadv, unix.Pread
+	if write {
+		vec, one = unix.Pwritev, unix.Pwrite
+	}
+	n, err := vec(fd, bufs, off)
 	for err == unix.EINTR {
-		n, err = unix.Preadv(fd, bufs, off)
+		n, err = vec(fd, bufs, off)
 	}
 	if err != nil {
 		return err
@@ -72,7 +69,7 @@ func preadFull(fd int, bufs [][]byte, off int64) error {
 		b, off = b[n:], off+int64(n)
 		n = 0
 		for len(b) > 0 {
-			m, err := unix.Pread(fd, b, off)
+			m, err := one(fd, b, off)
 			if err == unix.EINTR {
 				continue
 			}
@@ -80,6 +77,9 @@ func preadFull(fd int, bufs [][]byte, off int64) error {
 				return err
 			}
 			if m == 0 {
+				if write {
+					return io.ErrShortWrite
+				}
 				return io.ErrUnexpectedEOF
 			}
 			b, off = b[m:], off+int64(m)
