@@ -62,17 +62,18 @@ const (
 	fioPayload   = 2 << 20
 	fioRecord    = fioPayload + record.HeaderSize
 	fioPassBytes = 4 << 30 // bytes written (then read) per pass
-	fioRounds    = 3       // passes each way per queue depth; the median is reported
+	fioRounds    = 5       // passes each way per queue depth; the median is reported
 )
 
 // TestDiskVsFio compares Put and Get from Q goroutines (checksums on) with
 // fio --direct=1 --ioengine=psync --numjobs=Q at the record size, on the
 // file system of $KVO_DISK_BENCH, for Q = 1, 4, 16, and prints a Markdown
-// table. fio runs in two patterns: each job its own contiguous region
-// (offset_increment), and the jobs interleaved record by record
-// (rw=write:<skip>) as the tier's goroutines take consecutive slots; the
-// faster of the two is the reference. It needs fio on PATH and about
-// 2×4.3 GB free there.
+// table. fio runs in three patterns: psync, each job its own contiguous
+// region (offset_increment); psync, the jobs interleaved record by record
+// (rw=write:<skip>); and one libaio job at iodepth Q, one sequential stream
+// with Q in flight as the tier's goroutines make when they take consecutive
+// slots. The fastest of the three is the reference. It needs fio on PATH
+// and about 2×4.3 GB free there.
 func TestDiskVsFio(t *testing.T) {
 	dir := os.Getenv("KVO_DISK_BENCH")
 	if dir == "" {
@@ -86,36 +87,38 @@ func TestDiskVsFio(t *testing.T) {
 	qs := []int{1, 4, 16}
 	records := int64(fioPassBytes/fioRecord) / 16 * 16 // a multiple of every Q
 
-	type row struct{ regW, regR, intW, intR, tierW, tierR []float64 }
+	type row struct{ regW, regR, intW, intR, aioW, aioR, tierW, tierR []float64 }
 	rows := map[int]*row{}
 	for _, q := range qs {
 		r := &row{}
 		rows[q] = r
 		for range fioRounds {
-			w, rd := runFio(t, fio, work, q, records, false)
+			w, rd := runFio(t, fio, work, q, records, fioRegions)
 			r.regW, r.regR = append(r.regW, w), append(r.regR, rd)
-			w, rd = runFio(t, fio, work, q, records, true)
+			w, rd = runFio(t, fio, work, q, records, fioInterleaved)
 			r.intW, r.intR = append(r.intW, w), append(r.intR, rd)
+			w, rd = runFio(t, fio, work, q, records, fioQueue)
+			r.aioW, r.aioR = append(r.aioW, w), append(r.aioR, rd)
 			w, rd = runTier(t, work, q, records)
 			r.tierW, r.tierR = append(r.tierW, w), append(r.tierR, rd)
 		}
 	}
 	var out strings.Builder
-	fmt.Fprintf(&out, "| Q | fio write GB/s (regions / interleaved) | Put GB/s | Put / best fio | fio read GB/s (regions / interleaved) | Get GB/s | Get / best fio |\n")
+	fmt.Fprintf(&out, "| Q | fio write GB/s (regions / interleaved / libaio) | Put GB/s | Put / best fio | fio read GB/s (regions / interleaved / libaio) | Get GB/s | Get / best fio |\n")
 	fmt.Fprintf(&out, "|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, q := range qs {
 		r := rows[q]
-		rw, iw, tw := median(r.regW), median(r.intW), median(r.tierW)
-		rr, ir, tr := median(r.regR), median(r.intR), median(r.tierR)
-		fmt.Fprintf(&out, "| %d | %.2f / %.2f | %.2f | %.0f%% | %.2f / %.2f | %.2f | %.0f%% |\n",
-			q, rw/1e9, iw/1e9, tw/1e9, 100*tw/max(rw, iw), rr/1e9, ir/1e9, tr/1e9, 100*tr/max(rr, ir))
+		rw, iw, aw, tw := median(r.regW), median(r.intW), median(r.aioW), median(r.tierW)
+		rr, ir, ar, tr := median(r.regR), median(r.intR), median(r.aioR), median(r.tierR)
+		fmt.Fprintf(&out, "| %d | %.2f / %.2f / %.2f | %.2f | %.0f%% | %.2f / %.2f / %.2f | %.2f | %.0f%% |\n",
+			q, rw/1e9, iw/1e9, aw/1e9, tw/1e9, 100*tw/max(rw, iw, aw), rr/1e9, ir/1e9, ar/1e9, tr/1e9, 100*tr/max(rr, ir, ar))
 	}
-	fmt.Fprintf(&out, "\nEvery pass moves %d records of %d bytes (%.2f GB) each way; median of %d passes, fio (regions, interleaved) and the tier in turn.\n",
+	fmt.Fprintf(&out, "\nEvery pass moves %d records of %d bytes (%.2f GB) each way; median of %d passes, fio (regions, interleaved, libaio) and the tier in turn.\n",
 		records, fioRecord, float64(records*fioRecord)/1e9, fioRounds)
 	for _, q := range qs {
 		r := rows[q]
-		fmt.Fprintf(&out, "- Q=%d passes, GB/s: write fio regions %s, interleaved %s, Put %s; read fio regions %s, interleaved %s, Get %s\n",
-			q, gbs(r.regW), gbs(r.intW), gbs(r.tierW), gbs(r.regR), gbs(r.intR), gbs(r.tierR))
+		fmt.Fprintf(&out, "- Q=%d passes, GB/s: write fio regions %s, interleaved %s, libaio %s, Put %s; read fio regions %s, interleaved %s, libaio %s, Get %s\n",
+			q, gbs(r.regW), gbs(r.intW), gbs(r.aioW), gbs(r.tierW), gbs(r.regR), gbs(r.intR), gbs(r.aioR), gbs(r.tierR))
 	}
 	t.Log("\n" + out.String())
 }
@@ -134,23 +137,37 @@ func gbs(v []float64) string {
 	return strings.Join(parts, " ")
 }
 
-// runFio writes then reads a fresh file of records×fioRecord bytes from q
-// jobs, each its own contiguous region, or (interleaved) job j the records
-// j, j+q, j+2q..., and returns the bytes per second each way.
-func runFio(t *testing.T, fio, work string, q int, records int64, interleaved bool) (write, read float64) {
+// fio access patterns (see TestDiskVsFio).
+type fioPattern uint8
+
+const (
+	fioRegions     fioPattern = iota // psync, q jobs, each its own contiguous region
+	fioInterleaved                   // psync, q jobs, job j the records j, j+q, j+2q...
+	fioQueue                         // libaio, one job, iodepth q, one sequential stream
+)
+
+// runFio writes then reads a fresh file of records×fioRecord bytes in
+// pattern p and returns the bytes per second each way.
+func runFio(t *testing.T, fio, work string, q int, records int64, p fioPattern) (write, read float64) {
 	path := filepath.Join(work, "fio.dat")
 	defer os.Remove(path)
 	run := func(rw string) float64 {
-		args := []string{"--name=kvo", "--filename=" + path, "--direct=1", "--ioengine=psync",
-			fmt.Sprintf("--numjobs=%d", q), fmt.Sprintf("--bs=%d", fioRecord),
+		args := []string{"--name=kvo", "--filename=" + path, "--direct=1", fmt.Sprintf("--bs=%d", fioRecord),
 			"--group_reporting", "--output-format=json"}
-		if interleaved {
+		psync := []string{"--ioengine=psync", fmt.Sprintf("--numjobs=%d", q)}
+		switch p {
+		case fioRegions:
+			per := records / int64(q) * fioRecord
+			args = append(args, psync...)
+			args = append(args, "--rw="+rw, fmt.Sprintf("--size=%d", per), fmt.Sprintf("--offset_increment=%d", per))
+		case fioInterleaved:
+			args = append(args, psync...)
 			args = append(args, fmt.Sprintf("--rw=%s:%d", rw, int64(q-1)*fioRecord),
 				fmt.Sprintf("--size=%d", records*fioRecord), fmt.Sprintf("--io_size=%d", records/int64(q)*fioRecord),
 				fmt.Sprintf("--offset_increment=%d", fioRecord))
-		} else {
-			per := records / int64(q) * fioRecord
-			args = append(args, "--rw="+rw, fmt.Sprintf("--size=%d", per), fmt.Sprintf("--offset_increment=%d", per))
+		case fioQueue:
+			args = append(args, "--ioengine=libaio", fmt.Sprintf("--iodepth=%d", q), "--rw="+rw,
+				fmt.Sprintf("--size=%d", records*fioRecord))
 		}
 		cmd := exec.Command(fio, args...)
 		var stdout, stderr bytes.Buffer
