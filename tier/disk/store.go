@@ -151,7 +151,7 @@ func Open(cfg Config) (*Store, error) {
 			}
 			if _, dup := s.index[r.key]; r.kind != scanValid || dup {
 				if r.kind == scanValid {
-					s.stale++ // a second copy of a key: a crash between two writes of it
+					s.stale++ // a second copy of a key (a slot a crash left half rewritten, then the key stored again): the first found is kept
 				}
 				if d.writable {
 					s.free = append(s.free, i)
