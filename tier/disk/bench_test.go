@@ -3,6 +3,7 @@ package disk
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -26,24 +27,14 @@ func BenchmarkOpenScan(b *testing.B) {
 	cfg := config(directDir(b), size, records)
 	s, err := Open(cfg)
 	require.NoError(b, err)
-	var wg sync.WaitGroup
-	var next atomic.Int64
-	for range 16 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			p := alignedBuf(size)
-			for i := next.Add(1) - 1; i < records; i = next.Add(1) - 1 {
-				k := key(int(i))
-				copy(p, k[:])
-				if err := s.Put(k, p); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}()
+	bufs := make([][]byte, 16)
+	for g := range bufs {
+		bufs[g] = alignedBuf(size)
 	}
-	wg.Wait()
+	require.NoError(b, forEach(len(bufs), records, func(g int, k [16]byte) error {
+		copy(bufs[g], k[:])
+		return s.Put(k, bufs[g])
+	}))
 	require.NoError(b, s.Close())
 	for b.Loop() {
 		s, err := Open(cfg)
@@ -213,22 +204,8 @@ func runTier(t *testing.T, work string, q int, records int64) (write, read float
 		}
 	}
 	pass := func(op func(g int, k [16]byte) error) float64 {
-		var next atomic.Int64
-		var wg sync.WaitGroup
 		start := time.Now()
-		for g := range q {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := next.Add(1) - 1; i < records; i = next.Add(1) - 1 {
-					if err := op(g, key(int(i))); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
+		require.NoError(t, forEach(q, records, op))
 		return float64(records*fioRecord) / time.Since(start).Seconds()
 	}
 	write = pass(func(g int, k [16]byte) error { return s.Put(k, bufs[g]) })
@@ -243,4 +220,25 @@ func runTier(t *testing.T, work string, q int, records int64) (write, read float
 	require.Equal(t, records, st.Hits)
 	require.Zero(t, st.Corrupt+st.IOErrors+st.Evictions)
 	return write, read
+}
+
+// forEach runs op on key(0) ... key(n-1) from q goroutines, each taking the
+// next key in turn (goroutine g passes g), and returns the first error.
+func forEach(q int, n int64, op func(g int, k [16]byte) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, q)
+	for g := range q {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := next.Add(1) - 1; i < n; i = next.Add(1) - 1 {
+				if errs[g] = op(g, key(int(i))); errs[g] != nil {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
