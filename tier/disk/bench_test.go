@@ -1,0 +1,244 @@
+package disk
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvoffload/kvoffload/tier/record"
+	"github.com/stretchr/testify/require"
+)
+
+// BenchmarkOpenScan measures Open's rebuild of the index from 100,000
+// records' headers (4 KiB payloads; the scan reads one 4 KiB header a
+// record whatever the payload size). The target is 2 s per 100,000 records.
+func BenchmarkOpenScan(b *testing.B) {
+	const records, size = 100_000, align
+	cfg := config(directDir(b), size, records)
+	s, err := Open(cfg)
+	require.NoError(b, err)
+	bufs := make([][]byte, 16)
+	for g := range bufs {
+		bufs[g] = alignedBuf(size)
+	}
+	require.NoError(b, forEach(len(bufs), records, func(g int, k [16]byte) error {
+		copy(bufs[g], k[:])
+		return s.Put(k, bufs[g])
+	}))
+	require.NoError(b, s.Close())
+	for b.Loop() {
+		s, err := Open(cfg)
+		require.NoError(b, err)
+		require.Equal(b, int64(records), s.Stats().Records)
+		require.NoError(b, s.Close())
+	}
+	per := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(per*1e9/records, "ns/record")
+	b.ReportMetric(per*100_000/records, "s/100k-records")
+}
+
+// The fio comparison: an 8B-class 16-token block (Llama-3-8B geometry,
+// bf16: 2 MiB) plus its header sector.
+const (
+	fioPayload   = 2 << 20
+	fioRecord    = fioPayload + record.HeaderSize
+	fioPassBytes = 4 << 30 // bytes written (then read) per pass
+	fioRounds    = 5       // passes each way per queue depth; the median is reported
+)
+
+// TestDiskVsFio compares Put and Get from Q goroutines (checksums on) with
+// fio --direct=1 --ioengine=psync --numjobs=Q at the record size, on the
+// file system of $KVO_DISK_BENCH, for Q = 1, 4, 16, and prints a Markdown
+// table. fio runs in three patterns: psync, each job its own contiguous
+// region (offset_increment); psync, the jobs interleaved record by record
+// (rw=write:<skip>); and one libaio job at iodepth Q, one sequential stream
+// with Q in flight as the tier's goroutines make when they take consecutive
+// slots. The fastest of the three is the reference. It needs fio on PATH
+// and about 2×4.3 GB free there.
+func TestDiskVsFio(t *testing.T) {
+	dir := os.Getenv("KVO_DISK_BENCH")
+	if dir == "" {
+		t.Skip("KVO_DISK_BENCH=DIR runs the disk tier against fio on DIR's file system")
+	}
+	fio, err := exec.LookPath("fio")
+	require.NoError(t, err, "fio is needed (apt-get install -y fio)")
+	work, err := os.MkdirTemp(dir, "kvo-disk-vs-fio-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(work) })
+	qs := []int{1, 4, 16}
+	records := int64(fioPassBytes/fioRecord) / 16 * 16 // a multiple of every Q
+
+	type row struct{ regW, regR, intW, intR, aioW, aioR, tierW, tierR []float64 }
+	rows := map[int]*row{}
+	for _, q := range qs {
+		r := &row{}
+		rows[q] = r
+		for range fioRounds {
+			w, rd := runFio(t, fio, work, q, records, fioRegions)
+			r.regW, r.regR = append(r.regW, w), append(r.regR, rd)
+			w, rd = runFio(t, fio, work, q, records, fioInterleaved)
+			r.intW, r.intR = append(r.intW, w), append(r.intR, rd)
+			w, rd = runFio(t, fio, work, q, records, fioQueue)
+			r.aioW, r.aioR = append(r.aioW, w), append(r.aioR, rd)
+			w, rd = runTier(t, work, q, records)
+			r.tierW, r.tierR = append(r.tierW, w), append(r.tierR, rd)
+		}
+	}
+	var out strings.Builder
+	fmt.Fprintf(&out, "| Q | fio write GB/s (regions / interleaved / libaio) | Put GB/s | Put / best fio | fio read GB/s (regions / interleaved / libaio) | Get GB/s | Get / best fio |\n")
+	fmt.Fprintf(&out, "|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, q := range qs {
+		r := rows[q]
+		rw, iw, aw, tw := median(r.regW), median(r.intW), median(r.aioW), median(r.tierW)
+		rr, ir, ar, tr := median(r.regR), median(r.intR), median(r.aioR), median(r.tierR)
+		fmt.Fprintf(&out, "| %d | %.2f / %.2f / %.2f | %.2f | %.0f%% | %.2f / %.2f / %.2f | %.2f | %.0f%% |\n",
+			q, rw/1e9, iw/1e9, aw/1e9, tw/1e9, 100*tw/max(rw, iw, aw), rr/1e9, ir/1e9, ar/1e9, tr/1e9, 100*tr/max(rr, ir, ar))
+	}
+	fmt.Fprintf(&out, "\nEvery pass moves %d records of %d bytes (%.2f GB) each way; median of %d passes, fio (regions, interleaved, libaio) and the tier in turn.\n",
+		records, fioRecord, float64(records*fioRecord)/1e9, fioRounds)
+	for _, q := range qs {
+		r := rows[q]
+		fmt.Fprintf(&out, "- Q=%d passes, GB/s: write fio regions %s, interleaved %s, libaio %s, Put %s; read fio regions %s, interleaved %s, libaio %s, Get %s\n",
+			q, gbs(r.regW), gbs(r.intW), gbs(r.aioW), gbs(r.tierW), gbs(r.regR), gbs(r.intR), gbs(r.aioR), gbs(r.tierR))
+	}
+	t.Log("\n" + out.String())
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+func gbs(v []float64) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		parts[i] = fmt.Sprintf("%.2f", x/1e9)
+	}
+	return strings.Join(parts, " ")
+}
+
+// fio access patterns (see TestDiskVsFio).
+type fioPattern uint8
+
+const (
+	fioRegions     fioPattern = iota // psync, q jobs, each its own contiguous region
+	fioInterleaved                   // psync, q jobs, job j the records j, j+q, j+2q...
+	fioQueue                         // libaio, one job, iodepth q, one sequential stream
+)
+
+// runFio writes then reads a fresh file of records×fioRecord bytes in
+// pattern p and returns the bytes per second each way.
+func runFio(t *testing.T, fio, work string, q int, records int64, p fioPattern) (write, read float64) {
+	path := filepath.Join(work, "fio.dat")
+	defer os.Remove(path)
+	run := func(rw string) float64 {
+		args := []string{"--name=kvo", "--filename=" + path, "--direct=1", fmt.Sprintf("--bs=%d", fioRecord),
+			"--group_reporting", "--output-format=json"}
+		psync := []string{"--ioengine=psync", fmt.Sprintf("--numjobs=%d", q)}
+		switch p {
+		case fioRegions:
+			per := records / int64(q) * fioRecord
+			args = append(args, psync...)
+			args = append(args, "--rw="+rw, fmt.Sprintf("--size=%d", per), fmt.Sprintf("--offset_increment=%d", per))
+		case fioInterleaved:
+			args = append(args, psync...)
+			args = append(args, fmt.Sprintf("--rw=%s:%d", rw, int64(q-1)*fioRecord),
+				fmt.Sprintf("--size=%d", records*fioRecord), fmt.Sprintf("--io_size=%d", records/int64(q)*fioRecord),
+				fmt.Sprintf("--offset_increment=%d", fioRecord))
+		case fioQueue:
+			args = append(args, "--ioengine=libaio", fmt.Sprintf("--iodepth=%d", q), "--rw="+rw,
+				fmt.Sprintf("--size=%d", records*fioRecord))
+		}
+		cmd := exec.Command(fio, args...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		require.NoError(t, cmd.Run(), "fio: %s", stderr.String())
+		var res struct {
+			Jobs []struct {
+				Read struct {
+					BWBytes float64 `json:"bw_bytes"`
+				} `json:"read"`
+				Write struct {
+					BWBytes float64 `json:"bw_bytes"`
+				} `json:"write"`
+			} `json:"jobs"`
+		}
+		require.NoError(t, json.Unmarshal(stdout.Bytes(), &res), "fio output: %s", stdout.String())
+		require.Len(t, res.Jobs, 1)
+		if rw == "write" {
+			return res.Jobs[0].Write.BWBytes
+		}
+		return res.Jobs[0].Read.BWBytes
+	}
+	return run("write"), run("read")
+}
+
+// runTier opens a fresh store of records slots, Puts records blocks from q
+// goroutines (each from its own aligned buffer, as the engine's pinned
+// slots), then Gets them all back, and returns record bytes per second each
+// way (header included, as fio's block size includes it).
+func runTier(t *testing.T, work string, q int, records int64) (write, read float64) {
+	dir := filepath.Join(work, "tier")
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	defer os.RemoveAll(dir)
+	s, err := Open(Config{Dirs: []string{dir}, CapacityBytes: records * SlotBytes(fioPayload),
+		RecordPayloadBytes: fioPayload, Fingerprint: testFP, Direct: DirectRequire})
+	require.NoError(t, err)
+	defer s.Close()
+	bufs := make([][]byte, q)
+	for g := range bufs {
+		bufs[g] = alignedBuf(fioPayload)
+		for i := range bufs[g] {
+			bufs[g][i] = byte(i*131 + g)
+		}
+	}
+	pass := func(op func(g int, k [16]byte) error) float64 {
+		start := time.Now()
+		require.NoError(t, forEach(q, records, op))
+		return float64(records*fioRecord) / time.Since(start).Seconds()
+	}
+	write = pass(func(g int, k [16]byte) error { return s.Put(k, bufs[g]) })
+	read = pass(func(g int, k [16]byte) error {
+		ok, err := s.Get(k, bufs[g])
+		if err == nil && !ok {
+			err = fmt.Errorf("key %x: miss", k)
+		}
+		return err
+	})
+	st := s.Stats()
+	require.Equal(t, records, st.Hits)
+	require.Zero(t, st.Corrupt+st.IOErrors+st.Evictions)
+	return write, read
+}
+
+// forEach runs op on key(0) ... key(n-1) from q goroutines, each taking the
+// next key in turn (goroutine g passes g), and returns the first error.
+func forEach(q int, n int64, op func(g int, k [16]byte) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, q)
+	for g := range q {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := next.Add(1) - 1; i < n; i = next.Add(1) - 1 {
+				if errs[g] = op(g, key(int(i))); errs[g] != nil {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}

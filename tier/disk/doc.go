@@ -1,0 +1,52 @@
+// Package disk is the disk tier: a store of fixed-size records (package
+// record's format) in preallocated files, one per directory, keyed by the
+// blocks' 16-byte keys. It knows nothing of CUDA or of the engine, which
+// demotes host blocks into it and promotes them back into pinned slots.
+//
+// # Files
+//
+// Each directory of Config.Dirs holds one records file,
+// records-<slot bytes>.kvo (mode 0600), preallocated with fallocate to its
+// share of CapacityBytes and cut into slots of SlotBytes: a 4 KiB header
+// sector then the payload rounded up to 4 KiB, so every read and write is
+// aligned for O_DIRECT. Each directory is locked with flock(2) for the
+// store's life (a second Open of it, from this process or another, is
+// ErrLocked naming the holder written in kvoffload.holder); records files of
+// another slot size in it are removed at Open.
+//
+// # What it guarantees
+//
+//   - Get never returns bytes that fail a check: the header checksum, the
+//     format and host-layout versions, the fingerprint, the key, the length
+//     and the payload's CRC-32C are verified before it returns true. A
+//     failure is a miss, counted (Stats.Corrupt), and the record is dropped.
+//   - A Put writes its record inside its own slot: header and payload in one
+//     pwritev, or with FsyncEach the payload, a flush, the header (which
+//     carries the payload checksum), a flush. No write touches another
+//     slot. A crash can leave a slot whose header and payload do not match
+//     (its previous header over a new payload, or a new header over a partly
+//     written one): the payload checksum fails at the first Get, which
+//     drops it. A damaged header is discarded at Open (Stats.TornAtOpen).
+//     With FsyncEach, a header on stable storage implies its payload is.
+//   - Open rebuilds the index from the headers alone (payloads are verified
+//     when read), 32 header reads in flight per directory.
+//   - Faults are misses and counters, never errors on the serving path: an
+//     I/O error in Get is (false, nil) and Stats.IOErrors; a Put that fails
+//     (ENOSPC, EIO, a read-only file system) returns ErrIO, counts it and
+//     leaves the store usable. A directory that refuses writes at Open
+//     serves the records it holds and takes no new ones.
+//   - O_DIRECT is used where the file system takes it (DirectAuto), with
+//     buffered I/O where it does not (tmpfs); Stats.Mode says which.
+//     Aligned buffers (4 KiB in address and length, as the engine's pinned
+//     slots are) go to the kernel as they are; others are copied through a
+//     small pool of aligned bounce buffers.
+//
+// # Concurrency
+//
+// Put, Get, Contains, Delete and Clear are safe for concurrent use. One
+// mutex guards the index, the free list and the LRU list; no I/O runs under
+// it, so many reads and writes are in flight at once (each in its own
+// goroutine, each one pread/pwrite). A slot being read is not reused until
+// its readers are done; eviction takes the least recently used record that
+// no one is reading. Contains reads memory only.
+package disk
