@@ -76,7 +76,7 @@ func New(src Source, constLabels prometheus.Labels) *Collector {
 		bytes:        d("total_bytes_total", "Bytes copied.", "transfer_type"),
 		ops:          d("transfer_ops_total", "Store or Load ops finished.", "transfer_type"),
 		latency:      d("transfer_latency_seconds", "Op latency, call to done.", "transfer_type"),
-		usage:        d("cpu_cache_usage_perc", "Fraction of the pinned pool held by copies in flight (in-flight bytes over owned bytes).", "tier"),
+		usage:        d("cpu_cache_usage_perc", "Fraction of the pinned pool holding blocks (in-use bytes over owned bytes).", "tier"),
 		poolBytes:    d("pool_capacity_bytes", "Configured pool size.", "tier"),
 		ownedBytes:   d("pool_owned_bytes", "Pool bytes mapped and pinned now.", "tier"),
 		inUse:        d("pool_in_use_bytes", "Pool bytes holding a block (writing, ready, leased, releasing).", "tier"),
@@ -158,7 +158,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	usage := 0.0
 	if s.OwnedBytes > 0 {
-		usage = float64(s.InFlightBytes) / float64(s.OwnedBytes)
+		usage = float64(s.InUseBytes) / float64(s.OwnedBytes)
 	}
 	gauge(d.usage, usage, TierCPU)
 	gauge(d.poolBytes, float64(s.PoolBytes), TierCPU)

@@ -115,6 +115,8 @@ func TestScrapeAgreesWithStats(t *testing.T) {
 	require.Equal(t, float64(s.OwnedBytes), value(t, mfs, "kvoffload_pool_owned_bytes", "tier", "cpu"))
 	require.Equal(t, float64(s.InUseBytes), value(t, mfs, "kvoffload_pool_in_use_bytes", "tier", "cpu"))
 	require.Equal(t, float64(s.InFlightBytes), value(t, mfs, "kvoffload_pool_in_flight_bytes", "tier", "cpu"))
+	require.Positive(t, s.InUseBytes, "blocks are stored")
+	require.Equal(t, float64(s.InUseBytes)/float64(s.OwnedBytes), value(t, mfs, "kvoffload_cpu_cache_usage_perc", "tier", "cpu"))
 	require.Equal(t, float64(s.SlotsFree), value(t, mfs, "kvoffload_pool_slots", "state", "free"))
 	require.Equal(t, float64(s.GrowthTargetBytes), value(t, mfs, "kvoffload_growth_target_bytes", "tier", "cpu"))
 	require.Equal(t, dto.MetricType_HISTOGRAM, mfs["kvoffload_transfer_latency_seconds"].GetType())
