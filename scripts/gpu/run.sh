@@ -54,6 +54,7 @@ SUITES=(
 	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
+	"multigpu_link|each GPU's host link alone and with the others at once, and nvidia-smi topo (not in all)"
 	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
@@ -107,6 +108,12 @@ suite_pool64nice() {
 			[ -f "$D/pool64.md" ] && mv "$D/pool64.md" "$D/pool64-nice$nice-$run.md"
 		done
 	done
+}
+
+# The host link of each GPU alone and with the others at once, and the
+# topology: the reference of the runs on several GPUs (issue 29).
+suite_multigpu_link() {
+	PYTHONUNBUFFERED=1 step timeout 300 python3 bench/multigpu_link.py --out "$D/multigpu-link.md"
 }
 
 suite_demo() {
