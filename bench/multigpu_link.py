@@ -51,27 +51,28 @@ def main():
         """GB/s of one copy kind on GPU d (events on its streams)."""
         a_dev, b_dev, s1, s2 = dev[d]
         with torch.cuda.device(d):
-            start = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            start = torch.cuda.Event(enable_timing=True)
             end = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             torch.cuda.synchronize(d)
+            start.record(s1)
+            s2.wait_event(start)
             moved = 0
+            used = []
             if kind in ("h2d", "both"):
-                start[0].record(s1)
                 with torch.cuda.stream(s1):
                     a_dev.copy_(host[0], non_blocking=True)
                 end[0].record(s1)
                 moved += nbytes
+                used.append(0)
             if kind in ("d2h", "both"):
-                start[1].record(s2)
                 with torch.cuda.stream(s2):
                     host[1].copy_(b_dev, non_blocking=True)
                 end[1].record(s2)
                 moved += nbytes
+                used.append(1)
             torch.cuda.synchronize(d)
-            used = [i for i, k in ((0, "h2d"), (1, "d2h")) if kind in (k, "both")]
-            # Both ways: from the earlier start to the later end.
-            t0 = min(start[i] for i in used)
-            ms = max(t0.elapsed_time(end[i]) for i in used)
+            # Both ways: from the common start to the later end.
+            ms = max(start.elapsed_time(end[i]) for i in used)
             return moved / (ms / 1e3) / 1e9
 
     def best(devices, kind):
