@@ -109,7 +109,7 @@ def main():
            f"Date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  ",
            f"Machine: {n} × {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.release()}",
            "",
-           f"Contiguous copies of {a.mib} MiB between one pinned host buffer and each GPU, best of {a.reps}, CUDA events; both ways: two streams, from the earlier start to the later end.",
+           f"Contiguous copies of {a.mib} MiB between one pinned host buffer and each GPU, best of {a.reps}, CUDA events; both ways: two streams from one start event to the later end.",
            "",
            "| GPU | copy | alone GB/s | all GPUs at once GB/s | together / alone |",
            "|---:|---|---:|---:|---:|"]
