@@ -1,0 +1,61 @@
+// Package cluster is the cluster tier: records (package record's format) kept
+// in a Redis Cluster, written through asynchronously and read back by a
+// pipelined, deadline-bound batch Get. It knows nothing of CUDA or of the
+// engine, which writes host blocks through into it on store and promotes
+// what Get finds into pinned slots (Prefetch).
+//
+// # Client
+//
+// github.com/redis/rueidis: maintained by the Redis organisation, cluster
+// aware (slot map, MOVED and ASK followed and the map refreshed, retries of
+// idempotent reads), auto-pipelining (concurrent commands to one node share
+// one write and one round trip), RESP3, contexts for deadlines, AUTH with a
+// password or an ACL user, TLS. Writes go out without a copy in the client
+// (rueidis.BinaryString aliases the record buffer); a read reply arrives in
+// one string the client allocates, which Get verifies in place and copies
+// once into the caller's buffer. valkey-go is the same code under the Valkey
+// project; go-redis allocates a command object and more per call and
+// pipelines only when asked.
+//
+// # Keys and generations
+//
+// A record's key is <Prefix>:<Namespace>:<generation>:<block key, 32 hex
+// digits>. Keys carry no hash tag, so records spread over every slot and
+// master. The namespace's generation is the integer at <Prefix>:<Namespace>:gen
+// (absent is 0). Clear INCRs it: records of older generations are unreachable
+// at once (no reader builds their keys) and expire by TTL. Every Store reads
+// the generation at Open and again every Config.GenerationRefresh, so other
+// writers' Clears reach it within that period; a store never goes back to a
+// lower generation than it has seen (should the generation key be evicted, the
+// next Clear sets it above the highest one seen here).
+//
+// # Eviction
+//
+// The cluster evicts, not this package: run the masters with a maxmemory and
+// maxmemory-policy allkeys-lru, so that the least recently used records make
+// room (the generation key is read every GenerationRefresh, which keeps it
+// recent). Under noeviction a full cluster refuses writes with an OOM error:
+// each is a failed put, counted (Stats.PutErrors, Stats.PutOOM). Every record
+// has the TTL Config.TTL.
+//
+// # What it guarantees
+//
+//   - Get never fills a destination with bytes that fail a check: the header
+//     checksum, the format and host-layout versions, the fingerprint, the key,
+//     the length and the payload's CRC-32C are verified on the reply before
+//     one byte is copied into the destination. A destination whose Get
+//     returned false is left untouched.
+//   - Every failure is a miss or a dropped put, counted, never an error on the
+//     serving path: a key that is absent, a record that fails a check, a
+//     master down, a timeout, a node refusing a write (OOM), a closed store.
+//   - PutAsync never blocks on the network: it copies the payload behind a
+//     header into a buffer of its own (the caller may reuse its payload as soon
+//     as PutAsync returns) and returns; the bytes of records not yet
+//     acknowledged are bounded by Config.MaxInFlightBytes, past which PutAsync
+//     returns false and counts a drop. Config.OnPutDone is called once per
+//     accepted put when the cluster has answered.
+//
+// # Concurrency
+//
+// Every method is safe for concurrent use.
+package cluster

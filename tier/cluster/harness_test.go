@@ -1,0 +1,237 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// testCluster is a Redis Cluster of real redis-server processes on loopback
+// ports: masters first, then replicas.
+type testCluster struct {
+	dir      string
+	password string
+	ports    []int
+	procs    map[int]*exec.Cmd
+	masters  int
+}
+
+// needRedis skips when redis-server or redis-cli is not installed (.ci/run
+// installs them with apt-get; only a machine where that failed lacks them).
+func needRedis(tb testing.TB) {
+	tb.Helper()
+	for _, bin := range []string{"redis-server", "redis-cli"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			tb.Skipf("%s not found: it could not be installed here (.ci/run installs it with apt-get install -y redis-server)", bin)
+		}
+	}
+}
+
+// freePort returns a loopback port free for a node and its cluster bus
+// (port+10000), not in avoid.
+func freePort(avoid map[int]bool) (int, error) {
+	for range 200 {
+		p := 20000 + rand.IntN(25000)
+		if avoid[p] || avoid[p+10000] || avoid[p-10000] {
+			continue
+		}
+		ok := true
+		for _, q := range []int{p, p + 10000} {
+			l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(q))
+			if err != nil {
+				ok = false
+				break
+			}
+			l.Close()
+		}
+		if ok {
+			avoid[p] = true
+			return p, nil
+		}
+	}
+	return 0, fmt.Errorf("no free port pair")
+}
+
+// startCluster starts masters masters with replicas replicas each (0 or 1)
+// in dir, creates the cluster and waits for cluster_state:ok everywhere.
+func startCluster(dir string, masters, replicas int, password string, extra ...string) (*testCluster, error) {
+	c := &testCluster{dir: dir, password: password, procs: map[int]*exec.Cmd{}, masters: masters}
+	avoid := map[int]bool{}
+	n := masters * (1 + replicas)
+	for range n {
+		p, err := freePort(avoid)
+		if err != nil {
+			c.stop()
+			return nil, err
+		}
+		args := []string{"--port", strconv.Itoa(p), "--bind", "127.0.0.1",
+			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
+			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", dir,
+			"--enable-debug-command", "yes", "--logfile", fmt.Sprintf("redis-%d.log", p)}
+		if password != "" {
+			args = append(args, "--requirepass", password, "--masterauth", password)
+		}
+		args = append(args, extra...)
+		cmd := exec.Command("redis-server", args...)
+		if err := cmd.Start(); err != nil {
+			c.stop()
+			return nil, fmt.Errorf("start redis-server: %w", err)
+		}
+		c.ports = append(c.ports, p)
+		c.procs[p] = cmd
+	}
+	for _, p := range c.ports {
+		if err := waitDial(p, 5*time.Second); err != nil {
+			c.stop()
+			return nil, err
+		}
+	}
+	args := []string{"--cluster", "create"}
+	for _, p := range c.ports {
+		args = append(args, "127.0.0.1:"+strconv.Itoa(p))
+	}
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
+	if out, err := c.cliAt(c.ports[0], args...); err != nil {
+		c.stop()
+		return nil, fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
+	}
+	if err := c.waitOK(20 * time.Second); err != nil {
+		c.stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func waitDial(p int, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(p), 100*time.Millisecond)
+		if err == nil {
+			conn.Close()
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("redis-server on port %d did not come up: %w", p, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// waitOK waits until every live node reports cluster_state:ok.
+func (c *testCluster) waitOK(d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		bad := ""
+		for _, p := range c.ports {
+			if c.procs[p] == nil {
+				continue
+			}
+			out, err := c.cli(p, "cluster", "info")
+			if err != nil || !strings.Contains(out, "cluster_state:ok") {
+				bad = fmt.Sprintf("node %d: %v %s", p, err, out)
+				break
+			}
+		}
+		if bad == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("cluster not ok after %v: %s", d, bad)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// cli runs redis-cli against the node on port p.
+func (c *testCluster) cli(p int, args ...string) (string, error) {
+	return c.cliAt(p, args...)
+}
+
+func (c *testCluster) cliAt(p int, args ...string) (string, error) {
+	base := []string{"-h", "127.0.0.1", "-p", strconv.Itoa(p)}
+	if c.password != "" {
+		base = append(base, "-a", c.password, "--no-auth-warning")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "redis-cli", append(base, args...)...).CombinedOutput()
+	return strings.TrimSpace(string(out)), err
+}
+
+func (c *testCluster) addrs() []string {
+	var a []string
+	for _, p := range c.ports[:c.masters] {
+		a = append(a, "127.0.0.1:"+strconv.Itoa(p))
+	}
+	return a
+}
+
+// kill kills the node on port p.
+func (c *testCluster) kill(p int) {
+	if cmd := c.procs[p]; cmd != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		c.procs[p] = nil
+	}
+}
+
+func (c *testCluster) stop() {
+	for _, p := range c.ports {
+		c.kill(p)
+	}
+}
+
+// newCluster starts a cluster for one test, stopped at its end.
+func newCluster(t *testing.T, masters, replicas int, password string, extra ...string) *testCluster {
+	t.Helper()
+	needRedis(t)
+	c, err := startCluster(t.TempDir(), masters, replicas, password, extra...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.stop)
+	return c
+}
+
+var (
+	sharedOnce sync.Once
+	sharedC    *testCluster
+	sharedErr  error
+	sharedDir  string
+)
+
+// shared returns the cluster of 3 masters the tests that do not kill nodes
+// share (started once; TestMain stops it).
+func shared(t *testing.T) *testCluster {
+	t.Helper()
+	needRedis(t)
+	sharedOnce.Do(func() {
+		sharedDir, sharedErr = os.MkdirTemp("", "kvo-cluster-")
+		if sharedErr == nil {
+			sharedC, sharedErr = startCluster(sharedDir, 3, 0, "")
+		}
+	})
+	if sharedErr != nil {
+		t.Fatal(sharedErr)
+	}
+	return sharedC
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if sharedC != nil {
+		sharedC.stop()
+	}
+	if sharedDir != "" {
+		os.RemoveAll(sharedDir)
+	}
+	os.Exit(code)
+}
