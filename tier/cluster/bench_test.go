@@ -1,0 +1,178 @@
+package cluster
+
+import (
+	"context"
+	"encoding/csv"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvoffload/kvoffload/tier/record"
+)
+
+// TestBenchVsRedisBenchmark compares the tier with redis-benchmark like for
+// like: one cluster (3 masters), one run, records of the same size (the
+// tier's header included: redis-benchmark's -d is the tier's header plus
+// payload), the same number of requests outstanding (connections × pipeline
+// depth) and the same count. Not in CI: it runs with KVO_CLUSTER_BENCH=1.
+// KVO_CLUSTER_BENCH_SIZES (record bytes, comma-separated), _CONNS, _DEPTH
+// and _COUNT change the defaults.
+func TestBenchVsRedisBenchmark(t *testing.T) {
+	if os.Getenv("KVO_CLUSTER_BENCH") != "1" {
+		t.Skip("set KVO_CLUSTER_BENCH=1 to run the benchmark against redis-benchmark")
+	}
+	needRedis(t)
+	if _, err := exec.LookPath("redis-benchmark"); err != nil {
+		t.Skip("redis-benchmark not found")
+	}
+	env := func(name string, def int) int {
+		if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
+			return v
+		}
+		return def
+	}
+	sizes := []int{256 << 10, 2<<20 + 4<<10}
+	if v := os.Getenv("KVO_CLUSTER_BENCH_SIZES"); v != "" {
+		sizes = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n <= record.HeaderSize {
+				t.Fatalf("bad size %q", f)
+			}
+			sizes = append(sizes, n)
+		}
+	}
+	conns, depth := env("KVO_CLUSTER_BENCH_CONNS", 6), env("KVO_CLUSTER_BENCH_DEPTH", 4)
+	keyspace := 96
+	c := newCluster(t, 3, 0, "")
+	perNode := 1
+	for perNode*3 < conns {
+		perNode *= 2
+	}
+	fmt.Printf("\ncluster: 3 masters on loopback; %d connections, pipeline depth %d (the tier: %d connections per master, %d requests outstanding); keyspace %d\n\n",
+		conns, depth, perNode, conns*depth, keyspace)
+	fmt.Println("| record bytes | op | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s |")
+	fmt.Println("|---:|---|---:|---:|---:|---:|---:|")
+	for _, size := range sizes {
+		count := env("KVO_CLUSTER_BENCH_COUNT", max(200, int((2<<30)/int64(size))))
+		rb := redisBenchmark(t, c, size, depth, conns, count, keyspace)
+		c.cli(c.ports[0], "flushall")
+		for _, p := range c.ports[1:3] {
+			c.cli(p, "flushall")
+		}
+		put, get := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
+		for _, r := range []struct {
+			op   string
+			rb   float64
+			tier float64
+		}{{"SET / PutAsync", rb["SET"], put}, {"GET / Get", rb["GET"], get}} {
+			fmt.Printf("| %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f |\n", size, r.op, count, r.rb, r.tier, 100*r.tier/r.rb, r.tier*float64(size)/1e9)
+		}
+		for _, p := range c.ports[:3] {
+			c.cli(p, "flushall")
+		}
+	}
+	fmt.Println()
+}
+
+// redisBenchmark runs redis-benchmark --cluster and returns requests per
+// second by test name.
+func redisBenchmark(t *testing.T, c *testCluster, size, depth, conns, count, keyspace int) map[string]float64 {
+	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", "set,get",
+		"-d", strconv.Itoa(size), "-P", strconv.Itoa(depth), "-c", strconv.Itoa(conns),
+		"-n", strconv.Itoa(count), "-r", strconv.Itoa(keyspace), "--csv"}
+	out, err := exec.Command("redis-benchmark", args...).Output()
+	if err != nil {
+		t.Fatalf("redis-benchmark %v: %v\n%s", args, err, out)
+	}
+	fmt.Printf("<!-- redis-benchmark %s -->\n", strings.Join(args, " "))
+	var lines []string // the CSV rows, after the cluster's description
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, `"`) {
+			lines = append(lines, l)
+		}
+	}
+	rows, err := csv.NewReader(strings.NewReader(strings.Join(lines, "\n"))).ReadAll()
+	if err != nil {
+		t.Fatalf("redis-benchmark output: %v\n%s", err, out)
+	}
+	rps := map[string]float64{}
+	for _, r := range rows {
+		if len(r) >= 2 {
+			if v, err := strconv.ParseFloat(r[1], 64); err == nil {
+				rps[r[0]] = v
+			}
+		}
+	}
+	return rps
+}
+
+// benchTier puts count records of size bytes (keyspace distinct keys) with
+// conns×depth puts outstanding, then gets count records with conns
+// goroutines each asking for depth keys a call; it returns puts and gets per
+// second.
+func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) (float64, float64) {
+	outstanding := conns * depth
+	sem := make(chan struct{}, outstanding)
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "bench", Fingerprint: 1,
+		MaxInFlightBytes: int64(outstanding * size), ConnsPerNode: perNode, Timeout: 10 * time.Second,
+		OnPutDone: func([16]byte, bool) { <-sem }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	payload := make([]byte, size-record.HeaderSize)
+	for i := range payload {
+		payload[i] = byte(i * 7)
+	}
+	keys := keysN(keyspace, 0xbe)
+	start := time.Now()
+	for i := range count {
+		sem <- struct{}{}
+		if !s.PutAsync(keys[i%keyspace], payload) {
+			t.Fatal("put dropped")
+		}
+	}
+	s.Flush()
+	put := float64(count) / time.Since(start).Seconds()
+	if st := s.Stats(); st.PutErrors != 0 {
+		t.Fatalf("put errors: %+v", st)
+	}
+
+	var next, hits atomic.Int64
+	var wg sync.WaitGroup
+	start = time.Now()
+	for w := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ks := make([][16]byte, depth)
+			ds := dstsN(depth, size-record.HeaderSize)
+			for {
+				i := int(next.Add(int64(depth))) - depth
+				if i >= count {
+					return
+				}
+				n := min(depth, count-i)
+				for j := range n {
+					ks[j] = keys[(i+j+w)%keyspace]
+				}
+				hits.Add(int64(count1(s.Get(context.Background(), ks[:n], ds[:n]))))
+			}
+		}()
+	}
+	wg.Wait()
+	get := float64(count) / time.Since(start).Seconds()
+	if hits.Load() != int64(count) {
+		t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
+	}
+	return put, get
+}
+
+func count1(ok []bool) int { return count(ok) }
