@@ -408,3 +408,53 @@ func field(info, name string) string {
 	}
 	return ""
 }
+
+// TestReshard moves slots between masters (MIGRATE: ASK while a slot moves,
+// MOVED after) while Gets run: the client follows the redirections and every
+// record stays a hit.
+func TestReshard(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{})
+	const n, size = 200, 3000
+	ks, ps := keysN(n, 13), payloads(n, size)
+	putAll(t, s, ks, ps)
+	from, err := c.cli(c.ports[0], "cluster", "myid")
+	require.NoError(t, err)
+	to, err := c.cli(c.ports[1], "cluster", "myid")
+	require.NoError(t, err)
+	stop := make(chan struct{})
+	var rounds, wrong atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			ds := dstsN(n, size)
+			ok := s.Get(context.Background(), ks, ds)
+			for i := range ok {
+				if ok[i] && !bytes.Equal(ds[i], ps[i]) {
+					wrong.Add(1)
+				}
+			}
+			rounds.Add(1)
+		}
+	}()
+	out, err := c.cli(c.ports[0], "--cluster", "reshard", "127.0.0.1:"+strconv.Itoa(c.ports[0]),
+		"--cluster-from", from, "--cluster-to", to, "--cluster-slots", "1000", "--cluster-yes")
+	require.NoError(t, err, out)
+	close(stop)
+	<-done
+	require.Zero(t, wrong.Load())
+	require.Greater(t, rounds.Load(), int64(0))
+	require.NoError(t, c.waitOK(10*time.Second))
+	ds := dstsN(n, size)
+	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)))
+	for i := range ks {
+		require.Equal(t, ps[i], ds[i])
+	}
+	t.Logf("%d Get rounds during the reshard; %+v", rounds.Load(), s.Stats())
+}
