@@ -276,7 +276,8 @@ func (d *diskTier) onIndex(ev kvcache.IndexEvent) {
 // demote is OnFree's disk part: if s held an admitted evicted block, its
 // bytes (mem, intact until OnFree returns) are copied into a bounce buffer
 // and queued for the writer; with no buffer free the demotion is dropped.
-// It never waits.
+// A block whose key is on disk already is not written again. It never
+// waits.
 func (d *diskTier) demote(s kvcache.Slot, mem []byte) {
 	d.pendMu.Lock()
 	key, ok := d.pend[slotGen{s.ID, s.Gen}]
@@ -284,8 +285,8 @@ func (d *diskTier) demote(s kvcache.Slot, mem []byte) {
 		delete(d.pend, slotGen{s.ID, s.Gen})
 	}
 	d.pendMu.Unlock()
-	if !ok {
-		return
+	if !ok || d.store.Contains(key) {
+		return // not admitted, or on disk already (a promoted block evicted again)
 	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()

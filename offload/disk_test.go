@@ -3,6 +3,8 @@ package offload
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -257,4 +259,84 @@ func TestDiskConfig(t *testing.T) {
 	require.Equal(t, DiskDirectAuto, cfg.Disk.Direct)
 	require.Equal(t, DefaultWriteBackBytes, cfg.Disk.WriteBackBytes)
 	require.Empty(t, d.Fsync, "the caller's DiskConfig is not changed")
+}
+
+// TestDiskConcurrent: goroutines store and load keys through a pool of four
+// slots over the disk tier, with a write-back pool of two blocks: every
+// block loaded holds its key's bytes, whichever tier it came from.
+func TestDiskConcurrent(t *testing.T) {
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	cfg.Disk.WriteBackBytes = 2 * 8 << 10
+	e := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e.Close()) }()
+	segs, err := e.layout.Segments(0, nil)
+	require.NoError(t, err)
+	want := func(k int) []byte {
+		out := make([]byte, e.slot)
+		for _, s := range segs {
+			copy(out[s.Off:], bytes.Repeat([]byte{byte(k) + byte(s.Off/2048)}, int(s.Len)))
+		}
+		return out
+	}
+	write := func(id, k int) error {
+		ss, err := e.layout.Segments(id, nil)
+		if err != nil {
+			return err
+		}
+		b := want(k)
+		for _, s := range ss {
+			if err := e.sim.Write(s.Dev, b[s.Off:s.Off+s.Len]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	ctx := context.Background()
+	errs := make(chan error, 4)
+	for g := range 4 {
+		go func() {
+			errs <- func() error {
+				for it := range 60 {
+					id := g*4 + it%4
+					k := (g*7 + it*5) % 24
+					if err := write(id, k); err != nil {
+						return err
+					}
+					op, err := e.Store(ctx, []Key{testKey(k)}, []int{id}, StoreOptions{})
+					if err != nil {
+						return err
+					}
+					if err := op.Wait(ctx); err != nil {
+						return err
+					}
+					j := (k + 3 + g) % 24
+					dst := g*4 + (it+1)%4
+					op, err = e.Load(ctx, []Key{testKey(j)}, []int{dst}, LoadOptions{})
+					if errors.Is(err, ErrBusy) {
+						continue
+					}
+					if err != nil {
+						return err
+					}
+					if err := op.Wait(ctx); err != nil {
+						return err
+					}
+					if op.Count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
+						return fmt.Errorf("key %d loaded into block %d with the wrong bytes", j, dst)
+					}
+				}
+				return nil
+			}()
+		}()
+	}
+	for range 4 {
+		require.NoError(t, <-errs)
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	st := e.Stats()
+	t.Logf("disk: %d writes, %d dropped, %d hits, %d misses, %d records", st.DiskWrites, st.DiskDropped, st.DiskHits, st.DiskMisses, st.DiskRecords)
+	require.Positive(t, st.DiskWrites)
+	require.Positive(t, st.DiskHits)
+	require.Zero(t, st.DiskMisses)
 }
