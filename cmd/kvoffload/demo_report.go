@@ -86,7 +86,7 @@ type blockCounts struct {
 	// Lookup found on disk (LookupResult.DiskHits): promoted from disk, or
 	// already in the pool behind a block that was on disk only.
 	DiskHits int64 `json:"disk_hits"`
-	Misses   int64 `json:"misses"`    // recomputed
+	Misses   int64 `json:"misses"` // recomputed
 }
 
 func (b blockCounts) ratio(n int64) float64 {
