@@ -6,8 +6,15 @@ package kvcache
 // one key apart); Namespace is the block's. The hook runs under the cache's
 // lock, in the order the changes happened, so a consumer that copies the
 // event out (to a bounded channel, say) keeps that order.
+//
+// Evicted marks a removal that is the policy's own eviction, making room
+// (not a delete, clear, trim, nor TinyLFU's after-the-fact rejection): the
+// block was wanted and is a candidate for a lower tier. Its slot's bytes stay
+// intact until Config.OnFree is called with the same Slot (ID and Gen), which
+// is where an owner with OnFree set can copy them out.
 type IndexEvent struct {
 	Ready     bool
+	Evicted   bool
 	Key       Key
 	Slot      Slot
 	Namespace Namespace

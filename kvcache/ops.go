@@ -501,7 +501,7 @@ func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 		c.policy.Removed(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
 	}
 	if c.onIndex != nil && s.visible() {
-		c.onIndex(IndexEvent{Key: s.key, Slot: c.handle(i), Namespace: s.ns})
+		c.onIndex(IndexEvent{Key: s.key, Slot: c.handle(i), Namespace: s.ns, Evicted: counter == &c.st.Evicted})
 	}
 	c.unindex(i)
 	*counter++

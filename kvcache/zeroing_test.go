@@ -142,3 +142,38 @@ func TestStoreZeroesItsOwnVictims(t *testing.T) {
 	require.Zero(t, st.Zeroing)
 	require.NoError(t, c.Verify())
 }
+
+// TestIndexEventEvicted: OnIndex marks a policy eviction Evicted, and OnFree
+// later gets the same slot handle (ID and Gen) with the bytes untouched
+// meanwhile; a Delete's removal is not marked.
+func TestIndexEventEvicted(t *testing.T) {
+	var events []IndexEvent
+	var freed []Slot
+	c := newCache(t, 2, Config{
+		OnIndex: func(ev IndexEvent) {
+			if !ev.Ready {
+				events = append(events, ev)
+			}
+		},
+		OnFree: func(s Slot) { freed = append(freed, s) },
+	})
+	ks, ids := keysN(0, 2)
+	res := store(t, c, ks, ids)
+	require.Equal(t, 1, c.Delete(ks[1:]))
+	require.Len(t, events, 1)
+	require.False(t, events[0].Evicted, "a delete is not an eviction")
+	require.Equal(t, res[1].Slot, freed[0])
+
+	// Two more blocks in a pool of two: the first evicts nothing (the
+	// deleted slot is free), the second evicts ks[0].
+	more, moreIDs := keysN(2, 2)
+	store(t, c, more[:1], moreIDs[:1])
+	store(t, c, more[1:], moreIDs[1:])
+	require.Len(t, events, 2)
+	ev := events[1]
+	require.True(t, ev.Evicted, "the policy's eviction")
+	require.Equal(t, ks[0], ev.Key)
+	require.Equal(t, res[0].Slot, ev.Slot)
+	require.Contains(t, freed, ev.Slot, "OnFree gets the evicted block's slot, same generation")
+	require.NoError(t, c.Verify())
+}

@@ -219,6 +219,11 @@ type Config struct {
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
 	SkipMemoryCheck bool `json:"skip_memory_check,omitempty"`
+	// Disk, when set, adds the disk tier below the host pool (see
+	// DiskConfig): evicted blocks are written back to it, Lookup reports
+	// the blocks found on it (LookupResult.DiskHits), Load promotes them.
+	// Nil: no disk tier.
+	Disk *DiskConfig `json:"disk,omitempty"`
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache as plain data (it
@@ -304,6 +309,13 @@ type LookupResult struct {
 	// Hits is the length of the longest prefix of keys whose blocks are
 	// ready in the pool.
 	Hits int
+	// DiskHits is the number of keys after that prefix whose blocks have a
+	// record in the disk tier (Config.Disk): keys[Hits:Hits+DiskHits] can
+	// be loaded too, Load promoting them through host slots. It is answered
+	// from memory (never waits for the disk) and leases nothing: such a
+	// block may vanish or turn out damaged before the Load, which then
+	// reports it missing.
+	DiskHits int
 	// Lease holds reader leases on keys[:Hits] when LookupOptions.Lease was
 	// set and Hits > 0; nil otherwise. Release it, or pass it to Load.
 	Lease *Lease

@@ -153,6 +153,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("PoolBytes = %d in regions of RegionBytes = %d (first FirstRegionBytes = %d) makes %d regions, at most %d (MaxRegions)",
 			planTarget(cfg), cfg.RegionBytes, cfg.FirstRegionBytes, n, MaxRegions)
 	}
+	if err := diskDefaults(&cfg, slot); err != nil {
+		return Config{}, numaSetting{}, 0, err
+	}
 	return cfg, numa, slot, nil
 }
 

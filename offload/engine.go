@@ -63,8 +63,9 @@ type Engine struct {
 	stage   stagingArea
 	reaping reaperState
 	names   namespaces
-	hub     eventHub // Events' streams (events.go)
-	slotMem sync.Map // RegionID → the region's bytes, for ZeroOnRelease
+	hub     eventHub  // Events' streams (events.go)
+	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk tier
+	disk    *diskTier // the disk tier (Config.Disk), nil without one
 }
 
 // growthState is background growth's plan and progress; mu guards every

@@ -80,6 +80,8 @@ type engineHooks struct {
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
+	// beforeDiskPut runs on the disk tier's writer before each write.
+	beforeDiskPut func()
 }
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
@@ -190,6 +192,10 @@ func (e *Engine) teardown() error {
 	}
 	if e.cache != nil {
 		e.cache.Close()
+	}
+	if e.disk != nil {
+		// After the cache: no OnFree queues a demotion any more.
+		errs = append(errs, e.disk.close())
 	}
 	e.memory.mu.Lock()
 	all := append([]*poolRegion(nil), e.memory.regions...)
@@ -334,10 +340,19 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
 	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve}
-	if cfg.ZeroOnRelease {
-		kcfg.OnFree = e.zeroSlot
+	if cfg.ZeroOnRelease || cfg.Disk != nil {
+		kcfg.OnFree = e.onFree
 	}
 	kcfg.OnIndex = e.hub.onIndex
+	if cfg.Disk != nil {
+		if e.disk, err = openDisk(cfg, slot, h.beforeDiskPut); err != nil {
+			return nil, err
+		}
+		kcfg.OnIndex = func(ev kvcache.IndexEvent) {
+			e.disk.onIndex(ev)
+			e.hub.onIndex(ev)
+		}
+	}
 	if e.cache, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}

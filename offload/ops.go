@@ -99,6 +99,11 @@ func (e *Engine) lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 		res.Hits = e.cache.Lookup(keys)
 	}
 	e.stats.hits.Add(int64(res.Hits))
+	if e.disk != nil {
+		e.disk.saw(keys)
+		res.DiskHits = e.disk.prefix(keys[res.Hits:])
+		e.stats.diskLookupHits.Add(int64(res.DiskHits))
+	}
 	return res, nil
 }
 
@@ -166,6 +171,9 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	}
 	if err := checkTokens(len(keys), opts.Tokens, e.cfg.Layout.TokensPerBlock); err != nil {
 		return nil, err
+	}
+	if e.disk != nil {
+		e.disk.saw(keys)
 	}
 	res, err := e.beginStore(e.namespace(ns), keys, blockIDs, opts)
 	if err != nil {
@@ -365,6 +373,11 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	if err != nil {
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
+	if e.disk != nil && ctx.Err() == nil {
+		// Blocks on disk are read into host slots now (the Load waits
+		// for those reads), then copied with the others.
+		e.promote(keys[n:], blockIDs[n:], res)
+	}
 	op := newOp(e, OpLoad, len(keys))
 	if opts.PerLayer && e.layout.Kind() != kvcache.CrossLayer {
 		op.layers = e.layout.Geometry().Layers // what segments groups the copies by
@@ -499,12 +512,20 @@ func (e *Engine) finishOp(op *Op, start time.Time) {
 
 func (e *Engine) delete(keys []Key) int {
 	n := e.cache.Delete(keys)
+	if e.disk != nil {
+		e.disk.delete(keys)
+	}
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()
 	return n
 }
 
 func (e *Engine) clear(ns string) int {
+	if e.disk != nil {
+		// Records carry no namespace: the whole disk tier goes (also
+		// when this engine stored nothing in ns, as after a restart).
+		e.disk.clearAll()
+	}
 	e.names.mu.Lock()
 	id, ok := e.names.ids[ns]
 	e.names.mu.Unlock()

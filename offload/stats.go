@@ -90,6 +90,20 @@ type Stats struct {
 	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
 	ZeroedSlots         int64 `json:"zeroed_slots"`         // slots zeroed on release (Config.ZeroOnRelease)
 
+	// The disk tier (Config.Disk); all 0 without one.
+	DiskLookupHits  int64  `json:"disk_lookup_hits"`    // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
+	DiskHits        int64  `json:"disk_hits"`           // blocks Load read from disk into host slots (promoted)
+	DiskMisses      int64  `json:"disk_misses"`         // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
+	DiskWrites      int64  `json:"disk_writes"`         // evicted blocks written back to disk
+	DiskWriteErrors int64  `json:"disk_write_errors"`   // write-backs the store refused or failed (full, I/O error)
+	DiskDropped     int64  `json:"disk_dropped"`        // admitted evictions not written back: every write-back buffer was in use
+	DiskNotAdmitted int64  `json:"disk_not_admitted"`   // evictions the admission filter kept off disk (key seen once)
+	DiskCorrupt     int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
+	DiskRecords     int64  `json:"disk_records"`        // records on disk now
+	DiskBytes       int64  `json:"disk_bytes"`          // their payload bytes
+	DiskCapacity    int64  `json:"disk_capacity"`       // records the disk tier can hold
+	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
+
 	// Per direction.
 	Store Direction `json:"store"`
 	Load  Direction `json:"load"`
@@ -241,6 +255,7 @@ type counters struct {
 	outcomes             [numOutcomes]atomic.Int64
 	deletes              atomic.Int64
 	zeroed               atomic.Int64
+	diskLookupHits       atomic.Int64
 	teardownErrors       atomic.Int64
 	inFlightBytes        atomic.Int64
 	store, load          direction
@@ -267,6 +282,14 @@ func (e *Engine) snapshot() Stats {
 	if e.cudaDev != nil {
 		s.BounceCopies = e.cudaDev.BounceCopies()
 		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
+	}
+	if d := e.disk; d != nil {
+		ds := d.store.Stats()
+		s.DiskLookupHits = c.diskLookupHits.Load()
+		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
+		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
+		s.DiskNotAdmitted, s.DiskCorrupt = d.notAdmitted.Load(), ds.Corrupt
+		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 	}
 	s.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {

@@ -48,6 +48,8 @@ reports a failed copy.`,
 		fs.Var(stringFlag[offload.Policy]{&cfg.policy}, "policy", "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
+		fs.StringVar(&cfg.diskDir, "disk", "", "add the disk tier, its records file in `dir` (pool evictions are written back there and loaded from it)")
+		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
 		fs.StringVar(&cfg.metricsAddr, "metrics", "", "serve Prometheus metrics at http://`addr`/metrics while the demo runs")
@@ -97,6 +99,9 @@ type demoConfig struct {
 	prefaultNice int
 	// metricsAddr and eventsAddr: --metrics and --events (demo_observe.go).
 	metricsAddr, eventsAddr string
+	// diskDir and diskBytes: --disk and --disk-bytes (the engine's Config.Disk).
+	diskDir   string
+	diskBytes int64
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -135,6 +140,10 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --pool-bytes %d must be positive", errUsage, c.poolBytes)
 	case c.prefaultThreads < 0:
 		return shape, fmt.Errorf("%w: --prefault-threads %d must not be negative (0: the default)", errUsage, c.prefaultThreads)
+	case c.diskBytes < 0:
+		return shape, fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, c.diskBytes)
+	case c.diskBytes > 0 && c.diskDir == "":
+		return shape, fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:
@@ -324,9 +333,17 @@ func openDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened, er
 }
 
 func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offload.Config {
-	return offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
+	ec := offload.Config{PoolBytes: cfg.poolBytes, StagingBytes: -1, Layout: lay.spec(), Backend: backend,
 		Device: cfg.device, Policy: cfg.policy, Namespace: "kvoffload-demo", RegionBytes: cfg.regionBytes, FirstRegionBytes: cfg.regionBytes,
 		PrefaultThreads: cfg.prefaultThreads, PrefaultNice: cfg.prefaultNice}
+	if cfg.diskDir != "" {
+		n := cfg.diskBytes
+		if n == 0 {
+			n = 4 * cfg.poolBytes
+		}
+		ec.Disk = &offload.DiskConfig{Dirs: []string{cfg.diskDir}, CapacityBytes: n}
+	}
+	return ec
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
@@ -432,7 +449,10 @@ func (r *demoRun) serve(req trace.Request) error {
 	if err := r.store(victims); err != nil {
 		return errors.Join(err, releaseLease(lr.Lease))
 	}
-	loaded, missing, err := r.load(rest[:lr.Hits], ids[:lr.Hits], lr.Lease)
+	// The host prefix (leased) and the disk prefix after it, which the
+	// Load promotes.
+	n := lr.Hits + lr.DiskHits
+	loaded, missing, err := r.load(rest[:n], ids[:n], lr.Lease)
 	if err != nil {
 		return err
 	}
@@ -441,13 +461,19 @@ func (r *demoRun) serve(req trace.Request) error {
 	for _, i := range missing {
 		recIDs, recKeys = append(recIDs, ids[i]), append(recKeys, rest[i])
 	}
-	recIDs, recKeys = append(recIDs, ids[lr.Hits:]...), append(recKeys, rest[lr.Hits:]...)
+	recIDs, recKeys = append(recIDs, ids[n:]...), append(recKeys, rest[n:]...)
 	t := time.Now()
 	if err := r.mem.recompute(recIDs, recKeys); err != nil {
 		return fmt.Errorf("recomputing %d blocks: %w", len(recIDs), err)
 	}
 	r.rep.RecomputeSeconds += time.Since(t).Seconds()
-	r.rep.Blocks.HostHits += int64(len(loaded))
+	for _, i := range loaded {
+		if i < lr.Hits {
+			r.rep.Blocks.HostHits++
+		} else {
+			r.rep.Blocks.DiskHits++
+		}
+	}
 	r.rep.Blocks.Misses += int64(len(recIDs))
 	if err := r.verify(loaded, ids, rest); err != nil {
 		return err
@@ -633,6 +659,11 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 	rep.PinnedBytes, rep.UsedBytes = st.OwnedBytes, st.InUseBytes
 	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Store.Bytes, st.Load.Bytes
 	rep.Evictions, rep.BounceCopies = st.Evictions, st.BounceCopies
+	if r.cfg.diskDir != "" {
+		rep.Disk = &diskReport{Dir: r.cfg.diskDir, Mode: st.DiskMode, Records: st.DiskRecords, Bytes: st.DiskBytes, Capacity: st.DiskCapacity,
+			Writes: st.DiskWrites, WriteErrors: st.DiskWriteErrors, Dropped: st.DiskDropped, NotAdmitted: st.DiskNotAdmitted,
+			Hits: st.DiskHits, Misses: st.DiskMisses, Corrupt: st.DiskCorrupt}
+	}
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration

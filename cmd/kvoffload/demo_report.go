@@ -56,6 +56,25 @@ type demoReport struct {
 	VerifyFailures   int64   `json:"verify_failures"`
 	FirstFailure     string  `json:"first_failure,omitempty"`
 	FirstEngineError string  `json:"first_engine_error,omitempty"`
+
+	// Disk is the disk tier (--disk), nil without one.
+	Disk *diskReport `json:"disk,omitempty"`
+}
+
+// diskReport is the engine's disk-tier counters at the end of the run.
+type diskReport struct {
+	Dir         string `json:"dir"`
+	Mode        string `json:"mode"`
+	Records     int64  `json:"records"`
+	Bytes       int64  `json:"bytes"`
+	Capacity    int64  `json:"capacity_records"`
+	Writes      int64  `json:"writes"`
+	WriteErrors int64  `json:"write_errors"`
+	Dropped     int64  `json:"dropped"`
+	NotAdmitted int64  `json:"not_admitted"`
+	Hits        int64  `json:"hits"`
+	Misses      int64  `json:"misses"`
+	Corrupt     int64  `json:"corrupt"`
 }
 
 // blockCounts splits the blocks of every request by where they came from.
@@ -63,7 +82,11 @@ type blockCounts struct {
 	Total    int64 `json:"total"`
 	GPUHits  int64 `json:"gpu_hits"`  // already in the GPU cache
 	HostHits int64 `json:"host_hits"` // loaded from the host pool
-	Misses   int64 `json:"misses"`    // recomputed
+	// DiskHits are the blocks loaded past the host prefix, in the prefix
+	// Lookup found on disk (LookupResult.DiskHits): promoted from disk, or
+	// already in the pool behind a block that was on disk only.
+	DiskHits int64 `json:"disk_hits"`
+	Misses   int64 `json:"misses"` // recomputed
 }
 
 func (b blockCounts) ratio(n int64) float64 {
@@ -108,7 +131,11 @@ func (r *demoReport) print(w io.Writer) error {
 	}
 	row("requests", "%d in %.1f s%s", r.Requests, r.Seconds, trunc)
 	bl := r.Blocks
-	row("prefix hit ratio", "GPU %.1f%%  host %.1f%%  miss %.1f%%  (of %d blocks)", 100*bl.ratio(bl.GPUHits), 100*bl.ratio(bl.HostHits), 100*bl.ratio(bl.Misses), bl.Total)
+	if r.Disk != nil {
+		row("prefix hit ratio", "GPU %.1f%%  host %.1f%%  disk %.1f%%  miss %.1f%%  (of %d blocks)", 100*bl.ratio(bl.GPUHits), 100*bl.ratio(bl.HostHits), 100*bl.ratio(bl.DiskHits), 100*bl.ratio(bl.Misses), bl.Total)
+	} else {
+		row("prefix hit ratio", "GPU %.1f%%  host %.1f%%  miss %.1f%%  (of %d blocks)", 100*bl.ratio(bl.GPUHits), 100*bl.ratio(bl.HostHits), 100*bl.ratio(bl.Misses), bl.Total)
+	}
 	for _, d := range []struct {
 		name string
 		d    directionReport
@@ -125,6 +152,11 @@ func (r *demoReport) print(w io.Writer) error {
 		row("bounce copies", "%d batches (of whole blocks gathered or scattered through device chunks, moved by the DMA engines)", r.BounceCopies)
 	}
 	row("pool: owned vs used", "%s owned (%s), %s holding blocks (%d pool evictions)", formatSize(r.PinnedBytes), r.Pinning, formatSize(r.UsedBytes), r.Evictions)
+	if d := r.Disk; d != nil {
+		row("disk tier", "%s (%s): %d of %d records (%s); %d written back, %d dropped (write-back full), %d not admitted, %d write errors",
+			d.Dir, d.Mode, d.Records, d.Capacity, formatSize(d.Bytes), d.Writes, d.Dropped, d.NotAdmitted, d.WriteErrors)
+		row("  promoted", "%d blocks read back, %d misses (%d damaged)", d.Hits, d.Misses, d.Corrupt)
+	}
 	row("recompute", "%.2f s", r.RecomputeSeconds)
 	switch {
 	case !r.Verify:

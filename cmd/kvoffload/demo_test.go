@@ -34,8 +34,8 @@ func noNotice(string) {}
 func requireConsistent(t *testing.T, rep *demoReport) {
 	t.Helper()
 	b := rep.Blocks
-	require.Equal(t, b.Total, b.GPUHits+b.HostHits+b.Misses, "every block is a GPU hit, a host hit or a miss")
-	require.Equal(t, rep.Load.Blocks, b.HostHits)
+	require.Equal(t, b.Total, b.GPUHits+b.HostHits+b.DiskHits+b.Misses, "every block is a GPU hit, a host hit, a disk hit or a miss")
+	require.Equal(t, rep.Load.Blocks, b.HostHits+b.DiskHits)
 	require.Equal(t, rep.Store.Blocks*rep.BlockBytes, rep.Store.Bytes)
 	require.Equal(t, rep.Store.Bytes, rep.EngineStoreBytes, "the demo and the engine agree on bytes stored")
 	require.Equal(t, rep.Load.Bytes, rep.EngineLoadBytes, "the demo and the engine agree on bytes loaded")
@@ -59,6 +59,26 @@ func TestDemoHostPasses(t *testing.T) {
 			requireConsistent(t, rep)
 		})
 	}
+}
+
+// TestDemoDisk: with a pool smaller than the working set and the disk
+// tier, evicted blocks are written back and loaded from disk, and every
+// loaded block verifies.
+func TestDemoDisk(t *testing.T) {
+	cfg := tinyDemo(offload.BackendHost)
+	cfg.diskDir = t.TempDir()
+	rep, err := runDemo(context.Background(), cfg, nil, noNotice)
+	require.NoError(t, err)
+	require.NotNil(t, rep.Disk)
+	require.Positive(t, rep.Disk.Writes, "pool evictions were written back")
+	require.Positive(t, rep.Blocks.DiskHits, "blocks were loaded from disk")
+	require.Positive(t, rep.Disk.Hits, "the engine promoted blocks")
+	require.Zero(t, rep.VerifyFailures)
+	require.Equal(t, rep.Load.Blocks, rep.Verified)
+	requireConsistent(t, rep)
+	var out strings.Builder
+	require.NoError(t, rep.print(&out))
+	require.Contains(t, out.String(), "disk tier")
 }
 
 func TestDemoDetectsCorruption(t *testing.T) {

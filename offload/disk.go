@@ -1,0 +1,528 @@
+package offload
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/tier/record"
+)
+
+// DiskConfig turns on the disk tier (Config.Disk): host blocks the policy
+// evicts are written back to local disk (behind an admission filter), Lookup
+// reports the prefix found there after the host prefix, and Load promotes
+// such blocks back through host slots. It is plain data with JSON tags.
+type DiskConfig struct {
+	// Dirs are the directories records are kept in (one records file each,
+	// locked for the engine's life: a second engine on one of them is
+	// refused by New). Required.
+	Dirs []string `json:"dirs"`
+	// CapacityBytes bounds the records files' total size. Required.
+	CapacityBytes int64 `json:"capacity_bytes"`
+	// Fsync is DiskFsyncNone (default), DiskFsyncEach or DiskFsyncOnClose
+	// (tier/disk's FsyncPolicy).
+	Fsync string `json:"fsync,omitempty"`
+	// Direct is DiskDirectAuto (default: O_DIRECT where the file system
+	// takes it), DiskDirectRequire or DiskDirectOff.
+	Direct string `json:"direct,omitempty"`
+	// WriteBackBytes bounds the bytes of evicted blocks copied out of the
+	// pool and waiting for their disk write (the bounce buffers, allocated
+	// as first needed). When they are all in use an eviction is not written
+	// back (Stats.DiskDropped). Default DefaultWriteBackBytes; at least one
+	// block.
+	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
+	// AdmitAll writes back every evicted block. By default only blocks
+	// whose key was seen at least twice (stored or looked up) are: a block
+	// used once is not worth a disk write.
+	AdmitAll bool `json:"admit_all,omitempty"`
+}
+
+// DiskConfig.Fsync and DiskConfig.Direct values.
+const (
+	DiskFsyncNone     = "none"
+	DiskFsyncEach     = "each"
+	DiskFsyncOnClose  = "on-close"
+	DiskDirectAuto    = "auto"
+	DiskDirectRequire = "require"
+	DiskDirectOff     = "off"
+)
+
+// DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default.
+const DefaultWriteBackBytes int64 = 64 << 20
+
+// diskWriters is the number of goroutines writing evicted blocks to disk.
+const diskWriters = 2
+
+// diskReaders bounds the disk reads one Load runs at once.
+const diskReaders = 8
+
+// diskPendingMax bounds the evicted blocks remembered between their
+// eviction (OnIndex) and their slot's release (OnFree).
+const diskPendingMax = 1 << 16
+
+// diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
+// caller's DiskConfig is not changed).
+func diskDefaults(cfg *Config, slot int64) error {
+	if cfg.Disk == nil {
+		return nil
+	}
+	d := *cfg.Disk
+	d.Dirs = append([]string(nil), d.Dirs...)
+	cfg.Disk = &d
+	if len(d.Dirs) == 0 {
+		return fmt.Errorf("%w: Disk.Dirs is empty: name at least one directory", ErrInvalidConfig)
+	}
+	if d.CapacityBytes <= 0 {
+		return fmt.Errorf("%w: Disk.CapacityBytes = %d, must be positive", ErrInvalidConfig, d.CapacityBytes)
+	}
+	if d.Fsync == "" {
+		d.Fsync = DiskFsyncNone
+	}
+	if d.Direct == "" {
+		d.Direct = DiskDirectAuto
+	}
+	if _, _, err := diskModes(d); err != nil {
+		return err
+	}
+	switch {
+	case d.WriteBackBytes == 0:
+		d.WriteBackBytes = DefaultWriteBackBytes
+	case d.WriteBackBytes < 0:
+		return fmt.Errorf("%w: Disk.WriteBackBytes = %d, must not be negative", ErrInvalidConfig, d.WriteBackBytes)
+	}
+	d.WriteBackBytes = max(d.WriteBackBytes, slot)
+	return nil
+}
+
+func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
+	var f disk.FsyncPolicy
+	var m disk.DirectMode
+	switch d.Fsync {
+	case DiskFsyncNone:
+		f = disk.FsyncNone
+	case DiskFsyncEach:
+		f = disk.FsyncEach
+	case DiskFsyncOnClose:
+		f = disk.FsyncOnClose
+	default:
+		return 0, 0, fmt.Errorf("%w: Disk.Fsync %q: must be %q, %q or %q", ErrInvalidConfig, d.Fsync, DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose)
+	}
+	switch d.Direct {
+	case DiskDirectAuto:
+		m = disk.DirectAuto
+	case DiskDirectRequire:
+		m = disk.DirectRequire
+	case DiskDirectOff:
+		m = disk.DirectOff
+	default:
+		return 0, 0, fmt.Errorf("%w: Disk.Direct %q: must be %q, %q or %q", ErrInvalidConfig, d.Direct, DiskDirectAuto, DiskDirectRequire, DiskDirectOff)
+	}
+	return f, m, nil
+}
+
+// diskTier is the engine's disk tier: the store, the admission sketch, the
+// evictions waiting for their slot's release, and the bounded write-back
+// queue.
+//
+// Write-back: OnIndex (under the cache's lock) remembers an admitted
+// evicted block's key by its slot handle; OnFree (the slot's bytes intact,
+// the slot not reusable until it returns) copies the bytes into a free
+// bounce buffer and queues it, or drops the demotion when none is free; a
+// writer goroutine Puts it and gives the buffer back.
+type diskTier struct {
+	store    *disk.Store
+	slot     int64
+	admitAll bool
+
+	seenMu   sync.Mutex
+	seen     []uint8 // saturating use counts by key hash, halved every len(seen) additions
+	seenAdds int
+
+	pendMu sync.Mutex
+	pend   map[slotGen]Key // evicted, admitted, waiting for OnFree
+
+	bufs  chan []byte // free bounce buffers (nil: not allocated yet)
+	queue chan demotion
+
+	mu     sync.RWMutex // closed; held (read) while queueing
+	closed bool
+	wg     sync.WaitGroup
+
+	busyMu sync.Mutex
+	busy   int           // demotions queued or being written
+	idle   chan struct{} // closed when busy drops to 0
+	tomb   map[Key]struct{}
+	// clearGen counts Clears: a demotion queued before one is deleted
+	// once written.
+	clearGen atomic.Uint64
+
+	beforePut func() // test hook, run by the writer before each Put
+
+	hits, misses, writes, writeErrors, dropped, notAdmitted atomic.Int64
+}
+
+type demotion struct {
+	key Key
+	buf []byte
+	gen uint64
+}
+
+// openDisk opens the disk tier of cfg (New): the record payload is the
+// slot, the fingerprint covers the namespace and the layout's geometry.
+func openDisk(cfg Config, slot int64, beforePut func()) (*diskTier, error) {
+	dc := cfg.Disk
+	fsync, direct, err := diskModes(*dc)
+	if err != nil {
+		return nil, err
+	}
+	kind, err := layoutKind(cfg.Layout.Kind)
+	if err != nil {
+		return nil, err
+	}
+	l := cfg.Layout
+	fp := record.Fingerprint(record.Geometry{
+		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
+		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
+	})
+	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: slot,
+		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease})
+	if err != nil {
+		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
+	}
+	n := int(dc.WriteBackBytes / slot)
+	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, seen: make([]uint8, 1<<16),
+		pend: map[slotGen]Key{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+		tomb: map[Key]struct{}{}, beforePut: beforePut}
+	for range n {
+		d.bufs <- nil
+	}
+	d.wg.Add(diskWriters)
+	for range diskWriters {
+		go d.writer()
+	}
+	return d, nil
+}
+
+// close writes back what is queued, then closes the store. The cache is
+// closed first (no OnFree runs any more).
+func (d *diskTier) close() error {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	d.closed = true
+	close(d.queue)
+	d.mu.Unlock()
+	d.wg.Wait()
+	return d.store.Close()
+}
+
+// saw counts uses of keys (stores and lookups) for admission.
+func (d *diskTier) saw(keys []Key) {
+	if d.admitAll || len(keys) == 0 {
+		return
+	}
+	d.seenMu.Lock()
+	for _, k := range keys {
+		b := binary.LittleEndian.Uint64(k[:8]) % uint64(len(d.seen))
+		if d.seen[b] < 255 {
+			d.seen[b]++
+		}
+		if d.seenAdds++; d.seenAdds >= len(d.seen) {
+			d.seenAdds = 0
+			for i := range d.seen {
+				d.seen[i] >>= 1
+			}
+		}
+	}
+	d.seenMu.Unlock()
+}
+
+func (d *diskTier) admitted(k Key) bool {
+	if d.admitAll {
+		return true
+	}
+	d.seenMu.Lock()
+	defer d.seenMu.Unlock()
+	return d.seen[binary.LittleEndian.Uint64(k[:8])%uint64(len(d.seen))] >= 2
+}
+
+// onIndex is called for each index event, under the cache's lock: an
+// admitted eviction is remembered until its slot's OnFree.
+func (d *diskTier) onIndex(ev kvcache.IndexEvent) {
+	if !ev.Evicted {
+		return
+	}
+	if !d.admitted(ev.Key) {
+		d.notAdmitted.Add(1)
+		return
+	}
+	d.pendMu.Lock()
+	if len(d.pend) < diskPendingMax {
+		d.pend[slotGen{ev.Slot.ID, ev.Slot.Gen}] = ev.Key
+	} else {
+		d.dropped.Add(1)
+	}
+	d.pendMu.Unlock()
+}
+
+// demote is OnFree's disk part: if s held an admitted evicted block, its
+// bytes (mem, intact until OnFree returns) are copied into a bounce buffer
+// and queued for the writer; with no buffer free the demotion is dropped.
+// A block whose key is on disk already is not written again. It never
+// waits.
+func (d *diskTier) demote(s kvcache.Slot, mem []byte) {
+	d.pendMu.Lock()
+	key, ok := d.pend[slotGen{s.ID, s.Gen}]
+	if ok {
+		delete(d.pend, slotGen{s.ID, s.Gen})
+	}
+	d.pendMu.Unlock()
+	if !ok || d.store.Contains(key) {
+		return // not admitted, or on disk already (a promoted block evicted again)
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed || mem == nil {
+		d.dropped.Add(1)
+		return
+	}
+	var buf []byte
+	select {
+	case buf = <-d.bufs:
+	default:
+		d.dropped.Add(1)
+		return
+	}
+	if buf == nil {
+		buf = alignedBytes(int(d.slot))
+	}
+	copy(buf, mem)
+	d.busyMu.Lock()
+	if d.busy == 0 {
+		d.idle = make(chan struct{})
+	}
+	d.busy++
+	d.busyMu.Unlock()
+	d.queue <- demotion{key: key, buf: buf, gen: d.clearGen.Load()} // never blocks: one place per buffer
+}
+
+func (d *diskTier) writer() {
+	defer d.wg.Done()
+	for job := range d.queue {
+		if d.beforePut != nil {
+			d.beforePut()
+		}
+		if err := d.store.Put(job.key, job.buf); err != nil {
+			d.writeErrors.Add(1)
+		} else {
+			d.writes.Add(1)
+		}
+		d.bufs <- job.buf
+		d.busyMu.Lock()
+		_, deleted := d.tomb[job.key]
+		d.busyMu.Unlock()
+		if deleted || d.clearGen.Load() != job.gen {
+			d.store.Delete(job.key)
+		}
+		d.busyMu.Lock()
+		if d.busy--; d.busy == 0 {
+			clear(d.tomb)
+			close(d.idle)
+		}
+		d.busyMu.Unlock()
+	}
+}
+
+// delete removes keys from disk, and from the demotions in flight.
+func (d *diskTier) delete(keys []Key) {
+	for _, k := range keys {
+		d.store.Delete(k)
+	}
+	d.busyMu.Lock()
+	if d.busy > 0 {
+		for _, k := range keys {
+			d.tomb[k] = struct{}{}
+		}
+	}
+	d.busyMu.Unlock()
+}
+
+// clearAll removes every record (records carry no namespace).
+func (d *diskTier) clearAll() {
+	d.clearGen.Add(1)
+	d.store.Clear()
+}
+
+// flush waits until no demotion is queued or being written.
+func (d *diskTier) flush(ctx context.Context) error {
+	for {
+		d.busyMu.Lock()
+		if d.busy == 0 {
+			d.busyMu.Unlock()
+			return nil
+		}
+		ch := d.idle
+		d.busyMu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// prefix returns how many leading keys have a record on disk (memory only).
+func (d *diskTier) prefix(keys []Key) int {
+	for i, k := range keys {
+		if !d.store.Contains(k) {
+			return i
+		}
+	}
+	return len(keys)
+}
+
+// alignedBytes returns n bytes at a 4 KiB-aligned address, so that an
+// O_DIRECT write takes them as they are when n is a multiple of 4 KiB.
+func alignedBytes(n int) []byte {
+	const a = 4096
+	b := make([]byte, n+a)
+	off := 0
+	if r := int(uintptr(unsafe.Pointer(&b[0])) % a); r != 0 {
+		off = a - r
+	}
+	return b[off : off+n : off+n]
+}
+
+// FlushDisk waits until every eviction queued for the disk tier has been
+// written (or failed), or ctx ends. Without a disk tier it returns at once.
+func (e *Engine) FlushDisk(ctx context.Context) error {
+	if err := e.checkOpen("FlushDisk"); err != nil {
+		return err
+	}
+	if e.disk == nil {
+		return nil
+	}
+	return e.disk.flush(ctx)
+}
+
+// slotBytes returns slot s's bytes in the pool, nil when its region is
+// gone.
+func (e *Engine) slotBytes(s kvcache.Slot) []byte {
+	mem, ok := e.slotMem.Load(s.Region)
+	if !ok {
+		return nil
+	}
+	return mem.([]byte)[s.Off : s.Off+uint64(e.slot)]
+}
+
+// onFree is the cache's Config.OnFree: the disk tier's write-back copy,
+// then ZeroOnRelease's zeroing.
+func (e *Engine) onFree(s kvcache.Slot) {
+	if e.disk != nil {
+		e.disk.demote(s, e.slotBytes(s))
+	}
+	if e.cfg.ZeroOnRelease {
+		e.zeroSlot(s)
+	}
+}
+
+// errDiskMiss fails the stores of promoted blocks whose disk read missed.
+var errDiskMiss = errors.New("offload: disk record missing or damaged")
+
+// promote brings the blocks of keys that BeginLoad did not find in the pool
+// (res[j].Found false) but that the disk holds into host slots: it reserves
+// slots as a Store would, reads the records into them (diskReaders at a
+// time, waiting for the reads), makes the good ones ready and takes reader
+// holds on them, updating res in place. A record that vanished or fails
+// its checks stays missing. The caller's Load then copies them to the GPU
+// with the others.
+func (e *Engine) promote(keys []Key, blockIDs []int, res []kvcache.LoadResult) {
+	var pos []int
+	for j, r := range res {
+		if !r.Found && e.disk.store.Contains(keys[j]) {
+			pos = append(pos, j)
+		}
+	}
+	if len(pos) == 0 {
+		return
+	}
+	pkeys, pids, parents := make([]Key, len(pos)), make([]int, len(pos)), make([]Key, len(pos))
+	for i, j := range pos {
+		pkeys[i], pids[i] = keys[j], blockIDs[j]
+		if j > 0 {
+			parents[i] = keys[j-1]
+		}
+	}
+	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), pkeys, pids, StoreOptions{Parents: parents})
+	if err != nil {
+		return
+	}
+	var slots []kvcache.Slot
+	var which []int // index into pos of each slot
+	for i, r := range sres {
+		if r.Outcome == kvcache.StoreWrite {
+			slots, which = append(slots, r.Slot), append(which, i)
+		}
+	}
+	if len(slots) == 0 {
+		return
+	}
+	e.hold(slots)
+	ok := make([]bool, len(slots))
+	sem := make(chan struct{}, diskReaders)
+	var wg sync.WaitGroup
+	for i, s := range slots {
+		mem := e.slotBytes(s)
+		if mem == nil {
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			found, err := e.disk.store.Get(pkeys[which[i]], mem)
+			ok[i] = found && err == nil
+			<-sem
+		}()
+	}
+	wg.Wait()
+	e.unhold(slots)
+	var good, bad []kvcache.Slot
+	var gkeys []Key
+	var gids []int
+	var gpos []int
+	for i, s := range slots {
+		if ok[i] {
+			good = append(good, s)
+			gkeys, gids, gpos = append(gkeys, pkeys[which[i]]), append(gids, pids[which[i]]), append(gpos, pos[which[i]])
+		} else {
+			bad = append(bad, s)
+		}
+	}
+	e.disk.hits.Add(int64(len(good)))
+	e.disk.misses.Add(int64(len(bad)))
+	if len(bad) > 0 {
+		_ = e.cache.CompleteStore(bad, errDiskMiss)
+	}
+	if len(good) == 0 {
+		return
+	}
+	_ = e.cache.CompleteStore(good, nil)
+	lres, err := e.cache.BeginLoad(gkeys, gids, nil)
+	if err != nil {
+		return
+	}
+	for i, r := range lres {
+		if r.Found {
+			res[gpos[i]] = r
+		}
+	}
+}

@@ -1,0 +1,342 @@
+package offload
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/tier/disk"
+)
+
+// diskEngineConfig is a pool of four 8 KiB slots over a disk tier in dir.
+func diskEngineConfig(dir string) Config {
+	return Config{PoolBytes: 4 * 8 << 10, Layout: smallLayout(16), Policy: PolicyLRU,
+		Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 1 << 20}}
+}
+
+// storeOne stores GPU block id under key k and waits for it.
+func storeOne(t *testing.T, e *Engine, k Key, id int) Outcome {
+	t.Helper()
+	ctx := context.Background()
+	op, err := e.Store(ctx, []Key{k}, []int{id}, StoreOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	oc, err := op.Outcomes()
+	require.NoError(t, err)
+	return oc[0]
+}
+
+// loadAll loads keys into ids and returns the outcomes.
+func loadAll(t *testing.T, e *Engine, keys []Key, ids []int) []Outcome {
+	t.Helper()
+	ctx := context.Background()
+	op, err := e.Load(ctx, keys, ids, LoadOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	oc, err := op.Outcomes()
+	require.NoError(t, err)
+	return oc
+}
+
+// flipRecordByte flips one payload byte of key's record in dir's records
+// file (the engine closed).
+func flipRecordByte(t *testing.T, dir string, k Key, payload int64) {
+	t.Helper()
+	slotBytes := disk.SlotBytes(payload)
+	path := filepath.Join(dir, "records-"+itoa(slotBytes)+".kvo")
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	for off := int64(0); off+slotBytes <= int64(len(b)); off += slotBytes {
+		if bytes.Contains(b[off:off+4096], k[:]) {
+			f, err := os.OpenFile(path, os.O_RDWR, 0)
+			require.NoError(t, err)
+			_, err = f.WriteAt([]byte{b[off+4096+100] ^ 0xFF}, off+4096+100)
+			require.NoError(t, err)
+			require.NoError(t, f.Close())
+			return
+		}
+	}
+	t.Fatalf("no record of key %s in %s", k, path)
+}
+
+func itoa(n int64) string { return string(appendInt(nil, n)) }
+
+func appendInt(b []byte, n int64) []byte {
+	if n >= 10 {
+		b = appendInt(b, n/10)
+	}
+	return append(b, byte('0'+n%10))
+}
+
+// TestDiskTier: a pool of four slots over a disk; eight blocks stored (each
+// twice, so the admission filter takes them), the four evicted are written
+// back; Lookup reports them on disk; Load promotes them byte-exact into
+// other GPU blocks; after a restart on the same directory they are found
+// and load byte-exact again; a damaged record loads as missing; a second
+// engine on the directory is refused.
+func TestDiskTier(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	cfg := diskEngineConfig(dir)
+	e := newTestEngine(t, cfg)
+	require.NotNil(t, e.disk)
+	contents := make([][]byte, 8)
+	keys := seqKeys(0, 8)
+	for i := range 8 {
+		contents[i] = fillBlock(t, e, i, byte(10+16*i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+		require.Equal(t, OutcomeAlreadyPresent, storeOne(t, e, keys[i], i))
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	st := e.Stats()
+	require.Equal(t, int64(4), st.DiskWrites, "the four evicted blocks were written back")
+	require.Equal(t, int64(4), st.DiskRecords)
+	require.Equal(t, int64(4*8<<10), st.DiskBytes)
+	require.Zero(t, st.DiskDropped)
+
+	res, err := e.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Hits)
+	require.Equal(t, 4, res.DiskHits, "keys 0..3 on disk; key 4 is in the pool only")
+	res, err = e.Lookup(keys[4:], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.Hits)
+	require.Equal(t, 0, res.DiskHits)
+
+	// Promote the evicted blocks into GPU blocks 8..11.
+	oc := loadAll(t, e, keys[:4], seqIDs(8, 4))
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded}, oc)
+	for i := range 4 {
+		require.Equal(t, contents[i], blockBytes(e, 8+i), "block %d promoted byte-exact", i)
+	}
+	st = e.Stats()
+	require.Equal(t, int64(4), st.DiskHits)
+	require.Zero(t, st.DiskMisses)
+	res, err = e.Lookup(keys[:4], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.Hits, "the promoted blocks are in the pool")
+	require.NoError(t, e.FlushDisk(ctx))
+	require.Equal(t, int64(8), e.Stats().DiskWrites, "promoting evicted keys 4..7, written back in turn")
+
+	// A second engine on the directory is refused.
+	_, err = newEngine(withTestBackend(cfg), engineHooks{})
+	require.ErrorIs(t, err, disk.ErrLocked)
+	require.ErrorContains(t, err, "disk tier")
+	require.NoError(t, e.Close())
+
+	// Restart: the records are found and load byte-exact.
+	e2 := newTestEngine(t, cfg)
+	res, err = e2.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Hits)
+	require.Equal(t, 8, res.DiskHits)
+	oc = loadAll(t, e2, keys[4:8], seqIDs(12, 4))
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded}, oc)
+	for i := 4; i < 8; i++ {
+		require.Equal(t, contents[i], blockBytes(e2, 8+i), "block %d reloaded byte-exact after a restart", i)
+	}
+	require.NoError(t, e2.Close())
+
+	// A damaged record is a miss, never wrong bytes.
+	flipRecordByte(t, dir, keys[1], 8<<10)
+	e3 := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e3.Close()) }()
+	oc = loadAll(t, e3, keys[:2], []int{0, 1})
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeMissing}, oc)
+	require.Equal(t, contents[0], blockBytes(e3, 0))
+	st = e3.Stats()
+	require.Equal(t, int64(1), st.DiskHits)
+	require.Equal(t, int64(1), st.DiskMisses)
+	require.Equal(t, int64(1), st.DiskCorrupt)
+	res, err = e3.Lookup(keys[1:2], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Hits+res.DiskHits, "the damaged record was dropped")
+}
+
+// withTestBackend is what newTestEngine sets.
+func withTestBackend(cfg Config) Config {
+	cfg.Backend = BackendHost
+	cfg.SkipMemoryCheck = true
+	return cfg
+}
+
+// TestDiskAdmission: blocks stored once are not written back by default.
+func TestDiskAdmission(t *testing.T) {
+	e := newTestEngine(t, diskEngineConfig(t.TempDir()))
+	defer func() { require.NoError(t, e.Close()) }()
+	for i := range 8 {
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	require.NoError(t, e.FlushDisk(context.Background()))
+	st := e.Stats()
+	require.Equal(t, int64(4), st.DiskNotAdmitted)
+	require.Zero(t, st.DiskWrites)
+	require.Zero(t, st.DiskRecords)
+}
+
+// TestDiskWriteBackDrops: with one write-back buffer held by a write in
+// progress, the next eviction is dropped and counted, never waited for.
+func TestDiskWriteBackDrops(t *testing.T) {
+	cfg := withTestBackend(diskEngineConfig(t.TempDir()))
+	cfg.Disk.AdmitAll = true
+	cfg.Disk.WriteBackBytes = 8 << 10
+	entered, proceed := make(chan struct{}, 8), make(chan struct{})
+	e, err := newEngine(cfg, engineHooks{beforeDiskPut: func() {
+		entered <- struct{}{}
+		<-proceed
+	}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	for i := range 5 {
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first eviction's write-back never started")
+	}
+	fillBlock(t, e, 5, 5)
+	require.Equal(t, OutcomeStored, storeOne(t, e, testKey(5), 5), "the store never waits for the disk")
+	require.Equal(t, int64(1), e.Stats().DiskDropped)
+	close(proceed)
+	require.NoError(t, e.FlushDisk(context.Background()))
+	st := e.Stats()
+	require.Equal(t, int64(1), st.DiskWrites)
+	require.Equal(t, int64(1), st.DiskRecords)
+}
+
+// TestDiskDelete: Delete removes a block from the disk tier too, and Clear
+// empties it.
+func TestDiskDelete(t *testing.T) {
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	e := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e.Close()) }()
+	for i := range 6 {
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	require.NoError(t, e.FlushDisk(context.Background()))
+	res, err := e.Lookup(seqKeys(0, 2), LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 2, res.DiskHits)
+	_, err = e.Delete([]Key{testKey(0)})
+	require.NoError(t, err)
+	res, err = e.Lookup(seqKeys(0, 2), LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.DiskHits)
+	require.Equal(t, OutcomeMissing, loadAll(t, e, []Key{testKey(0)}, []int{9})[0])
+	_, err = e.Clear(e.Config().Namespace)
+	require.NoError(t, err)
+	require.Zero(t, e.Stats().DiskRecords)
+}
+
+// TestDiskConfig: the disk tier's settings are checked by New.
+func TestDiskConfig(t *testing.T) {
+	for _, d := range []DiskConfig{
+		{CapacityBytes: 1 << 20},
+		{Dirs: []string{"x"}},
+		{Dirs: []string{"x"}, CapacityBytes: 1 << 20, Fsync: "sometimes"},
+		{Dirs: []string{"x"}, CapacityBytes: 1 << 20, Direct: "maybe"},
+		{Dirs: []string{"x"}, CapacityBytes: 1 << 20, WriteBackBytes: -1},
+	} {
+		_, _, _, err := withDefaults(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Disk: &d})
+		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", d)
+	}
+	d := &DiskConfig{Dirs: []string{"x"}, CapacityBytes: 1 << 20}
+	cfg, _, _, err := withDefaults(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Disk: d})
+	require.NoError(t, err)
+	require.Equal(t, DiskFsyncNone, cfg.Disk.Fsync)
+	require.Equal(t, DiskDirectAuto, cfg.Disk.Direct)
+	require.Equal(t, DefaultWriteBackBytes, cfg.Disk.WriteBackBytes)
+	require.Empty(t, d.Fsync, "the caller's DiskConfig is not changed")
+}
+
+// TestDiskConcurrent: goroutines store and load keys through a pool of four
+// slots over the disk tier, with a write-back pool of two blocks: every
+// block loaded holds its key's bytes, whichever tier it came from.
+func TestDiskConcurrent(t *testing.T) {
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	cfg.Disk.WriteBackBytes = 2 * 8 << 10
+	e := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e.Close()) }()
+	segs, err := e.layout.Segments(0, nil)
+	require.NoError(t, err)
+	want := func(k int) []byte {
+		out := make([]byte, e.slot)
+		for _, s := range segs {
+			copy(out[s.Off:], bytes.Repeat([]byte{byte(k) + byte(s.Off/2048)}, int(s.Len)))
+		}
+		return out
+	}
+	write := func(id, k int) error {
+		ss, err := e.layout.Segments(id, nil)
+		if err != nil {
+			return err
+		}
+		b := want(k)
+		for _, s := range ss {
+			if err := e.sim.Write(s.Dev, b[s.Off:s.Off+s.Len]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	ctx := context.Background()
+	errs := make(chan error, 4)
+	for g := range 4 {
+		go func() {
+			errs <- func() error {
+				for it := range 60 {
+					id := g*4 + it%4
+					k := (g*7 + it*5) % 24
+					if err := write(id, k); err != nil {
+						return err
+					}
+					op, err := e.Store(ctx, []Key{testKey(k)}, []int{id}, StoreOptions{})
+					if err != nil {
+						return err
+					}
+					if err := op.Wait(ctx); err != nil {
+						return err
+					}
+					j := (k + 3 + g) % 24
+					dst := g*4 + (it+1)%4
+					op, err = e.Load(ctx, []Key{testKey(j)}, []int{dst}, LoadOptions{})
+					if errors.Is(err, ErrBusy) {
+						continue
+					}
+					if err != nil {
+						return err
+					}
+					if err := op.Wait(ctx); err != nil {
+						return err
+					}
+					if op.Count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
+						return fmt.Errorf("key %d loaded into block %d with the wrong bytes", j, dst)
+					}
+				}
+				return nil
+			}()
+		}()
+	}
+	for range 4 {
+		require.NoError(t, <-errs)
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	st := e.Stats()
+	t.Logf("disk: %d writes, %d dropped, %d hits, %d misses, %d records", st.DiskWrites, st.DiskDropped, st.DiskHits, st.DiskMisses, st.DiskRecords)
+	require.Positive(t, st.DiskWrites)
+	require.Positive(t, st.DiskHits)
+	require.Zero(t, st.DiskMisses)
+}
