@@ -174,31 +174,30 @@ type demotion struct {
 }
 
 // openDisk opens the disk tier of cfg (New): the record payload is the
-// slot, the fingerprint covers the namespace and the layout's geometry.
-func openDisk(cfg Config, slot int64, beforePut func()) (*diskTier, error) {
+// slot, the fingerprint covers the namespace and the layout's geometry
+// (diskFingerprint); the store's changes go to hub as MediumDisk events.
+func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, error) {
 	dc := cfg.Disk
 	fsync, direct, err := diskModes(*dc)
 	if err != nil {
 		return nil, err
 	}
-	kind, err := layoutKind(cfg.Layout.Kind)
+	fp, err := diskFingerprint(cfg)
 	if err != nil {
 		return nil, err
 	}
-	l := cfg.Layout
-	fp := record.Fingerprint(record.Geometry{
-		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
-		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
-	})
 	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: slot,
-		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease})
+		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease,
+		OnStore:  func(k [16]byte) { hub.onDisk(EventStored, k) },
+		OnRemove: func(k [16]byte, _ bool) { hub.onDisk(EventRemoved, k) },
+		Faults:   h.diskFaults})
 	if err != nil {
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
 	n := int(dc.WriteBackBytes / slot)
 	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, seen: make([]uint8, 1<<16),
 		pend: map[slotGen]Key{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
-		tomb: map[Key]struct{}{}, beforePut: beforePut}
+		tomb: map[Key]struct{}{}, beforePut: h.beforeDiskPut}
 	for range n {
 		d.bufs <- nil
 	}
@@ -207,6 +206,31 @@ func openDisk(cfg Config, slot int64, beforePut func()) (*diskTier, error) {
 		go d.writer()
 	}
 	return d, nil
+}
+
+// diskFaultFunc is tier/disk's fault seam (Config.Faults), for tests
+// (engineHooks.diskFaults).
+type diskFaultFunc = func(op disk.FaultOp, dir string) error
+
+// diskFingerprint is the fingerprint of cfg's records (tier/record): a
+// hash of the namespace (which names the model and the dtype, DESIGN.md:
+// the layout gives only the dtype's size), the layout kind, layers, KV
+// heads, head dim, dtype bytes and tokens per block. Records of another
+// fingerprint are misses. The fingerprint is meant to hold the model's
+// total KV heads, not a rank's: today the layout's KVHeads is both, since
+// tensor-parallel ranks sharing one block's records do not exist yet; when
+// they do, the total must come from the caller (and a rank's head range
+// from the layout).
+func diskFingerprint(cfg Config) (uint64, error) {
+	kind, err := layoutKind(cfg.Layout.Kind)
+	if err != nil {
+		return 0, err
+	}
+	l := cfg.Layout
+	return record.Fingerprint(record.Geometry{
+		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
+		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
+	}), nil
 }
 
 // close writes back what is queued, then closes the store. The cache is

@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/tier/disk"
 )
@@ -339,4 +341,244 @@ func TestDiskConcurrent(t *testing.T) {
 	require.Positive(t, st.DiskWrites)
 	require.Positive(t, st.DiskHits)
 	require.Zero(t, st.DiskMisses)
+}
+
+// diskEvents drains the MediumDisk events now in s.
+func diskEvents(s *EventStream) []Event {
+	var out []Event
+	for {
+		select {
+		case ev := <-s.C:
+			if ev.Medium == MediumDisk {
+				out = append(out, ev)
+			}
+		default:
+			return out
+		}
+	}
+}
+
+// TestDiskEvents: a block written back to disk is a BlockStored of medium
+// "DISK" (after its host copy's BlockRemoved "CPU"); deleted or cleared
+// from disk, a BlockRemoved "DISK".
+func TestDiskEvents(t *testing.T) {
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	e := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e.Close()) }()
+	s := e.Events(0)
+	for i := range 6 { // four slots: keys 0 and 1 are evicted, written back
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	require.NoError(t, e.FlushDisk(context.Background()))
+	evs := diskEvents(s)
+	require.Len(t, evs, 2)
+	require.ElementsMatch(t, []Key{testKey(0), testKey(1)}, []Key{evs[0].Key, evs[1].Key})
+	for _, ev := range evs {
+		require.Equal(t, EventStored, ev.Kind)
+		require.Equal(t, "DISK", ev.Medium)
+		require.Equal(t, 16, ev.BlockSize)
+	}
+	_, err := e.Delete([]Key{testKey(0)})
+	require.NoError(t, err)
+	require.Equal(t, []Event{{Kind: EventRemoved, Key: testKey(0), BlockSize: 16, Medium: MediumDisk}}, diskEvents(s))
+	_, err = e.Clear(e.Config().Namespace)
+	require.NoError(t, err)
+	require.Equal(t, []Event{{Kind: EventRemoved, Key: testKey(1), BlockSize: 16, Medium: MediumDisk}}, diskEvents(s))
+}
+
+// recordsFile returns the bytes of dir's records file of the engine's slot.
+func recordsFile(t *testing.T, e *Engine, dir string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("records-%d.kvo", disk.SlotBytes(e.slot))))
+	require.NoError(t, err)
+	return b
+}
+
+// TestDiskZeroOnRelease: with Config.ZeroOnRelease, a block deleted from
+// the disk tier leaves neither its bytes nor its key in the records file;
+// without it, the bytes stay (only the header is invalidated).
+func TestDiskZeroOnRelease(t *testing.T) {
+	for _, zero := range []bool{false, true} {
+		t.Run(fmt.Sprint("zero=", zero), func(t *testing.T) {
+			dir := t.TempDir()
+			cfg := diskEngineConfig(dir)
+			cfg.Disk.AdmitAll = true
+			cfg.ZeroOnRelease = zero
+			e := newTestEngine(t, cfg)
+			defer func() { require.NoError(t, e.Close()) }()
+			contents := make([][]byte, 6)
+			for i := range 6 {
+				contents[i] = fillBlock(t, e, i, byte(0x20+8*i))
+				require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+			}
+			require.NoError(t, e.FlushDisk(context.Background()))
+			b := recordsFile(t, e, dir)
+			require.True(t, bytes.Contains(b, contents[0]), "key 0's block is on disk")
+			require.True(t, bytes.Contains(b, keyBytes(testKey(0))))
+			_, err := e.Delete([]Key{testKey(0)})
+			require.NoError(t, err)
+			b = recordsFile(t, e, dir)
+			require.False(t, bytes.Contains(b, keyBytes(testKey(0))), "the header is gone")
+			require.Equal(t, !zero, bytes.Contains(b, contents[0]), "the payload is gone with ZeroOnRelease only")
+			require.True(t, bytes.Contains(b, contents[1]), "key 1's record is untouched")
+		})
+	}
+}
+
+func keyBytes(k Key) []byte { return k[:] }
+
+// diskFaultEngine is a disk-tier engine whose disk I/O of kind op fails
+// with errno while *on.
+func diskFaultEngine(t *testing.T, cfg Config, op disk.FaultOp, errno error, on *atomic.Bool) *Engine {
+	t.Helper()
+	e, err := newEngine(withTestBackend(cfg), engineHooks{diskFaults: func(o disk.FaultOp, _ string) error {
+		if o == op && on.Load() {
+			return errno
+		}
+		return nil
+	}})
+	require.NoError(t, err)
+	return e
+}
+
+// TestDiskFaults: ENOSPC and EIO on the disk tier, and a directory that
+// refuses writes, never fail a Store or a Load: the engine serves from
+// host memory, a write that fails is counted (DiskWriteErrors), a read that
+// fails is a missing block, counted (DiskMisses).
+func TestDiskFaults(t *testing.T) {
+	ctx := context.Background()
+	for name, errno := range map[string]error{"ENOSPC": unix.ENOSPC, "EIO": unix.EIO} {
+		t.Run(name+"/write", func(t *testing.T) {
+			cfg := diskEngineConfig(t.TempDir())
+			cfg.Disk.AdmitAll = true
+			var on atomic.Bool
+			on.Store(true)
+			e := diskFaultEngine(t, cfg, disk.FaultWrite, errno, &on)
+			defer func() { require.NoError(t, e.Close()) }()
+			contents := make([][]byte, 6)
+			for i := range 6 {
+				contents[i] = fillBlock(t, e, i, byte(0x20+8*i))
+				require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+			}
+			require.NoError(t, e.FlushDisk(ctx))
+			st := e.Stats()
+			require.Equal(t, int64(2), st.DiskWriteErrors)
+			require.Zero(t, st.DiskWrites)
+			require.Zero(t, st.DiskRecords)
+			oc := loadAll(t, e, seqKeys(0, 6), seqIDs(8, 6))
+			require.Equal(t, []Outcome{OutcomeMissing, OutcomeMissing, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded}, oc)
+			for i := 2; i < 6; i++ {
+				require.Equal(t, contents[i], blockBytes(e, 8+i), "served from host memory")
+			}
+			on.Store(false)
+			fillBlock(t, e, 6, 0x90)
+			require.Equal(t, OutcomeStored, storeOne(t, e, testKey(6), 6))
+			require.NoError(t, e.FlushDisk(ctx))
+			require.Equal(t, int64(1), e.Stats().DiskWrites, "the disk tier works again once the fault is gone")
+		})
+		t.Run(name+"/read", func(t *testing.T) {
+			cfg := diskEngineConfig(t.TempDir())
+			cfg.Disk.AdmitAll = true
+			var on atomic.Bool
+			e := diskFaultEngine(t, cfg, disk.FaultRead, errno, &on)
+			defer func() { require.NoError(t, e.Close()) }()
+			for i := range 6 {
+				fillBlock(t, e, i, byte(0x20+8*i))
+				require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+			}
+			require.NoError(t, e.FlushDisk(ctx))
+			require.Equal(t, int64(2), e.Stats().DiskRecords, "%+v", e.Stats())
+			on.Store(true)
+			oc := loadAll(t, e, seqKeys(0, 2), seqIDs(8, 2))
+			require.Equal(t, []Outcome{OutcomeMissing, OutcomeMissing}, oc, "a failed read is a missing block, not an error")
+			// The failed promotion had reserved two host slots (evicting
+			// keys 2 and 3) before its reads failed; the rest is served
+			// from host memory.
+			oc = loadAll(t, e, seqKeys(4, 2), seqIDs(10, 2))
+			require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded}, oc, "served from host memory")
+			st := e.Stats()
+			require.Equal(t, int64(2), st.DiskMisses)
+			require.Zero(t, st.DiskHits)
+			res, err := e.Lookup(seqKeys(0, 2), LookupOptions{})
+			require.NoError(t, err)
+			require.Zero(t, res.Hits+res.DiskHits, "records that failed to read are dropped")
+		})
+	}
+	t.Run("read-only", func(t *testing.T) {
+		dir := t.TempDir()
+		cfg := diskEngineConfig(dir)
+		cfg.Disk.AdmitAll = true
+		e := newTestEngine(t, cfg)
+		contents := make([][]byte, 6)
+		for i := range 6 {
+			contents[i] = fillBlock(t, e, i, byte(0x20+8*i))
+			require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+		}
+		require.NoError(t, e.Close())
+		// The directory refuses writes (EROFS at open, as a read-only
+		// mount gives; chmod would not stop root): its records are served,
+		// new write-backs are counted failures.
+		var on atomic.Bool
+		on.Store(true)
+		e = diskFaultEngine(t, cfg, disk.FaultOpen, unix.EROFS, &on)
+		defer func() { require.NoError(t, e.Close()) }()
+		oc := loadAll(t, e, seqKeys(0, 2), seqIDs(8, 2))
+		require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded}, oc)
+		require.Equal(t, contents[0], blockBytes(e, 8))
+		require.Equal(t, contents[1], blockBytes(e, 9))
+		for i := 2; i < 8; i++ {
+			fillBlock(t, e, i, byte(0x20+8*i))
+			require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+		}
+		require.NoError(t, e.FlushDisk(ctx))
+		st := e.Stats()
+		require.Equal(t, int64(2), st.DiskHits)
+		require.Positive(t, st.DiskWriteErrors)
+		require.Zero(t, st.DiskWrites)
+		require.Equal(t, int64(2), st.DiskRecords)
+	})
+}
+
+// TestDiskFingerprint: every field of the fingerprint changes it, and
+// records written under another namespace are misses after a restart.
+func TestDiskFingerprint(t *testing.T) {
+	base := Config{Namespace: "m", Layout: smallLayout(8)}
+	fp0, err := diskFingerprint(base)
+	require.NoError(t, err)
+	for name, change := range map[string]func(*Config){
+		"namespace":  func(c *Config) { c.Namespace = "other" },
+		"kind":       func(c *Config) { c.Layout.Kind = LayoutCrossLayer },
+		"layers":     func(c *Config) { c.Layout.Layers++ },
+		"kv heads":   func(c *Config) { c.Layout.KVHeads++ },
+		"head dim":   func(c *Config) { c.Layout.HeadDim++ },
+		"dtype":      func(c *Config) { c.Layout.DTypeBytes = 1 },
+		"block size": func(c *Config) { c.Layout.TokensPerBlock++ },
+	} {
+		c := base
+		change(&c)
+		fp, err := diskFingerprint(c)
+		require.NoError(t, err)
+		require.NotEqual(t, fp0, fp, name)
+	}
+
+	dir := t.TempDir()
+	cfg := diskEngineConfig(dir)
+	cfg.Disk.AdmitAll = true
+	cfg.Namespace = "model-a"
+	e := newTestEngine(t, cfg)
+	for i := range 6 {
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	require.NoError(t, e.Close())
+	cfg.Namespace = "model-b"
+	e = newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e.Close()) }()
+	st := e.Stats()
+	require.Zero(t, st.DiskRecords, "another namespace's records are not served")
+	res, err := e.Lookup(seqKeys(0, 2), LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.DiskHits)
 }

@@ -34,9 +34,17 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", uint8(k))
 }
 
-// MediumCPU is the Medium of the host pool's events, spelled as vLLM's
-// CPU offloading spells it ("CPU"); later tiers get their own.
-const MediumCPU = "CPU"
+// Event.Medium values: the tier an event is about, spelled as vLLM's CPU
+// offloading spells its own ("CPU"), uppercase.
+const (
+	// MediumCPU: the host pool.
+	MediumCPU = "CPU"
+	// MediumDisk: the disk tier (Config.Disk). A block written back to
+	// disk is an EventStored of this medium (after its host copy's
+	// EventRemoved, when the write completes); one evicted from disk,
+	// deleted, cleared or dropped there as damaged is an EventRemoved.
+	MediumDisk = "DISK"
+)
 
 // Event is one change of the pool's index, published after the fact: a
 // stored block is already ready when its event is sent, a removed block
@@ -55,7 +63,8 @@ type Event struct {
 	Tokens []uint32
 	// BlockSize is the tokens per block of the layout.
 	BlockSize int
-	// Medium is the tier holding the block: MediumCPU.
+	// Medium is the tier the event is about: MediumCPU or MediumDisk.
+	// A block can be in both (a promoted block keeps its disk record).
 	Medium string
 }
 
@@ -205,6 +214,18 @@ func (h *eventHub) onIndex(ev kvcache.IndexEvent) {
 		}
 	}
 	h.sendLocked(out)
+}
+
+// onDisk publishes a disk tier change (tier/disk's OnStore and OnRemove,
+// under the store's lock; it never blocks). Disk records carry no parent
+// or tokens.
+func (h *eventHub) onDisk(kind EventKind, key Key) {
+	if !h.active.Load() {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.sendLocked(Event{Kind: kind, Key: key, BlockSize: h.blockSize, Medium: MediumDisk})
 }
 
 func (h *eventHub) sendLocked(ev Event) {

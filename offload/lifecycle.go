@@ -82,6 +82,8 @@ type engineHooks struct {
 	calibrate bool
 	// beforeDiskPut runs on the disk tier's writer before each write.
 	beforeDiskPut func()
+	// diskFaults is tier/disk's Config.Faults for the disk tier.
+	diskFaults diskFaultFunc
 }
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
@@ -345,7 +347,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	kcfg.OnIndex = e.hub.onIndex
 	if cfg.Disk != nil {
-		if e.disk, err = openDisk(cfg, slot, h.beforeDiskPut); err != nil {
+		if e.disk, err = openDisk(cfg, slot, &e.hub, h); err != nil {
 			return nil, err
 		}
 		kcfg.OnIndex = func(ev kvcache.IndexEvent) {

@@ -82,10 +82,39 @@ type Config struct {
 	// cannot punch) instead of only its header being invalidated. An
 	// evicted record's slot is overwritten by the record that evicts it.
 	ZeroOnRelease bool
+	// OnStore, when set, is called with the key of every record a Put
+	// made readable. OnRemove, when set, is called with the key of every
+	// readable record that leaves the index while the store is open:
+	// evicted by a Put (evicted true), deleted, cleared, or dropped by a
+	// Get that found it damaged or could not read it. Records found at
+	// Open are not reported. Both run with the store's lock held (so a
+	// key's calls come in the order the index changed): they must be quick,
+	// never block, and never call into the store.
+	OnStore  func(key [16]byte)
+	OnRemove func(key [16]byte, evicted bool)
+
+	// Faults is for tests only (a fault-injection seam, also used by the
+	// engine's tests): when set, it runs before each file operation of the
+	// kind op on directory dir, and a non-nil error replaces the
+	// operation's result (e.g. unix.ENOSPC for FaultWrite, unix.EIO for
+	// FaultRead, unix.EROFS for FaultOpen: the directory is opened
+	// read-only). Leave it nil in production.
+	Faults func(op FaultOp, dir string) error
 
 	// faults, set only by this package's tests, injects I/O errors.
 	faults *faults
 }
+
+// FaultOp is the kind of file operation Config.Faults is asked about.
+type FaultOp uint8
+
+// FaultOp values.
+const (
+	FaultOpen       = FaultOp(opOpen)       // opening the records file for writing
+	FaultOpenDirect = FaultOp(opOpenDirect) // opening it with O_DIRECT
+	FaultWrite      = FaultOp(opWrite)      // a record's payload or header
+	FaultRead       = FaultOp(opRead)       // a record's header and payload
+)
 
 // Errors. Every error of this package wraps one of these or an errno.
 var (

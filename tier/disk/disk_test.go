@@ -656,3 +656,55 @@ func TestConcurrent(t *testing.T) {
 		})
 	}
 }
+
+// TestHooks: OnStore reports each record a Put made readable, OnRemove each
+// one that left the index (evicted, deleted, dropped by a failed read,
+// cleared); the exported Faults seam injects as the internal one does.
+func TestHooks(t *testing.T) {
+	type ev struct {
+		key     [16]byte
+		stored  bool
+		evicted bool
+	}
+	var mu sync.Mutex
+	var evs []ev
+	failReads := false
+	cfg := config(directDir(t), align, 2)
+	cfg.OnStore = func(k [16]byte) { mu.Lock(); evs = append(evs, ev{key: k, stored: true}); mu.Unlock() }
+	cfg.OnRemove = func(k [16]byte, evicted bool) {
+		mu.Lock()
+		evs = append(evs, ev{key: k, evicted: evicted})
+		mu.Unlock()
+	}
+	cfg.Faults = func(op FaultOp, _ string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if op == FaultRead && failReads {
+			return unix.EIO
+		}
+		return nil
+	}
+	s := open(t, cfg)
+	for i := range 3 { // the third evicts key 0
+		require.NoError(t, s.Put(key(i), payload(key(i), align)))
+	}
+	require.NoError(t, s.Put(key(2), payload(key(2), align)), "already stored: no event")
+	s.Delete(key(1))
+	s.Delete(key(1))
+	require.NoError(t, s.Put(key(3), payload(key(3), align)))
+	mu.Lock()
+	failReads = true
+	mu.Unlock()
+	mustMiss(t, s, key(3))
+	require.NoError(t, s.Put(key(4), payload(key(4), align)))
+	s.Clear()
+	want := []ev{{key: key(0), stored: true}, {key: key(1), stored: true}, {key: key(0), evicted: true},
+		{key: key(2), stored: true}, {key: key(1)}, {key: key(3), stored: true}, {key: key(3)},
+		{key: key(4), stored: true}}
+	mu.Lock()
+	got := evs
+	mu.Unlock()
+	require.Equal(t, want, got[:len(want)])
+	require.ElementsMatch(t, []ev{{key: key(2)}, {key: key(4)}}, got[len(want):], "Clear reports every record")
+	require.Equal(t, int64(1), s.Stats().IOErrors)
+}

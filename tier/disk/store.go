@@ -85,6 +85,10 @@ func Open(cfg Config) (*Store, error) {
 	if cfg.Fsync > FsyncOnClose || cfg.Direct > DirectOff {
 		return nil, fmt.Errorf("%w: Fsync %v, Direct %v", ErrConfig, cfg.Fsync, cfg.Direct)
 	}
+	if cfg.Faults != nil && cfg.faults == nil {
+		fn := cfg.Faults
+		cfg.faults = &faults{fn: func(op faultOp, dir string) error { return fn(FaultOp(op), dir) }}
+	}
 	s := &Store{cfg: cfg, padded: roundUp(cfg.RecordPayloadBytes, align), lruHead: -1, lruTail: -1}
 	s.slotBytes = record.HeaderSize + s.padded
 	total := cfg.CapacityBytes / s.slotBytes
@@ -341,6 +345,7 @@ func (s *Store) Put(key [16]byte, payload []byte) error {
 	} else {
 		for v := s.lruTail; v >= 0; v = s.slots[v].prev {
 			if s.slots[v].readers == 0 {
+				s.removed(s.slots[v].key, true)
 				s.unindex(v, false) // overwritten below: no wipe
 				i = v
 				s.evictions.Add(1)
@@ -376,6 +381,9 @@ func (s *Store) Put(key [16]byte, payload []byte) error {
 		sl.state = slotReady
 		s.ready++
 		s.lruPush(i)
+		if s.cfg.OnStore != nil {
+			s.cfg.OnStore(key)
+		}
 	}
 	s.mu.Unlock()
 	if err != nil {
@@ -480,6 +488,7 @@ func (s *Store) Get(key [16]byte, dst []byte) (bool, error) {
 	releaseNow := false
 	if bad && sl.state == slotReady {
 		releaseNow = s.unindex(i, true)
+		s.removed(key, false)
 	} else if sl.state == slotGone && sl.readers == 0 {
 		releaseNow = true
 	}
@@ -567,6 +576,13 @@ func (s *Store) Delete(key [16]byte) {
 	}
 }
 
+// removed reports key's record gone to Config.OnRemove (with s.mu held).
+func (s *Store) removed(key [16]byte, evicted bool) {
+	if s.cfg.OnRemove != nil {
+		s.cfg.OnRemove(key, evicted)
+	}
+}
+
 // drop takes slot i (indexed) out of the index for Delete or Clear, with
 // s.mu held, and reports whether the caller must release it now.
 func (s *Store) drop(i int32) bool {
@@ -576,6 +592,7 @@ func (s *Store) drop(i int32) bool {
 		sl.dead = true
 		return false
 	}
+	s.removed(sl.key, false)
 	return s.unindex(i, true)
 }
 
