@@ -267,3 +267,18 @@ func TestPublishOverZeroMQ(t *testing.T) {
 		t.Log(err)
 	}
 }
+
+// TestDiskMediumEncoded: disk tier events go out with medium "DISK".
+func TestDiskMediumEncoded(t *testing.T) {
+	var key offload.Key
+	key[0] = 7
+	evs := []offload.Event{
+		{Kind: offload.EventStored, Key: key, BlockSize: 16, Medium: offload.MediumDisk},
+		{Kind: offload.EventRemoved, Key: key, Medium: offload.MediumDisk},
+	}
+	b, err := events.AppendBatch(nil, time.Now(), evs)
+	require.NoError(t, err)
+	got := decodeBatch(t, b)
+	require.Equal(t, evs, got)
+	require.Equal(t, "DISK", got[0].Medium)
+}

@@ -35,8 +35,11 @@ const (
 	CPUToGPU = "CPU_to_GPU" // loads
 )
 
-// TierCPU is the tier label of the host pool.
-const TierCPU = "cpu"
+// Tier labels: the host pool and the disk tier (offload.Config.Disk).
+const (
+	TierCPU  = "cpu"
+	TierDisk = "disk"
+)
 
 // Collector is a prometheus.Collector over one engine's Stats.
 type Collector struct {
@@ -53,6 +56,8 @@ type descs struct {
 	stagingBytes, slots, ready, leased, blockBytes      *prometheus.Desc
 	growthTarget, growthPaused, growthDone, growthError *prometheus.Desc
 	regions, trims, trimmed                             *prometheus.Desc
+	tierReads, tierWrites, tierCorrupt, tierRecords     *prometheus.Desc
+	tierBytes, tierCapacity, tierMode                   *prometheus.Desc
 }
 
 // New returns a Collector of src's Stats; constLabels (may be nil) are added
@@ -93,6 +98,13 @@ func New(src Source, constLabels prometheus.Labels) *Collector {
 		regions:      d("pool_regions", "Pool regions: pinned now or planned.", "state"),
 		trims:        d("trims_total", "Trim calls.", "tier"),
 		trimmed:      d("trimmed_bytes_total", "Bytes given back by Trim.", "tier"),
+		tierReads:    d("tier_reads_total", "Blocks a Load read from a lower tier into host slots: hit (promoted) or miss (vanished, damaged, I/O error).", "tier", "result"),
+		tierWrites:   d("tier_writes_total", "Evicted host blocks sent to a lower tier: written, error (refused or failed), dropped (no write-back buffer free).", "tier", "result"),
+		tierCorrupt:  d("tier_corrupt_total", "Lower-tier records that failed a check when read (each also a read miss).", "tier"),
+		tierRecords:  d("tier_records", "Records a lower tier holds.", "tier"),
+		tierBytes:    d("tier_bytes", "Payload bytes of those records.", "tier"),
+		tierCapacity: d("tier_capacity_records", "Records a lower tier can hold.", "tier"),
+		tierMode:     d("tier_io_mode", "1 for the I/O mode in effect (direct, buffered or mixed O_DIRECT).", "tier", "mode"),
 	}
 	return c
 }
@@ -102,7 +114,8 @@ func (c *Collector) all() []*prometheus.Desc {
 	return []*prometheus.Desc{d.lookups, d.blockLookups, d.hits, d.misses, d.outcomes, d.skipped, d.evictions, d.deletes,
 		d.admission, d.blocks, d.bytes, d.ops, d.latency, d.usage, d.poolBytes, d.ownedBytes, d.inUse, d.inFlight,
 		d.stagingBytes, d.slots, d.ready, d.leased, d.blockBytes, d.growthTarget, d.growthPaused, d.growthDone,
-		d.growthError, d.regions, d.trims, d.trimmed}
+		d.growthError, d.regions, d.trims, d.trimmed, d.tierReads, d.tierWrites, d.tierCorrupt, d.tierRecords,
+		d.tierBytes, d.tierCapacity, d.tierMode}
 }
 
 // Describe implements prometheus.Collector.
@@ -180,6 +193,36 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	gauge(d.regions, float64(s.RegionsTotal), "planned")
 	counter(d.trims, s.Trims, TierCPU)
 	counter(d.trimmed, s.TrimmedBytes, TierCPU)
+	if s.DiskMode != "" {
+		c.collectDisk(ch, s)
+	}
+}
+
+// collectDisk adds the disk tier's series (tier="disk"), present only when
+// the engine has one. A key a Lookup did not find in the host pool is
+// looked up on disk: the disk's lookups are the host's misses, its hits
+// Stats.DiskLookupHits.
+func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
+	d := &c.d
+	metric := func(desc *prometheus.Desc, t prometheus.ValueType, v int64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, t, float64(v), append([]string{TierDisk}, labels...)...)
+	}
+	counter := prometheus.CounterValue
+	metric(d.blockLookups, counter, s.Misses)
+	metric(d.hits, counter, s.DiskLookupHits)
+	metric(d.misses, counter, s.Misses-s.DiskLookupHits)
+	metric(d.admission, counter, s.DiskNotAdmitted)
+	metric(d.tierReads, counter, s.DiskHits, "hit")
+	metric(d.tierReads, counter, s.DiskMisses, "miss")
+	metric(d.tierWrites, counter, s.DiskWrites, "written")
+	metric(d.tierWrites, counter, s.DiskWriteErrors, "error")
+	metric(d.tierWrites, counter, s.DiskDropped, "dropped")
+	metric(d.tierCorrupt, counter, s.DiskCorrupt)
+	gauge := prometheus.GaugeValue
+	metric(d.tierRecords, gauge, s.DiskRecords)
+	metric(d.tierBytes, gauge, s.DiskBytes)
+	metric(d.tierCapacity, gauge, s.DiskCapacity)
+	metric(d.tierMode, gauge, 1, s.DiskMode)
 }
 
 // histogram turns Stats' log2 latency histogram into a Prometheus one: the

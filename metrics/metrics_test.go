@@ -133,3 +133,91 @@ func TestWriteTextIsTheExposition(t *testing.T) {
 	mfs := parse(t, &buf)
 	require.Equal(t, float64(e.Stats().Hits), value(t, mfs, "kvoffload_cpu_block_hit_total", "tier", "cpu"))
 }
+
+// sample returns the sample of family name whose labels include all of want.
+func sample(t *testing.T, mfs map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
+	t.Helper()
+	mf, ok := mfs[name]
+	require.True(t, ok, "metric %s missing", name)
+	for _, m := range mf.GetMetric() {
+		got := map[string]string{}
+		for _, lp := range m.GetLabel() {
+			got[lp.GetName()] = lp.GetValue()
+		}
+		match := true
+		for k, v := range want {
+			match = match && got[k] == v
+		}
+		if !match {
+			continue
+		}
+		if m.Counter != nil {
+			return m.Counter.GetValue()
+		}
+		return m.Gauge.GetValue()
+	}
+	t.Fatalf("%s%v missing", name, want)
+	return 0
+}
+
+// TestDiskTierMetrics: an engine with a disk tier exports its Disk* Stats
+// with tier="disk"; one without exports no disk series.
+func TestDiskTierMetrics(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, metrics.WriteText(&buf, newEngine(t)))
+	mfs := parse(t, &buf)
+	_, ok := mfs["kvoffload_tier_records"]
+	require.False(t, ok, "no disk tier, no disk series")
+
+	e, err := offload.New(offload.Config{PoolBytes: 8 * 8192, Backend: offload.BackendHost, SkipMemoryCheck: true,
+		Layout: offload.LayoutSpec{Kind: offload.LayoutLayerSeparate, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: 16},
+		Disk:   &offload.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, AdmitAll: true}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	work(t, e)
+	require.NoError(t, e.FlushDisk(context.Background()))
+	tokens := make([]uint32, 16*16)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	_, err = e.Lookup(e.Keys(tokens), offload.LookupOptions{}) // the first blocks are on disk now
+	require.NoError(t, err)
+	buf.Reset()
+	require.NoError(t, metrics.WriteText(&buf, e))
+	mfs = parse(t, &buf)
+	s := e.Stats()
+	require.Positive(t, s.DiskWrites)
+	require.Positive(t, s.DiskLookupHits)
+	disk := func(kv ...string) map[string]string {
+		m := map[string]string{"tier": "disk"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   int64
+	}{
+		{"kvoffload_cpu_block_lookup_total", disk(), s.Misses},
+		{"kvoffload_cpu_block_hit_total", disk(), s.DiskLookupHits},
+		{"kvoffload_cpu_block_miss_total", disk(), s.Misses - s.DiskLookupHits},
+		{"kvoffload_admission_rejections_total", disk(), s.DiskNotAdmitted},
+		{"kvoffload_tier_reads_total", disk("result", "hit"), s.DiskHits},
+		{"kvoffload_tier_reads_total", disk("result", "miss"), s.DiskMisses},
+		{"kvoffload_tier_writes_total", disk("result", "written"), s.DiskWrites},
+		{"kvoffload_tier_writes_total", disk("result", "error"), s.DiskWriteErrors},
+		{"kvoffload_tier_writes_total", disk("result", "dropped"), s.DiskDropped},
+		{"kvoffload_tier_corrupt_total", disk(), s.DiskCorrupt},
+		{"kvoffload_tier_records", disk(), s.DiskRecords},
+		{"kvoffload_tier_bytes", disk(), s.DiskBytes},
+		{"kvoffload_tier_capacity_records", disk(), s.DiskCapacity},
+		{"kvoffload_tier_io_mode", disk("mode", s.DiskMode), 1},
+		{"kvoffload_cpu_block_hit_total", map[string]string{"tier": "cpu"}, s.Hits},
+	} {
+		require.Equal(t, float64(c.want), sample(t, mfs, c.name, c.labels), "%s%v", c.name, c.labels)
+	}
+	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_tier_writes_total"].GetType())
+	require.Equal(t, dto.MetricType_GAUGE, mfs["kvoffload_tier_records"].GetType())
+}
