@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -21,16 +22,21 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cgroup"
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 var infoCommand = command{
 	name:    "info",
 	summary: "Print the driver, devices, PCIe links, NUMA, huge pages, memlock and cgroup limits, and the backend \"auto\" picks.",
 	details: `Works without a GPU: the CUDA section then says why the driver is unavailable
-and "auto" picks the host backend.`,
+and "auto" picks the host backend. With --disk, it also reports what the disk
+tier would find in each directory (read only: nothing there is changed): the
+I/O mode Open would use (direct or buffered), the records files with their
+capacity, and the records found, by fingerprint.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		asJSON := fs.Bool("json", false, "print the facts as one JSON object")
 		device := fs.Int("device", 0, "CUDA device ordinal `N` the auto backend would use")
+		diskDirs := fs.String("disk", "", "report the disk tier in `dirs` (comma-separated), as the engine's Disk.Dirs")
 		return func(_ context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
@@ -39,6 +45,11 @@ and "auto" picks the host backend.`,
 				return fmt.Errorf("%w: --device %d must not be negative", errUsage, *device)
 			}
 			info := defaultProber().collect(*device)
+			if *diskDirs != "" {
+				for _, d := range strings.Split(*diskDirs, ",") {
+					info.Disk = append(info.Disk, disk.Inspect(d))
+				}
+			}
 			if *asJSON {
 				return writeJSON(e.stdout, info)
 			}
@@ -52,6 +63,8 @@ type machineInfo struct {
 	Host    hostInfo    `json:"host"`
 	CUDA    cudaInfo    `json:"cuda"`
 	Backend backendInfo `json:"auto_backend"`
+	// Disk is what --disk found in each directory.
+	Disk []disk.DirInfo `json:"disk,omitempty"`
 }
 
 type hostInfo struct {
@@ -387,6 +400,34 @@ func (m machineInfo) print(w io.Writer) error {
 	}
 	fmt.Fprintln(tw, "Backend")
 	row("  auto picks", "%s: %s", m.Backend.Name, m.Backend.Reason)
+	for _, d := range m.Disk {
+		fmt.Fprintf(tw, "Disk tier %s\n", d.Dir)
+		if d.Error != "" {
+			row("  error", "%s", d.Error)
+		}
+		row("  mode", "%s, %s", d.Mode, yesNo(d.Writable, "writable", "read-only (records served, none written)"))
+		if d.Holder != "" {
+			row("  in use by", "%s", d.Holder)
+		}
+		if len(d.Files) == 0 {
+			row("  records file", "none yet (created at the engine's start)")
+		}
+		for _, f := range d.Files {
+			row("  "+filepath.Base(f.Path), "%s, %d records of %s", formatSize(f.FileBytes), f.CapacityRecords, formatSize(f.SlotBytes))
+			var total int64
+			fps := make([]string, 0, len(f.Records))
+			for fp, n := range f.Records {
+				total += n
+				fps = append(fps, fmt.Sprintf("%d of %s", n, fp))
+			}
+			sort.Strings(fps)
+			found := fmt.Sprintf("%d", total)
+			if len(fps) > 0 {
+				found += " (by fingerprint: " + strings.Join(fps, ", ") + ")"
+			}
+			row("    records found", "%s; %d damaged", found, f.Damaged)
+		}
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 // fakeRoot writes files under a temporary root for a prober.
@@ -117,4 +120,62 @@ func TestPCIeGen(t *testing.T) {
 	for in, want := range map[string]int{"2.5 GT/s PCIe": 1, "8.0 GT/s PCIe": 3, "16 GT/s": 4, "32.0 GT/s PCIe": 5, "64.0 GT/s PCIe": 6, "Unknown": 0, "": 0, "7 GT/s": 0} {
 		require.Equal(t, want, pcieGen(in), in)
 	}
+}
+
+// TestInfoDisk: info --disk reports the records an engine's disk tier left
+// in a directory (its mode, capacity and records by fingerprint), changing
+// nothing there; text and JSON.
+func TestInfoDisk(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	e, err := offload.New(offload.Config{PoolBytes: 4 * 8192, Backend: offload.BackendHost, SkipMemoryCheck: true,
+		Layout: offload.LayoutSpec{Kind: offload.LayoutLayerSeparate, Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: 8},
+		Disk:   &offload.DiskConfig{Dirs: []string{dir}, CapacityBytes: 16 * disk.SlotBytes(8192), AdmitAll: true}})
+	require.NoError(t, err)
+	tokens := make([]uint32, 6*16)
+	for i := range tokens {
+		tokens[i] = uint32(i)
+	}
+	keys := e.Keys(tokens)
+	for i, k := range keys { // four slots: two blocks evicted to disk
+		op, err := e.Store(ctx, []offload.Key{k}, []int{i}, offload.StoreOptions{})
+		require.NoError(t, err)
+		require.NoError(t, op.Wait(ctx))
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	mode := e.Stats().DiskMode
+	require.NoError(t, e.Close())
+	before, err := os.ReadDir(dir)
+	require.NoError(t, err)
+
+	code, out, errs := runCLI(t, "info", "--json", "--disk", dir)
+	require.Equal(t, exitOK, code, errs)
+	var m machineInfo
+	require.NoError(t, json.Unmarshal([]byte(out), &m))
+	require.Len(t, m.Disk, 1)
+	d := m.Disk[0]
+	require.Empty(t, d.Error)
+	require.Equal(t, mode, d.Mode)
+	require.True(t, d.Writable)
+	require.Len(t, d.Files, 1)
+	require.Equal(t, int64(16), d.Files[0].CapacityRecords)
+	require.Len(t, d.Files[0].Records, 1, "one fingerprint")
+	for _, n := range d.Files[0].Records {
+		require.Equal(t, int64(2), n)
+	}
+
+	code, out, errs = runCLI(t, "info", "--disk", dir)
+	require.Equal(t, exitOK, code, errs)
+	require.Contains(t, out, "Disk tier "+dir)
+	require.Contains(t, out, "mode")
+	require.Contains(t, out, mode+", writable")
+	require.Contains(t, out, "16 records of")
+	require.Contains(t, out, "records found")
+	after, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Equal(t, len(before), len(after), "info changes nothing in the directory")
+
+	code, out, _ = runCLI(t, "info", "--disk", filepath.Join(dir, "absent"))
+	require.Equal(t, exitOK, code)
+	require.Contains(t, out, "error")
 }

@@ -708,3 +708,40 @@ func TestHooks(t *testing.T) {
 	require.ElementsMatch(t, []ev{{key: key(2)}, {key: key(4)}}, got[len(want):], "Clear reports every record")
 	require.Equal(t, int64(1), s.Stats().IOErrors)
 }
+
+// TestInspect: Inspect reports a store's files, records by fingerprint,
+// mode and holder, and changes nothing.
+func TestInspect(t *testing.T) {
+	dir := t.TempDir()
+	info := Inspect(dir)
+	require.Empty(t, info.Error)
+	require.Empty(t, info.Files)
+	require.True(t, info.Writable)
+	require.Contains(t, []string{"direct", "buffered"}, info.Mode)
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, entries, "the probe file is removed")
+
+	cfg := config(dir, align, 4)
+	s := open(t, cfg)
+	for i := range 3 {
+		require.NoError(t, s.Put(key(i), payload(key(i), align)))
+	}
+	info = Inspect(dir)
+	require.Contains(t, info.Holder, fmt.Sprintf("pid %d", os.Getpid()), "the store holds the directory")
+	require.NoError(t, s.Close())
+
+	info = Inspect(dir)
+	require.Empty(t, info.Error)
+	require.Empty(t, info.Holder)
+	require.Len(t, info.Files, 1)
+	f := info.Files[0]
+	require.Equal(t, SlotBytes(align), f.SlotBytes)
+	require.Equal(t, int64(4), f.CapacityRecords)
+	require.Equal(t, map[string]int64{fmt.Sprintf("%016x", cfg.Fingerprint): 3}, f.Records)
+	require.Zero(t, f.Damaged)
+	require.Equal(t, map[bool]string{true: "direct", false: "buffered"}[s.Stats().Mode == IODirect], info.Mode)
+
+	info = Inspect(filepath.Join(dir, "absent"))
+	require.NotEmpty(t, info.Error)
+}
