@@ -197,7 +197,10 @@ type Config struct {
 	// skips the re-check too.
 	MemoryHeadroomBytes int64 `json:"memory_headroom_bytes,omitempty"`
 	// ZeroOnRelease zeroes a slot's bytes when its block is evicted or
-	// deleted, so that no KV of a past request stays in host memory.
+	// deleted, so that no KV of a past request stays in host memory. With
+	// a disk tier it reaches the disk too (tier/disk's ZeroOnRelease): a
+	// record deleted or cleared is punched out of its file (zeros written
+	// where the file system cannot punch), an evicted one is overwritten.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
 	// GreedyStores (CUDA backend) runs stores on the copy kernel's
 	// unthrottled launch (transfer.CUDAOptions.GreedyStores): small

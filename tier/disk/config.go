@@ -80,7 +80,8 @@ type Config struct {
 	// ZeroOnRelease: a deleted or cleared record's slot is punched out of
 	// the file (FALLOC_FL_PUNCH_HOLE; zeros written where the file system
 	// cannot punch) instead of only its header being invalidated. An
-	// evicted record's slot is overwritten by the record that evicts it.
+	// evicted record's slot is overwritten by the record that evicts it,
+	// or punched when that write fails.
 	ZeroOnRelease bool
 	// OnStore, when set, is called with the key of every record a Put
 	// made readable. OnRemove, when set, is called with the key of every

@@ -1,6 +1,7 @@
 package disk
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvoffload/kvoffload/tier/record"
@@ -744,4 +746,32 @@ func TestInspect(t *testing.T) {
 
 	info = Inspect(filepath.Join(dir, "absent"))
 	require.NotEmpty(t, info.Error)
+}
+
+// TestZeroOnReleaseFailedPut: with ZeroOnRelease, a Put whose write fails
+// after evicting a record leaves none of that record's bytes in the file.
+func TestZeroOnReleaseFailedPut(t *testing.T) {
+	const size = 4 * align
+	var fail atomic.Bool
+	cfg := config(t.TempDir(), size, 2)
+	cfg.ZeroOnRelease = true
+	cfg.Faults = func(op FaultOp, _ string) error {
+		if op == FaultWrite && fail.Load() {
+			return unix.EIO
+		}
+		return nil
+	}
+	s := open(t, cfg)
+	require.NoError(t, s.Put(key(0), payload(key(0), size)))
+	require.NoError(t, s.Put(key(1), payload(key(1), size)))
+	fail.Store(true)
+	require.ErrorIs(t, s.Put(key(2), payload(key(2), size)), ErrIO)
+	require.False(t, s.Contains(key(0)), "evicted")
+	b, err := os.ReadFile(s.dirs[0].path)
+	require.NoError(t, err)
+	require.False(t, bytes.Contains(b, payload(key(0), size)), "the evicted record's bytes are gone")
+	require.True(t, bytes.Contains(b, payload(key(1), size)))
+	fail.Store(false)
+	require.NoError(t, s.Put(key(2), payload(key(2), size)), "the slot is usable again")
+	mustGet(t, s, key(2))
 }

@@ -367,6 +367,16 @@ func (s *Store) Put(key [16]byte, payload []byte) error {
 
 	s.mu.Lock()
 	switch {
+	case err != nil && s.cfg.ZeroOnRelease:
+		// The slot may still hold the record this Put evicted (or part
+		// of the new one): punch it before it is reused.
+		if s.index[key] == i {
+			delete(s.index, key)
+		}
+		sl.state, sl.wipe = slotGone, true
+		s.mu.Unlock()
+		s.release(i)
+		s.mu.Lock()
 	case err != nil:
 		if s.index[key] == i {
 			delete(s.index, key)
