@@ -187,6 +187,20 @@ func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot) {
 	}
 }
 
+// clearCluster (Clear) empties the cluster's records of the engine's
+// namespace, for every engine sharing it (the store bumps the namespace's
+// generation), bounded by ClusterConfig.Timeout; a failure is not an error
+// (the records expire with their TTL). Other namespaces have no records
+// there.
+func (e *Engine) clearCluster(ns string) {
+	if e.cluster == nil || ns != e.cfg.Namespace {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.Cluster.Timeout)
+	defer cancel()
+	_ = e.cluster.Clear(ctx)
+}
+
 // FlushCluster waits until every block written through to the cluster has
 // been answered (stored or failed). Without a cluster tier it returns at
 // once.

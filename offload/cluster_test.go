@@ -93,6 +93,52 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	pr, err = o.Prefetch(context.Background(), keys, PrefetchOptions{})
 	require.NoError(t, err)
 	require.Zero(t, pr.Promoted)
+
+	// Clear of the namespace empties it in the cluster for every engine.
+	_, err = a.Clear(ns)
+	require.NoError(t, err)
+	d := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
+	defer func() { require.NoError(t, d.Close()) }()
+	pr, err = d.Prefetch(context.Background(), keys, PrefetchOptions{})
+	require.NoError(t, err)
+	require.Zero(t, pr.Promoted, "cleared")
+}
+
+// TestPrefetchFromDisk: Prefetch promotes disk records into host slots
+// (no cluster tier); Lookup then sees them in the pool and Load copies
+// them byte-exact.
+func TestPrefetchFromDisk(t *testing.T) {
+	ctx := context.Background()
+	e := newTestEngine(t, diskEngineConfig(t.TempDir()))
+	defer func() { _ = e.Close() }() // closed below; a second Close is ErrClosed
+	keys := seqKeys(0, 8)
+	contents := make([][]byte, 8)
+	for i := range 8 {
+		contents[i] = fillBlock(t, e, i, byte(5+16*i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+		require.Equal(t, OutcomeAlreadyPresent, storeOne(t, e, keys[i], i))
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	res, err := e.Lookup(keys[:4], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, LookupResult{Hits: 0, DiskHits: 4}, res)
+	pr, err := e.Prefetch(ctx, keys[:4], PrefetchOptions{})
+	require.NoError(t, err)
+	require.Equal(t, PrefetchResult{Promoted: 4, FromDisk: 4}, pr)
+	res, err = e.Lookup(keys[:4], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.Hits, "the prefetched blocks are in the pool")
+	oc := loadAll(t, e, keys[:4], seqIDs(8, 4))
+	for i := range 4 {
+		require.Equal(t, OutcomeLoaded, oc[i])
+		require.Equal(t, contents[i], blockBytes(e, 8+i), "block %d prefetched byte-exact", i)
+	}
+	require.Equal(t, int64(4), e.Stats().DiskHits)
+	_, err = e.Prefetch(ctx, keys, PrefetchOptions{Timeout: -1})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.NoError(t, e.Close())
+	_, err = e.Prefetch(ctx, keys, PrefetchOptions{})
+	require.ErrorIs(t, err, ErrClosed)
 }
 
 // TestClusterStoppedMidRun: the cluster goes away; Prefetch returns misses

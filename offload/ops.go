@@ -533,6 +533,7 @@ func (e *Engine) clear(ns string) int {
 		// when this engine stored nothing in ns, as after a restart).
 		e.disk.clearAll()
 	}
+	e.clearCluster(ns)
 	e.names.mu.Lock()
 	id, ok := e.names.ids[ns]
 	e.names.mu.Unlock()
