@@ -42,8 +42,9 @@ type ClusterConfig struct {
 
 // PrefetchOptions modify Prefetch.
 type PrefetchOptions struct {
-	// Timeout bounds the wait for the lower tiers (0: the cluster's
-	// ClusterConfig.Timeout). What has not arrived by then is a miss.
+	// Timeout bounds the wait for the cluster (0, or more than
+	// ClusterConfig.Timeout: ClusterConfig.Timeout). What has not arrived
+	// by then is a miss. Disk reads are waited for.
 	Timeout time.Duration
 }
 
