@@ -227,6 +227,12 @@ type Config struct {
 	// the blocks found on it (LookupResult.DiskHits), Load promotes them.
 	// Nil: no disk tier.
 	Disk *DiskConfig `json:"disk,omitempty"`
+	// Cluster, when set, adds the cluster tier (see ClusterConfig): blocks
+	// stored are written through to a Redis Cluster, and Prefetch promotes
+	// blocks other engines wrote there. A cluster that does not answer at
+	// New leaves the engine without the tier (Stats.ClusterError). Nil: no
+	// cluster tier.
+	Cluster *ClusterConfig `json:"cluster,omitempty"`
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache as plain data (it

@@ -156,6 +156,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if err := diskDefaults(&cfg, slot); err != nil {
 		return Config{}, numaSetting{}, 0, err
 	}
+	if err := clusterDefaults(&cfg); err != nil {
+		return Config{}, numaSetting{}, 0, err
+	}
 	return cfg, numa, slot, nil
 }
 

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
+	"github.com/kvoffload/kvoffload/tier/cluster"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -64,8 +65,12 @@ type Engine struct {
 	reaping reaperState
 	names   namespaces
 	hub     eventHub  // Events' streams (events.go)
-	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk tier
+	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *diskTier // the disk tier (Config.Disk), nil without one
+	// cluster is the cluster tier (Config.Cluster), nil without one or
+	// when it did not answer at New (clusterErr says why).
+	cluster    *cluster.Store
+	clusterErr atomic.Pointer[string]
 }
 
 // growthState is background growth's plan and progress; mu guards every

@@ -169,7 +169,7 @@ func (e *Engine) publishRegion(pr *poolRegion) error {
 	e.memory.nextID++
 	pr.id = e.memory.nextID
 	e.memory.mu.Unlock()
-	if e.cfg.ZeroOnRelease || e.cfg.Disk != nil {
+	if e.cfg.ZeroOnRelease || e.cfg.Disk != nil || e.cfg.Cluster != nil {
 		e.slotMem.Store(pr.id, pr.r.Bytes())
 	}
 	t0 := time.Now()

@@ -199,6 +199,7 @@ func (e *Engine) teardown() error {
 		// After the cache: no OnFree queues a demotion any more.
 		errs = append(errs, e.disk.close())
 	}
+	errs = append(errs, e.closeCluster())
 	e.memory.mu.Lock()
 	all := append([]*poolRegion(nil), e.memory.regions...)
 	for _, pr := range e.memory.draining {
@@ -357,6 +358,11 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	if e.cache, err = kvcache.New(kcfg); err != nil {
 		return nil, err
+	}
+	if cfg.Cluster != nil {
+		if err := e.openCluster(cfg); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.StagingBytes > 0 {
 		if e.stage.region, err = e.mapRegion(cfg.StagingBytes, false); err != nil {

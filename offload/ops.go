@@ -200,6 +200,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 		return op, nil
 	}
 	e.hub.noteStore(keys, idx, slots, opts, e.cfg.Layout.TokensPerBlock)
+	wt := e.writeThroughKeys(ns, keys, idx)
 	fail := func(oc Outcome, cause error) (*Op, error) {
 		_ = e.cache.CompleteStore(slots, cause)
 		e.hub.forget(slots)
@@ -227,7 +228,13 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	tdone := make(chan struct{})
 	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: transfer.Event(opts.After), Events: e.events,
 		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
-			func(cerr error) { _ = e.cache.CompleteStore(slots, cerr); e.hub.forget(slots) })}
+			func(cerr error) {
+				err := e.cache.CompleteStore(slots, cerr)
+				e.hub.forget(slots)
+				if cerr == nil && err == nil {
+					e.writeThrough(wt, slots) // the slots are held until this returns
+				}
+			})}
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -526,6 +533,7 @@ func (e *Engine) clear(ns string) int {
 		// when this engine stored nothing in ns, as after a restart).
 		e.disk.clearAll()
 	}
+	e.clearCluster(ns)
 	e.names.mu.Lock()
 	id, ok := e.names.ids[ns]
 	e.names.mu.Unlock()

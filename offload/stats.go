@@ -104,6 +104,14 @@ type Stats struct {
 	DiskCapacity    int64  `json:"disk_capacity"`       // records the disk tier can hold
 	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
 
+	// The cluster tier (Config.Cluster); all 0 without one.
+	ClusterWrites      int64  `json:"cluster_writes"`          // blocks written through that the cluster stored
+	ClusterWriteErrors int64  `json:"cluster_write_errors"`    // write-throughs the cluster failed (a node down, a timeout, OOM)
+	ClusterDropped     int64  `json:"cluster_dropped"`         // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
+	ClusterHits        int64  `json:"cluster_hits"`            // blocks Prefetch read from the cluster (verified)
+	ClusterMisses      int64  `json:"cluster_misses"`          // blocks Prefetch asked the cluster for and did not get (absent, damaged, stale, late, errors)
+	ClusterError       string `json:"cluster_error,omitempty"` // why the cluster tier is off though configured (it did not answer at New)
+
 	// Per direction.
 	Store Direction `json:"store"`
 	Load  Direction `json:"load"`
@@ -290,6 +298,14 @@ func (e *Engine) snapshot() Stats {
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt = d.notAdmitted.Load(), ds.Corrupt
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
+	}
+	if cl := e.cluster; cl != nil {
+		cs := cl.Stats()
+		s.ClusterWrites, s.ClusterWriteErrors, s.ClusterDropped = cs.Puts, cs.PutErrors, cs.Dropped
+		s.ClusterHits, s.ClusterMisses = cs.Hits, cs.Misses
+	}
+	if m := e.clusterErr.Load(); m != nil {
+		s.ClusterError = *m
 	}
 	s.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {

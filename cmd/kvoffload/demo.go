@@ -49,6 +49,7 @@ reports a failed copy.`,
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		fs.StringVar(&cfg.diskDir, "disk", "", "add the disk tier, its records file in `dir` (pool evictions are written back there and loaded from it)")
+		fs.StringVar(&cfg.redis, "redis", "", "add the cluster tier, a Redis Cluster at `HOST:PORT[,HOST:PORT]` (stores are written through; each request's prefix past the host hits is prefetched from it before loading)")
 		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
@@ -102,6 +103,8 @@ type demoConfig struct {
 	// diskDir and diskBytes: --disk and --disk-bytes (the engine's Config.Disk).
 	diskDir   string
 	diskBytes int64
+	// redis: --redis (the engine's Config.Cluster; demo_cluster.go).
+	redis string
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -144,6 +147,9 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, c.diskBytes)
 	case c.diskBytes > 0 && c.diskDir == "":
 		return shape, fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+	}
+	if _, err := redisAddrs(c.redis); err != nil {
+		return shape, err
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:
@@ -199,6 +205,7 @@ type demoRun struct {
 	storeLat, loadLat []time.Duration
 	corrupted         int
 	lastKeys          []offload.Key // the keys of the request served last
+	clusterPromoted   int64         // blocks Prefetch promoted (--redis)
 }
 
 // runDemo runs the demo and returns its report; the report is returned
@@ -343,6 +350,7 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		}
 		ec.Disk = &offload.DiskConfig{Dirs: []string{cfg.diskDir}, CapacityBytes: n}
 	}
+	ec.Cluster = clusterConfig(cfg)
 	return ec
 }
 
@@ -452,6 +460,13 @@ func (r *demoRun) serve(req trace.Request) error {
 	// The host prefix (leased) and the disk prefix after it, which the
 	// Load promotes.
 	n := lr.Hits + lr.DiskHits
+	// With --redis, the keys past those are prefetched from the cluster
+	// (and disk): the prefix promoted into the pool loads too.
+	c, err := r.prefetchCluster(rest, n)
+	if err != nil {
+		return errors.Join(err, releaseLease(lr.Lease))
+	}
+	n += c
 	loaded, missing, err := r.load(rest[:n], ids[:n], lr.Lease)
 	if err != nil {
 		return err
@@ -468,10 +483,13 @@ func (r *demoRun) serve(req trace.Request) error {
 	}
 	r.rep.RecomputeSeconds += time.Since(t).Seconds()
 	for _, i := range loaded {
-		if i < lr.Hits {
+		switch {
+		case i < lr.Hits:
 			r.rep.Blocks.HostHits++
-		} else {
+		case i < lr.Hits+lr.DiskHits:
 			r.rep.Blocks.DiskHits++
+		default:
+			r.rep.Blocks.ClusterHits++
 		}
 	}
 	r.rep.Blocks.Misses += int64(len(recIDs))
@@ -664,6 +682,7 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 			Writes: st.DiskWrites, WriteErrors: st.DiskWriteErrors, Dropped: st.DiskDropped, NotAdmitted: st.DiskNotAdmitted,
 			Hits: st.DiskHits, Misses: st.DiskMisses, Corrupt: st.DiskCorrupt}
 	}
+	rep.Cluster = r.clusterReportOf(st)
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration

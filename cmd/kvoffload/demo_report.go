@@ -59,6 +59,8 @@ type demoReport struct {
 
 	// Disk is the disk tier (--disk), nil without one.
 	Disk *diskReport `json:"disk,omitempty"`
+	// Cluster is the cluster tier (--redis), nil without one.
+	Cluster *clusterReport `json:"cluster,omitempty"`
 }
 
 // diskReport is the engine's disk-tier counters at the end of the run.
@@ -86,7 +88,10 @@ type blockCounts struct {
 	// Lookup found on disk (LookupResult.DiskHits): promoted from disk, or
 	// already in the pool behind a block that was on disk only.
 	DiskHits int64 `json:"disk_hits"`
-	Misses   int64 `json:"misses"` // recomputed
+	// ClusterHits are the blocks loaded past those, which Prefetch
+	// promoted from the cluster (--redis) just before the load.
+	ClusterHits int64 `json:"cluster_hits"`
+	Misses      int64 `json:"misses"` // recomputed
 }
 
 func (b blockCounts) ratio(n int64) float64 {
@@ -157,6 +162,7 @@ func (r *demoReport) print(w io.Writer) error {
 			d.Dir, d.Mode, d.Records, d.Capacity, formatSize(d.Bytes), d.Writes, d.Dropped, d.NotAdmitted, d.WriteErrors)
 		row("  promoted", "%d blocks read back, %d misses (%d damaged)", d.Hits, d.Misses, d.Corrupt)
 	}
+	r.Cluster.print(row, bl)
 	row("recompute", "%.2f s", r.RecomputeSeconds)
 	switch {
 	case !r.Verify:

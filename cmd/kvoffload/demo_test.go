@@ -34,8 +34,8 @@ func noNotice(string) {}
 func requireConsistent(t *testing.T, rep *demoReport) {
 	t.Helper()
 	b := rep.Blocks
-	require.Equal(t, b.Total, b.GPUHits+b.HostHits+b.DiskHits+b.Misses, "every block is a GPU hit, a host hit, a disk hit or a miss")
-	require.Equal(t, rep.Load.Blocks, b.HostHits+b.DiskHits)
+	require.Equal(t, b.Total, b.GPUHits+b.HostHits+b.DiskHits+b.ClusterHits+b.Misses, "every block is a GPU hit, a host hit, a disk hit, a cluster hit or a miss")
+	require.Equal(t, rep.Load.Blocks, b.HostHits+b.DiskHits+b.ClusterHits)
 	require.Equal(t, rep.Store.Blocks*rep.BlockBytes, rep.Store.Bytes)
 	require.Equal(t, rep.Store.Bytes, rep.EngineStoreBytes, "the demo and the engine agree on bytes stored")
 	require.Equal(t, rep.Load.Bytes, rep.EngineLoadBytes, "the demo and the engine agree on bytes loaded")

@@ -1,0 +1,216 @@
+package offload
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/tier/cluster"
+	"github.com/kvoffload/kvoffload/tier/record"
+)
+
+// ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
+// shared by engines of one namespace on several machines. Every block a
+// Store makes ready in the host pool is written through to it,
+// asynchronously (a copy of the slot's bytes; the slot is not held);
+// Prefetch asks it for blocks the host pool (and the disk tier) lack and
+// promotes what it finds into host slots. Lookup never asks it. It is plain
+// data with JSON tags.
+type ClusterConfig struct {
+	// Addrs are some of the cluster's nodes, host:port. Required.
+	Addrs []string `json:"addrs"`
+	// Username and Password are sent with AUTH; empty: no AUTH.
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+	// TLS connects with TLS (the system's roots).
+	TLS bool `json:"tls,omitempty"`
+	// Prefix opens every key in the cluster (default "kvo").
+	Prefix string `json:"prefix,omitempty"`
+	// TTL is every record's time to live (default 1h, at least 1ms).
+	TTL time.Duration `json:"ttl,omitempty"`
+	// MaxInFlightBytes bounds the bytes written through and not yet
+	// answered; past it a write-through is dropped (Stats.ClusterDropped).
+	// Default 256 MiB.
+	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
+	// Timeout bounds each write, each Prefetch's wait and dials (default
+	// 1s).
+	Timeout time.Duration `json:"timeout,omitempty"`
+}
+
+// PrefetchOptions modify Prefetch.
+type PrefetchOptions struct {
+	// Timeout bounds the wait for the cluster (0, or more than
+	// ClusterConfig.Timeout: ClusterConfig.Timeout). What has not arrived
+	// by then is a miss. Disk reads are waited for.
+	Timeout time.Duration
+}
+
+// PrefetchResult is what Prefetch promoted into the host pool.
+type PrefetchResult struct {
+	// Promoted = FromDisk + FromCluster: blocks now ready in the host pool
+	// that were not before.
+	Promoted    int
+	FromDisk    int
+	FromCluster int
+}
+
+// errClusterMiss fails the stores of promoted blocks the cluster did not
+// deliver.
+var errClusterMiss = errors.New("offload: cluster record missing, damaged or late")
+
+// clusterDefaults checks cfg.Cluster and fills its defaults on a copy.
+func clusterDefaults(cfg *Config) error {
+	if cfg.Cluster == nil {
+		return nil
+	}
+	c := *cfg.Cluster
+	c.Addrs = append([]string(nil), c.Addrs...)
+	cfg.Cluster = &c
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: Cluster."+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	if len(c.Addrs) == 0 {
+		return bad("Addrs is empty: name at least one node, host:port")
+	}
+	for _, a := range c.Addrs {
+		if a == "" {
+			return bad("Addrs %q: an empty address", c.Addrs)
+		}
+	}
+	if c.Prefix == "" {
+		c.Prefix = cluster.DefaultPrefix
+	}
+	switch {
+	case c.TTL == 0:
+		c.TTL = cluster.DefaultTTL
+	case c.TTL < time.Millisecond:
+		return bad("TTL = %v, must be at least 1ms", c.TTL)
+	}
+	switch {
+	case c.MaxInFlightBytes == 0:
+		c.MaxInFlightBytes = cluster.DefaultMaxInFlightBytes
+	case c.MaxInFlightBytes < 0:
+		return bad("MaxInFlightBytes = %d, must not be negative", c.MaxInFlightBytes)
+	}
+	switch {
+	case c.Timeout == 0:
+		c.Timeout = cluster.DefaultTimeout
+	case c.Timeout < 0:
+		return bad("Timeout = %v, must not be negative", c.Timeout)
+	}
+	return nil
+}
+
+// recordFingerprint is the fingerprint of the records the engine writes to
+// a lower tier: the namespace and the layout's geometry.
+func recordFingerprint(cfg Config) (uint64, error) {
+	kind, err := layoutKind(cfg.Layout.Kind)
+	if err != nil {
+		return 0, err
+	}
+	l := cfg.Layout
+	return record.Fingerprint(record.Geometry{
+		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
+		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
+	}), nil
+}
+
+// openCluster opens the cluster tier of cfg (New). A bad configuration is
+// an error; a cluster that does not answer is not: the engine runs without
+// the tier and Stats.ClusterError says why.
+func (e *Engine) openCluster(cfg Config) error {
+	cc := cfg.Cluster
+	fp, err := recordFingerprint(cfg)
+	if err != nil {
+		return err
+	}
+	ccfg := cluster.Config{Addrs: cc.Addrs, Username: cc.Username, Password: cc.Password, Prefix: cc.Prefix,
+		Namespace: cfg.Namespace, Fingerprint: fp, TTL: cc.TTL, MaxInFlightBytes: cc.MaxInFlightBytes, Timeout: cc.Timeout}
+	if ccfg.Namespace == "" {
+		ccfg.Namespace = "default" // the cluster's keys need one; the fingerprint covers the engine's
+	}
+	if cc.TLS {
+		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*cc.Timeout)
+	defer cancel()
+	st, err := cluster.Open(ctx, ccfg)
+	if errors.Is(err, cluster.ErrConfig) {
+		return fmt.Errorf("%w: Cluster: %w", ErrInvalidConfig, err)
+	}
+	if err != nil {
+		msg := fmt.Sprintf("cluster tier off: %v", err)
+		e.clusterErr.Store(&msg)
+		return nil
+	}
+	e.cluster = st
+	return nil
+}
+
+// closeCluster closes the cluster tier (after the last write-through: no
+// copy is in flight any more).
+func (e *Engine) closeCluster() error {
+	if e.cluster == nil {
+		return nil
+	}
+	return e.cluster.Close()
+}
+
+// writeThroughKeys returns the keys of a Store's slots (idx into keys) to
+// write through to the cluster when they are ready, nil when none are: no
+// cluster tier, or a namespace other than the engine's (the cluster holds
+// the engine's namespace only, which Prefetch promotes into).
+func (e *Engine) writeThroughKeys(ns string, keys []Key, idx []int) []Key {
+	if e.cluster == nil || ns != e.cfg.Namespace {
+		return nil
+	}
+	out := make([]Key, len(idx))
+	for j, i := range idx {
+		out[j] = keys[i]
+	}
+	return out
+}
+
+// writeThrough puts the ready slots' blocks (keys from writeThroughKeys) to
+// the cluster, in the background; PutAsync copies the bytes, so the slots
+// are free to go as soon as it returns. Drops are counted by the store.
+func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot) {
+	if e.cluster == nil || len(keys) != len(slots) {
+		return
+	}
+	for i, s := range slots {
+		if mem := e.slotBytes(s); mem != nil {
+			e.cluster.PutAsync(keys[i], mem)
+		}
+	}
+}
+
+// clearCluster (Clear) empties the cluster's records of the engine's
+// namespace, for every engine sharing it (the store bumps the namespace's
+// generation), bounded by ClusterConfig.Timeout; a failure is not an error
+// (the records expire with their TTL). Other namespaces have no records
+// there.
+func (e *Engine) clearCluster(ns string) {
+	if e.cluster == nil || ns != e.cfg.Namespace {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.Cluster.Timeout)
+	defer cancel()
+	_ = e.cluster.Clear(ctx)
+}
+
+// FlushCluster waits until every block written through to the cluster has
+// been answered (stored or failed). Without a cluster tier it returns at
+// once.
+func (e *Engine) FlushCluster() error {
+	if err := e.checkOpen("FlushCluster"); err != nil {
+		return err
+	}
+	if e.cluster != nil {
+		e.cluster.Flush()
+	}
+	return nil
+}

@@ -1,0 +1,158 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+)
+
+// Prefetch brings the blocks of keys (a chain, as Store takes it) that the
+// host pool lacks into it from the lower tiers: from disk (Config.Disk)
+// what is there, then from the cluster (Config.Cluster) the rest, waiting
+// for the cluster until opts.Timeout (or ctx's deadline). Found blocks are
+// read into freshly reserved host slots and made ready, so later Lookups
+// (and Loads) see them; what is not found, fails a check, or arrives late
+// is a miss and its slot is released: a lower tier never puts wrong bytes
+// in the pool. A timeout gives a partial result, not an error; errors are
+// for bad arguments and a closed engine. Prefetch leases nothing: a
+// promoted block may be evicted again before it is loaded.
+func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
+	if err := e.checkOpen("Prefetch"); err != nil {
+		return PrefetchResult{}, err
+	}
+	if opts.Timeout < 0 {
+		return PrefetchResult{}, fmt.Errorf("%w: Prefetch: Timeout %v is negative", ErrInvalidArgument, opts.Timeout)
+	}
+	if !e.enter() {
+		return PrefetchResult{}, fmt.Errorf("%w: Prefetch after Close", ErrClosed)
+	}
+	defer e.leave()
+	var res PrefetchResult
+	if len(keys) == 0 || (e.disk == nil && e.cluster == nil) {
+		return res, nil
+	}
+	if e.disk != nil {
+		res.FromDisk = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
+			return e.readDisk(pkeys, mems)
+		}, func(good, bad int) {
+			e.disk.hits.Add(int64(good))
+			e.disk.misses.Add(int64(bad))
+		}, true)
+	}
+	if e.cluster != nil && ctx.Err() == nil {
+		timeout := opts.Timeout
+		if timeout == 0 {
+			timeout = e.cfg.Cluster.Timeout
+		}
+		gctx, cancel := context.WithTimeout(ctx, timeout)
+		res.FromCluster = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
+			ks := make([][16]byte, len(pkeys))
+			for i, k := range pkeys {
+				ks[i] = k
+			}
+			return e.cluster.Get(gctx, ks, mems)
+		}, nil, false)
+		cancel()
+	}
+	res.Promoted = res.FromDisk + res.FromCluster
+	return res, nil
+}
+
+// promoteKeys reserves host slots, as a Store would, for the keys of the
+// chain keys that the pool lacks (onDisk: only those with a disk record),
+// has read fill the slots' bytes (ok[i]: mems[i] holds keys[i]'s verified
+// block), makes the filled slots ready and releases the others. count, when
+// set, gets the good and bad counts. It returns the blocks made ready.
+func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []bool, count func(good, bad int), onDisk bool) int {
+	var pkeys, parents []Key
+	for j, k := range keys {
+		if onDisk && !e.disk.store.Contains(k) {
+			continue
+		}
+		var p Key
+		if j > 0 {
+			p = keys[j-1]
+		}
+		pkeys, parents = append(pkeys, k), append(parents, p)
+	}
+	if len(pkeys) == 0 {
+		return 0
+	}
+	// Block ids name GPU blocks; a promotion copies none, so any valid one
+	// does (0: a layout has at least one block).
+	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), pkeys, make([]int, len(pkeys)), StoreOptions{Parents: parents})
+	if err != nil {
+		return 0
+	}
+	var slots []kvcache.Slot
+	var rkeys []Key
+	var mems [][]byte
+	var lost []kvcache.Slot // reserved slots whose memory is gone
+	for i, r := range sres {
+		if r.Outcome != kvcache.StoreWrite {
+			continue
+		}
+		mem := e.slotBytes(r.Slot)
+		if mem == nil {
+			lost = append(lost, r.Slot)
+			continue
+		}
+		slots, rkeys, mems = append(slots, r.Slot), append(rkeys, pkeys[i]), append(mems, mem)
+	}
+	if len(lost) > 0 {
+		_ = e.cache.CompleteStore(lost, errClusterMiss)
+	}
+	if len(slots) == 0 {
+		return 0
+	}
+	e.hold(slots)
+	ok := read(rkeys, mems)
+	e.unhold(slots)
+	var good, bad []kvcache.Slot
+	for i, s := range slots {
+		if i < len(ok) && ok[i] {
+			good = append(good, s)
+		} else {
+			bad = append(bad, s)
+		}
+	}
+	if count != nil {
+		count(len(good), len(bad))
+	}
+	if len(bad) > 0 {
+		cause := errClusterMiss
+		if onDisk {
+			cause = errDiskMiss
+		}
+		_ = e.cache.CompleteStore(bad, cause)
+	}
+	if len(good) == 0 {
+		return 0
+	}
+	if err := e.cache.CompleteStore(good, nil); err != nil {
+		return 0
+	}
+	e.kickReaper()
+	return len(good)
+}
+
+// readDisk reads the disk records of keys into mems, diskReaders at a time.
+func (e *Engine) readDisk(keys []Key, mems [][]byte) []bool {
+	ok := make([]bool, len(keys))
+	sem := make(chan struct{}, diskReaders)
+	var wg sync.WaitGroup
+	for i := range keys {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			found, err := e.disk.store.Get(keys[i], mems[i])
+			ok[i] = found && err == nil
+			<-sem
+		}()
+	}
+	wg.Wait()
+	return ok
+}

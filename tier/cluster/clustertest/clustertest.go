@@ -1,0 +1,177 @@
+// Package clustertest starts a Redis Cluster of real redis-server processes
+// on loopback ports for other packages' tests (offload, cmd/kvoffload).
+// Tests skip where redis-server or redis-cli is not installed.
+package clustertest
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Cluster is a running Redis Cluster of masters without replicas.
+type Cluster struct {
+	dir   string
+	mu    sync.Mutex
+	ports []int
+	procs map[int]*exec.Cmd
+}
+
+// Need skips tb when redis-server or redis-cli is not installed.
+func Need(tb testing.TB) {
+	tb.Helper()
+	for _, bin := range []string{"redis-server", "redis-cli"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			tb.Skipf("%s not found: it could not be installed here (.ci/run installs it with apt-get install -y redis-server)", bin)
+		}
+	}
+}
+
+// Start starts a cluster of masters nodes for tb (skipping tb without
+// redis-server), stopped when tb ends.
+func Start(tb testing.TB, masters int) *Cluster {
+	tb.Helper()
+	Need(tb)
+	c, err := start(tb.TempDir(), masters)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(c.Stop)
+	return c
+}
+
+// Addrs returns the nodes' addresses, host:port.
+func (c *Cluster) Addrs() []string {
+	var a []string
+	for _, p := range c.ports {
+		a = append(a, "127.0.0.1:"+strconv.Itoa(p))
+	}
+	return a
+}
+
+// Stop kills every node (a cluster gone mid-run); a second Stop does nothing.
+func (c *Cluster) Stop() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, p := range c.ports {
+		if cmd := c.procs[p]; cmd != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			c.procs[p] = nil
+		}
+	}
+}
+
+func start(dir string, masters int) (*Cluster, error) {
+	c := &Cluster{dir: dir, procs: map[int]*exec.Cmd{}}
+	avoid := map[int]bool{}
+	for range masters {
+		p, err := freePort(avoid)
+		if err != nil {
+			c.Stop()
+			return nil, err
+		}
+		cmd := exec.Command("redis-server", "--port", strconv.Itoa(p), "--bind", "127.0.0.1",
+			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
+			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", dir,
+			"--logfile", fmt.Sprintf("redis-%d.log", p))
+		if err := cmd.Start(); err != nil {
+			c.Stop()
+			return nil, fmt.Errorf("start redis-server: %w", err)
+		}
+		c.ports = append(c.ports, p)
+		c.procs[p] = cmd
+	}
+	for _, p := range c.ports {
+		if err := waitDial(p, 5*time.Second); err != nil {
+			c.Stop()
+			return nil, err
+		}
+	}
+	args := []string{"--cluster", "create"}
+	args = append(args, c.Addrs()...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := cli(c.ports[0], args...); err != nil {
+		c.Stop()
+		return nil, fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
+	}
+	if err := c.waitOK(20 * time.Second); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func freePort(avoid map[int]bool) (int, error) {
+	for range 200 {
+		p := 20000 + rand.IntN(25000)
+		if avoid[p] || avoid[p+10000] || avoid[p-10000] {
+			continue
+		}
+		ok := true
+		for _, q := range []int{p, p + 10000} {
+			l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(q))
+			if err != nil {
+				ok = false
+				break
+			}
+			l.Close()
+		}
+		if ok {
+			avoid[p] = true
+			return p, nil
+		}
+	}
+	return 0, fmt.Errorf("no free port pair")
+}
+
+func waitDial(p int, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(p), 100*time.Millisecond)
+		if err == nil {
+			conn.Close()
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("redis-server on port %d did not come up: %w", p, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (c *Cluster) waitOK(d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		bad := ""
+		for _, p := range c.ports {
+			out, err := cli(p, "cluster", "info")
+			if err != nil || !strings.Contains(out, "cluster_state:ok") {
+				bad = fmt.Sprintf("node %d: %v %s", p, err, out)
+				break
+			}
+		}
+		if bad == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("cluster not ok after %v: %s", d, bad)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func cli(p int, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	base := []string{"-h", "127.0.0.1", "-p", strconv.Itoa(p)}
+	out, err := exec.CommandContext(ctx, "redis-cli", append(base, args...)...).CombinedOutput()
+	return strings.TrimSpace(string(out)), err
+}
