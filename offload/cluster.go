@@ -9,7 +9,6 @@ import (
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/cluster"
-	"github.com/kvoffload/kvoffload/tier/record"
 )
 
 // ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
@@ -102,20 +101,6 @@ func clusterDefaults(cfg *Config) error {
 		return bad("Timeout = %v, must not be negative", c.Timeout)
 	}
 	return nil
-}
-
-// recordFingerprint is the fingerprint of the records the engine writes to
-// a lower tier: the namespace and the layout's geometry.
-func recordFingerprint(cfg Config) (uint64, error) {
-	kind, err := layoutKind(cfg.Layout.Kind)
-	if err != nil {
-		return 0, err
-	}
-	l := cfg.Layout
-	return record.Fingerprint(record.Geometry{
-		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
-		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
-	}), nil
 }
 
 // openCluster opens the cluster tier of cfg (New). A bad configuration is

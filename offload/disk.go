@@ -175,14 +175,14 @@ type demotion struct {
 
 // openDisk opens the disk tier of cfg (New): the record payload is the
 // slot, the fingerprint covers the namespace and the layout's geometry
-// (diskFingerprint); the store's changes go to hub as MediumDisk events.
+// (recordFingerprint); the store's changes go to hub as MediumDisk events.
 func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, error) {
 	dc := cfg.Disk
 	fsync, direct, err := diskModes(*dc)
 	if err != nil {
 		return nil, err
 	}
-	fp, err := diskFingerprint(cfg)
+	fp, err := recordFingerprint(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -212,7 +212,8 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, 
 // (engineHooks.diskFaults).
 type diskFaultFunc = func(op disk.FaultOp, dir string) error
 
-// diskFingerprint is the fingerprint of cfg's records (tier/record): a
+// recordFingerprint is the fingerprint of the records cfg's engine writes to
+// a lower tier (tier/record; the disk and the cluster alike): a
 // hash of the namespace (which names the model and the dtype, DESIGN.md:
 // the layout gives only the dtype's size), the layout kind, layers, KV
 // heads, head dim, dtype bytes and tokens per block. Records of another
@@ -221,7 +222,7 @@ type diskFaultFunc = func(op disk.FaultOp, dir string) error
 // tensor-parallel ranks sharing one block's records do not exist yet; when
 // they do, the total must come from the caller (and a rank's head range
 // from the layout).
-func diskFingerprint(cfg Config) (uint64, error) {
+func recordFingerprint(cfg Config) (uint64, error) {
 	kind, err := layoutKind(cfg.Layout.Kind)
 	if err != nil {
 		return 0, err
@@ -462,12 +463,12 @@ func (e *Engine) onFree(s kvcache.Slot) {
 var errDiskMiss = errors.New("offload: disk record missing or damaged")
 
 // promote brings the blocks of keys that BeginLoad did not find in the pool
-// (res[j].Found false) but that the disk holds into host slots: it reserves
-// slots as a Store would, reads the records into them (diskReaders at a
-// time, waiting for the reads), makes the good ones ready and takes reader
-// holds on them, updating res in place. A record that vanished or fails
-// its checks stays missing. The caller's Load then copies them to the GPU
-// with the others.
+// (res[j].Found false) but that the disk holds into host slots, through
+// promoteKeys (slots reserved as a Store would, records read diskReaders at
+// a time, waiting for the reads, the good ones made ready), then takes
+// reader holds on them, updating res in place. A record that vanished or
+// fails its checks stays missing. The caller's Load then copies them to the
+// GPU with the others.
 func (e *Engine) promote(keys []Key, blockIDs []int, res []kvcache.LoadResult) {
 	var pos []int
 	for j, r := range res {
@@ -478,75 +479,24 @@ func (e *Engine) promote(keys []Key, blockIDs []int, res []kvcache.LoadResult) {
 	if len(pos) == 0 {
 		return
 	}
-	pkeys, pids, parents := make([]Key, len(pos)), make([]int, len(pos)), make([]Key, len(pos))
+	count := func(good, bad int) {
+		e.disk.hits.Add(int64(good))
+		e.disk.misses.Add(int64(bad))
+	}
+	if e.promoteKeys(keys, e.readDisk, count, true) == 0 {
+		return
+	}
+	mkeys, mids := make([]Key, len(pos)), make([]int, len(pos))
 	for i, j := range pos {
-		pkeys[i], pids[i] = keys[j], blockIDs[j]
-		if j > 0 {
-			parents[i] = keys[j-1]
-		}
+		mkeys[i], mids[i] = keys[j], blockIDs[j]
 	}
-	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), pkeys, pids, StoreOptions{Parents: parents})
-	if err != nil {
-		return
-	}
-	var slots []kvcache.Slot
-	var which []int // index into pos of each slot
-	for i, r := range sres {
-		if r.Outcome == kvcache.StoreWrite {
-			slots, which = append(slots, r.Slot), append(which, i)
-		}
-	}
-	if len(slots) == 0 {
-		return
-	}
-	e.hold(slots)
-	ok := make([]bool, len(slots))
-	sem := make(chan struct{}, diskReaders)
-	var wg sync.WaitGroup
-	for i, s := range slots {
-		mem := e.slotBytes(s)
-		if mem == nil {
-			continue
-		}
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			found, err := e.disk.store.Get(pkeys[which[i]], mem)
-			ok[i] = found && err == nil
-			<-sem
-		}()
-	}
-	wg.Wait()
-	e.unhold(slots)
-	var good, bad []kvcache.Slot
-	var gkeys []Key
-	var gids []int
-	var gpos []int
-	for i, s := range slots {
-		if ok[i] {
-			good = append(good, s)
-			gkeys, gids, gpos = append(gkeys, pkeys[which[i]]), append(gids, pids[which[i]]), append(gpos, pos[which[i]])
-		} else {
-			bad = append(bad, s)
-		}
-	}
-	e.disk.hits.Add(int64(len(good)))
-	e.disk.misses.Add(int64(len(bad)))
-	if len(bad) > 0 {
-		_ = e.cache.CompleteStore(bad, errDiskMiss)
-	}
-	if len(good) == 0 {
-		return
-	}
-	_ = e.cache.CompleteStore(good, nil)
-	lres, err := e.cache.BeginLoad(gkeys, gids, nil)
+	lres, err := e.cache.BeginLoad(mkeys, mids, nil)
 	if err != nil {
 		return
 	}
 	for i, r := range lres {
 		if r.Found {
-			res[gpos[i]] = r
+			res[pos[i]] = r
 		}
 	}
 }

@@ -545,7 +545,7 @@ func TestDiskFaults(t *testing.T) {
 // records written under another namespace are misses after a restart.
 func TestDiskFingerprint(t *testing.T) {
 	base := Config{Namespace: "m", Layout: smallLayout(8)}
-	fp0, err := diskFingerprint(base)
+	fp0, err := recordFingerprint(base)
 	require.NoError(t, err)
 	for name, change := range map[string]func(*Config){
 		"namespace":  func(c *Config) { c.Namespace = "other" },
@@ -558,7 +558,7 @@ func TestDiskFingerprint(t *testing.T) {
 	} {
 		c := base
 		change(&c)
-		fp, err := diskFingerprint(c)
+		fp, err := recordFingerprint(c)
 		require.NoError(t, err)
 		require.NotEqual(t, fp0, fp, name)
 	}
