@@ -24,6 +24,10 @@ import (
 func (e *Engine) PauseGrowth() {
 	e.growth.mu.Lock()
 	e.growth.paused = true
+	// Wake the stages waiting for a region, so that the growth thread sees
+	// the pause (and calibrates during it) without waiting for the next
+	// hand-over, which a paused prefetch stage may never make.
+	e.growth.cond.Broadcast()
 	e.growth.mu.Unlock()
 }
 
