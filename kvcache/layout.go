@@ -361,3 +361,34 @@ func DenseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSp
 	}
 	return spec
 }
+
+// LayerSegments appends the segments of block id that belong to layer
+// (K then V; the latent for MLA) to dst and returns it: the segments of
+// Segments whose Layer is layer, computed directly. A cross-layer block
+// has no per-layer segments: every layer gives its one segment at layer 0
+// and none at others. dst is unchanged on error.
+func (l *Layout) LayerSegments(id, layer int, dst []Segment) ([]Segment, error) {
+	if err := l.CheckBlock(id); err != nil {
+		return dst, err
+	}
+	if layer < 0 || layer >= l.spec.Geometry.Layers {
+		return dst, fmt.Errorf("%w: layer %d, the geometry has %d layers", ErrLayout, layer, l.spec.Geometry.Layers)
+	}
+	b := uint64(id)
+	switch l.spec.Kind {
+	case CrossLayer:
+		if layer != 0 {
+			return dst, nil
+		}
+		return append(dst, Segment{Dev: l.spec.Base + b*l.spec.Stride, Off: 0, Len: l.segLen, Layer: -1}), nil
+	case MLA:
+		lt := l.spec.Layers[layer]
+		return append(dst, Segment{Dev: lt.K + b*lt.Stride, Off: uint64(layer) * l.segSpan, Len: l.segLen, Layer: layer}), nil
+	default:
+		lt := l.spec.Layers[layer]
+		off := uint64(2*layer) * l.segSpan
+		return append(dst,
+			Segment{Dev: lt.K + b*lt.Stride, Off: off, Len: l.segLen, Layer: layer},
+			Segment{Dev: lt.V + b*lt.Stride, Off: off + l.segSpan, Len: l.segLen, Layer: layer}), nil
+	}
+}

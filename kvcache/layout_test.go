@@ -1,6 +1,8 @@
 package kvcache
 
 import (
+	"errors"
+	"slices"
 	"sort"
 	"testing"
 
@@ -177,4 +179,42 @@ func FuzzLayout(f *testing.F) {
 		require.LessOrEqual(t, end, l.SlotSize())
 		require.LessOrEqual(t, sum, l.SlotSize())
 	})
+}
+
+// TestLayerSegments: LayerSegments gives exactly Segments' segments of each
+// layer, in order, for every kind.
+func TestLayerSegments(t *testing.T) {
+	g := Geometry{Layers: 3, KVHeads: 2, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16}
+	for _, kind := range []LayoutKind{LayerSeparate, CrossLayer, MLA} {
+		gg := g
+		if kind == MLA {
+			gg.KVHeads = 1
+		}
+		l, err := NewLayout(DenseSpec(kind, gg, 5, 1<<20))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for id := range 5 {
+			all, err := l.Segments(id, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []Segment
+			for layer := range gg.Layers {
+				got, err = l.LayerSegments(id, layer, got)
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !slices.Equal(all, got) {
+				t.Fatalf("%v block %d: LayerSegments %v, Segments %v", kind, id, got, all)
+			}
+		}
+		if _, err := l.LayerSegments(5, 0, nil); !errors.Is(err, ErrBlockID) {
+			t.Fatalf("%v: block 5 of 5: %v", kind, err)
+		}
+		if _, err := l.LayerSegments(0, gg.Layers, nil); !errors.Is(err, ErrLayout) {
+			t.Fatalf("%v: layer %d: %v", kind, gg.Layers, err)
+		}
+	}
 }

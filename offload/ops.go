@@ -112,36 +112,66 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 	e.kickReaper()
 }
 
-// segments builds the copy list of blocks (device side) and slots (host).
-func (e *Engine) segments(blockIDs []int, slots []kvcache.Slot, perLayer bool) ([]transfer.Segment, []int, error) {
-	var segs []transfer.Segment
-	var ks []kvcache.Segment
-	for i, id := range blockIDs {
-		var err error
-		ks, err = e.layout.Segments(id, ks[:0])
-		if err != nil {
-			return nil, nil, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
+// partSegments is about how many segments one part of a copy that is not
+// split by layer holds: the engine thread builds and enqueues a part at a
+// time, so the first part's copies run while the next are built.
+const partSegments = 4096
+
+// copyPlan checks the device block ids of a Store or Load and returns the
+// request's Build (the segments of blocks and their host slots, built on
+// the engine thread), its number of parts, whether the parts are layers
+// (perLayer and a layout with layers), and the bytes the parts copy.
+// blockIDs and slots must not change until the op completes.
+func (e *Engine) copyPlan(blockIDs []int, slots []kvcache.Slot, perLayer bool) (transfer.Request, error) {
+	for _, id := range blockIDs {
+		if err := e.layout.CheckBlock(id); err != nil {
+			return transfer.Request{}, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 		}
+	}
+	ks, err := e.layout.Segments(blockIDs[0], nil)
+	if err != nil {
+		return transfer.Request{}, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
+	}
+	var perBlock uint64
+	for _, s := range ks {
+		perBlock += s.Len
+	}
+	// ks is the engine thread's scratch from here on: Build is called for
+	// one part at a time.
+	add := func(dst []transfer.Segment, i int) []transfer.Segment {
+		host := uint64(slots[i].Addr)
 		for _, s := range ks {
-			segs = append(segs, transfer.Segment{Dev: s.Dev, Host: uint64(slots[i].Addr) + s.Off, Len: s.Len})
+			dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len})
 		}
+		return dst
 	}
-	if !perLayer || e.layout.Kind() == kvcache.CrossLayer {
-		return segs, nil, nil
-	}
-	// Regroup layer by layer: every block's segments of layer 0, then 1...
-	per := e.layout.SegmentsPerBlock()
-	layers := e.layout.Geometry().Layers
-	perLayerSegs := per / layers
-	out := make([]transfer.Segment, 0, len(segs))
-	ends := make([]int, 0, layers)
-	for l := 0; l < layers; l++ {
-		for b := range blockIDs {
-			out = append(out, segs[b*per+l*perLayerSegs:b*per+(l+1)*perLayerSegs]...)
+	req := transfer.Request{Bytes: perBlock * uint64(len(blockIDs))}
+	if perLayer && e.layout.Kind() != kvcache.CrossLayer {
+		req.Layered = true
+		req.Parts = e.layout.Geometry().Layers
+		req.Build = func(l int, dst []transfer.Segment) ([]transfer.Segment, error) {
+			for i, id := range blockIDs {
+				if ks, err = e.layout.LayerSegments(id, l, ks[:0]); err != nil {
+					return dst, err
+				}
+				dst = add(dst, i)
+			}
+			return dst, nil
 		}
-		ends = append(ends, len(out))
+		return req, nil
 	}
-	return out, ends, nil
+	per := max(1, partSegments/len(ks))
+	req.Parts = (len(blockIDs) + per - 1) / per
+	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
+		for i := p * per; i < min((p+1)*per, len(blockIDs)); i++ {
+			if ks, err = e.layout.Segments(blockIDs[i], ks[:0]); err != nil {
+				return dst, err
+			}
+			dst = add(dst, i)
+		}
+		return dst, nil
+	}
+	return req, nil
 }
 
 func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
@@ -217,7 +247,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if ctx.Err() != nil {
 		return fail(OutcomeCancelled, ctx.Err())
 	}
-	segs, _, err := e.segments(ids, slots, false)
+	req, err := e.copyPlan(ids, slots, false)
 	if err != nil {
 		return fail(OutcomeFailed, err)
 	}
@@ -226,15 +256,15 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Store, Segments: segs, After: transfer.Event(opts.After), Events: e.events,
-		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
-			func(cerr error) {
-				err := e.cache.CompleteStore(slots, cerr)
-				e.hub.forget(slots)
-				if cerr == nil && err == nil {
-					e.writeThrough(wt, slots) // the slots are held until this returns
-				}
-			})}
+	req.Dir, req.After, req.Events = transfer.Store, transfer.Event(opts.After), e.events
+	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
+		func(cerr error) {
+			err := e.cache.CompleteStore(slots, cerr)
+			e.hub.forget(slots)
+			if cerr == nil && err == nil {
+				e.writeThrough(wt, slots) // the slots are held until this returns
+			}
+		})
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -421,7 +451,7 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 		e.finishOp(op, start)
 		return op, nil
 	}
-	segs, ends, err := e.segments(ids, slots, opts.PerLayer)
+	req, err := e.copyPlan(ids, slots, opts.PerLayer)
 	if err != nil {
 		_ = e.cache.EndLoad(looked)
 		return nil, err
@@ -431,10 +461,9 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
-	req := transfer.Request{Dir: transfer.Load, Segments: segs, LayerEnds: ends, After: transfer.Event(opts.After),
-		Events: e.events, Signal: transfer.Event(opts.Signal),
-		OnComplete: e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
-			func(error) { end() })}
+	req.Dir, req.After, req.Events, req.Signal = transfer.Load, transfer.Event(opts.After), e.events, transfer.Event(opts.Signal)
+	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
+		func(error) { end() })
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()

@@ -36,6 +36,8 @@ type CUDA struct {
 	splits  atomic.Int64       // BudgetSplits
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
+	// early: stream memory operations for early events (early.go).
+	early earlyState
 	// calibrateLater: Calibrate has the copy methods to measure (set by
 	// Context.NewCUDA before the device is used; read and cleared by the
 	// one goroutine that calibrates).
@@ -80,6 +82,7 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
 	c.meter = c.copier
+	c.setupEarly()
 	// The automatic choice of method is calibrated on this device before
 	// anything is queued (a fraction of a second, see
 	// cudacopy.CalibrationConfig), unless the method is forced or a saved
@@ -285,18 +288,19 @@ func (c *CUDA) IsCapturing(s Stream) (bool, error) {
 // Close implements Device: the copier and the streams. The calling thread
 // must have the context current and the Scheduler must be closed.
 func (c *CUDA) Close() error {
+	early := c.closeEarly()
 	if c.copier != nil {
 		err := c.copier.Close()
 		if errors.Is(err, cudacopy.ErrInFlight) {
 			// Copies still hold descriptor buffers or bounce chunks: keep the
 			// copier and the streams, so a Close after they are retired
 			// frees everything.
-			return err
+			return errors.Join(early, err)
 		}
 		c.copier = nil
 		if err != nil {
-			return errors.Join(err, c.destroyStreams())
+			return errors.Join(early, err, c.destroyStreams())
 		}
 	}
-	return c.destroyStreams()
+	return errors.Join(early, c.destroyStreams())
 }

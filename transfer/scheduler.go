@@ -76,6 +76,11 @@ type Config struct {
 	// Tracker, in invariant builds, has every copy's host ranges checked at
 	// submission and completion (see Tracker).
 	Tracker *Tracker
+	// NoEarlyEvents turns off early events on a device that has them
+	// (CUDA with stream memory operations): a request with Events then
+	// waits in Submit until the engine thread has enqueued its copies, as
+	// on a device without them. For comparisons and tests.
+	NoEarlyEvents bool
 }
 
 func (c *Config) setDefaults() error {
@@ -140,7 +145,26 @@ type Request struct {
 	// OnComplete, if set, is called once on a completion goroutine when the
 	// op completes or fails. It must not block.
 	OnComplete func(op *Op, err error)
+
+	// Build, instead of Segments, produces the op's segments on the engine
+	// thread, part by part: Build(p, dst) appends part p's segments to dst
+	// (p from 0 to Parts-1, in order) and returns it. Each part is
+	// validated and copied as soon as it is built, so the first part's
+	// copies run while later parts are built; a part that fails to build
+	// or validate fails the op (with the other ops of its batch), after
+	// the copies already enqueued are known finished. Bytes is the total
+	// length of every part's segments; the engine checks it. With Layered,
+	// part l is layer l (as LayerEnds would declare it). Build must not
+	// block, must be safe to call from another goroutine than Submit's,
+	// and must produce segments valid until the op completes.
+	Build   func(part int, dst []Segment) ([]Segment, error)
+	Parts   int
+	Layered bool
+	Bytes   uint64
 }
+
+// lazy reports whether the request's segments come from Build.
+func (r *Request) lazy() bool { return r.Build != nil }
 
 // Scheduler queues requests, issues them in batches on a Device's two
 // engine streams, and reports their completion. See the package doc.
@@ -172,6 +196,38 @@ type Scheduler struct {
 	pending        [2]chan *batch
 	done           sync.WaitGroup
 	liveCompleters atomic.Int32
+
+	// Early events (see promiser): early is the device's, or nil. Ops
+	// with events go to the signalling goroutine (sigCh), which records
+	// their events behind waits for their sequence values and only then
+	// hands them to the submitter; signalling counts those accepted and
+	// not yet handed over (under mu). seq is the last value given out per
+	// direction (signalling goroutine only).
+	early      promiser
+	sigCh      chan *Op
+	sigQuit    chan struct{}
+	signalling int
+	seq        [2]uint64
+
+	// The submitting thread's buffers for lazy requests.
+	buildBuf  []Segment
+	placedBuf []placed
+}
+
+// promiser is implemented by devices that can make an op's events valid
+// before its copies are enqueued (CUDA with stream memory operations).
+// Each direction has a counter in device memory that only grows: Fulfil
+// has dir's stream write v to it after the work enqueued so far, and
+// Promise records events on a stream of their own behind a wait for the
+// counter to reach v, so each completes only after the copies that precede
+// the write of v, however late those are enqueued. Snapshot captures a
+// caller's event as it is now (its most recent record) in an event of the
+// scheduler's, for a wait enqueued later.
+type promiser interface {
+	EarlyEvents() bool
+	Promise(dir Direction, v uint64, evs []Event) error
+	Fulfil(dir Direction, v uint64) error
+	Snapshot(dir Direction, caller, snap Event) error
 }
 
 // Op is one submitted request. Its methods are safe for concurrent use.
@@ -190,6 +246,18 @@ type Op struct {
 	gens     []uint64
 
 	done chan struct{}
+
+	// Early events: the op's events were promised by the signalling
+	// goroutine for the values seq0+1 … seq0+Layers (layer l's is
+	// seq0+l+1; the op event and Signal wait for the last); snap is the
+	// snapshot of After the copies wait on instead of After. subErr is
+	// what Submit returns when promising failed.
+	early  bool
+	seq0   uint64
+	snap   Event
+	subErr error
+	// built counts the bytes a lazy op's parts have produced.
+	built uint64
 
 	mu        sync.Mutex
 	err       error
@@ -228,14 +296,24 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 	for d := range s.pending {
 		s.pending[d] = make(chan *batch, 4096)
 	}
-	ready := make(chan error, 3)
-	s.done.Add(3)
+	threads := 3
+	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents {
+		s.early = p
+		s.sigCh = make(chan *Op, 1024)
+		s.sigQuit = make(chan struct{})
+		threads++
+	}
+	ready := make(chan error, threads)
+	s.done.Add(threads)
 	s.liveCompleters.Store(2)
 	go s.submitter(ready)
 	go s.completer(Load, ready)
 	go s.completer(Store, ready)
+	if s.early != nil {
+		go s.signaller(ready)
+	}
 	var err error
-	for range 3 {
+	for range threads {
 		err = errors.Join(err, <-ready)
 	}
 	if err != nil {
@@ -319,6 +397,19 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 			return nil, fmt.Errorf("%w: %v: %d bytes in flight + %d exceeds the bound %d", ErrBusy, d, inflight, op.bytes, s.cfg.MaxInFlightBytes)
 		}
 		s.inflight[d] += op.bytes
+		if s.early != nil {
+			// The signalling goroutine promises the op's events and hands
+			// it to the submitter; Submit returns once the events are
+			// valid, before the copies are built.
+			s.signalling++
+			s.mu.Unlock()
+			s.sigCh <- op
+			<-op.enq
+			if op.subErr != nil {
+				return nil, op.subErr
+			}
+			return op, nil
+		}
 		s.immediate[d] = append(s.immediate[d], op)
 		s.mu.Unlock()
 		s.kick()
@@ -340,6 +431,9 @@ func (s *Scheduler) prepare(req Request) (*Op, error) {
 	if !req.Dir.valid() {
 		return nil, fmt.Errorf("%w: direction %d", ErrInvalidRequest, int(req.Dir))
 	}
+	if req.lazy() {
+		return s.prepareLazy(req)
+	}
 	if len(req.Segments) == 0 {
 		return nil, fmt.Errorf("%w: %v with no segments", ErrInvalidRequest, req.Dir)
 	}
@@ -353,17 +447,8 @@ func (s *Scheduler) prepare(req Request) (*Op, error) {
 	if len(req.LayerEnds) > 0 && prev != len(req.Segments) {
 		return nil, fmt.Errorf("%w: LayerEnds ends at %d, want %d (every segment in a layer)", ErrInvalidRequest, prev, len(req.Segments))
 	}
-	if req.AfterStream != nil {
-		if req.After == 0 {
-			return nil, fmt.Errorf("%w: AfterStream given without After", ErrInvalidRequest)
-		}
-		capturing, err := s.dev.IsCapturing(*req.AfterStream)
-		if err != nil {
-			return nil, fmt.Errorf("transfer: checking the After stream %#x: %w", uintptr(*req.AfterStream), err)
-		}
-		if capturing {
-			return nil, fmt.Errorf("%w: After event %#x's stream %#x is capturing a graph; record it outside the capture", ErrCapturing, uintptr(req.After), uintptr(*req.AfterStream))
-		}
+	if err := s.checkAfter(req); err != nil {
+		return nil, err
 	}
 	segs, err := validate(req.Segments, s.cfg.Align, &s.host, &s.devR, make([]placed, 0, len(req.Segments)))
 	if err != nil {
@@ -382,6 +467,56 @@ func (s *Scheduler) prepare(req Request) (*Op, error) {
 		op.enq = make(chan struct{})
 	}
 	return op, nil
+}
+
+// MaxLayers bounds the layers of a lazy request (Request.Layered).
+const MaxLayers = 4096
+
+// prepareLazy checks a request whose segments come from Build.
+func (s *Scheduler) prepareLazy(req Request) (*Op, error) {
+	switch {
+	case len(req.Segments) > 0 || len(req.LayerEnds) > 0:
+		return nil, fmt.Errorf("%w: %v: Build given with %d Segments and %d LayerEnds; give one or the other", ErrInvalidRequest, req.Dir, len(req.Segments), len(req.LayerEnds))
+	case req.Parts < 1:
+		return nil, fmt.Errorf("%w: %v: Build given with Parts = %d, want at least 1", ErrInvalidRequest, req.Dir, req.Parts)
+	case req.Bytes == 0:
+		return nil, fmt.Errorf("%w: %v: Build given with Bytes = 0", ErrInvalidRequest, req.Dir)
+	case req.Layered && req.Parts > MaxLayers:
+		return nil, fmt.Errorf("%w: %v: %d layers, at most %d", ErrInvalidRequest, req.Dir, req.Parts, MaxLayers)
+	}
+	if err := s.checkAfter(req); err != nil {
+		return nil, err
+	}
+	op := &Op{s: s, dir: req.Dir, req: req, bytes: req.Bytes, done: make(chan struct{})}
+	layers := 1
+	if req.Layered {
+		layers = req.Parts
+	}
+	op.layerEnds = make([]int, layers)
+	for i := range op.layerEnds {
+		op.layerEnds[i] = i + 1
+	}
+	if req.Events || req.Signal != 0 {
+		op.enq = make(chan struct{})
+	}
+	return op, nil
+}
+
+// checkAfter checks AfterStream (on the caller's goroutine).
+func (s *Scheduler) checkAfter(req Request) error {
+	if req.AfterStream != nil {
+		if req.After == 0 {
+			return fmt.Errorf("%w: AfterStream given without After", ErrInvalidRequest)
+		}
+		capturing, err := s.dev.IsCapturing(*req.AfterStream)
+		if err != nil {
+			return fmt.Errorf("transfer: checking the After stream %#x: %w", uintptr(*req.AfterStream), err)
+		}
+		if capturing {
+			return fmt.Errorf("%w: After event %#x's stream %#x is capturing a graph; record it outside the capture", ErrCapturing, uintptr(req.After), uintptr(*req.AfterStream))
+		}
+	}
+	return nil
 }
 
 func (s *Scheduler) kick() {
@@ -429,7 +564,7 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		for s.issueRound() {
 		}
 		s.mu.Lock()
-		stop := s.closed && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
+		stop := s.closed && s.signalling == 0 && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
 		if s.sticky != nil {
 			stop = s.closed
 		}
@@ -440,6 +575,9 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	}
 	for d := range s.pending {
 		close(s.pending[d])
+	}
+	if s.sigQuit != nil {
+		close(s.sigQuit)
 	}
 	// The completers finish the batches in flight; their events are
 	// destroyed by the last completer to exit (see completer).
@@ -478,6 +616,7 @@ func (s *Scheduler) issueRound() bool {
 		b := &batch{dir: d, ops: take[d]}
 		if sticky != nil {
 			b.err = sticky
+			s.fulfilAll(b)
 			s.pending[d] <- b
 			signalIssued(b.ops)
 			continue
@@ -490,7 +629,7 @@ func (s *Scheduler) issueRound() bool {
 
 func signalIssued(ops []*Op) {
 	for _, op := range ops {
-		if op.enq != nil {
+		if op.enq != nil && !op.early {
 			close(op.enq)
 		}
 	}
@@ -504,6 +643,10 @@ func (s *Scheduler) issue(b *batch) {
 	d := b.dir
 	enqueued := false
 	fail := func(err error) {
+		// Promised events must complete: the counter is written after
+		// whatever copies were enqueued (a failed op's events carry no
+		// meaning for its blocks; the op's error does).
+		s.fulfilAll(b)
 		if cuda.IsSticky(err) {
 			err = s.setSticky(err)
 		}
@@ -531,6 +674,20 @@ func (s *Scheduler) issue(b *batch) {
 	}
 	b.ev = ev
 	for _, op := range b.ops {
+		if op.early {
+			if op.snap != 0 {
+				// The snapshot of After taken at Submit; once the wait is
+				// enqueued the event may be recorded again.
+				err := s.dev.Wait(d, op.snap)
+				s.putBatchEvent(op.snap)
+				op.snap = 0
+				if err != nil {
+					fail(fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err))
+					return
+				}
+			}
+			continue
+		}
 		if op.req.After != 0 {
 			if err := s.dev.Wait(d, op.req.After); err != nil {
 				fail(fmt.Errorf("transfer: waiting on the After event %#x: %w", uintptr(op.req.After), err))
@@ -550,37 +707,28 @@ func (s *Scheduler) issue(b *batch) {
 		}
 	}
 	b.descs = s.descBuf()
-	layers := 0
+	// Ops without early events, layer by layer, their copies coalesced;
+	// then each op with early events on its own, layer by layer, so the
+	// counter values are written in the order they were given out (the
+	// waits are ≥ comparisons: a value written early would release the
+	// events of every smaller one).
+	var shared, early []*Op
 	for _, op := range b.ops {
-		layers = max(layers, len(op.layerEnds))
+		if op.early {
+			early = append(early, op)
+		} else {
+			shared = append(shared, op)
+		}
 	}
-	for l := range layers {
-		start := len(b.descs)
-		var last placed
-		for _, op := range b.ops {
-			if l < len(op.layerEnds) {
-				lo := 0
-				if l > 0 {
-					lo = op.layerEnds[l-1]
-				}
-				b.descs = coalesce(b.descs, &last, op.segs[lo:op.layerEnds[l]])
-			}
-		}
-		// A Copy that fails may have enqueued part of its work (a batch
-		// cut into several driver calls, a gathered store's first chunks):
-		// from here on a failure waits for the stream before the batch ends.
-		enqueued = true
-		retire, err := s.dev.Copy(d, b.descs[start:])
-		if err != nil {
-			fail(fmt.Errorf("transfer: %v copy of %d segments: %w", d, len(b.descs)-start, err))
+	enqueued = true // from here on a failure waits for the stream (see issueLayers)
+	if err := s.issueLayers(b, shared); err != nil {
+		fail(err)
+		return
+	}
+	for _, op := range early {
+		if err := s.issueLayers(b, []*Op{op}); err != nil {
+			fail(err)
 			return
-		}
-		b.retires = append(b.retires, retire)
-		for _, op := range b.ops {
-			if err := s.recordLayer(op, l); err != nil {
-				fail(err)
-				return
-			}
 		}
 	}
 	if invariantsEnabled {
@@ -599,9 +747,109 @@ func (s *Scheduler) issue(b *batch) {
 	s.pending[d] <- b
 }
 
-// recordLayer records op's events that follow its layer l.
+// issueLayers enqueues the copies of ops layer by layer (the given ops'
+// segments of one layer coalesced into one Copy, lazy ops' parts built and
+// copied), each op's layer events after its layer. A Copy that fails may
+// have enqueued part of its work (a batch cut into several driver calls, a
+// gathered store's first chunks): the caller fails the batch only once the
+// stream is known past it.
+func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
+	d := b.dir
+	layers := 0
+	for _, op := range ops {
+		layers = max(layers, len(op.layerEnds))
+	}
+	for l := range layers {
+		start := len(b.descs)
+		var last placed
+		for _, op := range ops {
+			if l < len(op.layerEnds) && !op.req.lazy() {
+				lo := 0
+				if l > 0 {
+					lo = op.layerEnds[l-1]
+				}
+				b.descs = coalesce(b.descs, &last, op.segs[lo:op.layerEnds[l]])
+			}
+		}
+		if len(b.descs) > start {
+			retire, err := s.dev.Copy(d, b.descs[start:])
+			if err != nil {
+				return fmt.Errorf("transfer: %v copy of %d segments: %w", d, len(b.descs)-start, err)
+			}
+			b.retires = append(b.retires, retire)
+		}
+		for _, op := range ops {
+			if l < len(op.layerEnds) && op.req.lazy() {
+				if err := s.issueParts(b, op, l); err != nil {
+					return err
+				}
+			}
+			if err := s.recordLayer(op, l); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// issueParts builds, validates and copies the parts of lazy op that make
+// its layer l (engine thread): one part for a layered op, all of them
+// otherwise. Each part's descriptors are appended to the batch's.
+func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
+	from, to := 0, op.req.Parts
+	if op.req.Layered {
+		from, to = l, l+1
+	}
+	d := op.dir
+	track := invariantsEnabled && s.cfg.Tracker != nil
+	for p := from; p < to; p++ {
+		segs, err := op.req.Build(p, s.buildBuf[:0])
+		if err != nil {
+			return fmt.Errorf("transfer: building part %d of %d of a %v: %w", p, op.req.Parts, d, err)
+		}
+		s.buildBuf = segs[:0]
+		if len(segs) == 0 {
+			continue
+		}
+		s.placedBuf, err = validate(segs, s.cfg.Align, &s.host, &s.devR, s.placedBuf[:0])
+		if err != nil {
+			return fmt.Errorf("transfer: part %d of %d of a %v: %w", p, op.req.Parts, d, err)
+		}
+		for _, g := range s.placedBuf {
+			op.built += g.Len
+		}
+		if op.built > op.bytes {
+			return fmt.Errorf("%w: a %v's parts copy more than the %d bytes it declared", ErrInvalidRequest, d, op.bytes)
+		}
+		if track {
+			op.gens = append(op.gens, s.cfg.Tracker.gens("at submission", d, s.placedBuf, nil)...)
+			op.segs = append(op.segs, s.placedBuf...)
+		}
+		start := len(b.descs)
+		var last placed
+		b.descs = coalesce(b.descs, &last, s.placedBuf)
+		retire, err := s.dev.Copy(d, b.descs[start:])
+		if err != nil {
+			return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, p, op.req.Parts, len(b.descs)-start, err)
+		}
+		b.retires = append(b.retires, retire)
+	}
+	if l == len(op.layerEnds)-1 && op.built != op.bytes {
+		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, d, op.built, op.bytes)
+	}
+	return nil
+}
+
+// recordLayer records op's events that follow its layer l; for an op
+// with early events it writes the counter value they wait for.
 func (s *Scheduler) recordLayer(op *Op, l int) error {
 	if l >= len(op.layerEnds) {
+		return nil
+	}
+	if op.early {
+		if err := s.early.Fulfil(op.dir, op.seq0+uint64(l)+1); err != nil {
+			return fmt.Errorf("transfer: writing layer %d's counter value: %w", l, err)
+		}
 		return nil
 	}
 	if op.layerEvs != nil {
@@ -623,6 +871,137 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 		}
 	}
 	return nil
+}
+
+// putBatchEvent returns an event to the batch event pool.
+func (s *Scheduler) putBatchEvent(e Event) {
+	s.mu.Lock()
+	s.batchEvs = append(s.batchEvs, e)
+	s.mu.Unlock()
+}
+
+// fulfilAll writes, for a batch that failed or was never issued, the last
+// counter value any of its early ops waits for, so their promised events
+// complete (after whatever copies were enqueued). Errors are ignored: the
+// batch fails anyway, and a failed write means a lost context.
+func (s *Scheduler) fulfilAll(b *batch) {
+	var v uint64
+	for _, op := range b.ops {
+		if op.early {
+			v = max(v, op.seq0+uint64(len(op.layerEnds)))
+		}
+	}
+	if v != 0 {
+		_ = s.early.Fulfil(b.dir, v)
+	}
+}
+
+// signaller promises the events of ops with events (early events): on its
+// own locked thread, so that Submit never waits behind the submitter's
+// building and copying of earlier ops.
+func (s *Scheduler) signaller(ready chan<- error) {
+	defer s.done.Done()
+	defer runtime.UnlockOSThread()
+	err := s.lockThread()
+	ready <- err
+	for {
+		select {
+		case op := <-s.sigCh:
+			if err == nil {
+				err2 := s.promise(op)
+				s.handOver(op, err2)
+			} else {
+				s.handOver(op, err)
+			}
+		case <-s.sigQuit:
+			return
+		}
+	}
+}
+
+// promise gives op its events and records them (and Signal) behind waits
+// for its counter values, and snapshots its After event.
+func (s *Scheduler) promise(op *Op) error {
+	d := op.dir
+	s.mu.Lock()
+	sticky := s.sticky
+	s.mu.Unlock()
+	if sticky != nil {
+		return sticky
+	}
+	if err := s.opEventsFor(op); err != nil {
+		return err
+	}
+	if op.req.After != 0 {
+		snap, err := s.batchEvent()
+		if err != nil {
+			return err
+		}
+		if err := s.early.Snapshot(d, op.req.After, snap); err != nil {
+			s.putBatchEvent(snap)
+			return fmt.Errorf("transfer: snapshotting the After event %#x: %w", uintptr(op.req.After), err)
+		}
+		op.snap = snap
+	}
+	base := s.seq[d]
+	s.seq[d] += uint64(len(op.layerEnds))
+	op.seq0 = base
+	var evs []Event
+	for l := range op.layerEnds {
+		evs = evs[:0]
+		if op.layerEvs != nil {
+			evs = append(evs, op.layerEvs[l])
+		}
+		if l == len(op.layerEnds)-1 {
+			// The op event last: the completer awaits it (lastEvent).
+			if op.req.Signal != 0 {
+				evs = append(evs, op.req.Signal)
+			}
+			if op.ev != 0 {
+				evs = append(evs, op.ev)
+			}
+		}
+		if len(evs) == 0 {
+			continue
+		}
+		if err := s.early.Promise(d, base+uint64(l)+1, evs); err != nil {
+			// The values given out are never written for this op; a
+			// later op's greater values satisfy the waits already queued.
+			return fmt.Errorf("transfer: promising layer %d's events: %w", l, err)
+		}
+	}
+	return nil
+}
+
+// handOver queues a promised op for the submitter, or, if promising
+// failed (err), undoes what Submit counted and gives Submit the error.
+func (s *Scheduler) handOver(op *Op, err error) {
+	d := op.dir
+	s.mu.Lock()
+	s.signalling--
+	if err != nil {
+		s.inflight[d] -= op.bytes
+		op.subErr = err
+	} else {
+		op.early = true
+		s.immediate[d] = append(s.immediate[d], op)
+	}
+	s.mu.Unlock()
+	if err != nil {
+		var evs []Event
+		if op.ev != 0 {
+			evs = append(evs, op.ev)
+		}
+		evs = append(evs, op.layerEvs...)
+		op.ev, op.layerEvs = 0, nil
+		s.putOpEvents(evs)
+		if op.snap != 0 {
+			s.putBatchEvent(op.snap)
+			op.snap = 0
+		}
+	}
+	close(op.enq)
+	s.kick()
 }
 
 func (s *Scheduler) batchEvent() (Event, error) {
@@ -647,7 +1026,7 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 		return nil
 	}
 	n := 1
-	if len(op.req.LayerEnds) > 0 {
+	if len(op.req.LayerEnds) > 0 || (op.req.lazy() && op.req.Layered) {
 		n += len(op.layerEnds)
 	}
 	evs := make([]Event, 0, n)
@@ -746,7 +1125,16 @@ func (s *Scheduler) completer(d Direction, ready chan<- error) {
 		sticky := s.sticky
 		s.mu.Unlock()
 		if sticky == nil && b.recorded {
-			if werr := s.await(b.ev); werr != nil {
+			werr := s.await(b.ev)
+			for _, op := range b.ops {
+				// An early op's events are recorded on the signal stream,
+				// a moment after the counter write the batch event follows:
+				// the op completes only once they have too.
+				if e := op.lastEvent(); werr == nil && e != 0 {
+					werr = s.await(e)
+				}
+			}
+			if werr != nil {
 				werr = fmt.Errorf("transfer: %v batch event: %w", d, werr)
 				if cuda.IsSticky(werr) {
 					werr = s.setSticky(werr)
@@ -861,6 +1249,18 @@ func (op *Op) complete(err error) {
 	if op.req.OnComplete != nil {
 		op.req.OnComplete(op, err)
 	}
+}
+
+// lastEvent is the last event an early op's promise recorded (0 for an op
+// without early events).
+func (op *Op) lastEvent() Event {
+	switch {
+	case !op.early:
+		return 0
+	case op.ev != 0:
+		return op.ev
+	}
+	return op.req.Signal
 }
 
 func (op *Op) recycle() {

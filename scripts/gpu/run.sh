@@ -52,6 +52,7 @@ SUITES=(
 	"tests|every package's GPU tests (-test.run GPU, KVO_REQUIRE_GPU=1)"
 	"bench|kvoffload info; the throughput benchmark (kvoffload bench --only throughput --reps 3)"
 	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
+	"calltime|how long Engine.Store and Engine.Load of 2048 8B-class blocks take to return (offload.test BenchmarkGPUCallTime)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
 	"multigpu_link|each GPU's host link alone and with the others at once, and nvidia-smi topo (not in all)"
@@ -62,7 +63,7 @@ SUITES=(
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
-ALL_SUITES=(pool64 tests demo soak python realmodel bench blocks)
+ALL_SUITES=(pool64 tests demo soak python realmodel calltime bench blocks)
 
 # ---------------------------------------------------------------- the suites
 
@@ -85,6 +86,11 @@ suite_bench() {
 suite_blocks() {
 	KVO_BENCH_BLOCKS=1 KVO_BENCH_OUT=$D step_in bench timeout 300 "$B/bench.test" -test.v \
 		-test.run 'TestBlocksBench$' -test.timeout 4m
+}
+
+suite_calltime() {
+	step_in offload timeout 300 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
+		-test.benchtime 10x -test.count 3 -test.timeout 4m
 }
 
 suite_pool64() {

@@ -23,6 +23,9 @@ type Options struct {
 	DeviceMemory uint64
 	// NoMemcpyBatch makes HasMemcpyBatch report false (a driver older than 12.8).
 	NoMemcpyBatch bool
+	// NoStreamMemOps makes HasStreamMemOps report false (a driver without
+	// the _v2 stream memory operations).
+	NoStreamMemOps bool
 	// DriverVersion is reported by DriverVersion (0: 12080).
 	DriverVersion int
 	// Devices is the number of devices (0: 1).
@@ -94,6 +97,7 @@ type Driver struct {
 	closed     bool
 	stickyCode cuda.Result
 	hasBatch   bool
+	hasMemOps  bool
 	calls      map[string]int
 	failAt     map[opCall]cuda.Result
 	stickyAt   map[opCall]cuda.Result
@@ -132,6 +136,7 @@ func New(opts Options) *Driver {
 	d := &Driver{
 		opts:       opts,
 		hasBatch:   !opts.NoMemcpyBatch,
+		hasMemOps:  !opts.NoStreamMemOps,
 		calls:      map[string]int{},
 		failAt:     map[opCall]cuda.Result{},
 		stickyAt:   map[opCall]cuda.Result{},

@@ -16,6 +16,8 @@ const (
 	itemKernel
 	itemRecord
 	itemWait
+	itemWaitValue  // waits until the word at dst is ≥ n (as CU_STREAM_WAIT_VALUE_GEQ)
+	itemWriteValue // writes n to the word at dst
 )
 
 // item is one unit of queued work. Items recorded by a capture are
@@ -97,6 +99,14 @@ func (d *Driver) serve(s *stream) {
 				return
 			}
 		}
+		if it.kind == itemWaitValue {
+			for d.wordLocked(it.dst) < it.n && !d.closed && d.stickyCode == cuda.Success {
+				d.cond.Wait()
+			}
+			if d.closed {
+				return
+			}
+		}
 		delay := d.delayLocked()
 		poisoned := d.stickyCode != cuda.Success
 		d.mu.Unlock()
@@ -108,6 +118,10 @@ func (d *Driver) serve(s *stream) {
 		d.mu.Lock()
 		if res != cuda.Success && d.stickyCode == cuda.Success {
 			d.stickyCode = res
+		}
+		if it.kind == itemWriteValue && res == cuda.Success && !poisoned {
+			// Under mu, where waiters read the word (wordLocked).
+			d.setWordLocked(it.dst, it.n)
 		}
 		if it.kind == itemRecord && !it.hang && it.gen > it.ev.completed {
 			it.ev.completed = it.gen

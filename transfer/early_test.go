@@ -1,0 +1,297 @@
+package transfer
+
+import (
+	"bytes"
+	"errors"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// lazyLoad is a load of the env's first n bytes from host to device in
+// parts of seg bytes, whose part gated (if ≥ 0) is built only once gate
+// is closed.
+func lazyLoad(e *fakeEnv, n, seg uint64, layered bool, gated int, gate <-chan struct{}) Request {
+	parts := int(n / seg)
+	return Request{
+		Dir: Load, Events: true, Parts: parts, Layered: layered, Bytes: n,
+		Build: func(p int, dst []Segment) ([]Segment, error) {
+			if p == gated {
+				<-gate
+			}
+			off := uint64(p) * seg
+			return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
+		},
+	}
+}
+
+func (e *fakeEnv) done(t *testing.T, ev cuda.Event) bool {
+	t.Helper()
+	ok, err := e.drv.EventQuery(ev)
+	require.NoError(t, err)
+	return ok
+}
+
+// callerWaits makes a new caller stream wait on ev and records a caller
+// event after the wait: the caller's view of ev.
+func (e *fakeEnv) callerWaits(t *testing.T, ev Event) cuda.Event {
+	t.Helper()
+	cs, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.drv.StreamDestroy(cs) })
+	mine, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	require.NoError(t, e.drv.StreamWaitEvent(cs, cuda.Event(ev), cuda.EventWaitDefault))
+	require.NoError(t, e.drv.EventRecord(mine, cs))
+	return mine
+}
+
+func (e *fakeEnv) deviceBytes(t *testing.T, n uint64) []byte {
+	t.Helper()
+	half := e.size / 2
+	require.LessOrEqual(t, n, half)
+	require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(e.host+half), cuda.DevicePtr(e.dev), n))
+	return append([]byte(nil), e.hostBuf[half:half+n]...)
+}
+
+// TestEarlyEventsValidBeforeCopies: Submit of a load with events returns
+// while its second part is not even built, and a caller stream waiting on
+// the op's event right after Submit passes only once every part's copies
+// have completed. It fails if the event were recorded only after the late
+// copies (Submit would not return) or at Submit without the wait (the
+// caller would pass early, before the bytes arrived).
+func TestEarlyEventsValidBeforeCopies(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 3})
+	require.True(t, e.cu.EarlyEvents(), e.cu.EarlyEventsOff())
+	src := randBytes(rand.New(rand.NewSource(4)), n)
+	copy(e.hostBuf, src)
+	gate := make(chan struct{})
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 2, gate), 5*time.Second)
+	require.NoError(t, err)
+	ev, err := op.Event()
+	require.NoError(t, err)
+	mine := e.callerWaits(t, ev)
+	time.Sleep(30 * time.Millisecond)
+	require.False(t, e.done(t, mine), "the caller passed the op's event before its last parts were built")
+	require.False(t, e.done(t, cuda.Event(ev)))
+	close(gate)
+	require.NoError(t, e.drv.EventSynchronize(mine))
+	require.Equal(t, src, e.deviceBytes(t, n), "the caller's stream passed the event before the bytes arrived")
+	require.NoError(t, op.Wait())
+	require.NoError(t, op.Release())
+}
+
+// TestEarlyLayerEvents: a layered load's layer l event completes once
+// layer l is copied, while later layers are not built yet.
+func TestEarlyLayerEvents(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 5})
+	src := randBytes(rand.New(rand.NewSource(6)), n)
+	copy(e.hostBuf, src)
+	gate := make(chan struct{})
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, 1, gate), 5*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, 3, op.Layers())
+	var mine [3]cuda.Event
+	for l := range mine {
+		ev, err := op.LayerEvent(l)
+		require.NoError(t, err)
+		mine[l] = e.callerWaits(t, ev)
+	}
+	require.NoError(t, e.drv.EventSynchronize(mine[0]))
+	require.Equal(t, src[:seg], e.deviceBytes(t, seg))
+	time.Sleep(20 * time.Millisecond)
+	require.False(t, e.done(t, mine[1]), "layer 1's event completed before layer 1 was built")
+	require.False(t, e.done(t, mine[2]))
+	close(gate)
+	require.NoError(t, e.drv.EventSynchronize(mine[2]))
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.NoError(t, op.Wait())
+}
+
+// TestEarlyValuesInOrder: two layered ops issued in one batch write their
+// counter values op by op, so the first op's later layers never complete
+// on the second op's values.
+func TestEarlyValuesInOrder(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	e := newFakeEnv(t, 4*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 7})
+	hold, gate := make(chan struct{}), make(chan struct{})
+	// op0 keeps the submitter busy so that op1 and op2 are taken together.
+	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
+	require.NoError(t, err)
+	op1, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, 1, gate), 5*time.Second)
+	require.NoError(t, err)
+	r2 := lazyLoad(e, n, seg, true, -1, nil)
+	op2, err := submitWithin(t, e.s, r2, 5*time.Second)
+	require.NoError(t, err)
+	close(hold)
+	ev, err := op1.LayerEvent(0)
+	require.NoError(t, err)
+	require.NoError(t, e.drv.EventSynchronize(cuda.Event(ev)))
+	time.Sleep(20 * time.Millisecond)
+	for l := 1; l < 3; l++ {
+		ev, err := op1.LayerEvent(l)
+		require.NoError(t, err)
+		require.False(t, e.done(t, cuda.Event(ev)), "op1's layer %d completed before it was built", l)
+	}
+	close(gate)
+	for _, op := range []*Op{op0, op1, op2} {
+		require.NoError(t, op.Wait())
+	}
+}
+
+// TestEarlyAfterSnapshot: the copies wait on the caller's After event as
+// it was recorded at Submit, not on a later record of it. A serving loop
+// records After, submits, makes its stream wait on the op's event and
+// records After again for its next step; were the copies to wait on that
+// later record (as a wait taken when the copies are issued would), they
+// would wait on themselves.
+func TestEarlyAfterSnapshot(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 4*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 8})
+	word, err := e.drv.MemAlloc(8)
+	require.NoError(t, err)
+	require.NoError(t, e.drv.MemsetD8(word, 0, 8))
+	caller, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	after, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	// The submitter is kept busy by op0 until hold closes, so op's copies
+	// are issued only after the caller's second record of After.
+	hold := make(chan struct{})
+	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
+	require.NoError(t, err)
+	// The caller's work before After is held until word becomes 1.
+	require.NoError(t, e.drv.StreamWaitValue64(caller, word, 1, cuda.StreamWaitValueGEQ))
+	require.NoError(t, e.drv.EventRecord(after, caller))
+	req := lazyLoad(e, n, seg, false, -1, nil)
+	req.After = Event(after)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	ev, err := op.Event()
+	require.NoError(t, err)
+	require.NoError(t, e.drv.StreamWaitEvent(caller, cuda.Event(ev), cuda.EventWaitDefault))
+	require.NoError(t, e.drv.EventRecord(after, caller))
+	close(hold)
+	require.NoError(t, op0.Wait())
+	select {
+	case <-op.Done():
+		t.Fatalf("the op ran before the After record it was submitted behind (err %v)", op.Err())
+	case <-time.After(30 * time.Millisecond):
+	}
+	idle, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	require.NoError(t, e.drv.StreamWriteValue64(idle, word, 1, cuda.StreamWriteValueDefault))
+	select {
+	case <-op.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the op waits on a record of After made after it (a deadlock)")
+	}
+	require.NoError(t, op.Err())
+	require.NoError(t, e.drv.StreamSynchronize(caller))
+	for _, s := range []cuda.Stream{caller, idle} {
+		require.NoError(t, e.drv.StreamDestroy(s))
+	}
+	require.NoError(t, e.drv.MemFree(word))
+}
+
+// TestEarlyBuildFailure: a part that fails to build fails the op, and its
+// promised events still complete, so a caller stream waiting on them is
+// never stuck.
+func TestEarlyBuildFailure(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 9})
+	boom := errors.New("boom")
+	req := lazyLoad(e, n, seg, true, -1, nil)
+	build := req.Build
+	req.Build = func(p int, dst []Segment) ([]Segment, error) {
+		if p == 1 {
+			return dst, boom
+		}
+		return build(p, dst)
+	}
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	ev, err := op.Event()
+	require.NoError(t, err)
+	mine := e.callerWaits(t, ev)
+	require.ErrorIs(t, op.Wait(), boom)
+	require.NoError(t, e.drv.EventSynchronize(mine))
+	// The engine goes on: a good op after it.
+	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op2.Wait())
+}
+
+// TestLazyBytesChecked: parts that copy other than the declared bytes fail
+// the op.
+func TestLazyBytesChecked(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 10})
+	req := lazyLoad(e, n, seg, false, -1, nil)
+	req.Bytes = n + seg
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.ErrorIs(t, op.Wait(), ErrInvalidRequest)
+	_, err = e.s.Submit(Request{Dir: Load, Build: req.Build, Parts: 0, Bytes: n})
+	require.ErrorIs(t, err, ErrInvalidRequest)
+	_, err = e.s.Submit(Request{Dir: Load, Build: req.Build, Parts: MaxLayers + 1, Layered: true, Bytes: n})
+	require.ErrorIs(t, err, ErrInvalidRequest)
+}
+
+// TestNoEarlyEventsWaits: without early events (a driver without stream
+// memory operations), Submit of an op with events returns only once all
+// its parts are built and enqueued.
+func TestNoEarlyEventsWaits(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 11, NoStreamMemOps: true})
+	require.False(t, e.cu.EarlyEvents())
+	require.NotEmpty(t, e.cu.EarlyEventsOff())
+	src := randBytes(rand.New(rand.NewSource(12)), n)
+	copy(e.hostBuf, src)
+	gate := make(chan struct{})
+	got := make(chan *Op, 1)
+	go func() {
+		op, err := e.s.Submit(lazyLoad(e, n, seg, false, 1, gate))
+		if err != nil {
+			panic(err)
+		}
+		got <- op
+	}()
+	select {
+	case <-got:
+		t.Fatal("Submit returned before its parts were built")
+	case <-time.After(30 * time.Millisecond):
+	}
+	close(gate)
+	op := <-got
+	require.NoError(t, op.Wait())
+	require.True(t, bytes.Equal(src, e.deviceBytes(t, n)))
+}
+
+func submitWithin(t *testing.T, s *Scheduler, req Request, d time.Duration) (*Op, error) {
+	t.Helper()
+	type res struct {
+		op  *Op
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		op, err := s.Submit(req)
+		ch <- res{op, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.op, r.err
+	case <-time.After(d):
+		t.Fatalf("Submit did not return within %v", d)
+		return nil, nil
+	}
+}
