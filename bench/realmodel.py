@@ -514,7 +514,8 @@ class Bench:
         pool = (2 * nmax + 16) * kv_bytes(TPB)
         t0 = time.perf_counter()
         self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
-                                                 namespace="realmodel/llama-8b-geometry/bf16", policy="lru")
+                                                 namespace="realmodel/llama-8b-geometry/bf16", policy="lru",
+                                                 early_events=bool(args.early_events))
         self.engine_s = time.perf_counter() - t0
         maxb = kv_bytes(max(args.tokens))
         self.host = torch.empty(maxb, dtype=torch.uint8, pin_memory=True)
@@ -702,6 +703,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--decode", type=int, default=4, help="eager decode steps compared (default 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of weights, prompts and block ids")
+    ap.add_argument("--early-events", action="store_true",
+                    help="the engine with early events: load() and store() return before the copies are built")
     ap.add_argument("--out", help="also write the results (markdown) to this file, and beside it an SVG plot "
                     "of reload and recompute time by prompt length (realmodel.md: realmodel.svg)")
     ap.add_argument("--selfcheck", action="store_true", help="check the paging and table logic without torch; exit")

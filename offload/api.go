@@ -183,6 +183,14 @@ type Config struct {
 	// direction; beyond it a Store is refused (OutcomeRefusedBusy) and a
 	// Load fails with ErrBusy. Default DefaultMaxQueuedBytes.
 	MaxQueuedBytes int64 `json:"max_queued_bytes,omitempty"`
+	// EarlyEvents has Store and Load return before their copies are built
+	// (CUDA backend, on a driver with stream memory operations): the op's
+	// events are recorded at the call behind a wait on a counter that the
+	// engine stream writes after the copies (package transfer). Off, a
+	// call with events returns once its copies are enqueued (the copies
+	// of its first blocks run meanwhile). See doc/DESIGN.md for what early
+	// events need from the process (CUDA_DEVICE_MAX_CONNECTIONS).
+	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout, tensor-parallel rank) and tags stored blocks for Clear.
 	Namespace string `json:"namespace,omitempty"`

@@ -2,6 +2,7 @@ package offload
 
 import (
 	"context"
+	"os"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -19,13 +20,20 @@ import (
 // GPU block ids and loaded into others, as an allocator hands them out.
 type callBench struct {
 	layers, heads, headDim, blocks int
+	early                          bool
+	// verify writes random contents into the stored blocks and checks
+	// every loaded block against them (tests); maxDevice, if set, is the
+	// copier's MaxDeviceBytes (fake driver only).
+	verify    bool
+	maxDevice int64
 }
 
 // run measures, per iteration, how long Store, Load and a per-layer Load
 // take to return (the calls), and how long until each op is done, and
 // reports the medians.
-func (cb callBench) run(b *testing.B, drv cuda.Driver, real bool) {
-	g := newGPUMem(b, drv, 8)
+func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) [2][3]time.Duration {
+	seg0 := 16 * cb.heads * cb.headDim * 2
+	g := newGPUMem(b, drv, 2*cb.layers*seg0)
 	defer g.close()
 	seg := uint64(16 * cb.heads * cb.headDim * 2)
 	numBlocks := 2 * cb.blocks
@@ -34,14 +42,16 @@ func (cb callBench) run(b *testing.B, drv cuda.Driver, real bool) {
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * uint64(numBlocks)), V: g.alloc(seg * uint64(numBlocks)), Stride: seg})
 	}
 	slot := int64(seg) * int64(2*cb.layers)
-	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU}
+	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU, EarlyEvents: cb.early}
 	var e *Engine
 	var err error
 	if real {
 		cfg.Backend = BackendCUDA
 		e, err = New(cfg)
 	} else {
-		e, err = newCUDAEngine(b, drv, cfg, engineHooks{})
+		h := engineHooks{calibrate: true}
+		h.copyOptions.MaxDeviceBytes = cb.maxDevice
+		e, err = newCUDAEngine(b, drv, cfg, h)
 	}
 	require.NoError(b, err)
 	defer func() { require.NoError(b, e.Close()) }()
@@ -51,13 +61,22 @@ func (cb callBench) run(b *testing.B, drv cuda.Driver, real bool) {
 	keys := make([]Key, cb.blocks)
 	var calls [3][]time.Duration
 	var dones [3][]time.Duration
-	b.ResetTimer()
-	for it := range b.N {
+	if bb, ok := b.(*testing.B); ok {
+		bb.ResetTimer()
+	}
+	var contents [][]byte
+	for it := range n {
 		for i := range keys {
 			keys[i] = testKey(it*cb.blocks + i)
 		}
 		ids := rng.Perm(numBlocks)
 		src, dst := ids[:cb.blocks], ids[cb.blocks:]
+		if cb.verify {
+			contents = randomContents(rand.New(rand.NewPCG(uint64(it), 3)), cb.blocks, e.slot)
+			for i, id := range src {
+				g.write(e, id, contents[i])
+			}
+		}
 		t0 := time.Now()
 		op, err := e.Store(ctx, keys, src, StoreOptions{})
 		calls[0] = append(calls[0], time.Since(t0))
@@ -75,28 +94,47 @@ func (cb callBench) run(b *testing.B, drv cuda.Driver, real bool) {
 			dones[1+k] = append(dones[1+k], time.Since(t0))
 			require.Equal(b, cb.blocks, op.Count(OutcomeLoaded))
 			require.NoError(b, op.Release())
+			if cb.verify {
+				for i, id := range dst {
+					require.Equal(b, contents[i], g.read(e, id), "block %d (per layer %v)", i, perLayer)
+				}
+			}
 		}
 		e.Delete(keys)
 	}
-	b.StopTimer()
-	med := func(d []time.Duration) float64 {
+	med := func(d []time.Duration) time.Duration {
 		s := slices.Clone(d)
 		slices.Sort(s)
-		return float64(s[len(s)/2].Microseconds())
+		return s[len(s)/2]
 	}
+	var out [2][3]time.Duration
+	for k := range 3 {
+		out[0][k], out[1][k] = med(calls[k]), med(dones[k])
+	}
+	return out
+}
+
+// report reports run's medians as a benchmark's metrics.
+func (cb callBench) report(b *testing.B, m [2][3]time.Duration) {
+	b.StopTimer()
 	for k, name := range []string{"store", "load", "load-per-layer"} {
-		b.ReportMetric(med(calls[k]), name+"-call-µs")
-		b.ReportMetric(med(dones[k]), name+"-done-µs")
+		b.ReportMetric(float64(m[0][k].Microseconds()), name+"-call-µs")
+		b.ReportMetric(float64(m[1][k].Microseconds()), name+"-done-µs")
 	}
 	b.ReportMetric(float64(cb.blocks*2*cb.layers), "segments/op")
 }
+
+// benchEarly is whether a call-time benchmark runs with early events
+// (KVO_BENCH_EARLY=0: without).
+func benchEarly() bool { return os.Getenv("KVO_BENCH_EARLY") != "0" }
 
 // BenchmarkCallTimeFake: the call times on the fake driver (CPU only): 2048
 // blocks of 64 segments of 256 bytes, what the calls' own work costs.
 func BenchmarkCallTimeFake(b *testing.B) {
 	drv := cudafake.New(cudafake.Options{DeviceMemory: 1 << 30})
 	defer drv.Close()
-	callBench{layers: 32, heads: 1, headDim: 4, blocks: 2048}.run(b, drv, false)
+	cb := callBench{layers: 32, heads: 1, headDim: 4, blocks: 2048, early: benchEarly()}
+	cb.report(b, cb.run(b, b.N, drv, false))
 }
 
 // BenchmarkGPUCallTime: Engine.Store and Engine.Load of 2048 blocks of an
@@ -104,5 +142,36 @@ func BenchmarkCallTimeFake(b *testing.B) {
 // segments of 32 KiB a block) on the GPU, at the default MaxDeviceBytes.
 func BenchmarkGPUCallTime(b *testing.B) {
 	gpu := cudatest.Open(b)
-	callBench{layers: 32, heads: 8, headDim: 128, blocks: 2048}.run(b, gpu.Drv, true)
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 2048, early: benchEarly()}
+	cb.report(b, cb.run(b, b.N, gpu.Drv, true))
+}
+
+// BenchmarkCallTimeFakeBig: 8B-class blocks (2 MiB, 64 segments of 32 KiB)
+// on the fake driver, few of them: the bounced (gathered, scattered) paths.
+func BenchmarkCallTimeFakeBig(b *testing.B) {
+	drv := cudafake.New(cudafake.Options{DeviceMemory: 2 << 30})
+	defer drv.Close()
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 192, early: benchEarly()}
+	cb.report(b, cb.run(b, b.N, drv, false))
+}
+
+// TestCUDAFakeEarlyEvents: 8B-class blocks stored and loaded (whole and
+// per layer) with early events, byte for byte, on a fake driver whose
+// MemFree waits for the device to go idle (as cuMemFree can) and a copier
+// bound so small that tables and staging chunks compete for it: freeing
+// on the submitting thread would deadlock against the pending waits of
+// the op it is building.
+func TestCUDAFakeEarlyEvents(t *testing.T) {
+	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 24, early: true, verify: true, maxDevice: 40 << 20}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		cb.run(t, 3, drv, false)
+	}()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("stores and loads with early events did not finish (a deadlock)")
+	}
 }

@@ -325,6 +325,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
+		NoEarlyEvents: !cfg.EarlyEvents,
 	}); err != nil {
 		return nil, err
 	}

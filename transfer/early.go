@@ -108,6 +108,12 @@ func (c *CUDA) EarlyEvents() bool { return c.early.on }
 // EarlyEventsOff is why early events are off ("" when they are on).
 func (c *CUDA) EarlyEventsOff() string { return c.early.why }
 
+// StartEarly makes the copier keep its device memory instead of freeing
+// it on the submitting thread (cudacopy.Copier.KeepIdle): cuMemFree can
+// wait for the device to go idle, which it never does while a signal
+// stream waits for a value that thread has yet to write.
+func (c *CUDA) StartEarly() bool { return c.early.on && c.copier.KeepIdle() }
+
 // Promise records evs on dir's signal stream behind a wait for dir's
 // counter to reach v.
 func (c *CUDA) Promise(dir Direction, v uint64, evs []Event) error {

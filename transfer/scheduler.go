@@ -225,6 +225,10 @@ type Scheduler struct {
 // scheduler's, for a wait enqueued later.
 type promiser interface {
 	EarlyEvents() bool
+	// StartEarly prepares the device for early events (nothing on the
+	// submitting thread may then wait for the device to go idle); false
+	// when it cannot.
+	StartEarly() bool
 	Promise(dir Direction, v uint64, evs []Event) error
 	Fulfil(dir Direction, v uint64) error
 	Snapshot(dir Direction, caller, snap Event) error
@@ -297,7 +301,7 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 		s.pending[d] = make(chan *batch, 4096)
 	}
 	threads := 3
-	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents {
+	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents && p.StartEarly() {
 		s.early = p
 		s.sigCh = make(chan *Op, 1024)
 		s.sigQuit = make(chan struct{})

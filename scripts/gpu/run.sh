@@ -59,7 +59,7 @@ SUITES=(
 	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
-	"realmodel|the real-model benchmark (python3 bench/realmodel.py)"
+	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
@@ -89,8 +89,12 @@ suite_blocks() {
 }
 
 suite_calltime() {
-	step_in offload timeout 300 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
-		-test.benchtime 10x -test.count 3 -test.timeout 4m
+	# With early events (the calls return before the copies are built), then
+	# without (the calls return once the copies are enqueued).
+	step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
+		-test.benchtime 10x -test.count 3
+	KVO_BENCH_EARLY=0 step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
+		-test.benchtime 10x -test.count 3
 }
 
 suite_pool64() {
@@ -153,7 +157,9 @@ suite_realmodel() {
 		return 1
 	fi
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 540 python3 bench/realmodel.py --out "$D/realmodel.md"
+		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
 }
 
 suite_sweep() {

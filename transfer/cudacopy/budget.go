@@ -92,6 +92,13 @@ func (c *Copier) evictIdleLocked(n need) (bool, error) {
 // missing tables and chunks and raw bytes fit the bound; false when they
 // cannot without waiting.
 func (c *Copier) makeRoomLocked(n need, raw int64) (bool, error) {
+	if c.tableCap > 0 {
+		// KeepIdle: nothing is freed; tables and chunks each stay
+		// within their share of the bound.
+		tables := int64(len(c.all)+max(0, n.bufs-len(c.free))) * c.descBytes()
+		chunks := int64(len(c.stagingAll)+max(0, n.staging-len(c.stagingFree)))*int64(c.opts.GatherChunkBytes) + raw
+		return tables <= c.tableCap && chunks+c.devBytes-int64(len(c.all))*c.descBytes()-int64(len(c.stagingAll))*int64(c.opts.GatherChunkBytes) <= c.opts.MaxDeviceBytes-c.tableCap, nil
+	}
 	for c.devBytes+c.missingBytes(n, raw) > c.opts.MaxDeviceBytes {
 		ok, err := c.evictIdleLocked(n)
 		if err != nil || !ok {
@@ -296,10 +303,37 @@ func (c *Copier) allocRaw(n uint64, what string) (cuda.DevicePtr, error) {
 	}
 }
 
-// freeRaw frees an allocRaw allocation of n bytes.
+// freeRaw frees an allocRaw allocation of n bytes. cuMemFree may wait
+// for the whole device to be idle, so it is called without mu: a
+// submitting thread must never wait for it (see KeepIdle).
 func (c *Copier) freeRaw(p cuda.DevicePtr, n uint64) error {
+	err := c.drv.MemFree(p)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	defer c.cond.Broadcast()
-	return c.devFreeLocked(p, n)
+	c.devBytes -= int64(n)
+	c.devNow.Store(c.devBytes)
+	return err
+}
+
+// KeepIdle makes the copier never free device memory while it submits:
+// the bound is split between descriptor tables (an eighth, at least two
+// tables) and staging chunks (the rest), each kind pooled within its
+// share, and a call short of its kind's share waits for an earlier
+// ticket instead of freeing the other kind's idle memory. cuMemFree can
+// wait for the whole device to go idle, which never happens while a
+// stream waits on a counter that only the submitting thread's later work
+// writes (transfer's early events). It reports false, and changes
+// nothing, when the bound is too small to split (less than two tables and
+// a chunk).
+func (c *Copier) KeepIdle() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	tb := c.descBytes()
+	capT := max(2*tb, c.opts.MaxDeviceBytes/8/tb*tb)
+	if c.opts.MaxDeviceBytes-capT < int64(c.opts.GatherChunkBytes) {
+		return false
+	}
+	c.tableCap = capT
+	return true
 }

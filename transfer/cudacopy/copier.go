@@ -516,6 +516,8 @@ type Copier struct {
 
 	mu          sync.Mutex
 	cond        *sync.Cond // on mu: a ticket's done event set, or a ticket ended
+	// tableCap > 0: KeepIdle, the share of MaxDeviceBytes for tables.
+	tableCap int64
 	closed      bool
 	cal         *Calibration
 	free        []*descBuf

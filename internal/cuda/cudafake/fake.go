@@ -26,6 +26,9 @@ type Options struct {
 	// NoStreamMemOps makes HasStreamMemOps report false (a driver without
 	// the _v2 stream memory operations).
 	NoStreamMemOps bool
+	// SyncingFree makes MemFree wait until no stream has work queued, as
+	// the driver's cuMemFree may (it can wait for the device to go idle).
+	SyncingFree bool
 	// DriverVersion is reported by DriverVersion (0: 12080).
 	DriverVersion int
 	// Devices is the number of devices (0: 1).

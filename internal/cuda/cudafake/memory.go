@@ -330,7 +330,24 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 	if err := d.begin(cuda.OpMemFree, needCtx|unsafeInCapture); err != nil {
 		return err
 	}
+	if d.opts.SyncingFree {
+		d.mu.Lock()
+		for d.busyLocked() && !d.closed && d.stickyCode == cuda.Success {
+			d.cond.Wait()
+		}
+		d.mu.Unlock()
+	}
 	return d.mem.free(cuda.OpMemFree, uint64(p), spanDevice)
+}
+
+// busyLocked reports whether any stream has work queued.
+func (d *Driver) busyLocked() bool {
+	for _, s := range d.streams {
+		if len(s.queue) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // MemGetAddressRange implements cuda.Driver: the MemAlloc allocation
