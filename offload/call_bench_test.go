@@ -2,8 +2,8 @@ package offload
 
 import (
 	"context"
-	"os"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"testing"
 	"time"

@@ -514,10 +514,10 @@ type Copier struct {
 
 	batchPool sync.Pool // *[]cuda.BatchCopy of cap BatchMax
 
-	mu          sync.Mutex
-	cond        *sync.Cond // on mu: a ticket's done event set, or a ticket ended
+	mu   sync.Mutex
+	cond *sync.Cond // on mu: a ticket's done event set, or a ticket ended
 	// tableCap > 0: KeepIdle, the share of MaxDeviceBytes for tables.
-	tableCap int64
+	tableCap    int64
 	closed      bool
 	cal         *Calibration
 	free        []*descBuf
