@@ -13,7 +13,7 @@ import (
 // fakeClock is a Config.Clock the test moves by hand.
 type fakeClock struct{ t time.Time }
 
-func (f *fakeClock) now() time.Time           { return f.t }
+func (f *fakeClock) now() time.Time          { return f.t }
 func (f *fakeClock) advance(d time.Duration) { f.t = f.t.Add(d) }
 
 // hostPool is host memory for a cache whose region starts at base: slot
