@@ -330,8 +330,17 @@ func TestHeadRangeErrors(t *testing.T) {
 	runs, err := u.HostRuns(HeadRange{0, 4}, nil)
 	require.NoError(t, err)
 	require.Len(t, runs, 4)
+	// Pipeline-parallel stages are refused; all layers is no stage.
+	spec := DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{}, 2, devBase)
+	spec.Stage = LayerRange{First: 1, Count: 1}
+	_, err = NewLayout(spec)
+	require.ErrorIs(t, err, ErrLayout)
+	require.ErrorContains(t, err, "Stage layers [1, 2) of 2: pipeline-parallel stages are not supported")
+	spec.Stage = LayerRange{First: 0, Count: 2}
+	_, err = NewLayout(spec)
+	require.NoError(t, err)
 	// A stride too small for the rank's heads is refused on the device size.
-	spec := DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{0, 2}, 2, devBase)
+	spec = DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{0, 2}, 2, devBase)
 	spec.Layers[0].Stride = 47
 	_, err = NewLayout(spec)
 	require.ErrorIs(t, err, ErrLayout)

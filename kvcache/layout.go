@@ -153,6 +153,23 @@ type LayoutSpec struct {
 	// tensor-parallel sizes). TokenMajor or HeadMajor make the host slot
 	// head-major (HostHeadMajor), the same bytes for every TP size.
 	Order HeadOrder
+	// Stage is the range of the model's layers a pipeline-parallel stage
+	// holds, [First, First+Count) of Geometry.Layers. Only the zero value
+	// (every layer: no pipeline parallelism) is accepted: stages are
+	// refused with ErrLayout (see LayerRange).
+	Stage LayerRange
+}
+
+// LayerRange is a range of a model's layers, [First, First+Count).
+//
+// Pipeline-parallel stages are not supported as layer ranges: a slot would
+// have to hold every layer of the model while a stage writes its own, and a
+// block would become complete only where every stage stores into the same
+// host pool. A stage that runs anyway describes its own layers as the
+// geometry and names its stage in the key namespace, so that no stage reads
+// another's blocks (nothing is shared between stages).
+type LayerRange struct {
+	First, Count int
 }
 
 // Segment is one piece of a block: Len bytes at device address Dev, stored
@@ -212,6 +229,10 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 	g := spec.Geometry
 	if spec.Kind == MLA && g.KVHeads != 1 {
 		return nil, fmt.Errorf("%w: KVHeads = %d, an MLA layout has one latent per layer (must be 1)", ErrGeometry, g.KVHeads)
+	}
+	if spec.Stage != (LayerRange{}) && (spec.Stage.First != 0 || spec.Stage.Count != g.Layers) {
+		return nil, fmt.Errorf("%w: LayoutSpec.Stage layers [%d, %d) of %d: pipeline-parallel stages are not supported as layer ranges "+
+			"(describe the stage's own layers as the geometry and name the stage in the key namespace)", ErrLayout, spec.Stage.First, spec.Stage.First+spec.Stage.Count, g.Layers)
 	}
 	if !spec.Order.valid() {
 		return nil, fmt.Errorf("%w: Order = %d, want OrderUndeclared (0), TokenMajor (1) or HeadMajor (2)", ErrLayout, uint8(spec.Order))
