@@ -214,26 +214,41 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 // Errors (nothing changes): ErrStaleSlot for a handle that is not a store in
 // progress, ErrDuplicate for a handle given twice.
 func (c *Cache) CompleteStore(slots []Slot, err error) error {
+	_, e := c.completeStore(slots, err, nil, false)
+	return e
+}
+
+// CompleteStoreReady is CompleteStore that also appends to dst, in the
+// order given, the handles of slots whose block this call made visible
+// (every head committed, not evicted meanwhile), and returns it: the blocks
+// an owner may now copy out (a lower tier's write-through). A head-range
+// write that leaves its block partial is not among them. dst is unchanged
+// on error.
+func (c *Cache) CompleteStoreReady(slots []Slot, err error, dst []Slot) ([]Slot, error) {
+	return c.completeStore(slots, err, dst, true)
+}
+
+func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) ([]Slot, error) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return ErrClosed
+		return dst, ErrClosed
 	}
 	clear(c.dupStore)
 	for _, h := range slots {
 		s, e := c.lookupHandle(h)
 		if e != nil {
-			return e
+			return dst, e
 		}
 		if !s.storing {
-			return fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
+			return dst, fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
 		}
 		if (h.Heads == HeadRange{}) != (s.part == nil) || (s.part != nil && s.part.writeIndex(h.Heads) < 0) {
-			return fmt.Errorf("%w: slot %d gen %d: no store of heads %v in progress", ErrStaleSlot, h.ID, h.Gen, h.Heads)
+			return dst, fmt.Errorf("%w: slot %d gen %d: no store of heads %v in progress", ErrStaleSlot, h.ID, h.Gen, h.Heads)
 		}
 		d := storeHandle{h.ID, h.Heads.First}
 		if _, dup := c.dupStore[d]; dup {
-			return fmt.Errorf("%w: slot %d (heads %v) given twice to CompleteStore", ErrDuplicate, h.ID, h.Heads)
+			return dst, fmt.Errorf("%w: slot %d (heads %v) given twice to CompleteStore", ErrDuplicate, h.ID, h.Heads)
 		}
 		c.dupStore[d] = struct{}{}
 	}
@@ -290,11 +305,14 @@ func (c *Cache) CompleteStore(slots []Slot, err error) error {
 			if c.onIndex != nil {
 				c.onIndex(IndexEvent{Ready: true, Key: s.key, Slot: c.handle(i), Namespace: s.ns})
 			}
+			if ready {
+				dst = append(dst, h)
+			}
 		}
 	}
 	c.maintain(0)
 	c.check()
-	return nil
+	return dst, nil
 }
 
 func (s *slotRec) indexed() bool {

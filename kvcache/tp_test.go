@@ -158,14 +158,18 @@ func TestTPSizeSharing(t *testing.T) {
 			for j := range keys {
 				h0, h1 = append(h0, res0[j].Slot), append(h1, res1[j].Slot)
 			}
-			require.NoError(t, c.CompleteStore(h1, nil))
+			ready, err := c.CompleteStoreReady(h1, nil, nil)
+			require.NoError(t, err)
+			require.Empty(t, ready, "rank 1's heads alone complete no block")
 			require.Zero(t, c.Lookup(keys), "blocks visible with rank 0's heads missing")
 			lr, err := c.BeginLoad(keys, ids, nil)
 			require.NoError(t, err)
 			for _, r := range lr {
 				require.False(t, r.Found)
 			}
-			require.NoError(t, c.CompleteStore(h0, nil))
+			ready, err = c.CompleteStoreReady(h0, nil, nil)
+			require.NoError(t, err)
+			require.Equal(t, h0, ready, "rank 0's heads complete every block")
 			require.Equal(t, len(keys), c.Lookup(keys))
 			require.Zero(t, c.Stats().Partial)
 			for b, r := range res0 {
@@ -363,4 +367,24 @@ func TestWholeStoreUnchanged(t *testing.T) {
 		d.copySegs(t, segs, slot, true)
 		require.Equal(t, slot, pool.slot(r.Slot, u.SlotSize()), fmt.Sprintf("block %d", ids[b]))
 	}
+}
+
+// CompleteStoreReady names the blocks a call made visible: not one deleted
+// while being written, none on a failed copy.
+func TestCompleteStoreReady(t *testing.T) {
+	c, _, _ := tpCache(t, 4, 0)
+	keys, ids := tpKeys(3, 7)
+	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, c.Delete(keys[1:2]))
+	prev := []Slot{{ID: 99}}
+	ready, err := c.CompleteStoreReady([]Slot{res[0].Slot, res[1].Slot}, nil, prev)
+	require.NoError(t, err)
+	require.Equal(t, []Slot{{ID: 99}, res[0].Slot}, ready)
+	ready, err = c.CompleteStoreReady([]Slot{res[2].Slot}, errors.New("copy failed"), nil)
+	require.NoError(t, err)
+	require.Empty(t, ready)
+	got, err := c.CompleteStoreReady([]Slot{res[2].Slot}, nil, prev)
+	require.ErrorIs(t, err, ErrStaleSlot)
+	require.Equal(t, prev, got)
 }
