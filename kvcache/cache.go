@@ -38,8 +38,9 @@ var (
 // it (4.3 MiB for DeepSeekMLA, padded by 2 KiB, 0.05%).
 const DefaultSlotAlign = 4096
 
-// Namespace identifies whose blocks an entry holds (model, dtype, layout,
-// rank), so Clear can drop one model's blocks on a reload. The cache does not
+// Namespace identifies whose blocks an entry holds (model, dtype, layout;
+// not the tensor-parallel rank, whose ranks share blocks), so Clear can
+// drop one model's blocks on a reload. The cache does not
 // interpret it; keys of different namespaces differ anyway (see BlockKey).
 type Namespace uint32
 
