@@ -346,3 +346,54 @@ func TestHeadRangeErrors(t *testing.T) {
 	require.ErrorIs(t, err, ErrLayout)
 	require.ErrorContains(t, err, "smaller than the segment (48 bytes)")
 }
+
+// FuzzHeadLayout: any geometry, head range and order is an error naming
+// one of the layout errors, or a layout whose segments of every head range
+// inside its heads lie in the slot, add up to the range's host runs, and
+// whose rank's segments add up to RankBytes.
+func FuzzHeadLayout(f *testing.F) {
+	f.Add(uint8(1), uint8(1), 2, 8, 128, 2, 16, 0, 4, 3)
+	f.Add(uint8(2), uint8(2), 3, 4, 64, 1, 1, 1, 2, 0)
+	f.Add(uint8(3), uint8(1), 3, 1, 576, 2, 64, 0, 1, 1)
+	f.Add(uint8(1), uint8(0), 1, 1<<30, 1, 1, 2, 0, 0, 0)
+	f.Add(uint8(1), uint8(1), 1, 1<<12, 1, 1, 2, 0, 0, 0)
+	f.Fuzz(func(t *testing.T, kind, order uint8, layers, heads, dim, dt, tpb, first, count, block int) {
+		if layers > 64 || layers < -1 {
+			return
+		}
+		g := Geometry{layers, heads, dim, dt, tpb}
+		spec := DenseRankSpec(LayoutKind(kind), g, HeadOrder(order), HeadRange{first, count}, 4, 1<<40)
+		l, err := NewLayout(spec)
+		if err != nil {
+			require.True(t, isAny(err, ErrGeometry, ErrLayout, ErrHeadRange), "unexpected error %v", err)
+			return
+		}
+		segs, err := l.Segments(block, nil)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBlockID)
+			return
+		}
+		var sum uint64
+		for _, s := range segs {
+			sum += s.Len
+			if s.Rows > 1 {
+				require.Equal(t, s.Len, s.Rows*s.RowLen)
+				require.LessOrEqual(t, s.Off+(s.Rows-1)*s.HostPitch+s.RowLen, l.SlotSize())
+			} else {
+				require.LessOrEqual(t, s.Off+s.Len, l.SlotSize())
+			}
+		}
+		require.Equal(t, l.RankBytes(), sum)
+		require.Len(t, segs, l.SegmentsPerBlock())
+		if l.Order() != OrderUndeclared {
+			runs, err := l.HostRuns(l.Heads(), nil)
+			require.NoError(t, err)
+			var rsum uint64
+			for _, r := range runs {
+				rsum += r.Len
+				require.LessOrEqual(t, r.Off+r.Len, l.SlotSize())
+			}
+			require.Equal(t, sum, rsum)
+		}
+	})
+}

@@ -60,6 +60,12 @@ var (
 // count, not on an allocation. Real models have at most a few hundred.
 const MaxLayers = 1 << 16
 
+// MaxKVHeads bounds Geometry.KVHeads for a layout of declared order
+// (LayoutSpec.Order), which gives a segment per head: real models have at
+// most a few hundred KV heads, so an absurd count must fail on the count,
+// not on the segment lists it would make.
+const MaxKVHeads = 1 << 12
+
 // SegmentLen returns the bytes of one layer's K (or V) of one block:
 // KVHeads × HeadDim × DTypeBytes × TokensPerBlock. It also checks Layers
 // (at least 1, at most MaxLayers).
@@ -236,6 +242,9 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 	}
 	if !spec.Order.valid() {
 		return nil, fmt.Errorf("%w: Order = %d, want OrderUndeclared (0), TokenMajor (1) or HeadMajor (2)", ErrLayout, uint8(spec.Order))
+	}
+	if spec.Order != OrderUndeclared && g.KVHeads > MaxKVHeads {
+		return nil, fmt.Errorf("%w: KVHeads = %d, at most %d for a layout of declared order", ErrGeometry, g.KVHeads, MaxKVHeads)
 	}
 	heads := spec.Heads
 	if heads == (HeadRange{}) {
