@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -387,4 +389,113 @@ func TestCompleteStoreReady(t *testing.T) {
 	got, err := c.CompleteStoreReady([]Slot{res[2].Slot}, nil, prev)
 	require.ErrorIs(t, err, ErrStaleSlot)
 	require.Equal(t, prev, got)
+}
+
+// The four ranks of TP=4 store the same chains at once, each its heads
+// copied into the shared slots, while loaders of TP=1 and TP=2 load what is
+// ready and check it byte for byte, until the ranks are done; then every
+// block is ready. Run under -race: the slot bytes a rank writes are read
+// only after the block is ready.
+func TestConcurrentRanks(t *testing.T) {
+	c, pool, _ := tpCache(t, 48, 0)
+	const rounds = 120
+	devs := make([]*devTensor, 4)
+	for r := range devs {
+		devs[r] = newDevTensor(t, LayerSeparate, tpGeo, TokenMajor, rankHeads(4, 4, r), 16)
+		devs[r].fill()
+	}
+	var wg sync.WaitGroup
+	for r := 0; r < 4; r++ {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			d := devs[r]
+			for i := 0; i < rounds; i++ {
+				keys, ids := tpKeys(4, (i*7)%9)
+				res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids, Heads: d.l.Heads()}, nil)
+				if !assertNoErr(t, err) {
+					return
+				}
+				var done []Slot
+				for _, x := range res {
+					if x.Outcome != StoreWrite {
+						continue
+					}
+					segs, err := d.l.SegmentsRange(x.BlockID, x.Heads, nil)
+					if !assertNoErr(t, err) {
+						return
+					}
+					slot := pool.slot(x.Slot, d.l.SlotSize())
+					for _, s := range segs {
+						rows, row := max(s.Rows, 1), s.RowLen
+						if s.Rows <= 1 {
+							row = s.Len
+						}
+						for q := uint64(0); q < rows; q++ {
+							copy(slot[s.Off+q*s.HostPitch:][:row], d.mem[s.Dev-d.base+q*s.DevPitch:][:row])
+						}
+					}
+					done = append(done, x.Slot)
+				}
+				if !assertNoErr(t, c.CompleteStore(done, nil)) {
+					return
+				}
+			}
+		}(r)
+	}
+	var loads atomic.Int64
+	var stop atomic.Bool
+	var lg sync.WaitGroup
+	for _, tp := range []int{1, 2} {
+		lg.Add(1)
+		go func(tp int) {
+			defer lg.Done()
+			for i := 0; !stop.Load(); i++ {
+				keys, ids := tpKeys(4, (i*7)%9)
+				n := c.Lookup(keys)
+				lr, err := c.BeginLoad(keys[:n], ids[:n], nil)
+				if !assertNoErr(t, err) {
+					return
+				}
+				var found []Slot
+				for _, x := range lr {
+					if !x.Found {
+						continue
+					}
+					found = append(found, x.Slot)
+					want := headMajorSlot(devs[0].l, x.BlockID, 0)
+					got := pool.slot(x.Slot, devs[0].l.SlotSize())
+					for _, run := range mustRuns(t, devs[0].l, rankHeads(4, tp, i%tp)) {
+						if !bytes.Equal(want[run.Off:run.Off+run.Len], got[run.Off:run.Off+run.Len]) {
+							t.Errorf("block %d: heads of TP %d rank %d differ in layer %d (run %+v)", x.BlockID, tp, i%tp, run.Layer, run)
+						}
+					}
+					loads.Add(1)
+				}
+				if !assertNoErr(t, c.EndLoad(found)) {
+					return
+				}
+			}
+		}(tp)
+	}
+	wg.Wait()
+	stop.Store(true)
+	lg.Wait()
+	require.NoError(t, c.Verify())
+	st := c.Stats()
+	require.Zero(t, st.StoresInFlight)
+	require.Zero(t, st.Partial)
+	require.Equal(t, uint64(9*4*3), st.StoreJoined, "every block: one allocation, three joins")
+	for salt := 0; salt < 9; salt++ {
+		keys, ids := tpKeys(4, salt)
+		require.Equal(t, 4, c.Lookup(keys), "salt %d", salt)
+		loadRank(t, c, pool, HeadMajor, 2, salt%2, keys, ids)
+	}
+	t.Logf("loads while storing: %d", loads.Load())
+}
+
+func mustRuns(t *testing.T, l *Layout, r HeadRange) []HostRun {
+	runs, err := l.HostRuns(r, nil)
+	require.NoError(t, err)
+	return runs
 }
