@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -37,8 +38,9 @@ var (
 // it (4.3 MiB for DeepSeekMLA, padded by 2 KiB, 0.05%).
 const DefaultSlotAlign = 4096
 
-// Namespace identifies whose blocks an entry holds (model, dtype, layout,
-// rank), so Clear can drop one model's blocks on a reload. The cache does not
+// Namespace identifies whose blocks an entry holds (model, dtype, layout;
+// not the tensor-parallel rank, whose ranks share blocks), so Clear can
+// drop one model's blocks on a reload. The cache does not
 // interpret it; keys of different namespaces differ anyway (see BlockKey).
 type Namespace uint32
 
@@ -67,6 +69,10 @@ type Slot struct {
 	Region RegionID
 	Off    uint64  // offset of the slot inside its region
 	Addr   uintptr // Region.Base + Off
+	// Heads is, in a handle BeginStore gave for a head-range write, the
+	// range that write stores (CompleteStore completes that range); zero in
+	// every other handle (whole-block stores, loads, leases).
+	Heads HeadRange
 }
 
 // Config configures a Cache.
@@ -118,6 +124,15 @@ type Config struct {
 	// reserved, not touched: a fresh large allocation is backed lazily.
 	// Beyond MaxSlots both grow as without it.
 	MaxSlots int
+	// PartialTimeout bounds how long a block stored by head ranges
+	// (StoreRequest.Heads, the ranks of a tensor-parallel group) may stay
+	// incomplete: once this long has passed since its first range was
+	// granted, a block still missing heads is reclaimed (never visible,
+	// never loaded; Stats.PartialExpired), at the next BeginStore,
+	// Maintain or ExpirePartials. 0 means DefaultPartialTimeout.
+	PartialTimeout time.Duration
+	// Clock, when set, replaces time.Now for PartialTimeout (tests).
+	Clock func() time.Time
 }
 
 // MaxSlots bounds Config.MaxSlots (slot ids are int32).
@@ -173,8 +188,11 @@ type slotRec struct {
 	children   int32 // ready/leased children linked to this slot
 	ns         Namespace
 	state      slotState
-	storing    bool // the D2H of this occupancy has not completed
+	storing    bool // the D2H of this occupancy has not completed (every head-range write's, for a partial block)
 	chain      bool // part of the chain BeginStore is making room for
+	// part is the head-range state of a block stored by head ranges, while
+	// it is incomplete (see partial); nil otherwise.
+	part *partial
 }
 
 type regionRec struct {
@@ -201,6 +219,15 @@ type Cache struct {
 	onIndex   func(IndexEvent)
 	closed    bool
 
+	// Head-range stores: the model's KV heads, the partial timeout and
+	// clock, and the partial blocks oldest first (expiries[expHead:]).
+	heads          int
+	partialTimeout time.Duration
+	now            func() time.Time
+	expiries       []expiry
+	expHead        int
+	nPartial       int // slots with a partial record
+
 	// toZero holds the slots the current critical section released into
 	// zeroing; unlock hands them to onFree. Empty outside a critical
 	// section. zeroDone (on mu) is signalled when the last zeroing slot
@@ -225,11 +252,19 @@ type Cache struct {
 	st         Stats
 	counts     [stateRetired]int // slots per state, retired ones not counted
 
-	victims []Victim         // scratch for maintain
-	found   []int32          // scratch: slots of a call's keys
-	dupKeys map[Key]struct{} // scratch for duplicate checks
-	dupIDs  map[int]struct{}
-	dupSlot map[SlotID]int32
+	victims  []Victim         // scratch for maintain
+	found    []int32          // scratch: slots of a call's keys
+	dupKeys  map[Key]struct{} // scratch for duplicate checks
+	dupIDs   map[int]struct{}
+	dupSlot  map[SlotID]int32
+	dupStore map[storeHandle]struct{}
+}
+
+// storeHandle names one store write in CompleteStore's duplicate check: a
+// slot, and for a head-range write its first head.
+type storeHandle struct {
+	id    SlotID
+	first int
 }
 
 type idRange struct{ first, n int32 }
@@ -249,6 +284,9 @@ func New(cfg Config) (*Cache, error) {
 	if cfg.LowWatermark < 0 {
 		return nil, fmt.Errorf("%w: LowWatermark %d is negative", ErrConfig, cfg.LowWatermark)
 	}
+	if cfg.PartialTimeout < 0 {
+		return nil, fmt.Errorf("%w: PartialTimeout %v is negative", ErrConfig, cfg.PartialTimeout)
+	}
 	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > maxSeen {
 		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", ErrConfig, cfg.StoreThreshold, maxSeen)
 	}
@@ -260,9 +298,16 @@ func New(cfg Config) (*Cache, error) {
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
 		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree, onIndex: cfg.OnIndex,
 		freeHead: -1,
-		dupKeys:  map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{},
+		heads:    cfg.Layout.Geometry().KVHeads, partialTimeout: cfg.PartialTimeout, now: cfg.Clock,
+		dupKeys: map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{}, dupStore: map[storeHandle]struct{}{},
 	}
 	c.zeroDone.L = &c.mu
+	if c.partialTimeout == 0 {
+		c.partialTimeout = DefaultPartialTimeout
+	}
+	if c.now == nil {
+		c.now = time.Now
+	}
 	if cfg.MaxSlots < 0 || cfg.MaxSlots > MaxSlots {
 		return nil, fmt.Errorf("%w: MaxSlots %d outside [0, %d]", ErrConfig, cfg.MaxSlots, MaxSlots)
 	}
@@ -560,6 +605,7 @@ func (c *Cache) alloc(k Key, ns Namespace) int32 {
 	c.setState(s, stateWriting)
 	s.pending, s.readers, s.storing = 1, 0, true
 	s.parent, s.children = -1, 0
+	c.setPart(s, nil)
 	c.regions[s.region].busy++
 	return i
 }
@@ -571,6 +617,7 @@ func (c *Cache) release(i int32) {
 	if s.state != stateReleasing || s.readers > 0 || s.pending > 0 {
 		return
 	}
+	c.setPart(s, nil)
 	if c.onFree != nil && !c.regions[s.region].draining {
 		c.setState(s, stateZeroing)
 		c.toZero = append(c.toZero, c.handle(i))

@@ -34,6 +34,8 @@
 //	ready/leased/writing ─evict, Delete, Clear, RemoveRegion→ releasing
 //	releasing → free once it has no reader and no outstanding transfer
 //	releasing → zeroing → free, instead, with Config.OnFree
+//	free ─BeginStore(heads)→ writing, partial ─CompleteStore of the last heads→ ready
+//	writing, partial ─PartialTimeout, evict, Delete, Clear, RemoveRegion→ releasing
 //
 // Only ready and leased blocks are visible to Lookup and BeginLoad. A block
 // leaves the index as soon as it is evicted; its slot is reused only after
@@ -41,6 +43,57 @@
 // load's H2D) is reported done. Transfers report completions: the cache never
 // assumes a copy finished. Verify checks all this; the kvoinvariants build tag
 // runs it after every call.
+//
+// # Tensor-parallel sharing
+//
+// A block's key and its host bytes do not depend on the tensor-parallel
+// (TP) size, so that engines of any TP size share blocks:
+//
+//   - Keys: the namespace names the model, dtype, tokens per block and
+//     layout kind, never the TP rank or size (BlockKey).
+//   - Geometry: KVHeads is the model's, all ranks together; a layout's
+//     LayoutSpec.Heads is the rank's range [First, First+Count) of them
+//     (zero: all). A record fingerprint carries the model's geometry and
+//     the layout's HostFormat.
+//   - Host layout: a layout that declares its device order
+//     (LayoutSpec.Order: TokenMajor, [blocks, tokens, heads, head_dim] per
+//     layer, or HeadMajor, [blocks, heads, tokens, head_dim]) keeps slots
+//     head-major (HostHeadMajor): per layer K then V, each holding every
+//     head of the model, head by head, each head's tokens × head_dim
+//     contiguous. A range of heads is then one contiguous host run per
+//     layer and K/V (HostRuns). A layout of undeclared order keeps the
+//     slot a byte copy of the device segments (HostDeviceOrder), as before
+//     head ranges existed: the same segments, the same bytes, whole blocks
+//     only.
+//   - Segments: Segments (the rank's heads) and SegmentsRange (a sub-range
+//     of them) give, per layer and K/V, the device side of the heads and
+//     their place in the slot. For TokenMajor a head is one 2-D segment
+//     (Rows = tokens rows of RowLen = head_dim × dtype bytes, DevPitch =
+//     the rank's heads × RowLen on the device, HostPitch = RowLen in the
+//     slot); where those rows are contiguous (one head held, one token per
+//     block) and always for HeadMajor, one contiguous segment (Rows = 0).
+//     A 1-D user reads Rows ≤ 1 as contiguous, as before.
+//   - Several writers per block: a store with StoreRequest.Heads writes
+//     that range. The first range of an absent key allocates the slot; the
+//     block is "partial": indexed, never visible to Lookup or BeginLoad.
+//     The other ranks' ranges (sharing no head with the ranges committed
+//     or in flight) are writes into the same slot (StoreWrite, with
+//     Slot.Heads naming the range), not StorePresent; a range that shares
+//     a head is StorePresent, so replicated heads (TP above the KV heads,
+//     MLA's latent) are stored once. The block becomes ready when
+//     CompleteStore has committed every head; CompleteStoreReady says
+//     which completions did that. A failed range write leaves the range
+//     open for a retry (the block is dropped if nothing else is committed
+//     or in flight). A block still missing heads Config.PartialTimeout
+//     after its first range was granted (a rank died) is reclaimed at the
+//     next BeginStore, Maintain or ExpirePartials, and never loaded.
+//   - A load by a rank of any TP size takes the ready block (BeginLoad, as
+//     before) and copies only its heads: Segments of its own layout.
+//   - Pipeline-parallel stages are not supported as layer ranges: a
+//     LayoutSpec.Stage other than every layer is refused (see LayerRange).
+//
+// Every whole-block call (StoreRequest.Heads zero) behaves as before; a
+// whole-block store of a partial block's key is StorePresent.
 //
 // # Slots
 //

@@ -19,7 +19,12 @@ import (
 // zeroing slots (Config.OnFree) have neither, and the ones this call released
 // are queued once each for OnFree; no count is negative; draining regions have no free-list slot; per-region
 // busy counts and per-state gauges match; child counts match the parent
-// links; the outcome counters add up.
+// links; the outcome counters add up. Blocks stored by head ranges: only
+// writing or releasing slots hold a partial record; its committed heads are
+// sorted, merged, inside the model's heads and not all of them, its writes
+// are disjoint from them and from each other, its writes are the slot's
+// transfers, a writing one holds at least one head or write, and each
+// writing one is in the expiry queue.
 func (c *Cache) Verify() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -54,6 +59,11 @@ func (c *Cache) verify() error {
 	children := make(map[int32]int32)
 	indexed := 0
 	inFlight := 0
+	partials := 0
+	inQueue := make(map[[2]uint32]bool, len(c.expiries)-c.expHead)
+	for _, e := range c.expiries[c.expHead:] {
+		inQueue[[2]uint32{uint32(e.slot), e.gen}] = true
+	}
 	for i := range c.slots {
 		id := int32(i)
 		s := &c.slots[i]
@@ -81,8 +91,15 @@ func (c *Cache) verify() error {
 		if s.state != stateFree {
 			busy[s.region]++
 		}
-		if s.storing {
-			inFlight++
+		inFlight += int(s.storeWrites())
+		if s.part != nil {
+			partials++
+			if err := c.verifyPartial(s); err != nil {
+				bad("slot %d (%v): %v", i, s.state, err)
+			}
+			if s.state == stateWriting && !inQueue[[2]uint32{uint32(i), s.gen}] {
+				bad("partial slot %d gen %d is not in the expiry queue", i, s.gen)
+			}
 		}
 		j, inIndex := c.index.get(s.key)
 		isIndexed := inIndex && j == id
@@ -95,7 +112,14 @@ func (c *Cache) verify() error {
 				bad("free slot %d belongs to draining region %d", i, rr.r.ID)
 			}
 		case stateWriting:
-			if !s.storing || s.pending != 1 || s.readers != 0 {
+			if s.part != nil {
+				if s.storing != (len(s.part.writes) > 0) || s.pending != int32(len(s.part.writes)) || s.readers != 0 {
+					bad("partial writing slot %d: storing %v, pending %d, %d writes, readers %d", i, s.storing, s.pending, len(s.part.writes), s.readers)
+				}
+				if len(s.part.done) == 0 && len(s.part.writes) == 0 {
+					bad("partial writing slot %d holds no head and no write", i)
+				}
+			} else if !s.storing || s.pending != 1 || s.readers != 0 {
 				bad("writing slot %d: storing %v, pending %d, readers %d", i, s.storing, s.pending, s.readers)
 			}
 		case stateReady:
@@ -114,9 +138,12 @@ func (c *Cache) verify() error {
 			if s.readers == 0 && s.pending == 0 {
 				bad("releasing slot %d has no reader and no transfer left", i)
 			}
-			if s.pending-b2i(s.storing) > s.readers {
-				bad("releasing slot %d: %d loads pending, %d readers", i, s.pending-b2i(s.storing), s.readers)
+			if s.pending-s.storeWrites() > s.readers {
+				bad("releasing slot %d: %d loads pending, %d readers", i, s.pending-s.storeWrites(), s.readers)
 			}
+		}
+		if s.part != nil && s.state != stateWriting && s.state != stateReleasing {
+			bad("%v slot %d holds a partial record", s.state, i)
 		}
 		if s.state != stateFree && onFree[id] {
 			bad("%v slot %d is on the free list", s.state, i)
@@ -151,6 +178,9 @@ func (c *Cache) verify() error {
 		}
 		queued[h.ID] = true
 	}
+	if partials != c.nPartial {
+		bad("%d slots hold a partial record, gauge %d", partials, c.nPartial)
+	}
 	if counts != c.counts {
 		bad("state gauges %v, counted %v", c.counts, counts)
 	}
@@ -170,6 +200,9 @@ func (c *Cache) verify() error {
 		bad("usable slots %d, regions hold %d", c.usable, usable)
 	}
 	st := &c.st
+	if st.StoreJoined > st.StoreAllocated {
+		bad("joined %d > allocated %d", st.StoreJoined, st.StoreAllocated)
+	}
 	if st.StoreKeys != st.StoreAllocated+st.StorePresent+st.StoreRefusedFull+st.StoreRefusedAdmission {
 		bad("store outcomes do not add up: %+v", *st)
 	}
@@ -189,4 +222,39 @@ func (c *Cache) check() {
 			panic(fmt.Sprintf("kvcache: invariant violated: %v", err))
 		}
 	}
+}
+
+// verifyPartial checks one partial record against the model's heads.
+func (c *Cache) verifyPartial(s *slotRec) error {
+	p := s.part
+	for k, r := range p.done {
+		if err := r.within(c.heads, "the model's"); err != nil {
+			return fmt.Errorf("committed %w", err)
+		}
+		if k > 0 && p.done[k-1].End() >= r.First {
+			return fmt.Errorf("committed heads %v not sorted and merged", p.done)
+		}
+	}
+	if p.covers(c.heads) {
+		return fmt.Errorf("every head committed (%v) but not ready", p.done)
+	}
+	for k, r := range p.writes {
+		if err := r.within(c.heads, "the model's"); err != nil {
+			return fmt.Errorf("write %w", err)
+		}
+		for _, q := range p.done {
+			if q.overlaps(r) {
+				return fmt.Errorf("write %v overlaps committed %v", r, q)
+			}
+		}
+		for _, q := range p.writes[:k] {
+			if q.overlaps(r) {
+				return fmt.Errorf("writes %v and %v overlap", q, r)
+			}
+		}
+	}
+	if s.state == stateReleasing && (s.readers != 0 || s.pending != int32(len(p.writes)) || s.pending == 0) {
+		return fmt.Errorf("releasing: readers %d, pending %d, %d writes", s.readers, s.pending, len(p.writes))
+	}
+	return nil
 }

@@ -23,8 +23,11 @@ var ErrTokensPerBlock = errors.New("kvcache: tokens per block must be at least 1
 //
 // where parent is the previous block's key (16 zero bytes, the zero Key, for
 // the first block of a sequence), le32 is a token id as 4 little-endian bytes,
-// and namespace is the engine's namespace bytes (model, dtype, layout,
-// tensor-parallel rank; may be empty), appended as is with no length prefix.
+// and namespace is the engine's namespace bytes (model, dtype, tokens per
+// block, layout kind; may be empty), appended as is with no length prefix.
+// It names neither the tensor-parallel rank nor the TP size: the ranks of
+// every TP size share a block's key (see the package documentation's
+// "Tensor-parallel sharing").
 // Python computes the same with
 //
 //	hashlib.sha256(parent + struct.pack("<%dI" % len(tokens), *tokens) + namespace).digest()[:16]

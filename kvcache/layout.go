@@ -18,6 +18,10 @@ var (
 	ErrLayout = errors.New("kvcache: invalid layout")
 	// ErrBlockID: a block id outside [0, NumBlocks).
 	ErrBlockID = errors.New("kvcache: block id out of range")
+	// ErrHeadRange: a head range that is empty, outside the model's KV
+	// heads, outside the heads the layout's device tensors hold, or given
+	// to a layout that declares no device order (LayoutSpec.Order).
+	ErrHeadRange = errors.New("kvcache: invalid head range")
 )
 
 // SegmentAlign is the alignment of every segment's offset inside a slot: 16
@@ -26,10 +30,12 @@ var (
 // lengths that are multiples of 16 already, so no padding appears there.
 const SegmentAlign = 16
 
-// Geometry is the shape of one block of the serving stack's KV cache.
+// Geometry is the shape of one block of the model's KV cache: all its KV
+// heads, whatever the tensor-parallel size (a rank's share is the layout's
+// head range, LayoutSpec.Heads).
 type Geometry struct {
 	Layers         int // attention layers
-	KVHeads        int // KV heads per layer (on this tensor-parallel rank); 1 for MLA
+	KVHeads        int // the model's KV heads per layer (all ranks together); 1 for MLA
 	HeadDim        int // elements per head (for MLA: the latent width, e.g. 576)
 	DTypeBytes     int // bytes per element (2 for bf16/fp16, 1 for fp8)
 	TokensPerBlock int // tokens per block
@@ -53,6 +59,12 @@ var (
 // (and DenseSpec builds them), so an absurd layer count must fail on the
 // count, not on an allocation. Real models have at most a few hundred.
 const MaxLayers = 1 << 16
+
+// MaxKVHeads bounds Geometry.KVHeads for a layout of declared order
+// (LayoutSpec.Order), which gives a segment per head: real models have at
+// most a few hundred KV heads, so an absurd count must fail on the count,
+// not on the segment lists it would make.
+const MaxKVHeads = 1 << 12
 
 // SegmentLen returns the bytes of one layer's K (or V) of one block:
 // KVHeads × HeadDim × DTypeBytes × TokensPerBlock. It also checks Layers
@@ -133,17 +145,65 @@ type LayoutSpec struct {
 	Layers []LayerTensors
 	// Base and Stride: for CrossLayer, block b is at Base + b×Stride.
 	Base, Stride uint64
+
+	// Heads is the range of the model's KV heads this rank's device tensors
+	// hold, [First, First+Count): the tensors hold Count heads, in that
+	// order. The zero value means every head (one rank, or a model whose
+	// heads every rank replicates, as MLA's latent). A range other than all
+	// heads needs Order.
+	Heads HeadRange
+	// Order is how a block's tokens and heads sit inside one layer's K (or
+	// V) on the device. The zero value, OrderUndeclared, keeps the host
+	// slot a byte copy of the device's segments (whole blocks only, the
+	// host layout depends on the device's order: not shareable between
+	// tensor-parallel sizes). TokenMajor or HeadMajor make the host slot
+	// head-major (HostHeadMajor), the same bytes for every TP size.
+	Order HeadOrder
+	// Stage is the range of the model's layers a pipeline-parallel stage
+	// holds, [First, First+Count) of Geometry.Layers. Only the zero value
+	// (every layer: no pipeline parallelism) is accepted: stages are
+	// refused with ErrLayout (see LayerRange).
+	Stage LayerRange
 }
 
-// Segment is one contiguous piece of a block: Len bytes at device address
-// Dev, stored at byte offset Off inside the block's slot. Layer is the
-// layer it belongs to (-1 for a cross-layer segment, which spans all layers).
+// LayerRange is a range of a model's layers, [First, First+Count).
+//
+// Pipeline-parallel stages are not supported as layer ranges: a slot would
+// have to hold every layer of the model while a stage writes its own, and a
+// block would become complete only where every stage stores into the same
+// host pool. A stage that runs anyway describes its own layers as the
+// geometry and names its stage in the key namespace, so that no stage reads
+// another's blocks (nothing is shared between stages).
+type LayerRange struct {
+	First, Count int
+}
+
+// Segment is one piece of a block: Len bytes at device address Dev, stored
+// at byte offset Off inside the block's slot. Layer is the layer it belongs
+// to (-1 for a cross-layer segment of an undeclared order, which spans all
+// layers).
+//
+// Rows 0 or 1: the segment is contiguous on both sides (Len bytes at Dev,
+// Len bytes at Off), and RowLen, DevPitch and HostPitch are zero. Rows > 1:
+// a strided (2-D) segment: Rows rows of RowLen bytes, row r at
+// Dev + r×DevPitch on the device and at Off + r×HostPitch in the slot;
+// Len = Rows × RowLen. Only layouts with LayoutSpec.Order = TokenMajor give
+// 2-D segments (one per KV head: its tokens, a row each, at the stride of
+// the rank's heads on the device, contiguous in the slot).
 type Segment struct {
 	Dev   uint64
 	Off   uint64
 	Len   uint64
 	Layer int
+
+	Rows      uint64
+	RowLen    uint64
+	DevPitch  uint64
+	HostPitch uint64
 }
+
+// Strided reports whether s is a 2-D segment (Rows > 1).
+func (s Segment) Strided() bool { return s.Rows > 1 }
 
 // Layout maps block ids to their segments and knows the slot size. It is
 // immutable and safe for concurrent use.
@@ -153,10 +213,17 @@ type Layout struct {
 	segSpan  uint64 // segLen rounded up to SegmentAlign
 	slotSize uint64
 	perBlock int // segments per block
+
+	heads     HeadRange // the rank's heads (normalized: never zero)
+	layerLen  uint64    // one layer's K (or V) in the slot, all heads
+	headBytes uint64    // one head of one layer's K: tokens × head dim × dtype
+	rowLen    uint64    // one token of one head: head dim × dtype
+	devSeg    uint64    // one layer's K (or V) on the device: the rank's heads
+	devLen    uint64    // device bytes checked per tensor entry: devSeg, or the whole block (CrossLayer)
 }
 
-// NewLayout validates spec and returns its layout. Errors wrap ErrGeometry or
-// ErrLayout and name the bad value and its limit.
+// NewLayout validates spec and returns its layout. Errors wrap ErrGeometry,
+// ErrLayout or ErrHeadRange and name the bad value and its limit.
 func NewLayout(spec LayoutSpec) (*Layout, error) {
 	segLen, err := spec.Geometry.SegmentLen()
 	if err != nil {
@@ -169,8 +236,34 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 	if spec.Kind == MLA && g.KVHeads != 1 {
 		return nil, fmt.Errorf("%w: KVHeads = %d, an MLA layout has one latent per layer (must be 1)", ErrGeometry, g.KVHeads)
 	}
-	l := &Layout{spec: spec, segLen: segLen}
+	if spec.Stage != (LayerRange{}) && (spec.Stage.First != 0 || spec.Stage.Count != g.Layers) {
+		return nil, fmt.Errorf("%w: LayoutSpec.Stage layers [%d, %d) of %d: pipeline-parallel stages are not supported as layer ranges "+
+			"(describe the stage's own layers as the geometry and name the stage in the key namespace)", ErrLayout, spec.Stage.First, spec.Stage.First+spec.Stage.Count, g.Layers)
+	}
+	if !spec.Order.valid() {
+		return nil, fmt.Errorf("%w: Order = %d, want OrderUndeclared (0), TokenMajor (1) or HeadMajor (2)", ErrLayout, uint8(spec.Order))
+	}
+	if spec.Order != OrderUndeclared && g.KVHeads > MaxKVHeads {
+		return nil, fmt.Errorf("%w: KVHeads = %d, at most %d for a layout of declared order", ErrGeometry, g.KVHeads, MaxKVHeads)
+	}
+	heads := spec.Heads
+	if heads == (HeadRange{}) {
+		heads = HeadRange{First: 0, Count: g.KVHeads}
+	}
+	if err := heads.within(g.KVHeads, "the model's"); err != nil {
+		return nil, fmt.Errorf("LayoutSpec.Heads: %w", err)
+	}
+	if spec.Order == OrderUndeclared && heads.Count != g.KVHeads {
+		return nil, fmt.Errorf("%w: LayoutSpec.Heads %v is not all %d heads; a head range needs LayoutSpec.Order (TokenMajor or HeadMajor)", ErrHeadRange, heads, g.KVHeads)
+	}
+	l := &Layout{spec: spec, segLen: segLen, layerLen: segLen, heads: heads}
 	l.spec.Layers = append([]LayerTensors(nil), spec.Layers...)
+	l.spec.Heads = heads
+	// segLen = KVHeads × headBytes exactly (SegmentLen checked the product).
+	l.headBytes = segLen / uint64(g.KVHeads)
+	l.rowLen = uint64(g.HeadDim) * uint64(g.DTypeBytes)
+	l.devSeg = l.headBytes * uint64(heads.Count)
+	l.devLen = l.devSeg
 	segSpan, ok := alignUp(segLen, SegmentAlign)
 	if !ok {
 		return nil, fmt.Errorf("%w: segment size %d overflows 64 bits when aligned", ErrGeometry, segLen)
@@ -190,7 +283,7 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 			return nil, fmt.Errorf("%w: slot size %d × %d segments overflows 64 bits", ErrGeometry, segSpan, perLayer*uint64(g.Layers))
 		}
 		l.slotSize = n
-		l.perBlock = int(perLayer) * g.Layers
+		l.perBlock = int(perLayer) * g.Layers * l.segmentsPerKV(heads.Count)
 		for i, lt := range spec.Layers {
 			if err := l.checkLayer(i, lt); err != nil {
 				return nil, err
@@ -208,7 +301,13 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 		l.segLen = n
 		l.slotSize = n
 		l.perBlock = 1
-		if err := l.checkTensor("block", spec.Base, spec.Stride, n); err != nil {
+		// The device block holds the rank's heads of every layer: no
+		// larger than n, so no overflow.
+		l.devLen = l.devSeg * perLayer * uint64(g.Layers)
+		if spec.Order != OrderUndeclared {
+			l.perBlock = 2 * g.Layers * l.segmentsPerKV(heads.Count)
+		}
+		if err := l.checkTensor("block", spec.Base, spec.Stride, l.devLen); err != nil {
 			return nil, err
 		}
 	default:
@@ -219,7 +318,8 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 
 func (l *Layout) checkLayer(i int, lt LayerTensors) error {
 	name := fmt.Sprintf("layer %d K", i)
-	if err := l.checkTensor(name, lt.K, lt.Stride, l.segLen); err != nil {
+	seg := l.devLen
+	if err := l.checkTensor(name, lt.K, lt.Stride, seg); err != nil {
 		return err
 	}
 	if l.spec.Kind == MLA {
@@ -228,13 +328,13 @@ func (l *Layout) checkLayer(i int, lt LayerTensors) error {
 		}
 		return nil
 	}
-	if err := l.checkTensor(fmt.Sprintf("layer %d V", i), lt.V, lt.Stride, l.segLen); err != nil {
+	if err := l.checkTensor(fmt.Sprintf("layer %d V", i), lt.V, lt.Stride, seg); err != nil {
 		return err
 	}
 	// K and V of the layer must not overlap: either their spans are
 	// disjoint, or they interleave with the same stride and at least a
 	// segment between them.
-	span := (uint64(l.spec.NumBlocks)-1)*lt.Stride + l.segLen
+	span := (uint64(l.spec.NumBlocks)-1)*lt.Stride + seg
 	lo, hi := lt.K, lt.V
 	if lo > hi {
 		lo, hi = hi, lo
@@ -244,10 +344,10 @@ func (l *Layout) checkLayer(i int, lt LayerTensors) error {
 		return nil
 	}
 	r := d % lt.Stride
-	if r >= l.segLen && lt.Stride-r >= l.segLen {
+	if r >= seg && lt.Stride-r >= seg {
 		return nil
 	}
-	return fmt.Errorf("%w: layer %d K %#x and V %#x overlap (distance %d, stride %d, segment %d)", ErrLayout, i, lt.K, lt.V, d, lt.Stride, l.segLen)
+	return fmt.Errorf("%w: layer %d K %#x and V %#x overlap (distance %d, stride %d, segment %d)", ErrLayout, i, lt.K, lt.V, d, lt.Stride, seg)
 }
 
 // checkTensor checks that a tensor of NumBlocks blocks of segLen bytes every
@@ -283,8 +383,11 @@ func (l *Layout) NumBlocks() int { return l.spec.NumBlocks }
 // segments, each starting at a multiple of SegmentAlign.
 func (l *Layout) SlotSize() uint64 { return l.slotSize }
 
-// SegmentsPerBlock returns how many segments every block has: 2 × Layers
-// (layer-separate), Layers (MLA) or 1 (cross-layer).
+// SegmentsPerBlock returns how many segments Segments gives for every
+// block: 2 × Layers (layer-separate), Layers (MLA) or 1 (cross-layer) for a
+// layout of undeclared order; with an order, one per layer and K/V (2-D
+// TokenMajor segments: one per head of the rank, unless they are
+// contiguous, see Segments).
 func (l *Layout) SegmentsPerBlock() int { return l.perBlock }
 
 // CheckBlock returns an error wrapping ErrBlockID if id is not a block id of
@@ -296,12 +399,17 @@ func (l *Layout) CheckBlock(id int) error {
 	return nil
 }
 
-// Segments appends the segments of block id to dst and returns it. In the
-// slot, layer-separate blocks are stored layer by layer, K then V; segments
-// come in that order, ascending by Off. dst is unchanged on error.
+// Segments appends the segments of block id to dst and returns it: the
+// rank's heads (LayoutSpec.Heads), what a store copies and a load fills. In
+// the slot, blocks are stored layer by layer, K then V; segments come in
+// that order, ascending by Off. For a layout of declared order it is
+// SegmentsRange(id, Heads(), dst). dst is unchanged on error.
 func (l *Layout) Segments(id int, dst []Segment) ([]Segment, error) {
 	if err := l.CheckBlock(id); err != nil {
 		return dst, err
+	}
+	if l.spec.Order != OrderUndeclared {
+		return l.segmentsRange(id, l.heads, dst), nil
 	}
 	b := uint64(id)
 	switch l.spec.Kind {

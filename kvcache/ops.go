@@ -2,6 +2,7 @@ package kvcache
 
 import (
 	"fmt"
+	"slices"
 )
 
 // StoreOutcome is what BeginStore decided for one key.
@@ -12,7 +13,10 @@ const (
 	// StoreWrite: a slot was allocated (writing); copy the block into it and
 	// call CompleteStore.
 	StoreWrite StoreOutcome = iota + 1
-	// StorePresent: the key is already stored (writing, ready or leased).
+	// StorePresent: the key is already stored (writing, ready or leased);
+	// for a head-range store: a head of the range is stored or being
+	// stored (by another rank, or a replica of the heads), or the block is
+	// a whole-block one.
 	StorePresent
 	// StoreRefusedFull: no free slot, and no block the store may evict
 	// (every one leased, being written, releasing, or part of its chain).
@@ -42,6 +46,11 @@ type StoreRequest struct {
 	// BlockIDs are the GPU blocks holding Keys, one per key; each is checked
 	// against the layout and echoed in the results.
 	BlockIDs []int
+	// Heads is the range of the model's KV heads this store writes (a
+	// rank's share, LayoutSpec.Heads); zero, or every head, stores whole
+	// blocks. A block stored by ranges becomes visible once every head is
+	// committed (see BeginStore).
+	Heads HeadRange
 }
 
 // StoreResult is BeginStore's answer for one key.
@@ -49,6 +58,10 @@ type StoreResult struct {
 	Outcome StoreOutcome
 	BlockID int
 	Slot    Slot // valid when Outcome is StoreWrite
+	// Heads is the head range to copy when Outcome is StoreWrite: the
+	// request's (every head for a whole-block store). Copy
+	// Layout.SegmentsRange(BlockID, Heads) to Slot.Addr + Off.
+	Heads HeadRange
 }
 
 // LoadResult is BeginLoad's answer for one key.
@@ -68,14 +81,38 @@ type LoadResult struct {
 // parent no lookup could reach them. Keys already present are reported as
 // such wherever they are.
 //
+// Head ranges (req.Heads; the ranks of a tensor-parallel group storing
+// their shares of the same blocks into one slot each): the first range of
+// an absent key allocates the slot as a whole-block store would, and the
+// block is partial: indexed (its key is "present" to whole-block stores)
+// but invisible to Lookup and BeginLoad. A later range that shares no head
+// with the ranges committed or in flight is a write into the same slot
+// (StoreWrite, Stats.StoreJoined), not StorePresent; a range sharing a head
+// is StorePresent (replicated heads are stored once). The block becomes
+// ready when CompleteStore has committed every head [0, KVHeads). A block
+// still missing heads Config.PartialTimeout after its first range was
+// granted is reclaimed, never loaded. A whole-block store of a partial
+// block's key is StorePresent.
+//
 // Errors (the index and pool are untouched): ErrLengthMismatch, ErrDuplicate
-// (a key twice), ErrBlockID, ErrClosed.
+// (a key twice), ErrBlockID, ErrHeadRange, ErrClosed.
 func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
 	c.mu.Lock()
 	defer c.unlock()
 	if err := c.checkKeys(req.Keys, req.BlockIDs, false); err != nil {
 		return dst, err
 	}
+	heads, whole := req.Heads, true
+	if heads != (HeadRange{}) {
+		if err := heads.within(c.heads, "the model's"); err != nil {
+			return dst, fmt.Errorf("StoreRequest.Heads: %w", err)
+		}
+		whole = heads.Count == c.heads
+	}
+	if whole {
+		heads = HeadRange{First: 0, Count: c.heads}
+	}
+	c.expirePartials()
 	// need: the keys this call will allocate, i.e. the absent keys before
 	// the first admission refusal (a chain is stored as a prefix).
 	need := 0
@@ -107,11 +144,22 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 	var refused StoreOutcome
 	for j, k := range req.Keys {
 		c.st.StoreKeys++
-		r := StoreResult{BlockID: req.BlockIDs[j]}
+		r := StoreResult{BlockID: req.BlockIDs[j], Heads: heads}
 		if i := c.found[j]; i >= 0 && c.slots[i].key == k && c.slots[i].indexed() {
-			r.Outcome = StorePresent
-			c.st.StorePresent++
-			parent, parentGen = i, c.slots[i].gen
+			s := &c.slots[i]
+			if !whole && s.part != nil && s.state == stateWriting && !s.part.taken(heads) {
+				s.part.writes = append(s.part.writes, heads)
+				s.pending++
+				s.storing = true
+				c.st.StoreAllocated++
+				c.st.StoreJoined++
+				r.Outcome, r.Slot = StoreWrite, c.handle(i)
+				r.Slot.Heads = heads
+			} else {
+				r.Outcome = StorePresent
+				c.st.StorePresent++
+			}
+			parent, parentGen = i, s.gen
 			dst = append(dst, r)
 			continue
 		}
@@ -141,6 +189,11 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 		s.parent, s.parentGen = parent, parentGen
 		parent, parentGen = i, s.gen
 		r.Outcome, r.Slot = StoreWrite, c.handle(i)
+		if !whole {
+			c.setPart(s, &partial{writes: []HeadRange{heads}})
+			c.expiries = append(c.expiries, expiry{slot: i, gen: s.gen, deadline: c.clock() + int64(c.partialTimeout)})
+			r.Slot.Heads = heads
+		}
 		dst = append(dst, r)
 	}
 	c.check()
@@ -153,37 +206,84 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 // every event of the copies has retired (or the copies were never
 // submitted): the cache frees a failed block's slot at once.
 //
+// A head-range handle (Slot.Heads set) completes that range: on success its
+// heads are committed and the block becomes ready when they complete it;
+// on failure the range is open again for a retry, and the block is dropped
+// only when it has no committed head and no other write in flight.
+//
 // Errors (nothing changes): ErrStaleSlot for a handle that is not a store in
 // progress, ErrDuplicate for a handle given twice.
 func (c *Cache) CompleteStore(slots []Slot, err error) error {
+	_, e := c.completeStore(slots, err, nil, false)
+	return e
+}
+
+// CompleteStoreReady is CompleteStore that also appends to dst, in the
+// order given, the handles of slots whose block this call made visible
+// (every head committed, not evicted meanwhile), and returns it: the blocks
+// an owner may now copy out (a lower tier's write-through). A head-range
+// write that leaves its block partial is not among them. dst is unchanged
+// on error.
+func (c *Cache) CompleteStoreReady(slots []Slot, err error, dst []Slot) ([]Slot, error) {
+	return c.completeStore(slots, err, dst, true)
+}
+
+func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) ([]Slot, error) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return ErrClosed
+		return dst, ErrClosed
 	}
-	clear(c.dupSlot)
+	clear(c.dupStore)
 	for _, h := range slots {
 		s, e := c.lookupHandle(h)
 		if e != nil {
-			return e
+			return dst, e
 		}
 		if !s.storing {
-			return fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
+			return dst, fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
 		}
-		if _, dup := c.dupSlot[h.ID]; dup {
-			return fmt.Errorf("%w: slot %d given twice to CompleteStore", ErrDuplicate, h.ID)
+		if (h.Heads == HeadRange{}) != (s.part == nil) || (s.part != nil && s.part.writeIndex(h.Heads) < 0) {
+			return dst, fmt.Errorf("%w: slot %d gen %d: no store of heads %v in progress", ErrStaleSlot, h.ID, h.Gen, h.Heads)
 		}
-		c.dupSlot[h.ID] = 1
+		d := storeHandle{h.ID, h.Heads.First}
+		if _, dup := c.dupStore[d]; dup {
+			return dst, fmt.Errorf("%w: slot %d (heads %v) given twice to CompleteStore", ErrDuplicate, h.ID, h.Heads)
+		}
+		c.dupStore[d] = struct{}{}
 	}
 	for _, h := range slots {
 		i := int32(h.ID)
 		s := &c.slots[i]
-		s.storing = false
 		s.pending--
 		if err == nil {
 			c.st.Stored++
 		} else {
 			c.st.StoreFailed++
+		}
+		if p := s.part; p != nil {
+			p.writes = slices.Delete(p.writes, p.writeIndex(h.Heads), p.writeIndex(h.Heads)+1)
+			s.storing = len(p.writes) > 0
+			switch {
+			case s.state == stateReleasing:
+				c.release(i)
+				continue
+			case err != nil:
+				if len(p.done) > 0 || len(p.writes) > 0 {
+					continue // the range may be stored again
+				}
+				c.unindex(i)
+				c.setState(s, stateReleasing)
+				c.release(i)
+				continue
+			}
+			p.commit(h.Heads)
+			if !p.covers(c.heads) {
+				continue
+			}
+			c.setPart(s, nil)
+		} else {
+			s.storing = false
 		}
 		switch {
 		case s.state == stateReleasing: // evicted while writing
@@ -205,11 +305,14 @@ func (c *Cache) CompleteStore(slots []Slot, err error) error {
 			if c.onIndex != nil {
 				c.onIndex(IndexEvent{Ready: true, Key: s.key, Slot: c.handle(i), Namespace: s.ns})
 			}
+			if ready {
+				dst = append(dst, h)
+			}
 		}
 	}
 	c.maintain(0)
 	c.check()
-	return nil
+	return dst, nil
 }
 
 func (s *slotRec) indexed() bool {
@@ -362,9 +465,9 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 		}
 		n := c.dupSlot[h.ID] + 1
 		c.dupSlot[h.ID] = n
-		if s.readers < n || (load && s.pending-b2i(s.storing) < n) {
+		if s.readers < n || (load && s.pending-s.storeWrites() < n) {
 			return fmt.Errorf("%w: slot %d gen %d released %d times, it holds %d leases and %d loads",
-				ErrStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-b2i(s.storing))
+				ErrStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-s.storeWrites())
 		}
 	}
 	for _, h := range slots {
@@ -422,6 +525,7 @@ func (c *Cache) Maintain() {
 	c.mu.Lock()
 	defer c.unlock()
 	if !c.closed {
+		c.expirePartials()
 		c.maintain(0)
 		c.check()
 	}

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
@@ -22,6 +23,61 @@ type propModel struct {
 	// and offset; region ids are never reused here).
 	zeroing bool
 	dirty   map[[2]uint64]bool
+	// Head-range stores: the clock, and per slot occupancy (id, gen)
+	// stored by ranges, the heads committed and when its first range was
+	// granted.
+	clk       *fakeClock
+	committed map[[2]uint32]*[propHeads]bool
+	started   map[[2]uint32]time.Time
+}
+
+// propHeads is the KV heads of propGeo; propTimeout the partial timeout.
+const (
+	propHeads   = 4
+	propTimeout = time.Second
+)
+
+// propGeo has 4 KV heads and tiny's 256-byte slots.
+var propGeo = Geometry{Layers: 2, KVHeads: propHeads, HeadDim: 2, DTypeBytes: 2, TokensPerBlock: 4}
+
+func occ(s Slot) [2]uint32 { return [2]uint32{uint32(s.ID), s.Gen} }
+
+// requireComplete checks that a visible block stored by head ranges has
+// every head committed.
+func (m *propModel) requireComplete(t *rapid.T, s Slot) {
+	if c, ok := m.committed[occ(s)]; ok {
+		for h, done := range c {
+			require.True(t, done, "slot %d gen %d visible with head %d not committed", s.ID, s.Gen, h)
+		}
+	}
+}
+
+// checkRangeWrite checks a head-range StoreWrite: a fresh slot, or the
+// occupancy other ranges are writing, with heads disjoint from theirs and
+// from those committed.
+func (m *propModel) checkRangeWrite(t *rapid.T, r StoreResult) (fresh bool) {
+	fresh = true
+	for _, w := range m.writing {
+		if w.ID == r.Slot.ID {
+			fresh = false
+			require.Equal(t, w.Gen, r.Slot.Gen, "slot %d granted to a new occupancy with a write in flight", w.ID)
+			require.False(t, w.Heads.overlaps(r.Slot.Heads) || w.Heads == HeadRange{}, "heads %v granted while %v are written", r.Slot.Heads, w.Heads)
+		}
+	}
+	if c, ok := m.committed[occ(r.Slot)]; ok {
+		for h := r.Slot.Heads.First; h < r.Slot.Heads.End(); h++ {
+			require.False(t, c[h], "head %d granted again after it was committed", h)
+		}
+	}
+	if fresh {
+		if _, ok := m.committed[occ(r.Slot)]; !ok {
+			m.committed[occ(r.Slot)] = new([propHeads]bool)
+			m.started[occ(r.Slot)] = m.clk.t
+		} else {
+			fresh = false
+		}
+	}
+	return fresh
 }
 
 // onFree is the property test's Config.OnFree: it checks that it runs
@@ -107,7 +163,9 @@ func (m *propModel) addRegion(t *rapid.T) {
 }
 
 func TestPropertyStateMachine(t *testing.T) {
-	layout := tinyLayout(t, propKeys)
+	layout, err := NewLayout(DenseRankSpec(LayerSeparate, propGeo, TokenMajor, HeadRange{}, propKeys, 1<<30))
+	require.NoError(t, err)
+	require.Equal(t, tinyLayout(t, propKeys).SlotSize(), layout.SlotSize())
 	rapid.Check(t, func(t *rapid.T) {
 		var p Policy
 		switch rapid.IntRange(0, 2).Draw(t, "policy") {
@@ -124,9 +182,10 @@ func TestPropertyStateMachine(t *testing.T) {
 			require.NoError(t, err)
 			p = tl
 		}
-		m := &propModel{regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20, dirty: map[[2]uint64]bool{}}
+		m := &propModel{regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20, dirty: map[[2]uint64]bool{},
+			clk: &fakeClock{t: time.Unix(1000, 0)}, committed: map[[2]uint32]*[propHeads]bool{}, started: map[[2]uint32]time.Time{}}
 		cfg := Config{
-			Layout: layout, SlotAlign: 256, Policy: p,
+			Layout: layout, SlotAlign: 256, Policy: p, PartialTimeout: propTimeout, Clock: m.clk.now,
 			LowWatermark:   rapid.IntRange(0, 2).Draw(t, "watermark"),
 			StoreThreshold: rapid.IntRange(0, 2).Draw(t, "threshold"),
 		}
@@ -158,7 +217,13 @@ func TestPropertyStateMachine(t *testing.T) {
 					require.Equal(t, before, c.Stats())
 					return
 				}
-				res, err := c.BeginStore(StoreRequest{Namespace: Namespace(rapid.IntRange(0, 1).Draw(t, "ns")), Keys: ks, BlockIDs: ids}, nil)
+				req := StoreRequest{Namespace: Namespace(rapid.IntRange(0, 1).Draw(t, "ns")), Keys: ks, BlockIDs: ids}
+				if rapid.Bool().Draw(t, "ranged") {
+					// A rank of a TP group of 1, 2, 4 or 8 (8: replicated heads).
+					tp := 1 << rapid.IntRange(0, 3).Draw(t, "tp")
+					req.Heads = rankHeads(propHeads, tp, rapid.IntRange(0, tp-1).Draw(t, "rank"))
+				}
+				res, err := c.BeginStore(req, nil)
 				require.NoError(t, err)
 				require.Len(t, res, len(ks))
 				for _, r := range res {
@@ -166,6 +231,12 @@ func TestPropertyStateMachine(t *testing.T) {
 						m.requireNothingEvictable(t, ks)
 					}
 					if r.Outcome == StoreWrite {
+						ranged := req.Heads != (HeadRange{}) && req.Heads.Count < propHeads
+						require.Equal(t, ranged, r.Slot.Heads != (HeadRange{}), "handle heads %v for request heads %v", r.Slot.Heads, req.Heads)
+						if ranged && !m.checkRangeWrite(t, r) {
+							m.writing = append(m.writing, r.Slot)
+							continue // a range joining a partial block
+						}
 						require.False(t, m.outstanding(r.Slot.ID), "slot %d reused while a transfer is outstanding", r.Slot.ID)
 						require.True(t, m.regions[r.Slot.Region], "slot in region %d that is not in the pool", r.Slot.Region)
 						at := [2]uint64{uint64(r.Slot.Region), r.Slot.Off}
@@ -185,6 +256,11 @@ func TestPropertyStateMachine(t *testing.T) {
 					}
 					require.NoError(t, c.CompleteStore([]Slot{s}, err))
 					require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), ErrStaleSlot)
+					if cm, ok := m.committed[occ(s)]; ok && err == nil {
+						for h := s.Heads.First; h < s.Heads.End(); h++ {
+							cm[h] = true
+						}
+					}
 				}
 			},
 			"lookup": func(t *rapid.T) {
@@ -192,6 +268,9 @@ func TestPropertyStateMachine(t *testing.T) {
 				if rapid.Bool().Draw(t, "lease") {
 					n, l := c.LookupLease(ks, nil)
 					require.Len(t, l, n)
+					for _, s := range l {
+						m.requireComplete(t, s)
+					}
 					m.leases = append(m.leases, l...)
 				} else {
 					require.LessOrEqual(t, c.Lookup(ks), len(ks))
@@ -208,6 +287,7 @@ func TestPropertyStateMachine(t *testing.T) {
 				require.NoError(t, err)
 				for _, r := range res {
 					if r.Found {
+						m.requireComplete(t, r.Slot)
 						m.loads = append(m.loads, r.Slot)
 					}
 				}
@@ -229,6 +309,22 @@ func TestPropertyStateMachine(t *testing.T) {
 			},
 			"clear": func(t *rapid.T) {
 				c.Clear(Namespace(rapid.IntRange(0, 1).Draw(t, "ns")))
+			},
+			"tick": func(t *rapid.T) {
+				m.clk.advance(time.Duration(rapid.Int64Range(0, int64(propTimeout)*3/2).Draw(t, "tick")))
+			},
+			"expire": func(t *rapid.T) {
+				c.ExpirePartials()
+				// No block stored by ranges that is older than the timeout
+				// is still partial.
+				c.mu.Lock()
+				defer c.mu.Unlock()
+				for o, at := range m.started {
+					s := &c.slots[o[0]]
+					if s.gen == o[1] && s.part != nil && s.state == stateWriting {
+						require.Less(t, m.clk.t.Sub(at), propTimeout, "slot %d gen %d partial for %v", o[0], o[1], m.clk.t.Sub(at))
+					}
+				}
 			},
 			"addRegion": func(t *rapid.T) {
 				if len(m.regions) < 4 {

@@ -17,11 +17,15 @@ type Stats struct {
 	Leased         int // indexed, readers > 0
 	Releasing      int // removed from the index, waiting for readers or transfers
 	Zeroing        int // released, being zeroed by Config.OnFree (neither free nor readable)
-	StoresInFlight int // stores not yet completed (writing, or releasing while writing)
+	StoresInFlight int // store writes not yet completed (writing, or releasing while writing; one per head-range write)
+	// Partial: blocks stored by head ranges that still miss heads (never
+	// visible), releasing ones with copies in flight included.
+	Partial int
 
 	// Store outcomes, per key.
 	StoreKeys             uint64
-	StoreAllocated        uint64 // a slot was allocated (outcome StoreWrite)
+	StoreAllocated        uint64 // a write was granted (outcome StoreWrite): a slot allocated, or a head range of a partial block
+	StoreJoined           uint64 // of StoreAllocated: head ranges granted in a block another range had allocated
 	StorePresent          uint64
 	StoreRefusedFull      uint64
 	StoreRefusedAdmission uint64 // refused before the copy (StoreThreshold)
@@ -37,6 +41,9 @@ type Stats struct {
 	Rejected uint64 // by the policy's after-the-fact admission (TinyLFU)
 	Deleted  uint64 // by Delete or Clear
 	Trimmed  uint64 // by RemoveRegion
+	// PartialExpired: blocks stored by head ranges reclaimed because heads
+	// were still missing after Config.PartialTimeout.
+	PartialExpired uint64
 	// Orphaned counts blocks whose parent left the index while they were
 	// ready: no longest-prefix lookup reaches them any more.
 	Orphaned uint64
@@ -62,6 +69,7 @@ func (c *Cache) Stats() Stats {
 	st.Leased = c.counts[stateLeased]
 	st.Releasing = c.counts[stateReleasing]
 	st.Zeroing = c.counts[stateZeroing]
+	st.Partial = c.nPartial
 	st.StoresInFlight = int(st.StoreAllocated - st.Stored - st.StoreFailed)
 	return st
 }

@@ -18,6 +18,12 @@ type Geometry struct {
 	TokensPerBlock int    // tokens per block
 	LayoutKind     uint8  // the engine's layout kind (layer-separate, cross-layer, MLA)
 	DType          string // element type name ("bf16", "fp16", "fp8_e4m3"...)
+	// HostFormat is the payload's byte order inside the host layout
+	// (kvcache.HostFormat): 0 for a byte copy of the device's segments
+	// (layouts that declare no device order), 1 for head-major (the same
+	// bytes for every tensor-parallel size). It is hashed only when
+	// non-zero, so fingerprints written before it existed do not change.
+	HostFormat uint8
 }
 
 // Fingerprint returns the 64-bit fingerprint of g: the first 8 bytes
@@ -45,6 +51,10 @@ func Fingerprint(g Geometry) uint64 {
 	num(int64(g.TokensPerBlock))
 	num(int64(g.LayoutKind))
 	put([]byte(g.DType))
+	if g.HostFormat != 0 {
+		put([]byte("host-format"))
+		num(int64(g.HostFormat))
+	}
 	var sum [sha256.Size]byte
 	return binary.LittleEndian.Uint64(h.Sum(sum[:0]))
 }

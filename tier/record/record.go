@@ -21,9 +21,12 @@ const (
 const FormatVersion = 1
 
 // HostLayoutVersion is the version of the host layout the engine's payloads
-// are in (head-major: per layer K then V, each head's tokens × head dim
-// contiguous). It changes when that layout does, so that records written in
-// the old layout are misses.
+// are in: per layer K then V, each layer's K (or V) either a byte copy of
+// the device's segment (kvcache.HostDeviceOrder) or head-major, each head's
+// tokens × head dim contiguous (kvcache.HostHeadMajor); which of the two is
+// in the fingerprint (Geometry.HostFormat), so a reader of one never serves
+// a record of the other. It changes when that layout does, so that records
+// written in the old layout are misses.
 const HostLayoutVersion = 1
 
 // MaxPayloadBytes bounds Header.PayloadLen (4 GiB): the largest blocks of

@@ -432,6 +432,10 @@ type Capabilities struct {
 	// Kernel: the PTX module loaded; KernelError says why not otherwise.
 	Kernel      bool   `json:"kernel"`
 	KernelError string `json:"kernel_error,omitempty"`
+	// Kernel2D: the PTX image's copy kernels take 2-D descriptors (it has
+	// Desc2DKernel), so Submit2D sends strided segments as they are;
+	// otherwise one descriptor per row.
+	Kernel2D bool `json:"kernel_2d"`
 	// HostPointerIdentity: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 1, so
 	// the kernel uses registered host pointers as they are.
 	HostPointerIdentity bool `json:"host_pointer_identity"`
@@ -619,6 +623,9 @@ func (c *Copier) loadModule() error {
 		}
 	}
 	c.mod = mod
+	if _, err := c.drv.ModuleGetFunction(mod, Desc2DKernel); err == nil {
+		c.caps.Kernel2D = true
+	}
 	return nil
 }
 
@@ -913,7 +920,7 @@ func (c *Copier) enqueue(s cuda.Stream, b *descBuf, l *launchFn, ck *chunker, n 
 	case jobChecksum:
 		binary.LittleEndian.PutUint64(b.args[2], extra+uint64(done)*8)
 		args = b.args[:3]
-	case jobCopy:
+	case jobCopy, jobCopy2D:
 		if l.Throttled() {
 			binary.LittleEndian.PutUint64(b.args[2], ck.fenceIters)
 			binary.LittleEndian.PutUint64(b.args[3], paceNs(ck.paceGBps, min(int(grid)*warpsPerCTA, n)))

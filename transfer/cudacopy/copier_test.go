@@ -619,14 +619,15 @@ func TestSubmitDoesNotAllocate(t *testing.T) {
 }
 
 // The embedded PTX, when present, holds every kernel New can look up (the
-// copy kernels, the default D2H one among them, and kvo_fill, kvo_checksum).
+// copy kernels, the default D2H one among them, kvo_fill, kvo_checksum, and
+// the marker of 2-D descriptors).
 func TestEmbeddedPTX(t *testing.T) {
 	b, err := PTX()
 	if err != nil {
 		require.ErrorIs(t, err, ErrUnavailable)
 		return
 	}
-	names := []string{"kvo_fill", "kvo_checksum"}
+	names := []string{"kvo_fill", "kvo_checksum", Desc2DKernel}
 	for _, k := range copyKernels {
 		names = append(names, k.name)
 	}

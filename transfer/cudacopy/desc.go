@@ -6,7 +6,10 @@ import (
 )
 
 // desc is one entry of a descriptor table, laid out as struct Desc in
-// kernels.cu: 32 bytes, little-endian. One warp handles one desc.
+// kernels.cu: 32 bytes, little-endian. One warp handles one desc. For the
+// copy kernels Aux = 0 is a contiguous copy of Len bytes; Aux != 0 (only
+// to a PTX image with Desc2DKernel) a 2-D copy of rows of Len bytes, see
+// encodeDesc2D.
 type desc struct {
 	Src, Dst, Len, Aux uint64
 }
@@ -21,6 +24,7 @@ const (
 	jobCopy     jobKind = iota // kvo_copy: Src → Dst
 	jobFill                    // kvo_fill: Dst, Aux = seed of the chunk
 	jobChecksum                // kvo_checksum: Src, one table entry per span
+	jobCopy2D                  // kvo_copy and its kin: strided Src → Dst (Segment2D)
 )
 
 // chunker turns a batch into descriptors, splitting every item into pieces
@@ -34,7 +38,11 @@ type chunker struct {
 	copies []Segment
 	fills  []FillSegment
 	spans  []Span
-	chunk  uint64
+	// copies2d: the strided segments of jobCopy2D; desc2d says whether the
+	// kernel takes 2-D descriptors (else one descriptor per row).
+	copies2d []Segment2D
+	desc2d   bool
+	chunk    uint64
 	// host translates host addresses; nil means identity. For jobCopy only
 	// the sides named by hostSrc/hostDst are host memory; for fills and
 	// checksums every address found in the table is translated.
@@ -45,7 +53,8 @@ type chunker struct {
 	paceGBps   float64
 
 	i    int    // current item
-	off  uint64 // bytes of item i already emitted
+	off  uint64 // bytes of item i already emitted (jobCopy2D: of its current row)
+	row  uint64 // jobCopy2D: item i's next row
 	hint int    // index+1 of the host range that translated last (0: none)
 }
 
@@ -55,6 +64,8 @@ func (c *chunker) items() int {
 		return len(c.copies)
 	case jobFill:
 		return len(c.fills)
+	case jobCopy2D:
+		return len(c.copies2d)
 	}
 	return len(c.spans)
 }
@@ -78,6 +89,9 @@ func (c *chunker) done() bool { return c.i >= c.items() }
 
 // count returns the number of descriptors the whole batch needs.
 func (c *chunker) count() int {
+	if c.kind == jobCopy2D {
+		return c.count2D()
+	}
 	n := 0
 	for i := range c.items() {
 		_, _, l, _ := c.item(i)
@@ -99,8 +113,11 @@ func piecesOf(l, chunk uint64) int {
 // table cannot translate here is a programming error reported as
 // ErrUnregisteredHost.
 func (c *chunker) next(out []desc) (int, error) {
-	if c.kind == jobCopy {
+	switch c.kind {
+	case jobCopy:
 		return c.nextCopy(out)
+	case jobCopy2D:
+		return c.next2D(out)
 	}
 	w := 0
 	for w < len(out) && !c.done() {
@@ -192,6 +209,9 @@ func (c *chunker) translate(base, off, n uint64, hostSide bool) (uint64, error) 
 // translateAll checks that every host-side address of the batch translates,
 // so that next cannot fail after something was enqueued.
 func (c *chunker) translateAll() error {
+	if c.kind == jobCopy2D {
+		return c.translateAll2D()
+	}
 	if c.host == nil || c.kind != jobCopy {
 		return nil
 	}

@@ -21,6 +21,15 @@
 //     (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM), else through the device
 //     pointer of a range given to AddHostRange.
 //
+// Strided copies (Submit2D, strided.go) move Segment2D: rows at a pitch
+// on either side, such as one KV head of a token-major block (its tokens at
+// the stride of the rank's heads) to or from its contiguous run in a
+// head-major host slot. The copy kernels take them as 2-D descriptors
+// (Desc with aux != 0) when the PTX image has the marker kernel
+// kvo_desc2d (Capabilities.Kernel2D), one descriptor per chunk of rows;
+// otherwise, and for the memcpy and batch methods, each row is a copy of
+// its own (the driver binding has no cuMemcpy2DAsync).
+//
 // Staged copies (SubmitGather, SubmitScatter; gather.go) move whole blocks —
 // segments from many device tensors, back to back in a host slot — with one
 // DMA per block between the host and device staging and the kernel on the

@@ -15,11 +15,17 @@
 // matrix product the throughput benchmark runs beside the transfers.
 #include <stdint.h>
 
+// A copy descriptor with aux == 0 copies len contiguous bytes. With
+// aux != 0 it is a 2-D copy (see copy_rows): rows (aux bits 48-63) rows of
+// len bytes, row r from src + r * source pitch to dst + r * destination
+// pitch, the pitches in units of 16 bytes in aux bits 24-47 (source) and
+// 0-23 (destination). The Go side sends 2-D descriptors only to an image
+// that has kvo_desc2d (older images ignore aux in copies).
 struct Desc {
     uint64_t src;
     uint64_t dst;
     uint64_t len;
-    uint64_t aux; // fill: the segment's seed; otherwise unused
+    uint64_t aux; // fill: the segment's seed; copies: 0, or the 2-D shape
 };
 
 #define UNROLL 8
@@ -133,6 +139,47 @@ __device__ __forceinline__ void copy_segment(const char* src, char* dst, uint64_
     }
 }
 
+// copy_rows copies one 2-D descriptor with one warp: the 16-byte words of
+// its rows, numbered row by row, are spread over the lanes as copy_segment
+// spreads one segment's (UNROLL loads in flight per lane, 4 KiB per warp
+// per iteration, throttle after each iteration). The Go side bounds a
+// descriptor to a chunk of rows, so the word count fits 32 bits.
+template <bool Streaming, bool Throttled, bool Probe = false>
+__device__ __forceinline__ void copy_rows(const char* src, char* dst, uint64_t row, uint64_t aux, unsigned lane, Throttle* th) {
+    const uint32_t rows = (uint32_t)(aux >> 48);
+    const uint64_t sp = ((aux >> 24) & 0xFFFFFFull) << 4;
+    const uint64_t dp = (aux & 0xFFFFFFull) << 4;
+    if ((((uintptr_t)src | (uintptr_t)dst | row) & 15) == 0) {
+        const uint32_t w = (uint32_t)(row >> 4);
+        const uint32_t n = w * rows;
+        uint32_t i = lane;
+        for (; i + 32 * (UNROLL - 1) < n; i += 32 * UNROLL) {
+            uint4 r[UNROLL];
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                uint32_t j = i + 32 * k, q = j / w;
+                r[k] = load16<Streaming>((const uint4*)(src + q * sp) + (j - q * w));
+            }
+            uint4* first = 0;
+#pragma unroll
+            for (int k = 0; k < UNROLL; k++) {
+                uint32_t j = i + 32 * k, q = j / w;
+                uint4* p = (uint4*)(dst + q * dp) + (j - q * w);
+                if (k == 0) first = p;
+                store16<Streaming>(p, r[k]);
+            }
+            if (Throttled) throttle<Probe>(th, first);
+        }
+        for (; i < n; i += 32) {
+            uint32_t q = i / w;
+            store16<Streaming>((uint4*)(dst + q * dp) + (i - q * w), load16<Streaming>((const uint4*)(src + q * sp) + (i - q * w)));
+        }
+    } else {
+        for (uint32_t q = 0; q < rows; q++)
+            for (uint64_t b = lane; b < row; b += 32) dst[q * dp + b] = src[q * sp + b];
+    }
+}
+
 template <bool Streaming, bool Throttled, bool Probe = false>
 __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     unsigned lane = threadIdx.x & 31;
@@ -142,7 +189,11 @@ __device__ __forceinline__ void copy_all(const Desc* descs, uint32_t n, uint64_t
     if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
     for (uint32_t w = warp; w < n; w += nwarps) {
         Desc d = descs[w];
-        copy_segment<Streaming, Throttled, Probe>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
+        if (d.aux == 0) {
+            copy_segment<Streaming, Throttled, Probe>((const char*)d.src, (char*)d.dst, d.len, lane, &th);
+        } else {
+            copy_rows<Streaming, Throttled, Probe>((const char*)d.src, (char*)d.dst, d.len, d.aux, lane, &th);
+        }
     }
 }
 
@@ -183,6 +234,10 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_sys(const Desc* desc
 extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* descs, uint32_t n, uint64_t fence_iters, uint64_t pace_ns) {
     copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
 }
+
+// kvo_desc2d does nothing: its presence in an image tells the Go side that
+// the copy kernels take 2-D descriptors (Desc with aux != 0).
+extern "C" __global__ void kvo_desc2d() {}
 
 // kvo_fill writes mix64(aux + i) into 8-byte word i of each descriptor's dst
 // (len a multiple of 8), after spinning for spin_cycles clock cycles. The

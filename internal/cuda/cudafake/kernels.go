@@ -18,6 +18,11 @@ const (
 	// KernelCopyProbe is kvo_copy_sys throttled by read-backs instead of
 	// fences (the same to the fake).
 	KernelCopyProbe = "kvo_copy_probe"
+	// KernelDesc2D is the marker kernel of an image whose copy kernels take
+	// 2-D descriptors (aux != 0: rows in bits 48-63, the source pitch / 16
+	// in bits 24-47, the destination pitch / 16 in bits 0-23, len the row's
+	// bytes); the fake's copy kernels interpret them. It does nothing.
+	KernelDesc2D = "kvo_desc2d"
 )
 
 // descSize is the size of one descriptor {src, dst, len, aux uint64}.
@@ -30,6 +35,7 @@ var kernelParams = map[string][]int{
 	KernelChecksum:  {8, 4, 8},    // descs, n, out
 	KernelCopySys:   {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
 	KernelCopyProbe: {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
+	KernelDesc2D:    {},
 }
 
 // maxSpin bounds the sleep that stands in for kvo_fill's spin.
@@ -79,7 +85,7 @@ func (d *Driver) ModuleUnload(m cuda.Module) error {
 }
 
 // ModuleGetFunction implements cuda.Driver for the kernels the fake knows
-// (KernelCopy, KernelCopySys, KernelCopyProbe, KernelFill, KernelChecksum); other names are
+// (KernelCopy, KernelCopySys, KernelCopyProbe, KernelFill, KernelChecksum, KernelDesc2D); other names are
 // CUDA_ERROR_NOT_FOUND.
 func (d *Driver) ModuleGetFunction(m cuda.Module, name string) (cuda.Function, error) {
 	d.mu.Lock()
@@ -152,6 +158,9 @@ type desc struct{ src, dst, len, aux uint64 }
 
 // runKernel executes a launched kernel on the fake's memory.
 func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
+	if name == KernelDesc2D {
+		return cuda.Success
+	}
 	table := binary.LittleEndian.Uint64(args[0])
 	n := uint64(binary.LittleEndian.Uint32(args[1]))
 	if name == KernelFill {
@@ -178,6 +187,12 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 	for i, ds := range descs {
 		switch name {
 		case KernelCopy, KernelCopySys, KernelCopyProbe:
+			if ds.aux != 0 {
+				if !d.copy2D(ds) {
+					return cuda.ErrorIllegalAddress
+				}
+				continue
+			}
 			dst, ok1 := d.mem.slice(ds.dst, ds.len)
 			src, ok2 := d.mem.slice(ds.src, ds.len)
 			if !ok1 || !ok2 {
@@ -216,4 +231,20 @@ func Checksum(b []byte) uint64 {
 		sum += Mix64(binary.LittleEndian.Uint64(b[i*8:]) ^ (i * 0x9E3779B97F4A7C15))
 	}
 	return sum
+}
+
+// copy2D runs one 2-D copy descriptor (see KernelDesc2D); false on a bad
+// address.
+func (d *Driver) copy2D(ds desc) bool {
+	rows := ds.aux >> 48
+	sp, dp := (ds.aux>>24&0xFFFFFF)*16, (ds.aux&0xFFFFFF)*16
+	for r := range rows {
+		dst, ok1 := d.mem.slice(ds.dst+r*dp, ds.len)
+		src, ok2 := d.mem.slice(ds.src+r*sp, ds.len)
+		if !ok1 || !ok2 {
+			return false
+		}
+		copy(dst, src)
+	}
+	return true
 }
