@@ -256,7 +256,9 @@ class Hooks(unittest.TestCase):
         F.run(self.bp, self.gpu, new_state, 1)
         self.assertEqual(self.gpu.computed - before, 1, "only the last token is computed again")
         self.assertEqual(self.gpu.bad, [])
-        self.assertEqual(self.tier.stats()["kvo_prefix_blocks"], 3)
+        s = self.tier.stats()
+        self.assertEqual(s["kvo_prefix_blocks"], 3)
+        self.assertEqual((s["resumed"], s.get("resumed_partly", 0)), (1, 0))
 
     def test_preempted_partial_block_is_restored(self):
         prompt = list(range(4500, 4500 + 2 * BS + 1))  # 9 tokens
@@ -299,6 +301,24 @@ class Hooks(unittest.TestCase):
         self.assertEqual(s["keys_stored_twice"], 0)
         self.assertGreater(s.get("store_already-present", 0), 0)
         self.assertEqual(s["store_stored"], s["keys_stored"])
+
+    def test_preempted_blocks_lost_from_the_pool_are_recomputed(self):
+        prompt = list(range(4700, 4700 + 2 * BS + 1))
+        st = F.RequestState("v", prompt, max_new_tokens=8)
+        F.run(self.bp, self.gpu, st, 2)
+        new_state = self.bp.offloading_manager.offload(st)
+        b, _ = self.req("b", list(range(8000, 8000 + 11 * BS)), new=1)
+        F.finish(self.bp, b)
+        keys = kvoffload.chain_keys(new_state.initial_tokens, BS, namespace=self.tier.key_namespace)
+        self.tier.stats()  # the stores are done
+        self.assertEqual(self.tier.engine.delete(keys[1:2]), 1)  # the pool lost v's second block
+        before = self.gpu.computed
+        F.run(self.bp, self.gpu, new_state, 1)
+        s = self.tier.stats()
+        self.assertEqual((s.get("resumed", 0), s["resumed_partly"]), (0, 1))
+        self.assertEqual(s["resume_recomputed_tokens"], len(new_state.initial_tokens) - 1 - BS)
+        self.assertEqual(self.gpu.computed - before, len(new_state.initial_tokens) - BS)
+        self.assertEqual(self.gpu.bad, [])
 
     def test_no_room_leaves_the_gpu_prefix(self):
         prefix = list(range(1200, 1200 + 4 * BS))

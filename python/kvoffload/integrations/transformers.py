@@ -640,6 +640,13 @@ class TransformersOffload:
         if tail is not None and g + got == tail.nfull and tail.ntok:
             extra += self._load_tail(request_id, table, tail, prompt_ids, keys[tail.nfull - 1] if tail.nfull else None)
             cm.block_table[request_id] = table
+        if tail is not None:  # a preempted request back: did all its KV come back?
+            lost = len(prompt_ids) - 1 - matched - extra
+            if lost <= 0:
+                self.counters["resumed"] += 1
+            else:
+                self.counters["resumed_partly"] += 1
+                self.counters["resume_recomputed_tokens"] += lost
         return extra
 
     def _lease(self, keys, n):
@@ -705,7 +712,6 @@ class TransformersOffload:
         table.extend(ids)  # an incomplete block: transformers hashes it once it is full
         self._fix_alloc.add(request_id)
         self.counters["tail_blocks"] += 1
-        self.counters["resumed"] += 1
         return usable
 
     def _issue_load(self, keys, ids, lease):
@@ -766,11 +772,12 @@ class TransformersOffload:
                     continue
                 keys = chain_keys(seq[:nfull * bs], bs, namespace=self.key_namespace)
                 ids = list(table[:nfull])
+                tkey = None
                 if ntok:
                     tkey = block_key(seq[nfull * bs:nfull * bs + ntok], self.key_namespace, keys[-1] if keys else None)
                     keys.append(tkey)
                     ids.append(table[nfull])
-                    self._tails[rid] = _Tail(nfull, ntok, tkey)
+                self._tails[rid] = _Tail(nfull, ntok, tkey)
                 self._store(keys, ids, parent=None, why="swap")
                 self.counters["swapped_requests"] += 1
             # No victim is "CPU-offloaded" for transformers: it requeues each
@@ -787,7 +794,9 @@ class TransformersOffload:
         kvo_prefix_blocks / kvo_prefix_requests (loaded from kvoffload by
         the prefix lookup), evicted_blocks / evict_store_blocks /
         evict_unknown, swapped_requests / swap_store_blocks, tail_blocks,
-        resumed (preempted requests whose every block came back),
+        resumed (preempted requests whose every block came back: only their
+        last token is computed again), resumed_partly and
+        resume_recomputed_tokens (the others, and the tokens they recompute),
         store_<outcome> / load_<outcome> per block, keys_stored_twice (keys
         copied into the pool more than once), and the engine's stats under
         "engine"."""
