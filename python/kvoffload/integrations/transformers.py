@@ -322,9 +322,12 @@ class TransformersOffload:
     fields (policy, staging_bytes, ...); model_id: names the weights in the
     namespace (default: default_model_id); per_layer: True, False or
     "auto" (per-layer load events when the forward runs eagerly, without
-    CUDA graphs or compile); observer: an object with stored(keys, ids,
-    stream) and loaded(keys, ids, op, stream), called when a store or
-    load is issued (the benchmark checksums blocks there);
+    CUDA graphs or compile, through paged|sdpa or paged|eager); observer:
+    an object with stored(keys, ids, op, stream) and loaded(keys, ids, op,
+    stream), called when a store or load is issued (on the thread that
+    issues it, with the compute stream), and optionally finished(kind, op,
+    keys, outcomes) once the op is done, before it is released (the
+    benchmark checksums blocks there);
     engine_factory(cache, namespace) -> Engine replaces the default
     (Engine.from_tensors over the cache's tensors; tests give a host
     engine)."""
@@ -529,6 +532,9 @@ class TransformersOffload:
                     self.counters[f"{kind}_{o}"] += 1
                     if o == "stored":
                         self.stored_keys[key] += 1
+                done = getattr(self.observer, "finished", None)
+                if done is not None:
+                    done(kind, op, keys, outs)
                 op.release()
 
     def _store(self, keys, ids, parents=None, parent=None, why="evict"):
@@ -537,7 +543,7 @@ class TransformersOffload:
         self._flush_loads()
         op = self.engine.store(keys, ids, after=self._stream, parents=parents, parent=parent)
         if self.observer is not None:
-            self.observer.stored(keys, ids, self._stream)
+            self.observer.stored(list(keys), list(ids), op, self._stream)
         self._after_store(op)
         self._stores.append((op, list(keys)))
         self.counters[f"{why}_store_blocks"] += len(keys)
