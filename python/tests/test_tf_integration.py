@@ -331,8 +331,41 @@ class Hooks(unittest.TestCase):
         held = bm.get_free_blocks(bm.num_free_blocks, None, True, 0)
         st = F.RequestState("c", prefix + [3], max_new_tokens=1)
         self.assertEqual(self.bp.scheduler._infer_request_tokens(st, set()), prefix + [3])
-        self.assertEqual(self.tier.stats()["lookup_no_room"], 1)
+        self.assertEqual(self.tier.stats()["lookup_deferred"], 1)  # it keeps waiting, holding nothing
+        self.assertEqual(st.status, F.RequestStatus.PENDING)
+        self.assertNotIn("c", self.cache.group_cache_managers[0].block_table)
         self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)  # the lease was given back
+        bm.free_blocks(held, True)
+        computed = F.run(self.bp, self.gpu, st, 1)  # scheduled again: now it loads
+        self.assertEqual(computed, 1)
+        self.assertEqual(self.tier.stats()["kvo_prefix_blocks"], 4)
+        self.assertEqual(self.gpu.bad, [])
+
+    def test_partial_room_loads_what_fits(self):
+        prefix = list(range(1300, 1300 + 6 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        F.finish(self.bp, a)
+        bm = self.cache._block_manager
+        # Evict the tail of a's prefix (last freed first), keep its head on the GPU.
+        filler = list(range(7000, 7000 + (len(bm._uninit_block_ids) + 3) * BS - 2))
+        f, _ = self.req("f", filler, new=1)
+        F.finish(self.bp, f)
+        head, h = 0, None
+        for b in range(6):
+            h = bm.compute_hash(h, prefix[b * BS:(b + 1) * BS], 0)
+            if h not in bm._hash_to_id:
+                break
+            head += 1
+        self.assertTrue(0 < head < 5, head)
+        # Hold every free block but a's cached head and one more (f's cached blocks go first: last freed).
+        held = bm.get_free_blocks(bm.num_free_blocks - head - 1, None, True, 0)
+        st = F.RequestState("c", prefix + [3], max_new_tokens=1)
+        self.bp.scheduler._infer_request_tokens(st, set())
+        s = self.tier.stats()
+        self.assertEqual(s["gpu_prefix_blocks"], head)
+        self.assertEqual(s["kvo_prefix_blocks"], 1)  # what fits is loaded; the rest is computed
+        self.assertEqual(st.position_offset, (head + 1) * BS)
+        self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)
         bm.free_blocks(held, True)
 
 

@@ -355,6 +355,7 @@ class TransformersOffload:
         self._tails = {}  # request id -> _Tail (preempted, not yet resumed)
         self._fix_alloc = set()  # request ids whose allocated_blocks must be set from the block table
         self._stores = deque()  # store ops not yet reaped
+        self._inflight = {}  # key -> store op not yet reaped (lookup sees a block once its store is done)
         self._loads = deque()  # load ops not yet reaped
         self._pending_layers = []  # per-layer load ops whose layers the forward has not all waited on
         self._lock = threading.RLock()
@@ -532,6 +533,10 @@ class TransformersOffload:
                     self.counters[f"{kind}_{o}"] += 1
                     if o == "stored":
                         self.stored_keys[key] += 1
+                if kind == "store":
+                    for key in keys:
+                        if self._inflight.get(key) is op:
+                            del self._inflight[key]
                 done = getattr(self.observer, "finished", None)
                 if done is not None:
                     done(kind, op, keys, outs)
@@ -546,6 +551,8 @@ class TransformersOffload:
             self.observer.stored(list(keys), list(ids), op, self._stream)
         self._after_store(op)
         self._stores.append((op, list(keys)))
+        for k in keys:
+            self._inflight[k] = op
         self.counters[f"{why}_store_blocks"] += len(keys)
         return op
 
@@ -639,7 +646,8 @@ class TransformersOffload:
             hashes.append(h)
         got = 0
         if hashes:
-            got = self._load_full(request_id, table, keys[g:g + len(hashes)], hashes, keys[g - 1] if g else None)
+            got = self._load_full(request_id, table, keys[g:g + len(hashes)], hashes, keys[g - 1] if g else None,
+                                  len(prompt_ids))
         extra = got * bs
         if got:
             cm.block_table[request_id] = table
@@ -656,15 +664,36 @@ class TransformersOffload:
         return extra
 
     def _lease(self, keys, n):
-        """(hits, lease) over keys[:n] (n > 0)."""
-        return self.engine.lookup(keys[:n], lease=True)
+        """(hits, lease) over keys[:n] (n > 0). A key whose store is still in
+        flight (evicted moments ago, in this scheduling pass) is not in the
+        pool yet: the lookup waits for that store (one device-to-host copy
+        of a few blocks) rather than recompute the block."""
+        hits, lease = self.engine.lookup(keys[:n], lease=True)
+        if hits < n and keys[hits] in self._inflight:
+            if lease is not None:
+                lease.release()
+            self._inflight[keys[hits]].wait()
+            self.counters["lookup_waited_store"] += 1
+            self._reap()
+            hits, lease = self.engine.lookup(keys[:n], lease=True)
+        return hits, lease
 
-    def _load_full(self, request_id, table, keys, hashes, parent_key):
+    def _load_full(self, request_id, table, keys, hashes, parent_key, prompt_len):
         bm = self._cache._block_manager
+        bs = self._cache.block_size
         hits, lease = self._lease(keys, len(keys))
         if not hits:
             return 0
         room = bm.num_free_blocks
+        if not table:
+            # Nothing on the GPU: the request is still waiting. Load only if the
+            # rest of it fits too (the blocks transformers' scheduler would
+            # allocate for it), else it keeps waiting and looks again later.
+            rest = prompt_len - hits * bs
+            if hits + (rest + 1) // bs + 1 > room:
+                lease.release()
+                self.counters["lookup_deferred"] += 1
+                return 0
         if hits > room:
             lease.release()
             if room == 0:
@@ -767,6 +796,7 @@ class TransformersOffload:
             cache = self._cache
             bs = cache.block_size
             cm = cache.group_cache_managers[0]
+            all_keys, all_ids, all_parents, seen = [], [], [], set()
             for state in victims:
                 rid = state.request_id
                 seq = list(state.initial_tokens) + list(state.generated_tokens)
@@ -784,8 +814,14 @@ class TransformersOffload:
                     keys.append(tkey)
                     ids.append(table[nfull])
                 self._tails[rid] = _Tail(nfull, ntok, tkey)
-                self._store(keys, ids, parent=None, why="swap")
+                for i, (k, b) in enumerate(zip(keys, ids)):
+                    if k not in seen:  # a prefix shared by two victims: once
+                        seen.add(k)
+                        all_keys.append(k)
+                        all_ids.append(b)
+                        all_parents.append(keys[i - 1] if i else None)
                 self.counters["swapped_requests"] += 1
+            self._store(all_keys, all_ids, parents=all_parents, why="swap")
             # No victim is "CPU-offloaded" for transformers: it requeues each
             # as prompt + generated tokens (its soft reset), and the prefix
             # lookup brings the blocks back from the GPU or kvoffload.
