@@ -320,6 +320,38 @@ class Hooks(unittest.TestCase):
         self.assertEqual(self.gpu.computed - before, len(new_state.initial_tokens) - BS)
         self.assertEqual(self.gpu.bad, [])
 
+    def test_per_layer_loads(self):
+        self.tier.close()
+        self.tier = kvt.attach(self.model, engine_factory=F.host_engine_factory(64), check=False, per_layer=True)
+        self.addCleanup(self.tier.close)
+        self.tier._current_stream = lambda: None  # the host backend has no streams: layer events are 0
+        self.manager = self.model.init_continuous_batching()
+        self.bp = self.manager._create_batch_processor()
+        self.cache = self.bp.cache
+        self.gpu = F.FakeGPU(self.tier.engine, self.cache)
+        self.assertIn("update", vars(self.cache))
+        prefix = list(range(1400, 1400 + 4 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        F.finish(self.bp, a)
+        b, _ = self.req("b", list(range(5000, 5000 + 11 * BS)), new=1)
+        F.finish(self.bp, b)
+        for reap_first in (False, True):
+            st = F.RequestState(f"c{reap_first}", prefix + [3, int(reap_first)], max_new_tokens=1)
+            self.bp.scheduler._infer_request_tokens(st, set())
+            self.assertEqual(len(self.tier._pending_layers), 1)
+            if reap_first:  # the load is done and released before the forward: the stream waits on all of it
+                self.tier._reap(wait=True)
+                self.assertEqual(self.tier._pending_layers, [])
+            for layer in range(2):  # the forward: every layer waits on its copies
+                self.cache.update(None, None, layer, None, None)
+            self.assertEqual(self.tier._pending_layers, [])
+            self.assertTrue(self.gpu.check(st.request_id, self.cache.group_cache_managers[0].block_table[st.request_id],
+                                           prefix, len(prefix)))
+            F.finish(self.bp, st)
+            if not reap_first:
+                f, _ = self.req("f", list(range(5000, 5000 + 11 * BS)), new=1)  # evict the prefix again
+                F.finish(self.bp, f)
+
     def test_no_room_leaves_the_gpu_prefix(self):
         prefix = list(range(1200, 1200 + 4 * BS))
         a, _ = self.req("a", prefix + [1], new=1)

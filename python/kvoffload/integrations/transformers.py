@@ -514,6 +514,17 @@ class TransformersOffload:
             else:
                 op.wait()
 
+    def _unpend(self, op):
+        """A per-layer load about to be released: the compute stream waits on
+        the whole of it (it is done, or about to be) instead of on its
+        layers."""
+        for i, (o, _) in enumerate(self._pending_layers):
+            if o is op:
+                del self._pending_layers[i]
+                if self._stream is not None:
+                    op.wait_stream(self._stream)
+                return
+
     def _reap(self, wait=False):
         """Collects the outcomes of the ops that are done (all of them with
         wait=True) and releases them."""
@@ -523,6 +534,8 @@ class TransformersOffload:
                 if not wait and not op.done():
                     ops.append((op, keys))
                     continue
+                if kind == "load":
+                    self._unpend(op)
                 try:
                     outs = op.wait()
                 except KvoError as e:  # a failed copy: its outcomes say which
@@ -766,8 +779,7 @@ class TransformersOffload:
         stream) waits on layer layer_idx's copies before reading the cache."""
         pending = self._pending_layers
         if pending:
-            import torch
-            stream = torch.cuda.current_stream()
+            stream = self._current_stream()
             _, j = self._cache.layer_index_to_group_indices[layer_idx]
             nlayers = len(self._cache.key_cache)
             for op, seen in list(pending):
@@ -777,6 +789,11 @@ class TransformersOffload:
                 if len(seen) == nlayers:
                     pending.remove((op, seen))
         return orig(key_states, value_states, layer_idx, read_index, write_index)
+
+    @staticmethod
+    def _current_stream():
+        import torch
+        return torch.cuda.current_stream()
 
     def _infer_request_tokens(self, orig, state, request_ids_to_remove_from_waiting):
         tokens = orig(state, request_ids_to_remove_from_waiting)
