@@ -324,7 +324,7 @@ class Hooks(unittest.TestCase):
         self.tier.close()
         self.tier = kvt.attach(self.model, engine_factory=F.host_engine_factory(64), check=False, per_layer=True)
         self.addCleanup(self.tier.close)
-        self.tier._current_stream = lambda: None  # the host backend has no streams: layer events are 0
+        self.tier._current_stream = lambda: None  # the host backend has no streams: the CPU waits
         self.manager = self.model.init_continuous_batching()
         self.bp = self.manager._create_batch_processor()
         self.cache = self.bp.cache

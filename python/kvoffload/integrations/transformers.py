@@ -784,7 +784,10 @@ class TransformersOffload:
             nlayers = len(self._cache.key_cache)
             for op, seen in list(pending):
                 if j not in seen:
-                    op.wait_layer(j, stream)
+                    if stream is None:  # no streams (host backend): the CPU waits
+                        op.wait()
+                    else:
+                        op.wait_layer(j, stream)
                     seen.add(j)
                 if len(seen) == nlayers:
                     pending.remove((op, seen))
