@@ -32,8 +32,10 @@ the GPU at store time (before it can be overwritten) and after its load;
 they must be equal.
 
 Workload "preempt" (small geometry): 24 requests over 2 interleaved
-1024-token prefixes plus 256 tokens each, 512 new tokens each, a 40-block
-cache: decoding runs out of blocks and transformers preempts requests.
+512-token prefixes plus 256 tokens each, 768 new tokens each, a 32-block
+cache: decoding runs out of blocks and transformers preempts requests (the
+CPU harness, transformers' own scheduler: 9 preempted and recomputed
+alone; with kvoffload 8, all resumed with their KV).
 Measured: preempted requests, those transformers soft-resets (recomputes)
 or restores from its CPU pool, those kvoffload resumes with all their KV,
 blocks copied into the pool twice, and whether the preempted requests
@@ -72,7 +74,7 @@ GEOMETRIES = {
 WORKLOADS = {
     "prefix": dict(requests=64, prefixes=4, prefix_len=4096, suffix_len=256, new_tokens=32, num_blocks=40,
                    max_batch_tokens=8192),
-    "preempt": dict(requests=24, prefixes=2, prefix_len=1024, suffix_len=256, new_tokens=512, num_blocks=40,
+    "preempt": dict(requests=24, prefixes=2, prefix_len=512, suffix_len=256, new_tokens=768, num_blocks=32,
                     max_batch_tokens=4096),
 }
 
