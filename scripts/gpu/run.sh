@@ -161,7 +161,7 @@ suite_tfcb() {
 		return 1
 	fi
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
-		step_in python timeout 120 python3 -m unittest -v tests.test_tf_integration tests.test_transformers_cb_bench
+		step_in python timeout 180 python3 -m unittest -v tests.test_tf_integration tests.test_tf_real tests.test_transformers_cb_bench
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 420 python3 bench/transformers_cb.py --out "$D"
 }
