@@ -147,7 +147,7 @@ TABLE_HEADER = ("| workload | model | mode | wall s | mean TTFT ms | gen tok/s |
 def format_row(r):
     div = r.get("divergences") or []
     first = f"{div[0][0]} at token {div[0][1]}" if div else "-"
-    kvo = f"{r.get('kvo_loaded', 0)} / {r.get('kvo_stored', 0)}" if r["mode"] == "kvo" else "-"
+    kvo = f"{r.get('kvo_loaded', 0)} / {r.get('kvo_stored', 0)}" if r["mode"].startswith("kvo") else "-"
     eq = f"{r['equal']}/{r['compared']}" if r.get("compared") else "-"
     return (f"| {r['workload']} | {r['model']} | {r['mode']} | {r['wall_s']:.2f} | {r['ttft_ms']:.0f} "
             f"| {r['tok_s']:.0f} | {r['prefill_tokens']} | {pct(r['prefill_tokens'], r['ideal']):+.1f}% "
@@ -163,7 +163,7 @@ def targets(rows):
     out = []
     by = {(r["workload"], r["model"], r["mode"]): r for r in rows}
     for (wl, model, mode), r in sorted(by.items()):
-        if mode != "kvo":
+        if not mode.startswith("kvo"):
             continue
         if wl == "prefix":
             share = by.get((wl, model, "share"))
@@ -395,7 +395,7 @@ def instrument(manager, rec):
     manager._create_batch_processor = create
 
 
-def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens):
+def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, per_layer="auto"):
     import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -411,7 +411,7 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens):
     tier = checks = None
     if mode == "kvo":
         checks = Checksums()
-        tier = kvt.attach(model, pool_bytes=int(args.pool_gib * 2**30), observer=checks,
+        tier = kvt.attach(model, pool_bytes=int(args.pool_gib * 2**30), observer=checks, per_layer=per_layer,
                           model_id=f"random-llama-{model_name}-seed{args.seed}")
     row = dict(workload=wl_name, model=model_name, mode=mode, ideal=ideal_prefill(**wl), num_blocks=num_blocks)
     manager = None
@@ -492,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--layers-8b", type=int, default=8, help="layers of the 8b geometry (default 8; 32 is full)")
     ap.add_argument("--preempt-models", nargs="+", default=["small"], help="models the preempt workload runs on")
     ap.add_argument("--pool-gib", type=float, default=8.0, help="kvoffload pool and transformers' cpu_offload_space")
+    ap.add_argument("--per-layer", default="auto", type=lambda v: {"on": True, "off": False}.get(v, v),
+                    choices=["auto", True, False], help="the tier's per-layer loads: auto (default), on, off")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--run-timeout", type=float, default=120.0, help="seconds one run may take")
     ap.add_argument("--budget", type=float, default=290.0, help="skip the runs left once this many seconds passed")
@@ -537,12 +539,23 @@ def main(argv=None):
                 notes.append(f"{wl_name}/{model_name}/{mode}: skipped, the {args.budget:.0f} s budget was spent")
                 continue
             try:
-                row, tokens = run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens)
+                row, tokens = run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens,
+                                       per_layer=args.per_layer)
             except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
                 errors += 1
                 traceback.print_exc()
                 notes.append(f"{wl_name}/{model_name}/{mode}: FAILED: {type(e).__name__}: {e}")
-                continue
+                if mode != "kvo" or args.per_layer is False:
+                    continue
+                try:  # once more without per-layer loads, so that the rest is still measured
+                    row, tokens = run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens,
+                                           per_layer=False)
+                    row["mode"] = "kvo (whole loads)"
+                    notes.append(f"{wl_name}/{model_name}/kvo: run again with per_layer=False")
+                except Exception as e2:  # noqa: BLE001
+                    traceback.print_exc()
+                    notes.append(f"{wl_name}/{model_name}/kvo, per_layer=False: FAILED: {type(e2).__name__}: {e2}")
+                    continue
             if mode == "ref":
                 ref_tokens = tokens
                 if row["gpu_evictions"]:
