@@ -352,6 +352,52 @@ class Hooks(unittest.TestCase):
                 f, _ = self.req("f", list(range(5000, 5000 + 11 * BS)), new=1)  # evict the prefix again
                 F.finish(self.bp, f)
 
+    def test_refused_load_leaves_no_block_behind(self):
+        prefix = list(range(1500, 1500 + 4 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        F.finish(self.bp, a)
+        b, _ = self.req("b", list(range(5000, 5000 + 11 * BS)), new=1)
+        F.finish(self.bp, b)
+        bm = self.cache._block_manager
+        free, hashes = bm.num_free_blocks, dict(bm._hash_to_id)
+        real_load = self.tier.engine.load
+
+        def busy(*a, **kw):
+            raise kvoffload.BusyError("kvoffload: the queue for in-flight room is full")
+
+        self.tier.engine.load = busy
+        with self.assertLogs("kvoffload.transformers", "WARNING"):
+            st = F.RequestState("c", prefix + [3], max_new_tokens=1)
+            toks = self.bp.scheduler._infer_request_tokens(st, set())
+        self.tier.engine.load = real_load
+        self.assertEqual(toks, prefix + [3])  # everything is computed
+        self.assertEqual(self.tier.stats()["load_refused"], 1)
+        self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)
+        self.assertEqual(bm.num_free_blocks, free)  # the blocks went back (some cached ones were evicted for them)
+        self.assertTrue(set(bm._hash_to_id.items()) <= set(hashes.items()))
+        computed = F.run(self.bp, self.gpu, st, 1)
+        self.assertEqual(self.gpu.bad, [])
+        self.assertLessEqual(computed, len(prefix) + 2)
+
+    def test_refused_store_is_not_fatal(self):
+        prefix = list(range(1600, 1600 + 4 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        F.finish(self.bp, a)
+        real_store = self.tier.engine.store
+
+        def full(*a, **kw):
+            raise kvoffload.OutOfMemoryError("kvoffload: no room")
+
+        self.tier.engine.store = full
+        with self.assertLogs("kvoffload.transformers", "WARNING"):
+            b, _ = self.req("b", list(range(5000, 5000 + 11 * BS)), new=1)  # evicts a's blocks: the store fails
+        self.tier.engine.store = real_store
+        self.assertGreater(self.tier.stats()["store_refused"], 0)
+        F.finish(self.bp, b)
+        c, computed = self.req("c", prefix + [2], new=1)
+        self.assertEqual(computed, len(prefix) + 1)  # nothing in kvoffload: computed
+        self.assertEqual(self.gpu.bad, [])
+
     def test_no_room_leaves_the_gpu_prefix(self):
         prefix = list(range(1200, 1200 + 4 * BS))
         a, _ = self.req("a", prefix + [1], new=1)

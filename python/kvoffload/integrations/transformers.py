@@ -559,7 +559,12 @@ class TransformersOffload:
         if not keys:
             return None
         self._flush_loads()
-        op = self.engine.store(keys, ids, after=self._stream, parents=parents, parent=parent)
+        try:
+            op = self.engine.store(keys, ids, after=self._stream, parents=parents, parent=parent)
+        except KvoError as e:  # nothing was stored: those blocks are computed again if needed
+            self.counters["store_refused"] += 1
+            logger.warning("kvoffload: store of %d blocks refused: %s", len(keys), e)
+            return None
         if self.observer is not None:
             self.observer.stored(list(keys), list(ids), op, self._stream)
         self._after_store(op)
@@ -720,6 +725,10 @@ class TransformersOffload:
             lease.release()
             self.counters["lookup_no_room"] += 1
             return 0
+        if not self._issue_load(keys[:hits], ids, lease):
+            for bid in ids:  # still incomplete: back to the free blocks
+                bm.uninitialize_unshared_block(bid)
+            return 0
         parent = parent_key
         for bid, h, key in zip(ids, hashes, keys):
             blk = bm._id_to_block[bid]
@@ -727,7 +736,6 @@ class TransformersOffload:
             bm._hash_to_id[h] = bid
             self._keys[bid] = _Entry(h, key, parent)
             parent = key
-        self._issue_load(keys[:hits], ids, lease)
         table.extend(ids)
         self.counters["kvo_prefix_blocks"] += hits
         self.counters["kvo_prefix_requests"] += 1
@@ -756,14 +764,29 @@ class TransformersOffload:
             lease.release()
             self.counters["tail_no_room"] += 1
             return 0
-        self._issue_load([tail.key], ids, lease)
+        if not self._issue_load([tail.key], ids, lease):
+            bm.uninitialize_unshared_block(ids[0])
+            return 0
         table.extend(ids)  # an incomplete block: transformers hashes it once it is full
         self._fix_alloc.add(request_id)
         self.counters["tail_blocks"] += 1
         return usable
 
     def _issue_load(self, keys, ids, lease):
-        op = self.engine.load(keys, ids, lease=lease, after=self._stream, per_layer=self._per_layer)
+        """Loads keys (leased) into GPU blocks ids, ordered after the compute
+        stream's queued work and before its next reads. False when the
+        engine refused the load (the lease is released, nothing was
+        copied)."""
+        try:
+            op = self.engine.load(keys, ids, lease=lease, after=self._stream, per_layer=self._per_layer)
+        except KvoError as e:  # e.g. BusyError: the copy queue is full; the blocks are computed instead
+            self.counters["load_refused"] += 1
+            logger.warning("kvoffload: load of %d blocks refused: %s", len(keys), e)
+            try:
+                lease.release()
+            except KvoError:
+                pass
+            return False
         if self._per_layer:
             self._pending_layers.append((op, set()))
         elif self._stream is not None:
@@ -773,6 +796,7 @@ class TransformersOffload:
         if self.observer is not None:
             self.observer.loaded(list(keys), list(ids), op, self._stream)
         self._loads.append((op, list(keys)))
+        return True
 
     def _update(self, orig, key_states, value_states, layer_idx, read_index, write_index):
         """cache.update with per-layer loads: the current stream (the compute
