@@ -628,6 +628,7 @@ class TransformersOffload:
     def _search_prefix_match(self, orig, request_id, prompt_ids):
         with self._lock:
             self._reap()
+            self._tails_started()
             matched = orig(request_id, prompt_ids)
             try:
                 extra = self._extend(request_id, prompt_ids, matched)
@@ -639,7 +640,24 @@ class TransformersOffload:
             self.counters["gpu_prefix_blocks"] += matched // self._cache.block_size
             return matched + extra
 
+    def _tails_started(self):
+        """Preempted requests that transformers started again without this
+        tier's lookup finding their blocks (deferred for room, then
+        scheduled by transformers with less): counted as partly resumed."""
+        if not self._tails:
+            return
+        active = getattr(getattr(self._processor, "scheduler", None), "active_requests", {})
+        for rid in [r for r in self._tails if r in active]:
+            del self._tails[rid]
+            self.counters["resumed_partly"] += 1
+
     def _extend(self, request_id, prompt_ids, matched):
+        """Continues transformers' prefix match (matched tokens, its blocks in
+        the request's block table): blocks on the GPU again after a gap are
+        referenced, blocks in kvoffload loaded, in any order, up to the
+        first block found in neither or the last full block before the
+        prompt's last token; then a preempted request's partial last block.
+        Returns the tokens added to matched."""
         cache = self._cache
         bm = cache._block_manager
         cm = cache.group_cache_managers[0]
@@ -654,22 +672,37 @@ class TransformersOffload:
             self.counters["lookup_skipped"] += 1
             return 0
         keys = chain_keys(prompt_ids[:max(limit, g) * bs], bs, namespace=self.key_namespace)
-        # The chain past the GPU match, up to the first block transformers has on the GPU again.
         h = bm._id_to_block[table[-1]].hash if table else None
-        hashes = []
-        for b in range(g, limit):
-            h = bm.compute_hash(h, prompt_ids[b * bs:(b + 1) * bs], 0)
-            if h in bm._hash_to_id:
+        pos, deferred = g, False
+        while pos < limit:
+            nh = bm.compute_hash(h, prompt_ids[pos * bs:(pos + 1) * bs], 0)
+            bid = bm._hash_to_id.get(nh)
+            if bid is not None:  # on the GPU after a gap: shared, as transformers' own match does
+                bm.increase_ref_count(bid)
+                table.append(bid)
+                h, pos = nh, pos + 1
+                self.counters["gpu_after_gap_blocks"] += 1
+                continue
+            hashes, hh = [nh], nh
+            for b in range(pos + 1, limit):
+                hh = bm.compute_hash(hh, prompt_ids[b * bs:(b + 1) * bs], 0)
+                if hh in bm._hash_to_id:
+                    break
+                hashes.append(hh)
+            got, deferred = self._load_full(table, keys[pos:pos + len(hashes)], hashes, keys[pos - 1] if pos else None)
+            if not got:
                 break
-            hashes.append(h)
-        got = 0
-        if hashes:
-            got = self._load_full(request_id, table, keys[g:g + len(hashes)], hashes, keys[g - 1] if g else None,
-                                  len(prompt_ids))
-        extra = got * bs
-        if got:
+            h, pos = hashes[got - 1], pos + got
+            if got < len(hashes):
+                break
+        if pos > g:
             cm.block_table[request_id] = table
-        if tail is not None and g + got == tail.nfull and tail.ntok:
+        extra = (pos - g) * bs
+        if deferred and not table:  # still waiting for room: the next scheduling looks again
+            if tail is not None:
+                self._tails[request_id] = tail
+            return 0
+        if tail is not None and pos == tail.nfull and tail.ntok:
             extra += self._load_tail(request_id, table, tail, prompt_ids, keys[tail.nfull - 1] if tail.nfull else None)
             cm.block_table[request_id] = table
         if tail is not None:  # a preempted request back: did all its KV come back?
@@ -696,39 +729,43 @@ class TransformersOffload:
             hits, lease = self.engine.lookup(keys[:n], lease=True)
         return hits, lease
 
-    def _load_full(self, request_id, table, keys, hashes, parent_key, prompt_len):
+    def _load_full(self, table, keys, hashes, parent_key):
+        """Loads the leading keys found in kvoffload into new GPU blocks
+        appended to table (given transformers' hashes). Returns (blocks
+        loaded, deferred: the request holds nothing on the GPU and there is
+        no room yet)."""
         bm = self._cache._block_manager
-        bs = self._cache.block_size
         hits, lease = self._lease(keys, len(keys))
         if not hits:
-            return 0
+            return 0, False
         room = bm.num_free_blocks
         if not table:
-            # Nothing on the GPU: the request is still waiting. Load only if the
-            # rest of it fits too (the blocks transformers' scheduler would
-            # allocate for it), else it keeps waiting and looks again later.
-            rest = prompt_len - hits * bs
-            if hits + (rest + 1) // bs + 1 > room:
+            # Nothing on the GPU: the request is still waiting. Load what fits
+            # with a block to spare for the tokens after it (transformers
+            # allocates its next chunk from there); with no room at all it
+            # keeps waiting and looks again at the next batch.
+            if room < 2:
                 lease.release()
                 self.counters["lookup_deferred"] += 1
-                return 0
+                return 0, True
+            room -= 1
         if hits > room:
             lease.release()
             if room == 0:
                 self.counters["lookup_no_room"] += 1
-                return 0
+                return 0, False
             hits, lease = self._lease(keys, room)
             if not hits:
-                return 0
+                return 0, False
         ids = bm.get_free_blocks(hits, table[-1] if table else None, True, 0)
         if ids is None:
             lease.release()
             self.counters["lookup_no_room"] += 1
-            return 0
+            return 0, False
         if not self._issue_load(keys[:hits], ids, lease):
             for bid in ids:  # still incomplete: back to the free blocks
                 bm.uninitialize_unshared_block(bid)
-            return 0
+            return 0, False
         parent = parent_key
         for bid, h, key in zip(ids, hashes, keys):
             blk = bm._id_to_block[bid]
@@ -738,8 +775,8 @@ class TransformersOffload:
             parent = key
         table.extend(ids)
         self.counters["kvo_prefix_blocks"] += hits
-        self.counters["kvo_prefix_requests"] += 1
-        return hits
+        self.counters["kvo_prefix_loads"] += 1
+        return hits, False
 
     def _load_tail(self, request_id, table, tail, prompt_ids, parent_key):
         bs = self._cache.block_size
@@ -857,6 +894,8 @@ class TransformersOffload:
                     tkey = block_key(seq[nfull * bs:nfull * bs + ntok], self.key_namespace, keys[-1] if keys else None)
                     keys.append(tkey)
                     ids.append(table[nfull])
+                if rid in self._tails:  # started again without its blocks, and preempted again
+                    self.counters["resumed_partly"] += 1
                 self._tails[rid] = _Tail(nfull, ntok, tkey)
                 for i, (k, b) in enumerate(zip(keys, ids)):
                     if k not in seen:  # a prefix shared by two victims: once
@@ -889,6 +928,7 @@ class TransformersOffload:
         with self._lock:
             if self.engine is not None and not self.engine.closed:
                 self._reap(wait=wait)
+            self._tails_started()
             out = dict(self.counters)
             out["keys_stored"] = len(self.stored_keys)
             out["keys_stored_twice"] = sum(1 for c in self.stored_keys.values() if c > 1)
