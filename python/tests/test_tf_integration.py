@@ -227,6 +227,26 @@ class Hooks(unittest.TestCase):
         self.assertEqual(computed, 5, "the GPU part is shared, the kvoffload part loaded, the new part computed")
         self.assertEqual(self.gpu.bad, [])
 
+    def test_gap_in_the_middle(self):
+        prefix = list(range(2500, 2500 + 6 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        table = list(self.cache.group_cache_managers[0].block_table["a"])
+        F.finish(self.bp, a)
+        bm = self.cache._block_manager
+        # Make a's third block the next one evicted (last freed), then take exactly one cached block.
+        bm._init_block_ids.pop(table[2])
+        bm._init_block_ids[table[2]] = None
+        held = bm.get_free_blocks(len(bm._uninit_block_ids) + 1, None, True, 0)
+        self.assertNotIn(table[2], bm._init_block_ids)
+        self.assertIn(table[3], bm._init_block_ids)
+        bm.free_blocks(held, True)  # incomplete: uninitialized again
+        # GPU: blocks 0-1, kvoffload: block 2, GPU again: blocks 3-5, new: the rest.
+        c, computed = self.req("c", prefix + [5, 6, 7], new=1)
+        s = self.tier.stats()
+        self.assertEqual((s["gpu_prefix_blocks"], s["kvo_prefix_blocks"], s["gpu_after_gap_blocks"]), (2, 1, 3))
+        self.assertEqual(computed, 3)
+        self.assertEqual(self.gpu.bad, [])
+
     def test_prefix_past_last_token_is_computed(self):
         prefix = list(range(3000, 3000 + 3 * BS))
         a, _ = self.req("a", prefix, new=1)
