@@ -41,9 +41,10 @@ classes and transformers' files are untouched):
 2. Prefix lookup past the GPU: PagedAttentionCache.search_prefix_match
    walks transformers' hash chain and stops at the first block not on the
    GPU. The hook continues the chain in kvoffload (its chained keys over
-   the same token ids), takes a lease on the blocks found, allocates GPU
-   blocks for them from the BlockManager, gives them transformers' hashes
-   (so they join its GPU index and are shared from then on), loads them
+   the same token ids) and on the GPU (blocks there again after a gap are
+   shared), takes a lease on the blocks found in kvoffload, allocates GPU
+   blocks for what fits from the BlockManager, gives them transformers'
+   hashes (so they join its GPU index and are shared from then on), loads them
    (ordered after the compute stream's queued work; per layer where the
    attention path allows: without CUDA graphs or compile, the cache's
    update() waits on each layer's event before reading that layer) and
