@@ -491,12 +491,12 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--layers-8b", type=int, default=8, help="layers of the 8b geometry (default 8; 32 is full)")
     ap.add_argument("--preempt-models", nargs="+", default=["small"], help="models the preempt workload runs on")
-    ap.add_argument("--pool-gib", type=float, default=8.0, help="kvoffload pool and transformers' cpu_offload_space")
+    ap.add_argument("--pool-gib", type=float, default=4.0, help="kvoffload pool and transformers' cpu_offload_space")
     ap.add_argument("--per-layer", default="auto", type=lambda v: {"on": True, "off": False}.get(v, v),
                     choices=["auto", True, False], help="the tier's per-layer loads: auto (default), on, off")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--run-timeout", type=float, default=120.0, help="seconds one run may take")
-    ap.add_argument("--budget", type=float, default=290.0, help="skip the runs left once this many seconds passed")
+    ap.add_argument("--budget", type=float, default=330.0, help="skip the runs left once this many seconds passed")
     ap.add_argument("--selfcheck", action="store_true", help="check the plain-Python parts without torch; exit")
     args = ap.parse_args(argv)
     if args.selfcheck:
