@@ -158,6 +158,27 @@ def format_table(rows):
     return TABLE_HEADER + "".join(format_row(r) for r in rows)
 
 
+def format_details(rows):
+    """The kvo runs' tier counters, and the preempted requests' tokens."""
+    out = ["| workload | model | mode | blocks loaded | stored (copied) | already in the pool | copied twice "
+           "| resumed / partly | per-layer loads | checksums checked / differ |\n"
+           "|---|---|---|---:|---:|---:|---:|---:|---|---:|\n"]
+    for r in rows:
+        if not r["mode"].startswith("kvo"):
+            continue
+        out.append(f"| {r['workload']} | {r['model']} | {r['mode']} | {r.get('kvo_loaded', 0)} "
+                   f"| {r.get('kvo_stored', 0)} | {r.get('kvo_already', 0)} | {r.get('keys_stored_twice', 0)} "
+                   f"| {r.get('resumed', 0)} / {r.get('resumed_partly', 0)} | {r.get('per_layer')} "
+                   f"| {r.get('checksums_checked', 0)} / {r.get('checksums_bad', 0)} |\n")
+    pre = [r for r in rows if r.get("victims_compared")]
+    if pre:
+        out.append("\nPreempted requests finishing with the tokens of the run that never evicts:\n\n")
+        for r in pre:
+            out.append(f"- {r['workload']}/{r['model']}/{r['mode']}: {r['victims_equal']} of "
+                       f"{r['victims_compared']} ({r['victims']} preemptions, {r['soft_resets']} recomputing)\n")
+    return "".join(out)
+
+
 def targets(rows):
     """[(ok, text)] over the rows present."""
     out = []
@@ -196,7 +217,7 @@ def format_targets(ts):
 def format_report(command, machine, rows, ts, notes, started):
     out = [f"# transformers continuous batching with kvoffload (issue 22)\n\n",
            f"command: `{command}`  \n", f"date: {started}  \n", f"machine: {machine}\n\n",
-           format_table(rows), "\n## Targets\n\n", format_targets(ts)]
+           format_table(rows), "\n", format_details(rows), "\n## Targets\n\n", format_targets(ts)]
     if notes:
         out.append("\n## Notes\n\n" + "".join(f"- {n}\n" for n in notes))
     return "".join(out)
@@ -230,8 +251,10 @@ def selfcheck():
     assert any("transformers alone +46.9%" in t for _, t in ts), ts
     bad = targets([dict(rows[1], prefill_tokens=40000, checksums_bad=1)])
     assert [ok for ok, _ in bad] == [False, False], bad
+    rows[3].update(victims_equal=8, victims_compared=9)
     md = format_report("x", "m", rows, ts, ["a note"], "now")
     assert "| prefix | small | kvo |" in md and "PASS" in md
+    assert "- preempt/small/kvo: 8 of 9 (9 preemptions, 0 recomputing)" in md, md
     return md
 
 
@@ -572,6 +595,7 @@ def main(argv=None):
     report = format_report(command, mach, rows, ts, notes, started)
     print()
     print(format_table(rows), end="")
+    print(format_details(rows), end="")
     print(format_targets(ts), end="")
     for n in notes:
         print(f"note: {n}")
