@@ -164,6 +164,8 @@ suite_tfcb() {
 		step_in python timeout 180 python3 -m unittest -v tests.test_tf_integration tests.test_tf_real tests.test_transformers_cb_bench
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 420 python3 bench/transformers_cb.py --out "$D"
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 120 python3 examples/transformers_cb.py
 }
 
 suite_sweep() {
