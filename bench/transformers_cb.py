@@ -505,6 +505,19 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
     return row, tokens
 
 
+def write(out, command, mach, rows, notes, started):
+    """Writes out/transformers_cb.md and .json (nothing without out)."""
+    if not out:
+        return
+    ts = targets(rows)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "transformers_cb.md"), "w") as f:
+        f.write(format_report(command, mach, rows, ts, notes, started))
+    with open(os.path.join(out, "transformers_cb.json"), "w") as f:
+        json.dump({"command": command, "rows": rows, "targets": ts, "notes": notes, "machine": mach,
+                   "date": started}, f, indent=1, default=str)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -518,8 +531,8 @@ def main(argv=None):
     ap.add_argument("--per-layer", default="auto", type=lambda v: {"on": True, "off": False}.get(v, v),
                     choices=["auto", True, False], help="the tier's per-layer loads: auto (default), on, off")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--run-timeout", type=float, default=120.0, help="seconds one run may take")
-    ap.add_argument("--budget", type=float, default=330.0, help="skip the runs left once this many seconds passed")
+    ap.add_argument("--run-timeout", type=float, default=100.0, help="seconds one run may take")
+    ap.add_argument("--budget", type=float, default=300.0, help="skip the runs left once this many seconds passed")
     ap.add_argument("--selfcheck", action="store_true", help="check the plain-Python parts without torch; exit")
     args = ap.parse_args(argv)
     if args.selfcheck:
@@ -535,6 +548,7 @@ def main(argv=None):
     mach = machine()
     print(f"transformers {version}; {mach}", flush=True)
     rows, notes, errors = [], [], 0
+    command = "python3 bench/transformers_cb.py " + " ".join(argv if argv is not None else sys.argv[1:])
     notes.append(f"8b geometry with {args.layers_8b} layers (an 8B Llama has 32); small: "
                  f"{GEOMETRIES['small']['layers']} layers, hidden {GEOMETRIES['small']['hidden']}")
     notes.append("kvo's loads are checksummed after they complete, which makes the compute stream wait for whole "
@@ -586,13 +600,13 @@ def main(argv=None):
                                  "reference cache was too small")
             rows.append(row)
             print(format_row(row), end="", flush=True)
+            write(args.out, command, mach, rows, notes, started)  # what finished survives a timeout
             torch.cuda.empty_cache()
     models.clear()
     torch.cuda.empty_cache()
     ts = targets(rows)
     bad_bytes = sum(r.get("checksums_bad", 0) for r in rows)
-    command = "python3 bench/transformers_cb.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = format_report(command, mach, rows, ts, notes, started)
+    write(args.out, command, mach, rows, notes, started)
     print()
     print(format_table(rows), end="")
     print(format_details(rows), end="")
@@ -600,13 +614,6 @@ def main(argv=None):
     for n in notes:
         print(f"note: {n}")
     print(f"total {time.perf_counter() - t_start:.0f} s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "transformers_cb.md"), "w") as f:
-            f.write(report)
-        with open(os.path.join(args.out, "transformers_cb.json"), "w") as f:
-            json.dump({"rows": rows, "targets": ts, "notes": notes, "machine": mach, "date": started}, f, indent=1,
-                      default=str)
     if bad_bytes or errors:
         return 1
     if not all(ok for ok, _ in ts):
