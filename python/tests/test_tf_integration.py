@@ -227,6 +227,17 @@ class Hooks(unittest.TestCase):
         self.assertEqual(computed, 5, "the GPU part is shared, the kvoffload part loaded, the new part computed")
         self.assertEqual(self.gpu.bad, [])
 
+    def test_reused_request_id_gets_its_own_keys(self):
+        # A waiting request's keys are kept between lookups; a new prompt under the same id (same length,
+        # same first and last tokens, as chat templates make them) must not reuse them.
+        p1 = [1, 2, 3, 4] + list(range(100, 100 + 3 * BS)) + [7, 8, 9, 10]
+        p2 = [1, 2, 3, 4] + list(range(200, 200 + 3 * BS)) + [7, 8, 9, 10]
+        k1 = self.tier._prompt_keys("x", p1, 4)
+        self.assertEqual(self.tier._prompt_keys("x", list(p1), 4), k1)
+        k2 = self.tier._prompt_keys("x", p2, 4)
+        self.assertEqual(k2, kvoffload.chain_keys(p2[:4 * BS], BS, namespace=self.tier.key_namespace))
+        self.assertNotEqual(k1, k2)
+
     def test_gap_in_the_middle(self):
         prefix = list(range(2500, 2500 + 6 * BS))
         a, _ = self.req("a", prefix + [1], new=1)

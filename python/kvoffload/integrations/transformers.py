@@ -355,6 +355,7 @@ class TransformersOffload:
         self._keys = {}  # GPU block id -> _Entry
         self._tails = {}  # request id -> _Tail (preempted, not yet resumed)
         self._fix_alloc = set()  # request ids whose allocated_blocks must be set from the block table
+        self._key_memo = {}  # request id -> (prompt tokens, chained keys) of waiting requests
         self._stores = deque()  # store ops not yet reaped
         self._inflight = {}  # key -> store op not yet reaped (lookup sees a block once its store is done)
         self._loads = deque()  # load ops not yet reaped
@@ -435,6 +436,7 @@ class TransformersOffload:
             if bp is self._processor:
                 self._tails.clear()
                 self._fix_alloc.clear()
+                self._key_memo.clear()
                 return
             cache = bp.cache
             if getattr(cache, "num_groups", 1) != 1 or getattr(cache, "num_sliding_attention_groups", 0):
@@ -451,6 +453,7 @@ class TransformersOffload:
             self._keys.clear()
             self._tails.clear()
             self._fix_alloc.clear()
+            self._key_memo.clear()
             if self.model_id is None:
                 self.model_id = f"unnamed-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             self.namespace = model_namespace(self.model_id, cache.dtype, cache.block_size, cache.num_key_value_heads,
@@ -639,7 +642,24 @@ class TransformersOffload:
                 extra = 0
             self.counters["lookups"] += 1
             self.counters["gpu_prefix_blocks"] += matched // self._cache.block_size
+            if matched + extra:  # the request leaves the waiting queue
+                self._key_memo.pop(request_id, None)
             return matched + extra
+
+    def _prompt_keys(self, request_id, prompt_ids, n):
+        """The chained keys of the first n blocks of a prompt. A waiting
+        request is looked up at every batch until it is scheduled: its keys
+        are kept by request id, with its tokens, and reused when the tokens
+        are equal (a list comparison, not the hashing again)."""
+        bs = self._cache.block_size
+        got = self._key_memo.get(request_id)
+        if got is not None and len(got[1]) >= n and got[0] == prompt_ids:
+            return got[1][:n]
+        keys = chain_keys(prompt_ids[:n * bs], bs, namespace=self.key_namespace)
+        if len(self._key_memo) >= 1024:
+            self._key_memo.clear()
+        self._key_memo[request_id] = (list(prompt_ids), keys)
+        return keys
 
     def _tails_started(self):
         """Preempted requests that transformers started again without this
@@ -672,7 +692,7 @@ class TransformersOffload:
         if len(table) != g:  # not the state search_prefix_match leaves: leave it alone
             self.counters["lookup_skipped"] += 1
             return 0
-        keys = chain_keys(prompt_ids[:max(limit, g) * bs], bs, namespace=self.key_namespace)
+        keys = self._prompt_keys(request_id, prompt_ids, max(limit, g))
         h = bm._id_to_block[table[-1]].hash if table else None
         pos, deferred = g, False
         while pos < limit:
