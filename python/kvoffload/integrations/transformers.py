@@ -64,6 +64,20 @@ classes and transformers' files are untouched):
    and only its last token is computed again. transformers' static pinned
    pool is never allocated.
 
+The hooks, each an instance attribute shadowing the method of that
+name (HOOKED_SIGNATURES lists their parameters, checked at attach()):
+  BlockManager.has_enough_free_blocks            store before eviction (1)
+  BlockManager.mark_shareable_blocks_as_complete learns the key of each block
+                                                 transformers completes
+  PagedAttentionCache.search_prefix_match        the lookup (2)
+  PagedAttentionCache.update                     per-layer waits (2), only
+                                                 with per-layer loads
+  Scheduler._infer_request_tokens                counts a loaded, partly
+                                                 filled block as allocated (3)
+  OffloadingManager._offload_to_cpu              the swap (3)
+  ContinuousBatchingManager._create_batch_processor, and the model's
+  init_continuous_batching                       where the tier attaches
+
 Keys: kvoffload.chain_keys over the token ids (SHA-256, the same in every
 process), in the namespace
 "transformers-cb/<model id>/<dtype>/bs<block size>/kv<heads>x<head dim>/L<layers>/g<group>".
