@@ -4,7 +4,7 @@
 
     dist/kvoffload-<version>-py3-none-manylinux_<glibc>_<arch>.whl
 
-holding the pure-Python package (python/kvoffload/*.py, ctypes only: one
+holding the pure-Python package (python/kvoffload/**.py, ctypes only: one
 wheel serves every Python 3) and libkvoffload.so beside it, where the
 package looks for the library. <version> is internal/version/VERSION, also
 written into the wheel's kvoffload/__init__.py as __version__.
@@ -157,13 +157,26 @@ def metadata(version):
     return head
 
 
+def package_sources(pkg_dir):
+    """The package's .py files, relative to pkg_dir with / separators,
+    sorted: the top level and its subpackages (folders holding an
+    __init__.py, e.g. integrations/), never __pycache__."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(pkg_dir):
+        rel = os.path.relpath(dirpath, pkg_dir)
+        dirnames[:] = sorted(d for d in dirnames
+                             if d != "__pycache__" and os.path.exists(os.path.join(dirpath, d, "__init__.py")))
+        for name in filenames:
+            if name.endswith(".py"):
+                out.append(name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}")
+    return sorted(out)
+
+
 def wheel_files(version, lib_bytes, tag, pkg_dir):
     """[(archive name, bytes, mode)] of the wheel, RECORD last."""
     dist_info = f"{NAME}-{version}.dist-info"
     files = []
-    for name in sorted(os.listdir(pkg_dir)):
-        if not name.endswith(".py"):
-            continue
+    for name in package_sources(pkg_dir):
         with open(os.path.join(pkg_dir, name), "rb") as f:
             data = f.read()
         if name == "__init__.py":

@@ -93,12 +93,26 @@ class WheelBuilder(unittest.TestCase):
                 f.write("pass\n")
             with open(os.path.join(pkg, "libkvoffload.so"), "w") as f:
                 f.write("stale copy: not shipped from the package folder\n")
+            sub = os.path.join(pkg, "integrations")
+            os.makedirs(os.path.join(sub, "__pycache__"))
+            for name in ("__init__.py", "transformers.py"):
+                with open(os.path.join(sub, name), "w") as f:
+                    f.write('__version__ = "0"\n')  # a subpackage's __init__ is shipped as it is
+            with open(os.path.join(sub, "__pycache__", "transformers.cpython-311.pyc"), "w") as f:
+                f.write("compiled\n")
+            os.mkdir(os.path.join(pkg, "notapackage"))
+            with open(os.path.join(pkg, "notapackage", "x.py"), "w") as f:
+                f.write("pass\n")
             files = self.bw.wheel_files("1.2.3", b"\x7fELF lib", "manylinux_2_34_x86_64", pkg)
         names = [n for n, _, _ in files]
+        self.assertEqual([n for n in names if n.endswith(".py")],
+                         ["kvoffload/__init__.py", "kvoffload/engine.py", "kvoffload/integrations/__init__.py",
+                          "kvoffload/integrations/transformers.py"])
         self.assertEqual(names.count("kvoffload/libkvoffload.so"), 1)
         self.assertEqual(names[-1], "kvoffload-1.2.3.dist-info/RECORD")
         byname = {n: data for n, data, _ in files}
         self.assertEqual(byname["kvoffload/__init__.py"], b'__version__ = "1.2.3"\n')
+        self.assertEqual(byname["kvoffload/integrations/__init__.py"], b'__version__ = "0"\n')
         self.assertEqual(byname["kvoffload/libkvoffload.so"], b"\x7fELF lib")
         wheel = byname["kvoffload-1.2.3.dist-info/WHEEL"].decode()
         self.assertIn("Root-Is-Purelib: false\n", wheel)

@@ -60,6 +60,7 @@ SUITES=(
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
 	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
+	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
@@ -160,6 +161,23 @@ suite_realmodel() {
 		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
+}
+
+# transformers' continuous batching (random-weight Llama, paged|sdpa) with
+# kvoffload.integrations.transformers attached, against transformers with prefix
+# sharing alone and with its own CPU swap pool, in one run (issue 22); the CPU
+# tests of the integration first (they need neither torch nor the GPU).
+suite_tfcb() {
+	if [ ! -f bench/transformers_cb.py ]; then
+		echo "bench/transformers_cb.py does not exist at this commit" >>"$F"
+		return 1
+	fi
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
+		step_in python timeout 180 python3 -m unittest -v tests.test_tf_integration tests.test_tf_real tests.test_transformers_cb_bench
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 420 python3 bench/transformers_cb.py --out "$D"
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 120 python3 examples/transformers_cb.py
 }
 
 suite_sweep() {
