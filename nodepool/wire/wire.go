@@ -155,7 +155,7 @@ const (
 // every client of a namespace (device addresses and GPU block counts are
 // each client's own). Kind is kvcache.LayoutKind.
 type Layout struct {
-	Kind                                             uint8
+	Kind                                                 uint8
 	Layers, KVHeads, HeadDim, DTypeBytes, TokensPerBlock uint32
 }
 
