@@ -165,6 +165,9 @@ func (c *child) wait(t *testing.T) {
 // writes half of each, and waits to be killed; "drop" reserves, closes
 // its connection without goodbye, and waits to be killed.
 func runChild(role, socket, args string) int {
+	if role == "serve" {
+		return runNode(socket, args)
+	}
 	f := strings.Fields(args)
 	seed, _ := strconv.Atoi(f[0])
 	n, _ := strconv.Atoi(f[1])
@@ -243,6 +246,27 @@ func runChild(role, socket, args string) int {
 	}
 	if err := c.Close(); err != nil {
 		say("error %v", err)
+		return 1
+	}
+	return 0
+}
+
+// runNode is a node process (role "serve"): args is the pool size in
+// bytes; it serves until stdin closes.
+func runNode(socket, args string) int {
+	pool, _ := strconv.ParseInt(strings.TrimSpace(args), 10, 64)
+	s, err := NewServer(ServerConfig{Socket: socket, PoolBytes: pool, RegionBytes: pool, PrefaultThreads: 1})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		_ = s.Close()
+	}()
+	fmt.Println("listening", s.Addr())
+	if err := s.Serve(); err != nil {
+		fmt.Println("error", err)
 		return 1
 	}
 	return 0
