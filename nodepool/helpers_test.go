@@ -88,7 +88,6 @@ func check(b []byte, k Key) error {
 	return nil
 }
 
-
 // ---- child processes ---------------------------------------------------------
 
 // TestMain runs a child role when the test binary is re-executed by

@@ -193,8 +193,8 @@ func (s *Server) servePeer(c *net.UnixConn) {
 		return
 	}
 	if p.bye {
-		s.counter.releasedOnBye.Add(1)
 		s.release(p)
+		s.counter.releasedOnBye.Add(1)
 		return
 	}
 	// The client may still be running, its copies in flight: its
@@ -204,25 +204,43 @@ func (s *Server) servePeer(c *net.UnixConn) {
 
 // waitExit waits for the client's process to exit (its pidfd turns
 // readable once the process has exited: its memory and files, GPU
-// contexts among them, are gone), then releases what it held.
+// contexts among them, are gone), then releases what it held. The wait
+// parks on the runtime's poller (the pidfd is pollable), not on a thread.
 func (s *Server) waitExit(p *peer) {
-	fds := []unix.PollFd{{Fd: int32(p.pidfd), Events: unix.POLLIN}}
-	for {
-		n, err := unix.Poll(fds, 200)
-		if n > 0 || (err != nil && !errors.Is(err, unix.EINTR)) {
-			break
-		}
-		select {
-		case <-s.stop:
-			_ = unix.Close(p.pidfd)
-			return // the index is closing: nothing to release into
-		default:
-		}
+	if err := unix.SetNonblock(p.pidfd, true); err != nil {
+		s.cfg.Logf("client %d (pid %d): pidfd: %v; its holdings stay until the node stops", p.id, p.cred.Pid, err)
+		_ = unix.Close(p.pidfd)
+		return
 	}
-	s.counter.releasedOnExit.Add(1)
+	f := os.NewFile(uintptr(p.pidfd), "pidfd")
+	p.pidfd = -1
+	defer f.Close()
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return // the index is closing: nothing to release into
+	}
+	s.waits[f] = struct{}{}
+	s.mu.Unlock()
+	exited := false
+	rc, err := f.SyscallConn()
+	if err == nil {
+		err = rc.Read(func(fd uintptr) bool {
+			n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
+			exited = n > 0
+			return exited
+		})
+	}
+	s.mu.Lock()
+	delete(s.waits, f)
+	s.mu.Unlock()
+	if !exited {
+		return // Close closed the pidfd
+	}
 	s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
 		p.id, p.cred.Pid, len(p.reserved), len(p.leases), len(p.loads))
 	s.release(p)
+	s.counter.releasedOnExit.Add(1)
 }
 
 // release gives back everything p held: its reservations fail (their
@@ -297,6 +315,13 @@ func (p *peer) serve() (registered bool) {
 			continue
 		}
 		m := &p.in
+		if m.ReqID == 0 {
+			p.s.counter.malformed.Add(1)
+			if p.reply(errMsg(0, wire.CodeMalformed, "%v with request id 0 (reserved for pushes)", m.Type)) != nil {
+				return registered
+			}
+			continue
+		}
 		if !registered {
 			if m.Type != wire.THello {
 				_ = p.reply(&wire.Msg{Type: wire.TError, ReqID: m.ReqID, Code: wire.CodeHandshake,
@@ -730,29 +755,32 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 
 // Stats is a node's state, as a client's Stats call returns it.
 type Stats struct {
-	PoolBytes       int64             `json:"pool_bytes"`
-	Regions         int               `json:"regions"`
-	RegionsRetiring int               `json:"regions_retiring"`
-	FreedBytes      int64             `json:"freed_bytes"`
-	SlotSize        uint64            `json:"slot_size"`
-	PageMode        string            `json:"page_mode"`
-	Clients         int               `json:"clients"`
-	Namespaces      map[string]uint32 `json:"namespaces"`
-	Cache           kvcache.Stats     `json:"cache"`
-	Accepted        uint64            `json:"accepted"`
-	Refused         uint64            `json:"refused"`
-	Malformed       uint64            `json:"malformed"`
-	ReleasedOnExit  uint64            `json:"released_on_exit"`
-	ReleasedOnBye   uint64            `json:"released_on_bye"`
-	EventsDropped   uint64            `json:"events_dropped"`
-	PeersDropped    uint64            `json:"peers_dropped"`
+	PoolBytes       int64  `json:"pool_bytes"`
+	Regions         int    `json:"regions"`
+	RegionsRetiring int    `json:"regions_retiring"`
+	FreedBytes      int64  `json:"freed_bytes"`
+	SlotSize        uint64 `json:"slot_size"`
+	PageMode        string `json:"page_mode"`
+	Clients         int    `json:"clients"`
+	// WaitingExit: clients disconnected without goodbye whose processes
+	// still run; their reservations and leases are held until they exit.
+	WaitingExit    int               `json:"waiting_exit"`
+	Namespaces     map[string]uint32 `json:"namespaces"`
+	Cache          kvcache.Stats     `json:"cache"`
+	Accepted       uint64            `json:"accepted"`
+	Refused        uint64            `json:"refused"`
+	Malformed      uint64            `json:"malformed"`
+	ReleasedOnExit uint64            `json:"released_on_exit"`
+	ReleasedOnBye  uint64            `json:"released_on_bye"`
+	EventsDropped  uint64            `json:"events_dropped"`
+	PeersDropped   uint64            `json:"peers_dropped"`
 }
 
 // Stats returns a snapshot of the node's state.
 func (s *Server) Stats() Stats {
 	s.mu.Lock()
 	st := Stats{PoolBytes: s.cfg.PoolBytes, Regions: len(s.regions), FreedBytes: s.freedBytes, SlotSize: s.slotSize,
-		PageMode: s.pageMode, Clients: len(s.peers), Namespaces: map[string]uint32{}}
+		PageMode: s.pageMode, Clients: len(s.peers), WaitingExit: len(s.waits), Namespaces: map[string]uint32{}}
 	for _, rr := range s.regions {
 		if rr.state != regionActive {
 			st.RegionsRetiring++

@@ -78,6 +78,7 @@ type Server struct {
 	freedBytes  int64        // given back by Trim so far
 	subscribers atomic.Int32
 
+	waits   map[*os.File]struct{} // pidfds of disconnected clients still running
 	wg      sync.WaitGroup
 	stop    chan struct{}
 	events  chan wire.Event
@@ -128,7 +129,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
-		peers: map[uint32]*peer{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
+		peers: map[uint32]*peer{}, waits: map[*os.File]struct{}{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
 	if cfg.Group != "" {
 		gid, err := lookupGroup(cfg.Group)
 		if err != nil {
@@ -320,6 +321,9 @@ func (s *Server) Close() error {
 	}
 	s.closed = true
 	close(s.stop)
+	for f := range s.waits {
+		_ = f.Close()
+	}
 	peers := make([]*peer, 0, len(s.peers))
 	for _, p := range s.peers {
 		peers = append(peers, p)
