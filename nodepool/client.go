@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -647,14 +648,27 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 
 func (c *Client) done(m *wire.Msg) { c.msgs.Put(m) }
 
+// resolver turns node slots into this process's addresses; it caches
+// the last region looked up (a reply's slots mostly share a few).
+type resolver struct {
+	c     *Client
+	epoch uint32
+	last  *Region
+}
+
 // slot resolves a node slot to this process's address; ok is false when
 // its region is not usable here.
-func (c *Client) slot(s wire.Slot, epoch uint32) (Slot, bool) {
-	c.mu.Lock()
-	r := c.regions[s.Region]
-	c.mu.Unlock()
-	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Off: s.Off, epoch: epoch}
-	if r == nil || !r.usable.Load() || r.epoch != epoch || s.Off+c.info.SlotSize > uint64(r.Size) {
+func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
+	c := rv.c
+	r := rv.last
+	if r == nil || r.ID != s.Region {
+		c.mu.Lock()
+		r = c.regions[s.Region]
+		c.mu.Unlock()
+		rv.last = r
+	}
+	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Off: s.Off, epoch: rv.epoch}
+	if r == nil || !r.usable.Load() || r.epoch != rv.epoch || s.Off+c.info.SlotSize > uint64(r.Size) {
 		return out, false
 	}
 	out.Addr = r.Base + uintptr(s.Off)
@@ -742,10 +756,12 @@ func (c *Client) curEpoch() uint32 {
 // ---- ops ---------------------------------------------------------------------
 
 // Lookup returns how many leading keys are ready in the pool; with lease,
-// it leases them (give them back with Unlease, or pass the slots to a load
-// of the same keys) and returns their slots. A leased block whose region is
-// not usable here ends the hits (and is unleased).
-func (c *Client) Lookup(keys []Key, lease bool) (hits int, leased []Slot, err error) {
+// it leases them (give them back with Unlease) and appends their slots to
+// dst. A leased block whose region is not usable here ends the hits (and
+// is unleased).
+func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []Slot, err error) {
+	leased = dst
+	start := len(dst)
 	for len(keys) > 0 {
 		n := min(len(keys), wire.MaxKeys)
 		m := c.msgs.Get().(*wire.Msg)
@@ -758,13 +774,15 @@ func (c *Client) Lookup(keys []Key, lease bool) (hits int, leased []Slot, err er
 		r, err := c.callEpoch(m, wire.TLookupOK, epoch)
 		c.msgs.Put(m)
 		if err != nil {
-			_ = c.Unlease(leased)
-			return 0, nil, err
+			_ = c.Unlease(leased[start:])
+			return 0, leased[:start], err
 		}
 		h := int(r.N)
 		var drop []Slot
+		rv := resolver{c: c, epoch: epoch}
+		leased = slices.Grow(leased, len(r.Slots))
 		for i, s := range r.Slots {
-			sl, ok := c.slot(s, epoch)
+			sl, ok := rv.slot(s)
 			if !ok || h < i {
 				h = min(h, i)
 				drop = append(drop, sl)
@@ -877,10 +895,11 @@ func (c *Client) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult,
 		}
 		var unusable []Slot
 		si := 0
+		rv := resolver{c: c, epoch: epoch}
 		for _, o := range r.Outcomes {
 			res := StoreResult{Outcome: StoreOutcome(o)}
 			if o == wire.OutcomeWrite {
-				sl, ok := c.slot(r.Slots[si], epoch)
+				sl, ok := rv.slot(r.Slots[si])
 				si++
 				res.Slot = sl
 				if !ok {
@@ -936,10 +955,11 @@ func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
 		}
 		var unusable []Slot
 		si := 0
+		rv := resolver{c: c, epoch: epoch}
 		for _, o := range r.Outcomes {
 			var res LoadResult
 			if o == wire.OutcomeFound {
-				sl, ok := c.slot(r.Slots[si], epoch)
+				sl, ok := rv.slot(r.Slots[si])
 				si++
 				res = LoadResult{Found: ok, Slot: sl}
 				if !ok {

@@ -199,7 +199,7 @@ func runChild(role, socket, args string) int {
 		}
 		say("stored %d", len(slots))
 	case "reader":
-		hits, leased, err := c.Lookup(keys, true)
+		hits, leased, err := c.Lookup(keys, true, nil)
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -228,7 +228,7 @@ func runChild(role, socket, args string) int {
 			}
 		}
 		// A lease too, on whatever the seed-1 writer stored.
-		if _, _, err := c.Lookup(testKeys(1, n), true); err != nil {
+		if _, _, err := c.Lookup(testKeys(1, n), true, nil); err != nil {
 			say("error %v", err)
 			return 1
 		}

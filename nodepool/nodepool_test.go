@@ -34,7 +34,7 @@ func TestInProcess(t *testing.T) {
 		slots = append(slots, r.Slot)
 	}
 	// Not ready before the commit.
-	if h, _, _ := b.Lookup(keys, false); h != 0 {
+	if h, _, _ := b.Lookup(keys, false, nil); h != 0 {
 		t.Fatalf("%d hits before the commit", h)
 	}
 	// b cannot commit a's reservation.
@@ -47,7 +47,7 @@ func TestInProcess(t *testing.T) {
 	if err := a.CommitStore(slots[:1]); !errors.Is(err, ErrNotYours) {
 		t.Fatalf("second commit: %v", err)
 	}
-	hits, leased, err := b.Lookup(keys, true)
+	hits, leased, err := b.Lookup(keys, true, nil)
 	if err != nil || hits != len(keys) {
 		t.Fatalf("lookup: %d hits, %v", hits, err)
 	}

@@ -26,9 +26,7 @@ type peer struct {
 	pidfd int
 	ns    *nsRec
 
-	reserved map[wire.Handle]kvcache.Slot
-	leases   map[wire.Handle]held
-	loads    map[wire.Handle]held
+	held holdings
 
 	regions    map[uint32]bool // announced and not acknowledged retired
 	subscribed bool
@@ -42,11 +40,6 @@ type peer struct {
 	slots    []kvcache.Slot
 	storeRes []kvcache.StoreResult
 	loadRes  []kvcache.LoadResult
-}
-
-type held struct {
-	slot kvcache.Slot
-	n    int32
 }
 
 type push struct {
@@ -182,8 +175,7 @@ func (s *Server) servePeer(c *net.UnixConn) {
 		return
 	}
 	s.counter.accepted.Add(1)
-	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, reserved: map[wire.Handle]kvcache.Slot{},
-		leases: map[wire.Handle]held{}, loads: map[wire.Handle]held{}, regions: map[uint32]bool{},
+	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, regions: map[uint32]bool{},
 		pushq: make(chan push, DefaultPushQueue), done: make(chan struct{})}
 	go p.writer()
 	registered := p.serve()
@@ -238,7 +230,7 @@ func (s *Server) waitExit(p *peer) {
 		return // Close closed the pidfd
 	}
 	s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
-		p.id, p.cred.Pid, len(p.reserved), len(p.leases), len(p.loads))
+		p.id, p.cred.Pid, p.held.reserved, p.held.leases, p.held.loads)
 	s.release(p)
 	s.counter.releasedOnExit.Add(1)
 }
@@ -261,36 +253,18 @@ func (s *Server) release(p *peer) {
 		s.acked(p, id)
 	}
 	s.mu.Unlock()
+	reserved, leases, loads := p.held.drain()
 	if c != nil {
-		var slots []kvcache.Slot
-		for _, sl := range p.reserved {
-			slots = append(slots, sl)
+		if len(reserved) > 0 {
+			_ = c.CompleteStore(reserved, errPeerGone)
 		}
-		if len(slots) > 0 {
-			_ = c.CompleteStore(slots, errPeerGone)
+		if len(leases) > 0 {
+			_ = c.Unlease(leases)
 		}
-		slots = slots[:0]
-		for _, h := range p.leases {
-			for range h.n {
-				slots = append(slots, h.slot)
-			}
-		}
-		if len(slots) > 0 {
-			_ = c.Unlease(slots)
-		}
-		slots = slots[:0]
-		for _, h := range p.loads {
-			for range h.n {
-				slots = append(slots, h.slot)
-			}
-		}
-		if len(slots) > 0 {
-			_ = c.EndLoad(slots)
+		if len(loads) > 0 {
+			_ = c.EndLoad(loads)
 		}
 	}
-	clear(p.reserved)
-	clear(p.leases)
-	clear(p.loads)
 	s.reap()
 }
 
@@ -531,36 +505,35 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		n, p.slots = c.LookupLease(m.Keys, p.slots[:0])
 		o.N = uint64(n)
 		for _, sl := range p.slots {
-			h := handleOf(sl)
-			x := p.leases[h]
-			x.slot, x.n = sl, x.n+1
-			p.leases[h] = x
+			e, ok := p.held.take(uint32(sl.ID), sl.Gen)
+			if !ok {
+				return errMsg(m.ReqID, wire.CodeInternal, "slot %d leased in generation %d while this client holds generation %d", sl.ID, sl.Gen, e.gen)
+			}
+			e.leases++
+			p.held.leases++
 			o.Slots = append(o.Slots, toWire(sl))
 		}
 	case wire.TUnlease, wire.TEndLoad:
-		book := p.leases
-		if m.Type == wire.TEndLoad {
-			book = p.loads
-		}
+		load := m.Type == wire.TEndLoad
 		p.slots = p.slots[:0]
 		for i, h := range m.Handles {
-			x, ok := book[h]
-			if !ok || x.n == 0 {
-				p.restore(book, m.Handles[:i])
+			e := p.held.get(h)
+			if e == nil || (load && e.loads == 0) || (!load && e.leases == 0) {
+				p.restore(m.Handles[:i], load)
 				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no (more) %s on it",
-					m.Type, h.ID, h.Gen, map[bool]string{true: "load", false: "lease"}[m.Type == wire.TEndLoad])
+					m.Type, h.ID, h.Gen, map[bool]string{true: "load", false: "lease"}[load])
 			}
-			x.n--
-			book[h] = x
-			p.slots = append(p.slots, x.slot)
-		}
-		for _, h := range m.Handles {
-			if book[h].n == 0 {
-				delete(book, h)
+			if load {
+				e.loads--
+				p.held.loads--
+			} else {
+				e.leases--
+				p.held.leases--
 			}
+			p.slots = append(p.slots, slotOf(h))
 		}
 		var err error
-		if m.Type == wire.TEndLoad {
+		if load {
 			err = c.EndLoad(p.slots)
 		} else {
 			err = c.Unlease(p.slots)
@@ -575,16 +548,19 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 	case wire.TCommitStore, wire.TAbortStore:
 		p.slots = p.slots[:0]
 		for i, h := range m.Handles {
-			sl, ok := p.reserved[h]
-			if !ok {
-				for k, g := range m.Handles[:i] {
-					p.reserved[g] = p.slots[k]
+			e := p.held.get(h)
+			if e == nil || !e.reserved {
+				for _, g := range m.Handles[:i] {
+					e, _ := p.held.take(g.ID, g.Gen)
+					e.reserved = true
+					p.held.reserved++
 				}
 				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no reservation on it (given twice, or another's)",
 					m.Type, h.ID, h.Gen)
 			}
-			delete(p.reserved, h)
-			p.slots = append(p.slots, sl)
+			e.reserved = false
+			p.held.reserved--
+			p.slots = append(p.slots, slotOf(h))
 		}
 		var cerr error
 		if m.Type == wire.TAbortStore {
@@ -607,10 +583,12 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 				o.Outcomes = append(o.Outcomes, wire.OutcomeMissing)
 				continue
 			}
-			h := handleOf(r.Slot)
-			x := p.loads[h]
-			x.slot, x.n = r.Slot, x.n+1
-			p.loads[h] = x
+			e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+			if !ok {
+				return errMsg(m.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
+			}
+			e.loads++
+			p.held.loads++
 			o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
 			o.Slots = append(o.Slots, toWire(r.Slot))
 		}
@@ -663,11 +641,16 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 var errAborted = errors.New("nodepool: store aborted by its client")
 
 // restore gives back the counts taken for handles before a failing one.
-func (p *peer) restore(book map[wire.Handle]held, hs []wire.Handle) {
-	for i, h := range hs {
-		x := book[h]
-		x.slot, x.n = p.slots[i], x.n+1
-		book[h] = x
+func (p *peer) restore(hs []wire.Handle, load bool) {
+	for _, h := range hs {
+		e, _ := p.held.take(h.ID, h.Gen)
+		if load {
+			e.loads++
+			p.held.loads++
+		} else {
+			e.leases++
+			p.held.leases++
+		}
 	}
 }
 
@@ -717,9 +700,9 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 			// Undo this request's reservations: an error leaves nothing held.
 			p.slots = p.slots[:0]
 			for _, sl := range o.Slots {
-				h := wire.Handle{ID: sl.ID, Gen: sl.Gen}
-				p.slots = append(p.slots, p.reserved[h])
-				delete(p.reserved, h)
+				p.held.get(sl.Handle()).reserved = false
+				p.held.reserved--
+				p.slots = append(p.slots, slotOf(sl.Handle()))
 			}
 			if len(p.slots) > 0 {
 				_ = c.CompleteStore(p.slots, errAborted)
@@ -731,7 +714,12 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 			switch r.Outcome {
 			case kvcache.StoreWrite:
 				out = wire.OutcomeWrite
-				p.reserved[handleOf(r.Slot)] = r.Slot
+				e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+				if !ok || e.reserved {
+					return errMsg(m.ReqID, wire.CodeInternal, "slot %d reserved in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
+				}
+				e.reserved = true
+				p.held.reserved++
 				o.Slots = append(o.Slots, toWire(r.Slot))
 			case kvcache.StorePresent:
 				out = wire.OutcomePresent

@@ -141,7 +141,7 @@ func TestTrimWithClients(t *testing.T) {
 	if err := a.CommitStore(slots); err != nil {
 		t.Fatal(err)
 	}
-	hits, leased, err := b.Lookup(keys, true)
+	hits, leased, err := b.Lookup(keys, true, nil)
 	if err != nil || hits != 200 {
 		t.Fatalf("%d hits, %v", hits, err)
 	}
@@ -182,7 +182,7 @@ func TestTrimWithClients(t *testing.T) {
 		t.Fatalf("regions left mapped: %v", rs)
 	}
 	// What is left serves: 128 slots.
-	hits, _, _ = b.Lookup(keys, false)
+	hits, _, _ = b.Lookup(keys, false, nil)
 	more := testKeys(4, 100)
 	res, err = a.BeginStore(StoreRequest{Keys: more}, res[:0])
 	if err != nil {

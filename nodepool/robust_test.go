@@ -57,7 +57,7 @@ func TestNodeGoesAway(t *testing.T) {
 		t.Fatal(err)
 	}
 	mu.Lock()
-	_, leased, err = c.Lookup(keys, true)
+	_, leased, err = c.Lookup(keys, true, nil)
 	mu.Unlock()
 	if err != nil || len(leased) != 10 {
 		t.Fatalf("lookup: %d, %v", len(leased), err)
@@ -69,7 +69,7 @@ func TestNodeGoesAway(t *testing.T) {
 	for c.Available() && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	if _, _, err := c.Lookup(keys, false); !errors.Is(err, ErrUnavailable) {
+	if _, _, err := c.Lookup(keys, false, nil); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("lookup with the node gone: %v", err)
 	}
 	mu.Lock()
@@ -105,7 +105,7 @@ func TestNodeGoesAway(t *testing.T) {
 	if err := c.Unlease(leased); err != nil {
 		t.Fatalf("unlease across a restart: %v", err)
 	}
-	if h, _, err := c.Lookup(keys, false); err != nil || h != 0 {
+	if h, _, err := c.Lookup(keys, false, nil); err != nil || h != 0 {
 		t.Fatalf("after the restart: %d hits, %v", h, err)
 	}
 	res, err = c.BeginStore(StoreRequest{Keys: keys}, res[:0])

@@ -91,21 +91,37 @@ func (r *reader) keys(dst []Key, what string) []Key {
 		return dst
 	}
 	p := r.take(16*n, what)
-	for i := 0; i < n; i++ {
-		var k Key
-		copy(k[:], p[16*i:])
-		dst = append(dst, k)
+	if r.err != nil {
+		return dst
+	}
+	dst = grow(dst, n)
+	for i := range dst {
+		copy(dst[i][:], p[16*i:16*i+16])
 	}
 	return dst
 }
 
 func (r *reader) slots(dst []Slot) []Slot {
 	n := r.count(MaxKeys, 20, "slots")
-	dst = dst[:0]
-	for i := 0; i < n && r.err == nil; i++ {
-		dst = append(dst, Slot{ID: r.u32("slot id"), Gen: r.u32("slot gen"), Region: r.u32("slot region"), Off: r.u64("slot offset")})
+	p := r.take(20*n, "slots")
+	if r.err != nil {
+		return dst[:0]
+	}
+	dst = grow(dst, n)
+	for i := range dst {
+		q := p[20*i : 20*i+20]
+		dst[i] = Slot{ID: le.Uint32(q), Gen: le.Uint32(q[4:]), Region: le.Uint32(q[8:]), Off: le.Uint64(q[12:])}
 	}
 	return dst
+}
+
+// grow returns s resized to n entries, reusing its memory when it can (n
+// was checked against the message's length by count).
+func grow[T any](s []T, n int) []T {
+	if cap(s) < n {
+		return make([]T, n)
+	}
+	return s[:n]
 }
 
 // Decode decodes one whole message b into m, reusing m's slices. Errors

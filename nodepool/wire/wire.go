@@ -42,6 +42,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvoffload/kvoffload/kvcache"
 )
@@ -341,6 +342,7 @@ func appendString(dst []byte, s string) []byte {
 
 func appendKeys(dst []byte, keys []Key) []byte {
 	dst = le.AppendUint32(dst, uint32(len(keys)))
+	dst = slices.Grow(dst, 16*len(keys))
 	for i := range keys {
 		dst = append(dst, keys[i][:]...)
 	}
@@ -349,11 +351,14 @@ func appendKeys(dst []byte, keys []Key) []byte {
 
 func appendSlots(dst []byte, slots []Slot) []byte {
 	dst = le.AppendUint32(dst, uint32(len(slots)))
-	for _, s := range slots {
-		dst = le.AppendUint32(dst, s.ID)
-		dst = le.AppendUint32(dst, s.Gen)
-		dst = le.AppendUint32(dst, s.Region)
-		dst = le.AppendUint64(dst, s.Off)
+	n := len(dst)
+	dst = slices.Grow(dst, 20*len(slots))[:n+20*len(slots)]
+	for i, s := range slots {
+		q := dst[n+20*i : n+20*i+20]
+		le.PutUint32(q, s.ID)
+		le.PutUint32(q[4:], s.Gen)
+		le.PutUint32(q[8:], s.Region)
+		le.PutUint64(q[12:], s.Off)
 	}
 	return dst
 }
