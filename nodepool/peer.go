@@ -468,6 +468,9 @@ func (s *Server) fanOutEvents() {
 					break more
 				}
 			}
+			if f := s.cfg.OnEvents; f != nil {
+				f(batch)
+			}
 			s.mu.Lock()
 			for _, p := range s.peers {
 				if p.subscribed {

@@ -53,6 +53,11 @@ type ServerConfig struct {
 	// NoPrefault leaves the regions' pages to the first client that
 	// touches them (tests with large pools).
 	NoPrefault bool
+	// OnEvents, when set, receives the node's KV events in batches (as a
+	// subscribed client would), on the node's fan-out goroutine; it must
+	// not block for long (events beyond a bounded queue are dropped and
+	// counted). `kvoffload serve --events` publishes them.
+	OnEvents func([]wire.Event)
 	// Logf, when set, receives one line per connection event.
 	Logf func(format string, args ...any)
 }
@@ -136,6 +141,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 			return nil, err
 		}
 		s.gid = gid
+	}
+	if cfg.OnEvents != nil {
+		s.subscribers.Add(1)
 	}
 	if err := s.mapPool(); err != nil {
 		s.unmapAll()
