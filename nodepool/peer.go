@@ -227,7 +227,12 @@ func (s *Server) waitExit(p *peer) {
 	delete(s.waits, f)
 	s.mu.Unlock()
 	if !exited {
-		return // Close closed the pidfd
+		select {
+		case <-s.stop: // Close closed the pidfd
+		default:
+			s.cfg.Logf("client %d (pid %d): waiting for its exit: %v; its holdings stay until the node stops", p.id, p.cred.Pid, err)
+		}
+		return
 	}
 	s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
 		p.id, p.cred.Pid, p.held.reserved, p.held.leases, p.held.loads)
@@ -485,8 +490,6 @@ func (s *Server) fanOutEvents() {
 func toWire(sl kvcache.Slot) wire.Slot {
 	return wire.Slot{ID: uint32(sl.ID), Gen: sl.Gen, Region: uint32(sl.Region), Off: sl.Off}
 }
-
-func handleOf(sl kvcache.Slot) wire.Handle { return wire.Handle{ID: uint32(sl.ID), Gen: sl.Gen} }
 
 // handle serves one request and returns its reply.
 func (p *peer) handle(m *wire.Msg) *wire.Msg {
