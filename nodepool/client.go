@@ -197,11 +197,12 @@ type Client struct {
 	closed   bool
 	redialOn bool
 
-	adds   chan regionAdd
-	stop   chan struct{}
-	wg     sync.WaitGroup
-	msgs   sync.Pool
-	waitrs sync.Pool
+	timeout atomic.Int64 // ClientConfig.Timeout (tests change it)
+	adds    chan regionAdd
+	stop    chan struct{}
+	wg      sync.WaitGroup
+	msgs    sync.Pool
+	waitrs  sync.Pool
 }
 
 type waiter struct {
@@ -235,6 +236,7 @@ func Dial(socket string, cfg ClientConfig) (*Client, error) {
 	}
 	c := &Client{cfg: cfg, socket: socket, regions: map[uint32]*Region{}, waiters: map[uint32]*waiter{}, retired: map[retiredKey]bool{},
 		adds: make(chan regionAdd, 4096), stop: make(chan struct{})}
+	c.timeout.Store(int64(cfg.Timeout))
 	c.msgs.New = func() any { return new(wire.Msg) }
 	c.waitrs.New = func() any { return &waiter{ch: make(chan *wire.Msg, 1)} }
 	if err := c.connect(); err != nil {
@@ -605,7 +607,8 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 		}
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
-	t := time.NewTimer(c.cfg.Timeout)
+	timeout := time.Duration(c.timeout.Load())
+	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
 	case r, ok := <-w.ch:
@@ -628,7 +631,7 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 		if _, pending := c.waiters[m.ReqID]; pending {
 			w.abandoned = true
 			c.mu.Unlock()
-			return nil, fmt.Errorf("%w: no reply to %v in %v", ErrUnavailable, m.Type, c.cfg.Timeout)
+			return nil, fmt.Errorf("%w: no reply to %v in %v", ErrUnavailable, m.Type, timeout)
 		}
 		c.mu.Unlock()
 		// The reply raced the timer: take it.
