@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"slices"
 	"sort"
 	"sync"
@@ -188,6 +189,7 @@ type Client struct {
 
 	mu       sync.Mutex
 	conn     *wire.Conn
+	cs       *connState
 	epoch    uint32
 	info     Info
 	regions  map[uint32]*Region
@@ -203,6 +205,34 @@ type Client struct {
 	wg      sync.WaitGroup
 	msgs    sync.Pool
 	waitrs  sync.Pool
+}
+
+// connState is one connection's reading state. Whoever holds rmu reads
+// the socket and dispatches what it reads: a caller waiting for its reply
+// (the leader: it reads until its own reply comes, handing others' to
+// their waiters, so that a lone caller is woken by the socket itself, not
+// by another goroutine), or, when no call is in flight, the idle reader
+// (pushes, and noticing the node go away).
+type connState struct {
+	conn     *wire.Conn
+	epoch    uint32
+	rmu      sync.Mutex
+	free     chan struct{} // cap 1: rmu was released (a hint to waiters)
+	idle     chan struct{} // cap 1: inflight fell to 0
+	inflight atomic.Int32
+	activity atomic.Uint64
+	dead     atomic.Bool
+	// idleReading: the idle reader holds rmu; a caller kicks it off the
+	// socket with a read deadline in the past.
+	idleReading atomic.Bool
+}
+
+func (cs *connState) release() {
+	cs.rmu.Unlock()
+	select {
+	case cs.free <- struct{}{}:
+	default:
+	}
 }
 
 type waiter struct {
@@ -291,8 +321,9 @@ func (c *Client) connect() error {
 		}
 		c.addRegion(regionAdd{reg: m.Region, fd: fd, epoch: epoch})
 	}
+	cs := &connState{conn: conn, epoch: epoch, free: make(chan struct{}, 1), idle: make(chan struct{}, 1)}
 	c.mu.Lock()
-	c.conn = conn
+	c.conn, c.cs = conn, cs
 	c.mu.Unlock()
 	if c.cfg.OnEvents != nil {
 		c.wg.Add(1)
@@ -302,7 +333,7 @@ func (c *Client) connect() error {
 		}()
 	}
 	c.wg.Add(1)
-	go c.reader(conn, epoch)
+	go c.idleReader(cs)
 	return nil
 }
 
@@ -390,65 +421,139 @@ func (c *Client) mapper() {
 	}
 }
 
-// reader receives replies and pushes for one connection; when it ends the
-// node is gone: pending calls fail with ErrUnavailable, the connection's
-// regions are retired locally, and reconnection starts.
-func (c *Client) reader(conn *wire.Conn, epoch uint32) {
-	defer c.wg.Done()
-	for {
-		m := c.msgs.Get().(*wire.Msg)
-		fd, err := conn.Recv(m)
-		if err != nil {
-			c.msgs.Put(m)
-			if errors.Is(err, wire.ErrMalformed) {
-				continue
-			}
-			break
+// readOne reads one message with cs.rmu held and dispatches it: a push
+// is handled, a reply goes to its waiter, unless it is me's, which is
+// returned. err is the socket's (a deadline, or the connection's end).
+func (c *Client) readOne(cs *connState, me *waiter) (*wire.Msg, error) {
+	m := c.msgs.Get().(*wire.Msg)
+	fd, err := cs.conn.Recv(m)
+	if err != nil {
+		c.msgs.Put(m)
+		if errors.Is(err, wire.ErrMalformed) {
+			return nil, nil // a bad packet from the node: skip it
 		}
-		switch m.Type {
-		case wire.TRegionAdded:
-			if fd < 0 {
-				c.msgs.Put(m)
-				continue
-			}
+		return nil, err
+	}
+	switch m.Type {
+	case wire.TRegionAdded:
+		if fd >= 0 {
 			select {
-			case c.adds <- regionAdd{reg: m.Region, fd: fd, epoch: epoch}:
+			case c.adds <- regionAdd{reg: m.Region, fd: fd, epoch: cs.epoch}:
 			default:
 				_ = unix.Close(fd)
 			}
-			c.msgs.Put(m)
-			continue
-		case wire.TRegionRetire:
-			id := m.Region.ID
-			c.msgs.Put(m)
-			c.wg.Add(1)
-			go c.retire(id, epoch)
-			continue
-		case wire.TEvents:
-			if f := c.cfg.OnEvents; f != nil {
-				f(m.Events)
+		}
+		c.msgs.Put(m)
+		return nil, nil
+	case wire.TRegionRetire:
+		id := m.Region.ID
+		c.msgs.Put(m)
+		c.wg.Add(1)
+		go c.retire(id, cs.epoch)
+		return nil, nil
+	case wire.TEvents:
+		if f := c.cfg.OnEvents; f != nil {
+			f(m.Events)
+		}
+		c.msgs.Put(m)
+		return nil, nil
+	}
+	if fd >= 0 {
+		_ = unix.Close(fd)
+	}
+	c.mu.Lock()
+	w := c.waiters[m.ReqID]
+	delete(c.waiters, m.ReqID)
+	abandoned := w != nil && w.abandoned
+	c.mu.Unlock()
+	switch {
+	case w == nil:
+		c.msgs.Put(m)
+	case w == me:
+		return m, nil
+	case abandoned:
+		c.compensate(m, cs.epoch)
+	default:
+		w.ch <- m
+	}
+	return nil, nil
+}
+
+// readFailed handles a read error with cs.rmu held: a deadline is not a
+// failure; anything else is the connection's end.
+func (c *Client) readFailed(cs *connState, err error) {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return
+	}
+	if !cs.dead.Swap(true) {
+		c.lost(cs.conn, cs.epoch)
+	}
+}
+
+// idleReader reads the connection while no call is in flight: pushes
+// (regions, retirements, events) and the node's going away.
+func (c *Client) idleReader(cs *connState) {
+	defer c.wg.Done()
+	quiet := time.NewTimer(time.Hour)
+	defer quiet.Stop()
+	for !cs.dead.Load() {
+		if cs.inflight.Load() > 0 {
+			select {
+			case <-cs.idle:
+			case <-c.stop:
+				return
 			}
-			c.msgs.Put(m)
 			continue
 		}
-		if fd >= 0 {
-			_ = unix.Close(fd)
+		// A quiet millisecond first: calls back to back lead themselves.
+		a := cs.activity.Load()
+		quiet.Reset(time.Millisecond)
+		select {
+		case <-quiet.C:
+		case <-c.stop:
+			return
 		}
-		c.mu.Lock()
-		w := c.waiters[m.ReqID]
-		delete(c.waiters, m.ReqID)
-		abandoned := w != nil && w.abandoned
-		c.mu.Unlock()
-		switch {
-		case w == nil:
-			c.msgs.Put(m)
-		case abandoned:
-			c.compensate(m, epoch)
+		if cs.inflight.Load() > 0 || cs.activity.Load() != a {
+			continue
+		}
+		cs.rmu.Lock()
+		if cs.dead.Load() {
+			cs.release()
+			return
+		}
+		_ = cs.conn.UnixConn().SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		cs.idleReading.Store(true)
+		_, err := c.readOne(cs, nil)
+		cs.idleReading.Store(false)
+		if err != nil {
+			c.readFailed(cs, err)
+		}
+		cs.release()
+	}
+}
+
+// lead reads the connection (cs.rmu held, released on return) until w's
+// reply comes, the deadline passes, or the connection ends (w.ch closed).
+func (c *Client) lead(cs *connState, w *waiter, deadline time.Time) (*wire.Msg, bool) {
+	defer cs.release()
+	for {
+		select {
+		case r, ok := <-w.ch: // delivered before this caller led
+			return r, ok
 		default:
-			w.ch <- m
+		}
+		if cs.dead.Load() || !time.Now().Before(deadline) {
+			return nil, true
+		}
+		_ = cs.conn.UnixConn().SetReadDeadline(deadline)
+		r, err := c.readOne(cs, w)
+		if r != nil {
+			return r, true
+		}
+		if err != nil {
+			c.readFailed(cs, err) // a deadline (ours, or a stale kick): the loop decides
 		}
 	}
-	c.lost(conn, epoch)
 }
 
 // retire answers the node's RegionRetire: hook, unmap, acknowledge.
@@ -530,9 +635,14 @@ func (c *Client) lost(conn *wire.Conn, epoch uint32) {
 	if !closed {
 		c.cfg.Logf("node at %s gone: %d regions retired locally", c.socket, len(gone))
 	}
-	for _, r := range gone {
-		c.retireLocal(r)
-	}
+	// Not on the caller that noticed: the hooks may wait for copies.
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		for _, r := range gone {
+			c.retireLocal(r)
+		}
+	}()
 	if start {
 		c.wg.Add(1)
 		go c.redial()
@@ -583,7 +693,7 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 		c.waitrs.Put(w)
 		return nil, ErrClientClosed
 	}
-	conn := c.conn
+	conn, cs := c.conn, c.cs
 	if conn == nil || (epoch != 0 && epoch != c.epoch) {
 		c.mu.Unlock()
 		c.waitrs.Put(w)
@@ -608,10 +718,65 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	timeout := time.Duration(c.timeout.Load())
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	select {
-	case r, ok := <-w.ch:
+	deadline := time.Now().Add(timeout)
+	cs.inflight.Add(1)
+	defer func() {
+		if cs.inflight.Add(-1) == 0 {
+			cs.activity.Add(1)
+			select {
+			case cs.idle <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	var t *time.Timer
+	for {
+		var r *wire.Msg
+		ok, got := true, false
+		select {
+		case r, ok = <-w.ch:
+			got = true
+		default:
+		}
+		if !got && !time.Now().Before(deadline) {
+			goto expired
+		}
+		if !got && cs.rmu.TryLock() {
+			r, ok = c.lead(cs, w, deadline)
+			got = r != nil || !ok
+		}
+		if !got {
+			if cs.idleReading.Load() {
+				_ = cs.conn.UnixConn().SetReadDeadline(time.Unix(1, 0)) // kick the idle reader off the socket
+			}
+			if t == nil {
+				t = time.NewTimer(time.Until(deadline))
+				defer t.Stop()
+			}
+			select {
+			case r, ok = <-w.ch:
+				got = true
+			case <-cs.free:
+				continue // the reader left: lead
+			case <-t.C:
+			}
+		}
+		if !got {
+			continue
+		}
+	expired:
+		if !got {
+			c.mu.Lock()
+			if _, pending := c.waiters[m.ReqID]; pending {
+				w.abandoned = true
+				c.mu.Unlock()
+				return nil, fmt.Errorf("%w: no reply to %v in %v", ErrUnavailable, m.Type, timeout)
+			}
+			c.mu.Unlock()
+			// The reply raced the deadline: it is in w.ch, or the
+			// connection ended.
+			r, ok = <-w.ch
+		}
 		if !ok {
 			return nil, ErrUnavailable // the connection ended; w is dropped
 		}
@@ -626,26 +791,6 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 			return nil, fmt.Errorf("%w: the node answered %v with %v", ErrInvalid, m.Type, r.Type)
 		}
 		return r, nil
-	case <-t.C:
-		c.mu.Lock()
-		if _, pending := c.waiters[m.ReqID]; pending {
-			w.abandoned = true
-			c.mu.Unlock()
-			return nil, fmt.Errorf("%w: no reply to %v in %v", ErrUnavailable, m.Type, timeout)
-		}
-		c.mu.Unlock()
-		// The reply raced the timer: take it.
-		r, ok := <-w.ch
-		if !ok {
-			return nil, ErrUnavailable
-		}
-		c.waitrs.Put(w)
-		if r.Type == wire.TError {
-			err := replyErr(r)
-			c.msgs.Put(r)
-			return nil, err
-		}
-		return r, nil
 	}
 }
 
@@ -654,9 +799,17 @@ func (c *Client) done(m *wire.Msg) { c.msgs.Put(m) }
 // resolver turns node slots into this process's addresses; it caches
 // the last region looked up (a reply's slots mostly share a few).
 type resolver struct {
-	c     *Client
-	epoch uint32
-	last  *Region
+	c        *Client
+	epoch    uint32
+	slotSize uint64
+	last     *Region
+}
+
+// resolverAt returns a resolver for connection epoch.
+func (c *Client) resolverAt(epoch uint32) resolver {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return resolver{c: c, epoch: epoch, slotSize: c.info.SlotSize}
 }
 
 // slot resolves a node slot to this process's address; ok is false when
@@ -671,7 +824,7 @@ func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
 		rv.last = r
 	}
 	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Off: s.Off, epoch: rv.epoch}
-	if r == nil || !r.usable.Load() || r.epoch != rv.epoch || s.Off+c.info.SlotSize > uint64(r.Size) {
+	if r == nil || !r.usable.Load() || r.epoch != rv.epoch || s.Off+rv.slotSize > uint64(r.Size) {
 		return out, false
 	}
 	out.Addr = r.Base + uintptr(s.Off)
@@ -782,7 +935,7 @@ func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []
 		}
 		h := int(r.N)
 		var drop []Slot
-		rv := resolver{c: c, epoch: epoch}
+		rv := c.resolverAt(epoch)
 		leased = slices.Grow(leased, len(r.Slots))
 		for i, s := range r.Slots {
 			sl, ok := rv.slot(s)
@@ -898,7 +1051,7 @@ func (c *Client) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult,
 		}
 		var unusable []Slot
 		si := 0
-		rv := resolver{c: c, epoch: epoch}
+		rv := c.resolverAt(epoch)
 		for _, o := range r.Outcomes {
 			res := StoreResult{Outcome: StoreOutcome(o)}
 			if o == wire.OutcomeWrite {
@@ -958,7 +1111,7 @@ func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
 		}
 		var unusable []Slot
 		si := 0
-		rv := resolver{c: c, epoch: epoch}
+		rv := c.resolverAt(epoch)
 		for _, o := range r.Outcomes {
 			var res LoadResult
 			if o == wire.OutcomeFound {

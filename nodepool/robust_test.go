@@ -72,6 +72,15 @@ func TestNodeGoesAway(t *testing.T) {
 	if _, _, err := c.Lookup(keys, false, nil); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("lookup with the node gone: %v", err)
 	}
+	for {
+		mu.Lock()
+		n := len(seen)
+		mu.Unlock()
+		if n == 10 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
 	mu.Lock()
 	if len(seen) != 10 {
 		t.Fatalf("the retiring hook saw %d leased blocks", len(seen))

@@ -23,7 +23,9 @@ const (
 	DefaultRegionBytes int64 = 4 << 30
 	// DefaultPushQueue is how many pushes (region announcements, retire
 	// notices, event batches) may wait for a client that does not read;
-	// beyond it the node drops that client's connection.
+	// beyond it the node drops that client's connection (what it holds is
+	// released when its process exits, as for any client that leaves
+	// without goodbye).
 	DefaultPushQueue = 1024
 )
 
