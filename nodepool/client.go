@@ -135,9 +135,9 @@ type Info struct {
 type Slot struct {
 	ID, Gen uint32
 	Region  uint32
+	epoch   uint32
 	Off     uint64
 	Addr    uintptr
-	epoch   uint32
 }
 
 // StoreOutcome is BeginStore's answer for one key.
