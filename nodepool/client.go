@@ -109,6 +109,12 @@ type ClientConfig struct {
 	// Redial is the wait between reconnection attempts after the node
 	// went away (default 200 ms); negative: never reconnect.
 	Redial time.Duration
+	// NoMap is for a client without a GPU (a scheduler, a router): it
+	// maps no region (the node's fds are closed as they come, Hooks are
+	// never called) and uses Lookup (with leases), Unlease, Delete, Clear,
+	// Stats and events; its leased slots have no address (Addr 0).
+	// BeginStore and BeginLoad are ErrInvalid.
+	NoMap bool
 	// OnEvents, when set, subscribes to the node's KV events (every
 	// namespace; Event.NS against Info().NamespaceID): blocks becoming
 	// ready and leaving the index. It runs on the client's reader and
@@ -359,6 +365,10 @@ func replyErr(m *wire.Msg) error {
 // addRegion maps a region (populating its page tables in parallel),
 // calls Hooks.RegionAdded, and makes it usable.
 func (c *Client) addRegion(a regionAdd) {
+	if c.cfg.NoMap {
+		_ = unix.Close(a.fd)
+		return
+	}
 	mr, err := mmapmem.OpenMemfd(a.fd, int64(a.reg.Size), mmapmem.Options{PrefaultThreads: c.cfg.PrefaultThreads, NoPrefault: c.cfg.NoPrefault})
 	if err != nil {
 		_ = unix.Close(a.fd)
@@ -824,6 +834,9 @@ func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
 		rv.last = r
 	}
 	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Off: s.Off, epoch: rv.epoch}
+	if c.cfg.NoMap {
+		return out, true // a lease without an address
+	}
 	if r == nil || !r.usable.Load() || r.epoch != rv.epoch || s.Off+rv.slotSize > uint64(r.Size) {
 		return out, false
 	}
@@ -876,6 +889,9 @@ func (c *Client) Regions() []*Region {
 // connection is mapped and usable here (or failed to map: see
 // Info().RegionErrors), at most d; it reports whether they are.
 func (c *Client) WaitRegions(d time.Duration) bool {
+	if c.cfg.NoMap {
+		return true
+	}
 	deadline := time.Now().Add(d)
 	for {
 		c.mu.Lock()
@@ -1022,6 +1038,9 @@ func (c *Client) EndLoad(slots []Slot) error { return c.handles(wire.TEndLoad, s
 // BeginStore reserves a slot for each key to store, appending one result
 // per key to dst.
 func (c *Client) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
+	if c.cfg.NoMap {
+		return dst, fmt.Errorf("%w: a client without mappings (NoMap) cannot store", ErrInvalid)
+	}
 	if req.Parents != nil && len(req.Parents) != len(req.Keys) {
 		return dst, fmt.Errorf("%w: %d parents for %d keys", ErrInvalid, len(req.Parents), len(req.Keys))
 	}
@@ -1089,6 +1108,9 @@ func (c *Client) abortResults(rs []StoreResult) {
 // appending one result per key to dst. A found block whose region is not
 // usable here is reported missing (and its load ended).
 func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
+	if c.cfg.NoMap {
+		return dst, fmt.Errorf("%w: a client without mappings (NoMap) cannot load", ErrInvalid)
+	}
 	start := len(dst)
 	m := c.msgs.Get().(*wire.Msg)
 	defer c.msgs.Put(m)

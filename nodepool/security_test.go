@@ -139,3 +139,42 @@ func TestTimeoutGivesBack(t *testing.T) {
 	}
 	waitStats(t, s, "late lease given back", func(st Stats) bool { return st.Cache.Leased == 0 && st.Cache.LookupHits == 4 })
 }
+
+// TestNoMap: a client without a GPU (scheduler, router) maps nothing but
+// looks up, leases and reads the node's stats; its leases hold blocks
+// like anyone's and are released with it.
+func TestNoMap(t *testing.T) {
+	s := startServer(t, ServerConfig{PoolBytes: 1 << 20})
+	w := dial(t, s.Addr(), ClientConfig{})
+	defer w.Close()
+	keys := testKeys(12, 4)
+	res, _ := w.BeginStore(StoreRequest{Keys: keys}, nil)
+	if err := w.CommitStore([]Slot{res[0].Slot, res[1].Slot, res[2].Slot, res[3].Slot}); err != nil {
+		t.Fatal(err)
+	}
+	r := dial(t, s.Addr(), ClientConfig{NoMap: true})
+	if len(r.Regions()) != 0 {
+		t.Fatal("a NoMap client mapped regions")
+	}
+	hits, leased, err := r.Lookup(keys, true, nil)
+	if err != nil || hits != 4 || leased[0].Addr != 0 {
+		t.Fatalf("%d hits %v %v", hits, leased, err)
+	}
+	if st, err := r.Stats(); err != nil || st.Cache.Leased != 4 {
+		t.Fatalf("stats %+v %v", st.Cache, err)
+	}
+	if _, err := r.BeginLoad(keys, nil); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("load without mappings: %v", err)
+	}
+	if _, err := r.Trim(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	// The leased region drains only once the scheduler lets go.
+	if st := s.Stats(); st.FreedBytes != 0 || st.RegionsRetiring != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitStats(t, s, "freed", func(st Stats) bool { return st.FreedBytes == 1<<20 })
+}
