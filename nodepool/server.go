@@ -195,6 +195,17 @@ func (s *Server) mapPool() error {
 		left -= size
 		id++
 	}
+	var thpBytes, total int64
+	if huge == 0 && !s.cfg.NoPrefault && thp > 0 {
+		// What the kernel granted, measured on the node's mapping.
+		for _, rr := range s.regions {
+			n, err := mmapmem.HugeBytes(rr.r)
+			if err == nil {
+				thpBytes += n
+			}
+			total += rr.r.Mapped()
+		}
+	}
 	switch {
 	case huge == len(s.regions):
 		s.pageMode = "hugetlb (hugetlbfs memfd)"
@@ -202,10 +213,10 @@ func (s *Server) mapPool() error {
 		s.pageMode = fmt.Sprintf("hugetlb for %d of %d regions, base pages for the rest", huge, len(s.regions))
 	case shmem == "never" || shmem == "deny" || shmem == "":
 		s.pageMode = fmt.Sprintf("base pages (shmem_enabled=%s: no transparent huge pages on shared memory)", orUnknown(shmem))
-	case thp > 0 || shmem == "always" || shmem == "within_size" || shmem == "force":
-		s.pageMode = fmt.Sprintf("transparent huge pages where the kernel grants them (shmem_enabled=%s)", shmem)
+	case total > 0:
+		s.pageMode = fmt.Sprintf("transparent huge pages for %d of %d bytes (shmem_enabled=%s, MADV_HUGEPAGE)", thpBytes, total, shmem)
 	default:
-		s.pageMode = fmt.Sprintf("base pages (shmem_enabled=%s)", shmem)
+		s.pageMode = fmt.Sprintf("transparent huge pages where the kernel grants them (shmem_enabled=%s, MADV_HUGEPAGE)", shmem)
 	}
 	return nil
 }
