@@ -806,41 +806,54 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 
 func (c *Client) done(m *wire.Msg) { c.msgs.Put(m) }
 
-// resolver turns node slots into this process's addresses; it caches
-// the last region looked up (a reply's slots mostly share a few).
+// resolver turns node slots into this process's addresses, looking a
+// region up once per run of slots in it (a reply's slots mostly share a
+// few regions).
 type resolver struct {
 	c        *Client
 	epoch    uint32
 	slotSize uint64
-	last     *Region
+	noMap    bool
+	valid    bool // lastID's fields below are loaded
+	lastID   uint32
+	usable   bool
+	base     uintptr
+	size     uint64
 }
 
 // resolverAt returns a resolver for connection epoch.
 func (c *Client) resolverAt(epoch uint32) resolver {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return resolver{c: c, epoch: epoch, slotSize: c.info.SlotSize}
+	return resolver{c: c, epoch: epoch, slotSize: c.info.SlotSize, noMap: c.cfg.NoMap}
+}
+
+func (rv *resolver) load(id uint32) {
+	c := rv.c
+	c.mu.Lock()
+	r := c.regions[id]
+	c.mu.Unlock()
+	rv.valid, rv.lastID = true, id
+	rv.usable = r != nil && r.usable.Load() && r.epoch == rv.epoch
+	if rv.usable {
+		rv.base, rv.size = r.Base, uint64(r.Size)
+	}
 }
 
 // slot resolves a node slot to this process's address; ok is false when
 // its region is not usable here.
 func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
-	c := rv.c
-	r := rv.last
-	if r == nil || r.ID != s.Region {
-		c.mu.Lock()
-		r = c.regions[s.Region]
-		c.mu.Unlock()
-		rv.last = r
-	}
-	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Off: s.Off, epoch: rv.epoch}
-	if c.cfg.NoMap {
+	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, epoch: rv.epoch, Off: s.Off}
+	if rv.noMap {
 		return out, true // a lease without an address
 	}
-	if r == nil || !r.usable.Load() || r.epoch != rv.epoch || s.Off+rv.slotSize > uint64(r.Size) {
+	if !rv.valid || s.Region != rv.lastID {
+		rv.load(s.Region)
+	}
+	if !rv.usable || s.Off+rv.slotSize > rv.size {
 		return out, false
 	}
-	out.Addr = r.Base + uintptr(s.Off)
+	out.Addr = rv.base + uintptr(s.Off)
 	return out, true
 }
 
