@@ -79,3 +79,55 @@ func TestConcurrentCallers(t *testing.T) {
 	}
 	waitStats(t, s, "region freed", func(st Stats) bool { return st.FreedBytes == 2<<20 })
 }
+
+// TestLargeOps: the largest messages (MaxKeys keys with their parents,
+// MaxKeys slots back) pass through the socket, and longer ops are split.
+func TestLargeOps(t *testing.T) {
+	n := 5000 // more than wire.MaxKeys
+	s := startServer(t, ServerConfig{PoolBytes: int64(n+100) * testSlot, NoPrefault: true})
+	c := dial(t, s.Addr(), ClientConfig{NoPrefault: true})
+	defer c.Close()
+	keys := testKeys(20, n)
+	parents := make([]Key, n)
+	for i := 1; i < n; i++ {
+		parents[i] = keys[i-1]
+	}
+	res, err := c.BeginStore(StoreRequest{Keys: keys, Parents: parents}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slots := make([]Slot, 0, n)
+	for i, r := range res {
+		if r.Outcome != StoreWrite {
+			t.Fatalf("key %d: %d", i, r.Outcome)
+		}
+		slots = append(slots, r.Slot)
+	}
+	if err := c.CommitStore(slots); err != nil {
+		t.Fatal(err)
+	}
+	hits, leased, err := c.Lookup(keys, true, nil)
+	if err != nil || hits != n || len(leased) != n {
+		t.Fatalf("%d hits, %d leased, %v", hits, len(leased), err)
+	}
+	if err := c.Unlease(leased); err != nil {
+		t.Fatal(err)
+	}
+	lr, err := c.BeginLoad(keys, nil)
+	if err != nil || len(lr) != n || !lr[n-1].Found {
+		t.Fatalf("load: %d %v", len(lr), err)
+	}
+	slots = slots[:0]
+	for _, r := range lr {
+		slots = append(slots, r.Slot)
+	}
+	if err := c.EndLoad(slots); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := c.Delete(keys); err != nil || d != n {
+		t.Fatalf("delete %d %v", d, err)
+	}
+	if st := s.Stats(); st.Cache.Leased != 0 || st.Cache.Ready != 0 {
+		t.Fatalf("stats %+v", st.Cache)
+	}
+}
