@@ -215,6 +215,43 @@ func runChild(role, socket, args string) int {
 			return 1
 		}
 		say("verified %d", hits)
+	case "churn":
+		// Store seed after seed, each block written in two halves with a
+		// pause between, until killed.
+		for sd := seed; ; sd++ {
+			ks := testKeys(sd, n)
+			res, err := c.BeginStore(StoreRequest{Keys: ks}, nil)
+			if err != nil {
+				say("error %v", err)
+				return 1
+			}
+			var slots []Slot
+			for i, r := range res {
+				if r.Outcome == StoreWrite {
+					b := c.SlotBytes(r.Slot)
+					tmp := make([]byte, len(b))
+					fill(tmp, ks[i])
+					copy(b[:len(b)/2], tmp)
+					slots = append(slots, r.Slot)
+				}
+			}
+			time.Sleep(time.Duration(sd%3) * time.Millisecond)
+			for i, r := range res {
+				if r.Outcome == StoreWrite {
+					b := c.SlotBytes(r.Slot)
+					tmp := make([]byte, len(b))
+					fill(tmp, ks[i])
+					copy(b[len(b)/2:], tmp[len(b)/2:])
+				}
+			}
+			if err := c.CommitStore(slots); err != nil {
+				say("error %v", err)
+				return 1
+			}
+			if sd == seed {
+				say("churning")
+			}
+		}
 	case "hang", "drop":
 		res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
 		if err != nil {

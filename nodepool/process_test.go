@@ -2,6 +2,7 @@ package nodepool
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"sync"
 	"syscall"
@@ -202,5 +203,46 @@ func TestTrimWithClients(t *testing.T) {
 	}
 	if err := a.CommitStore(slots); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestKillChurn: writers SIGKILLed at random points of their stores,
+// round after round; every block any client finds is whole, and nothing
+// a dead writer held stays held.
+func TestKillChurn(t *testing.T) {
+	s := startServer(t, ServerConfig{PoolBytes: 4 << 20}) // 256 slots: stores evict
+	v := dial(t, s.Addr(), ClientConfig{})
+	defer v.Close()
+	rng := rand.New(rand.NewPCG(1, 2))
+	for round := 0; round < 4; round++ {
+		first := 1000 * (round + 1)
+		ch := startChild(t, "churn", s.Addr(), fmt.Sprintf("%d 16", first))
+		ch.expect(t, "churning")
+		time.Sleep(time.Duration(20+rng.IntN(80)) * time.Millisecond)
+		_ = ch.cmd.Process.Signal(syscall.SIGKILL)
+		_ = ch.cmd.Wait()
+		waitStats(t, s, "released", func(st Stats) bool { return st.ReleasedOnExit == uint64(round+1) })
+		st := s.Stats()
+		if st.Cache.Writing != 0 || st.Cache.Leased != 0 {
+			t.Fatalf("round %d: held after exit: %+v", round, st.Cache)
+		}
+		found := 0
+		for sd := first; sd < first+400; sd++ {
+			ks := testKeys(sd, 16)
+			hits, leased, err := v.Lookup(ks, true, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, sl := range leased {
+				if err := check(v.SlotBytes(sl), ks[i]); err != nil {
+					t.Fatalf("round %d seed %d: %v", round, sd, err)
+				}
+			}
+			found += hits
+			if err := v.Unlease(leased); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Logf("round %d: %d blocks found whole, %d store failures so far", round, found, st.Cache.StoreFailed)
 	}
 }
