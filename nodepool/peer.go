@@ -36,10 +36,11 @@ type peer struct {
 	doneOnce sync.Once
 	bye      bool
 
-	in, out  wire.Msg
-	slots    []kvcache.Slot
-	storeRes []kvcache.StoreResult
-	loadRes  []kvcache.LoadResult
+	in, out   wire.Msg
+	unsettled bool // p.slots holds leases to record once the reply is sent
+	slots     []kvcache.Slot
+	storeRes  []kvcache.StoreResult
+	loadRes   []kvcache.LoadResult
 }
 
 type push struct {
@@ -317,7 +318,9 @@ func (p *peer) serve() (registered bool) {
 		if out == nil {
 			continue
 		}
-		if err := p.reply(out); err != nil || p.bye {
+		err = p.reply(out)
+		p.settle() // whether or not the reply went out: what is held is recorded
+		if err != nil || p.bye {
 			return registered
 		}
 	}
@@ -511,14 +514,12 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		n, p.slots = c.LookupLease(m.Keys, p.slots[:0])
 		o.N = uint64(n)
 		for _, sl := range p.slots {
-			e, ok := p.held.take(uint32(sl.ID), sl.Gen)
-			if !ok {
-				return errMsg(m.ReqID, wire.CodeInternal, "slot %d leased in generation %d while this client holds generation %d", sl.ID, sl.Gen, e.gen)
-			}
-			e.leases++
-			p.held.leases++
 			o.Slots = append(o.Slots, toWire(sl))
 		}
+		// Recorded after the reply is sent (settle): the client cannot
+		// give them back before it has the reply, and this goroutine
+		// reads its next request only after settling.
+		p.unsettled = true
 	case wire.TUnlease, wire.TEndLoad:
 		load := m.Type == wire.TEndLoad
 		p.slots = p.slots[:0]
@@ -646,6 +647,27 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 
 var errAborted = errors.New("nodepool: store aborted by its client")
 
+// settle records the leases a Lookup took, after its reply was sent.
+func (p *peer) settle() {
+	if !p.unsettled {
+		return
+	}
+	p.unsettled = false
+	for _, sl := range p.slots {
+		e, ok := p.held.take(uint32(sl.ID), sl.Gen)
+		if !ok {
+			// The index never reoccupies a slot this client holds: if it
+			// ever did, keep the lease unrecorded (released with the
+			// index) rather than mix two generations.
+			p.s.counter.internal.Add(1)
+			p.s.cfg.Logf("client %d: slot %d leased in generation %d while it holds generation %d", p.id, sl.ID, sl.Gen, e.gen)
+			continue
+		}
+		e.leases++
+		p.held.leases++
+	}
+}
+
 // restore gives back the counts taken for handles before a failing one.
 func (p *peer) restore(hs []wire.Handle, load bool) {
 	for _, h := range hs {
@@ -768,6 +790,9 @@ type Stats struct {
 	ReleasedOnBye  uint64            `json:"released_on_bye"`
 	EventsDropped  uint64            `json:"events_dropped"`
 	PeersDropped   uint64            `json:"peers_dropped"`
+	// InternalErrors counts states the node never expects (a client
+	// holding two generations of one slot); 0 unless there is a bug.
+	InternalErrors uint64 `json:"internal_errors"`
 }
 
 // Stats returns a snapshot of the node's state.
@@ -795,5 +820,6 @@ func (s *Server) Stats() Stats {
 	st.ReleasedOnBye = s.counter.releasedOnBye.Load()
 	st.EventsDropped = s.counter.eventsDropped.Load()
 	st.PeersDropped = s.counter.peersDropped.Load()
+	st.InternalErrors = s.counter.internal.Load()
 	return st
 }

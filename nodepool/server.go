@@ -91,7 +91,7 @@ type Server struct {
 	events  chan wire.Event
 	counter struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
-		eventsDropped, peersDropped                                 atomic.Uint64
+		eventsDropped, peersDropped, internal                       atomic.Uint64
 	}
 }
 
