@@ -44,7 +44,9 @@ type ServerConfig struct {
 	// is 0600 and only peers of the node's uid (and root) are admitted.
 	Group string
 	// HugeTLB maps regions from hugetlbfs (MFD_HUGETLB) when pages are
-	// reserved, falling back to base pages (Info says which applies).
+	// reserved, falling back to shared memory's pages (PageMode says
+	// which applies, and why). `kvoffload serve` sets it unless
+	// --hugetlb=false.
 	HugeTLB bool
 	// Policy is "lru" (default) or "tinylfu".
 	Policy string
@@ -180,6 +182,7 @@ func (s *Server) mapPool() error {
 		NoTHP: shmem == "never" || shmem == "deny"}
 	left, id := s.cfg.PoolBytes, uint32(1)
 	var huge, thp int
+	fallback := ""
 	for left > 0 {
 		size := min(left, s.cfg.RegionBytes)
 		r, err := mmapmem.New(size, opts)
@@ -191,6 +194,9 @@ func (s *Server) mapPool() error {
 			huge++
 		} else if r.THP() {
 			thp++
+		}
+		if fallback == "" && s.cfg.HugeTLB && !r.HugeTLB() {
+			fallback = r.Fallback()
 		}
 		left -= size
 		id++
@@ -217,6 +223,9 @@ func (s *Server) mapPool() error {
 		s.pageMode = fmt.Sprintf("transparent huge pages for %d of %d bytes (shmem_enabled=%s, MADV_HUGEPAGE)", thpBytes, total, shmem)
 	default:
 		s.pageMode = fmt.Sprintf("transparent huge pages where the kernel grants them (shmem_enabled=%s, MADV_HUGEPAGE)", shmem)
+	}
+	if huge == 0 && fallback != "" {
+		s.pageMode += "; " + fallback
 	}
 	return nil
 }

@@ -37,7 +37,7 @@ on SIGTERM or SIGINT.`,
 		fs.Var(sizeFlag{&cfg.PoolBytes}, "pool", "pool size in `bytes`")
 		fs.Var(sizeFlag{&cfg.RegionBytes}, "region", "region size in `bytes`, the unit of trim (default 4GiB)")
 		fs.StringVar(&cfg.Group, "group", "", "admit this `group` (name or gid): socket 0660 owned by it")
-		fs.BoolVar(&cfg.HugeTLB, "hugetlb", false, "map the pool from hugetlbfs (MFD_HUGETLB) when pages are reserved")
+		fs.BoolVar(&cfg.HugeTLB, "hugetlb", true, "map the pool from hugetlbfs (MFD_HUGETLB) where pages are reserved, else shared memory's pages")
 		fs.StringVar(&cfg.Policy, "policy", "lru", "eviction `policy`: lru or tinylfu")
 		fs.IntVar(&cfg.LowWatermark, "low-watermark", 0, "free `slots` kept by evicting ahead of demand")
 		metricsAddr := fs.String("metrics", "", "serve Prometheus metrics at http://`addr`/metrics")
