@@ -292,6 +292,9 @@ func (c *Client) connect() error {
 	}
 	conn := wire.NewConn(uc)
 	fail := func(err error) error { _ = conn.Close(); return err }
+	// The handshake and the first region within the op timeout: a node
+	// that accepts but never answers is unavailable, not a hang.
+	_ = uc.SetDeadline(time.Now().Add(c.cfg.Timeout))
 	hello := &wire.Msg{Type: wire.THello, ReqID: 1, Version: wire.Version, Namespace: c.cfg.Namespace, Layout: c.cfg.Layout}
 	if err := conn.Send(hello, -1); err != nil {
 		return fail(fmt.Errorf("%w: hello: %w", ErrUnavailable, err))
@@ -319,14 +322,19 @@ func (c *Client) connect() error {
 	// The first region at once: mapped, populated, registered.
 	if regions > 0 {
 		fd, err := conn.Recv(&m)
-		if err != nil || m.Type != wire.TRegionAdded || fd < 0 {
+		if err == nil && (m.Type != wire.TRegionAdded || fd < 0) {
+			err = fmt.Errorf("%v with fd %d, want the first RegionAdded", m.Type, fd)
+		}
+		if err != nil {
 			if fd >= 0 {
 				_ = unix.Close(fd)
 			}
-			return fail(fmt.Errorf("%w: first region: %v %w", ErrUnavailable, m.Type, err))
+			return fail(fmt.Errorf("%w: first region: %w", ErrUnavailable, err))
 		}
+		_ = uc.SetDeadline(time.Time{})
 		c.addRegion(regionAdd{reg: m.Region, fd: fd, epoch: epoch})
 	}
+	_ = uc.SetDeadline(time.Time{})
 	cs := &connState{conn: conn, epoch: epoch, free: make(chan struct{}, 1), idle: make(chan struct{}, 1)}
 	c.mu.Lock()
 	c.conn, c.cs = conn, cs

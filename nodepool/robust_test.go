@@ -291,3 +291,28 @@ func FuzzServer(f *testing.F) {
 		}
 	})
 }
+
+// TestDialHungNode: a socket whose node never answers is ErrUnavailable
+// after the timeout, not a hang.
+func TestDialHungNode(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "hung.sock")
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: sock, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			defer c.Close()
+			<-done
+		}
+	}()
+	start := time.Now()
+	_, err = Dial(sock, ClientConfig{Namespace: "x", Layout: testLayout, Timeout: 200 * time.Millisecond})
+	if !errors.Is(err, ErrUnavailable) || time.Since(start) > 3*time.Second {
+		t.Fatalf("after %v: %v", time.Since(start), err)
+	}
+}
