@@ -620,13 +620,14 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		o.Type, o.JSON = wire.TTrimOK, b
 	case wire.TRetireAck:
 		s.mu.Lock()
-		ok := p.regions[m.Region.ID]
+		rr := s.regions[m.Region.ID]
+		ok := p.regions[m.Region.ID] && rr != nil && rr.state == regionRetiring
 		if ok {
 			s.acked(p, m.Region.ID)
 		}
 		s.mu.Unlock()
 		if !ok {
-			return errMsg(m.ReqID, wire.CodeNotYours, "RetireAck of region %d: not mapped by this client", m.Region.ID)
+			return errMsg(m.ReqID, wire.CodeNotYours, "RetireAck of region %d: not a region this client was told to unmap", m.Region.ID)
 		}
 	case wire.TSubscribe:
 		s.mu.Lock()
