@@ -117,8 +117,9 @@ type ClientConfig struct {
 	NoMap bool
 	// OnEvents, when set, subscribes to the node's KV events (every
 	// namespace; Event.NS against Info().NamespaceID): blocks becoming
-	// ready and leaving the index. It runs on the client's reader and
-	// must not block.
+	// ready and leaving the index. It runs on whichever goroutine reads
+	// the connection (a caller of an op waiting for its reply, or the
+	// client's idle reader), so it must not block nor call the client.
 	OnEvents func([]wire.Event)
 	// Logf, when set, is told about reconnections and region changes.
 	Logf func(format string, args ...any)
