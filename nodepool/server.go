@@ -29,6 +29,11 @@ const (
 	DefaultPushQueue = 1024
 )
 
+// MaxRegionBytes bounds ServerConfig.RegionBytes: one region is one CUDA
+// registration range in every client (cuMemHostRegister is done in ranges
+// of at most 64 GiB), so no slot straddles two.
+const MaxRegionBytes int64 = 64 << 30
+
 // ServerConfig configures a node.
 type ServerConfig struct {
 	// Socket is the path of the unix socket (SOCK_SEQPACKET). Required. A
@@ -37,7 +42,8 @@ type ServerConfig struct {
 	// PoolBytes is the pool's size in bytes. Required.
 	PoolBytes int64
 	// RegionBytes is the size of each region (the unit of Trim); the last
-	// region takes the rest. Default DefaultRegionBytes.
+	// region takes the rest. Default DefaultRegionBytes, at most
+	// MaxRegionBytes.
 	RegionBytes int64
 	// Group, when set (a group name or a numeric gid), makes the socket
 	// 0660 owned by that group and admits peers in it; otherwise the socket
@@ -127,6 +133,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if cfg.RegionBytes <= 0 {
 		cfg.RegionBytes = DefaultRegionBytes
+	}
+	if cfg.RegionBytes > MaxRegionBytes {
+		return nil, fmt.Errorf("nodepool: region size %d bytes: at most %d (one registration range in each client)", cfg.RegionBytes, MaxRegionBytes)
 	}
 	if cfg.Policy == "" {
 		cfg.Policy = "lru"
