@@ -56,8 +56,11 @@ const Magic uint32 = 0x4e4f564b
 
 // Bounds of one message (see the package comment).
 const (
-	// MaxMessage is the largest message in bytes. A BeginStore of MaxKeys
-	// keys with one parent each is 8 + 16 + MaxKeys×32 bytes.
+	// MaxMessage is the largest message in bytes. The largest a client
+	// sends, a BeginStore of MaxKeys keys with one parent each, is
+	// 8 + 4 + 8 + MaxKeys×32 bytes (128 KiB and 20 bytes); the largest
+	// reply, a BeginStoreOK of MaxKeys reservations, 8 + 8 + MaxKeys×21.
+	// Both fit the default unix socket buffer (net.core.wmem_default).
 	MaxMessage = 160 << 10
 	// MaxKeys is the most keys (or slot handles, or events) in one message.
 	MaxKeys = 4096
