@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvoffload/kvoffload/kvcache"
 )
 
 // benchNode starts a node for a benchmark: in this process, or (child) in
@@ -112,5 +114,62 @@ func BenchmarkStoreCommit(b *testing.B) {
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1024, "ns/block")
 		})
+	}
+}
+
+// BenchmarkRoundTrip: the floor of one op, a Lookup of one key without a
+// lease (the transport and the two wake-ups, nearly no index work).
+func BenchmarkRoundTrip(b *testing.B) {
+	for _, child := range []bool{false, true} {
+		b.Run(fmt.Sprintf("node=%s", map[bool]string{false: "inproc", true: "process"}[child]), func(b *testing.B) {
+			sock := benchNode(b, child, 16<<20)
+			c := dial(b, sock, ClientConfig{NoPrefault: true})
+			defer c.Close()
+			keys := testKeys(1, 1)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, _, err := c.Lookup(keys, false, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkIndexLookupLease: the index's share of BenchmarkLookupLease,
+// kvcache.LookupLease of the same 1024 keys in this process, no node.
+func BenchmarkIndexLookupLease(b *testing.B) {
+	g := kvcache.Geometry{Layers: int(testLayout.Layers), KVHeads: int(testLayout.KVHeads), HeadDim: int(testLayout.HeadDim),
+		DTypeBytes: int(testLayout.DTypeBytes), TokensPerBlock: int(testLayout.TokensPerBlock)}
+	l, err := kvcache.NewLayout(kvcache.DenseSpec(kvcache.CrossLayer, g, 4096, 1<<44))
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := kvcache.New(kvcache.Config{Layout: l})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.AddRegion(kvcache.Region{ID: 1, Base: 1 << 40, Size: 64 << 20}); err != nil {
+		b.Fatal(err)
+	}
+	keys := testKeys(1, 1024)
+	res, _ := c.BeginStore(kvcache.StoreRequest{Keys: keys, BlockIDs: blockIDs[:1024]}, nil)
+	var sl []kvcache.Slot
+	for _, r := range res {
+		sl = append(sl, r.Slot)
+	}
+	if err := c.CompleteStore(sl, nil); err != nil {
+		b.Fatal(err)
+	}
+	var dst []kvcache.Slot
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		_, dst = c.LookupLease(keys, dst[:0])
+		b.StopTimer()
+		if err := c.Unlease(dst); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
 	}
 }
