@@ -693,8 +693,12 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 	// whole block is accepted ([0, KVHeads), or [0, 0) meaning all). This
 	// is where kvcache's head-range BeginStore plugs in: pass the range in
 	// the StoreRequest, and let a block become ready when every range of it
-	// was committed; the bookkeeping of reservations per client keys on
-	// the slot handle and needs the range added to it.
+	// was committed; a second writer of a block being written then gets
+	// OutcomeWrite and the same slot (not OutcomePresent). The bookkeeping
+	// of reservations per client keys on the slot handle: one range per
+	// block per client (a tensor-parallel rank writes its own heads); a
+	// client reserving two ranges of one block needs the range added to
+	// holding.
 	if !(m.HeadLo == 0 && (m.HeadHi == 0 || m.HeadHi == kvHeads)) {
 		return errMsg(m.ReqID, wire.CodeUnsupported, "head range [%d, %d) of %d heads: this node reserves whole blocks only (all heads)",
 			m.HeadLo, m.HeadHi, kvHeads)

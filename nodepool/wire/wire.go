@@ -35,7 +35,8 @@
 // cap and the bytes left in the message before allocating, so what it
 // allocates is bounded by the message's own length (at most MaxMessage) and
 // never by a count a peer wrote. Decode reuses the slices of the Msg it
-// fills, so a connection's steady state allocates nothing.
+// fills, so a connection's steady state allocates nothing but the strings
+// of the rare messages that carry one (Hello, Error).
 package wire
 
 import (
