@@ -108,7 +108,9 @@ type child struct {
 func startChild(t *testing.T, role, socket, args string) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "NODEPOOL_CHILD="+role, "NODEPOOL_SOCKET="+socket, "NODEPOOL_ARGS="+args)
+	// GORACE: a race-built child otherwise sleeps a second at exit.
+	cmd.Env = append(os.Environ(), "NODEPOOL_CHILD="+role, "NODEPOOL_SOCKET="+socket, "NODEPOOL_ARGS="+args,
+		"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

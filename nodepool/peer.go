@@ -195,50 +195,81 @@ func (s *Server) servePeer(c *net.UnixConn) {
 	s.waitExit(p)
 }
 
+// exitWait is the wait for one client process's exit, shared by every
+// connection of that process that ended without goodbye.
+type exitWait struct {
+	f     *os.File // the first such connection's pidfd
+	peers []*peer
+}
+
+// exited reports whether a pidfd is readable: its process has exited.
+func exited(fd int) bool {
+	n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
+	return n > 0
+}
+
 // waitExit waits for the client's process to exit (its pidfd turns
 // readable once the process has exited: its memory and files, GPU
 // contexts among them, are gone), then releases what it held. The wait
-// parks on the runtime's poller (the pidfd is pollable), not on a thread.
+// parks on the runtime's poller (the pidfd is pollable), not on a thread,
+// and one wait serves every dropped connection of a process: a connection
+// joins the wait of its pid only while that wait's pidfd is not readable,
+// that is while the process that owned the pid is alive, so it is the
+// same process (a pid is not reused while its process lives).
 func (s *Server) waitExit(p *peer) {
-	if err := unix.SetNonblock(p.pidfd, true); err != nil {
-		s.cfg.Logf("client %d (pid %d): pidfd: %v; its holdings stay until the node stops", p.id, p.cred.Pid, err)
-		_ = unix.Close(p.pidfd)
-		return
-	}
-	f := os.NewFile(uintptr(p.pidfd), "pidfd")
-	p.pidfd = -1
-	defer f.Close()
+	pid := p.cred.Pid
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
+		_ = unix.Close(p.pidfd)
 		return // the index is closing: nothing to release into
 	}
-	s.waits[f] = struct{}{}
+	if w := s.waits[pid]; w != nil && !exited(int(w.f.Fd())) {
+		w.peers = append(w.peers, p)
+		s.mu.Unlock()
+		_ = unix.Close(p.pidfd)
+		p.pidfd = -1
+		return
+	}
+	if err := unix.SetNonblock(p.pidfd, true); err != nil {
+		s.mu.Unlock()
+		s.cfg.Logf("client %d (pid %d): pidfd: %v; its holdings stay until the node stops", p.id, pid, err)
+		_ = unix.Close(p.pidfd)
+		return
+	}
+	w := &exitWait{f: os.NewFile(uintptr(p.pidfd), "pidfd"), peers: []*peer{p}}
+	p.pidfd = -1
+	s.waits[pid] = w // a stale wait of an earlier process with this pid keeps running on its own
 	s.mu.Unlock()
-	exited := false
-	rc, err := f.SyscallConn()
+	done := false
+	rc, err := w.f.SyscallConn()
 	if err == nil {
 		err = rc.Read(func(fd uintptr) bool {
-			n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
-			exited = n > 0
-			return exited
+			done = exited(int(fd))
+			return done
 		})
 	}
 	s.mu.Lock()
-	delete(s.waits, f)
+	if s.waits[pid] == w {
+		delete(s.waits, pid)
+	}
+	peers := w.peers
 	s.mu.Unlock()
-	if !exited {
+	_ = w.f.Close()
+	if !done {
 		select {
 		case <-s.stop: // Close closed the pidfd
 		default:
-			s.cfg.Logf("client %d (pid %d): waiting for its exit: %v; its holdings stay until the node stops", p.id, p.cred.Pid, err)
+			s.cfg.Logf("pid %d: waiting for its exit: %v; what its clients hold stays until the node stops", pid, err)
 		}
 		return
 	}
-	s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
-		p.id, p.cred.Pid, p.held.reserved, p.held.leases, p.held.loads)
-	s.release(p)
-	s.counter.releasedOnExit.Add(1)
+	for _, q := range peers {
+		s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
+			q.id, pid, q.held.reserved, q.held.leases, q.held.loads)
+		s.release(q)
+		s.counter.releasedOnExit.Add(1)
+	}
 }
 
 // release gives back everything p held: its reservations fail (their
@@ -804,7 +835,7 @@ type Stats struct {
 func (s *Server) Stats() Stats {
 	s.mu.Lock()
 	st := Stats{PoolBytes: s.cfg.PoolBytes, Regions: len(s.regions), FreedBytes: s.freedBytes, SlotSize: s.slotSize,
-		PageMode: s.pageMode, Clients: len(s.peers), WaitingExit: len(s.waits), Namespaces: map[string]uint32{}}
+		PageMode: s.pageMode, Clients: len(s.peers), Namespaces: map[string]uint32{}}
 	for _, rr := range s.regions {
 		if rr.state != regionActive {
 			st.RegionsRetiring++
@@ -812,6 +843,9 @@ func (s *Server) Stats() Stats {
 	}
 	for n, ns := range s.namespaces {
 		st.Namespaces[n] = ns.id
+	}
+	for _, w := range s.waits {
+		st.WaitingExit += len(w.peers)
 	}
 	c := s.cache
 	s.mu.Unlock()

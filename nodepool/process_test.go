@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -244,5 +245,46 @@ func TestKillChurn(t *testing.T) {
 			}
 		}
 		t.Logf("round %d: %d blocks found whole, %d store failures so far", round, found, st.Cache.StoreFailed)
+	}
+}
+
+// pidfds counts this process's open pidfds.
+func pidfds(t *testing.T) int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.Contains(l, "pidfd") {
+			n++
+		}
+	}
+	return n
+}
+
+// TestDroppedConnectionsShareOneWait: connections of one live process
+// dropped without goodbye keep their holdings, and the node waits for
+// that process with one pidfd, not one per connection.
+func TestDroppedConnectionsShareOneWait(t *testing.T) {
+	s := startServer(t, ServerConfig{PoolBytes: 1 << 20})
+	base := pidfds(t)
+	for i := 0; i < 5; i++ {
+		c := dial(t, s.Addr(), ClientConfig{Redial: -1})
+		if _, err := c.BeginStore(StoreRequest{Keys: testKeys(30+i, 2)}, nil); err != nil {
+			t.Fatal(err)
+		}
+		c.mu.Lock()
+		conn := c.conn
+		c.mu.Unlock()
+		_ = conn.Close() // no goodbye: this process may still be copying
+		defer c.Close()
+	}
+	st := waitStats(t, s, "all five waiting", func(st Stats) bool { return st.WaitingExit == 5 })
+	if st.Cache.Writing != 10 {
+		t.Fatalf("holdings released while the process lives: %+v", st.Cache)
+	}
+	if n := pidfds(t) - base; n != 1 {
+		t.Fatalf("%d pidfds for one process's five dropped connections", n)
 	}
 }

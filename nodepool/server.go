@@ -93,7 +93,7 @@ type Server struct {
 	freedBytes  int64        // given back by Trim so far
 	subscribers atomic.Int32
 
-	waits   map[*os.File]struct{} // pidfds of disconnected clients still running
+	waits   map[int32]*exitWait // by pid: clients disconnected without goodbye, still running
 	wg      sync.WaitGroup
 	stop    chan struct{}
 	events  chan wire.Event
@@ -147,7 +147,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
-		peers: map[uint32]*peer{}, waits: map[*os.File]struct{}{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
+		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
 	if cfg.Group != "" {
 		gid, err := lookupGroup(cfg.Group)
 		if err != nil {
@@ -360,8 +360,8 @@ func (s *Server) Close() error {
 	}
 	s.closed = true
 	close(s.stop)
-	for f := range s.waits {
-		_ = f.Close()
+	for _, w := range s.waits {
+		_ = w.f.Close()
 	}
 	peers := make([]*peer, 0, len(s.peers))
 	for _, p := range s.peers {
