@@ -630,6 +630,18 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 			o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
 			o.Slots = append(o.Slots, toWire(r.Slot))
 		}
+	default:
+		return p.handleRare(m, o, ns)
+	}
+	return o
+}
+
+// handleRare serves the requests that are not on a serving stack's hot
+// path (kept out of handle, whose cases run for every op).
+func (p *peer) handleRare(m *wire.Msg, o *wire.Msg, ns kvcache.Namespace) *wire.Msg {
+	s := p.s
+	c := s.cache
+	switch m.Type {
 	case wire.TDelete:
 		o.N = uint64(c.Delete(m.Keys))
 		s.reap()
