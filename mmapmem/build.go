@@ -19,6 +19,11 @@ type builder struct {
 	sys     sysfs
 	page    int64
 	thpSize int64
+	// existing, when >= 0, is a memfd received from another process
+	// (OpenMemfd): it is mapped instead of creating one, never truncated
+	// nor fallocate'd (its owner did both), and on error left open for the
+	// caller.
+	existing int
 }
 
 // hugeTLB tries to build the region from hugetlbfs pages. Any failure is
@@ -64,7 +69,9 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 		align = b.thpSize
 	}
 
-	if o.Memfd {
+	if b.existing >= 0 {
+		r.fd = b.existing
+	} else if o.Memfd {
 		name := o.MemfdName
 		if name == "" {
 			name = "kvoffload-region"
@@ -85,7 +92,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	}
 	ptr, err := mapAligned(r.fd, mapped, align, b.page, huge)
 	if err != nil {
-		if r.fd >= 0 {
+		if r.fd >= 0 && b.existing < 0 {
 			_ = unix.Close(r.fd)
 		}
 		return nil, err
@@ -93,7 +100,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	r.ptr = ptr
 	fail := func(err error) (*Region, error) {
 		_ = unmap(r.ptr, r.mapped)
-		if r.fd >= 0 {
+		if r.fd >= 0 && b.existing < 0 {
 			_ = unix.Close(r.fd)
 		}
 		return nil, err
@@ -118,7 +125,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 		}
 		r.node = o.NUMANode
 	}
-	if r.fd >= 0 {
+	if r.fd >= 0 && b.existing < 0 {
 		if err := unix.Fallocate(r.fd, 0, 0, mapped); err != nil {
 			if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM) {
 				err = fmt.Errorf("%w: %w", ErrInsufficientMemory, err)

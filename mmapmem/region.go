@@ -180,7 +180,7 @@ func New(size int64, opts Options) (*Region, error) {
 	}
 	sys := sysfs{root: opts.FSRoot}
 	page := int64(os.Getpagesize())
-	b := builder{size: size, opts: opts, sys: sys, page: page, thpSize: sys.thpSize()}
+	b := builder{size: size, opts: opts, sys: sys, page: page, thpSize: sys.thpSize(), existing: -1}
 	if opts.BindNUMA {
 		nodes, err := sys.nodes()
 		if err != nil {

@@ -6,6 +6,8 @@
 //	                 as CSV, JSON and an SVG plot (needs a GPU)
 //	kvoffload info   driver, devices, PCIe links, NUMA, huge pages, memlock
 //	                 and cgroup limits, and the backend "auto" would pick
+//	kvoffload serve  a node pool: one pool and block index shared by the
+//	                 processes of a machine (package nodepool)
 //	kvoffload version
 //	                 the release version (internal/version/VERSION) and the
 //	                 commit the binary was built from (also --version)
@@ -71,6 +73,7 @@ var commands = map[string]command{
 	"soak":    soakCommand,
 	"bench":   benchCommand,
 	"info":    infoCommand,
+	"serve":   serveCommand,
 	"version": versionCommand,
 }
 

@@ -1,0 +1,160 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/kvoffload/kvoffload/events"
+	"github.com/kvoffload/kvoffload/nodepool"
+	"github.com/kvoffload/kvoffload/nodepool/wire"
+	"github.com/kvoffload/kvoffload/offload"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+var serveCommand = command{
+	name:    "serve",
+	summary: "Run a node pool: one pinned-pool owner and block index for every process of the machine.",
+	details: `serve maps the pool (memfd-backed regions, fallocate'd and populated),
+listens on a unix SOCK_SEQPACKET socket and serves clients (nodepool.Dial):
+each receives the regions' file descriptors, maps them and copies with its
+own GPU; the node holds the index, leases, reservations and eviction, and
+needs no GPU. The socket is 0600 (0660 with --group); a peer must have the
+node's uid (or root, or be in --group). One node is one trust domain: run
+one per tenant. It prints the socket and the page mode, and stops cleanly
+on SIGTERM or SIGINT.`,
+	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+		var cfg nodepool.ServerConfig
+		cfg.PoolBytes = 1 << 30
+		fs.StringVar(&cfg.Socket, "socket", "", "the unix socket `path` to listen on (required)")
+		fs.Var(sizeFlag{&cfg.PoolBytes}, "pool", "pool size in `bytes`")
+		fs.Var(sizeFlag{&cfg.RegionBytes}, "region", "region size in `bytes`, the unit of trim (default 4GiB)")
+		fs.StringVar(&cfg.Group, "group", "", "admit this `group` (name or gid): socket 0660 owned by it")
+		fs.BoolVar(&cfg.HugeTLB, "hugetlb", true, "map the pool from hugetlbfs (MFD_HUGETLB) where pages are reserved, else shared memory's pages")
+		fs.StringVar(&cfg.Policy, "policy", "lru", "eviction `policy`: lru or tinylfu")
+		fs.IntVar(&cfg.LowWatermark, "low-watermark", 0, "free `slots` kept by evicting ahead of demand")
+		metricsAddr := fs.String("metrics", "", "serve Prometheus metrics at http://`addr`/metrics")
+		eventsAddr := fs.String("events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://host:port)")
+		verbose := fs.Bool("v", false, "log connections, exits and regions to stderr")
+		return func(ctx context.Context, e *env, args []string) error {
+			if err := noArgs(args); err != nil {
+				return err
+			}
+			if cfg.Socket == "" {
+				return fmt.Errorf("%w: --socket is required", errUsage)
+			}
+			if *verbose {
+				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
+			}
+			var pub zmq4.Socket
+			if *eventsAddr != "" {
+				pub = zmq4.NewPub(context.Background())
+				if err := pub.Listen(*eventsAddr); err != nil {
+					_ = pub.Close()
+					return fmt.Errorf("--events %s: %w", *eventsAddr, err)
+				}
+				defer pub.Close()
+				cfg.OnEvents = publisher(pub)
+			}
+			s, err := nodepool.NewServer(cfg)
+			if err != nil {
+				return err
+			}
+			done := make(chan error, 1)
+			go func() { done <- s.Serve() }()
+			fmt.Fprintf(e.stdout, "kvoffload serve: listening on %s (pool %s, %s)\n", s.Addr(), formatSize(cfg.PoolBytes), s.PageMode())
+			if pub != nil {
+				fmt.Fprintf(e.stdout, "kvoffload serve: publishing KV events at tcp://%s\n", pub.Addr())
+			}
+			if *metricsAddr != "" {
+				ln, err := net.Listen("tcp", *metricsAddr)
+				if err != nil {
+					_ = s.Close()
+					return fmt.Errorf("--metrics %s: %w", *metricsAddr, err)
+				}
+				mux := http.NewServeMux()
+				mux.Handle("/metrics", promhttp.HandlerFor(nodeRegistry(s), promhttp.HandlerOpts{}))
+				srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+				go func() { _ = srv.Serve(ln) }()
+				defer srv.Close()
+				fmt.Fprintf(e.stdout, "kvoffload serve: serving Prometheus metrics at http://%s/metrics\n", ln.Addr())
+			}
+			select {
+			case <-ctx.Done():
+				_ = s.Close()
+				<-done
+				fmt.Fprintln(e.stdout, "kvoffload serve: stopped")
+				return nil
+			case err := <-done:
+				_ = s.Close()
+				if errors.Is(err, nodepool.ErrServerClosed) {
+					err = nil
+				}
+				return err
+			}
+		}
+	},
+}
+
+// publisher sends the node's events as vLLM KVEventBatches (medium CPU;
+// the node knows no parents or tokens).
+func publisher(pub zmq4.Socket) func([]wire.Event) {
+	var seq uint64
+	var buf []byte
+	var evs []offload.Event
+	return func(batch []wire.Event) {
+		evs = evs[:0]
+		for _, w := range batch {
+			k := offload.EventStored
+			if w.Kind == wire.EventRemoved {
+				k = offload.EventRemoved
+			}
+			evs = append(evs, offload.Event{Kind: k, Key: offload.Key(w.Key), Medium: offload.MediumCPU})
+		}
+		var err error
+		if buf, err = events.AppendBatch(buf[:0], time.Now(), evs); err != nil {
+			return
+		}
+		var s [8]byte
+		binary.BigEndian.PutUint64(s[:], seq)
+		seq++
+		_ = pub.Send(zmq4.NewMsgFrom([]byte{}, s[:], append([]byte(nil), buf...)))
+	}
+}
+
+// nodeRegistry exports the node's Stats.
+func nodeRegistry(s *nodepool.Server) *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	g := func(name, help string, f func(nodepool.Stats) float64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "kvoffload_node", Name: name, Help: help},
+			func() float64 { return f(s.Stats()) }))
+	}
+	c := func(name, help string, f func(nodepool.Stats) float64) {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "kvoffload_node", Name: name, Help: help},
+			func() float64 { return f(s.Stats()) }))
+	}
+	g("pool_bytes", "Bytes of the pool's regions not given back.", func(st nodepool.Stats) float64 { return float64(st.PoolBytes - st.FreedBytes) })
+	g("regions", "Regions mapped by the node (retiring ones included).", func(st nodepool.Stats) float64 { return float64(st.Regions) })
+	g("clients", "Connected clients.", func(st nodepool.Stats) float64 { return float64(st.Clients) })
+	g("clients_waiting_exit", "Clients disconnected without goodbye whose process still runs.", func(st nodepool.Stats) float64 { return float64(st.WaitingExit) })
+	g("slots_free", "Free slots.", func(st nodepool.Stats) float64 { return float64(st.Cache.Free) })
+	g("slots_writing", "Slots reserved for stores.", func(st nodepool.Stats) float64 { return float64(st.Cache.Writing) })
+	g("blocks_ready", "Ready blocks without readers.", func(st nodepool.Stats) float64 { return float64(st.Cache.Ready) })
+	g("blocks_leased", "Ready blocks with readers.", func(st nodepool.Stats) float64 { return float64(st.Cache.Leased) })
+	c("lookup_hits_total", "Keys found by lookups.", func(st nodepool.Stats) float64 { return float64(st.Cache.LookupHits) })
+	c("lookup_misses_total", "Keys missed by lookups.", func(st nodepool.Stats) float64 { return float64(st.Cache.LookupMisses) })
+	c("stored_total", "Blocks committed.", func(st nodepool.Stats) float64 { return float64(st.Cache.Stored) })
+	c("store_failed_total", "Reservations aborted (or of clients that exited).", func(st nodepool.Stats) float64 { return float64(st.Cache.StoreFailed) })
+	c("evicted_total", "Blocks evicted by the policy.", func(st nodepool.Stats) float64 { return float64(st.Cache.Evicted) })
+	c("malformed_total", "Messages that did not decode.", func(st nodepool.Stats) float64 { return float64(st.Malformed) })
+	c("released_on_exit_total", "Clients whose holdings were released when their process exited.", func(st nodepool.Stats) float64 { return float64(st.ReleasedOnExit) })
+	c("events_dropped_total", "KV events dropped by a full queue.", func(st nodepool.Stats) float64 { return float64(st.EventsDropped) })
+	return reg
+}

@@ -1,0 +1,90 @@
+// Package nodepool is the node pool: one pinned-pool owner and one block
+// index per machine, shared by every process of a serving stack (one
+// process per GPU, a scheduler or router without a GPU). The node
+// (Server, `kvoffload serve`) needs no GPU; clients (Client, Dial) copy
+// with their own GPUs straight between their device memory and the
+// node's regions, which they map: bytes never pass through the node.
+//
+// # What the node owns
+//
+//   - The pool: memfd-backed regions (mmapmem, Options.Memfd), allocated
+//     (fallocate) and populated at start. Each client receives their file
+//     descriptors over the socket (SCM_RIGHTS, message RegionAdded), maps
+//     them (mmapmem.OpenMemfd, page tables populated in parallel) and pins
+//     them in its own CUDA context (Hooks.RegionAdded). Pages are hugetlbfs
+//     pages with ServerConfig.HugeTLB when reserved, transparent huge pages
+//     where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them
+//     on shared memory (always, within_size, or advise with MADV_HUGEPAGE,
+//     which the regions get), base pages where it says never; Server.PageMode
+//     and every client's Info say which applies.
+//   - The index: one kvcache.Cache over the regions, the same code as the
+//     embedded engine's. Its layout comes from the first client; the node
+//     keeps one layout per namespace and carves one slot size: a client whose
+//     layout differs is refused (ErrLayout).
+//   - Every client's reservations (slots reserved for its stores), leases
+//     (Lookup) and loads (BeginLoad), per slot handle; and the regions each
+//     client has mapped.
+//
+// # Invariants
+//
+//   - A slot reserved for a store belongs to the client that reserved it
+//     until that client commits it (CommitStore: the block becomes ready,
+//     which the client does only once its copy events retired) or aborts
+//     it. No other client can commit, abort, unlease or end a load of
+//     another's handle: every handle given back is checked against the
+//     giver's own holdings, and a handle it does not hold is an error that
+//     changes nothing.
+//   - The node never hands a slot to a writer while any lease, load or
+//     reservation on it is live: kvcache reuses a slot only once its
+//     readers and transfers are reported done, and a client's are reported
+//     done only by that client, or after that client's process exited.
+//   - A client that goes away without saying goodbye (crash, SIGKILL, a
+//     closed socket) keeps everything it held until its process has fully
+//     exited: the node opens a pidfd for each peer when it connects
+//     (SO_PEERPIDFD, or pidfd_open of the SO_PEERCRED pid), so a reused
+//     pid is never mistaken for the client, and waits for it to turn
+//     readable. Only then are its reservations failed (those blocks never
+//     become ready) and its leases and loads ended. A client that says
+//     goodbye (Close) vouches that none of its copies is in flight, and is
+//     released at once.
+//   - A region leaves (Trim) in two steps: it leaves the index at once (no
+//     new slot in it, its ready blocks evicted), and once its last
+//     reservation, lease and load end, every client that mapped it is told
+//     to unmap it (RegionRetire); the node frees it once each has
+//     acknowledged or exited.
+//   - A node that goes away takes its index with it. Its clients get
+//     ErrUnavailable (or misses), retire its regions locally once their
+//     own copies on them are done (Hooks.RegionRetiring), keep their GPU
+//     state, and reconnect when a node is back; the new node's pool is
+//     empty, so nothing they load is ever wrong. Handles of the old node
+//     are no-ops to give back, and a commit of one fails.
+//   - A message that does not decode, or a request that is not allowed,
+//     gets an error reply; the node keeps serving that client and the
+//     others. Decoding allocates at most in proportion to the message,
+//     itself bounded (package wire).
+//
+// # Trust
+//
+// One node pool is one trust domain: every client maps the whole pool and
+// can read and write any slot of it. The socket is created 0600 (0660 and
+// owned by ServerConfig.Group when given), and the node admits only peers
+// of its own uid, root, or members of that group (SO_PEERCRED). The checks
+// above stop a client from releasing another's holdings, not from reading
+// or overwriting another's blocks through its mapping: run one node per
+// tenant.
+//
+// What the pidfd does not cover: copies that another process makes on
+// the client's behalf and that outlive it. The CUDA MPS server runs the
+// clients' work in its own process: a client killed mid-copy may leave a
+// DMA that the MPS server still executes into a slot the node has freed.
+// The same holds for any helper process a client shares its GPU context
+// or its mapping with (a forked child inherits no mapping: regions are
+// MADV_DONTFORK). Where MPS is used, a crashed client's slots are only
+// safe to reuse once the MPS server has torn down that client's context.
+//
+// # Integration
+//
+// Pool is the interface offload implements against: its embedded engine
+// over a kvcache.Cache, and offload.Dial over a Client (see Pool for
+// which call maps to which).
+package nodepool

@@ -1,0 +1,876 @@
+package nodepool
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/nodepool/wire"
+	"golang.org/x/sys/unix"
+)
+
+// peer is one connected client. Its bookkeeping maps (reserved, leases,
+// loads) belong to its serving goroutine, and after that ends to release;
+// regions and subscribed are guarded by Server.mu.
+type peer struct {
+	s     *Server
+	id    uint32
+	conn  *wire.Conn
+	cred  unix.Ucred
+	pidfd int
+	ns    *nsRec
+
+	held holdings
+
+	regions    map[uint32]bool // announced and not acknowledged retired
+	subscribed bool
+
+	pushq    chan push
+	done     chan struct{}
+	doneOnce sync.Once
+	bye      bool
+
+	in, out   wire.Msg
+	unsettled bool // p.slots holds leases to record once the reply is sent
+	slots     []kvcache.Slot
+	storeRes  []kvcache.StoreResult
+	loadRes   []kvcache.LoadResult
+}
+
+type push struct {
+	m  *wire.Msg
+	fd int
+}
+
+// blockIDs are the block ids the node gives kvcache: a request's keys are
+// numbered by position (the node knows no GPU).
+var blockIDs = func() []int {
+	ids := make([]int, wire.MaxKeys)
+	for i := range ids {
+		ids[i] = i
+	}
+	return ids
+}()
+
+// errPeerGone fails the stores of a client that exited without committing.
+var errPeerGone = errors.New("nodepool: client exited before committing")
+
+func (p *peer) disconnect() {
+	p.doneOnce.Do(func() {
+		close(p.done)
+		_ = p.conn.Close()
+	})
+}
+
+// push queues a message for the client's writer; a client that lets
+// DefaultPushQueue pushes pile up is disconnected.
+func (p *peer) push(m *wire.Msg, fd int) {
+	select {
+	case p.pushq <- push{m, fd}:
+	case <-p.done:
+	default:
+		p.s.counter.peersDropped.Add(1)
+		p.s.cfg.Logf("client %d (pid %d) does not read its pushes: disconnected", p.id, p.cred.Pid)
+		p.disconnect()
+	}
+}
+
+func (p *peer) writer() {
+	for {
+		select {
+		case <-p.done:
+			return
+		case x := <-p.pushq:
+			if err := p.conn.Send(x.m, x.fd); err != nil {
+				p.disconnect()
+				return
+			}
+		}
+	}
+}
+
+// peerCred reads SO_PEERCRED and opens a pidfd for the peer: from
+// SO_PEERPIDFD where the kernel has it (6.5+: the pidfd of the very process
+// that connected), else pidfd_open of the SO_PEERCRED pid.
+func peerCred(c *net.UnixConn) (unix.Ucred, int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return unix.Ucred{}, -1, err
+	}
+	var cred *unix.Ucred
+	pidfd := -1
+	var cerr error
+	err = rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+		if cerr != nil {
+			return
+		}
+		if v, e := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); e == nil && v >= 0 {
+			pidfd = v
+			unix.CloseOnExec(v)
+		}
+	})
+	if err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return unix.Ucred{}, -1, fmt.Errorf("SO_PEERCRED: %w", err)
+	}
+	if pidfd < 0 {
+		if pidfd, err = unix.PidfdOpen(int(cred.Pid), 0); err != nil {
+			return *cred, -1, fmt.Errorf("pidfd_open(%d): %w", cred.Pid, err)
+		}
+	}
+	return *cred, pidfd, nil
+}
+
+// admitted: the node's uid, root, or (with Group) a member of the group
+// (primary or supplementary, from /proc/PID/status).
+func (s *Server) admitted(cred unix.Ucred) bool {
+	if int(cred.Uid) == os.Getuid() || cred.Uid == 0 {
+		return true
+	}
+	if s.gid < 0 {
+		return false
+	}
+	if int(cred.Gid) == s.gid {
+		return true
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(cred.Pid)) + "/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if g, ok := strings.CutPrefix(line, "Groups:"); ok {
+			for _, f := range strings.Fields(g) {
+				if f == strconv.Itoa(s.gid) {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+func (s *Server) servePeer(c *net.UnixConn) {
+	conn := wire.NewConn(c)
+	cred, pidfd, err := peerCred(c)
+	if err != nil || !s.admitted(cred) {
+		s.counter.refused.Add(1)
+		why := fmt.Sprintf("uid %d gid %d is not admitted to this node", cred.Uid, cred.Gid)
+		if err != nil {
+			why = err.Error()
+		}
+		s.cfg.Logf("refused a connection: %s", why)
+		_ = conn.Send(&wire.Msg{Type: wire.TError, Code: wire.CodeHandshake, Text: why}, -1)
+		if pidfd >= 0 {
+			_ = unix.Close(pidfd)
+		}
+		_ = conn.Close()
+		return
+	}
+	s.counter.accepted.Add(1)
+	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, regions: map[uint32]bool{},
+		pushq: make(chan push, DefaultPushQueue), done: make(chan struct{})}
+	go p.writer()
+	registered := p.serve()
+	p.disconnect()
+	if !registered {
+		_ = unix.Close(pidfd)
+		return
+	}
+	if p.bye {
+		s.release(p)
+		s.counter.releasedOnBye.Add(1)
+		return
+	}
+	// The client may still be running, its copies in flight: its
+	// reservations and leases are released only once it has exited.
+	s.waitExit(p)
+}
+
+// exitWait is the wait for one client process's exit, shared by every
+// connection of that process that ended without goodbye.
+type exitWait struct {
+	f     *os.File // the first such connection's pidfd
+	peers []*peer
+}
+
+// exited reports whether a pidfd is readable: its process has exited.
+func exited(fd int) bool {
+	n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
+	return n > 0
+}
+
+// waitExit waits for the client's process to exit (its pidfd turns
+// readable once the process has exited: its memory and files, GPU
+// contexts among them, are gone), then releases what it held. The wait
+// parks on the runtime's poller (the pidfd is pollable), not on a thread,
+// and one wait serves every dropped connection of a process: a connection
+// joins the wait of its pid only while that wait's pidfd is not readable,
+// that is while the process that owned the pid is alive, so it is the
+// same process (a pid is not reused while its process lives).
+func (s *Server) waitExit(p *peer) {
+	pid := p.cred.Pid
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		_ = unix.Close(p.pidfd)
+		return // the index is closing: nothing to release into
+	}
+	if w := s.waits[pid]; w != nil && !exited(int(w.f.Fd())) {
+		w.peers = append(w.peers, p)
+		s.mu.Unlock()
+		_ = unix.Close(p.pidfd)
+		p.pidfd = -1
+		return
+	}
+	if err := unix.SetNonblock(p.pidfd, true); err != nil {
+		s.mu.Unlock()
+		s.cfg.Logf("client %d (pid %d): pidfd: %v; its holdings stay until the node stops", p.id, pid, err)
+		_ = unix.Close(p.pidfd)
+		return
+	}
+	w := &exitWait{f: os.NewFile(uintptr(p.pidfd), "pidfd"), peers: []*peer{p}}
+	p.pidfd = -1
+	s.waits[pid] = w // a stale wait of an earlier process with this pid keeps running on its own
+	s.mu.Unlock()
+	done := false
+	rc, err := w.f.SyscallConn()
+	if err == nil {
+		err = rc.Read(func(fd uintptr) bool {
+			done = exited(int(fd))
+			return done
+		})
+	}
+	s.mu.Lock()
+	if s.waits[pid] == w {
+		delete(s.waits, pid)
+	}
+	peers := w.peers
+	s.mu.Unlock()
+	_ = w.f.Close()
+	if !done {
+		select {
+		case <-s.stop: // Close closed the pidfd
+		default:
+			s.cfg.Logf("pid %d: waiting for its exit: %v; what its clients hold stays until the node stops", pid, err)
+		}
+		return
+	}
+	for _, q := range peers {
+		s.cfg.Logf("client %d (pid %d) exited: releasing %d reservations, %d leases, %d loads",
+			q.id, pid, q.held.reserved, q.held.leases, q.held.loads)
+		s.release(q)
+		s.counter.releasedOnExit.Add(1)
+	}
+}
+
+// release gives back everything p held: its reservations fail (their
+// blocks never become ready), its leases and loads end, and its regions
+// count as unmapped.
+func (s *Server) release(p *peer) {
+	if p.pidfd >= 0 {
+		_ = unix.Close(p.pidfd)
+	}
+	s.mu.Lock()
+	c := s.cache
+	delete(s.peers, p.id)
+	if p.subscribed {
+		p.subscribed = false
+		s.subscribers.Add(-1)
+	}
+	for id := range p.regions {
+		s.acked(p, id)
+	}
+	s.mu.Unlock()
+	reserved, leases, loads := p.held.drain()
+	if c != nil {
+		if len(reserved) > 0 {
+			_ = c.CompleteStore(reserved, errPeerGone)
+		}
+		if len(leases) > 0 {
+			_ = c.Unlease(leases)
+		}
+		if len(loads) > 0 {
+			_ = c.EndLoad(loads)
+		}
+	}
+	s.reap()
+}
+
+// serve reads requests until the connection ends; it reports whether the
+// client completed the handshake (and so may hold anything).
+func (p *peer) serve() (registered bool) {
+	for {
+		fd, err := p.conn.Recv(&p.in)
+		if fd >= 0 {
+			_ = unix.Close(fd)
+			err = fmt.Errorf("%w: a client sent a file descriptor", wire.ErrMalformed)
+		}
+		if err != nil {
+			if !errors.Is(err, wire.ErrMalformed) {
+				return registered
+			}
+			p.s.counter.malformed.Add(1)
+			p.s.cfg.Logf("client %d (pid %d): %v", p.id, p.cred.Pid, err)
+			if p.reply(&wire.Msg{Type: wire.TError, ReqID: p.in.ReqID, Code: wire.CodeMalformed, Text: err.Error()}) != nil {
+				return registered
+			}
+			continue
+		}
+		m := &p.in
+		if m.ReqID == 0 {
+			p.s.counter.malformed.Add(1)
+			if p.reply(errMsg(0, wire.CodeMalformed, "%v with request id 0 (reserved for pushes)", m.Type)) != nil {
+				return registered
+			}
+			continue
+		}
+		if !registered {
+			if m.Type != wire.THello {
+				_ = p.reply(&wire.Msg{Type: wire.TError, ReqID: m.ReqID, Code: wire.CodeHandshake,
+					Text: fmt.Sprintf("%v before Hello: the first message must be Hello", m.Type)})
+				return false
+			}
+			if !p.hello(m) {
+				return false
+			}
+			registered = true
+			continue
+		}
+		out := p.handle(m)
+		if out == nil {
+			continue
+		}
+		err = p.reply(out)
+		p.settle() // whether or not the reply went out: what is held is recorded
+		if err != nil || p.bye {
+			return registered
+		}
+	}
+}
+
+func (p *peer) reply(m *wire.Msg) error { return p.conn.Send(m, -1) }
+
+func errMsg(req uint32, code uint16, format string, args ...any) *wire.Msg {
+	return &wire.Msg{Type: wire.TError, ReqID: req, Code: code, Text: fmt.Sprintf(format, args...)}
+}
+
+// hello checks the version and the namespace's layout, creates the index
+// with the first layout, and queues HelloOK and the region announcements.
+func (p *peer) hello(m *wire.Msg) bool {
+	s := p.s
+	if m.Version != wire.Version {
+		_ = p.reply(errMsg(m.ReqID, wire.CodeVersion,
+			"the client speaks protocol version %d, this node speaks version %d: use a client and node of one release", m.Version, wire.Version))
+		return false
+	}
+	g := kvcache.Geometry{Layers: int(m.Layout.Layers), KVHeads: int(m.Layout.KVHeads), HeadDim: int(m.Layout.HeadDim),
+		DTypeBytes: int(m.Layout.DTypeBytes), TokensPerBlock: int(m.Layout.TokensPerBlock)}
+	layout, err := kvcache.NewLayout(kvcache.DenseSpec(kvcache.LayoutKind(m.Layout.Kind), g, wire.MaxKeys, 1<<44))
+	if err != nil {
+		_ = p.reply(errMsg(m.ReqID, wire.CodeLayout, "layout %+v: %v", m.Layout, err))
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		_ = p.reply(errMsg(m.ReqID, wire.CodeClosed, "the node is stopping"))
+		return false
+	}
+	ns := s.namespaces[m.Namespace]
+	if ns != nil && ns.layout != m.Layout {
+		_ = p.reply(errMsg(m.ReqID, wire.CodeLayout, "namespace %q is served with layout %+v; the client's is %+v",
+			m.Namespace, ns.layout, m.Layout))
+		return false
+	}
+	if s.cache == nil {
+		if err := s.newCache(layout); err != nil {
+			_ = p.reply(errMsg(m.ReqID, wire.CodeInternal, "%v", err))
+			return false
+		}
+	} else if layout.SlotSize() != s.slotSize {
+		_ = p.reply(errMsg(m.ReqID, wire.CodeLayout, "layout %+v has %d-byte slots; this node's pool is carved in %d-byte slots (one slot size per node)",
+			m.Layout, layout.SlotSize(), s.slotSize))
+		return false
+	}
+	if ns == nil {
+		ns = &nsRec{id: uint32(len(s.namespaces) + 1), layout: m.Layout}
+		s.namespaces[m.Namespace] = ns
+	}
+	p.ns = ns
+	s.nextPeer++
+	p.id = s.nextPeer
+	s.peers[p.id] = p
+	var active []*regionRec
+	for _, rr := range s.regions {
+		if rr.state == regionActive {
+			active = append(active, rr)
+		}
+	}
+	sortRegions(active)
+	p.push(&wire.Msg{Type: wire.THelloOK, ReqID: m.ReqID, Version: wire.Version, ClientID: p.id, NamespaceID: ns.id,
+		SlotSize: s.slotSize, Regions: uint32(len(active)), Text: s.pageMode}, -1)
+	for _, rr := range active {
+		p.regions[rr.id] = true
+		p.push(&wire.Msg{Type: wire.TRegionAdded, Region: wire.Region{ID: rr.id, Size: uint64(rr.r.Len())}}, rr.r.Fd())
+	}
+	s.cfg.Logf("client %d connected: pid %d uid %d, namespace %q", p.id, p.cred.Pid, p.cred.Uid, m.Namespace)
+	return true
+}
+
+func sortRegions(rs []*regionRec) {
+	for i := 1; i < len(rs); i++ {
+		for j := i; j > 0 && rs[j].id < rs[j-1].id; j-- {
+			rs[j], rs[j-1] = rs[j-1], rs[j]
+		}
+	}
+}
+
+// newCache creates the index with the first client's layout and hands it
+// every region. s.mu held.
+func (s *Server) newCache(layout *kvcache.Layout) error {
+	var pol kvcache.Policy
+	slots := 0
+	for _, rr := range s.regions {
+		slots += int(uint64(rr.r.Len()) / layout.SlotSize())
+	}
+	if s.cfg.Policy == "tinylfu" {
+		t, err := kvcache.NewTinyLFU(kvcache.TinyLFUConfig{MaxBlocks: max(slots, 1)})
+		if err != nil {
+			return err
+		}
+		pol = t
+	}
+	c, err := kvcache.New(kvcache.Config{Layout: layout, Policy: pol, LowWatermark: s.cfg.LowWatermark,
+		OnIndex: s.onIndex, MaxSlots: min(slots, kvcache.MaxSlots)})
+	if err != nil {
+		return err
+	}
+	ids := make([]*regionRec, 0, len(s.regions))
+	for _, rr := range s.regions {
+		ids = append(ids, rr)
+	}
+	sortRegions(ids)
+	// Highest id first: the free list hands out the slots of the region
+	// added last first, and clients map regions in id order, so the
+	// first region (mapped inside Dial) serves the first stores.
+	for i := len(ids) - 1; i >= 0; i-- {
+		rr := ids[i]
+		if _, err := c.AddRegion(kvcache.Region{ID: kvcache.RegionID(rr.id), Base: rr.r.Addr(), Size: uint64(rr.r.Len())}); err != nil {
+			c.Close()
+			return fmt.Errorf("nodepool: region %d: %w", rr.id, err)
+		}
+	}
+	s.cache, s.slotSize = c, layout.SlotSize()
+	return nil
+}
+
+// onIndex runs under the cache's lock: it only copies the event out, and
+// drops it (counted) when the fan-out is behind.
+func (s *Server) onIndex(e kvcache.IndexEvent) {
+	if s.subscribers.Load() == 0 {
+		return
+	}
+	k := wire.EventRemoved
+	if e.Ready {
+		k = wire.EventStored
+	}
+	select {
+	case s.events <- wire.Event{Kind: k, NS: uint32(e.Namespace), Key: e.Key}:
+	default:
+		s.counter.eventsDropped.Add(1)
+	}
+}
+
+func (s *Server) fanOutEvents() {
+	batch := make([]wire.Event, 0, wire.MaxKeys)
+	for {
+		select {
+		case <-s.stop:
+			return
+		case e := <-s.events:
+			batch = append(batch[:0], e)
+		more:
+			for len(batch) < wire.MaxKeys {
+				select {
+				case e := <-s.events:
+					batch = append(batch, e)
+				default:
+					break more
+				}
+			}
+			if f := s.cfg.OnEvents; f != nil {
+				f(batch)
+			}
+			s.mu.Lock()
+			for _, p := range s.peers {
+				if p.subscribed {
+					p.push(&wire.Msg{Type: wire.TEvents, Events: append([]wire.Event(nil), batch...)}, -1)
+				}
+			}
+			s.mu.Unlock()
+		}
+	}
+}
+
+func toWire(sl kvcache.Slot) wire.Slot {
+	return wire.Slot{ID: uint32(sl.ID), Gen: sl.Gen, Region: uint32(sl.Region), Off: sl.Off}
+}
+
+// handle serves one request and returns its reply.
+func (p *peer) handle(m *wire.Msg) *wire.Msg {
+	s := p.s
+	c := s.cache // set before any peer registers, never changed
+	o := &p.out
+	o.Reset()
+	o.ReqID = m.ReqID
+	o.Type = wire.TOK
+	ns := kvcache.Namespace(p.ns.id)
+	switch m.Type {
+	case wire.TLookup:
+		o.Type = wire.TLookupOK
+		if m.Flags&wire.FlagLease == 0 {
+			o.N = uint64(c.Lookup(m.Keys))
+			return o
+		}
+		var n int
+		n, p.slots = c.LookupLease(m.Keys, p.slots[:0])
+		o.N = uint64(n)
+		for _, sl := range p.slots {
+			o.Slots = append(o.Slots, toWire(sl))
+		}
+		// Recorded after the reply is sent (settle): the client cannot
+		// give them back before it has the reply, and this goroutine
+		// reads its next request only after settling.
+		p.unsettled = true
+	case wire.TUnlease, wire.TEndLoad:
+		load := m.Type == wire.TEndLoad
+		p.slots = p.slots[:0]
+		for i, h := range m.Handles {
+			e := p.held.get(h)
+			if e == nil || (load && e.loads == 0) || (!load && e.leases == 0) {
+				p.restore(m.Handles[:i], load)
+				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no (more) %s on it",
+					m.Type, h.ID, h.Gen, map[bool]string{true: "load", false: "lease"}[load])
+			}
+			if load {
+				e.loads--
+				p.held.loads--
+			} else {
+				e.leases--
+				p.held.leases--
+			}
+			p.slots = append(p.slots, slotOf(h))
+		}
+		var err error
+		if load {
+			err = c.EndLoad(p.slots)
+		} else {
+			err = c.Unlease(p.slots)
+		}
+		if err != nil {
+			return errMsg(m.ReqID, wire.CodeInternal, "%v: %v", m.Type, err)
+		}
+		o.N = uint64(len(m.Handles))
+		s.reap()
+	case wire.TBeginStore:
+		return p.beginStore(m, ns)
+	case wire.TCommitStore, wire.TAbortStore:
+		p.slots = p.slots[:0]
+		for i, h := range m.Handles {
+			e := p.held.get(h)
+			if e == nil || !e.reserved {
+				for _, g := range m.Handles[:i] {
+					e, _ := p.held.take(g.ID, g.Gen)
+					e.reserved = true
+					p.held.reserved++
+				}
+				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no reservation on it (given twice, or another's)",
+					m.Type, h.ID, h.Gen)
+			}
+			e.reserved = false
+			p.held.reserved--
+			p.slots = append(p.slots, slotOf(h))
+		}
+		var cerr error
+		if m.Type == wire.TAbortStore {
+			cerr = errAborted
+		}
+		if err := c.CompleteStore(p.slots, cerr); err != nil {
+			return errMsg(m.ReqID, wire.CodeInternal, "%v: %v", m.Type, err)
+		}
+		o.N = uint64(len(m.Handles))
+		s.reap()
+	case wire.TBeginLoad:
+		var err error
+		p.loadRes, err = c.BeginLoad(m.Keys, blockIDs[:len(m.Keys)], p.loadRes[:0])
+		if err != nil {
+			return errMsg(m.ReqID, wire.CodeInvalid, "BeginLoad: %v", err)
+		}
+		o.Type = wire.TBeginLoadOK
+		for _, r := range p.loadRes {
+			if !r.Found {
+				o.Outcomes = append(o.Outcomes, wire.OutcomeMissing)
+				continue
+			}
+			e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+			if !ok {
+				return errMsg(m.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
+			}
+			e.loads++
+			p.held.loads++
+			o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
+			o.Slots = append(o.Slots, toWire(r.Slot))
+		}
+	default:
+		return p.handleRare(m, o, ns)
+	}
+	return o
+}
+
+// handleRare serves the requests that are not on a serving stack's hot
+// path (kept out of handle, whose cases run for every op).
+func (p *peer) handleRare(m *wire.Msg, o *wire.Msg, ns kvcache.Namespace) *wire.Msg {
+	s := p.s
+	c := s.cache
+	switch m.Type {
+	case wire.TDelete:
+		o.N = uint64(c.Delete(m.Keys))
+		s.reap()
+	case wire.TClear:
+		o.N = uint64(c.Clear(ns))
+		s.reap()
+	case wire.TStats:
+		b, err := json.Marshal(s.Stats())
+		if err != nil {
+			return errMsg(m.ReqID, wire.CodeInternal, "stats: %v", err)
+		}
+		o.Type, o.JSON = wire.TStatsOK, b
+	case wire.TTrim:
+		res, err := s.Trim(int64(min(m.N, 1<<62)))
+		if err != nil {
+			return errMsg(m.ReqID, wire.CodeClosed, "%v", err)
+		}
+		b, _ := json.Marshal(res)
+		o.Type, o.JSON = wire.TTrimOK, b
+	case wire.TRetireAck:
+		s.mu.Lock()
+		rr := s.regions[m.Region.ID]
+		ok := p.regions[m.Region.ID] && rr != nil && rr.state == regionRetiring
+		if ok {
+			s.acked(p, m.Region.ID)
+		}
+		s.mu.Unlock()
+		if !ok {
+			return errMsg(m.ReqID, wire.CodeNotYours, "RetireAck of region %d: not a region this client was told to unmap", m.Region.ID)
+		}
+	case wire.TSubscribe:
+		s.mu.Lock()
+		if !p.subscribed {
+			p.subscribed = true
+			s.subscribers.Add(1)
+		}
+		s.mu.Unlock()
+	case wire.TBye:
+		p.bye = true
+	case wire.THello:
+		return errMsg(m.ReqID, wire.CodeHandshake, "Hello twice")
+	default:
+		return errMsg(m.ReqID, wire.CodeMalformed, "%v is not a request", m.Type)
+	}
+	return o
+}
+
+var errAborted = errors.New("nodepool: store aborted by its client")
+
+// settle records the leases a Lookup took, after its reply was sent.
+func (p *peer) settle() {
+	if !p.unsettled {
+		return
+	}
+	p.unsettled = false
+	for _, sl := range p.slots {
+		e, ok := p.held.take(uint32(sl.ID), sl.Gen)
+		if !ok {
+			// The index never reoccupies a slot this client holds: if it
+			// ever did, keep the lease unrecorded (released with the
+			// index) rather than mix two generations.
+			p.s.counter.internal.Add(1)
+			p.s.cfg.Logf("client %d: slot %d leased in generation %d while it holds generation %d", p.id, sl.ID, sl.Gen, e.gen)
+			continue
+		}
+		e.leases++
+		p.held.leases++
+	}
+}
+
+// restore gives back the counts taken for handles before a failing one.
+func (p *peer) restore(hs []wire.Handle, load bool) {
+	for _, h := range hs {
+		e, _ := p.held.take(h.ID, h.Gen)
+		if load {
+			e.loads++
+			p.held.loads++
+		} else {
+			e.leases++
+			p.held.leases++
+		}
+	}
+}
+
+// beginStore reserves slots for the keys: maximal runs of keys that chain
+// (parent of key i is key i-1) go to kvcache as one StoreRequest each.
+func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
+	c := p.s.cache
+	kvHeads := uint16(p.ns.layout.KVHeads)
+	// Head ranges: a reservation covers heads [HeadLo, HeadHi) of each
+	// block. Until kvcache has its per-head-range state machine, only the
+	// whole block is accepted ([0, KVHeads), or [0, 0) meaning all). This
+	// is where kvcache's head-range BeginStore plugs in: pass the range in
+	// the StoreRequest, and let a block become ready when every range of it
+	// was committed; a second writer of a block being written then gets
+	// OutcomeWrite and the same slot (not OutcomePresent). The bookkeeping
+	// of reservations per client keys on the slot handle: one range per
+	// block per client (a tensor-parallel rank writes its own heads); a
+	// client reserving two ranges of one block needs the range added to
+	// holding.
+	if !(m.HeadLo == 0 && (m.HeadHi == 0 || m.HeadHi == kvHeads)) {
+		return errMsg(m.ReqID, wire.CodeUnsupported, "head range [%d, %d) of %d heads: this node reserves whole blocks only (all heads)",
+			m.HeadLo, m.HeadHi, kvHeads)
+	}
+	o := &p.out
+	o.Type = wire.TBeginStoreOK
+	keys := m.Keys
+	var refused map[wire.Key]uint8
+	for i := 0; i < len(keys); {
+		parent := m.Parent
+		if m.Flags&wire.FlagChain == 0 {
+			parent = m.Parents[i]
+			if out, ok := refused[parent]; ok && parent != (wire.Key{}) {
+				// The parent was refused in this call: so is its child.
+				o.Outcomes = append(o.Outcomes, out)
+				refused[keys[i]] = out
+				i++
+				continue
+			}
+		}
+		j := i + 1
+		if m.Flags&wire.FlagChain != 0 {
+			j = len(keys)
+		} else {
+			for j < len(keys) && m.Parents[j] == keys[j-1] {
+				j++
+			}
+		}
+		var err error
+		p.storeRes, err = c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent, Keys: keys[i:j], BlockIDs: blockIDs[i:j]}, p.storeRes[:0])
+		if err != nil {
+			// Undo this request's reservations: an error leaves nothing held.
+			p.slots = p.slots[:0]
+			for _, sl := range o.Slots {
+				p.held.get(sl.Handle()).reserved = false
+				p.held.reserved--
+				p.slots = append(p.slots, slotOf(sl.Handle()))
+			}
+			if len(p.slots) > 0 {
+				_ = c.CompleteStore(p.slots, errAborted)
+			}
+			return errMsg(m.ReqID, wire.CodeInvalid, "BeginStore: %v", err)
+		}
+		for k, r := range p.storeRes {
+			var out uint8
+			switch r.Outcome {
+			case kvcache.StoreWrite:
+				out = wire.OutcomeWrite
+				e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+				if !ok || e.reserved {
+					return errMsg(m.ReqID, wire.CodeInternal, "slot %d reserved in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
+				}
+				e.reserved = true
+				p.held.reserved++
+				o.Slots = append(o.Slots, toWire(r.Slot))
+			case kvcache.StorePresent:
+				out = wire.OutcomePresent
+			case kvcache.StoreRefusedAdmission:
+				out = wire.OutcomeRefusedAdmission
+			default:
+				out = wire.OutcomeRefusedFull
+			}
+			if out == wire.OutcomeRefusedFull || out == wire.OutcomeRefusedAdmission {
+				if refused == nil {
+					refused = map[wire.Key]uint8{}
+				}
+				refused[keys[i+k]] = out
+			}
+			o.Outcomes = append(o.Outcomes, out)
+		}
+		i = j
+	}
+	return o
+}
+
+// Stats is a node's state, as a client's Stats call returns it.
+type Stats struct {
+	PoolBytes       int64  `json:"pool_bytes"`
+	Regions         int    `json:"regions"`
+	RegionsRetiring int    `json:"regions_retiring"`
+	FreedBytes      int64  `json:"freed_bytes"`
+	SlotSize        uint64 `json:"slot_size"`
+	PageMode        string `json:"page_mode"`
+	Clients         int    `json:"clients"`
+	// WaitingExit: clients disconnected without goodbye whose processes
+	// still run; their reservations and leases are held until they exit.
+	WaitingExit    int               `json:"waiting_exit"`
+	Namespaces     map[string]uint32 `json:"namespaces"`
+	Cache          kvcache.Stats     `json:"cache"`
+	Accepted       uint64            `json:"accepted"`
+	Refused        uint64            `json:"refused"`
+	Malformed      uint64            `json:"malformed"`
+	ReleasedOnExit uint64            `json:"released_on_exit"`
+	ReleasedOnBye  uint64            `json:"released_on_bye"`
+	EventsDropped  uint64            `json:"events_dropped"`
+	PeersDropped   uint64            `json:"peers_dropped"`
+	// InternalErrors counts states the node never expects (a client
+	// holding two generations of one slot); 0 unless there is a bug.
+	InternalErrors uint64 `json:"internal_errors"`
+}
+
+// Stats returns a snapshot of the node's state.
+func (s *Server) Stats() Stats {
+	s.mu.Lock()
+	st := Stats{PoolBytes: s.cfg.PoolBytes, Regions: len(s.regions), FreedBytes: s.freedBytes, SlotSize: s.slotSize,
+		PageMode: s.pageMode, Clients: len(s.peers), Namespaces: map[string]uint32{}}
+	for _, rr := range s.regions {
+		if rr.state != regionActive {
+			st.RegionsRetiring++
+		}
+	}
+	for n, ns := range s.namespaces {
+		st.Namespaces[n] = ns.id
+	}
+	for _, w := range s.waits {
+		st.WaitingExit += len(w.peers)
+	}
+	c := s.cache
+	s.mu.Unlock()
+	if c != nil {
+		st.Cache = c.Stats()
+	}
+	st.Accepted = s.counter.accepted.Load()
+	st.Refused = s.counter.refused.Load()
+	st.Malformed = s.counter.malformed.Load()
+	st.ReleasedOnExit = s.counter.releasedOnExit.Load()
+	st.ReleasedOnBye = s.counter.releasedOnBye.Load()
+	st.EventsDropped = s.counter.eventsDropped.Load()
+	st.PeersDropped = s.counter.peersDropped.Load()
+	st.InternalErrors = s.counter.internal.Load()
+	return st
+}

@@ -1,0 +1,508 @@
+package nodepool
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/user"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/mmapmem"
+	"github.com/kvoffload/kvoffload/nodepool/wire"
+)
+
+// Defaults of ServerConfig.
+const (
+	DefaultRegionBytes int64 = 4 << 30
+	// DefaultPushQueue is how many pushes (region announcements, retire
+	// notices, event batches) may wait for a client that does not read;
+	// beyond it the node drops that client's connection (what it holds is
+	// released when its process exits, as for any client that leaves
+	// without goodbye).
+	DefaultPushQueue = 1024
+)
+
+// MaxRegionBytes bounds ServerConfig.RegionBytes: one region is one CUDA
+// registration range in every client (cuMemHostRegister is done in ranges
+// of at most 64 GiB), so no slot straddles two.
+const MaxRegionBytes int64 = 64 << 30
+
+// ServerConfig configures a node.
+type ServerConfig struct {
+	// Socket is the path of the unix socket (SOCK_SEQPACKET). Required. A
+	// stale socket (nothing listening) is replaced; a live one is an error.
+	Socket string
+	// PoolBytes is the pool's size in bytes. Required.
+	PoolBytes int64
+	// RegionBytes is the size of each region (the unit of Trim); the last
+	// region takes the rest. Default DefaultRegionBytes, at most
+	// MaxRegionBytes.
+	RegionBytes int64
+	// Group, when set (a group name or a numeric gid), makes the socket
+	// 0660 owned by that group and admits peers in it; otherwise the socket
+	// is 0600 and only peers of the node's uid (and root) are admitted.
+	Group string
+	// HugeTLB maps regions from hugetlbfs (MFD_HUGETLB) when pages are
+	// reserved, falling back to shared memory's pages (PageMode says
+	// which applies, and why). `kvoffload serve` sets it unless
+	// --hugetlb=false.
+	HugeTLB bool
+	// Policy is "lru" (default) or "tinylfu".
+	Policy string
+	// LowWatermark: free slots kept by evicting ahead of demand (kvcache).
+	LowWatermark int
+	// PrefaultThreads populate each region at start (0: mmapmem's default).
+	PrefaultThreads int
+	// NoPrefault leaves the regions' pages to the first client that
+	// touches them (tests with large pools).
+	NoPrefault bool
+	// OnEvents, when set, receives the node's KV events in batches (as a
+	// subscribed client would), on the node's fan-out goroutine; it must
+	// not block for long (events beyond a bounded queue are dropped and
+	// counted). `kvoffload serve --events` publishes them.
+	OnEvents func([]wire.Event)
+	// Logf, when set, receives one line per connection event.
+	Logf func(format string, args ...any)
+}
+
+// Server is a node: it owns the pool's memfd-backed regions, the block
+// index over them (a kvcache.Cache), every client's reservations and
+// leases, and the regions' retirement. See the package comment.
+type Server struct {
+	cfg      ServerConfig
+	ln       *net.UnixListener
+	gid      int // -1: owner only
+	pageMode string
+
+	mu          sync.Mutex
+	cache       *kvcache.Cache // created by the first Hello, with its layout
+	slotSize    uint64
+	namespaces  map[string]*nsRec
+	regions     map[uint32]*regionRec
+	peers       map[uint32]*peer
+	nextPeer    uint32
+	closed      bool
+	draining    atomic.Int32 // regions draining (RemoveRegion'd, not yet releasable)
+	freedBytes  int64        // given back by Trim so far
+	subscribers atomic.Int32
+
+	waits   map[int32]*exitWait // by pid: clients disconnected without goodbye, still running
+	wg      sync.WaitGroup
+	stop    chan struct{}
+	events  chan wire.Event
+	counter struct {
+		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
+		eventsDropped, peersDropped, internal                       atomic.Uint64
+	}
+}
+
+type nsRec struct {
+	id     uint32
+	layout wire.Layout
+}
+
+type regionRec struct {
+	id      uint32
+	r       *mmapmem.Region
+	state   regionState
+	pending map[uint32]bool // peers yet to acknowledge the retirement
+}
+
+type regionState uint8
+
+const (
+	regionActive   regionState = iota
+	regionDraining             // RemoveRegion'd: slots still reserved or leased
+	regionRetiring             // drained; waiting for clients to unmap it
+)
+
+// ErrServerClosed: the node was closed.
+var ErrServerClosed = errors.New("nodepool: node closed")
+
+// NewServer maps the pool and listens on cfg.Socket. Serve must then run.
+func NewServer(cfg ServerConfig) (*Server, error) {
+	if cfg.Socket == "" || cfg.PoolBytes <= 0 {
+		return nil, fmt.Errorf("nodepool: a socket path and a positive pool size are required (socket %q, pool %d bytes)", cfg.Socket, cfg.PoolBytes)
+	}
+	if cfg.RegionBytes <= 0 {
+		cfg.RegionBytes = DefaultRegionBytes
+	}
+	if cfg.RegionBytes > MaxRegionBytes {
+		return nil, fmt.Errorf("nodepool: region size %d bytes: at most %d (one registration range in each client)", cfg.RegionBytes, MaxRegionBytes)
+	}
+	if cfg.Policy == "" {
+		cfg.Policy = "lru"
+	}
+	if cfg.Policy != "lru" && cfg.Policy != "tinylfu" {
+		return nil, fmt.Errorf("nodepool: policy %q: lru or tinylfu", cfg.Policy)
+	}
+	if cfg.Logf == nil {
+		cfg.Logf = func(string, ...any) {}
+	}
+	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
+		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
+	if cfg.Group != "" {
+		gid, err := lookupGroup(cfg.Group)
+		if err != nil {
+			return nil, err
+		}
+		s.gid = gid
+	}
+	if cfg.OnEvents != nil {
+		s.subscribers.Add(1)
+	}
+	if err := s.mapPool(); err != nil {
+		s.unmapAll()
+		return nil, err
+	}
+	if err := s.listen(); err != nil {
+		s.unmapAll()
+		return nil, err
+	}
+	return s, nil
+}
+
+func lookupGroup(g string) (int, error) {
+	if n, err := strconv.Atoi(g); err == nil && n >= 0 {
+		return n, nil
+	}
+	gr, err := user.LookupGroup(g)
+	if err != nil {
+		return -1, fmt.Errorf("nodepool: group %q: %w", g, err)
+	}
+	return strconv.Atoi(gr.Gid)
+}
+
+// mapPool maps every region (memfd, fallocate'd, populated unless
+// NoPrefault) and decides the page mode Info reports.
+func (s *Server) mapPool() error {
+	shmem := shmemEnabled()
+	opts := mmapmem.Options{Memfd: true, MemfdName: "kvoffload-node", HugeTLB: s.cfg.HugeTLB,
+		PrefaultThreads: s.cfg.PrefaultThreads, NoPrefault: s.cfg.NoPrefault,
+		// MADV_HUGEPAGE matters on shared memory only where shmem_enabled
+		// is advise (always/within_size need no advice, never/deny refuse).
+		NoTHP: shmem == "never" || shmem == "deny"}
+	left, id := s.cfg.PoolBytes, uint32(1)
+	var huge, thp int
+	fallback := ""
+	for left > 0 {
+		size := min(left, s.cfg.RegionBytes)
+		r, err := mmapmem.New(size, opts)
+		if err != nil {
+			return fmt.Errorf("nodepool: map region %d of %d bytes: %w", id, size, err)
+		}
+		s.regions[id] = &regionRec{id: id, r: r}
+		if r.HugeTLB() {
+			huge++
+		} else if r.THP() {
+			thp++
+		}
+		if fallback == "" && s.cfg.HugeTLB && !r.HugeTLB() {
+			fallback = r.Fallback()
+		}
+		left -= size
+		id++
+	}
+	var thpBytes, total int64
+	if huge == 0 && !s.cfg.NoPrefault && thp > 0 {
+		// What the kernel granted, measured on the node's mapping.
+		for _, rr := range s.regions {
+			n, err := mmapmem.HugeBytes(rr.r)
+			if err == nil {
+				thpBytes += n
+			}
+			total += rr.r.Mapped()
+		}
+	}
+	switch {
+	case huge == len(s.regions):
+		s.pageMode = "hugetlb (hugetlbfs memfd)"
+	case huge > 0:
+		s.pageMode = fmt.Sprintf("hugetlb for %d of %d regions, base pages for the rest", huge, len(s.regions))
+	case shmem == "never" || shmem == "deny" || shmem == "":
+		s.pageMode = fmt.Sprintf("base pages (shmem_enabled=%s: no transparent huge pages on shared memory)", orUnknown(shmem))
+	case total > 0:
+		s.pageMode = fmt.Sprintf("transparent huge pages for %d of %d bytes (shmem_enabled=%s, MADV_HUGEPAGE)", thpBytes, total, shmem)
+	default:
+		s.pageMode = fmt.Sprintf("transparent huge pages where the kernel grants them (shmem_enabled=%s, MADV_HUGEPAGE)", shmem)
+	}
+	if huge == 0 && fallback != "" {
+		s.pageMode += "; " + fallback
+	}
+	return nil
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "unknown"
+	}
+	return s
+}
+
+// shmemEnabled reads the bracketed choice of
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled ("" when unreadable).
+func shmemEnabled() string {
+	b, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+	if err != nil {
+		return ""
+	}
+	s := string(b)
+	i, j := strings.IndexByte(s, '['), strings.IndexByte(s, ']')
+	if i < 0 || j < i {
+		return ""
+	}
+	return s[i+1 : j]
+}
+
+func (s *Server) unmapAll() {
+	for id, rr := range s.regions {
+		_ = rr.r.Close()
+		delete(s.regions, id)
+	}
+}
+
+// listen binds the socket in a private directory, sets its mode (0600, or
+// 0660 and the group), then renames it into place, so that it is never
+// reachable with a wider mode.
+func (s *Server) listen() error {
+	path := s.cfg.Socket
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return fmt.Errorf("nodepool: %s exists and is not a socket", path)
+		}
+		if c, err := net.Dial("unixpacket", path); err == nil {
+			_ = c.Close()
+			return fmt.Errorf("nodepool: a node already listens on %s", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("nodepool: remove stale socket: %w", err)
+		}
+	}
+	dir, err := os.MkdirTemp(filepath.Dir(path), ".kvoffload-node-")
+	if err != nil {
+		return fmt.Errorf("nodepool: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	tmp := filepath.Join(dir, "sock")
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("nodepool: listen: %w", err)
+	}
+	ln.SetUnlinkOnClose(false)
+	mode := os.FileMode(0o600)
+	if s.gid >= 0 {
+		mode = 0o660
+		if err := os.Chown(tmp, -1, s.gid); err != nil {
+			_ = ln.Close()
+			return fmt.Errorf("nodepool: chown socket to group %d: %w", s.gid, err)
+		}
+	}
+	if err := os.Chmod(tmp, mode); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("nodepool: chmod socket: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("nodepool: move socket into place: %w", err)
+	}
+	s.ln = ln
+	return nil
+}
+
+// Addr is the socket's path.
+func (s *Server) Addr() string { return s.cfg.Socket }
+
+// PageMode says which pages back the pool (hugetlbfs, transparent huge
+// pages as shmem_enabled allows, or base pages), in words.
+func (s *Server) PageMode() string { return s.pageMode }
+
+// Serve accepts clients until Close; it returns nil after Close.
+func (s *Server) Serve() error {
+	s.wg.Add(1)
+	go s.fanOutEvents()
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			select {
+			case <-s.stop:
+				return nil
+			default:
+			}
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				continue
+			}
+			return fmt.Errorf("nodepool: accept: %w", err)
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.servePeer(c)
+		}()
+	}
+}
+
+// Close stops accepting, disconnects every client, closes the index and
+// unmaps the node's regions (clients keep their own mappings until they
+// unmap them). Leases and reservations die with the index.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return ErrServerClosed
+	}
+	s.closed = true
+	close(s.stop)
+	for _, w := range s.waits {
+		_ = w.f.Close()
+	}
+	peers := make([]*peer, 0, len(s.peers))
+	for _, p := range s.peers {
+		peers = append(peers, p)
+	}
+	s.mu.Unlock()
+	_ = s.ln.Close()
+	_ = os.Remove(s.cfg.Socket)
+	for _, p := range peers {
+		p.disconnect()
+	}
+	s.wg.Wait()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cache != nil {
+		s.cache.Close()
+	}
+	s.unmapAll()
+	return nil
+}
+
+// ---- trim ------------------------------------------------------------------
+
+// TrimResult is what Trim did.
+type TrimResult struct {
+	RequestedBytes int64 `json:"requested_bytes"`
+	// FreedBytes: regions retired at once (no client had them mapped, or
+	// none was connected); their memory is gone.
+	FreedBytes int64 `json:"freed_bytes"`
+	// PendingBytes: regions draining (slots still reserved or leased) or
+	// waiting for clients to unmap them; freed when the last one does.
+	PendingBytes int64 `json:"pending_bytes"`
+	Regions      int   `json:"regions"`
+}
+
+// Trim gives back at least bytes of the pool (whole regions, the
+// highest-numbered first): each region leaves the index at once (its ready
+// blocks evicted, new stores never placed in it) and is retired once its
+// last reservation and lease end: every client that mapped it is told to
+// unmap it (RegionRetire), and the node closes it once each acknowledged or
+// exited.
+func (s *Server) Trim(bytes int64) (TrimResult, error) {
+	res := TrimResult{RequestedBytes: bytes}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return res, ErrServerClosed
+	}
+	ids := make([]uint32, 0, len(s.regions))
+	for id, rr := range s.regions {
+		if rr.state == regionActive {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	var got int64
+	sizes := map[uint32]int64{}
+	for i := len(ids) - 1; i >= 0 && got < bytes; i-- {
+		rr := s.regions[ids[i]]
+		got += rr.r.Len()
+		res.Regions++
+		sizes[rr.id] = rr.r.Len()
+		if s.cache == nil {
+			// No client ever connected: nothing is indexed or mapped.
+			_ = rr.r.Close()
+			delete(s.regions, rr.id)
+			s.freedBytes += rr.r.Len()
+			continue
+		}
+		rr.state = regionDraining
+		s.draining.Add(1)
+		if _, err := s.cache.RemoveRegion(kvcache.RegionID(rr.id)); err != nil {
+			s.mu.Unlock()
+			return res, fmt.Errorf("nodepool: trim region %d: %w", rr.id, err)
+		}
+	}
+	s.mu.Unlock()
+	s.reap()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id, n := range sizes {
+		if _, ok := s.regions[id]; ok {
+			res.PendingBytes += n
+		} else {
+			res.FreedBytes += n
+		}
+	}
+	return res, nil
+}
+
+// reap retires the regions that finished draining: each client that holds
+// one is told to unmap it; a region no client holds is closed at once. It
+// returns the regions closed.
+func (s *Server) reap() []uint32 {
+	if s.draining.Load() == 0 {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cache == nil || s.closed {
+		return nil
+	}
+	var closed []uint32
+	for _, id := range s.cache.TakeReleasable(nil) {
+		rr := s.regions[uint32(id)]
+		if rr == nil || rr.state != regionDraining {
+			continue
+		}
+		s.draining.Add(-1)
+		rr.state = regionRetiring
+		rr.pending = map[uint32]bool{}
+		for pid, p := range s.peers {
+			if p.regions[rr.id] {
+				rr.pending[pid] = true
+				p.push(&wire.Msg{Type: wire.TRegionRetire, Region: wire.Region{ID: rr.id}}, -1)
+			}
+		}
+		if s.maybeFree(rr) {
+			closed = append(closed, rr.id)
+		}
+	}
+	return closed
+}
+
+// maybeFree closes a retiring region once no client holds it. s.mu held.
+func (s *Server) maybeFree(rr *regionRec) bool {
+	if rr.state != regionRetiring || len(rr.pending) > 0 {
+		return false
+	}
+	s.freedBytes += rr.r.Len()
+	_ = rr.r.Close()
+	delete(s.regions, rr.id)
+	s.cfg.Logf("region %d freed (%d bytes)", rr.id, rr.r.Len())
+	return true
+}
+
+// acked records that peer p unmapped region id (or exited). s.mu held.
+func (s *Server) acked(p *peer, id uint32) {
+	delete(p.regions, id)
+	if rr := s.regions[id]; rr != nil && rr.state == regionRetiring {
+		delete(rr.pending, p.id)
+		s.maybeFree(rr)
+	}
+}

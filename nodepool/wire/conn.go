@@ -1,0 +1,121 @@
+package wire
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Conn is one end of a node connection: a SOCK_SEQPACKET unix socket
+// carrying one message per packet. Send may be called from several
+// goroutines (each message is one sendmsg, atomic on a packet socket);
+// Recv from one goroutine at a time.
+type Conn struct {
+	uc   *net.UnixConn
+	rbuf []byte
+	oob  []byte
+
+	wmu  sync.Mutex
+	wbuf []byte
+}
+
+// NewConn wraps a connected "unixpacket" socket and sizes its buffers so
+// that a message of MaxMessage bytes fits in one packet.
+func NewConn(uc *net.UnixConn) *Conn {
+	_ = uc.SetWriteBuffer(4 * MaxMessage)
+	_ = uc.SetReadBuffer(4 * MaxMessage)
+	return &Conn{uc: uc, rbuf: make([]byte, MaxMessage+1), oob: make([]byte, unix.CmsgSpace(4*4)), wbuf: make([]byte, 0, 4096)}
+}
+
+// UnixConn is the socket.
+func (c *Conn) UnixConn() *net.UnixConn { return c.uc }
+
+// Close closes the socket.
+func (c *Conn) Close() error { return c.uc.Close() }
+
+// Send encodes m and sends it, with fd attached (SCM_RIGHTS) when fd >= 0.
+func (c *Conn) Send(m *Msg, fd int) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	b, err := Encode(c.wbuf[:0], m)
+	if err != nil {
+		return err
+	}
+	c.wbuf = b[:0]
+	var oob []byte
+	if fd >= 0 {
+		oob = unix.UnixRights(fd)
+	}
+	n, _, err := c.uc.WriteMsgUnix(b, oob, nil)
+	if err != nil {
+		return err
+	}
+	if n != len(b) {
+		return fmt.Errorf("wire: short write of %v: %d of %d bytes", m.Type, n, len(b))
+	}
+	return nil
+}
+
+// Recv receives and decodes one message into m. A file descriptor that came
+// with it is returned (else -1) and is the caller's to close; a message
+// that carried more than one, or a truncated one, is an error wrapping
+// ErrMalformed after every descriptor received was closed. The peer
+// closing the connection is io.EOF. A message that does not decode is an
+// error wrapping ErrMalformed; the connection stays usable (the next
+// packet is the next message).
+func (c *Conn) Recv(m *Msg) (fd int, err error) {
+	n, oobn, flags, _, err := c.uc.ReadMsgUnix(c.rbuf, c.oob)
+	fds := parseRights(c.oob[:oobn])
+	fd = -1
+	bad := func(e error) (int, error) {
+		for _, f := range fds {
+			_ = unix.Close(f)
+		}
+		return -1, e
+	}
+	if err != nil {
+		return bad(err)
+	}
+	if n == 0 && oobn == 0 {
+		return bad(io.EOF) // a packet socket reads 0 bytes only at the peer's close
+	}
+	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 || n > MaxMessage {
+		return bad(fmt.Errorf("%w: truncated packet (%d bytes, flags %#x)", ErrMalformed, n, flags))
+	}
+	if len(fds) > 1 {
+		return bad(fmt.Errorf("%w: %d file descriptors on one message", ErrMalformed, len(fds)))
+	}
+	if err := Decode(c.rbuf[:n], m); err != nil {
+		return bad(err)
+	}
+	if len(fds) == 1 {
+		fd = fds[0]
+	}
+	return fd, nil
+}
+
+func parseRights(oob []byte) []int {
+	if len(oob) == 0 {
+		return nil
+	}
+	cmsgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil
+	}
+	var fds []int
+	for i := range cmsgs {
+		if f, err := unix.ParseUnixRights(&cmsgs[i]); err == nil {
+			fds = append(fds, f...)
+		}
+	}
+	return fds
+}
+
+// IsClosed reports whether err means the connection is gone.
+func IsClosed(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, unix.ECONNRESET) || errors.Is(err, unix.EPIPE)
+}
