@@ -44,6 +44,9 @@ type CUDA struct {
 	calibrateLater bool
 }
 
+// What newCUDA has the copier allocate ahead (cudacopy.Copier.Prewarm).
+const prewarmTables, prewarmRings = 4, 2
+
 // newCUDA creates the engine's streams and copier on dev. The copier's
 // device memory (descriptor tables, bounce chunks) stays within
 // opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
@@ -83,6 +86,10 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	}
 	c.meter = c.copier
 	c.setupEarly()
+	// Warm start: the first copies find their descriptor tables and two
+	// rings of staging chunks ready instead of allocating them on the
+	// submitting thread. Short of memory, the copies allocate as before.
+	_ = c.copier.Prewarm(prewarmTables, prewarmRings)
 	// The automatic choice of method is calibrated on this device before
 	// anything is queued (a fraction of a second, see
 	// cudacopy.CalibrationConfig), unless the method is forced or a saved

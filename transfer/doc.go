@@ -24,7 +24,12 @@
 //
 // Life of a request: Submit validates every segment against the host and
 // device ranges the scheduler was told about (AddHostRange, AddDeviceRange)
-// before anything is enqueued, then queues it. One submitting goroutine
+// before anything is enqueued, then queues it (a request with Build has its
+// segments built, validated and copied part by part on the submitting
+// thread instead). A device with early events (CUDA with stream memory
+// operations, see promiser) lets Submit of a request with events return
+// before its copies are built: a signalling goroutine records its events
+// behind waits on a counter the engine stream writes after the copies. One submitting goroutine
 // takes queued requests, loads before stores, within MaxInFlightBytes and
 // MaxBatchesInFlight per direction, and issues them as one batch: waits on
 // callers' After events, the copies (coalesced, layer by layer when a

@@ -337,3 +337,39 @@ func (c *Copier) KeepIdle() bool {
 	c.tableCap = capT
 	return true
 }
+
+// Prewarm allocates, within MaxDeviceBytes, what the first copies would
+// otherwise allocate on their submitting thread: tables descriptor tables
+// (with their pinned host halves) and the staging chunks of rings
+// concurrent gathered or scattered copies (NoGather: none), kept idle in
+// the pools. It stops quietly at the bound (or at the KeepIdle shares),
+// so that the engine's first op runs as fast as later ones.
+func (c *Copier) Prewarm(tables, rings int) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for range tables {
+		if ok, err := c.makeRoomLocked(need{bufs: len(c.free) + 1}, 0); err != nil || !ok {
+			return err
+		}
+		b, err := c.newDescBuf()
+		if err != nil {
+			return err
+		}
+		c.free = append(c.free, b)
+	}
+	if c.opts.NoGather {
+		return nil
+	}
+	for range rings * c.opts.GatherRing {
+		if ok, err := c.makeRoomLocked(need{staging: len(c.stagingFree) + 1}, 0); err != nil || !ok {
+			return err
+		}
+		p, err := c.devAllocLocked(uint64(c.opts.GatherChunkBytes))
+		if err != nil {
+			return err
+		}
+		c.stagingAll = append(c.stagingAll, p)
+		c.stagingFree = append(c.stagingFree, p)
+	}
+	return nil
+}

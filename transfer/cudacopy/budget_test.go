@@ -150,3 +150,32 @@ func TestDeviceBudgetOptions(t *testing.T) {
 	require.ErrorIs(t, err, ErrDeviceBudget)
 	require.Zero(t, drv.PeakDeviceBytes()-uint64(c.PeakDeviceBytes()))
 }
+
+// Prewarm allocates tables and staging chunks ahead, so that the first
+// gathered copy allocates no device memory, and stops quietly at the bound
+// (KeepIdle's shares included).
+func TestPrewarmFake(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{DeviceMemory: 4 << 30})
+	g, s := newStream(t, drv), newStream(t, drv)
+	const n = 8 << 20
+	src, dst, dev := testBuffers(t, drv, n)
+	c := newCopier(t, drv, Options{PTX: fakePTX})
+	knownHost(t, c, dst)
+	base := c.DeviceBytes()
+	require.NoError(t, c.Prewarm(2, 1))
+	require.EqualValues(t, 2*c.descBytes()+int64(DefaultGatherRing)*DefaultGatherChunk, c.DeviceBytes()-base)
+	allocs := drv.Calls(cuda.OpMemAlloc)
+	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
+	segs := blockSegs(D2H, addr(dst), uint64(dev), 8, 8, 128<<10, 2)
+	tk, err := c.SubmitGather(g, s, segs)
+	require.NoError(t, err)
+	require.NoError(t, drv.StreamSynchronize(s))
+	require.NoError(t, c.Retire(tk))
+	require.Equal(t, allocs, drv.Calls(cuda.OpMemAlloc), "the first gathered copy allocated device memory after Prewarm")
+	// At the bound Prewarm stops without an error.
+	require.True(t, c.KeepIdle())
+	require.NoError(t, c.Prewarm(1000, 1000))
+	require.LessOrEqual(t, c.DeviceBytes(), c.MaxDeviceBytes())
+	require.LessOrEqual(t, int64(len(c.all))*c.descBytes(), c.tableCap)
+	require.NoError(t, c.Close())
+}
