@@ -205,3 +205,51 @@ func BenchmarkControlPlane(b *testing.B) {
 		c.Close()
 	}
 }
+
+// BenchmarkBeginLoad2048: BeginLoad and EndLoad of 2048 stored keys into
+// random block ids, the index work of one large Load call.
+func BenchmarkBeginLoad2048(b *testing.B) {
+	const n = 2048
+	layout, err := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 2*n, 1<<44))
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := New(Config{Layout: layout, Policy: NewLRU()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := c.AddRegion(Region{ID: 1, Base: 1 << 40, Size: 2 * n * layout.SlotSize()}); err != nil {
+		b.Fatal(err)
+	}
+	keys, ids := make([]Key, n), make([]int, n)
+	for j := range keys {
+		keys[j][0], keys[j][1], keys[j][15] = byte(j), byte(j>>8), 7
+		ids[j] = (j * 7919) % (2 * n)
+	}
+	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var sl []Slot
+	for _, x := range res {
+		sl = append(sl, x.Slot)
+	}
+	if err := c.CompleteStore(sl, nil); err != nil {
+		b.Fatal(err)
+	}
+	var lr []LoadResult
+	b.ResetTimer()
+	for range b.N {
+		lr, err = c.BeginLoad(keys, ids, lr[:0])
+		if err != nil {
+			b.Fatal(err)
+		}
+		sl = sl[:0]
+		for _, x := range lr {
+			sl = append(sl, x.Slot)
+		}
+		if err := c.EndLoad(sl); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
