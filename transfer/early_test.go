@@ -295,3 +295,26 @@ func submitWithin(t *testing.T, s *Scheduler, req Request, d time.Duration) (*Op
 		return nil, nil
 	}
 }
+
+// TestEarlyFulfilFailure: when the counter cannot be written (the write
+// after the copies, and the batch's catch-all after it), the op fails and
+// the engine neither waits for its events at completion nor at Close.
+func TestEarlyFulfilFailure(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 13})
+	calls := e.drv.Calls(cuda.OpStreamWriteValue64)
+	e.drv.FailAt(cuda.OpStreamWriteValue64, calls+1, cuda.ErrorInvalidValue)
+	e.drv.FailAt(cuda.OpStreamWriteValue64, calls+2, cuda.ErrorInvalidValue)
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	select {
+	case <-op.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("an op whose counter write failed never completed")
+	}
+	require.Error(t, op.Err())
+	// The engine goes on with the next op.
+	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op2.Wait())
+}

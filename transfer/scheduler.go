@@ -280,6 +280,8 @@ type batch struct {
 	// awaits it before reporting.
 	recorded bool
 	err      error // the batch's failure, reported at completion
+	// unfulfilled: writing the counter for the batch's early ops failed.
+	unfulfilled bool
 }
 
 // New starts a scheduler over dev: one submitting goroutine and one
@@ -895,8 +897,11 @@ func (s *Scheduler) fulfilAll(b *batch) {
 			v = max(v, op.seq0+uint64(len(op.layerEnds)))
 		}
 	}
-	if v != 0 {
-		_ = s.early.Fulfil(b.dir, v)
+	if v != 0 && s.early.Fulfil(b.dir, v) != nil {
+		// The events may never complete: the completer must not wait
+		// for them (the batch fails; a caller's stream waiting on them
+		// is stuck as on a lost device).
+		b.unfulfilled = true
 	}
 }
 
@@ -1134,7 +1139,7 @@ func (s *Scheduler) completer(d Direction, ready chan<- error) {
 				// An early op's events are recorded on the signal stream,
 				// a moment after the counter write the batch event follows:
 				// the op completes only once they have too.
-				if e := op.lastEvent(); werr == nil && e != 0 {
+				if e := op.lastEvent(); werr == nil && e != 0 && !b.unfulfilled {
 					werr = s.await(e)
 				}
 			}
