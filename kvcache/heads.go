@@ -272,20 +272,5 @@ func DenseRankSpec(kind LayoutKind, g Geometry, order HeadOrder, heads HeadRange
 	if h.Count < 1 || h.Count > g.KVHeads {
 		return spec
 	}
-	seg = seg / uint64(g.KVHeads) * uint64(h.Count)
-	n := uint64(numBlocks)
-	switch kind {
-	case CrossLayer:
-		spec.Base, spec.Stride = base, 2*uint64(g.Layers)*seg
-	case MLA:
-		for i := 0; i < g.Layers; i++ {
-			spec.Layers = append(spec.Layers, LayerTensors{K: base + uint64(i)*n*seg, Stride: seg})
-		}
-	default:
-		for i := 0; i < g.Layers; i++ {
-			k := base + uint64(2*i)*n*seg
-			spec.Layers = append(spec.Layers, LayerTensors{K: k, V: k + n*seg, Stride: seg})
-		}
-	}
-	return spec
+	return denseTensors(spec, seg/uint64(g.KVHeads)*uint64(h.Count), base)
 }

@@ -453,8 +453,14 @@ func DenseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSp
 	if err != nil || numBlocks <= 0 {
 		return spec
 	}
-	n := uint64(numBlocks)
-	switch kind {
+	return denseTensors(spec, seg, base)
+}
+
+// denseTensors places spec's tensors back to back from base, seg bytes a
+// block per layer tensor (DenseSpec, DenseRankSpec).
+func denseTensors(spec LayoutSpec, seg, base uint64) LayoutSpec {
+	g, n := spec.Geometry, uint64(spec.NumBlocks)
+	switch spec.Kind {
 	case CrossLayer:
 		spec.Base, spec.Stride = base, 2*uint64(g.Layers)*seg
 	case MLA:
