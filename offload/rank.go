@@ -17,7 +17,10 @@ import (
 // it. A view lives as long as its engine: after Close its calls return
 // ErrClosed. Safe for concurrent use.
 //
-// Ranks in one process share the engine this way. Ranks in separate
+// Ranks in one process share the engine this way. On CUDA the view's
+// copies run on the engine's device and streams: its tensors must be
+// memory that device reaches (its own; a peer GPU's with peer access
+// enabled is untested). Ranks in separate
 // processes cannot share one index: each process's engine has its own
 // (the node pool's shared memory is a separate design, not this type's).
 type RankView struct {
