@@ -286,3 +286,54 @@ func TestRankErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestLayoutHeadsConfig: the head fields are checked with errors naming
+// the value and the limit, and the record fingerprint names the model's
+// heads and the host format, never the rank or the TP size.
+func TestLayoutHeadsConfig(t *testing.T) {
+	mod := func(f func(*LayoutSpec)) Config {
+		l := tpLayout(2, 1)
+		f(&l)
+		return Config{PoolBytes: 1 << 20, Layout: l}
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"negative model heads", mod(func(l *LayoutSpec) { l.ModelKVHeads = -1 }), "ModelKVHeads = -1"},
+		{"negative first", mod(func(l *LayoutSpec) { l.HeadFirst = -2 }), "HeadFirst = -2"},
+		{"first without the model", mod(func(l *LayoutSpec) { l.ModelKVHeads = 0 }), "HeadFirst = 2 without ModelKVHeads"},
+		{"past the model", mod(func(l *LayoutSpec) { l.HeadFirst = 3 }), "heads [3, 5) (HeadFirst 3, KVHeads 2) outside the model's ModelKVHeads = 4 heads [0, 4)"},
+		{"more than the model", mod(func(l *LayoutSpec) { l.KVHeads, l.HeadFirst = 5, 0 }), "ModelKVHeads = 4"},
+		{"range without order", mod(func(l *LayoutSpec) { l.Order = "" }), "KVHeads = 2 of ModelKVHeads = 4: a rank holding part of the model's heads needs Order"},
+		{"unknown order", mod(func(l *LayoutSpec) { l.Order = "diagonal" }), `Layout.Order "diagonal"`},
+		{"negative partial timeout", Config{PoolBytes: 1 << 20, Layout: tpLayout(2, 0), PartialTimeout: -time.Second}, "PartialTimeout = -1s"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, _, err := withDefaults(tc.cfg)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	cfg, _, slot, err := withDefaults(Config{PoolBytes: 1 << 20, Layout: tpLayout(4, 3)})
+	require.NoError(t, err)
+	require.Equal(t, int64(tpLayers*2*tpModelHeads*tpTokens*tpHeadDim*tpDType), slot, "a slot holds every head of the model")
+	require.Equal(t, 30*time.Second, cfg.PartialTimeout)
+
+	fp := func(l LayoutSpec) uint64 {
+		f, err := recordFingerprint(Config{Namespace: "m", Layout: l})
+		require.NoError(t, err)
+		return f
+	}
+	shared := fp(tpLayout(1, 0))
+	for _, l := range []LayoutSpec{tpLayout(2, 0), tpLayout(2, 1), tpLayout(4, 3)} {
+		require.Equal(t, shared, fp(l), "rank %d of %d heads", l.HeadFirst, l.KVHeads)
+	}
+	hm := tpLayout(2, 1)
+	hm.Order = OrderHeadMajor
+	require.Equal(t, shared, fp(hm), "the device order is not the host format")
+	whole := tpLayout(1, 0)
+	whole.Order, whole.ModelKVHeads = "", 0
+	require.NotEqual(t, shared, fp(whole), "a device-order slot is another format")
+}
