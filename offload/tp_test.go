@@ -337,3 +337,117 @@ func TestLayoutHeadsConfig(t *testing.T) {
 	whole.Order, whole.ModelKVHeads = "", 0
 	require.NotEqual(t, shared, fp(whole), "a device-order slot is another format")
 }
+
+// TestTPConcurrentRanks: the four ranks of TP=4 store the same blocks at
+// once, each from its own goroutine and in its own order, while a TP=1
+// view loads them; every block it finds is whole (byte-exact), and in the
+// end every block is stored once with three joins. Run under -race.
+func TestTPConcurrentRanks(t *testing.T) {
+	e := newTestEngine(t, Config{PoolBytes: 64 * 4096, Layout: tpLayout(4, 0)})
+	defer func() { require.NoError(t, e.Close()) }()
+	ranks := []*RankView{nil}
+	for r := 1; r < 4; r++ {
+		v, err := e.Rank(tpLayout(4, r))
+		require.NoError(t, err)
+		ranks = append(ranks, v)
+	}
+	layout := func(r int) LayoutSpec {
+		if r == 0 {
+			return e.Config().Layout
+		}
+		return ranks[r].Layout()
+	}
+	const n = tpBlocks
+	keys := make([]Key, n)
+	for j := range keys {
+		keys[j] = testKey(500 + j)
+	}
+	for r := range 4 {
+		for j := range n {
+			tpWrite(t, e, layout(r), j, j)
+		}
+	}
+	reader, err := e.Rank(tpLayout(1, 0))
+	require.NoError(t, err)
+	done := make(chan struct{})
+	errs := make(chan error, 8)
+	go func() {
+		defer close(done)
+		for i := 0; i < 50; i++ {
+			for _, lt := range reader.Layout().LayerTensors { // tpPoison, off the test's goroutine
+				_ = e.sim.Fill(lt.K, uint64(tpBlocks*tpTokens*tpModelHeads*tpHeadDim*tpDType), 0xEE)
+				_ = e.sim.Fill(lt.V, uint64(tpBlocks*tpTokens*tpModelHeads*tpHeadDim*tpDType), 0xEE)
+			}
+			op, err := reader.Load(context.Background(), keys[:1], []int{0}, LoadOptions{})
+			if err == nil {
+				err = op.Wait(context.Background())
+			}
+			if err != nil {
+				errs <- err
+				return
+			}
+			if op.Count(OutcomeLoaded) == 1 {
+				got := make([]byte, tpTokens*tpModelHeads*tpHeadDim*tpDType)
+				_ = e.sim.Read(tpAddr(reader.Layout(), 0, 1, 1), got)
+				if !bytes.Equal(got, tpDevice(reader.Layout(), 0)[3]) {
+					errs <- fmt.Errorf("load %d: a visible block was not whole", i)
+				}
+			}
+			_ = op.Release()
+		}
+	}()
+	stored := make(chan int, 4)
+	for r := range 4 {
+		go func() {
+			ks := make([]Key, n)
+			ids := make([]int, n)
+			for j := range n {
+				k := (j + r*3) % n // each rank its own order
+				ks[j], ids[j] = keys[k], k
+			}
+			var op *Op
+			var err error
+			if r == 0 {
+				op, err = e.Store(context.Background(), ks, ids, StoreOptions{Parents: make([]Key, n)})
+			} else {
+				op, err = ranks[r].Store(context.Background(), ks, ids, StoreOptions{Parents: make([]Key, n)})
+			}
+			if err == nil {
+				err = op.Wait(context.Background())
+			}
+			if err != nil {
+				errs <- err
+				stored <- 0
+				return
+			}
+			stored <- op.Count(OutcomeStored)
+			_ = op.Release()
+		}()
+	}
+	total := 0
+	for range 4 {
+		total += <-stored
+	}
+	<-done
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.Equal(t, 4*n, total, "every rank's heads of every block are a write")
+	st := e.Stats()
+	require.Equal(t, int64(3*n), st.StoreJoined)
+	require.Equal(t, int64(n), st.BlocksReady)
+	require.Zero(t, st.Partial)
+	tpPoison(t, e, reader.Layout())
+	oc := tpRun(t)(reader.Load(context.Background(), keys, func() []int {
+		ids := make([]int, n)
+		for j := range ids {
+			ids[j] = j
+		}
+		return ids
+	}(), LoadOptions{}))
+	require.Equal(t, repeatOutcome(OutcomeLoaded, n), oc)
+	for j := range n {
+		tpCheck(t, e, reader.Layout(), j, j, "TP=1 after concurrent ranks")
+	}
+}
