@@ -38,3 +38,19 @@ func FuzzParseConfig(f *testing.F) {
 		require.GreaterOrEqual(t, int64(sim.MinDelay), int64(0))
 	})
 }
+
+// TestParseConfigHeads: the C ABI's JSON carries the model's KV heads, the
+// rank's head range and the device order, and an unknown order is refused.
+func TestParseConfigHeads(t *testing.T) {
+	cfg, _, err := parseConfig(`{"pool_bytes": 1048576, "backend": "host", "partial_timeout": 5000000000,
+		"layout": {"kind": "layer-separate", "layers": 2, "kv_heads": 2, "model_kv_heads": 8, "head_first": 4,
+		"order": "token-major", "head_dim": 64, "dtype_bytes": 2, "tokens_per_block": 16, "num_blocks": 4}}`)
+	require.NoError(t, err)
+	require.Equal(t, 8, cfg.Layout.ModelKVHeads)
+	require.Equal(t, 4, cfg.Layout.HeadFirst)
+	require.Equal(t, offload.OrderTokenMajor, cfg.Layout.Order)
+	require.Equal(t, int64(5e9), int64(cfg.PartialTimeout))
+	_, _, err = parseConfig(`{"pool_bytes": 1, "layout": {"kind": "mla", "order": "sideways"}}`)
+	require.ErrorIs(t, err, offload.ErrInvalidConfig)
+	require.ErrorContains(t, err, "sideways")
+}

@@ -129,7 +129,12 @@ const char* kvo_version(void);
  * offload.Config (snake_case: "pool_bytes", "backend", "namespace",
  * "layout": {"kind", "layers", "kv_heads", "head_dim", "dtype_bytes",
  * "tokens_per_block", "num_blocks", "layer_tensors": [{"k","v","stride"}],
- * "base", "stride"}, ...). Unknown fields are refused (KVO_EINVAL). On the
+ * "base", "stride", "model_kv_heads", "head_first", "order"},
+ * "partial_timeout", ...). A tensor-parallel rank gives its heads as
+ * "kv_heads" of the model's "model_kv_heads" from "head_first", and the
+ * GPU order ("token-major" or "head-major"): every TP size then shares the
+ * blocks, and the namespace must not name the rank or the TP size.
+ * Unknown fields are refused (KVO_EINVAL). On the
  * host backend a layout without tensors is allocated in the engine's
  * simulated GPU (see kvo_sim_write), whose random copy delays an optional
  * "sim": {"seed", "min_delay_ns", "max_delay_ns"} sets. A bad field value

@@ -29,7 +29,8 @@ def main():
     engine = kvoffload.Engine.from_tensors(
         kv_caches,
         pool_bytes=4 << 30,  # host pool: exact size, pinned once, kept
-        namespace="llama-3-8b/bf16/tp0",  # model, dtype, layout, rank: no two models share keys
+        namespace="llama-3-8b/bf16",  # model, dtype: no two models share keys (never the TP rank or size)
+        model_kv_heads=KV_HEADS, head_first=0,  # this rank's heads of the model's: every TP size shares the blocks
     )
     compute = torch.cuda.current_stream()
 

@@ -201,30 +201,35 @@ func (l *Layout) SegmentsRange(id int, r HeadRange, dst []Segment) ([]Segment, e
 // segmentsRange is SegmentsRange for a checked block id and head range of a
 // layout of declared order.
 func (l *Layout) segmentsRange(id int, r HeadRange, dst []Segment) []Segment {
-	b := uint64(id)
+	for i := 0; i < l.spec.Geometry.Layers; i++ {
+		dst = l.layerSegmentsRange(uint64(id), i, r, dst)
+	}
+	return dst
+}
+
+// layerSegmentsRange is segmentsRange for layer i only.
+func (l *Layout) layerSegmentsRange(b uint64, i int, r HeadRange, dst []Segment) []Segment {
 	local := uint64(r.First - l.heads.First)
 	n := uint64(r.Count)
 	hostHead := uint64(r.First) * l.headBytes
-	for i := 0; i < l.spec.Geometry.Layers; i++ {
-		for kv := 0; kv < l.kvPerLayer(); kv++ {
-			dev := l.devKV(b, i, kv)
-			off := l.hostKV(i, kv) + hostHead
-			switch {
-			case l.spec.Order == HeadMajor:
-				dst = append(dst, Segment{Dev: dev + local*l.headBytes, Off: off, Len: n * l.headBytes, Layer: i})
-			case l.contiguous():
-				// One head held (its tokens back to back), or one token
-				// per block (the heads back to back): contiguous both sides.
-				dst = append(dst, Segment{Dev: dev + local*l.rowLen, Off: off, Len: n * l.headBytes, Layer: i})
-			default:
-				pitch := uint64(l.heads.Count) * l.rowLen
-				rows := uint64(l.spec.Geometry.TokensPerBlock)
-				for h := uint64(0); h < n; h++ {
-					dst = append(dst, Segment{
-						Dev: dev + (local+h)*l.rowLen, Off: off + h*l.headBytes, Len: l.headBytes, Layer: i,
-						Rows: rows, RowLen: l.rowLen, DevPitch: pitch, HostPitch: l.rowLen,
-					})
-				}
+	for kv := 0; kv < l.kvPerLayer(); kv++ {
+		dev := l.devKV(b, i, kv)
+		off := l.hostKV(i, kv) + hostHead
+		switch {
+		case l.spec.Order == HeadMajor:
+			dst = append(dst, Segment{Dev: dev + local*l.headBytes, Off: off, Len: n * l.headBytes, Layer: i})
+		case l.contiguous():
+			// One head held (its tokens back to back), or one token
+			// per block (the heads back to back): contiguous both sides.
+			dst = append(dst, Segment{Dev: dev + local*l.rowLen, Off: off, Len: n * l.headBytes, Layer: i})
+		default:
+			pitch := uint64(l.heads.Count) * l.rowLen
+			rows := uint64(l.spec.Geometry.TokensPerBlock)
+			for h := uint64(0); h < n; h++ {
+				dst = append(dst, Segment{
+					Dev: dev + (local+h)*l.rowLen, Off: off + h*l.headBytes, Len: l.headBytes, Layer: i,
+					Rows: rows, RowLen: l.rowLen, DevPitch: pitch, HostPitch: l.rowLen,
+				})
 			}
 		}
 	}

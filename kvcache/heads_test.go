@@ -397,3 +397,25 @@ func FuzzHeadLayout(f *testing.F) {
 		}
 	})
 }
+
+// TestLayerSegmentsDeclaredOrder: for a layout of declared order,
+// LayerSegments is the rank's segments of Segments whose Layer is the
+// layer (a constant count per layer, SegmentsPerBlock / Layers).
+func TestLayerSegmentsDeclaredOrder(t *testing.T) {
+	for _, kind := range []LayoutKind{LayerSeparate, CrossLayer} {
+		for _, order := range []HeadOrder{TokenMajor, HeadMajor} {
+			for _, h := range []HeadRange{{0, 4}, {2, 2}, {3, 1}} {
+				l, err := NewLayout(DenseRankSpec(kind, tpGeo, order, h, 5, 1<<30))
+				require.NoError(t, err)
+				all, err := l.Segments(3, nil)
+				require.NoError(t, err)
+				per := l.SegmentsPerBlock() / tpGeo.Layers
+				for layer := 0; layer < tpGeo.Layers; layer++ {
+					got, err := l.LayerSegments(3, layer, nil)
+					require.NoError(t, err)
+					require.Equal(t, all[layer*per:(layer+1)*per], got, "%v %v heads %v layer %d", kind, order, h, layer)
+				}
+			}
+		}
+	}
+}

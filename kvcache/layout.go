@@ -478,9 +478,10 @@ func denseTensors(spec LayoutSpec, seg, base uint64) LayoutSpec {
 
 // LayerSegments appends the segments of block id that belong to layer
 // (K then V; the latent for MLA) to dst and returns it: the segments of
-// Segments whose Layer is layer, computed directly. A cross-layer block
-// has no per-layer segments: every layer gives its one segment at layer 0
-// and none at others. dst is unchanged on error.
+// Segments whose Layer is layer, computed directly (for a layout of
+// declared order: the rank's heads, as Segments). A cross-layer block of
+// undeclared order has no per-layer segments: every layer gives its one
+// segment at layer 0 and none at others. dst is unchanged on error.
 func (l *Layout) LayerSegments(id, layer int, dst []Segment) ([]Segment, error) {
 	if err := l.CheckBlock(id); err != nil {
 		return dst, err
@@ -489,6 +490,9 @@ func (l *Layout) LayerSegments(id, layer int, dst []Segment) ([]Segment, error) 
 		return dst, fmt.Errorf("%w: layer %d, the geometry has %d layers", ErrLayout, layer, l.spec.Geometry.Layers)
 	}
 	b := uint64(id)
+	if l.spec.Order != OrderUndeclared {
+		return l.layerSegmentsRange(b, layer, l.heads, dst), nil
+	}
 	switch l.spec.Kind {
 	case CrossLayer:
 		if layer != 0 {

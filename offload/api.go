@@ -3,6 +3,7 @@ package offload
 import (
 	"errors"
 	"strconv"
+	"time"
 
 	"github.com/kvoffload/kvoffload/transfer"
 )
@@ -110,6 +111,16 @@ const (
 	LayoutMLA LayoutKind = "mla"
 )
 
+// HeadOrder is the device order of a block's tokens and heads
+// (LayoutSpec.Order). In JSON it is the constant's string.
+type HeadOrder string
+
+// Head orders; "" is undeclared.
+const (
+	OrderTokenMajor HeadOrder = "token-major"
+	OrderHeadMajor  HeadOrder = "head-major"
+)
+
 // Defaults applied by New to zero fields.
 const (
 	DefaultFirstRegionBytes   int64 = 1 << 30 // pinned before New returns: small enough that New is quick, large enough to serve at once
@@ -192,12 +203,24 @@ type Config struct {
 	// events need from the process (CUDA_DEVICE_MAX_CONNECTIONS).
 	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
-	// layout, tensor-parallel rank) and tags stored blocks for Clear.
+	// layout) and tags stored blocks for Clear. With a declared
+	// Layout.Order it must not name the tensor-parallel rank or size:
+	// every rank and every TP size shares the blocks (a slot holds all of
+	// the model's heads). Without one, a slot holds one rank's device
+	// bytes, and the namespace must name the rank and the TP size.
 	Namespace string `json:"namespace,omitempty"`
 	// MaxCachedBytes, when positive, is a bound on the pool bytes ever
 	// pinned: growth stops there (the pool is planned up to it, not up to
 	// PoolBytes), and GrowTo never asks beyond it. 0 means no bound.
 	MaxCachedBytes int64 `json:"max_cached_bytes,omitempty"`
+	// PartialTimeout bounds how long a block stored by head ranges (the
+	// ranks of a tensor-parallel group, Layout.ModelKVHeads) waits for
+	// its missing heads: a block still partial this long after its first
+	// rank's store began (a rank died, or its store failed) is reclaimed,
+	// never loaded (Stats.PartialExpired). Stores and the engine's idle
+	// path check it. Default kvcache.DefaultPartialTimeout (30 s);
+	// negative is ErrInvalidConfig. In JSON: nanoseconds.
+	PartialTimeout time.Duration `json:"partial_timeout,omitempty"`
 	// MemoryHeadroomBytes is kept free when growth re-checks the machine's
 	// memory before each region (MemAvailable, the cgroup limit, the NUMA
 	// node's free memory, as New checks the whole pool). Default
@@ -253,8 +276,31 @@ type LayoutSpec struct {
 	Kind LayoutKind `json:"kind"`
 	// Layers is the number of attention layers.
 	Layers int `json:"layers"`
-	// KVHeads is the number of KV heads (per tensor-parallel rank); 1 for MLA.
+	// KVHeads is the number of KV heads the device tensors hold: the
+	// rank's, [HeadFirst, HeadFirst+KVHeads) of the model's ModelKVHeads;
+	// 1 for MLA.
 	KVHeads int `json:"kv_heads"`
+	// ModelKVHeads is the model's KV heads (every tensor-parallel rank
+	// together). 0 means KVHeads: the tensors hold every head (one rank,
+	// or heads the ranks replicate, as MLA's latent). A block's key and
+	// host bytes are then the same for every TP size: ranks store their
+	// heads into one slot (visible once every head is stored) and any TP
+	// size loads its own heads (see Engine.Rank). Needs Order when the
+	// rank holds fewer heads than the model.
+	ModelKVHeads int `json:"model_kv_heads,omitempty"`
+	// HeadFirst is the model's first KV head the tensors hold (the rank's
+	// head range is [HeadFirst, HeadFirst+KVHeads)); 0 without
+	// ModelKVHeads.
+	HeadFirst int `json:"head_first,omitempty"`
+	// Order is how a block's tokens and heads sit in one layer's K (or V)
+	// on the GPU: OrderTokenMajor ([blocks, tokens, heads, head_dim],
+	// vLLM's and transformers' paged caches), OrderHeadMajor ([blocks,
+	// heads, tokens, head_dim]), or "" (undeclared: the host slot is a
+	// byte copy of the device's block, as in every release before head
+	// ranges, shared only by engines of the same device order and TP
+	// size). A declared order makes the host slot head-major: the same
+	// bytes for every TP size and order (kvcache.HostHeadMajor).
+	Order HeadOrder `json:"order,omitempty"`
 	// HeadDim is the width of one head in elements (the latent width for MLA).
 	HeadDim int `json:"head_dim"`
 	// DTypeBytes is the size of one element in bytes (2 for bf16).

@@ -120,7 +120,7 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		if cfg.Backend == BackendCUDA {
 			return bad("Layout: the CUDA backend needs the device tensors' addresses (LayerTensors, or Base and Stride)")
 		}
-		spec = kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, denseProbeBase)
+		spec = kvcache.DenseRankSpec(spec.Kind, spec.Geometry, spec.Order, spec.Heads, spec.NumBlocks, denseProbeBase)
 	}
 	layout, err := kvcache.NewLayout(spec)
 	if err != nil {
@@ -130,6 +130,12 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("Layout: slot size %d bytes exceeds %d", layout.SlotSize(), int64(math.MaxInt64))
 	}
 	slot := int64(layout.SlotSize())
+	if cfg.PartialTimeout < 0 {
+		return bad("PartialTimeout = %v: must not be negative (0: kvcache.DefaultPartialTimeout, %v)", cfg.PartialTimeout, kvcache.DefaultPartialTimeout)
+	}
+	if cfg.PartialTimeout == 0 {
+		cfg.PartialTimeout = kvcache.DefaultPartialTimeout
+	}
 	if layoutEmpty(cfg.Layout) {
 		// The host backend allocates the tensors: NumBlocks slots of
 		// device memory, placed from denseProbeBase.
@@ -209,19 +215,85 @@ const denseProbeBase = 1 << 40
 // layoutEmpty reports whether l gives no tensor addresses.
 func layoutEmpty(l LayoutSpec) bool { return len(l.LayerTensors) == 0 && l.Base == 0 && l.Stride == 0 }
 
-// kvLayoutSpec converts the plain-data layout to kvcache's.
+// headOrder converts LayoutSpec.Order to kvcache's.
+func headOrder(o HeadOrder) (kvcache.HeadOrder, error) {
+	switch o {
+	case "":
+		return kvcache.OrderUndeclared, nil
+	case OrderTokenMajor:
+		return kvcache.TokenMajor, nil
+	case OrderHeadMajor:
+		return kvcache.HeadMajor, nil
+	}
+	return 0, checkEnum("Layout.Order", o, headOrders)
+}
+
+// modelKVHeads is the model's KV heads of l: ModelKVHeads, or KVHeads
+// when it is 0.
+func modelKVHeads(l LayoutSpec) int {
+	if l.ModelKVHeads != 0 {
+		return l.ModelKVHeads
+	}
+	return l.KVHeads
+}
+
+// checkHeads checks the head fields of l (ErrInvalidConfig naming the
+// value and the limit): the rank's heads [HeadFirst, HeadFirst+KVHeads)
+// inside the model's ModelKVHeads, and a declared Order for a rank
+// holding fewer heads than the model. The dimensions themselves are
+// kvcache's to check.
+func checkHeads(l LayoutSpec) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: Layout."+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	if l.ModelKVHeads < 0 {
+		return bad("ModelKVHeads = %d: must not be negative (0: KVHeads, every head)", l.ModelKVHeads)
+	}
+	if l.HeadFirst < 0 {
+		return bad("HeadFirst = %d: must not be negative", l.HeadFirst)
+	}
+	if l.ModelKVHeads == 0 {
+		if l.HeadFirst != 0 {
+			return bad("HeadFirst = %d without ModelKVHeads: a head range needs the model's KV heads", l.HeadFirst)
+		}
+		return nil
+	}
+	if l.KVHeads > l.ModelKVHeads || l.HeadFirst > l.ModelKVHeads-max(l.KVHeads, 0) {
+		return bad("heads [%d, %d) (HeadFirst %d, KVHeads %d) outside the model's ModelKVHeads = %d heads [0, %d)",
+			l.HeadFirst, l.HeadFirst+l.KVHeads, l.HeadFirst, l.KVHeads, l.ModelKVHeads, l.ModelKVHeads)
+	}
+	if l.KVHeads < l.ModelKVHeads && l.Order == "" {
+		return bad("KVHeads = %d of ModelKVHeads = %d: a rank holding part of the model's heads needs Order (%q or %q)",
+			l.KVHeads, l.ModelKVHeads, OrderTokenMajor, OrderHeadMajor)
+	}
+	return nil
+}
+
+// kvLayoutSpec converts the plain-data layout to kvcache's: the geometry
+// is the model's (KVHeads = ModelKVHeads), the rank's heads its Heads.
 func kvLayoutSpec(l LayoutSpec) (kvcache.LayoutSpec, error) {
 	kind, err := layoutKind(l.Kind)
 	if err != nil {
 		return kvcache.LayoutSpec{}, err
 	}
+	order, err := headOrder(l.Order)
+	if err != nil {
+		return kvcache.LayoutSpec{}, err
+	}
+	if err := checkHeads(l); err != nil {
+		return kvcache.LayoutSpec{}, err
+	}
 	spec := kvcache.LayoutSpec{
 		Kind: kind,
-		Geometry: kvcache.Geometry{Layers: l.Layers, KVHeads: l.KVHeads, HeadDim: l.HeadDim,
+		Geometry: kvcache.Geometry{Layers: l.Layers, KVHeads: modelKVHeads(l), HeadDim: l.HeadDim,
 			DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock},
 		NumBlocks: l.NumBlocks,
 		Base:      l.Base,
 		Stride:    l.Stride,
+		Order:     order,
+	}
+	if l.ModelKVHeads != 0 {
+		spec.Heads = kvcache.HeadRange{First: l.HeadFirst, Count: l.KVHeads}
 	}
 	for _, t := range l.LayerTensors {
 		spec.Layers = append(spec.Layers, kvcache.LayerTensors{K: t.K, V: t.V, Stride: t.Stride})
@@ -234,6 +306,15 @@ func fromKVLayoutSpec(s kvcache.LayoutSpec) LayoutSpec {
 	l := LayoutSpec{Kind: LayoutKind(s.Kind.String()), Layers: s.Geometry.Layers, KVHeads: s.Geometry.KVHeads,
 		HeadDim: s.Geometry.HeadDim, DTypeBytes: s.Geometry.DTypeBytes, TokensPerBlock: s.Geometry.TokensPerBlock,
 		NumBlocks: s.NumBlocks, Base: s.Base, Stride: s.Stride}
+	if s.Heads != (kvcache.HeadRange{}) {
+		l.KVHeads, l.ModelKVHeads, l.HeadFirst = s.Heads.Count, s.Geometry.KVHeads, s.Heads.First
+	}
+	switch s.Order {
+	case kvcache.TokenMajor:
+		l.Order = OrderTokenMajor
+	case kvcache.HeadMajor:
+		l.Order = OrderHeadMajor
+	}
 	for _, t := range s.Layers {
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: t.K, V: t.V, Stride: t.Stride})
 	}

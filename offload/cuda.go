@@ -50,13 +50,18 @@ type deviceTensor struct {
 // deviceTensors lists the extents of Config.Layout's tensors: each from its
 // base to the end of its last block's segment. The layout has passed
 // withDefaults, so the extents fit in 64 bits.
-func (e *Engine) deviceTensors() []deviceTensor {
-	l := e.cfg.Layout
+func (e *Engine) deviceTensors() []deviceTensor { return deviceTensorsOf(e.cfg.Layout) }
+
+// deviceTensorsOf is deviceTensors for layout l (checked by kvLayoutSpec
+// and kvcache.NewLayout): its tensors hold the rank's KVHeads, so a
+// segment is KVHeads × HeadDim × DTypeBytes × TokensPerBlock bytes and a
+// cross-layer block 2 × Layers of them.
+func deviceTensorsOf(l LayoutSpec) []deviceTensor {
 	last := uint64(l.NumBlocks - 1)
+	segLen := uint64(l.KVHeads) * uint64(l.HeadDim) * uint64(l.DTypeBytes) * uint64(l.TokensPerBlock)
 	if l.Kind == LayoutCrossLayer {
-		return []deviceTensor{{"cross-layer tensor", l.Base, l.Base + last*l.Stride + uint64(e.slot)}}
+		return []deviceTensor{{"cross-layer tensor", l.Base, l.Base + last*l.Stride + 2*uint64(l.Layers)*segLen}}
 	}
-	segLen := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
 	var ts []deviceTensor
 	for i, t := range l.LayerTensors {
 		ts = append(ts, deviceTensor{fmt.Sprintf("layer %d K tensor", i), t.K, t.K + last*t.Stride + segLen})
@@ -74,8 +79,11 @@ func (e *Engine) deviceTensors() []deviceTensor {
 // context. Allocations from a caching allocator (PyTorch's) are segments
 // holding many tensors, so a tensor is always inside one. Runs with the
 // context current.
-func (e *Engine) checkDeviceTensors() error {
-	for _, t := range e.deviceTensors() {
+func (e *Engine) checkDeviceTensors() error { return e.checkTensorsOf(e.deviceTensors()) }
+
+// checkTensorsOf is checkDeviceTensors for the extents ts.
+func (e *Engine) checkTensorsOf(ts []deviceTensor) error {
+	for _, t := range ts {
 		base, size, err := e.gpu.AllocationRange(t.start)
 		if err != nil {
 			return fmt.Errorf("%w: Layout: %s [%#x, %#x) is not device memory of device %d: the driver finds no allocation at %#x: %w",

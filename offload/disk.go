@@ -216,21 +216,27 @@ type diskFaultFunc = func(op disk.FaultOp, dir string) error
 // a lower tier (tier/record; the disk and the cluster alike): a
 // hash of the namespace (which names the model and the dtype, DESIGN.md:
 // the layout gives only the dtype's size), the layout kind, layers, KV
-// heads, head dim, dtype bytes and tokens per block. Records of another
-// fingerprint are misses. The fingerprint is meant to hold the model's
-// total KV heads, not a rank's: today the layout's KVHeads is both, since
-// tensor-parallel ranks sharing one block's records do not exist yet; when
-// they do, the total must come from the caller (and a rank's head range
-// from the layout).
+// heads, head dim, dtype bytes, tokens per block and the host format.
+// Records of another fingerprint are misses. The KV heads are the model's
+// (Layout.ModelKVHeads, or KVHeads), never a rank's, and nothing names the
+// rank or the TP size: with a declared Layout.Order a record holds every
+// head, head-major, and every TP size reads it.
 func recordFingerprint(cfg Config) (uint64, error) {
 	kind, err := layoutKind(cfg.Layout.Kind)
 	if err != nil {
 		return 0, err
 	}
 	l := cfg.Layout
+	format := kvcache.HostDeviceOrder
+	if l.Order != "" {
+		format = kvcache.HostHeadMajor // the slot holds every head, whatever the rank
+	}
+	// The model's heads and the host format: never the rank or the TP
+	// size, so that every TP size reads the records.
 	return record.Fingerprint(record.Geometry{
-		Namespace: []byte(cfg.Namespace), KVHeads: l.KVHeads, Layers: l.Layers, HeadDim: l.HeadDim,
+		Namespace: []byte(cfg.Namespace), KVHeads: modelKVHeads(l), Layers: l.Layers, HeadDim: l.HeadDim,
 		DTypeBytes: l.DTypeBytes, TokensPerBlock: l.TokensPerBlock, LayoutKind: uint8(kind),
+		HostFormat: uint8(format),
 	}), nil
 }
 

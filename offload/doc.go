@@ -16,6 +16,19 @@
 // HugePages, Policy, LayoutKind) are typed strings; in JSON they are the
 // constants' strings, and an unknown one is ErrInvalidConfig.
 //
+// # Tensor parallelism
+//
+// A rank's Layout gives its share of the model's KV heads (KVHeads of
+// ModelKVHeads from HeadFirst) and the GPU order (Order): a block's key
+// and host bytes are then the same for every TP size (the namespace names
+// neither the rank nor the TP size). The ranks' stores write their heads
+// into one slot; the block becomes visible when every head is stored, and
+// one still missing heads after Config.PartialTimeout (a rank died) is
+// reclaimed, never loaded. A load of any TP size copies just its heads
+// (token-major tensors move as 2-D copies). The ranks of one process share
+// one engine: Engine.Rank returns a RankView for another rank's tensors
+// over the same pool, index and copy streams.
+//
 // # What this package builds on, and what it leaves out
 //
 // The engine composes kvcache (the block index, slots and policy),

@@ -71,6 +71,7 @@ type Engine struct {
 	// when it did not answer at New (clusterErr says why).
 	cluster    *cluster.Store
 	clusterErr atomic.Pointer[string]
+	views      rankViews // Rank's (rank.go)
 }
 
 // growthState is background growth's plan and progress; mu guards every
@@ -179,7 +180,7 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if err := e.checkBlocks("Store", keys, blockIDs); err != nil {
 		return nil, err
 	}
-	return e.store(ctx, keys, blockIDs, opts)
+	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
 // Load copies the blocks stored under keys[i] into the GPU blocks
@@ -193,7 +194,7 @@ func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	if err := e.checkBlocks("Load", keys, blockIDs); err != nil {
 		return nil, err
 	}
-	return e.load(ctx, keys, blockIDs, opts)
+	return e.load(ctx, e.layout, keys, blockIDs, opts)
 }
 
 // Delete removes keys from the pool and returns how many were present.

@@ -17,6 +17,7 @@ var (
 	hugePages   = []HugePages{HugePagesTHP, HugePagesNone, HugePagesHugeTLB}
 	policies    = []Policy{PolicyTinyLFU, PolicyLRU}
 	layoutKinds = []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA}
+	headOrders  = []HeadOrder{"", OrderTokenMajor, OrderHeadMajor}
 )
 
 // UnmarshalText implements encoding.TextUnmarshaler: a known backend or "".
@@ -39,6 +40,12 @@ func (p *Policy) UnmarshalText(text []byte) error { return parseEnum(p, text, "P
 // once defaults apply: a layout needs its kind).
 func (k *LayoutKind) UnmarshalText(text []byte) error {
 	return parseEnum(k, text, "Layout.Kind", layoutKinds)
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known order or ""
+// (undeclared).
+func (o *HeadOrder) UnmarshalText(text []byte) error {
+	return parseEnum(o, text, "Layout.Order", headOrders)
 }
 
 // parseEnum sets *dst to text if it is "" or one of valid.

@@ -99,29 +99,34 @@ func (e *Engine) openSim() error {
 	e.dev = e.sim
 	if layoutEmpty(e.cfg.Layout) {
 		spec, _ := kvLayoutSpec(e.cfg.Layout)
-		if err := e.allocDense(&spec); err != nil {
+		base, err := e.allocDense(&spec)
+		if err != nil {
 			return err
 		}
+		e.denseAlloc = base
 		e.cfg.Layout = fromKVLayoutSpec(spec)
 	}
 	return nil
 }
 
-// allocDense places a layout given without tensors in the simulated device.
-func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
-	probe := kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, denseProbeBase)
+// allocDense places a layout given without tensors in the simulated device
+// (the rank's heads, kvcache.DenseRankSpec) and returns the allocation.
+func (e *Engine) allocDense(spec *kvcache.LayoutSpec) (uint64, error) {
+	probe := kvcache.DenseRankSpec(spec.Kind, spec.Geometry, spec.Order, spec.Heads, spec.NumBlocks, denseProbeBase)
 	l, err := kvcache.NewLayout(probe)
 	if err != nil {
-		return fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
+		return 0, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
-	n := l.SlotSize() * uint64(spec.NumBlocks)
-	base, err := e.sim.MemAlloc(n)
+	per := l.SlotSize()
+	if spec.Order != kvcache.OrderUndeclared {
+		per = l.RankBytes() // the rank's heads, no padding
+	}
+	base, err := e.sim.MemAlloc(per * uint64(spec.NumBlocks))
 	if err != nil {
-		return err
+		return 0, err
 	}
-	e.denseAlloc = base
-	*spec = kvcache.DenseSpec(spec.Kind, spec.Geometry, spec.NumBlocks, base)
-	return nil
+	*spec = kvcache.DenseRankSpec(spec.Kind, spec.Geometry, spec.Order, spec.Heads, spec.NumBlocks, base)
+	return base, nil
 }
 
 // addDeviceRanges tells the scheduler where the layout's tensors are: the
@@ -130,8 +135,11 @@ func (e *Engine) allocDense(spec *kvcache.LayoutSpec) error {
 // extent and ends past it), so overlapping extents are merged into one
 // range; merely adjacent ones stay separate, as they may be separate
 // allocations.
-func (e *Engine) addDeviceRanges() error {
-	for _, r := range mergeExtents(e.deviceTensors()) {
+func (e *Engine) addDeviceRanges() error { return e.addRangesOf(e.deviceTensors()) }
+
+// addRangesOf tells the scheduler about the merged extents of ts.
+func (e *Engine) addRangesOf(ts []deviceTensor) error {
+	for _, r := range mergeExtents(ts) {
 		if err := e.sched.AddDeviceRange(r.start, r.end-r.start); err != nil {
 			return fmt.Errorf("offload: device range [%#x, %#x) of %s: %w", r.start, r.end, r.name, err)
 		}
@@ -217,6 +225,12 @@ func (e *Engine) teardown() error {
 	if e.denseAlloc != 0 {
 		errs = append(errs, e.sim.MemFree(e.denseAlloc))
 	}
+	e.views.mu.Lock()
+	for _, a := range e.views.dense {
+		errs = append(errs, e.sim.MemFree(a))
+	}
+	e.views.dense = nil
+	e.views.mu.Unlock()
 	if e.ownSim && e.sim != nil {
 		errs = append(errs, e.sim.Close())
 	}
@@ -343,7 +357,8 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// and rehashed the index (O(slots so far) under the cache's lock,
 	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
-	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve}
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve,
+		PartialTimeout: cfg.PartialTimeout}
 	if cfg.ZeroOnRelease || cfg.Disk != nil {
 		kcfg.OnFree = e.onFree
 	}

@@ -272,12 +272,19 @@ func (e *Engine) kickReaper() {
 	}
 }
 
-// reaper unpins and unmaps regions the cache has finished draining.
+// reaper unpins and unmaps regions the cache has finished draining, and
+// reclaims blocks stored by head ranges that are still missing heads after
+// Config.PartialTimeout (checked every quarter of it; stores check too).
 func (e *Engine) reaper() {
 	defer e.wg.Done()
+	tick := time.NewTicker(max(e.cfg.PartialTimeout/4, time.Millisecond))
+	defer tick.Stop()
 	for {
 		select {
 		case <-e.reaping.kick:
+			e.reap()
+		case <-tick.C:
+			e.cache.ExpirePartials()
 			e.reap()
 		case <-e.reaping.stop:
 			return

@@ -122,13 +122,18 @@ const partSegments = 4096
 // the engine thread), its number of parts, whether the parts are layers
 // (perLayer and a layout with layers), and the bytes the parts copy.
 // blockIDs and slots must not change until the op completes.
-func (e *Engine) copyPlan(blockIDs []int, slots []kvcache.Slot, perLayer bool) (transfer.Request, error) {
+//
+// The segments are layout l's: the rank's heads (Layout.Segments, which
+// is SegmentsRange of the rank's head range, the range a head-range store
+// was granted), 2-D where the device is token-major; a load reads just
+// those heads of the slot. transfer never coalesces 2-D segments.
+func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slot, perLayer bool) (transfer.Request, error) {
 	for _, id := range blockIDs {
-		if err := e.layout.CheckBlock(id); err != nil {
+		if err := l.CheckBlock(id); err != nil {
 			return transfer.Request{}, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 		}
 	}
-	ks, err := e.layout.Segments(blockIDs[0], nil)
+	ks, err := l.Segments(blockIDs[0], nil)
 	if err != nil {
 		return transfer.Request{}, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 	}
@@ -141,17 +146,18 @@ func (e *Engine) copyPlan(blockIDs []int, slots []kvcache.Slot, perLayer bool) (
 	add := func(dst []transfer.Segment, i int) []transfer.Segment {
 		host := uint64(slots[i].Addr)
 		for _, s := range ks {
-			dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len})
+			dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len,
+				Rows: s.Rows, RowLen: s.RowLen, DevPitch: s.DevPitch, HostPitch: s.HostPitch})
 		}
 		return dst
 	}
 	req := transfer.Request{Bytes: perBlock * uint64(len(blockIDs))}
-	if perLayer && e.layout.Kind() != kvcache.CrossLayer {
+	if perLayer && l.Kind() != kvcache.CrossLayer {
 		req.Layered = true
-		req.Parts = e.layout.Geometry().Layers
-		req.Build = func(l int, dst []transfer.Segment) ([]transfer.Segment, error) {
+		req.Parts = l.Geometry().Layers
+		req.Build = func(layer int, dst []transfer.Segment) ([]transfer.Segment, error) {
 			for i, id := range blockIDs {
-				if ks, err = e.layout.LayerSegments(id, l, ks[:0]); err != nil {
+				if ks, err = l.LayerSegments(id, layer, ks[:0]); err != nil {
 					return dst, err
 				}
 				dst = add(dst, i)
@@ -164,7 +170,7 @@ func (e *Engine) copyPlan(blockIDs []int, slots []kvcache.Slot, perLayer bool) (
 	req.Parts = (len(blockIDs) + per - 1) / per
 	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
 		for i := p * per; i < min((p+1)*per, len(blockIDs)); i++ {
-			if ks, err = e.layout.Segments(blockIDs[i], ks[:0]); err != nil {
+			if ks, err = l.Segments(blockIDs[i], ks[:0]); err != nil {
 				return dst, err
 			}
 			dst = add(dst, i)
@@ -174,7 +180,7 @@ func (e *Engine) copyPlan(blockIDs []int, slots []kvcache.Slot, perLayer bool) (
 	return req, nil
 }
 
-func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
+func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
 	if !e.enter() {
 		return nil, fmt.Errorf("%w: Store after Close", ErrClosed)
 	}
@@ -205,7 +211,7 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if e.disk != nil {
 		e.disk.saw(keys)
 	}
-	res, err := e.beginStore(e.namespace(ns), keys, blockIDs, opts)
+	res, err := e.beginStore(e.namespace(ns), l.Heads(), keys, blockIDs, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -247,11 +253,11 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	if ctx.Err() != nil {
 		return fail(OutcomeCancelled, ctx.Err())
 	}
-	req, err := e.copyPlan(ids, slots, false)
+	req, err := e.copyPlan(l, ids, slots, false)
 	if err != nil {
 		return fail(OutcomeFailed, err)
 	}
-	bytes := int64(len(slots)) * e.slot
+	bytes := int64(len(slots)) * e.rankBytes(l)
 	e.ops.Add(1)
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
@@ -259,10 +265,13 @@ func (e *Engine) store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	req.Dir, req.After, req.Events = transfer.Store, transfer.Event(opts.After), e.events
 	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
 		func(cerr error) {
-			err := e.cache.CompleteStore(slots, cerr)
-			e.hub.forget(slots)
+			// Only the blocks this completion made ready (every head
+			// stored) are written through; the KV events of those alone
+			// went out from the cache's OnIndex.
+			ready, err := e.cache.CompleteStoreReady(slots, cerr, nil)
+			e.hub.forget(endedStores(slots, ready, cerr))
 			if cerr == nil && err == nil {
-				e.writeThrough(wt, slots) // the slots are held until this returns
+				e.writeThrough(readyKeys(wt, slots, ready), ready) // the slots are held until this returns
 			}
 		})
 	top, err := e.sched.Submit(req)
@@ -328,7 +337,7 @@ func storeRuns(keys []Key, opts StoreOptions) ([]storeRun, error) {
 // (storeRuns). A run whose parent was refused earlier in the call is
 // refused the same way: no lookup could reach it. On error nothing stays
 // reserved.
-func (e *Engine) beginStore(ns kvcache.Namespace, keys []Key, blockIDs []int, opts StoreOptions) ([]kvcache.StoreResult, error) {
+func (e *Engine) beginStore(ns kvcache.Namespace, heads kvcache.HeadRange, keys []Key, blockIDs []int, opts StoreOptions) ([]kvcache.StoreResult, error) {
 	runs, err := storeRuns(keys, opts)
 	if err != nil {
 		return nil, err
@@ -344,7 +353,7 @@ func (e *Engine) beginStore(ns kvcache.Namespace, keys []Key, blockIDs []int, op
 			continue
 		}
 		n := len(res)
-		res, err = e.cache.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: r.parent, Keys: keys[r.from:r.to], BlockIDs: blockIDs[r.from:r.to]}, res)
+		res, err = e.cache.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: r.parent, Keys: keys[r.from:r.to], BlockIDs: blockIDs[r.from:r.to], Heads: heads}, res)
 		if err != nil {
 			var reserved []kvcache.Slot
 			for _, x := range res[:n] {
@@ -367,7 +376,7 @@ func (e *Engine) beginStore(ns kvcache.Namespace, keys []Key, blockIDs []int, op
 	return res, nil
 }
 
-func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+func (e *Engine) load(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if !e.enter() {
 		return nil, fmt.Errorf("%w: Load after Close", ErrClosed)
 	}
@@ -385,7 +394,7 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 			return nil, fmt.Errorf("%w: Load with a released lease", ErrReleased)
 		}
 	}
-	op, err := e.loadLeased(ctx, keys, blockIDs, opts)
+	op, err := e.loadLeased(ctx, l, keys, blockIDs, opts)
 	if err != nil && lease != nil {
 		lease.released.Store(false)
 	}
@@ -396,7 +405,7 @@ func (e *Engine) load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 // of keys is copied from the lease's slots, which its reader holds keep
 // alive (even if the blocks were trimmed or deleted meanwhile) until the
 // copy completes; the other keys are looked up now.
-func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
@@ -416,8 +425,8 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 		e.promote(keys[n:], blockIDs[n:], res)
 	}
 	op := newOp(e, OpLoad, len(keys))
-	if opts.PerLayer && e.layout.Kind() != kvcache.CrossLayer {
-		op.layers = e.layout.Geometry().Layers // what segments groups the copies by
+	if opts.PerLayer && l.Kind() != kvcache.CrossLayer {
+		op.layers = l.Geometry().Layers // what segments groups the copies by
 	}
 	idx, ids, slots := make([]int, 0, len(keys)), make([]int, 0, len(keys)), make([]kvcache.Slot, 0, len(keys))
 	for i, s := range leased {
@@ -451,12 +460,12 @@ func (e *Engine) loadLeased(ctx context.Context, keys []Key, blockIDs []int, opt
 		e.finishOp(op, start)
 		return op, nil
 	}
-	req, err := e.copyPlan(ids, slots, opts.PerLayer)
+	req, err := e.copyPlan(l, ids, slots, opts.PerLayer)
 	if err != nil {
 		_ = e.cache.EndLoad(looked)
 		return nil, err
 	}
-	bytes := int64(len(slots)) * e.slot
+	bytes := int64(len(slots)) * e.rankBytes(l)
 	e.ops.Add(1)
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)

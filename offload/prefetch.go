@@ -82,7 +82,7 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 	}
 	// Block ids name GPU blocks; a promotion copies none, so any valid one
 	// does (0: a layout has at least one block).
-	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), pkeys, make([]int, len(pkeys)), StoreOptions{Parents: parents})
+	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), kvcache.HeadRange{}, pkeys, make([]int, len(pkeys)), StoreOptions{Parents: parents})
 	if err != nil {
 		return 0
 	}

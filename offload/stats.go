@@ -90,6 +90,12 @@ type Stats struct {
 	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
 	ZeroedSlots         int64 `json:"zeroed_slots"`         // slots zeroed on release (Config.ZeroOnRelease)
 
+	// Tensor-parallel ranks storing head ranges (Layout.ModelKVHeads,
+	// Engine.Rank).
+	Partial        int64 `json:"partial"`         // blocks stored by head ranges still missing heads (never visible)
+	PartialExpired int64 `json:"partial_expired"` // such blocks reclaimed after Config.PartialTimeout (a rank died or failed)
+	StoreJoined    int64 `json:"store_joined"`    // head-range stores granted into a block another rank's store had reserved
+
 	// The disk tier (Config.Disk); all 0 without one.
 	DiskLookupHits  int64  `json:"disk_lookup_hits"`    // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
 	DiskHits        int64  `json:"disk_hits"`           // blocks Load read from disk into host slots (promoted)
@@ -335,6 +341,7 @@ func (e *Engine) snapshot() Stats {
 		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
 		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
 		s.Orphans = int64(cs.Orphaned)
+		s.Partial, s.PartialExpired, s.StoreJoined = int64(cs.Partial), int64(cs.PartialExpired), int64(cs.StoreJoined)
 	}
 	return s
 }

@@ -30,10 +30,11 @@ type CUDA struct {
 	streams [2]cuda.Stream
 	bounce  [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
-	scratch []cudacopy.Segment // Copy is called only by the submitting thread
-	tickets []cudacopy.Ticket  // Copy's, likewise
-	bounced atomic.Int64       // copies submitted bounced (BounceCopies)
-	splits  atomic.Int64       // BudgetSplits
+	scratch []cudacopy.Segment   // Copy is called only by the submitting thread
+	scr2D   []cudacopy.Segment2D // Copy's, for batches holding strided segments
+	tickets []cudacopy.Ticket    // Copy's, likewise
+	bounced atomic.Int64         // copies submitted bounced (BounceCopies)
+	splits  atomic.Int64         // BudgetSplits
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
 	// early: stream memory operations for early events (early.go).
@@ -151,18 +152,47 @@ func (c *CUDA) InitThread() error {
 }
 
 // Copy implements Device.
+//
+// A batch holding a strided segment (Segment.Rows > 1) goes whole to
+// cudacopy's Submit2D (its contiguous segments as one-row ones): never
+// gathered or scattered, which move whole contiguous blocks.
 func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
-	c.scratch = c.scratch[:0]
+	strided := false
 	for _, g := range segs {
-		if dir == Load {
-			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len})
-		} else {
-			c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
+		if g.Strided() {
+			strided = true
+			break
 		}
 	}
 	ts := c.tickets[:0]
 	defer func() { c.tickets = ts[:0] }()
-	if err := c.submit(dir, c.scratch, &ts); err != nil {
+	var err error
+	if strided {
+		c.scr2D = c.scr2D[:0]
+		for _, g := range segs {
+			rows, row := g.Rows, g.RowLen
+			if rows <= 1 {
+				rows, row = 1, g.Len
+			}
+			if dir == Load {
+				c.scr2D = append(c.scr2D, cudacopy.Segment2D{Dst: g.Dev, Src: g.Host, Rows: rows, RowLen: row, DstPitch: g.DevPitch, SrcPitch: g.HostPitch})
+			} else {
+				c.scr2D = append(c.scr2D, cudacopy.Segment2D{Dst: g.Host, Src: g.Dev, Rows: rows, RowLen: row, DstPitch: g.HostPitch, SrcPitch: g.DevPitch})
+			}
+		}
+		err = c.submit2D(dir, c.scr2D, &ts)
+	} else {
+		c.scratch = c.scratch[:0]
+		for _, g := range segs {
+			if dir == Load {
+				c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len})
+			} else {
+				c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
+			}
+		}
+		err = c.submit(dir, c.scratch, &ts)
+	}
+	if err != nil {
 		if len(ts) > 0 {
 			// Pieces of a split copy were enqueued: their memory is reused
 			// only once they are known finished.
@@ -232,6 +262,46 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 		return err
 	}
 	return c.submit(dir, segs[len(segs)/2:], ts)
+}
+
+// submit2D is submit for a batch of strided segments (cudacopy.Submit2D,
+// never bounced): split in halves where one call could never get the
+// device memory it needs, a lone segment by its rows.
+func (c *CUDA) submit2D(dir Direction, segs []cudacopy.Segment2D, ts *[]cudacopy.Ticket) error {
+	d := cudacopy.H2D
+	if dir == Store {
+		d = cudacopy.D2H
+	}
+	t, err := c.copier.Submit2D(c.streams[dir], d, segs)
+	if err == nil {
+		*ts = append(*ts, t)
+		return nil
+	}
+	if !errors.Is(err, cudacopy.ErrDeviceBudget) {
+		return err
+	}
+	if len(segs) == 1 {
+		g := segs[0]
+		if g.Rows < 2 {
+			return err
+		}
+		c.splits.Add(1)
+		half := g.Rows / 2
+		a, b := g, g
+		a.Rows = half
+		b.Rows = g.Rows - half
+		b.Dst += half * g.DstPitch
+		b.Src += half * g.SrcPitch
+		if err := c.submit2D(dir, []cudacopy.Segment2D{a}, ts); err != nil {
+			return err
+		}
+		return c.submit2D(dir, []cudacopy.Segment2D{b}, ts)
+	}
+	c.splits.Add(1)
+	if err := c.submit2D(dir, segs[:len(segs)/2], ts); err != nil {
+		return err
+	}
+	return c.submit2D(dir, segs[len(segs)/2:], ts)
 }
 
 // DeviceBytes is the device memory the copier has allocated now

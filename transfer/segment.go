@@ -3,6 +3,7 @@ package transfer
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"sort"
 	"sync"
 )
@@ -30,11 +31,49 @@ func (d Direction) String() string {
 
 func (d Direction) valid() bool { return d == Load || d == Store }
 
-// Segment is one contiguous copy between device memory and a registered host
-// range. Dev is a device (unified virtual) address, Host the registered host
+// Segment is one copy between device memory and a registered host range.
+// Dev is a device (unified virtual) address, Host the registered host
 // pointer. The direction comes from the request.
+//
+// Rows 0 or 1: a contiguous copy of Len bytes (RowLen and the pitches are
+// ignored). Rows > 1: a strided (2-D) copy of Rows rows of RowLen bytes,
+// row r at Dev + r×DevPitch and Host + r×HostPitch, with Len = Rows×RowLen
+// (one KV head of a token-major block: its tokens at the stride of the
+// rank's heads on the device, back to back in the host slot). Strided
+// segments are never coalesced; the CUDA device copies them with
+// cudacopy's Submit2D, the Sim row by row.
 type Segment struct {
 	Dev, Host, Len uint64
+
+	Rows, RowLen        uint64
+	DevPitch, HostPitch uint64
+}
+
+// Strided reports whether s is a 2-D segment (Rows > 1).
+func (s Segment) Strided() bool { return s.Rows > 1 }
+
+// devExtent and hostExtent are the bytes each side of s spans: Len for a
+// contiguous segment, (Rows-1)×pitch + RowLen for a strided one. validate
+// has checked that they do not overflow.
+func (s Segment) devExtent() uint64  { return s.extent(s.DevPitch) }
+func (s Segment) hostExtent() uint64 { return s.extent(s.HostPitch) }
+
+func (s Segment) extent(pitch uint64) uint64 {
+	if s.Rows <= 1 {
+		return s.Len
+	}
+	return (s.Rows-1)*pitch + s.RowLen
+}
+
+// rows calls f for each contiguous row of s (s itself when contiguous).
+func (s Segment) rows(f func(dev, host, n uint64)) {
+	if s.Rows <= 1 {
+		f(s.Dev, s.Host, s.Len)
+		return
+	}
+	for r := uint64(0); r < s.Rows; r++ {
+		f(s.Dev+r*s.DevPitch, s.Host+r*s.HostPitch, s.RowLen)
+	}
 }
 
 // Validation errors. Each returned error wraps one of these and names the
@@ -135,26 +174,60 @@ func validate(segs []Segment, align uint64, host, dev *rangeSet, out []placed) (
 		if align > 1 && (s.Dev%align != 0 || s.Host%align != 0 || s.Len%align != 0) {
 			return out, fmt.Errorf("%w: segment %d (dev %#x, host %#x, len %d) is not aligned to %d bytes", ErrInvalidSegment, i, s.Dev, s.Host, s.Len, align)
 		}
-		h := host.find(s.Host, s.Len)
-		if h == 0 {
-			return out, fmt.Errorf("%w: segment %d host [%#x,%#x) is not inside a registered host range", ErrOutOfRange, i, s.Host, s.Host+s.Len)
+		if s.Rows > 1 {
+			if err := check2D(i, s, align); err != nil {
+				return out, err
+			}
 		}
-		d := dev.find(s.Dev, s.Len)
+		hn, dn := s.hostExtent(), s.devExtent()
+		h := host.find(s.Host, hn)
+		if h == 0 {
+			return out, fmt.Errorf("%w: segment %d host [%#x,%#x) is not inside a registered host range", ErrOutOfRange, i, s.Host, s.Host+hn)
+		}
+		d := dev.find(s.Dev, dn)
 		if d == 0 {
-			return out, fmt.Errorf("%w: segment %d device [%#x,%#x) is not inside a known device allocation", ErrOutOfRange, i, s.Dev, s.Dev+s.Len)
+			return out, fmt.Errorf("%w: segment %d device [%#x,%#x) is not inside a known device allocation", ErrOutOfRange, i, s.Dev, s.Dev+dn)
 		}
 		out = append(out, placed{Segment: s, hostID: h, devID: d})
 	}
 	return out, nil
 }
 
+// check2D checks the strided fields of segment i (Rows > 1): Len is
+// Rows × RowLen, each pitch holds a row (rows never overlap), both sides'
+// extents fit in 64-bit addresses, and row length and pitches are aligned.
+func check2D(i int, s Segment, align uint64) error {
+	hi, n := bits.Mul64(s.Rows, s.RowLen)
+	if s.RowLen == 0 || hi != 0 || n != s.Len {
+		return fmt.Errorf("%w: segment %d: %d rows of %d bytes, want Len %d = rows × row length", ErrInvalidSegment, i, s.Rows, s.RowLen, s.Len)
+	}
+	if s.DevPitch < s.RowLen || s.HostPitch < s.RowLen {
+		return fmt.Errorf("%w: segment %d: pitches dev %d, host %d smaller than its rows of %d bytes", ErrInvalidSegment, i, s.DevPitch, s.HostPitch, s.RowLen)
+	}
+	for _, side := range []struct {
+		name        string
+		addr, pitch uint64
+	}{{"dev", s.Dev, s.DevPitch}, {"host", s.Host, s.HostPitch}} {
+		hi, lo := bits.Mul64(s.Rows-1, side.pitch)
+		end, c1 := bits.Add64(lo, s.RowLen, 0)
+		_, c2 := bits.Add64(side.addr, end, 0)
+		if hi != 0 || c1 != 0 || c2 != 0 {
+			return fmt.Errorf("%w: segment %d %s %#x: %d rows at pitch %d overflow the address space", ErrInvalidSegment, i, side.name, side.addr, s.Rows, side.pitch)
+		}
+	}
+	if align > 1 && (s.RowLen%align != 0 || s.DevPitch%align != 0 || s.HostPitch%align != 0) {
+		return fmt.Errorf("%w: segment %d: row length %d or pitches dev %d, host %d not aligned to %d bytes", ErrInvalidSegment, i, s.RowLen, s.DevPitch, s.HostPitch, align)
+	}
+	return nil
+}
+
 // coalesce appends segs to dst, joining each segment to the previous one when
 // both sides continue contiguously inside the same ranges. It returns dst.
 func coalesce(dst []Segment, last *placed, segs []placed) []Segment {
 	for _, s := range segs {
-		if len(dst) > 0 && last.hostID == s.hostID && last.devID == s.devID {
+		if len(dst) > 0 && last.hostID == s.hostID && last.devID == s.devID && !s.Strided() {
 			p := &dst[len(dst)-1]
-			if p.Dev+p.Len == s.Dev && p.Host+p.Len == s.Host {
+			if !p.Strided() && p.Dev+p.Len == s.Dev && p.Host+p.Len == s.Host {
 				p.Len += s.Len
 				continue
 			}

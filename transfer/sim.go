@@ -403,17 +403,28 @@ func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
 		s.memMu.Lock()
 		defer s.memMu.Unlock()
 		for _, g := range own {
-			src, dst := g.Dev, g.Host
-			if dir == Load {
-				src, dst = g.Host, g.Dev
-			}
-			sb, err1 := s.bytes(src, g.Len)
-			db, err2 := s.bytes(dst, g.Len)
-			if err1 != nil || err2 != nil {
-				s.InjectError(&cuda.Error{Op: "sim copy", Code: cuda.ErrorIllegalAddress, Name: "CUDA_ERROR_ILLEGAL_ADDRESS", Text: fmt.Sprintf("copy of %d bytes %#x→%#x touches unmapped memory", g.Len, src, dst)})
+			// A strided segment is copied row by row.
+			bad := false
+			g.rows(func(dev, host, n uint64) {
+				src, dst := dev, host
+				if dir == Load {
+					src, dst = host, dev
+				}
+				if bad {
+					return
+				}
+				sb, err1 := s.bytes(src, n)
+				db, err2 := s.bytes(dst, n)
+				if err1 != nil || err2 != nil {
+					s.InjectError(&cuda.Error{Op: "sim copy", Code: cuda.ErrorIllegalAddress, Name: "CUDA_ERROR_ILLEGAL_ADDRESS", Text: fmt.Sprintf("copy of %d bytes %#x→%#x touches unmapped memory", n, src, dst)})
+					bad = true
+					return
+				}
+				copy(db, sb)
+			})
+			if bad {
 				return
 			}
-			copy(db, sb)
 		}
 	})
 	if err != nil {

@@ -232,11 +232,11 @@ func TestCoalesce(t *testing.T) {
 		in   []placed
 		want []Segment
 	}{
-		{"both contiguous", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 1, 1)}, []Segment{{0, 100, 15}}},
-		{"host gap", []placed{p(0, 100, 10, 1, 1), p(10, 111, 5, 1, 1)}, []Segment{{0, 100, 10}, {10, 111, 5}}},
-		{"device gap", []placed{p(0, 100, 10, 1, 1), p(11, 110, 5, 1, 1)}, []Segment{{0, 100, 10}, {11, 110, 5}}},
-		{"across two host ranges", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 2, 1)}, []Segment{{0, 100, 10}, {10, 110, 5}}},
-		{"three in a row", []placed{p(0, 0, 1, 1, 1), p(1, 1, 1, 1, 1), p(2, 2, 1, 1, 1)}, []Segment{{0, 0, 3}}},
+		{"both contiguous", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 15}}},
+		{"host gap", []placed{p(0, 100, 10, 1, 1), p(10, 111, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 10, Host: 111, Len: 5}}},
+		{"device gap", []placed{p(0, 100, 10, 1, 1), p(11, 110, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 11, Host: 110, Len: 5}}},
+		{"across two host ranges", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 2, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 10, Host: 110, Len: 5}}},
+		{"three in a row", []placed{p(0, 0, 1, 1, 1), p(1, 1, 1, 1, 1), p(2, 2, 1, 1, 1)}, []Segment{{Dev: 0, Host: 0, Len: 3}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -104,15 +104,16 @@ func (t *Tracker) gens(when string, dir Direction, segs []placed, want []uint64)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for k, s := range segs {
+		n := s.hostExtent()
 		i := sort.Search(len(t.live), func(i int) bool { return t.live[i].base > s.Host }) - 1
-		if i >= 0 && s.Host+s.Len <= t.live[i].end {
+		if i >= 0 && s.Host+n <= t.live[i].end {
 			out[k] = t.live[i].gen
 		}
 		switch {
 		case out[k] == 0:
-			t.violations = append(t.violations, fmt.Errorf("%w: %s %s: host [%#x,%#x) is not live", ErrInvariant, dir, when, s.Host, s.Host+s.Len))
+			t.violations = append(t.violations, fmt.Errorf("%w: %s %s: host [%#x,%#x) is not live", ErrInvariant, dir, when, s.Host, s.Host+n))
 		case want != nil && want[k] != 0 && want[k] != out[k]:
-			t.violations = append(t.violations, fmt.Errorf("%w: %s %s: host [%#x,%#x) was released and reused during the copy", ErrInvariant, dir, when, s.Host, s.Host+s.Len))
+			t.violations = append(t.violations, fmt.Errorf("%w: %s %s: host [%#x,%#x) was released and reused during the copy", ErrInvariant, dir, when, s.Host, s.Host+n))
 		}
 	}
 	return out

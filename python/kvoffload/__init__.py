@@ -2,7 +2,8 @@
 pool, from Python (ctypes over libkvoffload.so; no compiled extension).
 
     import kvoffload
-    eng = kvoffload.Engine.from_tensors(kv_caches, pool_bytes=64 << 30, namespace="llama-3-8b/bf16/tp0")
+    eng = kvoffload.Engine.from_tensors(kv_caches, pool_bytes=64 << 30, namespace="llama-3-8b/bf16",
+                                        model_kv_heads=8, head_first=tp_rank * 8 // tp_size)  # any TP size shares blocks
     keys = eng.keys(token_ids)                     # same keys as Go's kvcache.ChainKeys
     with eng.store(keys, block_ids, after=torch.cuda.current_stream()) as op:
         op.wait_stream(torch.cuda.current_stream())  # before the blocks are overwritten

@@ -337,16 +337,21 @@ class Engine(_Handle):
 
     @classmethod
     def from_tensors(cls, kv_caches, pool_bytes, kind=None, tokens_per_block=None, kv_heads=None,
-                     head_dim=None, layers=None, **config):
+                     head_dim=None, layers=None, model_kv_heads=None, head_first=None, order=None, **config):
         """An engine over the serving stack's KV cache tensors (see
         kvoffload.layout for the accepted shapes). pool_bytes is the host
         pool size; other keyword arguments are Config fields (namespace,
-        staging_bytes, policy, ...). The tensors must stay allocated while
-        the engine lives; the engine keeps references to them."""
+        staging_bytes, policy, ...). A tensor-parallel rank whose tensors
+        hold part of the model's heads gives model_kv_heads (the model's),
+        head_first (its first head) and, for flattened or head-major
+        tensors, order ("token-major" or "head-major"): every TP size then
+        shares the blocks, and the namespace names neither the rank nor the
+        TP size. The tensors must stay allocated while the engine lives;
+        the engine keeps references to them."""
         pool_bytes = _lib.check_int("pool_bytes", pool_bytes, _lib.INT64_MIN, _lib.INT64_MAX)
         layout, backend, device, keep = layout_from_tensors(
             kv_caches, kind=kind, tokens_per_block=tokens_per_block, kv_heads=kv_heads,
-            head_dim=head_dim, layers=layers)
+            head_dim=head_dim, layers=layers, model_kv_heads=model_kv_heads, head_first=head_first, order=order)
         if backend == "host":
             raise errors.InvalidArgumentError(
                 "kvoffload: KV tensors are on the cpu: the host backend's simulated GPU allocates its own "

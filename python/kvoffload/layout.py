@@ -15,6 +15,16 @@ Accepted forms (num_blocks first everywhere, each tensor contiguous):
   kv_heads, head_dim] (or [num_blocks, block_elements], geometry given);
 * mla: a list of one tensor per layer, [num_blocks, tokens_per_block,
   latent] (kv_heads = 1, head_dim = latent).
+
+Tensor parallelism: kv_heads is what the tensors hold (the rank's heads).
+Give model_kv_heads (the model's KV heads, all ranks together) and
+head_first (the rank's first head) so that every TP size shares the
+blocks: the ranks' stores fill one slot, and any TP size loads its own
+heads. That needs the GPU order: order="token-major" (the shapes above) or
+"head-major" ([num_blocks, kv_heads, tokens_per_block, head_dim] per layer,
+[..., 2, kv_heads, tokens_per_block, head_dim] cross-layer); with
+model_kv_heads and unflattened shapes it defaults to token-major. The
+namespace then names neither the rank nor the TP size.
 """
 
 from .errors import InvalidArgumentError
@@ -22,6 +32,8 @@ from .errors import InvalidArgumentError
 LAYER_SEPARATE = "layer-separate"
 CROSS_LAYER = "cross-layer"
 MLA = "mla"
+TOKEN_MAJOR = "token-major"
+HEAD_MAJOR = "head-major"
 
 
 def _bad(msg):
@@ -52,13 +64,16 @@ def _device_of(tensors):
     raise _bad(f"tensors are on {first}; the engine needs cuda tensors (or cpu for the host backend)")
 
 
-def _geometry(shape, what, tokens_per_block, kv_heads, head_dim, lead):
+def _geometry(shape, what, tokens_per_block, kv_heads, head_dim, lead, order=None):
     """(tokens_per_block, kv_heads, head_dim) from a block's shape after the
     num_blocks dimension; lead is the number of leading dims (layers, 2) of a
-    cross-layer block."""
+    cross-layer block. A head-major block is [kv_heads, tokens_per_block,
+    head_dim]."""
     inner = tuple(shape[1:])
     if len(inner) == lead + 3:
         got = inner[lead:]
+        if order == HEAD_MAJOR:
+            got = (got[1], got[0], got[2])
         for name, given, actual in zip(("tokens_per_block", "kv_heads", "head_dim"),
                                        (tokens_per_block, kv_heads, head_dim), got):
             if given is not None and given != actual:
@@ -72,9 +87,51 @@ def _geometry(shape, what, tokens_per_block, kv_heads, head_dim, lead):
                f"or [num_blocks, elements]")
 
 
-def layout_from_tensors(kv_caches, kind=None, tokens_per_block=None, kv_heads=None, head_dim=None, layers=None):
+def _check_order(order):
+    if order not in (None, TOKEN_MAJOR, HEAD_MAJOR):
+        raise _bad(f"order {order!r}: must be {TOKEN_MAJOR!r}, {HEAD_MAJOR!r} or None (undeclared)")
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _heads(layout, model_kv_heads, head_first, order, flattened):
+    """Adds the rank's head range and the GPU order to layout (in place):
+    model_kv_heads, head_first and order, checked against its kv_heads."""
+    heads = layout["kv_heads"]
+    if model_kv_heads is None:
+        if head_first not in (None, 0):
+            raise _bad(f"head_first = {head_first!r} without model_kv_heads: a head range needs the model's KV heads")
+        if order is not None:
+            layout["order"] = order
+        return layout
+    if not _is_int(model_kv_heads) or model_kv_heads < 1:
+        raise _bad(f"model_kv_heads = {model_kv_heads!r}: must be an integer of at least 1")
+    if layout["kind"] == MLA and model_kv_heads != 1:
+        raise _bad(f"mla has one latent vector per token: model_kv_heads = {model_kv_heads!r}, must be 1")
+    if head_first is None:
+        head_first = 0
+    if not _is_int(head_first) or head_first < 0:
+        raise _bad(f"head_first = {head_first!r}: must be an integer of at least 0")
+    if heads > model_kv_heads or head_first > model_kv_heads - heads:
+        raise _bad(f"heads [{head_first}, {head_first + heads}) (head_first {head_first}, kv_heads {heads}) "
+                   f"outside the model's model_kv_heads = {model_kv_heads} heads [0, {model_kv_heads})")
+    if order is None:
+        if flattened:
+            raise _bad(f"flattened tensors with model_kv_heads: give order ({TOKEN_MAJOR!r} or {HEAD_MAJOR!r})")
+        order = TOKEN_MAJOR
+    layout.update(model_kv_heads=model_kv_heads, head_first=head_first, order=order)
+    return layout
+
+
+def layout_from_tensors(kv_caches, kind=None, tokens_per_block=None, kv_heads=None, head_dim=None, layers=None,
+                        model_kv_heads=None, head_first=None, order=None):
     """Returns (layout dict for the engine config, backend, device index,
-    tensors to keep alive)."""
+    tensors to keep alive). model_kv_heads, head_first and order describe a
+    tensor-parallel rank's share of the model's heads (see the module's
+    doc)."""
+    _check_order(order)
     if isinstance(kv_caches, (list, tuple)):
         if not kv_caches:
             raise _bad("an empty list: need one entry per layer")
@@ -82,13 +139,15 @@ def layout_from_tensors(kv_caches, kind=None, tokens_per_block=None, kv_heads=No
                         else LAYER_SEPARATE)
         if kind == CROSS_LAYER:
             raise _bad("cross-layer takes one tensor, not a list")
-        return _per_layer(kv_caches, kind, tokens_per_block, kv_heads, head_dim)
-    if kind not in (None, CROSS_LAYER):
-        raise _bad(f"kind {kind!r} takes a list of per-layer tensors")
-    return _cross_layer(kv_caches, tokens_per_block, kv_heads, head_dim, layers)
+        layout, backend, device, keep, flat = _per_layer(kv_caches, kind, tokens_per_block, kv_heads, head_dim, order)
+    else:
+        if kind not in (None, CROSS_LAYER):
+            raise _bad(f"kind {kind!r} takes a list of per-layer tensors")
+        layout, backend, device, keep, flat = _cross_layer(kv_caches, tokens_per_block, kv_heads, head_dim, layers, order)
+    return _heads(layout, model_kv_heads, head_first, order, flat), backend, device, keep
 
 
-def _per_layer(kv_caches, kind, tpb, heads, dim):
+def _per_layer(kv_caches, kind, tpb, heads, dim, order=None):
     entries = []
     for l, entry in enumerate(kv_caches):
         if kind == MLA:
@@ -131,7 +190,7 @@ def _per_layer(kv_caches, kind, tpb, heads, dim):
         else:
             geo = _geometry(first.shape, "layer 0", tpb, 1, dim, 0)
     else:
-        geo = _geometry(first.shape, "layer 0 K", tpb, heads, dim, 0)
+        geo = _geometry(first.shape, "layer 0 K", tpb, heads, dim, 0, order)
     tensors = []
     for what, t in named:
         if tuple(t.shape) != tuple(first.shape):
@@ -155,10 +214,10 @@ def _per_layer(kv_caches, kind, tpb, heads, dim):
         "layer_tensors": tensors,
     }
     keep = [t for _, t in named]
-    return layout, backend, device, keep
+    return layout, backend, device, keep, len(first.shape) == 2
 
 
-def _cross_layer(t, tpb, heads, dim, layers):
+def _cross_layer(t, tpb, heads, dim, layers, order=None):
     _check_tensor(t, "the cross-layer tensor")
     backend, device = _device_of([("the cross-layer tensor", t)])
     shape = tuple(t.shape)
@@ -168,7 +227,7 @@ def _cross_layer(t, tpb, heads, dim, layers):
         if layers is not None and layers != shape[1]:
             raise _bad(f"cross-layer tensor has shape {shape}: layers is {shape[1]}, {layers} was given")
         layers = shape[1]
-        geo = _geometry((shape[0],) + shape[3:], "the cross-layer tensor", tpb, heads, dim, 0)
+        geo = _geometry((shape[0],) + shape[3:], "the cross-layer tensor", tpb, heads, dim, 0, order)
     elif len(shape) == 2:
         if None in (tpb, heads, dim, layers):
             raise _bad(f"cross-layer tensor has flattened shape {shape}: give layers, tokens_per_block, kv_heads and head_dim")
@@ -185,4 +244,4 @@ def _cross_layer(t, tpb, heads, dim, layers):
         "dtype_bytes": elsize, "tokens_per_block": geo[0], "num_blocks": shape[0],
         "base": t.data_ptr(), "stride": t.stride()[0] * elsize,
     }
-    return layout, backend, device, [t]
+    return layout, backend, device, [t], len(shape) == 2

@@ -6,7 +6,7 @@ import unittest
 import kvoffload
 from kvoffload.layout import layout_from_tensors
 
-from .helpers import needs_library
+from .helpers import block_holds, host_config, keys_for, needs_library, write_block
 
 
 class Device:
@@ -126,6 +126,103 @@ class Layouts(unittest.TestCase):
             self.assertIn(text, str(cm.exception), name)
         with self.assertRaises(kvoffload.InvalidArgumentError):
             layout_from_tensors(pairs, tokens_per_block=32)
+
+
+class TensorParallelLayouts(unittest.TestCase):
+    """The rank's head range and the GPU order (model_kv_heads, head_first,
+    order)."""
+
+    def test_rank_of_tp2(self):
+        # Rank 1 of TP=2 of an 8-head model: its tensors hold 4 heads.
+        layout, *_ = layout_from_tensors(layer_pairs(heads=4), model_kv_heads=8, head_first=4)
+        self.assertEqual((layout["kv_heads"], layout["model_kv_heads"], layout["head_first"], layout["order"]),
+                         (4, 8, 4, "token-major"))
+        self.assertEqual(layout["layer_tensors"][0]["stride"], 16 * 4 * 128 * 2)
+
+    def test_undeclared_unchanged(self):
+        layout, *_ = layout_from_tensors(layer_pairs())
+        for field in ("model_kv_heads", "head_first", "order"):
+            self.assertNotIn(field, layout)
+        layout, *_ = layout_from_tensors(layer_pairs(), order="token-major")
+        self.assertEqual(layout["order"], "token-major")
+        self.assertNotIn("model_kv_heads", layout)
+
+    def test_head_major_shape(self):
+        # [num_blocks, kv_heads, tokens_per_block, head_dim] when head-major.
+        pairs = [(FakeTensor((10, 2, 16, 128)), FakeTensor((10, 2, 16, 128), ptr=1 << 40))]
+        layout, *_ = layout_from_tensors(pairs, model_kv_heads=8, head_first=6, order="head-major")
+        self.assertEqual((layout["kv_heads"], layout["tokens_per_block"], layout["order"]), (2, 16, "head-major"))
+
+    def test_flattened_needs_order(self):
+        flat = [(FakeTensor((10, 16 * 4 * 128)), FakeTensor((10, 16 * 4 * 128), ptr=1 << 40))]
+        geo = dict(tokens_per_block=16, kv_heads=4, head_dim=128)
+        with self.assertRaises(kvoffload.InvalidArgumentError) as cm:
+            layout_from_tensors(flat, model_kv_heads=8, **geo)
+        self.assertIn("order", str(cm.exception))
+        layout, *_ = layout_from_tensors(flat, model_kv_heads=8, head_first=0, order="head-major", **geo)
+        self.assertEqual(layout["order"], "head-major")
+
+    def test_bad(self):
+        cases = {
+            "range past the model": (dict(model_kv_heads=8, head_first=6), "[6, 10)"),
+            "more heads than the model": (dict(model_kv_heads=2), "model_kv_heads = 2"),
+            "negative first": (dict(model_kv_heads=8, head_first=-1), "head_first = -1"),
+            "first without the model": (dict(head_first=4), "without model_kv_heads"),
+            "zero model heads": (dict(model_kv_heads=0), "model_kv_heads = 0"),
+            "bool model heads": (dict(model_kv_heads=True), "model_kv_heads = True"),
+            "unknown order": (dict(order="sideways"), "sideways"),
+        }
+        for name, (kw, text) in cases.items():
+            with self.subTest(name), self.assertRaises(kvoffload.InvalidArgumentError) as cm:
+                layout_from_tensors(layer_pairs(heads=4), **kw)
+            self.assertIn(text, str(cm.exception), name)
+        with self.assertRaises(kvoffload.InvalidArgumentError):
+            layout_from_tensors([FakeTensor((10, 64, 576))], model_kv_heads=2)
+
+
+@needs_library
+class TensorParallelHostEngine(unittest.TestCase):
+    """The layout fields through the C ABI, on the host backend."""
+
+    def rank_config(self, first, heads=1):
+        cfg = host_config()
+        cfg["layout"] = dict(cfg["layout"], kv_heads=heads, model_kv_heads=2, head_first=first, order="token-major")
+        return cfg
+
+    def test_rank_store_is_partial(self):
+        with kvoffload.Engine(self.rank_config(1)) as eng:
+            layout = eng.config["layout"]
+            self.assertEqual((layout["kv_heads"], layout["model_kv_heads"], layout["head_first"], layout["order"]),
+                             (1, 2, 1, "token-major"))
+            keys = keys_for(3, 5)
+            with eng.store(keys, [0, 1, 2]) as op:
+                self.assertEqual(op.wait(), ["stored"] * 3)
+            # One rank of two stored: the blocks wait for the other's heads.
+            self.assertEqual(eng.lookup(keys), 0)
+            st = eng.stats()
+            self.assertEqual((st["partial"], st["partial_expired"], st["store_joined"]), (3, 0, 0))
+            with eng.load(keys, [3, 4, 5]) as op:
+                self.assertEqual(op.wait(), ["missing"] * 3)
+
+    def test_all_heads_round_trip(self):
+        cfg = self.rank_config(0, heads=2)
+        with kvoffload.Engine(cfg) as eng:
+            keys = keys_for(2, 6)
+            for b in range(2):
+                write_block(eng, b, 3)
+            with eng.store(keys, [0, 1]) as op:
+                self.assertEqual(op.wait(), ["stored"] * 2)
+            self.assertEqual(eng.lookup(keys), 2)
+            with eng.load(keys, [10, 11], per_layer=True) as op:
+                self.assertEqual(op.wait(), ["loaded"] * 2)
+            for b in range(2):
+                self.assertTrue(block_holds(eng, 10 + b, b, 3))
+
+    def test_bad_range_refused(self):
+        cfg = self.rank_config(2)
+        with self.assertRaises(kvoffload.InvalidArgumentError) as cm:
+            kvoffload.Engine(cfg)
+        self.assertIn("[2, 3)", str(cm.exception))
 
 
 @needs_library

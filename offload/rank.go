@@ -1,0 +1,216 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/kvoffload/kvoffload/kvcache"
+)
+
+// RankView is one tensor-parallel rank's view of an engine (Engine.Rank):
+// its own GPU tensors and head range over the engine's pool, index,
+// policy, tiers, copy streams and scheduler. Stores and loads through it
+// copy that rank's heads only; a block stored by ranges becomes visible
+// once the ranks together stored every one of the model's heads, and any
+// rank view of any TP size (or the engine itself) loads its own heads from
+// it. A view lives as long as its engine: after Close its calls return
+// ErrClosed. Safe for concurrent use.
+//
+// Ranks in one process share the engine this way. On CUDA the view's
+// copies run on the engine's device and streams: its tensors must be
+// memory that device reaches (its own; a peer GPU's with peer access
+// enabled is untested). Ranks in separate
+// processes cannot share one index: each process's engine has its own
+// (the node pool's shared memory is a separate design, not this type's).
+type RankView struct {
+	eng    *Engine
+	layout *kvcache.Layout
+	spec   LayoutSpec
+}
+
+// rankViews are the device allocations Rank made on the host backend for
+// layouts given without tensors, freed by Close.
+type rankViews struct {
+	mu    sync.Mutex
+	dense []uint64
+}
+
+// Rank returns a view of the engine for another tensor-parallel rank
+// whose GPU tensors layout describes (tensors of the same model, in the
+// engine's device memory). layout must agree with the engine's
+// Config.Layout on everything but the tensors' addresses, the rank's
+// heads (HeadFirst, KVHeads) and Order: the same kind, layers, model's
+// KV heads, head dim, dtype, tokens per block and block count, and a
+// declared Order on both (a slot of undeclared order holds one rank's
+// device bytes: nothing to share). On the host backend a layout without
+// tensors is allocated in the simulated device, as New does. The view's
+// tensors are added to the copy layer's known device memory (and on CUDA
+// checked like New's); errors wrap ErrInvalidConfig and name the field,
+// the value and the engine's.
+func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
+	if !e.enter() {
+		return nil, fmt.Errorf("%w: Rank after Close", ErrClosed)
+	}
+	defer e.leave()
+	bad := func(format string, args ...any) (*RankView, error) {
+		return nil, fmt.Errorf("%w: Rank: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	mine := e.cfg.Layout
+	switch {
+	case layout.Kind != mine.Kind:
+		return bad("Kind %q, the engine's is %q", layout.Kind, mine.Kind)
+	case layout.Layers != mine.Layers:
+		return bad("Layers = %d, the engine's is %d", layout.Layers, mine.Layers)
+	case modelKVHeads(layout) != modelKVHeads(mine):
+		return bad("the model's KV heads (ModelKVHeads, or KVHeads) = %d, the engine's is %d", modelKVHeads(layout), modelKVHeads(mine))
+	case layout.HeadDim != mine.HeadDim:
+		return bad("HeadDim = %d, the engine's is %d", layout.HeadDim, mine.HeadDim)
+	case layout.DTypeBytes != mine.DTypeBytes:
+		return bad("DTypeBytes = %d, the engine's is %d", layout.DTypeBytes, mine.DTypeBytes)
+	case layout.TokensPerBlock != mine.TokensPerBlock:
+		return bad("TokensPerBlock = %d, the engine's is %d", layout.TokensPerBlock, mine.TokensPerBlock)
+	case layout.NumBlocks != mine.NumBlocks:
+		return bad("NumBlocks = %d, the engine's is %d", layout.NumBlocks, mine.NumBlocks)
+	case mine.Order == "" || layout.Order == "":
+		return bad("Order %q, the engine's %q: ranks share slots only in a declared order (%q or %q) on both", layout.Order, mine.Order, OrderTokenMajor, OrderHeadMajor)
+	}
+	spec, err := kvLayoutSpec(layout)
+	if err != nil {
+		return nil, fmt.Errorf("Rank: %w", err)
+	}
+	var dense uint64
+	if layoutEmpty(layout) {
+		if e.sim == nil {
+			return bad("the CUDA backend needs the rank's device tensors' addresses (LayerTensors, or Base and Stride)")
+		}
+		if dense, err = e.allocDense(&spec); err != nil {
+			return nil, fmt.Errorf("Rank: %w", err)
+		}
+		layout = fromKVLayoutSpec(spec)
+	}
+	fail := func(err error) (*RankView, error) {
+		if dense != 0 {
+			_ = e.sim.MemFree(dense)
+		}
+		return nil, err
+	}
+	l, err := kvcache.NewLayout(spec)
+	if err != nil {
+		return fail(fmt.Errorf("%w: Rank: Layout: %w", ErrInvalidConfig, err))
+	}
+	if l.SlotSize() != e.layout.SlotSize() || l.HostFormat() != e.layout.HostFormat() {
+		return fail(fmt.Errorf("%w: Rank: slot of %d bytes (%v), the engine's is %d (%v)", ErrInvalidConfig,
+			l.SlotSize(), l.HostFormat(), e.layout.SlotSize(), e.layout.HostFormat()))
+	}
+	ts := deviceTensorsOf(layout)
+	if e.gpu != nil {
+		if err := e.gpu.Do(func() error { return e.checkTensorsOf(ts) }); err != nil {
+			return fail(fmt.Errorf("Rank: %w", err))
+		}
+	}
+	if err := e.addRangesOf(ts); err != nil {
+		return fail(fmt.Errorf("%w: Rank: %w", ErrInvalidConfig, err))
+	}
+	if dense != 0 {
+		e.views.mu.Lock()
+		e.views.dense = append(e.views.dense, dense)
+		e.views.mu.Unlock()
+	}
+	return &RankView{eng: e, layout: l, spec: layout}, nil
+}
+
+// Engine returns the engine the view belongs to.
+func (v *RankView) Engine() *Engine { return v.eng }
+
+// Layout returns the view's layout (with the tensors Rank allocated, on
+// the host backend, for a layout given without them).
+func (v *RankView) Layout() LayoutSpec { return v.spec }
+
+// Store is Engine.Store for the view's rank: it copies the rank's heads of
+// the GPU blocks blockIDs[i] into the slots of keys[i]. The first rank to
+// store a key reserves its slot; another rank's heads are a write into the
+// same slot (OutcomeStored), not OutcomeAlreadyPresent; heads some rank
+// stored already are OutcomeAlreadyPresent. A block becomes visible to
+// Lookup and Load when every head is stored (Config.PartialTimeout
+// reclaims one whose ranks never finish).
+func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
+	e := v.eng
+	if err := e.checkOpen("Store"); err != nil {
+		return nil, err
+	}
+	if err := e.checkBlocks("Store", keys, blockIDs); err != nil {
+		return nil, err
+	}
+	return e.store(ctx, v.layout, keys, blockIDs, opts)
+}
+
+// Load is Engine.Load for the view's rank: it copies the rank's heads of
+// the blocks of keys into the GPU blocks blockIDs[i].
+func (v *RankView) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+	e := v.eng
+	if err := e.checkOpen("Load"); err != nil {
+		return nil, err
+	}
+	if err := e.checkBlocks("Load", keys, blockIDs); err != nil {
+		return nil, err
+	}
+	return e.load(ctx, v.layout, keys, blockIDs, opts)
+}
+
+// Lookup is Engine.Lookup (the index is the engine's, the same for every
+// rank); a lease it returns may be passed to the view's or the engine's
+// Load.
+func (v *RankView) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
+	return v.eng.Lookup(keys, opts)
+}
+
+// rankBytes is what one block's copy moves for layout l: the rank's heads
+// for a layout of declared order, the slot for one of undeclared order
+// (as before head ranges existed).
+func (e *Engine) rankBytes(l *kvcache.Layout) int64 {
+	if l.Order() == kvcache.OrderUndeclared {
+		return e.slot
+	}
+	return int64(l.RankBytes())
+}
+
+// endedStores returns the slots of a Store's completion whose store ended
+// (its pending KV-event details can go): every slot on failure; on success
+// all but the head-range writes that left their block partial, whose
+// details the last rank's completion announces.
+func endedStores(slots, ready []kvcache.Slot, cerr error) []kvcache.Slot {
+	if cerr != nil {
+		return slots
+	}
+	out := make([]kvcache.Slot, 0, len(slots))
+	j := 0
+	for _, s := range slots {
+		isReady := j < len(ready) && ready[j].ID == s.ID && ready[j].Gen == s.Gen
+		if isReady {
+			j++
+		}
+		if isReady || s.Heads == (kvcache.HeadRange{}) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// readyKeys returns the keys of wt (one per slot of slots) whose slots are
+// in ready (a subsequence of slots, CompleteStoreReady's answer), or nil
+// when wt is nil (no write-through).
+func readyKeys(wt []Key, slots, ready []kvcache.Slot) []Key {
+	if wt == nil {
+		return nil
+	}
+	out := make([]Key, 0, len(ready))
+	j := 0
+	for i, s := range slots {
+		if j < len(ready) && ready[j].ID == s.ID && ready[j].Gen == s.Gen {
+			out = append(out, wt[i])
+			j++
+		}
+	}
+	return out
+}
