@@ -390,4 +390,82 @@ func TestDialNodeRestart(t *testing.T) {
 	l, m, err = loadVerify(e, keys)
 	require.NoError(t, err)
 	require.Equal(t, [2]int{0, 8}, [2]int{l, m})
+	if e.tracker != nil { // invariant builds: every copy was on a live region
+		require.Empty(t, e.tracker.Violations())
+	}
+}
+
+// TestDialSchedulerEvents: a client without a GPU sees the blocks another
+// engine stores through the node (Lookup, leases, events) and cannot
+// store or load.
+func TestDialSchedulerEvents(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	startNode(t, socket)
+	g, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer g.Close()
+	sc, err := Dial(socket, Config{Layout: smallLayout(dialBlocks), Namespace: "dialtest"})
+	require.NoError(t, err)
+	defer sc.Close()
+	ev := sc.Events(0)
+	keys := dialKeys(1, 4)
+	op, err := storeKeys(g, keys, StoreOptions{})
+	require.NoError(t, err)
+	_, err = waitOut(op)
+	require.NoError(t, err)
+	for i := range keys {
+		select {
+		case e := <-ev.C:
+			require.Equal(t, EventStored, e.Kind)
+			require.Equal(t, keys[i], e.Key)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("event %d not received", i)
+		}
+	}
+	res, err := sc.Lookup(keys, LookupOptions{Lease: true})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.Hits)
+	_, err = sc.Load(context.Background(), keys, []int{0, 1, 2, 3}, LoadOptions{Lease: res.Lease})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.NoError(t, res.Lease.Release())
+	st := sc.Stats()
+	require.EqualValues(t, 4, st.BlocksReady)
+	require.Zero(t, st.BlocksLeased)
+	require.Zero(t, st.Regions, "no GPU: no region mapped")
+	n, err := sc.Delete(keys[:1])
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	select {
+	case e := <-ev.C:
+		require.Equal(t, EventRemoved, e.Kind)
+		require.Equal(t, keys[0], e.Key)
+	case <-time.After(10 * time.Second):
+		t.Fatal("removal event not received")
+	}
+	require.Error(t, g.GrowTo(1<<30))
+}
+
+// TestDialLeaseAcrossNodeLoss: a lease taken before the node went away
+// cannot be loaded from once the node's regions retired here: the Load
+// fails with ErrUnavailable (and the lease is the caller's again), never
+// copies from memory this process unmapped.
+func TestDialLeaseAcrossNodeLoss(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	s := startNode(t, socket)
+	e, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer e.Close()
+	keys := dialKeys(1, 4)
+	op, err := storeKeys(e, keys, StoreOptions{})
+	require.NoError(t, err)
+	_, err = waitOut(op)
+	require.NoError(t, err)
+	res, err := e.Lookup(keys, LookupOptions{Lease: true})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.Hits)
+	require.NoError(t, s.Close())
+	require.Eventually(t, func() bool { return e.Stats().Regions == 0 }, 20*time.Second, 5*time.Millisecond)
+	_, err = e.Load(context.Background(), keys, []int{40, 41, 42, 43}, LoadOptions{Lease: res.Lease})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.NoError(t, res.Lease.Release())
 }
