@@ -10,6 +10,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/nodepool"
 	"github.com/kvoffload/kvoffload/nodepool/wire"
+	"github.com/kvoffload/kvoffload/offload/internal/simhook"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // ErrUnavailable: an engine of Dial cannot reach its node (not started,
@@ -19,6 +21,12 @@ import (
 // Delete and Clear report 0. The engine reconnects by itself; the new
 // node's pool is empty, so nothing is ever loaded wrong.
 var ErrUnavailable = errors.New("offload: node unavailable")
+
+func init() {
+	simhook.Dial = func(socket string, cfg any, sim *transfer.Sim) (any, error) {
+		return dialEngine(socket, cfg.(Config), engineHooks{sim: sim})
+	}
+}
 
 // nominalDialPool is the PoolBytes an engine of Dial is validated with
 // when its Config gives none: the pool is the node's, Config.PoolBytes is
@@ -85,7 +93,7 @@ func dialEngine(socket string, cfg Config, h engineHooks) (*Engine, error) {
 		return nil, fmt.Errorf("%w: Dial: ZeroOnRelease is not available through a node", ErrInvalidConfig)
 	}
 	d := &dialState{socket: socket, live: map[kvcache.RegionID]*poolRegion{}}
-	if layoutEmpty(cfg.Layout) && cfg.Backend != BackendHost && h.sim == nil {
+	if layoutEmpty(cfg.Layout) && cfg.Backend != BackendHost {
 		d.noGPU = true
 		cfg.Backend = BackendHost // a simulation nothing copies with
 		cfg.StagingBytes = -1
@@ -113,6 +121,9 @@ func (e *Engine) openDial(d *dialState) error {
 		Hooks: nodepool.Hooks{RegionAdded: e.regionAdded, RegionRetiring: e.regionRetiring}}
 	c, err := nodepool.Dial(d.socket, ccfg)
 	if err != nil {
+		if errors.Is(err, nodepool.ErrLayout) {
+			return fmt.Errorf("%w: Dial: %w", ErrInvalidConfig, err)
+		}
 		return nodeErr(err)
 	}
 	d.client = c
