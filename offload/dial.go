@@ -74,7 +74,9 @@ func Dial(socket string, cfg Config) (*Engine, error) {
 type dialState struct {
 	socket string
 	noGPU  bool
-	client *nodepool.Client
+	// client is set once Dial returned (the hooks run before, and on the
+	// client's goroutines meanwhile).
+	client atomic.Pointer[nodepool.Client]
 	ns     kvcache.Namespace // the engine's id of Config.Namespace
 	nsID   atomic.Uint32     // the node's id of Config.Namespace (event filter), 0: unknown
 	// live are the node's regions pinned here and known to the scheduler,
@@ -126,7 +128,7 @@ func (e *Engine) openDial(d *dialState) error {
 		}
 		return nodeErr(err)
 	}
-	d.client = c
+	d.client.Store(c)
 	d.nsID.Store(c.Info().NamespaceID)
 	e.cache = &nodeIndex{c: c, ns: d.ns, kvHeads: spec.Geometry.KVHeads}
 	if e.cfg.StagingBytes > 0 {
@@ -146,10 +148,10 @@ func (e *Engine) openDial(d *dialState) error {
 // them) and retires the regions (regionRetiring). Before the scheduler
 // closes.
 func (e *Engine) closeDial() error {
-	if e.dial == nil || e.dial.client == nil {
+	if e.dial == nil || e.dial.client.Load() == nil {
 		return nil
 	}
-	if err := e.dial.client.Close(); err != nil && !errors.Is(err, nodepool.ErrClientClosed) {
+	if err := e.dial.client.Load().Close(); err != nil && !errors.Is(err, nodepool.ErrClientClosed) {
 		return err
 	}
 	return nil
@@ -173,7 +175,7 @@ func (e *Engine) regionAdded(r *nodepool.Region) error {
 	e.memory.regions = append(e.memory.regions, pr)
 	e.memory.owned += pr.r.Len()
 	e.memory.mu.Unlock()
-	if c := d.client; c != nil {
+	if c := d.client.Load(); c != nil {
 		d.nsID.Store(c.Info().NamespaceID) // a new connection's (reconnected)
 	}
 	return nil
@@ -264,7 +266,7 @@ func (e *Engine) trimNode(bytes int64) (TrimResult, error) {
 		return res, nil
 	}
 	e.stats.trims.Add(1)
-	r, err := e.dial.client.Trim(bytes)
+	r, err := e.dial.client.Load().Trim(bytes)
 	if err != nil {
 		return res, nodeErr(err)
 	}

@@ -469,3 +469,44 @@ func TestDialLeaseAcrossNodeLoss(t *testing.T) {
 	require.ErrorIs(t, err, ErrUnavailable)
 	require.NoError(t, res.Lease.Release())
 }
+
+// TestDialTrim: Engine.Trim of an engine of Dial trims the node's pool:
+// every engine dialled to it unpins and forgets the retired region, and
+// both keep storing and loading in what is left.
+func TestDialTrim(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	s := startNode(t, socket)
+	a, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer b.Close()
+	require.Eventually(t, func() bool { return a.Stats().Regions == 2 && b.Stats().Regions == 2 }, 20*time.Second, 5*time.Millisecond)
+	res, err := a.Trim(context.Background(), 1)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Regions)
+	require.Eventually(t, func() bool {
+		return a.Stats().Regions == 1 && b.Stats().Regions == 1 && s.Stats().Regions == 1
+	}, 20*time.Second, 5*time.Millisecond, "the region retired in both engines and on the node")
+	require.EqualValues(t, 1<<20, a.Stats().OwnedBytes)
+	keys := dialKeys(5, 8)
+	op, err := storeKeys(a, keys, StoreOptions{})
+	require.NoError(t, err)
+	out, err := waitOut(op)
+	require.NoError(t, err)
+	require.Equal(t, 8, countOutcome(out, OutcomeStored))
+	l, m, err := loadVerify(b, keys)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{8, 0}, [2]int{l, m})
+}
+
+func countOutcome(out []Outcome, oc Outcome) int {
+	n := 0
+	for _, o := range out {
+		if o == oc {
+			n++
+		}
+	}
+	return n
+}
