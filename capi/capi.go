@@ -38,6 +38,7 @@ const (
 	codeTimeout    = -9
 	codeNotDone    = -11
 	codeGrowth     = -12
+	codeUnavail    = -13
 	keyBytes       = 16
 	maxBlocksInOne = 1 << 26 // keys per call: bounds the size computations below
 )
@@ -105,6 +106,8 @@ func code(err error) C.int {
 		return codeCapturing
 	case errors.Is(err, offload.ErrNotDone):
 		return codeNotDone
+	case errors.Is(err, offload.ErrUnavailable):
+		return codeUnavail
 	case errors.Is(err, context.DeadlineExceeded):
 		return codeTimeout
 	}
@@ -221,6 +224,29 @@ func kvoGo_engine_create(configJSON *C.char, out *C.uint64_t) (rc C.int) {
 		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
 	}
 	eng, err := hostsim.NewEngine(cfg, sim)
+	if err != nil {
+		sim.Close()
+		return fail(err)
+	}
+	*out = C.uint64_t(engines.add(&engineEntry{eng: eng, sim: sim}))
+	return codeOK
+}
+
+//export kvoGo_engine_connect
+func kvoGo_engine_connect(socket, configJSON *C.char, out *C.uint64_t) (rc C.int) {
+	defer guard(&rc)
+	if socket == nil || configJSON == nil || out == nil {
+		return failf("kvo_engine_connect: socket, config_json and out must not be NULL")
+	}
+	cfg, opts, err := parseConfig(C.GoString(configJSON))
+	if err != nil {
+		return fail(err)
+	}
+	sim, err := hostsim.NewGPU(opts)
+	if err != nil {
+		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
+	}
+	eng, err := hostsim.Dial(C.GoString(socket), cfg, sim)
 	if err != nil {
 		sim.Close()
 		return fail(err)

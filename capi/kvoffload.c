@@ -76,6 +76,11 @@ int kvo_engine_create(const char* config_json, kvo_engine_t* out) {
 	return kvoGo_engine_create((char*)config_json, out);
 }
 
+int kvo_engine_connect(const char* socket, const char* config_json, kvo_engine_t* out) {
+	ENTER();
+	return kvoGo_engine_connect((char*)socket, (char*)config_json, out);
+}
+
 int kvo_engine_destroy(kvo_engine_t engine) {
 	ENTER();
 	return kvoGo_engine_destroy(engine);

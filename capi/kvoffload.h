@@ -93,6 +93,7 @@ extern "C" {
 #define KVO_EFORK     -10  /* called in a forked child of the process that loaded the library */
 #define KVO_ENOTDONE  -11  /* kvo_op_outcomes: the op is not done yet */
 #define KVO_EGROWTH   -12  /* kvo_wait_grown: background growth of the pool stopped on an error */
+#define KVO_EUNAVAILABLE -13 /* an engine of kvo_engine_connect: its node is unreachable (kvo_load; kvo_engine_connect) */
 
 /* Per-block outcomes written by kvo_op_outcomes. */
 #define KVO_OUTCOME_PENDING            0
@@ -141,6 +142,23 @@ const char* kvo_version(void);
  * (a NUMA node the machine lacks, a namespace with a NUL byte, which
  * kvo_clear could not name) is KVO_EINVAL. */
 int kvo_engine_create(const char* config_json, kvo_engine_t* out);
+
+/* Creates an engine whose block index and host pool are those of the node
+ * serving the unix socket at socket (`kvoffload serve`; Go's offload.Dial),
+ * shared with every other engine connected to it. config_json is
+ * kvo_engine_create's; the pool fields (pool_bytes, region sizes, huge
+ * pages, NUMA) are ignored, the disk and cluster tiers and
+ * zero_on_release are refused (KVO_EINVAL). A layout without tensors and
+ * a backend other than "host" makes a client without a GPU (a scheduler):
+ * it may call kvo_lookup (leases included), kvo_lease_release,
+ * kvo_delete, kvo_clear, kvo_stats_json, kvo_trim (the node's, for every
+ * client), the event calls and kvo_engine_destroy; kvo_store and kvo_load
+ * are KVO_EINVAL. While the node is unreachable kvo_lookup finds nothing,
+ * kvo_store refuses its blocks busy, kvo_load is KVO_EUNAVAILABLE; the
+ * engine reconnects by itself. No node at socket: KVO_EUNAVAILABLE; a node
+ * serving the namespace with another layout: KVO_EINVAL. Destroy it with
+ * kvo_engine_destroy. */
+int kvo_engine_connect(const char* socket, const char* config_json, kvo_engine_t* out);
 
 /* Closes the engine: refuses new calls, waits for copies in flight, unpins
  * and unmaps the pool, and frees the handle: every later call taking it

@@ -68,6 +68,15 @@ type Region struct {
 // Bytes is the region's memory in this process.
 func (r *Region) Bytes() []byte { return r.mr.Bytes() }
 
+// Mapping is the region's mapping in this process, for pinning it
+// (register.Pinner, mlock); the client unmaps it after RegionRetiring.
+func (r *Region) Mapping() *mmapmem.Region { return r.mr }
+
+// Epoch is the connection the region came with (Info.Epoch then): the
+// node's region ids restart with a new node, so (ID, Epoch) names a region
+// for the client's lifetime, as (Slot.Region, Slot.Epoch) names a slot's.
+func (r *Region) Epoch() uint32 { return r.epoch }
+
 // Hooks let the engine that owns the client (offload) pin and unpin the
 // regions in its CUDA context. Both run on the client's own goroutines,
 // never on a caller's.
@@ -138,11 +147,14 @@ type Info struct {
 
 // Slot is a reserved or leased slot: where this process reads or writes
 // the block (Addr, or Region+Off in the region's memfd), and the handle
-// the node needs back (ID, Gen) for this connection (epoch).
+// the node needs back (ID, Gen) for the connection it was given on
+// (Epoch, Info.Epoch then). A caller that keeps slots in another form
+// (offload's kvcache.Slot) rebuilds them with the same four fields and
+// Off, Addr: a slot of an earlier connection is recognised by its Epoch.
 type Slot struct {
 	ID, Gen uint32
 	Region  uint32
-	epoch   uint32
+	Epoch   uint32
 	Off     uint64
 	Addr    uintptr
 }
@@ -852,7 +864,7 @@ func (rv *resolver) load(id uint32) {
 // slot resolves a node slot to this process's address; ok is false when
 // its region is not usable here.
 func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
-	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, epoch: rv.epoch, Off: s.Off}
+	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Epoch: rv.epoch, Off: s.Off}
 	if rv.noMap {
 		return out, true // a lease without an address
 	}
@@ -874,7 +886,7 @@ func (c *Client) SlotBytes(s Slot) []byte {
 	r := c.regions[s.Region]
 	size := c.info.SlotSize
 	c.mu.Unlock()
-	if r == nil || r.epoch != s.epoch || s.Off+size > uint64(r.Size) {
+	if r == nil || r.epoch != s.Epoch || s.Off+size > uint64(r.Size) {
 		return nil
 	}
 	b := r.mr.Bytes()
@@ -1011,7 +1023,7 @@ func (c *Client) handles(t wire.Type, slots []Slot, stale error) error {
 		m.Type = t
 		i := 0
 		for ; i < len(slots) && len(m.Handles) < wire.MaxKeys; i++ {
-			if slots[i].epoch != epoch {
+			if slots[i].Epoch != epoch {
 				if first == nil {
 					first = stale
 				}

@@ -49,15 +49,17 @@ package nodepool
 // leased slots and Unleases them when its copies retired; without one it
 // takes BeginLoad's slots and EndLoads them. ErrUnavailable from any call:
 // Lookup reports no hits, Store refuses its blocks as busy, Load fails
-// with a wrapped ErrUnavailable (offload should export it), Delete and
+// with a wrapped ErrUnavailable (offload.ErrUnavailable), Delete and
 // Clear report 0; a CommitStore that fails with ErrUnavailable means the
 // blocks were not stored (OutcomeFailed). Close: end every op (wait for
 // copies), then Client.Close (goodbye), then release the transfer context.
 // Not through the node in this round: the disk and cluster tiers (they hang
 // on the embedded cache's OnFree and OnIndex), ZeroOnRelease (a node-side
 // option to add), GrowTo and PauseGrowth (the node maps its pool at start).
-// The C ABI and Python get kvo_dial(socket, config JSON) returning the same
-// engine handle as kvo_new.
+// The C ABI and Python get kvo_engine_connect(socket, config JSON), returning
+// the same engine handle as kvo_engine_create, and Engine.connect. (offload
+// keeps slots as kvcache.Slots: Region = Slot.Epoch<<32 | Slot.Region, which
+// names a region for the client's lifetime.)
 type Pool interface {
 	Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []Slot, err error)
 	Unlease(slots []Slot) error

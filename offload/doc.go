@@ -29,6 +29,14 @@
 // one engine: Engine.Rank returns a RankView for another rank's tensors
 // over the same pool, index and copy streams.
 //
+// # Node pool
+//
+// Dial(socket, cfg) returns the same Engine over a node pool (package
+// nodepool, `kvoffload serve`) instead of a pool of its own: the block
+// index and the host memory are the node's, shared by every process of the
+// machine that dials it (one per GPU, and a scheduler without a GPU). See
+// Dial for what it does differently and what it leaves out.
+//
 // # What this package builds on, and what it leaves out
 //
 // The engine composes kvcache (the block index, slots and policy),

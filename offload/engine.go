@@ -27,7 +27,8 @@ type Engine struct {
 	node          int
 	slot          int64
 	layout        *kvcache.Layout
-	cache         *kvcache.Cache // locks itself
+	cache         index          // the block index: kc, or the node's (Dial); locks itself
+	kc            *kvcache.Cache // the embedded index (New); nil in an engine of Dial
 	sched         *transfer.Scheduler
 	tracker       *transfer.Tracker
 
@@ -72,6 +73,9 @@ type Engine struct {
 	cluster    *cluster.Store
 	clusterErr atomic.Pointer[string]
 	views      rankViews // Rank's (rank.go)
+	// dial is the node connection of an engine of Dial (dial.go), nil
+	// in one of New.
+	dial *dialState
 }
 
 // growthState is background growth's plan and progress; mu guards every
@@ -227,6 +231,9 @@ func (l *Lease) Release() error {
 
 // checkBlocks validates the arguments of Store and Load.
 func (e *Engine) checkBlocks(call string, keys []Key, blockIDs []int) error {
+	if err := e.checkDialed(call); err != nil {
+		return err
+	}
 	if len(keys) != len(blockIDs) {
 		return fmt.Errorf("%w: %s: %d keys but %d block ids", ErrInvalidArgument, call, len(keys), len(blockIDs))
 	}

@@ -31,7 +31,7 @@ func requireSettled(t *testing.T, e *Engine) {
 	st := e.Stats()
 	require.Zero(t, st.InFlightBytes, "no copy counted in flight")
 	require.Zero(t, st.BlocksLeased, "no block left leased")
-	require.NoError(t, e.cache.Verify())
+	require.NoError(t, e.kc.Verify())
 	cs := e.cache.Stats()
 	require.Zero(t, cs.Writing, "no slot stuck writing")
 	require.Zero(t, cs.Releasing, "no slot stuck releasing")

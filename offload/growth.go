@@ -53,6 +53,9 @@ func (e *Engine) GrowTo(bytes int64) error {
 	if bytes < 0 {
 		return fmt.Errorf("%w: GrowTo(%d): must not be negative", ErrInvalidArgument, bytes)
 	}
+	if e.dial != nil {
+		return fmt.Errorf("%w: GrowTo: an engine of Dial has no pool of its own (the node's is fixed when it starts)", ErrInvalidArgument)
+	}
 	limit := e.cfg.PoolBytes
 	if e.cfg.MaxCachedBytes > 0 {
 		limit = min(limit, e.cfg.MaxCachedBytes)
@@ -178,7 +181,7 @@ func (e *Engine) publishRegion(pr *poolRegion) error {
 	}
 	t0 := time.Now()
 	size := pr.r.Len()
-	if _, err := e.cache.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size), RangeStarts: pr.rangeStarts}); err != nil {
+	if _, err := e.kc.AddRegion(kvcache.Region{ID: pr.id, Base: uintptr(pr.host), Size: uint64(size), RangeStarts: pr.rangeStarts}); err != nil {
 		e.unmapRegion(pr)
 		return err
 	}

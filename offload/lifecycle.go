@@ -84,6 +84,8 @@ type engineHooks struct {
 	beforeDiskPut func()
 	// diskFaults is tier/disk's Config.Faults for the disk tier.
 	diskFaults diskFaultFunc
+	// dial makes an engine of Dial (dial.go): no pool of its own.
+	dial *dialState
 }
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
@@ -197,11 +199,12 @@ func (e *Engine) teardown() error {
 	}
 	e.wg.Wait()
 	var errs []error
+	errs = append(errs, e.closeDial()) // its regions retire while the scheduler knows them
 	if e.sched != nil {
 		errs = append(errs, e.sched.Close())
 	}
-	if e.cache != nil {
-		e.cache.Close()
+	if e.kc != nil {
+		e.kc.Close()
 	}
 	if e.disk != nil {
 		// After the cache: no OnFree queues a demotion any more.
@@ -346,6 +349,13 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err := e.addDeviceRanges(); err != nil {
 		return nil, err
 	}
+	if h.dial != nil {
+		if err := e.openDial(h.dial); err != nil {
+			return nil, err
+		}
+		ok = true
+		return e, nil
+	}
 	var pol kvcache.Policy
 	if cfg.Policy == PolicyTinyLFU {
 		if pol, err = kvcache.NewTinyLFU(kvcache.TinyLFUConfig{MaxBlocks: lfuBlocks}); err != nil {
@@ -372,9 +382,10 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			e.hub.onIndex(ev)
 		}
 	}
-	if e.cache, err = kvcache.New(kcfg); err != nil {
+	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}
+	e.cache = e.kc
 	if cfg.Cluster != nil {
 		if err := e.openCluster(cfg); err != nil {
 			return nil, err

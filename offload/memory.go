@@ -26,6 +26,7 @@ type poolRegion struct {
 	known       []uint64 // bases of the host ranges told to the scheduler
 	tracked     bool     // declared live to the gating Tracker
 	planned     int64    // the plan's size for a pool region (growthState.committed counts it)
+	borrowed    bool     // a node's region (Dial): nodepool unmaps it, unmapRegion only unpins
 }
 
 // regionOptions are the mmapmem options of every region: mapped untouched
@@ -199,7 +200,7 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 		}
 		pr.mlock = false
 	}
-	if !pr.pinned {
+	if !pr.pinned && !pr.borrowed {
 		if err := pr.r.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("unmapping a region of %d bytes: %w", pr.r.Len(), err))
 		}
@@ -218,7 +219,7 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 // poison fills a released pool region with transfer.PoisonByte on the
 // host backend (the gating harness's use-after-free detector).
 func (e *Engine) poison(addr, n uint64) {
-	if e.sim != nil {
+	if e.sim != nil && e.dial == nil { // a node's regions are shared: never poisoned
 		_ = e.sim.Fill(addr, n, transfer.PoisonByte)
 	}
 }
@@ -262,6 +263,9 @@ func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)
 	}
 	defer e.leave()
+	if e.dial != nil {
+		return e.trimNode(bytes)
+	}
 	return e.trim(ctx, bytes)
 }
 
@@ -297,7 +301,10 @@ func (e *Engine) reap() {
 	// released by the time it was called is unmapped, whoever took it.
 	e.reaping.mu.Lock()
 	defer e.reaping.mu.Unlock()
-	ids := e.cache.TakeReleasable(nil)
+	if e.kc == nil {
+		return
+	}
+	ids := e.kc.TakeReleasable(nil)
 	if len(ids) == 0 {
 		return
 	}
@@ -330,6 +337,9 @@ func (e *Engine) notifyLocked() {
 // hold counts slots as having a copy in flight (Trim waits for those, not
 // for leases).
 func (e *Engine) hold(slots []kvcache.Slot) {
+	if e.dial != nil {
+		return // gate (dial.go) counted them
+	}
 	e.memory.mu.Lock()
 	for _, s := range slots {
 		e.memory.inflight[s.Region]++
@@ -386,7 +396,7 @@ func (e *Engine) trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	e.growth.mu.Unlock()
 	cs := e.cache.Stats()
 	for _, pr := range picked {
-		if _, err := e.cache.RemoveRegion(pr.id); err != nil {
+		if _, err := e.kc.RemoveRegion(pr.id); err != nil {
 			return res, err
 		}
 	}

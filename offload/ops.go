@@ -141,6 +141,9 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	for _, s := range ks {
 		perBlock += s.Len
 	}
+	if err := e.gate(slots); err != nil {
+		return transfer.Request{}, err // a node's region gone (Dial)
+	}
 	// ks is the engine thread's scratch from here on: Build is called for
 	// one part at a time.
 	add := func(dst []transfer.Segment, i int) []transfer.Segment {
@@ -227,6 +230,8 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 			op.setOutcome(i, OutcomeAlreadyPresent, nil)
 		case kvcache.StoreRefusedFull:
 			op.setOutcome(i, OutcomeRefusedFull, nil)
+		case storeRefusedBusy:
+			op.setOutcome(i, OutcomeRefusedBusy, nil)
 		default:
 			op.setOutcome(i, OutcomeRefusedAdmission, nil)
 		}
@@ -264,7 +269,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	tdone := make(chan struct{})
 	req.Dir, req.After, req.Events = transfer.Store, transfer.Event(opts.After), e.events
 	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
-		func(cerr error) {
+		func(cerr error) error {
 			// Only the blocks this completion made ready (every head
 			// stored) are written through; the KV events of those alone
 			// went out from the cache's OnIndex.
@@ -273,6 +278,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 			if cerr == nil && err == nil {
 				e.writeThrough(readyKeys(wt, slots, ready), ready) // the slots are held until this returns
 			}
+			return e.commitFailed(err)
 		})
 	top, err := e.sched.Submit(req)
 	if err != nil {
@@ -417,6 +423,9 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	n := len(leased)
 	res, err := e.cache.BeginLoad(keys[n:], blockIDs[n:], nil)
 	if err != nil {
+		if errors.Is(err, ErrUnavailable) {
+			return nil, fmt.Errorf("offload: Load: %w", err)
+		}
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
 	if e.disk != nil && ctx.Err() == nil {
@@ -472,7 +481,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	tdone := make(chan struct{})
 	req.Dir, req.After, req.Events, req.Signal = transfer.Load, transfer.Event(opts.After), e.events, transfer.Event(opts.Signal)
 	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
-		func(error) { end() })
+		func(error) error { end(); return nil })
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -498,13 +507,15 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 // reader holds and the lease), then the slots are unheld, every block gets
 // ok or OutcomeFailed, dir counts a success and op is finished.
 func (e *Engine) onTransferDone(op *Op, idx []int, slots []kvcache.Slot, bytes int64, start time.Time, tdone chan struct{},
-	ok Outcome, dir *direction, release func(cerr error)) func(*transfer.Op, error) {
+	ok Outcome, dir *direction, release func(cerr error) error) func(*transfer.Op, error) {
 	return func(_ *transfer.Op, cerr error) {
 		defer e.ops.Done()
 		defer close(tdone)
 		e.noteLost(cerr)
 		e.stats.inFlightBytes.Add(-bytes)
-		release(cerr)
+		if rerr := release(cerr); cerr == nil {
+			cerr = rerr // a commit the node refused: not stored
+		}
 		e.unhold(slots)
 		oc := ok
 		if cerr != nil {

@@ -5,7 +5,8 @@
 # the repository (python/tests, with capi/, kvcache/, bench/, internal/ and
 # scripts/ linked in for the files they read), PYTHONPATH and KVOFFLOAD_LIB are
 # unset, so `import kvoffload` finds the venv's package and the package its
-# library beside it. Needs no Go and no network (pip install --no-index).
+# library beside it. Needs no network (pip install --no-index), nor Go, but
+# for the node of tests/test_connect.py (see KVOFFLOAD_BIN below).
 #
 #   bash scripts/wheel_test.sh [--system-site-packages] [WHEEL]
 #
@@ -56,6 +57,14 @@ if [ ${#venv_flags[@]} -gt 0 ]; then
 	parent=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 	site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 	[ "$parent" = "$site" ] || echo "$parent" >"$site/_kvo_parent_site.pth"
+fi
+
+# tests/test_connect.py runs a node (`kvoffload serve`): KVOFFLOAD_BIN, or
+# the CLI built here when go is at hand (the test skips without either).
+if [ -z "${KVOFFLOAD_BIN:-}" ] && command -v go >/dev/null 2>&1; then
+	if (cd "$root" && go build -o "$tmp/kvoffload" ./cmd/kvoffload); then
+		export KVOFFLOAD_BIN=$tmp/kvoffload
+	fi
 fi
 
 mkdir -p "$tmp/src/python"

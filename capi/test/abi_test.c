@@ -229,6 +229,15 @@ static void test_errors(kvo_engine_t e) {
 	FAILS(kvo_engine_create("{\"pool_bytes\": -5}", &e2), KVO_EINVAL);
 	FAILS(kvo_engine_create(NULL, &e2), KVO_EINVAL);
 	CHECK(e2 == 0, "engine handle written on error");
+	// kvo_engine_connect: no node at the socket (Go's tests dial a real one).
+	FAILS(kvo_engine_connect(NULL, "{}", &e2), KVO_EINVAL);
+	FAILS(kvo_engine_connect("/nonexistent/kvoffload-node.sock",
+	                         "{\"backend\": \"host\", \"namespace\": \"abi\", \"layout\": {\"kind\": \"layer-separate\","
+	                         " \"layers\": 1, \"kv_heads\": 1, \"head_dim\": 64, \"dtype_bytes\": 2,"
+	                         " \"tokens_per_block\": 16, \"num_blocks\": 4}}",
+	                         &e2),
+	      KVO_EUNAVAILABLE);
+	CHECK(e2 == 0, "engine handle written on error");
 	// The CUDA backend without a GPU: KVO_ENODRIVER (on a GPU machine the
 	// made-up tensor addresses are accepted at creation).
 	int rc = kvo_engine_create("{\"pool_bytes\": 65536, \"backend\": \"cuda\", \"skip_memory_check\": true,"

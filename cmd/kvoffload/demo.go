@@ -32,6 +32,12 @@ pool; a request whose prefix is in the pool loads it instead of recomputing it
 loaded block is verified — byte for byte on the host backend, by a checksum
 kernel on the GPU — timed apart from the copies.
 
+With --connect SOCKET the engine is offload.Dial's: its index and host pool
+are those of the node serving SOCKET (kvoffload serve), shared with every
+other process connected to it, so that several demos (one per GPU) store and
+load each other's blocks, each verified as above; --pool-bytes then only
+shapes the trace, and --disk and --redis are refused.
+
 Exit status 3 when a loaded block holds the wrong content, 1 when the engine
 reports a failed copy.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
@@ -55,6 +61,7 @@ reports a failed copy.`,
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
 		fs.StringVar(&cfg.metricsAddr, "metrics", "", "serve Prometheus metrics at http://`addr`/metrics while the demo runs")
 		fs.StringVar(&cfg.eventsAddr, "events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://*:5557)")
+		fs.StringVar(&cfg.connect, "connect", "", "use the node pool serving the unix `socket` (kvoffload serve) instead of a pool of the engine's own")
 		asJSON := fs.Bool("json", false, "print the report as JSON (no progress bar)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
@@ -105,6 +112,8 @@ type demoConfig struct {
 	diskBytes int64
 	// redis: --redis (the engine's Config.Cluster; demo_cluster.go).
 	redis string
+	// connect: --connect, the node's socket (offload.Dial).
+	connect string
 
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
@@ -147,6 +156,8 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, c.diskBytes)
 	case c.diskBytes > 0 && c.diskDir == "":
 		return shape, fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+	case c.connect != "" && (c.diskDir != "" || c.redis != ""):
+		return shape, fmt.Errorf("%w: --connect: the disk and cluster tiers are not available through a node", errUsage)
 	}
 	if _, err := redisAddrs(c.redis); err != nil {
 		return shape, err
@@ -248,7 +259,7 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	}
 	r.rep = &demoReport{Backend: name, BackendReason: reason, Layout: cfg.layoutName, LayoutKind: cfg.layoutKind,
 		BlockBytes: blockBytes, GPUBlocks: lay.blocks, PoolBytes: cfg.poolBytes, Pinning: opened.pinning,
-		Policy: cfg.policy, Verify: cfg.verify}
+		Policy: cfg.policy, Verify: cfg.verify, Node: cfg.connect}
 
 	gen, err := trace.New(traceConfig(cfg.seed, lay.blocks, int(poolBlocks), shape.TokensPerBlock))
 	if err != nil {
@@ -351,7 +362,19 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		ec.Disk = &offload.DiskConfig{Dirs: []string{cfg.diskDir}, CapacityBytes: n}
 	}
 	ec.Cluster = clusterConfig(cfg)
+	if cfg.connect != "" {
+		// The node keeps one layout per namespace: one per geometry.
+		ec.Namespace = "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind)
+	}
 	return ec
+}
+
+// newDemoEngine is offload.New, or offload.Dial with --connect.
+func newDemoEngine(cfg demoConfig, ec offload.Config) (*offload.Engine, error) {
+	if cfg.connect != "" {
+		return offload.Dial(cfg.connect, ec)
+	}
+	return offload.New(ec)
 }
 
 func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
@@ -370,7 +393,7 @@ func openCUDADemo(cfg demoConfig, lay cacheLayout) (*opened, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng, err := offload.New(engineConfig(cfg, mem.layout(), offload.BackendCUDA))
+	eng, err := newDemoEngine(cfg, engineConfig(cfg, mem.layout(), offload.BackendCUDA))
 	if err != nil {
 		return nil, errors.Join(err, mem.close())
 	}
@@ -402,7 +425,12 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 	}
 	ec := engineConfig(cfg, mem.layout(), offload.BackendHost)
 	ec.HostPinning = pin
-	eng, err := hostsim.NewEngine(ec, sim)
+	var eng *offload.Engine
+	if cfg.connect != "" {
+		eng, err = hostsim.Dial(cfg.connect, ec, sim)
+	} else {
+		eng, err = hostsim.NewEngine(ec, sim)
+	}
 	if err != nil {
 		return nil, errors.Join(err, mem.close(), sim.Close())
 	}

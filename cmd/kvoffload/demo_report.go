@@ -21,6 +21,9 @@ type demoReport struct {
 	Pinning       string             `json:"pinning"`
 	Policy        offload.Policy     `json:"policy"`
 	Verify        bool               `json:"verify"`
+	// Node is the node pool's socket (--connect), "" for a pool of the
+	// engine's own.
+	Node string `json:"node,omitempty"`
 
 	// Interrupted: a signal (or the caller) ended the run before its
 	// --duration or --requests; the report covers what ran.
@@ -125,6 +128,9 @@ func (r *demoReport) print(w io.Writer) error {
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	row := func(k, format string, args ...any) { fmt.Fprintf(tw, "%s\t"+format+"\n", append([]any{k}, args...)...) }
 	row("backend", "%s (%s)", r.Backend, r.BackendReason)
+	if r.Node != "" {
+		row("node pool", "%s (offload.Dial: the index and pool are the node's)", r.Node)
+	}
 	row("layout", "%s %s, %s blocks, %d GPU blocks (%s), pool %s (%s), policy %s", r.Layout, r.LayoutKind,
 		formatSize(r.BlockBytes), r.GPUBlocks, formatSize(int64(r.GPUBlocks)*r.BlockBytes), formatSize(r.PoolBytes), r.Pinning, r.Policy)
 	trunc := ""

@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/nodepool"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
@@ -259,4 +262,53 @@ func TestDemoGPU(t *testing.T) {
 	require.Zero(t, rep.VerifyFailures)
 	requireConsistent(t, rep)
 	t.Logf("%d requests, %d blocks verified, store %.1f GB/s, load %.1f GB/s", rep.Requests, rep.Verified, rep.Store.GBps, rep.Load.GBps)
+}
+
+// TestDemoConnect: `kvoffload demo --connect SOCKET` runs against a node
+// pool (as `kvoffload serve` runs it): two demos at once share it, and a
+// third with the same trace loads blocks the others stored, every loaded
+// block verified.
+func TestDemoConnect(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	s, err := nodepool.NewServer(nodepool.ServerConfig{Socket: socket, PoolBytes: 4 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1})
+	require.NoError(t, err)
+	served := make(chan error, 1)
+	go func() { served <- s.Serve() }()
+	defer func() {
+		require.NoError(t, s.Close())
+		require.NoError(t, <-served)
+	}()
+	args := []string{"demo", "--json", "--connect", socket, "--backend", "host", "--layout", "tiny", "--pool-bytes", "2MiB",
+		"--gpu-blocks", "32", "--requests", "40", "--duration", "0", "--pinning", "none", "--seed", "3"}
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			code, out, errs := runCLI(t, args...)
+			if code != exitOK {
+				t.Errorf("demo --connect: exit %d: %s", code, errs)
+				return
+			}
+			var rep demoReport
+			if err := json.Unmarshal([]byte(out), &rep); err != nil {
+				t.Error(err)
+				return
+			}
+			if rep.Node != socket || rep.VerifyFailures != 0 || rep.Load.Blocks != rep.Verified {
+				t.Errorf("report %+v", rep)
+			}
+		}()
+	}
+	wg.Wait()
+	require.Positive(t, s.Stats().Cache.Ready, "the demos stored into the node")
+	code, out, errs := runCLI(t, args...)
+	require.Equal(t, exitOK, code, errs)
+	var rep demoReport
+	require.NoError(t, json.Unmarshal([]byte(out), &rep))
+	require.Positive(t, rep.Blocks.HostHits)
+	require.Positive(t, rep.Verified)
+	require.Zero(t, rep.VerifyFailures)
+	code, _, errs = runCLI(t, "demo", "--connect", socket, "--disk", t.TempDir(), "--requests", "1", "--duration", "0")
+	require.Equal(t, exitUsage, code, errs)
 }

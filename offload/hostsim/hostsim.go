@@ -67,6 +67,18 @@ func NewEngine(cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
 	return e.(*offload.Engine), nil
 }
 
+// Dial is offload.Dial with gpu as the device of the host backend, when
+// that backend is selected (as NewEngine). A Config without layout
+// tensors and a Backend other than "host" makes a client without a GPU
+// (see offload.Dial): gpu is unused then. The engine does not close gpu.
+func Dial(socket string, cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
+	e, err := simhook.Dial(socket, cfg, gpu.sim)
+	if err != nil {
+		return nil, err
+	}
+	return e.(*offload.Engine), nil
+}
+
 // GPUOf returns the simulated GPU of an engine on the host backend (the
 // one given to NewEngine, or the one offload.New made, in which a layout
 // given without tensors was allocated); nil on the CUDA backend. The

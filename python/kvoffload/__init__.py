@@ -20,7 +20,7 @@ GOMAXPROCS, fork).
 from .engine import OUTCOMES, Engine, Lease, Op, Staging, abi_version, library_pid
 from .errors import (AbiVersionError, ArgumentTypeError, BusyError, CapturingError, EngineClosedError, ForkedChildError, GrowthError,
                      InvalidArgumentError, KvoError, LibraryError, NoDriverError, NotDoneError, OpTimeoutError,
-                     OutOfMemoryError, ReleasedError, TransferFailedError)
+                     OutOfMemoryError, ReleasedError, TransferFailedError, UnavailableError)
 from .keys import KEY_BYTES, ZERO_KEY, block_key, chain_keys
 from .version import library_version
 
@@ -32,5 +32,5 @@ __all__ = [
     "block_key", "chain_keys", "KEY_BYTES", "ZERO_KEY",
     "KvoError", "InvalidArgumentError", "ArgumentTypeError", "EngineClosedError", "BusyError", "NoDriverError", "OutOfMemoryError",
     "ReleasedError", "CapturingError", "TransferFailedError", "OpTimeoutError", "ForkedChildError",
-    "NotDoneError", "GrowthError", "LibraryError", "AbiVersionError",
+    "NotDoneError", "GrowthError", "UnavailableError", "LibraryError", "AbiVersionError",
 ]

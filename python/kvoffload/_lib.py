@@ -70,6 +70,7 @@ _PROTOTYPES = {
     "kvo_abi_version": [],
     "kvo_last_error": [],
     "kvo_engine_create": [ctypes.c_char_p, _u64p],
+    "kvo_engine_connect": [ctypes.c_char_p, ctypes.c_char_p, _u64p],
     "kvo_engine_destroy": [_u64],
     "kvo_engine_config_json": [_u64, ctypes.c_char_p, _size, _sizep],
     "kvo_lookup": [_u64, _vp, _size, _int, _sizep, _u64p],

@@ -4,6 +4,7 @@ import array
 import collections
 import ctypes
 import json
+import os
 import time
 
 from . import _lib, errors
@@ -317,7 +318,7 @@ class Engine(_Handle):
 
     _FREE = "kvo_engine_destroy"
 
-    def __init__(self, config, _keep=()):
+    def __init__(self, config, _keep=(), _socket=None):
         if not isinstance(config, dict):
             raise errors.ArgumentTypeError(f"config must be a dict, got {type(config).__name__}")
         try:
@@ -326,7 +327,11 @@ class Engine(_Handle):
             raise errors.ArgumentTypeError(f"kvoffload: config is not JSON: {e}") from e
         lib = _lib.get()
         h = ctypes.c_uint64(0)
-        _lib.check(lib.kvo_engine_create(text.encode(), ctypes.byref(h)), "kvo_engine_create")
+        if _socket is None:
+            _lib.check(lib.kvo_engine_create(text.encode(), ctypes.byref(h)), "kvo_engine_create")
+        else:
+            sock = _lib.c_string("socket", os.fspath(_socket))
+            _lib.check(lib.kvo_engine_connect(sock, text.encode(), ctypes.byref(h)), "kvo_engine_connect")
         self._handle = h.value
         self._keep = _keep
         self._events = _EventPool()  # after= events, reused once their op is done
@@ -360,6 +365,42 @@ class Engine(_Handle):
         cfg.setdefault("backend", backend)
         cfg.setdefault("device", device)
         return cls(cfg, _keep=keep)
+
+    @classmethod
+    def connect(cls, socket, kv_caches=None, kind=None, tokens_per_block=None, kv_heads=None, head_dim=None,
+                layers=None, **config):
+        """An engine whose block index and host pool are those of the node
+        serving socket (`kvoffload serve`), shared with every engine
+        connected to it: what one process stores another loads.
+
+        kv_caches: the KV cache tensors (as from_tensors takes them, CUDA
+        tensors), or None: the layout then comes from config (a "layout"
+        dict), and the engine either has no GPU (a scheduler: lookup with
+        or without a lease, delete, clear, stats, events and trim only;
+        store and load raise InvalidArgumentError) or, with
+        backend="host", simulates one (sim_write / sim_read, as Engine
+        does). Other keyword arguments are Config fields; the pool's (pool
+        size, regions, huge pages) are the node's and ignored here.
+
+        Raises UnavailableError when no node serves socket, and
+        InvalidArgumentError when the node serves the namespace with
+        another layout. While the node is away, lookup finds nothing,
+        store reports "refused-busy" and load raises UnavailableError; the
+        engine reconnects by itself (the new node's pool starts empty)."""
+        cfg = dict(config)
+        keep = ()
+        if kv_caches is not None:
+            layout, backend, device, keep = layout_from_tensors(
+                kv_caches, kind=kind, tokens_per_block=tokens_per_block, kv_heads=kv_heads,
+                head_dim=head_dim, layers=layers)
+            if backend == "host":
+                raise errors.InvalidArgumentError(
+                    "kvoffload: KV tensors are on the cpu: pass kv_caches=None with a config layout "
+                    "(backend=\"host\" simulates a GPU) instead")
+            cfg["layout"] = layout
+            cfg.setdefault("backend", backend)
+            cfg.setdefault("device", device)
+        return cls(cfg, _keep=keep, _socket=socket)
 
     def _h(self):
         if not self._handle:

@@ -15,6 +15,7 @@ KVO_ETIMEOUT = -9
 KVO_EFORK = -10
 KVO_ENOTDONE = -11
 KVO_EGROWTH = -12
+KVO_EUNAVAILABLE = -13
 
 
 class KvoError(Exception):
@@ -96,6 +97,14 @@ class GrowthError(KvoError):
     code = KVO_EGROWTH
 
 
+class UnavailableError(KvoError):
+    """An engine of Engine.connect cannot reach its node (not started, gone
+    or restarting): load() raises it, lookup() finds nothing meanwhile and
+    store() reports its blocks "refused-busy"; the engine reconnects by
+    itself."""
+    code = KVO_EUNAVAILABLE
+
+
 class LibraryError(KvoError):
     """libkvoffload.so could not be found or loaded."""
 
@@ -106,7 +115,8 @@ class AbiVersionError(LibraryError):
 
 _BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, EngineClosedError, BusyError, NoDriverError, OutOfMemoryError,
-    ReleasedError, CapturingError, TransferFailedError, OpTimeoutError, ForkedChildError, NotDoneError, GrowthError)}
+    ReleasedError, CapturingError, TransferFailedError, OpTimeoutError, ForkedChildError, NotDoneError, GrowthError,
+    UnavailableError)}
 
 
 def from_code(code, message):

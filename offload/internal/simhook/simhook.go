@@ -12,6 +12,9 @@ var (
 	// NewEngine builds an engine from cfg (an offload.Config) whose host
 	// backend, if selected, uses sim as its device.
 	NewEngine func(cfg any, sim *transfer.Sim) (eng any, err error)
+	// Dial is offload.Dial(socket, cfg) with sim as the device of the
+	// host backend, if selected.
+	Dial func(socket string, cfg any, sim *transfer.Sim) (eng any, err error)
 	// Sim returns an *offload.Engine's simulated device (nil on CUDA).
 	Sim func(eng any) *transfer.Sim
 	// Violations returns an *offload.Engine's gating violations.
