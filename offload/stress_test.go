@@ -42,6 +42,15 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
+				// The pool grows to its three regions first: a Trim that
+				// came before growth (a loaded machine) would give back the
+				// only region and, lowering the target, leave no pool.
+				if err := e.WaitGrown(context.Background()); err != nil {
+					if !errors.Is(err, ErrClosed) {
+						t.Errorf("WaitGrown: %v", err)
+					}
+					return
+				}
 				for i := int64(1); i <= 2; i++ {
 					for count.Load() < 200*i {
 						select {
