@@ -73,6 +73,13 @@ type hostInfo struct {
 	MemAvailableBytes int64  `json:"mem_available_bytes"`
 	THP               string `json:"thp"`        // the bracketed mode of transparent_hugepage/enabled
 	THPDefrag         string `json:"thp_defrag"` // ... of transparent_hugepage/defrag
+	// ShmemTHP is the bracketed mode of transparent_hugepage/shmem_enabled:
+	// whether shared memory (a node pool's memfd regions) can get THP.
+	ShmemTHP string `json:"shmem_thp"`
+	// NodePoolPages is what a node pool (`kvoffload serve`) would map its
+	// regions with here: hugetlbfs pages when some are free, else THP as
+	// shmem_enabled allows, else base pages.
+	NodePoolPages string `json:"node_pool_pages"`
 	HugePagesTotal    int64  `json:"hugepages_total"`
 	HugePagesFree     int64  `json:"hugepages_free"`
 	HugePageBytes     int64  `json:"hugepage_bytes"`
@@ -186,6 +193,8 @@ func (p prober) host() hostInfo {
 	}
 	h.THP = p.bracketed("sys/kernel/mm/transparent_hugepage/enabled")
 	h.THPDefrag = p.bracketed("sys/kernel/mm/transparent_hugepage/defrag")
+	h.ShmemTHP = p.bracketed("sys/kernel/mm/transparent_hugepage/shmem_enabled")
+	h.NodePoolPages = nodePoolPages(h.ShmemTHP, h.HugePagesFree)
 	if r, err := p.memlock(); err == nil && r.Cur != unix.RLIM_INFINITY {
 		h.MemlockBytes = int64(min(r.Cur, math.MaxInt64))
 	}
@@ -363,6 +372,7 @@ func (m machineInfo) print(w io.Writer) error {
 	row("  NUMA nodes", "%d", h.NUMANodes)
 	row("  THP", "enabled=%s defrag=%s", h.THP, h.THPDefrag)
 	row("  hugetlbfs pages", "%d total, %d free, %s each", h.HugePagesTotal, h.HugePagesFree, formatSize(h.HugePageBytes))
+	row("  shared memory THP", "shmem_enabled=%s (a node pool's pages: %s)", h.ShmemTHP, h.NodePoolPages)
 	row("  RLIMIT_MEMLOCK", "%s", limitString(h.MemlockBytes))
 	cg := limitString(h.CgroupMemoryBytes)
 	if h.CgroupMemorySource != "" {
@@ -454,4 +464,19 @@ func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// nodePoolPages says which pages a node pool's memfd regions get on a host
+// whose shmem_enabled mode is shmem and with free hugetlbfs pages free
+// (nodepool.Server's choice, before it maps: it reports what it got).
+func nodePoolPages(shmem string, free int64) string {
+	switch {
+	case free > 0:
+		return "hugetlbfs, as far as the free pages go"
+	case shmem == "always" || shmem == "within_size" || shmem == "advise":
+		return "THP (shmem_enabled=" + shmem + ")"
+	case shmem == "":
+		return "base pages (shmem_enabled unreadable)"
+	}
+	return "base pages (shmem_enabled=" + shmem + ")"
 }

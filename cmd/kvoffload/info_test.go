@@ -38,18 +38,19 @@ func TestInfoWithFakeDriver(t *testing.T) {
 	pci := "sys/bus/pci/devices/" + cuda.SysfsBusID(bus) + "/"
 	root := fakeRoot(t, map[string]string{
 		"proc/meminfo": "MemTotal:       131072000 kB\nMemAvailable:   120000000 kB\nHugePages_Total:       4\nHugePages_Free:        3\nHugepagesize:       2048 kB\n",
-		"sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never\n",
-		"sys/kernel/mm/transparent_hugepage/defrag":  "[always] defer madvise never\n",
-		"proc/self/cgroup":                           "0::/kvo/job\n",
-		"sys/fs/cgroup/kvo/job/memory.max":           "max\n",
-		"sys/fs/cgroup/kvo/memory.max":               "68719476736\n",
-		"sys/devices/system/node/node0/meminfo":      "",
-		"sys/module/nvidia/version":                  "580.159.04\n",
-		pci + "current_link_speed":                   "32.0 GT/s PCIe\n",
-		pci + "max_link_speed":                       "32.0 GT/s PCIe\n",
-		pci + "current_link_width":                   "16\n",
-		pci + "max_link_width":                       "16\n",
-		pci + "numa_node":                            "-1\n",
+		"sys/kernel/mm/transparent_hugepage/enabled":       "always [madvise] never\n",
+		"sys/kernel/mm/transparent_hugepage/defrag":        "[always] defer madvise never\n",
+		"sys/kernel/mm/transparent_hugepage/shmem_enabled": "always within_size advise [never] deny force\n",
+		"proc/self/cgroup":                      "0::/kvo/job\n",
+		"sys/fs/cgroup/kvo/job/memory.max":      "max\n",
+		"sys/fs/cgroup/kvo/memory.max":          "68719476736\n",
+		"sys/devices/system/node/node0/meminfo": "",
+		"sys/module/nvidia/version":             "580.159.04\n",
+		pci + "current_link_speed":              "32.0 GT/s PCIe\n",
+		pci + "max_link_speed":                  "32.0 GT/s PCIe\n",
+		pci + "current_link_width":              "16\n",
+		pci + "max_link_width":                  "16\n",
+		pci + "numa_node":                       "-1\n",
 	})
 	p := prober{root: root, load: func() (cuda.Driver, error) { return drv, nil },
 		memlock: func() (unix.Rlimit, error) { return unix.Rlimit{Cur: unix.RLIM_INFINITY}, nil }}
@@ -58,6 +59,8 @@ func TestInfoWithFakeDriver(t *testing.T) {
 	require.Equal(t, int64(131072000)<<10, m.Host.MemTotalBytes)
 	require.Equal(t, "madvise", m.Host.THP)
 	require.Equal(t, "always", m.Host.THPDefrag)
+	require.Equal(t, "never", m.Host.ShmemTHP)
+	require.Equal(t, "hugetlbfs, as far as the free pages go", m.Host.NodePoolPages, "3 hugetlbfs pages are free")
 	require.Equal(t, int64(4), m.Host.HugePagesTotal)
 	require.Equal(t, int64(2<<20), m.Host.HugePageBytes)
 	require.Equal(t, int64(-1), m.Host.MemlockBytes)
@@ -114,6 +117,15 @@ func TestInfoCommandJSON(t *testing.T) {
 	code, out, _ = runCLI(t, "info")
 	require.Equal(t, exitOK, code)
 	require.Contains(t, out, "auto picks")
+}
+
+// TestNodePoolPages: which pages a node pool's regions get, by free
+// hugetlbfs pages and shmem_enabled.
+func TestNodePoolPages(t *testing.T) {
+	require.Contains(t, nodePoolPages("never", 2), "hugetlbfs")
+	require.Equal(t, "THP (shmem_enabled=advise)", nodePoolPages("advise", 0))
+	require.Equal(t, "base pages (shmem_enabled=never)", nodePoolPages("never", 0))
+	require.Contains(t, nodePoolPages("", 0), "unreadable")
 }
 
 func TestPCIeGen(t *testing.T) {
