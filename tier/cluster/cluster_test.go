@@ -201,8 +201,8 @@ func TestBadRecords(t *testing.T) {
 	require.EqualValues(t, 1, wrongFP.Stats().Stale)
 
 	set := func(k [16]byte, v []byte) {
-		require.NoError(t, s.client.Do(context.Background(),
-			s.client.B().Set().Key(s.key(0, k)).Value(rueidis.BinaryString(v)).Build()).Error())
+		require.NoError(t, s.cl().Do(context.Background(),
+			s.cl().B().Set().Key(s.key(0, k)).Value(rueidis.BinaryString(v)).Build()).Error())
 	}
 	rec := func(k [16]byte, p []byte) []byte {
 		b := make([]byte, record.HeaderSize+len(p))
@@ -364,21 +364,7 @@ func TestAuthAndFailover(t *testing.T) {
 	ks, ps := keysN(n, 11), payloads(n, size)
 	putAll(t, s, ks, ps)
 	require.EqualValues(t, n, s.Stats().Puts)
-	// Every write is on the replicas (WAIT counts only its own connection's
-	// writes, so compare each master's offset with its replica's instead).
-	require.Eventually(t, func() bool {
-		for _, p := range c.ports[:3] {
-			out, err := c.cli(p, "info", "replication")
-			if err != nil || !strings.Contains(out, "connected_slaves:1") {
-				return false
-			}
-			off := field(out, "master_repl_offset")
-			if !strings.Contains(out, "offset="+off+",") {
-				return false
-			}
-		}
-		return true
-	}, 10*time.Second, 20*time.Millisecond)
+	waitReplicated(t, c)
 
 	c.kill(c.ports[0])
 	ok := s.Get(context.Background(), ks, dstsN(n, size))
@@ -398,6 +384,26 @@ func TestAuthAndFailover(t *testing.T) {
 	}
 	putAll(t, s, keysN(20, 12), payloads(20, 10))
 	require.EqualValues(t, n+20, s.Stats().Puts)
+}
+
+// waitReplicated waits until every write is on the replicas (WAIT counts
+// only its own connection's writes, so compare each master's offset with
+// its replica's instead).
+func waitReplicated(t *testing.T, c *testCluster) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		for _, p := range c.ports[:c.masters] {
+			out, err := c.cli(p, "info", "replication")
+			if err != nil || !strings.Contains(out, "connected_slaves:1") {
+				return false
+			}
+			off := field(out, "master_repl_offset")
+			if !strings.Contains(out, "offset="+off+",") {
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 20*time.Millisecond)
 }
 
 func field(info, name string) string {

@@ -40,6 +40,15 @@ type Config struct {
 	// GenerationRefresh is how often the namespace's generation is re-read
 	// from the cluster (default 1s; negative: never, only at Open and Clear).
 	GenerationRefresh time.Duration
+	// Background makes a cluster that does not answer at Open no error:
+	// Open returns a store that is not Available and connects in the
+	// background (see Open).
+	Background bool
+	// ReconnectMin and ReconnectMax bound the wait between two connect
+	// attempts in the background: the first waits ReconnectMin (default
+	// 100ms), each later one twice the one before, up to ReconnectMax
+	// (default 5s).
+	ReconnectMin, ReconnectMax time.Duration
 	// OnPutDone, when set, is called once for each put PutAsync accepted,
 	// when it completed (ok: the cluster stored it). It runs on its own
 	// goroutine and must not block for long.
