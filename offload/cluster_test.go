@@ -219,6 +219,7 @@ func TestClusterUnreachableAtNew(t *testing.T) {
 	st = e.Stats()
 	require.Equal(t, free, st.SlotsFree, "no slot reserved for an unavailable tier")
 	require.Equal(t, int64(1+2), st.ClusterUnavailable, "one write-through, two Prefetch keys")
+	require.Equal(t, int64(1), st.ClusterUnavailableWrites)
 	require.Zero(t, st.ClusterDropped)
 	require.Zero(t, st.ClusterMisses)
 	require.False(t, st.ClusterAvailable)

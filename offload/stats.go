@@ -105,6 +105,7 @@ type Stats struct {
 	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
 
 	// The cluster tier (Config.Cluster); all 0 without one.
+	ClusterConfigured  bool  `json:"cluster_configured"`   // the engine has a cluster tier
 	ClusterWrites      int64 `json:"cluster_writes"`       // blocks written through that the cluster stored
 	ClusterWriteBytes  int64 `json:"cluster_write_bytes"`  // their bytes
 	ClusterWriteErrors int64 `json:"cluster_write_errors"` // write-throughs the cluster failed (a node down, a timeout, OOM)
@@ -124,9 +125,12 @@ type Stats struct {
 	// not, write-throughs are not made and Prefetch does not ask it, each
 	// block counted in ClusterUnavailable, and ClusterError says why the
 	// last attempt failed.
-	ClusterAvailable   bool   `json:"cluster_available"`
-	ClusterUnavailable int64  `json:"cluster_unavailable"`
-	ClusterError       string `json:"cluster_error,omitempty"`
+	ClusterAvailable   bool  `json:"cluster_available"`
+	ClusterUnavailable int64 `json:"cluster_unavailable"`
+	// ClusterUnavailableWrites are the write-throughs among them (the rest
+	// are Prefetch keys).
+	ClusterUnavailableWrites int64  `json:"cluster_unavailable_writes"`
+	ClusterError             string `json:"cluster_error,omitempty"`
 
 	// Per direction.
 	Store Direction `json:"store"`
@@ -318,11 +322,13 @@ func (e *Engine) snapshot() Stats {
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()
+		s.ClusterConfigured = true
 		s.ClusterWrites, s.ClusterWriteBytes, s.ClusterWriteErrors = cs.Puts, cs.PutBytes, cs.PutErrors
 		s.ClusterDropped = cs.Dropped - cs.DroppedUnavailable
 		s.ClusterHits, s.ClusterHitBytes, s.ClusterMisses = cs.Hits, cs.HitBytes, cs.Misses
 		s.ClusterTimeouts, s.ClusterCorrupt, s.ClusterErrors = cs.Timeouts, cs.Corrupt+cs.Stale, cs.Errors
 		s.ClusterAvailable, s.ClusterError = cs.Available, cs.ConnectError
+		s.ClusterUnavailableWrites = cs.DroppedUnavailable
 		s.ClusterUnavailable = cs.DroppedUnavailable + c.clusterUnavailable.Load()
 	}
 	s.TeardownErrors = c.teardownErrors.Load()

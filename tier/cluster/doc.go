@@ -55,6 +55,17 @@
 //     returns false and counts a drop. Config.OnPutDone is called once per
 //     accepted put when the cluster has answered.
 //
+// # Connecting and closing
+//
+// Open connects before it returns, or fails. With Config.Background a
+// cluster that does not answer is no error: the store is not Available
+// (puts dropped and Gets missed at once, counted apart as unavailable, the
+// last attempt's error in Stats.ConnectError) and connects on a goroutine of
+// its own, with a doubling backoff, until it succeeds or is closed. Close
+// returns only when every goroutine of the store and of its client has
+// ended (the client's background work after a node failure or a topology
+// change included): no goroutine of a closed store outlives Close.
+//
 // # Concurrency
 //
 // Every method is safe for concurrent use.
