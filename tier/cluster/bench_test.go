@@ -176,3 +176,102 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 }
 
 func count1(ok []bool) int { return count(ok) }
+
+// benchSize is the record size of BenchmarkPut and BenchmarkGet (header
+// included): 256 KiB, the size issue 27 measures against redis-benchmark.
+const benchSize = 256 << 10
+
+// BenchmarkPut puts benchSize records, 24 in flight (as
+// TestBenchVsRedisBenchmark's 6 connections × depth 4), over the shared
+// cluster; for pprof: go test -bench Put -cpuprofile ... ./tier/cluster.
+func BenchmarkPut(b *testing.B) { ioVariants(b, benchPut) }
+
+// BenchmarkGet gets benchSize records, 6 goroutines asking for 4 keys a call.
+func BenchmarkGet(b *testing.B) { ioVariants(b, benchGet) }
+
+// ioVariants runs f with the client's buffers as this package sets them
+// ("tuned") and as the client's defaults ("defaults": 512 KiB buffers, no
+// StringWriter conn), for the profile and the comparison.
+func ioVariants(b *testing.B, f func(*testing.B)) {
+	saved := ioBuffers
+	defer func() { ioBuffers = saved }()
+	for _, v := range []struct {
+		name string
+		set  func()
+	}{
+		{"tuned", func() { ioBuffers = saved }},
+		{"defaults", func() { ioBuffers.read, ioBuffers.write, ioBuffers.stringConn = 0, 0, false }},
+		{"flush20us", func() { ioBuffers = saved; ioBuffers.flushDelay = 20 * time.Microsecond }},
+		{"16K", func() { ioBuffers = saved; ioBuffers.read, ioBuffers.write = 16<<10, 16<<10 }},
+	} {
+		v.set()
+		b.Run(v.name, f)
+	}
+}
+
+func benchPut(b *testing.B) {
+	c := shared(b)
+	const outstanding = 24
+	sem := make(chan struct{}, outstanding)
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "benchput", Fingerprint: 1,
+		MaxInFlightBytes: outstanding * benchSize, Timeout: 10 * time.Second, OnPutDone: func([16]byte, bool) { <-sem }})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	payload := make([]byte, benchSize-record.HeaderSize)
+	keys := keysN(96, 0xb1)
+	b.SetBytes(benchSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		sem <- struct{}{}
+		if !s.PutAsync(keys[i%len(keys)], payload) {
+			b.Fatal("dropped")
+		}
+	}
+	s.Flush()
+}
+
+func benchGet(b *testing.B) {
+	c := shared(b)
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "benchget", Fingerprint: 1, Timeout: 10 * time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	payload := make([]byte, benchSize-record.HeaderSize)
+	keys := keysN(96, 0xb2)
+	for _, k := range keys {
+		s.PutAsync(k, payload)
+	}
+	s.Flush()
+	var next atomic.Int64
+	b.SetBytes(benchSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	for w := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ks := make([][16]byte, 4)
+			ds := dstsN(4, benchSize-record.HeaderSize)
+			for {
+				i := int(next.Add(4)) - 4
+				if i >= b.N {
+					return
+				}
+				n := min(4, b.N-i)
+				for j := range n {
+					ks[j] = keys[(i+j+w)%len(keys)]
+				}
+				if got := count(s.Get(context.Background(), ks[:n], ds[:n])); got != n {
+					b.Errorf("%d of %d hits", got, n)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}

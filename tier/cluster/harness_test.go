@@ -226,7 +226,7 @@ var (
 
 // shared returns the cluster of 3 masters the tests that do not kill nodes
 // share (started once; TestMain stops it).
-func shared(t *testing.T) *testCluster {
+func shared(t testing.TB) *testCluster {
 	t.Helper()
 	needRedis(t)
 	sharedOnce.Do(func() {

@@ -3,6 +3,7 @@ package cluster
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/redis/rueidis"
 
@@ -161,6 +163,17 @@ func (s *Store) connect(ctx context.Context) error {
 		PipelineMultiplex: bits.TrailingZeros(uint(cfg.ConnsPerNode)),
 		Dialer:            net.Dialer{Timeout: cfg.Timeout},
 		ConnWriteTimeout:  cfg.Timeout,
+		// Smaller than the client's 512 KiB defaults: a value larger than
+		// the write buffer goes from the record buffer to the socket (with
+		// a StringWriter conn, below) instead of through the buffer, and a
+		// reply larger than the read buffer is read straight into the
+		// reply's own bytes.
+		ReadBufferEachConn:  ioBuffers.read,
+		WriteBufferEachConn: ioBuffers.write,
+		MaxFlushDelay:       ioBuffers.flushDelay,
+	}
+	if ioBuffers.stringConn {
+		opt.DialCtxFn = dialStringConn
 	}
 	var client rueidis.Client
 	var err error
@@ -190,6 +203,40 @@ func (s *Store) connect(ctx context.Context) error {
 	s.connErr.Store(nil)
 	s.mu.Unlock()
 	return nil
+}
+
+// ioBuffers are the client's per-connection buffers and its write loop's
+// flush delay (variables for the benchmarks to compare).
+var ioBuffers = struct {
+	read, write int
+	flushDelay  time.Duration
+	stringConn  bool
+}{read: 64 << 10, write: 64 << 10, stringConn: true}
+
+// stringConn is a net.Conn that is an io.StringWriter: the client's
+// bufio.Writer hands a string larger than its free space (a record's value,
+// written as a string) to WriteString once its buffer is flushed, which
+// writes the string's bytes to the socket without copying them.
+type stringConn struct{ net.Conn }
+
+func (c stringConn) WriteString(s string) (int, error) {
+	return c.Write(unsafe.Slice(unsafe.StringData(s), len(s)))
+}
+
+// dialStringConn is the client's dial (TCP, or TLS when set) returning a
+// stringConn.
+func dialStringConn(ctx context.Context, dst string, d *net.Dialer, cfg *tls.Config) (net.Conn, error) {
+	var conn net.Conn
+	var err error
+	if cfg != nil {
+		conn, err = (&tls.Dialer{NetDialer: d, Config: cfg}).DialContext(ctx, "tcp", dst)
+	} else {
+		conn, err = d.DialContext(ctx, "tcp", dst)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return stringConn{conn}, nil
 }
 
 // reconnect retries connect with backoff until it succeeds (true) or the
