@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -463,4 +464,37 @@ func TestReshard(t *testing.T) {
 		require.Equal(t, ps[i], ds[i])
 	}
 	t.Logf("%d Get rounds during the reshard; %+v", rounds.Load(), s.Stats())
+}
+
+// TestGetStreamsRecords: Get streams each record into a pooled buffer, so
+// reading a 256 KiB record allocates far less than the record (a pipelined
+// GET allocates the whole reply); a reply longer than the destination
+// expects is a corrupt miss that leaves the connection usable.
+func TestGetStreamsRecords(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{})
+	const n, size = 8, 256<<10 - record.HeaderSize
+	ks, ps := keysN(n, 50), payloads(n, size)
+	putAll(t, s, ks, ps)
+	ds := dstsN(n, size)
+	require.Equal(t, n, count(s.Get(context.Background(), ks, ds))) // warm the pools
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	const rounds = 10
+	for range rounds {
+		require.Equal(t, n, count(s.Get(context.Background(), ks, ds)))
+	}
+	runtime.ReadMemStats(&after)
+	perRecord := (after.TotalAlloc - before.TotalAlloc) / (rounds * n)
+	t.Logf("%d bytes allocated per %d-byte record read", perRecord, size+record.HeaderSize)
+	require.Less(t, perRecord, uint64(size/4), "a record read allocates (a fraction of) the record")
+	require.Equal(t, ps, ds)
+
+	short := dstsN(1, size-1)
+	require.False(t, s.Get(context.Background(), ks[:1], short)[0])
+	require.Equal(t, dstsN(1, size-1), short, "untouched")
+	require.EqualValues(t, 1, s.Stats().Corrupt)
+	ds = dstsN(n, size)
+	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)), "the stream's connection is still good")
+	require.Equal(t, ps, ds)
 }

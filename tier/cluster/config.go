@@ -37,6 +37,9 @@ type Config struct {
 	// ConnsPerNode is the number of pipelined connections to each node, a
 	// power of two up to 256 (default 2).
 	ConnsPerNode int
+	// Streams bounds the records Get reads at once, store-wide, each on a
+	// connection of its own (default 32).
+	Streams int
 	// GenerationRefresh is how often the namespace's generation is re-read
 	// from the cluster (default 1s; negative: never, only at Open and Clear).
 	GenerationRefresh time.Duration

@@ -32,6 +32,7 @@ const (
 	DefaultGenerationRefresh = time.Second
 	DefaultReconnectMin      = 100 * time.Millisecond
 	DefaultReconnectMax      = 5 * time.Second
+	DefaultStreams           = 32
 )
 
 // closeWaitMax bounds how long Close waits for the client's goroutines
@@ -71,6 +72,7 @@ type Store struct {
 	unavailPuts, unavailGets         atomic.Int64
 	putBytes, hitBytes               atomic.Int64
 	stop                             chan struct{} // closed by Close: the connector and the refresher end
+	streams                          chan struct{} // a slot per streamed GET in flight (Config.Streams)
 	bg                               sync.WaitGroup
 }
 
@@ -130,6 +132,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		label:    id,
 		lctx:     pprof.WithLabels(context.Background(), pprof.Labels(labelKey, id)),
 		stop:     make(chan struct{}),
+		streams:  make(chan struct{}, cfg.Streams),
 	}
 	s.done = sync.NewCond(&s.mu)
 	err := s.connect(ctx)
@@ -171,6 +174,7 @@ func (s *Store) connect(ctx context.Context) error {
 		ReadBufferEachConn:  ioBuffers.read,
 		WriteBufferEachConn: ioBuffers.write,
 		MaxFlushDelay:       ioBuffers.flushDelay,
+		BlockingPoolSize:    cfg.Streams, // streamed GETs' connections, per node
 	}
 	if ioBuffers.stringConn {
 		opt.DialCtxFn = dialStringConn
@@ -211,7 +215,8 @@ var ioBuffers = struct {
 	read, write int
 	flushDelay  time.Duration
 	stringConn  bool
-}{read: 64 << 10, write: 64 << 10, stringConn: true}
+	stream      bool // Get streams each record (stream.go) instead of pipelining the batch
+}{read: 64 << 10, write: 64 << 10, stringConn: true, stream: true}
 
 // stringConn is a net.Conn that is an io.StringWriter: the client's
 // bufio.Writer hands a string larger than its free space (a record's value,
@@ -300,6 +305,12 @@ func (c *Config) fill() error {
 	}
 	if c.GenerationRefresh == 0 {
 		c.GenerationRefresh = DefaultGenerationRefresh
+	}
+	if c.Streams == 0 {
+		c.Streams = DefaultStreams
+	}
+	if c.Streams < 0 {
+		return fmt.Errorf("%w: Streams %d is negative", ErrConfig, c.Streams)
 	}
 	if c.ReconnectMin == 0 {
 		c.ReconnectMin = DefaultReconnectMin
@@ -414,9 +425,9 @@ func (s *Store) Flush() {
 }
 
 // Get reads the records of keys into dsts (dsts[i] must be of the payload's
-// size), pipelined: the keys' GETs go to their masters at once, many per
-// round trip. It waits until ctx's deadline or Config.Timeout, whichever
-// comes first. ok[i] is true only when dsts[i] holds the verified payload of
+// size), concurrently: the keys' GETs go to their masters at once, up to
+// Config.Streams of them in flight store-wide (see the package doc). It
+// waits until ctx's deadline or Config.Timeout, whichever comes first. ok[i] is true only when dsts[i] holds the verified payload of
 // keys[i]; otherwise it is a miss, counted, and dsts[i] is untouched. A
 // store not Available answers every key a miss (Stats.Unavailable) at once,
 // without looking at dsts. It panics if len(dsts) != len(keys).
@@ -449,6 +460,25 @@ func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool 
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	gen := s.gen.Load()
+	if ioBuffers.stream {
+		var wg sync.WaitGroup
+		for i, k := range keys {
+			select {
+			case s.streams <- struct{}{}:
+			case <-ctx.Done():
+				s.countMiss(ctx.Err())
+				continue
+			}
+			wg.Add(1)
+			s.goLabelled(func() {
+				defer wg.Done()
+				ok[i] = s.getStreamed(ctx, client, s.key(gen, k), k, dsts[i])
+				<-s.streams
+			})
+		}
+		wg.Wait()
+		return ok
+	}
 	cmds := make(rueidis.Commands, len(keys))
 	for i, k := range keys {
 		cmds[i] = client.B().Get().Key(s.key(gen, k)).Build()
