@@ -61,8 +61,8 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		conns, depth, perNode, conns*depth, keyspace)
 	rounds := env("KVO_CLUSTER_BENCH_ROUNDS", 3)
 	fmt.Printf("%d rounds, each redis-benchmark then the tier, alternating; the median row is the median of the rounds' ratios\n\n", rounds)
-	fmt.Println("| record bytes | op | round | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s |")
-	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|")
+	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s |")
+	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|")
 	flush := func() {
 		for _, p := range c.ports[:3] {
 			c.cli(p, "flushall")
@@ -72,6 +72,7 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		count := env("KVO_CLUSTER_BENCH_COUNT", max(200, int((2<<30)/int64(size))))
 		ratios := map[string][]float64{}
 		for round := range rounds {
+			load := loadAvg()
 			rb := redisBenchmark(t, c, size, depth, conns, count, keyspace)
 			flush()
 			put, get := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
@@ -82,16 +83,30 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 				tier float64
 			}{{"SET / PutAsync", rb["SET"], put}, {"GET / Get", rb["GET"], get}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
-				fmt.Printf("| %d | %s | %d | %d | %.0f | %.0f | %.0f%% | %.2f |\n", size, r.op, round+1, count, r.rb, r.tier, 100*r.tier/r.rb, r.tier*float64(size)/1e9)
+				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f |\n", size, r.op, round+1, load, count, r.rb, r.tier, 100*r.tier/r.rb, r.tier*float64(size)/1e9)
 			}
 		}
 		for _, op := range []string{"SET / PutAsync", "GET / Get"} {
 			rs := append([]float64(nil), ratios[op]...)
 			sort.Float64s(rs)
-			fmt.Printf("| %d | %s | **median** | | | | **%.0f%%** | |\n", size, op, 100*rs[len(rs)/2])
+			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | |\n", size, op, 100*rs[len(rs)/2])
 		}
 	}
 	fmt.Println()
+}
+
+// loadAvg is the machine's 1-minute load average (other processes share its
+// cores: the rounds say how busy it was).
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "?"
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return "?"
+	}
+	return f[0]
 }
 
 // redisBenchmark runs redis-benchmark --cluster and returns requests per
