@@ -29,6 +29,16 @@ func BenchmarkOpenScan(b *testing.B) { benchOpenScan(b, 100_000, align) }
 // scales its time to 100,000.
 func BenchmarkOpenScanLarge(b *testing.B) { benchOpenScan(b, 20_000, 60<<10) }
 
+// BenchmarkOpenScanHeaders is BenchmarkOpenScan reading one header a
+// record (as Open did before it read small records in runs of whole
+// slots), for a comparison in one session.
+func BenchmarkOpenScanHeaders(b *testing.B) {
+	saved := scanWholeMax
+	defer func() { scanWholeMax = saved }()
+	scanWholeMax = 0
+	benchOpenScan(b, 100_000, align)
+}
+
 func benchOpenScan(b *testing.B, records int, size int64) {
 	cfg := config(directDir(b), size, int64(records))
 	s, err := Open(cfg)
