@@ -54,7 +54,8 @@ type Config struct {
 	ReconnectMin, ReconnectMax time.Duration
 	// OnPutDone, when set, is called once for each put PutAsync accepted,
 	// when it completed (ok: the cluster stored it). It runs on its own
-	// goroutine and must not block for long.
+	// goroutine and must not block for long; a goroutine it starts counts
+	// as the store's (Close waits for it).
 	OnPutDone func(key [16]byte, ok bool)
 
 	// faults, set only by this package's tests, injects errors.
