@@ -468,7 +468,7 @@ func TestReshard(t *testing.T) {
 
 // TestGetStreamsRecords: Get streams each record into a pooled buffer, so
 // reading a 256 KiB record allocates far less than the record (a pipelined
-// GET allocates the whole reply); a reply longer than the destination
+// GET allocates the whole reply: 256 KiB); a reply longer than the destination
 // expects is a corrupt miss that leaves the connection usable.
 func TestGetStreamsRecords(t *testing.T) {
 	c := shared(t)
@@ -487,7 +487,10 @@ func TestGetStreamsRecords(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	perRecord := (after.TotalAlloc - before.TotalAlloc) / (rounds * n)
 	t.Logf("%d bytes allocated per %d-byte record read", perRecord, size+record.HeaderSize)
-	require.Less(t, perRecord, uint64(size/4), "a record read allocates (a fraction of) the record")
+	// A pipelined GET allocates the whole reply; a streamed one a few
+	// hundred bytes, and under the race detector (whose sync.Pool drops a
+	// quarter of what it is given) about a third of the record.
+	require.Less(t, perRecord, uint64(size/2), "a record read allocates no reply of its own")
 	require.Equal(t, ps, ds)
 
 	short := dstsN(1, size-1)
