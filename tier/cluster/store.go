@@ -164,7 +164,13 @@ func (s *Store) connect(ctx context.Context) error {
 		DisableCache:      true, // no client-side caching: records are read once, into the pool
 		ShuffleInit:       true,
 		PipelineMultiplex: bits.TrailingZeros(uint(cfg.ConnsPerNode)),
-		Dialer:            net.Dialer{Timeout: cfg.Timeout},
+		// No background PING (a negative KeepAlive): the client sends it
+		// from a timer's goroutine, which carries no label, and a failed
+		// one schedules a topology refresh from there, which Close could
+		// then not wait for. Every command here has a deadline, which finds
+		// a dead node as well; TCP keep-alive stays on.
+		Dialer: net.Dialer{Timeout: cfg.Timeout, KeepAlive: -1,
+			KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9}},
 		ConnWriteTimeout:  cfg.Timeout,
 		// Smaller than the client's 512 KiB defaults: a value larger than
 		// the write buffer goes from the record buffer to the socket (with
@@ -625,7 +631,11 @@ func (s *Store) Close() error {
 	close(s.stop)
 	s.bg.Wait()
 	if c := s.cl(); c != nil {
-		c.Close()
+		// Labelled: the client closes its connections on goroutines of its
+		// own, which must carry the label for the wait below to see them
+		// (and what they start: a topology refresh scheduled by a
+		// connection's close hook).
+		s.labelled(c.Close)
 	}
 	s.waitGoroutines(closeWaitMax)
 	return nil
