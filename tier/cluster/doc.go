@@ -71,7 +71,9 @@
 // its own, with a doubling backoff, until it succeeds or is closed. Close
 // returns only when every goroutine of the store and of its client has
 // ended (the client's background work after a node failure or a topology
-// change included): no goroutine of a closed store outlives Close.
+// change included): no goroutine of a closed store outlives Close. The
+// client sends no keep-alive PING (its timers' goroutines could not be
+// waited for): a dead node is found by the deadline every command carries.
 //
 // # Concurrency
 //
