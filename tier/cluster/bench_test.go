@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -61,8 +62,10 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		conns, depth, perNode, conns*depth, keyspace)
 	rounds := env("KVO_CLUSTER_BENCH_ROUNDS", 3)
 	fmt.Printf("%d rounds, each redis-benchmark then the tier, alternating; the median row is the median of the rounds' ratios\n\n", rounds)
-	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s |")
-	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+	fmt.Println("client CPU: the client process's user+system time per request (redis-benchmark's from its rusage, run once per op; the tier's from the test process's, over the op's phase)")
+	fmt.Println()
+	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s | client CPU µs/req: redis-benchmark, tier |")
+	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
 	flush := func() {
 		for _, p := range c.ports[:3] {
 			c.cli(p, "flushall")
@@ -73,23 +76,25 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		ratios := map[string][]float64{}
 		for round := range rounds {
 			load := loadAvg()
-			rb := redisBenchmark(t, c, size, depth, conns, count, keyspace)
+			rbSet, rbSetCPU := redisBenchmark(t, c, "set", size, depth, conns, count, keyspace)
+			rbGet, rbGetCPU := redisBenchmark(t, c, "get", size, depth, conns, count, keyspace)
 			flush()
-			put, get := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
+			tr := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
 			flush()
 			for _, r := range []struct {
-				op   string
-				rb   float64
-				tier float64
-			}{{"SET / PutAsync", rb["SET"], put}, {"GET / Get", rb["GET"], get}} {
+				op             string
+				rb, tier       float64
+				rbCPU, tierCPU time.Duration
+			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
-				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f |\n", size, r.op, round+1, load, count, r.rb, r.tier, 100*r.tier/r.rb, r.tier*float64(size)/1e9)
+				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f |\n", size, r.op, round+1, load, count, r.rb, r.tier,
+					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count))
 			}
 		}
 		for _, op := range []string{"SET / PutAsync", "GET / Get"} {
 			rs := append([]float64(nil), ratios[op]...)
 			sort.Float64s(rs)
-			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | |\n", size, op, 100*rs[len(rs)/2])
+			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | | |\n", size, op, 100*rs[len(rs)/2])
 		}
 	}
 	fmt.Println()
@@ -109,16 +114,31 @@ func loadAvg() string {
 	return f[0]
 }
 
-// redisBenchmark runs redis-benchmark --cluster and returns requests per
-// second by test name.
-func redisBenchmark(t *testing.T, c *testCluster, size, depth, conns, count, keyspace int) map[string]float64 {
-	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", "set,get",
+// us is d per request in microseconds.
+func us(d time.Duration, n int) float64 { return float64(d.Microseconds()) / float64(n) }
+
+// cpuTime is the user+system time of this process (who = RUSAGE_SELF) or of
+// its waited-for children (RUSAGE_CHILDREN).
+func cpuTime(who int) time.Duration {
+	var r syscall.Rusage
+	if err := syscall.Getrusage(who, &r); err != nil {
+		return 0
+	}
+	return time.Duration(r.Utime.Nano() + r.Stime.Nano())
+}
+
+// redisBenchmark runs redis-benchmark --cluster -t test and returns its
+// requests per second and its CPU time.
+func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conns, count, keyspace int) (float64, time.Duration) {
+	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", test,
 		"-d", strconv.Itoa(size), "-P", strconv.Itoa(depth), "-c", strconv.Itoa(conns),
 		"-n", strconv.Itoa(count), "-r", strconv.Itoa(keyspace), "--csv"}
+	cpu0 := cpuTime(syscall.RUSAGE_CHILDREN)
 	out, err := exec.Command("redis-benchmark", args...).Output()
 	if err != nil {
 		t.Fatalf("redis-benchmark %v: %v\n%s", args, err, out)
 	}
+	cpu := cpuTime(syscall.RUSAGE_CHILDREN) - cpu0
 	fmt.Printf("<!-- redis-benchmark %s -->\n", strings.Join(args, " "))
 	var lines []string // the CSV rows, after the cluster's description
 	for _, l := range strings.Split(string(out), "\n") {
@@ -130,22 +150,22 @@ func redisBenchmark(t *testing.T, c *testCluster, size, depth, conns, count, key
 	if err != nil {
 		t.Fatalf("redis-benchmark output: %v\n%s", err, out)
 	}
-	rps := map[string]float64{}
 	for _, r := range rows {
-		if len(r) >= 2 {
+		if len(r) >= 2 && strings.EqualFold(r[0], test) {
 			if v, err := strconv.ParseFloat(r[1], 64); err == nil {
-				rps[r[0]] = v
+				return v, cpu
 			}
 		}
 	}
-	return rps
+	t.Fatalf("redis-benchmark output has no %s row:\n%s", test, out)
+	return 0, 0
 }
 
 // benchTier puts count records of size bytes (keyspace distinct keys) with
 // conns×depth puts outstanding, then gets count records with conns
 // goroutines each asking for depth keys a call; it returns puts and gets per
-// second.
-func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) (float64, float64) {
+// second and the process's CPU time in each phase.
+func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) tierResult {
 	outstanding := conns * depth
 	sem := make(chan struct{}, outstanding)
 	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "bench", Fingerprint: 1,
@@ -160,6 +180,8 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		payload[i] = byte(i * 7)
 	}
 	keys := keysN(keyspace, 0xbe)
+	var r tierResult
+	cpu0 := cpuTime(syscall.RUSAGE_SELF)
 	start := time.Now()
 	for i := range count {
 		sem <- struct{}{}
@@ -168,13 +190,15 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}
 	}
 	s.Flush()
-	put := float64(count) / time.Since(start).Seconds()
+	r.put = float64(count) / time.Since(start).Seconds()
+	r.putCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	if st := s.Stats(); st.PutErrors != 0 {
 		t.Fatalf("put errors: %+v", st)
 	}
 
 	var next, hits atomic.Int64
 	var wg sync.WaitGroup
+	cpu0 = cpuTime(syscall.RUSAGE_SELF)
 	start = time.Now()
 	for w := range conns {
 		wg.Add(1)
@@ -196,11 +220,18 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}()
 	}
 	wg.Wait()
-	get := float64(count) / time.Since(start).Seconds()
+	r.get = float64(count) / time.Since(start).Seconds()
+	r.getCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	if hits.Load() != int64(count) {
 		t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 	}
-	return put, get
+	return r
+}
+
+// tierResult is benchTier's: rates and CPU time of the put and get phases.
+type tierResult struct {
+	put, get       float64
+	putCPU, getCPU time.Duration
 }
 
 func count1(ok []bool) int { return count(ok) }
