@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/rueidis"
+
 	"github.com/kvoffload/kvoffload/tier/record"
 )
 
@@ -85,13 +87,14 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 				op             string
 				rb, tier       float64
 				rbCPU, tierCPU time.Duration
-			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU}} {
+			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU},
+				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
 				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f |\n", size, r.op, round+1, load, count, r.rb, r.tier,
 					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count))
 			}
 		}
-		for _, op := range []string{"SET / PutAsync", "GET / Get"} {
+		for _, op := range []string{"SET / PutAsync", "GET / Get", "SET / the client alone"} {
 			rs := append([]float64(nil), ratios[op]...)
 			sort.Float64s(rs)
 			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | | |\n", size, op, 100*rs[len(rs)/2])
@@ -163,8 +166,9 @@ func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conn
 
 // benchTier puts count records of size bytes (keyspace distinct keys) with
 // conns×depth puts outstanding, then gets count records with conns
-// goroutines each asking for depth keys a call; it returns puts and gets per
-// second and the process's CPU time in each phase.
+// goroutines each asking for depth keys a call, then has the Redis client
+// SET count records by itself (no copy, no checksum); it returns the rates
+// and the process's CPU time in each phase.
 func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) tierResult {
 	outstanding := conns * depth
 	sem := make(chan struct{}, outstanding)
@@ -222,16 +226,56 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	wg.Wait()
 	r.get = float64(count) / time.Since(start).Seconds()
 	r.getCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
+
+	// The client alone: the same SETs (a whole record each, from one
+	// buffer: no copy, no checksum) as conns goroutines sending depth at a
+	// time with DoMulti, as redis-benchmark -c conns -P depth does.
+	client := s.cl()
+	rec := make([]byte, size)
+	rkeys := make([]string, keyspace)
+	for i := range rkeys {
+		rkeys[i] = s.key(1<<40, keys[i])
+	}
+	next.Store(0)
+	cpu0 = cpuTime(syscall.RUSAGE_SELF)
+	start = time.Now()
+	for range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cmds := make(rueidis.Commands, depth)
+			for {
+				i := int(next.Add(int64(depth))) - depth
+				if i >= count {
+					return
+				}
+				n := min(depth, count-i)
+				for j := range n {
+					cmds[j] = client.B().Set().Key(rkeys[(i+j)%keyspace]).Value(rueidis.BinaryString(rec)).Px(time.Minute).Build()
+				}
+				for _, res := range client.DoMulti(context.Background(), cmds[:n]...) {
+					if err := res.Error(); err != nil {
+						t.Errorf("SET: %v", err)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	r.raw = float64(count) / time.Since(start).Seconds()
+	r.rawCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	if hits.Load() != int64(count) {
 		t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 	}
 	return r
 }
 
-// tierResult is benchTier's: rates and CPU time of the put and get phases.
+// tierResult is benchTier's: rates and CPU time of the put and get phases,
+// and of the client's own SETs (raw).
 type tierResult struct {
-	put, get       float64
-	putCPU, getCPU time.Duration
+	put, get, raw          float64
+	putCPU, getCPU, rawCPU time.Duration
 }
 
 func count1(ok []bool) int { return count(ok) }
