@@ -171,7 +171,7 @@ func (s *Store) connect(ctx context.Context) error {
 		// a dead node as well; TCP keep-alive stays on.
 		Dialer: net.Dialer{Timeout: cfg.Timeout, KeepAlive: -1,
 			KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9}},
-		ConnWriteTimeout:  cfg.Timeout,
+		ConnWriteTimeout: cfg.Timeout,
 		// Smaller than the client's 512 KiB defaults: a value larger than
 		// the write buffer goes from the record buffer to the socket (with
 		// a StringWriter conn, below) instead of through the buffer, and a
