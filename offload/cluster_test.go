@@ -194,6 +194,9 @@ func TestClusterStoppedMidRun(t *testing.T) {
 	require.NoError(t, e.FlushCluster())
 	st := e.Stats()
 	require.Positive(t, st.ClusterMisses)
+	require.Positive(t, st.ClusterTimeouts+st.ClusterErrors, "a stopped cluster's misses are timeouts or errors: %+v", st)
+	require.LessOrEqual(t, st.ClusterTimeouts+st.ClusterErrors+st.ClusterCorrupt, st.ClusterMisses)
+	require.True(t, st.ClusterAvailable, "connected at New: the client's to reconnect, not unavailable")
 	require.Positive(t, st.ClusterWriteErrors+st.ClusterDropped, "write-throughs to a stopped cluster fail, counted")
 
 	oc := loadAll(t, e, keys, seqIDs(8, 4))
