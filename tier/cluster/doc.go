@@ -64,7 +64,9 @@
 //
 // # Connecting and closing
 //
-// Open connects before it returns, or fails. With Config.Background a
+// Open connects before it returns, or fails (a server that answers but is
+// not in a cluster, cluster mode off or the cluster not created yet, is a
+// failure too: the client would talk to it alone). With Config.Background a
 // cluster that does not answer is no error: the store is not Available
 // (puts dropped and Gets missed at once, counted apart as unavailable, the
 // last attempt's error in Stats.ConnectError) and connects on a goroutine of

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"os/exec"
 	"runtime"
 	"runtime/pprof"
 	"strconv"
@@ -179,6 +180,53 @@ func TestBackgroundConnect(t *testing.T) {
 	require.Equal(t, 20, count(s.Get(context.Background(), ks, ds)))
 	require.Equal(t, ps, ds)
 	require.NoError(t, s.Clear(context.Background()))
+	require.NoError(t, s.Close())
+	noNewGoroutines(t, before, closeGrace)
+}
+
+// TestNotACluster: a plain redis-server (cluster mode off), given as the
+// only address, is no cluster tier: Open fails, and a background store
+// stays not Available, saying why, and connects once the address serves a
+// cluster; its goroutines end with Close either way.
+func TestNotACluster(t *testing.T) {
+	needRedis(t)
+	ports, err := freePorts(1)
+	require.NoError(t, err)
+	addr := "127.0.0.1:" + strconv.Itoa(ports[0])
+	plain := exec.Command("redis-server", "--port", strconv.Itoa(ports[0]), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", t.TempDir())
+	require.NoError(t, plain.Start())
+	stopPlain := func() { _ = plain.Process.Kill(); _ = plain.Wait() }
+	t.Cleanup(stopPlain)
+	require.NoError(t, waitDial(ports[0], 5*time.Second))
+
+	before := goroutines()
+	_, err = Open(context.Background(), Config{Addrs: []string{addr}, Namespace: "plain", Timeout: 500 * time.Millisecond})
+	require.ErrorContains(t, err, "not a Redis Cluster")
+	s, err := Open(context.Background(), Config{Addrs: []string{addr}, Namespace: "plain", Fingerprint: 1, Background: true,
+		Timeout: 500 * time.Millisecond, ReconnectMin: 20 * time.Millisecond, ReconnectMax: 100 * time.Millisecond})
+	require.NoError(t, err)
+	require.False(t, s.Available())
+	require.Contains(t, s.Stats().ConnectError, "not a Redis Cluster")
+
+	// The address becomes a one-node cluster holding every slot.
+	stopPlain()
+	dir := t.TempDir()
+	node := exec.Command("redis-server", "--port", strconv.Itoa(ports[0]), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+		"--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", dir)
+	require.NoError(t, node.Start())
+	c := &testCluster{dir: dir, ports: ports, procs: map[int]*exec.Cmd{ports[0]: node}, masters: 1}
+	t.Cleanup(c.stop)
+	require.NoError(t, waitDial(ports[0], 5*time.Second))
+	out, err := c.cli(ports[0], "cluster", "addslotsrange", "0", "16383")
+	require.NoError(t, err, out)
+	require.NoError(t, c.waitOK(20*time.Second))
+	require.Eventually(t, s.Available, 20*time.Second, 10*time.Millisecond)
+	ks, ps := keysN(4, 60), payloads(4, 1000)
+	putAll(t, s, ks, ps)
+	ds := dstsN(4, 1000)
+	require.Equal(t, 4, count(s.Get(context.Background(), ks, ds)))
+	require.Equal(t, ps, ds)
 	require.NoError(t, s.Close())
 	noNewGoroutines(t, before, closeGrace)
 }

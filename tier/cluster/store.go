@@ -193,6 +193,14 @@ func (s *Store) connect(ctx context.Context) error {
 			err = fmt.Errorf("cluster: connect to %v: %w", cfg.Addrs, err)
 			return
 		}
+		// Given one address of a node that is not (yet) in a cluster, the
+		// client falls back to a plain connection to it: not a cluster
+		// tier (every other node's slots would fail), so not connected.
+		if m := client.Mode(); m != rueidis.ClientModeCluster {
+			client.Close()
+			err = fmt.Errorf("cluster: %v answers as a %s server, not a Redis Cluster (cluster mode off, or the cluster not created yet)", cfg.Addrs, m)
+			return
+		}
 		if err = s.refreshGenerationWith(ctx, client); err != nil {
 			client.Close()
 			err = fmt.Errorf("cluster: read generation %s: %w", s.genKey, err)
