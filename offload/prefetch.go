@@ -15,10 +15,11 @@ import (
 // read into freshly reserved host slots and made ready, so later Lookups
 // (and Loads) see them; what is not found, fails a check, or arrives late
 // is a miss and its slot is released: a lower tier never puts wrong bytes
-// in the pool. A cluster tier not connected (yet) is not asked: its keys are
-// counted in Stats.ClusterUnavailable. A timeout gives a partial result, not an error; errors are
-// for bad arguments and a closed engine. Prefetch leases nothing: a
-// promoted block may be evicted again before it is loaded.
+// in the pool. A cluster tier not connected (yet) is not asked: its keys
+// are counted in Stats.ClusterUnavailable. A timeout gives a partial
+// result, not an error; errors are for bad arguments and a closed engine.
+// Prefetch leases nothing: a promoted block may be evicted again before it
+// is loaded.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err
