@@ -17,7 +17,10 @@
 // Block hashes are vLLM's ExternalBlockHash (bytes | int); vLLM sends its
 // hashes as bytes, so a key goes out as its 16 bytes (msgpack bin 8). The
 // medium is offload.MediumCPU ("CPU", as vLLM's CPU offloading names it)
-// for the host pool and offload.MediumDisk ("DISK") for the disk tier.
+// for the host pool, offload.MediumDisk ("DISK") for the disk tier and
+// offload.MediumSharedStorage ("SHARED_STORAGE", as llm-d's storage
+// connectors name a tier every engine reads) for the cluster tier, whose
+// events are BlockStored only (see offload.MediumSharedStorage).
 // Later vLLM (main after v0.15) dropped array_like and encodes the structs
 // as maps; this package writes the array form.
 //

@@ -282,3 +282,21 @@ func TestDiskMediumEncoded(t *testing.T) {
 	require.Equal(t, evs, got)
 	require.Equal(t, "DISK", got[0].Medium)
 }
+
+// TestSharedStorageMediumEncoded: the cluster tier's events (a block the
+// cluster stored for a write-through) go out with medium "SHARED_STORAGE",
+// the name llm-d's storage connectors give a tier shared by engines; a
+// block promoted from the cluster is a "CPU" event like any host block.
+func TestSharedStorageMediumEncoded(t *testing.T) {
+	var key offload.Key
+	key[0] = 9
+	evs := []offload.Event{
+		{Kind: offload.EventStored, Key: key, BlockSize: 16, Medium: offload.MediumSharedStorage},
+		{Kind: offload.EventStored, Key: key, BlockSize: 16, Medium: offload.MediumCPU},
+	}
+	b, err := events.AppendBatch(nil, time.Now(), evs)
+	require.NoError(t, err)
+	got := decodeBatch(t, b)
+	require.Equal(t, evs, got)
+	require.Equal(t, "SHARED_STORAGE", got[0].Medium)
+}

@@ -35,10 +35,12 @@ const (
 	CPUToGPU = "CPU_to_GPU" // loads
 )
 
-// Tier labels: the host pool and the disk tier (offload.Config.Disk).
+// Tier labels: the host pool, the disk tier (offload.Config.Disk) and the
+// cluster tier (offload.Config.Cluster).
 const (
-	TierCPU  = "cpu"
-	TierDisk = "disk"
+	TierCPU     = "cpu"
+	TierDisk    = "disk"
+	TierCluster = "cluster"
 )
 
 // Collector is a prometheus.Collector over one engine's Stats.
@@ -58,6 +60,7 @@ type descs struct {
 	regions, trims, trimmed                             *prometheus.Desc
 	tierReads, tierWrites, tierCorrupt, tierRecords     *prometheus.Desc
 	tierBytes, tierCapacity, tierMode                   *prometheus.Desc
+	tierFailures, tierTransferred, tierAvailable        *prometheus.Desc
 }
 
 // New returns a Collector of src's Stats; constLabels (may be nil) are added
@@ -68,43 +71,46 @@ func New(src Source, constLabels prometheus.Labels) *Collector {
 		return prometheus.NewDesc("kvoffload_"+name, help, labels, constLabels)
 	}
 	c.d = descs{
-		lookups:      d("lookups_total", "Lookup calls.", "tier"),
-		blockLookups: d("cpu_block_lookup_total", "Blocks looked up (keys asked about).", "tier"),
-		hits:         d("cpu_block_hit_total", "Blocks found: the longest ready prefix of each lookup.", "tier"),
-		misses:       d("cpu_block_miss_total", "Blocks looked up and not found.", "tier"),
-		outcomes:     d("block_outcomes_total", "Final outcome of every block of every Store and Load.", "outcome"),
-		skipped:      d("stores_skipped_total", "Blocks a Store did not copy, by reason (already present, refused full/busy/admission, cancelled, failed).", "reason"),
-		evictions:    d("block_eviction_total", "Blocks evicted (policy, Trim, automatic trim).", "tier"),
-		deletes:      d("block_deletes_total", "Blocks removed by Delete or Clear.", "tier"),
-		admission:    d("admission_rejections_total", "Keys the admission policy declined.", "tier"),
-		blocks:       d("total_blocks_total", "Blocks copied.", "transfer_type"),
-		bytes:        d("total_bytes_total", "Bytes copied.", "transfer_type"),
-		ops:          d("transfer_ops_total", "Store or Load ops finished.", "transfer_type"),
-		latency:      d("transfer_latency_seconds", "Op latency, call to done.", "transfer_type"),
-		usage:        d("cpu_cache_usage_perc", "Fraction of the pinned pool holding blocks (in-use bytes over owned bytes).", "tier"),
-		poolBytes:    d("pool_capacity_bytes", "Configured pool size.", "tier"),
-		ownedBytes:   d("pool_owned_bytes", "Pool bytes mapped and pinned now.", "tier"),
-		inUse:        d("pool_in_use_bytes", "Pool bytes holding a block (writing, ready, leased, releasing).", "tier"),
-		inFlight:     d("pool_in_flight_bytes", "Bytes being copied, both directions.", "tier"),
-		stagingBytes: d("staging_bytes", "Staging region: reserved or used.", "state"),
-		slots:        d("pool_slots", "Slots of pinned regions: total or free.", "state"),
-		ready:        d("blocks_ready", "Ready or leased blocks.", "tier"),
-		leased:       d("blocks_leased", "Blocks with readers.", "tier"),
-		blockBytes:   d("block_bytes", "Bytes of one block (one slot).", "tier"),
-		growthTarget: d("growth_target_bytes", "Pool size background growth aims at.", "tier"),
-		growthPaused: d("growth_paused", "1 while PauseGrowth is in effect.", "tier"),
-		growthDone:   d("growth_complete", "1 once every planned region is pinned.", "tier"),
-		growthError:  d("growth_error", "1 when background growth stopped on an error.", "tier"),
-		regions:      d("pool_regions", "Pool regions: pinned now or planned.", "state"),
-		trims:        d("trims_total", "Trim calls.", "tier"),
-		trimmed:      d("trimmed_bytes_total", "Bytes given back by Trim.", "tier"),
-		tierReads:    d("tier_reads_total", "Blocks a Load read from a lower tier into host slots: hit (promoted) or miss (vanished, damaged, I/O error).", "tier", "result"),
-		tierWrites:   d("tier_writes_total", "Evicted host blocks sent to a lower tier: written, error (refused or failed), dropped (no write-back buffer free).", "tier", "result"),
-		tierCorrupt:  d("tier_corrupt_total", "Lower-tier records that failed a check when read (each also a read miss).", "tier"),
-		tierRecords:  d("tier_records", "Records a lower tier holds.", "tier"),
-		tierBytes:    d("tier_bytes", "Payload bytes of those records.", "tier"),
-		tierCapacity: d("tier_capacity_records", "Records a lower tier can hold.", "tier"),
-		tierMode:     d("tier_io_mode", "1 for the I/O mode in effect (direct, buffered or mixed O_DIRECT).", "tier", "mode"),
+		lookups:         d("lookups_total", "Lookup calls.", "tier"),
+		blockLookups:    d("cpu_block_lookup_total", "Blocks looked up (keys asked about).", "tier"),
+		hits:            d("cpu_block_hit_total", "Blocks found: the longest ready prefix of each lookup.", "tier"),
+		misses:          d("cpu_block_miss_total", "Blocks looked up and not found.", "tier"),
+		outcomes:        d("block_outcomes_total", "Final outcome of every block of every Store and Load.", "outcome"),
+		skipped:         d("stores_skipped_total", "Blocks a Store did not copy, by reason (already present, refused full/busy/admission, cancelled, failed).", "reason"),
+		evictions:       d("block_eviction_total", "Blocks evicted (policy, Trim, automatic trim).", "tier"),
+		deletes:         d("block_deletes_total", "Blocks removed by Delete or Clear.", "tier"),
+		admission:       d("admission_rejections_total", "Keys the admission policy declined.", "tier"),
+		blocks:          d("total_blocks_total", "Blocks copied.", "transfer_type"),
+		bytes:           d("total_bytes_total", "Bytes copied.", "transfer_type"),
+		ops:             d("transfer_ops_total", "Store or Load ops finished.", "transfer_type"),
+		latency:         d("transfer_latency_seconds", "Op latency, call to done.", "transfer_type"),
+		usage:           d("cpu_cache_usage_perc", "Fraction of the pinned pool holding blocks (in-use bytes over owned bytes).", "tier"),
+		poolBytes:       d("pool_capacity_bytes", "Configured pool size.", "tier"),
+		ownedBytes:      d("pool_owned_bytes", "Pool bytes mapped and pinned now.", "tier"),
+		inUse:           d("pool_in_use_bytes", "Pool bytes holding a block (writing, ready, leased, releasing).", "tier"),
+		inFlight:        d("pool_in_flight_bytes", "Bytes being copied, both directions.", "tier"),
+		stagingBytes:    d("staging_bytes", "Staging region: reserved or used.", "state"),
+		slots:           d("pool_slots", "Slots of pinned regions: total or free.", "state"),
+		ready:           d("blocks_ready", "Ready or leased blocks.", "tier"),
+		leased:          d("blocks_leased", "Blocks with readers.", "tier"),
+		blockBytes:      d("block_bytes", "Bytes of one block (one slot).", "tier"),
+		growthTarget:    d("growth_target_bytes", "Pool size background growth aims at.", "tier"),
+		growthPaused:    d("growth_paused", "1 while PauseGrowth is in effect.", "tier"),
+		growthDone:      d("growth_complete", "1 once every planned region is pinned.", "tier"),
+		growthError:     d("growth_error", "1 when background growth stopped on an error.", "tier"),
+		regions:         d("pool_regions", "Pool regions: pinned now or planned.", "state"),
+		trims:           d("trims_total", "Trim calls.", "tier"),
+		trimmed:         d("trimmed_bytes_total", "Bytes given back by Trim.", "tier"),
+		tierReads:       d("tier_reads_total", "Blocks read from a lower tier into host slots (disk: by Load and Prefetch; cluster: by Prefetch): hit (promoted) or miss (absent, vanished, damaged, late, I/O error).", "tier", "result"),
+		tierWrites:      d("tier_writes_total", "Host blocks sent to a lower tier (disk: evicted blocks written back; cluster: stored blocks written through): written, error (refused or failed), dropped (no buffer free, or over the bytes in flight), unavailable (cluster not connected).", "tier", "result"),
+		tierCorrupt:     d("tier_corrupt_total", "Lower-tier records that failed a check when read (each also a read miss).", "tier"),
+		tierRecords:     d("tier_records", "Records a lower tier holds.", "tier"),
+		tierBytes:       d("tier_bytes", "Payload bytes of those records.", "tier"),
+		tierCapacity:    d("tier_capacity_records", "Records a lower tier can hold.", "tier"),
+		tierMode:        d("tier_io_mode", "1 for the I/O mode in effect (direct, buffered or mixed O_DIRECT).", "tier", "mode"),
+		tierFailures:    d("tier_read_failures_total", "Lower-tier read misses by cause: timeout (no answer in time), error (a node down, refused), unavailable (blocks not asked: the tier not connected).", "tier", "reason"),
+		tierTransferred: d("tier_transfer_bytes_total", "Payload bytes moved to (written) and from (read) a lower tier.", "tier", "direction"),
+		tierAvailable:   d("tier_available", "1 while a lower tier is connected and in use, 0 while it is not (the cluster tier reconnecting).", "tier"),
 	}
 	return c
 }
@@ -115,7 +121,7 @@ func (c *Collector) all() []*prometheus.Desc {
 		d.admission, d.blocks, d.bytes, d.ops, d.latency, d.usage, d.poolBytes, d.ownedBytes, d.inUse, d.inFlight,
 		d.stagingBytes, d.slots, d.ready, d.leased, d.blockBytes, d.growthTarget, d.growthPaused, d.growthDone,
 		d.growthError, d.regions, d.trims, d.trimmed, d.tierReads, d.tierWrites, d.tierCorrupt, d.tierRecords,
-		d.tierBytes, d.tierCapacity, d.tierMode}
+		d.tierBytes, d.tierCapacity, d.tierMode, d.tierFailures, d.tierTransferred, d.tierAvailable}
 }
 
 // Describe implements prometheus.Collector.
@@ -196,6 +202,41 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if s.DiskMode != "" {
 		c.collectDisk(ch, s)
 	}
+	if s.ClusterConfigured {
+		c.collectCluster(ch, s)
+	}
+}
+
+// collectCluster adds the cluster tier's series (tier="cluster"), present
+// only when the engine has one. Lookup never asks the cluster; Prefetch
+// does: its lookups are the blocks Prefetch asked of it, its hits and
+// misses theirs.
+func (c *Collector) collectCluster(ch chan<- prometheus.Metric, s offload.Stats) {
+	d := &c.d
+	metric := func(desc *prometheus.Desc, t prometheus.ValueType, v int64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, t, float64(v), append([]string{TierCluster}, labels...)...)
+	}
+	counter := prometheus.CounterValue
+	metric(d.blockLookups, counter, s.ClusterHits+s.ClusterMisses)
+	metric(d.hits, counter, s.ClusterHits)
+	metric(d.misses, counter, s.ClusterMisses)
+	metric(d.tierReads, counter, s.ClusterHits, "hit")
+	metric(d.tierReads, counter, s.ClusterMisses, "miss")
+	metric(d.tierFailures, counter, s.ClusterTimeouts, "timeout")
+	metric(d.tierFailures, counter, s.ClusterErrors, "error")
+	metric(d.tierFailures, counter, s.ClusterUnavailable-s.ClusterUnavailableWrites, "unavailable")
+	metric(d.tierWrites, counter, s.ClusterWrites, "written")
+	metric(d.tierWrites, counter, s.ClusterWriteErrors, "error")
+	metric(d.tierWrites, counter, s.ClusterDropped, "dropped")
+	metric(d.tierWrites, counter, s.ClusterUnavailableWrites, "unavailable")
+	metric(d.tierCorrupt, counter, s.ClusterCorrupt)
+	metric(d.tierTransferred, counter, s.ClusterWriteBytes, "written")
+	metric(d.tierTransferred, counter, s.ClusterHitBytes, "read")
+	available := int64(0)
+	if s.ClusterAvailable {
+		available = 1
+	}
+	metric(d.tierAvailable, prometheus.GaugeValue, available)
 }
 
 // collectDisk adds the disk tier's series (tier="disk"), present only when

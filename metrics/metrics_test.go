@@ -221,3 +221,67 @@ func TestDiskTierMetrics(t *testing.T) {
 	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_tier_writes_total"].GetType())
 	require.Equal(t, dto.MetricType_GAUGE, mfs["kvoffload_tier_records"].GetType())
 }
+
+// statsSource is a Source of fixed Stats.
+type statsSource offload.Stats
+
+func (s statsSource) Stats() offload.Stats { return offload.Stats(s) }
+
+// TestClusterTierMetrics: an engine with a cluster tier exports its
+// Cluster* Stats with tier="cluster", each from its own field; one without
+// exports no cluster series.
+func TestClusterTierMetrics(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, metrics.WriteText(&buf, newEngine(t)))
+	mfs := parse(t, &buf)
+	_, ok := mfs["kvoffload_tier_available"]
+	require.False(t, ok, "no cluster tier, no cluster series")
+
+	// Distinct values, so that a field exported as another shows.
+	s := offload.Stats{ClusterConfigured: true, ClusterWrites: 101, ClusterWriteBytes: 102, ClusterWriteErrors: 103,
+		ClusterDropped: 104, ClusterHits: 105, ClusterHitBytes: 106, ClusterMisses: 107, ClusterTimeouts: 108,
+		ClusterCorrupt: 109, ClusterErrors: 110, ClusterAvailable: true, ClusterUnavailable: 111 + 112, ClusterUnavailableWrites: 112}
+	buf.Reset()
+	require.NoError(t, metrics.WriteText(&buf, statsSource(s)))
+	mfs = parse(t, &buf)
+	cl := func(kv ...string) map[string]string {
+		m := map[string]string{"tier": "cluster"}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return m
+	}
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   int64
+	}{
+		{"kvoffload_cpu_block_lookup_total", cl(), 105 + 107},
+		{"kvoffload_cpu_block_hit_total", cl(), 105},
+		{"kvoffload_cpu_block_miss_total", cl(), 107},
+		{"kvoffload_tier_reads_total", cl("result", "hit"), 105},
+		{"kvoffload_tier_reads_total", cl("result", "miss"), 107},
+		{"kvoffload_tier_read_failures_total", cl("reason", "timeout"), 108},
+		{"kvoffload_tier_read_failures_total", cl("reason", "error"), 110},
+		{"kvoffload_tier_read_failures_total", cl("reason", "unavailable"), 111},
+		{"kvoffload_tier_writes_total", cl("result", "written"), 101},
+		{"kvoffload_tier_writes_total", cl("result", "error"), 103},
+		{"kvoffload_tier_writes_total", cl("result", "dropped"), 104},
+		{"kvoffload_tier_writes_total", cl("result", "unavailable"), 112},
+		{"kvoffload_tier_corrupt_total", cl(), 109},
+		{"kvoffload_tier_transfer_bytes_total", cl("direction", "written"), 102},
+		{"kvoffload_tier_transfer_bytes_total", cl("direction", "read"), 106},
+		{"kvoffload_tier_available", cl(), 1},
+	} {
+		require.Equal(t, float64(c.want), sample(t, mfs, c.name, c.labels), "%s%v", c.name, c.labels)
+	}
+	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_tier_read_failures_total"].GetType())
+	require.Equal(t, dto.MetricType_GAUGE, mfs["kvoffload_tier_available"].GetType())
+	_, ok = mfs["kvoffload_tier_io_mode"]
+	require.False(t, ok, "no disk tier, no disk series")
+
+	s.ClusterAvailable = false
+	buf.Reset()
+	require.NoError(t, metrics.WriteText(&buf, statsSource(s)))
+	require.Zero(t, sample(t, parse(t, &buf), "kvoffload_tier_available", cl()))
+}

@@ -16,8 +16,12 @@ import (
 // Store makes ready in the host pool is written through to it,
 // asynchronously (a copy of the slot's bytes; the slot is not held);
 // Prefetch asks it for blocks the host pool (and the disk tier) lack and
-// promotes what it finds into host slots. Lookup never asks it. It is plain
-// data with JSON tags.
+// promotes what it finds into host slots. Lookup never asks it. A cluster
+// that does not answer at New is not an error: the engine serves from host
+// memory (and disk), the tier counts what it could not do
+// (Stats.ClusterUnavailable, Stats.ClusterError says why) and connects in
+// the background, retrying with a backoff up to 5s, from then on writing
+// through and prefetching. It is plain data with JSON tags.
 type ClusterConfig struct {
 	// Addrs are some of the cluster's nodes, host:port. Required.
 	Addrs []string `json:"addrs"`
@@ -104,8 +108,8 @@ func clusterDefaults(cfg *Config) error {
 }
 
 // openCluster opens the cluster tier of cfg (New). A bad configuration is
-// an error; a cluster that does not answer is not: the engine runs without
-// the tier and Stats.ClusterError says why.
+// an error; a cluster that does not answer is not: the store connects in
+// the background and is not Available meanwhile.
 func (e *Engine) openCluster(cfg Config) error {
 	cc := cfg.Cluster
 	fp, err := recordFingerprint(cfg)
@@ -113,7 +117,13 @@ func (e *Engine) openCluster(cfg Config) error {
 		return err
 	}
 	ccfg := cluster.Config{Addrs: cc.Addrs, Username: cc.Username, Password: cc.Password, Prefix: cc.Prefix,
-		Namespace: cfg.Namespace, Fingerprint: fp, TTL: cc.TTL, MaxInFlightBytes: cc.MaxInFlightBytes, Timeout: cc.Timeout}
+		Namespace: cfg.Namespace, Fingerprint: fp, TTL: cc.TTL, MaxInFlightBytes: cc.MaxInFlightBytes, Timeout: cc.Timeout,
+		Background: true,
+		OnPutDone: func(key [16]byte, ok bool) {
+			if ok {
+				e.hub.onTier(EventStored, key, MediumSharedStorage)
+			}
+		}}
 	if ccfg.Namespace == "" {
 		ccfg.Namespace = "default" // the cluster's keys need one; the fingerprint covers the engine's
 	}
@@ -127,16 +137,15 @@ func (e *Engine) openCluster(cfg Config) error {
 		return fmt.Errorf("%w: Cluster: %w", ErrInvalidConfig, err)
 	}
 	if err != nil {
-		msg := fmt.Sprintf("cluster tier off: %v", err)
-		e.clusterErr.Store(&msg)
-		return nil
+		return fmt.Errorf("offload: cluster tier: %w", err)
 	}
 	e.cluster = st
 	return nil
 }
 
 // closeCluster closes the cluster tier (after the last write-through: no
-// copy is in flight any more).
+// copy is in flight any more); it returns once the client's goroutines
+// have ended.
 func (e *Engine) closeCluster() error {
 	if e.cluster == nil {
 		return nil
@@ -175,9 +184,9 @@ func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot) {
 
 // clearCluster (Clear) empties the cluster's records of the engine's
 // namespace, for every engine sharing it (the store bumps the namespace's
-// generation), bounded by ClusterConfig.Timeout; a failure is not an error
-// (the records expire with their TTL). Other namespaces have no records
-// there.
+// generation), bounded by ClusterConfig.Timeout; a failure (the cluster
+// down, or not connected yet) is not an error (the records expire with
+// their TTL). Other namespaces have no records there.
 func (e *Engine) clearCluster(ns string) {
 	if e.cluster == nil || ns != e.cfg.Namespace {
 		return

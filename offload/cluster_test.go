@@ -20,19 +20,35 @@ func clusterEngineConfig(addrs []string, ns string, pool int64) Config {
 		Cluster: &ClusterConfig{Addrs: addrs, Timeout: 2 * time.Second}}
 }
 
-// waitClientGone waits, when t ends, for the Redis client's background
-// goroutines (topology refreshes, which sleep up to 5s after a node
-// failure and outlive Client.Close) to end, so that the package's
-// goroutine-leak checks in later tests do not see them.
+// waitClientGone checks, when t ends (after its engines closed), that no
+// goroutine of the Redis client is left nor starts later: the cluster
+// tier's Close waits for them (the client's topology refreshes sleep up to
+// 1s after a node failure and its replaced connections are closed 5s after
+// a refresh), so they must be gone within a short grace, and later tests'
+// goroutine-leak checks do not see them.
 func waitClientGone(t *testing.T) {
 	t.Cleanup(func() {
 		buf := make([]byte, 1<<20)
-		for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-			if !strings.Contains(string(buf[:runtime.Stack(buf, true)]), "github.com/redis/rueidis") {
+		// Gone within 200ms (the last instructions of goroutines Close saw
+		// end), and none appears for the next 1.1s (longer than the
+		// client's delay before a topology refresh it schedules: one
+		// scheduled from a goroutine Close did not wait for would show).
+		start := time.Now()
+		var left string
+		var clean time.Time
+		for ; ; time.Sleep(10 * time.Millisecond) {
+			left = string(buf[:runtime.Stack(buf, true)])
+			busy := strings.Contains(left, "github.com/redis/rueidis")
+			switch {
+			case busy && (!clean.IsZero() || time.Since(start) > 200*time.Millisecond):
+				t.Errorf("a goroutine of the Redis client runs %v after the engines' Close:\n%s", time.Since(start), left)
+				return
+			case !busy && clean.IsZero():
+				clean = time.Now()
+			case !busy && time.Since(clean) > 1100*time.Millisecond:
 				return
 			}
 		}
-		t.Log("the Redis client's goroutines outlived the test by 15s")
 	})
 }
 
@@ -178,6 +194,9 @@ func TestClusterStoppedMidRun(t *testing.T) {
 	require.NoError(t, e.FlushCluster())
 	st := e.Stats()
 	require.Positive(t, st.ClusterMisses)
+	require.Positive(t, st.ClusterTimeouts+st.ClusterErrors, "a stopped cluster's misses are timeouts or errors: %+v", st)
+	require.LessOrEqual(t, st.ClusterTimeouts+st.ClusterErrors+st.ClusterCorrupt, st.ClusterMisses)
+	require.True(t, st.ClusterAvailable, "connected at New: the client's to reconnect, not unavailable")
 	require.Positive(t, st.ClusterWriteErrors+st.ClusterDropped, "write-throughs to a stopped cluster fail, counted")
 
 	oc := loadAll(t, e, keys, seqIDs(8, 4))
@@ -192,22 +211,34 @@ func TestClusterStoppedMidRun(t *testing.T) {
 	require.Equal(t, 4, res.Hits)
 }
 
-// TestClusterUnreachableAtNew: a cluster that does not answer leaves the
-// engine without the tier (Stats.ClusterError); a bad cluster config is
-// ErrInvalidConfig.
+// TestClusterUnreachableAtNew: a cluster that does not answer at New is
+// not an error: the engine serves from host memory, the tier is not
+// available (Stats.ClusterAvailable false, ClusterError naming the
+// address), write-throughs and Prefetch keys are counted in
+// ClusterUnavailable (no slot reserved for them), and Close stops its
+// attempts to connect; a bad cluster config is ErrInvalidConfig.
 func TestClusterUnreachableAtNew(t *testing.T) {
 	waitClientGone(t)
 	cfg := clusterEngineConfig([]string{"127.0.0.1:1"}, "unreachable", 4)
 	cfg.Cluster.Timeout = 200 * time.Millisecond
 	e := newTestEngine(t, cfg)
 	defer func() { require.NoError(t, e.Close()) }()
-	require.Nil(t, e.cluster)
-	require.Contains(t, e.Stats().ClusterError, "127.0.0.1:1")
+	st := e.Stats()
+	require.False(t, st.ClusterAvailable)
+	require.Contains(t, st.ClusterError, "127.0.0.1:1")
 	fillBlock(t, e, 0, 1)
 	require.Equal(t, OutcomeStored, storeOne(t, e, testKey(1), 0))
-	pr, err := e.Prefetch(context.Background(), []Key{testKey(2)}, PrefetchOptions{})
+	free := e.Stats().SlotsFree
+	pr, err := e.Prefetch(context.Background(), []Key{testKey(2), testKey(3)}, PrefetchOptions{})
 	require.NoError(t, err)
 	require.Zero(t, pr.Promoted)
+	st = e.Stats()
+	require.Equal(t, free, st.SlotsFree, "no slot reserved for an unavailable tier")
+	require.Equal(t, int64(1+2), st.ClusterUnavailable, "one write-through, two Prefetch keys")
+	require.Equal(t, int64(1), st.ClusterUnavailableWrites)
+	require.Zero(t, st.ClusterDropped)
+	require.Zero(t, st.ClusterMisses)
+	require.False(t, st.ClusterAvailable)
 
 	for _, cc := range []ClusterConfig{{}, {Addrs: []string{""}}, {Addrs: []string{"a:1"}, TTL: time.Microsecond},
 		{Addrs: []string{"a:1"}, Timeout: -1}, {Addrs: []string{"a:1"}, MaxInFlightBytes: -1}} {
@@ -215,5 +246,86 @@ func TestClusterUnreachableAtNew(t *testing.T) {
 		bad.Cluster = &cc
 		_, err := newEngine(withTestBackend(bad), engineHooks{})
 		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", cc)
+	}
+}
+
+// TestClusterStartsAfterEngine: the engine starts before its cluster (the
+// addresses answer nothing), serves from host memory with the tier
+// unavailable, and once the cluster is up connects in the background:
+// write-through then stores the engine's blocks (each a BlockStored of
+// medium SHARED_STORAGE), and a second engine's Prefetch promotes them
+// (BlockStored of medium CPU: where the block now is), byte-exact.
+func TestClusterStartsAfterEngine(t *testing.T) {
+	waitClientGone(t)
+	c := clustertest.Reserve(t, 3)
+	ns := fmt.Sprintf("late-%d", time.Now().UnixNano())
+	cfg := clusterEngineConfig(c.Addrs(), ns, 8)
+	cfg.Cluster.Timeout = 300 * time.Millisecond
+	a := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, a.Close()) }()
+	evs := a.Events(0)
+	st := a.Stats()
+	require.False(t, st.ClusterAvailable)
+	require.NotEmpty(t, st.ClusterError)
+	keys := seqKeys(0, 6)
+	contents := make([][]byte, len(keys))
+	contents[0] = fillBlock(t, a, 0, 11)
+	require.Equal(t, OutcomeStored, storeOne(t, a, keys[0], 0), "served from host memory")
+	require.Equal(t, int64(1), a.Stats().ClusterUnavailable)
+
+	require.NoError(t, c.Launch())
+	require.Eventually(t, func() bool { return a.Stats().ClusterAvailable }, 30*time.Second, 20*time.Millisecond,
+		"the tier connects once the cluster is up: %+v", a.Stats())
+	require.Empty(t, a.Stats().ClusterError)
+	for i := 1; i < len(keys); i++ {
+		contents[i] = fillBlock(t, a, i, byte(11+16*i))
+		require.Equal(t, OutcomeStored, storeOne(t, a, keys[i], i))
+	}
+	require.NoError(t, a.FlushCluster())
+	st = a.Stats()
+	require.Equal(t, int64(len(keys)-1), st.ClusterWrites)
+	require.Equal(t, st.ClusterWrites*a.slot, st.ClusterWriteBytes)
+	var shared []Key
+	for done := false; !done; {
+		select {
+		case ev := <-evs.C:
+			if ev.Medium == MediumSharedStorage {
+				require.Equal(t, EventStored, ev.Kind)
+				shared = append(shared, ev.Key)
+			}
+		default:
+			done = true
+		}
+	}
+	require.ElementsMatch(t, keys[1:], shared, "a BlockStored SHARED_STORAGE per block the cluster stored")
+
+	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
+	defer func() { require.NoError(t, b.Close()) }()
+	require.True(t, b.Stats().ClusterAvailable)
+	bevs := b.Events(0)
+	pr, err := b.Prefetch(context.Background(), keys, PrefetchOptions{Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	require.Equal(t, PrefetchResult{Promoted: 5, FromCluster: 5}, pr, "the first block, stored while the tier was down, is not in the cluster")
+	st = b.Stats()
+	require.Equal(t, int64(5), st.ClusterHits)
+	require.Equal(t, int64(1), st.ClusterMisses)
+	require.Equal(t, 5*b.slot, st.ClusterHitBytes)
+	var promoted []Key
+	for done := false; !done; {
+		select {
+		case ev := <-bevs.C:
+			require.Equal(t, MediumCPU, ev.Medium, "a promoted block is announced where it is: the host pool")
+			if ev.Kind == EventStored {
+				promoted = append(promoted, ev.Key)
+			}
+		default:
+			done = true
+		}
+	}
+	require.Equal(t, keys[1:], promoted)
+	oc := loadAll(t, b, keys[1:], seqIDs(8, 5))
+	for i := range 5 {
+		require.Equal(t, OutcomeLoaded, oc[i])
+		require.Equal(t, contents[i+1], blockBytes(b, 8+i), "block %d byte-exact through the cluster", i+1)
 	}
 }

@@ -188,8 +188,8 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, 
 	}
 	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: slot,
 		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease,
-		OnStore:  func(k [16]byte) { hub.onDisk(EventStored, k) },
-		OnRemove: func(k [16]byte, _ bool) { hub.onDisk(EventRemoved, k) },
+		OnStore:  func(k [16]byte) { hub.onTier(EventStored, k, MediumDisk) },
+		OnRemove: func(k [16]byte, _ bool) { hub.onTier(EventRemoved, k, MediumDisk) },
 		Faults:   h.diskFaults})
 	if err != nil {
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)

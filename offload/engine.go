@@ -68,11 +68,10 @@ type Engine struct {
 	hub     eventHub  // Events' streams (events.go)
 	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *diskTier // the disk tier (Config.Disk), nil without one
-	// cluster is the cluster tier (Config.Cluster), nil without one or
-	// when it did not answer at New (clusterErr says why).
-	cluster    *cluster.Store
-	clusterErr atomic.Pointer[string]
-	views      rankViews // Rank's (rank.go)
+	// cluster is the cluster tier (Config.Cluster), nil without one; it
+	// connects in the background when the cluster did not answer at New.
+	cluster *cluster.Store
+	views   rankViews // Rank's (rank.go)
 	// dial is the node connection of an engine of Dial (dial.go), nil
 	// in one of New.
 	dial *dialState

@@ -44,6 +44,18 @@ const (
 	// EventRemoved, when the write completes); one evicted from disk,
 	// deleted, cleared or dropped there as damaged is an EventRemoved.
 	MediumDisk = "DISK"
+	// MediumSharedStorage: the cluster tier (Config.Cluster), storage that
+	// every engine of the namespace reads, named as llm-d's storage
+	// connectors name a shared tier ("SHARED_STORAGE"; its KV-cache scorer
+	// weighs that tier below CPU). A block the cluster stored for a
+	// write-through is an EventStored of this medium (when the cluster
+	// acknowledged it, after the block's EventStored of MediumCPU). Its
+	// removal is not announced: the cluster drops records by TTL and by its
+	// own eviction, unseen by the engine, and Clear makes the namespace's
+	// records unreachable without listing them. A block Prefetch promotes
+	// from the cluster (or from disk) is an EventStored of MediumCPU: the
+	// event names where the block is, the host pool.
+	MediumSharedStorage = "SHARED_STORAGE"
 )
 
 // Event is one change of the pool's index, published after the fact: a
@@ -63,8 +75,9 @@ type Event struct {
 	Tokens []uint32
 	// BlockSize is the tokens per block of the layout.
 	BlockSize int
-	// Medium is the tier the event is about: MediumCPU or MediumDisk.
-	// A block can be in both (a promoted block keeps its disk record).
+	// Medium is the tier the event is about: MediumCPU, MediumDisk or
+	// MediumSharedStorage. A block can be in several (a promoted block
+	// keeps its disk record; a written-through block stays in the pool).
 	Medium string
 }
 
@@ -216,16 +229,17 @@ func (h *eventHub) onIndex(ev kvcache.IndexEvent) {
 	h.sendLocked(out)
 }
 
-// onDisk publishes a disk tier change (tier/disk's OnStore and OnRemove,
-// under the store's lock; it never blocks). Disk records carry no parent
-// or tokens.
-func (h *eventHub) onDisk(kind EventKind, key Key) {
+// onTier publishes a lower tier's change: the disk tier's (tier/disk's
+// OnStore and OnRemove, under the store's lock) and the cluster tier's
+// (a write-through the cluster stored). It never blocks. Records carry no
+// parent or tokens.
+func (h *eventHub) onTier(kind EventKind, key Key, medium string) {
 	if !h.active.Load() {
 		return
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.sendLocked(Event{Kind: kind, Key: key, BlockSize: h.blockSize, Medium: MediumDisk})
+	h.sendLocked(Event{Kind: kind, Key: key, BlockSize: h.blockSize, Medium: medium})
 }
 
 func (h *eventHub) sendLocked(ev Event) {

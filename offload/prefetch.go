@@ -15,9 +15,11 @@ import (
 // read into freshly reserved host slots and made ready, so later Lookups
 // (and Loads) see them; what is not found, fails a check, or arrives late
 // is a miss and its slot is released: a lower tier never puts wrong bytes
-// in the pool. A timeout gives a partial result, not an error; errors are
-// for bad arguments and a closed engine. Prefetch leases nothing: a
-// promoted block may be evicted again before it is loaded.
+// in the pool. A cluster tier not connected (yet) is not asked: its keys
+// are counted in Stats.ClusterUnavailable. A timeout gives a partial
+// result, not an error; errors are for bad arguments and a closed engine.
+// Prefetch leases nothing: a promoted block may be evicted again before it
+// is loaded.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err
@@ -41,7 +43,10 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 			e.disk.misses.Add(int64(bad))
 		}, true)
 	}
-	if e.cluster != nil && ctx.Err() == nil {
+	if e.cluster != nil && ctx.Err() == nil && !e.cluster.Available() {
+		// Not connected (yet): no slot is reserved for what cannot come.
+		e.stats.clusterUnavailable.Add(int64(len(keys)))
+	} else if e.cluster != nil && ctx.Err() == nil {
 		timeout := opts.Timeout
 		if timeout == 0 {
 			timeout = e.cfg.Cluster.Timeout

@@ -111,12 +111,32 @@ type Stats struct {
 	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
 
 	// The cluster tier (Config.Cluster); all 0 without one.
-	ClusterWrites      int64  `json:"cluster_writes"`          // blocks written through that the cluster stored
-	ClusterWriteErrors int64  `json:"cluster_write_errors"`    // write-throughs the cluster failed (a node down, a timeout, OOM)
-	ClusterDropped     int64  `json:"cluster_dropped"`         // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
-	ClusterHits        int64  `json:"cluster_hits"`            // blocks Prefetch read from the cluster (verified)
-	ClusterMisses      int64  `json:"cluster_misses"`          // blocks Prefetch asked the cluster for and did not get (absent, damaged, stale, late, errors)
-	ClusterError       string `json:"cluster_error,omitempty"` // why the cluster tier is off though configured (it did not answer at New)
+	ClusterConfigured  bool  `json:"cluster_configured"`   // the engine has a cluster tier
+	ClusterWrites      int64 `json:"cluster_writes"`       // blocks written through that the cluster stored
+	ClusterWriteBytes  int64 `json:"cluster_write_bytes"`  // their bytes
+	ClusterWriteErrors int64 `json:"cluster_write_errors"` // write-throughs the cluster failed (a node down, a timeout, OOM)
+	ClusterDropped     int64 `json:"cluster_dropped"`      // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
+	ClusterHits        int64 `json:"cluster_hits"`         // blocks Prefetch read from the cluster (verified)
+	ClusterHitBytes    int64 `json:"cluster_hit_bytes"`    // their bytes
+	// ClusterMisses are the blocks Prefetch asked the cluster for and did
+	// not get (absent, damaged, stale, late, errors); ClusterTimeouts,
+	// ClusterCorrupt (damaged or stale: another fingerprint or key) and
+	// ClusterErrors (a node down, refused) are some of them.
+	ClusterMisses   int64 `json:"cluster_misses"`
+	ClusterTimeouts int64 `json:"cluster_timeouts"`
+	ClusterCorrupt  int64 `json:"cluster_corrupt"`
+	ClusterErrors   int64 `json:"cluster_errors"`
+	// ClusterAvailable: the tier has connected (it connects in the
+	// background when the cluster did not answer at New). While it has
+	// not, write-throughs are not made and Prefetch does not ask it, each
+	// block counted in ClusterUnavailable, and ClusterError says why the
+	// last attempt failed.
+	ClusterAvailable   bool  `json:"cluster_available"`
+	ClusterUnavailable int64 `json:"cluster_unavailable"`
+	// ClusterUnavailableWrites are the write-throughs among them (the rest
+	// are Prefetch keys).
+	ClusterUnavailableWrites int64  `json:"cluster_unavailable_writes"`
+	ClusterError             string `json:"cluster_error,omitempty"`
 
 	// Per direction.
 	Store Direction `json:"store"`
@@ -270,6 +290,7 @@ type counters struct {
 	deletes              atomic.Int64
 	zeroed               atomic.Int64
 	diskLookupHits       atomic.Int64
+	clusterUnavailable   atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
 	teardownErrors       atomic.Int64
 	inFlightBytes        atomic.Int64
 	store, load          direction
@@ -307,11 +328,14 @@ func (e *Engine) snapshot() Stats {
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()
-		s.ClusterWrites, s.ClusterWriteErrors, s.ClusterDropped = cs.Puts, cs.PutErrors, cs.Dropped
-		s.ClusterHits, s.ClusterMisses = cs.Hits, cs.Misses
-	}
-	if m := e.clusterErr.Load(); m != nil {
-		s.ClusterError = *m
+		s.ClusterConfigured = true
+		s.ClusterWrites, s.ClusterWriteBytes, s.ClusterWriteErrors = cs.Puts, cs.PutBytes, cs.PutErrors
+		s.ClusterDropped = cs.Dropped - cs.DroppedUnavailable
+		s.ClusterHits, s.ClusterHitBytes, s.ClusterMisses = cs.Hits, cs.HitBytes, cs.Misses
+		s.ClusterTimeouts, s.ClusterCorrupt, s.ClusterErrors = cs.Timeouts, cs.Corrupt+cs.Stale, cs.Errors
+		s.ClusterAvailable, s.ClusterError = cs.Available, cs.ConnectError
+		s.ClusterUnavailableWrites = cs.DroppedUnavailable
+		s.ClusterUnavailable = cs.DroppedUnavailable + c.clusterUnavailable.Load()
 	}
 	s.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {

@@ -18,6 +18,8 @@ type clusterReport struct {
 	Hits        int64    `json:"hits"`         // blocks Prefetch read from the cluster
 	Misses      int64    `json:"misses"`       // blocks Prefetch asked for and did not get
 	Promoted    int64    `json:"promoted"`     // blocks Prefetch promoted (cluster and disk)
+	Available   bool     `json:"available"`    // connected at the end of the run
+	Unavailable int64    `json:"unavailable"`  // write-throughs and Prefetch keys skipped while not connected
 	Error       string   `json:"error,omitempty"`
 }
 
@@ -75,7 +77,8 @@ func (r *demoRun) clusterReportOf(st offload.Stats) *clusterReport {
 	}
 	addrs, _ := redisAddrs(r.cfg.redis)
 	return &clusterReport{Addrs: addrs, Writes: st.ClusterWrites, WriteErrors: st.ClusterWriteErrors, Dropped: st.ClusterDropped,
-		Hits: st.ClusterHits, Misses: st.ClusterMisses, Promoted: r.clusterPromoted, Error: st.ClusterError}
+		Hits: st.ClusterHits, Misses: st.ClusterMisses, Promoted: r.clusterPromoted, Available: st.ClusterAvailable,
+		Unavailable: st.ClusterUnavailable, Error: st.ClusterError}
 }
 
 // printCluster adds the cluster tier's rows to the text report.
@@ -84,9 +87,9 @@ func (c *clusterReport) print(row func(name, format string, args ...any), bl blo
 		return
 	}
 	state := strings.Join(c.Addrs, ",")
-	if c.Error != "" {
-		state += " (off: " + c.Error + ")"
+	if !c.Available {
+		state += " (not connected: " + c.Error + ")"
 	}
-	row("cluster tier", "%s: %d written through, %d dropped, %d write errors", state, c.Writes, c.Dropped, c.WriteErrors)
+	row("cluster tier", "%s: %d written through, %d dropped, %d write errors, %d skipped while not connected", state, c.Writes, c.Dropped, c.WriteErrors, c.Unavailable)
 	row("  prefetched", "%d blocks read, %d misses; %d cluster hits loaded (%.1f%% of %d blocks)", c.Hits, c.Misses, bl.ClusterHits, 100*bl.ratio(bl.ClusterHits), bl.Total)
 }

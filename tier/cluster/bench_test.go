@@ -6,12 +6,16 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/redis/rueidis"
 
 	"github.com/kvoffload/kvoffload/tier/record"
 )
@@ -22,7 +26,8 @@ import (
 // payload), the same number of requests outstanding (connections × pipeline
 // depth) and the same count. Not in CI: it runs with KVO_CLUSTER_BENCH=1.
 // KVO_CLUSTER_BENCH_SIZES (record bytes, comma-separated), _CONNS, _DEPTH
-// and _COUNT change the defaults.
+// _COUNT and _ROUNDS (redis-benchmark and the tier alternate that many
+// times, default 3) change the defaults.
 func TestBenchVsRedisBenchmark(t *testing.T) {
 	if os.Getenv("KVO_CLUSTER_BENCH") != "1" {
 		t.Skip("set KVO_CLUSTER_BENCH=1 to run the benchmark against redis-benchmark")
@@ -57,40 +62,86 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 	}
 	fmt.Printf("\ncluster: 3 masters on loopback; %d connections, pipeline depth %d (the tier: %d connections per master, %d requests outstanding); keyspace %d\n\n",
 		conns, depth, perNode, conns*depth, keyspace)
-	fmt.Println("| record bytes | op | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s |")
-	fmt.Println("|---:|---|---:|---:|---:|---:|---:|")
-	for _, size := range sizes {
-		count := env("KVO_CLUSTER_BENCH_COUNT", max(200, int((2<<30)/int64(size))))
-		rb := redisBenchmark(t, c, size, depth, conns, count, keyspace)
-		c.cli(c.ports[0], "flushall")
-		for _, p := range c.ports[1:3] {
-			c.cli(p, "flushall")
-		}
-		put, get := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
-		for _, r := range []struct {
-			op   string
-			rb   float64
-			tier float64
-		}{{"SET / PutAsync", rb["SET"], put}, {"GET / Get", rb["GET"], get}} {
-			fmt.Printf("| %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f |\n", size, r.op, count, r.rb, r.tier, 100*r.tier/r.rb, r.tier*float64(size)/1e9)
-		}
+	rounds := env("KVO_CLUSTER_BENCH_ROUNDS", 3)
+	fmt.Printf("%d rounds, each redis-benchmark then the tier, alternating; the median row is the median of the rounds' ratios\n\n", rounds)
+	fmt.Println("client CPU: the client process's user+system time per request (redis-benchmark's from its rusage, run once per op; the tier's from the test process's, over the op's phase)")
+	fmt.Println()
+	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s | client CPU µs/req: redis-benchmark, tier |")
+	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+	flush := func() {
 		for _, p := range c.ports[:3] {
 			c.cli(p, "flushall")
+		}
+	}
+	for _, size := range sizes {
+		count := env("KVO_CLUSTER_BENCH_COUNT", max(200, int((2<<30)/int64(size))))
+		ratios := map[string][]float64{}
+		for round := range rounds {
+			load := loadAvg()
+			rbSet, rbSetCPU := redisBenchmark(t, c, "set", size, depth, conns, count, keyspace)
+			rbGet, rbGetCPU := redisBenchmark(t, c, "get", size, depth, conns, count, keyspace)
+			flush()
+			tr := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
+			flush()
+			for _, r := range []struct {
+				op             string
+				rb, tier       float64
+				rbCPU, tierCPU time.Duration
+			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU},
+				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU}} {
+				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
+				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f |\n", size, r.op, round+1, load, count, r.rb, r.tier,
+					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count))
+			}
+		}
+		for _, op := range []string{"SET / PutAsync", "GET / Get", "SET / the client alone"} {
+			rs := append([]float64(nil), ratios[op]...)
+			sort.Float64s(rs)
+			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | | |\n", size, op, 100*rs[len(rs)/2])
 		}
 	}
 	fmt.Println()
 }
 
-// redisBenchmark runs redis-benchmark --cluster and returns requests per
-// second by test name.
-func redisBenchmark(t *testing.T, c *testCluster, size, depth, conns, count, keyspace int) map[string]float64 {
-	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", "set,get",
+// loadAvg is the machine's 1-minute load average (other processes share its
+// cores: the rounds say how busy it was).
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "?"
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return "?"
+	}
+	return f[0]
+}
+
+// us is d per request in microseconds.
+func us(d time.Duration, n int) float64 { return float64(d.Microseconds()) / float64(n) }
+
+// cpuTime is the user+system time of this process (who = RUSAGE_SELF) or of
+// its waited-for children (RUSAGE_CHILDREN).
+func cpuTime(who int) time.Duration {
+	var r syscall.Rusage
+	if err := syscall.Getrusage(who, &r); err != nil {
+		return 0
+	}
+	return time.Duration(r.Utime.Nano() + r.Stime.Nano())
+}
+
+// redisBenchmark runs redis-benchmark --cluster -t test and returns its
+// requests per second and its CPU time.
+func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conns, count, keyspace int) (float64, time.Duration) {
+	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", test,
 		"-d", strconv.Itoa(size), "-P", strconv.Itoa(depth), "-c", strconv.Itoa(conns),
 		"-n", strconv.Itoa(count), "-r", strconv.Itoa(keyspace), "--csv"}
+	cpu0 := cpuTime(syscall.RUSAGE_CHILDREN)
 	out, err := exec.Command("redis-benchmark", args...).Output()
 	if err != nil {
 		t.Fatalf("redis-benchmark %v: %v\n%s", args, err, out)
 	}
+	cpu := cpuTime(syscall.RUSAGE_CHILDREN) - cpu0
 	fmt.Printf("<!-- redis-benchmark %s -->\n", strings.Join(args, " "))
 	var lines []string // the CSV rows, after the cluster's description
 	for _, l := range strings.Split(string(out), "\n") {
@@ -102,22 +153,23 @@ func redisBenchmark(t *testing.T, c *testCluster, size, depth, conns, count, key
 	if err != nil {
 		t.Fatalf("redis-benchmark output: %v\n%s", err, out)
 	}
-	rps := map[string]float64{}
 	for _, r := range rows {
-		if len(r) >= 2 {
+		if len(r) >= 2 && strings.EqualFold(r[0], test) {
 			if v, err := strconv.ParseFloat(r[1], 64); err == nil {
-				rps[r[0]] = v
+				return v, cpu
 			}
 		}
 	}
-	return rps
+	t.Fatalf("redis-benchmark output has no %s row:\n%s", test, out)
+	return 0, 0
 }
 
 // benchTier puts count records of size bytes (keyspace distinct keys) with
 // conns×depth puts outstanding, then gets count records with conns
-// goroutines each asking for depth keys a call; it returns puts and gets per
-// second.
-func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) (float64, float64) {
+// goroutines each asking for depth keys a call, then has the Redis client
+// SET count records by itself (no copy, no checksum); it returns the rates
+// and the process's CPU time in each phase.
+func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) tierResult {
 	outstanding := conns * depth
 	sem := make(chan struct{}, outstanding)
 	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "bench", Fingerprint: 1,
@@ -132,6 +184,8 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		payload[i] = byte(i * 7)
 	}
 	keys := keysN(keyspace, 0xbe)
+	var r tierResult
+	cpu0 := cpuTime(syscall.RUSAGE_SELF)
 	start := time.Now()
 	for i := range count {
 		sem <- struct{}{}
@@ -140,13 +194,15 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}
 	}
 	s.Flush()
-	put := float64(count) / time.Since(start).Seconds()
+	r.put = float64(count) / time.Since(start).Seconds()
+	r.putCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	if st := s.Stats(); st.PutErrors != 0 {
 		t.Fatalf("put errors: %+v", st)
 	}
 
 	var next, hits atomic.Int64
 	var wg sync.WaitGroup
+	cpu0 = cpuTime(syscall.RUSAGE_SELF)
 	start = time.Now()
 	for w := range conns {
 		wg.Add(1)
@@ -168,11 +224,158 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}()
 	}
 	wg.Wait()
-	get := float64(count) / time.Since(start).Seconds()
+	r.get = float64(count) / time.Since(start).Seconds()
+	r.getCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
+
+	// The client alone: the same SETs (a whole record each, from one
+	// buffer: no copy, no checksum) as conns goroutines sending depth at a
+	// time with DoMulti, as redis-benchmark -c conns -P depth does.
+	client := s.cl()
+	rec := make([]byte, size)
+	rkeys := make([]string, keyspace)
+	for i := range rkeys {
+		rkeys[i] = s.key(1<<40, keys[i])
+	}
+	next.Store(0)
+	cpu0 = cpuTime(syscall.RUSAGE_SELF)
+	start = time.Now()
+	for range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cmds := make(rueidis.Commands, depth)
+			for {
+				i := int(next.Add(int64(depth))) - depth
+				if i >= count {
+					return
+				}
+				n := min(depth, count-i)
+				for j := range n {
+					cmds[j] = client.B().Set().Key(rkeys[(i+j)%keyspace]).Value(rueidis.BinaryString(rec)).Px(time.Minute).Build()
+				}
+				for _, res := range client.DoMulti(context.Background(), cmds[:n]...) {
+					if err := res.Error(); err != nil {
+						t.Errorf("SET: %v", err)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	r.raw = float64(count) / time.Since(start).Seconds()
+	r.rawCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	if hits.Load() != int64(count) {
 		t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 	}
-	return put, get
+	return r
+}
+
+// tierResult is benchTier's: rates and CPU time of the put and get phases,
+// and of the client's own SETs (raw).
+type tierResult struct {
+	put, get, raw          float64
+	putCPU, getCPU, rawCPU time.Duration
 }
 
 func count1(ok []bool) int { return count(ok) }
+
+// benchSize is the record size of BenchmarkPut and BenchmarkGet (header
+// included): 256 KiB, the size issue 27 measures against redis-benchmark.
+const benchSize = 256 << 10
+
+// BenchmarkPut puts benchSize records, 24 in flight (as
+// TestBenchVsRedisBenchmark's 6 connections × depth 4), over the shared
+// cluster; for pprof: go test -bench Put -cpuprofile ... ./tier/cluster.
+func BenchmarkPut(b *testing.B) { ioVariants(b, benchPut) }
+
+// BenchmarkGet gets benchSize records, 6 goroutines asking for 4 keys a call.
+func BenchmarkGet(b *testing.B) { ioVariants(b, benchGet) }
+
+// ioVariants runs f with the client's buffers as this package sets them
+// ("tuned") and as the client's defaults ("defaults": 512 KiB buffers, no
+// StringWriter conn), for the profile and the comparison.
+func ioVariants(b *testing.B, f func(*testing.B)) {
+	saved := ioBuffers
+	defer func() { ioBuffers = saved }()
+	for _, v := range []struct {
+		name string
+		set  func()
+	}{
+		{"tuned", func() { ioBuffers = saved }},
+		{"pipelined", func() { ioBuffers = saved; ioBuffers.stream = false }},
+		{"defaults", func() { ioBuffers.read, ioBuffers.write, ioBuffers.stringConn, ioBuffers.stream = 0, 0, false, false }},
+		{"flush20us", func() { ioBuffers = saved; ioBuffers.flushDelay = 20 * time.Microsecond }},
+		{"16K", func() { ioBuffers = saved; ioBuffers.read, ioBuffers.write = 16<<10, 16<<10 }},
+	} {
+		v.set()
+		b.Run(v.name, f)
+	}
+}
+
+func benchPut(b *testing.B) {
+	c := shared(b)
+	const outstanding = 24
+	sem := make(chan struct{}, outstanding)
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "benchput", Fingerprint: 1,
+		MaxInFlightBytes: outstanding * benchSize, Timeout: 10 * time.Second, OnPutDone: func([16]byte, bool) { <-sem }})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	payload := make([]byte, benchSize-record.HeaderSize)
+	keys := keysN(96, 0xb1)
+	b.SetBytes(benchSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		sem <- struct{}{}
+		if !s.PutAsync(keys[i%len(keys)], payload) {
+			b.Fatal("dropped")
+		}
+	}
+	s.Flush()
+}
+
+func benchGet(b *testing.B) {
+	c := shared(b)
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "benchget", Fingerprint: 1, Timeout: 10 * time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	payload := make([]byte, benchSize-record.HeaderSize)
+	keys := keysN(96, 0xb2)
+	for _, k := range keys {
+		s.PutAsync(k, payload)
+	}
+	s.Flush()
+	var next atomic.Int64
+	b.SetBytes(benchSize)
+	b.ReportAllocs()
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	for w := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ks := make([][16]byte, 4)
+			ds := dstsN(4, benchSize-record.HeaderSize)
+			for {
+				i := int(next.Add(4)) - 4
+				if i >= b.N {
+					return
+				}
+				n := min(4, b.N-i)
+				for j := range n {
+					ks[j] = keys[(i+j+w)%len(keys)]
+				}
+				if got := count(s.Get(context.Background(), ks[:n], ds[:n])); got != n {
+					b.Errorf("%d of %d hits", got, n)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}

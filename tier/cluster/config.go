@@ -37,12 +37,25 @@ type Config struct {
 	// ConnsPerNode is the number of pipelined connections to each node, a
 	// power of two up to 256 (default 2).
 	ConnsPerNode int
+	// Streams bounds the records Get reads at once, store-wide, each on a
+	// connection of its own (default 32).
+	Streams int
 	// GenerationRefresh is how often the namespace's generation is re-read
 	// from the cluster (default 1s; negative: never, only at Open and Clear).
 	GenerationRefresh time.Duration
+	// Background makes a cluster that does not answer at Open no error:
+	// Open returns a store that is not Available and connects in the
+	// background (see Open).
+	Background bool
+	// ReconnectMin and ReconnectMax bound the wait between two connect
+	// attempts in the background: the first waits ReconnectMin (default
+	// 100ms), each later one twice the one before, up to ReconnectMax
+	// (default 5s).
+	ReconnectMin, ReconnectMax time.Duration
 	// OnPutDone, when set, is called once for each put PutAsync accepted,
 	// when it completed (ok: the cluster stored it). It runs on its own
-	// goroutine and must not block for long.
+	// goroutine and must not block for long; a goroutine it starts counts
+	// as the store's (Close waits for it).
 	OnPutDone func(key [16]byte, ok bool)
 
 	// faults, set only by this package's tests, injects errors.

@@ -9,13 +9,20 @@
 // github.com/redis/rueidis: maintained by the Redis organisation, cluster
 // aware (slot map, MOVED and ASK followed and the map refreshed, retries of
 // idempotent reads), auto-pipelining (concurrent commands to one node share
-// one write and one round trip), RESP3, contexts for deadlines, AUTH with a
-// password or an ACL user, TLS. Writes go out without a copy in the client
-// (rueidis.BinaryString aliases the record buffer); a read reply arrives in
-// one string the client allocates, which Get verifies in place and copies
-// once into the caller's buffer. valkey-go is the same code under the Valkey
-// project; go-redis allocates a command object and more per call and
-// pipelines only when asked.
+// one write and one round trip), streamed replies, RESP3, contexts for
+// deadlines, AUTH with a password or an ACL user, TLS. Writes go out
+// without a copy in the client: rueidis.BinaryString aliases the record
+// buffer, and the connection is an io.StringWriter, so a value larger than
+// the client's (64 KiB) write buffer goes from the record buffer to the
+// socket. Get streams each record (one GET per connection of a node's
+// stream pool, Config.Streams at once): the reply's bytes go from the socket
+// into a pooled buffer, the payload's CRC-32C is computed piece by piece as
+// they arrive, and a verified record is copied once into the caller's
+// buffer; no reply is allocated. Streams neither follow redirections nor
+// retry, so a GET that fails any other way than an absent key is sent again
+// pipelined, the client's ordinary path, which does. valkey-go is the same
+// code under the Valkey project; go-redis allocates a command object and
+// more per call and pipelines only when asked.
 //
 // # Keys and generations
 //
@@ -54,6 +61,21 @@
 //     acknowledged are bounded by Config.MaxInFlightBytes, past which PutAsync
 //     returns false and counts a drop. Config.OnPutDone is called once per
 //     accepted put when the cluster has answered.
+//
+// # Connecting and closing
+//
+// Open connects before it returns, or fails (a server that answers but is
+// not in a cluster, cluster mode off or the cluster not created yet, is a
+// failure too: the client would talk to it alone). With Config.Background a
+// cluster that does not answer is no error: the store is not Available
+// (puts dropped and Gets missed at once, counted apart as unavailable, the
+// last attempt's error in Stats.ConnectError) and connects on a goroutine of
+// its own, with a doubling backoff, until it succeeds or is closed. Close
+// returns only when every goroutine of the store and of its client has
+// ended (the client's background work after a node failure or a topology
+// change included): no goroutine of a closed store outlives Close. The
+// client sends no keep-alive PING (its timers' goroutines could not be
+// waited for): a dead node is found by the deadline every command carries.
 //
 // # Concurrency
 //

@@ -63,15 +63,31 @@ func freePort(avoid map[int]bool) (int, error) {
 // startCluster starts masters masters with replicas replicas each (0 or 1)
 // in dir, creates the cluster and waits for cluster_state:ok everywhere.
 func startCluster(dir string, masters, replicas int, password string, extra ...string) (*testCluster, error) {
-	c := &testCluster{dir: dir, password: password, procs: map[int]*exec.Cmd{}, masters: masters}
+	ports, err := freePorts(masters * (1 + replicas))
+	if err != nil {
+		return nil, err
+	}
+	return startClusterOn(dir, ports, masters, replicas, password, extra...)
+}
+
+// freePorts returns n free port pairs (freePort).
+func freePorts(n int) ([]int, error) {
 	avoid := map[int]bool{}
-	n := masters * (1 + replicas)
+	var ports []int
 	for range n {
 		p, err := freePort(avoid)
 		if err != nil {
-			c.stop()
 			return nil, err
 		}
+		ports = append(ports, p)
+	}
+	return ports, nil
+}
+
+// startClusterOn is startCluster on the given ports (masters first).
+func startClusterOn(dir string, ports []int, masters, replicas int, password string, extra ...string) (*testCluster, error) {
+	c := &testCluster{dir: dir, password: password, procs: map[int]*exec.Cmd{}, masters: masters}
+	for _, p := range ports {
 		args := []string{"--port", strconv.Itoa(p), "--bind", "127.0.0.1",
 			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
 			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", dir,
@@ -210,7 +226,7 @@ var (
 
 // shared returns the cluster of 3 masters the tests that do not kill nodes
 // share (started once; TestMain stops it).
-func shared(t *testing.T) *testCluster {
+func shared(t testing.TB) *testCluster {
 	t.Helper()
 	needRedis(t)
 	sharedOnce.Do(func() {

@@ -1,17 +1,21 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/bits"
 	"net"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/redis/rueidis"
 
@@ -26,14 +30,32 @@ const (
 	DefaultTimeout           = time.Second
 	DefaultConnsPerNode      = 2
 	DefaultGenerationRefresh = time.Second
+	DefaultReconnectMin      = 100 * time.Millisecond
+	DefaultReconnectMax      = 5 * time.Second
+	DefaultStreams           = 32
 )
+
+// closeWaitMax bounds how long Close waits for the client's goroutines
+// (the longest sleep among them is the client's 5s delay before closing the
+// connections a topology refresh replaced).
+const closeWaitMax = 15 * time.Second
+
+// labelKey is the pprof label every goroutine of a store carries (and the
+// client's goroutines inherit): Close waits until none with its value runs.
+const labelKey = "kvoffload_cluster_store"
+
+var storeSeq atomic.Int64
 
 // Store is a cluster tier: one namespace's records in one Redis Cluster.
 type Store struct {
 	cfg      Config
-	client   rueidis.Client
-	nsPrefix string // <prefix>:<namespace>:
-	genKey   string // <prefix>:<namespace>:gen
+	client   atomic.Pointer[clientRef] // nil until connected (Config.Background)
+	nsPrefix string                    // <prefix>:<namespace>:
+	genKey   string                    // <prefix>:<namespace>:gen
+	label    string                    // labelKey's value: this store's goroutines
+	lctx     context.Context           // carries the label
+	connErr  atomic.Pointer[string]    // the last connect attempt's error while not connected
+	attempts atomic.Int64              // connect attempts
 
 	mu            sync.Mutex
 	done          *sync.Cond // signalled when a put completes
@@ -47,47 +69,218 @@ type Store struct {
 	puts, putErrors, putOOM, dropped atomic.Int64
 	hits, notFound, corrupt, stale   atomic.Int64
 	timeouts, errors, clears         atomic.Int64
-	stopRefresh                      chan struct{}
-	refreshDone                      chan struct{}
+	unavailPuts, unavailGets         atomic.Int64
+	putBytes, hitBytes               atomic.Int64
+	stop                             chan struct{} // closed by Close: the connector and the refresher end
+	streams                          chan struct{} // a slot per streamed GET in flight (Config.Streams)
+	bg                               sync.WaitGroup
+}
+
+// clientRef holds the connected client.
+type clientRef struct{ c rueidis.Client }
+
+// cl returns the connected client, nil when not connected (yet).
+func (s *Store) cl() rueidis.Client {
+	if r := s.client.Load(); r != nil {
+		return r.c
+	}
+	return nil
+}
+
+// Available reports whether the store has connected to the cluster (always
+// true for a store Open returned without Config.Background).
+func (s *Store) Available() bool { return s.client.Load() != nil }
+
+// labelled runs f on a goroutine of its own that carries the store's pprof
+// label, so that every goroutine the client starts from it carries it too
+// (Close waits for them), and waits for it.
+func (s *Store) labelled(f func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		pprof.SetGoroutineLabels(s.lctx)
+		f()
+	}()
+	<-done
+}
+
+// goLabelled starts f on a goroutine that carries the store's label.
+func (s *Store) goLabelled(f func()) {
+	go func() {
+		pprof.SetGoroutineLabels(s.lctx)
+		f()
+	}()
 }
 
 // Open connects to the cluster and reads the namespace's generation. It
 // returns an error (ErrConfig, or the client's) when the configuration is
-// invalid or no node of Addrs answers: the engine then runs without the tier.
+// invalid or, without Config.Background, when no node of Addrs answers.
+// With Config.Background a cluster that does not answer is not an error:
+// Open returns a store that is not Available (every put is dropped and
+// every Get a miss, counted as unavailable) and keeps connecting in the
+// background, with a backoff from Config.ReconnectMin doubling up to
+// Config.ReconnectMax, until it connects or is closed.
 func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
+	id := strconv.FormatInt(storeSeq.Add(1), 10)
+	s := &Store{
+		cfg:      cfg,
+		nsPrefix: cfg.Prefix + ":" + cfg.Namespace + ":",
+		genKey:   cfg.Prefix + ":" + cfg.Namespace + ":gen",
+		label:    id,
+		lctx:     pprof.WithLabels(context.Background(), pprof.Labels(labelKey, id)),
+		stop:     make(chan struct{}),
+		streams:  make(chan struct{}, cfg.Streams),
+	}
+	s.done = sync.NewCond(&s.mu)
+	err := s.connect(ctx)
+	if err != nil && !cfg.Background {
+		s.waitGoroutines(closeWaitMax)
+		return nil, err
+	}
+	s.bg.Add(1)
+	s.goLabelled(func() {
+		defer s.bg.Done()
+		if s.cl() == nil && !s.reconnect() {
+			return
+		}
+		s.refresher()
+	})
+	return s, nil
+}
+
+// connect makes one attempt: a client, and the namespace's generation read
+// through it. On success the store is Available.
+func (s *Store) connect(ctx context.Context) error {
+	s.attempts.Add(1)
+	cfg := &s.cfg
 	opt := rueidis.ClientOption{
-		InitAddress:       cfg.Addrs,
+		InitAddress:       append([]string(nil), cfg.Addrs...),
 		Username:          cfg.Username,
 		Password:          cfg.Password,
 		TLSConfig:         cfg.TLS,
 		DisableCache:      true, // no client-side caching: records are read once, into the pool
 		ShuffleInit:       true,
 		PipelineMultiplex: bits.TrailingZeros(uint(cfg.ConnsPerNode)),
-		Dialer:            net.Dialer{Timeout: cfg.Timeout},
-		ConnWriteTimeout:  cfg.Timeout,
+		// No background PING (a negative KeepAlive): the client sends it
+		// from a timer's goroutine, which carries no label, and a failed
+		// one schedules a topology refresh from there, which Close could
+		// then not wait for. Every command here has a deadline, which finds
+		// a dead node as well; TCP keep-alive stays on.
+		Dialer: net.Dialer{Timeout: cfg.Timeout, KeepAlive: -1,
+			KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 15 * time.Second, Count: 9}},
+		ConnWriteTimeout: cfg.Timeout,
+		// Smaller than the client's 512 KiB defaults: a value larger than
+		// the write buffer goes from the record buffer to the socket (with
+		// a StringWriter conn, below) instead of through the buffer, and a
+		// reply larger than the read buffer is read straight into the
+		// reply's own bytes.
+		ReadBufferEachConn:  ioBuffers.read,
+		WriteBufferEachConn: ioBuffers.write,
+		MaxFlushDelay:       ioBuffers.flushDelay,
+		BlockingPoolSize:    cfg.Streams, // streamed GETs' connections, per node
 	}
-	client, err := rueidis.NewClient(opt)
+	if ioBuffers.stringConn {
+		opt.DialCtxFn = dialStringConn
+	}
+	var client rueidis.Client
+	var err error
+	s.labelled(func() {
+		client, err = rueidis.NewClient(opt)
+		if err != nil {
+			err = fmt.Errorf("cluster: connect to %v: %w", cfg.Addrs, err)
+			return
+		}
+		// Given one address of a node that is not (yet) in a cluster, the
+		// client falls back to a plain connection to it: not a cluster
+		// tier (every other node's slots would fail), so not connected.
+		if m := client.Mode(); m != rueidis.ClientModeCluster {
+			client.Close()
+			err = fmt.Errorf("cluster: %v answers as a %s server, not a Redis Cluster (cluster mode off, or the cluster not created yet)", cfg.Addrs, m)
+			return
+		}
+		if err = s.refreshGenerationWith(ctx, client); err != nil {
+			client.Close()
+			err = fmt.Errorf("cluster: read generation %s: %w", s.genKey, err)
+		}
+	})
 	if err != nil {
-		return nil, fmt.Errorf("cluster: connect to %v: %w", cfg.Addrs, err)
+		msg := err.Error()
+		s.connErr.Store(&msg)
+		return err
 	}
-	s := &Store{
-		cfg:         cfg,
-		client:      client,
-		nsPrefix:    cfg.Prefix + ":" + cfg.Namespace + ":",
-		genKey:      cfg.Prefix + ":" + cfg.Namespace + ":gen",
-		stopRefresh: make(chan struct{}),
-		refreshDone: make(chan struct{}),
-	}
-	s.done = sync.NewCond(&s.mu)
-	if err := s.refreshGeneration(ctx); err != nil {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
 		client.Close()
-		return nil, fmt.Errorf("cluster: read generation %s: %w", s.genKey, err)
+		return ErrClosed
 	}
-	go s.refresher()
-	return s, nil
+	s.client.Store(&clientRef{client})
+	s.connErr.Store(nil)
+	s.mu.Unlock()
+	return nil
+}
+
+// ioBuffers are the client's per-connection buffers and its write loop's
+// flush delay (variables for the benchmarks to compare).
+var ioBuffers = struct {
+	read, write int
+	flushDelay  time.Duration
+	stringConn  bool
+	stream      bool // Get streams each record (stream.go) instead of pipelining the batch
+}{read: 64 << 10, write: 64 << 10, stringConn: true, stream: true}
+
+// stringConn is a net.Conn that is an io.StringWriter: the client's
+// bufio.Writer hands a string larger than its free space (a record's value,
+// written as a string) to WriteString once its buffer is flushed, which
+// writes the string's bytes to the socket without copying them.
+type stringConn struct{ net.Conn }
+
+func (c stringConn) WriteString(s string) (int, error) {
+	return c.Write(unsafe.Slice(unsafe.StringData(s), len(s)))
+}
+
+// dialStringConn is the client's dial (TCP, or TLS when set) returning a
+// stringConn.
+func dialStringConn(ctx context.Context, dst string, d *net.Dialer, cfg *tls.Config) (net.Conn, error) {
+	var conn net.Conn
+	var err error
+	if cfg != nil {
+		conn, err = (&tls.Dialer{NetDialer: d, Config: cfg}).DialContext(ctx, "tcp", dst)
+	} else {
+		conn, err = d.DialContext(ctx, "tcp", dst)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return stringConn{conn}, nil
+}
+
+// reconnect retries connect with backoff until it succeeds (true) or the
+// store is closed (false).
+func (s *Store) reconnect() bool {
+	wait := s.cfg.ReconnectMin
+	for {
+		t := time.NewTimer(wait)
+		select {
+		case <-s.stop:
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*s.cfg.Timeout)
+		err := s.connect(ctx)
+		cancel()
+		if err == nil {
+			return true
+		}
+		if errors.Is(err, ErrClosed) {
+			return false
+		}
+		wait = min(2*wait, s.cfg.ReconnectMax)
+	}
 }
 
 func (c *Config) fill() error {
@@ -127,6 +320,21 @@ func (c *Config) fill() error {
 	if c.GenerationRefresh == 0 {
 		c.GenerationRefresh = DefaultGenerationRefresh
 	}
+	if c.Streams == 0 {
+		c.Streams = DefaultStreams
+	}
+	if c.Streams < 0 {
+		return fmt.Errorf("%w: Streams %d is negative", ErrConfig, c.Streams)
+	}
+	if c.ReconnectMin == 0 {
+		c.ReconnectMin = DefaultReconnectMin
+	}
+	if c.ReconnectMax == 0 {
+		c.ReconnectMax = max(DefaultReconnectMax, c.ReconnectMin)
+	}
+	if c.ReconnectMin < 0 || c.ReconnectMax < c.ReconnectMin {
+		return fmt.Errorf("%w: ReconnectMin %v, ReconnectMax %v: want 0 < min <= max", ErrConfig, c.ReconnectMin, c.ReconnectMax)
+	}
 	return nil
 }
 
@@ -144,10 +352,17 @@ func (s *Store) key(gen uint64, k [16]byte) string {
 // the background. The payload is copied (behind the record's header) before
 // PutAsync returns, so the caller may reuse it at once. It returns false, and
 // counts a drop, when the store is closed or when the record would take the
-// bytes in flight over Config.MaxInFlightBytes; otherwise Config.OnPutDone (if
-// set) is called once when the cluster has answered.
+// bytes in flight over Config.MaxInFlightBytes, or when the store is not
+// Available (counted apart too); otherwise Config.OnPutDone (if set) is
+// called once when the cluster has answered.
 func (s *Store) PutAsync(key [16]byte, payload []byte) bool {
 	n := int64(record.HeaderSize + len(payload))
+	client := s.cl()
+	if client == nil {
+		s.unavailPuts.Add(1)
+		s.dropped.Add(1)
+		return false
+	}
 	s.mu.Lock()
 	if s.closed || s.inflightBytes+n > s.cfg.MaxInFlightBytes {
 		s.mu.Unlock()
@@ -159,7 +374,8 @@ func (s *Store) PutAsync(key [16]byte, payload []byte) bool {
 	s.mu.Unlock()
 	bp := s.buffer(int(n))
 	copy((*bp)[record.HeaderSize:], payload)
-	go s.put(key, s.gen.Load(), bp)
+	gen := s.gen.Load()
+	s.goLabelled(func() { s.put(client, key, gen, bp) })
 	return true
 }
 
@@ -173,7 +389,7 @@ func (s *Store) buffer(n int) *[]byte {
 	return &b
 }
 
-func (s *Store) put(key [16]byte, gen uint64, bp *[]byte) {
+func (s *Store) put(client rueidis.Client, key [16]byte, gen uint64, bp *[]byte) {
 	buf := *bp
 	payload := buf[record.HeaderSize:]
 	record.EncodeHeader(buf, record.Header{
@@ -188,13 +404,14 @@ func (s *Store) put(key [16]byte, gen uint64, bp *[]byte) {
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Timeout)
 		// BinaryString aliases buf: the client writes it to the socket
 		// before Do returns, and buf goes back to the pool only after.
-		cmd := s.client.B().Set().Key(s.key(gen, key)).Value(rueidis.BinaryString(buf)).
+		cmd := client.B().Set().Key(s.key(gen, key)).Value(rueidis.BinaryString(buf)).
 			Px(s.cfg.TTL).Build()
-		err = s.client.Do(ctx, cmd).Error()
+		err = client.Do(ctx, cmd).Error()
 		cancel()
 	}
 	if err == nil {
 		s.puts.Add(1)
+		s.putBytes.Add(int64(len(payload)))
 	} else {
 		s.putErrors.Add(1)
 		if re, ok := rueidis.IsRedisErr(err); ok && strings.HasPrefix(re.Error(), "OOM") {
@@ -222,11 +439,12 @@ func (s *Store) Flush() {
 }
 
 // Get reads the records of keys into dsts (dsts[i] must be of the payload's
-// size), pipelined: the keys' GETs go to their masters at once, many per
-// round trip. It waits until ctx's deadline or Config.Timeout, whichever
-// comes first. ok[i] is true only when dsts[i] holds the verified payload of
-// keys[i]; otherwise it is a miss, counted, and dsts[i] is untouched. It
-// panics if len(dsts) != len(keys).
+// size), concurrently: the keys' GETs go to their masters at once, up to
+// Config.Streams of them in flight store-wide (see the package doc). It
+// waits until ctx's deadline or Config.Timeout, whichever comes first. ok[i] is true only when dsts[i] holds the verified payload of
+// keys[i]; otherwise it is a miss, counted, and dsts[i] is untouched. A
+// store not Available answers every key a miss (Stats.Unavailable) at once,
+// without looking at dsts. It panics if len(dsts) != len(keys).
 func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool {
 	if len(dsts) != len(keys) {
 		panic(fmt.Sprintf("cluster: Get of %d keys into %d destinations", len(keys), len(dsts)))
@@ -242,6 +460,11 @@ func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool 
 		s.errors.Add(int64(len(keys)))
 		return ok
 	}
+	client := s.cl()
+	if client == nil {
+		s.unavailGets.Add(int64(len(keys)))
+		return ok
+	}
 	if err := s.cfg.faults.inject(opGet); err != nil {
 		for range keys {
 			s.countMiss(err)
@@ -251,11 +474,32 @@ func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool 
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	gen := s.gen.Load()
+	if ioBuffers.stream {
+		var wg sync.WaitGroup
+		for i, k := range keys {
+			select {
+			case s.streams <- struct{}{}:
+			case <-ctx.Done():
+				s.countMiss(ctx.Err())
+				continue
+			}
+			wg.Add(1)
+			s.goLabelled(func() {
+				defer wg.Done()
+				ok[i] = s.getStreamed(ctx, client, s.key(gen, k), k, dsts[i])
+				<-s.streams
+			})
+		}
+		wg.Wait()
+		return ok
+	}
 	cmds := make(rueidis.Commands, len(keys))
 	for i, k := range keys {
-		cmds[i] = s.client.B().Get().Key(s.key(gen, k)).Build()
+		cmds[i] = client.B().Get().Key(s.key(gen, k)).Build()
 	}
-	for i, r := range s.client.DoMulti(ctx, cmds...) {
+	var rs []rueidis.RedisResult
+	s.labelled(func() { rs = client.DoMulti(ctx, cmds...) })
+	for i, r := range rs {
 		ok[i] = s.fill(r, keys[i], dsts[i])
 	}
 	return ok
@@ -282,6 +526,7 @@ func (s *Store) fill(r rueidis.RedisResult, key [16]byte, dst []byte) bool {
 	}
 	copy(dst, v[record.HeaderSize:])
 	s.hits.Add(1)
+	s.hitBytes.Add(int64(len(dst)))
 	return true
 }
 
@@ -301,17 +546,28 @@ func (s *Store) countMiss(err error) {
 // its generation (INCR <prefix>:<namespace>:gen); the old records expire by
 // TTL. Other stores of the namespace see the new generation within their
 // GenerationRefresh. Puts in flight may still land in the old generation.
+// A store not Available cannot clear: the error says so.
 func (s *Store) Clear(ctx context.Context) error {
+	client := s.cl()
+	if client == nil {
+		return fmt.Errorf("cluster: clear %s: not connected", s.genKey)
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	n, err := s.client.Do(ctx, s.client.B().Incr().Key(s.genKey).Build()).AsInt64()
+	var err error
+	s.labelled(func() { err = s.clear(ctx, client) })
+	return err
+}
+
+func (s *Store) clear(ctx context.Context, client rueidis.Client) error {
+	n, err := client.Do(ctx, client.B().Incr().Key(s.genKey).Build()).AsInt64()
 	if err != nil {
 		return fmt.Errorf("cluster: clear %s: %w", s.genKey, err)
 	}
 	if seen := s.gen.Load(); uint64(n) <= seen {
 		// The generation key was lost (evicted, flushed): move it past
 		// every generation this store has used.
-		n, err = s.client.Do(ctx, s.client.B().Incrby().Key(s.genKey).Increment(int64(seen)+1-n).Build()).AsInt64()
+		n, err = client.Do(ctx, client.B().Incrby().Key(s.genKey).Increment(int64(seen)+1-n).Build()).AsInt64()
 		if err != nil {
 			return fmt.Errorf("cluster: clear %s: %w", s.genKey, err)
 		}
@@ -330,10 +586,12 @@ func (s *Store) raiseGeneration(g uint64) {
 	}
 }
 
-func (s *Store) refreshGeneration(ctx context.Context) error {
+// refreshGenerationWith reads the generation through client (on a labelled
+// goroutine).
+func (s *Store) refreshGenerationWith(ctx context.Context, client rueidis.Client) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	g, err := s.client.Do(ctx, s.client.B().Get().Key(s.genKey).Build()).AsUint64()
+	g, err := client.Do(ctx, client.B().Get().Key(s.genKey).Build()).AsUint64()
 	if rueidis.IsRedisNil(err) {
 		return nil
 	}
@@ -344,26 +602,31 @@ func (s *Store) refreshGeneration(ctx context.Context) error {
 	return nil
 }
 
+// refresher re-reads the generation every GenerationRefresh until Close (on
+// a labelled goroutine, once connected).
 func (s *Store) refresher() {
-	defer close(s.refreshDone)
 	if s.cfg.GenerationRefresh < 0 {
-		<-s.stopRefresh
+		<-s.stop
 		return
 	}
 	t := time.NewTicker(s.cfg.GenerationRefresh)
 	defer t.Stop()
 	for {
 		select {
-		case <-s.stopRefresh:
+		case <-s.stop:
 			return
 		case <-t.C:
-			_ = s.refreshGeneration(context.Background()) // a failure keeps the generation known
+			_ = s.refreshGenerationWith(context.Background(), s.cl()) // a failure keeps the generation known
 		}
 	}
 }
 
 // Close refuses new puts, waits for those in flight (each bounded by
-// Config.Timeout) and closes the connections. Later Gets are misses.
+// Config.Timeout), stops connecting, closes the connections and waits until
+// every goroutine of the store and of its client has ended: the client's own
+// background work (a topology refresh it had scheduled, connections it
+// closes late) can take seconds after a node failed or the topology changed.
+// Later Gets are misses.
 func (s *Store) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -373,8 +636,34 @@ func (s *Store) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	s.Flush()
-	close(s.stopRefresh)
-	<-s.refreshDone
-	s.client.Close()
+	close(s.stop)
+	s.bg.Wait()
+	if c := s.cl(); c != nil {
+		// Labelled: the client closes its connections on goroutines of its
+		// own, which must carry the label for the wait below to see them
+		// (and what they start: a topology refresh scheduled by a
+		// connection's close hook).
+		s.labelled(c.Close)
+	}
+	s.waitGoroutines(closeWaitMax)
 	return nil
+}
+
+// waitGoroutines waits, up to d, until no goroutine carries the store's
+// label. It reports whether none does.
+func (s *Store) waitGoroutines(d time.Duration) bool {
+	needle := []byte(strconv.Quote(labelKey) + ":" + strconv.Quote(s.label))
+	var buf bytes.Buffer
+	wait := time.Millisecond
+	for deadline := time.Now().Add(d); ; {
+		buf.Reset()
+		if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil || !bytes.Contains(buf.Bytes(), needle) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 50*time.Millisecond)
+	}
 }

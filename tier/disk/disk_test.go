@@ -320,7 +320,23 @@ func readAt(t *testing.T, path string, off int64, n int) []byte {
 	return b
 }
 
-func TestTornRecords(t *testing.T) {
+// scanModes runs f with the start-up scan reading one header a slot and
+// reading runs of whole slots, whatever the slot size.
+func scanModes(t *testing.T, f func(t *testing.T)) {
+	saved := scanWholeMax
+	t.Cleanup(func() { scanWholeMax = saved })
+	for _, m := range []struct {
+		name string
+		max  int64
+	}{{"headers", 0}, {"whole", 1 << 40}} {
+		scanWholeMax = m.max
+		t.Run(m.name, f)
+	}
+}
+
+func TestTornRecords(t *testing.T) { scanModes(t, testTornRecords) }
+
+func testTornRecords(t *testing.T) {
 	for name, kind := range fsKinds() {
 		t.Run(name, func(t *testing.T) {
 			const size = 4 * align
@@ -774,4 +790,74 @@ func TestZeroOnReleaseFailedPut(t *testing.T) {
 	fail.Store(false)
 	require.NoError(t, s.Put(key(2), payload(key(2), size)), "the slot is usable again")
 	mustGet(t, s, key(2))
+}
+
+// TestScanChunks: a file of more slots than the scan's workers read in
+// one chunk each (so chunks follow one another in each worker's run), with
+// empty, stale, torn and valid slots and the file cut short, is indexed the
+// same reading one header a slot and reading runs of whole slots.
+func TestScanChunks(t *testing.T) {
+	const n = scanWorkers*(scanChunk/(record.HeaderSize+align)) + 700
+	cfg := config(directDir(t), align, n)
+	s := open(t, cfg)
+	payloads := make([][]byte, 16)
+	for g := range payloads {
+		payloads[g] = alignedBuf(align)
+	}
+	require.NoError(t, forEach(len(payloads), n, func(g int, k [16]byte) error {
+		copy(payloads[g], k[:])
+		return s.Put(k, payloads[g])
+	}))
+	path := s.dirs[0].path
+	keys := make(map[[16]byte]int64)
+	s.mu.Lock()
+	for k, i := range s.index {
+		keys[k] = int64(i)
+	}
+	s.mu.Unlock()
+	require.NoError(t, s.Close())
+	// Damage some headers (torn), make some stale, cut the file inside the
+	// last slot's payload.
+	var i int64
+	for _, slot := range keys {
+		off := slot * s.slotBytes
+		switch i++; i % 97 {
+		case 1:
+			patch(t, path, off+30, []byte{readAt(t, path, off+30, 1)[0] ^ 0x10})
+		case 2:
+			hdr := readAt(t, path, off, record.HeaderLen)
+			binary.LittleEndian.PutUint16(hdr[8:], record.FormatVersion+1)
+			binary.LittleEndian.PutUint32(hdr[56:], record.Checksum(hdr[:56]))
+			patch(t, path, off, hdr)
+		}
+	}
+	fi, err := os.Stat(path)
+	require.NoError(t, err)
+	cut := fi.Size() - s.slotBytes - align/2 // inside the second last slot's payload, not on a sector
+
+	type seen struct {
+		st   Stats
+		keys map[[16]byte]bool
+	}
+	var got []seen
+	scanModes(t, func(t *testing.T) {
+		require.NoError(t, os.Truncate(path, cut)) // again: Open extends the file back
+		s := open(t, cfg)
+		defer s.Close()
+		sn := seen{st: s.Stats(), keys: map[[16]byte]bool{}}
+		for k := range keys {
+			if s.Contains(k) {
+				sn.keys[k] = true
+			}
+		}
+		require.Positive(t, sn.st.TornAtOpen)
+		require.Positive(t, sn.st.StaleAtOpen)
+		require.Greater(t, sn.st.Records, int64(n-200))
+		got = append(got, sn)
+	})
+	require.Len(t, got, 2)
+	require.Equal(t, got[0].st.Records, got[1].st.Records)
+	require.Equal(t, got[0].st.TornAtOpen, got[1].st.TornAtOpen)
+	require.Equal(t, got[0].st.StaleAtOpen, got[1].st.StaleAtOpen)
+	require.Equal(t, got[0].keys, got[1].keys)
 }

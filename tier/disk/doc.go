@@ -29,7 +29,10 @@
 //     drops it. A damaged header is discarded at Open (Stats.TornAtOpen).
 //     With FsyncEach, a header on stable storage implies its payload is.
 //   - Open rebuilds the index from the headers alone (payloads are verified
-//     when read), 32 header reads in flight per directory.
+//     when read), 32 reads in flight per directory and every directory at
+//     once. Records of at most 16 KiB (header included) are read in runs of
+//     whole slots, up to 1 MiB a read, payloads and all (one read instead of
+//     up to 256); larger ones one header sector a record.
 //   - Faults are misses and counters, never errors on the serving path: an
 //     I/O error in Get is (false, nil) and Stats.IOErrors; a Put that fails
 //     (ENOSPC, EIO, a read-only file system) returns ErrIO, counts it and

@@ -108,7 +108,15 @@ func Open(cfg Config) (*Store, error) {
 		seen[abs] = true
 	}
 
-	var scans [][]scanResult
+	// Open (lock, create, size) the directories in turn, then scan their
+	// files at once: each file's header reads are a queue of their own.
+	type opened struct {
+		d       *dirFile
+		oldSize int64
+		res     []scanResult
+		err     error
+	}
+	var ods []*opened
 	for i, dir := range cfg.Dirs {
 		n := int32(total / int64(len(cfg.Dirs)))
 		if int64(i) < total%int64(len(cfg.Dirs)) {
@@ -117,27 +125,48 @@ func Open(cfg Config) (*Store, error) {
 		d, oldSize, err := s.openDir(dir, n)
 		if err != nil {
 			if errors.Is(err, ErrLocked) || errors.Is(err, ErrDirectUnsupported) {
-				s.closeDirs()
+				for _, od := range ods {
+					od.d.close()
+				}
 				return nil, err
 			}
 			s.unusable = append(s.unusable, err)
 			continue
 		}
-		res, err := s.scan(d, oldSize)
-		if err != nil {
-			d.close()
-			s.unusable = append(s.unusable, err)
+		ods = append(ods, &opened{d: d, oldSize: oldSize})
+	}
+	var wg sync.WaitGroup
+	for _, od := range ods {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			od.res, od.err = s.scan(od.d, od.oldSize)
+		}()
+	}
+	wg.Wait()
+	var scans [][]scanResult
+	valid := 0
+	for _, od := range ods {
+		if od.err != nil {
+			od.d.close()
+			s.unusable = append(s.unusable, od.err)
 			continue
 		}
+		d := od.d
 		d.first = int32(len(s.slots))
 		s.slots = append(s.slots, make([]slot, d.n)...)
 		s.dirs = append(s.dirs, d)
-		scans = append(scans, res)
+		scans = append(scans, od.res)
+		for _, r := range od.res {
+			if r.kind == scanValid {
+				valid++
+			}
+		}
 	}
 	if len(s.dirs) == 0 {
 		return nil, fmt.Errorf("%w: %w", ErrNoUsableDir, errors.Join(s.unusable...))
 	}
-	s.index = make(map[[16]byte]int32)
+	s.index = make(map[[16]byte]int32, valid)
 	for di, d := range s.dirs {
 		if !d.writable {
 			s.readOnlyDirs++

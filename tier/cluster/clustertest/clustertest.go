@@ -69,30 +69,67 @@ func (c *Cluster) Stop() {
 	}
 }
 
+// Reserve picks the loopback ports of a cluster of masters nodes for tb
+// without starting it (Addrs answers at once; nothing listens until
+// Launch), so that a client can be pointed at a cluster that is not up yet.
+// It skips tb without redis-server; the cluster, once launched, is stopped
+// when tb ends.
+func Reserve(tb testing.TB, masters int) *Cluster {
+	tb.Helper()
+	Need(tb)
+	c := &Cluster{dir: tb.TempDir(), procs: map[int]*exec.Cmd{}}
+	avoid := map[int]bool{}
+	for range masters {
+		p, err := freePort(avoid)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		c.ports = append(c.ports, p)
+	}
+	tb.Cleanup(c.Stop)
+	return c
+}
+
+// Launch starts the nodes of a reserved cluster on its ports and creates the
+// cluster (waiting until every node reports cluster_state:ok).
+func (c *Cluster) Launch() error {
+	return c.launch()
+}
+
 func start(dir string, masters int) (*Cluster, error) {
 	c := &Cluster{dir: dir, procs: map[int]*exec.Cmd{}}
 	avoid := map[int]bool{}
 	for range masters {
 		p, err := freePort(avoid)
 		if err != nil {
-			c.Stop()
 			return nil, err
 		}
+		c.ports = append(c.ports, p)
+	}
+	if err := c.launch(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) launch() error {
+	for _, p := range c.ports {
 		cmd := exec.Command("redis-server", "--port", strconv.Itoa(p), "--bind", "127.0.0.1",
 			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
-			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", dir,
+			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", c.dir,
 			"--logfile", fmt.Sprintf("redis-%d.log", p))
 		if err := cmd.Start(); err != nil {
 			c.Stop()
-			return nil, fmt.Errorf("start redis-server: %w", err)
+			return fmt.Errorf("start redis-server: %w", err)
 		}
-		c.ports = append(c.ports, p)
+		c.mu.Lock()
 		c.procs[p] = cmd
+		c.mu.Unlock()
 	}
 	for _, p := range c.ports {
 		if err := waitDial(p, 5*time.Second); err != nil {
 			c.Stop()
-			return nil, err
+			return err
 		}
 	}
 	args := []string{"--cluster", "create"}
@@ -100,13 +137,13 @@ func start(dir string, masters int) (*Cluster, error) {
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
 	if out, err := cli(c.ports[0], args...); err != nil {
 		c.Stop()
-		return nil, fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
+		return fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
 	}
 	if err := c.waitOK(20 * time.Second); err != nil {
 		c.Stop()
-		return nil, err
+		return err
 	}
-	return c, nil
+	return nil
 }
 
 func freePort(avoid map[int]bool) (int, error) {
