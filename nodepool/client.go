@@ -182,8 +182,9 @@ type StoreRequest struct {
 	Parent  Key
 	Parents []Key
 	// HeadLo, HeadHi: the KV heads [HeadLo, HeadHi) this client writes of
-	// each block; 0, 0 means all. A node without per-head-range
-	// reservations accepts all heads only (ErrInvalid otherwise).
+	// each block; 0, 0 means all. The ranks of a tensor-parallel group
+	// store their ranges into one slot; the block is visible once every
+	// head is committed (a range beyond the namespace's heads: ErrInvalid).
 	HeadLo, HeadHi int
 }
 

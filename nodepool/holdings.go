@@ -20,6 +20,9 @@ type holding struct {
 	gen           uint32
 	leases, loads int32
 	reserved      bool
+	// heads is the head range of the reservation (zero: the whole
+	// block): one range per block per client.
+	heads kvcache.HeadRange
 }
 
 func (h *holding) empty() bool { return h.leases == 0 && h.loads == 0 && !h.reserved }
@@ -65,7 +68,9 @@ func (hs *holdings) drain() (reserved, leases, loads []kvcache.Slot) {
 		}
 		s := kvcache.Slot{ID: kvcache.SlotID(id), Gen: e.gen}
 		if e.reserved {
-			reserved = append(reserved, s)
+			r := s
+			r.Heads = e.heads
+			reserved = append(reserved, r)
 		}
 		for range e.leases {
 			leases = append(leases, s)

@@ -588,9 +588,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		for i, h := range m.Handles {
 			e := p.held.get(h)
 			if e == nil || !e.reserved {
-				for _, g := range m.Handles[:i] {
+				for k, g := range m.Handles[:i] {
 					e, _ := p.held.take(g.ID, g.Gen)
-					e.reserved = true
+					e.reserved, e.heads = true, p.slots[k].Heads
 					p.held.reserved++
 				}
 				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no reservation on it (given twice, or another's)",
@@ -598,7 +598,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 			}
 			e.reserved = false
 			p.held.reserved--
-			p.slots = append(p.slots, slotOf(h))
+			ks := slotOf(h)
+			ks.Heads, e.heads = e.heads, kvcache.HeadRange{}
+			p.slots = append(p.slots, ks)
 		}
 		var cerr error
 		if m.Type == wire.TAbortStore {
@@ -732,19 +734,19 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 	c := p.s.cache
 	kvHeads := uint16(p.ns.layout.KVHeads)
 	// Head ranges: a reservation covers heads [HeadLo, HeadHi) of each
-	// block. Until kvcache has its per-head-range state machine, only the
-	// whole block is accepted ([0, KVHeads), or [0, 0) meaning all). This
-	// is where kvcache's head-range BeginStore plugs in: pass the range in
-	// the StoreRequest, and let a block become ready when every range of it
-	// was committed; a second writer of a block being written then gets
-	// OutcomeWrite and the same slot (not OutcomePresent). The bookkeeping
-	// of reservations per client keys on the slot handle: one range per
-	// block per client (a tensor-parallel rank writes its own heads); a
-	// client reserving two ranges of one block needs the range added to
-	// holding.
+	// block ([0, 0) or [0, KVHeads): the whole block). kvcache keeps the
+	// per-range state: a second client's range of a block being written
+	// is a write into the same slot, not "present"; the block becomes
+	// ready when every head is committed, and one still missing heads
+	// after the cache's PartialTimeout (a rank died) is reclaimed. A client
+	// holds one range per block (a tensor-parallel rank writes its heads).
+	var heads kvcache.HeadRange
 	if !(m.HeadLo == 0 && (m.HeadHi == 0 || m.HeadHi == kvHeads)) {
-		return errMsg(m.ReqID, wire.CodeUnsupported, "head range [%d, %d) of %d heads: this node reserves whole blocks only (all heads)",
-			m.HeadLo, m.HeadHi, kvHeads)
+		if m.HeadLo >= m.HeadHi || m.HeadHi > kvHeads {
+			return errMsg(m.ReqID, wire.CodeInvalid, "head range [%d, %d): want first < end ≤ %d (the namespace's KV heads)",
+				m.HeadLo, m.HeadHi, kvHeads)
+		}
+		heads = kvcache.HeadRange{First: int(m.HeadLo), Count: int(m.HeadHi - m.HeadLo)}
 	}
 	o := &p.out
 	o.Type = wire.TBeginStoreOK
@@ -771,14 +773,17 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 			}
 		}
 		var err error
-		p.storeRes, err = c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent, Keys: keys[i:j], BlockIDs: blockIDs[i:j]}, p.storeRes[:0])
+		p.storeRes, err = c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent, Keys: keys[i:j], BlockIDs: blockIDs[i:j], Heads: heads}, p.storeRes[:0])
 		if err != nil {
 			// Undo this request's reservations: an error leaves nothing held.
 			p.slots = p.slots[:0]
 			for _, sl := range o.Slots {
-				p.held.get(sl.Handle()).reserved = false
+				e := p.held.get(sl.Handle())
+				e.reserved = false
 				p.held.reserved--
-				p.slots = append(p.slots, slotOf(sl.Handle()))
+				ks := slotOf(sl.Handle())
+				ks.Heads, e.heads = e.heads, kvcache.HeadRange{}
+				p.slots = append(p.slots, ks)
 			}
 			if len(p.slots) > 0 {
 				_ = c.CompleteStore(p.slots, errAborted)
@@ -795,6 +800,7 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 					return errMsg(m.ReqID, wire.CodeInternal, "slot %d reserved in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
 				}
 				e.reserved = true
+				e.heads = r.Slot.Heads
 				p.held.reserved++
 				o.Slots = append(o.Slots, toWire(r.Slot))
 			case kvcache.StorePresent:

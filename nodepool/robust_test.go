@@ -192,8 +192,9 @@ func TestHostileMessages(t *testing.T) {
 		t.Fatalf("hello: %v %v", m.Type, err)
 	}
 	k := testKeys(9, 2)
-	raw(mustEncode(t, &wire.Msg{Type: wire.TBeginStore, ReqID: 3, Flags: wire.FlagChain, HeadLo: 1, HeadHi: 2, Keys: k}), nil)
-	recvErr(wire.CodeUnsupported)
+	// Heads beyond the namespace's (2): a clear error, nothing reserved.
+	raw(mustEncode(t, &wire.Msg{Type: wire.TBeginStore, ReqID: 3, Flags: wire.FlagChain, HeadLo: 1, HeadHi: 5, Keys: k}), nil)
+	recvErr(wire.CodeInvalid)
 	raw(mustEncode(t, &wire.Msg{Type: wire.TBeginStore, ReqID: 4, Flags: wire.FlagChain, Keys: []Key{k[0], k[0]}}), nil)
 	recvErr(wire.CodeInvalid)
 	raw(mustEncode(t, &wire.Msg{Type: wire.TCommitStore, ReqID: 5, Handles: []wire.Handle{{ID: 0, Gen: 0}}}), nil)

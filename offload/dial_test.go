@@ -510,3 +510,49 @@ func countOutcome(out []Outcome, oc Outcome) int {
 	}
 	return n
 }
+
+// TestDialTPSizeSharing: the two ranks of TP=2, each its own dialled
+// engine, store their heads of the same blocks through one node; the
+// blocks are invisible until the second rank's heads are in; then a TP=1
+// engine and a TP=4 rank load them byte-exact, each its heads only.
+func TestDialTPSizeSharing(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	startNode(t, socket)
+	dialTP := func(tp, r int) *Engine {
+		t.Helper()
+		e, err := Dial(socket, Config{Backend: BackendHost, Layout: tpLayout(tp, r), PrefaultThreads: 1, StagingBytes: -1, Namespace: "model-x"})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = e.Close() })
+		return e
+	}
+	ranks := []*Engine{dialTP(2, 0), dialTP(2, 1)}
+	one, quarter := dialTP(1, 0), dialTP(4, 3)
+	const n = 3
+	var keys []Key
+	for j := range n {
+		keys = append(keys, testKey(300+j))
+	}
+	ids := [][]int{{3, 5, 0}, {1, 2, 7}}
+	for r, e := range ranks {
+		for j := range n {
+			tpWrite(t, e, e.Config().Layout, ids[r][j], j)
+		}
+	}
+	oc := tpRun(t)(ranks[0].Store(context.Background(), keys, ids[0], StoreOptions{}))
+	require.Equal(t, repeatOutcome(OutcomeStored, n), oc)
+	res, err := one.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.Hits, "a block missing rank 1's heads is invisible through the node")
+	oc = tpRun(t)(ranks[1].Store(context.Background(), keys, ids[1], StoreOptions{}))
+	require.Equal(t, repeatOutcome(OutcomeStored, n), oc, "rank 1's heads are a write into the same slots")
+	dst := []int{6, 4, 2}
+	for name, e := range map[string]*Engine{"TP=1": one, "TP=4 rank 3": quarter} {
+		l := e.Config().Layout
+		tpPoison(t, e, l)
+		oc = tpRun(t)(e.Load(context.Background(), keys, dst, LoadOptions{}))
+		require.Equal(t, repeatOutcome(OutcomeLoaded, n), oc, name)
+		for j, id := range dst {
+			tpCheck(t, e, l, id, j, name+" through the node")
+		}
+	}
+}

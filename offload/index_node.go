@@ -140,8 +140,10 @@ func (ni *nodeIndex) CompleteStore(slots []kvcache.Slot, err error) error {
 	return nodeErr(ni.c.CommitStore(toNodeSlots(slots)))
 }
 
-// CompleteStoreReady is CompleteStore; the node takes whole blocks only,
-// so every committed slot's block is ready.
+// CompleteStoreReady is CompleteStore. The node makes a block ready when
+// its last head range is committed, which this client does not learn: a
+// dialled engine reports every committed slot as ready (for the cluster
+// write-through, which a dialled engine does not have).
 func (ni *nodeIndex) CompleteStoreReady(slots []kvcache.Slot, err error, dst []kvcache.Slot) ([]kvcache.Slot, error) {
 	if cerr := ni.CompleteStore(slots, err); cerr != nil || err != nil {
 		return dst, cerr
@@ -149,8 +151,8 @@ func (ni *nodeIndex) CompleteStoreReady(slots []kvcache.Slot, err error, dst []k
 	return append(dst, slots...), nil
 }
 
-// ExpirePartials does nothing: the node keeps no partial blocks for this
-// client (head ranges are the node's, whole blocks only for now).
+// ExpirePartials does nothing here: the node expires its partial blocks
+// (kvcache's PartialTimeout, at its next store).
 func (ni *nodeIndex) ExpirePartials() {}
 
 func (ni *nodeIndex) BeginLoad(keys []Key, blockIDs []int, dst []kvcache.LoadResult) ([]kvcache.LoadResult, error) {
