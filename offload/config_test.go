@@ -129,6 +129,11 @@ func TestConfigEnumsJSON(t *testing.T) {
 	require.NoError(t, json.Unmarshal(b, &back))
 	require.Equal(t, cfg, back)
 
+	var disk Config
+	require.NoError(t, json.Unmarshal([]byte(`{"disk":{"dirs":["/x"],"fsync":"on-close","direct":"off"}}`), &disk))
+	require.Equal(t, DiskFsyncOnClose, disk.Disk.Fsync)
+	require.Equal(t, DiskDirectOff, disk.Disk.Direct)
+
 	var empty Config
 	require.NoError(t, json.Unmarshal([]byte(`{"backend":"","policy":""}`), &empty))
 	require.Equal(t, Backend(""), empty.Backend)
@@ -139,6 +144,8 @@ func TestConfigEnumsJSON(t *testing.T) {
 		{`{"huge_pages":"2m"}`, `HugePages "2m"`},
 		{`{"policy":"lfu"}`, `Policy "lfu"`},
 		{`{"layout":{"kind":"paged"}}`, `Layout.Kind "paged"`},
+		{`{"disk":{"dirs":["/x"],"fsync":"sometimes"}}`, `Disk.Fsync "sometimes"`},
+		{`{"disk":{"dirs":["/x"],"direct":"maybe"}}`, `Disk.Direct "maybe"`},
 	} {
 		var got Config
 		err := json.Unmarshal([]byte(c.json), &got)

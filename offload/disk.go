@@ -27,10 +27,10 @@ type DiskConfig struct {
 	CapacityBytes int64 `json:"capacity_bytes"`
 	// Fsync is DiskFsyncNone (default), DiskFsyncEach or DiskFsyncOnClose
 	// (tier/disk's FsyncPolicy).
-	Fsync string `json:"fsync,omitempty"`
+	Fsync DiskFsync `json:"fsync,omitempty"`
 	// Direct is DiskDirectAuto (default: O_DIRECT where the file system
 	// takes it), DiskDirectRequire or DiskDirectOff.
-	Direct string `json:"direct,omitempty"`
+	Direct DiskDirect `json:"direct,omitempty"`
 	// WriteBackBytes bounds the bytes of evicted blocks copied out of the
 	// pool and waiting for their disk write (the bounce buffers, allocated
 	// as first needed). When they are all in use an eviction is not written
@@ -43,14 +43,20 @@ type DiskConfig struct {
 	AdmitAll bool `json:"admit_all,omitempty"`
 }
 
+// DiskFsync is DiskConfig.Fsync: when the disk tier flushes its records.
+type DiskFsync string
+
+// DiskDirect is DiskConfig.Direct: whether the disk tier uses O_DIRECT.
+type DiskDirect string
+
 // DiskConfig.Fsync and DiskConfig.Direct values.
 const (
-	DiskFsyncNone     = "none"
-	DiskFsyncEach     = "each"
-	DiskFsyncOnClose  = "on-close"
-	DiskDirectAuto    = "auto"
-	DiskDirectRequire = "require"
-	DiskDirectOff     = "off"
+	DiskFsyncNone     DiskFsync  = "none"
+	DiskFsyncEach     DiskFsync  = "each"
+	DiskFsyncOnClose  DiskFsync  = "on-close"
+	DiskDirectAuto    DiskDirect = "auto"
+	DiskDirectRequire DiskDirect = "require"
+	DiskDirectOff     DiskDirect = "off"
 )
 
 // DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default.

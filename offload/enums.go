@@ -18,7 +18,19 @@ var (
 	policies    = []Policy{PolicyTinyLFU, PolicyLRU}
 	layoutKinds = []LayoutKind{LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA}
 	headOrders  = []HeadOrder{"", OrderTokenMajor, OrderHeadMajor}
+	diskFsyncs  = []DiskFsync{DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose}
+	diskDirects = []DiskDirect{DiskDirectAuto, DiskDirectRequire, DiskDirectOff}
 )
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known policy or "".
+func (f *DiskFsync) UnmarshalText(text []byte) error {
+	return parseEnum(f, text, "Disk.Fsync", diskFsyncs)
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler: a known mode or "".
+func (d *DiskDirect) UnmarshalText(text []byte) error {
+	return parseEnum(d, text, "Disk.Direct", diskDirects)
+}
 
 // UnmarshalText implements encoding.TextUnmarshaler: a known backend or "".
 func (b *Backend) UnmarshalText(text []byte) error { return parseEnum(b, text, "Backend", backends) }
