@@ -22,9 +22,9 @@ const (
 func (d Direction) String() string {
 	switch d {
 	case Load:
-		return "load(H2D)"
+		return "load"
 	case Store:
-		return "store(D2H)"
+		return "store"
 	}
 	return fmt.Sprintf("Direction(%d)", int(d))
 }
