@@ -2,8 +2,8 @@ package transfer
 
 // Device is what the scheduler drives: two engine streams (one per
 // Direction), events, and a copy method. Implementations: CUDA (Context.NewCUDA,
-// over the driver and transfer/cudacopy) and Sim (a host simulation for machines
-// without a GPU).
+// over the driver and transfer/cudacopy) and Sim (the same over the fake
+// driver, for machines without a GPU).
 //
 // Threading: every method except IsCapturing is called only from the
 // scheduler's engine goroutines, each locked to its OS thread, after

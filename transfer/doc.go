@@ -7,8 +7,8 @@
 // offload) changes slot state only when an op completes.
 //
 // A Scheduler runs over a Device: CUDA (copying through transfer/cudacopy)
-// or Sim (a host simulation with random, seeded delays and CUDA's event and
-// stream-wait semantics, for CI).
+// or Sim (the CUDA device over the fake driver internal/cuda/cudafake, with
+// random, seeded copy delays: machines without a GPU).
 //
 // The CUDA side starts from the driver, which this package owns with the
 // streams, events and device memory: LoadDriver loads libcuda.so.1,

@@ -65,17 +65,6 @@ func (s Segment) extent(pitch uint64) uint64 {
 	return (s.Rows-1)*pitch + s.RowLen
 }
 
-// rows calls f for each contiguous row of s (s itself when contiguous).
-func (s Segment) rows(f func(dev, host, n uint64)) {
-	if s.Rows <= 1 {
-		f(s.Dev, s.Host, s.Len)
-		return
-	}
-	for r := uint64(0); r < s.Rows; r++ {
-		f(s.Dev+r*s.DevPitch, s.Host+r*s.HostPitch, s.RowLen)
-	}
-}
-
 // Validation errors. Each returned error wraps one of these and names the
 // segment, the bad value and the limit.
 var (

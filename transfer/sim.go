@@ -3,15 +3,13 @@ package transfer
 import (
 	"errors"
 	"fmt"
-	"math/rand"
-	"sort"
 	"sync"
 	"time"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // SimConfig configures the host simulation.
@@ -19,221 +17,125 @@ type SimConfig struct {
 	// Seed seeds the delay generator, so a failing run can be replayed.
 	Seed int64
 	// MinDelay and MaxDelay bound the uniformly random delay before each copy
-	// runs on its stream. Zero both for no delay.
+	// (and each Launch) runs on its stream. Zero both for no delay.
 	MinDelay, MaxDelay time.Duration
 }
 
 // ErrSim is wrapped by errors about the simulation's own objects (unknown
-// stream, event or address).
+// address, bad arguments).
 var ErrSim = errors.New("transfer: sim")
 
-// Sim is a Device for machines without a GPU. "Device memory" is anonymous
-// mmap'd memory at made-up device addresses; host memory is whatever the
-// caller registers with RegisterHost, at its real addresses. Every stream is
-// a goroutine executing its operations in order: copies (after a random,
-// seeded delay), event records, waits on events, and caller "kernels"
-// (Launch) and gates. Streams run independently, so completions arrive out
-// of order across streams, as on a GPU. Events follow CUDA's rules: a wait or
-// query concerns the most recent record at the time of the call, and an
-// event never recorded counts as complete.
+// simDeviceMemory is the fake device's capacity: address space only (the
+// fake maps its allocations with MAP_NORESERVE), so tests are bounded by
+// what they touch.
+const simDeviceMemory = 1 << 42
+
+// Sim is a Device for machines without a GPU: the CUDA device of this
+// package over the fake driver (internal/cuda/cudafake), the one GPU
+// simulator of the module. "Device memory" is the fake's anonymous
+// mappings; host memory is whatever the caller registers with
+// RegisterHost, at its real addresses. Every stream is a goroutine running
+// its work in order: copies (through the copy kernels the fake runs in Go,
+// after a random, seeded delay), event records, waits, and caller
+// "kernels" (Launch) and gates. Streams run independently, so completions
+// arrive out of order across streams, as on a GPU; events follow CUDA's
+// rules (a wait or query concerns the most recent record at the time of
+// the call, an event never recorded counts as complete).
 //
-// Its methods beyond Device let tests play the caller: create streams, record
-// events on them, launch functions in stream order, mark a stream capturing,
-// and inject driver errors.
+// Its methods beyond Device let tests play the caller: create streams,
+// record events on them, launch functions in stream order, mark a stream
+// capturing, and inject driver errors. A Sim has no early events: an op
+// with events is issued before Submit returns, as on a driver without
+// stream memory operations.
 type Sim struct {
-	cfg SimConfig
+	drv *cudafake.Driver
+	cu  *CUDA
 
-	mu      sync.Mutex
-	cond    *sync.Cond // broadcast when an event completes or an error is set
-	rng     *rand.Rand
-	events  map[Event]*simEvent
-	streams map[Stream]*simStream
-	nextID  uintptr
-	engine  [2]Stream
-	sticky  error // set by InjectError: returned by every later call
-	failCp  error // returned by the next Copy
-	closed  bool
-
-	sendMu  sync.RWMutex // held (read) while sending to a stream; Close takes it to close them
-	memMu   sync.Mutex   // serialises every access to simulated memory
-	host    []simMem     // sorted by base
-	dev     []simMem     // sorted by base
-	nextDev uint64
+	mu        sync.Mutex
+	failCp    error
+	hosts     map[uint64][]byte   // RegisterHost's buffers by address
+	capturing map[Stream]struct{} // SetCapturing's streams
+	closed    bool
 }
 
-type simMem struct {
-	base uint64
-	b    []byte
-	mmap bool
-}
-
-type simEvent struct{ recorded, done uint64 }
-
-type simStream struct {
-	ops       chan func()
-	capturing bool
-	done      chan struct{}
-}
-
-const simDevBase = 1 << 48
-
-// NewSim starts a simulation with its two engine streams.
+// NewSim starts a simulation with its engine streams.
 func NewSim(cfg SimConfig) (*Sim, error) {
 	if cfg.MinDelay < 0 || cfg.MaxDelay < cfg.MinDelay {
 		return nil, fmt.Errorf("%w: delay bounds [%v, %v] are not 0 ≤ min ≤ max", ErrSim, cfg.MinDelay, cfg.MaxDelay)
 	}
-	s := &Sim{
-		cfg:     cfg,
-		rng:     rand.New(rand.NewSource(cfg.Seed)),
-		events:  map[Event]*simEvent{},
-		streams: map[Stream]*simStream{},
-		nextDev: simDevBase,
-	}
-	s.cond = sync.NewCond(&s.mu)
-	s.engine[Load] = s.NewStream()
-	s.engine[Store] = s.NewStream()
-	return s, nil
-}
-
-// NewStream creates a stream (for the engine, or a caller's stream in tests).
-func (s *Sim) NewStream() Stream {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.nextID++
-	id := Stream(s.nextID)
-	st := &simStream{ops: make(chan func(), 4096), done: make(chan struct{})}
-	s.streams[id] = st
-	go func() {
-		defer close(st.done)
-		for op := range st.ops {
-			op()
-		}
-	}()
-	return id
-}
-
-func (s *Sim) stream(id Stream) (*simStream, error) {
-	st := s.streams[id]
-	if st == nil {
-		return nil, fmt.Errorf("%w: unknown stream %#x", ErrSim, uintptr(id))
-	}
-	return st, nil
-}
-
-// enqueue appends op to stream id; s.mu must not be held.
-func (s *Sim) enqueue(id Stream, op func()) error {
-	s.sendMu.RLock()
-	defer s.sendMu.RUnlock()
-	s.mu.Lock()
-	st, err := s.stream(id)
-	if err == nil && s.closed {
-		err = fmt.Errorf("%w: closed", ErrSim)
-	}
-	s.mu.Unlock()
+	drv := cudafake.New(cudafake.Options{Seed: uint64(cfg.Seed), CopyMinDelay: cfg.MinDelay, CopyMaxDelay: cfg.MaxDelay,
+		DeviceMemory: simDeviceMemory})
+	ctx, err := drv.PrimaryCtxRetain(0)
 	if err != nil {
-		return err
+		return nil, errors.Join(fmt.Errorf("%w: %w", ErrSim, err), drv.Close())
 	}
-	st.ops <- op
-	return nil
+	// The copy kernels, uncalibrated (the rule the fake's timings would
+	// not make better).
+	cu, err := newCUDA(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("%w: %w", ErrSim, err), drv.PrimaryCtxRelease(0), drv.Close())
+	}
+	return &Sim{drv: drv, cu: cu, hosts: map[uint64][]byte{}, capturing: map[Stream]struct{}{}}, nil
+}
+
+// NewStream creates a stream (a caller's stream in tests).
+func (s *Sim) NewStream() Stream {
+	st, err := s.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	if err != nil {
+		return 0
+	}
+	return Stream(st)
 }
 
 // SetCapturing marks a caller stream as capturing a graph (or not).
 func (s *Sim) SetCapturing(id Stream, on bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st, err := s.stream(id)
-	if err != nil {
-		return err
+	if on {
+		s.capturing[id] = struct{}{}
+	} else {
+		delete(s.capturing, id)
 	}
-	st.capturing = on
 	return nil
 }
 
 // Launch runs fn in stream order on stream id, like a kernel.
-func (s *Sim) Launch(id Stream, fn func()) error { return s.enqueue(id, fn) }
+func (s *Sim) Launch(id Stream, fn func()) error {
+	return s.drv.LaunchHostFunc(cuda.Stream(id), fn)
+}
 
 // Gate blocks stream id at this point until the returned func is called.
 func (s *Sim) Gate(id Stream) (open func(), err error) {
 	ch := make(chan struct{})
 	var once sync.Once
-	if err := s.enqueue(id, func() { <-ch }); err != nil {
+	if err := s.Launch(id, func() { <-ch }); err != nil {
 		return nil, err
 	}
 	return func() { once.Do(func() { close(ch) }) }, nil
 }
 
-// eventLocked returns event e, or the sticky error (with sticky set) or an
-// unknown-event error. The caller holds s.mu.
-func (s *Sim) eventLocked(e Event, sticky bool) (*simEvent, error) {
-	if sticky && s.sticky != nil {
-		return nil, s.sticky
-	}
-	ev := s.events[e]
-	if ev == nil {
-		return nil, fmt.Errorf("%w: unknown event %#x", ErrSim, uintptr(e))
-	}
-	return ev, nil
-}
-
-// RecordEvent records e on any stream.
+// RecordEvent records e on stream id.
 func (s *Sim) RecordEvent(e Event, id Stream) error {
-	s.mu.Lock()
-	ev, err := s.eventLocked(e, true)
-	if err != nil {
-		s.mu.Unlock()
-		return err
-	}
-	ev.recorded++
-	target := ev.recorded
-	s.mu.Unlock()
-	return s.enqueue(id, func() {
-		s.mu.Lock()
-		if ev.done < target {
-			ev.done = target
-		}
-		s.cond.Broadcast()
-		s.mu.Unlock()
-	})
+	return s.drv.EventRecord(cuda.Event(e), cuda.Stream(id))
 }
 
 // StreamWaitEvent makes stream id wait for e's most recent record.
 func (s *Sim) StreamWaitEvent(id Stream, e Event) error {
-	s.mu.Lock()
-	ev, err := s.eventLocked(e, true)
-	if err != nil {
-		s.mu.Unlock()
-		return err
-	}
-	target := ev.recorded
-	s.mu.Unlock()
-	return s.enqueue(id, func() {
-		s.mu.Lock()
-		for ev.done < target && s.sticky == nil {
-			s.cond.Wait()
-		}
-		s.mu.Unlock()
-	})
+	return s.drv.StreamWaitEvent(cuda.Stream(id), cuda.Event(e), cuda.EventWaitDefault)
 }
 
 // StreamSynchronize blocks until stream id is idle.
-func (s *Sim) StreamSynchronize(id Stream) error {
-	ch := make(chan struct{})
-	if err := s.enqueue(id, func() { close(ch) }); err != nil {
-		return err
-	}
-	<-ch
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.sticky
-}
+func (s *Sim) StreamSynchronize(id Stream) error { return s.drv.StreamSynchronize(cuda.Stream(id)) }
 
 // InjectError makes err the context's sticky error: every later call fails
-// with it (inject a sticky *cuda.Error to simulate a lost context).
+// (a *cuda.Error's code, or CUDA_ERROR_ILLEGAL_ADDRESS for another error).
 func (s *Sim) InjectError(err error) {
-	s.mu.Lock()
-	s.sticky = err
-	s.cond.Broadcast()
-	s.mu.Unlock()
+	code := cuda.ErrorIllegalAddress
+	var ce *cuda.Error
+	if errors.As(err, &ce) {
+		code = ce.Code
+	}
+	s.drv.MakeSticky(code)
 }
 
 // FailNextCopy makes the next Copy fail with err before enqueuing anything.
@@ -248,29 +150,19 @@ func (s *Sim) MemAlloc(n uint64) (uint64, error) {
 	if n == 0 || n > 1<<40 {
 		return 0, fmt.Errorf("%w: MemAlloc of %d bytes (want 1..1 TiB)", ErrSim, n)
 	}
-	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	p, err := s.drv.MemAlloc(n)
 	if err != nil {
-		return 0, fmt.Errorf("%w: mmap %d bytes: %w", ErrSim, n, err)
+		return 0, fmt.Errorf("%w: MemAlloc of %d bytes: %w", ErrSim, n, err)
 	}
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	addr := s.nextDev
-	s.nextDev += (n + 2<<20 - 1) &^ (2<<20 - 1)
-	s.dev = insertMem(s.dev, simMem{base: addr, b: b, mmap: true})
-	return addr, nil
+	return uint64(p), nil
 }
 
 // MemFree unmaps a MemAlloc allocation.
 func (s *Sim) MemFree(addr uint64) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	var m simMem
-	var err error
-	s.dev, m, err = removeMem(s.dev, addr)
-	if err != nil {
-		return err
+	if err := s.drv.MemFree(cuda.DevicePtr(addr)); err != nil {
+		return fmt.Errorf("%w: MemFree %#x: %w", ErrSim, addr, err)
 	}
-	return unix.Munmap(m.b)
+	return nil
 }
 
 // RegisterHost makes b addressable by the simulation at its real address,
@@ -279,23 +171,27 @@ func (s *Sim) RegisterHost(b []byte) (uint64, error) {
 	if len(b) == 0 {
 		return 0, fmt.Errorf("%w: RegisterHost of an empty buffer", ErrSim)
 	}
-	addr := uint64(uintptr(unsafe.Pointer(&b[0])))
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	if i, ok := lookupMem(s.host, addr, 1); ok {
-		return 0, fmt.Errorf("%w: host %#x already registered at %#x", ErrSim, addr, s.host[i].base)
+	p := unsafe.Pointer(&b[0])
+	if err := s.drv.MemHostRegister(p, uint64(len(b)), cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap); err != nil {
+		return 0, fmt.Errorf("%w: host %p+%d: %w", ErrSim, p, len(b), err)
 	}
-	s.host = insertMem(s.host, simMem{base: addr, b: b})
+	addr := uint64(uintptr(p))
+	s.mu.Lock()
+	s.hosts[addr] = b
+	s.mu.Unlock()
 	return addr, nil
 }
 
 // UnregisterHost forgets a RegisterHost buffer.
 func (s *Sim) UnregisterHost(addr uint64) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	var err error
-	s.host, _, err = removeMem(s.host, addr)
-	return err
+	s.mu.Lock()
+	b, ok := s.hosts[addr]
+	delete(s.hosts, addr)
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: host %#x was not registered", ErrSim, addr)
+	}
+	return s.drv.MemHostUnregister(unsafe.Pointer(&b[0]))
 }
 
 // Write copies p to simulated memory at addr (host or device).
@@ -317,217 +213,94 @@ func (s *Sim) Fill(addr, n uint64, v byte) error {
 	})
 }
 
-// access runs f on the memory at [addr, addr+n) with memMu held.
+// access runs f on the memory at [addr, addr+n). Callers order it with
+// the streams' copies (their events, or the ops' completion).
 func (s *Sim) access(addr, n uint64, f func([]byte)) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	b, err := s.bytes(addr, n)
-	if err != nil {
-		return err
+	if n == 0 {
+		return nil
+	}
+	b, ok := s.drv.Bytes(addr, n)
+	if !ok {
+		return fmt.Errorf("%w: [%#x,%#x) is not inside simulated memory", ErrSim, addr, addr+n)
 	}
 	f(b)
 	return nil
 }
 
-// bytes returns the memory at [addr, addr+n); memMu must be held.
-func (s *Sim) bytes(addr, n uint64) ([]byte, error) {
-	for _, set := range [][]simMem{s.dev, s.host} {
-		if i, ok := lookupMem(set, addr, n); ok {
-			off := addr - set[i].base
-			return set[i].b[off : off+n], nil
-		}
-	}
-	return nil, fmt.Errorf("%w: [%#x,%#x) is not inside simulated memory", ErrSim, addr, addr+n)
-}
+// InitThread implements Device.
+func (s *Sim) InitThread() error { return s.cu.InitThread() }
 
-func lookupMem(set []simMem, addr, n uint64) (int, bool) {
-	i := sort.Search(len(set), func(i int) bool { return set[i].base > addr }) - 1
-	if i < 0 {
-		return 0, false
-	}
-	size := uint64(len(set[i].b))
-	off := addr - set[i].base
-	return i, off < size && n <= size-off
-}
+// AddHostRange gives a registered range to the copy kernels (the
+// Scheduler forwards its own AddHostRange here).
+func (s *Sim) AddHostRange(base, size uint64) error { return s.cu.AddHostRange(base, size) }
 
-func insertMem(set []simMem, m simMem) []simMem {
-	i := sort.Search(len(set), func(i int) bool { return set[i].base > m.base })
-	set = append(set, simMem{})
-	copy(set[i+1:], set[i:])
-	set[i] = m
-	return set
-}
+// RemoveHostRange forgets a host range.
+func (s *Sim) RemoveHostRange(base uint64) error { return s.cu.RemoveHostRange(base) }
 
-func removeMem(set []simMem, addr uint64) ([]simMem, simMem, error) {
-	i := sort.Search(len(set), func(i int) bool { return set[i].base >= addr })
-	if i == len(set) || set[i].base != addr {
-		return set, simMem{}, fmt.Errorf("%w: no simulated memory starts at %#x", ErrSim, addr)
-	}
-	m := set[i]
-	return append(set[:i], set[i+1:]...), m, nil
-}
-
-func (s *Sim) delay() time.Duration {
-	if s.cfg.MaxDelay == 0 {
-		return 0
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.cfg.MinDelay + time.Duration(s.rng.Int63n(int64(s.cfg.MaxDelay-s.cfg.MinDelay)+1))
-}
-
-// InitThread implements Device; the simulation needs no thread state.
-func (s *Sim) InitThread() error { return nil }
-
-// Copy implements Device. An address that is not mapped when the copy runs
-// becomes the sticky illegal-address error, as on a GPU.
+// Copy implements Device.
 func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
 	if !dir.valid() {
 		return nil, fmt.Errorf("%w: direction %d", ErrSim, int(dir))
 	}
 	s.mu.Lock()
-	err := s.sticky
-	if err == nil && s.failCp != nil {
-		err, s.failCp = s.failCp, nil
-	}
+	err := s.failCp
+	s.failCp = nil
 	s.mu.Unlock()
 	if err != nil {
 		return nil, err
 	}
-	own := append([]Segment(nil), segs...)
-	d := s.delay()
-	err = s.enqueue(s.engine[dir], func() {
-		if d > 0 {
-			time.Sleep(d)
-		}
-		s.memMu.Lock()
-		defer s.memMu.Unlock()
-		for _, g := range own {
-			// A strided segment is copied row by row.
-			bad := false
-			g.rows(func(dev, host, n uint64) {
-				src, dst := dev, host
-				if dir == Load {
-					src, dst = host, dev
-				}
-				if bad {
-					return
-				}
-				sb, err1 := s.bytes(src, n)
-				db, err2 := s.bytes(dst, n)
-				if err1 != nil || err2 != nil {
-					s.InjectError(&cuda.Error{Op: "sim copy", Code: cuda.ErrorIllegalAddress, Name: "CUDA_ERROR_ILLEGAL_ADDRESS", Text: fmt.Sprintf("copy of %d bytes %#x→%#x touches unmapped memory", n, src, dst)})
-					bad = true
-					return
-				}
-				copy(db, sb)
-			})
-			if bad {
-				return
-			}
-		}
-	})
-	if err != nil {
-		return nil, err
-	}
-	return func() {}, nil
+	return s.cu.Copy(dir, segs)
 }
 
 // Record implements Device.
-func (s *Sim) Record(dir Direction, e Event) error { return s.RecordEvent(e, s.engine[dir]) }
+func (s *Sim) Record(dir Direction, e Event) error { return s.cu.Record(dir, e) }
 
 // Wait implements Device.
-func (s *Sim) Wait(dir Direction, e Event) error { return s.StreamWaitEvent(s.engine[dir], e) }
+func (s *Sim) Wait(dir Direction, e Event) error { return s.cu.Wait(dir, e) }
 
 // SyncStream implements Device.
-func (s *Sim) SyncStream(dir Direction) error { return s.StreamSynchronize(s.engine[dir]) }
+func (s *Sim) SyncStream(dir Direction) error { return s.cu.SyncStream(dir) }
 
-// CreateEvent implements Device (and serves callers' events in tests).
-func (s *Sim) CreateEvent(bool) (Event, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.sticky != nil {
-		return 0, s.sticky
-	}
-	s.nextID++
-	e := Event(s.nextID)
-	s.events[e] = &simEvent{}
-	return e, nil
-}
+// CreateEvent implements Device.
+func (s *Sim) CreateEvent(blockingSync bool) (Event, error) { return s.cu.CreateEvent(blockingSync) }
 
 // DestroyEvent implements Device.
-func (s *Sim) DestroyEvent(e Event) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if _, err := s.eventLocked(e, false); err != nil {
-		return err
-	}
-	delete(s.events, e)
-	return nil
-}
+func (s *Sim) DestroyEvent(e Event) error { return s.cu.DestroyEvent(e) }
 
 // Query implements Device.
-func (s *Sim) Query(e Event) (bool, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	ev, err := s.eventLocked(e, true)
-	if err != nil {
-		return false, err
-	}
-	return ev.done >= ev.recorded, nil
-}
+func (s *Sim) Query(e Event) (bool, error) { return s.cu.Query(e) }
 
 // Sync implements Device.
-func (s *Sim) Sync(e Event) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	ev, err := s.eventLocked(e, false)
-	if err != nil {
-		return err
-	}
-	target := ev.recorded
-	for ev.done < target && s.sticky == nil {
-		s.cond.Wait()
-	}
-	return s.sticky
-}
+func (s *Sim) Sync(e Event) error { return s.cu.Sync(e) }
 
-// IsCapturing implements Device.
+// IsCapturing implements Device: a stream SetCapturing marked, or one
+// capturing in the fake.
 func (s *Sim) IsCapturing(id Stream) (bool, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	st, err := s.stream(id)
-	if err != nil {
-		return false, err
+	_, on := s.capturing[id]
+	s.mu.Unlock()
+	if on {
+		return true, nil
 	}
-	return st.capturing, nil
+	return s.cu.IsCapturing(id)
 }
 
-// Close stops every stream after its queued work and unmaps device memory.
+// Close releases the engine streams, the copy kernels and the fake
+// driver (its memory included). The scheduler is closed first. After a
+// sticky error the context's objects go with it: Close does not report
+// their release failing.
 func (s *Sim) Close() error {
-	s.sendMu.Lock()
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
-		s.sendMu.Unlock()
 		return nil
 	}
 	s.closed = true
-	streams := s.streams
 	s.mu.Unlock()
-	for _, st := range streams {
-		close(st.ops)
+	err := errors.Join(s.cu.Close(), s.drv.PrimaryCtxRelease(0))
+	if cuda.IsSticky(err) {
+		// A lost context (InjectError) frees everything with it.
+		err = nil
 	}
-	s.sendMu.Unlock()
-	for _, st := range streams {
-		<-st.done
-	}
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	var err error
-	for _, m := range s.dev {
-		err = errors.Join(err, unix.Munmap(m.b))
-	}
-	s.dev, s.host = nil, nil
-	return err
+	return errors.Join(err, s.drv.Close())
 }

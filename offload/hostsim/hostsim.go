@@ -1,5 +1,6 @@
-// Package hostsim is the host backend's simulated device: "GPU memory" in
-// ordinary host memory at made-up addresses, copies run by goroutines after
+// Package hostsim is the host backend's simulated device: the CUDA code
+// path over the module's fake driver (transfer.Sim), "GPU memory" in
+// anonymous host mappings, copies run by the fake's stream goroutines after
 // a random, seeded delay, completions out of order across directions as on
 // a GPU. It is for tests, demos and the C ABI's kvo_sim_* calls, not for a
 // serving stack's main path, which imports only package offload.

@@ -19,6 +19,10 @@ type Options struct {
 	// MaxDelay is the upper bound of the random delay added before every
 	// queued work item runs (0: none).
 	MaxDelay time.Duration
+	// CopyMinDelay and CopyMaxDelay bound a random delay added before
+	// each copy, kernel and host function only (on top of MaxDelay), so
+	// that a simulation can hold copies without slowing its bookkeeping.
+	CopyMinDelay, CopyMaxDelay time.Duration
 	// DeviceMemory is the device capacity in bytes (0: 1 GiB).
 	DeviceMemory uint64
 	// NoMemcpyBatch makes HasMemcpyBatch report false (a driver older than 12.8).
@@ -344,6 +348,14 @@ func (d *Driver) delayLocked() time.Duration {
 		return 0
 	}
 	return time.Duration(d.rng.Int64N(int64(d.opts.MaxDelay) + 1))
+}
+
+// copyDelayLocked is the extra delay of a copy, kernel or host function.
+func (d *Driver) copyDelayLocked(it *item) time.Duration {
+	if d.opts.CopyMaxDelay <= 0 || (it.kind != itemCopy && it.kind != itemBatch && it.kind != itemKernel && it.kind != itemHost) {
+		return 0
+	}
+	return d.opts.CopyMinDelay + time.Duration(d.rng.Int64N(int64(d.opts.CopyMaxDelay-d.opts.CopyMinDelay)+1))
 }
 
 // ctxBase offsets primary context handles so that no device's is zero.

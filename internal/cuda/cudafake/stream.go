@@ -18,6 +18,7 @@ const (
 	itemWait
 	itemWaitValue  // waits until the word at dst is ≥ n (as CU_STREAM_WAIT_VALUE_GEQ)
 	itemWriteValue // writes n to the word at dst
+	itemHost       // runs fn (LaunchHostFunc)
 )
 
 // item is one unit of queued work. Items recorded by a capture are
@@ -30,6 +31,7 @@ type item struct {
 	n      uint64
 	batch  []cuda.BatchCopy
 	fn     *function
+	host   func()
 	args   [][]byte
 	ev     *event
 	gen    uint64      // record: the generation it completes; wait: the one it waits for
@@ -107,7 +109,7 @@ func (d *Driver) serve(s *stream) {
 				return
 			}
 		}
-		delay := d.delayLocked()
+		delay := d.delayLocked() + d.copyDelayLocked(it)
 		poisoned := d.stickyCode != cuda.Success
 		d.mu.Unlock()
 		res := cuda.Success
@@ -154,6 +156,8 @@ func (d *Driver) exec(it *item) cuda.Result {
 		}
 	case itemKernel:
 		return d.runKernel(it.fn.name, it.args)
+	case itemHost:
+		it.host()
 	}
 	return cuda.Success
 }
