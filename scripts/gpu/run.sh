@@ -52,6 +52,7 @@ SUITES=(
 	"tests|every package's GPU tests (-test.run GPU, KVO_REQUIRE_GPU=1)"
 	"bench|kvoffload info; the throughput benchmark (kvoffload bench --only throughput --reps 3)"
 	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
+	"tp|tensor-parallel sharing on the GPU: TestGPUTPSizeSharing, and a TP=4 rank's head-sliced stores and loads against the same-run link (offload.test BenchmarkGPUHeadSliced; not in all)"
 	"calltime|how long Engine.Store and Engine.Load of 2048 8B-class blocks take to return (offload.test BenchmarkGPUCallTime)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
@@ -87,6 +88,12 @@ suite_bench() {
 suite_blocks() {
 	KVO_BENCH_BLOCKS=1 KVO_BENCH_OUT=$D step_in bench timeout 300 "$B/bench.test" -test.v \
 		-test.run 'TestBlocksBench$' -test.timeout 4m
+}
+
+suite_tp() {
+	step_in offload timeout 120 "$B/offload.test" -test.v -test.count=1 -test.run 'TestGPUTPSizeSharing'
+	KVO_BENCH_OUT=$D step_in offload timeout 240 "$B/offload.test" -test.run '^$' -test.bench 'GPUHeadSliced$' \
+		-test.benchtime 5x -test.count 2 -test.v
 }
 
 suite_calltime() {
