@@ -231,10 +231,12 @@ func TestFaultInjection(t *testing.T) {
 		defer func() { require.NoError(t, d.Close()) }()
 		a, err := d.MemAlloc(8)
 		require.NoError(t, err)
-		d.StickyAt(cuda.OpMemcpyAsync, 1, cuda.ErrorIllegalAddress)
-		require.NoError(t, d.MemcpyAsync(a, a, 8, 0))
+		// The event first: once the poisoned copy has run (at once, on
+		// the stream's goroutine) every call fails, EventCreate included.
 		e, err := d.EventCreate(0)
 		require.NoError(t, err)
+		d.StickyAt(cuda.OpMemcpyAsync, 1, cuda.ErrorIllegalAddress)
+		require.NoError(t, d.MemcpyAsync(a, a, 8, 0))
 		err = d.EventRecord(e, 0)
 		if err == nil {
 			err = d.EventSynchronize(e)
