@@ -318,3 +318,65 @@ func TestEarlyFulfilFailure(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, op2.Wait())
 }
+
+// TestEarlySameBatchAfter: two early ops taken into one batch, the second
+// submitted After an event the caller recorded behind a wait on the
+// first's event. The second's snapshot wait must come after the first's
+// copies and counter write, not at the head of the batch (where it would
+// wait on itself: found in review, it deadlocked).
+func TestEarlySameBatchAfter(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 8*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 14})
+	caller, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.drv.StreamDestroy(caller) })
+	after, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	hold := make(chan struct{})
+	// op0 keeps the submitter busy, so that op1 and op2 are taken together.
+	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
+	require.NoError(t, err)
+	op1, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	ev1, err := op1.Event()
+	require.NoError(t, err)
+	require.NoError(t, e.drv.StreamWaitEvent(caller, cuda.Event(ev1), cuda.EventWaitDefault))
+	require.NoError(t, e.drv.EventRecord(after, caller))
+	r2 := lazyLoad(e, n, seg, false, -1, nil)
+	r2.After = Event(after)
+	op2, err := submitWithin(t, e.s, r2, 5*time.Second)
+	require.NoError(t, err)
+	close(hold)
+	require.NoError(t, op0.Wait())
+	select {
+	case <-op2.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("op2's After snapshot wait came before op1's copies and counter write (a deadlock)")
+	}
+	require.NoError(t, op2.Err())
+	require.NoError(t, op1.Wait())
+}
+
+// TestEarlyPartialPromise: a Promise that fails after the op was given its
+// counter values (here at its second layer's event record) fails Submit,
+// and the values are still written in their turn, so the signal stream is
+// not left waiting: Close, whose cuMemFree waits for the device to go idle
+// on this fake as on the driver, returns.
+func TestEarlyPartialPromise(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 15, SyncingFree: true})
+	calls := e.drv.Calls(cuda.OpEventRecord)
+	e.drv.FailAt(cuda.OpEventRecord, calls+2, cuda.ErrorInvalidValue)
+	_, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.Error(t, err)
+	// No later op writes a greater value: the failed op's own placeholder
+	// must, or the device never idles and the counters' cuMemFree hangs.
+	closed := make(chan error, 1)
+	go func() { closed <- errors.Join(e.s.Close(), e.cu.Close()) }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close hung: a failed promise's counter values were never written")
+	}
+}

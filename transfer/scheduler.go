@@ -262,6 +262,8 @@ type Op struct {
 	subErr error
 	// built counts the bytes a lazy op's parts have produced.
 	built uint64
+	// given: the signaller gave the op counter values (seq0+1 …).
+	given bool
 
 	mu        sync.Mutex
 	err       error
@@ -563,6 +565,9 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		for d := range s.pending {
 			close(s.pending[d])
 		}
+		if s.sigQuit != nil {
+			close(s.sigQuit)
+		}
 		return
 	}
 	for {
@@ -570,10 +575,10 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		for s.issueRound() {
 		}
 		s.mu.Lock()
+		// Also after a sticky error: the ops still being promised are
+		// handed over (and failed by issueRound) before the engine stops,
+		// so no Submit waits forever and no op is left without completion.
 		stop := s.closed && s.signalling == 0 && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
-		if s.sticky != nil {
-			stop = s.closed
-		}
 		s.mu.Unlock()
 		if stop {
 			break
@@ -679,21 +684,50 @@ func (s *Scheduler) issue(b *batch) {
 		return
 	}
 	b.ev = ev
+	if invariantsEnabled && s.cfg.Tracker != nil {
+		for _, op := range b.ops {
+			if !op.req.lazy() {
+				op.gens = s.cfg.Tracker.gens("at submission", d, op.segs, nil)
+			}
+		}
+	}
+	b.descs = s.descBuf()
+	// First each op with early events on its own, in the order taken (the
+	// order its counter values were given out: the waits are ≥
+	// comparisons, so a value written early would release the events of
+	// every smaller one), its snapshot wait just before its own copies: a
+	// later op's After may depend on an earlier op's events (the caller
+	// waited on them), so no wait may come before an earlier op's copies.
+	// Then the ops without early events, layer by layer, their copies
+	// coalesced after their waits; nothing can wait on them on the GPU
+	// before they are issued (they have no events yet).
+	var shared, early []*Op
 	for _, op := range b.ops {
 		if op.early {
-			if op.snap != 0 {
-				// The snapshot of After taken at Submit; once the wait is
-				// enqueued the event may be recorded again.
-				err := s.dev.Wait(d, op.snap)
-				s.putBatchEvent(op.snap)
-				op.snap = 0
-				if err != nil {
-					fail(fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err))
-					return
-				}
-			}
-			continue
+			early = append(early, op)
+		} else {
+			shared = append(shared, op)
 		}
+	}
+	for _, op := range early {
+		if op.snap != 0 {
+			// The snapshot of After taken at Submit; once the wait is
+			// enqueued the event may be recorded again.
+			err := s.dev.Wait(d, op.snap)
+			s.putBatchEvent(op.snap)
+			op.snap = 0
+			if err != nil {
+				fail(fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err))
+				return
+			}
+		}
+		enqueued = true // from here on a failure waits for the stream (see issueLayers)
+		if err := s.issueLayers(b, []*Op{op}); err != nil {
+			fail(err)
+			return
+		}
+	}
+	for _, op := range shared {
 		if op.req.After != 0 {
 			if err := s.dev.Wait(d, op.req.After); err != nil {
 				fail(fmt.Errorf("transfer: waiting on the After event %#x: %w", uintptr(op.req.After), err))
@@ -707,35 +741,10 @@ func (s *Scheduler) issue(b *batch) {
 			}
 		}
 	}
-	if invariantsEnabled && s.cfg.Tracker != nil {
-		for _, op := range b.ops {
-			op.gens = s.cfg.Tracker.gens("at submission", d, op.segs, nil)
-		}
-	}
-	b.descs = s.descBuf()
-	// Ops without early events, layer by layer, their copies coalesced;
-	// then each op with early events on its own, layer by layer, so the
-	// counter values are written in the order they were given out (the
-	// waits are ≥ comparisons: a value written early would release the
-	// events of every smaller one).
-	var shared, early []*Op
-	for _, op := range b.ops {
-		if op.early {
-			early = append(early, op)
-		} else {
-			shared = append(shared, op)
-		}
-	}
-	enqueued = true // from here on a failure waits for the stream (see issueLayers)
+	enqueued = true
 	if err := s.issueLayers(b, shared); err != nil {
 		fail(err)
 		return
-	}
-	for _, op := range early {
-		if err := s.issueLayers(b, []*Op{op}); err != nil {
-			fail(err)
-			return
-		}
 	}
 	if invariantsEnabled {
 		b.hash = descHash(s.seed, b.descs)
@@ -896,6 +905,11 @@ func (s *Scheduler) fulfilAll(b *batch) {
 		if op.early {
 			v = max(v, op.seq0+uint64(len(op.layerEnds)))
 		}
+		if op.snap != 0 {
+			// Its wait was never enqueued: the snapshot goes back.
+			s.putBatchEvent(op.snap)
+			op.snap = 0
+		}
 	}
 	if v != 0 && s.early.Fulfil(b.dir, v) != nil {
 		// The events may never complete: the completer must not wait
@@ -955,6 +969,7 @@ func (s *Scheduler) promise(op *Op) error {
 	base := s.seq[d]
 	s.seq[d] += uint64(len(op.layerEnds))
 	op.seq0 = base
+	op.given = true
 	var evs []Event
 	for l := range op.layerEnds {
 		evs = evs[:0]
@@ -991,6 +1006,12 @@ func (s *Scheduler) handOver(op *Op, err error) {
 	if err != nil {
 		s.inflight[d] -= op.bytes
 		op.subErr = err
+		if op.given {
+			// Waits for its values may already be queued on the signal
+			// stream: an op with no copies has the engine stream write them
+			// in turn, so the stream (and the device) are not left waiting.
+			s.immediate[d] = append(s.immediate[d], op.placeholder())
+		}
 	} else {
 		op.early = true
 		s.immediate[d] = append(s.immediate[d], op)
@@ -1029,7 +1050,8 @@ func (s *Scheduler) batchEvent() (Event, error) {
 	return e, nil
 }
 
-// opEventsFor gives op its pooled events (engine thread only).
+// opEventsFor gives op its pooled events (an engine thread: the
+// submitter, or the signaller for early events).
 func (s *Scheduler) opEventsFor(op *Op) error {
 	if !op.req.Events {
 		return nil
@@ -1260,16 +1282,23 @@ func (op *Op) complete(err error) {
 	}
 }
 
-// lastEvent is the last event an early op's promise recorded (0 for an op
-// without early events).
+// placeholder is an early op with no copies and no events that stands for
+// op in the submitter's queue: its only effect is writing op's counter
+// values in their turn.
+func (op *Op) placeholder() *Op {
+	p := &Op{s: op.s, dir: op.dir, early: true, seq0: op.seq0, done: make(chan struct{})}
+	p.layerEnds = make([]int, len(op.layerEnds))
+	return p
+}
+
+// lastEvent is the op event of an early op, recorded last by its promise
+// (0 for an op without early events or without Events). A caller's Signal
+// is never waited on here: the caller may record it again or destroy it.
 func (op *Op) lastEvent() Event {
-	switch {
-	case !op.early:
+	if !op.early {
 		return 0
-	case op.ev != 0:
-		return op.ev
 	}
-	return op.req.Signal
+	return op.ev
 }
 
 func (op *Op) recycle() {

@@ -334,6 +334,30 @@ func (c *Copier) KeepIdle() bool {
 	if c.opts.MaxDeviceBytes-capT < int64(c.opts.GatherChunkBytes) {
 		return false
 	}
+	// What New and Prewarm allocated may exceed the shares: free the idle
+	// excess now (called before any copy is in flight, so cuMemFree waits
+	// for nothing), or refuse if copies still hold it.
+	chunk := int64(c.opts.GatherChunkBytes)
+	for int64(len(c.all))*tb > capT && len(c.free) > 0 {
+		b := c.free[len(c.free)-1]
+		c.free = c.free[:len(c.free)-1]
+		c.all = slices.DeleteFunc(c.all, func(q *descBuf) bool { return q == b })
+		if err := errors.Join(c.devFreeLocked(b.dev, uint64(tb)), c.drv.MemFreeHost(b.host)); err != nil {
+			return false
+		}
+	}
+	other := func() int64 { return c.devBytes - int64(len(c.all))*tb }
+	for other() > c.opts.MaxDeviceBytes-capT && len(c.stagingFree) > 0 {
+		p := c.stagingFree[len(c.stagingFree)-1]
+		c.stagingFree = c.stagingFree[:len(c.stagingFree)-1]
+		c.stagingAll = slices.DeleteFunc(c.stagingAll, func(q cuda.DevicePtr) bool { return q == p })
+		if err := c.devFreeLocked(p, uint64(chunk)); err != nil {
+			return false
+		}
+	}
+	if int64(len(c.all))*tb > capT || other() > c.opts.MaxDeviceBytes-capT {
+		return false
+	}
 	c.tableCap = capT
 	return true
 }

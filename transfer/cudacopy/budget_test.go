@@ -179,3 +179,32 @@ func TestPrewarmFake(t *testing.T) {
 	require.LessOrEqual(t, int64(len(c.all))*c.descBytes(), c.tableCap)
 	require.NoError(t, c.Close())
 }
+
+// KeepIdle after Prewarm on a small bound frees the idle tables and chunks
+// beyond the shares, so later copies fit them (found in review: every copy
+// failed with ErrDeviceBudget once the tables exceeded their share).
+func TestKeepIdleTrimsExcessFake(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{DeviceMemory: 4 << 30})
+	g, s := newStream(t, drv), newStream(t, drv)
+	const n = 8 << 20
+	src, dst, dev := testBuffers(t, drv, n)
+	c := newCopier(t, drv, Options{PTX: fakePTX, MaxDeviceBytes: 16 << 20})
+	knownHost(t, c, dst)
+	require.NoError(t, c.Prewarm(8, 1))
+	require.True(t, c.KeepIdle())
+	require.LessOrEqual(t, int64(len(c.all))*c.descBytes(), c.tableCap)
+	require.LessOrEqual(t, c.DeviceBytes(), c.MaxDeviceBytes())
+	require.NoError(t, drv.Memcpy(dev, cuda.DevicePtr(addr(src)), n))
+	segs := blockSegs(D2H, addr(dst), uint64(dev), 8, 8, 128<<10, 3)
+	for range 3 {
+		tk, err := c.SubmitGather(g, s, segs)
+		require.NoError(t, err)
+		require.NoError(t, drv.StreamSynchronize(s))
+		require.NoError(t, c.Retire(tk))
+		tk, err = c.Submit(s, D2H, segs)
+		require.NoError(t, err)
+		require.NoError(t, drv.StreamSynchronize(s))
+		require.NoError(t, c.Retire(tk))
+	}
+	require.NoError(t, c.Close())
+}

@@ -113,6 +113,9 @@ type Driver struct {
 	rng        *rand.Rand
 	nextHandle uintptr
 	streams    map[cuda.Stream]*stream
+	// running: every stream whose goroutine runs, destroyed ones still
+	// draining included (what SyncingFree waits for).
+	running    map[*stream]struct{}
 	events     map[cuda.Event]*event
 	modules    map[cuda.Module]*module
 	funcs      map[cuda.Function]*function
@@ -151,6 +154,7 @@ func New(opts Options) *Driver {
 		rng:        rand.New(rand.NewPCG(opts.Seed, opts.Seed^0x9E3779B97F4A7C15)),
 		nextHandle: 0x1000,
 		streams:    map[cuda.Stream]*stream{},
+		running:    map[*stream]struct{}{},
 		events:     map[cuda.Event]*event{},
 		modules:    map[cuda.Module]*module{},
 		funcs:      map[cuda.Function]*function{},

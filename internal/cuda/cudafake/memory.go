@@ -340,9 +340,10 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 	return d.mem.free(cuda.OpMemFree, uint64(p), spanDevice)
 }
 
-// busyLocked reports whether any stream has work queued.
+// busyLocked reports whether any stream, a destroyed one still draining
+// included, has work queued.
 func (d *Driver) busyLocked() bool {
-	for _, s := range d.streams {
+	for s := range d.running {
 		if len(s.queue) > 0 {
 			return true
 		}

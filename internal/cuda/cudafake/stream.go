@@ -74,6 +74,7 @@ func (e *event) done() bool { return e.completed >= e.recorded }
 func (d *Driver) startStreamLocked(h cuda.Stream) *stream {
 	s := &stream{h: h}
 	d.streams[h] = s
+	d.running[s] = struct{}{}
 	d.wg.Add(1)
 	go d.serve(s)
 	return s
@@ -85,6 +86,7 @@ func (d *Driver) serve(s *stream) {
 	defer d.wg.Done()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer delete(d.running, s) // under mu (deferred after Unlock's defer: runs first)
 	for {
 		for len(s.queue) == 0 && !s.destroyed && !d.closed {
 			d.cond.Wait()
