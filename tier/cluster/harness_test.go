@@ -1,17 +1,15 @@
 package cluster
 
 import (
-	"context"
 	"fmt"
-	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
 )
 
 // testCluster is a Redis Cluster of real redis-server processes on loopback
@@ -35,31 +33,6 @@ func needRedis(tb testing.TB) {
 	}
 }
 
-// freePort returns a loopback port free for a node and its cluster bus
-// (port+10000), not in avoid.
-func freePort(avoid map[int]bool) (int, error) {
-	for range 200 {
-		p := 20000 + rand.IntN(25000)
-		if avoid[p] || avoid[p+10000] || avoid[p-10000] {
-			continue
-		}
-		ok := true
-		for _, q := range []int{p, p + 10000} {
-			l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(q))
-			if err != nil {
-				ok = false
-				break
-			}
-			l.Close()
-		}
-		if ok {
-			avoid[p] = true
-			return p, nil
-		}
-	}
-	return 0, fmt.Errorf("no free port pair")
-}
-
 // startCluster starts masters masters with replicas replicas each (0 or 1)
 // in dir, creates the cluster and waits for cluster_state:ok everywhere.
 func startCluster(dir string, masters, replicas int, password string, extra ...string) (*testCluster, error) {
@@ -75,7 +48,7 @@ func freePorts(n int) ([]int, error) {
 	avoid := map[int]bool{}
 	var ports []int
 	for range n {
-		p, err := freePort(avoid)
+		p, err := clustertest.FreePort(avoid)
 		if err != nil {
 			return nil, err
 		}
@@ -105,7 +78,7 @@ func startClusterOn(dir string, ports []int, masters, replicas int, password str
 		c.procs[p] = cmd
 	}
 	for _, p := range c.ports {
-		if err := waitDial(p, 5*time.Second); err != nil {
+		if err := clustertest.WaitDial(p, 5*time.Second); err != nil {
 			c.stop()
 			return nil, err
 		}
@@ -126,44 +99,9 @@ func startClusterOn(dir string, ports []int, masters, replicas int, password str
 	return c, nil
 }
 
-func waitDial(p int, d time.Duration) error {
-	deadline := time.Now().Add(d)
-	for {
-		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(p), 100*time.Millisecond)
-		if err == nil {
-			conn.Close()
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("redis-server on port %d did not come up: %w", p, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // waitOK waits until every live node reports cluster_state:ok.
 func (c *testCluster) waitOK(d time.Duration) error {
-	deadline := time.Now().Add(d)
-	for {
-		bad := ""
-		for _, p := range c.ports {
-			if c.procs[p] == nil {
-				continue
-			}
-			out, err := c.cli(p, "cluster", "info")
-			if err != nil || !strings.Contains(out, "cluster_state:ok") {
-				bad = fmt.Sprintf("node %d: %v %s", p, err, out)
-				break
-			}
-		}
-		if bad == "" {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("cluster not ok after %v: %s", d, bad)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return clustertest.WaitOK(c.ports, c.password, d, func(p int) bool { return c.procs[p] == nil })
 }
 
 // cli runs redis-cli against the node on port p.
@@ -172,14 +110,7 @@ func (c *testCluster) cli(p int, args ...string) (string, error) {
 }
 
 func (c *testCluster) cliAt(p int, args ...string) (string, error) {
-	base := []string{"-h", "127.0.0.1", "-p", strconv.Itoa(p)}
-	if c.password != "" {
-		base = append(base, "-a", c.password, "--no-auth-warning")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "redis-cli", append(base, args...)...).CombinedOutput()
-	return strings.TrimSpace(string(out)), err
+	return clustertest.CLI(p, c.password, args...)
 }
 
 func (c *testCluster) addrs() []string {

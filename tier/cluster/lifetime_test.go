@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
 )
 
 // goroutines returns the stacks of the running goroutines by id.
@@ -198,7 +200,7 @@ func TestNotACluster(t *testing.T) {
 	require.NoError(t, plain.Start())
 	stopPlain := func() { _ = plain.Process.Kill(); _ = plain.Wait() }
 	t.Cleanup(stopPlain)
-	require.NoError(t, waitDial(ports[0], 5*time.Second))
+	require.NoError(t, clustertest.WaitDial(ports[0], 5*time.Second))
 
 	before := goroutines()
 	_, err = Open(context.Background(), Config{Addrs: []string{addr}, Namespace: "plain", Timeout: 500 * time.Millisecond})
@@ -217,7 +219,7 @@ func TestNotACluster(t *testing.T) {
 	require.NoError(t, node.Start())
 	c := &testCluster{dir: dir, ports: ports, procs: map[int]*exec.Cmd{ports[0]: node}, masters: 1}
 	t.Cleanup(c.stop)
-	require.NoError(t, waitDial(ports[0], 5*time.Second))
+	require.NoError(t, clustertest.WaitDial(ports[0], 5*time.Second))
 	out, err := c.cli(ports[0], "cluster", "addslotsrange", "0", "16383")
 	require.NoError(t, err, out)
 	require.NoError(t, c.waitOK(20*time.Second))

@@ -80,7 +80,7 @@ func Reserve(tb testing.TB, masters int) *Cluster {
 	c := &Cluster{dir: tb.TempDir(), procs: map[int]*exec.Cmd{}}
 	avoid := map[int]bool{}
 	for range masters {
-		p, err := freePort(avoid)
+		p, err := FreePort(avoid)
 		if err != nil {
 			tb.Fatal(err)
 		}
@@ -100,7 +100,7 @@ func start(dir string, masters int) (*Cluster, error) {
 	c := &Cluster{dir: dir, procs: map[int]*exec.Cmd{}}
 	avoid := map[int]bool{}
 	for range masters {
-		p, err := freePort(avoid)
+		p, err := FreePort(avoid)
 		if err != nil {
 			return nil, err
 		}
@@ -127,7 +127,7 @@ func (c *Cluster) launch() error {
 		c.mu.Unlock()
 	}
 	for _, p := range c.ports {
-		if err := waitDial(p, 5*time.Second); err != nil {
+		if err := WaitDial(p, 5*time.Second); err != nil {
 			c.Stop()
 			return err
 		}
@@ -135,7 +135,7 @@ func (c *Cluster) launch() error {
 	args := []string{"--cluster", "create"}
 	args = append(args, c.Addrs()...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	if out, err := cli(c.ports[0], args...); err != nil {
+	if out, err := CLI(c.ports[0], "", args...); err != nil {
 		c.Stop()
 		return fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
 	}
@@ -146,7 +146,9 @@ func (c *Cluster) launch() error {
 	return nil
 }
 
-func freePort(avoid map[int]bool) (int, error) {
+// FreePort returns a loopback port free for a node and its cluster bus
+// (port+10000), not in avoid, and adds it to avoid.
+func FreePort(avoid map[int]bool) (int, error) {
 	for range 200 {
 		p := 20000 + rand.IntN(25000)
 		if avoid[p] || avoid[p+10000] || avoid[p-10000] {
@@ -169,7 +171,8 @@ func freePort(avoid map[int]bool) (int, error) {
 	return 0, fmt.Errorf("no free port pair")
 }
 
-func waitDial(p int, d time.Duration) error {
+// WaitDial waits up to d until loopback port p accepts connections.
+func WaitDial(p int, d time.Duration) error {
 	deadline := time.Now().Add(d)
 	for {
 		conn, err := net.DialTimeout("tcp", "127.0.0.1:"+strconv.Itoa(p), 100*time.Millisecond)
@@ -184,12 +187,19 @@ func waitDial(p int, d time.Duration) error {
 	}
 }
 
-func (c *Cluster) waitOK(d time.Duration) error {
+func (c *Cluster) waitOK(d time.Duration) error { return WaitOK(c.ports, "", d, nil) }
+
+// WaitOK waits up to d until every node on ports (those skip does not
+// leave out) reports cluster_state:ok, asking with password if not "".
+func WaitOK(ports []int, password string, d time.Duration, skip func(port int) bool) error {
 	deadline := time.Now().Add(d)
 	for {
 		bad := ""
-		for _, p := range c.ports {
-			out, err := cli(p, "cluster", "info")
+		for _, p := range ports {
+			if skip != nil && skip(p) {
+				continue
+			}
+			out, err := CLI(p, password, "cluster", "info")
 			if err != nil || !strings.Contains(out, "cluster_state:ok") {
 				bad = fmt.Sprintf("node %d: %v %s", p, err, out)
 				break
@@ -205,10 +215,15 @@ func (c *Cluster) waitOK(d time.Duration) error {
 	}
 }
 
-func cli(p int, args ...string) (string, error) {
+// CLI runs redis-cli against loopback port p, with password if not "",
+// and returns its trimmed output.
+func CLI(p int, password string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	base := []string{"-h", "127.0.0.1", "-p", strconv.Itoa(p)}
+	if password != "" {
+		base = append(base, "-a", password, "--no-auth-warning")
+	}
 	out, err := exec.CommandContext(ctx, "redis-cli", append(base, args...)...).CombinedOutput()
 	return strings.TrimSpace(string(out)), err
 }
