@@ -392,12 +392,16 @@ def set_attn(model, impl):
                            "config._attn_implementation)")
 
 
-def build_model(max_tokens, seed):
+def random_llama(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, max_pos, seed):
+    """A Llama built from its config in bf16 on the GPU, with random weights
+    drawn there whatever the constructor did: normal (std 0.02) matrices,
+    norm weights left at 1. Nothing is downloaded. (bench/transformers_cb.py
+    builds its models here too.)"""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      head_dim=HEAD_DIM, max_position_embeddings=max(8192, 2 * max_tokens),
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=max_pos,
                       tie_word_embeddings=False, attn_implementation="sdpa")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -407,8 +411,6 @@ def build_model(max_tokens, seed):
     finally:
         torch.set_default_dtype(prev)
     model.eval()
-    # Random weights, drawn on the GPU whatever the constructor did: normal
-    # (std 0.02) matrices, norm weights left at 1.
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -416,6 +418,12 @@ def build_model(max_tokens, seed):
                 raise RuntimeError(f"parameter {name} is {p.dtype} on {p.device}, want bfloat16 on cuda")
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def build_model(max_tokens, seed):
+    model = random_llama(VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM,
+                         max(8192, 2 * max_tokens), seed)
     set_attn(model, "sdpa")
     return model
 

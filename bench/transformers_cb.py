@@ -269,26 +269,13 @@ def machine():
 
 
 def build_model(geom, seed, max_pos):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from realmodel import random_llama
     g = GEOMETRIES[geom]
-    cfg = LlamaConfig(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["intermediate"],
-                      num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
-                      num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"], max_position_embeddings=max_pos,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.eval()
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
+    model = random_llama(g["vocab"], g["hidden"], g["intermediate"], g["layers"], g["heads"], g["kv_heads"],
+                         g["head_dim"], max_pos, seed)
     # paged|sdpa, so that the manager does not switch to flash attention when it is installed.
     model.set_attn_implementation("paged|sdpa")
     return model
