@@ -411,24 +411,13 @@ func (l *Layout) Segments(id int, dst []Segment) ([]Segment, error) {
 	if l.spec.Order != OrderUndeclared {
 		return l.segmentsRange(id, l.heads, dst), nil
 	}
-	b := uint64(id)
-	switch l.spec.Kind {
-	case CrossLayer:
-		return append(dst, Segment{Dev: l.spec.Base + b*l.spec.Stride, Off: 0, Len: l.segLen, Layer: -1}), nil
-	case MLA:
-		for i, lt := range l.spec.Layers {
-			dst = append(dst, Segment{Dev: lt.K + b*lt.Stride, Off: uint64(i) * l.segSpan, Len: l.segLen, Layer: i})
-		}
-		return dst, nil
-	default:
-		for i, lt := range l.spec.Layers {
-			off := uint64(2*i) * l.segSpan
-			dst = append(dst,
-				Segment{Dev: lt.K + b*lt.Stride, Off: off, Len: l.segLen, Layer: i},
-				Segment{Dev: lt.V + b*lt.Stride, Off: off + l.segSpan, Len: l.segLen, Layer: i})
-		}
-		return dst, nil
+	if l.spec.Kind == CrossLayer {
+		return l.layerSegments(uint64(id), 0, dst), nil
 	}
+	for i := range l.spec.Layers {
+		dst = l.layerSegments(uint64(id), i, dst)
+	}
+	return dst, nil
 }
 
 // alignUp rounds n up to a multiple of a (a power of two); ok is false on
@@ -493,20 +482,27 @@ func (l *Layout) LayerSegments(id, layer int, dst []Segment) ([]Segment, error) 
 	if l.spec.Order != OrderUndeclared {
 		return l.layerSegmentsRange(b, layer, l.heads, dst), nil
 	}
+	if l.spec.Kind == CrossLayer && layer != 0 {
+		return dst, nil
+	}
+	return l.layerSegments(b, layer, dst), nil
+}
+
+// layerSegments appends block b's segments of layer (a layout of undeclared
+// order; the whole block for CrossLayer), unchecked: Segments and
+// LayerSegments check b and layer.
+func (l *Layout) layerSegments(b uint64, layer int, dst []Segment) []Segment {
 	switch l.spec.Kind {
 	case CrossLayer:
-		if layer != 0 {
-			return dst, nil
-		}
-		return append(dst, Segment{Dev: l.spec.Base + b*l.spec.Stride, Off: 0, Len: l.segLen, Layer: -1}), nil
+		return append(dst, Segment{Dev: l.spec.Base + b*l.spec.Stride, Off: 0, Len: l.segLen, Layer: -1})
 	case MLA:
 		lt := l.spec.Layers[layer]
-		return append(dst, Segment{Dev: lt.K + b*lt.Stride, Off: uint64(layer) * l.segSpan, Len: l.segLen, Layer: layer}), nil
+		return append(dst, Segment{Dev: lt.K + b*lt.Stride, Off: uint64(layer) * l.segSpan, Len: l.segLen, Layer: layer})
 	default:
 		lt := l.spec.Layers[layer]
 		off := uint64(2*layer) * l.segSpan
 		return append(dst,
 			Segment{Dev: lt.K + b*lt.Stride, Off: off, Len: l.segLen, Layer: layer},
-			Segment{Dev: lt.V + b*lt.Stride, Off: off + l.segSpan, Len: l.segLen, Layer: layer}), nil
+			Segment{Dev: lt.V + b*lt.Stride, Off: off + l.segSpan, Len: l.segLen, Layer: layer})
 	}
 }
