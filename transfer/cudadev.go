@@ -55,8 +55,19 @@ const prewarmTables, prewarmRings = 4, 2
 // to complete, and a copy no single copier call could hold is split in
 // halves (BudgetSplits). The calling OS
 // thread must have ctx (dev's context) current; the engine threads make it
-// current on theirs.
+// current on theirs. The machinery of early events (streams, counters)
+// is prepared; newCUDANoEarly leaves it out.
 func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
+	return newCUDAWith(drv, dev, ctx, opts, true)
+}
+
+// newCUDANoEarly is newCUDA for a device that never gives early events
+// (Sim): no signal streams or counters are made for nothing.
+func newCUDANoEarly(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
+	return newCUDAWith(drv, dev, ctx, opts, false)
+}
+
+func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options, early bool) (*CUDA, error) {
 	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
@@ -86,7 +97,11 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
 	c.meter = c.copier
-	c.setupEarly()
+	if early {
+		c.setupEarly()
+	} else {
+		c.early.why = "not prepared for this device"
+	}
 	// Warm start: the first copies find their descriptor tables and two
 	// rings of staging chunks ready instead of allocating them on the
 	// submitting thread. Short of memory, the copies allocate as before.

@@ -71,7 +71,7 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 	}
 	// The copy kernels, uncalibrated (the rule the fake's timings would
 	// not make better).
-	cu, err := newCUDA(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
+	cu, err := newCUDANoEarly(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("%w: %w", ErrSim, err), drv.PrimaryCtxRelease(0), drv.Close())
 	}
