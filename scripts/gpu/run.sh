@@ -145,7 +145,8 @@ suite_soak() {
 }
 
 suite_python() {
-	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
+	# KVOFFLOAD_BIN: the CLI make gpu-bins built, for the node tests (kvoffload serve).
+	KVOFFLOAD_LIB=$B/libkvoffload.so KVOFFLOAD_BIN=$B/kvoffload PYTHONUNBUFFERED=1 \
 		step timeout 240 python3 -m unittest discover -s python/tests -t python -v
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 120 python3 examples/torch_offload.py
