@@ -31,11 +31,13 @@ blocks stored and loaded. Every block the kvo run loads is checksummed on
 the GPU at store time (before it can be overwritten) and after its load;
 they must be equal.
 
-Workload "preempt" (small geometry): 24 requests over 2 interleaved
-512-token prefixes plus 256 tokens each, 768 new tokens each, a 32-block
-cache: decoding runs out of blocks and transformers preempts requests (the
-CPU harness, transformers' own scheduler: 9 preempted and recomputed
-alone; with kvoffload 8, all resumed with their KV).
+Workload "preempt" (small geometry): 12 requests over 2 interleaved
+512-token prefixes plus 256 tokens each, 128 new tokens each, a 12-block
+cache: the prompts fill the cache, the first decoded token of each needs a
+block more, and transformers preempts requests. It is sized so that each
+mode finishes well inside --run-timeout on the H200 (decode without CUDA
+graphs runs about 60 ms a step there: 24 requests of 768 new tokens took
+47 s even with a cache that never evicts, and over 100 s in a 32-block one).
 Measured: preempted requests, those transformers soft-resets (recomputes)
 or restores from its CPU pool, those kvoffload resumes with all their KV,
 blocks copied into the pool twice, and whether the preempted requests
@@ -74,7 +76,7 @@ GEOMETRIES = {
 WORKLOADS = {
     "prefix": dict(requests=64, prefixes=4, prefix_len=4096, suffix_len=256, new_tokens=32, num_blocks=40,
                    max_batch_tokens=8192),
-    "preempt": dict(requests=24, prefixes=2, prefix_len=512, suffix_len=256, new_tokens=768, num_blocks=32,
+    "preempt": dict(requests=12, prefixes=2, prefix_len=512, suffix_len=256, new_tokens=128, num_blocks=12,
                     max_batch_tokens=4096),
 }
 

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +14,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // BenchmarkGPUHeadSliced: a TP=4 rank of an 8-KV-head model (32 layers,
@@ -22,10 +25,27 @@ import (
 // (views over the same engine) store theirs too, so the blocks become
 // loadable. Each rate is compared with a contiguous pinned copy of the same
 // bytes in the same run (best of three, before and after the rows); a
-// rate over 102% of its reference marks the run invalid.
+// rate over 102% of its reference marks the run invalid. Sub-benchmarks:
+// the copy method chosen automatically (auto, what the engine does) and
+// forced (kernel, batch), each also reporting how long Store and Load took
+// to return (the host's share: building and submitting the descriptors).
 func BenchmarkGPUHeadSliced(b *testing.B) {
 	gpu := cudatest.Open(b)
-	drv := gpu.Drv
+	var lines []string
+	for _, m := range []struct {
+		name   string
+		method cudacopy.Method
+	}{{"auto", cudacopy.MethodAuto}, {"kernel", cudacopy.MethodKernel}, {"batch", cudacopy.MethodBatch}} {
+		b.Run(m.name, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, m.name, m.method)) })
+	}
+	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
+		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
+	}
+}
+
+// headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
+// verdict line.
+func headSliced(b *testing.B, drv cuda.Driver, name string, method cudacopy.Method) string {
 	const tp, heads, layers, blocks = 4, 8, 32, 1024
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
@@ -41,7 +61,8 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 	}
 	l1 := mk(1)
 	rankBytes := uint64(blocks) * uint64(layers) * 2 * seg
-	e, err := New(Config{Backend: BackendCUDA, PoolBytes: int64(rankBytes) * tp * 5 / 4, Layout: l1, Policy: PolicyLRU})
+	e, err := newEngine(Config{Backend: BackendCUDA, PoolBytes: int64(rankBytes) * tp * 5 / 4, Layout: l1, Policy: PolicyLRU},
+		engineHooks{copyOptions: transfer.CopyOptions{Method: method}})
 	require.NoError(b, err)
 	defer func() { require.NoError(b, e.Close()) }()
 	require.NoError(b, e.WaitGrown(context.Background()))
@@ -88,7 +109,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 	for i := range ids {
 		ids[i] = (i * 7) % blocks
 	}
-	var store, load []time.Duration
+	var store, load, storeCall, loadCall []time.Duration
 	b.ResetTimer()
 	for it := range b.N {
 		for i := range keys {
@@ -102,6 +123,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		}
 		t0 := time.Now()
 		op, err := e.Store(ctx, keys, ids, StoreOptions{})
+		storeCall = append(storeCall, time.Since(t0))
 		require.NoError(b, err)
 		require.NoError(b, op.Wait(ctx))
 		store = append(store, time.Since(t0))
@@ -109,6 +131,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		require.NoError(b, op.Release())
 		t0 = time.Now()
 		op, err = e.Load(ctx, keys, ids, LoadOptions{})
+		loadCall = append(loadCall, time.Since(t0))
 		require.NoError(b, err)
 		require.NoError(b, op.Wait(ctx))
 		load = append(load, time.Since(t0))
@@ -128,13 +151,15 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 	b.ReportMetric(h2d, "h2d-link-GB/s")
 	b.ReportMetric(st/d2h, "store/link")
 	b.ReportMetric(ld/h2d, "load/link")
-	verdict := fmt.Sprintf("head-sliced TP=%d rank, %d blocks of %d KiB (the rank's heads): store %.1f GB/s = %.1f%% of D2H %.1f; load %.1f GB/s = %.1f%% of H2D %.1f (target ≥ 90%% each)",
-		tp, blocks, rankBytes/blocks>>10, st, 100*st/d2h, d2h, ld, 100*ld/h2d, h2d)
+	ms := func(d []time.Duration) float64 { return float64(slices.Min(d).Microseconds()) / 1e3 }
+	b.ReportMetric(ms(storeCall), "store-call-ms")
+	b.ReportMetric(ms(loadCall), "load-call-ms")
+	verdict := fmt.Sprintf("%s: head-sliced TP=%d rank, %d blocks of %d KiB (the rank's heads): store %.1f GB/s = %.1f%% of D2H %.1f "+
+		"(call returned after %.2f ms of %.2f); load %.1f GB/s = %.1f%% of H2D %.1f (call returned after %.2f ms of %.2f) (target ≥ 90%% each)",
+		name, tp, blocks, rankBytes/blocks>>10, st, 100*st/d2h, d2h, ms(storeCall), ms(store), ld, 100*ld/h2d, h2d, ms(loadCall), ms(load))
 	if st/d2h > 1.02 || ld/h2d > 1.02 {
 		verdict = "INVALID (a rate beats its reference by more than 2%: the reference is broken): " + verdict
 	}
 	b.Log(verdict)
-	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
-		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+verdict+"\n"), 0o644)
-	}
+	return verdict
 }

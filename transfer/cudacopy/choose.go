@@ -224,19 +224,34 @@ func rate(pts []point, size float64) (float64, bool) {
 //   - without: kernel, else batch, else memcpy (fastest first for
 //     scattered segments of 4 KiB–2 MiB, doc/ANCHORS.md).
 func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Method {
-	if n <= 1 {
+	return ch.choosePieces(dir, n, n, total, kernelOK)
+}
+
+// choosePieces is choose for a batch the DMA methods copy as dmaN pieces
+// and the kernel as kernN descriptors (they differ for strided segments:
+// one DMA copy per row, one kernel descriptor per segment). Each method's
+// rate is read at its own mean piece size; below a DMA curve's smallest
+// point the rate falls in proportion to the size (a DMA copy's cost is
+// then its per-copy overhead), where rate would hold it at the smallest
+// point's.
+func (ch *chooser) choosePieces(dir Direction, dmaN, kernN int, total uint64, kernelOK bool) Method {
+	if dmaN <= 1 && kernN <= 1 {
 		return MethodMemcpy
 	}
 	avail := [MethodKernel + 1]bool{MethodMemcpy: true, MethodBatch: ch.hasBatch, MethodKernel: ch.hasKern && kernelOK}
 	if dir.valid() {
-		size := float64(total) / float64(n)
+		size := float64(total) / float64(max(dmaN, 1))
 		dma, dmaRate := MethodAuto, -1.0
 		for _, m := range [...]Method{MethodMemcpy, MethodBatch} {
-			if r, ok := rate(ch.curves[dir][m], size); ok && avail[m] && r > dmaRate {
+			r, ok := rate(ch.curves[dir][m], size)
+			if pts := ch.curves[dir][m]; ok && math.Log2(size) < pts[0].logSize {
+				r *= size / math.Exp2(pts[0].logSize)
+			}
+			if ok && avail[m] && r > dmaRate {
 				dma, dmaRate = m, r
 			}
 		}
-		kernRate, kernOK := rate(ch.curves[dir][MethodKernel], size)
+		kernRate, kernOK := rate(ch.curves[dir][MethodKernel], float64(total)/float64(max(kernN, 1)))
 		kernOK = kernOK && avail[MethodKernel]
 		switch {
 		case kernOK && (dma == MethodAuto || dmaRate < (1-ch.dmaMargin)*kernRate):

@@ -277,3 +277,26 @@ func TestFormatBytes(t *testing.T) {
 		require.Equal(t, want, FormatBytes(n))
 	}
 }
+
+// Strided batches: the DMA methods copy rows, the kernel (with 2-D
+// descriptors) whole segments, and each is rated at its own piece size; a
+// DMA rate below its curve's smallest point falls with the size.
+func TestChoosePieces(t *testing.T) {
+	cal := &Calibration{Entries: []Measurement{
+		{Dir: H2D, Method: MethodBatch, SegBytes: 4096, GBps: 50},
+		{Dir: H2D, Method: MethodKernel, SegBytes: 4096, GBps: 40},
+	}}
+	ch := newChooser(cal, true, true, DefaultDMAMargin)
+	// 16 contiguous 4 KiB segments: batch measured faster.
+	require.Equal(t, MethodBatch, ch.choose(H2D, 16, 16*4096, true))
+	// 16 segments of 16 rows of 256 bytes: batch copies 256 rows of 256
+	// bytes (50 × 256/4096 GB/s), the kernel 16 descriptors of 4 KiB.
+	require.Equal(t, MethodKernel, ch.choosePieces(H2D, 256, 16, 16*4096, true))
+	// The same rows without 2-D descriptors: both at 256 bytes, and the
+	// kernel's curve is held at its smallest point.
+	require.Equal(t, MethodKernel, ch.choosePieces(H2D, 256, 256, 16*4096, true))
+	// Rows of 4 KiB or more: no scaling; batch wins as for 1-D segments.
+	require.Equal(t, MethodBatch, ch.choosePieces(H2D, 16, 8, 16*4096, true))
+	// Misaligned: never the kernel.
+	require.Equal(t, MethodBatch, ch.choosePieces(H2D, 256, 16, 16*4096, false))
+}

@@ -108,10 +108,16 @@ func stats2D(segs []Segment2D) (rows int, total uint64, aligned bool) {
 }
 
 // Choose2D returns the method Submit2D would use for segs under
-// MethodAuto: Choose's answer for the batch's rows as segments.
+// MethodAuto: the DMA methods' rates read at the mean row (each row is a
+// copy of theirs), the kernel's at the mean segment when it takes 2-D
+// descriptors (Capabilities.Kernel2D), else at the mean row too.
 func (c *Copier) Choose2D(dir Direction, segs []Segment2D) Method {
-	n, total, ok := stats2D(segs)
-	return c.chooser.Load().choose(dir, n, total, ok)
+	rows, total, ok := stats2D(segs)
+	kernN := rows
+	if c.caps.Kernel2D {
+		kernN = len(segs)
+	}
+	return c.chooser.Load().choosePieces(dir, rows, kernN, total, ok)
 }
 
 // Submit2D is Submit for strided segments. The kernel method takes them as
