@@ -129,15 +129,26 @@ func (rs *rangeSet) remove(base uint64) error {
 
 // find returns the id of the range holding all of [addr, addr+n), or 0.
 func (rs *rangeSet) find(addr, n uint64) uint64 {
-	i := sort.Search(len(rs.ranges), func(i int) bool { return rs.ranges[i].base > addr }) - 1
-	if i < 0 {
-		return 0
-	}
-	r := rs.ranges[i]
-	if addr-r.base > r.size || n > r.size-(addr-r.base) {
+	r, ok := rs.lookup(addr, n)
+	if !ok {
 		return 0
 	}
 	return r.id
+}
+
+// lookup returns the range holding all of [addr, addr+n).
+func (rs *rangeSet) lookup(addr, n uint64) (memRange, bool) {
+	i := sort.Search(len(rs.ranges), func(i int) bool { return rs.ranges[i].base > addr }) - 1
+	if i < 0 {
+		return memRange{}, false
+	}
+	r := rs.ranges[i]
+	return r, r.holds(addr, n)
+}
+
+// holds reports whether [addr, addr+n) lies inside r.
+func (r memRange) holds(addr, n uint64) bool {
+	return r.size != 0 && addr >= r.base && addr-r.base <= r.size && n <= r.size-(addr-r.base)
 }
 
 // placed is a validated segment with the ids of the ranges holding it, so
@@ -153,6 +164,9 @@ func validate(segs []Segment, align uint64, host, dev *rangeSet, out []placed) (
 	defer host.mu.RUnlock()
 	dev.mu.RLock()
 	defer dev.mu.RUnlock()
+	// The ranges the previous segment fell in: a request's segments mostly
+	// share them, so most segments skip both binary searches.
+	var lastHost, lastDev memRange
 	for i, s := range segs {
 		if s.Len == 0 {
 			return out, fmt.Errorf("%w: segment %d (dev %#x, host %#x) has zero length", ErrInvalidSegment, i, s.Dev, s.Host)
@@ -169,17 +183,35 @@ func validate(segs []Segment, align uint64, host, dev *rangeSet, out []placed) (
 			}
 		}
 		hn, dn := s.hostExtent(), s.devExtent()
-		h := host.find(s.Host, hn)
-		if h == 0 {
-			return out, fmt.Errorf("%w: segment %d host [%#x,%#x) is not inside a registered host range", ErrOutOfRange, i, s.Host, s.Host+hn)
+		if !lastHost.holds(s.Host, hn) {
+			r, ok := host.lookup(s.Host, hn)
+			if !ok {
+				return out, fmt.Errorf("%w: segment %d host [%#x,%#x) is not inside a registered host range", ErrOutOfRange, i, s.Host, s.Host+hn)
+			}
+			lastHost = r
 		}
-		d := dev.find(s.Dev, dn)
-		if d == 0 {
-			return out, fmt.Errorf("%w: segment %d device [%#x,%#x) is not inside a known device allocation", ErrOutOfRange, i, s.Dev, s.Dev+dn)
+		if !lastDev.holds(s.Dev, dn) {
+			r, ok := dev.lookup(s.Dev, dn)
+			if !ok {
+				return out, fmt.Errorf("%w: segment %d device [%#x,%#x) is not inside a known device allocation", ErrOutOfRange, i, s.Dev, s.Dev+dn)
+			}
+			lastDev = r
 		}
-		out = append(out, placed{Segment: s, hostID: h, devID: d})
+		out = append(out, placed{Segment: s, hostID: lastHost.id, devID: lastDev.id})
 	}
 	return out, nil
+}
+
+// checkSpan checks that segment i's rows at pitch from addr (one side of
+// it) end inside the 64-bit address space.
+func checkSpan(i int, name string, addr, pitch uint64, s Segment) error {
+	hi, lo := bits.Mul64(s.Rows-1, pitch)
+	end, c1 := bits.Add64(lo, s.RowLen, 0)
+	_, c2 := bits.Add64(addr, end, 0)
+	if hi != 0 || c1 != 0 || c2 != 0 {
+		return fmt.Errorf("%w: segment %d %s %#x: %d rows at pitch %d overflow the address space", ErrInvalidSegment, i, name, addr, s.Rows, pitch)
+	}
+	return nil
 }
 
 // check2D checks the strided fields of segment i (Rows > 1): Len is
@@ -193,16 +225,11 @@ func check2D(i int, s Segment, align uint64) error {
 	if s.DevPitch < s.RowLen || s.HostPitch < s.RowLen {
 		return fmt.Errorf("%w: segment %d: pitches dev %d, host %d smaller than its rows of %d bytes", ErrInvalidSegment, i, s.DevPitch, s.HostPitch, s.RowLen)
 	}
-	for _, side := range []struct {
-		name        string
-		addr, pitch uint64
-	}{{"dev", s.Dev, s.DevPitch}, {"host", s.Host, s.HostPitch}} {
-		hi, lo := bits.Mul64(s.Rows-1, side.pitch)
-		end, c1 := bits.Add64(lo, s.RowLen, 0)
-		_, c2 := bits.Add64(side.addr, end, 0)
-		if hi != 0 || c1 != 0 || c2 != 0 {
-			return fmt.Errorf("%w: segment %d %s %#x: %d rows at pitch %d overflow the address space", ErrInvalidSegment, i, side.name, side.addr, s.Rows, side.pitch)
-		}
+	if err := checkSpan(i, "dev", s.Dev, s.DevPitch, s); err != nil {
+		return err
+	}
+	if err := checkSpan(i, "host", s.Host, s.HostPitch, s); err != nil {
+		return err
 	}
 	if align > 1 && (s.RowLen%align != 0 || s.DevPitch%align != 0 || s.HostPitch%align != 0) {
 		return fmt.Errorf("%w: segment %d: row length %d or pitches dev %d, host %d not aligned to %d bytes", ErrInvalidSegment, i, s.RowLen, s.DevPitch, s.HostPitch, align)

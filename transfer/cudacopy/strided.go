@@ -58,39 +58,63 @@ func extent(rows, row, pitch uint64) (uint64, bool) {
 // wraps; with align > 1, ErrMisaligned unless addresses, row length and
 // pitches (of segments of more than one row) are multiples of align.
 func validateSegments2D(segs []Segment2D, align uint64) error {
+	_, err := check2DBatch(segs, align)
+	return err
+}
+
+// batch2D is what a validated strided batch weighs for the choice of
+// method: its rows, bytes and whether it meets the kernel's alignment.
+type batch2DStats struct {
+	rows    int
+	total   uint64
+	aligned bool
+}
+
+// check2DBatch is validateSegments2D, also returning the batch's stats
+// (one pass over the segments).
+func check2DBatch(segs []Segment2D, align uint64) (batch2DStats, error) {
 	if len(segs) == 0 {
-		return fmt.Errorf("%w: empty batch", ErrInvalidSegment)
+		return batch2DStats{}, fmt.Errorf("%w: empty batch", ErrInvalidSegment)
 	}
+	var st batch2DStats
+	var all uint64
 	for i, s := range segs {
 		if s.Rows == 0 || s.RowLen == 0 {
-			return fmt.Errorf("%w: 2-D segment %d has %d rows of %d bytes", ErrInvalidSegment, i, s.Rows, s.RowLen)
+			return st, fmt.Errorf("%w: 2-D segment %d has %d rows of %d bytes", ErrInvalidSegment, i, s.Rows, s.RowLen)
 		}
 		acc := s.Src | s.Dst | s.RowLen
 		if s.Rows > 1 {
 			if s.SrcPitch < s.RowLen || s.DstPitch < s.RowLen {
-				return fmt.Errorf("%w: 2-D segment %d: pitches src %d, dst %d smaller than its rows of %d bytes", ErrInvalidSegment, i, s.SrcPitch, s.DstPitch, s.RowLen)
+				return st, fmt.Errorf("%w: 2-D segment %d: pitches src %d, dst %d smaller than its rows of %d bytes", ErrInvalidSegment, i, s.SrcPitch, s.DstPitch, s.RowLen)
 			}
 			acc |= s.SrcPitch | s.DstPitch
 		}
-		for _, side := range []struct {
-			name  string
-			addr  uint64
-			pitch uint64
-		}{{"src", s.Src, s.SrcPitch}, {"dst", s.Dst, s.DstPitch}} {
-			n, ok := extent(s.Rows, s.RowLen, side.pitch)
-			if !ok {
-				return fmt.Errorf("%w: 2-D segment %d %s: %d rows at pitch %d overflow 64 bits", ErrInvalidSegment, i, side.name, s.Rows, side.pitch)
-			}
-			if err := checkRange(i, side.name, side.addr, n); err != nil {
-				return err
-			}
+		if err := checkSide2D(i, "src", s.Src, s.SrcPitch, s); err != nil {
+			return st, err
+		}
+		if err := checkSide2D(i, "dst", s.Dst, s.DstPitch, s); err != nil {
+			return st, err
 		}
 		if align > 1 && acc%align != 0 {
-			return fmt.Errorf("%w: 2-D segment %d (src %#x, dst %#x, %d rows of %d bytes, pitches %d, %d) is not %d-byte aligned",
+			return st, fmt.Errorf("%w: 2-D segment %d (src %#x, dst %#x, %d rows of %d bytes, pitches %d, %d) is not %d-byte aligned",
 				ErrMisaligned, i, s.Src, s.Dst, s.Rows, s.RowLen, s.SrcPitch, s.DstPitch, align)
 		}
+		all |= acc
+		st.rows += int(s.Rows)
+		st.total += s.Rows * s.RowLen
 	}
-	return nil
+	st.aligned = all%kernelAlign == 0
+	return st, nil
+}
+
+// checkSide2D checks one side (src or dst) of 2-D segment i: its rows at
+// pitch from addr neither overflow nor wrap the address space.
+func checkSide2D(i int, name string, addr, pitch uint64, s Segment2D) error {
+	n, ok := extent(s.Rows, s.RowLen, pitch)
+	if !ok {
+		return fmt.Errorf("%w: 2-D segment %d %s: %d rows at pitch %d overflow 64 bits", ErrInvalidSegment, i, name, s.Rows, pitch)
+	}
+	return checkRange(i, name, addr, n)
 }
 
 // stats2D is what Choose weighs for a strided batch: its rows as segments.
@@ -113,11 +137,15 @@ func stats2D(segs []Segment2D) (rows int, total uint64, aligned bool) {
 // descriptors (Capabilities.Kernel2D), else at the mean row too.
 func (c *Copier) Choose2D(dir Direction, segs []Segment2D) Method {
 	rows, total, ok := stats2D(segs)
-	kernN := rows
+	return c.choose2D(dir, len(segs), batch2DStats{rows, total, ok})
+}
+
+func (c *Copier) choose2D(dir Direction, n int, st batch2DStats) Method {
+	kernN := st.rows
 	if c.caps.Kernel2D {
-		kernN = len(segs)
+		kernN = n
 	}
-	return c.chooser.Load().choosePieces(dir, rows, kernN, total, ok)
+	return c.chooser.Load().choosePieces(dir, st.rows, kernN, st.total, st.aligned)
 }
 
 // Submit2D is Submit for strided segments. The kernel method takes them as
@@ -133,12 +161,13 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 	if !dir.valid() {
 		return Ticket{}, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
 	}
-	if err := validateSegments2D(segs, 1); err != nil {
+	st, err := check2DBatch(segs, 1)
+	if err != nil {
 		return Ticket{}, err
 	}
 	m := c.opts.Method
 	if m == MethodAuto {
-		m = c.Choose2D(dir, segs)
+		m = c.choose2D(dir, len(segs), st)
 	}
 	switch m {
 	case MethodMemcpy:
@@ -146,8 +175,10 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 	case MethodBatch:
 		return Ticket{}, c.batch2D(s, segs)
 	}
-	if err := validateSegments2D(segs, kernelAlign); err != nil {
-		return Ticket{}, err
+	if !st.aligned {
+		if err := validateSegments2D(segs, kernelAlign); err != nil {
+			return Ticket{}, err
+		}
 	}
 	ck := chunker{
 		kind:     jobCopy2D,
@@ -162,7 +193,7 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 	if dir == D2H {
 		l = &c.d2h
 		fb := l.FenceBytes
-		if n, total, _ := stats2D(segs); c.opts.FenceBytes == 0 && l.Kernel == ProbeCopyKernel && fb < SmallSegmentFenceBytes && total/uint64(max(n, 1)) < SmallSegmentFenceBytes {
+		if c.opts.FenceBytes == 0 && l.Kernel == ProbeCopyKernel && fb < SmallSegmentFenceBytes && st.total/uint64(max(st.rows, 1)) < SmallSegmentFenceBytes {
 			fb = SmallSegmentFenceBytes // as fenceBytes does for small segments
 		}
 		ck.fenceIters = uint64(fb / FenceUnit)
