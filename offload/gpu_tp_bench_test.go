@@ -1,7 +1,6 @@
 package offload
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -47,32 +46,14 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
 func headSliced(b *testing.B, drv cuda.Driver, name string, method cudacopy.Method) string {
-	const tp, heads, layers, blocks = 4, 8, 32, 1024
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
-	n := heads / tp
-	seg := uint64(16 * n * 128 * 2) // a rank's K (or V) of one layer of one block
-	mk := func(r int) LayoutSpec {
-		l := LayoutSpec{Kind: LayoutLayerSeparate, Layers: layers, KVHeads: n, ModelKVHeads: heads, HeadFirst: r * n,
-			HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: blocks, Order: OrderTokenMajor}
-		for range layers {
-			l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * blocks), V: g.alloc(seg * blocks), Stride: seg})
-		}
-		return l
-	}
-	l1 := mk(1)
-	rankBytes := uint64(blocks) * uint64(layers) * 2 * seg
-	e, err := newEngine(Config{Backend: BackendCUDA, PoolBytes: int64(rankBytes) * tp * 5 / 4, Layout: l1, Policy: PolicyLRU},
-		engineHooks{copyOptions: transfer.CopyOptions{Method: method}})
-	require.NoError(b, err)
-	defer func() { require.NoError(b, e.Close()) }()
-	require.NoError(b, e.WaitGrown(context.Background()))
-	var others []*RankView
-	for _, r := range []int{0, 2, 3} {
-		v, err := e.Rank(mk(r))
-		require.NoError(b, err)
-		others = append(others, v)
-	}
+	rig := newHeadSlicedRig(b, g, 128, func(cfg Config) (*Engine, error) {
+		cfg.Backend = BackendCUDA
+		return newEngine(cfg, engineHooks{copyOptions: transfer.CopyOptions{Method: method}})
+	})
+	defer func() { require.NoError(b, rig.e.Close()) }()
+	rankBytes := rig.rankBytes
 	// The reference: contiguous copies of rankBytes between a pinned buffer
 	// and one device allocation, timed with events on a stream of our own.
 	hostP, err := drv.MemHostAlloc(rankBytes, cuda.HostAllocPortable)
@@ -104,41 +85,12 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, method cudacopy.Meth
 		return best
 	}
 	h2d, d2h := link(true), link(false)
-	ctx := context.Background()
-	keys := make([]Key, blocks)
-	ids := make([]int, blocks)
-	for i := range ids {
-		ids[i] = (i * 7) % blocks
-	}
 	var store, load, storeCall, loadCall []time.Duration
 	b.ResetTimer()
 	for it := range b.N {
-		for i := range keys {
-			keys[i] = testKey(1_000_000 + it*blocks + i)
-		}
-		for _, v := range others {
-			op, err := v.Store(ctx, keys, ids, StoreOptions{})
-			require.NoError(b, err)
-			require.NoError(b, op.Wait(ctx))
-			require.NoError(b, op.Release())
-		}
-		t0 := time.Now()
-		op, err := e.Store(ctx, keys, ids, StoreOptions{})
-		storeCall = append(storeCall, time.Since(t0))
-		require.NoError(b, err)
-		require.NoError(b, op.Wait(ctx))
-		store = append(store, time.Since(t0))
-		require.Equal(b, blocks, op.Count(OutcomeStored))
-		require.NoError(b, op.Release())
-		t0 = time.Now()
-		op, err = e.Load(ctx, keys, ids, LoadOptions{})
-		loadCall = append(loadCall, time.Since(t0))
-		require.NoError(b, err)
-		require.NoError(b, op.Wait(ctx))
-		load = append(load, time.Since(t0))
-		require.Equal(b, blocks, op.Count(OutcomeLoaded))
-		require.NoError(b, op.Release())
-		e.Delete(keys)
+		m := rig.round(b, it)
+		storeCall, store = append(storeCall, m.storeCall), append(store, m.store)
+		loadCall, load = append(loadCall, m.loadCall), append(load, m.load)
 	}
 	b.StopTimer()
 	h2d, d2h = max(h2d, link(true)), max(d2h, link(false))
@@ -157,7 +109,7 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, method cudacopy.Meth
 	b.ReportMetric(ms(loadCall), "load-call-ms")
 	verdict := fmt.Sprintf("%s: head-sliced TP=%d rank, %d blocks of %d KiB (the rank's heads): store %.1f GB/s = %.1f%% of D2H %.1f "+
 		"(call returned after %.2f ms of %.2f); load %.1f GB/s = %.1f%% of H2D %.1f (call returned after %.2f ms of %.2f) (target ≥ 90%% each)",
-		name, tp, blocks, rankBytes/blocks>>10, st, 100*st/d2h, d2h, ms(storeCall), ms(store), ld, 100*ld/h2d, h2d, ms(loadCall), ms(load))
+		name, hsTP, hsBlocks, rankBytes/hsBlocks>>10, st, 100*st/d2h, d2h, ms(storeCall), ms(store), ld, 100*ld/h2d, h2d, ms(loadCall), ms(load))
 	if st/d2h > 1.02 || ld/h2d > 1.02 {
 		verdict = "INVALID (a rate beats its reference by more than 2%: the reference is broken): " + verdict
 	}

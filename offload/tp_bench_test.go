@@ -10,75 +10,119 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 )
 
-// BenchmarkHeadSlicedFake is BenchmarkGPUHeadSliced's store and load of a
-// TP=4 rank's heads (1024 blocks, 32 layers, two 2-D segments per layer,
-// K/V and block) on the fake driver with 8-element heads: the same number
-// of strided segments, few bytes, so what it times is the host side of a
-// head-sliced op (building, validating and encoding 131072 descriptors).
-func BenchmarkHeadSlicedFake(b *testing.B) {
-	drv := cudafake.New(cudafake.Options{DeviceMemory: 1 << 30})
-	defer drv.Close()
-	const tp, heads, layers, blocks, headDim = 4, 8, 32, 1024, 8
-	g := newGPUMem(b, drv, 8)
-	defer g.close()
-	n := heads / tp
-	seg := uint64(16 * n * headDim * 2)
+// headSlicedRig is the setting of the head-sliced benchmarks: a TP=4 rank
+// of an 8-KV-head model (32 layers, bf16, 16-token blocks, token-major
+// tensors of the rank's two heads, 1024 blocks) as an engine, and the
+// other three ranks as views over it, whose stores make the blocks whole.
+type headSlicedRig struct {
+	e         *Engine
+	others    []*RankView
+	rankBytes uint64 // one rank's bytes of all blocks
+	keys      []Key
+	ids       []int
+}
+
+const hsTP, hsHeads, hsLayers, hsBlocks = 4, 8, 32, 1024
+
+// newHeadSlicedRig allocates the four ranks' tensors (heads of headDim
+// elements) on g's driver and makes the engine with newEng; the caller
+// closes rig.e before g.
+func newHeadSlicedRig(b *testing.B, g *gpuMem, headDim int, newEng func(Config) (*Engine, error)) *headSlicedRig {
+	n := hsHeads / hsTP
+	seg := uint64(16 * n * headDim * 2) // a rank's K (or V) of one layer of one block
 	mk := func(r int) LayoutSpec {
-		l := LayoutSpec{Kind: LayoutLayerSeparate, Layers: layers, KVHeads: n, ModelKVHeads: heads, HeadFirst: r * n,
-			HeadDim: headDim, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: blocks, Order: OrderTokenMajor}
-		for range layers {
-			l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * blocks), V: g.alloc(seg * blocks), Stride: seg})
+		l := LayoutSpec{Kind: LayoutLayerSeparate, Layers: hsLayers, KVHeads: n, ModelKVHeads: hsHeads, HeadFirst: r * n,
+			HeadDim: headDim, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: hsBlocks, Order: OrderTokenMajor}
+		for range hsLayers {
+			l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * hsBlocks), V: g.alloc(seg * hsBlocks), Stride: seg})
 		}
 		return l
 	}
-	rankBytes := uint64(blocks) * uint64(layers) * 2 * seg
-	e, err := newCUDAEngine(b, drv, Config{PoolBytes: int64(rankBytes) * tp * 5 / 4, Layout: mk(1), Policy: PolicyLRU}, engineHooks{calibrate: true})
+	rig := &headSlicedRig{rankBytes: hsBlocks * hsLayers * 2 * seg, keys: make([]Key, hsBlocks), ids: make([]int, hsBlocks)}
+	e, err := newEng(Config{PoolBytes: int64(rig.rankBytes) * hsTP * 5 / 4, Layout: mk(1), Policy: PolicyLRU})
 	require.NoError(b, err)
-	defer func() { require.NoError(b, e.Close()) }()
+	rig.e = e
+	ok := false
+	defer func() {
+		if !ok {
+			_ = e.Close()
+		}
+	}()
 	require.NoError(b, e.WaitGrown(context.Background()))
-	var others []*RankView
 	for _, r := range []int{0, 2, 3} {
 		v, err := e.Rank(mk(r))
 		require.NoError(b, err)
-		others = append(others, v)
+		rig.others = append(rig.others, v)
 	}
+	for i := range rig.ids {
+		rig.ids[i] = (i * 7) % hsBlocks
+	}
+	ok = true
+	return rig
+}
+
+// headSlicedTimes is one iteration's timings: how long the rank's Store
+// and Load took to return (call) and to complete.
+type headSlicedTimes struct{ storeCall, store, loadCall, load time.Duration }
+
+// round stores the other ranks' heads of fresh keys (untimed), then times
+// the rank's Store and Load of its heads, and deletes the keys.
+func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	ctx := context.Background()
-	keys := make([]Key, blocks)
-	ids := make([]int, blocks)
-	for i := range ids {
-		ids[i] = (i * 7) % blocks
+	for i := range rig.keys {
+		rig.keys[i] = testKey(1_000_000 + it*hsBlocks + i)
 	}
+	b.StopTimer()
+	for _, v := range rig.others {
+		op, err := v.Store(ctx, rig.keys, rig.ids, StoreOptions{})
+		require.NoError(b, err)
+		require.NoError(b, op.Wait(ctx))
+		require.NoError(b, op.Release())
+	}
+	b.StartTimer()
+	var m headSlicedTimes
+	t0 := time.Now()
+	op, err := rig.e.Store(ctx, rig.keys, rig.ids, StoreOptions{})
+	m.storeCall = time.Since(t0)
+	require.NoError(b, err)
+	require.NoError(b, op.Wait(ctx))
+	m.store = time.Since(t0)
+	require.Equal(b, hsBlocks, op.Count(OutcomeStored))
+	require.NoError(b, op.Release())
+	t0 = time.Now()
+	op, err = rig.e.Load(ctx, rig.keys, rig.ids, LoadOptions{})
+	m.loadCall = time.Since(t0)
+	require.NoError(b, err)
+	require.NoError(b, op.Wait(ctx))
+	m.load = time.Since(t0)
+	require.Equal(b, hsBlocks, op.Count(OutcomeLoaded))
+	require.NoError(b, op.Release())
+	rig.e.Delete(rig.keys)
+	return m
+}
+
+// BenchmarkHeadSlicedFake is BenchmarkGPUHeadSliced's store and load of a
+// TP=4 rank's heads on the fake driver with 8-element heads: the same
+// number of strided segments (two per layer, K/V and block: 131072), few
+// bytes, so what it times is the host side of a head-sliced op (building,
+// validating and encoding the descriptors).
+func BenchmarkHeadSlicedFake(b *testing.B) {
+	drv := cudafake.New(cudafake.Options{DeviceMemory: 1 << 30})
+	defer drv.Close()
+	g := newGPUMem(b, drv, 8)
+	defer g.close()
+	rig := newHeadSlicedRig(b, g, 8, func(cfg Config) (*Engine, error) {
+		return newCUDAEngine(b, drv, cfg, engineHooks{calibrate: true})
+	})
+	defer func() { require.NoError(b, rig.e.Close()) }()
 	var store, load time.Duration
 	b.ResetTimer()
 	for it := range b.N {
-		for i := range keys {
-			keys[i] = testKey(1_000_000 + it*blocks + i)
-		}
-		b.StopTimer()
-		for _, v := range others {
-			op, err := v.Store(ctx, keys, ids, StoreOptions{})
-			require.NoError(b, err)
-			require.NoError(b, op.Wait(ctx))
-			require.NoError(b, op.Release())
-		}
-		b.StartTimer()
-		t0 := time.Now()
-		op, err := e.Store(ctx, keys, ids, StoreOptions{})
-		require.NoError(b, err)
-		require.NoError(b, op.Wait(ctx))
-		store += time.Since(t0)
-		require.Equal(b, blocks, op.Count(OutcomeStored))
-		require.NoError(b, op.Release())
-		t0 = time.Now()
-		op, err = e.Load(ctx, keys, ids, LoadOptions{})
-		require.NoError(b, err)
-		require.NoError(b, op.Wait(ctx))
-		load += time.Since(t0)
-		require.Equal(b, blocks, op.Count(OutcomeLoaded))
-		require.NoError(b, op.Release())
-		e.Delete(keys)
+		m := rig.round(b, it)
+		store += m.store
+		load += m.load
 	}
 	b.ReportMetric(float64(store.Microseconds())/float64(b.N), "store-µs")
 	b.ReportMetric(float64(load.Microseconds())/float64(b.N), "load-µs")
-	b.ReportMetric(float64(store.Nanoseconds())/float64(b.N)/float64(blocks*layers*2*n), "store-ns/seg")
+	b.ReportMetric(float64(store.Nanoseconds())/float64(b.N)/float64(hsBlocks*hsLayers*2*hsHeads/hsTP), "store-ns/seg")
 }

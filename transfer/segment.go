@@ -127,15 +127,6 @@ func (rs *rangeSet) remove(base uint64) error {
 	return nil
 }
 
-// find returns the id of the range holding all of [addr, addr+n), or 0.
-func (rs *rangeSet) find(addr, n uint64) uint64 {
-	r, ok := rs.lookup(addr, n)
-	if !ok {
-		return 0
-	}
-	return r.id
-}
-
 // lookup returns the range holding all of [addr, addr+n).
 func (rs *rangeSet) lookup(addr, n uint64) (memRange, bool) {
 	i := sort.Search(len(rs.ranges), func(i int) bool { return rs.ranges[i].base > addr }) - 1
