@@ -238,7 +238,6 @@ type connState struct {
 	epoch    uint32
 	rmu      sync.Mutex
 	free     chan struct{} // cap 1: rmu was released (a hint to waiters)
-	idle     chan struct{} // cap 1: inflight fell to 0
 	inflight atomic.Int32
 	activity atomic.Uint64
 	dead     atomic.Bool
@@ -349,7 +348,7 @@ func (c *Client) connect() error {
 		c.addRegion(regionAdd{reg: m.Region, fd: fd, epoch: epoch})
 	}
 	_ = uc.SetDeadline(time.Time{})
-	cs := &connState{conn: conn, epoch: epoch, free: make(chan struct{}, 1), idle: make(chan struct{}, 1)}
+	cs := &connState{conn: conn, epoch: epoch, free: make(chan struct{}, 1)}
 	c.mu.Lock()
 	c.conn, c.cs = conn, cs
 	c.mu.Unlock()
@@ -529,15 +528,10 @@ func (c *Client) idleReader(cs *connState) {
 	quiet := time.NewTimer(time.Hour)
 	defer quiet.Stop()
 	for !cs.dead.Load() {
-		if cs.inflight.Load() > 0 {
-			select {
-			case <-cs.idle:
-			case <-c.stop:
-				return
-			}
-			continue
-		}
 		// A quiet millisecond first: calls back to back lead themselves.
+		// While calls are in flight this polls once a millisecond rather
+		// than being woken by each call that ends, which would cost a
+		// goroutine wake-up (and, on a busy machine, a thread's) per op.
 		a := cs.activity.Load()
 		quiet.Reset(time.Millisecond)
 		select {
@@ -753,13 +747,8 @@ func (c *Client) callEpoch(m *wire.Msg, want wire.Type, epoch uint32) (*wire.Msg
 	deadline := time.Now().Add(timeout)
 	cs.inflight.Add(1)
 	defer func() {
-		if cs.inflight.Add(-1) == 0 {
-			cs.activity.Add(1)
-			select {
-			case cs.idle <- struct{}{}:
-			default:
-			}
-		}
+		cs.inflight.Add(-1)
+		cs.activity.Add(1)
 	}()
 	var t *time.Timer
 	for {
