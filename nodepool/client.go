@@ -851,21 +851,24 @@ func (rv *resolver) load(id uint32) {
 	}
 }
 
-// slot resolves a node slot to this process's address; ok is false when
-// its region is not usable here.
-func (rv *resolver) slot(s wire.Slot) (Slot, bool) {
-	out := Slot{ID: s.ID, Gen: s.Gen, Region: s.Region, Epoch: rv.epoch, Off: s.Off}
+// put resolves node slot s into *d, this process's slot (its address
+// set when its region is usable here); it reports whether the region is
+// usable. It fills d's fields in place: a Slot built field by field and
+// returned by value was copied whole through the stack, which stalled on
+// store forwarding at about 20 ns a slot (20 µs of a 1024-key Lookup).
+func (rv *resolver) put(d *Slot, s *wire.Slot) bool {
+	d.ID, d.Gen, d.Region, d.Epoch, d.Off, d.Addr = s.ID, s.Gen, s.Region, rv.epoch, s.Off, 0
 	if rv.noMap {
-		return out, true // a lease without an address
+		return true // a lease without an address
 	}
 	if !rv.valid || s.Region != rv.lastID {
 		rv.load(s.Region)
 	}
 	if !rv.usable || s.Off+rv.slotSize > rv.size {
-		return out, false
+		return false
 	}
-	out.Addr = rv.base + uintptr(s.Off)
-	return out, true
+	d.Addr = rv.base + uintptr(s.Off)
+	return true
 }
 
 // SlotBytes is the slot's memory in this process (SlotSize bytes at
@@ -977,14 +980,14 @@ func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []
 		var drop []Slot
 		rv := c.resolverAt(epoch)
 		leased = slices.Grow(leased, len(r.Slots))
-		for i, s := range r.Slots {
-			sl, ok := rv.slot(s)
-			if !ok || h < i {
+		for i := range r.Slots {
+			k := len(leased)
+			leased = leased[:k+1]
+			if !rv.put(&leased[k], &r.Slots[i]) || h < i {
 				h = min(h, i)
-				drop = append(drop, sl)
-				continue
+				drop = append(drop, leased[k])
+				leased = leased[:k]
 			}
-			leased = append(leased, sl)
 		}
 		c.done(r)
 		if len(drop) > 0 {
@@ -1095,18 +1098,17 @@ func (c *Client) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult,
 		var unusable []Slot
 		si := 0
 		rv := c.resolverAt(epoch)
+		dst = slices.Grow(dst, len(r.Outcomes))
 		for _, o := range r.Outcomes {
-			res := StoreResult{Outcome: StoreOutcome(o)}
+			dst = append(dst, StoreResult{Outcome: StoreOutcome(o)})
 			if o == wire.OutcomeWrite {
-				sl, ok := rv.slot(r.Slots[si])
-				si++
-				res.Slot = sl
-				if !ok {
+				res := &dst[len(dst)-1]
+				if !rv.put(&res.Slot, &r.Slots[si]) {
 					res.Outcome = StoreUnusable
-					unusable = append(unusable, sl)
+					unusable = append(unusable, res.Slot)
 				}
+				si++
 			}
-			dst = append(dst, res)
 		}
 		c.done(r)
 		if len(unusable) > 0 {
@@ -1158,18 +1160,18 @@ func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
 		var unusable []Slot
 		si := 0
 		rv := c.resolverAt(epoch)
+		dst = slices.Grow(dst, len(r.Outcomes))
 		for _, o := range r.Outcomes {
-			var res LoadResult
+			dst = append(dst, LoadResult{})
 			if o == wire.OutcomeFound {
-				sl, ok := rv.slot(r.Slots[si])
-				si++
-				res = LoadResult{Found: ok, Slot: sl}
-				if !ok {
+				res := &dst[len(dst)-1]
+				res.Found = rv.put(&res.Slot, &r.Slots[si])
+				if !res.Found {
+					unusable = append(unusable, res.Slot)
 					res.Slot = Slot{}
-					unusable = append(unusable, sl)
 				}
+				si++
 			}
-			dst = append(dst, res)
 		}
 		c.done(r)
 		if len(unusable) > 0 {
