@@ -576,7 +576,7 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 				e.leases--
 				p.held.leases--
 			}
-			p.slots = append(p.slots, slotOf(h))
+			p.slots = appendSlotOf(p.slots, h)
 		}
 		var err error
 		if load {
@@ -606,9 +606,8 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 			}
 			e.reserved = false
 			p.held.reserved--
-			ks := slotOf(h)
-			ks.Heads, e.heads = e.heads, kvcache.HeadRange{}
-			p.slots = append(p.slots, ks)
+			p.slots = appendSlotOf(p.slots, h)
+			p.slots[len(p.slots)-1].Heads, e.heads = e.heads, kvcache.HeadRange{}
 		}
 		var cerr error
 		if m.Type == wire.TAbortStore {
