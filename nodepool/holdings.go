@@ -58,6 +58,16 @@ func (hs *holdings) get(h wire.Handle) *holding {
 
 func slotOf(h wire.Handle) kvcache.Slot { return kvcache.Slot{ID: kvcache.SlotID(h.ID), Gen: h.Gen} }
 
+// appendSlotOf is append(s, slotOf(h)) writing the new entry in place: a
+// 48-byte kvcache.Slot built on the stack and copied in stalled on store
+// forwarding, about 20 ns a handle (20 µs of a 1024-handle Unlease).
+func appendSlotOf(s []kvcache.Slot, h wire.Handle) []kvcache.Slot {
+	s = append(s, kvcache.Slot{})
+	d := &s[len(s)-1]
+	d.ID, d.Gen = kvcache.SlotID(h.ID), h.Gen
+	return s
+}
+
 // drain lists every holding as kvcache slot handles (a slot once per
 // lease or load) and clears the table.
 func (hs *holdings) drain() (reserved, leases, loads []kvcache.Slot) {

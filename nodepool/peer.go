@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -525,6 +526,12 @@ func toWire(sl kvcache.Slot) wire.Slot {
 	return wire.Slot{ID: uint32(sl.ID), Gen: sl.Gen, Region: uint32(sl.Region), Off: sl.Off}
 }
 
+// putWire is toWire in place, for the 1024-slot loop of a leasing Lookup
+// (a struct returned by value and appended is copied through the stack).
+func putWire(d *wire.Slot, sl *kvcache.Slot) {
+	d.ID, d.Gen, d.Region, d.Off = uint32(sl.ID), sl.Gen, uint32(sl.Region), sl.Off
+}
+
 // handle serves one request and returns its reply.
 func (p *peer) handle(m *wire.Msg) *wire.Msg {
 	s := p.s
@@ -544,8 +551,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		var n int
 		n, p.slots = c.LookupLease(m.Keys, p.slots[:0])
 		o.N = uint64(n)
-		for _, sl := range p.slots {
-			o.Slots = append(o.Slots, toWire(sl))
+		o.Slots = slices.Grow(o.Slots, len(p.slots))[:len(p.slots)]
+		for i := range p.slots {
+			putWire(&o.Slots[i], &p.slots[i])
 		}
 		// Recorded after the reply is sent (settle): the client cannot
 		// give them back before it has the reply, and this goroutine
@@ -568,7 +576,7 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 				e.leases--
 				p.held.leases--
 			}
-			p.slots = append(p.slots, slotOf(h))
+			p.slots = appendSlotOf(p.slots, h)
 		}
 		var err error
 		if load {
@@ -598,9 +606,8 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 			}
 			e.reserved = false
 			p.held.reserved--
-			ks := slotOf(h)
-			ks.Heads, e.heads = e.heads, kvcache.HeadRange{}
-			p.slots = append(p.slots, ks)
+			p.slots = appendSlotOf(p.slots, h)
+			p.slots[len(p.slots)-1].Heads, e.heads = e.heads, kvcache.HeadRange{}
 		}
 		var cerr error
 		if m.Type == wire.TAbortStore {

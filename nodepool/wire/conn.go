@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
+	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,8 +19,12 @@ import (
 // Recv from one goroutine at a time.
 type Conn struct {
 	uc   *net.UnixConn
+	rc   syscall.RawConn // uc's, for recvmsg without a source address
 	rbuf []byte
 	oob  []byte
+	rs   recvState
+	// tryRecv bound once: a method value made per read would be allocated.
+	tryRecv func(fd uintptr) bool
 
 	wmu  sync.Mutex
 	wbuf []byte
@@ -28,7 +35,10 @@ type Conn struct {
 func NewConn(uc *net.UnixConn) *Conn {
 	_ = uc.SetWriteBuffer(4 * MaxMessage)
 	_ = uc.SetReadBuffer(4 * MaxMessage)
-	return &Conn{uc: uc, rbuf: make([]byte, MaxMessage+1), oob: make([]byte, unix.CmsgSpace(4*4)), wbuf: make([]byte, 0, 4096)}
+	c := &Conn{uc: uc, rbuf: make([]byte, MaxMessage+1), oob: make([]byte, unix.CmsgSpace(4*4)), wbuf: make([]byte, 0, 4096)}
+	c.rc, _ = uc.SyscallConn() // nil only for a nil socket: Recv falls back to ReadMsgUnix
+	c.tryRecv = c.tryRecvOnce
+	return c
 }
 
 // UnixConn is the socket.
@@ -68,7 +78,7 @@ func (c *Conn) Send(m *Msg, fd int) error {
 // error wrapping ErrMalformed; the connection stays usable (the next
 // packet is the next message).
 func (c *Conn) Recv(m *Msg) (fd int, err error) {
-	n, oobn, flags, _, err := c.uc.ReadMsgUnix(c.rbuf, c.oob)
+	n, oobn, flags, err := c.recvmsg()
 	fds := parseRights(c.oob[:oobn])
 	fd = -1
 	bad := func(e error) (int, error) {
@@ -96,6 +106,57 @@ func (c *Conn) Recv(m *Msg) (fd int, err error) {
 		fd = fds[0]
 	}
 	return fd, nil
+}
+
+// recvmsg reads one packet into c.rbuf and its control messages into
+// c.oob, waiting in the runtime's poller (the socket's read deadline
+// applies, and Close ends the wait with net.ErrClosed) as ReadMsgUnix
+// does, but without asking for the sender's address, which ReadMsgUnix
+// allocates (three objects a message) on every read. Its state lives in
+// c (Recv has one caller at a time), so that a read allocates nothing.
+func (c *Conn) recvmsg() (n, oobn, flags int, err error) {
+	if c.rc == nil {
+		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.rbuf, c.oob)
+		return n, oobn, flags, err
+	}
+	r := &c.rs
+	r.n, r.oobn, r.flags, r.err = 0, 0, 0, nil
+	err = c.rc.Read(c.tryRecv)
+	if err == nil {
+		err = r.err
+	}
+	if err != nil {
+		return 0, 0, 0, &net.OpError{Op: "read", Net: "unixpacket", Source: c.uc.LocalAddr(), Addr: c.uc.RemoteAddr(), Err: err}
+	}
+	return r.n, r.oobn, r.flags, nil
+}
+
+// recvState is one recvmsg's: its buffers' descriptors and its results.
+type recvState struct {
+	iov            unix.Iovec
+	msg            unix.Msghdr
+	n, oobn, flags int
+	err            error
+}
+
+// tryRecvOnce is recvmsg's attempt on the socket (c.rc.Read's callback): false
+// when nothing is there yet (EAGAIN: wait for the socket to turn readable).
+func (c *Conn) tryRecvOnce(fd uintptr) bool {
+	r := &c.rs
+	r.iov = unix.Iovec{Base: &c.rbuf[0]}
+	r.iov.SetLen(len(c.rbuf))
+	r.msg = unix.Msghdr{Iov: &r.iov, Iovlen: 1, Control: &c.oob[0]}
+	r.msg.SetControllen(len(c.oob))
+	n, _, e := unix.Syscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&r.msg)), unix.MSG_CMSG_CLOEXEC)
+	switch e {
+	case 0:
+		r.n, r.oobn, r.flags = int(n), int(r.msg.Controllen), int(r.msg.Flags)
+	case unix.EAGAIN:
+		return false
+	default:
+		r.err = os.NewSyscallError("recvmsg", e)
+	}
+	return true
 }
 
 func parseRights(oob []byte) []int {

@@ -115,6 +115,20 @@ func (r *reader) slots(dst []Slot) []Slot {
 	return dst
 }
 
+func (r *reader) handles(dst []Handle) []Handle {
+	n := r.count(MaxKeys, 8, "handles")
+	p := r.take(8*n, "handles")
+	if r.err != nil {
+		return dst[:0]
+	}
+	dst = grow(dst, n)
+	for i := range dst {
+		q := p[8*i : 8*i+8]
+		dst[i].ID, dst[i].Gen = le.Uint32(q), le.Uint32(q[4:])
+	}
+	return dst
+}
+
 // grow returns s resized to n entries, reusing its memory when it can (n
 // was checked against the message's length by count).
 func grow[T any](s []T, n int) []T {
@@ -176,10 +190,7 @@ func Decode(b []byte, m *Msg) error {
 			r.fail(fmt.Sprintf("%d hits with %d leased slots", m.N, len(m.Slots)))
 		}
 	case TUnlease, TCommitStore, TAbortStore, TEndLoad:
-		n := r.count(MaxKeys, 8, "handles")
-		for i := 0; i < n && r.err == nil; i++ {
-			m.Handles = append(m.Handles, Handle{ID: r.u32("handle id"), Gen: r.u32("handle gen")})
-		}
+		m.Handles = r.handles(m.Handles)
 	case TBeginStore:
 		m.HeadLo = r.u16("head lo")
 		m.HeadHi = r.u16("head hi")

@@ -277,11 +277,7 @@ func Append(dst []byte, m *Msg) []byte {
 		dst = le.AppendUint64(dst, m.N)
 		dst = appendSlots(dst, m.Slots)
 	case TUnlease, TCommitStore, TAbortStore, TEndLoad:
-		dst = le.AppendUint32(dst, uint32(len(m.Handles)))
-		for _, h := range m.Handles {
-			dst = le.AppendUint32(dst, h.ID)
-			dst = le.AppendUint32(dst, h.Gen)
-		}
+		dst = appendHandles(dst, m.Handles)
 	case TBeginStore:
 		dst = le.AppendUint16(dst, m.HeadLo)
 		dst = le.AppendUint16(dst, m.HeadHi)
@@ -363,6 +359,18 @@ func appendSlots(dst []byte, slots []Slot) []byte {
 		le.PutUint32(q[4:], s.Gen)
 		le.PutUint32(q[8:], s.Region)
 		le.PutUint64(q[12:], s.Off)
+	}
+	return dst
+}
+
+func appendHandles(dst []byte, hs []Handle) []byte {
+	dst = le.AppendUint32(dst, uint32(len(hs)))
+	n := len(dst)
+	dst = slices.Grow(dst, 8*len(hs))[:n+8*len(hs)]
+	for i := range hs {
+		q := dst[n+8*i : n+8*i+8]
+		le.PutUint32(q, hs[i].ID)
+		le.PutUint32(q[4:], hs[i].Gen)
 	}
 	return dst
 }
