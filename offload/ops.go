@@ -113,14 +113,16 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 }
 
 // partSegments is about how many segments one part of a copy that is not
-// split by layer holds: the engine thread builds and enqueues a part at a
-// time, so the first part's copies run while the next are built.
+// split by layer holds: the engine builds and enqueues a part at a time
+// (building the next while the current one is enqueued), so the first
+// part's copies run while the next are built.
 const partSegments = 4096
 
 // copyPlan checks the device block ids of a Store or Load and returns the
-// request's Build (the segments of blocks and their host slots, built on
-// the engine thread), its number of parts, whether the parts are layers
-// (perLayer and a layout with layers), and the bytes the parts copy.
+// request's Build (the segments of blocks and their host slots, built by
+// the engine's scheduler when it issues the op), its number of parts,
+// whether the parts are layers (perLayer and a layout with layers), and
+// the bytes the parts copy.
 // blockIDs and slots must not change until the op completes.
 //
 // The segments are layout l's: the rank's heads (Layout.Segments, which
@@ -144,7 +146,7 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	if err := e.gate(slots); err != nil {
 		return transfer.Request{}, err // a node's region gone (Dial)
 	}
-	// ks is the engine thread's scratch from here on: Build is called for
+	// ks is Build's scratch from here on: transfer calls Build for
 	// one part at a time.
 	add := func(dst []transfer.Segment, i int) []transfer.Segment {
 		host := uint64(slots[i].Addr)

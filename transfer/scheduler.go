@@ -154,9 +154,11 @@ type Request struct {
 	// or validate fails the op (with the other ops of its batch), after
 	// the copies already enqueued are known finished. Bytes is the total
 	// length of every part's segments; the engine checks it. With Layered,
-	// part l is layer l (as LayerEnds would declare it). Build must not
-	// block, must be safe to call from another goroutine than Submit's,
-	// and must produce segments valid until the op completes.
+	// part l is layer l (as LayerEnds would declare it). Build is called
+	// for one part at a time, in order, from goroutines other than
+	// Submit's (the submitting one, or a builder one part ahead of it);
+	// it must not block and must produce segments valid until the op
+	// completes.
 	Build   func(part int, dst []Segment) ([]Segment, error)
 	Parts   int
 	Layered bool
@@ -209,9 +211,21 @@ type Scheduler struct {
 	signalling int
 	seq        [2]uint64
 
-	// The submitting thread's buffers for lazy requests.
+	// The submitting thread's buffers for lazy requests: one part's (a
+	// single part), or the two the builder goroutine alternates between
+	// (several parts, see issueParts).
 	buildBuf  []Segment
 	placedBuf []placed
+	partBufs  [2]partBuf
+}
+
+// partBuf is one built and validated part of a lazy op: its segments as
+// Build gave them, and validated.
+type partBuf struct {
+	p      int
+	segs   []Segment
+	placed []placed
+	err    error
 }
 
 // promiser is implemented by devices that can make an op's events valid
@@ -815,43 +829,115 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
 	if op.req.Layered {
 		from, to = l, l+1
 	}
-	d := op.dir
-	track := invariantsEnabled && s.cfg.Tracker != nil
-	for p := from; p < to; p++ {
-		segs, err := op.req.Build(p, s.buildBuf[:0])
-		if err != nil {
-			return fmt.Errorf("transfer: building part %d of %d of a %v: %w", p, op.req.Parts, d, err)
+	if to-from >= 2 {
+		if err := s.issuePipelined(b, op, from, to); err != nil {
+			return err
 		}
-		s.buildBuf = segs[:0]
-		if len(segs) == 0 {
-			continue
+	} else {
+		for p := from; p < to; p++ {
+			pb := partBuf{segs: s.buildBuf, placed: s.placedBuf}
+			s.buildPart(op, p, &pb)
+			s.buildBuf, s.placedBuf = pb.segs, pb.placed
+			if err := s.copyPart(b, op, &pb); err != nil {
+				return err
+			}
 		}
-		s.placedBuf, err = validate(segs, s.cfg.Align, &s.host, &s.devR, s.placedBuf[:0])
-		if err != nil {
-			return fmt.Errorf("transfer: part %d of %d of a %v: %w", p, op.req.Parts, d, err)
-		}
-		for _, g := range s.placedBuf {
-			op.built += g.Len
-		}
-		if op.built > op.bytes {
-			return fmt.Errorf("%w: a %v's parts copy more than the %d bytes it declared", ErrInvalidRequest, d, op.bytes)
-		}
-		if track {
-			op.gens = append(op.gens, s.cfg.Tracker.gens("at submission", d, s.placedBuf, nil)...)
-			op.segs = append(op.segs, s.placedBuf...)
-		}
-		start := len(b.descs)
-		var last placed
-		b.descs = coalesce(b.descs, &last, s.placedBuf)
-		retire, err := s.dev.Copy(d, b.descs[start:])
-		if err != nil {
-			return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, p, op.req.Parts, len(b.descs)-start, err)
-		}
-		b.retires = append(b.retires, retire)
 	}
 	if l == len(op.layerEnds)-1 && op.built != op.bytes {
-		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, d, op.built, op.bytes)
+		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
 	}
+	return nil
+}
+
+// issuePipelined is issueParts for parts [from, to) of op (at least two):
+// a builder goroutine builds and validates part p+1 (Build, validate: most
+// of a part's host work) while this thread coalesces and copies part p,
+// the two alternating between the scheduler's two part buffers. A part
+// that fails to build or copy stops the builder; nothing is built after
+// this returns.
+func (s *Scheduler) issuePipelined(b *batch, op *Op, from, to int) error {
+	free := make(chan *partBuf, len(s.partBufs))
+	ready := make(chan *partBuf, len(s.partBufs))
+	stop := make(chan struct{})
+	exited := make(chan struct{})
+	for i := range s.partBufs {
+		free <- &s.partBufs[i]
+	}
+	go func() {
+		defer close(exited)
+		for p := from; p < to; p++ {
+			var pb *partBuf
+			select {
+			case pb = <-free:
+			case <-stop:
+				return
+			}
+			s.buildPart(op, p, pb)
+			ready <- pb // never blocks: there are as many places as buffers
+			if pb.err != nil {
+				return
+			}
+		}
+	}()
+	var err error
+	for p := from; p < to && err == nil; p++ {
+		pb := <-ready
+		if err = s.copyPart(b, op, pb); err == nil {
+			free <- pb
+		}
+	}
+	close(stop)
+	<-exited
+	return err
+}
+
+// buildPart builds part p of lazy op into pb and validates it (pb.err
+// says why it cannot be copied). Safe on another goroutine than the
+// submitter's: it touches only pb, op's Build and the range sets (under
+// their read locks).
+func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
+	pb.p, pb.err = p, nil
+	segs, err := op.req.Build(p, pb.segs[:0])
+	if err != nil {
+		pb.placed = pb.placed[:0]
+		pb.err = fmt.Errorf("transfer: building part %d of %d of a %v: %w", p, op.req.Parts, op.dir, err)
+		return
+	}
+	pb.segs = segs[:0]
+	pb.placed, err = validate(segs, s.cfg.Align, &s.host, &s.devR, pb.placed[:0])
+	if err != nil {
+		pb.err = fmt.Errorf("transfer: part %d of %d of a %v: %w", p, op.req.Parts, op.dir, err)
+	}
+}
+
+// copyPart coalesces a built part's segments into the batch's descriptors
+// and copies them (submitting thread).
+func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
+	if pb.err != nil {
+		return pb.err
+	}
+	if len(pb.placed) == 0 {
+		return nil
+	}
+	d := op.dir
+	for _, g := range pb.placed {
+		op.built += g.Len
+	}
+	if op.built > op.bytes {
+		return fmt.Errorf("%w: a %v's parts copy more than the %d bytes it declared", ErrInvalidRequest, d, op.bytes)
+	}
+	if invariantsEnabled && s.cfg.Tracker != nil {
+		op.gens = append(op.gens, s.cfg.Tracker.gens("at submission", d, pb.placed, nil)...)
+		op.segs = append(op.segs, pb.placed...)
+	}
+	start := len(b.descs)
+	var last placed
+	b.descs = coalesce(b.descs, &last, pb.placed)
+	retire, err := s.dev.Copy(d, b.descs[start:])
+	if err != nil {
+		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(b.descs)-start, err)
+	}
+	b.retires = append(b.retires, retire)
 	return nil
 }
 

@@ -1,0 +1,113 @@
+package transfer
+
+import (
+	"errors"
+	"math/rand"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// countingBuild wraps a lazy request's Build: it counts calls, records
+// whether two ran at once or out of order, and fails part fail (-1: none).
+type countingBuild struct {
+	calls   atomic.Int32
+	running atomic.Int32
+	overlap atomic.Bool
+	mu      sync.Mutex
+	parts   []int
+}
+
+func (c *countingBuild) wrap(build func(int, []Segment) ([]Segment, error), fail int, boom error) func(int, []Segment) ([]Segment, error) {
+	return func(p int, dst []Segment) ([]Segment, error) {
+		if c.running.Add(1) > 1 {
+			c.overlap.Store(true)
+		}
+		defer c.running.Add(-1)
+		c.calls.Add(1)
+		c.mu.Lock()
+		c.parts = append(c.parts, p)
+		c.mu.Unlock()
+		time.Sleep(time.Millisecond) // give the other goroutine time to overlap, were it to
+		if p == fail {
+			return dst, boom
+		}
+		return build(p, dst)
+	}
+}
+
+// TestPipelinedParts: an op of many parts (built one part ahead of the
+// copies on a builder goroutine) copies every byte, calls Build once per
+// part, in order, never two at once.
+func TestPipelinedParts(t *testing.T) {
+	const seg, n = 4096, 16 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 21})
+	src := randBytes(rand.New(rand.NewSource(22)), n)
+	copy(e.hostBuf, src)
+	var c countingBuild
+	req := lazyLoad(e, n, seg, false, -1, nil)
+	req.Build = c.wrap(req.Build, -1, nil)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op.Wait())
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.False(t, c.overlap.Load(), "two Build calls at once")
+	want := make([]int, n/seg)
+	for i := range want {
+		want[i] = i
+	}
+	require.Equal(t, want, c.parts)
+}
+
+// TestPipelinedBuildFailure: a part that fails to build fails the op;
+// the parts after it are never built, and nothing is built once the op
+// has completed.
+func TestPipelinedBuildFailure(t *testing.T) {
+	const seg, n = 4096, 16 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 23})
+	boom := errors.New("boom")
+	var c countingBuild
+	req := lazyLoad(e, n, seg, false, -1, nil)
+	req.Build = c.wrap(req.Build, 5, boom)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.ErrorIs(t, op.Wait(), boom)
+	calls := c.calls.Load()
+	require.Equal(t, int32(6), calls, "parts 0..5 built, none after the failed one")
+	time.Sleep(20 * time.Millisecond)
+	require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
+	// The engine goes on.
+	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op2.Wait())
+}
+
+// TestPipelinedCopyFailure: a copy that fails part-way stops the builder
+// (at most one part built ahead of the failed copy) and fails the op;
+// nothing is built once the op has completed, and the engine goes on.
+func TestPipelinedCopyFailure(t *testing.T) {
+	const seg, n = 4096, 16 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 24})
+	var c countingBuild
+	req := lazyLoad(e, n, seg, false, -1, nil)
+	req.Build = c.wrap(req.Build, -1, nil)
+	e.drv.FailAt(cuda.OpMemcpyAsync, e.drv.Calls(cuda.OpMemcpyAsync)+4, cuda.ErrorInvalidValue)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.Error(t, op.Wait())
+	calls := c.calls.Load()
+	// Parts 0..3 built and copied (the 4th copy fails), part 4 at most.
+	require.LessOrEqual(t, calls, int32(5), "built more than a part ahead of the failed copy")
+	time.Sleep(20 * time.Millisecond)
+	require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
+	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op2.Wait())
+}
