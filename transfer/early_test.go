@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math/rand"
+	"sync"
 	"testing"
 	"time"
 
@@ -29,6 +30,30 @@ func lazyLoad(e *fakeEnv, n, seg uint64, layered bool, gated int, gate <-chan st
 			return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
 		},
 	}
+}
+
+// busyLoad is a lazy load whose part 0 waits for hold, submitted: it keeps
+// the submitter busy, and busyLoad returns once the submitter has taken it
+// (its Build has started), so that requests submitted after it go into
+// another batch whatever the scheduling.
+func busyLoad(t *testing.T, e *fakeEnv, n, seg uint64, hold <-chan struct{}) *Op {
+	t.Helper()
+	started := make(chan struct{})
+	req := lazyLoad(e, n, seg, false, 0, hold)
+	build := req.Build
+	var once sync.Once
+	req.Build = func(p int, dst []Segment) ([]Segment, error) {
+		once.Do(func() { close(started) })
+		return build(p, dst)
+	}
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the submitter did not take the busy load")
+	}
+	return op
 }
 
 func (e *fakeEnv) done(t *testing.T, ev cuda.Event) bool {
@@ -124,8 +149,7 @@ func TestEarlyValuesInOrder(t *testing.T) {
 	e := newFakeEnv(t, 4*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 7})
 	hold, gate := make(chan struct{}), make(chan struct{})
 	// op0 keeps the submitter busy so that op1 and op2 are taken together.
-	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
-	require.NoError(t, err)
+	op0 := busyLoad(t, e, n, seg, hold)
 	op1, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, 1, gate), 5*time.Second)
 	require.NoError(t, err)
 	r2 := lazyLoad(e, n, seg, true, -1, nil)
@@ -166,8 +190,7 @@ func TestEarlyAfterSnapshot(t *testing.T) {
 	// The submitter is kept busy by op0 until hold closes, so op's copies
 	// are issued only after the caller's second record of After.
 	hold := make(chan struct{})
-	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
-	require.NoError(t, err)
+	op0 := busyLoad(t, e, n, seg, hold)
 	// The caller's work before After is held until word becomes 1.
 	require.NoError(t, e.drv.StreamWaitValue64(caller, word, 1, cuda.StreamWaitValueGEQ))
 	require.NoError(t, e.drv.EventRecord(after, caller))
@@ -334,8 +357,7 @@ func TestEarlySameBatchAfter(t *testing.T) {
 	require.NoError(t, err)
 	hold := make(chan struct{})
 	// op0 keeps the submitter busy, so that op1 and op2 are taken together.
-	op0, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 0, hold), 5*time.Second)
-	require.NoError(t, err)
+	op0 := busyLoad(t, e, n, seg, hold)
 	op1, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
 	require.NoError(t, err)
 	ev1, err := op1.Event()

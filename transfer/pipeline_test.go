@@ -111,3 +111,39 @@ func TestPipelinedCopyFailure(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, op2.Wait())
 }
+
+// TestPipelinedLayers: a per-layer op's layers are built one ahead of
+// their copies by its feed: every byte copied, each layer built once, in
+// order, never two at once; a layer that fails to build fails the op and
+// nothing is built after it, nor once the op has completed.
+func TestPipelinedLayers(t *testing.T) {
+	const seg, n = 4096, 12 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 25})
+	src := randBytes(rand.New(rand.NewSource(26)), n)
+	copy(e.hostBuf, src)
+	var c countingBuild
+	req := lazyLoad(e, n, seg, true, -1, nil)
+	req.Build = c.wrap(req.Build, -1, nil)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op.Wait())
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.False(t, c.overlap.Load(), "two Build calls at once")
+	want := make([]int, n/seg)
+	for i := range want {
+		want[i] = i
+	}
+	require.Equal(t, want, c.parts)
+
+	boom := errors.New("boom")
+	var f countingBuild
+	bad := lazyLoad(e, n, seg, true, -1, nil)
+	bad.Build = f.wrap(bad.Build, 4, boom)
+	op, err = submitWithin(t, e.s, bad, 5*time.Second)
+	require.NoError(t, err)
+	require.ErrorIs(t, op.Wait(), boom)
+	calls := f.calls.Load()
+	require.Equal(t, int32(5), calls, "layers 0..4 built, none after the failed one")
+	time.Sleep(20 * time.Millisecond)
+	require.Equal(t, calls, f.calls.Load(), "Build called after the op completed")
+}

@@ -216,7 +216,7 @@ type Scheduler struct {
 	// (several parts, see issueParts).
 	buildBuf  []Segment
 	placedBuf []placed
-	partBufs  [2]partBuf
+	feeds     []*partFeed // idle feeds, reused (submitting thread only)
 }
 
 // partBuf is one built and validated part of a lazy op: its segments as
@@ -226,6 +226,69 @@ type partBuf struct {
 	segs   []Segment
 	placed []placed
 	err    error
+}
+
+// partFeed builds and validates a lazy op's parts [from, to) in order on a
+// builder goroutine, one part ahead of the submitting thread that takes
+// them (next) and gives their buffers back (done): the two alternate
+// between the feed's two buffers. The builder stops after a part that
+// fails, or at stop; it has exited once stop returns.
+type partFeed struct {
+	bufs        [2]partBuf
+	free, ready chan *partBuf
+	quit        chan struct{}
+	exited      chan struct{}
+}
+
+// startFeed starts a feed of op's parts [from, to), reusing an idle one.
+func (s *Scheduler) startFeed(op *Op, from, to int) *partFeed {
+	var f *partFeed
+	if n := len(s.feeds); n > 0 {
+		f, s.feeds = s.feeds[n-1], s.feeds[:n-1]
+	} else {
+		f = &partFeed{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)}
+	}
+	f.quit, f.exited = make(chan struct{}), make(chan struct{})
+	for i := range f.bufs {
+		f.free <- &f.bufs[i]
+	}
+	go func() {
+		defer close(f.exited)
+		for p := from; p < to; p++ {
+			var pb *partBuf
+			select {
+			case pb = <-f.free:
+			case <-f.quit:
+				return
+			}
+			s.buildPart(op, p, pb)
+			f.ready <- pb // never blocks: as many places as buffers
+			if pb.err != nil {
+				return
+			}
+		}
+	}()
+	return f
+}
+
+// next waits for the feed's next part.
+func (f *partFeed) next() *partBuf { return <-f.ready }
+
+// done gives a part's buffer back to the builder.
+func (f *partFeed) done(pb *partBuf) { f.free <- pb }
+
+// stop ends the feed: the builder builds nothing more and has exited when
+// it returns; the feed goes back to the idle ones.
+func (s *Scheduler) stopFeed(f *partFeed) {
+	close(f.quit)
+	<-f.exited
+	for len(f.free) > 0 {
+		<-f.free
+	}
+	for len(f.ready) > 0 {
+		<-f.ready
+	}
+	s.feeds = append(s.feeds, f)
 }
 
 // promiser is implemented by devices that can make an op's events valid
@@ -258,6 +321,9 @@ type Op struct {
 	layerEnds []int
 	req       Request
 	enq       chan struct{} // immediate ops: closed once issued (or failed)
+	// feed builds a lazy layered op's layers one ahead of their copies
+	// while issueLayers issues it (submitting thread only).
+	feed *partFeed
 
 	ev       Event
 	layerEvs []Event
@@ -787,7 +853,19 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 	layers := 0
 	for _, op := range ops {
 		layers = max(layers, len(op.layerEnds))
+		if op.req.lazy() && op.req.Layered && op.req.Parts >= 2 {
+			// Layer l+1 is built while layer l is copied.
+			op.feed = s.startFeed(op, 0, op.req.Parts)
+		}
 	}
+	defer func() {
+		for _, op := range ops {
+			if op.feed != nil {
+				s.stopFeed(op.feed)
+				op.feed = nil
+			}
+		}
+	}()
 	for l := range layers {
 		start := len(b.descs)
 		var last placed
@@ -821,19 +899,43 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 	return nil
 }
 
-// issueParts builds, validates and copies the parts of lazy op that make
-// its layer l (engine thread): one part for a layered op, all of them
-// otherwise. Each part's descriptors are appended to the batch's.
+// issueParts copies the parts of lazy op that make its layer l (submitting
+// thread): one part for a layered op (built by its feed when issueLayers
+// gave it one), all of them otherwise (built by a feed one part ahead of
+// the copies when there are several). Each part's descriptors are
+// appended to the batch's. A part that fails to build or copy fails the
+// op; no Build runs for it once this returns, unless op has a feed
+// (issueLayers stops it).
 func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
 	from, to := 0, op.req.Parts
 	if op.req.Layered {
 		from, to = l, l+1
 	}
-	if to-from >= 2 {
-		if err := s.issuePipelined(b, op, from, to); err != nil {
+	switch {
+	case op.feed != nil:
+		// A layered op's feed (issueLayers): its part l is ready or being
+		// built.
+		for p := from; p < to; p++ {
+			pb := op.feed.next()
+			if err := s.copyPart(b, op, pb); err != nil {
+				return err
+			}
+			op.feed.done(pb)
+		}
+	case to-from >= 2:
+		f := s.startFeed(op, from, to)
+		var err error
+		for p := from; p < to && err == nil; p++ {
+			pb := f.next()
+			if err = s.copyPart(b, op, pb); err == nil {
+				f.done(pb)
+			}
+		}
+		s.stopFeed(f)
+		if err != nil {
 			return err
 		}
-	} else {
+	default:
 		for p := from; p < to; p++ {
 			pb := partBuf{segs: s.buildBuf, placed: s.placedBuf}
 			s.buildPart(op, p, &pb)
@@ -847,48 +949,6 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
 		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
 	}
 	return nil
-}
-
-// issuePipelined is issueParts for parts [from, to) of op (at least two):
-// a builder goroutine builds and validates part p+1 (Build, validate: most
-// of a part's host work) while this thread coalesces and copies part p,
-// the two alternating between the scheduler's two part buffers. A part
-// that fails to build or copy stops the builder; nothing is built after
-// this returns.
-func (s *Scheduler) issuePipelined(b *batch, op *Op, from, to int) error {
-	free := make(chan *partBuf, len(s.partBufs))
-	ready := make(chan *partBuf, len(s.partBufs))
-	stop := make(chan struct{})
-	exited := make(chan struct{})
-	for i := range s.partBufs {
-		free <- &s.partBufs[i]
-	}
-	go func() {
-		defer close(exited)
-		for p := from; p < to; p++ {
-			var pb *partBuf
-			select {
-			case pb = <-free:
-			case <-stop:
-				return
-			}
-			s.buildPart(op, p, pb)
-			ready <- pb // never blocks: there are as many places as buffers
-			if pb.err != nil {
-				return
-			}
-		}
-	}()
-	var err error
-	for p := from; p < to && err == nil; p++ {
-		pb := <-ready
-		if err = s.copyPart(b, op, pb); err == nil {
-			free <- pb
-		}
-	}
-	close(stop)
-	<-exited
-	return err
 }
 
 // buildPart builds part p of lazy op into pb and validates it (pb.err
