@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math/rand"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -394,7 +395,21 @@ func TestEarlyPartialPromise(t *testing.T) {
 	// No later op writes a greater value: the failed op's own placeholder
 	// must, or the device never idles and the counters' cuMemFree hangs.
 	closed := make(chan error, 1)
-	go func() { closed <- errors.Join(e.s.Close(), e.cu.Close()) }()
+	go func() {
+		// The device's context current on this goroutine's thread, as on
+		// the test's (the fake checks it).
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		ctx, err := e.drv.PrimaryCtxRetain(0)
+		if err == nil {
+			err = e.drv.CtxSetCurrent(ctx)
+		}
+		if err != nil {
+			closed <- err
+			return
+		}
+		closed <- errors.Join(e.s.Close(), e.cu.Close(), e.drv.PrimaryCtxRelease(0))
+	}()
 	select {
 	case err := <-closed:
 		require.NoError(t, err)

@@ -147,3 +147,47 @@ func TestPipelinedLayers(t *testing.T) {
 	time.Sleep(20 * time.Millisecond)
 	require.Equal(t, calls, f.calls.Load(), "Build called after the op completed")
 }
+
+// TestPipelinedSharedBatch: many lazy per-layer ops issued in one batch
+// share the one builder: every byte copied, each op's layers built
+// once and in order, never two Build calls at once.
+func TestPipelinedSharedBatch(t *testing.T) {
+	const seg, n, ops = 4096, 6 * 4096, 8
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 27})
+	src := randBytes(rand.New(rand.NewSource(28)), n)
+	copy(e.hostBuf, src)
+	hold := make(chan struct{})
+	busy := busyLoad(t, e, n, seg, hold)
+	var running, calls atomic.Int32
+	var overlap atomic.Bool
+	parts := make([][]int, ops)
+	var all []*Op
+	for i := range ops {
+		req := lazyLoad(e, n, seg, true, -1, nil)
+		req.Events = false // queued, and issued with the others in one batch
+		build := req.Build
+		req.Build = func(p int, dst []Segment) ([]Segment, error) {
+			if running.Add(1) > 1 {
+				overlap.Store(true)
+			}
+			defer running.Add(-1)
+			calls.Add(1)
+			parts[i] = append(parts[i], p)
+			return build(p, dst)
+		}
+		op, err := submitWithin(t, e.s, req, 5*time.Second)
+		require.NoError(t, err)
+		all = append(all, op)
+	}
+	close(hold)
+	require.NoError(t, busy.Wait())
+	for _, op := range all {
+		require.NoError(t, op.Wait())
+	}
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.False(t, overlap.Load(), "two Build calls at once")
+	require.Equal(t, int32(ops*n/seg), calls.Load())
+	for i := range ops {
+		require.Equal(t, []int{0, 1, 2, 3, 4, 5}, parts[i], "op %d", i)
+	}
+}

@@ -146,19 +146,21 @@ type Request struct {
 	// op completes or fails. It must not block.
 	OnComplete func(op *Op, err error)
 
-	// Build, instead of Segments, produces the op's segments on the engine
-	// thread, part by part: Build(p, dst) appends part p's segments to dst
-	// (p from 0 to Parts-1, in order) and returns it. Each part is
+	// Build, instead of Segments, produces the op's segments when the op
+	// is issued, part by part: Build(p, dst) appends part p's segments to
+	// dst (p from 0 to Parts-1, in order) and returns it. Each part is
 	// validated and copied as soon as it is built, so the first part's
 	// copies run while later parts are built; a part that fails to build
 	// or validate fails the op (with the other ops of its batch), after
 	// the copies already enqueued are known finished. Bytes is the total
 	// length of every part's segments; the engine checks it. With Layered,
-	// part l is layer l (as LayerEnds would declare it). Build is called
-	// for one part at a time, in order, from goroutines other than
-	// Submit's (the submitting one, or a builder one part ahead of it);
-	// it must not block and must produce segments valid until the op
-	// completes.
+	// part l is layer l (as LayerEnds would declare it). Build runs on the
+	// submitting goroutine or on a builder goroutine one part ahead of it,
+	// neither of them Submit's: it must make no driver call and need no
+	// thread state (no CUDA context is current there), must not block, and
+	// must produce segments valid until the op completes. No two Build
+	// calls, of this request or another, ever run at once, and none runs
+	// after the op has completed.
 	Build   func(part int, dst []Segment) ([]Segment, error)
 	Parts   int
 	Layered bool
@@ -216,52 +218,67 @@ type Scheduler struct {
 	// (several parts, see issueParts).
 	buildBuf  []Segment
 	placedBuf []placed
-	feeds     []*partFeed // idle feeds, reused (submitting thread only)
+	feed      partFeed  // the issue's part builder (submitting thread only)
+	partRefs  []partRef // the parts it builds, in the order they are copied
 }
 
 // partBuf is one built and validated part of a lazy op: its segments as
 // Build gave them, and validated.
 type partBuf struct {
+	op     *Op
 	p      int
 	segs   []Segment
 	placed []placed
 	err    error
 }
 
-// partFeed builds and validates a lazy op's parts [from, to) in order on a
-// builder goroutine, one part ahead of the submitting thread that takes
-// them (next) and gives their buffers back (done): the two alternate
-// between the feed's two buffers. The builder stops after a part that
-// fails, or at stop; it has exited once stop returns.
+// partRef names part p of a lazy op.
+type partRef struct {
+	op *Op
+	p  int
+}
+
+// partFeed builds and validates lazy ops' parts (a list of partRefs, in
+// the order the submitting thread copies them) on a builder goroutine, one
+// part ahead of the submitting thread that takes them (next) and gives
+// their buffers back (done): the two alternate between the feed's two
+// buffers, so one issue holds two parts' buffers whatever its ops. The
+// builder stops after a part that fails, or at stop; it has exited once
+// stop returns.
 type partFeed struct {
 	bufs        [2]partBuf
 	free, ready chan *partBuf
 	quit        chan struct{}
 	exited      chan struct{}
+	running     bool
 }
 
-// startFeed starts a feed of op's parts [from, to), reusing an idle one.
-func (s *Scheduler) startFeed(op *Op, from, to int) *partFeed {
-	var f *partFeed
-	if n := len(s.feeds); n > 0 {
-		f, s.feeds = s.feeds[n-1], s.feeds[:n-1]
-	} else {
-		f = &partFeed{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)}
+// startFeed starts the scheduler's feed on parts (which it reads until
+// stopFeed returns).
+func (s *Scheduler) startFeed(parts []partRef) *partFeed {
+	f := &s.feed
+	if f.free == nil {
+		f.free, f.ready = make(chan *partBuf, len(f.bufs)), make(chan *partBuf, len(f.bufs))
 	}
-	f.quit, f.exited = make(chan struct{}), make(chan struct{})
+	f.quit, f.exited, f.running = make(chan struct{}), make(chan struct{}), true
 	for i := range f.bufs {
 		f.free <- &f.bufs[i]
 	}
 	go func() {
 		defer close(f.exited)
-		for p := from; p < to; p++ {
+		for _, r := range parts {
+			select { // stop first, even with a buffer free
+			case <-f.quit:
+				return
+			default:
+			}
 			var pb *partBuf
 			select {
 			case pb = <-f.free:
 			case <-f.quit:
 				return
 			}
-			s.buildPart(op, p, pb)
+			s.buildPart(r.op, r.p, pb)
 			f.ready <- pb // never blocks: as many places as buffers
 			if pb.err != nil {
 				return
@@ -277,9 +294,12 @@ func (f *partFeed) next() *partBuf { return <-f.ready }
 // done gives a part's buffer back to the builder.
 func (f *partFeed) done(pb *partBuf) { f.free <- pb }
 
-// stop ends the feed: the builder builds nothing more and has exited when
-// it returns; the feed goes back to the idle ones.
+// stopFeed ends the feed: the builder builds nothing more and has exited
+// when it returns. Idempotent.
 func (s *Scheduler) stopFeed(f *partFeed) {
+	if !f.running {
+		return
+	}
 	close(f.quit)
 	<-f.exited
 	for len(f.free) > 0 {
@@ -288,7 +308,10 @@ func (s *Scheduler) stopFeed(f *partFeed) {
 	for len(f.ready) > 0 {
 		<-f.ready
 	}
-	s.feeds = append(s.feeds, f)
+	f.running = false
+	for i := range f.bufs {
+		f.bufs[i].op = nil
+	}
 }
 
 // promiser is implemented by devices that can make an op's events valid
@@ -321,9 +344,6 @@ type Op struct {
 	layerEnds []int
 	req       Request
 	enq       chan struct{} // immediate ops: closed once issued (or failed)
-	// feed builds a lazy layered op's layers one ahead of their copies
-	// while issueLayers issues it (submitting thread only).
-	feed *partFeed
 
 	ev       Event
 	layerEvs []Event
@@ -853,19 +873,26 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 	layers := 0
 	for _, op := range ops {
 		layers = max(layers, len(op.layerEnds))
-		if op.req.lazy() && op.req.Layered && op.req.Parts >= 2 {
-			// Layer l+1 is built while layer l is copied.
-			op.feed = s.startFeed(op, 0, op.req.Parts)
-		}
 	}
-	defer func() {
+	// The lazy ops' parts, in the order they are copied below: with two or
+	// more, a feed builds each while the one before it is copied.
+	refs := s.partRefs[:0]
+	for l := range layers {
 		for _, op := range ops {
-			if op.feed != nil {
-				s.stopFeed(op.feed)
-				op.feed = nil
+			if l < len(op.layerEnds) && op.req.lazy() {
+				from, to := op.partsOf(l)
+				for p := from; p < to; p++ {
+					refs = append(refs, partRef{op, p})
+				}
 			}
 		}
-	}()
+	}
+	s.partRefs = refs[:0]
+	var f *partFeed
+	if len(refs) >= 2 {
+		f = s.startFeed(refs)
+		defer s.stopFeed(f)
+	}
 	for l := range layers {
 		start := len(b.descs)
 		var last placed
@@ -887,7 +914,7 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 		}
 		for _, op := range ops {
 			if l < len(op.layerEnds) && op.req.lazy() {
-				if err := s.issueParts(b, op, l); err != nil {
+				if err := s.issueParts(b, op, l, f); err != nil {
 					return err
 				}
 			}
@@ -899,51 +926,40 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 	return nil
 }
 
-// issueParts copies the parts of lazy op that make its layer l (submitting
-// thread): one part for a layered op (built by its feed when issueLayers
-// gave it one), all of them otherwise (built by a feed one part ahead of
-// the copies when there are several). Each part's descriptors are
-// appended to the batch's. A part that fails to build or copy fails the
-// op; no Build runs for it once this returns, unless op has a feed
-// (issueLayers stops it).
-func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
-	from, to := 0, op.req.Parts
+// partsOf returns the parts of lazy op that make its layer l: part l of a
+// layered op, all of them otherwise.
+func (op *Op) partsOf(l int) (from, to int) {
 	if op.req.Layered {
-		from, to = l, l+1
+		return l, l + 1
 	}
-	switch {
-	case op.feed != nil:
-		// A layered op's feed (issueLayers): its part l is ready or being
-		// built.
-		for p := from; p < to; p++ {
-			pb := op.feed.next()
-			if err := s.copyPart(b, op, pb); err != nil {
-				return err
-			}
-			op.feed.done(pb)
-		}
-	case to-from >= 2:
-		f := s.startFeed(op, from, to)
-		var err error
-		for p := from; p < to && err == nil; p++ {
-			pb := f.next()
-			if err = s.copyPart(b, op, pb); err == nil {
-				f.done(pb)
-			}
-		}
-		s.stopFeed(f)
-		if err != nil {
-			return err
-		}
-	default:
-		for p := from; p < to; p++ {
+	return 0, op.req.Parts
+}
+
+// issueParts copies the parts of lazy op that make its layer l (submitting
+// thread), taking them from f (the issue's feed, which builds them in this
+// order one part ahead) or, without one, building them here. Each part's
+// descriptors are appended to the batch's. A part that fails to build or
+// copy fails the op.
+func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
+	from, to := op.partsOf(l)
+	for p := from; p < to; p++ {
+		if f == nil {
 			pb := partBuf{segs: s.buildBuf, placed: s.placedBuf}
 			s.buildPart(op, p, &pb)
 			s.buildBuf, s.placedBuf = pb.segs, pb.placed
 			if err := s.copyPart(b, op, &pb); err != nil {
 				return err
 			}
+			continue
 		}
+		pb := f.next()
+		if pb.op != op || pb.p != p {
+			return fmt.Errorf("%w: the part builder gave part %d of another op, want part %d of this %v", ErrInvalidRequest, pb.p, p, op.dir)
+		}
+		if err := s.copyPart(b, op, pb); err != nil {
+			return err
+		}
+		f.done(pb)
 	}
 	if l == len(op.layerEnds)-1 && op.built != op.bytes {
 		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
@@ -956,7 +972,7 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int) error {
 // submitter's: it touches only pb, op's Build and the range sets (under
 // their read locks).
 func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
-	pb.p, pb.err = p, nil
+	pb.op, pb.p, pb.err = op, p, nil
 	segs, err := op.req.Build(p, pb.segs[:0])
 	if err != nil {
 		pb.placed = pb.placed[:0]
