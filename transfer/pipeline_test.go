@@ -49,10 +49,18 @@ func (c *countingBuild) wrap(build func(int, []Segment) ([]Segment, error), fail
 func TestPipelinedParts(t *testing.T) {
 	const seg, n = 4096, 16 * 4096
 	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 21})
-	src := randBytes(rand.New(rand.NewSource(22)), n)
+	loadAllParts(t, e, n, seg, false, 22)
+}
+
+// loadAllParts loads n random bytes (seeded) as a lazy op of seg-byte
+// parts (per layer when layered) and checks every byte arrived and Build
+// was called once per part, in order, never two at once.
+func loadAllParts(t *testing.T, e *fakeEnv, n, seg uint64, layered bool, seed int64) {
+	t.Helper()
+	src := randBytes(rand.New(rand.NewSource(seed)), n)
 	copy(e.hostBuf, src)
 	var c countingBuild
-	req := lazyLoad(e, n, seg, false, -1, nil)
+	req := lazyLoad(e, n, seg, layered, -1, nil)
 	req.Build = c.wrap(req.Build, -1, nil)
 	op, err := submitWithin(t, e.s, req, 5*time.Second)
 	require.NoError(t, err)
@@ -66,50 +74,50 @@ func TestPipelinedParts(t *testing.T) {
 	require.Equal(t, want, c.parts)
 }
 
-// TestPipelinedBuildFailure: a part that fails to build fails the op;
-// the parts after it are never built, and nothing is built once the op
-// has completed.
-func TestPipelinedBuildFailure(t *testing.T) {
+// TestPipelinedFailure: a part that fails to build, or a copy that fails
+// part-way, fails the op; the builder stops (nothing built after a failed
+// part, at most one part ahead of a failed copy), nothing is built once
+// the op has completed, and the engine goes on.
+func TestPipelinedFailure(t *testing.T) {
 	const seg, n = 4096, 16 * 4096
-	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 23})
 	boom := errors.New("boom")
-	var c countingBuild
-	req := lazyLoad(e, n, seg, false, -1, nil)
-	req.Build = c.wrap(req.Build, 5, boom)
-	op, err := submitWithin(t, e.s, req, 5*time.Second)
-	require.NoError(t, err)
-	require.ErrorIs(t, op.Wait(), boom)
-	calls := c.calls.Load()
-	require.Equal(t, int32(6), calls, "parts 0..5 built, none after the failed one")
-	time.Sleep(20 * time.Millisecond)
-	require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
-	// The engine goes on.
-	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
-	require.NoError(t, err)
-	require.NoError(t, op2.Wait())
-}
-
-// TestPipelinedCopyFailure: a copy that fails part-way stops the builder
-// (at most one part built ahead of the failed copy) and fails the op;
-// nothing is built once the op has completed, and the engine goes on.
-func TestPipelinedCopyFailure(t *testing.T) {
-	const seg, n = 4096, 16 * 4096
-	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 24})
-	var c countingBuild
-	req := lazyLoad(e, n, seg, false, -1, nil)
-	req.Build = c.wrap(req.Build, -1, nil)
-	e.drv.FailAt(cuda.OpMemcpyAsync, e.drv.Calls(cuda.OpMemcpyAsync)+4, cuda.ErrorInvalidValue)
-	op, err := submitWithin(t, e.s, req, 5*time.Second)
-	require.NoError(t, err)
-	require.Error(t, op.Wait())
-	calls := c.calls.Load()
-	// Parts 0..3 built and copied (the 4th copy fails), part 4 at most.
-	require.LessOrEqual(t, calls, int32(5), "built more than a part ahead of the failed copy")
-	time.Sleep(20 * time.Millisecond)
-	require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
-	op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
-	require.NoError(t, err)
-	require.NoError(t, op2.Wait())
+	for _, tc := range []struct {
+		name      string
+		buildFail int   // part whose Build fails (-1: none)
+		copyFail  int   // the copy (memcpy) that fails, counting from 1 (0: none)
+		maxCalls  int32 // Build calls at most
+		exact     bool  // and exactly
+	}{
+		{"build", 5, 0, 6, true},  // parts 0..5 built, none after the failed one
+		{"copy", -1, 4, 5, false}, // parts 0..3 built and copied, part 4 at most
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 23})
+			var c countingBuild
+			req := lazyLoad(e, n, seg, false, -1, nil)
+			req.Build = c.wrap(req.Build, tc.buildFail, boom)
+			if tc.copyFail > 0 {
+				e.drv.FailAt(cuda.OpMemcpyAsync, e.drv.Calls(cuda.OpMemcpyAsync)+tc.copyFail, cuda.ErrorInvalidValue)
+			}
+			op, err := submitWithin(t, e.s, req, 5*time.Second)
+			require.NoError(t, err)
+			if err := op.Wait(); tc.buildFail >= 0 {
+				require.ErrorIs(t, err, boom)
+			} else {
+				require.Error(t, err)
+			}
+			calls := c.calls.Load()
+			require.LessOrEqual(t, calls, tc.maxCalls, "built past the failure")
+			if tc.exact {
+				require.Equal(t, tc.maxCalls, calls)
+			}
+			time.Sleep(20 * time.Millisecond)
+			require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
+			op2, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+			require.NoError(t, err)
+			require.NoError(t, op2.Wait())
+		})
+	}
 }
 
 // TestPipelinedLayers: a per-layer op's layers are built one ahead of
@@ -119,27 +127,13 @@ func TestPipelinedCopyFailure(t *testing.T) {
 func TestPipelinedLayers(t *testing.T) {
 	const seg, n = 4096, 12 * 4096
 	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 25})
-	src := randBytes(rand.New(rand.NewSource(26)), n)
-	copy(e.hostBuf, src)
-	var c countingBuild
-	req := lazyLoad(e, n, seg, true, -1, nil)
-	req.Build = c.wrap(req.Build, -1, nil)
-	op, err := submitWithin(t, e.s, req, 5*time.Second)
-	require.NoError(t, err)
-	require.NoError(t, op.Wait())
-	require.Equal(t, src, e.deviceBytes(t, n))
-	require.False(t, c.overlap.Load(), "two Build calls at once")
-	want := make([]int, n/seg)
-	for i := range want {
-		want[i] = i
-	}
-	require.Equal(t, want, c.parts)
+	loadAllParts(t, e, n, seg, true, 26)
 
 	boom := errors.New("boom")
 	var f countingBuild
 	bad := lazyLoad(e, n, seg, true, -1, nil)
 	bad.Build = f.wrap(bad.Build, 4, boom)
-	op, err = submitWithin(t, e.s, bad, 5*time.Second)
+	op, err := submitWithin(t, e.s, bad, 5*time.Second)
 	require.NoError(t, err)
 	require.ErrorIs(t, op.Wait(), boom)
 	calls := f.calls.Load()
