@@ -215,21 +215,7 @@ func kvoGo_engine_create(configJSON *C.char, out *C.uint64_t) (rc C.int) {
 	if configJSON == nil || out == nil {
 		return failf("kvo_engine_create: config_json and out must not be NULL")
 	}
-	cfg, opts, err := parseConfig(C.GoString(configJSON))
-	if err != nil {
-		return fail(err)
-	}
-	sim, err := hostsim.NewGPU(opts)
-	if err != nil {
-		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
-	}
-	eng, err := hostsim.NewEngine(cfg, sim)
-	if err != nil {
-		sim.Close()
-		return fail(err)
-	}
-	*out = C.uint64_t(engines.add(&engineEntry{eng: eng, sim: sim}))
-	return codeOK
+	return openEngine(configJSON, out, hostsim.NewEngine)
 }
 
 //export kvoGo_engine_connect
@@ -238,6 +224,16 @@ func kvoGo_engine_connect(socket, configJSON *C.char, out *C.uint64_t) (rc C.int
 	if socket == nil || configJSON == nil || out == nil {
 		return failf("kvo_engine_connect: socket, config_json and out must not be NULL")
 	}
+	sock := C.GoString(socket)
+	return openEngine(configJSON, out, func(cfg offload.Config, sim *hostsim.GPU) (*offload.Engine, error) {
+		return hostsim.Dial(sock, cfg, sim)
+	})
+}
+
+// openEngine parses configJSON, makes the host backend's simulated device
+// and opens an engine on it with open (its own pool, or a node's), storing
+// the new handle in *out.
+func openEngine(configJSON *C.char, out *C.uint64_t, open func(offload.Config, *hostsim.GPU) (*offload.Engine, error)) C.int {
 	cfg, opts, err := parseConfig(C.GoString(configJSON))
 	if err != nil {
 		return fail(err)
@@ -246,7 +242,7 @@ func kvoGo_engine_connect(socket, configJSON *C.char, out *C.uint64_t) (rc C.int
 	if err != nil {
 		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
 	}
-	eng, err := hostsim.Dial(C.GoString(socket), cfg, sim)
+	eng, err := open(cfg, sim)
 	if err != nil {
 		sim.Close()
 		return fail(err)
