@@ -213,13 +213,12 @@ type Scheduler struct {
 	signalling int
 	seq        [2]uint64
 
-	// The submitting thread's buffers for lazy requests: one part's (a
-	// single part), or the two the builder goroutine alternates between
-	// (several parts, see issueParts).
-	buildBuf  []Segment
-	placedBuf []placed
-	feed      partFeed  // the issue's part builder (submitting thread only)
-	partRefs  []partRef // the parts it builds, in the order they are copied
+	// The submitting thread's buffers for lazy requests: lone for an
+	// issue of a single part, built here; the feed's two, which its
+	// builder goroutine alternates between, for several (issueLayers).
+	lone     partBuf
+	feed     partFeed  // the issue's part builder (submitting thread only)
+	partRefs []partRef // the parts it builds, in the order they are copied
 }
 
 // partBuf is one built and validated part of a lazy op: its segments as
@@ -944,10 +943,10 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 	from, to := op.partsOf(l)
 	for p := from; p < to; p++ {
 		if f == nil {
-			pb := partBuf{segs: s.buildBuf, placed: s.placedBuf}
-			s.buildPart(op, p, &pb)
-			s.buildBuf, s.placedBuf = pb.segs, pb.placed
-			if err := s.copyPart(b, op, &pb); err != nil {
+			s.buildPart(op, p, &s.lone)
+			err := s.copyPart(b, op, &s.lone)
+			s.lone.op = nil
+			if err != nil {
 				return err
 			}
 			continue
