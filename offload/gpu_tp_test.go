@@ -115,12 +115,17 @@ func cudaTPSizeSharing(t *testing.T, drv cuda.Driver, h engineHooks) {
 }
 
 // TestCUDAFakeTPSizeSharing is cudaTPSizeSharing on the fake driver, with
-// each copy method (the kernel's 2-D descriptors included).
+// each copy method (the kernel's 2-D descriptors included), and with three
+// builders (the engine's Build called for several parts at once, the
+// copies prepared on the builders).
 func TestCUDAFakeTPSizeSharing(t *testing.T) {
-	for _, m := range []cudacopy.Method{cudacopy.MethodKernel, cudacopy.MethodAuto} {
-		t.Run(m.String(), func(t *testing.T) {
+	for _, c := range []struct {
+		m        cudacopy.Method
+		builders int
+	}{{cudacopy.MethodKernel, 1}, {cudacopy.MethodAuto, 1}, {cudacopy.MethodKernel, 3}} {
+		t.Run(fmt.Sprintf("%v-%d", c.m, c.builders), func(t *testing.T) {
 			d := fakeDriver(t, cudafake.Options{Seed: 5, MaxDelay: 20 * time.Microsecond})
-			cudaTPSizeSharing(t, d, engineHooks{copyOptions: cudacopy.Options{Method: m}})
+			cudaTPSizeSharing(t, d, engineHooks{copyOptions: cudacopy.Options{Method: c.m}, builders: c.builders})
 		})
 	}
 }

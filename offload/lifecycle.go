@@ -86,6 +86,8 @@ type engineHooks struct {
 	diskFaults diskFaultFunc
 	// dial makes an engine of Dial (dial.go): no pool of its own.
 	dial *dialState
+	// builders is the scheduler's Config.Builders (0: its default).
+	builders int
 }
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
@@ -342,7 +344,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: !cfg.EarlyEvents,
+		NoEarlyEvents: !cfg.EarlyEvents, Builders: h.builders,
 	}); err != nil {
 		return nil, err
 	}

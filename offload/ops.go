@@ -114,7 +114,7 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 
 // partSegments is about how many segments one part of a copy that is not
 // split by layer holds: the engine builds and enqueues a part at a time
-// (building the next while the current one is enqueued), so the first
+// (transfer's builders build the next ones while it is enqueued), so the first
 // part's copies run while the next are built.
 const partSegments = 4096
 
@@ -146,11 +146,12 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	if err := e.gate(slots); err != nil {
 		return transfer.Request{}, err // a node's region gone (Dial)
 	}
-	// ks is Build's scratch from here on: transfer calls Build for
-	// one part at a time.
-	add := func(dst []transfer.Segment, i int) []transfer.Segment {
+	// Build may run for several parts at once (transfer's builders): each
+	// call has its own scratch for a block's segments.
+	perSegs := len(ks)
+	add := func(dst []transfer.Segment, bs []kvcache.Segment, i int) []transfer.Segment {
 		host := uint64(slots[i].Addr)
-		for _, s := range ks {
+		for _, s := range bs {
 			dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len,
 				Rows: s.Rows, RowLen: s.RowLen, DevPitch: s.DevPitch, HostPitch: s.HostPitch})
 		}
@@ -161,24 +162,28 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		req.Layered = true
 		req.Parts = l.Geometry().Layers
 		req.Build = func(layer int, dst []transfer.Segment) ([]transfer.Segment, error) {
+			bs := make([]kvcache.Segment, 0, perSegs)
+			var err error
 			for i, id := range blockIDs {
-				if ks, err = l.LayerSegments(id, layer, ks[:0]); err != nil {
+				if bs, err = l.LayerSegments(id, layer, bs[:0]); err != nil {
 					return dst, err
 				}
-				dst = add(dst, i)
+				dst = add(dst, bs, i)
 			}
 			return dst, nil
 		}
 		return req, nil
 	}
-	per := max(1, partSegments/len(ks))
+	per := max(1, partSegments/perSegs)
 	req.Parts = (len(blockIDs) + per - 1) / per
 	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
+		bs := make([]kvcache.Segment, 0, perSegs)
+		var err error
 		for i := p * per; i < min((p+1)*per, len(blockIDs)); i++ {
-			if ks, err = l.Segments(blockIDs[i], ks[:0]); err != nil {
+			if bs, err = l.Segments(blockIDs[i], bs[:0]); err != nil {
 				return dst, err
 			}
-			dst = add(dst, i)
+			dst = add(dst, bs, i)
 		}
 		return dst, nil
 	}

@@ -35,6 +35,7 @@ type CUDA struct {
 	tickets []cudacopy.Ticket    // Copy's, likewise
 	bounced atomic.Int64         // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64         // BudgetSplits
+	prepped atomic.Int64         // copies enqueued as prepared (CopyPrepared), for tests
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
 	// early: stream memory operations for early events (early.go).
@@ -183,18 +184,7 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	defer func() { c.tickets = ts[:0] }()
 	var err error
 	if strided {
-		c.scr2D = c.scr2D[:0]
-		for _, g := range segs {
-			rows, row := g.Rows, g.RowLen
-			if rows <= 1 {
-				rows, row = 1, g.Len
-			}
-			if dir == Load {
-				c.scr2D = append(c.scr2D, cudacopy.Segment2D{Dst: g.Dev, Src: g.Host, Rows: rows, RowLen: row, DstPitch: g.DevPitch, SrcPitch: g.HostPitch})
-			} else {
-				c.scr2D = append(c.scr2D, cudacopy.Segment2D{Dst: g.Host, Src: g.Dev, Rows: rows, RowLen: row, DstPitch: g.HostPitch, SrcPitch: g.DevPitch})
-			}
-		}
+		c.scr2D = to2D(dir, segs, c.scr2D[:0])
 		err = c.submit2D(dir, c.scr2D, &ts)
 	} else {
 		c.scratch = c.scratch[:0]
@@ -228,6 +218,71 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 			_ = c.copier.Retire(t)
 		}
 	}, nil
+}
+
+// devPrep is a part's copy prepared on a builder goroutine (Prepare):
+// its strided segments as the copier takes them, and the copier's
+// prepared batch.
+type devPrep struct {
+	segs2D []cudacopy.Segment2D
+	p      cudacopy.Prepared
+}
+
+// errNotPrepared: Prepare leaves the copy to Copy (1-D segments, whose
+// method may bounce them through device memory).
+var errNotPrepared = errors.New("transfer: copy not prepared")
+
+// Prepare does a strided Copy's host-side work (conversion, validation,
+// the method's choice, descriptor encoding) into p without a driver call
+// (preparer); other copies are left to Copy.
+func (c *CUDA) Prepare(dir Direction, segs []Segment, p *devPrep) error {
+	strided := false
+	for _, g := range segs {
+		if g.Strided() {
+			strided = true
+			break
+		}
+	}
+	if !strided {
+		return errNotPrepared
+	}
+	p.segs2D = to2D(dir, segs, p.segs2D[:0])
+	d := cudacopy.H2D
+	if dir == Store {
+		d = cudacopy.D2H
+	}
+	return c.copier.Prepare2D(d, p.segs2D, &p.p)
+}
+
+// CopyPrepared is Copy(dir, segs) for a p Prepare filled from segs: it
+// only enqueues; a batch that needs more descriptor memory than one
+// submission may have goes through Copy, which splits it.
+func (c *CUDA) CopyPrepared(dir Direction, segs []Segment, p *devPrep) (func(), error) {
+	t, err := c.copier.SubmitPrepared(c.streams[dir], &p.p)
+	if errors.Is(err, cudacopy.ErrDeviceBudget) {
+		return c.Copy(dir, segs)
+	}
+	if err != nil {
+		return nil, err
+	}
+	c.prepped.Add(1)
+	return func() { _ = c.copier.Retire(t) }, nil
+}
+
+// to2D appends segs as the copier's strided segments for dir.
+func to2D(dir Direction, segs []Segment, out []cudacopy.Segment2D) []cudacopy.Segment2D {
+	for _, g := range segs {
+		rows, row := g.Rows, g.RowLen
+		if rows <= 1 {
+			rows, row = 1, g.Len
+		}
+		if dir == Load {
+			out = append(out, cudacopy.Segment2D{Dst: g.Dev, Src: g.Host, Rows: rows, RowLen: row, DstPitch: g.DevPitch, SrcPitch: g.HostPitch})
+		} else {
+			out = append(out, cudacopy.Segment2D{Dst: g.Host, Src: g.Dev, Rows: rows, RowLen: row, DstPitch: g.HostPitch, SrcPitch: g.DevPitch})
+		}
+	}
+	return out
 }
 
 // submit submits segs in one copier call, or, where that needs more device

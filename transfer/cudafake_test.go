@@ -34,6 +34,13 @@ func newFakeEnv(t *testing.T, size uint64, method cudacopy.Method, opts cudafake
 
 func newFakeEnvCopier(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options) *fakeEnv {
 	t.Helper()
+	return newFakeEnvBuilders(t, size, copts, opts, 1)
+}
+
+// newFakeEnvBuilders is newFakeEnvCopier with the scheduler's builders
+// given (the others: one, so that parts are built in order).
+func newFakeEnvBuilders(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options, builders int) *fakeEnv {
+	t.Helper()
 	opts.CheckContext = true
 	d := cudafake.New(opts)
 	runtime.LockOSThread()
@@ -51,7 +58,7 @@ func newFakeEnvCopier(t *testing.T, size uint64, copts cudacopy.Options, opts cu
 	tr := NewTracker(nil)
 	host := uint64(uintptr(p))
 	require.NoError(t, tr.Live(host, size))
-	s, err := New(cu, Config{Tracker: tr, PollSpin: time.Microsecond, PollMaxSleep: 50 * time.Microsecond})
+	s, err := New(cu, Config{Tracker: tr, PollSpin: time.Microsecond, PollMaxSleep: 50 * time.Microsecond, Builders: builders})
 	require.NoError(t, err)
 	require.NoError(t, s.AddHostRange(host, size))
 	require.NoError(t, s.AddDeviceRange(uint64(dp), size))

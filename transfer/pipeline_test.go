@@ -1,8 +1,10 @@
 package transfer
 
 import (
+	"bytes"
 	"errors"
 	"math/rand"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -184,4 +186,101 @@ func TestPipelinedSharedBatch(t *testing.T) {
 	for i := range ops {
 		require.Equal(t, []int{0, 1, 2, 3, 4, 5}, parts[i], "op %d", i)
 	}
+}
+
+// stridedLazy is a lazy request of n bytes of host memory in parts of seg
+// bytes, each part one 2-D segment of rows of row bytes: back to back on
+// the host at e.host+hostOff, at twice the row's pitch on the device (the
+// device span of part p starts at 2·p·seg), and build wrapped by c.
+func stridedLazy(e *fakeEnv, dir Direction, n, seg, row, hostOff uint64, c *countingBuild, fail int, boom error) Request {
+	rows := seg / row
+	req := Request{Dir: dir, Parts: int(n / seg), Bytes: n}
+	req.Build = c.wrap(func(p int, dst []Segment) ([]Segment, error) {
+		off := uint64(p) * seg
+		return append(dst, Segment{Dev: e.dev + 2*off, Host: e.host + hostOff + off, Len: seg,
+			Rows: rows, RowLen: row, DevPitch: 2 * row, HostPitch: row}), nil
+	}, fail, boom)
+	return req
+}
+
+// TestParallelBuilders: with three builders a lazy op's parts are built at
+// once, out of order, each once, and copied in order: a strided load into
+// a poisoned device and a store back copy every byte and leave every gap
+// poisoned, for each copy method forced; the copies were prepared on the
+// builders (CUDA.Prepare), the submitting thread only enqueuing them.
+func TestParallelBuilders(t *testing.T) {
+	const seg, row, n = 4096, 128, 24 * 4096
+	for _, m := range []cudacopy.Method{cudacopy.MethodMemcpy, cudacopy.MethodBatch, cudacopy.MethodKernel} {
+		t.Run(m.String(), func(t *testing.T) {
+			e := newFakeEnvBuilders(t, 4*n, cudacopy.Options{Method: m}, cudafake.Options{Seed: 29, MaxDelay: 20 * time.Microsecond}, 3)
+			src := randBytes(rand.New(rand.NewSource(30)), n)
+			copy(e.hostBuf, src)
+			for i := range e.hostBuf[n:] {
+				e.hostBuf[n+i] = 0xEE
+			}
+			require.NoError(t, e.drv.MemsetD8(cuda.DevicePtr(e.dev), 0xDD, 2*n))
+			var lc, sc countingBuild
+			op, err := submitWithin(t, e.s, stridedLazy(e, Load, n, seg, row, 0, &lc, -1, nil), 5*time.Second)
+			require.NoError(t, err)
+			require.NoError(t, op.Wait())
+			dev := e.deviceBytes(t, 2*n)
+			for r := uint64(0); r < n/row; r++ {
+				require.Equal(t, src[r*row:(r+1)*row], dev[2*r*row:(2*r+1)*row], "row %d", r)
+				require.Equal(t, bytes.Repeat([]byte{0xDD}, row), dev[(2*r+1)*row:(2*r+2)*row], "gap after row %d", r)
+			}
+			op, err = submitWithin(t, e.s, stridedLazy(e, Store, n, seg, row, n, &sc, -1, nil), 5*time.Second)
+			require.NoError(t, err)
+			require.NoError(t, op.Wait())
+			require.Equal(t, src, e.hostBuf[n:2*n])
+			for _, c := range []*countingBuild{&lc, &sc} {
+				require.True(t, c.overlap.Load(), "three builders never built two parts at once")
+				got := slices.Clone(c.parts)
+				slices.Sort(got)
+				require.Len(t, got, n/seg)
+				for i, p := range got {
+					require.Equal(t, i, p, "each part built once")
+				}
+			}
+			require.Equal(t, int64(2*n/seg), e.cu.prepped.Load(), "every part's copy prepared on a builder")
+		})
+	}
+}
+
+// TestParallelBuildersFailure: with three builders a part that fails to
+// build fails the op with its error, no builder builds more than two parts
+// ahead of it nor anything once the op has completed; a copy that fails to
+// prepare (a misaligned row with the kernel forced) is copied unprepared
+// and fails with the copy's error; the engine goes on.
+func TestParallelBuildersFailure(t *testing.T) {
+	const seg, row, n = 4096, 128, 24 * 4096
+	boom := errors.New("boom")
+	e := newFakeEnvBuilders(t, 2*n, cudacopy.Options{Method: cudacopy.MethodKernel}, cudafake.Options{Seed: 31}, 3)
+	var c countingBuild
+	op, err := submitWithin(t, e.s, stridedLazy(e, Load, n, seg, row, 0, &c, 5, boom), 5*time.Second)
+	require.NoError(t, err)
+	require.ErrorIs(t, op.Wait(), boom)
+	calls := c.calls.Load()
+	require.LessOrEqual(t, calls, int32(5+1+2*3), "built far past the failed part")
+	time.Sleep(20 * time.Millisecond)
+	require.Equal(t, calls, c.calls.Load(), "Build called after the op completed")
+
+	var mis countingBuild
+	bad := stridedLazy(e, Load, n, seg, row, 0, &mis, -1, nil)
+	build := bad.Build
+	bad.Build = func(p int, dst []Segment) ([]Segment, error) {
+		dst, err := build(p, dst)
+		if p == 7 {
+			dst[len(dst)-1].RowLen, dst[len(dst)-1].Len = row-8, (row-8)*(seg/row) // 8-byte rows: the kernel needs 16
+		}
+		return dst, err
+	}
+	bad.Bytes = n - 8*(seg/row)
+	op, err = submitWithin(t, e.s, bad, 5*time.Second)
+	require.NoError(t, err)
+	require.ErrorIs(t, op.Wait(), cudacopy.ErrMisaligned)
+
+	var ok countingBuild
+	op, err = submitWithin(t, e.s, stridedLazy(e, Load, n, seg, row, 0, &ok, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.NoError(t, op.Wait())
 }

@@ -81,7 +81,15 @@ type Config struct {
 	// waits in Submit until the engine thread has enqueued its copies, as
 	// on a device without them. For comparisons and tests.
 	NoEarlyEvents bool
+	// Builders is how many goroutines build a lazy op's parts (Build,
+	// validation and, on CUDA, descriptor encoding) ahead of the
+	// submitting thread, which then only enqueues them (default: a
+	// quarter of GOMAXPROCS, 1 to 4; at most MaxBuilders).
+	Builders int
 }
+
+// MaxBuilders bounds Config.Builders.
+const MaxBuilders = 16
 
 func (c *Config) setDefaults() error {
 	if c.MaxInFlightBytes == 0 {
@@ -102,6 +110,9 @@ func (c *Config) setDefaults() error {
 	if c.PollMaxSleep == 0 {
 		c.PollMaxSleep = 200 * time.Microsecond
 	}
+	if c.Builders == 0 {
+		c.Builders = min(4, max(1, runtime.GOMAXPROCS(0)/4))
+	}
 	switch {
 	case c.MaxBatchesInFlight < 0:
 		return fmt.Errorf("%w: MaxBatchesInFlight %d < 0", ErrInvalidRequest, c.MaxBatchesInFlight)
@@ -111,6 +122,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: %v", ErrInvalidRequest, c.Completion)
 	case c.PollSpin < 0 || c.PollMaxSleep < 0:
 		return fmt.Errorf("%w: negative poll timing %v/%v", ErrInvalidRequest, c.PollSpin, c.PollMaxSleep)
+	case c.Builders < 0 || c.Builders > MaxBuilders:
+		return fmt.Errorf("%w: Builders %d outside [1, %d]", ErrInvalidRequest, c.Builders, MaxBuilders)
 	}
 	return nil
 }
@@ -155,12 +168,13 @@ type Request struct {
 	// the copies already enqueued are known finished. Bytes is the total
 	// length of every part's segments; the engine checks it. With Layered,
 	// part l is layer l (as LayerEnds would declare it). Build runs on the
-	// submitting goroutine or on a builder goroutine one part ahead of it,
-	// neither of them Submit's: it must make no driver call and need no
-	// thread state (no CUDA context is current there), must not block, and
-	// must produce segments valid until the op completes. No two Build
-	// calls, of this request or another, ever run at once, and none runs
-	// after the op has completed.
+	// submitting goroutine or on builder goroutines (Config.Builders)
+	// ahead of it, none of them Submit's: it must make no driver call and
+	// need no thread state (no CUDA context is current there), must not
+	// block, and must produce segments valid until the op completes. Calls
+	// for different parts, of this request or another, may run at once
+	// (one on each builder goroutine): Build must be safe for that. A part
+	// is built once, and no Build runs after the op has completed.
 	Build   func(part int, dst []Segment) ([]Segment, error)
 	Parts   int
 	Layered bool
@@ -214,21 +228,37 @@ type Scheduler struct {
 	seq        [2]uint64
 
 	// The submitting thread's buffers for lazy requests: lone for an
-	// issue of a single part, built here; the feed's two, which its
-	// builder goroutine alternates between, for several (issueLayers).
+	// issue of a single part, built here; the feed's, two for each of its
+	// builder goroutines, for several (issueLayers).
 	lone     partBuf
 	feed     partFeed  // the issue's part builder (submitting thread only)
 	partRefs []partRef // the parts it builds, in the order they are copied
 }
 
 // partBuf is one built and validated part of a lazy op: its segments as
-// Build gave them, and validated.
+// Build gave them, validated, coalesced into the descriptors to copy
+// (descs) and, on a device that prepares copies (preparer), prepared.
 type partBuf struct {
-	op     *Op
-	p      int
-	segs   []Segment
-	placed []placed
-	err    error
+	op       *Op
+	p        int
+	segs     []Segment
+	placed   []placed
+	descs    []Segment
+	prep     devPrep
+	prepared bool
+	err      error
+	builder  int // the feed's builder that owns it
+}
+
+// preparer is a Device that can do a Copy's host-side work ahead, on a
+// builder goroutine (no driver call, safe at once with its other methods
+// and other Prepare calls on other devPreps), so that the submitting
+// thread only enqueues (CopyPrepared). Prepare's error is not the copy's:
+// the part is then copied with Copy, which reports it.
+type preparer interface {
+	Prepare(dir Direction, segs []Segment, p *devPrep) error
+	// CopyPrepared is Copy(dir, segs) for segs as Prepare saw them.
+	CopyPrepared(dir Direction, segs []Segment, p *devPrep) (retire func(), err error)
 }
 
 // partRef names part p of a lazy op.
@@ -237,80 +267,104 @@ type partRef struct {
 	p  int
 }
 
-// partFeed builds and validates lazy ops' parts (a list of partRefs, in
-// the order the submitting thread copies them) on a builder goroutine, one
-// part ahead of the submitting thread that takes them (next) and gives
-// their buffers back (done): the two alternate between the feed's two
-// buffers, so one issue holds two parts' buffers whatever its ops. The
-// builder stops after a part that fails, or at stop; it has exited once
-// stop returns.
+// partFeed builds lazy ops' parts (a list of partRefs, in the order the
+// submitting thread copies them) on builder goroutines ahead of the
+// submitting thread, which takes them in that order (next) and gives
+// their buffers back (done). Builder j of n builds parts j, j+n, j+2n, …
+// alternating between its two buffers, so one issue holds at most 2n
+// parts' buffers whatever its ops, and part i is the next one builder
+// i mod n hands over. A builder stops after a part that fails (the
+// submitting thread, taking parts in order, fails the op there), or at
+// stop; all have exited once stop returns.
 type partFeed struct {
+	builders []feedBuilder
+	taken    int // parts handed to the submitting thread
+	quit     chan struct{}
+	exited   sync.WaitGroup
+	running  bool
+}
+
+// feedBuilder is one builder goroutine's two buffers and their channels.
+type feedBuilder struct {
 	bufs        [2]partBuf
 	free, ready chan *partBuf
-	quit        chan struct{}
-	exited      chan struct{}
-	running     bool
 }
 
 // startFeed starts the scheduler's feed on parts (which it reads until
-// stopFeed returns).
+// stopFeed returns), with up to Config.Builders builders.
 func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 	f := &s.feed
-	if f.free == nil {
-		f.free, f.ready = make(chan *partBuf, len(f.bufs)), make(chan *partBuf, len(f.bufs))
+	n := min(s.cfg.Builders, len(parts))
+	f.builders = f.builders[:cap(f.builders)]
+	for len(f.builders) < n {
+		j := len(f.builders)
+		f.builders = append(f.builders, feedBuilder{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)})
+		f.builders[j].bufs[0].builder, f.builders[j].bufs[1].builder = j, j
 	}
-	f.quit, f.exited, f.running = make(chan struct{}), make(chan struct{}), true
-	for i := range f.bufs {
-		f.free <- &f.bufs[i]
-	}
-	go func() {
-		defer close(f.exited)
-		for _, r := range parts {
-			select { // stop first, even with a buffer free
-			case <-f.quit:
-				return
-			default:
-			}
-			var pb *partBuf
-			select {
-			case pb = <-f.free:
-			case <-f.quit:
-				return
-			}
-			s.buildPart(r.op, r.p, pb)
-			f.ready <- pb // never blocks: as many places as buffers
-			if pb.err != nil {
-				return
-			}
+	f.builders = f.builders[:n]
+	f.quit, f.taken, f.running = make(chan struct{}), 0, true
+	for j := range n {
+		fb := &f.builders[j]
+		for i := range fb.bufs {
+			fb.free <- &fb.bufs[i]
 		}
-	}()
+		f.exited.Add(1)
+		go func() {
+			defer f.exited.Done()
+			for i := j; i < len(parts); i += n {
+				select { // stop first, even with a buffer free
+				case <-f.quit:
+					return
+				default:
+				}
+				var pb *partBuf
+				select {
+				case pb = <-fb.free:
+				case <-f.quit:
+					return
+				}
+				s.buildPart(parts[i].op, parts[i].p, pb)
+				fb.ready <- pb // never blocks: as many places as buffers
+				if pb.err != nil {
+					return
+				}
+			}
+		}()
+	}
 	return f
 }
 
 // next waits for the feed's next part.
-func (f *partFeed) next() *partBuf { return <-f.ready }
+func (f *partFeed) next() *partBuf {
+	pb := <-f.builders[f.taken%len(f.builders)].ready
+	f.taken++
+	return pb
+}
 
-// done gives a part's buffer back to the builder.
-func (f *partFeed) done(pb *partBuf) { f.free <- pb }
+// done gives a part's buffer back to its builder.
+func (f *partFeed) done(pb *partBuf) { f.builders[pb.builder].free <- pb }
 
-// stopFeed ends the feed: the builder builds nothing more and has exited
+// stopFeed ends the feed: the builders build nothing more and have exited
 // when it returns. Idempotent.
 func (s *Scheduler) stopFeed(f *partFeed) {
 	if !f.running {
 		return
 	}
 	close(f.quit)
-	<-f.exited
-	for len(f.free) > 0 {
-		<-f.free
-	}
-	for len(f.ready) > 0 {
-		<-f.ready
+	f.exited.Wait()
+	for i := range f.builders {
+		fb := &f.builders[i]
+		for len(fb.free) > 0 {
+			<-fb.free
+		}
+		for len(fb.ready) > 0 {
+			<-fb.ready
+		}
+		for j := range fb.bufs {
+			fb.bufs[j].op = nil
+		}
 	}
 	f.running = false
-	for i := range f.bufs {
-		f.bufs[i].op = nil
-	}
 }
 
 // promiser is implemented by devices that can make an op's events valid
@@ -874,7 +928,7 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 		layers = max(layers, len(op.layerEnds))
 	}
 	// The lazy ops' parts, in the order they are copied below: with two or
-	// more, a feed builds each while the one before it is copied.
+	// more, a feed builds them ahead while the ones before are copied.
 	refs := s.partRefs[:0]
 	for l := range layers {
 		for _, op := range ops {
@@ -935,8 +989,8 @@ func (op *Op) partsOf(l int) (from, to int) {
 }
 
 // issueParts copies the parts of lazy op that make its layer l (submitting
-// thread), taking them from f (the issue's feed, which builds them in this
-// order one part ahead) or, without one, building them here. Each part's
+// thread), taking them from f (the issue's feed, which builds them ahead
+// in this order) or, without one, building them here. Each part's
 // descriptors are appended to the batch's. A part that fails to build or
 // copy fails the op.
 func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
@@ -966,12 +1020,15 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 	return nil
 }
 
-// buildPart builds part p of lazy op into pb and validates it (pb.err
-// says why it cannot be copied). Safe on another goroutine than the
-// submitter's: it touches only pb, op's Build and the range sets (under
-// their read locks).
+// buildPart builds part p of lazy op into pb, validates it (pb.err says
+// why it cannot be copied), coalesces it into its descriptors and, on a
+// preparer, prepares their copy. Safe on another goroutine than the
+// submitter's, and on several at once for different buffers: it touches
+// only pb, op's Build, the range sets (under their read locks) and the
+// device's Prepare.
 func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
-	pb.op, pb.p, pb.err = op, p, nil
+	pb.op, pb.p, pb.err, pb.prepared = op, p, nil, false
+	pb.descs = pb.descs[:0]
 	segs, err := op.req.Build(p, pb.segs[:0])
 	if err != nil {
 		pb.placed = pb.placed[:0]
@@ -982,6 +1039,12 @@ func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
 	pb.placed, err = validate(segs, s.cfg.Align, &s.host, &s.devR, pb.placed[:0])
 	if err != nil {
 		pb.err = fmt.Errorf("transfer: part %d of %d of a %v: %w", p, op.req.Parts, op.dir, err)
+		return
+	}
+	var last placed
+	pb.descs = coalesce(pb.descs, &last, pb.placed)
+	if pp, ok := s.dev.(preparer); ok && len(pb.descs) > 0 {
+		pb.prepared = pp.Prepare(op.dir, pb.descs, &pb.prep) == nil
 	}
 }
 
@@ -1005,12 +1068,23 @@ func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 		op.gens = append(op.gens, s.cfg.Tracker.gens("at submission", d, pb.placed, nil)...)
 		op.segs = append(op.segs, pb.placed...)
 	}
-	start := len(b.descs)
-	var last placed
-	b.descs = coalesce(b.descs, &last, pb.placed)
-	retire, err := s.dev.Copy(d, b.descs[start:])
+	// A prepared copy keeps nothing of its descriptors once enqueued;
+	// others may read them until they retire (the simulated device), so
+	// they go to the batch's.
+	var retire func()
+	var err error
+	if pb.prepared {
+		if invariantsEnabled {
+			b.descs = append(b.descs, pb.descs...)
+		}
+		retire, err = s.dev.(preparer).CopyPrepared(d, pb.descs, &pb.prep)
+	} else {
+		start := len(b.descs)
+		b.descs = append(b.descs, pb.descs...)
+		retire, err = s.dev.Copy(d, b.descs[start:])
+	}
 	if err != nil {
-		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(b.descs)-start, err)
+		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(pb.descs), err)
 	}
 	b.retires = append(b.retires, retire)
 	return nil

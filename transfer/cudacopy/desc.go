@@ -52,6 +52,10 @@ type chunker struct {
 	fenceIters uint64
 	paceGBps   float64
 
+	// pre: descriptors already encoded and translated (Prepare2D), sent
+	// as they are; the fields above are then unused.
+	pre []desc
+
 	i    int    // current item
 	off  uint64 // bytes of item i already emitted (jobCopy2D: of its current row)
 	row  uint64 // jobCopy2D: item i's next row
@@ -85,10 +89,18 @@ func (c *chunker) item(i int) (src, dst, n, aux uint64) {
 }
 
 // done reports whether every item has been emitted.
-func (c *chunker) done() bool { return c.i >= c.items() }
+func (c *chunker) done() bool {
+	if c.pre != nil {
+		return c.i >= len(c.pre)
+	}
+	return c.i >= c.items()
+}
 
 // count returns the number of descriptors the whole batch needs.
 func (c *chunker) count() int {
+	if c.pre != nil {
+		return len(c.pre)
+	}
 	if c.kind == jobCopy2D {
 		return c.count2D()
 	}
@@ -113,6 +125,11 @@ func piecesOf(l, chunk uint64) int {
 // table cannot translate here is a programming error reported as
 // ErrUnregisteredHost.
 func (c *chunker) next(out []desc) (int, error) {
+	if c.pre != nil {
+		n := copy(out, c.pre[c.i:])
+		c.i += n
+		return n, nil
+	}
 	switch c.kind {
 	case jobCopy:
 		return c.nextCopy(out)
@@ -209,6 +226,9 @@ func (c *chunker) translate(base, off, n uint64, hostSide bool) (uint64, error) 
 // translateAll checks that every host-side address of the batch translates,
 // so that next cannot fail after something was enqueued.
 func (c *chunker) translateAll() error {
+	if c.pre != nil {
+		return nil
+	}
 	if c.kind == jobCopy2D {
 		return c.translateAll2D()
 	}

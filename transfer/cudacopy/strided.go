@@ -3,6 +3,7 @@ package cudacopy
 import (
 	"fmt"
 	"math/bits"
+	"slices"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
@@ -158,16 +159,9 @@ func (c *Copier) choose2D(dir Direction, n int, st batch2DStats) Method {
 // ErrMisaligned with MethodKernel forced; MethodAuto then picks a DMA
 // method). It allocates nothing.
 func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticket, error) {
-	if !dir.valid() {
-		return Ticket{}, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
-	}
-	st, err := check2DBatch(segs, 1)
+	m, ck, l, err := c.plan2D(dir, segs)
 	if err != nil {
 		return Ticket{}, err
-	}
-	m := c.opts.Method
-	if m == MethodAuto {
-		m = c.choose2D(dir, len(segs), st)
 	}
 	switch m {
 	case MethodMemcpy:
@@ -175,9 +169,29 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 	case MethodBatch:
 		return Ticket{}, c.batch2D(s, segs)
 	}
+	return c.launch(s, &ck, l, 0)
+}
+
+// plan2D is Submit2D's work before the first driver call: validation, the
+// method, and for the kernel its chunker (not yet translated) and launch.
+func (c *Copier) plan2D(dir Direction, segs []Segment2D) (Method, chunker, *launchFn, error) {
+	if !dir.valid() {
+		return 0, chunker{}, nil, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
+	}
+	st, err := check2DBatch(segs, 1)
+	if err != nil {
+		return 0, chunker{}, nil, err
+	}
+	m := c.opts.Method
+	if m == MethodAuto {
+		m = c.choose2D(dir, len(segs), st)
+	}
+	if m == MethodMemcpy || m == MethodBatch {
+		return m, chunker{}, nil, nil
+	}
 	if !st.aligned {
 		if err := validateSegments2D(segs, kernelAlign); err != nil {
-			return Ticket{}, err
+			return 0, chunker{}, nil, err
 		}
 	}
 	ck := chunker{
@@ -198,6 +212,83 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 		}
 		ck.fenceIters = uint64(fb / FenceUnit)
 		ck.paceGBps = l.PaceGBps
+	}
+	return MethodKernel, ck, l, nil
+}
+
+// Prepared is a strided batch made ready by Prepare2D for SubmitPrepared:
+// validated, its method chosen and, for the kernel, its descriptors
+// encoded and host addresses translated. The zero value is ready for use;
+// reuse one to keep its descriptor memory.
+type Prepared struct {
+	method     Method
+	dir        Direction
+	segs       []Segment2D // the DMA methods': the caller's segments
+	descs      []desc      // the kernel's, encoded
+	fenceIters uint64
+	paceGBps   float64
+}
+
+// Prepare2D does the host-side work of Submit2D(dir, segs) into p, so that
+// SubmitPrepared(s, p) only enqueues: it makes no driver call, takes no
+// lock of the Copier and may run on any goroutine, at the same time as
+// other Prepare2D calls (on other Prepared values) and as the Copier's
+// other methods. Its errors are Submit2D's validation errors. segs must
+// stay unchanged until SubmitPrepared returns (the DMA methods read them
+// then). The choice of method and the host ranges' translation are those
+// of the time of the call: the host ranges segs touch must stay
+// registered until the copies have completed, as for Submit2D.
+func (c *Copier) Prepare2D(dir Direction, segs []Segment2D, p *Prepared) error {
+	p.method, p.segs, p.descs = MethodAuto, nil, p.descs[:0] // nothing to submit until it succeeds
+	m, ck, _, err := c.plan2D(dir, segs)
+	if err != nil {
+		return err
+	}
+	p.method, p.dir = m, dir
+	if m != MethodKernel {
+		p.segs = segs
+		return nil
+	}
+	if !c.caps.Kernel {
+		return fmt.Errorf("%w: %s", ErrUnavailable, c.caps.KernelError)
+	}
+	if err := ck.translateAll(); err != nil {
+		return err
+	}
+	p.descs = slices.Grow(p.descs, ck.count())[:ck.count()]
+	n, err := ck.next(p.descs)
+	if err != nil {
+		return err
+	}
+	if n != len(p.descs) || !ck.done() {
+		return fmt.Errorf("cudacopy: encoding %d 2-D segments gave %d descriptors, counted %d", len(segs), n, len(p.descs))
+	}
+	p.fenceIters, p.paceGBps = ck.fenceIters, ck.paceGBps
+	return nil
+}
+
+// SubmitPrepared enqueues the copies p holds (Prepare2D) on s, as
+// Submit2D would have: the same tickets, errors and retirement rule
+// (ErrDeviceBudget with nothing enqueued when its descriptors need more
+// device memory than MaxDeviceBytes allows one call). p may be prepared
+// again once it returns.
+func (c *Copier) SubmitPrepared(s cuda.Stream, p *Prepared) (Ticket, error) {
+	switch p.method {
+	case MethodMemcpy:
+		return Ticket{}, c.memcpy2D(s, p.segs)
+	case MethodBatch:
+		return Ticket{}, c.batch2D(s, p.segs)
+	case MethodKernel:
+	default:
+		return Ticket{}, fmt.Errorf("%w: SubmitPrepared of a batch Prepare2D did not prepare", ErrInvalidOption)
+	}
+	if len(p.descs) == 0 {
+		return Ticket{}, fmt.Errorf("%w: SubmitPrepared of an empty batch", ErrInvalidSegment)
+	}
+	ck := chunker{kind: jobCopy2D, pre: p.descs, fenceIters: p.fenceIters, paceGBps: p.paceGBps}
+	l := &c.h2d
+	if p.dir == D2H {
+		l = &c.d2h
 	}
 	return c.launch(s, &ck, l, 0)
 }

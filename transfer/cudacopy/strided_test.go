@@ -71,11 +71,30 @@ func (h headCase) hostIndex(b, tok, x, e int) int {
 	return ((b*h.heads+x)*h.tokens+tok)*h.row + e
 }
 
+// submitHeads is Submit2D, or with prepare Prepare2D (on another
+// goroutine, as the transfer package's part builders call it) then
+// SubmitPrepared.
+func submitHeads(t *testing.T, c *Copier, s cuda.Stream, dir Direction, segs []Segment2D, prepare bool) Ticket {
+	t.Helper()
+	if !prepare {
+		tk, err := c.Submit2D(s, dir, segs)
+		require.NoError(t, err)
+		return tk
+	}
+	var p Prepared
+	done := make(chan error)
+	go func() { done <- c.Prepare2D(dir, segs, &p) }()
+	require.NoError(t, <-done)
+	tk, err := c.SubmitPrepared(s, &p)
+	require.NoError(t, err)
+	return tk
+}
+
 // checkHeads runs the case through c: load the heads into the device
 // poisoned with 0xDD, read the whole device back, check each head byte and
 // that every other byte is still poison; store them into a host buffer
 // poisoned with 0xEE and check it the same way.
-func checkHeads(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, h headCase) {
+func checkHeads(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, h headCase, prepare bool) {
 	t.Helper()
 	n := h.bytes()
 	src, dst := hostMem(t, drv, n), hostMem(t, drv, n)
@@ -85,12 +104,10 @@ func checkHeads(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, h headC
 	poison(dst, 0xEE)
 	require.NoError(t, drv.MemsetD8(dev, 0xDD, n))
 	require.NoError(t, drv.CtxSynchronize())
-	tk, err := c.Submit2D(s, H2D, h.segments(uint64(dev), addr(src), true))
-	require.NoError(t, err)
+	tk := submitHeads(t, c, s, H2D, h.segments(uint64(dev), addr(src), true), prepare)
 	waitRetire(t, drv, c, s, tk)
 	require.NoError(t, drv.Memcpy(cuda.DevicePtr(addr(devCopy)), dev, n))
-	tk, err = c.Submit2D(s, D2H, h.segments(uint64(dev), addr(dst), false))
-	require.NoError(t, err)
+	tk = submitHeads(t, c, s, D2H, h.segments(uint64(dev), addr(dst), false), prepare)
 	waitRetire(t, drv, c, s, tk)
 	for b := 0; b < h.blocks; b++ {
 		for tok := 0; tok < h.tokens; tok++ {
@@ -135,8 +152,8 @@ func TestSubmit2DFake(t *testing.T) {
 			// Small chunks and descriptor buffers: batches span launches.
 			c := newCopier(t, d, Options{Method: m, PTX: fakePTX, DescCapacity: 7, ChunkBytes: 1024, BatchMax: 5})
 			require.Equal(t, !hide, c.Capabilities().Kernel2D)
-			for _, h := range headCases {
-				checkHeads(t, drv, c, s, h)
+			for i, h := range headCases {
+				checkHeads(t, drv, c, s, h, i%2 == 1)
 			}
 		}
 	}
@@ -210,10 +227,17 @@ func TestSubmit2DValidation(t *testing.T) {
 		_, err := c.Submit2D(1, H2D, tc.segs)
 		require.ErrorIs(t, err, tc.err, tc.name)
 		require.ErrorContains(t, err, tc.msg, tc.name)
+		var p Prepared // Prepare2D validates alike, and leaves nothing to submit
+		err = c.Prepare2D(H2D, tc.segs, &p)
+		require.ErrorIs(t, err, tc.err, tc.name)
+		require.ErrorContains(t, err, tc.msg, tc.name)
+		_, err = c.SubmitPrepared(1, &p)
+		require.ErrorIs(t, err, ErrInvalidOption, tc.name)
 	}
 	require.Empty(t, drv.args, "nothing launched")
 	_, err := c.Submit2D(1, Direction(0), []Segment2D{ok})
 	require.ErrorIs(t, err, ErrInvalidOption)
+	require.ErrorIs(t, c.Prepare2D(Direction(0), []Segment2D{ok}, &Prepared{}), ErrInvalidOption)
 	// MethodAuto sends misaligned rows to a DMA method, never the kernel.
 	a := newCopier(t, drv, Options{PTX: fakePTX})
 	require.NotEqual(t, MethodKernel, a.Choose2D(H2D, []Segment2D{ok, {Src: 0x1000, Dst: 0x2000, Rows: 2, RowLen: 24, SrcPitch: 24, DstPitch: 24}}))
@@ -271,7 +295,8 @@ func TestGPUStrided(t *testing.T) {
 			c := newCopier(t, d, gpuOpts(t, Options{Method: m}))
 			t.Logf("method %v: kernel %v, 2-D descriptors %v", m, c.Capabilities().Kernel, c.Capabilities().Kernel2D)
 			for _, h := range cases {
-				checkHeads(t, g.Drv, c, s, h)
+				checkHeads(t, g.Drv, c, s, h, false)
+				checkHeads(t, g.Drv, c, s, h, true)
 			}
 		}
 	}
