@@ -190,3 +190,17 @@ func TestCallsAfterClose(t *testing.T) {
 	require.Zero(t, st.OwnedBytes)
 	require.Zero(t, st.Regions)
 }
+
+// A bad KVOFFLOAD_COPY_BUILDERS is an error from New naming it and the limit.
+func TestBuildersEnv(t *testing.T) {
+	for _, v := range []string{"0", "x", "17", "-1"} {
+		t.Setenv(BuildersEnv, v)
+		_, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
+		require.ErrorIs(t, err, ErrInvalidConfig, v)
+		require.ErrorContains(t, err, BuildersEnv+`="`+v+`": want 1 to 16`, v)
+	}
+	t.Setenv(BuildersEnv, "3")
+	e, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
+	require.NoError(t, err)
+	require.NoError(t, e.Close())
+}

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,7 +14,6 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -32,25 +32,65 @@ import (
 func BenchmarkGPUHeadSliced(b *testing.B) {
 	gpu := cudatest.Open(b)
 	var lines []string
-	for _, m := range []struct {
-		name   string
-		method cudacopy.Method
-	}{{"auto", cudacopy.MethodAuto}, {"kernel", cudacopy.MethodKernel}} {
-		b.Run(m.name, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, m.name, m.method)) })
+	variants := os.Getenv("KVO_HS_VARIANTS")
+	if variants == "" {
+		variants = "auto kernel"
+	}
+	for _, v := range strings.Fields(variants) {
+		h, err := hsVariant(v)
+		require.NoError(b, err)
+		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h)) })
 	}
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
 		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
 	}
 }
 
+// hsVariant parses a variant of BenchmarkGPUHeadSliced (KVO_HS_VARIANTS:
+// space-separated, each a method, auto or kernel, then :key=value pairs
+// of ctas, threads, part (segments a part), builders, chunk (bytes)).
+func hsVariant(v string) (engineHooks, error) {
+	fs := strings.Split(v, ":")
+	var h engineHooks
+	switch fs[0] {
+	case "auto":
+	case "kernel":
+		h.copyOptions.Method = cudacopy.MethodKernel
+	default:
+		return h, fmt.Errorf("variant %q: method %q is not auto or kernel", v, fs[0])
+	}
+	for _, kv := range fs[1:] {
+		k, val, _ := strings.Cut(kv, "=")
+		n, err := strconv.Atoi(val)
+		if err != nil || n <= 0 {
+			return h, fmt.Errorf("variant %q: %q is not key=positive integer", v, kv)
+		}
+		switch k {
+		case "ctas":
+			h.copyOptions.CTAs = n
+		case "threads":
+			h.copyOptions.Threads = n
+		case "part":
+			h.partSegments = n
+		case "builders":
+			h.builders = n
+		case "chunk":
+			h.copyOptions.ChunkBytes = n
+		default:
+			return h, fmt.Errorf("variant %q: unknown key %q", v, k)
+		}
+	}
+	return h, nil
+}
+
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
-func headSliced(b *testing.B, drv cuda.Driver, name string, method cudacopy.Method) string {
+func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	rig := newHeadSlicedRig(b, g, 128, func(cfg Config) (*Engine, error) {
 		cfg.Backend = BackendCUDA
-		return newEngine(cfg, engineHooks{copyOptions: transfer.CopyOptions{Method: method}})
+		return newEngine(cfg, h)
 	})
 	defer func() { require.NoError(b, rig.e.Close()) }()
 	rankBytes := rig.rankBytes

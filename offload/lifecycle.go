@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -88,7 +90,14 @@ type engineHooks struct {
 	dial *dialState
 	// builders is the scheduler's Config.Builders (0: its default).
 	builders int
+	// partSegments replaces the constant of that name (0: keep it).
+	partSegments int
 }
+
+// BuildersEnv, when set, is how many goroutines build a copy's parts
+// (transfer.Config.Builders) instead of the default, a quarter of
+// GOMAXPROCS from 1 to 4: for comparisons on a machine.
+const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
 // without tensors allocated densely in it.
@@ -342,9 +351,17 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if e.layout, err = kvcache.NewLayout(spec); err != nil {
 		return nil, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
+	builders := h.builders
+	if v := os.Getenv(BuildersEnv); v != "" && builders == 0 {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > transfer.MaxBuilders {
+			return nil, fmt.Errorf("%w: %s=%q: want 1 to %d part builders", ErrInvalidConfig, BuildersEnv, v, transfer.MaxBuilders)
+		}
+		builders = n
+	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: !cfg.EarlyEvents, Builders: h.builders,
+		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders,
 	}); err != nil {
 		return nil, err
 	}

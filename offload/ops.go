@@ -174,7 +174,11 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		}
 		return req, nil
 	}
-	per := max(1, partSegments/perSegs)
+	ps := partSegments
+	if e.hooks.partSegments > 0 {
+		ps = e.hooks.partSegments
+	}
+	per := max(1, ps/perSegs)
 	req.Parts = (len(blockIDs) + per - 1) / per
 	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
 		bs := make([]kvcache.Segment, 0, perSegs)
