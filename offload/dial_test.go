@@ -22,8 +22,11 @@ import (
 )
 
 // TestMain runs a dialled-engine child role when the test binary is
-// re-executed by startDialChild, the tests otherwise.
+// re-executed by startDialChild or startNGChild, the tests otherwise.
 func TestMain(m *testing.M) {
+	if os.Getenv("KVO_NODEGPU_CHILD") == "1" {
+		os.Exit(runNodeGPUChild())
+	}
 	if role := os.Getenv("KVO_DIAL_CHILD"); role != "" {
 		os.Exit(runDialChild(role, os.Getenv("KVO_DIAL_SOCKET"), os.Getenv("KVO_DIAL_ARGS")))
 	}

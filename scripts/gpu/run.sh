@@ -63,6 +63,7 @@ SUITES=(
 	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
 	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
+	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
 ALL_SUITES=(pool64 tests demo soak python realmodel calltime bench blocks)
@@ -188,6 +189,14 @@ suite_tfcb() {
 	[ "${KVO_TFCB_EXAMPLE:-1}" = 0 ] && return 0
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 120 python3 examples/transformers_cb.py
+}
+
+# The node pool (issue 25): `kvoffload serve` (KVOFFLOAD_BIN) and client
+# processes (offload.test re-executed), each with its own CUDA context on
+# the GPU; the table goes to nodepool/nodepool.md. About a minute.
+suite_nodepool() {
+	KVOFFLOAD_BIN=$B/kvoffload KVO_NODEGPU_FULL=1 KVO_BENCH_OUT=$D step_in offload timeout 280 "$B/offload.test" -test.v -test.count=1 \
+		-test.run 'TestGPUNodePool$' -test.timeout 270s
 }
 
 suite_sweep() {
