@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
@@ -252,6 +253,20 @@ func TestDiskLoadSignalPerLayer(t *testing.T) {
 // complete only after every block of every part is on the GPU, checked
 // before the op is waited for; the Signal has completed once the op has.
 func TestCUDAFakeDiskLoad(t *testing.T) {
+	diskLoadEvents(t, func(t *testing.T) cuda.Driver {
+		return fakeDriver(t, cudafake.Options{Seed: 3, MaxDelay: 200 * time.Microsecond})
+	})
+}
+
+// TestGPUDiskLoad is TestCUDAFakeDiskLoad on the GPU (records on the
+// test's temporary directory).
+func TestGPUDiskLoad(t *testing.T) {
+	diskLoadEvents(t, func(t *testing.T) cuda.Driver { return cudatest.Open(t).Drv })
+}
+
+// diskLoadEvents runs TestCUDAFakeDiskLoad's checks on the driver drv
+// gives each variant.
+func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 	for _, v := range []struct {
 		name          string
 		early, staged bool
@@ -259,7 +274,7 @@ func TestCUDAFakeDiskLoad(t *testing.T) {
 		t.Run(v.name, func(t *testing.T) {
 			dir := t.TempDir()
 			writeDiskRecords(t, dir, seqKeys(0, 60))
-			d := fakeDriver(t, cudafake.Options{Seed: 3, MaxDelay: 200 * time.Microsecond})
+			d := drv(t)
 			g := newGPUMem(t, d, 8<<10)
 			defer g.close()
 			slot := int64(8 << 10)
