@@ -168,7 +168,9 @@ type diskTier struct {
 	// once written.
 	clearGen atomic.Uint64
 
-	beforePut func() // test hook, run by the writer before each Put
+	beforePut func()    // test hook, run by the writer before each Put
+	beforeGet func(Key) // test hook, run before each promotion read
+	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
 
 	hits, misses, writes, writeErrors, dropped, notAdmitted atomic.Int64
 }
@@ -203,7 +205,7 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, 
 	n := int(dc.WriteBackBytes / slot)
 	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, seen: make([]uint8, 1<<16),
 		pend: map[slotGen]Key{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
-		tomb: map[Key]struct{}{}, beforePut: h.beforeDiskPut}
+		tomb: map[Key]struct{}{}, beforePut: h.beforeDiskPut, beforeGet: h.beforeDiskGet, readers: diskReaders}
 	for range n {
 		d.bufs <- nil
 	}
@@ -474,41 +476,112 @@ func (e *Engine) onFree(s kvcache.Slot) {
 // errDiskMiss fails the stores of promoted blocks whose disk read missed.
 var errDiskMiss = errors.New("offload: disk record missing or damaged")
 
-// promote brings the blocks of keys that BeginLoad did not find in the pool
-// (res[j].Found false) but that the disk holds into host slots, through
-// promoteKeys (slots reserved as a Store would, records read diskReaders at
-// a time, waiting for the reads, the good ones made ready), then takes
-// reader holds on them, updating res in place. A record that vanished or
-// fails its checks stays missing. The caller's Load then copies them to the
-// GPU with the others.
-func (e *Engine) promote(keys []Key, blockIDs []int, res []kvcache.LoadResult) {
-	var pos []int
-	for j, r := range res {
-		if !r.Found && e.disk.store.Contains(keys[j]) {
-			pos = append(pos, j)
-		}
-	}
-	if len(pos) == 0 {
-		return
-	}
-	count := func(good, bad int) {
-		e.disk.hits.Add(int64(good))
-		e.disk.misses.Add(int64(bad))
-	}
-	if e.promoteKeys(keys, e.readDisk, count, true) == 0 {
-		return
-	}
-	mkeys, mids := make([]Key, len(pos)), make([]int, len(pos))
+// diskChunk is how many promoted blocks one part of a Load copies: a
+// chunk's copy is submitted once its reads are complete, while the next
+// chunk's reads run (diskReaders at once).
+const diskChunk = diskReaders
+
+// promoteChunks promotes the blocks of keys at pos (blocks the pool lacks
+// and the disk holds) for a Load into blockIDs: it reserves host slots for
+// them as a Store would (one chain, each key's parent the key before it),
+// reads their records straight into the slots' pinned memory (diskReaders
+// reads in flight, started in key order), and, chunk by chunk in order as soon as a chunk's
+// reads are complete, makes the good blocks ready and takes reader holds
+// on them (BeginLoad) and calls ready with the chunk's positions and
+// BeginLoad's results (nil when it failed: every block missing). A record
+// that vanished or fails its checks (tier/record fails closed), or a slot
+// the pool could not give, stays missing, its slot released; blocks stored
+// before are never touched. It returns after the last chunk's ready.
+func (e *Engine) promoteChunks(keys []Key, blockIDs []int, pos []int, ready func(chunk []int, lres []kvcache.LoadResult)) {
+	pkeys, parents, pids := make([]Key, len(pos)), make([]Key, len(pos)), make([]int, len(pos))
 	for i, j := range pos {
-		mkeys[i], mids[i] = keys[j], blockIDs[j]
-	}
-	lres, err := e.cache.BeginLoad(mkeys, mids, nil)
-	if err != nil {
-		return
-	}
-	for i, r := range lres {
-		if r.Found {
-			res[pos[i]] = r
+		pkeys[i], pids[i] = keys[j], blockIDs[j]
+		if j > 0 {
+			parents[i] = keys[j-1]
 		}
 	}
+	// Block ids name GPU blocks; a promotion's store copies none, so any
+	// valid one does (0: a layout has at least one block).
+	sres, err := e.beginStore(e.namespace(e.cfg.Namespace), kvcache.HeadRange{}, pkeys, make([]int, len(pkeys)), StoreOptions{Parents: parents})
+	if err != nil {
+		return // every block stays missing
+	}
+	slots := make([]kvcache.Slot, len(pos))
+	mems := make([][]byte, len(pos))
+	chunks := (len(pos) + diskChunk - 1) / diskChunk
+	reads := make([]sync.WaitGroup, chunks)
+	ok := make([]bool, len(pos))
+	var lost, held []kvcache.Slot
+	for i, r := range sres {
+		if r.Outcome != kvcache.StoreWrite {
+			continue // present meanwhile (another promotion), or refused
+		}
+		if mems[i] = e.slotBytes(r.Slot); mems[i] == nil {
+			lost = append(lost, r.Slot) // its region is gone
+			continue
+		}
+		slots[i] = r.Slot
+		held = append(held, r.Slot)
+		reads[i/diskChunk].Add(1)
+	}
+	if len(lost) > 0 {
+		_ = e.cache.CompleteStore(lost, errDiskMiss)
+	}
+	e.hold(held)
+	go func() {
+		sem := make(chan struct{}, e.disk.readers)
+		for i := range pos {
+			if mems[i] == nil {
+				continue
+			}
+			sem <- struct{}{}
+			go func() {
+				defer func() { <-sem }()
+				ok[i] = e.disk.get(pkeys[i], mems[i])
+				reads[i/diskChunk].Done()
+			}()
+		}
+	}()
+	for c := range chunks {
+		lo, hi := c*diskChunk, min((c+1)*diskChunk, len(pos))
+		reads[c].Wait()
+		var good, bad []kvcache.Slot
+		for i := lo; i < hi; i++ {
+			switch {
+			case mems[i] == nil:
+			case ok[i]:
+				good = append(good, slots[i])
+			default:
+				bad = append(bad, slots[i])
+			}
+		}
+		e.disk.hits.Add(int64(len(good)))
+		e.disk.misses.Add(int64(len(bad)))
+		e.unhold(good)
+		e.unhold(bad)
+		if len(bad) > 0 {
+			_ = e.cache.CompleteStore(bad, errDiskMiss)
+		}
+		if len(good) > 0 {
+			_ = e.cache.CompleteStore(good, nil)
+		}
+		// Keys not reserved here may have been promoted by another call
+		// meanwhile: BeginLoad finds them too.
+		lres, err := e.cache.BeginLoad(pkeys[lo:hi], pids[lo:hi], nil)
+		if err != nil {
+			lres = nil
+		}
+		ready(pos[lo:hi], lres)
+	}
+	e.kickReaper()
+}
+
+// get reads key's record into mem (the test hook first); true when mem
+// holds its verified block.
+func (d *diskTier) get(k Key, mem []byte) bool {
+	if d.beforeGet != nil {
+		d.beforeGet(k)
+	}
+	found, err := d.store.Get(k, mem)
+	return found && err == nil
 }

@@ -190,6 +190,11 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 // blockIDs[i], asynchronously. Blocks no longer in the pool are reported
 // missing (never an error); with opts.Lease from Lookup, the leased keys are
 // guaranteed present. When the queue is full Load fails fast with ErrBusy.
+// With a disk tier (Config.Disk), blocks the pool lacks but the disk holds
+// are read into host slots and copied chunk by chunk as their reads
+// complete, the blocks found in the pool first: Load then returns once the
+// last chunk is submitted (after the reads, while the copies run), and the
+// op's events cover every block.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if err := e.checkOpen("Load"); err != nil {
 		return nil, err

@@ -84,6 +84,8 @@ type engineHooks struct {
 	calibrate bool
 	// beforeDiskPut runs on the disk tier's writer before each write.
 	beforeDiskPut func()
+	// beforeDiskGet runs before each read of a promotion (Load, Prefetch).
+	beforeDiskGet func(Key)
 	// diskFaults is tier/disk's Config.Faults for the disk tier.
 	diskFaults diskFaultFunc
 	// dial makes an engine of Dial (dial.go): no pool of its own.

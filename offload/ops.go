@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -279,7 +280,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	e.stats.inFlightBytes.Add(bytes)
 	tdone := make(chan struct{})
 	req.Dir, req.After, req.Events = transfer.Store, transfer.Event(opts.After), e.events
-	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeStored, &e.stats.store,
+	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, func() { e.finishOp(op, start) }, tdone, OutcomeStored, &e.stats.store,
 		func(cerr error) error {
 			// Only the blocks this completion made ready (every head
 			// stored) are written through; the KV events of those alone
@@ -421,7 +422,12 @@ func (e *Engine) load(ctx context.Context, l *kvcache.Layout, keys []Key, blockI
 // loadLeased is Load once the lease (if any) is owned: the leased prefix
 // of keys is copied from the lease's slots, which its reader holds keep
 // alive (even if the blocks were trimmed or deleted meanwhile) until the
-// copy completes; the other keys are looked up now.
+// copy completes; the other keys are looked up now. With a disk tier, the
+// keys the pool lacks but the disk holds are promoted (promoteChunks): the
+// blocks found in the pool are submitted first, then each chunk of
+// promoted blocks as its reads complete (a loadRun of several transfer
+// ops), so disk reads and copies overlap. Load returns once the last
+// chunk is submitted.
 func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if err := e.deviceLost(); err != nil {
 		return nil, err
@@ -439,11 +445,6 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		}
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
-	if e.disk != nil && ctx.Err() == nil {
-		// Blocks on disk are read into host slots now (the Load waits
-		// for those reads), then copied with the others.
-		e.promote(keys[n:], blockIDs[n:], res)
-	}
 	op := newOp(e, OpLoad, len(keys))
 	if opts.PerLayer && l.Kind() != kvcache.CrossLayer {
 		op.layers = l.Geometry().Layers // what segments groups the copies by
@@ -453,22 +454,29 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		idx, ids, slots = append(idx, i), append(ids, blockIDs[i]), append(slots, s)
 	}
 	var looked []kvcache.Slot // the slots BeginLoad took reader holds on
+	var promote []int         // keys[n:] indices the disk holds and the pool lacks
+	onDisk := e.disk != nil && ctx.Err() == nil
 	for j, r := range res {
-		if r.Found {
+		switch {
+		case r.Found:
 			idx, ids, slots = append(idx, n+j), append(ids, r.BlockID), append(slots, r.Slot)
 			looked = append(looked, r.Slot)
-		} else {
+		case onDisk && e.disk.store.Contains(keys[n+j]):
+			promote = append(promote, j)
+			op.setOutcome(n+j, OutcomeMissing, nil) // until a chunk copies it
+		default:
 			op.setOutcome(n+j, OutcomeMissing, nil)
 		}
 	}
-	// end drops every reader hold the op has: BeginLoad's and the lease's.
+	// end drops every reader hold the host part has: BeginLoad's and the
+	// lease's.
 	end := func() {
 		_ = e.cache.EndLoad(looked)
 		if n > 0 {
 			e.unlease(leased)
 		}
 	}
-	if len(slots) == 0 {
+	if len(slots) == 0 && len(promote) == 0 {
 		e.finishOp(op, start)
 		return op, nil
 	}
@@ -480,44 +488,182 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		e.finishOp(op, start)
 		return op, nil
 	}
-	req, err := e.copyPlan(l, ids, slots, opts.PerLayer)
-	if err != nil {
-		_ = e.cache.EndLoad(looked)
-		return nil, err
+	run := e.newLoadRun(op, l, opts, start)
+	if len(slots) > 0 {
+		if err := run.submit(idx, ids, slots, end); err != nil {
+			_ = e.cache.EndLoad(looked) // the lease goes back to the caller (load)
+			return nil, err
+		}
 	}
-	bytes := int64(len(slots)) * e.rankBytes(l)
+	if len(promote) > 0 {
+		e.promoteChunks(keys[n:], blockIDs[n:], promote, func(chunk []int, lres []kvcache.LoadResult) {
+			var cidx, cids []int
+			var cslots []kvcache.Slot
+			for i, r := range lres {
+				if r.Found {
+					cidx, cids, cslots = append(cidx, n+chunk[i]), append(cids, r.BlockID), append(cslots, r.Slot)
+				}
+			}
+			if len(cslots) == 0 {
+				return
+			}
+			end := func() { _ = e.cache.EndLoad(cslots) }
+			if ctx.Err() != nil {
+				end()
+				for _, i := range cidx {
+					op.setOutcome(i, OutcomeCancelled, nil)
+				}
+				return
+			}
+			if err := run.submit(cidx, cids, cslots, end); err != nil {
+				end()
+				for _, i := range cidx {
+					op.setOutcome(i, OutcomeFailed, err)
+				}
+			}
+		})
+	}
+	run.submitted()
+	return op, nil
+}
+
+// loadRun is one Load's copies over one or more transfer ops (parts): the
+// blocks found in the pool, then a part per chunk of blocks promoted from
+// disk. The op is finished once every part has completed and the Load has
+// submitted its last (pending counts the parts in flight, plus one until
+// then).
+//
+// Ordering: with CUDA events (or a Signal, which must be recorded after
+// every part's copies), each part's copies wait on the previous part's op
+// event (its After; the first part waits on the caller's After), so the
+// last part's events are recorded after every copy of the Load: the op's
+// Event, LayerEvent(i) (after layer i of the last part and every layer of
+// the parts before it), StreamWait and Signal (recorded by every part,
+// the last record wins) are the last part's. On the host backend without a
+// Signal the parts are independent (each waits on the caller's After) and
+// StreamWait waits on the CPU for them all.
+type loadRun struct {
+	e     *Engine
+	op    *Op
+	l     *kvcache.Layout
+	opts  LoadOptions
+	start time.Time
+	chain bool
+	after transfer.Event // the next part's After
+
+	parts   []*copyCompletion // submitted, in order (the Load's thread only)
+	pending atomic.Int32
+	done    chan struct{} // closed when every part has completed
+}
+
+func (e *Engine) newLoadRun(op *Op, l *kvcache.Layout, opts LoadOptions, start time.Time) *loadRun {
+	r := &loadRun{e: e, op: op, l: l, opts: opts, start: start, chain: e.events || opts.Signal != 0,
+		after: transfer.Event(opts.After), done: make(chan struct{})}
+	r.pending.Store(1)
+	return r
+}
+
+// submit submits one part: the blocks at idx of the op, copied from slots
+// into ids; end drops the reader holds on slots once the copies are done.
+// On error nothing of the part is in flight and end has not run: the
+// caller drops the holds and gives the blocks their outcome.
+func (r *loadRun) submit(idx, ids []int, slots []kvcache.Slot, end func()) error {
+	e := r.e
+	req, err := e.copyPlan(r.l, ids, slots, r.opts.PerLayer)
+	if err != nil {
+		return err
+	}
+	bytes := int64(len(slots)) * e.rankBytes(r.l)
 	e.ops.Add(1)
 	e.hold(slots)
 	e.stats.inFlightBytes.Add(bytes)
+	r.pending.Add(1)
 	tdone := make(chan struct{})
-	req.Dir, req.After, req.Events, req.Signal = transfer.Load, transfer.Event(opts.After), e.events, transfer.Event(opts.Signal)
-	req.OnComplete = e.onTransferDone(op, idx, slots, bytes, start, tdone, OutcomeLoaded, &e.stats.load,
+	req.Dir, req.After, req.Events, req.Signal = transfer.Load, r.after, r.chain, transfer.Event(r.opts.Signal)
+	req.OnComplete = e.onTransferDone(r.op, idx, slots, bytes, r.partDone, tdone, OutcomeLoaded, &e.stats.load,
 		func(error) error { end(); return nil })
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
 		e.unhold(slots)
 		e.stats.inFlightBytes.Add(-bytes)
-		_ = e.cache.EndLoad(looked)
+		r.pending.Add(-1)
 		e.noteLost(err)
 		switch {
 		case errors.Is(err, transfer.ErrBusy):
-			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
+			return fmt.Errorf("%w: %w", ErrBusy, err)
 		case errors.Is(err, transfer.ErrDeviceLost):
-			return nil, fmt.Errorf("%w: Load refused: %w", ErrDeviceLost, err)
+			return fmt.Errorf("%w: Load refused: %w", ErrDeviceLost, err)
 		}
-		return nil, err
+		return err
 	}
-	op.completion = e.newCompletion(top, tdone)
-	return op, nil
+	if r.chain {
+		ev, err := top.Event()
+		if err != nil {
+			// Not released before the Load returns: cannot happen.
+			return fmt.Errorf("offload: Load: a part's event: %w", err)
+		}
+		r.after = ev
+	}
+	r.parts = append(r.parts, e.newCompletion(top, tdone))
+	return nil
+}
+
+// partDone is a part's finish (onTransferDone): the last one finishes the
+// op.
+func (r *loadRun) partDone() {
+	if r.pending.Add(-1) == 0 {
+		close(r.done)
+		r.e.finishOp(r.op, r.start)
+	}
+}
+
+// submitted ends the submitting: the op gets its completion (the one part's
+// own, or the run's over several), then the Load's count is dropped.
+func (r *loadRun) submitted() {
+	switch len(r.parts) {
+	case 0:
+	case 1:
+		r.op.completion = r.parts[0]
+	default:
+		r.op.completion = r
+	}
+	r.partDone()
+}
+
+// The completion over several parts: the last part's events (see loadRun).
+
+func (r *loadRun) tail() *copyCompletion { return r.parts[len(r.parts)-1] }
+
+func (r *loadRun) event() uintptr { return r.tail().event() }
+
+func (r *loadRun) layerEvent(i int) (uintptr, bool) { return r.tail().layerEvent(i) }
+
+func (r *loadRun) streamWait(stream uintptr) error {
+	if !r.e.events {
+		<-r.done
+		return nil
+	}
+	return r.tail().streamWait(stream)
+}
+
+func (r *loadRun) release() error {
+	var first error
+	for _, p := range r.parts {
+		if err := p.release(); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
 }
 
 // onTransferDone is the OnComplete of a Store's or Load's copies (bytes
 // over slots, for the blocks at idx of op; tdone closes when it returns):
 // release drops what the direction holds on the slots (CompleteStore; the
 // reader holds and the lease), then the slots are unheld, every block gets
-// ok or OutcomeFailed, dir counts a success and op is finished.
-func (e *Engine) onTransferDone(op *Op, idx []int, slots []kvcache.Slot, bytes int64, start time.Time, tdone chan struct{},
+// ok or OutcomeFailed, dir counts a success and finish runs (it finishes
+// the op, or counts a part of a Load's run).
+func (e *Engine) onTransferDone(op *Op, idx []int, slots []kvcache.Slot, bytes int64, finish func(), tdone chan struct{},
 	ok Outcome, dir *direction, release func(cerr error) error) func(*transfer.Op, error) {
 	return func(_ *transfer.Op, cerr error) {
 		defer e.ops.Done()
@@ -539,7 +685,7 @@ func (e *Engine) onTransferDone(op *Op, idx []int, slots []kvcache.Slot, bytes i
 			dir.blocks.Add(int64(len(slots)))
 			dir.bytes.Add(bytes)
 		}
-		e.finishOp(op, start)
+		finish()
 		e.kickReaper()
 	}
 }

@@ -146,15 +146,14 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 // readDisk reads the disk records of keys into mems, diskReaders at a time.
 func (e *Engine) readDisk(keys []Key, mems [][]byte) []bool {
 	ok := make([]bool, len(keys))
-	sem := make(chan struct{}, diskReaders)
+	sem := make(chan struct{}, e.disk.readers)
 	var wg sync.WaitGroup
 	for i := range keys {
 		wg.Add(1)
 		sem <- struct{}{}
 		go func() {
 			defer wg.Done()
-			found, err := e.disk.store.Get(keys[i], mems[i])
-			ok[i] = found && err == nil
+			ok[i] = e.disk.get(keys[i], mems[i])
 			<-sem
 		}()
 	}
