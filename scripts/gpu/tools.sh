@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC1091 # /etc/os-release is the build machine's
 # Builds build/gpu-tools.tar.gz (make gpu-tools): the programs the disk and
 # cluster suites need on the GPU machine, which has no package manager and
 # no network: Debian's redis-server, redis-cli and redis-benchmark
@@ -103,7 +104,7 @@ done
 	for d in "$WORK"/debs/*.deb; do dpkg-deb -f "$d" Package Version | paste -sd' ' | sed 's/^/deb: /'; done
 	echo "fio: built from Debian's source package fio $FIO_VERSION: ./configure --disable-native (and the optional engines off), libaio $(dpkg-deb -f "$WORK"/debs/libaio-dev_*.deb Version) linked statically"
 	echo "engines: $("$OUTDIR/bin/fio" --enghelp | tail -n +2 | xargs | tr ' ' ,)"
-	echo "lib: $(cd "$OUTDIR/lib" && ls | xargs)"
+	echo "lib:" "$(cd "$OUTDIR/lib" && echo *)"
 	echo "glibc from the machine: at least $(ldd --version | head -1 | awk '{print $NF}') (built here)"
 } >"$OUTDIR/VERSIONS"
 
@@ -127,7 +128,8 @@ fi
 
 tar -czf "$ARCHIVE" -C "$ROOT/build" gpu-tools
 size=$(stat -c %s "$ARCHIVE")
-echo "$ARCHIVE: $((size / 1048576)) MiB ($size bytes): $(cd "$OUTDIR/libexec" && ls | xargs), $(ls "$OUTDIR/lib" | wc -l) libraries"
+libs=("$OUTDIR"/lib/*)
+echo "$ARCHIVE: $((size / 1048576)) MiB ($size bytes): $(cd "$OUTDIR/libexec" && echo *), ${#libs[@]} libraries"
 if [ "$size" -gt $((MAX_MIB * 1048576)) ]; then
 	echo "$ARCHIVE is over $MAX_MIB MiB (it travels beside build/gpu.tar.gz, 64 MiB a call in all)" >&2
 	exit 1
