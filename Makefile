@@ -3,7 +3,7 @@
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
-GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload
+GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload tier/disk tier/cluster
 GPU_LDFLAGS := -s -w $(VERSION_LDFLAGS)
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s
@@ -19,7 +19,7 @@ VERSION     := $(shell cat internal/version/VERSION)
 COMMIT      := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
 VERSION_LDFLAGS := -X github.com/kvoffload/kvoffload/internal/version.commit=$(COMMIT)
 
-.PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins ptx fuzz soak python wheel wheel-test release-tag clean
+.PHONY: all build test vet staticcheck race nocgo demo bench gpu-bins gpu-tools ptx fuzz soak python wheel wheel-test release-tag clean
 
 all: build
 
@@ -74,6 +74,16 @@ gpu-bins:
 	if [ $$size -gt $$(($(GPU_MAX_MIB) * 1048576)) ]; then \
 		echo "$(GPU_ARCHIVE) is over $(GPU_MAX_MIB) MiB: the device tool carries 64 MiB a call, the working tree included" >&2; exit 1; \
 	fi
+
+# The programs the disk and cluster suites run on the GPU machine, which has
+# no package manager: Debian's redis-server, redis-cli, redis-benchmark and
+# fio (built from Debian's source package without its optional engines),
+# with every library they need but glibc, packed as build/gpu-tools.tar.gz
+# (under 12 MiB) to be carried beside build/gpu.tar.gz; run.sh puts them on
+# PATH. Needs apt-get (Debian) and a C compiler; as root it also runs each
+# program in a chroot holding glibc alone.
+gpu-tools:
+	bash scripts/gpu/tools.sh
 
 # Regenerates the copy kernel's PTX; needs nvcc (run on the GPU machine).
 # PTX ISA 7.0 is the lowest that targets sm_80 (checked with ptxas on the H200

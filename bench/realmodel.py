@@ -45,6 +45,7 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = 32, 32, 8, 128
 HIDDEN, INTERMEDIATE, VOCAB = 4096, 14336, 32000
 DTYPE_BYTES = 2  # bf16
 DEFAULT_TOKENS = (2048, 8192, 32768)
+NAMESPACE = "realmodel/llama-8b-geometry/bf16"
 
 # Targets (issue 21): reload at >= 92% of a contiguous pinned H2D copy of the
 # same bytes, store at >= 90% of a contiguous D2H copy, and per-layer events
@@ -291,6 +292,160 @@ def format_svg(rows, title="kvoffload: reload vs recompute, 8B-class Llama KV ca
     return "".join(out)
 
 
+# ---- plain Python: the lower tiers (--tier) -----------------------------------
+
+TIER_KINDS = ("disk", "cluster")
+PREFETCH_TIMEOUT_S = 60.0  # the cluster tier's wait in Engine.prefetch (and its per-write timeout)
+TIER_POOL_SLACK = 16  # host pool of a tier run: the prompt's blocks and this many more
+# Fillers stored to push the KV out of a disk run's host pool: this many
+# pools' worth (one is not always enough: the policy may keep an older block
+# and evict a newer one).
+FILLER_POOLS = 2
+HEADER_BYTES = 4096  # a record's header sector (tier/record)
+
+
+def parse_tier(spec):
+    """--tier disk:DIR or cluster:HOST:PORT[,HOST:PORT...] as (kind, arg):
+    arg the directory, or the list of seed nodes. ValueError otherwise."""
+    kind, sep, rest = spec.partition(":")
+    if not sep or kind not in TIER_KINDS or not rest:
+        raise ValueError(f"--tier {spec!r}: want disk:DIR or cluster:HOST:PORT[,HOST:PORT...]")
+    if kind == "disk":
+        return kind, rest
+    addrs = rest.split(",")
+    for a in addrs:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--tier {spec!r}: {a!r} is not HOST:PORT with a port from 1 to 65535")
+    return kind, addrs
+
+
+def fs_type(path, mounts):
+    """The file system type and mount point holding path, from the text
+    of /proc/mounts (the longest mount point that is a prefix of path):
+    (type, mount point), or ("?", "?")."""
+    best = ("?", "?")
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) < 3:
+            continue
+        mnt = f[1].replace("\\040", " ")
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and (best[1] == "?" or len(mnt) >= len(best[1])):
+            best = (f[2], mnt)
+    return best
+
+
+def tier_label(kind):
+    return {"disk": "disk", "cluster": "the cluster"}[kind]
+
+
+def make_tier_row(tokens, prefill_ms, host_ms, tier_first_ms, tier_ms, tier_call_ms, write_s, engine_open_s):
+    """One size's results for a tier: the prefill (recompute), reload from
+    host memory, reload from the tier (first: in an engine just opened on
+    the tier, then the median of the timed reps), the calls' wall time,
+    the seconds the writing engine took to get the KV onto the tier and the
+    reading engine's start."""
+    gb = kv_bytes(tokens) / 1e9
+    return {"tokens": tokens, "kv_gb": gb, "prefill_ms": prefill_ms, "host_ms": host_ms, "tier_first_ms": tier_first_ms,
+            "tier_ms": tier_ms, "tier_call_ms": tier_call_ms, "tier_gbs": ratio(gb, tier_ms / 1e3),
+            "recompute_over_tier": ratio(prefill_ms, tier_ms), "write_s": write_s, "engine_open_s": engine_open_s}
+
+
+def format_tier_table(kind, rows):
+    t = tier_label(kind)
+    lines = [f"| tokens | KV GB | recompute (prefill ms) | reload from host ms | reload from {t} ms "
+             f"| {t} GB/s | first reload from {t} ms (new engine) | prefetch+load calls returned after ms "
+             f"| recompute / reload from {t} | writer: store to closed s | reading engine opened in s |\n",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['kv_gb']:.2f} | {r['prefill_ms']:.1f} | {r['host_ms']:.2f} | {r['tier_ms']:.2f} "
+                     f"| {r['tier_gbs']:.2f} | {r['tier_first_ms']:.2f} | {r['tier_call_ms']:.2f} "
+                     f"| {r['recompute_over_tier']:.2f}x | {r['write_s']:.2f} | {r['engine_open_s']:.2f} |\n")
+    return "".join(lines)
+
+
+TIER_METHOD = {
+    "disk": ("An engine (A) with the disk tier on {where} (`admit_all`) stores the KV from the GPU, then {pools} "
+             "times as many other blocks as its host pool holds (the prompt's blocks + {slack}), so that the policy "
+             "evicts the KV and A writes it back to disk (and the fillers it evicts too: `writer: store to closed` "
+             "counts them); A closes (its queued write-backs finish). A second engine (B) opens "
+             "on the same directory, as a restarted server would, and rebuilds its index from the record headers. "
+             "Reload from disk: B's `load()` of keys only the disk holds (Load promotes them through host slots; "
+             "no prefetch call), from just before the call until the compute stream may run (CUDA events). "
+             "Before each timed rep B stores fresh other blocks, {pools} pools' worth, to push the KV out of its pool "
+             "again (blocks already on disk are not written again; the others are seen once and not admitted). "
+             "Reload from host: B's `load()` right after, the blocks now in its pool."),
+    "cluster": ("A Redis Cluster on {where}. An engine (A) with the cluster tier stores the KV from the GPU; every "
+                "stored block is written through to the cluster asynchronously, and A waits until the cluster "
+                "acknowledged every one, then closes. A second engine (B), with an empty pool, is a server on "
+                "another machine, or restarted: reload from the cluster is B's `prefetch()` (which promotes the "
+                "blocks into host slots; timeout {timeout:g} s) then `load()`, from just before the prefetch until "
+                "the compute stream may run (CUDA events). Before each timed rep B deletes the keys from its pool "
+                "(Delete does not reach the cluster). Reload from host: B's `load()` right after."),
+}
+
+
+def format_tier_report(command, machine, kind, where, rows, checks, reps, started, notes=()):
+    """The results file of one tier: command, date, machine, the method,
+    the table, notes (file system, stats) and the checks."""
+    t = tier_label(kind)
+    out = [f"# kvoffload: reload from {t} vs from host memory vs recompute, 8B-class Llama KV cache\n\n",
+           f"Command: `{command}`  \nDate: {started}  \n",
+           "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + "\n\n",
+           f"Llama geometry, random bf16 weights: {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM}; {TPB}-token blocks "
+           f"({kv_bytes(TPB) >> 20} MiB per block, a record of {(kv_bytes(TPB) + HEADER_BYTES) / 2**20:.2f} MiB with its "
+           f"header) at random GPU block ids. Median of {reps} timed reps after the first reload. ",
+           TIER_METHOD[kind].format(where=where, slack=TIER_POOL_SLACK, pools=FILLER_POOLS, timeout=PREFETCH_TIMEOUT_S), "\n\n",
+           format_tier_table(kind, rows)]
+    if notes:
+        out += ["\n## Notes\n\n"] + [f"- {n}\n" for n in notes]
+    out += ["\n## Checks\n\n", "".join(f"- {'ok' if ok else 'MISMATCH'}: {text}\n" for ok, text in checks)]
+    return "".join(out)
+
+
+def tier_out_path(out, kind):
+    """--out realmodel.md with --tier: realmodel-disk.md, realmodel-cluster.md."""
+    base, ext = os.path.splitext(out)
+    return f"{base}-{kind}{ext or '.md'}"
+
+
+def tier_selfcheck():
+    """The tier mode's plain-Python part (selfcheck calls it)."""
+    assert parse_tier("disk:/var/tmp/x") == ("disk", "/var/tmp/x")
+    assert parse_tier("cluster:127.0.0.1:7000") == ("cluster", ["127.0.0.1:7000"])
+    assert parse_tier("cluster:a:1,b:65535") == ("cluster", ["a:1", "b:65535"])
+    for bad in ("disk", "disk:", "tape:/x", "cluster:host", "cluster:host:0", "cluster:host:65536", "cluster::7000",
+                "cluster:h:70x", "cluster:a:1,", ""):
+        try:
+            parse_tier(bad)
+        except ValueError as e:
+            assert repr(bad) in str(e), (bad, str(e))
+        else:
+            raise AssertionError(f"parse_tier({bad!r}) accepted")
+    mounts = ("overlay / overlay rw 0 0\n/dev/nvme0n1p1 /data ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\n"
+              "/dev/sdb1 /data/x\\040y xfs rw 0 0\n")
+    assert fs_type("/data/kvo", mounts) == ("ext4", "/data")
+    assert fs_type("/database", mounts) == ("overlay", "/")
+    assert fs_type("/tmp", mounts) == ("tmpfs", "/tmp")
+    assert fs_type("/data/x y/z", mounts) == ("xfs", "/data/x y")
+    assert fs_type("/x", "") == ("?", "?")
+    assert tier_out_path("r/realmodel.md", "disk") == "r/realmodel-disk.md"
+    assert tier_out_path("tiers", "cluster") == "tiers-cluster.md"
+    row = make_tier_row(8192, prefill_ms=420.0, host_ms=20.5, tier_first_ms=700.0, tier_ms=512.0, tier_call_ms=498.0,
+                        write_s=1.5, engine_open_s=0.25)
+    assert abs(row["tier_gbs"] - kv_bytes(8192) / 1e9 / 0.512) < 1e-9 and abs(row["recompute_over_tier"] - 420 / 512) < 1e-12
+    md = format_tier_report("python3 bench/realmodel.py --tier disk:/d", {"gpu": "none"}, "disk", "/d (ext4, O_DIRECT)",
+                            [row], [(True, "8192 tokens: ok"), (False, "8192 tokens: bad")], 3, "2026-01-01T00:00:00Z",
+                            notes=["a note"])
+    for want in ("| 8192 | 1.07 | 420.0 | 20.50 | 512.00 | 2.10 | 700.00 | 498.00 | 0.82x | 1.50 | 0.25 |",
+                 "reload from disk ms", "/d (ext4, O_DIRECT)", "- a note", "- ok: 8192 tokens: ok",
+                 "- MISMATCH: 8192 tokens: bad", "Median of 3 timed reps"):
+        assert want in md, (want, md)
+    md = format_tier_report("c", {}, "cluster", "127.0.0.1:7000", [row], [], 3, "d")
+    assert "reload from the cluster ms" in md and "prefetch()" in md and "## Notes" not in md
+    return md
+
+
 def selfcheck():
     """The plain-Python part, without torch or a GPU. Raises AssertionError."""
     assert blocks_for(2048) == 128 and blocks_for(32768) == 2048
@@ -347,6 +502,7 @@ def selfcheck():
                  "- PASS: 2048 tokens: reload 5.00 ms", "| 2048 | 9.00 | 8.00 | nan |", "Command: `python3",
                  "- ok: 2048 tokens"):
         assert want in md, (want, md)
+    tier_selfcheck()
     return md
 
 
@@ -504,7 +660,7 @@ class Bench:
     """The engine over a paged cache sized for the largest prompt, the
     model, and the pinned buffers of the contiguous references."""
 
-    def __init__(self, args):
+    def __init__(self, args, engine=True):
         import torch
 
         import kvoffload
@@ -521,9 +677,11 @@ class Bench:
         # freed slots.
         pool = (2 * nmax + 16) * kv_bytes(TPB)
         t0 = time.perf_counter()
-        self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
-                                                 namespace="realmodel/llama-8b-geometry/bf16", policy="lru",
-                                                 early_events=bool(args.early_events))
+        self.eng = None
+        if engine:  # the tier mode opens engines of its own (TierBench)
+            self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
+                                                     namespace=NAMESPACE, policy="lru",
+                                                     early_events=bool(args.early_events))
         self.engine_s = time.perf_counter() - t0
         maxb = kv_bytes(max(args.tokens))
         self.host = torch.empty(maxb, dtype=torch.uint8, pin_memory=True)
@@ -531,7 +689,8 @@ class Bench:
         self.checks = []
 
     def close(self):
-        self.eng.close()
+        if self.eng is not None:
+            self.eng.close()
 
     def contiguous(self, nbytes):
         """Best ms of a pinned H2D and a D2H copy of nbytes (torch, non_blocking)."""
@@ -573,14 +732,16 @@ class Bench:
             pk.view(self.torch.int16).fill_(0x7fc1)  # a NaN in bf16
             pv.view(self.torch.int16).fill_(0x7fc1)
 
-    def store(self, keys, ids):
-        """One store: (GPU ms from before the call until the compute stream
-        may reuse the blocks, outcomes)."""
+    def store(self, keys, ids, eng=None):
+        """One store (on eng, default the bench's engine): (GPU ms from
+        before the call until the compute stream may reuse the blocks,
+        outcomes)."""
         torch = self.torch
+        eng = self.eng if eng is None else eng
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(self.compute)
-        op = self.eng.store(keys, ids, after=self.compute)
+        op = eng.store(keys, ids, after=self.compute)
         op.wait_stream(self.compute)
         e.record(self.compute)
         ms = events_ms(s, e)
@@ -588,15 +749,20 @@ class Bench:
         op.release()
         return ms, outcomes
 
-    def load(self, keys, ids, per_layer=False):
-        """One load: (GPU ms until the compute stream is released, wall ms
-        of the load() call, per-layer ms or None, outcomes)."""
+    def load(self, keys, ids, per_layer=False, eng=None, prefetch=False):
+        """One load (on eng, default the bench's engine; with prefetch, an
+        Engine.prefetch of keys first, inside the timing): (GPU ms from
+        before the calls until the compute stream is released, wall ms of
+        the calls, per-layer ms or None, outcomes; with prefetch also its
+        result)."""
         torch = self.torch
+        eng = self.eng if eng is None else eng
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(self.compute)
         t0 = time.perf_counter()
-        op = self.eng.load(keys, ids, after=self.compute, per_layer=per_layer)
+        pre = eng.prefetch(keys, timeout=PREFETCH_TIMEOUT_S) if prefetch else None
+        op = eng.load(keys, ids, after=self.compute, per_layer=per_layer)
         call_ms = (time.perf_counter() - t0) * 1e3
         lev = []
         if per_layer:
@@ -611,9 +777,15 @@ class Bench:
         layers = [s.elapsed_time(ev) for ev in lev] if per_layer else None
         outcomes = op.wait()
         op.release()
+        if prefetch:
+            return ms, call_ms, layers, outcomes, pre
         return ms, call_ms, layers, outcomes
 
-    def run_size(self, tokens):
+    def prepare(self, tokens):
+        """A size's prompt, its prefill (the first one timed alone as the
+        warm-up, then --reps timed), the KV scattered into the paged cache
+        at random block ids (src; dst for loads) and kept as the reference
+        in paged layout, and its keys. Returns a dict of those."""
         torch, args = self.torch, self.args
         nb = blocks_for(tokens)
         src, dst = assign_block_ids(self.num_blocks, nb, self.rng)
@@ -648,9 +820,34 @@ class Bench:
             b, o = paged_slot(t, src)
             if not torch.equal(self.kv[5][0][b, o].view(torch.int16), orig[5][0][0, :, t].view(torch.int16)):
                 raise RuntimeError(f"token {t}: paged block {b} slot {o} does not hold it")
-        keys = self.eng.keys(ids[0].tolist())
+        keys = self.kvo.chain_keys(ids[0].tolist(), TPB, namespace=NAMESPACE)
         if len(keys) != nb:
             raise RuntimeError(f"{len(keys)} keys for {nb} blocks")
+        return {"tokens": tokens, "nb": nb, "src": src, "dst": dst, "orig": orig, "first_token": first_token,
+                "prefill_ms": prefill_ms, "first": first, "ref": ref, "keys": keys}
+
+    def decode_check(self, orig, first_token, dst, label):
+        """Decodes --decode steps with eager attention from the original KV
+        and from the blocks dst of the paged cache; records whether the
+        logits are bit-identical."""
+        torch, args = self.torch, self.args
+        set_attn(self.model, "eager")
+        la = decode(self.model, build_cache([(k.clone(), v.clone()) for k, v in orig], self.model.config), first_token,
+                    args.decode)
+        lb = decode(self.model, build_cache(self.gather(dst), self.model.config), first_token, args.decode)
+        same = all(torch.equal(a, b) for a, b in zip(la, lb))
+        self.checks.append((same, f"{label}: {args.decode} eager decode steps, logits "
+                                  f"{'bit-identical' if same else 'DIFFER'} from the original and the reloaded KV"))
+        set_attn(self.model, "sdpa")
+        del la, lb
+        torch.cuda.empty_cache()
+
+    def run_size(self, tokens):
+        torch, args = self.torch, self.args
+        p = self.prepare(tokens)
+        nb, src, dst, orig, first_token = p["nb"], p["src"], p["dst"], p["orig"], p["first_token"]
+        prefill_ms, first, ref, keys = p["prefill_ms"], p["first"], p["ref"], p["keys"]
+        del p
 
         # Warm-up store and load: the first op of this size, checked byte for byte.
         first["store_ms"], outc = self.store(keys, src)
@@ -665,16 +862,8 @@ class Bench:
                                       f"load into other block ids"))
 
         # Decode from the original KV and from the reloaded blocks, eager attention.
-        set_attn(self.model, "eager")
-        la = decode(self.model, build_cache([(k.clone(), v.clone()) for k, v in orig], self.model.config), first_token,
-                    args.decode)
-        lb = decode(self.model, build_cache(self.gather(dst), self.model.config), first_token, args.decode)
-        same = all(torch.equal(a, b) for a, b in zip(la, lb))
-        self.checks.append((same, f"{tokens} tokens: {args.decode} eager decode steps, logits "
-                                  f"{'bit-identical' if same else 'DIFFER'} from the original and the reloaded KV"))
-        set_attn(self.model, "sdpa")
-        del la, lb, orig
-        torch.cuda.empty_cache()
+        self.decode_check(orig, first_token, dst, f"{tokens} tokens")
+        del orig
 
         # Timed: loads (whole op), per-layer loads, stores.
         reload, calls, layer_runs, totals, stores = [], [], [], [], []
@@ -703,6 +892,235 @@ class Bench:
                         h2d, d2h, first)
 
 
+class TierBench(Bench):
+    """The tier mode (--tier): per size, an engine that writes the KV to
+    the tier and a second, new engine that reloads it from there (see
+    TIER_METHOD); no engine of the bench's own."""
+
+    def __init__(self, args):
+        super().__init__(args, engine=False)
+        self.tier_checks = {}
+        self.notes = {}
+
+    def tier_engine(self, kind, arg, nb, writer, subdir=None):
+        """An engine over the paged cache whose host pool holds nb blocks
+        plus TIER_POOL_SLACK, with the tier kind: the writer admits every
+        evicted block to disk and bounds nothing it writes; the reader
+        admits as the default does."""
+        blk = kv_bytes(TPB)
+        pool = (nb + TIER_POOL_SLACK) * blk
+        cfg = dict(pool_bytes=pool, first_region_bytes=pool, namespace=NAMESPACE, policy="lru",
+                   early_events=bool(self.args.early_events))
+        if kind == "disk":
+            # Room for the KV and the fillers the writer writes back too.
+            cfg["disk"] = {"dirs": [subdir], "capacity_bytes": (nb + FILLER_POOLS * (nb + TIER_POOL_SLACK) + TIER_POOL_SLACK)
+                           * (blk + HEADER_BYTES), "direct": "auto"}
+            if writer:  # a bounce buffer for every eviction: none is dropped
+                cfg["disk"].update(admit_all=True, write_back_bytes=FILLER_POOLS * pool)
+        else:
+            cfg["cluster"] = {"addrs": arg, "max_in_flight_bytes": 2 * pool, "ttl": 3600 * 10**9,
+                              "timeout": int(PREFETCH_TIMEOUT_S * 1e9)}
+        return self.kvo.Engine.from_tensors(self.kv, **cfg)
+
+    def wait_cluster(self, eng, what):
+        """Waits (up to PREFETCH_TIMEOUT_S) until eng's cluster tier is
+        connected: before that its write-throughs and prefetches are
+        skipped (counted unavailable)."""
+        deadline = time.monotonic() + PREFETCH_TIMEOUT_S
+        while not eng.stats()["cluster_available"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: the cluster tier did not connect in {PREFETCH_TIMEOUT_S:g} s: "
+                                   f"{eng.stats().get('cluster_error', '')}")
+            time.sleep(0.01)
+
+    def check(self, kind, ok, text):
+        self.tier_checks.setdefault(kind, []).append((bool(ok), text))
+        return ok
+
+    def fillers(self, eng, count, ids):
+        """Stores count blocks of a fresh random prompt from GPU blocks
+        ids (cycled): the pool's least recently used blocks make room."""
+        toks = [self.rng.randrange(VOCAB) for _ in range(count * TPB)]
+        keys = self.kvo.chain_keys(toks, TPB, namespace=NAMESPACE)
+        for i in range(0, count, len(ids)):
+            chunk = keys[i:i + len(ids)]
+            _, outc = self.store(chunk, ids[:len(chunk)], eng=eng)
+            if outc != ["stored"] * len(chunk):
+                raise RuntimeError(f"filler store outcomes: {sorted(set(outc))}")
+
+    def write(self, kind, arg, p, subdir):
+        """Engine A: stores the KV and gets it onto the tier; closes.
+        Returns the seconds from the store call until the tier holds it."""
+        nb, keys, src = p["nb"], p["keys"], p["src"]
+        eng = self.tier_engine(kind, arg, nb, writer=True, subdir=subdir)
+        try:
+            if kind == "cluster":
+                self.wait_cluster(eng, "writer")
+            t0 = time.perf_counter()
+            _, outc = self.store(keys, src, eng=eng)
+            if outc != ["stored"] * nb:
+                raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
+            if kind == "disk":
+                self.fillers(eng, FILLER_POOLS * (nb + TIER_POOL_SLACK), src)
+                st = eng.stats()
+                self.check(kind, st["disk_dropped"] == 0 and st["disk_write_errors"] == 0,
+                           f"{p['tokens']} tokens: writer: {st['disk_dropped']} write-backs dropped, "
+                           f"{st['disk_write_errors']} failed")
+            else:
+                deadline = time.monotonic() + PREFETCH_TIMEOUT_S
+                while True:
+                    st = eng.stats()
+                    done = st["cluster_writes"] + st["cluster_write_errors"] + st["cluster_dropped"]
+                    if done >= nb or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.002)
+                self.check(kind, st["cluster_writes"] == nb,
+                           f"{p['tokens']} tokens: writer: {st['cluster_writes']} of {nb} blocks written through "
+                           f"({st['cluster_write_errors']} failed, {st['cluster_dropped']} dropped, "
+                           f"{st['cluster_unavailable_writes']} while unavailable)")
+        finally:
+            eng.close()  # the disk tier's queued write-backs finish here
+        return time.perf_counter() - t0
+
+    def tier_load(self, kind, eng, p, label):
+        """One reload from the tier into p's dst blocks (poisoned first),
+        checked: every block loaded, promoted from the tier, byte-exact.
+        Returns (ms, call ms)."""
+        nb, keys, dst = p["nb"], p["keys"], p["dst"]
+        before = eng.stats()
+        self.poison()
+        if kind == "disk":
+            ms, call, _, outc = self.load(keys, dst, eng=eng)
+            got = eng.stats()["disk_hits"] - before["disk_hits"]
+        else:
+            ms, call, _, outc, pre = self.load(keys, dst, eng=eng, prefetch=True)
+            got = pre["from_cluster"]
+        bad = self.bad_blocks(dst, p["ref"])
+        ok = outc == ["loaded"] * nb and got == nb and bad == 0
+        if not ok or label:
+            self.check(kind, ok, f"{p['tokens']} tokens: {label or 'a timed reload'}: {outc.count('loaded')} of {nb} "
+                                 f"loaded, {got} from {tier_label(kind)}, {nb - bad} byte-exact")
+        return ms, call
+
+    def run_tier_size(self, kind, arg, p):
+        torch, args = self.torch, self.args
+        nb, keys, dst, tokens = p["nb"], p["keys"], p["dst"], p["tokens"]
+        subdir = None
+        if kind == "disk":
+            subdir = os.path.join(arg, f"kvo-realmodel-{os.getpid()}-{tokens}")
+            os.makedirs(subdir, mode=0o700)
+        try:
+            write_s = self.write(kind, arg, p, subdir)
+            t0 = time.perf_counter()
+            eng = self.tier_engine(kind, arg, nb, writer=False, subdir=subdir)
+            open_s = time.perf_counter() - t0
+            try:
+                if kind == "cluster":
+                    self.wait_cluster(eng, "reader")
+                    open_s = time.perf_counter() - t0
+                st = eng.stats()
+                held = eng.lookup(keys)
+                self.check(kind, held == 0, f"{tokens} tokens: the new engine's pool holds {held} of the KV's blocks")
+                if kind == "disk":
+                    found = eng.stats()["disk_lookup_hits"] - st["disk_lookup_hits"]
+                    self.check(kind, found == nb, f"{tokens} tokens: the new engine's lookup finds {found} of {nb} blocks "
+                                                  f"on disk ({st['disk_records']} records there, with the writer's fillers)")
+                    self.notes.setdefault(kind, []).append(f"{tokens} tokens: disk mode {st.get('disk_mode', '?')!r}")
+                first_ms, _ = self.tier_load(kind, eng, p, "first reload, in the new engine")
+                self.decode_check(p["orig"], p["first_token"], dst, f"{tokens} tokens, reloaded from {tier_label(kind)}")
+                self.tier_checks[kind].append(self.checks.pop())
+                nchecks = len(self.tier_checks[kind])  # a failed timed reload adds one
+                tier, calls, host = [], [], []
+                all_ok = True
+                for _ in range(args.reps):
+                    if kind == "disk":
+                        self.fillers(eng, FILLER_POOLS * (nb + TIER_POOL_SLACK), p["src"])
+                    else:
+                        eng.delete(keys)
+                    ms, call = self.tier_load(kind, eng, p, None)
+                    tier.append(ms)
+                    calls.append(call)
+                    before = eng.stats()
+                    self.poison()
+                    ms, _, _, outc = self.load(keys, dst, eng=eng)
+                    after = eng.stats()
+                    ok = (outc == ["loaded"] * nb and self.bad_blocks(dst, p["ref"]) == 0
+                          and after["disk_hits"] == before["disk_hits"] and after["cluster_hits"] == before["cluster_hits"])
+                    if not ok:
+                        self.check(kind, False, f"{tokens} tokens: a reload from host: {outc.count('loaded')} of {nb} "
+                                                f"loaded, not all from host memory or not byte-exact")
+                    all_ok = all_ok and ok and len(self.tier_checks[kind]) == nchecks
+                    host.append(ms)
+                self.check(kind, all_ok, f"{tokens} tokens: {args.reps} timed reloads from {tier_label(kind)}, each "
+                                         f"then one from host: {'every block loaded from where it should and byte-exact' if all_ok else 'FAILURES above'}")
+                st = eng.stats()
+                self.notes.setdefault(kind, []).append(
+                    f"{tokens} tokens: the reading engine's stats: " + ", ".join(
+                        f"{k} {st[k]}" for k in sorted(st) if k.startswith(kind) and isinstance(st[k], (int, str))))
+            finally:
+                eng.close()
+        finally:
+            if subdir:
+                import shutil
+                shutil.rmtree(subdir, ignore_errors=True)
+        torch.cuda.empty_cache()
+        return make_tier_row(tokens, p["prefill_ms"], median(host), first_ms, median(tier), median(calls), write_s, open_s)
+
+
+def run_tiers(args, tiers, command, started):
+    """The tier mode: one report per tier; exit status 1 when a check failed."""
+    import traceback
+    t0 = time.perf_counter()
+    b = TierBench(args)
+    print(f"realmodel: model ready in {time.perf_counter() - t0:.1f} s ({b.num_blocks} GPU blocks per layer)",
+          file=sys.stderr)
+    rows = {kind: [] for kind, _ in tiers}
+    try:
+        for tokens in args.tokens:
+            t1 = time.perf_counter()
+            p = b.prepare(tokens)
+            for kind, arg in tiers:
+                t2 = time.perf_counter()
+                try:
+                    rows[kind].append(b.run_tier_size(kind, arg, p))
+                except Exception as e:  # noqa: BLE001 - reported as a failed check; the other tier goes on
+                    traceback.print_exc()
+                    b.check(kind, False, f"{tokens} tokens: {type(e).__name__}: {e}")
+                print(f"realmodel: {tokens} tokens from {tier_label(kind)} in {time.perf_counter() - t2:.1f} s",
+                      file=sys.stderr)
+            del p
+            b.torch.cuda.empty_cache()
+            print(f"realmodel: {tokens} tokens done in {time.perf_counter() - t1:.1f} s", file=sys.stderr)
+    finally:
+        b.close()
+    machine = machine_info()
+    ok = True
+    for kind, arg in tiers:
+        if kind == "disk":
+            path = os.path.realpath(arg)
+            try:
+                with open("/proc/mounts") as f:
+                    fs, mnt = fs_type(path, f.read())
+            except OSError:
+                fs, mnt = "?", "?"
+            where = f"`{path}` ({fs}, mounted at {mnt})"
+        else:
+            where = "the seed node(s) " + ", ".join(f"`{a}`" for a in arg)
+        checks = b.tier_checks.get(kind, [])
+        ok = ok and bool(checks) and all(c for c, _ in checks)
+        report = format_tier_report(command, machine, kind, where, rows[kind], checks, args.reps, started,
+                                    b.notes.get(kind, ()))
+        print(report)
+        if args.out:
+            path = tier_out_path(args.out, kind)
+            with open(path, "w") as f:
+                f.write(report)
+            print(f"realmodel: wrote {path}", file=sys.stderr)
+    if not ok:
+        print("realmodel: MISMATCH or failure: see Checks", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -715,12 +1133,23 @@ def main(argv=None):
                     help="the engine with early events: load() and store() return before the copies are built")
     ap.add_argument("--out", help="also write the results (markdown) to this file, and beside it an SVG plot "
                     "of reload and recompute time by prompt length (realmodel.md: realmodel.svg)")
+    ap.add_argument("--tier", action="append", default=[], metavar="disk:DIR|cluster:HOST:PORT[,...]",
+                    help="instead of the host-memory benchmark: reload the KV from the disk tier (records in a new "
+                    "folder under DIR) or from the Redis Cluster at HOST:PORT, beside reload from host memory and "
+                    "recompute; one table per tier (--out X.md: X-disk.md, X-cluster.md). Repeatable, once per kind")
     ap.add_argument("--selfcheck", action="store_true", help="check the paging and table logic without torch; exit")
     args = ap.parse_args(argv)
     if args.selfcheck:
         selfcheck()
         print("realmodel selfcheck: ok")
         return 0
+    try:
+        tiers = [parse_tier(t) for t in args.tier]
+    except ValueError as e:
+        ap.error(str(e))
+    kinds = [k for k, _ in tiers]
+    if len(set(kinds)) != len(kinds):
+        ap.error(f"--tier: each kind at most once, got {', '.join(args.tier)}")
     for t in args.tokens:
         blocks_for(t)
     if args.reps < 1 or args.decode < 1:
@@ -735,6 +1164,8 @@ def main(argv=None):
         return 2
     command = "python3 bench/realmodel.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if tiers:
+        return run_tiers(args, tiers, command.strip(), started)
     t0 = time.perf_counter()
     b = Bench(args)
     print(f"realmodel: model and engine ready in {time.perf_counter() - t0:.1f} s "

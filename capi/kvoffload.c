@@ -246,3 +246,9 @@ int kvo_store_tokens(kvo_engine_t engine, const uint8_t* keys, const int64_t* bl
 	                          (uint8_t*)parents, (uint32_t*)tokens, n_tokens, after_event, after_stream,
 	                          op_out);
 }
+
+int kvo_prefetch(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t timeout_ns,
+                 size_t* promoted, size_t* from_disk, size_t* from_cluster) {
+	ENTER();
+	return kvoGo_prefetch(engine, (uint8_t*)keys, n, timeout_ns, promoted, from_disk, from_cluster);
+}

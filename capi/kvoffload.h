@@ -372,6 +372,17 @@ int kvo_store_tokens(kvo_engine_t engine, const uint8_t* keys, const int64_t* bl
                      const uint8_t* parent, const uint8_t* parents, const uint32_t* tokens,
                      size_t n_tokens, uintptr_t after_event, uintptr_t after_stream, kvo_op_t* op_out);
 
+/* Promotes the blocks of keys (a chain, as kvo_store takes it) that the
+ * host pool lacks from the lower tiers into it (Engine.Prefetch): from the
+ * disk tier (config "disk") what is there, then from the cluster tier
+ * ("cluster") the rest, waiting for the cluster at most timeout_ns (0: the
+ * cluster's "timeout"; negative: KVO_EINVAL). Later lookups and loads see
+ * the promoted blocks; nothing is leased. What is missing, late or fails
+ * its checks is a miss, not an error. *promoted = *from_disk +
+ * *from_cluster (each may be NULL). Without a tier it promotes nothing. */
+int kvo_prefetch(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t timeout_ns,
+                 size_t* promoted, size_t* from_disk, size_t* from_cluster);
+
 #ifdef __cplusplus
 }
 #endif

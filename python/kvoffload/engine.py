@@ -560,6 +560,24 @@ class Engine(_Handle):
         _lib.check(_lib.get().kvo_delete(self._h(), _addr(raw), n, ctypes.byref(out)), "kvo_delete")
         return out.value
 
+    def prefetch(self, keys, timeout=None):
+        """Promotes the blocks of keys (a chain) that the host pool lacks
+        from the lower tiers (config "disk", then "cluster") into it, so
+        that later lookups and loads find them; nothing is leased. timeout
+        (seconds, > 0) bounds the wait for the cluster; None: the cluster
+        config's own. What is missing or late is a miss, not an error.
+        Returns {"promoted": n, "from_disk": d, "from_cluster": c}."""
+        ns = 0
+        if timeout is not None:
+            ns = _lib.timeout_ns("timeout", timeout)
+            if ns <= 0:
+                raise errors.InvalidArgumentError(f"kvoffload: prefetch timeout must be above 0 seconds, got {timeout!r}")
+        raw, n = pack_keys(keys)
+        out = [ctypes.c_size_t(0) for _ in range(3)]
+        _lib.check(_lib.get().kvo_prefetch(self._h(), _addr(raw), n, ns, *[ctypes.byref(o) for o in out]),
+                   "kvo_prefetch")
+        return {"promoted": out[0].value, "from_disk": out[1].value, "from_cluster": out[2].value}
+
     def clear(self, namespace=None):
         """Removes every block of namespace (default: the engine's)."""
         ns = _lib.c_string("namespace", self.namespace if namespace is None else namespace)

@@ -64,6 +64,9 @@ SUITES=(
 	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
+	"disk|the disk tier against fio on this machine's disk (tier_disk.test TestDiskVsFio, Q = 1, 4, 16, 2 GiB passes), and Open's index scan (BenchmarkOpenScan); needs build/gpu-tools.tar.gz (not in all)"
+	"cluster|the cluster tier against redis-benchmark --cluster on a 3-master Redis Cluster on loopback (tier_cluster.test TestBenchVsRedisBenchmark), with a CPU profile; needs build/gpu-tools.tar.gz (not in all)"
+	"realtier|a real model's KV reloaded from the disk tier and from a Redis Cluster on loopback, beside reload from host and recompute (python3 bench/realmodel.py --tier); needs build/gpu-tools.tar.gz (not in all)"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
 ALL_SUITES=(pool64 tests demo soak python realmodel calltime bench blocks)
@@ -199,6 +202,121 @@ suite_nodepool() {
 		-test.run 'TestGPUNodePool$' -test.timeout 270s
 }
 
+# The lower tiers (issues 26, 27): the programs come from build/gpu-tools.tar.gz
+# (make gpu-tools here; unpack_tools puts them on PATH). The disk suites write
+# under $KVO_DISK_DIR (default build/tierbench in this checkout: the machine's own
+# disk, not /tmp or /dev/shm, which may be tmpfs); the folder is removed after.
+need_tools() {
+	local p
+	for p in fio redis-server redis-cli redis-benchmark; do
+		if [ "$(command -v "$p")" != "$ROOT/build/gpu-tools/bin/$p" ]; then
+			echo "$p is not build/gpu-tools/bin/$p: make gpu-tools here and carry build/gpu-tools.tar.gz" >>"$F"
+			return 1
+		fi
+	done
+	step cat "$ROOT/build/gpu-tools/VERSIONS"
+}
+
+# disk_facts DIR: where DIR is (file system, device) and whether it takes O_DIRECT.
+disk_facts() {
+	local dir=$1
+	step df -T "$dir" /tmp /dev/shm "$ROOT"
+	step findmnt -T "$dir"
+	step lsblk -o NAME,SIZE,ROTA,TYPE,MODEL,MOUNTPOINTS
+	# O_DIRECT: 256 MiB written, then read, bypassing the page cache (dd fails where it is refused).
+	step dd if=/dev/zero of="$dir/odirect.probe" bs=2M count=128 oflag=direct,dsync
+	step dd if="$dir/odirect.probe" of=/dev/null bs=2M iflag=direct
+	rm -f "$dir/odirect.probe"
+}
+
+tier_dir() {
+	TIER_DIR=${KVO_DISK_DIR:-$ROOT/build/tierbench}
+	rm -rf "$TIER_DIR" && mkdir -p "$TIER_DIR"
+}
+
+suite_disk() {
+	need_tools || return 1
+	tier_dir
+	disk_facts "$TIER_DIR"
+	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=${KVO_DISK_MIB:-2048} KVO_DISK_BENCH_ROUNDS=${KVO_DISK_ROUNDS:-3} KVO_BENCH_OUT=$D \
+		step_in tier/disk timeout 240 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 235s
+	# The index scan at start (target: 2 s per 100,000 records) on this disk.
+	TMPDIR=$TIER_DIR step_in tier/disk timeout 150 "$B/tier_disk.test" -test.run '^$' -test.bench 'OpenScan' \
+		-test.benchtime 2x -test.count 1 -test.timeout 145s
+	rm -rf "$TIER_DIR"
+}
+
+suite_cluster() {
+	need_tools || return 1
+	# Like for like with bench/results/cpu/cluster-vs-redis-benchmark.md (-c 6 -P 4,
+	# 256 KiB and 2 MiB + 4 KiB records), then twice the connections at 256 KiB.
+	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS:-5} step_in tier/cluster timeout 200 \
+		"$B/tier_cluster.test" -test.v -test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 195s \
+		-test.cpuprofile "$D/cluster-bench-cpu.pprof"
+	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_CONNS=12 KVO_CLUSTER_BENCH_SIZES=262144 \
+		step_in tier/cluster timeout 90 "$B/tier_cluster.test" -test.v -test.count=1 -test.run 'TestBenchVsRedisBenchmark$' \
+		-test.timeout 85s
+}
+
+# start_redis_cluster DIR PORT...: redis-server masters on loopback, one per port
+# (its bus on port+10000), made a cluster; REDIS_PIDS are the processes.
+start_redis_cluster() {
+	local dir=$1 p addrs=() state
+	shift
+	REDIS_PIDS=()
+	for p in "$@"; do
+		redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes --cluster-config-file "nodes-$p.conf" \
+			--cluster-node-timeout 5000 --save '' --appendonly no --dir "$dir" --logfile "$dir/redis-$p.log" &
+		REDIS_PIDS+=($!)
+		addrs+=("127.0.0.1:$p")
+	done
+	for p in "$@"; do
+		for _ in $(seq 100); do
+			[ "$(redis-cli -p "$p" ping 2>/dev/null)" = PONG ] && break
+			sleep 0.1
+		done
+	done
+	redis-cli --cluster create "${addrs[@]}" --cluster-replicas 0 --cluster-yes >"$dir/create.log" 2>&1 ||
+		{ cat "$dir/create.log"; return 1; }
+	for p in "$@"; do
+		for _ in $(seq 200); do
+			state=$(redis-cli -p "$p" cluster info 2>/dev/null | tr -d '\r' | sed -n 's/^cluster_state://p')
+			[ "$state" = ok ] && break
+			sleep 0.1
+		done
+		[ "$state" = ok ] || { echo "node $p: cluster_state $state"; return 1; }
+	done
+	echo "Redis Cluster up: ${addrs[*]} ($(redis-server --version | cut -d' ' -f1-3))"
+}
+
+stop_redis_cluster() {
+	local pid
+	for pid in "${REDIS_PIDS[@]}"; do kill "$pid" 2>/dev/null; done
+	for pid in "${REDIS_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+	REDIS_PIDS=()
+}
+
+suite_realtier() {
+	if ! grep -q -- '--tier' bench/realmodel.py; then
+		echo "bench/realmodel.py has no --tier at this commit" >>"$F"
+		return 1
+	fi
+	need_tools || return 1
+	tier_dir
+	disk_facts "$TIER_DIR"
+	local rdir=$TIER_DIR/redis ports tokens
+	mkdir -p "$rdir"
+	read -r -a ports <<<"${KVO_REDIS_PORTS:-17101 17102 17103}"
+	read -r -a tokens <<<"${KVO_TIER_TOKENS:-2048 8192}"
+	step start_redis_cluster "$rdir" "${ports[@]}"
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 280 python3 bench/realmodel.py --tokens "${tokens[@]}" --reps 3 \
+		--tier "disk:$TIER_DIR" --tier "cluster:127.0.0.1:${ports[0]}" --out "$D/realmodel.md"
+	step redis-cli -p "${ports[0]}" --cluster info "127.0.0.1:${ports[0]}"
+	stop_redis_cluster
+	rm -rf "$TIER_DIR"
+}
+
 suite_sweep() {
 	local what=${1:-}
 	case $what in
@@ -271,6 +389,17 @@ quote() {
 		esac
 	done
 	echo "${out% }"
+}
+
+# unpack_tools replaces build/gpu-tools/ with make gpu-tools' archive, when there
+# is one, and puts its programs first on PATH (their libraries only on theirs).
+unpack_tools() {
+	local a=$ROOT/build/gpu-tools.tar.gz
+	if [ -f "$a" ]; then
+		rm -rf "$ROOT/build/gpu-tools"
+		tar -xzf "$a" -C "$ROOT/build" || { echo "cannot unpack $a" >&2; exit 2; }
+	fi
+	[ -d "$ROOT/build/gpu-tools/bin" ] && PATH=$ROOT/build/gpu-tools/bin:$PATH
 }
 
 # unpack replaces build/gpu/ with make gpu-bins' archive, when there is one (always:
@@ -417,6 +546,7 @@ main() {
 		unpack
 		COMMIT="$(cat "$B/COMMIT") (binaries from make gpu-bins)"
 	fi
+	unpack_tools
 	machine_facts
 	mkdir -p "$OUT"
 	WORK=$(mktemp -d)

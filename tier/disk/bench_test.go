@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -68,9 +69,23 @@ func benchOpenScan(b *testing.B, records int, size int64) {
 const (
 	fioPayload   = 2 << 20
 	fioRecord    = fioPayload + record.HeaderSize
-	fioPassBytes = 4 << 30 // bytes written (then read) per pass
-	fioRounds    = 5       // passes each way per queue depth; the median is reported
+	fioPassBytes = 4 << 30 // bytes written (then read) per pass (KVO_DISK_BENCH_MIB)
+	fioRounds    = 5       // passes each way per queue depth (KVO_DISK_BENCH_ROUNDS); the median is reported
 )
+
+// benchEnv is the positive integer in the environment variable name, def
+// when it is unset; anything else fails t with the value and the variable.
+func benchEnv(t *testing.T, name string, def, limit int64) int64 {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 1 || n > limit {
+		t.Fatalf("%s=%q: want an integer from 1 to %d", name, v, limit)
+	}
+	return n
+}
 
 // TestDiskVsFio compares Put and Get from Q goroutines (checksums on) with
 // fio --direct=1 --ioengine=psync --numjobs=Q at the record size, on the
@@ -80,7 +95,9 @@ const (
 // (rw=write:<skip>); and one libaio job at iodepth Q, one sequential stream
 // with Q in flight as the tier's goroutines make when they take consecutive
 // slots. The fastest of the three is the reference. It needs fio on PATH
-// and about 2×4.3 GB free there.
+// and about 2×4.3 GB free there. KVO_DISK_BENCH_MIB (MiB a pass, default
+// 4096) and KVO_DISK_BENCH_ROUNDS (default 5) shorten it; with
+// KVO_BENCH_OUT=DIR the table also goes to DIR/disk-vs-fio.md.
 func TestDiskVsFio(t *testing.T) {
 	dir := os.Getenv("KVO_DISK_BENCH")
 	if dir == "" {
@@ -92,14 +109,19 @@ func TestDiskVsFio(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(work) })
 	qs := []int{1, 4, 16}
-	records := int64(fioPassBytes/fioRecord) / 16 * 16 // a multiple of every Q
+	passBytes := benchEnv(t, "KVO_DISK_BENCH_MIB", fioPassBytes>>20, 1<<20) << 20
+	rounds := int(benchEnv(t, "KVO_DISK_BENCH_ROUNDS", fioRounds, 100))
+	records := passBytes / fioRecord / 16 * 16 // a multiple of every Q
+	if records == 0 {
+		t.Fatalf("KVO_DISK_BENCH_MIB=%d: a pass must hold at least 16 records of %d bytes", passBytes>>20, fioRecord)
+	}
 
 	type row struct{ regW, regR, intW, intR, aioW, aioR, tierW, tierR []float64 }
 	rows := map[int]*row{}
 	for _, q := range qs {
 		r := &row{}
 		rows[q] = r
-		for range fioRounds {
+		for range rounds {
 			w, rd := runFio(t, fio, work, q, records, fioRegions)
 			r.regW, r.regR = append(r.regW, w), append(r.regR, rd)
 			w, rd = runFio(t, fio, work, q, records, fioInterleaved)
@@ -121,13 +143,16 @@ func TestDiskVsFio(t *testing.T) {
 			q, rw/1e9, iw/1e9, aw/1e9, tw/1e9, 100*tw/max(rw, iw, aw), rr/1e9, ir/1e9, ar/1e9, tr/1e9, 100*tr/max(rr, ir, ar))
 	}
 	fmt.Fprintf(&out, "\nEvery pass moves %d records of %d bytes (%.2f GB) each way; median of %d passes, fio (regions, interleaved, libaio) and the tier in turn.\n",
-		records, fioRecord, float64(records*fioRecord)/1e9, fioRounds)
+		records, fioRecord, float64(records*fioRecord)/1e9, rounds)
 	for _, q := range qs {
 		r := rows[q]
 		fmt.Fprintf(&out, "- Q=%d passes, GB/s: write fio regions %s, interleaved %s, libaio %s, Put %s; read fio regions %s, interleaved %s, libaio %s, Get %s\n",
 			q, gbs(r.regW), gbs(r.intW), gbs(r.aioW), gbs(r.tierW), gbs(r.regR), gbs(r.intR), gbs(r.aioR), gbs(r.tierR))
 	}
 	t.Log("\n" + out.String())
+	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "disk-vs-fio.md"), []byte(out.String()), 0o644))
+	}
 }
 
 func median(v []float64) float64 {
