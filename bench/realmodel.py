@@ -727,6 +727,28 @@ class Bench:
                 bad |= (t.index_select(0, idx).view(torch.int16) != r.view(torch.int16)).view(len(ids), -1).any(1)
         return int(bad.sum())
 
+    def diagnose(self, ids, ref):
+        """What the first block of ids that differs from ref holds, in
+        words (for a MISMATCH line): its layer-0 K against ref, the poison,
+        zeros, and the other blocks' ref (a block loaded into the wrong
+        place)."""
+        torch = self.torch
+        idx = torch.tensor(ids, device="cuda")
+        (pk, _), (rk, _) = self.kv[0], ref[0]
+        got = pk.index_select(0, idx).view(torch.int16).view(len(ids), -1)
+        want = rk.view(torch.int16).view(len(ids), -1)
+        diff = (got != want).any(1).nonzero()
+        if len(diff) == 0:
+            return "layer 0 K of every block matches (the difference is in another layer or V)"
+        j = int(diff[0])
+        g = got[j]
+        same = float((g == want[j]).float().mean())
+        poison = float((g == 0x7fc1).float().mean())
+        zero = float((g == 0).float().mean())
+        other = [i for i in range(len(ids)) if i != j and bool((g == want[i]).all())]
+        return (f"block {j} (GPU id {ids[j]}), layer 0 K: {same:.1%} of words as stored, {poison:.1%} poison, "
+                f"{zero:.1%} zero, equal to the stored block(s) {other[:4]}")
+
     def poison(self):
         for pk, pv in self.kv:
             pk.view(self.torch.int16).fill_(0x7fc1)  # a NaN in bf16
@@ -952,6 +974,13 @@ class TierBench(Bench):
         """Engine A: stores the KV and gets it onto the tier; closes.
         Returns the seconds from the store call until the tier holds it."""
         nb, keys, src = p["nb"], p["keys"], p["src"]
+        # The KV back into its source blocks: a tier measured before this
+        # one poisoned every block of the cache (tier_load), src included.
+        idx = self.torch.tensor(src, device="cuda")
+        for (pk, pv), (rk, rv) in zip(self.kv, p["ref"]):
+            pk.index_copy_(0, idx, rk)
+            pv.index_copy_(0, idx, rv)
+        self.check(kind, self.bad_blocks(src, p["ref"]) == 0, f"{p['tokens']} tokens: the KV is in its source blocks before the writer stores it")
         eng = self.tier_engine(kind, arg, nb, writer=True, subdir=subdir)
         try:
             if kind == "cluster":
@@ -998,8 +1027,9 @@ class TierBench(Bench):
         bad = self.bad_blocks(dst, p["ref"])
         ok = outc == ["loaded"] * nb and got == nb and bad == 0
         if not ok or label:
+            why = f" ({self.diagnose(dst, p['ref'])})" if bad else ""
             self.check(kind, ok, f"{p['tokens']} tokens: {label or 'a timed reload'}: {outc.count('loaded')} of {nb} "
-                                 f"loaded, {got} from {tier_label(kind)}, {nb - bad} byte-exact")
+                                 f"loaded, {got} from {tier_label(kind)}, {nb - bad} byte-exact{why}")
         return ms, call
 
     def run_tier_size(self, kind, arg, p):
