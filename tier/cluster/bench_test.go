@@ -57,6 +57,7 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 	// redis-benchmark --threads (0: not given, its one event loop): a
 	// reference the tier outruns is its client's bound, not the cluster's.
 	rbThreads = env("KVO_CLUSTER_BENCH_THREADS", 0)
+	rbProcs = env("KVO_CLUSTER_BENCH_PROCS", 1)
 	keyspace := 96
 	c := newCluster(t, 3, 0, "")
 	perNode := 1
@@ -69,6 +70,9 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 	fmt.Printf("%d rounds, each redis-benchmark then the tier, alternating; the median row is the median of the rounds' ratios\n\n", rounds)
 	if rbThreads > 0 {
 		fmt.Printf("redis-benchmark runs with --threads %d\n\n", rbThreads)
+	}
+	if rbProcs > 1 {
+		fmt.Printf("redis-benchmark runs as %d processes at once (connections and requests shared out, seed nodes in turn), their rates summed\n\n", min(rbProcs, conns))
 	}
 	fmt.Println("client CPU: the client process's user+system time per request (redis-benchmark's from its rusage, run once per op; the tier's from the test process's, over the op's phase)")
 	fmt.Println()
@@ -143,25 +147,60 @@ func cpuTime(who int) time.Duration {
 	return time.Duration(r.Utime.Nano() + r.Stime.Nano())
 }
 
-// rbThreads is redis-benchmark's --threads (KVO_CLUSTER_BENCH_THREADS).
-var rbThreads int
+// rbThreads is redis-benchmark's --threads (KVO_CLUSTER_BENCH_THREADS);
+// rbProcs how many redis-benchmark processes run at once, sharing the
+// connections and requests, their rates summed (KVO_CLUSTER_BENCH_PROCS,
+// default 1): a reference that one client process does not bound.
+var rbThreads, rbProcs int
 
 // redisBenchmark runs redis-benchmark --cluster -t test and returns its
 // requests per second and its CPU time.
 func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conns, count, keyspace int) (float64, time.Duration) {
-	args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[0]), "-t", test,
-		"-d", strconv.Itoa(size), "-P", strconv.Itoa(depth), "-c", strconv.Itoa(conns),
-		"-n", strconv.Itoa(count), "-r", strconv.Itoa(keyspace), "--csv"}
-	if rbThreads > 0 {
-		args = append(args, "--threads", strconv.Itoa(rbThreads))
+	procs := max(1, min(rbProcs, conns))
+	argsOf := func(k int) []string {
+		// Process k of procs: its share of the connections and requests.
+		kc, kn := conns/procs, count/procs
+		if k < conns%procs {
+			kc++
+		}
+		if k < count%procs {
+			kn++
+		}
+		args := []string{"--cluster", "-h", "127.0.0.1", "-p", strconv.Itoa(c.ports[k%3]), "-t", test,
+			"-d", strconv.Itoa(size), "-P", strconv.Itoa(depth), "-c", strconv.Itoa(kc),
+			"-n", strconv.Itoa(kn), "-r", strconv.Itoa(keyspace), "--csv"}
+		if rbThreads > 0 {
+			args = append(args, "--threads", strconv.Itoa(rbThreads))
+		}
+		return args
 	}
 	cpu0 := cpuTime(syscall.RUSAGE_CHILDREN)
-	out, err := exec.Command("redis-benchmark", args...).Output()
-	if err != nil {
-		t.Fatalf("redis-benchmark %v: %v\n%s", args, err, out)
+	outs := make([][]byte, procs)
+	errs := make([]error, procs)
+	var wg sync.WaitGroup
+	for k := range procs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			outs[k], errs[k] = exec.Command("redis-benchmark", argsOf(k)...).Output()
+		}()
 	}
+	wg.Wait()
 	cpu := cpuTime(syscall.RUSAGE_CHILDREN) - cpu0
-	fmt.Printf("<!-- redis-benchmark %s -->\n", strings.Join(args, " "))
+	total := 0.0
+	for k := range procs {
+		args := argsOf(k)
+		if errs[k] != nil {
+			t.Fatalf("redis-benchmark %v: %v\n%s", args, errs[k], outs[k])
+		}
+		fmt.Printf("<!-- redis-benchmark %s -->\n", strings.Join(args, " "))
+		total += rbRate(t, test, outs[k])
+	}
+	return total, cpu
+}
+
+// rbRate is the requests per second of test in redis-benchmark's CSV out.
+func rbRate(t *testing.T, test string, out []byte) float64 {
 	var lines []string // the CSV rows, after the cluster's description
 	for _, l := range strings.Split(string(out), "\n") {
 		if strings.HasPrefix(l, `"`) {
@@ -175,12 +214,12 @@ func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conn
 	for _, r := range rows {
 		if len(r) >= 2 && strings.EqualFold(r[0], test) {
 			if v, err := strconv.ParseFloat(r[1], 64); err == nil {
-				return v, cpu
+				return v
 			}
 		}
 	}
 	t.Fatalf("redis-benchmark output has no %s row:\n%s", test, out)
-	return 0, 0
+	return 0
 }
 
 // benchTier puts count records of size bytes (keyspace distinct keys) with
