@@ -26,9 +26,11 @@
 // device ranges the scheduler was told about (AddHostRange, AddDeviceRange)
 // before anything is enqueued, then queues it (a request with Build has its
 // segments built, validated and copied part by part when it is issued
-// instead: when an issue holds several parts, a builder goroutine builds
-// and validates the next part while the submitting thread copies the
-// current one). A device with early events (CUDA with stream memory
+// instead: when an issue holds several parts, Config.Builders builder
+// goroutines build, validate, coalesce and, on a device that prepares
+// copies (CUDA's strided ones), prepare the next parts while the
+// submitting thread copies the current one; it takes the parts in copy
+// order, and a part is built once). A device with early events (CUDA with stream memory
 // operations, see promiser) lets Submit of a request with events return
 // before its copies are built: a signalling goroutine records its events
 // behind waits on a counter the engine stream writes after the copies. One submitting goroutine
