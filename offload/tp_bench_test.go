@@ -2,6 +2,7 @@ package offload
 
 import (
 	"context"
+	"github.com/kvoffload/kvoffload/internal/cuda"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ type headSlicedRig struct {
 	rankBytes uint64 // one rank's bytes of all blocks
 	keys      []Key
 	ids       []int
+	gpu       *gpuTiming // nil: no GPU-side timing
 }
 
 const hsTP, hsHeads, hsLayers, hsBlocks = 4, 8, 32, 1024
@@ -63,7 +65,45 @@ func newHeadSlicedRig(b *testing.B, g *gpuMem, headDim int, newEng func(Config) 
 
 // headSlicedTimes is one iteration's timings: how long the rank's Store
 // and Load took to return (call) and to complete.
-type headSlicedTimes struct{ storeCall, store, loadCall, load time.Duration }
+// With the rig's gpu timing, also the GPU's side (storeGPU, loadGPU):
+// from an event recorded on an idle stream of the caller's just before
+// the call to one recorded after that stream waited on the op
+// (Op.StreamWait), what a serving stack's compute stream sees, without
+// the engine's completion processing that Wait includes.
+type headSlicedTimes struct{ storeCall, store, loadCall, load, storeGPU, loadGPU time.Duration }
+
+// gpuTiming is a stream and two timing events of the caller's.
+type gpuTiming struct {
+	drv    cuda.Driver
+	s      cuda.Stream
+	e0, e1 cuda.Event
+}
+
+// start records e0 on the stream (just before a call); stop makes the
+// stream wait on the call's op and records e1; elapsed waits for e1 and
+// gives the time between them. All three do nothing on a nil gpuTiming.
+func (g *gpuTiming) start(b *testing.B) {
+	if g != nil {
+		require.NoError(b, g.drv.EventRecord(g.e0, g.s))
+	}
+}
+
+func (g *gpuTiming) stop(b *testing.B, op *Op) {
+	if g != nil {
+		require.NoError(b, op.StreamWait(uintptr(g.s)))
+		require.NoError(b, g.drv.EventRecord(g.e1, g.s))
+	}
+}
+
+func (g *gpuTiming) elapsed(b *testing.B) time.Duration {
+	if g == nil {
+		return 0
+	}
+	require.NoError(b, g.drv.EventSynchronize(g.e1))
+	ms, err := g.drv.EventElapsedTime(g.e0, g.e1)
+	require.NoError(b, err)
+	return time.Duration(float64(ms) * float64(time.Millisecond))
+}
 
 // round stores the other ranks' heads of fresh keys (untimed), then times
 // the rank's Store and Load of its heads, and deletes the keys.
@@ -81,20 +121,26 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	}
 	b.StartTimer()
 	var m headSlicedTimes
+	rig.gpu.start(b)
 	t0 := time.Now()
 	op, err := rig.e.Store(ctx, rig.keys, rig.ids, StoreOptions{})
 	m.storeCall = time.Since(t0)
 	require.NoError(b, err)
+	rig.gpu.stop(b, op)
 	require.NoError(b, op.Wait(ctx))
 	m.store = time.Since(t0)
+	m.storeGPU = rig.gpu.elapsed(b)
 	require.Equal(b, hsBlocks, op.Count(OutcomeStored))
 	require.NoError(b, op.Release())
+	rig.gpu.start(b)
 	t0 = time.Now()
 	op, err = rig.e.Load(ctx, rig.keys, rig.ids, LoadOptions{})
 	m.loadCall = time.Since(t0)
 	require.NoError(b, err)
+	rig.gpu.stop(b, op)
 	require.NoError(b, op.Wait(ctx))
 	m.load = time.Since(t0)
+	m.loadGPU = rig.gpu.elapsed(b)
 	require.Equal(b, hsBlocks, op.Count(OutcomeLoaded))
 	require.NoError(b, op.Release())
 	rig.e.Delete(rig.keys)
