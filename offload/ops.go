@@ -119,6 +119,28 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 // part's copies run while the next are built.
 const partSegments = 4096
 
+// partStarts cuts n blocks into parts of per blocks, the first ones
+// smaller (an eighth, an eighth, a quarter, a half of per, at least one
+// block each), so that the first copies start after a small part is
+// built; it returns the parts' first blocks and n.
+func partStarts(n, per int) []int {
+	starts := []int{0}
+	for i, k := 0, 0; i < n; k++ {
+		size := per
+		switch k {
+		case 0, 1:
+			size = per / 8
+		case 2:
+			size = per / 4
+		case 3:
+			size = per / 2
+		}
+		i = min(n, i+max(1, size))
+		starts = append(starts, i)
+	}
+	return starts
+}
+
 // copyPlan checks the device block ids of a Store or Load and returns the
 // request's Build (the segments of blocks and their host slots, built by
 // the engine's scheduler when it issues the op), its number of parts,
@@ -179,12 +201,12 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	if e.hooks.partSegments > 0 {
 		ps = e.hooks.partSegments
 	}
-	per := max(1, ps/perSegs)
-	req.Parts = (len(blockIDs) + per - 1) / per
+	starts := partStarts(len(blockIDs), max(1, ps/perSegs))
+	req.Parts = len(starts) - 1
 	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
 		bs := make([]kvcache.Segment, 0, perSegs)
 		var err error
-		for i := p * per; i < min((p+1)*per, len(blockIDs)); i++ {
+		for i := starts[p]; i < starts[p+1]; i++ {
 			if bs, err = l.Segments(blockIDs[i], bs[:0]); err != nil {
 				return dst, err
 			}

@@ -451,3 +451,23 @@ func TestTPConcurrentRanks(t *testing.T) {
 		tpCheck(t, e, reader.Layout(), j, j, "TP=1 after concurrent ranks")
 	}
 }
+
+// partStarts covers every block once, in order, the first parts smaller.
+func TestPartStarts(t *testing.T) {
+	require.Equal(t, []int{0}, partStarts(0, 64))
+	require.Equal(t, []int{0, 1}, partStarts(1, 64))
+	require.Equal(t, []int{0, 8, 16, 32, 64, 128, 192, 200}, partStarts(200, 64))
+	require.Equal(t, []int{0, 1, 2, 3, 4, 5}, partStarts(5, 1))
+	require.Equal(t, []int{0, 1, 2, 3, 4, 6, 7}, partStarts(7, 2))
+	for n := range 300 {
+		for _, per := range []int{1, 2, 3, 8, 64, 500} {
+			s := partStarts(n, per)
+			require.Equal(t, 0, s[0])
+			require.Equal(t, n, s[len(s)-1])
+			for i := 1; i < len(s); i++ {
+				require.Greater(t, s[i], s[i-1])
+				require.LessOrEqual(t, s[i]-s[i-1], per)
+			}
+		}
+	}
+}
