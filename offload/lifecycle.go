@@ -220,7 +220,8 @@ func (e *Engine) teardown() error {
 		e.kc.Close()
 	}
 	if e.disk != nil {
-		// After the cache: no OnFree queues a demotion any more.
+		// After the cache (no eviction any more), before the pool is
+		// unmapped: the writers give the demoting slots back.
 		errs = append(errs, e.disk.close())
 	}
 	errs = append(errs, e.closeCluster())
@@ -395,13 +396,10 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	kcfg.OnIndex = e.hub.onIndex
 	if cfg.Disk != nil {
-		if e.disk, err = openDisk(cfg, slot, &e.hub, h); err != nil {
+		if e.disk, err = openDisk(cfg, slot, &e.hub, h, e); err != nil {
 			return nil, err
 		}
-		kcfg.OnIndex = func(ev kvcache.IndexEvent) {
-			e.disk.onIndex(ev)
-			e.hub.onIndex(ev)
-		}
+		kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
 	}
 	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err
