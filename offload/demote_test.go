@@ -64,29 +64,37 @@ func TestDiskDemoteFromSlot(t *testing.T) {
 	}
 }
 
-// blockFirstPut is a beforeDiskPut that holds the first write until
-// proceed is closed, reporting it on entered.
-func blockFirstPut() (hook func(), entered chan struct{}, proceed chan struct{}) {
-	entered, proceed = make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	return func() {
-		first := false
-		once.Do(func() { first = true })
-		if first {
-			close(entered)
-			<-proceed
-		}
-	}, entered, proceed
+// heldPut is a beforeDiskPut that holds the first write until release,
+// reporting its key on entered.
+type heldPut struct {
+	first   sync.Once
+	entered chan Key
+	proceed chan struct{}
+	release func()
 }
 
-func waitFor(t *testing.T, ch chan struct{}, what string) {
-	t.Helper()
-	select {
-	case <-ch:
-	case <-time.After(10 * time.Second):
-		t.Fatal(what)
+// holdFirstPut returns a heldPut; the test's cleanup releases it, so that
+// a failing test still closes its engine.
+func holdFirstPut(t *testing.T) *heldPut {
+	h := &heldPut{entered: make(chan Key, 1), proceed: make(chan struct{})}
+	var once sync.Once
+	h.release = func() { once.Do(func() { close(h.proceed) }) }
+	t.Cleanup(h.release)
+	return h
+}
+
+func (h *heldPut) hook(k Key) {
+	first := false
+	h.first.Do(func() { first = true })
+	if first {
+		h.entered <- k
+		<-h.proceed
 	}
 }
+
+// demoting returns the cache's demoting slots.
+func demoting(e *Engine) int { return e.kc.Stats().Demoting }
+
 
 // TestDiskDemotingSlotHeld: while a block is written from its slot, the
 // slot is neither reused (the pool refilled twice over meanwhile, the
@@ -94,30 +102,38 @@ func waitFor(t *testing.T, ch chan struct{}, what string) {
 // until the write completes); a Delete of its key meanwhile deletes the
 // record once written.
 func TestDiskDemotingSlotHeld(t *testing.T) {
-	hook, entered, proceed := blockFirstPut()
-	e, err := newEngine(withTestBackend(demoteConfig(t.TempDir())), engineHooks{beforeDiskPut: hook})
+	h := holdFirstPut(t)
+	e, err := newEngine(withTestBackend(demoteConfig(t.TempDir())), engineHooks{beforeDiskPut: h.hook})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	contents := map[int][]byte{}
+	var held Key
 	k := 0
 	for ; ; k++ {
+		require.Less(t, k, 2*demoteSlots, "no write-back started")
 		contents[k] = fillBlock(t, e, k%16, byte(k))
 		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(k), k%16))
 		select {
-		case <-entered:
+		case held = <-h.entered:
 		default:
 			continue
 		}
 		break
 	}
-	require.Equal(t, 1, e.kc.Stats().Demoting)
-	// Key 0 is the first evicted (LRU), its write held; key 1 will be
-	// deleted while demoting, once the next evictions reach it.
+	heldAt := -1
+	for j := 0; j <= k; j++ {
+		if testKey(j) == held {
+			heldAt = j
+		}
+	}
+	require.GreaterOrEqual(t, heldAt, 0, "the held write is of a stored key")
+	// Refill the pool twice over while the write is held.
 	for j := k + 1; j <= k+2*demoteSlots; j++ {
 		contents[j] = fillBlock(t, e, j%16, byte(j))
 		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(j), j%16), "the store never waits for the disk")
 	}
-	require.Equal(t, 1, e.kc.Stats().Demoting, "the held write keeps its slot; the others completed")
+	require.Eventually(t, func() bool { return demoting(e) == 1 }, 10*time.Second, time.Millisecond,
+		"the held write keeps its slot demoting; the others complete")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	tr, err := e.Trim(ctx, 1<<40)
@@ -125,14 +141,14 @@ func TestDiskDemotingSlotHeld(t *testing.T) {
 	require.NoError(t, err)
 	require.Positive(t, tr.PendingBytes, "the demoting slot's region is not released")
 
-	close(proceed)
+	h.release()
 	require.NoError(t, e.FlushDisk(context.Background()))
-	require.Zero(t, e.kc.Stats().Demoting)
+	require.Zero(t, demoting(e))
 	buf := alignedBytes(int(e.slot))
-	found, err := e.disk.store.Get(testKey(0), buf)
+	found, err := e.disk.store.Get(held, buf)
 	require.NoError(t, err)
 	require.True(t, found)
-	require.Equal(t, contents[0], buf, "the slot was not reused while it was written")
+	require.Equal(t, contents[heldAt], buf, "the slot was not reused while it was written")
 	require.Eventually(t, func() bool { return e.Stats().TrimmedBytes == tr.PendingBytes+tr.FreedBytes }, 10*time.Second, time.Millisecond,
 		"the trimmed region is released once its write completed")
 }
@@ -140,33 +156,35 @@ func TestDiskDemotingSlotHeld(t *testing.T) {
 // TestDiskDeleteWhileDemoting: a key deleted while its block is written
 // from its slot has no record once the write completes.
 func TestDiskDeleteWhileDemoting(t *testing.T) {
-	hook, entered, proceed := blockFirstPut()
-	e, err := newEngine(withTestBackend(demoteConfig(t.TempDir())), engineHooks{beforeDiskPut: hook})
+	h := holdFirstPut(t)
+	e, err := newEngine(withTestBackend(demoteConfig(t.TempDir())), engineHooks{beforeDiskPut: h.hook})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
+	deleted := make(chan Key, 1)
 	go func() {
-		<-entered
-		_, err := e.Delete([]Key{testKey(0)})
-		if err == nil {
-			close(proceed)
+		k := <-h.entered
+		if _, err := e.Delete([]Key{k}); err == nil {
+			deleted <- k
 		}
+		h.release()
 	}()
 	storeFlushed(t, e, 0, demoteSlots+4, map[int][]byte{})
+	k := <-deleted
 	st := e.Stats()
 	require.Positive(t, st.DiskWrites)
 	require.Zero(t, st.DiskCopies)
-	require.False(t, e.disk.store.Contains(testKey(0)), "the deleted key's record was deleted once written")
-	require.True(t, e.disk.store.Contains(testKey(1)))
+	require.False(t, e.disk.store.Contains(k), "the deleted key's record was deleted once written")
+	require.Equal(t, st.DiskWrites-1, st.DiskRecords, "the others stay")
 }
 
 // TestDiskDemoteDropsAtTheBound: with WriteBackBytes of one block and its
 // write held, the next admitted eviction is dropped and counted, its slot
 // freed at once; every slot is back once the write completes.
 func TestDiskDemoteDropsAtTheBound(t *testing.T) {
-	hook, entered, proceed := blockFirstPut()
+	h := holdFirstPut(t)
 	cfg := demoteConfig(t.TempDir())
 	cfg.Disk.WriteBackBytes = 8 << 10
-	e, err := newEngine(withTestBackend(cfg), engineHooks{beforeDiskPut: hook})
+	e, err := newEngine(withTestBackend(cfg), engineHooks{beforeDiskPut: h.hook})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	k := 0
@@ -175,9 +193,9 @@ func TestDiskDemoteDropsAtTheBound(t *testing.T) {
 		fillBlock(t, e, k%16, byte(k))
 		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(k), k%16))
 	}
-	waitFor(t, entered, "the first write-back never started")
-	require.Equal(t, 1, e.kc.Stats().Demoting)
-	close(proceed)
+	<-h.entered
+	require.Equal(t, 1, demoting(e))
+	h.release()
 	require.NoError(t, e.FlushDisk(context.Background()))
 	st, cs := e.Stats(), e.kc.Stats()
 	require.Equal(t, int64(1), st.DiskWrites)

@@ -139,9 +139,9 @@ func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
 // slot goes into the cache's "demoting" state and comes to onDemote: a
 // writer Puts it straight from the slot's pinned memory and gives the slot
 // back (Cache.Demoted). Evicted by a store that needs the slot at once,
-// the slot is freed at once: OnFree (copyOut) copies its bytes into a
-// buffer first, which a writer Puts. Either way the evicting call never
-// waits for the disk.
+// the slot is freed at once: demote copies its bytes into a buffer first,
+// which a writer Puts. Either way the evicting call never waits for the
+// disk.
 type diskTier struct {
 	store    *disk.Store
 	slot     int64
@@ -167,28 +167,19 @@ type diskTier struct {
 	wg     sync.WaitGroup
 
 	busyMu sync.Mutex
-	busy   int               // write-backs accepted and not finished (≤ maxBusy)
-	accept map[slotGen]taken // accepted, waiting for OnDemote or OnFree
-	idle   chan struct{}     // closed when busy drops to 0
+	busy   int                // write-backs accepted and not finished (≤ maxBusy)
+	accept map[slotGen]uint64 // accepted to go demoting: the clear generation, until OnDemote
+	idle   chan struct{}      // closed when busy drops to 0
 	tomb   map[Key]struct{}
 	// clearGen counts Clears: a demotion queued before one is deleted
 	// once written.
 	clearGen atomic.Uint64
 
-	beforePut func()    // test hook, run by the writer before each Put
+	beforePut func(Key) // test hook, run by the writer before each Put
 	beforeGet func(Key) // test hook, run before each promotion read
 	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
 
 	hits, misses, writes, writeErrors, dropped, notAdmitted, copies atomic.Int64
-}
-
-// taken is an accepted write-back between the eviction and its slot's
-// release: its key, the clear generation when it was accepted, and whether
-// it is copied out (the evicting store needed the slot at once).
-type taken struct {
-	key  Key
-	gen  uint64
-	copy bool
 }
 
 // demotion is a write-back for a writer: from slot (demoting) when
@@ -224,7 +215,7 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 	}
 	n := int(dc.WriteBackBytes / slot)
 	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, maxBusy: n, seen: make([]uint8, 1<<16),
-		accept: map[slotGen]taken{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+		accept: map[slotGen]uint64{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
 		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
 		demoted: func(s kvcache.Slot) {
 			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
@@ -326,8 +317,12 @@ func (d *diskTier) admitted(k Key) bool {
 // write-backs are accepted and unfinished; otherwise the demotion is not
 // admitted or dropped, counted. An accepted block evicted ahead of demand
 // (not needed) is written from its slot (true: the slot goes demoting, to
-// onDemote); one the evicting store needs at once is copied out by
-// copyOut (OnFree) before its slot is reused. It never waits.
+// onDemote). One the evicting store needs at once (its slot is reused as
+// soon as the call's critical section ends) is copied now, its bytes
+// intact (a ready block: no copy in flight), into a buffer a writer Puts:
+// a memcpy of one block under the cache's lock, where the slot would be
+// zeroed with ZeroOnRelease anyway. It never waits: a buffer is free for
+// every accepted write-back, and the queue has room for each.
 func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 	if !d.admitted(k) {
 		d.notAdmitted.Add(1)
@@ -338,9 +333,16 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
+	var mem []byte
+	if needed {
+		if mem = d.slotBytes(s); mem == nil {
+			d.dropped.Add(1)
+			return false
+		}
+	}
 	d.busyMu.Lock()
-	defer d.busyMu.Unlock()
 	if d.closed || d.busy >= d.maxBusy {
+		d.busyMu.Unlock()
 		d.dropped.Add(1)
 		return false
 	}
@@ -348,17 +350,21 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 		d.idle = make(chan struct{})
 	}
 	d.busy++
-	d.accept[slotGen{s.ID, s.Gen}] = taken{key: k, gen: d.clearGen.Load(), copy: needed}
-	return !needed
-}
-
-// take returns and forgets the write-back accepted for slot s.
-func (d *diskTier) take(s kvcache.Slot) (taken, bool) {
-	d.busyMu.Lock()
-	defer d.busyMu.Unlock()
-	t, ok := d.accept[slotGen{s.ID, s.Gen}]
-	delete(d.accept, slotGen{s.ID, s.Gen})
-	return t, ok
+	gen := d.clearGen.Load()
+	if !needed {
+		d.accept[slotGen{s.ID, s.Gen}] = gen
+		d.busyMu.Unlock()
+		return true
+	}
+	d.busyMu.Unlock()
+	buf := <-d.bufs
+	if buf == nil {
+		buf = alignedBytes(int(d.slot))
+	}
+	copy(buf, mem)
+	d.copies.Add(1)
+	d.queue <- demotion{key: k, buf: buf, gen: gen}
+	return false
 }
 
 // onDemote is the cache's Config.OnDemote: slot s, demoting, is queued
@@ -366,9 +372,12 @@ func (d *diskTier) take(s kvcache.Slot) (taken, bool) {
 // it back. The slot is held against Trim meanwhile. Never blocks (the
 // queue has room for every accepted write-back).
 func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
-	t, _ := d.take(s)
+	d.busyMu.Lock()
+	gen := d.accept[slotGen{s.ID, s.Gen}]
+	delete(d.accept, slotGen{s.ID, s.Gen})
+	d.busyMu.Unlock()
 	d.hold(s)
-	job := demotion{key: k, slot: s, fromSlot: true, gen: t.gen}
+	job := demotion{key: k, slot: s, fromSlot: true, gen: gen}
 	d.mu.RLock()
 	if !d.closed {
 		d.queue <- job
@@ -382,41 +391,11 @@ func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
 	d.finish(job, false)
 }
 
-// copyOut is OnFree's disk part: if s held a block accepted to be copied
-// out (its evicting store needed the slot at once), its bytes (mem,
-// intact until OnFree returns) are copied into a buffer and queued for a
-// writer. It may run under the cache's lock (a store zeroing its own
-// victims) and never waits: a buffer is free for every accepted
-// write-back.
-func (d *diskTier) copyOut(s kvcache.Slot, mem []byte) {
-	t, ok := d.take(s)
-	if !ok || !t.copy {
-		return
-	}
-	job := demotion{key: t.key, gen: t.gen}
-	d.mu.RLock()
-	if !d.closed && mem != nil {
-		buf := <-d.bufs // never waits: one buffer per write-back accepted
-		if buf == nil {
-			buf = alignedBytes(int(d.slot))
-		}
-		copy(buf, mem)
-		d.copies.Add(1)
-		job.buf = buf
-		d.queue <- job
-		d.mu.RUnlock()
-		return
-	}
-	d.mu.RUnlock()
-	d.dropped.Add(1)
-	d.finish(job, false)
-}
-
 func (d *diskTier) writer() {
 	defer d.wg.Done()
 	for job := range d.queue {
 		if d.beforePut != nil {
-			d.beforePut()
+			d.beforePut(job.key)
 		}
 		payload := job.buf
 		if payload == nil {
@@ -537,17 +516,6 @@ func (e *Engine) slotBytes(s kvcache.Slot) []byte {
 		return nil
 	}
 	return mem.([]byte)[s.Off : s.Off+uint64(e.slot)]
-}
-
-// onFree is the cache's Config.OnFree: the disk tier's copy of a block a
-// store evicted for itself, then ZeroOnRelease's zeroing.
-func (e *Engine) onFree(s kvcache.Slot) {
-	if e.disk != nil {
-		e.disk.copyOut(s, e.slotBytes(s))
-	}
-	if e.cfg.ZeroOnRelease {
-		e.zeroSlot(s)
-	}
 }
 
 // errDiskMiss fails the stores of promoted blocks whose disk read missed.

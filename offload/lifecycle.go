@@ -82,8 +82,9 @@ type engineHooks struct {
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
-	// beforeDiskPut runs on the disk tier's writer before each write.
-	beforeDiskPut func()
+	// beforeDiskPut runs on the disk tier's writer before each write, with
+	// its key.
+	beforeDiskPut func(Key)
 	// beforeDiskGet runs before each read of a promotion (Load, Prefetch).
 	beforeDiskGet func(Key)
 	// diskFaults is tier/disk's Config.Faults for the disk tier.
@@ -391,8 +392,8 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// BenchmarkAddRegionGrowth).
 	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve,
 		PartialTimeout: cfg.PartialTimeout}
-	if cfg.ZeroOnRelease || cfg.Disk != nil {
-		kcfg.OnFree = e.onFree
+	if cfg.ZeroOnRelease {
+		kcfg.OnFree = e.zeroSlot
 	}
 	kcfg.OnIndex = e.hub.onIndex
 	if cfg.Disk != nil {
