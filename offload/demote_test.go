@@ -95,7 +95,6 @@ func (h *heldPut) hook(k Key) {
 // demoting returns the cache's demoting slots.
 func demoting(e *Engine) int { return e.kc.Stats().Demoting }
 
-
 // TestDiskDemotingSlotHeld: while a block is written from its slot, the
 // slot is neither reused (the pool refilled twice over meanwhile, the
 // record still holds the block's bytes) nor released by Trim (pending
