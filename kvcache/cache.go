@@ -133,6 +133,26 @@ type Config struct {
 	PartialTimeout time.Duration
 	// Clock, when set, replaces time.Now for PartialTimeout (tests).
 	Clock func() time.Time
+	// Demote, when set, is asked with the cache's lock held about each
+	// block the policy evicts (IndexEvent.Evicted: not a delete, clear,
+	// trim nor a TinyLFU rejection), before OnIndex reports its removal:
+	// true sends its slot, once its last reader and transfer have ended,
+	// into "demoting" (readable, not reusable) and hands it to OnDemote
+	// instead of freeing it. needed reports an eviction the evicting
+	// store needs the slot of at once (fewer slots free or zeroing than
+	// it allocates): the slot is freed whatever Demote answers, so the
+	// owner can count the demotion as dropped. Demote must not block nor
+	// call the cache. Ignored without OnDemote.
+	Demote func(s Slot, k Key, needed bool) bool
+	// OnDemote is given each slot Demote accepted, with its block's key,
+	// once the slot is demoting: without the cache's lock, on the
+	// goroutine of the call that released the slot, after that call's
+	// critical section (as OnFree). The slot's bytes stay intact and the
+	// slot out of every other use (never handed to a store, its region
+	// never releasable) until the owner calls Demoted with it; the owner
+	// may read it meanwhile (a disk write from the slot's memory). It
+	// must not block; it may call Demoted (on this goroutine or later).
+	OnDemote func(s Slot, k Key)
 }
 
 // MaxSlots bounds Config.MaxSlots (slot ids are int32).
@@ -167,11 +187,12 @@ const (
 	stateReady
 	stateLeased
 	stateReleasing
-	stateZeroing // released, handed to Config.OnFree outside the lock
-	stateRetired // belongs to a released region, or an unused id
+	stateZeroing  // released, handed to Config.OnFree outside the lock
+	stateDemoting // evicted and released, handed to Config.OnDemote; freed by Demoted
+	stateRetired  // belongs to a released region, or an unused id
 )
 
-var stateNames = [...]string{"free", "writing", "ready", "leased", "releasing", "zeroing", "retired"}
+var stateNames = [...]string{"free", "writing", "ready", "leased", "releasing", "zeroing", "demoting", "retired"}
 
 func (s slotState) String() string { return stateNames[s] }
 
@@ -190,6 +211,7 @@ type slotRec struct {
 	state      slotState
 	storing    bool // the D2H of this occupancy has not completed (every head-range write's, for a partial block)
 	chain      bool // part of the chain BeginStore is making room for
+	demote     bool // evicted, accepted by Config.Demote: demoting once released (releasing or demoting)
 	// part is the head-range state of a block stored by head ranges, while
 	// it is incomplete (see partial); nil otherwise.
 	part *partial
@@ -217,6 +239,8 @@ type Cache struct {
 	threshold int
 	onFree    func(Slot)
 	onIndex   func(IndexEvent)
+	demote    func(Slot, Key, bool) bool
+	onDemote  func(Slot, Key)
 	closed    bool
 
 	// Head-range stores: the model's KV heads, the partial timeout and
@@ -236,6 +260,10 @@ type Cache struct {
 	zeroDone sync.Cond
 	// zeroingLocked is set while zeroHere runs OnFree under the lock.
 	zeroingLocked bool
+	// toDemote holds the slots the current critical section put into
+	// demoting; unlock hands them to onDemote. Empty outside a critical
+	// section.
+	toDemote []demotion
 
 	slots   []slotRec
 	regions []*regionRec
@@ -302,6 +330,9 @@ func New(cfg Config) (*Cache, error) {
 		dupKeys: map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{}, dupStore: map[storeHandle]struct{}{},
 	}
 	c.zeroDone.L = &c.mu
+	if cfg.OnDemote != nil {
+		c.demote, c.onDemote = cfg.Demote, cfg.OnDemote
+	}
 	if c.partialTimeout == 0 {
 		c.partialTimeout = DefaultPartialTimeout
 	}
@@ -330,8 +361,9 @@ func (c *Cache) Layout() *Layout { return c.layout }
 
 // Close closes the policy (stopping its goroutines) and waits for the
 // Config.OnFree calls in progress. Later calls fail with ErrClosed (lookups
-// report no hits). Close does not wait for transfers: the caller stops its
-// transfers first.
+// report no hits), except Demoted, so that an owner may finish its
+// demotions after Close. Close does not wait for transfers nor for
+// demoting slots: the caller stops its transfers first.
 func (c *Cache) Close() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -345,17 +377,24 @@ func (c *Cache) Close() {
 }
 
 // unlock ends a critical section: it drops the lock, hands the slots the
-// section released to Config.OnFree, then re-takes the lock briefly to put
-// them on the free list (or retire them, if their region started draining
-// meanwhile). Every method that may release a slot unlocks with it.
+// section put into demoting to Config.OnDemote and those it released to
+// Config.OnFree, then re-takes the lock briefly to put the latter on the
+// free list (or retire them, if their region started draining meanwhile).
+// Every method that may release a slot unlocks with it.
 func (c *Cache) unlock() {
-	if len(c.toZero) == 0 {
+	if len(c.toZero) == 0 && len(c.toDemote) == 0 {
 		c.mu.Unlock()
 		return
 	}
-	batch := c.toZero
-	c.toZero = nil
+	batch, demote := c.toZero, c.toDemote
+	c.toZero, c.toDemote = nil, nil
 	c.mu.Unlock()
+	for _, d := range demote {
+		c.onDemote(d.slot, d.key)
+	}
+	if len(batch) == 0 {
+		return
+	}
 	for _, h := range batch {
 		c.onFree(h)
 	}
@@ -603,7 +642,7 @@ func (c *Cache) alloc(k Key, ns Namespace) int32 {
 	s.gen++
 	s.key, s.ns = k, ns
 	c.setState(s, stateWriting)
-	s.pending, s.readers, s.storing = 1, 0, true
+	s.pending, s.readers, s.storing, s.demote = 1, 0, true, false
 	s.parent, s.children = -1, 0
 	c.setPart(s, nil)
 	c.regions[s.region].busy++
@@ -611,13 +650,20 @@ func (c *Cache) alloc(k Key, ns Namespace) int32 {
 }
 
 // release frees a releasing slot once no reader and no transfer is left:
-// at once, or, with Config.OnFree, through zeroing (see unlock).
+// at once, or, with Config.OnFree, through zeroing (see unlock); a slot
+// Config.Demote accepted goes into demoting instead (see Demoted).
 func (c *Cache) release(i int32) {
 	s := &c.slots[i]
 	if s.state != stateReleasing || s.readers > 0 || s.pending > 0 {
 		return
 	}
 	c.setPart(s, nil)
+	if s.demote {
+		c.setState(s, stateDemoting)
+		c.st.Demotions++
+		c.toDemote = append(c.toDemote, demotion{c.handle(i), s.key})
+		return
+	}
 	if c.onFree != nil && !c.regions[s.region].draining {
 		c.setState(s, stateZeroing)
 		c.toZero = append(c.toZero, c.handle(i))

@@ -34,6 +34,7 @@
 //	ready/leased/writing ─evict, Delete, Clear, RemoveRegion→ releasing
 //	releasing → free once it has no reader and no outstanding transfer
 //	releasing → zeroing → free, instead, with Config.OnFree
+//	releasing → demoting ─Demoted→ (zeroing →) free, a policy eviction Config.Demote accepted
 //	free ─BeginStore(heads)→ writing, partial ─CompleteStore of the last heads→ ready
 //	writing, partial ─PartialTimeout, evict, Delete, Clear, RemoveRegion→ releasing
 //
@@ -43,6 +44,23 @@
 // load's H2D) is reported done. Transfers report completions: the cache never
 // assumes a copy finished. Verify checks all this; the kvoinvariants build tag
 // runs it after every call.
+//
+// # Demotion (a lower tier written from the slot)
+//
+// With Config.Demote and Config.OnDemote, a block the policy evicts may be
+// written to a lower tier straight from its slot, with no copy: Demote,
+// asked under the lock, accepts it; the block leaves the index at once (a
+// lookup misses it from then on, as for any eviction, until the owner's
+// tier has it); once its last reader and transfer end, the slot is
+// "demoting": its bytes intact, readable by the owner, never handed to a
+// store, its region not releasable. OnDemote gets it outside the lock; the
+// owner writes it and calls Demoted, which sends it through zeroing (with
+// OnFree) to the free list. Demoting slots count towards the low-watermark
+// but a store never takes one: when a store needs slots and none is free,
+// the victims it evicts for itself are freed at once (Demote is told so),
+// and a store is refused as pool full, as before, only when no block may
+// be evicted. The owner bounds how many slots it accepts (the cache does
+// not): demoting slots are out of the pool until Demoted.
 //
 // # Tensor-parallel sharing
 //

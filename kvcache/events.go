@@ -9,9 +9,10 @@ package kvcache
 //
 // Evicted marks a removal that is the policy's own eviction, making room
 // (not a delete, clear, trim, nor TinyLFU's after-the-fact rejection): the
-// block was wanted and is a candidate for a lower tier. Its slot's bytes stay
-// intact until Config.OnFree is called with the same Slot (ID and Gen), which
-// is where an owner with OnFree set can copy them out.
+// block was wanted and is a candidate for a lower tier (Config.Demote is
+// asked about it first). Its slot's bytes stay intact until Config.OnFree is
+// called with the same Slot (ID and Gen), or, demoted, until the owner calls
+// Demoted with it.
 type IndexEvent struct {
 	Ready     bool
 	Evicted   bool

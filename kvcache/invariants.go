@@ -17,7 +17,10 @@ import (
 // transfer, leased ones at least one reader, writing ones exactly their
 // store's transfer; releasing slots wait for a reader or a transfer;
 // zeroing slots (Config.OnFree) have neither, and the ones this call released
-// are queued once each for OnFree; no count is negative; draining regions have no free-list slot; per-region
+// are queued once each for OnFree; demoting slots (Config.OnDemote) have
+// neither, only releasing and demoting slots are marked for demotion, every
+// demoting one is, and the ones this call put there are queued once each
+// for OnDemote; no count is negative; draining regions have no free-list slot; per-region
 // busy counts and per-state gauges match; child counts match the parent
 // links; the outcome counters add up. Blocks stored by head ranges: only
 // writing or releasing slots hold a partial record; its committed heads are
@@ -134,6 +137,10 @@ func (c *Cache) verify() error {
 			if s.readers != 0 || s.pending != 0 || s.storing {
 				bad("zeroing slot %d: readers %d, pending %d, storing %v", i, s.readers, s.pending, s.storing)
 			}
+		case stateDemoting:
+			if s.readers != 0 || s.pending != 0 || s.storing || !s.demote || s.part != nil {
+				bad("demoting slot %d: readers %d, pending %d, storing %v, marked %v, partial %v", i, s.readers, s.pending, s.storing, s.demote, s.part != nil)
+			}
 		case stateReleasing:
 			if s.readers == 0 && s.pending == 0 {
 				bad("releasing slot %d has no reader and no transfer left", i)
@@ -141,6 +148,9 @@ func (c *Cache) verify() error {
 			if s.pending-s.storeWrites() > s.readers {
 				bad("releasing slot %d: %d loads pending, %d readers", i, s.pending-s.storeWrites(), s.readers)
 			}
+		}
+		if s.demote && s.state != stateReleasing && s.state != stateDemoting {
+			bad("%v slot %d is marked for demotion", s.state, i)
 		}
 		if s.part != nil && s.state != stateWriting && s.state != stateReleasing {
 			bad("%v slot %d holds a partial record", s.state, i)
@@ -177,6 +187,15 @@ func (c *Cache) verify() error {
 			break
 		}
 		queued[h.ID] = true
+	}
+	demoting := make(map[SlotID]bool, len(c.toDemote))
+	for _, d := range c.toDemote {
+		h := d.slot
+		if demoting[h.ID] || int(h.ID) >= len(c.slots) || c.slots[h.ID].state != stateDemoting || c.slots[h.ID].gen != h.Gen || c.slots[h.ID].key != d.key {
+			bad("slot %d gen %d queued for demotion twice, not demoting, or with another key", h.ID, h.Gen)
+			break
+		}
+		demoting[h.ID] = true
 	}
 	if partials != c.nPartial {
 		bad("%d slots hold a partial record, gauge %d", partials, c.nPartial)

@@ -326,7 +326,7 @@ func (c *Cache) lookupHandle(h Slot) (*slotRec, error) {
 		return nil, fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
 	}
 	s := &c.slots[h.ID]
-	if s.gen != h.Gen || s.state == stateFree || s.state == stateZeroing || s.state == stateRetired {
+	if s.gen != h.Gen || s.state == stateFree || s.state == stateZeroing || s.state == stateDemoting || s.state == stateRetired {
 		return nil, fmt.Errorf("%w: slot %d gen %d (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
 	}
 	return s, nil
@@ -613,6 +613,27 @@ func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 	c.release(i)
 }
 
+// evictVictim evicts the policy's victim i (counted Evicted, or Rejected
+// for TinyLFU's after-the-fact admission) for maintain(want): an eviction
+// is offered to Config.Demote, which may send the slot into demoting
+// unless the store evicting needs it at once (fewer slots free or zeroing
+// than want).
+func (c *Cache) evictVictim(i int32, rejected bool, want int) {
+	if rejected {
+		c.st.WastedD2HBytes += c.slotSize
+		c.evict(i, &c.st.Rejected, false)
+		return
+	}
+	if c.demote != nil {
+		s := &c.slots[i]
+		needed := c.nFree+c.counts[stateZeroing] < want
+		if c.demote(c.handle(i), s.key, needed) && !needed {
+			s.demote = true
+		}
+	}
+	c.evict(i, &c.st.Evicted, false)
+}
+
 // rank implements Rank for the policy.
 func (c *Cache) rank(id SlotID) int {
 	s := &c.slots[id]
@@ -652,9 +673,7 @@ func (c *Cache) setChain(parent int32, on bool) {
 // policy's tracking, so the work is bounded by the blocks it tracks.
 func (c *Cache) maintain(want int) {
 	for {
-		// Zeroing slots are coming free: counting them keeps a release
-		// with Config.OnFree from evicting more blocks in their place.
-		need := max(want+c.watermark-c.nFree-c.counts[stateZeroing], 0)
+		need := c.shortOf(want)
 		c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
 		if len(c.victims) == 0 {
 			return
@@ -668,17 +687,23 @@ func (c *Cache) maintain(want int) {
 			if s.gen != v.Gen || !s.visible() || s.key != v.Key {
 				continue // advice about an earlier occupant, or already gone
 			}
-			counter := &c.st.Evicted
-			if v.Rejected {
-				counter = &c.st.Rejected
-				c.st.WastedD2HBytes += c.slotSize
-			}
-			c.evict(i, counter, false)
+			c.evictVictim(i, v.Rejected, want)
 		}
-		if need == 0 || c.nFree+c.counts[stateZeroing] >= want+c.watermark {
+		if need == 0 || c.shortOf(want) == 0 {
 			return
 		}
 	}
+}
+
+// shortOf returns how many slots maintain(want) still lacks: want slots
+// free, and the low-watermark on top of them. Zeroing slots are coming
+// free: counting them keeps a release with Config.OnFree from evicting
+// more blocks in their place. Demoting slots count towards the watermark
+// (they come free once their write completes) but not towards want: a
+// store cannot take a slot whose write may last milliseconds.
+func (c *Cache) shortOf(want int) int {
+	avail := c.nFree + c.counts[stateZeroing]
+	return max(want-avail, want+c.watermark-avail-c.counts[stateDemoting], 0)
 }
 
 // ---- store threshold sketch ----------------------------------------------------

@@ -29,6 +29,60 @@ type propModel struct {
 	clk       *fakeClock
 	committed map[[2]uint32]*[propHeads]bool
 	started   map[[2]uint32]time.Time
+	// With Config.Demote: the evictions accepted and not yet handed to
+	// OnDemote (by occupancy, with their key), and the slots OnDemote was
+	// given and Demoted not yet called for.
+	accepted map[[2]uint32]Key
+	demoting []demotion
+}
+
+// propDemoteMax bounds the slots the property test's Demote accepts at
+// once (an owner's cap).
+const propDemoteMax = 2
+
+// demote is the property test's Config.Demote: called with the lock held
+// about a visible block the policy evicts; it accepts some, up to
+// propDemoteMax at once.
+func (m *propModel) demote(t *rapid.T, s Slot, k Key, needed bool) bool {
+	require.False(t, m.c.mu.TryLock(), "Demote called without the cache's lock")
+	rec := &m.c.slots[s.ID]
+	require.True(t, rec.visible() && rec.gen == s.Gen && rec.key == k, "Demote asked about slot %d gen %d (%v), not a visible block of that key", s.ID, s.Gen, rec.state)
+	if needed || (k[0]+byte(s.Gen))%3 == 0 || len(m.accepted)+len(m.demoting) >= propDemoteMax {
+		return needed // a needed slot is freed whatever the answer
+	}
+	m.accepted[occ(s)] = k
+	return true
+}
+
+// onDemote is the property test's Config.OnDemote: a demoting slot Demote
+// accepted, with its key, outside the lock, that no caller holds.
+func (m *propModel) onDemote(t *rapid.T, s Slot, k Key) {
+	require.True(t, m.c.mu.TryLock(), "OnDemote called with the cache's lock held")
+	st, gen := m.c.slots[s.ID].state, m.c.slots[s.ID].gen
+	m.c.mu.Unlock()
+	require.Equal(t, stateDemoting, st, "slot %d given to OnDemote", s.ID)
+	require.Equal(t, s.Gen, gen, "slot %d given to OnDemote", s.ID)
+	want, ok := m.accepted[occ(s)]
+	require.True(t, ok, "slot %d gen %d demoting without Demote accepting it", s.ID, s.Gen)
+	require.Equal(t, want, k, "slot %d demoting with another key", s.ID)
+	delete(m.accepted, occ(s))
+	for _, l := range [][]Slot{m.writing, m.loads, m.leases} {
+		for _, h := range l {
+			require.False(t, h.ID == s.ID && h.Gen == s.Gen, "slot %d demoting while a caller holds it", s.ID)
+		}
+	}
+	m.demoting = append(m.demoting, demotion{s, k})
+}
+
+// isDemoting reports whether slot id was handed to OnDemote and not
+// given back with Demoted.
+func (m *propModel) isDemoting(id SlotID) bool {
+	for _, d := range m.demoting {
+		if d.slot.ID == id {
+			return true
+		}
+	}
+	return false
 }
 
 // propHeads is the KV heads of propGeo; propTimeout the partial timeout.
@@ -92,6 +146,7 @@ func (m *propModel) onFree(t *rapid.T, s Slot) {
 		m.c.mu.Unlock()
 	}
 	require.Equal(t, stateZeroing, st, "slot %d given to OnFree", s.ID)
+	require.False(t, m.isDemoting(s.ID), "slot %d zeroed while demoting", s.ID)
 	require.Equal(t, s.Gen, gen, "slot %d given to OnFree", s.ID)
 	for _, l := range [][]Slot{m.writing, m.loads, m.leases} {
 		for _, h := range l {
@@ -183,7 +238,8 @@ func TestPropertyStateMachine(t *testing.T) {
 			p = tl
 		}
 		m := &propModel{regions: map[RegionID]bool{}, nextRgn: 1, base: 1 << 20, dirty: map[[2]uint64]bool{},
-			clk: &fakeClock{t: time.Unix(1000, 0)}, committed: map[[2]uint32]*[propHeads]bool{}, started: map[[2]uint32]time.Time{}}
+			clk: &fakeClock{t: time.Unix(1000, 0)}, committed: map[[2]uint32]*[propHeads]bool{}, started: map[[2]uint32]time.Time{},
+			accepted: map[[2]uint32]Key{}}
 		cfg := Config{
 			Layout: layout, SlotAlign: 256, Policy: p, PartialTimeout: propTimeout, Clock: m.clk.now,
 			LowWatermark:   rapid.IntRange(0, 2).Draw(t, "watermark"),
@@ -191,6 +247,10 @@ func TestPropertyStateMachine(t *testing.T) {
 		}
 		if m.zeroing = rapid.Bool().Draw(t, "onFree"); m.zeroing {
 			cfg.OnFree = func(s Slot) { m.onFree(t, s) }
+		}
+		if rapid.Bool().Draw(t, "demote") {
+			cfg.Demote = func(s Slot, k Key, needed bool) bool { return m.demote(t, s, k, needed) }
+			cfg.OnDemote = func(s Slot, k Key) { m.onDemote(t, s, k) }
 		}
 		c, err := New(cfg)
 		require.NoError(t, err)
@@ -238,6 +298,7 @@ func TestPropertyStateMachine(t *testing.T) {
 							continue // a range joining a partial block
 						}
 						require.False(t, m.outstanding(r.Slot.ID), "slot %d reused while a transfer is outstanding", r.Slot.ID)
+						require.False(t, m.isDemoting(r.Slot.ID), "demoting slot %d handed to a store", r.Slot.ID)
 						require.True(t, m.regions[r.Slot.Region], "slot in region %d that is not in the pool", r.Slot.Region)
 						at := [2]uint64{uint64(r.Slot.Region), r.Slot.Off}
 						require.False(t, m.dirty[at], "slot %d handed out again before OnFree zeroed it", r.Slot.ID)
@@ -300,8 +361,32 @@ func TestPropertyStateMachine(t *testing.T) {
 			"evict": func(t *rapid.T) {
 				n := rapid.IntRange(1, 4).Draw(t, "evict")
 				c.mu.Lock()
-				c.maintain(n + c.nFree)
+				if rapid.Bool().Draw(t, "ahead") {
+					// Ahead of demand, as the low-watermark does.
+					c.watermark += n
+					c.maintain(0)
+					c.watermark -= n
+				} else {
+					c.maintain(n + c.nFree)
+				}
 				c.unlock()
+			},
+			"demoted": func(t *rapid.T) {
+				if len(m.demoting) == 0 {
+					return
+				}
+				i := rapid.IntRange(0, len(m.demoting)-1).Draw(t, "d")
+				d := m.demoting[i]
+				if rapid.IntRange(0, 4).Draw(t, "stale") == 0 {
+					before := c.Stats()
+					require.ErrorIs(t, c.Demoted([]Slot{{ID: d.slot.ID, Gen: d.slot.Gen + 1}}), ErrStaleSlot)
+					require.ErrorIs(t, c.Demoted([]Slot{d.slot, d.slot}), ErrDuplicate)
+					require.Equal(t, before, c.Stats())
+					return
+				}
+				m.demoting = append(m.demoting[:i], m.demoting[i+1:]...)
+				require.NoError(t, c.Demoted([]Slot{d.slot}))
+				require.ErrorIs(t, c.Demoted([]Slot{d.slot}), ErrStaleSlot)
 			},
 			"delete": func(t *rapid.T) {
 				ks, _ := m.keyChain(t)
@@ -352,6 +437,9 @@ func TestPropertyStateMachine(t *testing.T) {
 							require.NotEqual(t, id, s.Region, "region %d released with a handle outstanding", id)
 						}
 					}
+					for _, d := range m.demoting {
+						require.NotEqual(t, id, d.slot.Region, "region %d released with slot %d demoting", id, d.slot.ID)
+					}
 					delete(m.regions, id)
 				}
 			},
@@ -362,7 +450,54 @@ func TestPropertyStateMachine(t *testing.T) {
 				require.LessOrEqual(t, st.Writing+st.Ready+st.Leased, st.Slots+st.Releasing)
 				require.GreaterOrEqual(t, st.Free, 0)
 				require.Zero(t, st.Zeroing, "a slot left zeroing after its call returned")
+				require.Equal(t, len(m.demoting), st.Demoting, "demoting slots the owner was not given")
+				m.requireAcceptedPending(t)
 			},
 		})
+		m.drain(t)
 	})
+}
+
+// requireAcceptedPending checks that every demotion accepted but not yet
+// handed to OnDemote waits for a reader or a transfer (releasing, marked):
+// none is lost between the eviction and OnDemote.
+func (m *propModel) requireAcceptedPending(t *rapid.T) {
+	m.c.mu.Lock()
+	defer m.c.mu.Unlock()
+	for o := range m.accepted {
+		s := &m.c.slots[o[0]]
+		require.True(t, s.gen == o[1] && s.state == stateReleasing && s.demote, "accepted demotion of slot %d gen %d lost (%v)", o[0], o[1], s.state)
+	}
+}
+
+// drain ends a property run: it completes every write, ends every load
+// and lease and calls Demoted for every demoting slot (new ones included,
+// as ending a load may evict) until none is left, then checks that no
+// slot is lost: none releasing, zeroing or demoting, every draining region
+// released, and every slot free or holding a block.
+func (m *propModel) drain(t *rapid.T) {
+	c := m.c
+	for len(m.writing)+len(m.loads)+len(m.leases)+len(m.demoting) > 0 {
+		w, l, u, d := m.writing, m.loads, m.leases, m.demoting
+		m.writing, m.loads, m.leases, m.demoting = nil, nil, nil, nil
+		for _, s := range w {
+			require.NoError(t, c.CompleteStore([]Slot{s}, nil))
+		}
+		require.NoError(t, c.EndLoad(l))
+		require.NoError(t, c.Unlease(u))
+		for _, x := range d {
+			require.NoError(t, c.Demoted([]Slot{x.slot}))
+		}
+	}
+	require.Empty(t, m.accepted)
+	c.TakeReleasable(nil)
+	require.NoError(t, c.Verify())
+	st := c.Stats()
+	require.Zero(t, st.Releasing+st.Zeroing+st.Demoting+st.Leased)
+	require.Equal(t, st.Slots, st.Free+st.Ready+st.Writing, "slots lost: %+v", st)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, rr := range c.regions {
+		require.False(t, rr.draining, "region %d still draining with every slot free", rr.r.ID)
+	}
 }

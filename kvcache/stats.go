@@ -17,6 +17,7 @@ type Stats struct {
 	Leased         int // indexed, readers > 0
 	Releasing      int // removed from the index, waiting for readers or transfers
 	Zeroing        int // released, being zeroed by Config.OnFree (neither free nor readable)
+	Demoting       int // evicted and released, handed to Config.OnDemote, until Demoted (readable, not reusable)
 	StoresInFlight int // store writes not yet completed (writing, or releasing while writing; one per head-range write)
 	// Partial: blocks stored by head ranges that still miss heads (never
 	// visible), releasing ones with copies in flight included.
@@ -51,6 +52,8 @@ type Stats struct {
 	// lock held: a store that found no free slot zeroing the slots it had
 	// just evicted (every other release zeroes outside the lock).
 	ZeroedUnderLock uint64
+	// Demotions counts slots handed to Config.OnDemote (demoting).
+	Demotions uint64
 	// WastedD2HBytes: bytes copied to the host for blocks the policy then
 	// rejected (Rejected × slot size).
 	WastedD2HBytes uint64
@@ -69,6 +72,7 @@ func (c *Cache) Stats() Stats {
 	st.Leased = c.counts[stateLeased]
 	st.Releasing = c.counts[stateReleasing]
 	st.Zeroing = c.counts[stateZeroing]
+	st.Demoting = c.counts[stateDemoting]
 	st.Partial = c.nPartial
 	st.StoresInFlight = int(st.StoreAllocated - st.Stored - st.StoreFailed)
 	return st

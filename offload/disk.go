@@ -31,10 +31,12 @@ type DiskConfig struct {
 	// Direct is DiskDirectAuto (default: O_DIRECT where the file system
 	// takes it), DiskDirectRequire or DiskDirectOff.
 	Direct DiskDirect `json:"direct,omitempty"`
-	// WriteBackBytes bounds the bytes of evicted blocks copied out of the
-	// pool and waiting for their disk write (the bounce buffers, allocated
-	// as first needed). When they are all in use an eviction is not written
-	// back (Stats.DiskDropped). Default DefaultWriteBackBytes; at least one
+	// WriteBackBytes bounds the bytes of evicted blocks waiting for their
+	// disk write: pool slots held "demoting" while they are written from
+	// (the pool holds that many blocks fewer meanwhile), and copies of
+	// slots a store needed at once (allocated as first needed). When the
+	// bound is reached an eviction is not written back
+	// (Stats.DiskDropped). Default DefaultWriteBackBytes; at least one
 	// block.
 	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
 	// AdmitAll writes back every evicted block. By default only blocks
@@ -67,10 +69,6 @@ const diskWriters = 2
 
 // diskReaders bounds the disk reads one Load runs at once.
 const diskReaders = 8
-
-// diskPendingMax bounds the evicted blocks remembered between their
-// eviction (OnIndex) and their slot's release (OnFree).
-const diskPendingMax = 1 << 16
 
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
 // caller's DiskConfig is not changed).
@@ -133,58 +131,71 @@ func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
 }
 
 // diskTier is the engine's disk tier: the store, the admission sketch, the
-// evictions waiting for their slot's release, and the bounded write-back
-// queue.
+// write-backs accepted and not yet written, and the writers.
 //
-// Write-back: OnIndex (under the cache's lock) remembers an admitted
-// evicted block's key by its slot handle; OnFree (the slot's bytes intact,
-// the slot not reusable until it returns) copies the bytes into a free
-// bounce buffer and queues it, or drops the demotion when none is free; a
-// writer goroutine Puts it and gives the buffer back.
+// Write-back (demotion): the cache asks demote, under its lock, about each
+// block its policy evicts; an admitted block not on disk yet, within
+// maxBusy write-backs at once, is accepted. Evicted ahead of demand, its
+// slot goes into the cache's "demoting" state and comes to onDemote: a
+// writer Puts it straight from the slot's pinned memory and gives the slot
+// back (Cache.Demoted). Evicted by a store that needs the slot at once,
+// the slot is freed at once: demote copies its bytes into a buffer first,
+// which a writer Puts. Either way the evicting call never waits for the
+// disk.
 type diskTier struct {
 	store    *disk.Store
 	slot     int64
 	admitAll bool
+	maxBusy  int // write-backs at once (WriteBackBytes / slot)
 
 	seenMu   sync.Mutex
 	seen     []uint8 // saturating use counts by key hash, halved every len(seen) additions
 	seenAdds int
 
-	pendMu sync.Mutex
-	pend   map[slotGen]Key // evicted, admitted, waiting for OnFree
-
-	bufs  chan []byte // free bounce buffers (nil: not allocated yet)
+	bufs  chan []byte // copy buffers, maxBusy of them (nil: not allocated yet)
 	queue chan demotion
+
+	// The engine's: a slot's pinned bytes (nil when its region is gone),
+	// holding a slot against Trim while it is written, and giving a
+	// written slot back (Cache.Demoted, then unhold).
+	slotBytes func(kvcache.Slot) []byte
+	hold      func(kvcache.Slot)
+	demoted   func(kvcache.Slot)
 
 	mu     sync.RWMutex // closed; held (read) while queueing
 	closed bool
 	wg     sync.WaitGroup
 
 	busyMu sync.Mutex
-	busy   int           // demotions queued or being written
-	idle   chan struct{} // closed when busy drops to 0
+	busy   int                // write-backs accepted and not finished (≤ maxBusy)
+	accept map[slotGen]uint64 // accepted to go demoting: the clear generation, until OnDemote
+	idle   chan struct{}      // closed when busy drops to 0
 	tomb   map[Key]struct{}
 	// clearGen counts Clears: a demotion queued before one is deleted
 	// once written.
 	clearGen atomic.Uint64
 
-	beforePut func()    // test hook, run by the writer before each Put
+	beforePut func(Key) // test hook, run by the writer before each Put
 	beforeGet func(Key) // test hook, run before each promotion read
 	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
 
-	hits, misses, writes, writeErrors, dropped, notAdmitted atomic.Int64
+	hits, misses, writes, writeErrors, dropped, notAdmitted, copies atomic.Int64
 }
 
+// demotion is a write-back for a writer: from slot (demoting) when
+// fromSlot, else from buf (a copy).
 type demotion struct {
-	key Key
-	buf []byte
-	gen uint64
+	key      Key
+	slot     kvcache.Slot
+	fromSlot bool
+	buf      []byte
+	gen      uint64
 }
 
 // openDisk opens the disk tier of cfg (New): the record payload is the
 // slot, the fingerprint covers the namespace and the layout's geometry
 // (recordFingerprint); the store's changes go to hub as MediumDisk events.
-func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, error) {
+func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (*diskTier, error) {
 	dc := cfg.Disk
 	fsync, direct, err := diskModes(*dc)
 	if err != nil {
@@ -203,8 +214,14 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks) (*diskTier, 
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
 	n := int(dc.WriteBackBytes / slot)
-	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, seen: make([]uint8, 1<<16),
-		pend: map[slotGen]Key{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, maxBusy: n, seen: make([]uint8, 1<<16),
+		accept: map[slotGen]uint64{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
+		demoted: func(s kvcache.Slot) {
+			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
+			e.unhold([]kvcache.Slot{s})
+			e.kickReaper()
+		},
 		tomb: map[Key]struct{}{}, beforePut: h.beforeDiskPut, beforeGet: h.beforeDiskGet, readers: diskReaders}
 	for range n {
 		d.bufs <- nil
@@ -248,8 +265,9 @@ func recordFingerprint(cfg Config) (uint64, error) {
 	}), nil
 }
 
-// close writes back what is queued, then closes the store. The cache is
-// closed first (no OnFree runs any more).
+// close writes back what is queued (giving the demoting slots back), then
+// closes the store. The engine's calls have ended and the cache is closed
+// (no eviction any more); the pool is unmapped after.
 func (d *diskTier) close() error {
 	d.mu.Lock()
 	if d.closed {
@@ -293,91 +311,129 @@ func (d *diskTier) admitted(k Key) bool {
 	return d.seen[binary.LittleEndian.Uint64(k[:8])%uint64(len(d.seen))] >= 2
 }
 
-// onIndex is called for each index event, under the cache's lock: an
-// admitted eviction is remembered until its slot's OnFree.
-func (d *diskTier) onIndex(ev kvcache.IndexEvent) {
-	if !ev.Evicted {
-		return
-	}
-	if !d.admitted(ev.Key) {
+// demote is the cache's Config.Demote, under its lock: it accepts an
+// evicted block for a write-back if the key is admitted, not on disk
+// already (a promoted block evicted again) and fewer than maxBusy
+// write-backs are accepted and unfinished; otherwise the demotion is not
+// admitted or dropped, counted. An accepted block evicted ahead of demand
+// (not needed) is written from its slot (true: the slot goes demoting, to
+// onDemote). One the evicting store needs at once (its slot is reused as
+// soon as the call's critical section ends) is copied now, its bytes
+// intact (a ready block: no copy in flight), into a buffer a writer Puts:
+// a memcpy of one block under the cache's lock, where the slot would be
+// zeroed with ZeroOnRelease anyway. It never waits: a buffer is free for
+// every accepted write-back, and the queue has room for each.
+func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
+	if !d.admitted(k) {
 		d.notAdmitted.Add(1)
-		return
+		return false
 	}
-	d.pendMu.Lock()
-	if len(d.pend) < diskPendingMax {
-		d.pend[slotGen{ev.Slot.ID, ev.Slot.Gen}] = ev.Key
-	} else {
-		d.dropped.Add(1)
-	}
-	d.pendMu.Unlock()
-}
-
-// demote is OnFree's disk part: if s held an admitted evicted block, its
-// bytes (mem, intact until OnFree returns) are copied into a bounce buffer
-// and queued for the writer; with no buffer free the demotion is dropped.
-// A block whose key is on disk already is not written again. It never
-// waits.
-func (d *diskTier) demote(s kvcache.Slot, mem []byte) {
-	d.pendMu.Lock()
-	key, ok := d.pend[slotGen{s.ID, s.Gen}]
-	if ok {
-		delete(d.pend, slotGen{s.ID, s.Gen})
-	}
-	d.pendMu.Unlock()
-	if !ok || d.store.Contains(key) {
-		return // not admitted, or on disk already (a promoted block evicted again)
+	if d.store.Contains(k) {
+		return false
 	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
-	if d.closed || mem == nil {
-		d.dropped.Add(1)
-		return
+	var mem []byte
+	if needed {
+		if mem = d.slotBytes(s); mem == nil {
+			d.dropped.Add(1)
+			return false
+		}
 	}
-	var buf []byte
-	select {
-	case buf = <-d.bufs:
-	default:
-		d.dropped.Add(1)
-		return
-	}
-	if buf == nil {
-		buf = alignedBytes(int(d.slot))
-	}
-	copy(buf, mem)
 	d.busyMu.Lock()
+	if d.closed || d.busy >= d.maxBusy {
+		d.busyMu.Unlock()
+		d.dropped.Add(1)
+		return false
+	}
 	if d.busy == 0 {
 		d.idle = make(chan struct{})
 	}
 	d.busy++
+	gen := d.clearGen.Load()
+	if !needed {
+		d.accept[slotGen{s.ID, s.Gen}] = gen
+		d.busyMu.Unlock()
+		return true
+	}
 	d.busyMu.Unlock()
-	d.queue <- demotion{key: key, buf: buf, gen: d.clearGen.Load()} // never blocks: one place per buffer
+	buf := <-d.bufs
+	if buf == nil {
+		buf = alignedBytes(int(d.slot))
+	}
+	copy(buf, mem)
+	d.copies.Add(1)
+	d.queue <- demotion{key: k, buf: buf, gen: gen}
+	return false
+}
+
+// onDemote is the cache's Config.OnDemote: slot s, demoting, is queued
+// for a writer, which Puts it straight from the slot's memory and gives
+// it back. The slot is held against Trim meanwhile. Never blocks (the
+// queue has room for every accepted write-back).
+func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
+	d.busyMu.Lock()
+	gen := d.accept[slotGen{s.ID, s.Gen}]
+	delete(d.accept, slotGen{s.ID, s.Gen})
+	d.busyMu.Unlock()
+	d.hold(s)
+	job := demotion{key: k, slot: s, fromSlot: true, gen: gen}
+	d.mu.RLock()
+	if !d.closed {
+		d.queue <- job
+		d.mu.RUnlock()
+		return
+	}
+	d.mu.RUnlock()
+	// Not under mu: finish takes the cache's lock, under which demote
+	// takes mu.
+	d.dropped.Add(1)
+	d.finish(job, false)
 }
 
 func (d *diskTier) writer() {
 	defer d.wg.Done()
 	for job := range d.queue {
 		if d.beforePut != nil {
-			d.beforePut()
+			d.beforePut(job.key)
 		}
-		if err := d.store.Put(job.key, job.buf); err != nil {
+		payload := job.buf
+		if payload == nil {
+			payload = d.slotBytes(job.slot) // the pool's, held: never nil
+		}
+		written := false
+		if err := d.store.Put(job.key, payload); err != nil {
 			d.writeErrors.Add(1)
 		} else {
 			d.writes.Add(1)
+			written = true
 		}
-		d.bufs <- job.buf
-		d.busyMu.Lock()
-		_, deleted := d.tomb[job.key]
-		d.busyMu.Unlock()
-		if deleted || d.clearGen.Load() != job.gen {
-			d.store.Delete(job.key)
-		}
-		d.busyMu.Lock()
-		if d.busy--; d.busy == 0 {
-			clear(d.tomb)
-			close(d.idle)
-		}
-		d.busyMu.Unlock()
+		d.finish(job, written)
 	}
+}
+
+// finish ends a write-back: a record written for a key deleted or
+// cleared meanwhile is deleted; the buffer or the demoting slot is given
+// back.
+func (d *diskTier) finish(job demotion, written bool) {
+	d.busyMu.Lock()
+	_, deleted := d.tomb[job.key]
+	d.busyMu.Unlock()
+	if written && (deleted || d.clearGen.Load() != job.gen) {
+		d.store.Delete(job.key)
+	}
+	switch {
+	case job.buf != nil:
+		d.bufs <- job.buf
+	case job.fromSlot:
+		d.demoted(job.slot)
+	}
+	d.busyMu.Lock()
+	if d.busy--; d.busy == 0 {
+		clear(d.tomb)
+		close(d.idle)
+	}
+	d.busyMu.Unlock()
 }
 
 // delete removes keys from disk, and from the demotions in flight.
@@ -460,17 +516,6 @@ func (e *Engine) slotBytes(s kvcache.Slot) []byte {
 		return nil
 	}
 	return mem.([]byte)[s.Off : s.Off+uint64(e.slot)]
-}
-
-// onFree is the cache's Config.OnFree: the disk tier's write-back copy,
-// then ZeroOnRelease's zeroing.
-func (e *Engine) onFree(s kvcache.Slot) {
-	if e.disk != nil {
-		e.disk.demote(s, e.slotBytes(s))
-	}
-	if e.cfg.ZeroOnRelease {
-		e.zeroSlot(s)
-	}
 }
 
 // errDiskMiss fails the stores of promoted blocks whose disk read missed.

@@ -191,7 +191,7 @@ func TestDiskWriteBackDrops(t *testing.T) {
 	cfg.Disk.AdmitAll = true
 	cfg.Disk.WriteBackBytes = 8 << 10
 	entered, proceed := make(chan struct{}, 8), make(chan struct{})
-	e, err := newEngine(cfg, engineHooks{beforeDiskPut: func() {
+	e, err := newEngine(cfg, engineHooks{beforeDiskPut: func(Key) {
 		entered <- struct{}{}
 		<-proceed
 	}})

@@ -82,8 +82,9 @@ type engineHooks struct {
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
-	// beforeDiskPut runs on the disk tier's writer before each write.
-	beforeDiskPut func()
+	// beforeDiskPut runs on the disk tier's writer before each write, with
+	// its key.
+	beforeDiskPut func(Key)
 	// beforeDiskGet runs before each read of a promotion (Load, Prefetch).
 	beforeDiskGet func(Key)
 	// diskFaults is tier/disk's Config.Faults for the disk tier.
@@ -220,7 +221,8 @@ func (e *Engine) teardown() error {
 		e.kc.Close()
 	}
 	if e.disk != nil {
-		// After the cache: no OnFree queues a demotion any more.
+		// After the cache (no eviction any more), before the pool is
+		// unmapped: the writers give the demoting slots back.
 		errs = append(errs, e.disk.close())
 	}
 	errs = append(errs, e.closeCluster())
@@ -390,18 +392,15 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// BenchmarkAddRegionGrowth).
 	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve,
 		PartialTimeout: cfg.PartialTimeout}
-	if cfg.ZeroOnRelease || cfg.Disk != nil {
-		kcfg.OnFree = e.onFree
+	if cfg.ZeroOnRelease {
+		kcfg.OnFree = e.zeroSlot
 	}
 	kcfg.OnIndex = e.hub.onIndex
 	if cfg.Disk != nil {
-		if e.disk, err = openDisk(cfg, slot, &e.hub, h); err != nil {
+		if e.disk, err = openDisk(cfg, slot, &e.hub, h, e); err != nil {
 			return nil, err
 		}
-		kcfg.OnIndex = func(ev kvcache.IndexEvent) {
-			e.disk.onIndex(ev)
-			e.hub.onIndex(ev)
-		}
+		kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
 	}
 	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err

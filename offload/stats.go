@@ -102,7 +102,8 @@ type Stats struct {
 	DiskMisses      int64  `json:"disk_misses"`         // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
 	DiskWrites      int64  `json:"disk_writes"`         // evicted blocks written back to disk
 	DiskWriteErrors int64  `json:"disk_write_errors"`   // write-backs the store refused or failed (full, I/O error)
-	DiskDropped     int64  `json:"disk_dropped"`        // admitted evictions not written back: every write-back buffer was in use
+	DiskDropped     int64  `json:"disk_dropped"`        // admitted evictions not written back: DiskConfig.WriteBackBytes of write-backs were in flight
+	DiskCopies      int64  `json:"disk_copies"`         // write-backs copied out of the pool first (a store needed the slot at once); the others go to disk from the slot
 	DiskNotAdmitted int64  `json:"disk_not_admitted"`   // evictions the admission filter kept off disk (key seen once)
 	DiskCorrupt     int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
 	DiskRecords     int64  `json:"disk_records"`        // records on disk now
@@ -323,7 +324,7 @@ func (e *Engine) snapshot() Stats {
 		s.DiskLookupHits = c.diskLookupHits.Load()
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
-		s.DiskNotAdmitted, s.DiskCorrupt = d.notAdmitted.Load(), ds.Corrupt
+		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 	}
 	if cl := e.cluster; cl != nil {

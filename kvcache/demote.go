@@ -1,0 +1,44 @@
+package kvcache
+
+import "fmt"
+
+// demotion is a slot put into demoting, with its block's key, waiting in
+// Cache.toDemote for Config.OnDemote.
+type demotion struct {
+	slot Slot
+	key  Key
+}
+
+// Demoted reports that the owner is done with demoting slots (from
+// Config.OnDemote: their lower-tier writes completed or failed): each
+// goes through zeroing (Config.OnFree) or straight to the free list, or is
+// retired when its region is draining, which may make the region
+// releasable. It works after Close too. Errors (nothing changes):
+// ErrStaleSlot for a handle that is not a demoting slot of that
+// generation, ErrDuplicate for a handle given twice.
+func (c *Cache) Demoted(slots []Slot) error {
+	c.mu.Lock()
+	defer c.unlock()
+	clear(c.dupSlot)
+	for _, h := range slots {
+		if int(h.ID) >= len(c.slots) {
+			return fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
+		}
+		if s := &c.slots[h.ID]; s.gen != h.Gen || s.state != stateDemoting {
+			return fmt.Errorf("%w: slot %d gen %d is not demoting (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
+		}
+		if _, dup := c.dupSlot[h.ID]; dup {
+			return fmt.Errorf("%w: slot %d given twice to Demoted", ErrDuplicate, h.ID)
+		}
+		c.dupSlot[h.ID] = 1
+	}
+	for _, h := range slots {
+		i := int32(h.ID)
+		s := &c.slots[i]
+		s.demote = false
+		c.setState(s, stateReleasing)
+		c.release(i)
+	}
+	c.check()
+	return nil
+}
