@@ -582,3 +582,41 @@ func TestDiskFingerprint(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, res.DiskHits)
 }
+
+// TestDiskClearRace: blocks of the cleared namespace evicted to disk while
+// Clear runs (after the disk tier's first clear, before the cache's) leave
+// no record behind once Clear has returned.
+func TestDiskClearRace(t *testing.T) {
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	cfg.Backend, cfg.SkipMemoryCheck = BackendHost, true
+	var e *Engine
+	evicted := false
+	e, err := newEngine(cfg, engineHooks{afterDiskClear: func() {
+		if evicted {
+			return
+		}
+		evicted = true
+		// Another namespace's blocks take the whole pool: the cleared
+		// namespace's blocks go to disk now.
+		op, err := e.Store(context.Background(), seqKeys(100, 4), []int{4, 5, 6, 7}, StoreOptions{Namespace: "other"})
+		require.NoError(t, err)
+		require.NoError(t, op.Wait(context.Background()))
+		require.NoError(t, op.Release())
+		require.NoError(t, e.FlushDisk(context.Background()))
+	}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	for i := range 4 {
+		fillBlock(t, e, i, byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
+	}
+	_, err = e.Clear(e.Config().Namespace)
+	require.NoError(t, err)
+	require.True(t, evicted)
+	require.NoError(t, e.FlushDisk(context.Background()))
+	res, err := e.Lookup(seqKeys(0, 4), LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.Hits+res.DiskHits, "a block of the cleared namespace survived Clear")
+	require.Zero(t, e.Stats().DiskRecords)
+}

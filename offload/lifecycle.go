@@ -95,6 +95,9 @@ type engineHooks struct {
 	builders int
 	// partSegments replaces the constant of that name (0: keep it).
 	partSegments int
+	// afterDiskClear runs in Clear after the disk tier's first clear,
+	// before the cache's.
+	afterDiskClear func()
 }
 
 // BuildersEnv, when set, is how many goroutines build a copy's parts

@@ -760,6 +760,9 @@ func (e *Engine) clear(ns string) int {
 		// Records carry no namespace: the whole disk tier goes (also
 		// when this engine stored nothing in ns, as after a restart).
 		e.disk.clearAll()
+		if e.hooks.afterDiskClear != nil {
+			e.hooks.afterDiskClear()
+		}
 	}
 	e.clearCluster(ns)
 	e.names.mu.Lock()
@@ -769,6 +772,13 @@ func (e *Engine) clear(ns string) int {
 		return 0
 	}
 	n := e.cache.Clear(id)
+	if e.disk != nil {
+		// Again: a block of ns evicted between the first clearAll and the
+		// cache's Clear was handed to the disk after it (its write then
+		// outlives the first clear); this one deletes it, written or
+		// in flight.
+		e.disk.clearAll()
+	}
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()
 	return n
