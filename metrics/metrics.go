@@ -51,16 +51,16 @@ type Collector struct {
 }
 
 type descs struct {
-	lookups, blockLookups, hits, misses                 *prometheus.Desc
-	outcomes, skipped, evictions, deletes, admission    *prometheus.Desc
-	blocks, bytes, ops, latency                         *prometheus.Desc
-	usage, poolBytes, ownedBytes, inUse, inFlight       *prometheus.Desc
-	stagingBytes, slots, ready, leased, blockBytes      *prometheus.Desc
-	growthTarget, growthPaused, growthDone, growthError *prometheus.Desc
-	regions, trims, trimmed                             *prometheus.Desc
-	tierReads, tierWrites, tierCorrupt, tierRecords     *prometheus.Desc
-	tierBytes, tierCapacity, tierMode                   *prometheus.Desc
-	tierFailures, tierTransferred, tierAvailable        *prometheus.Desc
+	lookups, blockLookups, hits, misses                      *prometheus.Desc
+	outcomes, skipped, evictions, deletes, admission         *prometheus.Desc
+	blocks, bytes, ops, latency                              *prometheus.Desc
+	usage, poolBytes, ownedBytes, inUse, inFlight            *prometheus.Desc
+	stagingBytes, slots, ready, leased, blockBytes           *prometheus.Desc
+	growthTarget, growthPaused, growthDone, growthError      *prometheus.Desc
+	regions, trims, trimmed                                  *prometheus.Desc
+	tierReads, tierWrites, tierCorrupt, tierRecords          *prometheus.Desc
+	tierBytes, tierCapacity, tierMode                        *prometheus.Desc
+	tierFailures, tierTransferred, tierAvailable, tierCopies *prometheus.Desc
 }
 
 // New returns a Collector of src's Stats; constLabels (may be nil) are added
@@ -111,6 +111,7 @@ func New(src Source, constLabels prometheus.Labels) *Collector {
 		tierFailures:    d("tier_read_failures_total", "Lower-tier read misses by cause: timeout (no answer in time), error (a node down, refused), unavailable (blocks not asked: the tier not connected).", "tier", "reason"),
 		tierTransferred: d("tier_transfer_bytes_total", "Payload bytes moved to (written) and from (read) a lower tier.", "tier", "direction"),
 		tierAvailable:   d("tier_available", "1 while a lower tier is connected and in use, 0 while it is not (the cluster tier reconnecting).", "tier"),
+		tierCopies:      d("tier_write_copies_total", "Blocks copied out of their slot before being written to a lower tier (disk: the blocks a store evicted for itself; the others are written from their slot).", "tier"),
 	}
 	return c
 }
@@ -121,7 +122,7 @@ func (c *Collector) all() []*prometheus.Desc {
 		d.admission, d.blocks, d.bytes, d.ops, d.latency, d.usage, d.poolBytes, d.ownedBytes, d.inUse, d.inFlight,
 		d.stagingBytes, d.slots, d.ready, d.leased, d.blockBytes, d.growthTarget, d.growthPaused, d.growthDone,
 		d.growthError, d.regions, d.trims, d.trimmed, d.tierReads, d.tierWrites, d.tierCorrupt, d.tierRecords,
-		d.tierBytes, d.tierCapacity, d.tierMode, d.tierFailures, d.tierTransferred, d.tierAvailable}
+		d.tierBytes, d.tierCapacity, d.tierMode, d.tierFailures, d.tierTransferred, d.tierAvailable, d.tierCopies}
 }
 
 // Describe implements prometheus.Collector.
@@ -258,6 +259,7 @@ func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	metric(d.tierWrites, counter, s.DiskWrites, "written")
 	metric(d.tierWrites, counter, s.DiskWriteErrors, "error")
 	metric(d.tierWrites, counter, s.DiskDropped, "dropped")
+	metric(d.tierCopies, counter, s.DiskCopies)
 	metric(d.tierCorrupt, counter, s.DiskCorrupt)
 	gauge := prometheus.GaugeValue
 	metric(d.tierRecords, gauge, s.DiskRecords)

@@ -209,6 +209,7 @@ func TestDiskTierMetrics(t *testing.T) {
 		{"kvoffload_tier_writes_total", disk("result", "written"), s.DiskWrites},
 		{"kvoffload_tier_writes_total", disk("result", "error"), s.DiskWriteErrors},
 		{"kvoffload_tier_writes_total", disk("result", "dropped"), s.DiskDropped},
+		{"kvoffload_tier_write_copies_total", disk(), s.DiskCopies},
 		{"kvoffload_tier_corrupt_total", disk(), s.DiskCorrupt},
 		{"kvoffload_tier_records", disk(), s.DiskRecords},
 		{"kvoffload_tier_bytes", disk(), s.DiskBytes},
