@@ -284,3 +284,31 @@ func TestParallelBuildersFailure(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, op.Wait())
 }
+
+// TestBuildersAcrossIssues: issues of different part counts one after the
+// other, with four builders, so that each uses another number of them (a
+// feed that grew its builders for one issue reuses them for the next):
+// every op completes and copies every byte. It hung when a feed reused a
+// builder it had never set up.
+func TestBuildersAcrossIssues(t *testing.T) {
+	const seg = 4096
+	e := newFakeEnvBuilders(t, 2*16*seg, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 33}, 4)
+	src := randBytes(rand.New(rand.NewSource(34)), 16*seg)
+	copy(e.hostBuf, src)
+	for _, parts := range []int{2, 3, 5, 2, 4, 1, 6, 3, 4, 2, 7} {
+		n := uint64(parts) * seg
+		req := lazyLoad(e, n, seg, false, -1, nil)
+		req.Events = false
+		op, err := submitWithin(t, e.s, req, 5*time.Second)
+		require.NoError(t, err)
+		done := make(chan error, 1)
+		go func() { done <- op.Wait() }()
+		select {
+		case err := <-done:
+			require.NoError(t, err, "%d parts", parts)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("an op of %d parts did not complete", parts)
+		}
+		require.Equal(t, src[:n], e.deviceBytes(t, n), "%d parts", parts)
+	}
+}

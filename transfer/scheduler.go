@@ -277,7 +277,8 @@ type partRef struct {
 // submitting thread, taking parts in order, fails the op there), or at
 // stop; all have exited once stop returns.
 type partFeed struct {
-	builders []feedBuilder
+	all      []feedBuilder // every builder made so far, each initialised
+	builders []feedBuilder // this issue's: all[:n]
 	taken    int // parts handed to the submitting thread
 	quit     chan struct{}
 	exited   sync.WaitGroup
@@ -295,13 +296,12 @@ type feedBuilder struct {
 func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 	f := &s.feed
 	n := min(s.cfg.Builders, len(parts))
-	f.builders = f.builders[:cap(f.builders)]
-	for len(f.builders) < n {
-		j := len(f.builders)
-		f.builders = append(f.builders, feedBuilder{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)})
-		f.builders[j].bufs[0].builder, f.builders[j].bufs[1].builder = j, j
+	for len(f.all) < n {
+		j := len(f.all)
+		f.all = append(f.all, feedBuilder{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)})
+		f.all[j].bufs[0].builder, f.all[j].bufs[1].builder = j, j
 	}
-	f.builders = f.builders[:n]
+	f.builders = f.all[:n]
 	f.quit, f.taken, f.running = make(chan struct{}), 0, true
 	for j := range n {
 		fb := &f.builders[j]
