@@ -279,7 +279,7 @@ type partRef struct {
 type partFeed struct {
 	all      []feedBuilder // every builder made so far, each initialised
 	builders []feedBuilder // this issue's: all[:n]
-	taken    int // parts handed to the submitting thread
+	taken    int           // parts handed to the submitting thread
 	quit     chan struct{}
 	exited   sync.WaitGroup
 	running  bool
