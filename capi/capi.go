@@ -299,11 +299,7 @@ func kvoGo_lookup(h C.uint64_t, keysP *C.uint8_t, n C.size_t, lease C.int, hits 
 	if hits == nil || (lease != 0 && leaseOut == nil) {
 		return failf("kvo_lookup: hits (and lease_out when lease is set) must not be NULL")
 	}
-	eng, err := engine(h)
-	if err != nil {
-		return fail(err)
-	}
-	keys, err := goKeys(keysP, n)
+	eng, keys, err := engineKeys(h, keysP, n)
 	if err != nil {
 		return fail(err)
 	}
@@ -321,17 +317,26 @@ func kvoGo_lookup(h C.uint64_t, keysP *C.uint8_t, n C.size_t, lease C.int, hits 
 	return codeOK
 }
 
+// engineKeys is the engine of handle h and the n keys at keysP.
+func engineKeys(h C.uint64_t, keysP *C.uint8_t, n C.size_t) (*offload.Engine, []offload.Key, error) {
+	eng, err := engine(h)
+	if err != nil {
+		return nil, nil, err
+	}
+	keys, err := goKeys(keysP, n)
+	if err != nil {
+		return nil, nil, err
+	}
+	return eng, keys, nil
+}
+
 // opArgs checks and converts the arguments kvo_store and kvo_load share:
 // the op out-pointer, the engine handle, and the n keys and block ids.
 func opArgs(fn string, h C.uint64_t, keysP *C.uint8_t, idsP *C.int64_t, n C.size_t, opOut *C.uint64_t) (*offload.Engine, []offload.Key, []int, error) {
 	if opOut == nil {
 		return nil, nil, nil, fmt.Errorf("%w: %s: op must not be NULL", offload.ErrInvalidArgument, fn)
 	}
-	eng, err := engine(h)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	keys, err := goKeys(keysP, n)
+	eng, keys, err := engineKeys(h, keysP, n)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -623,11 +628,7 @@ func kvoGo_trim(h C.uint64_t, size C.uint64_t, timeoutNS C.int64_t, freed, pendi
 //export kvoGo_delete
 func kvoGo_delete(h C.uint64_t, keysP *C.uint8_t, n C.size_t, deleted *C.size_t) (rc C.int) {
 	defer guard(&rc)
-	eng, err := engine(h)
-	if err != nil {
-		return fail(err)
-	}
-	keys, err := goKeys(keysP, n)
+	eng, keys, err := engineKeys(h, keysP, n)
 	if err != nil {
 		return fail(err)
 	}

@@ -22,11 +22,7 @@ import (
 //export kvoGo_prefetch
 func kvoGo_prefetch(h C.uint64_t, keysP *C.uint8_t, n C.size_t, timeoutNS C.int64_t, promoted, fromDisk, fromCluster *C.size_t) (rc C.int) {
 	defer guard(&rc)
-	eng, err := engine(h)
-	if err != nil {
-		return fail(err)
-	}
-	keys, err := goKeys(keysP, n)
+	eng, keys, err := engineKeys(h, keysP, n)
 	if err != nil {
 		return fail(err)
 	}

@@ -239,23 +239,31 @@ func startDialChild(t *testing.T, role, socket string, seed, n int) *dialChild {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "KVO_DIAL_CHILD="+role, "KVO_DIAL_SOCKET="+socket, fmt.Sprintf("KVO_DIAL_ARGS=%d %d", seed, n),
 		"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+	return &dialChild{cmd: cmd, lines: startChild(t, cmd, 64)}
+}
+
+// startChild starts a child process (a test binary run again) whose
+// stderr is the test's and returns its stdout's lines (closed at its end),
+// buffered up to buf; the child is killed and reaped when t ends.
+func startChild(t *testing.T, cmd *exec.Cmd, buf int) chan string {
+	t.Helper()
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	cmd.Stderr = os.Stderr
 	require.NoError(t, cmd.Start())
-	c := &dialChild{cmd: cmd, lines: make(chan string, 64)}
+	lines := make(chan string, buf)
 	go func() {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
-			c.lines <- sc.Text()
+			lines <- sc.Text()
 		}
-		close(c.lines)
+		close(lines)
 	}()
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
-	return c
+	return lines
 }
 
 func (c *dialChild) expect(t *testing.T, want string) {

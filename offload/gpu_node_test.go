@@ -298,23 +298,8 @@ func startNGChild(t *testing.T, socket, layout string, blocks int, sz ngSize) *n
 		fmt.Sprintf("KVO_NODEGPU_LAYOUT=%s:%d", layout, blocks), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 	in, err := cmd.StdinPipe()
 	require.NoError(t, err)
-	out, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	cmd.Stderr = os.Stderr
-	require.NoError(t, cmd.Start())
-	c := &ngChild{cmd: cmd, in: in, lines: make(chan string, 16), name: fmt.Sprintf("%s pid %d", layout, cmd.Process.Pid)}
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			c.lines <- sc.Text()
-		}
-		close(c.lines)
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	return c
+	lines := startChild(t, cmd, 16)
+	return &ngChild{cmd: cmd, in: in, lines: lines, name: fmt.Sprintf("%s pid %d", layout, cmd.Process.Pid)}
 }
 
 func (c *ngChild) send(t *testing.T, line string) {
