@@ -232,3 +232,14 @@ func TestNotACluster(t *testing.T) {
 	require.NoError(t, s.Close())
 	noNewGoroutines(t, before, closeGrace)
 }
+
+// hasUnlabelledRefresh finds a delayed refresh without a label in a
+// goroutine profile, and only there.
+func TestHasUnlabelledRefresh(t *testing.T) {
+	labelled := "1 @ 0x1 0x2\n# labels: {\"kvoffload-cluster-store\":\"7\"}\n#\t0x1\tgithub.com/redis/rueidis.(*call).DelayDo.func1+0x3a\t/x/singleflight.go:69\n"
+	bare := "1 @ 0x1 0x2\n#\t0x1\tgithub.com/redis/rueidis.(*call).DelayDo.func1+0x3a\t/x/singleflight.go:69\n"
+	other := "2 @ 0x3\n#\t0x3\truntime.gopark+0x1\t/x/proc.go:1\n"
+	require.False(t, hasUnlabelledRefresh([]byte("goroutine profile: total 3\n"+labelled+"\n"+other)))
+	require.True(t, hasUnlabelledRefresh([]byte("goroutine profile: total 3\n"+other+"\n"+bare)))
+	require.False(t, hasUnlabelledRefresh(nil))
+}

@@ -646,7 +646,49 @@ func (s *Store) Close() error {
 		s.labelled(c.Close)
 	}
 	s.waitGoroutines(closeWaitMax)
+	// A connection the client closes from a timer of its own (a goroutine
+	// with no label: a connection's lifetime, a stuck drain's escape) runs
+	// the close hook there, which schedules a topology refresh that first
+	// sleeps up to the refresh delay: a goroutine of this client that the
+	// label does not mark. Wait for such sleepers too, bounded by that
+	// delay (one of another store's in the process makes Close wait for
+	// it as well).
+	waitUnlabelledRefresh(refreshWaitMax)
 	return nil
+}
+
+// refreshWaitMax bounds waitUnlabelledRefresh: more than the client's
+// longest delay before a scheduled topology refresh (1s).
+const refreshWaitMax = 1500 * time.Millisecond
+
+// waitUnlabelledRefresh waits, up to d, until no goroutine without a pprof
+// label sleeps in the Redis client's delayed refresh. It reports whether
+// none does.
+func waitUnlabelledRefresh(d time.Duration) bool {
+	var buf bytes.Buffer
+	for deadline := time.Now().Add(d); ; {
+		buf.Reset()
+		if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil || !hasUnlabelledRefresh(buf.Bytes()) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// hasUnlabelledRefresh reports whether a goroutine profile (debug=1: one
+// block a distinct stack and label set, blocks separated by blank lines,
+// labels on a "# labels:" line) holds a goroutine in the client's delayed
+// refresh that carries no label.
+func hasUnlabelledRefresh(profile []byte) bool {
+	for _, blk := range bytes.Split(profile, []byte("\n\n")) {
+		if bytes.Contains(blk, []byte("rueidis.(*call).DelayDo")) && !bytes.Contains(blk, []byte("# labels:")) {
+			return true
+		}
+	}
+	return false
 }
 
 // waitGoroutines waits, up to d, until no goroutine carries the store's
