@@ -173,13 +173,7 @@ func (c *CUDA) InitThread() error {
 // cudacopy's Submit2D (its contiguous segments as one-row ones): never
 // gathered or scattered, which move whole contiguous blocks.
 func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
-	strided := false
-	for _, g := range segs {
-		if g.Strided() {
-			strided = true
-			break
-		}
-	}
+	strided := slices.ContainsFunc(segs, Segment.Strided)
 	ts := c.tickets[:0]
 	defer func() { c.tickets = ts[:0] }()
 	var err error
@@ -236,22 +230,19 @@ var errNotPrepared = errors.New("transfer: copy not prepared")
 // the method's choice, descriptor encoding) into p without a driver call
 // (preparer); other copies are left to Copy.
 func (c *CUDA) Prepare(dir Direction, segs []Segment, p *devPrep) error {
-	strided := false
-	for _, g := range segs {
-		if g.Strided() {
-			strided = true
-			break
-		}
-	}
-	if !strided {
+	if !slices.ContainsFunc(segs, Segment.Strided) {
 		return errNotPrepared
 	}
 	p.segs2D = to2D(dir, segs, p.segs2D[:0])
-	d := cudacopy.H2D
+	return c.copier.Prepare2D(copyDir(dir), p.segs2D, &p.p)
+}
+
+// copyDir is dir as the copier names it.
+func copyDir(dir Direction) cudacopy.Direction {
 	if dir == Store {
-		d = cudacopy.D2H
+		return cudacopy.D2H
 	}
-	return c.copier.Prepare2D(d, p.segs2D, &p.p)
+	return cudacopy.H2D
 }
 
 // CopyPrepared is Copy(dir, segs) for a p Prepare filled from segs: it
@@ -338,11 +329,7 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 // never bounced): split in halves where one call could never get the
 // device memory it needs, a lone segment by its rows.
 func (c *CUDA) submit2D(dir Direction, segs []cudacopy.Segment2D, ts *[]cudacopy.Ticket) error {
-	d := cudacopy.H2D
-	if dir == Store {
-		d = cudacopy.D2H
-	}
-	t, err := c.copier.Submit2D(c.streams[dir], d, segs)
+	t, err := c.copier.Submit2D(c.streams[dir], copyDir(dir), segs)
 	if err == nil {
 		*ts = append(*ts, t)
 		return nil

@@ -20,7 +20,8 @@ type Device interface {
 	// it. The returned retire func must be
 	// called once, after an event recorded after the copy has completed (or
 	// the stream is known idle), so the method's descriptor buffers can be
-	// reused. On error nothing needs retiring.
+	// reused. On error nothing needs retiring. Copy keeps nothing of segs
+	// once it returns: the caller may reuse them at once.
 	Copy(dir Direction, segs []Segment) (retire func(), err error)
 	// Record records e on dir's stream.
 	Record(dir Direction, e Event) error

@@ -1068,20 +1068,18 @@ func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 		op.gens = append(op.gens, s.cfg.Tracker.gens("at submission", d, pb.placed, nil)...)
 		op.segs = append(op.segs, pb.placed...)
 	}
-	// A prepared copy keeps nothing of its descriptors once enqueued;
-	// others may read them until they retire (the simulated device), so
-	// they go to the batch's.
+	// Copy and CopyPrepared keep nothing of the descriptors once they
+	// return (pb goes back to its builder after this); the batch keeps a
+	// copy only for the invariant that checks them at completion.
+	if invariantsEnabled {
+		b.descs = append(b.descs, pb.descs...)
+	}
 	var retire func()
 	var err error
 	if pb.prepared {
-		if invariantsEnabled {
-			b.descs = append(b.descs, pb.descs...)
-		}
 		retire, err = s.dev.(preparer).CopyPrepared(d, pb.descs, &pb.prep)
 	} else {
-		start := len(b.descs)
-		b.descs = append(b.descs, pb.descs...)
-		retire, err = s.dev.Copy(d, b.descs[start:])
+		retire, err = s.dev.Copy(d, pb.descs)
 	}
 	if err != nil {
 		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(pb.descs), err)

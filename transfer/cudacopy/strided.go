@@ -255,13 +255,14 @@ func (c *Copier) Prepare2D(dir Direction, segs []Segment2D, p *Prepared) error {
 	if err := ck.translateAll(); err != nil {
 		return err
 	}
-	p.descs = slices.Grow(p.descs, ck.count())[:ck.count()]
-	n, err := ck.next(p.descs)
+	n := ck.count()
+	p.descs = slices.Grow(p.descs[:0], n)[:n]
+	w, err := ck.next(p.descs)
 	if err != nil {
 		return err
 	}
-	if n != len(p.descs) || !ck.done() {
-		return fmt.Errorf("cudacopy: encoding %d 2-D segments gave %d descriptors, counted %d", len(segs), n, len(p.descs))
+	if w != n || !ck.done() {
+		return fmt.Errorf("cudacopy: encoding %d 2-D segments gave %d descriptors, counted %d", len(segs), w, n)
 	}
 	p.fenceIters, p.paceGBps = ck.fenceIters, ck.paceGBps
 	return nil
