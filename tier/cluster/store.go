@@ -665,17 +665,7 @@ const refreshWaitMax = 1500 * time.Millisecond
 // label sleeps in the Redis client's delayed refresh. It reports whether
 // none does.
 func waitUnlabelledRefresh(d time.Duration) bool {
-	var buf bytes.Buffer
-	for deadline := time.Now().Add(d); ; {
-		buf.Reset()
-		if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil || !hasUnlabelledRefresh(buf.Bytes()) {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	return waitProfile(d, hasUnlabelledRefresh)
 }
 
 // hasUnlabelledRefresh reports whether a goroutine profile (debug=1: one
@@ -695,11 +685,18 @@ func hasUnlabelledRefresh(profile []byte) bool {
 // label. It reports whether none does.
 func (s *Store) waitGoroutines(d time.Duration) bool {
 	needle := []byte(strconv.Quote(labelKey) + ":" + strconv.Quote(s.label))
+	return waitProfile(d, func(profile []byte) bool { return bytes.Contains(profile, needle) })
+}
+
+// waitProfile waits, up to d, until the goroutine profile (debug=1) no
+// longer matches busy, polling at growing intervals. It reports whether
+// it stopped matching.
+func waitProfile(d time.Duration, busy func(profile []byte) bool) bool {
 	var buf bytes.Buffer
 	wait := time.Millisecond
 	for deadline := time.Now().Add(d); ; {
 		buf.Reset()
-		if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil || !bytes.Contains(buf.Bytes(), needle) {
+		if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil || !busy(buf.Bytes()) {
 			return true
 		}
 		if time.Now().After(deadline) {
