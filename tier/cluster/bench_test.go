@@ -72,7 +72,7 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		fmt.Printf("redis-benchmark runs with --threads %d\n\n", rbThreads)
 	}
 	if rbProcs > 1 {
-		fmt.Printf("redis-benchmark runs as %d processes at once (connections and requests shared out, seed nodes in turn), their rates summed\n\n", min(rbProcs, conns))
+		fmt.Printf("redis-benchmark runs as %d processes at once (connections and requests shared out, seed nodes in turn), their rates summed\n\n", rbProcsFor(conns, 3))
 	}
 	fmt.Println("client CPU: the client process's user+system time per request (redis-benchmark's from its rusage, run once per op; the tier's from the test process's, over the op's phase)")
 	fmt.Println()
@@ -153,10 +153,20 @@ func cpuTime(who int) time.Duration {
 // default 1): a reference that one client process does not bound.
 var rbThreads, rbProcs int
 
+// rbProcsFor is how many redis-benchmark processes share conns
+// connections to a cluster of masters masters: rbProcs, but no more than
+// leaves each process a connection per master (redis-benchmark --cluster
+// exits 1 with fewer clients than nodes), and at least one.
+func rbProcsFor(conns, masters int) int {
+	return max(1, min(rbProcs, conns/max(1, masters)))
+}
+
 // redisBenchmark runs redis-benchmark --cluster -t test and returns its
 // requests per second and its CPU time.
 func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conns, count, keyspace int) (float64, time.Duration) {
-	procs := max(1, min(rbProcs, conns))
+	// redis-benchmark --cluster needs at least as many connections as the
+	// cluster has masters: each process gets at least that many.
+	procs := rbProcsFor(conns, 3)
 	argsOf := func(k int) []string {
 		// Process k of procs: its share of the connections and requests.
 		kc, kn := conns/procs, count/procs
