@@ -47,7 +47,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 }
 
 // hsVariant parses a variant of BenchmarkGPUHeadSliced (KVO_HS_VARIANTS:
-// space-separated, each a method, auto or kernel, then :key=value pairs
+// space-separated, each a method, auto, kernel, batch or memcpy, then :key=value pairs
 // of ctas, threads, part (segments a part), builders, chunk (bytes)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
@@ -56,8 +56,12 @@ func hsVariant(v string) (engineHooks, error) {
 	case "auto":
 	case "kernel":
 		h.copyOptions.Method = cudacopy.MethodKernel
+	case "batch":
+		h.copyOptions.Method = cudacopy.MethodBatch
+	case "memcpy":
+		h.copyOptions.Method = cudacopy.MethodMemcpy
 	default:
-		return h, fmt.Errorf("variant %q: method %q is not auto or kernel", v, fs[0])
+		return h, fmt.Errorf("variant %q: method %q is not auto, kernel, batch or memcpy", v, fs[0])
 	}
 	for _, kv := range fs[1:] {
 		k, val, _ := strings.Cut(kv, "=")

@@ -1,0 +1,203 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+)
+
+// The geometry of bench/realmodel.py, an 8B-class Llama: 32 layers, 8 KV
+// heads of 128, bf16, 16-token blocks: K and V of one layer of one block
+// are 32 KiB each, 2 MiB a block over all layers.
+const prLayers, prSeg, prGPUBlocks = 32, 16 * 8 * 128 * 2, 1024
+
+// BenchmarkGPUPagedReload is bench/realmodel.py's reload without the model,
+// so that the engine's share of a gap to the link can be taken apart:
+// stores of n blocks from random GPU block ids, loads into other random
+// ids, each timed on the GPU's side (a caller's stream from an event just
+// before the call until it waited on the op), against a contiguous pinned
+// copy of the same bytes measured in the same run (best of three, before
+// and after the rows; a row over 102% of it marks the run invalid). Beside
+// each: how long the call took to return, and for a per-layer load when
+// layer 0's event and the last layer's fired on the caller's stream.
+// KVO_PR_BLOCKS (default "128 512": 2k and 8k tokens) and KVO_PR_VARIANTS
+// (default "auto kernel batch"; the grammar of KVO_HS_VARIANTS) pick the
+// rows; KVO_BENCH_OUT receives paged.md.
+func BenchmarkGPUPagedReload(b *testing.B) {
+	gpu := cudatest.Open(b)
+	blocks := []int{128, 512}
+	if v := os.Getenv("KVO_PR_BLOCKS"); v != "" {
+		blocks = blocks[:0]
+		for _, f := range strings.Fields(v) {
+			n, err := strconv.Atoi(f)
+			require.NoError(b, err)
+			require.True(b, n > 0 && n <= prGPUBlocks/2, "KVO_PR_BLOCKS: %d is not in [1, %d]", n, prGPUBlocks/2)
+			blocks = append(blocks, n)
+		}
+	}
+	variants := os.Getenv("KVO_PR_VARIANTS")
+	if variants == "" {
+		variants = "auto kernel batch"
+	}
+	var lines []string
+	for _, v := range strings.Fields(variants) {
+		h, err := hsVariant(v)
+		require.NoError(b, err)
+		for _, n := range blocks {
+			b.Run(fmt.Sprintf("%s/blocks=%d", v, n), func(b *testing.B) {
+				lines = append(lines, pagedReload(b, gpu.Drv, v, func(cfg Config) (*Engine, error) {
+					cfg.Backend = BackendCUDA
+					return newEngine(cfg, h)
+				}, n))
+			})
+		}
+	}
+	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
+		head := "# Paged reload, bench/realmodel.py's geometry without the model\n\n" +
+			"| variant | blocks | H2D link GB/s | load GPU side ms | load/link | load call ms | per-layer: layer 0 / all ms | D2H link GB/s | store GPU side ms | store/link | store call ms |\n" +
+			"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+		_ = os.WriteFile(filepath.Join(dir, "paged.md"), []byte(head+strings.Join(lines, "\n")+"\n"), 0o644)
+	}
+}
+
+// pagedReload runs one row of BenchmarkGPUPagedReload and returns it as a
+// table row.
+// newEng makes the engine of a config (the CUDA backend's, with the
+// variant's hooks).
+func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config) (*Engine, error), n int) string {
+	g := newGPUMem(b, drv, 8)
+	defer g.close()
+	l := LayoutSpec{Kind: LayoutLayerSeparate, Layers: prLayers, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: prGPUBlocks}
+	for range prLayers {
+		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(prSeg * prGPUBlocks), V: g.alloc(prSeg * prGPUBlocks), Stride: prSeg})
+	}
+	bytes := uint64(n) * prLayers * 2 * prSeg
+	e, err := newEng(Config{PoolBytes: int64(bytes) * 2, Layout: l, Policy: PolicyLRU})
+	require.NoError(b, err)
+	defer func() { require.NoError(b, e.Close()) }()
+	require.NoError(b, e.WaitGrown(context.Background()))
+
+	hostP, err := drv.MemHostAlloc(bytes, cuda.HostAllocPortable)
+	require.NoError(b, err)
+	defer func() { require.NoError(b, drv.MemFreeHost(hostP)) }()
+	devP := g.alloc(bytes)
+	s, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	require.NoError(b, err)
+	defer func() { require.NoError(b, drv.StreamDestroy(s)) }()
+	evs := make([]cuda.Event, 3)
+	for i := range evs {
+		evs[i], err = drv.EventCreate(cuda.EventDefault)
+		require.NoError(b, err)
+	}
+	defer func() {
+		for _, ev := range evs {
+			require.NoError(b, drv.EventDestroy(ev))
+		}
+	}()
+	elapsed := func(a, z cuda.Event) time.Duration {
+		require.NoError(b, drv.EventSynchronize(z))
+		ms, err := drv.EventElapsedTime(a, z)
+		require.NoError(b, err)
+		return time.Duration(float64(ms) * float64(time.Millisecond))
+	}
+	link := func(h2d bool) float64 {
+		best := 0.0
+		for range 3 {
+			require.NoError(b, drv.EventRecord(evs[0], s))
+			if h2d {
+				require.NoError(b, drv.MemcpyAsync(cuda.DevicePtr(devP), cuda.DevicePtr(uintptr(hostP)), bytes, s))
+			} else {
+				require.NoError(b, drv.MemcpyAsync(cuda.DevicePtr(uintptr(hostP)), cuda.DevicePtr(devP), bytes, s))
+			}
+			require.NoError(b, drv.EventRecord(evs[1], s))
+			best = max(best, float64(bytes)/elapsed(evs[0], evs[1]).Seconds()/1e9)
+		}
+		return best
+	}
+	h2d, d2h := link(true), link(false)
+
+	rng := rand.New(rand.NewPCG(uint64(n), 7))
+	ctx := context.Background()
+	keys := make([]Key, n)
+	var storeGPU, storeCall, loadGPU, loadCall, layer0, layerAll []time.Duration
+	b.ResetTimer()
+	for it := range b.N {
+		perm := rng.Perm(prGPUBlocks)
+		from, into := perm[:n], perm[n:2*n]
+		for i := range keys {
+			keys[i] = testKey(2_000_000 + it*n + i)
+		}
+		require.NoError(b, drv.EventRecord(evs[0], s))
+		t0 := time.Now()
+		op, err := e.Store(ctx, keys, from, StoreOptions{})
+		storeCall = append(storeCall, time.Since(t0))
+		require.NoError(b, err)
+		require.NoError(b, op.StreamWait(uintptr(s)))
+		require.NoError(b, drv.EventRecord(evs[1], s))
+		storeGPU = append(storeGPU, elapsed(evs[0], evs[1]))
+		require.NoError(b, op.Wait(ctx))
+		require.Equal(b, n, op.Count(OutcomeStored))
+		require.NoError(b, op.Release())
+
+		require.NoError(b, drv.EventRecord(evs[0], s))
+		t0 = time.Now()
+		op, err = e.Load(ctx, keys, into, LoadOptions{})
+		loadCall = append(loadCall, time.Since(t0))
+		require.NoError(b, err)
+		require.NoError(b, op.StreamWait(uintptr(s)))
+		require.NoError(b, drv.EventRecord(evs[1], s))
+		loadGPU = append(loadGPU, elapsed(evs[0], evs[1]))
+		require.NoError(b, op.Wait(ctx))
+		require.Equal(b, n, op.Count(OutcomeLoaded))
+		require.NoError(b, op.Release())
+
+		// Per layer: the caller's stream waits on layer 0's event, records,
+		// then waits on the last layer's and records again.
+		require.NoError(b, drv.EventRecord(evs[0], s))
+		op, err = e.Load(ctx, keys, into, LoadOptions{PerLayer: true})
+		require.NoError(b, err)
+		for i, l := range []int{0, prLayers - 1} {
+			ev, err := op.LayerEvent(l)
+			require.NoError(b, err)
+			require.NoError(b, drv.StreamWaitEvent(s, cuda.Event(ev), 0))
+			require.NoError(b, drv.EventRecord(evs[1+i], s))
+		}
+		layer0 = append(layer0, elapsed(evs[0], evs[1]))
+		layerAll = append(layerAll, elapsed(evs[0], evs[2]))
+		require.NoError(b, op.Wait(ctx))
+		require.NoError(b, op.Release())
+		e.Delete(keys)
+	}
+	b.StopTimer()
+	h2d, d2h = max(h2d, link(true)), max(d2h, link(false))
+	med := func(d []time.Duration) time.Duration {
+		d = slices.Clone(d)
+		slices.Sort(d)
+		return d[len(d)/2]
+	}
+	ms := func(d []time.Duration) float64 { return float64(med(d).Microseconds()) / 1e3 }
+	ldLink := float64(bytes) / med(loadGPU).Seconds() / 1e9 / h2d
+	stLink := float64(bytes) / med(storeGPU).Seconds() / 1e9 / d2h
+	b.ReportMetric(ldLink, "load/link")
+	b.ReportMetric(stLink, "store/link")
+	b.ReportMetric(ms(loadCall), "load-call-ms")
+	b.ReportMetric(ms(layer0), "layer0-ms")
+	row := fmt.Sprintf("| %s | %d | %.1f | %.2f | %.3f | %.3f | %.2f / %.2f | %.1f | %.2f | %.3f | %.3f |", name, n, h2d, ms(loadGPU), ldLink,
+		ms(loadCall), ms(layer0), ms(layerAll), d2h, ms(storeGPU), stLink, ms(storeCall))
+	if ldLink > 1.02 || stLink > 1.02 {
+		row += " INVALID: a rate beats its reference by more than 2%"
+	}
+	return row
+}
