@@ -54,6 +54,7 @@ SUITES=(
 	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
 	"tp|tensor-parallel sharing on the GPU: TestGPUTPSizeSharing, and a TP=4 rank's head-sliced stores and loads against the same-run link (offload.test BenchmarkGPUHeadSliced; not in all)"
 	"paged|bench/realmodel.py's paged reload and store without the model, per copy method and part size, GPU side vs the same-run link, with call and per-layer times (offload.test BenchmarkGPUPagedReload; KVO_PR_VARIANTS, KVO_PR_BLOCKS; not in all)"
+	"trace|where a paged reload's GPU time goes: bench/trace_reload.py under torch.profiler (CUPTI), per stream busy time and gaps, chrome traces (not in all)"
 	"calltime|how long Engine.Store and Engine.Load of 2048 8B-class blocks take to return (offload.test BenchmarkGPUCallTime)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
@@ -104,6 +105,11 @@ suite_tp() {
 suite_paged() {
 	KVO_BENCH_OUT=$D KVO_PR_VARIANTS=${KVO_PR_VARIANTS:-auto kernel batch memcpy auto:part=128 auto:part=1024 auto:builders=1} \
 		step_in offload timeout 300 "$B/offload.test" -test.run '^$' -test.bench 'GPUPagedReload$' -test.benchtime 5x -test.count 1
+}
+
+suite_trace() {
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 200 python3 bench/trace_reload.py --out "$D/trace.md"
 }
 
 suite_calltime() {
