@@ -17,11 +17,14 @@ import (
 // DMA engines move them: stores are gathered on a stream of their own
 // (cudacopy.SubmitGather) and copied out on the store stream; loads are
 // copied in on the load stream and scattered on another stream
-// (cudacopy.SubmitScatter). Every Wait on a direction's stream is also made
+// (cudacopy.SubmitScatterOpen). Every Wait on a direction's stream is also made
 // on its bounce stream, so a gather reads, and a scatter writes, the device
 // only after what the copy waits for; the direction's stream joins each
-// bounce kernel (the store stream before its DMA, the load stream after
-// the last scatter), so events recorded on it cover both. Bounced copies of
+// bounce kernel (the store stream before its DMA; the load stream after
+// the last scatter, lazily: consecutive scattered copies keep the DMA
+// engine busy, and the load stream joins the scatter stream before
+// anything that must follow them there, an event, a counter write, a sync
+// or another copy), so events recorded on it cover both. Bounced copies of
 // whole blocks are faster than the copy kernels each way, and much faster
 // both ways at once, because the DMA engines do the host side.
 type CUDA struct {
@@ -33,6 +36,11 @@ type CUDA struct {
 	scratch []cudacopy.Segment   // Copy is called only by the submitting thread
 	scr2D   []cudacopy.Segment2D // Copy's, for batches holding strided segments
 	tickets []cudacopy.Ticket    // Copy's, likewise
+	// joinEv is recorded on the load bounce stream and waited for on the
+	// load stream when open (a scattered copy's last scatter not yet
+	// joined; see join). Both belong to the submitting thread.
+	joinEv cuda.Event
+	open   bool
 	bounced atomic.Int64         // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64         // BudgetSplits
 	prepped atomic.Int64         // copies enqueued as prepared (CopyPrepared), for tests
@@ -46,8 +54,20 @@ type CUDA struct {
 	calibrateLater bool
 }
 
-// What newCUDA has the copier allocate ahead (cudacopy.Copier.Prewarm).
-const prewarmTables, prewarmRings = 4, 2
+// What newCUDA has the copier allocate ahead (cudacopy.Copier.Prewarm):
+// tables for a per-layer load of 32 layers and then some, two rings of
+// staging chunks.
+const prewarmTables, prewarmRings = 36, 2
+
+// descCapacity is the descriptor table size the engine's copier gets
+// unless its options set one (cudacopy's default is 65536): 512 KiB, one
+// part of a lazy op (about 4096 segments, up to 4 descriptors each at the
+// default 64 KiB chunk) per table, so that the tables' share of the
+// default MaxDeviceBytes under KeepIdle (an eighth, 32 MiB) holds 64 of
+// them: a per-layer load keeps a table per layer in flight without
+// waiting, where 2 MiB tables left it 16 and the submitting thread waited
+// for earlier layers.
+const descCapacity = 1 << 14
 
 // newCUDA creates the engine's streams and copier on dev. The copier's
 // device memory (descriptor tables, bounce chunks) stays within
@@ -93,11 +113,25 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 		}
 		c.bounce[d] = s
 	}
+	if c.joinEv, err = drv.EventCreate(cuda.EventDisableTiming); err != nil {
+		return nil, errors.Join(fmt.Errorf("transfer: creating the scatter join event: %w", err), c.destroyStreams())
+	}
+	if opts.DescCapacity == 0 {
+		opts.DescCapacity = descCapacity
+	}
 	c.copier, err = cudacopy.New(drv, dev, opts)
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
 	c.meter = c.copier
+	// The copier keeps its device memory pooled, tables and staging each
+	// within a share of the bound, instead of freeing one kind's idle
+	// memory for the other on the submitting thread: a store's staging
+	// chunks then a per-layer load's tables made every op free and
+	// allocate again (cuMemFree, cuMemHostAlloc: milliseconds each, and
+	// cuMemFree may wait for the device to go idle). Too small a bound to
+	// split: as before.
+	c.copier.KeepIdle()
 	if early {
 		c.setupEarly()
 	} else {
@@ -119,8 +153,13 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 	return c, nil
 }
 
+// destroyStreams destroys the streams and the scatter join event.
 func (c *CUDA) destroyStreams() error {
 	var err error
+	if c.joinEv != 0 {
+		err = c.drv.EventDestroy(c.joinEv)
+		c.joinEv = 0
+	}
 	for _, ss := range []*[2]cuda.Stream{&c.streams, &c.bounce} {
 		for d, s := range ss {
 			if s != 0 {
@@ -195,7 +234,7 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 		if len(ts) > 0 {
 			// Pieces of a split copy were enqueued: their memory is reused
 			// only once they are known finished.
-			err = errors.Join(err, c.drv.StreamSynchronize(c.streams[dir]))
+			err = errors.Join(err, c.join(dir), c.drv.StreamSynchronize(c.streams[dir]))
 			for _, t := range ts {
 				_ = c.copier.Retire(t)
 			}
@@ -249,6 +288,9 @@ func copyDir(dir Direction) cudacopy.Direction {
 // only enqueues; a batch that needs more descriptor memory than one
 // submission may have goes through Copy, which splits it.
 func (c *CUDA) CopyPrepared(dir Direction, segs []Segment, p *devPrep) (func(), error) {
+	if err := c.join(dir); err != nil {
+		return nil, err
+	}
 	t, err := c.copier.SubmitPrepared(c.streams[dir], &p.p)
 	if errors.Is(err, cudacopy.ErrDeviceBudget) {
 		return c.Copy(dir, segs)
@@ -283,22 +325,29 @@ func to2D(dir Direction, segs []Segment, out []cudacopy.Segment2D) []cudacopy.Se
 func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
-	bounced := false
+	bounced, scattered := false, false
 	switch {
 	case dir == Store && c.copier.Gatherable(segs):
 		bounced = true
 		t, err = c.copier.SubmitGather(c.bounce[Store], c.streams[Store], segs)
 	case dir == Load && c.copier.Scatterable(segs):
-		bounced = true
-		t, err = c.copier.SubmitScatter(c.streams[Load], c.bounce[Load], segs)
+		// Left open: the next scattered copy's runs start on the load
+		// stream without waiting for this one's last scatter.
+		bounced, scattered = true, true
+		t, err = c.copier.SubmitScatterOpen(c.streams[Load], c.bounce[Load], segs)
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
-		t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, segs)
+		if err = c.join(dir); err == nil {
+			t, err = c.copier.Submit(c.streams[dir], cudacopy.H2D, segs)
+		}
 	}
 	if err == nil {
 		if bounced {
 			c.bounced.Add(1)
+		}
+		if scattered {
+			c.open = true
 		}
 		*ts = append(*ts, t)
 		return nil
@@ -329,6 +378,9 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 // never bounced): split in halves where one call could never get the
 // device memory it needs, a lone segment by its rows.
 func (c *CUDA) submit2D(dir Direction, segs []cudacopy.Segment2D, ts *[]cudacopy.Ticket) error {
+	if err := c.join(dir); err != nil {
+		return err
+	}
 	t, err := c.copier.Submit2D(c.streams[dir], copyDir(dir), segs)
 	if err == nil {
 		*ts = append(*ts, t)
@@ -377,8 +429,30 @@ func (c *CUDA) MaxDeviceBytes() int64 { return c.meter.MaxDeviceBytes() }
 // copier call could never hold it within MaxDeviceBytes.
 func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
 
-// Record implements Device.
+// join makes the load stream wait for the scatters of the scattered
+// copies submitted since the last join (nothing for the store stream, or
+// when none is open): the load stream's later work, and events recorded
+// on it, then follow them. Submitting thread.
+func (c *CUDA) join(dir Direction) error {
+	if dir != Load || !c.open {
+		return nil
+	}
+	if err := c.drv.EventRecord(c.joinEv, c.bounce[Load]); err != nil {
+		return fmt.Errorf("transfer: recording the scatter join event: %w", err)
+	}
+	if err := c.drv.StreamWaitEvent(c.streams[Load], c.joinEv, cuda.EventWaitDefault); err != nil {
+		return fmt.Errorf("transfer: joining the scatters: %w", err)
+	}
+	c.open = false
+	return nil
+}
+
+// Record implements Device (after the scatters of the direction's copies,
+// see join).
 func (c *CUDA) Record(dir Direction, e Event) error {
+	if err := c.join(dir); err != nil {
+		return err
+	}
 	return c.drv.EventRecord(cuda.Event(e), c.streams[dir])
 }
 
@@ -392,7 +466,12 @@ func (c *CUDA) Wait(dir Direction, e Event) error {
 }
 
 // SyncStream implements Device.
-func (c *CUDA) SyncStream(dir Direction) error { return c.drv.StreamSynchronize(c.streams[dir]) }
+func (c *CUDA) SyncStream(dir Direction) error {
+	if err := c.join(dir); err != nil {
+		return err
+	}
+	return c.drv.StreamSynchronize(c.streams[dir])
+}
 
 // CreateEvent implements Device.
 func (c *CUDA) CreateEvent(blockingSync bool) (Event, error) {

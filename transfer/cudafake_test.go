@@ -412,3 +412,53 @@ func TestCUDAOverFakeStrided(t *testing.T) {
 		})
 	}
 }
+
+// TestCUDAOverFakeScatterJoin: the parts of a lazy load of whole blocks
+// are scattered copies of their own, and the load stream is left unjoined
+// to their scatters (SubmitScatterOpen) so that its DMAs run on; what must
+// follow them still does. With every copy and kernel slow and random on
+// the fake, the op's completion (its event, recorded on the load stream)
+// must find every block on the device, and a later load into the same
+// device memory that is not scattered (a lone segment: a plain copy on the
+// load stream) must land after the scatter, not under it.
+func TestCUDAOverFakeScatterJoin(t *testing.T) {
+	const seg, per, blocks, perPart = 16 << 10, 16, 8, 2
+	const n = seg * per * blocks
+	for round := range 6 {
+		e := newFakeEnvCopier(t, 2*n, cudacopy.Options{Calibration: &cudacopy.Calibration{}, GatherChunkBytes: 1 << 20},
+			cudafake.Options{Seed: uint64(40 + round), MaxDelay: 20 * time.Microsecond, CopyMinDelay: 50 * time.Microsecond, CopyMaxDelay: 400 * time.Microsecond})
+		r := rand.New(rand.NewSource(int64(round)))
+		_, _ = r.Read(e.hostBuf[:2*n])
+		ld := wholeBlocks(e, r, seg, per, blocks)
+		before := e.cu.BounceCopies()
+		op, err := e.s.Submit(Request{Dir: Load, Parts: blocks / perPart, Bytes: n, Build: func(p int, dst []Segment) ([]Segment, error) {
+			return append(dst, ld[p*perPart*per:(p+1)*perPart*per]...), nil
+		}})
+		require.NoError(t, err)
+		// Then a plain load of the first block's first segment from the
+		// other half of the host buffer (a different content).
+		first := ld[0]
+		// Lazy too: a batch copies its ops' plain segments before the
+		// lazy ops' parts, and its lazy parts in the order of their ops.
+		last, err := e.s.Submit(Request{Dir: Load, Parts: 1, Bytes: seg, Build: func(_ int, dst []Segment) ([]Segment, error) {
+			return append(dst, Segment{Dev: first.Dev, Host: e.host + n, Len: seg}), nil
+		}})
+		require.NoError(t, err)
+		bp, err := e.drv.MemHostAlloc(seg, cuda.HostAllocPortable)
+		require.NoError(t, err)
+		back := unsafe.Slice((*byte)(bp), seg)
+		require.NoError(t, op.Wait())
+		// The blocks as the op's completion finds them; segment 0 may
+		// already hold the plain load's bytes (it follows).
+		for _, sg := range ld[1:] {
+			require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(uintptr(bp)), cuda.DevicePtr(sg.Dev), seg))
+			h := sg.Host - e.host
+			require.Equal(t, e.hostBuf[h:h+seg], back, "round %d: device offset %d at the op's completion", round, sg.Dev-e.dev)
+		}
+		require.NoError(t, last.Wait())
+		require.NoError(t, e.drv.Memcpy(cuda.DevicePtr(uintptr(bp)), cuda.DevicePtr(first.Dev), seg))
+		require.Equal(t, e.hostBuf[n:n+seg], back, "round %d: the plain load after the scattered one wins", round)
+		require.NoError(t, e.drv.MemFreeHost(bp))
+		require.Equal(t, before+blocks/perPart, e.cu.BounceCopies(), "each part was scattered")
+	}
+}

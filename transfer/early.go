@@ -132,6 +132,9 @@ func (c *CUDA) Promise(dir Direction, v uint64, evs []Event) error {
 // Fulfil has dir's engine stream write v to dir's counter after the work
 // enqueued on it so far (its bounce stream's joined in, see Copy).
 func (c *CUDA) Fulfil(dir Direction, v uint64) error {
+	if err := c.join(dir); err != nil {
+		return err
+	}
 	return c.drv.StreamWriteValue64(c.streams[dir], c.word(dir), v, cuda.StreamWriteValueDefault)
 }
 

@@ -101,7 +101,7 @@ func (c *Copier) stageable(dir Direction, segs []Segment) bool {
 // at most Options.GatherChunkBytes long. On error what was enqueued keeps
 // its buffers until Close (counted in DeviceBytes meanwhile).
 func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) {
-	return c.staged(D2H, g, s, segs)
+	return c.staged(D2H, g, s, segs, true)
 }
 
 // SubmitScatter copies an H2D batch (Src in registered host memory, Dst on
@@ -119,11 +119,25 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 // work has completed. For whole blocks it is faster than the copy kernel
 // alone; transfer.CUDA uses it for loads where Scatterable.
 func (c *Copier) SubmitScatter(s, g cuda.Stream, segs []Segment) (Ticket, error) {
-	return c.staged(H2D, g, s, segs)
+	return c.staged(H2D, g, s, segs, true)
 }
 
-// staged is SubmitGather (D2H) and SubmitScatter (H2D).
-func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket, error) {
+// SubmitScatterOpen is SubmitScatter without its last step: s does not
+// wait for the last scatter, so that what s copies next (the next batch's
+// runs, into other staging chunks) starts at once instead of after the
+// scatter kernel's tail. The caller joins s to g (an event recorded on g
+// after this call, waited for on s) before anything that must follow the
+// whole batch on s: an event whose completion means the batch is done, a
+// copy on s that may write the same device memory, a host sync of s. The
+// ticket's own completion (Retire) already covers the scatters. On error
+// s is joined as with SubmitScatter.
+func (c *Copier) SubmitScatterOpen(s, g cuda.Stream, segs []Segment) (Ticket, error) {
+	return c.staged(H2D, g, s, segs, false)
+}
+
+// staged is SubmitGather (D2H) and SubmitScatter (H2D; join: s waits for
+// the last scatter before the call returns).
+func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bool) (Ticket, error) {
 	if err := validateSegments(segs, kernelAlign); err != nil {
 		return Ticket{}, err
 	}
@@ -219,7 +233,7 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment) (Ticket
 			return fail(err)
 		}
 	}
-	if dir == H2D {
+	if dir == H2D && join {
 		if err := c.drv.StreamWaitEvent(s, b[(len(parts)-1)%ring], cuda.EventWaitDefault); err != nil {
 			return fail(fmt.Errorf("cudacopy: joining the last scatter: %w", err))
 		}
