@@ -39,11 +39,11 @@ type CUDA struct {
 	// joinEv is recorded on the load bounce stream and waited for on the
 	// load stream when open (a scattered copy's last scatter not yet
 	// joined; see join). Both belong to the submitting thread.
-	joinEv cuda.Event
-	open   bool
-	bounced atomic.Int64         // copies submitted bounced (BounceCopies)
-	splits  atomic.Int64         // BudgetSplits
-	prepped atomic.Int64         // copies enqueued as prepared (CopyPrepared), for tests
+	joinEv  cuda.Event
+	open    bool
+	bounced atomic.Int64 // copies submitted bounced (BounceCopies)
+	splits  atomic.Int64 // BudgetSplits
+	prepped atomic.Int64 // copies enqueued as prepared (CopyPrepared), for tests
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
 	// early: stream memory operations for early events (early.go).

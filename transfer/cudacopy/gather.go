@@ -182,7 +182,14 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 	// wait for the chunk's load, queued behind the next chunks' loads on
 	// the host-to-device copy engine and held the scatter back, well below
 	// the rate of the DMAs alone.
-	bufs := &descCursor{bufs: gr.bufs}
+	// A scatter's kernels read their descriptors straight from the pinned
+	// tables where the device takes host pointers as they are: an upload
+	// on g sits on the host-to-device copy engine behind every run the
+	// load stream has queued (SubmitScatterOpen lets that stream run on
+	// into the next batch), and held the scatters back for over a
+	// millisecond; a warp reads its 32-byte descriptor over the link once
+	// per chunk instead.
+	bufs := &descCursor{bufs: gr.bufs, fromHost: dir == H2D && c.caps.HostPointerIdentity}
 	launches := make([][]launchRange, len(parts))
 	for k := range parts {
 		if launches[k], err = bufs.fill(&cks[k]); err != nil {
@@ -200,8 +207,10 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 		c.abandonAll(t)
 		return Ticket{}, err
 	}
-	if err := c.uploadDescs(g, bufs); err != nil {
-		return fail(err)
+	if !bufs.fromHost {
+		if err := c.uploadDescs(g, bufs); err != nil {
+			return fail(err)
+		}
 	}
 	// D2H: a = gathered (on g), b = copied out (on s).
 	// H2D: a = loaded into staging (on s), b = scattered (on g).
@@ -323,6 +332,10 @@ func (c *Copier) scatterChunk(g, s cuda.Stream, launches []launchRange, bufs *de
 type descCursor struct {
 	bufs   []*descBuf
 	i, off int
+	// fromHost: the kernels read the descriptors from the pinned host
+	// tables (a registered host pointer is a device pointer, see
+	// Capabilities.HostPointerIdentity) and nothing is uploaded.
+	fromHost bool
 }
 
 // launchRange is one launch of a staged chunk: n descriptors from
@@ -366,12 +379,16 @@ func (c *Copier) uploadDescs(g cuda.Stream, cur *descCursor) error {
 	return nil
 }
 
-// launchRanges launches the copy kernel on g over uploaded descriptors.
+// launchRanges launches the copy kernel on g over uploaded descriptors
+// (or, fromHost, the pinned tables themselves).
 func (c *Copier) launchRanges(g cuda.Stream, cur *descCursor, rs []launchRange) error {
 	l := &c.h2d
 	warps := l.Threads / 32
 	for _, r := range rs {
 		dev := cur.bufs[r.buf].dev + cuda.DevicePtr(uint64(r.off)*descSize)
+		if cur.fromHost {
+			dev = cuda.DevicePtr(uintptr(cur.bufs[r.buf].host)) + cuda.DevicePtr(uint64(r.off)*descSize)
+		}
 		// The launch copies its parameters: the buffer's own stay as they
 		// are for later use of the buffer by enqueue.
 		grid := uint32(min(l.CTAs, (r.n+warps-1)/warps))
