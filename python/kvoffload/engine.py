@@ -56,7 +56,7 @@ def _block_ids(block_ids, n):
             f"block_ids must be a sequence of integers, got {type(block_ids).__name__}") from None
     try:
         ids = array.array("q", block_ids)
-        bad = any(type(b) is bool for b in block_ids)  # array takes bools as 0 and 1
+        bad = bool in set(map(type, block_ids))  # array takes bools as 0 and 1
     except (TypeError, OverflowError):
         bad = True
     if bad:

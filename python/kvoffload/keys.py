@@ -77,6 +77,9 @@ def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
     return keys
 
 
+_BYTES_LIKE = {bytes, bytearray}
+
+
 def pack_keys(keys):
     """Checks keys (an iterable of 16-byte bytes-like objects, or one
     bytes-like object of 16*n bytes) and returns (packed bytes, n)."""
@@ -87,6 +90,17 @@ def pack_keys(keys):
         return raw, len(raw) // KEY_BYTES
     if isinstance(keys, str):
         raise ArgumentTypeError(f"keys must be {KEY_BYTES}-byte keys or packed bytes, got a str")
+    if type(keys) is list and keys and type(keys[0]) is bytes:
+        # The common case at C speed (a list of bytes, as chain_keys gives):
+        # joined, and every length checked; anything else, or any bad key,
+        # takes the loop below, which names the key.
+        try:
+            raw = b"".join(keys)
+        except TypeError:
+            raw = None
+        if raw is not None and len(raw) == KEY_BYTES * len(keys) and set(map(len, keys)) == {KEY_BYTES} \
+                and set(map(type, keys)) <= _BYTES_LIKE:
+            return raw, len(keys)
     try:
         it = iter(keys)
     except TypeError:

@@ -48,6 +48,26 @@ class KeyVectors(unittest.TestCase):
             with self.assertRaises(kvoffload.InvalidArgumentError):
                 f()
 
+    def test_pack_keys(self):
+        # The list-of-bytes fast path and the checked loop agree, and a bad
+        # key in a list of bytes is still named by its index.
+        from kvoffload.keys import pack_keys
+        keys = [os.urandom(16) for _ in range(300)]
+        self.assertEqual(pack_keys(keys), (b"".join(keys), 300))
+        self.assertEqual(pack_keys(iter(keys)), (b"".join(keys), 300))
+        mixed = keys[:2] + [bytearray(keys[2]), memoryview(keys[3])]
+        self.assertEqual(pack_keys(mixed), (b"".join(keys[:4]), 4))
+        for bad, want, name in [
+            (keys[:5] + [keys[5][:15], keys[6] + b"x"], kvoffload.InvalidArgumentError, "key 5 is 15 bytes"),
+            (keys[:3] + ["a" * 16], kvoffload.ArgumentTypeError, "key 3 is a str"),
+            (keys[:3] + [memoryview(b"\0" * 16).cast("H")], None, None),
+        ]:
+            if want is None:
+                self.assertEqual(pack_keys(bad)[1], 4)  # 16 bytes as 8 shorts: the loop takes its bytes
+                continue
+            with self.assertRaisesRegex(want, name):
+                pack_keys(bad)
+
     def test_import_loads_nothing(self):
         # In a fresh interpreter: other tests of this run may import torch.
         import os

@@ -110,6 +110,8 @@ suite_paged() {
 suite_trace() {
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 200 python3 bench/trace_reload.py --out "$D/trace.md"
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+		step timeout 200 python3 bench/trace_reload.py --early-events --out "$D/trace-early.md"
 }
 
 suite_calltime() {
