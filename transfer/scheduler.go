@@ -270,16 +270,22 @@ type partRef struct {
 // partFeed builds lazy ops' parts (a list of partRefs, in the order the
 // submitting thread copies them) on builder goroutines ahead of the
 // submitting thread, which takes them in that order (next) and gives
-// their buffers back (done). Builder j of n builds parts j, j+n, j+2n, …
+// their buffers back (done). With more than one builder configured (Build
+// may then run concurrently anyway), the first part the submitting thread
+// builds itself (first), at once, while the builders start: waiting for
+// a builder to wake and hand it over delayed the first copy. Builder j of
+// n builds the rest's parts j, j+n, j+2n, …
 // alternating between its two buffers, so one issue holds at most 2n
-// parts' buffers whatever its ops, and part i is the next one builder
-// i mod n hands over. A builder stops after a part that fails (the
+// parts' buffers whatever its ops, and the rest's part i is the next
+// one builder i mod n hands over. A builder stops after a part that fails (the
 // submitting thread, taking parts in order, fails the op there), or at
 // stop; all have exited once stop returns.
 type partFeed struct {
 	all      []feedBuilder // every builder made so far, each initialised
 	builders []feedBuilder // this issue's: all[:n]
 	taken    int           // parts handed to the submitting thread
+	first    partRef       // built by the submitting thread (firstDue: not yet)
+	firstDue bool
 	quit     chan struct{}
 	exited   sync.WaitGroup
 	running  bool
@@ -295,6 +301,11 @@ type feedBuilder struct {
 // stopFeed returns), with up to Config.Builders builders.
 func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 	f := &s.feed
+	f.firstDue = s.cfg.Builders > 1
+	if f.firstDue {
+		f.first = parts[0]
+		parts = parts[1:]
+	}
 	n := min(s.cfg.Builders, len(parts))
 	for len(f.all) < n {
 		j := len(f.all)
@@ -990,13 +1001,21 @@ func (op *Op) partsOf(l int) (from, to int) {
 
 // issueParts copies the parts of lazy op that make its layer l (submitting
 // thread), taking them from f (the issue's feed, which builds them ahead
-// in this order) or, without one, building them here. Each part's
+// in this order, but for its first, built here) or, without one, building
+// them here. Each part's
 // descriptors are appended to the batch's. A part that fails to build or
 // copy fails the op.
 func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 	from, to := op.partsOf(l)
 	for p := from; p < to; p++ {
-		if f == nil {
+		inline := f == nil
+		if f != nil && f.firstDue {
+			if f.first != (partRef{op, p}) {
+				return fmt.Errorf("%w: the feed's first part is part %d of another op, want part %d of this %v", ErrInvalidRequest, f.first.p, p, op.dir)
+			}
+			f.firstDue, inline = false, true
+		}
+		if inline {
 			s.buildPart(op, p, &s.lone)
 			err := s.copyPart(b, op, &s.lone)
 			s.lone.op = nil
