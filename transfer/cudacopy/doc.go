@@ -36,7 +36,10 @@
 // device side only; Gatherable and Scatterable say when a store or a load
 // should go that way. A staged batch writes and uploads all its descriptors
 // before its first DMA, so that no descriptor upload waits behind a chunk's
-// DMA on a copy engine.
+// DMA on a copy engine; a scatter, where registered host pointers are
+// device pointers, uploads nothing: its kernels read the pinned tables.
+// SubmitScatterOpen leaves the final join of the load stream to the last
+// scatter to its caller, so that the next batch's DMAs start at once.
 //
 // MethodAuto picks per batch from a calibration table measured on the device
 // (Calibrate: each method's pipelined rate, several back-to-back Submits, as
