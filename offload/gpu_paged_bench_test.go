@@ -112,20 +112,7 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		require.NoError(b, err)
 		return time.Duration(float64(ms) * float64(time.Millisecond))
 	}
-	link := func(h2d bool) float64 {
-		best := 0.0
-		for range 3 {
-			require.NoError(b, drv.EventRecord(evs[0], s))
-			if h2d {
-				require.NoError(b, drv.MemcpyAsync(cuda.DevicePtr(devP), cuda.DevicePtr(uintptr(hostP)), bytes, s))
-			} else {
-				require.NoError(b, drv.MemcpyAsync(cuda.DevicePtr(uintptr(hostP)), cuda.DevicePtr(devP), bytes, s))
-			}
-			require.NoError(b, drv.EventRecord(evs[1], s))
-			best = max(best, float64(bytes)/elapsed(evs[0], evs[1]).Seconds()/1e9)
-		}
-		return best
-	}
+	link := contiguousLink(b, drv, s, evs[0], evs[1], hostP, devP, bytes)
 	h2d, d2h := link(true), link(false)
 
 	rng := rand.New(rand.NewPCG(uint64(n), 7))
@@ -139,34 +126,30 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		for i := range keys {
 			keys[i] = testKey(2_000_000 + it*n + i)
 		}
-		require.NoError(b, drv.EventRecord(evs[0], s))
-		t0 := time.Now()
-		op, err := e.Store(ctx, keys, from, StoreOptions{})
-		storeCall = append(storeCall, time.Since(t0))
-		require.NoError(b, err)
-		require.NoError(b, op.StreamWait(uintptr(s)))
-		require.NoError(b, drv.EventRecord(evs[1], s))
-		storeGPU = append(storeGPU, elapsed(evs[0], evs[1]))
-		require.NoError(b, op.Wait(ctx))
-		require.Equal(b, n, op.Count(OutcomeStored))
-		require.NoError(b, op.Release())
-
-		require.NoError(b, drv.EventRecord(evs[0], s))
-		t0 = time.Now()
-		op, err = e.Load(ctx, keys, into, LoadOptions{})
-		loadCall = append(loadCall, time.Since(t0))
-		require.NoError(b, err)
-		require.NoError(b, op.StreamWait(uintptr(s)))
-		require.NoError(b, drv.EventRecord(evs[1], s))
-		loadGPU = append(loadGPU, elapsed(evs[0], evs[1]))
-		require.NoError(b, op.Wait(ctx))
-		require.Equal(b, n, op.Count(OutcomeLoaded))
-		require.NoError(b, op.Release())
+		// timed runs one op: how long its call took, and its GPU side.
+		timed := func(call func() (*Op, error), outcome Outcome) (callT, gpuT time.Duration) {
+			require.NoError(b, drv.EventRecord(evs[0], s))
+			t0 := time.Now()
+			op, err := call()
+			callT = time.Since(t0)
+			require.NoError(b, err)
+			require.NoError(b, op.StreamWait(uintptr(s)))
+			require.NoError(b, drv.EventRecord(evs[1], s))
+			gpuT = elapsed(evs[0], evs[1])
+			require.NoError(b, op.Wait(ctx))
+			require.Equal(b, n, op.Count(outcome))
+			require.NoError(b, op.Release())
+			return callT, gpuT
+		}
+		c, g := timed(func() (*Op, error) { return e.Store(ctx, keys, from, StoreOptions{}) }, OutcomeStored)
+		storeCall, storeGPU = append(storeCall, c), append(storeGPU, g)
+		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, LoadOptions{}) }, OutcomeLoaded)
+		loadCall, loadGPU = append(loadCall, c), append(loadGPU, g)
 
 		// Per layer: the caller's stream waits on layer 0's event, records,
 		// then waits on the last layer's and records again.
 		require.NoError(b, drv.EventRecord(evs[0], s))
-		op, err = e.Load(ctx, keys, into, LoadOptions{PerLayer: true})
+		op, err := e.Load(ctx, keys, into, LoadOptions{PerLayer: true})
 		require.NoError(b, err)
 		for i, l := range []int{0, prLayers - 1} {
 			ev, err := op.LayerEvent(l)
