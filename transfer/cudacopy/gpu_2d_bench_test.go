@@ -44,44 +44,36 @@ func BenchmarkGPUHeadPattern(b *testing.B) {
 	require.NoError(b, err)
 	defer func() { _ = drv.EventDestroy(e0); _ = drv.EventDestroy(e1) }()
 
-	// shape builds the segments of one direction: host offset o of head
-	// (blk, t, h) is ((blk·tensors + t)·heads + h)·headBytes.
+	// shape gives head (blk, t, h)'s copy host-side first: its rows on the
+	// host and on the device, with each side's pitch; host offset o is
+	// ((blk·tensors + t)·heads + h)·headBytes. seg orients it.
 	type shape struct {
 		name string
-		seg  func(h2d bool, blk, t, h int) Segment2D
+		side func(blk, t, h int) (o, d uint64, rows, rowLen, hostPitch, devPitch uint64)
+	}
+	seg := func(sh shape, h2d bool, blk, t, hd int) Segment2D {
+		o, d, n, r, hp, dp := sh.side(blk, t, hd)
+		if h2d {
+			return Segment2D{Src: o, Dst: d, Rows: n, RowLen: r, SrcPitch: hp, DstPitch: dp}
+		}
+		return Segment2D{Src: d, Dst: o, Rows: n, RowLen: r, SrcPitch: dp, DstPitch: hp}
 	}
 	shapes := []shape{
-		{"2-D 16×256 B, device pitch 512 (head-sliced)", func(h2d bool, blk, t, hd int) Segment2D {
-			o := hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes)
-			d := dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*row)
-			if h2d {
-				return Segment2D{Src: o, Dst: d, Rows: rows, RowLen: row, SrcPitch: row, DstPitch: heads * row}
-			}
-			return Segment2D{Src: d, Dst: o, Rows: rows, RowLen: row, SrcPitch: heads * row, DstPitch: row}
+		{"2-D 16×256 B, device pitch 512 (head-sliced)", func(blk, t, hd int) (uint64, uint64, uint64, uint64, uint64, uint64) {
+			return hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes), dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*row),
+				rows, row, row, heads * row
 		}},
-		{"2-D 16×256 B, pitch 256 (contiguous)", func(h2d bool, blk, t, hd int) Segment2D {
-			o := hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes)
-			d := dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*headBytes)
-			if h2d {
-				return Segment2D{Src: o, Dst: d, Rows: rows, RowLen: row, SrcPitch: row, DstPitch: row}
-			}
-			return Segment2D{Src: d, Dst: o, Rows: rows, RowLen: row, SrcPitch: row, DstPitch: row}
+		{"2-D 16×256 B, pitch 256 (contiguous)", func(blk, t, hd int) (uint64, uint64, uint64, uint64, uint64, uint64) {
+			return hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes), dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*headBytes),
+				rows, row, row, row
 		}},
-		{"2-D 16×256 B, device pitch 512, host: the rank's 2 of 8 heads of a whole block", func(h2d bool, blk, t, hd int) Segment2D {
-			o := hostP + uint64(((blk*tensors+t)*4*heads+heads+hd)*headBytes) // heads [2, 4) of 8
-			d := dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*row)
-			if h2d {
-				return Segment2D{Src: o, Dst: d, Rows: rows, RowLen: row, SrcPitch: row, DstPitch: heads * row}
-			}
-			return Segment2D{Src: d, Dst: o, Rows: rows, RowLen: row, SrcPitch: heads * row, DstPitch: row}
+		{"2-D 16×256 B, device pitch 512, host: the rank's 2 of 8 heads of a whole block", func(blk, t, hd int) (uint64, uint64, uint64, uint64, uint64, uint64) {
+			return hostP + uint64(((blk*tensors+t)*4*heads+heads+hd)*headBytes), // heads [2, 4) of 8
+				dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*row), rows, row, row, heads * row
 		}},
-		{"1-D 4 KiB", func(h2d bool, blk, t, hd int) Segment2D {
-			o := hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes)
-			d := dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*headBytes)
-			if h2d {
-				return Segment2D{Src: o, Dst: d, Rows: 1, RowLen: headBytes}
-			}
-			return Segment2D{Src: d, Dst: o, Rows: 1, RowLen: headBytes}
+		{"1-D 4 KiB", func(blk, t, hd int) (uint64, uint64, uint64, uint64, uint64, uint64) {
+			return hostP + uint64(((blk*tensors+t)*heads+hd)*headBytes), dev + uint64(t*blocks*heads*headBytes+blk*heads*headBytes+hd*headBytes),
+				1, headBytes, 0, 0
 		}},
 	}
 	timed := func(run func() []Ticket) float64 {
@@ -122,7 +114,7 @@ func BenchmarkGPUHeadPattern(b *testing.B) {
 			for blk := range blocks {
 				for t := range tensors {
 					for hd := range heads {
-						segs = append(segs, sh.seg(h2d, blk, t, hd))
+						segs = append(segs, seg(sh, h2d, blk, t, hd))
 					}
 				}
 			}
