@@ -120,8 +120,8 @@ def main():
 
 
 def analyse(path, floor):
-    """Per user annotation (each op's record_function span on the GPU
-    timeline), the GPU activity inside it, per stream: first start, last
+    """Per user annotation (each op's record_function span), the GPU
+    activity that started between it and the next op's, per stream: first start, last
     end, busy time, gaps over 5 µs, and the names of the activity."""
     with open(path) as f:
         tr = json.load(f)
@@ -131,9 +131,13 @@ def analyse(path, floor):
     if not ops:  # CPU-side annotations then
         ops = [e for e in ev if e.get("cat") == "user_annotation"]
     out = []
-    for o in sorted(ops, key=lambda e: e["ts"]):
-        t0, t1 = o["ts"], o["ts"] + o["dur"]
-        inside = sorted((e for e in gpu if e["ts"] >= t0 - 50 and e["ts"] <= t1 + 5000), key=lambda e: e["ts"])
+    ops = sorted(ops, key=lambda e: e["ts"])
+    for i, o in enumerate(ops):
+        # An op's GPU work starts after its call began and before the next
+        # op's call (each op is waited for before the next starts).
+        t0 = o["ts"]
+        t1 = ops[i + 1]["ts"] if i + 1 < len(ops) else float("inf")
+        inside = sorted((e for e in gpu if t0 - 50 <= e["ts"] < t1), key=lambda e: e["ts"])
         out.append(f"### {o['name']} (span {o['dur'] / 1e3:.3f} ms, {o.get('cat')})\n")
         by = {}
         for e in inside:

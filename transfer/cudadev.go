@@ -52,6 +52,9 @@ type CUDA struct {
 	// Context.NewCUDA before the device is used; read and cleared by the
 	// one goroutine that calibrates).
 	calibrateLater bool
+	// keepIdle: the copier keeps its device memory (KeepIdle, set by
+	// newCUDA; false when MaxDeviceBytes is too small to split).
+	keepIdle bool
 }
 
 // What newCUDA has the copier allocate ahead (cudacopy.Copier.Prewarm):
@@ -131,7 +134,7 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 	// allocate again (cuMemFree, cuMemHostAlloc: milliseconds each, and
 	// cuMemFree may wait for the device to go idle). Too small a bound to
 	// split: as before.
-	c.copier.KeepIdle()
+	c.keepIdle = c.copier.KeepIdle()
 	if early {
 		c.setupEarly()
 	} else {
@@ -325,16 +328,18 @@ func to2D(dir Direction, segs []Segment, out []cudacopy.Segment2D) []cudacopy.Se
 func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
-	bounced, scattered := false, false
+	bounced := false
 	switch {
 	case dir == Store && c.copier.Gatherable(segs):
 		bounced = true
 		t, err = c.copier.SubmitGather(c.bounce[Store], c.streams[Store], segs)
 	case dir == Load && c.copier.Scatterable(segs):
 		// Left open: the next scattered copy's runs start on the load
-		// stream without waiting for this one's last scatter.
-		bounced, scattered = true, true
+		// stream without waiting for this one's last scatter (on error
+		// the copier has joined it).
+		bounced = true
 		t, err = c.copier.SubmitScatterOpen(c.streams[Load], c.bounce[Load], segs)
+		c.open = c.open || err == nil
 	case dir == Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
@@ -345,9 +350,6 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 	if err == nil {
 		if bounced {
 			c.bounced.Add(1)
-		}
-		if scattered {
-			c.open = true
 		}
 		*ts = append(*ts, t)
 		return nil

@@ -108,11 +108,12 @@ func (c *CUDA) EarlyEvents() bool { return c.early.on }
 // EarlyEventsOff is why early events are off ("" when they are on).
 func (c *CUDA) EarlyEventsOff() string { return c.early.why }
 
-// StartEarly makes the copier keep its device memory instead of freeing
-// it on the submitting thread (cudacopy.Copier.KeepIdle): cuMemFree can
-// wait for the device to go idle, which it never does while a signal
-// stream waits for a value that thread has yet to write.
-func (c *CUDA) StartEarly() bool { return c.early.on && c.copier.KeepIdle() }
+// StartEarly reports whether early events can start: they need the copier
+// to keep its device memory instead of freeing it on the submitting thread
+// (cudacopy.Copier.KeepIdle, which newCUDA asked for): cuMemFree can wait
+// for the device to go idle, which it never does while a signal stream
+// waits for a value that thread has yet to write.
+func (c *CUDA) StartEarly() bool { return c.early.on && c.keepIdle }
 
 // Promise records evs on dir's signal stream behind a wait for dir's
 // counter to reach v.
@@ -130,7 +131,7 @@ func (c *CUDA) Promise(dir Direction, v uint64, evs []Event) error {
 }
 
 // Fulfil has dir's engine stream write v to dir's counter after the work
-// enqueued on it so far (its bounce stream's joined in, see Copy).
+// enqueued on it so far (its bounce stream's joined in, see join).
 func (c *CUDA) Fulfil(dir Direction, v uint64) error {
 	if err := c.join(dir); err != nil {
 		return err
