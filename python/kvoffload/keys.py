@@ -90,17 +90,11 @@ def pack_keys(keys):
         return raw, len(raw) // KEY_BYTES
     if isinstance(keys, str):
         raise ArgumentTypeError(f"keys must be {KEY_BYTES}-byte keys or packed bytes, got a str")
-    if type(keys) is list and keys and type(keys[0]) is bytes:
+    if type(keys) is list and keys and set(map(type, keys)) <= _BYTES_LIKE and set(map(len, keys)) == {KEY_BYTES}:
         # The common case at C speed (a list of bytes, as chain_keys gives):
-        # joined, and every length checked; anything else, or any bad key,
-        # takes the loop below, which names the key.
-        try:
-            raw = b"".join(keys)
-        except TypeError:
-            raw = None
-        if raw is not None and len(raw) == KEY_BYTES * len(keys) and set(map(len, keys)) == {KEY_BYTES} \
-                and set(map(type, keys)) <= _BYTES_LIKE:
-            return raw, len(keys)
+        # every type and length checked, then joined; anything else, or any
+        # bad key, takes the loop below, which names the key.
+        return b"".join(keys), len(keys)
     try:
         it = iter(keys)
     except TypeError:
