@@ -288,7 +288,7 @@ start_redis_cluster() {
 	REDIS_PIDS=()
 	for p in "$@"; do
 		redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes --cluster-config-file "nodes-$p.conf" \
-			--cluster-node-timeout 5000 --save '' --appendonly no --dir "$dir" --logfile "$dir/redis-$p.log" &
+			--cluster-node-timeout 5000 --save '' --appendonly no --dir "$dir" --dbfilename "dump-$p.rdb" --logfile "$dir/redis-$p.log" &
 		REDIS_PIDS+=($!)
 		addrs+=("127.0.0.1:$p")
 	done

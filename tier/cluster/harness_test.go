@@ -64,6 +64,12 @@ func startClusterOn(dir string, ports []int, masters, replicas int, password str
 		args := []string{"--port", strconv.Itoa(p), "--bind", "127.0.0.1",
 			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
 			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", dir,
+			// Each node its own RDB file: a replica's full sync renames the
+			// snapshot it received to dbfilename in dir and loads that file,
+			// so replicas sharing dir and the default dump.rdb could load
+			// each other's snapshot (a promoted replica then lacks its
+			// master's keys).
+			"--dbfilename", fmt.Sprintf("dump-%d.rdb", p),
 			"--enable-debug-command", "yes", "--logfile", fmt.Sprintf("redis-%d.log", p)}
 		if password != "" {
 			args = append(args, "--requirepass", password, "--masterauth", password)
