@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache/trace"
 )
@@ -252,4 +253,58 @@ func BenchmarkBeginLoad2048(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkLookupLease1024: LookupLease of a 1024-block chain (all hits)
+// and the Unlease that gives the leases back, timed apart by hand: the
+// index's share of the node pool's lookup round trip (nodepool's
+// BenchmarkLookupLease, target ≤ 100 µs for the round trip).
+func BenchmarkLookupLease1024(b *testing.B) {
+	const n = 1024
+	layout, err := NewLayout(DenseSpec(CrossLayer, Llama3_8B, 4*n, 1<<44))
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := New(Config{Layout: layout, Policy: NewLRU()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.AddRegion(Region{ID: 1, Base: 1 << 40, Size: 4 * n * layout.SlotSize()}); err != nil {
+		b.Fatal(err)
+	}
+	keys, ids := make([]Key, n), make([]int, n)
+	for j := range keys {
+		keys[j][0], keys[j][1], keys[j][15] = byte(j), byte(j>>8), 9
+		ids[j] = j
+	}
+	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var sl []Slot
+	for _, x := range res {
+		sl = append(sl, x.Slot)
+	}
+	if err := c.CompleteStore(sl, nil); err != nil {
+		b.Fatal(err)
+	}
+	var looked, unleased time.Duration
+	b.ResetTimer()
+	for range b.N {
+		t0 := time.Now()
+		hits, dst := c.LookupLease(keys, sl[:0])
+		t1 := time.Now()
+		if hits != n || len(dst) != n {
+			b.Fatalf("%d hits, %d leases", hits, len(dst))
+		}
+		if err := c.Unlease(dst); err != nil {
+			b.Fatal(err)
+		}
+		looked += t1.Sub(t0)
+		unleased += time.Since(t1)
+		sl = dst
+	}
+	b.ReportMetric(float64(looked.Nanoseconds())/1e3/float64(b.N), "µs/lookup")
+	b.ReportMetric(float64(unleased.Nanoseconds())/1e3/float64(b.N), "µs/unlease")
 }

@@ -212,6 +212,10 @@ type slotRec struct {
 	storing    bool // the D2H of this occupancy has not completed (every head-range write's, for a partial block)
 	chain      bool // part of the chain BeginStore is making room for
 	demote     bool // evicted, accepted by Config.Demote: demoting once released (releasing or demoting)
+	// dupMark and dupN are endRead's scratch: dupN counts this slot's
+	// handles in the call stamped dupMark (Cache.dupEpoch).
+	dupMark uint32
+	dupN    int32
 	// part is the head-range state of a block stored by head ranges, while
 	// it is incomplete (see partial); nil otherwise.
 	part *partial
@@ -235,6 +239,7 @@ type Cache struct {
 	slotSize  uint64
 	align     uint64
 	policy    Policy
+	lru       *LRU // policy, when it is the LRU: hits touch it without an interface call
 	watermark int
 	threshold int
 	onFree    func(Slot)
@@ -280,12 +285,15 @@ type Cache struct {
 	st         Stats
 	counts     [stateRetired]int // slots per state, retired ones not counted
 
-	victims  []Victim         // scratch for maintain
-	found    []int32          // scratch: slots of a call's keys
-	dupKeys  map[Key]struct{} // scratch for duplicate checks
-	dupIDs   map[int]struct{}
+	victims  []Victim  // scratch for maintain
+	found    []int32   // scratch: slots of a call's keys
+	dupKeys  dupKeySet // scratch for duplicate checks
+	dupIDs   dupIDSet
 	dupSlot  map[SlotID]int32
 	dupStore map[storeHandle]struct{}
+	// dupEpoch stamps slotRec.dupMark: endRead counts how often a call
+	// names each slot in the slot records it touches anyway, not in a map.
+	dupEpoch uint32
 }
 
 // storeHandle names one store write in CompleteStore's duplicate check: a
@@ -327,8 +335,9 @@ func New(cfg Config) (*Cache, error) {
 		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree, onIndex: cfg.OnIndex,
 		freeHead: -1,
 		heads:    cfg.Layout.Geometry().KVHeads, partialTimeout: cfg.PartialTimeout, now: cfg.Clock,
-		dupKeys: map[Key]struct{}{}, dupIDs: map[int]struct{}{}, dupSlot: map[SlotID]int32{}, dupStore: map[storeHandle]struct{}{},
+		dupSlot: map[SlotID]int32{}, dupStore: map[storeHandle]struct{}{},
 	}
+	c.lru, _ = p.(*LRU)
 	c.zeroDone.L = &c.mu
 	if cfg.OnDemote != nil {
 		c.demote, c.onDemote = cfg.Demote, cfg.OnDemote
@@ -711,7 +720,15 @@ func (c *Cache) freeSlot(i int32) {
 }
 
 func (c *Cache) handle(i int32) Slot {
+	var h Slot
+	c.fillHandle(&h, i)
+	return h
+}
+
+// fillHandle writes slot i's handle into *d field by field (a Slot built
+// by value and copied stalls on store forwarding; see accessed).
+func (c *Cache) fillHandle(d *Slot, i int32) {
 	s := &c.slots[i]
 	r := &c.regions[s.region].r
-	return Slot{ID: SlotID(i), Gen: s.gen, Region: r.ID, Off: s.off, Addr: r.Base + uintptr(s.off)}
+	d.ID, d.Gen, d.Region, d.Off, d.Addr, d.Heads = SlotID(i), s.gen, r.ID, s.off, r.Base+uintptr(s.off), HeadRange{}
 }

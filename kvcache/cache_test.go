@@ -430,3 +430,43 @@ func ExampleCache() {
 	fmt.Println(n, "slots;", len(keys), "keys;", len(segs), "segments of", layout.SlotSize()>>20, "MiB;", c.Lookup(keys), "ready")
 	// Output: 4 slots; 2 keys; 64 segments of 2 MiB; 2 ready
 }
+
+// TestUnleaseCountsHandlesPerCall: a release names a slot as many times
+// as it may (one per lease); once more is ErrStaleSlot and changes nothing;
+// the count starts again at every call, also across the wrap of the stamp
+// that keeps it.
+func TestUnleaseCountsHandlesPerCall(t *testing.T) {
+	c := newCache(t, 8, Config{})
+	ks, ids := keysN(0, 2)
+	store(t, c, ks, ids)
+	for _, epoch := range []uint32{0, ^uint32(0) - 1} {
+		c.mu.Lock()
+		c.dupEpoch = epoch
+		c.mu.Unlock()
+		_, a := c.LookupLease(ks, nil)
+		_, b := c.LookupLease(ks[:1], nil)
+		require.Len(t, a, 2)
+		// ks[0] twice (two leases) and ks[1] twice (one lease): refused whole.
+		err := c.Unlease([]Slot{a[0], b[0], a[1], a[1]})
+		require.ErrorIs(t, err, ErrStaleSlot)
+		require.ErrorContains(t, err, "released 2 times, it holds 1 leases")
+		require.Equal(t, 2, c.Stats().Leased)
+		require.NoError(t, c.Unlease([]Slot{a[0], b[0], a[1]})) // both leases of ks[0]
+		require.Zero(t, c.Stats().Leased)
+		// One lease each, released in two calls: each call counts afresh.
+		_, a = c.LookupLease(ks[:1], nil)
+		_, b = c.LookupLease(ks[:1], nil)
+		require.NoError(t, c.Unlease(a))
+		require.NoError(t, c.Unlease(b))
+		require.ErrorIs(t, c.Unlease(b), ErrStaleSlot)
+		require.NoError(t, c.Verify())
+	}
+	require.NotZero(t, c.dupEpoch, "the stamp skips 0 when it wraps")
+	// A mark left from long ago equal to the stamp after a wrap: cleared.
+	_, a := c.LookupLease(ks[:1], nil)
+	c.mu.Lock()
+	c.slots[a[0].ID].dupMark, c.slots[a[0].ID].dupN = 1, 5
+	c.dupEpoch = ^uint32(0)
+	c.mu.Unlock()
+	require.NoError(t, c.Unlease(a))
+}

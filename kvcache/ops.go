@@ -366,12 +366,18 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 	c.st.LookupHits += uint64(n)
 	c.st.LookupMisses += uint64(len(keys) - n)
 	// Children before parents, so that under LRU a parent is always more
-	// recent than the children reached through it.
+	// recent than the children reached through it. Handles are written in
+	// place, in key order.
+	base := len(dst)
+	if lease {
+		dst = slices.Grow(dst, n)[:base+n]
+	}
 	for j := n - 1; j >= 0; j-- {
 		i := c.found[j]
-		c.policy.Accessed(Entry{Key: keys[j], Slot: SlotID(i), Gen: c.slots[i].gen})
+		c.accessed(keys[j], i, c.slots[i].gen)
 		if lease {
 			c.lease(i)
+			c.fillHandle(&dst[base+j], i)
 		}
 	}
 	for _, k := range keys[n:] {
@@ -383,12 +389,21 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 		}
 	}
 	if lease {
-		for _, i := range c.found {
-			dst = append(dst, c.handle(i))
-		}
 		c.check()
 	}
 	return n, dst
+}
+
+// accessed tells the policy that slot i (key k, ready) was hit. The LRU
+// is called directly: an Entry passed by value through the interface is
+// stored and reloaded across overlapping words, a store-forwarding stall
+// that was a third of a 1024-key LookupLease.
+func (c *Cache) accessed(k Key, i int32, gen uint32) {
+	if c.lru != nil {
+		c.lru.touch(i, gen)
+		return
+	}
+	c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: gen})
 }
 
 func (c *Cache) lease(i int32) {
@@ -431,17 +446,20 @@ func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadR
 	}
 	for j, k := range keys {
 		c.st.LoadKeys++
-		r := LoadResult{BlockID: blockIDs[j]}
+		// Filled in place (see accessed).
+		dst = append(dst, LoadResult{})
+		r := &dst[len(dst)-1]
+		r.BlockID = blockIDs[j]
 		if i, ok := c.index.get(k); ok && c.slots[i].visible() {
 			c.lease(i)
 			c.slots[i].pending++
-			c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: c.slots[i].gen})
-			r.Found, r.Slot = true, c.handle(i)
+			c.accessed(k, i, c.slots[i].gen)
+			r.Found = true
+			c.fillHandle(&r.Slot, i)
 			c.st.Loaded++
 		} else {
 			c.st.LoadMissing++
 		}
-		dst = append(dst, r)
 	}
 	c.check()
 	return dst, nil
@@ -457,14 +475,17 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 	if c.closed {
 		return ErrClosed
 	}
-	clear(c.dupSlot)
+	c.nextDupEpoch()
 	for _, h := range slots {
 		s, err := c.lookupHandle(h)
 		if err != nil {
 			return err
 		}
-		n := c.dupSlot[h.ID] + 1
-		c.dupSlot[h.ID] = n
+		if s.dupMark != c.dupEpoch {
+			s.dupMark, s.dupN = c.dupEpoch, 0
+		}
+		s.dupN++
+		n := s.dupN
 		if s.readers < n || (load && s.pending-s.storeWrites() < n) {
 			return fmt.Errorf("%w: slot %d gen %d released %d times, it holds %d leases and %d loads",
 				ErrStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-s.storeWrites())
@@ -476,6 +497,19 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 	c.maintain(0)
 	c.check()
 	return nil
+}
+
+// nextDupEpoch starts a call's count of handles per slot (slotRec.dupN):
+// marks of earlier calls no longer match. When the stamp wraps, every
+// mark is cleared so that no slot carries an old mark equal to a new one.
+func (c *Cache) nextDupEpoch() {
+	c.dupEpoch++
+	if c.dupEpoch == 0 {
+		for i := range c.slots {
+			c.slots[i].dupMark = 0
+		}
+		c.dupEpoch = 1
+	}
 }
 
 func b2i(b bool) int32 {
@@ -554,23 +588,19 @@ func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
 	if len(keys) != len(ids) {
 		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
 	}
-	clear(c.dupKeys)
+	c.dupKeys.start(len(keys))
 	if load {
-		clear(c.dupIDs)
+		c.dupIDs.start(len(keys))
 	}
 	for j, k := range keys {
 		if err := c.layout.CheckBlock(ids[j]); err != nil {
 			return fmt.Errorf("key %d (%v): %w", j, k, err)
 		}
-		if _, dup := c.dupKeys[k]; dup {
+		if c.dupKeys.add(k) {
 			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
 		}
-		c.dupKeys[k] = struct{}{}
-		if load {
-			if _, dup := c.dupIDs[ids[j]]; dup {
-				return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
-			}
-			c.dupIDs[ids[j]] = struct{}{}
+		if load && c.dupIDs.add(ids[j]) {
+			return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
 		}
 	}
 	return nil

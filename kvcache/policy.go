@@ -144,9 +144,14 @@ func (p *LRU) Inserted(e Entry) {
 }
 
 // Accessed implements Policy.
-func (p *LRU) Accessed(e Entry) {
-	i := int32(e.Slot)
-	if int(i) < len(p.in) && p.in[i] && p.gens[i] == e.Gen {
+func (p *LRU) Accessed(e Entry) { p.touch(int32(e.Slot), e.Gen) }
+
+// touch moves slot i to the front when it holds generation gen.
+func (p *LRU) touch(i int32, gen uint32) {
+	if int(i) < len(p.in) && p.in[i] && p.gens[i] == gen {
+		if p.head == i {
+			return
+		}
 		p.unlink(i)
 		p.pushFront(i)
 	}
