@@ -2,8 +2,10 @@ package offload
 
 import (
 	"context"
+	"encoding/hex"
 	"fmt"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
+	"github.com/kvoffload/kvoffload/tier/record"
 )
 
 // clusterEngineConfig is a pool of pool 8 KiB slots over the cluster at
@@ -327,5 +330,59 @@ func TestClusterStartsAfterEngine(t *testing.T) {
 	for i := range 5 {
 		require.Equal(t, OutcomeLoaded, oc[i])
 		require.Equal(t, contents[i+1], blockBytes(b, 8+i), "block %d byte-exact through the cluster", i+1)
+	}
+}
+
+// TestClusterCorruptRecordNeverLoaded: a record damaged in the cluster
+// (one payload byte changed by hand) is read straight into its reserved
+// slot by Prefetch and fails its checksum there: the slot is released,
+// never made ready, so no Lookup or Load sees the key, while the other
+// blocks are promoted and load byte-exact.
+func TestClusterCorruptRecordNeverLoaded(t *testing.T) {
+	waitClientGone(t)
+	c := clustertest.Start(t, 3)
+	ns := fmt.Sprintf("corrupt-%d", time.Now().UnixNano())
+	a := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
+	defer func() { require.NoError(t, a.Close()) }()
+	keys := seqKeys(40, 4)
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, a, i, byte(3+16*i))
+		require.Equal(t, OutcomeStored, storeOne(t, a, keys[i], i))
+	}
+	require.NoError(t, a.FlushCluster())
+
+	// Change one payload byte of keys[2]'s record where it lives.
+	bad := hex.EncodeToString(keys[2][:])
+	changed := false
+	for _, addr := range c.Addrs() {
+		_, port, _ := strings.Cut(addr, ":")
+		p, _ := strconv.Atoi(port)
+		out, err := clustertest.CLI(p, "", "keys", "*"+bad)
+		require.NoError(t, err)
+		if k := strings.TrimSpace(out); k != "" {
+			_, err = clustertest.CLI(p, "", "setrange", k, strconv.Itoa(record.HeaderSize+100), "X")
+			require.NoError(t, err)
+			changed = true
+		}
+	}
+	require.True(t, changed, "keys[2]'s record is in the cluster")
+
+	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
+	defer func() { require.NoError(t, b.Close()) }()
+	pr, err := b.Prefetch(context.Background(), keys, PrefetchOptions{Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	require.Equal(t, 3, pr.FromCluster, "every record but the damaged one")
+	require.Equal(t, int64(1), b.Stats().ClusterCorrupt)
+	res, err := b.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 2, res.Hits, "the chain stops at the damaged block")
+	res, err = b.Lookup(keys[2:3], LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.Hits, "the damaged block's slot was never made ready")
+	oc := loadAll(t, b, keys, seqIDs(8, 4))
+	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded, OutcomeMissing, OutcomeLoaded}, oc, "Load takes every key the pool holds")
+	for _, i := range []int{0, 1, 3} {
+		require.Equal(t, contents[i], blockBytes(b, 8+i), "block %d", i)
 	}
 }

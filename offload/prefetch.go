@@ -57,7 +57,9 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 			for i, k := range pkeys {
 				ks[i] = k
 			}
-			return e.cluster.Get(gctx, ks, mems)
+			// Straight into the reserved slots: a slot whose record
+			// fails a check is released below, never made ready.
+			return e.cluster.GetDirect(gctx, ks, mems)
 		}, nil, false)
 		cancel()
 	}

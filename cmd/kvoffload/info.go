@@ -79,10 +79,10 @@ type hostInfo struct {
 	// NodePoolPages is what a node pool (`kvoffload serve`) would map its
 	// regions with here: hugetlbfs pages when some are free, else THP as
 	// shmem_enabled allows, else base pages.
-	NodePoolPages string `json:"node_pool_pages"`
-	HugePagesTotal    int64  `json:"hugepages_total"`
-	HugePagesFree     int64  `json:"hugepages_free"`
-	HugePageBytes     int64  `json:"hugepage_bytes"`
+	NodePoolPages  string `json:"node_pool_pages"`
+	HugePagesTotal int64  `json:"hugepages_total"`
+	HugePagesFree  int64  `json:"hugepages_free"`
+	HugePageBytes  int64  `json:"hugepage_bytes"`
 	// MemlockBytes is RLIMIT_MEMLOCK's soft limit; -1 when unlimited.
 	MemlockBytes int64 `json:"memlock_bytes"`
 	// CgroupMemoryBytes is the smallest memory limit of the process's

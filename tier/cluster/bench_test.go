@@ -99,13 +99,14 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 				rb, tier       float64
 				rbCPU, tierCPU time.Duration
 			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU},
+				{"GET / GetDirect", rbGet, tr.getDirect, rbGetCPU, tr.getDirectCPU},
 				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
 				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f |\n", size, r.op, round+1, load, count, r.rb, r.tier,
 					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count))
 			}
 		}
-		for _, op := range []string{"SET / PutAsync", "GET / Get", "SET / the client alone"} {
+		for _, op := range []string{"SET / PutAsync", "GET / Get", "GET / GetDirect", "SET / the client alone"} {
 			rs := append([]float64(nil), ratios[op]...)
 			sort.Float64s(rs)
 			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | | |\n", size, op, 100*rs[len(rs)/2])
@@ -234,7 +235,8 @@ func rbRate(t *testing.T, test string, out []byte) float64 {
 
 // benchTier puts count records of size bytes (keyspace distinct keys) with
 // conns×depth puts outstanding, then gets count records with conns
-// goroutines each asking for depth keys a call, then has the Redis client
+// goroutines each asking for depth keys a call (with Get, then again with
+// GetDirect), then has the Redis client
 // SET count records by itself (no copy, no checksum); it returns the rates
 // and the process's CPU time in each phase.
 func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace, perNode int) tierResult {
@@ -270,30 +272,41 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 
 	var next, hits atomic.Int64
 	var wg sync.WaitGroup
-	cpu0 = cpuTime(syscall.RUSAGE_SELF)
-	start = time.Now()
-	for w := range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ks := make([][16]byte, depth)
-			ds := dstsN(depth, size-record.HeaderSize)
-			for {
-				i := int(next.Add(int64(depth))) - depth
-				if i >= count {
-					return
+	// The Gets: conns goroutines, depth keys a call, with get (Get, or
+	// GetDirect, the engine's promotion path).
+	gets := func(get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration) {
+		next.Store(0)
+		hits.Store(0)
+		cpu0 := cpuTime(syscall.RUSAGE_SELF)
+		start := time.Now()
+		for w := range conns {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ks := make([][16]byte, depth)
+				ds := dstsN(depth, size-record.HeaderSize)
+				for {
+					i := int(next.Add(int64(depth))) - depth
+					if i >= count {
+						return
+					}
+					n := min(depth, count-i)
+					for j := range n {
+						ks[j] = keys[(i+j+w)%keyspace]
+					}
+					hits.Add(int64(count1(get(context.Background(), ks[:n], ds[:n]))))
 				}
-				n := min(depth, count-i)
-				for j := range n {
-					ks[j] = keys[(i+j+w)%keyspace]
-				}
-				hits.Add(int64(count1(s.Get(context.Background(), ks[:n], ds[:n]))))
-			}
-		}()
+			}()
+		}
+		wg.Wait()
+		rate, cpu := float64(count)/time.Since(start).Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0
+		if hits.Load() != int64(count) {
+			t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
+		}
+		return rate, cpu
 	}
-	wg.Wait()
-	r.get = float64(count) / time.Since(start).Seconds()
-	r.getCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
+	r.get, r.getCPU = gets(s.Get)
+	r.getDirect, r.getDirectCPU = gets(s.GetDirect)
 
 	// The client alone: the same SETs (a whole record each, from one
 	// buffer: no copy, no checksum) as conns goroutines sending depth at a
@@ -333,17 +346,14 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	wg.Wait()
 	r.raw = float64(count) / time.Since(start).Seconds()
 	r.rawCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
-	if hits.Load() != int64(count) {
-		t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
-	}
 	return r
 }
 
-// tierResult is benchTier's: rates and CPU time of the put and get phases,
-// and of the client's own SETs (raw).
+// tierResult is benchTier's: rates and CPU time of the put and get phases
+// (Get, GetDirect), and of the client's own SETs (raw).
 type tierResult struct {
-	put, get, raw          float64
-	putCPU, getCPU, rawCPU time.Duration
+	put, get, getDirect, raw             float64
+	putCPU, getCPU, getDirectCPU, rawCPU time.Duration
 }
 
 func count1(ok []bool) int { return count(ok) }
@@ -358,7 +368,11 @@ const benchSize = 256 << 10
 func BenchmarkPut(b *testing.B) { ioVariants(b, benchPut) }
 
 // BenchmarkGet gets benchSize records, 6 goroutines asking for 4 keys a call.
-func BenchmarkGet(b *testing.B) { ioVariants(b, benchGet) }
+func BenchmarkGet(b *testing.B) { ioVariants(b, func(b *testing.B) { benchGet(b, false) }) }
+
+// BenchmarkGetDirect: BenchmarkGet's reads with GetDirect (the payload
+// received into the destination), the client's buffers as tuned.
+func BenchmarkGetDirect(b *testing.B) { benchGet(b, true) }
 
 // ioVariants runs f with the client's buffers as this package sets them
 // ("tuned") and as the client's defaults ("defaults": 512 KiB buffers, no
@@ -405,7 +419,7 @@ func benchPut(b *testing.B) {
 	s.Flush()
 }
 
-func benchGet(b *testing.B) {
+func benchGet(b *testing.B, direct bool) {
 	c := shared(b)
 	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "benchget", Fingerprint: 1, Timeout: 10 * time.Second})
 	if err != nil {
@@ -419,6 +433,10 @@ func benchGet(b *testing.B) {
 	}
 	s.Flush()
 	var next atomic.Int64
+	get := s.Get
+	if direct {
+		get = s.GetDirect
+	}
 	b.SetBytes(benchSize)
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -438,7 +456,7 @@ func benchGet(b *testing.B) {
 				for j := range n {
 					ks[j] = keys[(i+j+w)%len(keys)]
 				}
-				if got := count(s.Get(context.Background(), ks[:n], ds[:n])); got != n {
+				if got := count(get(context.Background(), ks[:n], ds[:n])); got != n {
 					b.Errorf("%d of %d hits", got, n)
 					return
 				}

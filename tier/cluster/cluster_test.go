@@ -233,6 +233,23 @@ func TestBadRecords(t *testing.T) {
 	// A destination of another size than the record's payload.
 	require.False(t, s.Get(context.Background(), ks[1:2], dstsN(1, size+1))[0])
 	require.EqualValues(t, 4, s.Stats().Corrupt)
+
+	// GetDirect: the same answers and counts (its misses' destinations
+	// may hold anything).
+	ds = dstsN(5, size)
+	ok = s.GetDirect(context.Background(), ks[1:], ds)
+	require.Equal(t, []bool{true, false, false, false, false}, ok)
+	require.Equal(t, ps[1], ds[0])
+	st = s.Stats()
+	require.EqualValues(t, 4+3, st.Corrupt)
+	require.EqualValues(t, 1+1, st.Stale)
+	require.EqualValues(t, 4+4+1, st.Misses)
+	require.False(t, s.GetDirect(context.Background(), ks[1:2], dstsN(1, size+1))[0])
+	require.False(t, s.GetDirect(context.Background(), ks[1:2], dstsN(1, size-1))[0])
+	require.EqualValues(t, 4+3+2, s.Stats().Corrupt)
+	ds = dstsN(1, size)
+	require.False(t, wrongFP.GetDirect(context.Background(), ks[:1], ds)[0])
+	require.EqualValues(t, 2, wrongFP.Stats().Stale)
 }
 
 func TestBoundedInFlight(t *testing.T) {
@@ -499,5 +516,19 @@ func TestGetStreamsRecords(t *testing.T) {
 	require.EqualValues(t, 1, s.Stats().Corrupt)
 	ds = dstsN(n, size)
 	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)), "the stream's connection is still good")
+	require.Equal(t, ps, ds)
+
+	// GetDirect receives the payload into the destination: no payload
+	// buffer of its own either.
+	ds = dstsN(n, size)
+	runtime.ReadMemStats(&before)
+	for range rounds {
+		clear(ds[0])
+		require.Equal(t, n, count(s.GetDirect(context.Background(), ks, ds)))
+	}
+	runtime.ReadMemStats(&after)
+	perRecord = (after.TotalAlloc - before.TotalAlloc) / (rounds * n)
+	t.Logf("GetDirect: %d bytes allocated per record read", perRecord)
+	require.Less(t, perRecord, uint64(size/2))
 	require.Equal(t, ps, ds)
 }

@@ -18,7 +18,10 @@
 // stream pool, Config.Streams at once): the reply's bytes go from the socket
 // into a pooled buffer, the payload's CRC-32C is computed piece by piece as
 // they arrive, and a verified record is copied once into the caller's
-// buffer; no reply is allocated. Streams neither follow redirections nor
+// buffer; no reply is allocated. GetDirect receives the payload straight
+// into the caller's buffer instead (no copy at all; the engine's promotion
+// into reserved pool slots uses it), at the price of leaving a failed
+// destination's bytes undefined. Streams neither follow redirections nor
 // retry, so a GET that fails any other way than an absent key is sent again
 // pipelined, the client's ordinary path, which does. valkey-go is the same
 // code under the Valkey project; go-redis allocates a command object and
@@ -51,7 +54,8 @@
 //     checksum, the format and host-layout versions, the fingerprint, the key,
 //     the length and the payload's CRC-32C are verified on the reply before
 //     one byte is copied into the destination. A destination whose Get
-//     returned false is left untouched.
+//     returned false is left untouched (GetDirect: holds undefined bytes,
+//     still reported false).
 //   - Every failure is a miss or a dropped put, counted, never an error on the
 //     serving path: a key that is absent, a record that fails a check, a
 //     master down, a timeout, a node refusing a write (OOM), a closed store.

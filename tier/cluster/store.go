@@ -446,6 +446,21 @@ func (s *Store) Flush() {
 // store not Available answers every key a miss (Stats.Unavailable) at once,
 // without looking at dsts. It panics if len(dsts) != len(keys).
 func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool {
+	return s.get(ctx, keys, dsts, false)
+}
+
+// GetDirect is Get without the copy of each verified record into its
+// destination: a streamed reply's payload is received straight into
+// dsts[i] and verified there. ok[i] is still true only when dsts[i] holds
+// the verified payload of keys[i], but a destination whose result is false
+// holds undefined bytes (part of a record that failed a check, or of a
+// reply cut short). It is for destinations nobody reads unless their
+// result is true, as the engine's promotion into reserved pool slots.
+func (s *Store) GetDirect(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool {
+	return s.get(ctx, keys, dsts, true)
+}
+
+func (s *Store) get(ctx context.Context, keys [][16]byte, dsts [][]byte, direct bool) []bool {
 	if len(dsts) != len(keys) {
 		panic(fmt.Sprintf("cluster: Get of %d keys into %d destinations", len(keys), len(dsts)))
 	}
@@ -486,7 +501,7 @@ func (s *Store) Get(ctx context.Context, keys [][16]byte, dsts [][]byte) []bool 
 			wg.Add(1)
 			s.goLabelled(func() {
 				defer wg.Done()
-				ok[i] = s.getStreamed(ctx, client, s.key(gen, k), k, dsts[i])
+				ok[i] = s.getStreamed(ctx, client, s.key(gen, k), k, dsts[i], direct)
 				<-s.streams
 			})
 		}

@@ -16,52 +16,81 @@ import (
 // which Get verifies and copies: three passes over every byte besides the
 // socket's. A streamed GET (the client's DoStream, one request at a time on
 // a connection of the node's stream pool) hands the reply's bytes to
-// recvBuf.ReadFrom as they come off the socket: they land in a pooled
-// buffer, the payload's CRC-32C is computed on each piece while it is in
-// the cache, and only a verified record is copied into the destination.
-// DoStream neither follows redirections nor retries, so any failure other
-// than an absent key falls back to the pipelined GET, which does (MOVED and
-// ASK during a reshard, a node that failed over).
+// recvBuf.ReadFrom as they come off the socket: the header lands in a
+// pooled buffer, the payload in a pooled buffer too (Get: only a verified
+// record is copied into the destination) or straight in the destination
+// (GetDirect), and the payload's CRC-32C is computed on each piece while
+// it is in the cache. DoStream neither follows redirections nor retries,
+// so any failure other than an absent key falls back to the pipelined GET,
+// which does (MOVED and ASK during a reshard, a node that failed over).
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// recvBuf receives one GET reply: up to len(buf) bytes (a header and the
-// payload Get expects); a longer reply is drained and marked over.
+// recvBuf receives one GET reply: up to record.HeaderSize+len(body) bytes,
+// the header into hdr and the payload into body; a longer reply is drained
+// and marked over.
 type recvBuf struct {
-	buf  []byte
-	n    int
+	hdr  []byte // record.HeaderSize bytes
+	own  []byte // the pooled payload buffer body is, when it is not the caller's
+	body []byte
+	n    int // bytes received (header first)
 	over bool
-	sum  uint32 // CRC-32C of buf[record.HeaderSize:n]
+	sum  uint32 // CRC-32C of the payload bytes received
 }
 
-func (w *recvBuf) reset(n int) {
-	if cap(w.buf) < n {
-		w.buf = make([]byte, n)
+// reset prepares w for a reply whose payload has n bytes, received into dst
+// when dst is not nil (then len(dst) == n), else into w's own buffer.
+func (w *recvBuf) reset(n int, dst []byte) {
+	if w.hdr == nil {
+		w.hdr = make([]byte, record.HeaderSize)
 	}
-	w.buf, w.n, w.over, w.sum = w.buf[:n], 0, false, 0
+	if dst != nil {
+		w.body = dst
+	} else {
+		if cap(w.own) < n {
+			w.own = make([]byte, n)
+		}
+		w.body = w.own[:n]
+	}
+	w.n, w.over, w.sum = 0, false, 0
 }
 
-// took accounts for buf[w.n:w.n+m] having been filled.
+// release drops w's reference to a caller's destination before w goes
+// back to the pool.
+func (w *recvBuf) release() { w.body = nil }
+
+// next is where the next bytes go: the rest of the header, then the rest of
+// the payload; empty once both are full.
+func (w *recvBuf) next() []byte {
+	if w.n < record.HeaderSize {
+		return w.hdr[w.n:]
+	}
+	return w.body[w.n-record.HeaderSize:]
+}
+
+// took accounts for next()[:m] having been filled.
 func (w *recvBuf) took(m int) {
-	if end := w.n + m; end > record.HeaderSize {
-		w.sum = crc32.Update(w.sum, castagnoli, w.buf[max(w.n, record.HeaderSize):end])
+	if w.n >= record.HeaderSize {
+		off := w.n - record.HeaderSize
+		w.sum = crc32.Update(w.sum, castagnoli, w.body[off:off+m])
 	}
 	w.n += m
 }
 
 // ReadFrom reads the reply's bytes from r (the connection's buffered
-// reader, limited to the reply) into buf; io.Copy calls it.
+// reader, limited to the reply) into hdr and body; io.Copy calls it.
 func (w *recvBuf) ReadFrom(r io.Reader) (int64, error) {
 	var total int64
 	for {
-		if w.n == len(w.buf) {
+		to := w.next()
+		if len(to) == 0 {
 			m, err := io.Copy(io.Discard, r)
 			if m > 0 {
 				w.over = true
 			}
 			return total + m, err
 		}
-		m, err := r.Read(w.buf[w.n:])
+		m, err := r.Read(to)
 		w.took(m)
 		total += int64(m)
 		if err == io.EOF {
@@ -75,23 +104,38 @@ func (w *recvBuf) ReadFrom(r io.Reader) (int64, error) {
 
 // Write takes a reply the client hands over whole (not a bulk string).
 func (w *recvBuf) Write(p []byte) (int, error) {
-	m := copy(w.buf[w.n:], p)
-	w.took(m)
-	if m < len(p) {
-		w.over = true
+	total := len(p)
+	for len(p) > 0 {
+		to := w.next()
+		if len(to) == 0 {
+			w.over = true
+			break
+		}
+		m := copy(to, p)
+		w.took(m)
+		p = p[m:]
 	}
-	return len(p), nil
+	return total, nil
 }
 
 var recvBufs = sync.Pool{New: func() any { return new(recvBuf) }}
 
 // getStreamed reads key's record (its cluster key rkey) into dst by a
 // streamed GET, falling back to a pipelined one on a failure other than an
-// absent key while ctx lasts. It counts the outcome like fill.
-func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey string, key [16]byte, dst []byte) bool {
+// absent key while ctx lasts. It counts the outcome like fill. With direct
+// the payload is received straight into dst (whatever it turns out to be);
+// otherwise dst is written only with a verified payload.
+func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey string, key [16]byte, dst []byte, direct bool) bool {
 	w := recvBufs.Get().(*recvBuf)
-	defer recvBufs.Put(w)
-	w.reset(record.HeaderSize + len(dst))
+	defer func() {
+		w.release()
+		recvBufs.Put(w)
+	}()
+	if direct {
+		w.reset(len(dst), dst)
+	} else {
+		w.reset(len(dst), nil)
+	}
 	st := client.DoStream(ctx, client.B().Get().Key(rkey).Build())
 	_, err := st.WriteTo(w)
 	switch {
@@ -107,7 +151,7 @@ func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey str
 		s.corrupt.Add(1)
 		return false
 	}
-	h, err := record.DecodeHeader(w.buf[:w.n])
+	h, err := record.DecodeHeader(w.hdr)
 	switch {
 	case err != nil:
 		s.corrupt.Add(1)
@@ -115,11 +159,13 @@ func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey str
 	case h.Check(s.cfg.Fingerprint, record.HostLayoutVersion) != nil || h.Key != key:
 		s.stale.Add(1)
 		return false
-	case h.PayloadLen != uint64(len(dst)) || w.n != len(w.buf) || w.sum != h.PayloadSum:
+	case h.PayloadLen != uint64(len(dst)) || w.n != record.HeaderSize+len(dst) || w.sum != h.PayloadSum:
 		s.corrupt.Add(1)
 		return false
 	}
-	copy(dst, w.buf[record.HeaderSize:w.n])
+	if !direct {
+		copy(dst, w.body)
+	}
 	s.hits.Add(1)
 	s.hitBytes.Add(int64(len(dst)))
 	return true
