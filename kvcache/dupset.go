@@ -19,17 +19,34 @@ type dupKeyEntry struct {
 // start begins a call that will add at most n keys.
 func (d *dupKeySet) start(n int) {
 	if 2*n > len(d.t) {
-		size := 16
-		for size < 2*n {
-			size <<= 1
-		}
+		size := halfFull(n)
 		d.t, d.mask, d.stamp = make([]dupKeyEntry, size), uint64(size-1), 0
 	}
-	d.stamp++
-	if d.stamp == 0 { // wrapped: no entry may keep an old stamp equal to a new one
+	if nextStamp(&d.stamp) {
 		clear(d.t)
-		d.stamp = 1
 	}
+}
+
+// halfFull is the power-of-two table size (at least 16) that n entries
+// keep at most half full.
+func halfFull(n int) int {
+	size := 16
+	for size < 2*n {
+		size <<= 1
+	}
+	return size
+}
+
+// nextStamp advances a set's stamp for a new call and reports whether it
+// wrapped: the caller then clears its entries, so that none keeps an old
+// stamp equal to a new one.
+func nextStamp(stamp *uint32) (wrapped bool) {
+	*stamp++
+	if *stamp == 0 {
+		*stamp = 1
+		return true
+	}
+	return false
 }
 
 // add adds k and reports whether it was already added in this call.
@@ -63,16 +80,11 @@ type dupIDEntry struct {
 
 func (d *dupIDSet) start(n int) {
 	if 2*n > len(d.t) {
-		size := 16
-		for size < 2*n {
-			size <<= 1
-		}
+		size := halfFull(n)
 		d.t, d.mask, d.stamp = make([]dupIDEntry, size), uint64(size-1), 0
 	}
-	d.stamp++
-	if d.stamp == 0 {
+	if nextStamp(&d.stamp) {
 		clear(d.t)
-		d.stamp = 1
 	}
 }
 

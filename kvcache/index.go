@@ -30,10 +30,7 @@ func (x *keyIndex) len() int { return x.n }
 
 // reserve grows the table so that n keys keep it at most half full.
 func (x *keyIndex) reserve(n int) {
-	size := 16
-	for size < 2*n {
-		size <<= 1
-	}
+	size := halfFull(n)
 	if size <= len(x.t) {
 		return
 	}

@@ -503,12 +503,10 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 // marks of earlier calls no longer match. When the stamp wraps, every
 // mark is cleared so that no slot carries an old mark equal to a new one.
 func (c *Cache) nextDupEpoch() {
-	c.dupEpoch++
-	if c.dupEpoch == 0 {
+	if nextStamp(&c.dupEpoch) {
 		for i := range c.slots {
 			c.slots[i].dupMark = 0
 		}
-		c.dupEpoch = 1
 	}
 }
 
