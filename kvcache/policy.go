@@ -82,51 +82,59 @@ const lruWindow = 8
 // among the lruWindow least recent that are not leased. It is deterministic: given the same calls
 // it gives the same advice.
 type LRU struct {
-	// Doubly linked list through per-slot links; head is the most recent.
-	prev, next []int32
-	in         []bool
+	// Doubly linked list through per-slot nodes; head is the most recent.
+	// One node per slot (links, generation, membership together: a move
+	// to the front touches one entry per node it relinks).
+	nodes      []lruNode
 	keys       []Key
-	gens       []uint32
 	head, tail int32
+}
+
+type lruNode struct {
+	prev, next int32
+	gen        uint32
+	in         bool
 }
 
 // NewLRU returns an empty LRU policy.
 func NewLRU() *LRU { return &LRU{head: -1, tail: -1} }
 
 func (p *LRU) grow(s SlotID) {
-	for int(s) >= len(p.in) {
-		p.prev = append(p.prev, -1)
-		p.next = append(p.next, -1)
-		p.in = append(p.in, false)
+	for int(s) >= len(p.nodes) {
+		p.nodes = append(p.nodes, lruNode{prev: -1, next: -1})
 		p.keys = append(p.keys, Key{})
-		p.gens = append(p.gens, 0)
 	}
+}
+
+// holds reports whether slot i is in the list with generation gen.
+func (p *LRU) holds(i int32, gen uint32) bool {
+	return int(i) < len(p.nodes) && p.nodes[i].in && p.nodes[i].gen == gen
 }
 
 func (p *LRU) unlink(i int32) {
-	if p.prev[i] >= 0 {
-		p.next[p.prev[i]] = p.next[i]
+	n := &p.nodes[i]
+	if n.prev >= 0 {
+		p.nodes[n.prev].next = n.next
 	} else {
-		p.head = p.next[i]
+		p.head = n.next
 	}
-	if p.next[i] >= 0 {
-		p.prev[p.next[i]] = p.prev[i]
+	if n.next >= 0 {
+		p.nodes[n.next].prev = n.prev
 	} else {
-		p.tail = p.prev[i]
+		p.tail = n.prev
 	}
-	p.prev[i], p.next[i] = -1, -1
-	p.in[i] = false
+	n.prev, n.next, n.in = -1, -1, false
 }
 
 func (p *LRU) pushFront(i int32) {
-	p.prev[i], p.next[i] = -1, p.head
+	n := &p.nodes[i]
+	n.prev, n.next, n.in = -1, p.head, true
 	if p.head >= 0 {
-		p.prev[p.head] = i
+		p.nodes[p.head].prev = i
 	} else {
 		p.tail = i
 	}
 	p.head = i
-	p.in[i] = true
 }
 
 // SetCapacity implements Policy; LRU keeps whatever the pool holds.
@@ -136,10 +144,10 @@ func (p *LRU) SetCapacity(int) {}
 func (p *LRU) Inserted(e Entry) {
 	p.grow(e.Slot)
 	i := int32(e.Slot)
-	if p.in[i] {
+	if p.nodes[i].in {
 		p.unlink(i)
 	}
-	p.keys[i], p.gens[i] = e.Key, e.Gen
+	p.keys[i], p.nodes[i].gen = e.Key, e.Gen
 	p.pushFront(i)
 }
 
@@ -148,7 +156,7 @@ func (p *LRU) Accessed(e Entry) { p.touch(int32(e.Slot), e.Gen) }
 
 // touch moves slot i to the front when it holds generation gen.
 func (p *LRU) touch(i int32, gen uint32) {
-	if int(i) < len(p.in) && p.in[i] && p.gens[i] == gen {
+	if p.holds(i, gen) {
 		if p.head == i {
 			return
 		}
@@ -162,8 +170,7 @@ func (p *LRU) Missed(Key) {}
 
 // Removed implements Policy.
 func (p *LRU) Removed(e Entry) {
-	i := int32(e.Slot)
-	if int(i) < len(p.in) && p.in[i] && p.gens[i] == e.Gen {
+	if i := int32(e.Slot); p.holds(i, e.Gen) {
 		p.unlink(i)
 	}
 }
@@ -175,13 +182,13 @@ func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	from := p.tail // every block behind from is not a victim
 	for ; need > 0; need-- {
 		for from >= 0 && rank(SlotID(from)) == NotAVictim {
-			from = p.prev[from]
+			from = p.nodes[from].prev
 		}
 		if from < 0 {
 			break
 		}
 		best, bestRank := from, rank(SlotID(from))
-		for i, n, seen := p.prev[from], 1, 0; bestRank > 0 && i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.prev[i], seen+1 {
+		for i, n, seen := p.nodes[from].prev, 1, 0; bestRank > 0 && i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.nodes[i].prev, seen+1 {
 			r := rank(SlotID(i))
 			if r == NotAVictim {
 				continue
@@ -192,9 +199,9 @@ func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 			}
 		}
 		if best == from {
-			from = p.prev[from]
+			from = p.nodes[from].prev
 		}
-		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.gens[best]}})
+		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.nodes[best].gen}})
 		p.unlink(best)
 	}
 	return dst
