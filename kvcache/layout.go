@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
+	"slices"
 )
 
 // Layout errors. Every error a layout returns wraps one of these and names the
@@ -499,10 +500,16 @@ func (l *Layout) layerSegments(b uint64, layer int, dst []Segment) []Segment {
 		lt := l.spec.Layers[layer]
 		return append(dst, Segment{Dev: lt.K + b*lt.Stride, Off: uint64(layer) * l.segSpan, Len: l.segLen, Layer: layer})
 	default:
-		lt := l.spec.Layers[layer]
+		// K and V written in place (two Segments built by value and
+		// appended stalled on store forwarding).
+		lt := &l.spec.Layers[layer]
 		off := uint64(2*layer) * l.segSpan
-		return append(dst,
-			Segment{Dev: lt.K + b*lt.Stride, Off: off, Len: l.segLen, Layer: layer},
-			Segment{Dev: lt.V + b*lt.Stride, Off: off + l.segSpan, Len: l.segLen, Layer: layer})
+		n := len(dst)
+		dst = slices.Grow(dst, 2)[:n+2]
+		k, v := &dst[n], &dst[n+1]
+		*k, *v = Segment{}, Segment{}
+		k.Dev, k.Off, k.Len, k.Layer = lt.K+b*lt.Stride, off, l.segLen, layer
+		v.Dev, v.Off, v.Len, v.Layer = lt.V+b*lt.Stride, off+l.segSpan, l.segLen, layer
+		return dst
 	}
 }

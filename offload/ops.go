@@ -174,9 +174,14 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	perSegs := len(ks)
 	add := func(dst []transfer.Segment, bs []kvcache.Segment, i int) []transfer.Segment {
 		host := uint64(slots[i].Addr)
-		for _, s := range bs {
-			dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len,
-				Rows: s.Rows, RowLen: s.RowLen, DevPitch: s.DevPitch, HostPitch: s.HostPitch})
+		// Field by field into dst: a Segment built by value and appended
+		// stalled on store forwarding (most of this function's time).
+		n := len(dst)
+		dst = slices.Grow(dst, len(bs))[:n+len(bs)]
+		for j := range bs {
+			s, d := &bs[j], &dst[n+j]
+			d.Dev, d.Host, d.Len = s.Dev, host+s.Off, s.Len
+			d.Rows, d.RowLen, d.DevPitch, d.HostPitch = s.Rows, s.RowLen, s.DevPitch, s.HostPitch
 		}
 		return dst
 	}

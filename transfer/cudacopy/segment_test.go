@@ -25,6 +25,8 @@ func TestValidateSegments(t *testing.T) {
 		{"odd length ok unaligned", []Segment{{Dst: 0x1001, Src: 0x2003, Len: 7}}, 1, nil},
 		{"misaligned src", []Segment{{Dst: 0x1000, Src: 0x2008, Len: 16}}, 16, ErrMisaligned},
 		{"misaligned len", []Segment{{Dst: 0x1000, Src: 0x2000, Len: 24}}, 16, ErrMisaligned},
+		{"alignment not a power of two", []Segment{ok}, 12, ErrInvalidSegment},
+		{"alignment zero", []Segment{ok}, 0, ErrInvalidSegment},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -43,14 +45,14 @@ func FuzzValidateSegments(f *testing.F) {
 	f.Add(uint64(0), uint64(0x2000), uint64(1), uint8(1))
 	f.Add(^uint64(0), uint64(1), uint64(2), uint8(8))
 	f.Fuzz(func(t *testing.T, dst, src, n uint64, align uint8) {
-		a := uint64(align%17) + 1
+		a := uint64(1) << (align % 7) // 1 to 64: the alignments are powers of two
 		err := validateSegments([]Segment{{Dst: dst, Src: src, Len: n}}, a)
 		valid := n != 0 && dst != 0 && src != 0 && dst+n >= dst && src+n >= src
 		if !valid {
 			require.ErrorIs(t, err, ErrInvalidSegment)
 			return
 		}
-		if a > 1 && (dst|src|n)%a != 0 {
+		if dst%a != 0 || src%a != 0 || n%a != 0 {
 			require.ErrorIs(t, err, ErrMisaligned)
 			return
 		}
