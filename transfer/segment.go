@@ -132,12 +132,27 @@ func (rs *rangeSet) remove(base uint64) error {
 
 // lookup returns the range holding all of [addr, addr+n).
 func (rs *rangeSet) lookup(addr, n uint64) (memRange, bool) {
+	r, _, ok := rs.lookupNear(addr, n, -1)
+	return r, ok
+}
+
+// lookupNear is lookup that first tries the ranges at hint and next to it
+// (a request's segments walk a model's tensors, allocated one after the
+// other: a layer-separate block's 2×layers segments each fall in the
+// range after the previous one's), and returns the range's index for the
+// next call's hint.
+func (rs *rangeSet) lookupNear(addr, n uint64, hint int) (memRange, int, bool) {
+	for _, i := range [3]int{hint + 1, hint - 1, hint} {
+		if hint >= 0 && i >= 0 && i < len(rs.ranges) && rs.ranges[i].holds(addr, n) {
+			return rs.ranges[i], i, true
+		}
+	}
 	i := sort.Search(len(rs.ranges), func(i int) bool { return rs.ranges[i].base > addr }) - 1
 	if i < 0 {
-		return memRange{}, false
+		return memRange{}, -1, false
 	}
 	r := rs.ranges[i]
-	return r, r.holds(addr, n)
+	return r, i, r.holds(addr, n)
 }
 
 // holds reports whether [addr, addr+n) lies inside r.
@@ -161,6 +176,7 @@ func validate(segs []Segment, align uint64, host, dev *rangeSet, out []placed) (
 	// The ranges the previous segment fell in: a request's segments mostly
 	// share them, so most segments skip both binary searches.
 	var lastHost, lastDev memRange
+	hostAt, devAt := -1, -1
 	// Each placed is filled in place from segs (a Segment copied through a
 	// local and appended by value stalled on store forwarding: more than
 	// half of validate's time).
@@ -184,14 +200,18 @@ func validate(segs []Segment, align uint64, host, dev *rangeSet, out []placed) (
 		}
 		hn, dn := s.hostExtent(), s.devExtent()
 		if !lastHost.holds(s.Host, hn) {
-			r, ok := host.lookup(s.Host, hn)
+			var r memRange
+			var ok bool
+			r, hostAt, ok = host.lookupNear(s.Host, hn, hostAt)
 			if !ok {
 				return out[:n0+i], fmt.Errorf("%w: segment %d host [%#x,%#x) is not inside a registered host range", ErrOutOfRange, i, s.Host, s.Host+hn)
 			}
 			lastHost = r
 		}
 		if !lastDev.holds(s.Dev, dn) {
-			r, ok := dev.lookup(s.Dev, dn)
+			var r memRange
+			var ok bool
+			r, devAt, ok = dev.lookupNear(s.Dev, dn, devAt)
 			if !ok {
 				return out[:n0+i], fmt.Errorf("%w: segment %d device [%#x,%#x) is not inside a known device allocation", ErrOutOfRange, i, s.Dev, s.Dev+dn)
 			}

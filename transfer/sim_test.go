@@ -555,3 +555,39 @@ func TestCloseRefusesAndDrains(t *testing.T) {
 	_, err = s.Submit(Request{Dir: Store, Segments: []Segment{{Dev: dev, Host: host, Len: 4096}}})
 	require.ErrorIs(t, err, ErrClosed)
 }
+
+// TestRangeSetLookupNear: whatever the hint, lookupNear finds what a plain
+// binary search finds (the range holding the whole span, or none), and the
+// index it returns is that range's.
+func TestRangeSetLookupNear(t *testing.T) {
+	rng := rand.New(rand.NewSource(7))
+	for round := range 50 {
+		var rs rangeSet
+		base := uint64(0x10000)
+		for range 1 + rng.Intn(40) {
+			base += uint64(rng.Intn(3)) * 0x100 // adjacent ranges too
+			size := uint64(1+rng.Intn(16)) * 0x100
+			require.NoError(t, rs.add(base, size))
+			base += size
+		}
+		for range 2000 {
+			addr := 0x10000 - 0x200 + uint64(rng.Intn(int(base-0x10000+0x400)))
+			n := uint64(1 + rng.Intn(0x800))
+			hint := rng.Intn(len(rs.ranges)+2) - 1
+			// The reference: the last range starting at or below addr.
+			var want memRange
+			wantOK := false
+			for _, r := range rs.ranges {
+				if r.base <= addr {
+					want, wantOK = r, r.holds(addr, n)
+				}
+			}
+			got, at, ok := rs.lookupNear(addr, n, hint)
+			require.Equal(t, wantOK, ok, "round %d addr %#x+%d hint %d", round, addr, n, hint)
+			if ok {
+				require.Equal(t, want, got)
+				require.Equal(t, want, rs.ranges[at])
+			}
+		}
+	}
+}
