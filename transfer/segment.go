@@ -130,17 +130,12 @@ func (rs *rangeSet) remove(base uint64) error {
 	return nil
 }
 
-// lookup returns the range holding all of [addr, addr+n).
-func (rs *rangeSet) lookup(addr, n uint64) (memRange, bool) {
-	r, _, ok := rs.lookupNear(addr, n, -1)
-	return r, ok
-}
-
-// lookupNear is lookup that first tries the ranges at hint and next to it
+// lookupNear returns the range holding all of [addr, addr+n) and its
+// index. It first tries the ranges at hint and next to it
 // (a request's segments walk a model's tensors, allocated one after the
 // other: a layer-separate block's 2×layers segments each fall in the
-// range after the previous one's), and returns the range's index for the
-// next call's hint.
+// range after the previous one's; hint -1: none), then searches; the
+// index is the next call's hint.
 func (rs *rangeSet) lookupNear(addr, n uint64, hint int) (memRange, int, bool) {
 	for _, i := range [3]int{hint + 1, hint - 1, hint} {
 		if hint >= 0 && i >= 0 && i < len(rs.ranges) && rs.ranges[i].holds(addr, n) {
