@@ -1,30 +1,60 @@
 package kvcache
 
-// dupKeySet finds a key named twice in one call: an open-addressing set of
-// the call's keys whose entries carry the call's stamp, so that starting a
-// call is one increment, not a clear (a map cleared and refilled per call
-// was 40% of BeginLoad for 2048 keys). It is at most half full; it grows
-// with the largest call and is reused.
-type dupKeySet struct {
-	t     []dupKeyEntry // len a power of two, or 0
+// dupSet finds a value named twice in one call (a key, a block id): an
+// open-addressing set of the call's values whose entries carry the call's
+// stamp, so that starting a call is one increment, not a clear (a map
+// cleared and refilled per call was 40% of BeginLoad for 2048 keys). It is
+// at most half full; it grows with the largest call and is reused. Its
+// size follows the calls, never the values (a block id's range is the
+// caller's NumBlocks).
+type dupSet[V comparable] struct {
+	t     []dupEntry[V] // len a power of two, or 0
 	mask  uint64
 	stamp uint32
 }
 
-type dupKeyEntry struct {
-	key   Key
-	stamp uint32 // the call that put key here; another value is empty
+type dupEntry[V comparable] struct {
+	v     V
+	stamp uint32 // the call that put v here; another value is empty
 }
 
-// start begins a call that will add at most n keys.
-func (d *dupKeySet) start(n int) {
+// start begins a call that will add at most n values.
+func (d *dupSet[V]) start(n int) {
 	if 2*n > len(d.t) {
 		size := halfFull(n)
-		d.t, d.mask, d.stamp = make([]dupKeyEntry, size), uint64(size-1), 0
+		d.t, d.mask, d.stamp = make([]dupEntry[V], size), uint64(size-1), 0
 	}
 	if nextStamp(&d.stamp) {
 		clear(d.t)
 	}
+}
+
+// add adds v, whose hash is h, and reports whether it was already added in
+// this call.
+func (d *dupSet[V]) add(v V, h uint64) (dup bool) {
+	for b := h & d.mask; ; b = (b + 1) & d.mask {
+		e := &d.t[b]
+		if e.stamp != d.stamp {
+			e.v, e.stamp = v, d.stamp
+			return false
+		}
+		if e.v == v {
+			return true
+		}
+	}
+}
+
+// dupKeySet and dupIDSet are the sets of keys and of block ids.
+type (
+	dupKeySet struct{ dupSet[Key] }
+	dupIDSet  struct{ dupSet[int] }
+)
+
+func (d *dupKeySet) add(k Key) bool { return d.dupSet.add(k, keyHash(k)) }
+
+func (d *dupIDSet) add(id int) bool {
+	h := uint64(id) * 0x9e3779b97f4a7c15
+	return d.dupSet.add(id, h^h>>29)
 }
 
 // halfFull is the power-of-two table size (at least 16) that n entries
@@ -47,57 +77,4 @@ func nextStamp(stamp *uint32) (wrapped bool) {
 		return true
 	}
 	return false
-}
-
-// add adds k and reports whether it was already added in this call.
-func (d *dupKeySet) add(k Key) (dup bool) {
-	x := keyIndex{mask: d.mask}
-	for b := x.bucket(k); ; b = (b + 1) & d.mask {
-		e := &d.t[b]
-		if e.stamp != d.stamp {
-			e.key, e.stamp = k, d.stamp
-			return false
-		}
-		if e.key == k {
-			return true
-		}
-	}
-}
-
-// dupIDSet is dupKeySet for block ids: hashed too, so that its size
-// follows the call, not the largest id (a block id's range is the
-// caller's NumBlocks).
-type dupIDSet struct {
-	t     []dupIDEntry
-	mask  uint64
-	stamp uint32
-}
-
-type dupIDEntry struct {
-	id    int
-	stamp uint32
-}
-
-func (d *dupIDSet) start(n int) {
-	if 2*n > len(d.t) {
-		size := halfFull(n)
-		d.t, d.mask, d.stamp = make([]dupIDEntry, size), uint64(size-1), 0
-	}
-	if nextStamp(&d.stamp) {
-		clear(d.t)
-	}
-}
-
-func (d *dupIDSet) add(id int) (dup bool) {
-	h := uint64(id) * 0x9e3779b97f4a7c15
-	for b := (h ^ h>>29) & d.mask; ; b = (b + 1) & d.mask {
-		e := &d.t[b]
-		if e.stamp != d.stamp {
-			e.id, e.stamp = id, d.stamp
-			return false
-		}
-		if e.id == id {
-			return true
-		}
-	}
 }

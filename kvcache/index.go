@@ -20,10 +20,14 @@ type indexEntry struct {
 	slot int32 // slot + 1; 0 marks an empty bucket
 }
 
-func (x *keyIndex) bucket(k Key) uint64 {
+func (x *keyIndex) bucket(k Key) uint64 { return keyHash(k) & x.mask }
+
+// keyHash mixes a key's own bits (keys are hashes already) into a bucket
+// hash for the index and the duplicate sets.
+func keyHash(k Key) uint64 {
 	lo, hi := binary.LittleEndian.Uint64(k[:8]), binary.LittleEndian.Uint64(k[8:])
 	h := (lo ^ hi*0xc2b2ae3d27d4eb4f) * 0x9e3779b97f4a7c15
-	return (h ^ h>>29) & x.mask
+	return h ^ h>>29
 }
 
 func (x *keyIndex) len() int { return x.n }
