@@ -470,3 +470,46 @@ func TestUnleaseCountsHandlesPerCall(t *testing.T) {
 	c.mu.Unlock()
 	require.NoError(t, c.Unlease(a))
 }
+
+// lruOrder is the LRU's list, most recent first.
+func lruOrder(c *Cache) []int32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []int32
+	for i := c.lru.head; i >= 0; i = c.lru.nodes[i].next {
+		out = append(out, i)
+	}
+	return out
+}
+
+// TestLookupLeaseDeferred: LookupLeaseDeferred leases and answers as
+// LookupLease does but leaves the LRU as it was; Accessed with its handles
+// then puts the LRU where LookupLease would have, and skips handles whose
+// blocks are gone.
+func TestLookupLeaseDeferred(t *testing.T) {
+	now, later := newCache(t, 16, Config{}), newCache(t, 16, Config{})
+	ks, ids := keysN(0, 10)
+	for _, c := range []*Cache{now, later} {
+		store(t, c, ks[:5], ids[:5])
+		store(t, c, ks[5:], ids[5:])
+	}
+	before := lruOrder(later)
+	n1, a := now.LookupLease(ks[:7], nil)
+	n2, b := later.LookupLeaseDeferred(ks[:7], nil)
+	require.Equal(t, n1, n2)
+	require.Equal(t, a, b, "the same leases and handles")
+	require.Equal(t, now.Stats().Leased, later.Stats().Leased)
+	require.Equal(t, before, lruOrder(later), "no move before Accessed")
+	require.NotEqual(t, lruOrder(now), lruOrder(later))
+	later.Accessed(b)
+	require.Equal(t, lruOrder(now), lruOrder(later))
+
+	// A handle of a block deleted meanwhile is skipped.
+	_, b = later.LookupLeaseDeferred(ks[8:9], nil)
+	require.NoError(t, later.Unlease(b))
+	later.Delete(ks[8:9])
+	order := lruOrder(later)
+	later.Accessed(b)
+	require.Equal(t, order, lruOrder(later))
+	require.NoError(t, later.Verify())
+}

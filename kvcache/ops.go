@@ -335,7 +335,7 @@ func (c *Cache) lookupHandle(h Slot) (*slotRec, error) {
 // Lookup returns how many leading keys are ready (the longest stored
 // prefix). It counts every key as demand for the policy.
 func (c *Cache) Lookup(keys []Key) int {
-	n, _ := c.lookup(keys, false, nil)
+	n, _ := c.lookup(keys, false, true, nil)
 	return n
 }
 
@@ -343,10 +343,41 @@ func (c *Cache) Lookup(keys []Key) int {
 // ready blocks, appending their handles to dst, so they are not evicted
 // before the load; give them back with Unlease.
 func (c *Cache) LookupLease(keys []Key, dst []Slot) (int, []Slot) {
-	return c.lookup(keys, true, dst)
+	return c.lookup(keys, true, true, dst)
 }
 
-func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
+// LookupLeaseDeferred is LookupLease that leaves the hits' news to the
+// policy for later: the caller passes the handles it returned to Accessed
+// once it has answered its own caller (the node pool, after its reply is
+// sent). Misses are counted as demand at once. Until Accessed, the hits
+// only keep their old recency, and they are leased, so no eviction
+// decision can pick them.
+func (c *Cache) LookupLeaseDeferred(keys []Key, dst []Slot) (int, []Slot) {
+	return c.lookup(keys, true, false, dst)
+}
+
+// Accessed tells the policy of hits LookupLeaseDeferred returned (handles
+// in the order it returned them; children are told before parents, as
+// LookupLease does). A handle whose block is no longer visible under that
+// generation is skipped.
+func (c *Cache) Accessed(slots []Slot) {
+	c.mu.Lock()
+	defer c.unlock()
+	if c.closed {
+		return
+	}
+	for j := len(slots) - 1; j >= 0; j-- {
+		h := slots[j]
+		if int(h.ID) >= len(c.slots) {
+			continue
+		}
+		if s := &c.slots[h.ID]; s.gen == h.Gen && s.visible() {
+			c.accessed(s.key, int32(h.ID), h.Gen)
+		}
+	}
+}
+
+func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
@@ -374,7 +405,9 @@ func (c *Cache) lookup(keys []Key, lease bool, dst []Slot) (int, []Slot) {
 	}
 	for j := n - 1; j >= 0; j-- {
 		i := c.found[j]
-		c.accessed(keys[j], i, c.slots[i].gen)
+		if touch {
+			c.accessed(keys[j], i, c.slots[i].gen)
+		}
 		if lease {
 			c.lease(i)
 			c.fillHandle(&dst[base+j], i)

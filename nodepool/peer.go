@@ -549,7 +549,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 			return o
 		}
 		var n int
-		n, p.slots = c.LookupLease(m.Keys, p.slots[:0])
+		// The policy hears of the hits after the reply is sent (settle):
+		// the LRU's moves are off the round trip.
+		n, p.slots = c.LookupLeaseDeferred(m.Keys, p.slots[:0])
 		o.N = uint64(n)
 		o.Slots = slices.Grow(o.Slots, len(p.slots))[:len(p.slots)]
 		for i := range p.slots {
@@ -706,6 +708,7 @@ func (p *peer) settle() {
 		return
 	}
 	p.unsettled = false
+	p.s.cache.Accessed(p.slots)
 	for _, sl := range p.slots {
 		e, ok := p.held.take(uint32(sl.ID), sl.Gen)
 		if !ok {
