@@ -270,35 +270,24 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		t.Fatalf("put errors: %+v", st)
 	}
 
-	var next, hits atomic.Int64
-	var wg sync.WaitGroup
+	var hits atomic.Int64
 	// The Gets: conns goroutines, depth keys a call, with get (Get, or
 	// GetDirect, the engine's promotion path).
 	gets := func(get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration) {
-		next.Store(0)
 		hits.Store(0)
 		cpu0 := cpuTime(syscall.RUSAGE_SELF)
 		start := time.Now()
-		for w := range conns {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				ks := make([][16]byte, depth)
-				ds := dstsN(depth, size-record.HeaderSize)
-				for {
-					i := int(next.Add(int64(depth))) - depth
-					if i >= count {
-						return
-					}
-					n := min(depth, count-i)
-					for j := range n {
-						ks[j] = keys[(i+j+w)%keyspace]
-					}
-					hits.Add(int64(count1(get(context.Background(), ks[:n], ds[:n]))))
+		inBatches(conns, depth, count, func(w int) func(i, n int) bool {
+			ks := make([][16]byte, depth)
+			ds := dstsN(depth, size-record.HeaderSize)
+			return func(i, n int) bool {
+				for j := range n {
+					ks[j] = keys[(i+j+w)%keyspace]
 				}
-			}()
-		}
-		wg.Wait()
+				hits.Add(int64(count1(get(context.Background(), ks[:n], ds[:n]))))
+				return true
+			}
+		})
 		rate, cpu := float64(count)/time.Since(start).Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0
 		if hits.Load() != int64(count) {
 			t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
@@ -317,33 +306,23 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	for i := range rkeys {
 		rkeys[i] = s.key(1<<40, keys[i])
 	}
-	next.Store(0)
 	cpu0 = cpuTime(syscall.RUSAGE_SELF)
 	start = time.Now()
-	for range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			cmds := make(rueidis.Commands, depth)
-			for {
-				i := int(next.Add(int64(depth))) - depth
-				if i >= count {
-					return
-				}
-				n := min(depth, count-i)
-				for j := range n {
-					cmds[j] = client.B().Set().Key(rkeys[(i+j)%keyspace]).Value(rueidis.BinaryString(rec)).Px(time.Minute).Build()
-				}
-				for _, res := range client.DoMulti(context.Background(), cmds[:n]...) {
-					if err := res.Error(); err != nil {
-						t.Errorf("SET: %v", err)
-						return
-					}
+	inBatches(conns, depth, count, func(int) func(i, n int) bool {
+		cmds := make(rueidis.Commands, depth)
+		return func(i, n int) bool {
+			for j := range n {
+				cmds[j] = client.B().Set().Key(rkeys[(i+j)%keyspace]).Value(rueidis.BinaryString(rec)).Px(time.Minute).Build()
+			}
+			for _, res := range client.DoMulti(context.Background(), cmds[:n]...) {
+				if err := res.Error(); err != nil {
+					t.Errorf("SET: %v", err)
+					return false
 				}
 			}
-		}()
-	}
-	wg.Wait()
+			return true
+		}
+	})
 	r.raw = float64(count) / time.Since(start).Seconds()
 	r.rawCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
 	return r
@@ -432,7 +411,6 @@ func benchGet(b *testing.B, direct bool) {
 		s.PutAsync(k, payload)
 	}
 	s.Flush()
-	var next atomic.Int64
 	get := s.Get
 	if direct {
 		get = s.GetDirect
@@ -440,24 +418,38 @@ func benchGet(b *testing.B, direct bool) {
 	b.SetBytes(benchSize)
 	b.ReportAllocs()
 	b.ResetTimer()
+	inBatches(6, 4, b.N, func(w int) func(i, n int) bool {
+		ks := make([][16]byte, 4)
+		ds := dstsN(4, benchSize-record.HeaderSize)
+		return func(i, n int) bool {
+			for j := range n {
+				ks[j] = keys[(i+j+w)%len(keys)]
+			}
+			if got := count(get(context.Background(), ks[:n], ds[:n])); got != n {
+				b.Errorf("%d of %d hits", got, n)
+				return false
+			}
+			return true
+		}
+	})
+}
+
+// inBatches runs workers goroutines that share requests [0, count) in
+// batches of at most depth, as clients of -c workers -P depth do: worker w
+// makes its scratch and its batch function with worker(w), then takes the
+// next batch and calls it (requests i to i+n-1) until none is left or it
+// returns false. inBatches returns when every worker has.
+func inBatches(workers, depth, count int, worker func(w int) func(i, n int) bool) {
+	var next atomic.Int64
 	var wg sync.WaitGroup
-	for w := range 6 {
+	for w := range workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ks := make([][16]byte, 4)
-			ds := dstsN(4, benchSize-record.HeaderSize)
+			batch := worker(w)
 			for {
-				i := int(next.Add(4)) - 4
-				if i >= b.N {
-					return
-				}
-				n := min(4, b.N-i)
-				for j := range n {
-					ks[j] = keys[(i+j+w)%len(keys)]
-				}
-				if got := count(get(context.Background(), ks[:n], ds[:n])); got != n {
-					b.Errorf("%d of %d hits", got, n)
+				i := int(next.Add(int64(depth))) - depth
+				if i >= count || !batch(i, min(depth, count-i)) {
 					return
 				}
 			}
