@@ -211,33 +211,12 @@ func BenchmarkControlPlane(b *testing.B) {
 // random block ids, the index work of one large Load call.
 func BenchmarkBeginLoad2048(b *testing.B) {
 	const n = 2048
-	layout, err := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 2*n, 1<<44))
-	if err != nil {
-		b.Fatal(err)
-	}
-	c, err := New(Config{Layout: layout, Policy: NewLRU()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := c.AddRegion(Region{ID: 1, Base: 1 << 40, Size: 2 * n * layout.SlotSize()}); err != nil {
-		b.Fatal(err)
-	}
-	keys, ids := make([]Key, n), make([]int, n)
-	for j := range keys {
-		keys[j][0], keys[j][1], keys[j][15] = byte(j), byte(j>>8), 7
+	ids := make([]int, n)
+	for j := range ids {
 		ids[j] = (j * 7919) % (2 * n)
 	}
-	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	var sl []Slot
-	for _, x := range res {
-		sl = append(sl, x.Slot)
-	}
-	if err := c.CompleteStore(sl, nil); err != nil {
-		b.Fatal(err)
-	}
+	c, keys, sl := storedCache(b, LayerSeparate, 2*n, ids, 7)
+	var err error
 	var lr []LoadResult
 	b.ResetTimer()
 	for range b.N {
@@ -261,34 +240,11 @@ func BenchmarkBeginLoad2048(b *testing.B) {
 // BenchmarkLookupLease, target ≤ 100 µs for the round trip).
 func BenchmarkLookupLease1024(b *testing.B) {
 	const n = 1024
-	layout, err := NewLayout(DenseSpec(CrossLayer, Llama3_8B, 4*n, 1<<44))
-	if err != nil {
-		b.Fatal(err)
-	}
-	c, err := New(Config{Layout: layout, Policy: NewLRU()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
-	if _, err := c.AddRegion(Region{ID: 1, Base: 1 << 40, Size: 4 * n * layout.SlotSize()}); err != nil {
-		b.Fatal(err)
-	}
-	keys, ids := make([]Key, n), make([]int, n)
-	for j := range keys {
-		keys[j][0], keys[j][1], keys[j][15] = byte(j), byte(j>>8), 9
+	ids := make([]int, n)
+	for j := range ids {
 		ids[j] = j
 	}
-	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	var sl []Slot
-	for _, x := range res {
-		sl = append(sl, x.Slot)
-	}
-	if err := c.CompleteStore(sl, nil); err != nil {
-		b.Fatal(err)
-	}
+	c, keys, sl := storedCache(b, CrossLayer, 4*n, ids, 9)
 	var looked, unleased time.Duration
 	b.ResetTimer()
 	for range b.N {
@@ -307,4 +263,39 @@ func BenchmarkLookupLease1024(b *testing.B) {
 	}
 	b.ReportMetric(float64(looked.Nanoseconds())/1e3/float64(b.N), "µs/lookup")
 	b.ReportMetric(float64(unleased.Nanoseconds())/1e3/float64(b.N), "µs/unlease")
+}
+
+// storedCache returns an LRU cache of slots slots over kind's 8B-class
+// layout (closed when b ends) holding len(ids) keys, stored from block ids
+// ids (key j's first two bytes are j, its last tag), and their slots.
+func storedCache(b *testing.B, kind LayoutKind, slots int, ids []int, tag byte) (*Cache, []Key, []Slot) {
+	b.Helper()
+	layout, err := NewLayout(DenseSpec(kind, Llama3_8B, slots, 1<<44))
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := New(Config{Layout: layout, Policy: NewLRU()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(c.Close)
+	if _, err := c.AddRegion(Region{ID: 1, Base: 1 << 40, Size: uint64(slots) * layout.SlotSize()}); err != nil {
+		b.Fatal(err)
+	}
+	keys := make([]Key, len(ids))
+	for j := range keys {
+		keys[j][0], keys[j][1], keys[j][15] = byte(j), byte(j>>8), tag
+	}
+	res, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var sl []Slot
+	for _, x := range res {
+		sl = append(sl, x.Slot)
+	}
+	if err := c.CompleteStore(sl, nil); err != nil {
+		b.Fatal(err)
+	}
+	return c, keys, sl
 }
