@@ -212,8 +212,9 @@ type slotRec struct {
 	storing    bool // the D2H of this occupancy has not completed (every head-range write's, for a partial block)
 	chain      bool // part of the chain BeginStore is making room for
 	demote     bool // evicted, accepted by Config.Demote: demoting once released (releasing or demoting)
-	// dupMark and dupN are endRead's scratch: dupN counts this slot's
-	// handles in the call stamped dupMark (Cache.dupEpoch).
+	// dupMark and dupN are the duplicate checks' scratch (endRead,
+	// Demoted): dupN counts this slot's handles in the call stamped
+	// dupMark (Cache.dupEpoch).
 	dupMark uint32
 	dupN    int32
 	// part is the head-range state of a block stored by head ranges, while
@@ -289,10 +290,10 @@ type Cache struct {
 	found    []int32   // scratch: slots of a call's keys
 	dupKeys  dupKeySet // scratch for duplicate checks
 	dupIDs   dupIDSet
-	dupSlot  map[SlotID]int32
 	dupStore map[storeHandle]struct{}
-	// dupEpoch stamps slotRec.dupMark: endRead counts how often a call
-	// names each slot in the slot records it touches anyway, not in a map.
+	// dupEpoch stamps slotRec.dupMark: endRead and Demoted count how often
+	// a call names each slot in the slot records they touch anyway, not in
+	// a map.
 	dupEpoch uint32
 }
 
@@ -335,7 +336,7 @@ func New(cfg Config) (*Cache, error) {
 		watermark: cfg.LowWatermark, threshold: cfg.StoreThreshold, onFree: cfg.OnFree, onIndex: cfg.OnIndex,
 		freeHead: -1,
 		heads:    cfg.Layout.Geometry().KVHeads, partialTimeout: cfg.PartialTimeout, now: cfg.Clock,
-		dupSlot: map[SlotID]int32{}, dupStore: map[storeHandle]struct{}{},
+		dupStore: map[storeHandle]struct{}{},
 	}
 	c.lru, _ = p.(*LRU)
 	c.zeroDone.L = &c.mu

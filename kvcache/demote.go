@@ -19,18 +19,19 @@ type demotion struct {
 func (c *Cache) Demoted(slots []Slot) error {
 	c.mu.Lock()
 	defer c.unlock()
-	clear(c.dupSlot)
+	c.nextDupEpoch()
 	for _, h := range slots {
 		if int(h.ID) >= len(c.slots) {
 			return fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
 		}
-		if s := &c.slots[h.ID]; s.gen != h.Gen || s.state != stateDemoting {
+		s := &c.slots[h.ID]
+		if s.gen != h.Gen || s.state != stateDemoting {
 			return fmt.Errorf("%w: slot %d gen %d is not demoting (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
 		}
-		if _, dup := c.dupSlot[h.ID]; dup {
+		if s.dupMark == c.dupEpoch {
 			return fmt.Errorf("%w: slot %d given twice to Demoted", ErrDuplicate, h.ID)
 		}
-		c.dupSlot[h.ID] = 1
+		s.dupMark = c.dupEpoch
 	}
 	for _, h := range slots {
 		i := int32(h.ID)
