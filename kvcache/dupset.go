@@ -52,10 +52,7 @@ type (
 
 func (d *dupKeySet) add(k Key) bool { return d.dupSet.add(k, keyHash(k)) }
 
-func (d *dupIDSet) add(id int) bool {
-	h := uint64(id) * 0x9e3779b97f4a7c15
-	return d.dupSet.add(id, h^h>>29)
-}
+func (d *dupIDSet) add(id int) bool { return d.dupSet.add(id, mix64(uint64(id))) }
 
 // halfFull is the power-of-two table size (at least 16) that n entries
 // keep at most half full.

@@ -26,7 +26,12 @@ func (x *keyIndex) bucket(k Key) uint64 { return keyHash(k) & x.mask }
 // hash for the index and the duplicate sets.
 func keyHash(k Key) uint64 {
 	lo, hi := binary.LittleEndian.Uint64(k[:8]), binary.LittleEndian.Uint64(k[8:])
-	h := (lo ^ hi*0xc2b2ae3d27d4eb4f) * 0x9e3779b97f4a7c15
+	return mix64(lo ^ hi*0xc2b2ae3d27d4eb4f)
+}
+
+// mix64 spreads x's bits over the low ones that pick a bucket.
+func mix64(x uint64) uint64 {
+	h := x * 0x9e3779b97f4a7c15
 	return h ^ h>>29
 }
 
