@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // The geometry of bench/realmodel.py, an 8B-class Llama: 32 layers, 8 KV
@@ -34,7 +36,9 @@ const prLayers, prSeg, prGPUBlocks = 32, 16 * 8 * 128 * 2, 1024
 // layer 0's event and the last layer's fired on the caller's stream.
 // KVO_PR_BLOCKS (default "128 512": 2k and 8k tokens) and KVO_PR_VARIANTS
 // (default "auto kernel batch"; the grammar of KVO_HS_VARIANTS) pick the
-// rows; KVO_BENCH_OUT receives paged.md.
+// rows; KVO_BENCH_OUT receives paged.md. KVO_PR_TRACE=1 logs, per load,
+// when the scheduler reached each point of transfer.Config.Trace, on the
+// CPU and on the load stream (prTracer).
 func BenchmarkGPUPagedReload(b *testing.B) {
 	gpu := cudatest.Open(b)
 	blocks := []int{128, 512}
@@ -57,10 +61,20 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 		require.NoError(b, err)
 		for _, n := range blocks {
 			b.Run(fmt.Sprintf("%s/blocks=%d", v, n), func(b *testing.B) {
+				var tr *prTracer
+				h := h
+				if os.Getenv("KVO_PR_TRACE") != "" {
+					tr = &prTracer{drv: gpu.Drv}
+					h.trace = tr.point
+				}
 				lines = append(lines, pagedReload(b, gpu.Drv, v, func(cfg Config) (*Engine, error) {
 					cfg.Backend = BackendCUDA
-					return newEngine(cfg, h)
-				}, n))
+					e, err := newEngine(cfg, h)
+					if err == nil && tr != nil {
+						tr.stream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
+					}
+					return e, err
+				}, n, tr))
 			})
 		}
 	}
@@ -76,7 +90,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 // table row.
 // newEng makes the engine of a config (the CUDA backend's, with the
 // variant's hooks).
-func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config) (*Engine, error), n int) string {
+func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config) (*Engine, error), n int, tr *prTracer) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	l := LayoutSpec{Kind: LayoutLayerSeparate, Layers: prLayers, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16, NumBlocks: prGPUBlocks}
@@ -143,8 +157,10 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		}
 		c, g := timed(func() (*Op, error) { return e.Store(ctx, keys, from, StoreOptions{}) }, OutcomeStored)
 		storeCall, storeGPU = append(storeCall, c), append(storeGPU, g)
+		tr.arm(b, evs[0])
 		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, LoadOptions{}) }, OutcomeLoaded)
 		loadCall, loadGPU = append(loadCall, c), append(loadGPU, g)
+		tr.report(b, fmt.Sprintf("%s/%d load %d: call %v, GPU side %v", name, n, it, c, g))
 
 		// Per layer: the caller's stream waits on layer 0's event, records,
 		// then waits on the last layer's and records again.
@@ -183,4 +199,79 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		row += " INVALID: a rate beats its reference by more than 2%"
 	}
 	return row
+}
+
+// prTracer takes a load of BenchmarkGPUPagedReload apart (KVO_PR_TRACE):
+// the scheduler's trace points (transfer.Config.Trace) as wall-clock times
+// from the call, and for the submitting thread's points also CUDA events
+// recorded on the engine's load stream, as times from the caller's event
+// just before the call: when the stream reached that point.
+type prTracer struct {
+	drv    cuda.Driver
+	stream cuda.Stream
+	on     atomic.Bool
+	t0     time.Time
+	start  cuda.Event
+	names  []string
+	wall   []time.Duration
+	evs    []cuda.Event // per point; 0 where none was recorded
+	pool   []cuda.Event
+}
+
+// arm starts a traced call; start is the caller's event recorded just
+// before it.
+func (t *prTracer) arm(b *testing.B, start cuda.Event) {
+	if t == nil {
+		return
+	}
+	for len(t.pool) < 16 {
+		ev, err := t.drv.EventCreate(cuda.EventDefault)
+		require.NoError(b, err)
+		t.pool = append(t.pool, ev)
+	}
+	t.names, t.wall, t.evs = t.names[:0], t.wall[:0], t.evs[:0]
+	t.start, t.t0 = start, time.Now()
+	t.on.Store(true)
+}
+
+// point is the scheduler's Trace: on the submitting thread (every point
+// but submit) it records one of the pool's events on the load stream,
+// for the first parts.
+func (t *prTracer) point(name string, part int) {
+	if !t.on.Load() || len(t.names) >= 32 {
+		return
+	}
+	if part >= 0 {
+		name = fmt.Sprintf("%s%d", name, part)
+	}
+	var ev cuda.Event
+	if name != "submit" && len(t.pool) > 0 && (part <= 2 || name == "issued") {
+		ev = t.pool[len(t.pool)-1]
+		if t.drv.EventRecord(ev, t.stream) == nil {
+			t.pool = t.pool[:len(t.pool)-1]
+		} else {
+			ev = 0
+		}
+	}
+	t.names, t.wall, t.evs = append(t.names, name), append(t.wall, time.Since(t.t0)), append(t.evs, ev)
+}
+
+// report logs the traced call's points once its op completed.
+func (t *prTracer) report(b *testing.B, head string) {
+	if t == nil {
+		return
+	}
+	t.on.Store(false)
+	var sb strings.Builder
+	sb.WriteString(head)
+	for i, name := range t.names {
+		fmt.Fprintf(&sb, "; %s %.3f", name, t.wall[i].Seconds()*1e3)
+		if ev := t.evs[i]; ev != 0 {
+			if ms, err := t.drv.EventElapsedTime(t.start, ev); err == nil {
+				fmt.Fprintf(&sb, " (GPU %.3f)", ms)
+			}
+			t.pool = append(t.pool, ev)
+		}
+	}
+	b.Log(sb.String() + " (ms from the call; GPU: the load stream reached it, from the caller's event)")
 }

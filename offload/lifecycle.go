@@ -95,6 +95,8 @@ type engineHooks struct {
 	builders int
 	// partSegments replaces the constant of that name (0: keep it).
 	partSegments int
+	// trace is the scheduler's Config.Trace.
+	trace func(point string, part int)
 	// afterDiskClear runs in Clear after the disk tier's first clear,
 	// before the cache's.
 	afterDiskClear func()
@@ -368,7 +370,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders,
+		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace,
 	}); err != nil {
 		return nil, err
 	}

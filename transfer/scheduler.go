@@ -86,6 +86,14 @@ type Config struct {
 	// submitting thread, which then only enqueues them (default: a
 	// quarter of GOMAXPROCS, 1 to 4; at most MaxBuilders).
 	Builders int
+	// Trace, when set, is called at points of a lazy op's life, with the
+	// point's name: "submit" (Submit entered), "issue" (the submitting
+	// thread took the op), "copy" and "copied" around each part's Copy
+	// (with the part's number), "issued" (its copies all enqueued). It
+	// runs on the engine's goroutines, the submitting thread's with the
+	// device's context current, and must return at once. Diagnostics:
+	// where the time from a call to its first copy goes.
+	Trace func(point string, part int)
 }
 
 // MaxBuilders bounds Config.Builders.
@@ -553,6 +561,9 @@ func (s *Scheduler) stateErr() error {
 // with Events or Signal wait for the engine thread to issue them (CPU work
 // only). On error nothing was enqueued and no callback will run.
 func (s *Scheduler) Submit(req Request) (*Op, error) {
+	if s.cfg.Trace != nil && req.lazy() {
+		s.cfg.Trace("submit", -1)
+	}
 	op, err := s.prepare(req)
 	if err != nil {
 		return nil, err
@@ -848,6 +859,9 @@ func (s *Scheduler) issue(b *batch) {
 		return
 	}
 	b.ev = ev
+	if s.cfg.Trace != nil {
+		s.cfg.Trace("issue", -1)
+	}
 	if invariantsEnabled && s.cfg.Tracker != nil {
 		for _, op := range b.ops {
 			if !op.req.lazy() {
@@ -923,6 +937,9 @@ func (s *Scheduler) issue(b *batch) {
 		return
 	}
 	b.recorded = true
+	if s.cfg.Trace != nil {
+		s.cfg.Trace("issued", -1)
+	}
 	s.pending[d] <- b
 }
 
@@ -1095,10 +1112,16 @@ func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	}
 	var retire func()
 	var err error
+	if s.cfg.Trace != nil {
+		s.cfg.Trace("copy", pb.p)
+	}
 	if pb.prepared {
 		retire, err = s.dev.(preparer).CopyPrepared(d, pb.descs, &pb.prep)
 	} else {
 		retire, err = s.dev.Copy(d, pb.descs)
+	}
+	if s.cfg.Trace != nil {
+		s.cfg.Trace("copied", pb.p)
 	}
 	if err != nil {
 		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(pb.descs), err)
