@@ -120,20 +120,17 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 const partSegments = 4096
 
 // partStarts cuts n blocks into parts of per blocks, the first ones
-// smaller (an eighth, an eighth, a quarter, a half of per, at least one
-// block each), so that the first copies start after a small part is
-// built; it returns the parts' first blocks and n.
+// smaller (a 32nd, a 16th, an eighth, a quarter, a half of per, at least
+// one block each), so that the first copies start after a small part is
+// built (building and enqueueing a part of 4096 segments took about 0.2 ms
+// on the H200 machine, the DMA of the first 2 MiB blocks 40 µs each); it
+// returns the parts' first blocks and n.
 func partStarts(n, per int) []int {
 	starts := []int{0}
 	for i, k := 0, 0; i < n; k++ {
 		size := per
-		switch k {
-		case 0, 1:
-			size = per / 8
-		case 2:
-			size = per / 4
-		case 3:
-			size = per / 2
+		if k < 5 {
+			size = per >> (5 - k)
 		}
 		i = min(n, i+max(1, size))
 		starts = append(starts, i)

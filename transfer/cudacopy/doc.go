@@ -37,7 +37,9 @@
 // should go that way. A staged batch writes and uploads all its descriptors
 // before its first DMA, so that no descriptor upload waits behind a chunk's
 // DMA on a copy engine; a scatter, where registered host pointers are
-// device pointers, uploads nothing: its kernels read the pinned tables.
+// device pointers, uploads nothing: its kernels read the pinned tables,
+// and each chunk's descriptors are written once its DMA is enqueued, so
+// the first DMA starts before the batch's descriptors are written.
 // SubmitScatterOpen leaves the final join of the load stream to the last
 // scatter to its caller, so that the next batch's DMAs start at once.
 //

@@ -189,13 +189,19 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 	// into the next batch), and held the scatters back for over a
 	// millisecond; a warp reads its 32-byte descriptor over the link once
 	// per chunk instead.
+	// Those read from the pinned tables are written chunk by chunk instead,
+	// each after its chunk's DMA is enqueued, so that the first DMA does not
+	// wait for the whole batch's descriptors (about 0.1 ms for 512 segments
+	// on the H200 machine).
 	bufs := &descCursor{bufs: gr.bufs, fromHost: dir == H2D && c.caps.HostPointerIdentity}
 	launches := make([][]launchRange, len(parts))
-	for k := range parts {
-		if launches[k], err = bufs.fill(&cks[k]); err != nil {
-			// Nothing is enqueued yet: everything goes back to the pools.
-			c.abandon(t, 0)
-			return Ticket{}, err
+	if !bufs.fromHost {
+		for k := range parts {
+			if launches[k], err = bufs.fill(&cks[k]); err != nil {
+				// Nothing is enqueued yet: everything goes back to the pools.
+				c.abandon(t, 0)
+				return Ticket{}, err
+			}
 		}
 	}
 	// fail ends the ticket after an error once work may be enqueued; a
@@ -236,7 +242,13 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 				err = c.drv.EventRecord(b[slot], s)
 			}
 		} else {
-			err = c.scatterChunk(g, s, launches[k], bufs, reuse, chunkPieces(k), a[slot], b[slot])
+			fill := func() ([]launchRange, error) {
+				if launches[k] == nil {
+					return bufs.fill(&cks[k])
+				}
+				return launches[k], nil
+			}
+			err = c.scatterChunk(g, s, fill, bufs, reuse, chunkPieces(k), a[slot], b[slot])
 		}
 		if err != nil {
 			return fail(err)
@@ -302,8 +314,10 @@ func (c *Copier) gatherChunk(g, s cuda.Stream, launches []launchRange, bufs *des
 }
 
 // scatterChunk loads one chunk's host runs into staging on s (after g's
-// scatter out of the same staging buffer, if reuse), then scatters it on g.
-func (c *Copier) scatterChunk(g, s cuda.Stream, launches []launchRange, bufs *descCursor, reuse bool, pieces []gatherPiece, loaded, scattered cuda.Event) error {
+// scatter out of the same staging buffer, if reuse), then scatters it on g
+// with the launches fill returns (writing the chunk's descriptors, where
+// they were not written ahead, once its DMA is enqueued).
+func (c *Copier) scatterChunk(g, s cuda.Stream, fill func() ([]launchRange, error), bufs *descCursor, reuse bool, pieces []gatherPiece, loaded, scattered cuda.Event) error {
 	if reuse {
 		if err := c.drv.StreamWaitEvent(s, scattered, cuda.EventWaitDefault); err != nil {
 			return fmt.Errorf("cudacopy: waiting to reuse a scatter chunk: %w", err)
@@ -317,6 +331,10 @@ func (c *Copier) scatterChunk(g, s cuda.Stream, launches []launchRange, bufs *de
 	}
 	if err := c.drv.StreamWaitEvent(g, loaded, cuda.EventWaitDefault); err != nil {
 		return fmt.Errorf("cudacopy: joining a staged load: %w", err)
+	}
+	launches, err := fill()
+	if err != nil {
+		return err
 	}
 	if err := c.launchRanges(g, bufs, launches); err != nil {
 		return err
