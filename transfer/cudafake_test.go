@@ -41,6 +41,13 @@ func newFakeEnvCopier(t *testing.T, size uint64, copts cudacopy.Options, opts cu
 // given (the others: one, so that parts are built in order).
 func newFakeEnvBuilders(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options, builders int) *fakeEnv {
 	t.Helper()
+	return newFakeEnvConfig(t, size, copts, opts, Config{Builders: builders})
+}
+
+// newFakeEnvConfig is newFakeEnvBuilders with the scheduler's Config given
+// (its Tracker and poll timings are the env's).
+func newFakeEnvConfig(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options, cfg Config) *fakeEnv {
+	t.Helper()
 	opts.CheckContext = true
 	d := cudafake.New(opts)
 	runtime.LockOSThread()
@@ -58,7 +65,8 @@ func newFakeEnvBuilders(t *testing.T, size uint64, copts cudacopy.Options, opts 
 	tr := NewTracker(nil)
 	host := uint64(uintptr(p))
 	require.NoError(t, tr.Live(host, size))
-	s, err := New(cu, Config{Tracker: tr, PollSpin: time.Microsecond, PollMaxSleep: 50 * time.Microsecond, Builders: builders})
+	cfg.Tracker, cfg.PollSpin, cfg.PollMaxSleep = tr, time.Microsecond, 50*time.Microsecond
+	s, err := New(cu, cfg)
 	require.NoError(t, err)
 	require.NoError(t, s.AddHostRange(host, size))
 	require.NoError(t, s.AddDeviceRange(uint64(dp), size))

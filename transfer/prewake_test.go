@@ -1,0 +1,112 @@
+package transfer
+
+import (
+	"math/rand"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// TestPrewake: requests submitted after a Prewake (the engine's threads
+// polling for them), after a Prewake whose poll ran out (the threads
+// asleep again), and from several goroutines that Prewake and Submit at
+// once, all complete with the right bytes, with and without early events
+// (the signalling thread's poll hands over what it receives). A request
+// the polling threads dropped, or a kick they swallowed, leaves Submit or
+// Wait hanging and fails the test; Close after a Prewake with nothing
+// submitted must not hang either (the cleanup), nor leave a goroutine
+// (goleak).
+func TestPrewake(t *testing.T) {
+	for _, early := range []bool{true, false} {
+		t.Run(map[bool]string{true: "early", false: "noearly"}[early], func(t *testing.T) {
+			const seg, n = 4096, 8 * 4096
+			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 5},
+				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond, NoEarlyEvents: !early})
+			require.Equal(t, early, e.s.early != nil)
+			rng := rand.New(rand.NewSource(6))
+			round := func(t *testing.T) {
+				src := randBytes(rng, n)
+				copy(e.hostBuf, src)
+				op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+				require.NoError(t, err)
+				waitWithin(t, op, 5*time.Second)
+				require.NoError(t, op.Release())
+				require.Equal(t, src, e.deviceBytes(t, n))
+			}
+			for range 3 {
+				e.s.Prewake() // never blocks, however many
+			}
+			round(t)
+			e.s.Prewake()
+			time.Sleep(50 * time.Millisecond) // the poll runs out
+			round(t)
+			// Several callers at once (the bytes they load are the same).
+			var wg sync.WaitGroup
+			errs := make(chan error, 40)
+			for range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for range 10 {
+						e.s.Prewake()
+						op, err := e.s.Submit(lazyLoad(e, n, seg, false, -1, nil))
+						if err == nil {
+							err = op.Wait()
+							_ = op.Release()
+						}
+						if err != nil {
+							errs <- err
+							return
+						}
+					}
+				}()
+			}
+			done := make(chan struct{})
+			go func() { wg.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("concurrent Prewake and Submit did not finish within 10s")
+			}
+			close(errs)
+			for err := range errs {
+				require.NoError(t, err)
+			}
+			round(t)
+			e.s.Prewake()
+		})
+	}
+}
+
+// TestPrewakeDefault: the poll is on by default only on machines of 8 CPUs
+// or more, and off where PrewakeSpin is negative.
+func TestPrewakeDefault(t *testing.T) {
+	c := Config{}
+	require.NoError(t, c.setDefaults())
+	if numCPU() >= 8 {
+		require.Equal(t, DefaultPrewakeSpin, c.PrewakeSpin)
+	} else {
+		require.Zero(t, c.PrewakeSpin)
+	}
+	c = Config{PrewakeSpin: -1}
+	require.NoError(t, c.setDefaults())
+	require.Negative(t, c.PrewakeSpin)
+}
+
+// waitWithin waits for op, failing the test after d.
+func waitWithin(t *testing.T, op *Op, d time.Duration) {
+	t.Helper()
+	ch := make(chan error, 1)
+	go func() { ch <- op.Wait() }()
+	select {
+	case err := <-ch:
+		require.NoError(t, err)
+	case <-time.After(d):
+		t.Fatalf("op did not complete within %v", d)
+	}
+}
