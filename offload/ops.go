@@ -227,9 +227,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
-	// The engine's threads wake while the store is prepared (see
-	// transfer.Scheduler.Prewake).
-	e.sched.Prewake()
+	e.Prewake() // the engine's threads wake while the store is prepared
 	if opts.AfterStream != 0 {
 		if opts.After == 0 {
 			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
@@ -459,7 +457,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
-	e.sched.Prewake() // see store
+	e.Prewake() // see store
 	start := time.Now()
 	var leased []kvcache.Slot
 	if opts.Lease != nil {
