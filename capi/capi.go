@@ -794,17 +794,6 @@ func growthCode(err error, growthFailed bool) C.int {
 	return codeFail
 }
 
-//export kvoGo_prewake
-func kvoGo_prewake(h C.uint64_t) (rc C.int) {
-	defer guard(&rc)
-	eng, err := engine(h)
-	if err != nil {
-		return fail(err)
-	}
-	eng.Prewake()
-	return codeOK
-}
-
 //export kvoGo_pause_growth
 func kvoGo_pause_growth(h C.uint64_t) (rc C.int) {
 	defer guard(&rc)

@@ -203,11 +203,6 @@ int kvo_wait_grown(kvo_engine_t engine, int64_t timeout_ns) {
 	return kvoGo_wait_grown(engine, timeout_ns);
 }
 
-int kvo_prewake(kvo_engine_t engine) {
-	ENTER();
-	return kvoGo_prewake(engine);
-}
-
 int kvo_pause_growth(kvo_engine_t engine) {
 	ENTER();
 	return kvoGo_pause_growth(engine);

@@ -290,15 +290,6 @@ int kvo_trim(kvo_engine_t engine, uint64_t bytes, int64_t timeout_ns,
  * present. */
 int kvo_delete(kvo_engine_t engine, const uint8_t* keys, size_t n, size_t* deleted);
 
-/* kvo_prewake: a kvo_store or kvo_load follows soon: the engine's copy
- * threads wake now and poll for it for a moment (300 us by default on
- * machines of 8 CPUs or more), so that the call does not wait for a
- * sleeping thread to wake (45-350 us measured on the H200 machine). Call
- * it before preparing the call's arguments; kvo_store and kvo_load also
- * call it as they start. Never blocks; harmless when no call follows.
- * Errors: KVO_ECLOSED (destroyed engine), KVO_EINVAL (not an engine). */
-int kvo_prewake(kvo_engine_t engine);
-
 /* Removes every block stored in namespace (NUL-terminated; "" is the
  * default namespace); *cleared (may be NULL) is how many. */
 int kvo_clear(kvo_engine_t engine, const char* namespace_, size_t* cleared);

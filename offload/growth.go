@@ -501,17 +501,3 @@ func (e *Engine) waitGrown(ctx context.Context) error {
 	}
 	return ctx.Err()
 }
-
-// Prewake tells the engine that a Store or Load is about to be called: its
-// copy threads wake now and poll for the request for a moment (see
-// transfer.Scheduler.Prewake; on by default on machines of 8 CPUs or
-// more), so that the call's request does not wait for a sleeping thread
-// to wake. Store and Load call it themselves as they start; a binding that
-// prepares their arguments first (Python's converts keys and block ids)
-// calls it before that. Never blocks; harmless when no call follows; safe
-// for concurrent use.
-func (e *Engine) Prewake() {
-	if e.sched != nil {
-		e.sched.Prewake()
-	}
-}

@@ -227,7 +227,9 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
-	e.Prewake() // the engine's threads wake while the store is prepared
+	// The engine's threads wake while the store is prepared (see
+	// transfer.Scheduler.Prewake).
+	e.sched.Prewake()
 	if opts.AfterStream != 0 {
 		if opts.After == 0 {
 			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
@@ -457,7 +459,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	if err := e.deviceLost(); err != nil {
 		return nil, err
 	}
-	e.Prewake() // see store
+	e.sched.Prewake() // see store
 	start := time.Now()
 	var leased []kvcache.Slot
 	if opts.Lease != nil {

@@ -459,8 +459,6 @@ static void test_growth(void) {
 	                     " \"layout\": {\"kind\": \"layer-separate\", \"layers\": 2, \"kv_heads\": 2, \"head_dim\": 64,"
 	                     " \"dtype_bytes\": 2, \"tokens_per_block\": 4, \"num_blocks\": 8}}",
 	                     &e));
-	OK(kvo_prewake(e));
-	OK(kvo_prewake(e)); // nothing follows: harmless
 	OK(kvo_pause_growth(e));
 	OK(kvo_pause_growth(e)); // idempotent
 	CHECK(stats_has(e, "\"growth_paused\":true"), "growth_paused not set");
@@ -484,9 +482,7 @@ static void test_growth(void) {
 	FAILS(kvo_wait_grown(e, 0), KVO_ECLOSED);
 	FAILS(kvo_pause_growth(e), KVO_ECLOSED);
 	FAILS(kvo_resume_growth(e), KVO_ECLOSED);
-	FAILS(kvo_prewake(e), KVO_ECLOSED);
 	FAILS(kvo_wait_grown(0, 0), KVO_EINVAL);
-	FAILS(kvo_prewake(0), KVO_EINVAL);
 }
 
 // Stale handles: a released op or lease is KVO_ERELEASED in every call

@@ -94,7 +94,6 @@ _PROTOTYPES = {
     "kvo_sim_read": [_u64, _u64, _vp, _size],
     "kvo_wait_grown": [_u64, _i64],
     "kvo_pause_growth": [_u64],
-    "kvo_prewake": [_u64],
     "kvo_resume_growth": [_u64],
     "kvo_metrics_text": [_u64, ctypes.c_char_p, _size, _sizep],
     "kvo_events_open": [_u64, _i64],

@@ -458,7 +458,6 @@ class Engine(_Handle):
         tokens: the blocks' token ids, tokens_per_block per key in key order
         (len(keys) × tokens_per_block), carried into their BlockStored events
         (events()); None: events carry no tokens."""
-        self._prewake()
         raw, n = pack_keys(keys)
         ids = _block_ids(block_ids, n)
         praw, psraw = _parents(parent, parents, n)
@@ -491,7 +490,6 @@ class Engine(_Handle):
         overwritten (an event of the engine's pool is recorded on it). per_layer: one event per layer (op.wait_layer).
         signal: a caller-owned torch.cuda.Event (or CUevent int) also
         recorded at completion."""
-        self._prewake()
         raw, n = pack_keys(keys)
         ids = _block_ids(block_ids, n)
         lh = 0
@@ -519,13 +517,6 @@ class Engine(_Handle):
             lease._handle = 0
         keep = (signal,) if signal is not None and not isinstance(signal, int) else ()
         return Op(self, op.value, n, "load", keep=keep, pooled=() if event is None else (event,))
-
-    def _prewake(self):
-        """Wakes the engine's copy threads while this call converts its
-        arguments (kvo_prewake); a closed engine is left to the call's own
-        check."""
-        if self._handle:
-            _lib.get().kvo_prewake(self._handle)
 
     def _reap(self):
         """Releases the ops released while in flight (Op.release, the

@@ -200,20 +200,6 @@ class HostEngine(unittest.TestCase):
             with self.assertRaises(kvoffload.EngineClosedError):
                 f()
 
-    def test_prewake(self):
-        # store and load wake the engine's threads first (kvo_prewake); the
-        # raw call on a destroyed engine is KVO_ECLOSED, and the wrapper's
-        # _prewake of a closed engine leaves the error to the call itself.
-        from kvoffload import _lib, errors
-        eng = kvoffload.Engine(small_config(1))
-        h = eng._handle
-        self.assertEqual(_lib.get().kvo_prewake(h), 0)
-        eng.close()
-        self.assertEqual(_lib.get().kvo_prewake(h), errors.KVO_ECLOSED)
-        eng._prewake()
-        with self.assertRaises(kvoffload.EngineClosedError):
-            eng.store([bytes(16)], [0])
-
     def test_cuda_backend_refused(self):
         # Backend "cuda" with addresses that are not device memory is always
         # refused: without a driver as NoDriverError, with one because the
