@@ -1206,9 +1206,17 @@ def main(argv=None):
             t1 = time.perf_counter()
             rows.append(b.run_size(tokens))
             print(f"realmodel: {tokens} tokens done in {time.perf_counter() - t1:.1f} s", file=sys.stderr)
+        # How the engine chose its copies in this process (the method is
+        # calibrated once per process): a store slower than the link in one
+        # run and not the next may be a different choice.
+        st = b.eng.stats()
+        engine_facts = {"copy calibration": st.get("copy_calibration", "") or "none",
+                        "bounce copies": st.get("bounce_copies", 0)}
     finally:
         b.close()
-    report = format_report(command.strip(), machine_info(), rows, b.checks, args.reps, started)
+    machine = machine_info()
+    machine.update(engine_facts if rows else {})
+    report = format_report(command.strip(), machine, rows, b.checks, args.reps, started)
     print(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -207,6 +208,7 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 // recorded on the engine's load stream, as times from the caller's event
 // just before the call: when the stream reached that point.
 type prTracer struct {
+	mu     sync.Mutex // point runs on the caller's goroutine and the submitter's
 	drv    cuda.Driver
 	stream cuda.Stream
 	on     atomic.Bool
@@ -229,8 +231,10 @@ func (t *prTracer) arm(b *testing.B, start cuda.Event) {
 		require.NoError(b, err)
 		t.pool = append(t.pool, ev)
 	}
+	t.mu.Lock()
 	t.names, t.wall, t.evs = t.names[:0], t.wall[:0], t.evs[:0]
 	t.start, t.t0 = start, time.Now()
+	t.mu.Unlock()
 	t.on.Store(true)
 }
 
@@ -238,7 +242,12 @@ func (t *prTracer) arm(b *testing.B, start cuda.Event) {
 // but submit) it records one of the pool's events on the load stream,
 // for the first parts.
 func (t *prTracer) point(name string, part int) {
-	if !t.on.Load() || len(t.names) >= 32 {
+	if !t.on.Load() {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.names) >= 32 {
 		return
 	}
 	if part >= 0 {
@@ -262,6 +271,8 @@ func (t *prTracer) report(b *testing.B, head string) {
 		return
 	}
 	t.on.Store(false)
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	var sb strings.Builder
 	sb.WriteString(head)
 	for i, name := range t.names {

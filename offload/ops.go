@@ -230,6 +230,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	// The engine's threads wake while the store is prepared (see
 	// transfer.Scheduler.Prewake).
 	e.sched.Prewake()
+	defer e.sched.PrewakeDone()
 	if opts.AfterStream != 0 {
 		if opts.After == 0 {
 			return nil, fmt.Errorf("%w: Store: AfterStream %#x given without After", ErrInvalidArgument, opts.AfterStream)
@@ -460,6 +461,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		return nil, err
 	}
 	e.sched.Prewake() // see store
+	defer e.sched.PrewakeDone()
 	start := time.Now()
 	var leased []kvcache.Slot
 	if opts.Lease != nil {

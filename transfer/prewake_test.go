@@ -3,6 +3,7 @@ package transfer
 import (
 	"math/rand"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -42,9 +43,13 @@ func TestPrewake(t *testing.T) {
 				e.s.Prewake() // never blocks, however many
 			}
 			round(t)
+			for range 3 {
+				e.s.PrewakeDone()
+			}
 			e.s.Prewake()
 			time.Sleep(50 * time.Millisecond) // the poll runs out
 			round(t)
+			e.s.PrewakeDone()
 			// Several callers at once (the bytes they load are the same).
 			var wg sync.WaitGroup
 			errs := make(chan error, 40)
@@ -55,6 +60,7 @@ func TestPrewake(t *testing.T) {
 					for range 10 {
 						e.s.Prewake()
 						op, err := e.s.Submit(lazyLoad(e, n, seg, false, -1, nil))
+						e.s.PrewakeDone()
 						if err == nil {
 							err = op.Wait()
 							_ = op.Release()
@@ -78,17 +84,49 @@ func TestPrewake(t *testing.T) {
 				require.NoError(t, err)
 			}
 			round(t)
-			e.s.Prewake()
+			e.s.Prewake() // and nothing follows
+			e.s.PrewakeDone()
+			require.Zero(t, e.s.announced.Load())
 		})
 	}
 }
 
-// TestPrewakeDefault: the poll is on by default only on machines of 8 CPUs
+// TestSpinFor: the poll returns what arrives while a call is announced,
+// and gives up at once when none is (pending ≤ 0), or as soon as the
+// announced call ends, long before its deadline.
+func TestSpinFor(t *testing.T) {
+	var pending atomic.Int32
+	ch := make(chan int, 1)
+	t0 := time.Now()
+	_, ok := spinFor(ch, 10*time.Second, &pending)
+	require.False(t, ok)
+	require.Less(t, time.Since(t0), time.Second, "polled with no call announced")
+
+	pending.Store(1)
+	go func() { time.Sleep(5 * time.Millisecond); ch <- 7 }()
+	v, ok := spinFor(ch, 10*time.Second, &pending)
+	require.True(t, ok)
+	require.Equal(t, 7, v)
+
+	go func() { time.Sleep(5 * time.Millisecond); pending.Store(0) }()
+	t0 = time.Now()
+	_, ok = spinFor(ch, 10*time.Second, &pending)
+	require.False(t, ok)
+	require.Less(t, time.Since(t0), 5*time.Second, "kept polling after the announced call ended")
+
+	pending.Store(1)
+	t0 = time.Now()
+	_, ok = spinFor(ch, 20*time.Millisecond, &pending)
+	require.False(t, ok)
+	require.GreaterOrEqual(t, time.Since(t0), 20*time.Millisecond)
+}
+
+// TestPrewakeDefault: the poll is on by default only where GOMAXPROCS is 8
 // or more, and off where PrewakeSpin is negative.
 func TestPrewakeDefault(t *testing.T) {
 	c := Config{}
 	require.NoError(t, c.setDefaults())
-	if numCPU() >= 8 {
+	if gomaxprocs() >= 8 {
 		require.Equal(t, DefaultPrewakeSpin, c.PrewakeSpin)
 	} else {
 		require.Zero(t, c.PrewakeSpin)

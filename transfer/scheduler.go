@@ -89,23 +89,26 @@ type Config struct {
 	// Trace, when set, is called at points of a lazy op's life, with the
 	// point's name: "submit" (Submit entered), "issue" (the submitting
 	// thread took the op), "copy" and "copied" around each part's Copy
-	// (with the part's number), "issued" (its copies all enqueued). It
-	// runs on the engine's goroutines, the submitting thread's with the
-	// device's context current, and must return at once. Diagnostics:
-	// where the time from a call to its first copy goes.
+	// (with the part's number), "issued" (its copies all enqueued).
+	// "submit" runs on the caller's goroutine, the others on the
+	// submitting thread with the device's context current, so calls may
+	// overlap (concurrent Submits): it must be safe for concurrent use and
+	// return at once. Diagnostics: where the time from a call to its first
+	// copy goes.
 	Trace func(point string, part int)
 	// PrewakeSpin is how long the engine's submitting and signalling
 	// threads, woken by Prewake, poll for the request announced before
 	// they sleep again. Waking a sleeping thread took 45–350 µs on the H200
 	// machine's VM, in series with every call; a Prewake at the start of a
-	// call overlaps it with the caller's own work. Default
-	// DefaultPrewakeSpin where runtime.NumCPU() ≥ 8, else 0; negative or
-	// zero: Prewake does nothing.
+	// call overlaps it with the caller's own work. A polling thread holds
+	// a P of the Go runtime: the default is DefaultPrewakeSpin where
+	// GOMAXPROCS ≥ 8, else 0; negative or zero: Prewake does nothing.
 	PrewakeSpin time.Duration
 }
 
-// DefaultPrewakeSpin is Config.PrewakeSpin's default on machines of 8 CPUs
-// or more: a thread that polls spends at most this much CPU per call.
+// DefaultPrewakeSpin is Config.PrewakeSpin's default where GOMAXPROCS is 8
+// or more: a thread that polls spends at most this much CPU per call, less
+// when the call ends (PrewakeDone) without a request.
 const DefaultPrewakeSpin = 300 * time.Microsecond
 
 // MaxBuilders bounds Config.Builders.
@@ -133,7 +136,7 @@ func (c *Config) setDefaults() error {
 	if c.Builders == 0 {
 		c.Builders = min(4, max(1, runtime.GOMAXPROCS(0)/4))
 	}
-	if c.PrewakeSpin == 0 && numCPU() >= 8 {
+	if c.PrewakeSpin == 0 && gomaxprocs() >= 8 {
 		c.PrewakeSpin = DefaultPrewakeSpin
 	}
 	switch {
@@ -236,6 +239,7 @@ type Scheduler struct {
 	wake           chan struct{}
 	prewake        chan struct{} // Prewake to the submitter
 	sigPrewake     chan struct{} // Prewake to the signaller
+	announced      atomic.Int32  // Prewakes not yet PrewakeDone
 	pending        [2]chan *batch
 	done           sync.WaitGroup
 	liveCompleters atomic.Int32
@@ -1236,7 +1240,7 @@ func (s *Scheduler) signaller(ready chan<- error) {
 		case op = <-s.sigCh:
 		case <-s.sigPrewake:
 			var ok bool
-			if op, ok = spinFor(s.sigCh, s.cfg.PrewakeSpin); !ok {
+			if op, ok = spinFor(s.sigCh, s.cfg.PrewakeSpin, &s.announced); !ok {
 				continue
 			}
 		case <-s.sigQuit:
@@ -1253,12 +1257,15 @@ func (s *Scheduler) signaller(ready chan<- error) {
 // Prewake tells the engine's threads that a request is about to be
 // submitted: they wake now, while the caller still prepares it, and poll
 // for it for up to Config.PrewakeSpin, so that its Submit does not wait
-// for a sleeping thread to wake (see PrewakeSpin). Harmless when no
-// request follows (the threads go back to sleep); cheap, never blocks.
+// for a sleeping thread to wake (see PrewakeSpin). Each Prewake is paired
+// with one PrewakeDone once the caller has submitted or given up; the
+// threads stop polling when no announced call is pending. Cheap, never
+// blocks; safe for concurrent use.
 func (s *Scheduler) Prewake() {
 	if s.cfg.PrewakeSpin <= 0 {
 		return
 	}
+	s.announced.Add(1)
 	select {
 	case s.prewake <- struct{}{}:
 	default:
@@ -1271,23 +1278,31 @@ func (s *Scheduler) Prewake() {
 	}
 }
 
+// PrewakeDone ends what one Prewake announced (see Prewake).
+func (s *Scheduler) PrewakeDone() {
+	if s.cfg.PrewakeSpin > 0 {
+		s.announced.Add(-1)
+	}
+}
+
 // awaitWake waits for kick; woken by Prewake first, it polls for the kick
-// for up to PrewakeSpin before it blocks again.
+// for up to PrewakeSpin (while a call is announced) before it blocks again.
 func (s *Scheduler) awaitWake() {
 	for {
 		select {
 		case <-s.wake:
 			return
 		case <-s.prewake:
-			if _, ok := spinFor(s.wake, s.cfg.PrewakeSpin); ok {
+			if _, ok := spinFor(s.wake, s.cfg.PrewakeSpin, &s.announced); ok {
 				return
 			}
 		}
 	}
 }
 
-// spinFor polls ch for up to d and reports what it received, if anything.
-func spinFor[T any](ch <-chan T, d time.Duration) (T, bool) {
+// spinFor polls ch for up to d, while *pending is positive, and reports
+// what it received, if anything.
+func spinFor[T any](ch <-chan T, d time.Duration, pending *atomic.Int32) (T, bool) {
 	deadline := time.Now().Add(d)
 	for i := 0; ; i++ {
 		select {
@@ -1295,7 +1310,7 @@ func spinFor[T any](ch <-chan T, d time.Duration) (T, bool) {
 			return v, true
 		default:
 		}
-		if i%64 == 63 && time.Now().After(deadline) {
+		if i%64 == 0 && (pending.Load() <= 0 || time.Now().After(deadline)) {
 			var zero T
 			return zero, false
 		}
@@ -1750,5 +1765,5 @@ func (op *Op) Release() error {
 	return nil
 }
 
-// numCPU is runtime.NumCPU (a variable for tests).
-var numCPU = runtime.NumCPU
+// gomaxprocs is runtime.GOMAXPROCS(0) (a variable for tests).
+var gomaxprocs = func() int { return runtime.GOMAXPROCS(0) }
