@@ -19,6 +19,7 @@ import (
 type Engine struct {
 	// Set by New and never changed.
 	cfg           Config
+	blockBits     sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
 	backend       Backend
 	backendReason string
 	start         time.Time
@@ -242,15 +243,32 @@ func (e *Engine) checkBlocks(call string, keys []Key, blockIDs []int) error {
 		return fmt.Errorf("%w: %s: %d keys but %d block ids", ErrInvalidArgument, call, len(keys), len(blockIDs))
 	}
 	n := e.cfg.Layout.NumBlocks
-	seen := make(map[int]struct{}, len(blockIDs))
+	// A bit per block of the layout, pooled: the ids this call marks are
+	// cleared again before the set goes back (a map of the call's ids
+	// cost about 25 ns an id, 50 µs for 2048 blocks).
+	bp, _ := e.blockBits.Get().(*[]uint64)
+	if bp == nil {
+		b := make([]uint64, (n+63)/64)
+		bp = &b
+	}
+	bits := *bp
+	marked := 0
+	defer func() {
+		for _, id := range blockIDs[:marked] {
+			bits[id>>6] = 0
+		}
+		e.blockBits.Put(bp)
+	}()
 	for i, id := range blockIDs {
 		if id < 0 || id >= n {
 			return fmt.Errorf("%w: %s: block id %d (index %d) outside the layout's %d blocks", ErrInvalidArgument, call, id, i, n)
 		}
-		if _, dup := seen[id]; dup {
+		w, bit := id>>6, uint64(1)<<(id&63)
+		if bits[w]&bit != 0 {
 			return fmt.Errorf("%w: %s: block id %d appears twice (index %d)", ErrInvalidArgument, call, id, i)
 		}
-		seen[id] = struct{}{}
+		bits[w] |= bit
+		marked++
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package offload
 import (
 	"bytes"
 	"context"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -92,4 +93,38 @@ func newEngineOn(t *testing.T, cfg Config, sim *transfer.Sim) *Engine {
 	e, err := newEngine(cfg, engineHooks{sim: sim})
 	require.NoError(t, err)
 	return e
+}
+
+// TestCheckBlocksReusesItsSet: duplicate and out-of-range block ids are
+// refused naming the index, and a refused call leaves nothing marked: the
+// same ids are accepted by the next call (the pooled bit set is cleared).
+func TestCheckBlocksReusesItsSet(t *testing.T) {
+	e := newTestEngine(t, Config{PoolBytes: 1 << 20, Layout: LayoutSpec{Kind: LayoutLayerSeparate, Layers: 1, KVHeads: 1,
+		HeadDim: 8, DTypeBytes: 2, TokensPerBlock: 4, NumBlocks: 200}})
+	defer func() { require.NoError(t, e.Close()) }()
+	keys := make([]Key, 4)
+	for range 3 {
+		err := e.checkBlocks("Load", keys, []int{5, 70, 199, 70})
+		require.ErrorIs(t, err, ErrInvalidArgument)
+		require.ErrorContains(t, err, "block id 70 appears twice (index 3)")
+		err = e.checkBlocks("Load", keys, []int{5, 70, 199, 200})
+		require.ErrorContains(t, err, "block id 200 (index 3) outside the layout's 200 blocks")
+		require.NoError(t, e.checkBlocks("Load", keys, []int{70, 199, 5, 64}))
+		require.NoError(t, e.checkBlocks("Load", keys, []int{63, 64, 0, 127}))
+	}
+}
+
+func BenchmarkCheckBlocks2048(b *testing.B) {
+	e, err := newEngine(Config{Backend: BackendHost, SkipMemoryCheck: true, PoolBytes: 1 << 20, Layout: LayoutSpec{
+		Kind: LayoutLayerSeparate, Layers: 1, KVHeads: 1, HeadDim: 8, DTypeBytes: 2, TokensPerBlock: 4, NumBlocks: 4096}}, engineHooks{})
+	require.NoError(b, err)
+	defer func() { require.NoError(b, e.Close()) }()
+	keys := make([]Key, 2048)
+	ids := rand.Perm(4096)[:2048]
+	b.ResetTimer()
+	for range b.N {
+		if err := e.checkBlocks("Load", keys, ids); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
