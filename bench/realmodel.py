@@ -210,7 +210,8 @@ def format_report(command, machine, rows, checks, reps, started):
         f"Median of {reps} timed reps after one warm-up; contiguous copies: best of {reps}. "
         "reload: CUDA events on the compute stream, from just before load() to after the stream waited on the op. "
         "load() returned after: wall clock of the call. Per-layer: a per_layer load, the compute stream waiting "
-        "on each layer's event in turn and recording its own event after each.\n\n",
+        "on each layer's event in turn and recording its own event after each. The engine's copy calibration "
+        "ran (wait_grown) before the model did.\n\n",
         format_table(rows), "\n## First op (warm-up) per size\n\n", format_first(rows),
         "\n## Targets\n\n", format_targets(rows), "\n## Checks\n\n",
         "".join(f"- {'ok' if ok else 'MISMATCH'}: {text}\n" for ok, text in checks),
@@ -682,6 +683,12 @@ class Bench:
             self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
                                                      namespace=NAMESPACE, policy="lru",
                                                      early_events=bool(args.early_events))
+            # Growth ends at once (one region); the engine then calibrates
+            # its copy methods on its growth thread. Waiting for that here
+            # keeps the calibration off the model's first prefill, which
+            # would otherwise share the GPU with it and could skew the
+            # method chosen for the whole process.
+            self.eng.wait_grown()
         self.engine_s = time.perf_counter() - t0
         maxb = kv_bytes(max(args.tokens))
         self.host = torch.empty(maxb, dtype=torch.uint8, pin_memory=True)

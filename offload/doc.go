@@ -67,7 +67,11 @@
 // CUDA the growth thread calibrates the choice of copy method once growth
 // has ended (Stats.CopyCalibration), so that the calibration does not
 // delay the pool nor compete with its prefault for the CPUs; copies issued
-// before that use the uncalibrated rule. If a stage fails on a region
+// before that use the uncalibrated rule. The calibration times the copies
+// on the GPU as it is then: a model running beside it skews the rates it
+// compares, so a serving stack calls WaitGrown before its first forward
+// pass where it wants the choice made on an idle GPU (bench/realmodel.py
+// does). If a stage fails on a region
 // (prefault, registration, host ranges, cache), growth stops there: the
 // regions before it still join, that region and those after it are
 // released, WaitGrown returns the error, Stats.GrowthError says why, and
