@@ -67,12 +67,7 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	defer func() { require.NoError(t, a.Close()) }()
 	require.Empty(t, a.Stats().ClusterError)
 	keys := seqKeys(0, 6)
-	contents := make([][]byte, len(keys))
-	for i := range keys {
-		contents[i] = fillBlock(t, a, i, byte(7+16*i))
-		require.Equal(t, OutcomeStored, storeOne(t, a, keys[i], i))
-	}
-	require.NoError(t, a.FlushCluster())
+	contents := storeWrittenThrough(t, a, keys, 7)
 	st := a.Stats()
 	require.Equal(t, int64(len(keys)), st.ClusterWrites)
 	require.Zero(t, st.ClusterDropped)
@@ -345,12 +340,7 @@ func TestClusterCorruptRecordNeverLoaded(t *testing.T) {
 	a := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
 	defer func() { require.NoError(t, a.Close()) }()
 	keys := seqKeys(40, 4)
-	contents := make([][]byte, len(keys))
-	for i := range keys {
-		contents[i] = fillBlock(t, a, i, byte(3+16*i))
-		require.Equal(t, OutcomeStored, storeOne(t, a, keys[i], i))
-	}
-	require.NoError(t, a.FlushCluster())
+	contents := storeWrittenThrough(t, a, keys, 3)
 
 	// Change one payload byte of keys[2]'s record where it lives.
 	bad := hex.EncodeToString(keys[2][:])
@@ -385,4 +375,18 @@ func TestClusterCorruptRecordNeverLoaded(t *testing.T) {
 	for _, i := range []int{0, 1, 3} {
 		require.Equal(t, contents[i], blockBytes(b, 8+i), "block %d", i)
 	}
+}
+
+// storeWrittenThrough fills GPU block i of e with byte seed+16i, stores it under
+// keys[i], waits until every record is written through to the cluster, and
+// returns the blocks' contents.
+func storeWrittenThrough(t *testing.T, e *Engine, keys []Key, seed byte) [][]byte {
+	t.Helper()
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, e, i, seed+byte(16*i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+	}
+	require.NoError(t, e.FlushCluster())
+	return contents
 }

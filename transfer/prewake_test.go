@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"math/rand"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -126,7 +127,7 @@ func TestSpinFor(t *testing.T) {
 func TestPrewakeDefault(t *testing.T) {
 	c := Config{}
 	require.NoError(t, c.setDefaults())
-	if gomaxprocs() >= 8 {
+	if runtime.GOMAXPROCS(0) >= 8 {
 		require.Equal(t, DefaultPrewakeSpin, c.PrewakeSpin)
 	} else {
 		require.Zero(t, c.PrewakeSpin)

@@ -136,7 +136,7 @@ func (c *Config) setDefaults() error {
 	if c.Builders == 0 {
 		c.Builders = min(4, max(1, runtime.GOMAXPROCS(0)/4))
 	}
-	if c.PrewakeSpin == 0 && gomaxprocs() >= 8 {
+	if c.PrewakeSpin == 0 && runtime.GOMAXPROCS(0) >= 8 {
 		c.PrewakeSpin = DefaultPrewakeSpin
 	}
 	switch {
@@ -584,8 +584,8 @@ func (s *Scheduler) stateErr() error {
 // with Events or Signal wait for the engine thread to issue them (CPU work
 // only). On error nothing was enqueued and no callback will run.
 func (s *Scheduler) Submit(req Request) (*Op, error) {
-	if s.cfg.Trace != nil && req.lazy() {
-		s.cfg.Trace("submit", -1)
+	if req.lazy() {
+		s.trace("submit", -1)
 	}
 	op, err := s.prepare(req)
 	if err != nil {
@@ -882,9 +882,7 @@ func (s *Scheduler) issue(b *batch) {
 		return
 	}
 	b.ev = ev
-	if s.cfg.Trace != nil {
-		s.cfg.Trace("issue", -1)
-	}
+	s.trace("issue", -1)
 	if invariantsEnabled && s.cfg.Tracker != nil {
 		for _, op := range b.ops {
 			if !op.req.lazy() {
@@ -943,9 +941,7 @@ func (s *Scheduler) issue(b *batch) {
 		}
 	}
 	enqueued = true
-	if s.cfg.Trace != nil {
-		s.cfg.Trace("events", -1)
-	}
+	s.trace("events", -1)
 	if err := s.issueLayers(b, shared); err != nil {
 		fail(err)
 		return
@@ -963,9 +959,7 @@ func (s *Scheduler) issue(b *batch) {
 		return
 	}
 	b.recorded = true
-	if s.cfg.Trace != nil {
-		s.cfg.Trace("issued", -1)
-	}
+	s.trace("issued", -1)
 	s.pending[d] <- b
 }
 
@@ -999,9 +993,7 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 	if len(refs) >= 2 {
 		f = s.startFeed(refs)
 		defer s.stopFeed(f)
-		if s.cfg.Trace != nil {
-			s.cfg.Trace("fed", -1)
-		}
+		s.trace("fed", -1)
 	}
 	for l := range layers {
 		start := len(b.descs)
@@ -1063,9 +1055,7 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 		}
 		if inline {
 			s.buildPart(op, p, &s.lone)
-			if s.cfg.Trace != nil {
-				s.cfg.Trace("built", p)
-			}
+			s.trace("built", p)
 			err := s.copyPart(b, op, &s.lone)
 			s.lone.op = nil
 			if err != nil {
@@ -1144,17 +1134,13 @@ func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	}
 	var retire func()
 	var err error
-	if s.cfg.Trace != nil {
-		s.cfg.Trace("copy", pb.p)
-	}
+	s.trace("copy", pb.p)
 	if pb.prepared {
 		retire, err = s.dev.(preparer).CopyPrepared(d, pb.descs, &pb.prep)
 	} else {
 		retire, err = s.dev.Copy(d, pb.descs)
 	}
-	if s.cfg.Trace != nil {
-		s.cfg.Trace("copied", pb.p)
-	}
+	s.trace("copied", pb.p)
 	if err != nil {
 		return fmt.Errorf("transfer: %v copy of part %d of %d (%d segments): %w", d, pb.p, op.req.Parts, len(pb.descs), err)
 	}
@@ -1765,5 +1751,9 @@ func (op *Op) Release() error {
 	return nil
 }
 
-// gomaxprocs is runtime.GOMAXPROCS(0) (a variable for tests).
-var gomaxprocs = func() int { return runtime.GOMAXPROCS(0) }
+// trace calls Config.Trace, when set, at point (see Trace).
+func (s *Scheduler) trace(point string, part int) {
+	if s.cfg.Trace != nil {
+		s.cfg.Trace(point, part)
+	}
+}
