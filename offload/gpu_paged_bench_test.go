@@ -68,6 +68,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					tr = &prTracer{drv: gpu.Drv}
 					h.trace = tr.point
 				}
+				defer tr.close(b)
 				lines = append(lines, pagedReload(b, gpu.Drv, v, func(cfg Config) (*Engine, error) {
 					cfg.Backend = BackendCUDA
 					e, err := newEngine(cfg, h)
@@ -285,4 +286,15 @@ func (t *prTracer) report(b *testing.B, head string) {
 		}
 	}
 	b.Log(sb.String() + " (ms from the call; GPU: the load stream reached it, from the caller's event)")
+}
+
+// close destroys the tracer's events (every traced load has reported).
+func (t *prTracer) close(b *testing.B) {
+	if t == nil {
+		return
+	}
+	for _, ev := range t.pool {
+		require.NoError(b, t.drv.EventDestroy(ev))
+	}
+	t.pool = nil
 }
