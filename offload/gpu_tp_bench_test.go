@@ -49,7 +49,9 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 
 // hsVariant parses a variant of BenchmarkGPUHeadSliced (KVO_HS_VARIANTS:
 // space-separated, each a method, auto, kernel, batch or memcpy, then :key=value pairs
-// of ctas, threads, part (segments a part), builders, chunk (bytes)).
+// of ctas, threads, part (segments a part), builders, chunk (bytes), inline
+// (inline=1: descriptor tables uploaded on the copy stream, see
+// cudacopy.Options.UploadOnCopyStream)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -81,6 +83,8 @@ func hsVariant(v string) (engineHooks, error) {
 			h.builders = n
 		case "chunk":
 			h.copyOptions.ChunkBytes = n
+		case "inline":
+			h.copyOptions.UploadOnCopyStream = true // inline=1: each table uploaded on the copy stream before its launch
 		default:
 			return h, fmt.Errorf("variant %q: unknown key %q", v, k)
 		}

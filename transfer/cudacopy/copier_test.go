@@ -7,6 +7,7 @@ import (
 	"math"
 	mrand "math/rand/v2"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
@@ -594,6 +595,11 @@ func (d *nullDriver) EventCreate(uint32) (cuda.Event, error)               { ret
 func (d *nullDriver) EventDestroy(cuda.Event) error                        { return nil }
 func (d *nullDriver) EventRecord(cuda.Event, cuda.Stream) error            { return nil }
 func (d *nullDriver) EventSynchronize(cuda.Event) error                    { return nil }
+func (d *nullDriver) StreamCreate(uint32, int) (cuda.Stream, error)        { return 4, nil }
+func (d *nullDriver) StreamDestroy(cuda.Stream) error                      { return nil }
+func (d *nullDriver) StreamWaitEvent(cuda.Stream, cuda.Event, uint32) error {
+	return nil
+}
 func (d *nullDriver) LaunchKernel(cuda.Function, cuda.Dim3, cuda.Dim3, uint32, cuda.Stream, ...[]byte) error {
 	return nil
 }
@@ -636,4 +642,49 @@ func TestEmbeddedPTX(t *testing.T) {
 		require.Contains(t, string(b), ".entry "+k+"(")
 	}
 	require.Contains(t, string(b), ".target sm_80")
+}
+
+// A kernel launch's descriptor table is uploaded on the Copier's upload
+// stream and the launch waits for it: with copies and kernels delayed at
+// random, a launch that ran before its upload would read another batch's
+// table (or a blank one) and the round trip would differ. The copy stream
+// itself sees only waits and launches; with UploadOnCopyStream the uploads
+// are back on it, one before each launch.
+func TestKernelLaunchWaitsForItsUpload(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{Seed: 3, CopyMinDelay: 200 * time.Microsecond, CopyMaxDelay: 2 * time.Millisecond})
+	rec := &streamLog{Driver: drv}
+	s := newStream(t, drv)
+	for _, inline := range []bool{false, true} {
+		// Four descriptors a table: each batch spans several tables, and
+		// every round trip reuses the tables of the one before.
+		c := newCopier(t, rec, Options{Method: MethodKernel, PTX: fakePTX, DescCapacity: 4, UploadOnCopyStream: inline})
+		for i, l := range []layout{crossLayer(9, 4<<10), layerSeparate(6, 3, 4<<10), crossLayer(5, 12<<10)} {
+			rec.ops = nil
+			roundTrip(t, drv, c, s, l, uint64(10+i))
+			var onS []string
+			uploads := 0
+			for _, o := range rec.ops {
+				if o.op == cuda.OpMemcpyAsync {
+					uploads++
+				}
+				if o.s == s {
+					onS = append(onS, o.op)
+				}
+			}
+			require.NotZero(t, uploads)
+			for k, op := range onS {
+				if op != cuda.OpLaunchKernel {
+					continue
+				}
+				want := cuda.OpStreamWaitEvent
+				if inline {
+					want = cuda.OpMemcpyAsync
+				}
+				require.True(t, k > 0 && onS[k-1] == want, "inline %v: launch %d on the copy stream follows %v, want %s: %v", inline, k, onS[max(k-1, 0)], want, onS)
+			}
+			if !inline {
+				require.NotContains(t, onS, cuda.OpMemcpyAsync, "uploads on the copy stream: %v", onS)
+			}
+		}
+	}
 }

@@ -383,8 +383,9 @@ func TestStagedUploadsDescriptorsFirstFake(t *testing.T) {
 		}
 		if dir == D2H {
 			// gatherRoundTrip first loads the device data with Submit on g:
-			// an upload and a launch per buffer.
-			require.Equal(t, []string{cuda.OpMemcpyAsync, cuda.OpLaunchKernel, cuda.OpMemcpyAsync, cuda.OpLaunchKernel, cuda.OpMemcpyAsync, cuda.OpLaunchKernel}, onG[:6])
+			// per buffer, a wait for its upload (on the Copier's upload
+			// stream) and a launch.
+			require.Equal(t, []string{cuda.OpStreamWaitEvent, cuda.OpLaunchKernel, cuda.OpStreamWaitEvent, cuda.OpLaunchKernel, cuda.OpStreamWaitEvent, cuda.OpLaunchKernel}, onG[:6])
 			onG = onG[6:]
 		}
 		uploads := 0
