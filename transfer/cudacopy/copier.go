@@ -139,7 +139,8 @@ type Options struct {
 	// UploadOnCopyStream uploads each kernel launch's descriptor table on
 	// the copy's own stream right before the launch. By default the
 	// upload goes on the Copier's upload stream and the launch waits for it
-	// through an event, so that a table's upload overlaps the previous
+	// through an event (in line all the same on a stream that is capturing
+	// a graph), so that a table's upload overlaps the previous
 	// launch instead of holding the copy stream between launches (on the
 	// H200, launches of 4096 head-sliced 4 KiB descriptors ran at 87% of
 	// the link with the upload in line, 90% with it on a second stream:
@@ -896,8 +897,18 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 	}
 	total := ck.count()
 	nbuf := (total + c.opts.DescCapacity - 1) / c.opts.DescCapacity
+	// The tables go up on c.up unless s is capturing a graph (a captured
+	// launch may not wait on uncaptured work in another stream).
+	side := c.up != 0
+	if side {
+		st, err := c.drv.StreamIsCapturing(s)
+		if err != nil {
+			return Ticket{}, fmt.Errorf("cudacopy: checking the launch stream for a capture: %w", err)
+		}
+		side = st == cuda.CaptureStatusNone
+	}
 	events := 1
-	if c.up != 0 {
+	if side {
 		events += nbuf // one per table: its upload's completion
 	}
 	t, gr, err := c.acquire(need{bufs: nbuf, events: events})
@@ -910,7 +921,7 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 		n, err := ck.next(b.table)
 		if err == nil {
 			var uploaded cuda.Event
-			if c.up != 0 {
+			if side {
 				uploaded = gr.events[1+i]
 			}
 			err = c.enqueue(s, b, l, ck, n, extra, done, warpsPerCTA, uploaded)

@@ -597,6 +597,9 @@ func (d *nullDriver) EventRecord(cuda.Event, cuda.Stream) error            { ret
 func (d *nullDriver) EventSynchronize(cuda.Event) error                    { return nil }
 func (d *nullDriver) StreamCreate(uint32, int) (cuda.Stream, error)        { return 4, nil }
 func (d *nullDriver) StreamDestroy(cuda.Stream) error                      { return nil }
+func (d *nullDriver) StreamIsCapturing(cuda.Stream) (cuda.CaptureStatus, error) {
+	return cuda.CaptureStatusNone, nil
+}
 func (d *nullDriver) StreamWaitEvent(cuda.Stream, cuda.Event, uint32) error {
 	return nil
 }
@@ -687,4 +690,37 @@ func TestKernelLaunchWaitsForItsUpload(t *testing.T) {
 			}
 		}
 	}
+}
+
+// On a stream capturing a graph the tables are uploaded in line: a captured
+// launch may not wait on work outside the capture (the driver fails it with
+// CUDA_ERROR_STREAM_CAPTURE_ISOLATION).
+func TestCapturedLaunchUploadsInLine(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{})
+	rec := &streamLog{Driver: drv}
+	s := newStream(t, drv)
+	c := newCopier(t, rec, Options{PTX: fakePTX, DescCapacity: 4})
+	dev := devMem(t, drv, 64<<10)
+	out := devMem(t, drv, 8*16)
+	spans := make([]Span, 16)
+	for i := range spans {
+		spans[i] = Span{Addr: uint64(dev) + uint64(i*4096), Len: 4096}
+	}
+	require.NoError(t, drv.StreamBeginCapture(s, cuda.CaptureModeRelaxed))
+	tk, err := c.Checksum(s, spans, out)
+	require.NoError(t, err)
+	g, err := drv.StreamEndCapture(s)
+	require.NoError(t, err)
+	require.NoError(t, drv.GraphDestroy(g))
+	var onS []string
+	for _, o := range rec.ops {
+		require.Equal(t, s, o.s, "%s outside the capturing stream", o.op)
+		onS = append(onS, o.op)
+	}
+	want := []string{}
+	for range 4 {
+		want = append(want, cuda.OpMemcpyAsync, cuda.OpLaunchKernel)
+	}
+	require.Equal(t, want, onS)
+	require.NoError(t, c.Retire(tk))
 }
