@@ -3,7 +3,7 @@
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
-GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload tier/disk tier/cluster
+GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload tier/record tier/disk tier/cluster
 GPU_LDFLAGS := -s -w $(VERSION_LDFLAGS)
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s

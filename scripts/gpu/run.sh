@@ -252,6 +252,9 @@ suite_disk() {
 	need_tools || return 1
 	tier_dir
 	disk_facts "$TIER_DIR"
+	# What a payload's CRC-32C costs on this machine's CPUs, cold (as after a
+	# DMA) and parallel (record.Checksum) against one core.
+	step_in tier/record timeout 60 "$B/tier_record.test" -test.run '^$' -test.bench 'Checksum2MiB' -test.benchtime 300x -test.count 3
 	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=${KVO_DISK_MIB:-2048} KVO_DISK_BENCH_ROUNDS=${KVO_DISK_ROUNDS:-3} KVO_BENCH_OUT=$D \
 		step_in tier/disk timeout 240 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 235s
 	# The index scan at start (target: 2 s per 100,000 records) on this disk.

@@ -50,12 +50,6 @@ var (
 	ErrLayoutVersion = errors.New("record: host-layout version mismatch")
 )
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
-// Checksum returns the CRC-32C (Castagnoli) of p, the payload checksum
-// Header.PayloadSum holds.
-func Checksum(p []byte) uint32 { return crc32.Checksum(p, castagnoli) }
-
 // Header is the decoded header sector of one record.
 type Header struct {
 	Version       uint16   // format version; EncodeHeader writes FormatVersion whatever it holds

@@ -1,0 +1,128 @@
+package record
+
+import (
+	"hash/crc32"
+	"runtime"
+	"sync"
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Checksum returns the CRC-32C (Castagnoli) of p, the payload checksum
+// Header.PayloadSum holds. A payload of at least parallelMin bytes is
+// checksummed in up to parallelWays pieces on as many goroutines (no more
+// than half of GOMAXPROCS: on the 2-CPU VM two pieces took longer than
+// one, warm or cold), their CRCs combined: a payload a disk just wrote by DMA
+// is not in any cache, and one core reads it at DRAM speed (a 2 MiB
+// record's CRC took 260-380 µs right after its O_DIRECT read on the 2-CPU
+// VM against 97 µs warm, a tenth of the read's time that Get added before
+// a record could be served).
+func Checksum(p []byte) uint32 {
+	ways := min(parallelWays, runtime.GOMAXPROCS(0)/2, len(p)/parallelPiece)
+	if len(p) < parallelMin || ways < 2 {
+		return crc32.Checksum(p, castagnoli)
+	}
+	piece := len(p) / ways
+	sums := make([]uint32, ways)
+	var wg sync.WaitGroup
+	for i := 1; i < ways; i++ {
+		lo, hi := i*piece, (i+1)*piece
+		if i == ways-1 {
+			hi = len(p)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sums[i] = crc32.Checksum(p[lo:hi], castagnoli)
+		}()
+	}
+	sums[0] = crc32.Checksum(p[:piece], castagnoli)
+	wg.Wait()
+	sum := sums[0]
+	for i := 1; i < ways; i++ {
+		n := piece
+		if i == ways-1 {
+			n = len(p) - i*piece
+		}
+		sum = combine(sum, sums[i], n)
+	}
+	return sum
+}
+
+// Parallel checksum bounds: payloads from parallelMin bytes, pieces of at
+// least parallelPiece bytes, at most parallelWays of them.
+const (
+	parallelMin   = 1 << 20
+	parallelPiece = 256 << 10
+	parallelWays  = 4
+)
+
+// combine returns the CRC-32C of A‖B from crcA = CRC(A), crcB = CRC(B)
+// and n = len(B): crcA advanced over n zero bytes (a linear map over
+// GF(2), cached per n), XORed with crcB. (The pre- and post-inversion of
+// the standard CRC cancel out in this form, as in zlib's crc32_combine.)
+func combine(crcA, crcB uint32, n int) uint32 {
+	return gf2Times(zerosOp(n), crcA) ^ crcB
+}
+
+// gf2Matrix is a linear map on 32-bit CRC states over GF(2): column i is
+// the image of bit i.
+type gf2Matrix [32]uint32
+
+func gf2Times(m *gf2Matrix, v uint32) uint32 {
+	var sum uint32
+	for i := 0; v != 0; i, v = i+1, v>>1 {
+		if v&1 != 0 {
+			sum ^= m[i]
+		}
+	}
+	return sum
+}
+
+func gf2Square(m *gf2Matrix) gf2Matrix {
+	var sq gf2Matrix
+	for i := range sq {
+		sq[i] = gf2Times(m, m[i])
+	}
+	return sq
+}
+
+var zeroOps sync.Map // int (bytes) → *gf2Matrix
+
+// zerosOp returns the map that advances a (reflected, uninverted) CRC-32C
+// state over n zero bytes. Payload sizes are few (one per record size), so
+// each is computed once.
+func zerosOp(n int) *gf2Matrix {
+	if m, ok := zeroOps.Load(n); ok {
+		return m.(*gf2Matrix)
+	}
+	// One zero bit: shift right, XOR the polynomial in when the low bit
+	// was set.
+	var bit gf2Matrix
+	bit[0] = crc32.Castagnoli
+	for i := 1; i < 32; i++ {
+		bit[i] = 1 << (i - 1)
+	}
+	byteOp := gf2Square(&bit)
+	byteOp = gf2Square(&byteOp)
+	byteOp = gf2Square(&byteOp) // 8 zero bits
+	// The identity, then square-and-multiply over n's bits.
+	var acc gf2Matrix
+	for i := range acc {
+		acc[i] = 1 << i
+	}
+	pow := byteOp
+	for k := n; k > 0; k >>= 1 {
+		if k&1 != 0 {
+			var next gf2Matrix
+			for i := range next {
+				next[i] = gf2Times(&pow, acc[i])
+			}
+			acc = next
+		}
+		pow = gf2Square(&pow)
+	}
+	m := &acc
+	zeroOps.Store(n, m)
+	return m
+}

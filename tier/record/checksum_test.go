@@ -1,0 +1,74 @@
+package record
+
+import (
+	"hash/crc32"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// Checksum, parallel or not, is the CRC-32C of the whole payload: lengths
+// around every split point (pieces of unequal length, a last piece longer
+// than the rest), at every way count GOMAXPROCS allows.
+func TestChecksumIsCRC32C(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	p := make([]byte, 3<<20+17)
+	for i := range p {
+		p[i] = byte(r.Uint32())
+	}
+	lengths := []int{0, 1, 4095, parallelMin - 1, parallelMin, parallelMin + 1, 2 << 20, 2<<20 + 4096, 2<<20 + 3, 3 << 20, len(p)}
+	for range 8 {
+		lengths = append(lengths, parallelMin+r.IntN(len(p)-parallelMin))
+	}
+	prev := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(prev)
+	for _, procs := range []int{1, 2, 3, 4, 8} {
+		runtime.GOMAXPROCS(procs)
+		for _, n := range lengths {
+			require.Equal(t, crc32.Checksum(p[:n], castagnoli), Checksum(p[:n]), "%d bytes, GOMAXPROCS %d", n, procs)
+		}
+	}
+}
+
+// combine joins the CRCs of two parts into the CRC of both, for any split.
+func TestCombine(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	p := make([]byte, 70_000)
+	for i := range p {
+		p[i] = byte(r.Uint32())
+	}
+	for range 200 {
+		n := r.IntN(len(p) + 1)
+		k := r.IntN(n + 1)
+		a, b := crc32.Checksum(p[:k], castagnoli), crc32.Checksum(p[k:n], castagnoli)
+		require.Equal(t, crc32.Checksum(p[:n], castagnoli), combine(a, b, n-k), "split %d of %d", k, n)
+	}
+}
+
+// BenchmarkChecksum2MiB: a 2 MiB payload, cold in the caches as after a
+// DMA (each iteration checksums another of 64 buffers: 128 MiB).
+func BenchmarkChecksum2MiB(b *testing.B) {
+	bufs := make([][]byte, benchBufs)
+	for i := range bufs {
+		bufs[i] = make([]byte, 2<<20)
+		for j := range bufs[i] {
+			bufs[i][j] = byte(j * i)
+		}
+	}
+	b.Run("serial", func(b *testing.B) {
+		b.SetBytes(2 << 20)
+		for i := range b.N {
+			crc32.Checksum(bufs[i%len(bufs)], castagnoli)
+		}
+	})
+	b.Run("Checksum", func(b *testing.B) {
+		b.SetBytes(2 << 20)
+		for i := range b.N {
+			Checksum(bufs[i%len(bufs)])
+		}
+	})
+}
+
+var benchBufs = 64
