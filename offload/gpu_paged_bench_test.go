@@ -81,7 +81,8 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					cfg.EarlyEvents = early
 					e, err := newEngine(cfg, h)
 					if err == nil && tr != nil {
-						tr.stream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
+						tr.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
+						tr.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
 					}
 					return e, err
 				}, n, tr))
@@ -166,9 +167,11 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 			require.NoError(b, op.Release())
 			return callT, gpuT
 		}
+		tr.arm(b, evs[0], true)
 		c, g := timed(func() (*Op, error) { return e.Store(ctx, keys, from, StoreOptions{}) }, OutcomeStored)
 		storeCall, storeGPU = append(storeCall, c), append(storeGPU, g)
-		tr.arm(b, evs[0])
+		tr.report(b, fmt.Sprintf("%s/%d store %d: call %v, GPU side %v", name, n, it, c, g))
+		tr.arm(b, evs[0], false)
 		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, LoadOptions{}) }, OutcomeLoaded)
 		loadCall, loadGPU = append(loadCall, c), append(loadGPU, g)
 		tr.report(b, fmt.Sprintf("%s/%d load %d: call %v, GPU side %v", name, n, it, c, g))
@@ -176,7 +179,7 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		// Per layer: the caller's stream waits on layer 0's event, records,
 		// then waits on the last layer's and records again.
 		require.NoError(b, drv.EventRecord(evs[0], s))
-		tr.arm(b, evs[0])
+		tr.arm(b, evs[0], false)
 		t0 := time.Now()
 		op, err := e.Load(ctx, keys, into, LoadOptions{PerLayer: true})
 		plCall := time.Since(t0)
@@ -222,23 +225,28 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 // recorded on the engine's load stream, as times from the caller's event
 // just before the call: when the stream reached that point.
 type prTracer struct {
-	mu     sync.Mutex // point runs on the caller's goroutine and the submitter's
-	drv    cuda.Driver
-	stream cuda.Stream
-	on     atomic.Bool
-	t0     time.Time
-	start  cuda.Event
-	names  []string
-	wall   []time.Duration
-	evs    []cuda.Event // per point; 0 where none was recorded
-	pool   []cuda.Event
+	mu  sync.Mutex // point runs on the caller's goroutine and the submitter's
+	drv cuda.Driver
+	// loadStream, storeStream: the engine's; stream: the traced op's.
+	loadStream, storeStream, stream cuda.Stream
+	on                              atomic.Bool
+	t0                              time.Time
+	start                           cuda.Event
+	names                           []string
+	wall                            []time.Duration
+	evs                             []cuda.Event // per point; 0 where none was recorded
+	pool                            []cuda.Event
 }
 
 // arm starts a traced call; start is the caller's event recorded just
-// before it.
-func (t *prTracer) arm(b *testing.B, start cuda.Event) {
+// before it, store whether it is a Store (else a Load).
+func (t *prTracer) arm(b *testing.B, start cuda.Event, store bool) {
 	if t == nil {
 		return
+	}
+	t.stream = t.loadStream
+	if store {
+		t.stream = t.storeStream
 	}
 	for len(t.pool) < 16 {
 		ev, err := t.drv.EventCreate(cuda.EventDefault)
@@ -298,7 +306,7 @@ func (t *prTracer) report(b *testing.B, head string) {
 			t.pool = append(t.pool, ev)
 		}
 	}
-	b.Log(sb.String() + " (ms from the call; GPU: the load stream reached it, from the caller's event)")
+	b.Log(sb.String() + " (ms from the call; GPU: the op's engine stream reached it, from the caller's event)")
 }
 
 // close destroys the tracer's events (every traced load has reported).
