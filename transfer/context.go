@@ -207,6 +207,9 @@ func (c *Context) NewCUDA(opts CUDAOptions) (*CUDA, error) {
 	err := c.Do(func() error {
 		var err error
 		dev, err = newCUDA(c.drv, c.dev, c.ctx, co)
+		if err == nil && !later {
+			dev.warmStaging()
+		}
 		return err
 	})
 	if err != nil {
@@ -223,7 +226,8 @@ func (c *CUDA) CalibrationPending() bool { return c.calibrateLater }
 // Calibrate measures the copy methods on a stream of its own and installs
 // the table the copier chooses from, once: later calls do nothing. The
 // calling thread must have the context current. On error the uncalibrated
-// rule stays. It returns how long the measurement took.
+// rule stays. It returns how long the measurement took. Then, its buffer
+// freed, it fills the copier's staging share (warmStaging).
 func (c *CUDA) Calibrate() (time.Duration, error) {
 	if !c.calibrateLater {
 		return 0, nil
@@ -235,5 +239,7 @@ func (c *CUDA) Calibrate() (time.Duration, error) {
 		_, err = c.copier.Calibrate(s)
 		err = errors.Join(err, c.drv.StreamDestroy(s))
 	}
-	return time.Since(t0), err
+	took := time.Since(t0)
+	c.warmStaging()
+	return took, err
 }
