@@ -249,8 +249,9 @@ type Config struct {
 	// earlier copies to complete and reuses their memory; one that could
 	// never fit is split. The engine allocates about all of it by the end
 	// of growth (tables and idle bounce chunks, kept for the first ops: see
-	// doc/DESIGN.md, warm start) and keeps it until Close. Negative, or below one descriptor table and one
-	// bounce chunk (transfer.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
+	// doc/DESIGN.md, warm start) and keeps it until Close. Negative, or
+	// below one descriptor table and one bounce chunk
+	// (transfer.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
 	MaxDeviceBytes int64 `json:"max_device_bytes,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.
