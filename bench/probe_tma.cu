@@ -348,7 +348,6 @@ int main(int argc, char** argv) {
                     CK(cudaStreamSynchronize(st));
                     nbad = *bad;
                 } else {
-                    std::vector<uint32_t> rowbuf;
                     for (auto& d : p.descs) {
                         for (uint32_t q = 0; q < d.rows; q++) {
                             uint64_t goff = d.gpu + (uint64_t)q * d.gpitch - gb;

@@ -88,7 +88,9 @@ type Config struct {
 	Builders int
 	// Trace, when set, is called at points of a lazy op's life, with the
 	// point's name: "submit" (Submit entered), "issue" (the submitting
-	// thread took the op), "copy" and "copied" around each part's Copy
+	// thread took the op), "events" (its events recorded), "fed" (builder
+	// goroutines started on its parts), "built" (a part built on the
+	// submitting thread), "copy" and "copied" around each part's Copy
 	// (with the part's number), "issued" (its copies all enqueued).
 	// "submit" runs on the caller's goroutine, the others on the
 	// submitting thread with the device's context current, so calls may
