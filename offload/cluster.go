@@ -197,8 +197,9 @@ func (e *Engine) clearCluster(ns string) {
 }
 
 // FlushCluster waits until every block written through to the cluster has
-// been answered (stored or failed). Without a cluster tier it returns at
-// once.
+// been answered (stored or failed); the BlockStored events (medium
+// SHARED_STORAGE) of the blocks stored are in the event streams by then.
+// Without a cluster tier it returns at once.
 func (e *Engine) FlushCluster() error {
 	if err := e.checkOpen("FlushCluster"); err != nil {
 		return err

@@ -88,6 +88,8 @@ func TestRoundTrip(t *testing.T) {
 	c := shared(t)
 	var done atomic.Int64
 	s := open(t, c, Config{OnPutDone: func(_ [16]byte, ok bool) {
+		// A slow callback: Flush (in putAll) must still wait for it.
+		time.Sleep(2 * time.Millisecond)
 		if ok {
 			done.Add(1)
 		}
@@ -95,7 +97,7 @@ func TestRoundTrip(t *testing.T) {
 	const n, size = 300, 8<<10 + 17
 	ks, ps := keysN(n, 1), payloads(n, size)
 	putAll(t, s, ks, ps)
-	require.EqualValues(t, n, done.Load())
+	require.EqualValues(t, n, done.Load(), "Flush returned before every OnPutDone had")
 	st := s.Stats()
 	require.EqualValues(t, n, st.Puts)
 	require.Zero(t, st.InFlightBytes)

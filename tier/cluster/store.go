@@ -419,17 +419,20 @@ func (s *Store) put(client rueidis.Client, key [16]byte, gen uint64, bp *[]byte)
 		}
 	}
 	s.bufs.Put(bp)
+	// OnPutDone runs before the put stops counting as in flight, so that
+	// Flush returns only after every callback of the puts it waited for.
+	if s.cfg.OnPutDone != nil {
+		s.cfg.OnPutDone(key, err == nil)
+	}
 	s.mu.Lock()
 	s.inflightBytes -= int64(len(buf))
 	s.inflightPuts--
 	s.done.Broadcast()
 	s.mu.Unlock()
-	if s.cfg.OnPutDone != nil {
-		s.cfg.OnPutDone(key, err == nil)
-	}
 }
 
-// Flush waits until every put accepted so far has been answered.
+// Flush waits until every put accepted so far has been answered and its
+// Config.OnPutDone (if set) has returned.
 func (s *Store) Flush() {
 	s.mu.Lock()
 	for s.inflightPuts > 0 {
