@@ -477,13 +477,31 @@ func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadR
 	if err := c.checkKeys(keys, blockIDs, true); err != nil {
 		return dst, err
 	}
+	// Three passes over the keys, each with few dependent loads, so that
+	// their cache misses (index buckets, slot records, the policy's nodes)
+	// overlap instead of following one another: a Load of thousands of
+	// keys nothing has touched lately is all misses (BenchmarkBeginLoad
+	// 2048Cold).
+	c.found = c.found[:0]
+	for _, k := range keys {
+		i, ok := c.index.get(k)
+		if !ok {
+			i = -1
+		}
+		c.found = append(c.found, i)
+	}
+	for j, i := range c.found {
+		if i >= 0 && !c.slots[i].visible() {
+			c.found[j] = -1
+		}
+	}
 	for j, k := range keys {
 		c.st.LoadKeys++
 		// Filled in place (see accessed).
 		dst = append(dst, LoadResult{})
 		r := &dst[len(dst)-1]
 		r.BlockID = blockIDs[j]
-		if i, ok := c.index.get(k); ok && c.slots[i].visible() {
+		if i := c.found[j]; i >= 0 {
 			c.lease(i)
 			c.slots[i].pending++
 			c.accessed(k, i, c.slots[i].gen)
