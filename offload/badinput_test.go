@@ -204,3 +204,22 @@ func TestBuildersEnv(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, e.Close())
 }
+
+// KVOFFLOAD_WHOLE_FIRST_LAYER takes 0 or 1; another value is an error from
+// New naming it; 1 keeps a per-layer load's first layer one part.
+func TestWholeFirstLayerEnv(t *testing.T) {
+	cfg := Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}
+	for _, v := range []string{"2", "yes", "-1"} {
+		t.Setenv(WholeFirstLayerEnv, v)
+		_, err := newEngine(cfg, engineHooks{})
+		require.ErrorIs(t, err, ErrInvalidConfig, v)
+		require.ErrorContains(t, err, WholeFirstLayerEnv+`="`+v+`": want 0 or 1`, v)
+	}
+	for _, v := range []string{"0", "1"} {
+		t.Setenv(WholeFirstLayerEnv, v)
+		e, err := newEngine(cfg, engineHooks{})
+		require.NoError(t, err)
+		require.Equal(t, v == "1", e.hooks.wholeFirstLayer)
+		require.NoError(t, e.Close())
+	}
+}

@@ -1,7 +1,9 @@
 package offload
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -26,6 +28,9 @@ type callBench struct {
 	// copier's MaxDeviceBytes (fake driver only).
 	verify    bool
 	maxDevice int64
+	// partSegments, if set, is the engine's part size in segments (fake
+	// driver only): small parts cut a load's first layer into many.
+	partSegments int
 }
 
 // run measures, per iteration, how long Store, Load and a per-layer Load
@@ -51,6 +56,7 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) [2][3]t
 	} else {
 		h := engineHooks{calibrate: true}
 		h.copyOptions.MaxDeviceBytes = cb.maxDevice
+		h.partSegments = cb.partSegments
 		e, err = newCUDAEngine(b, drv, cfg, h)
 	}
 	require.NoError(b, err)
@@ -86,6 +92,12 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) [2][3]t
 		require.Equal(b, cb.blocks, op.Count(OutcomeStored))
 		require.NoError(b, op.Release())
 		for k, perLayer := range []bool{false, true} {
+			if cb.verify {
+				poison := bytes.Repeat([]byte{0xa5 ^ byte(k)}, int(e.slot))
+				for _, id := range dst {
+					g.write(e, id, poison)
+				}
+			}
 			t0 = time.Now()
 			op, err = e.Load(ctx, keys, dst, LoadOptions{PerLayer: perLayer})
 			calls[1+k] = append(calls[1+k], time.Since(t0))
@@ -153,6 +165,20 @@ func BenchmarkCallTimeFakeBig(b *testing.B) {
 	defer drv.Close()
 	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 192, early: benchEarly()}
 	cb.report(b, cb.run(b, b.N, drv, false))
+}
+
+// TestCUDAFakeFirstLayerParts: a per-layer load whose first layer is cut
+// into seven parts (parts of 16 segments: 1, 1, 1, 2, 4, 8 and 7 of its 24
+// blocks) and a store and load in parts of one block, with and without
+// early events, byte for byte.
+func TestCUDAFakeFirstLayerParts(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		t.Run(fmt.Sprintf("early=%v", early), func(t *testing.T) {
+			drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
+			cb := callBench{layers: 4, heads: 2, headDim: 16, blocks: 24, early: early, verify: true, partSegments: 16}
+			cb.run(t, 2, drv, false)
+		})
+	}
 }
 
 // TestCUDAFakeEarlyEvents: 8B-class blocks stored and loaded (whole and

@@ -95,6 +95,9 @@ type engineHooks struct {
 	builders int
 	// partSegments replaces the constant of that name (0: keep it).
 	partSegments int
+	// wholeFirstLayer builds a per-layer load's first layer as one part
+	// (WholeFirstLayerEnv).
+	wholeFirstLayer bool
 	// trace is the scheduler's Config.Trace.
 	trace func(point string, part int)
 	// afterDiskClear runs in Clear after the disk tier's first clear,
@@ -106,6 +109,11 @@ type engineHooks struct {
 // (transfer.Config.Builders) instead of the default, a quarter of
 // GOMAXPROCS from 1 to 4: for comparisons on a machine.
 const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
+
+// WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
+// part, as every later layer, instead of in parts that grow from a small
+// first one (copyPlan): for comparisons on a machine.
+const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 
 // openSim sets up the host backend: the simulated GPU, with a layout given
 // without tensors allocated densely in it.
@@ -367,6 +375,13 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, fmt.Errorf("%w: %s=%q: want 1 to %d part builders", ErrInvalidConfig, BuildersEnv, v, transfer.MaxBuilders)
 		}
 		builders = n
+	}
+	switch v := os.Getenv(WholeFirstLayerEnv); v {
+	case "", "0":
+	case "1":
+		e.hooks.wholeFirstLayer = true
+	default:
+		return nil, fmt.Errorf("%w: %s=%q: want 0 or 1", ErrInvalidConfig, WholeFirstLayerEnv, v)
 	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,

@@ -183,14 +183,40 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		return dst
 	}
 	req := transfer.Request{Bytes: perBlock * uint64(len(blockIDs))}
+	ps := partSegments
+	if e.hooks.partSegments > 0 {
+		ps = e.hooks.partSegments
+	}
 	if perLayer && l.Kind() != kvcache.CrossLayer {
+		// One part a layer, but for the first layer, whose event the
+		// caller waits for first: its parts grow from a small one
+		// (partStarts), so its copies start once a few blocks are built
+		// rather than all of them.
+		layers := l.Geometry().Layers
+		first := []int{0, len(blockIDs)}
+		if !e.hooks.wholeFirstLayer {
+			first = partStarts(len(blockIDs), max(1, ps/max(1, perSegs/layers)))
+		}
 		req.Layered = true
-		req.Parts = l.Geometry().Layers
-		req.Build = func(layer int, dst []transfer.Segment) ([]transfer.Segment, error) {
+		req.Parts = layers + len(first) - 2
+		if len(first) > 2 {
+			req.LayerParts = make([]int, layers)
+			req.LayerParts[0] = len(first) - 1
+			for i := 1; i < layers; i++ {
+				req.LayerParts[i] = 1
+			}
+		}
+		req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
+			layer, from, to := 0, 0, len(blockIDs)
+			if p < len(first)-1 {
+				from, to = first[p], first[p+1]
+			} else {
+				layer = p - (len(first) - 2)
+			}
 			bs := make([]kvcache.Segment, 0, perSegs)
 			var err error
-			for i, id := range blockIDs {
-				if bs, err = l.LayerSegments(id, layer, bs[:0]); err != nil {
+			for i := from; i < to; i++ {
+				if bs, err = l.LayerSegments(blockIDs[i], layer, bs[:0]); err != nil {
 					return dst, err
 				}
 				dst = add(dst, bs, i)
@@ -198,10 +224,6 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 			return dst, nil
 		}
 		return req, nil
-	}
-	ps := partSegments
-	if e.hooks.partSegments > 0 {
-		ps = e.hooks.partSegments
 	}
 	starts := partStarts(len(blockIDs), max(1, ps/perSegs))
 	req.Parts = len(starts) - 1

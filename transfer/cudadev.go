@@ -58,10 +58,11 @@ type CUDA struct {
 }
 
 // What newCUDA has the copier allocate ahead (cudacopy.Copier.Prewarm):
-// tables for a per-layer load of 32 layers and then some, two rings of
+// tables for a per-layer load of 32 layers (the first in up to six parts:
+// the engine's copyPlan) and then some, two rings of
 // staging chunks; once the calibration has freed its buffer (warmStaging),
 // as many more rings as the staging share holds (it stops there).
-const prewarmTables, prewarmRings, prewarmRingsMax = 36, 2, 64
+const prewarmTables, prewarmRings, prewarmRingsMax = 40, 2, 64
 
 // warmStaging fills the copier's staging share of MaxDeviceBytes with idle
 // chunks (with KeepIdle only: otherwise Prewarm would free idle tables to

@@ -142,6 +142,51 @@ func TestEarlyLayerEvents(t *testing.T) {
 	require.NoError(t, op.Wait())
 }
 
+// TestEarlyLayerParts: a layered load whose layers are several parts
+// (LayerParts 3, 1, 2): layer 0's event covers all three of its parts (it
+// does not complete while its last part is not built), and the layers'
+// bytes are the parts' in order. Bad LayerParts are refused.
+func TestEarlyLayerParts(t *testing.T) {
+	const seg, n = 4096, 6 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 15})
+	src := randBytes(rand.New(rand.NewSource(16)), n)
+	copy(e.hostBuf, src)
+	gate := make(chan struct{})
+	var opened sync.Once
+	release := func() { opened.Do(func() { close(gate) }) }
+	t.Cleanup(release) // before the env closes, should the test fail
+	req := lazyLoad(e, n, seg, true, 2, gate)
+	req.LayerParts = []int{3, 1, 2}
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, 3, op.Layers())
+	var mine [3]cuda.Event
+	for l := range mine {
+		ev, err := op.LayerEvent(l)
+		require.NoError(t, err)
+		mine[l] = e.callerWaits(t, ev)
+	}
+	time.Sleep(30 * time.Millisecond)
+	require.False(t, e.done(t, mine[0]), "layer 0's event completed before its third part was built")
+	release()
+	require.NoError(t, e.drv.EventSynchronize(mine[0]))
+	require.Equal(t, src[:3*seg], e.deviceBytes(t, 3*seg), "layer 0 is parts 0-2")
+	require.NoError(t, e.drv.EventSynchronize(mine[2]))
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.NoError(t, op.Wait())
+	require.NoError(t, op.Release())
+
+	for _, bad := range []struct {
+		layered bool
+		parts   []int
+	}{{false, []int{3, 3}}, {true, []int{3, 0, 3}}, {true, []int{3, 2}}, {true, []int{4, 3}}, {true, make([]int, MaxLayers+1)}} {
+		r := lazyLoad(e, n, seg, bad.layered, -1, nil)
+		r.LayerParts = bad.parts
+		_, err := e.s.Submit(r)
+		require.ErrorIs(t, err, ErrInvalidRequest, "%v", bad)
+	}
+}
+
 // TestEarlyValuesInOrder: two layered ops issued in one batch write their
 // counter values op by op, so the first op's later layers never complete
 // on the second op's values.

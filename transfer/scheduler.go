@@ -195,7 +195,11 @@ type Request struct {
 	// or validate fails the op (with the other ops of its batch), after
 	// the copies already enqueued are known finished. Bytes is the total
 	// length of every part's segments; the engine checks it. With Layered,
-	// part l is layer l (as LayerEnds would declare it). Build runs on the
+	// part l is layer l (as LayerEnds would declare it), or, with
+	// LayerParts, layer l is LayerParts[l] parts in a row (each at least
+	// 1, their sum Parts): a layer cut into parts starts copying once its
+	// first part is built (a per-layer load's first layer, whose event the
+	// caller waits for first). Build runs on the
 	// submitting goroutine or on builder goroutines (Config.Builders)
 	// ahead of it, none of them Submit's: it must make no driver call and
 	// need no thread state (no CUDA context is current there), must not
@@ -203,10 +207,11 @@ type Request struct {
 	// for different parts, of this request or another, may run at once
 	// (one on each builder goroutine): Build must be safe for that. A part
 	// is built once, and no Build runs after the op has completed.
-	Build   func(part int, dst []Segment) ([]Segment, error)
-	Parts   int
-	Layered bool
-	Bytes   uint64
+	Build      func(part int, dst []Segment) ([]Segment, error)
+	Parts      int
+	Layered    bool
+	LayerParts []int
+	Bytes      uint64
 }
 
 // lazy reports whether the request's segments come from Build.
@@ -689,21 +694,42 @@ func (s *Scheduler) prepareLazy(req Request) (*Op, error) {
 		return nil, fmt.Errorf("%w: %v: Build given with Parts = %d, want at least 1", ErrInvalidRequest, req.Dir, req.Parts)
 	case req.Bytes == 0:
 		return nil, fmt.Errorf("%w: %v: Build given with Bytes = 0", ErrInvalidRequest, req.Dir)
-	case req.Layered && req.Parts > MaxLayers:
+	case req.Layered && len(req.LayerParts) == 0 && req.Parts > MaxLayers:
 		return nil, fmt.Errorf("%w: %v: %d layers, at most %d", ErrInvalidRequest, req.Dir, req.Parts, MaxLayers)
+	case len(req.LayerParts) > 0 && !req.Layered:
+		return nil, fmt.Errorf("%w: %v: LayerParts given without Layered", ErrInvalidRequest, req.Dir)
+	case len(req.LayerParts) > MaxLayers:
+		return nil, fmt.Errorf("%w: %v: %d layers, at most %d", ErrInvalidRequest, req.Dir, len(req.LayerParts), MaxLayers)
 	}
 	if err := s.checkAfter(req); err != nil {
 		return nil, err
 	}
-	op := &Op{s: s, dir: req.Dir, req: req, bytes: req.Bytes, done: make(chan struct{})}
-	layers := 1
-	if req.Layered {
-		layers = req.Parts
+	// A lazy op's layerEnds are in parts: layer l is parts
+	// [layerEnds[l-1], layerEnds[l]) (partsOf).
+	var ends []int
+	switch {
+	case len(req.LayerParts) > 0:
+		ends = make([]int, len(req.LayerParts))
+		sum := 0
+		for l, n := range req.LayerParts {
+			if n < 1 || n > req.Parts-sum {
+				return nil, fmt.Errorf("%w: %v: LayerParts[%d] = %d: every layer needs at least one part, and they add up to Parts = %d", ErrInvalidRequest, req.Dir, l, n, req.Parts)
+			}
+			sum += n
+			ends[l] = sum
+		}
+		if sum != req.Parts {
+			return nil, fmt.Errorf("%w: %v: LayerParts add up to %d parts, want Parts = %d", ErrInvalidRequest, req.Dir, sum, req.Parts)
+		}
+	case req.Layered:
+		ends = make([]int, req.Parts)
+		for i := range ends {
+			ends[i] = i + 1
+		}
+	default:
+		ends = []int{req.Parts}
 	}
-	op.layerEnds = make([]int, layers)
-	for i := range op.layerEnds {
-		op.layerEnds[i] = i + 1
-	}
+	op := &Op{s: s, dir: req.Dir, req: req, bytes: req.Bytes, done: make(chan struct{}), layerEnds: ends}
 	if req.Events || req.Signal != 0 {
 		op.enq = make(chan struct{})
 	}
@@ -1031,12 +1057,12 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 }
 
 // partsOf returns the parts of lazy op that make its layer l: part l of a
-// layered op, all of them otherwise.
+// layered op (the layer's LayerParts with them), all of them otherwise.
 func (op *Op) partsOf(l int) (from, to int) {
-	if op.req.Layered {
-		return l, l + 1
+	if l > 0 {
+		from = op.layerEnds[l-1]
 	}
-	return 0, op.req.Parts
+	return from, op.layerEnds[l]
 }
 
 // issueParts copies the parts of lazy op that make its layer l (submitting

@@ -187,6 +187,12 @@ suite_realmodel() {
 		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
+	# KVO_REALMODEL_WHOLE=1 adds the per-layer load's first layer built as
+	# one part (the way before the first layer was cut into parts), with
+	# early events: the comparison in the same call.
+	[ "${KVO_REALMODEL_WHOLE:-0}" = 1 ] || return 0
+	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_WHOLE_FIRST_LAYER=1 \
+		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-whole.md"
 }
 
 # transformers' continuous batching (random-weight Llama, paged|sdpa) with
