@@ -131,6 +131,31 @@ func TestRoundTrip(t *testing.T) {
 	require.EqualValues(t, 2, s.Stats().Errors)
 }
 
+// TestPutFromOnPutDone: with room for one record in flight, each
+// OnPutDone puts the next record: the room of the put that completed is
+// free by then, so none is dropped, and Flush returns after the last
+// callback (which put nothing more).
+func TestPutFromOnPutDone(t *testing.T) {
+	c := shared(t)
+	const n, size = 20, 4 << 10
+	ks, ps := keysN(n, 9), payloads(n, size)
+	var s *Store
+	var next, dropped atomic.Int64
+	s = open(t, c, Config{MaxInFlightBytes: record.HeaderSize + size, OnPutDone: func(_ [16]byte, ok bool) {
+		if i := next.Add(1); i < n && !s.PutAsync(ks[i], ps[i]) {
+			dropped.Add(1)
+		}
+	}})
+	require.True(t, s.PutAsync(ks[0], ps[0]))
+	require.Eventually(t, func() bool { return next.Load() >= n }, 10*time.Second, time.Millisecond, "the chain of puts from OnPutDone stopped")
+	s.Flush()
+	require.Zero(t, dropped.Load(), "a put from OnPutDone found the completed put's bytes still in flight")
+	require.EqualValues(t, n, s.Stats().Puts)
+	ds := dstsN(n, size)
+	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)))
+	require.Equal(t, ps, ds)
+}
+
 func TestKeyFormat(t *testing.T) {
 	c := shared(t)
 	s := open(t, c, Config{Prefix: "px", Namespace: "nsA"})

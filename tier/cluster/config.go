@@ -55,9 +55,10 @@ type Config struct {
 	// OnPutDone, when set, is called once for each put PutAsync accepted,
 	// when it completed (ok: the cluster stored it). It runs on its own
 	// goroutine and must not block for long; a goroutine it starts counts
-	// as the store's (Close waits for it). Flush returns only after the
-	// callbacks of the puts it waited for have returned (so a callback must
-	// not call Flush).
+	// as the store's (Close waits for it). The put's bytes no longer count
+	// against MaxInFlightBytes when it is called (a PutAsync from it has
+	// that room). Flush returns only after the callbacks of the puts it
+	// waited for have returned (so a callback must not call Flush).
 	OnPutDone func(key [16]byte, ok bool)
 
 	// faults, set only by this package's tests, injects errors.

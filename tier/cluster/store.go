@@ -419,13 +419,16 @@ func (s *Store) put(client rueidis.Client, key [16]byte, gen uint64, bp *[]byte)
 		}
 	}
 	s.bufs.Put(bp)
-	// OnPutDone runs before the put stops counting as in flight, so that
-	// Flush returns only after every callback of the puts it waited for.
+	// The put's bytes are free before OnPutDone runs (a caller may put
+	// again from it), but the put counts until it has returned, so that
+	// Flush returns only after the callbacks of the puts it waited for.
+	s.mu.Lock()
+	s.inflightBytes -= int64(len(buf))
+	s.mu.Unlock()
 	if s.cfg.OnPutDone != nil {
 		s.cfg.OnPutDone(key, err == nil)
 	}
 	s.mu.Lock()
-	s.inflightBytes -= int64(len(buf))
 	s.inflightPuts--
 	s.done.Broadcast()
 	s.mu.Unlock()
