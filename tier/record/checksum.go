@@ -126,3 +126,23 @@ func zerosOp(n int) *gf2Matrix {
 	zeroOps.Store(n, m)
 	return m
 }
+
+// CopyChecksum copies src into dst (as copy does: min of the lengths) and
+// returns the CRC-32C of the bytes copied, computed on each piece of dst
+// right after its copy, while it is in the cache: one pass over memory
+// where a copy and then Checksum make two (the cluster tier's PutAsync,
+// which copies a payload behind its record header).
+func CopyChecksum(dst, src []byte) uint32 {
+	n := min(len(dst), len(src))
+	var sum uint32
+	for off := 0; off < n; off += copyPiece {
+		end := min(off+copyPiece, n)
+		copy(dst[off:end], src[off:end])
+		sum = crc32.Update(sum, castagnoli, dst[off:end])
+	}
+	return sum
+}
+
+// copyPiece is CopyChecksum's piece: well within a core's L2 (16 KiB pieces
+// measured the same, 128 KiB a little faster on the 2-CPU VM).
+const copyPiece = 64 << 10

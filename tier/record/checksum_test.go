@@ -1,6 +1,8 @@
 package record
 
 import (
+	"bytes"
+	"fmt"
 	"hash/crc32"
 	"math/rand/v2"
 	"runtime"
@@ -29,6 +31,29 @@ func TestChecksumIsCRC32C(t *testing.T) {
 		for _, n := range lengths {
 			require.Equal(t, crc32.Checksum(p[:n], castagnoli), Checksum(p[:n]), "%d bytes, GOMAXPROCS %d", n, procs)
 		}
+	}
+}
+
+// CopyChecksum copies min(len(dst), len(src)) bytes and returns their
+// CRC-32C, for lengths around its pieces; bytes past the copy are untouched.
+func TestCopyChecksum(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	src := make([]byte, 5*copyPiece+9)
+	for i := range src {
+		src[i] = byte(r.Uint32())
+	}
+	for _, n := range []int{0, 1, copyPiece - 1, copyPiece, copyPiece + 1, 3 * copyPiece, len(src)} {
+		for _, extra := range []int{0, 5} {
+			dst := make([]byte, n+extra)
+			for i := range dst {
+				dst[i] = 0xee
+			}
+			require.Equal(t, crc32.Checksum(src[:n], castagnoli), CopyChecksum(dst, src[:n]), "%d bytes", n)
+			require.Equal(t, src[:n], dst[:n])
+			require.Equal(t, bytes.Repeat([]byte{0xee}, extra), dst[n:], "past the copy")
+		}
+		short := make([]byte, n/2)
+		require.Equal(t, crc32.Checksum(src[:n/2], castagnoli), CopyChecksum(short, src[:n]), "a shorter dst: %d bytes", n/2)
 	}
 }
 
@@ -72,3 +97,33 @@ func BenchmarkChecksum2MiB(b *testing.B) {
 }
 
 var benchBufs = 64
+
+// BenchmarkCopyChecksum: CopyChecksum against a copy and then Checksum of
+// the copy (the cluster tier's PutAsync before it), of a warm source into
+// one of 24 destinations in turn (a pool of buffers, not in the cache).
+func BenchmarkCopyChecksum(b *testing.B) {
+	for _, size := range []int{256 << 10, 2 << 20} {
+		src := make([]byte, size)
+		for i := range src {
+			src[i] = byte(i * 7)
+		}
+		dsts := make([][]byte, 24)
+		for i := range dsts {
+			dsts[i] = make([]byte, size)
+		}
+		for _, v := range []struct {
+			name string
+			f    func(dst, src []byte) uint32
+		}{
+			{"fused", CopyChecksum},
+			{"separate", func(dst, src []byte) uint32 { copy(dst, src); return Checksum(dst) }},
+		} {
+			b.Run(fmt.Sprintf("%s/%dKiB", v.name, size>>10), func(b *testing.B) {
+				b.SetBytes(int64(size))
+				for i := range b.N {
+					v.f(dsts[i%len(dsts)], src)
+				}
+			})
+		}
+	}
+}
