@@ -45,11 +45,38 @@ type ClusterConfig struct {
 
 // PrefetchOptions modify Prefetch.
 type PrefetchOptions struct {
-	// Timeout bounds the wait for the cluster (0, or more than
-	// ClusterConfig.Timeout: ClusterConfig.Timeout). What has not arrived
-	// by then is a miss. Disk reads are waited for.
+	// Timeout bounds the wait (0: ClusterConfig.Timeout for the cluster,
+	// none for the disk; more than ClusterConfig.Timeout: that). What has
+	// not arrived by then is a miss: for the disk, the reads not started
+	// by then (a read started is waited for); for the cluster, every
+	// answer not received. ctx's deadline bounds both as well.
 	Timeout time.Duration
+	// Policy is PrefetchWait (default: Prefetch returns with what it
+	// promoted) or PrefetchBestEffort (it returns at once and promotes in
+	// the background).
+	Policy PrefetchPolicy
 }
+
+// PrefetchPolicy says whether Prefetch waits for its promotions.
+type PrefetchPolicy uint8
+
+const (
+	// PrefetchWait: Prefetch returns once its reads are done or its wait
+	// is over (Timeout, ctx), with the blocks it promoted.
+	PrefetchWait PrefetchPolicy = iota
+	// PrefetchBestEffort: Prefetch returns at once (PrefetchResult.
+	// Background) and the promotion runs on a goroutine of the engine,
+	// bounded by Timeout (ctx is not kept); later Lookups see what it
+	// promoted. At most MaxBackgroundPrefetches run at a time; past that
+	// the call is refused without an error (Background false, counted in
+	// Stats.PrefetchRefused). Close cancels them: a disk read started is
+	// waited for, the cluster's answers are not.
+	PrefetchBestEffort
+)
+
+// MaxBackgroundPrefetches bounds the PrefetchBestEffort calls running at
+// once per engine.
+const MaxBackgroundPrefetches = 4
 
 // PrefetchResult is what Prefetch promoted into the host pool.
 type PrefetchResult struct {
@@ -58,6 +85,9 @@ type PrefetchResult struct {
 	Promoted    int
 	FromDisk    int
 	FromCluster int
+	// Background: the promotion was started in the background
+	// (PrefetchBestEffort); the counts above are then 0.
+	Background bool
 }
 
 // errClusterMiss fails the stores of promoted blocks the cluster did not

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -389,4 +390,87 @@ func storeWrittenThrough(t *testing.T, e *Engine, keys []Key, seed byte) [][]byt
 	}
 	require.NoError(t, e.FlushCluster())
 	return contents
+}
+
+// TestPrefetchPolicies: PrefetchWait with ctx done starts no disk read;
+// PrefetchBestEffort returns at once and promotes in the background
+// (byte-exact); past MaxBackgroundPrefetches running, a best-effort call
+// is refused and counted; Close waits for the reads started; a bad policy
+// is an error.
+func TestPrefetchPolicies(t *testing.T) {
+	ctx := context.Background()
+	gate := make(chan struct{})
+	var gated atomic.Bool
+	var reads atomic.Int64
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAll = true
+	e, err := newEngine(withTestBackend(cfg), engineHooks{beforeDiskGet: func(Key) {
+		reads.Add(1)
+		if gated.Load() {
+			<-gate
+		}
+	}})
+	require.NoError(t, err)
+	keys := seqKeys(0, 12)
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, e, i, byte(7+13*i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	res, err := e.Lookup(keys[:8], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, LookupResult{DiskHits: 8}, res, "a pool of 4 blocks: the first 8 went to disk")
+
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	pr, err := e.Prefetch(done, keys[:2], PrefetchOptions{})
+	require.NoError(t, err)
+	require.Zero(t, pr.Promoted)
+	require.Zero(t, reads.Load(), "no read starts once ctx is done")
+
+	pr, err = e.Prefetch(ctx, keys[:2], PrefetchOptions{Policy: PrefetchBestEffort})
+	require.NoError(t, err)
+	require.Equal(t, PrefetchResult{Background: true}, pr)
+	require.Eventually(t, func() bool { return e.Stats().PrefetchBackgroundPromoted == 2 }, 10*time.Second, time.Millisecond)
+	res, err = e.Lookup(keys[:2], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 2, res.Hits, "the background promotion's blocks are in the pool")
+	oc := loadAll(t, e, keys[:2], seqIDs(12, 2))
+	for i := range 2 {
+		require.Equal(t, OutcomeLoaded, oc[i])
+		require.Equal(t, contents[i], blockBytes(e, 12+i), "block %d promoted in the background", i)
+	}
+	require.Equal(t, int64(1), e.Stats().PrefetchBackground)
+
+	gated.Store(true)
+	before := reads.Load()
+	for i := range MaxBackgroundPrefetches {
+		pr, err = e.Prefetch(ctx, keys[2+i:3+i], PrefetchOptions{Policy: PrefetchBestEffort})
+		require.NoError(t, err)
+		require.True(t, pr.Background)
+	}
+	require.Eventually(t, func() bool { return reads.Load() == before+MaxBackgroundPrefetches }, 10*time.Second, time.Millisecond)
+	pr, err = e.Prefetch(ctx, keys[6:7], PrefetchOptions{Policy: PrefetchBestEffort})
+	require.NoError(t, err)
+	require.Equal(t, PrefetchResult{}, pr, "refused: %d running", MaxBackgroundPrefetches)
+	require.Equal(t, int64(1), e.Stats().PrefetchRefused)
+	_, err = e.Prefetch(ctx, keys, PrefetchOptions{Policy: PrefetchBestEffort + 1})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+
+	closed := make(chan error, 1)
+	go func() { closed <- e.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while background reads were held", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(gate)
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return once the reads went on")
+	}
+	require.Equal(t, int64(1+MaxBackgroundPrefetches), e.Stats().PrefetchBackground)
 }

@@ -69,6 +69,8 @@ type Engine struct {
 	hub     eventHub  // Events' streams (events.go)
 	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *diskTier // the disk tier (Config.Disk), nil without one
+	// background are the PrefetchBestEffort calls running (prefetch.go).
+	background backgroundPrefetches
 	// cluster is the cluster tier (Config.Cluster), nil without one; it
 	// connects in the background when the cluster did not answer at New.
 	cluster *cluster.Store

@@ -47,6 +47,7 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 	if e.closed.Swap(true) {
 		return fmt.Errorf("%w: Close called twice", ErrClosed)
 	}
+	e.cancelBackground()
 	done := make(chan error, 1)
 	go func() { done <- e.shutdown() }()
 	select {

@@ -3,6 +3,7 @@ package offload
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -11,7 +12,7 @@ import (
 // Prefetch brings the blocks of keys (a chain, as Store takes it) that the
 // host pool lacks into it from the lower tiers: from disk (Config.Disk)
 // what is there, then from the cluster (Config.Cluster) the rest, waiting
-// for the cluster until opts.Timeout (or ctx's deadline). Found blocks are
+// until opts.Timeout or ctx's deadline (PrefetchOptions). Found blocks are
 // read into freshly reserved host slots and made ready, so later Lookups
 // (and Loads) see them; what is not found, fails a check, or arrives late
 // is a miss and its slot is released: a lower tier never puts wrong bytes
@@ -19,7 +20,8 @@ import (
 // are counted in Stats.ClusterUnavailable. A timeout gives a partial
 // result, not an error; errors are for bad arguments and a closed engine.
 // Prefetch leases nothing: a promoted block may be evicted again before it
-// is loaded.
+// is loaded. With PrefetchBestEffort it returns at once and promotes in
+// the background.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err
@@ -27,17 +29,93 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 	if opts.Timeout < 0 {
 		return PrefetchResult{}, fmt.Errorf("%w: Prefetch: Timeout %v is negative", ErrInvalidArgument, opts.Timeout)
 	}
+	if opts.Policy > PrefetchBestEffort {
+		return PrefetchResult{}, fmt.Errorf("%w: Prefetch: Policy %d, want PrefetchWait (0) or PrefetchBestEffort (1)", ErrInvalidArgument, opts.Policy)
+	}
 	if !e.enter() {
 		return PrefetchResult{}, fmt.Errorf("%w: Prefetch after Close", ErrClosed)
 	}
-	defer e.leave()
-	var res PrefetchResult
 	if len(keys) == 0 || (e.disk == nil && e.cluster == nil) {
-		return res, nil
+		e.leave()
+		return PrefetchResult{}, nil
 	}
-	if e.disk != nil {
+	if opts.Policy == PrefetchBestEffort {
+		return e.prefetchBackground(keys, opts), nil
+	}
+	defer e.leave()
+	if opts.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, opts.Timeout)
+		defer cancel()
+	}
+	return e.prefetch(ctx, keys, opts), nil
+}
+
+// prefetchBackground runs a PrefetchBestEffort call's promotion on a
+// goroutine that holds the engine open (enter, taken by the caller) until
+// it ends; Close cancels its context.
+func (e *Engine) prefetchBackground(keys []Key, opts PrefetchOptions) PrefetchResult {
+	bg := &e.background
+	bg.mu.Lock()
+	if bg.ctx == nil {
+		bg.ctx, bg.cancel = context.WithCancel(context.Background())
+	}
+	if bg.running >= MaxBackgroundPrefetches {
+		bg.mu.Unlock()
+		e.leave()
+		e.stats.prefetchRefused.Add(1)
+		return PrefetchResult{}
+	}
+	bg.running++
+	ctx := bg.ctx
+	bg.mu.Unlock()
+	keys = slices.Clone(keys)
+	e.stats.prefetchBackground.Add(1)
+	go func() {
+		defer func() {
+			bg.mu.Lock()
+			bg.running--
+			bg.mu.Unlock()
+			e.leave()
+		}()
+		if opts.Timeout > 0 {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, opts.Timeout)
+			defer cancel()
+		}
+		r := e.prefetch(ctx, keys, opts)
+		e.stats.prefetchBackgroundPromoted.Add(int64(r.Promoted))
+	}()
+	return PrefetchResult{Background: true}
+}
+
+// cancelBackground ends the background prefetches' waits (Close).
+func (e *Engine) cancelBackground() {
+	bg := &e.background
+	bg.mu.Lock()
+	defer bg.mu.Unlock()
+	if bg.cancel != nil {
+		bg.cancel()
+	} else {
+		bg.ctx, bg.cancel = context.WithCancel(context.Background())
+		bg.cancel()
+	}
+}
+
+// backgroundPrefetches are the PrefetchBestEffort calls running.
+type backgroundPrefetches struct {
+	mu      sync.Mutex
+	ctx     context.Context // canceled by Close
+	cancel  context.CancelFunc
+	running int
+}
+
+// prefetch is Prefetch's promotion (the engine entered), bounded by ctx.
+func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) PrefetchResult {
+	var res PrefetchResult
+	if e.disk != nil && ctx.Err() == nil {
 		res.FromDisk = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
-			return e.readDisk(pkeys, mems)
+			return e.readDisk(ctx, pkeys, mems)
 		}, func(good, bad int) {
 			e.disk.hits.Add(int64(good))
 			e.disk.misses.Add(int64(bad))
@@ -64,7 +142,7 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 		cancel()
 	}
 	res.Promoted = res.FromDisk + res.FromCluster
-	return res, nil
+	return res
 }
 
 // promoteKeys reserves host slots, as a Store would, for the keys of the
@@ -145,14 +223,21 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 	return len(good)
 }
 
-// readDisk reads the disk records of keys into mems, diskReaders at a time.
-func (e *Engine) readDisk(keys []Key, mems [][]byte) []bool {
+// readDisk reads the disk records of keys into mems, diskReaders at a time;
+// once ctx is done no more reads start (those keys are misses).
+func (e *Engine) readDisk(ctx context.Context, keys []Key, mems [][]byte) []bool {
 	ok := make([]bool, len(keys))
 	sem := make(chan struct{}, e.disk.readers)
 	var wg sync.WaitGroup
 	for i := range keys {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
 		wg.Add(1)
-		sem <- struct{}{}
 		go func() {
 			defer wg.Done()
 			ok[i] = e.disk.get(keys[i], mems[i])

@@ -111,6 +111,13 @@ type Stats struct {
 	DiskCapacity    int64  `json:"disk_capacity"`       // records the disk tier can hold
 	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
 
+	// Prefetch with PrefetchBestEffort: calls started in the background,
+	// calls refused (MaxBackgroundPrefetches were running), and the
+	// blocks the background promotions made ready.
+	PrefetchBackground         int64 `json:"prefetch_background"`
+	PrefetchRefused            int64 `json:"prefetch_refused"`
+	PrefetchBackgroundPromoted int64 `json:"prefetch_background_promoted"`
+
 	// The cluster tier (Config.Cluster); all 0 without one.
 	ClusterConfigured  bool  `json:"cluster_configured"`   // the engine has a cluster tier
 	ClusterWrites      int64 `json:"cluster_writes"`       // blocks written through that the cluster stored
@@ -292,9 +299,12 @@ type counters struct {
 	zeroed               atomic.Int64
 	diskLookupHits       atomic.Int64
 	clusterUnavailable   atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
-	teardownErrors       atomic.Int64
-	inFlightBytes        atomic.Int64
-	store, load          direction
+	// PrefetchBestEffort calls started, refused (too many running), and
+	// the blocks they promoted.
+	prefetchBackground, prefetchRefused, prefetchBackgroundPromoted atomic.Int64
+	teardownErrors                                                  atomic.Int64
+	inFlightBytes                                                   atomic.Int64
+	store, load                                                     direction
 }
 
 // Stats returns a snapshot of the engine's counters; cheap, callable from
@@ -338,6 +348,8 @@ func (e *Engine) snapshot() Stats {
 		s.ClusterUnavailableWrites = cs.DroppedUnavailable
 		s.ClusterUnavailable = cs.DroppedUnavailable + c.clusterUnavailable.Load()
 	}
+	s.PrefetchBackground, s.PrefetchRefused = c.prefetchBackground.Load(), c.prefetchRefused.Load()
+	s.PrefetchBackgroundPromoted = c.prefetchBackgroundPromoted.Load()
 	s.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {
 		s.TeardownError = *m
