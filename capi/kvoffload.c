@@ -252,3 +252,9 @@ int kvo_prefetch(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t tim
 	ENTER();
 	return kvoGo_prefetch(engine, (uint8_t*)keys, n, timeout_ns, promoted, from_disk, from_cluster);
 }
+
+int kvo_prefetch_background(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t timeout_ns,
+                            int* started) {
+	ENTER();
+	return kvoGo_prefetch_background(engine, (uint8_t*)keys, n, timeout_ns, started);
+}

@@ -383,6 +383,14 @@ int kvo_store_tokens(kvo_engine_t engine, const uint8_t* keys, const int64_t* bl
 int kvo_prefetch(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t timeout_ns,
                  size_t* promoted, size_t* from_disk, size_t* from_cluster);
 
+/* kvo_prefetch without the wait (PrefetchBestEffort): returns at once, the
+ * promotion running on a thread of the engine, bounded by timeout_ns (0:
+ * the cluster's "timeout" for the cluster, none for the disk). *started is
+ * 1 when it started, 0 when it was refused because 4 such promotions were
+ * running (stats "prefetch_refused"); may be NULL. The keys are copied. */
+int kvo_prefetch_background(kvo_engine_t engine, const uint8_t* keys, size_t n, int64_t timeout_ns,
+                            int* started);
+
 #ifdef __cplusplus
 }
 #endif

@@ -40,3 +40,26 @@ func kvoGo_prefetch(h C.uint64_t, keysP *C.uint8_t, n C.size_t, timeoutNS C.int6
 	}
 	return codeOK
 }
+
+// kvoGo_prefetch_background is kvo_prefetch_background: Engine.Prefetch
+// with PrefetchBestEffort; *started (if not NULL) says whether it started.
+//
+//export kvoGo_prefetch_background
+func kvoGo_prefetch_background(h C.uint64_t, keysP *C.uint8_t, n C.size_t, timeoutNS C.int64_t, started *C.int) (rc C.int) {
+	defer guard(&rc)
+	eng, keys, err := engineKeys(h, keysP, n)
+	if err != nil {
+		return fail(err)
+	}
+	res, err := eng.Prefetch(context.Background(), keys, offload.PrefetchOptions{Timeout: time.Duration(timeoutNS), Policy: offload.PrefetchBestEffort})
+	if err != nil {
+		return fail(err)
+	}
+	if started != nil {
+		*started = 0
+		if res.Background {
+			*started = 1
+		}
+	}
+	return codeOK
+}

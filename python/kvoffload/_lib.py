@@ -102,6 +102,7 @@ _PROTOTYPES = {
     "kvo_events_close": [_u64],
     "kvo_store_tokens": [_u64, _vp, _vp, _size, _vp, _vp, _vp, _size, _uptr, _uptr, _u64p],
     "kvo_prefetch": [_u64, _vp, _size, _i64, _sizep, _sizep, _sizep],
+    "kvo_prefetch_background": [_u64, _vp, _size, _i64, ctypes.POINTER(_int)],
 }
 _RESTYPES = {"kvo_last_error": ctypes.c_char_p}
 

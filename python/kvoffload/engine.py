@@ -560,19 +560,27 @@ class Engine(_Handle):
         _lib.check(_lib.get().kvo_delete(self._h(), _addr(raw), n, ctypes.byref(out)), "kvo_delete")
         return out.value
 
-    def prefetch(self, keys, timeout=None):
+    def prefetch(self, keys, timeout=None, background=False):
         """Promotes the blocks of keys (a chain) that the host pool lacks
         from the lower tiers (config "disk", then "cluster") into it, so
         that later lookups and loads find them; nothing is leased. timeout
-        (seconds, > 0) bounds the wait for the cluster; None: the cluster
-        config's own. What is missing or late is a miss, not an error.
-        Returns {"promoted": n, "from_disk": d, "from_cluster": c}."""
+        (seconds, > 0) bounds the wait (None: the cluster config's own for
+        the cluster, none for the disk). What is missing or late is a miss,
+        not an error. Returns {"promoted": n, "from_disk": d,
+        "from_cluster": c}. With background=True it returns at once, the
+        promotion running on a thread of the engine, and returns
+        {"started": True}, or {"started": False} when 4 were running."""
         ns = 0
         if timeout is not None:
             ns = _lib.timeout_ns("timeout", timeout)
             if ns <= 0:
                 raise errors.InvalidArgumentError(f"kvoffload: prefetch timeout must be above 0 seconds, got {timeout!r}")
         raw, n = pack_keys(keys)
+        if background:
+            started = ctypes.c_int(0)
+            _lib.check(_lib.get().kvo_prefetch_background(self._h(), _addr(raw), n, ns, ctypes.byref(started)),
+                       "kvo_prefetch_background")
+            return {"started": bool(started.value)}
         out = [ctypes.c_size_t(0) for _ in range(3)]
         _lib.check(_lib.get().kvo_prefetch(self._h(), _addr(raw), n, ns, *[ctypes.byref(o) for o in out]),
                    "kvo_prefetch")

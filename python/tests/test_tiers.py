@@ -5,6 +5,7 @@ prefetch and by load; a cluster that does not answer; bad arguments."""
 
 import shutil
 import tempfile
+import time
 import unittest
 
 import kvoffload
@@ -55,6 +56,23 @@ class DiskTier(unittest.TestCase):
             for b in range(POOL_BLOCKS):
                 self.assertTrue(block_holds(eng, 4 + b, b, 5), f"block {4 + b}")
             self.assertEqual(eng.stats()["disk_hits"], POOL_BLOCKS)
+
+    def test_prefetch_background(self):
+        keys = keys_for(POOL_BLOCKS, 3)
+        self.write_back(keys)
+        with kvoffload.Engine(disk_config(self.dir)) as eng:
+            self.assertEqual(eng.prefetch(keys, background=True), {"started": True})
+            deadline = time.monotonic() + 10
+            while eng.lookup(keys) < POOL_BLOCKS and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.assertEqual(eng.lookup(keys), POOL_BLOCKS, "promoted in the background")
+            st = eng.stats()
+            self.assertEqual(st["prefetch_background"], 1)
+            self.assertEqual(st["prefetch_background_promoted"], POOL_BLOCKS)
+            with eng.load(keys, range(4, 4 + POOL_BLOCKS)) as op:
+                self.assertEqual(op.wait(), ["loaded"] * POOL_BLOCKS)
+            for b in range(POOL_BLOCKS):
+                self.assertTrue(block_holds(eng, 4 + b, b, 5), f"block {4 + b}")
 
     def test_load_promotes(self):
         keys = keys_for(POOL_BLOCKS, 2)
