@@ -61,6 +61,7 @@ type descs struct {
 	tierReads, tierWrites, tierCorrupt, tierRecords          *prometheus.Desc
 	tierBytes, tierCapacity, tierMode                        *prometheus.Desc
 	tierFailures, tierTransferred, tierAvailable, tierCopies *prometheus.Desc
+	tierDiscarded, tierIOErrors, tierEvictions, tierDirs     *prometheus.Desc
 }
 
 // New returns a Collector of src's Stats; constLabels (may be nil) are added
@@ -111,6 +112,10 @@ func New(src Source, constLabels prometheus.Labels) *Collector {
 		tierFailures:    d("tier_read_failures_total", "Lower-tier read misses by cause: timeout (no answer in time), error (a node down, refused), unavailable (blocks not asked: the tier not connected).", "tier", "reason"),
 		tierTransferred: d("tier_transfer_bytes_total", "Payload bytes moved to (written) and from (read) a lower tier.", "tier", "direction"),
 		tierAvailable:   d("tier_available", "1 while a lower tier is connected and in use, 0 while it is not (the cluster tier reconnecting).", "tier"),
+		tierDiscarded:   d("tier_discarded_at_open_total", "Disk records discarded when the engine started: torn (a damaged header, a payload cut off by a crash) or stale (another format, fingerprint or size, a second copy of a key).", "tier", "reason"),
+		tierIOErrors:    d("tier_io_errors_total", "Failed disk reads and writes by cause: no_space (ENOSPC, EDQUOT) or io (any other).", "tier", "reason"),
+		tierEvictions:   d("tier_evictions_total", "Records the disk tier evicted (least recently used) to make room.", "tier"),
+		tierDirs:        d("tier_directories", "The disk tier's directories by state: read_write, read_only (serving its records, taking none), unusable (left out at start).", "tier", "state"),
 		tierCopies:      d("tier_write_copies_total", "Blocks copied out of their slot before being written to a lower tier (disk: the blocks a store evicted for itself; the others are written from their slot).", "tier"),
 	}
 	return c
@@ -122,7 +127,8 @@ func (c *Collector) all() []*prometheus.Desc {
 		d.admission, d.blocks, d.bytes, d.ops, d.latency, d.usage, d.poolBytes, d.ownedBytes, d.inUse, d.inFlight,
 		d.stagingBytes, d.slots, d.ready, d.leased, d.blockBytes, d.growthTarget, d.growthPaused, d.growthDone,
 		d.growthError, d.regions, d.trims, d.trimmed, d.tierReads, d.tierWrites, d.tierCorrupt, d.tierRecords,
-		d.tierBytes, d.tierCapacity, d.tierMode, d.tierFailures, d.tierTransferred, d.tierAvailable, d.tierCopies}
+		d.tierBytes, d.tierCapacity, d.tierMode, d.tierFailures, d.tierTransferred, d.tierAvailable, d.tierCopies,
+		d.tierDiscarded, d.tierIOErrors, d.tierEvictions, d.tierDirs}
 }
 
 // Describe implements prometheus.Collector.
@@ -249,7 +255,7 @@ func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	metric := func(desc *prometheus.Desc, t prometheus.ValueType, v int64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(desc, t, float64(v), append([]string{TierDisk}, labels...)...)
 	}
-	counter := prometheus.CounterValue
+	counter, gauge := prometheus.CounterValue, prometheus.GaugeValue
 	metric(d.blockLookups, counter, s.Misses)
 	metric(d.hits, counter, s.DiskLookupHits)
 	metric(d.misses, counter, s.Misses-s.DiskLookupHits)
@@ -261,7 +267,14 @@ func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	metric(d.tierWrites, counter, s.DiskDropped, "dropped")
 	metric(d.tierCopies, counter, s.DiskCopies)
 	metric(d.tierCorrupt, counter, s.DiskCorrupt)
-	gauge := prometheus.GaugeValue
+	metric(d.tierDiscarded, counter, s.DiskTornAtOpen, "torn")
+	metric(d.tierDiscarded, counter, s.DiskStaleAtOpen, "stale")
+	metric(d.tierIOErrors, counter, s.DiskIOErrors-s.DiskNoSpace, "io")
+	metric(d.tierIOErrors, counter, s.DiskNoSpace, "no_space")
+	metric(d.tierEvictions, counter, s.DiskEvictions)
+	metric(d.tierDirs, gauge, int64(s.DiskDirs-s.DiskReadOnlyDirs), "read_write")
+	metric(d.tierDirs, gauge, int64(s.DiskReadOnlyDirs), "read_only")
+	metric(d.tierDirs, gauge, int64(s.DiskUnusableDirs), "unusable")
 	metric(d.tierRecords, gauge, s.DiskRecords)
 	metric(d.tierBytes, gauge, s.DiskBytes)
 	metric(d.tierCapacity, gauge, s.DiskCapacity)

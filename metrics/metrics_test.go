@@ -221,6 +221,29 @@ func TestDiskTierMetrics(t *testing.T) {
 	}
 	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_tier_writes_total"].GetType())
 	require.Equal(t, dto.MetricType_GAUGE, mfs["kvoffload_tier_records"].GetType())
+	require.Equal(t, float64(1), sample(t, mfs, "kvoffload_tier_directories", disk("state", "read_write")))
+
+	// The start-up and fault counts, each from its own field.
+	buf.Reset()
+	require.NoError(t, metrics.WriteText(&buf, statsSource{DiskMode: "direct", DiskCapacity: 10, DiskTornAtOpen: 201,
+		DiskStaleAtOpen: 202, DiskIOErrors: 210, DiskNoSpace: 4, DiskEvictions: 205, DiskDirs: 3, DiskReadOnlyDirs: 1, DiskUnusableDirs: 2}))
+	mfs = parse(t, &buf)
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{"kvoffload_tier_discarded_at_open_total", disk("reason", "torn"), 201},
+		{"kvoffload_tier_discarded_at_open_total", disk("reason", "stale"), 202},
+		{"kvoffload_tier_io_errors_total", disk("reason", "io"), 206},
+		{"kvoffload_tier_io_errors_total", disk("reason", "no_space"), 4},
+		{"kvoffload_tier_evictions_total", disk(), 205},
+		{"kvoffload_tier_directories", disk("state", "read_write"), 2},
+		{"kvoffload_tier_directories", disk("state", "read_only"), 1},
+		{"kvoffload_tier_directories", disk("state", "unusable"), 2},
+	} {
+		require.Equal(t, c.want, sample(t, mfs, c.name, c.labels), "%s%v", c.name, c.labels)
+	}
 }
 
 // statsSource is a Source of fixed Stats.

@@ -51,6 +51,13 @@ func loadAll(t *testing.T, e *Engine, keys []Key, ids []int) []Outcome {
 // file (the engine closed).
 func flipRecordByte(t *testing.T, dir string, k Key, payload int64) {
 	t.Helper()
+	flipRecordByteAt(t, dir, k, payload, 4096+100)
+}
+
+// flipRecordByteAt flips the byte at offset at of key k's record (its
+// header sector is the first 4096 bytes).
+func flipRecordByteAt(t *testing.T, dir string, k Key, payload, at int64) {
+	t.Helper()
 	slotBytes := disk.SlotBytes(payload)
 	path := filepath.Join(dir, "records-"+itoa(slotBytes)+".kvo")
 	b, err := os.ReadFile(path)
@@ -59,7 +66,7 @@ func flipRecordByte(t *testing.T, dir string, k Key, payload int64) {
 		if bytes.Contains(b[off:off+4096], k[:]) {
 			f, err := os.OpenFile(path, os.O_RDWR, 0)
 			require.NoError(t, err)
-			_, err = f.WriteAt([]byte{b[off+4096+100] ^ 0xFF}, off+4096+100)
+			_, err = f.WriteAt([]byte{b[off+at] ^ 0xFF}, off+at)
 			require.NoError(t, err)
 			require.NoError(t, f.Close())
 			return
@@ -146,10 +153,21 @@ func TestDiskTier(t *testing.T) {
 	}
 	require.NoError(t, e2.Close())
 
-	// A damaged record is a miss, never wrong bytes.
+	st = e2.Stats()
+	require.Zero(t, st.DiskTornAtOpen+st.DiskStaleAtOpen+st.DiskIOErrors)
+	require.Zero(t, st.DiskUnusableDirs)
+	require.Equal(t, 1, st.DiskDirs)
+
+	// A damaged record is a miss, never wrong bytes; a damaged header is
+	// discarded at start, counted.
 	flipRecordByte(t, dir, keys[1], 8<<10)
+	flipRecordByteAt(t, dir, keys[2], 8<<10, 24)
 	e3 := newTestEngine(t, cfg)
 	defer func() { require.NoError(t, e3.Close()) }()
+	require.Equal(t, int64(1), e3.Stats().DiskTornAtOpen, "key 2's header")
+	res, err = e3.Lookup(keys[2:3], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Hits+res.DiskHits, "a torn record is not indexed")
 	oc = loadAll(t, e3, keys[:2], []int{0, 1})
 	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeMissing}, oc)
 	require.Equal(t, contents[0], blockBytes(e3, 0))

@@ -110,6 +110,22 @@ type Stats struct {
 	DiskBytes       int64  `json:"disk_bytes"`          // their payload bytes
 	DiskCapacity    int64  `json:"disk_capacity"`       // records the disk tier can hold
 	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
+	// What the disk tier found at start and met since (tier/disk.Stats):
+	// records it discarded at New (torn: a damaged header or a payload cut
+	// off; stale: another format, fingerprint or size, or a second copy of
+	// a key), failed reads and writes (NoSpace: those that were ENOSPC or
+	// EDQUOT), records it evicted for room, and its directories: used,
+	// with O_DIRECT in effect, read-only (serving, taking nothing new),
+	// and left out at New (unusable).
+	DiskTornAtOpen   int64 `json:"disk_torn_at_open"`
+	DiskStaleAtOpen  int64 `json:"disk_stale_at_open"`
+	DiskIOErrors     int64 `json:"disk_io_errors"`
+	DiskNoSpace      int64 `json:"disk_no_space"`
+	DiskEvictions    int64 `json:"disk_evictions"`
+	DiskDirs         int   `json:"disk_dirs"`
+	DiskDirectDirs   int   `json:"disk_direct_dirs"`
+	DiskReadOnlyDirs int   `json:"disk_read_only_dirs"`
+	DiskUnusableDirs int   `json:"disk_unusable_dirs"`
 
 	// Prefetch with PrefetchBestEffort: calls started in the background,
 	// calls refused (MaxBackgroundPrefetches were running), and the
@@ -336,6 +352,9 @@ func (e *Engine) snapshot() Stats {
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
+		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
+		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
+		s.DiskReadOnlyDirs, s.DiskUnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()
