@@ -56,6 +56,8 @@ reports a failed copy.`,
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
 		fs.StringVar(&cfg.diskDir, "disk", "", "add the disk tier, its records file in `dir` (pool evictions are written back there and loaded from it)")
 		fs.StringVar(&cfg.redis, "redis", "", "add the cluster tier, a Redis Cluster at `HOST:PORT[,HOST:PORT]` (stores are written through; each request's prefix past the host hits is prefetched from it before loading)")
+		fs.StringVar(&cfg.redisUser, "redis-user", "", "with --redis, the ACL `user` to AUTH as (the password comes from $"+redisPasswordEnv+"; with neither, no AUTH)")
+		fs.BoolVar(&cfg.redisTLS, "redis-tls", false, "with --redis, connect with TLS (the system's roots)")
 		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
@@ -110,8 +112,11 @@ type demoConfig struct {
 	// diskDir and diskBytes: --disk and --disk-bytes (the engine's Config.Disk).
 	diskDir   string
 	diskBytes int64
-	// redis: --redis (the engine's Config.Cluster; demo_cluster.go).
-	redis string
+	// redis: --redis (the engine's Config.Cluster; demo_cluster.go), with
+	// --redis-user and --redis-tls.
+	redis     string
+	redisUser string
+	redisTLS  bool
 	// connect: --connect, the node's socket (offload.Dial).
 	connect string
 
@@ -161,6 +166,9 @@ func (c demoConfig) check() (modelShape, error) {
 	}
 	if _, err := redisAddrs(c.redis); err != nil {
 		return shape, err
+	}
+	if c.redis == "" && (c.redisUser != "" || c.redisTLS) {
+		return shape, fmt.Errorf("%w: --redis-user and --redis-tls need --redis", errUsage)
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/kvoffload/kvoffload/offload"
@@ -39,13 +40,17 @@ func redisAddrs(s string) ([]string, error) {
 	return out, nil
 }
 
+// redisPasswordEnv holds the password --redis sends with AUTH (a flag
+// would show it to every user of the machine in the process list).
+const redisPasswordEnv = "KVOFFLOAD_REDIS_PASSWORD"
+
 // clusterConfig is the engine's Config.Cluster for --redis (nil without).
 func clusterConfig(cfg demoConfig) *offload.ClusterConfig {
 	addrs, err := redisAddrs(cfg.redis)
 	if err != nil || len(addrs) == 0 {
 		return nil
 	}
-	return &offload.ClusterConfig{Addrs: addrs}
+	return &offload.ClusterConfig{Addrs: addrs, Username: cfg.redisUser, Password: os.Getenv(redisPasswordEnv), TLS: cfg.redisTLS}
 }
 
 // prefetchCluster (--redis) prefetches rest[n:], the keys past the host and

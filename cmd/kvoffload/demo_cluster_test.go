@@ -2,6 +2,8 @@ package main
 
 import (
 	"encoding/json"
+	"net"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -55,4 +57,58 @@ func TestDemoRedisFlagChecked(t *testing.T) {
 	addrs, err := redisAddrs("a:1, b:2")
 	require.NoError(t, err)
 	require.Equal(t, []string{"a:1", "b:2"}, addrs)
+}
+
+// TestDemoClusterAuth: on a cluster that requires a password, demo --redis
+// without it writes nothing through (the tier never connects), with it
+// from $KVOFFLOAD_REDIS_PASSWORD writes through, and as an ACL user
+// (--redis-user) too. --redis-user and --redis-tls need --redis.
+func TestDemoClusterAuth(t *testing.T) {
+	c := clustertest.Start(t, 3)
+	var ports []int
+	for _, a := range c.Addrs() {
+		_, p, err := net.SplitHostPort(a)
+		require.NoError(t, err)
+		n, err := strconv.Atoi(p)
+		require.NoError(t, err)
+		ports = append(ports, n)
+	}
+	for _, p := range ports {
+		out, err := clustertest.CLI(p, "", "acl", "setuser", "kvo", "on", ">userpw", "~*", "+@all")
+		require.NoError(t, err, out)
+		out, err = clustertest.CLI(p, "", "config", "set", "requirepass", "s3cret")
+		require.NoError(t, err, out)
+	}
+	args := []string{"demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB", "--gpu-blocks", "32",
+		"--requests", "20", "--duration", "0", "--pinning", "none", "--seed", "5", "--json", "--redis", strings.Join(c.Addrs(), ",")}
+	report := func(extra ...string) demoReport {
+		cmd, out, errs := startCLI(t, append(append([]string(nil), args...), extra...)...)
+		require.NoError(t, cmd.Wait(), errs.String())
+		var rep demoReport
+		require.NoError(t, json.Unmarshal(out.Bytes(), &rep), errs.String())
+		require.NotNil(t, rep.Cluster)
+		require.Zero(t, rep.VerifyFailures)
+		return rep
+	}
+	t.Setenv(redisPasswordEnv, "")
+	rep := report()
+	require.Zero(t, rep.Cluster.Writes, "no password: nothing written")
+	require.False(t, rep.Cluster.Available)
+	require.NotEmpty(t, rep.Cluster.Error)
+
+	t.Setenv(redisPasswordEnv, "s3cret")
+	rep = report()
+	require.Positive(t, rep.Cluster.Writes, "the default user's password")
+	require.True(t, rep.Cluster.Available)
+
+	t.Setenv(redisPasswordEnv, "userpw")
+	rep = report("--redis-user", "kvo", "--seed", "6")
+	require.True(t, rep.Cluster.Available, "an ACL user: %+v", rep.Cluster)
+	require.Positive(t, rep.Cluster.Writes+rep.Cluster.Hits, "an ACL user writes and reads: %+v", rep.Cluster)
+
+	for _, flag := range [][]string{{"--redis-user", "kvo"}, {"--redis-tls"}} {
+		cmd, _, errs := startCLI(t, append([]string{"demo", "--backend", "host", "--layout", "tiny", "--requests", "1"}, flag...)...)
+		require.Error(t, cmd.Wait())
+		require.Contains(t, errs.String(), "need --redis")
+	}
 }
