@@ -184,30 +184,41 @@ func (e *Engine) closeCluster() error {
 }
 
 // writeThroughKeys returns the keys of a Store's slots (idx into keys) to
-// write through to the cluster when they are ready, nil when none are: no
-// cluster tier, or a namespace other than the engine's (the cluster holds
-// the engine's namespace only, which Prefetch promotes into).
-func (e *Engine) writeThroughKeys(ns string, keys []Key, idx []int) []Key {
-	if e.cluster == nil || ns != e.cfg.Namespace {
-		return nil
+// write through when they are ready, nil when none are, and whether they
+// go to the cluster: they do with a cluster tier and the engine's
+// namespace (the cluster holds the engine's namespace only, which Prefetch
+// promotes into); they go to disk with DiskConfig.WriteThrough.
+func (e *Engine) writeThroughKeys(ns string, keys []Key, idx []int) ([]Key, bool) {
+	toCluster := e.cluster != nil && ns == e.cfg.Namespace
+	if !toCluster && (e.disk == nil || !e.disk.writeThrough) {
+		return nil, false
 	}
 	out := make([]Key, len(idx))
 	for j, i := range idx {
 		out[j] = keys[i]
 	}
-	return out
+	return out, toCluster
 }
 
 // writeThrough puts the ready slots' blocks (keys from writeThroughKeys) to
-// the cluster, in the background; PutAsync copies the bytes, so the slots
-// are free to go as soon as it returns. Drops are counted by the store.
-func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot) {
-	if e.cluster == nil || len(keys) != len(slots) {
+// the cluster (toCluster) and the disk (DiskConfig.WriteThrough), in the
+// background: both copy the bytes, so the slots are free to go as soon as
+// it returns. Drops are counted by each tier.
+func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot, toCluster bool) {
+	if len(keys) != len(slots) {
 		return
 	}
+	toDisk := e.disk != nil && e.disk.writeThrough
 	for i, s := range slots {
-		if mem := e.slotBytes(s); mem != nil {
+		mem := e.slotBytes(s)
+		if mem == nil {
+			continue
+		}
+		if toCluster {
 			e.cluster.PutAsync(keys[i], mem)
+		}
+		if toDisk {
+			e.disk.through(keys[i], mem)
 		}
 	}
 }

@@ -40,9 +40,21 @@ type DiskConfig struct {
 	// block.
 	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
 	// AdmitAll writes back every evicted block. By default only blocks
-	// whose key was seen at least twice (stored or looked up) are: a block
-	// used once is not worth a disk write.
+	// whose key was seen at least AdmitAfter times (stored or looked up)
+	// are: a block used once is not worth a disk write.
 	AdmitAll bool `json:"admit_all,omitempty"`
+	// AdmitAfter is how many times a key must have been seen before its
+	// evicted block is written back: default 2 (as Dynamo's G3), at most
+	// 255; 1 admits every block. Ignored with AdmitAll.
+	AdmitAfter int `json:"admit_after,omitempty"`
+	// WriteThrough also writes every stored block to disk as soon as it is
+	// ready, whatever the admission filter: a restart then finds every
+	// block stored, not only those evicted before it (at a disk write per
+	// block stored). The block is copied out of its slot when its store
+	// completes (the slot is free to go at once) and written in the
+	// background; past WriteBackBytes of writes queued it is dropped,
+	// counted (Stats.DiskDropped), and still written back if evicted.
+	WriteThrough bool `json:"write_through,omitempty"`
 }
 
 // DiskFsync is DiskConfig.Fsync: when the disk tier flushes its records.
@@ -101,6 +113,12 @@ func diskDefaults(cfg *Config, slot int64) error {
 		return fmt.Errorf("%w: Disk.WriteBackBytes = %d, must not be negative", ErrInvalidConfig, d.WriteBackBytes)
 	}
 	d.WriteBackBytes = max(d.WriteBackBytes, slot)
+	switch {
+	case d.AdmitAfter == 0:
+		d.AdmitAfter = 2
+	case d.AdmitAfter < 0 || d.AdmitAfter > 255:
+		return fmt.Errorf("%w: Disk.AdmitAfter = %d, want 1 to 255 (0: the default, 2)", ErrInvalidConfig, d.AdmitAfter)
+	}
 	return nil
 }
 
@@ -143,10 +161,12 @@ func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
 // which a writer Puts. Either way the evicting call never waits for the
 // disk.
 type diskTier struct {
-	store    *disk.Store
-	slot     int64
-	admitAll bool
-	maxBusy  int // write-backs at once (WriteBackBytes / slot)
+	store        *disk.Store
+	slot         int64
+	admitAll     bool
+	admitAfter   uint8 // DiskConfig.AdmitAfter
+	writeThrough bool  // DiskConfig.WriteThrough
+	maxBusy      int   // write-backs at once (WriteBackBytes / slot)
 
 	seenMu   sync.Mutex
 	seen     []uint8 // saturating use counts by key hash, halved every len(seen) additions
@@ -179,7 +199,7 @@ type diskTier struct {
 	beforeGet func(Key) // test hook, run before each promotion read
 	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
 
-	hits, misses, writes, writeErrors, dropped, notAdmitted, copies atomic.Int64
+	hits, misses, writes, writeErrors, dropped, notAdmitted, copies, throughs atomic.Int64
 }
 
 // demotion is a write-back for a writer: from slot (demoting) when
@@ -214,7 +234,8 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
 	n := int(dc.WriteBackBytes / slot)
-	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll, maxBusy: n, seen: make([]uint8, 1<<16),
+	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
+		writeThrough: dc.WriteThrough, maxBusy: n, seen: make([]uint8, 1<<16),
 		accept: map[slotGen]uint64{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
 		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
 		demoted: func(s kvcache.Slot) {
@@ -308,7 +329,39 @@ func (d *diskTier) admitted(k Key) bool {
 	}
 	d.seenMu.Lock()
 	defer d.seenMu.Unlock()
-	return d.seen[binary.LittleEndian.Uint64(k[:8])%uint64(len(d.seen))] >= 2
+	return d.seen[binary.LittleEndian.Uint64(k[:8])%uint64(len(d.seen))] >= d.admitAfter
+}
+
+// through writes a stored block (key k, mem its slot's bytes, which its
+// caller holds until through returns) to disk (DiskConfig.WriteThrough):
+// copied into a buffer now, Put by a writer. Dropped, counted, when
+// maxBusy writes are accepted and unfinished; nothing when k is on disk.
+// Never waits.
+func (d *diskTier) through(k Key, mem []byte) {
+	if d.store.Contains(k) {
+		return
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	d.busyMu.Lock()
+	if d.closed || d.busy >= d.maxBusy {
+		d.busyMu.Unlock()
+		d.dropped.Add(1)
+		return
+	}
+	if d.busy == 0 {
+		d.idle = make(chan struct{})
+	}
+	d.busy++
+	gen := d.clearGen.Load()
+	d.busyMu.Unlock()
+	buf := <-d.bufs
+	if buf == nil {
+		buf = alignedBytes(int(d.slot))
+	}
+	copy(buf, mem)
+	d.throughs.Add(1)
+	d.queue <- demotion{key: k, buf: buf, gen: gen}
 }
 
 // demote is the cache's Config.Demote, under its lock: it accepts an

@@ -638,3 +638,75 @@ func TestDiskClearRace(t *testing.T) {
 	require.Zero(t, res.Hits+res.DiskHits, "a block of the cleared namespace survived Clear")
 	require.Zero(t, e.Stats().DiskRecords)
 }
+
+// TestDiskWriteThrough: with DiskConfig.WriteThrough every stored block is
+// on disk once its store completes, evicted or not, so a restart finds all
+// of them (byte-exact); AdmitAfter sets the write-back filter's count; a
+// bad AdmitAfter is refused.
+func TestDiskWriteThrough(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	cfg := diskEngineConfig(dir)
+	cfg.Disk.WriteThrough = true
+	e := newTestEngine(t, cfg)
+	keys := seqKeys(0, 3)
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, e, i, byte(9+17*i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+	}
+	require.NoError(t, e.FlushDisk(ctx))
+	st := e.Stats()
+	require.Equal(t, int64(3), st.DiskWriteThroughs)
+	require.Equal(t, int64(3), st.DiskWrites)
+	require.Equal(t, int64(3), st.DiskRecords, "in the pool and on disk")
+	res, err := e.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 3, res.Hits)
+	require.NoError(t, e.Close())
+
+	e2 := newTestEngine(t, cfg)
+	res, err = e2.Lookup(keys, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 3, res.DiskHits, "a restart finds blocks never evicted")
+	oc := loadAll(t, e2, keys, seqIDs(8, 3))
+	for i := range keys {
+		require.Equal(t, OutcomeLoaded, oc[i])
+		require.Equal(t, contents[i], blockBytes(e2, 8+i), "block %d", i)
+	}
+	require.NoError(t, e2.Close())
+
+	// AdmitAfter 3: blocks stored twice are not written back when evicted,
+	// blocks stored three times are.
+	cfg = diskEngineConfig(t.TempDir())
+	cfg.Disk.AdmitAfter = 3
+	e3 := newTestEngine(t, cfg)
+	defer func() { require.NoError(t, e3.Close()) }()
+	keys = seqKeys(100, 8)
+	for i := range keys {
+		fillBlock(t, e3, i, byte(i))
+		times := 2
+		if i%2 == 1 {
+			times = 3
+		}
+		for range times {
+			storeOne(t, e3, keys[i], i)
+		}
+	}
+	require.NoError(t, e3.FlushDisk(ctx))
+	res, err = e3.Lookup(keys[1:2], LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.DiskHits, "seen three times: written back")
+	res, err = e3.Lookup(keys[0:1], LookupOptions{})
+	require.NoError(t, err)
+	require.Zero(t, res.DiskHits, "seen twice: kept off disk")
+	require.Positive(t, e3.Stats().DiskNotAdmitted)
+
+	for _, bad := range []int{-1, 256} {
+		c := diskEngineConfig(t.TempDir())
+		c.Disk.AdmitAfter = bad
+		_, err := newEngine(withTestBackend(c), engineHooks{})
+		require.ErrorIs(t, err, ErrInvalidConfig, "%d", bad)
+		require.ErrorContains(t, err, "AdmitAfter")
+	}
+}

@@ -303,7 +303,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 		return op, nil
 	}
 	e.hub.noteStore(keys, idx, slots, opts, e.cfg.Layout.TokensPerBlock)
-	wt := e.writeThroughKeys(ns, keys, idx)
+	wt, wtCluster := e.writeThroughKeys(ns, keys, idx)
 	fail := func(oc Outcome, cause error) (*Op, error) {
 		_ = e.cache.CompleteStore(slots, cause)
 		e.hub.forget(slots)
@@ -338,7 +338,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 			ready, err := e.cache.CompleteStoreReady(slots, cerr, nil)
 			e.hub.forget(endedStores(slots, ready, cerr))
 			if cerr == nil && err == nil {
-				e.writeThrough(readyKeys(wt, slots, ready), ready) // the slots are held until this returns
+				e.writeThrough(readyKeys(wt, slots, ready), ready, wtCluster) // the slots are held until this returns
 			}
 			return e.commitFailed(err)
 		})

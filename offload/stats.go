@@ -97,19 +97,23 @@ type Stats struct {
 	StoreJoined    int64 `json:"store_joined"`    // head-range stores granted into a block another rank's store had reserved
 
 	// The disk tier (Config.Disk); all 0 without one.
-	DiskLookupHits  int64  `json:"disk_lookup_hits"`    // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
-	DiskHits        int64  `json:"disk_hits"`           // blocks Load read from disk into host slots (promoted)
-	DiskMisses      int64  `json:"disk_misses"`         // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
-	DiskWrites      int64  `json:"disk_writes"`         // evicted blocks written back to disk
-	DiskWriteErrors int64  `json:"disk_write_errors"`   // write-backs the store refused or failed (full, I/O error)
-	DiskDropped     int64  `json:"disk_dropped"`        // admitted evictions not written back: DiskConfig.WriteBackBytes of write-backs were in flight
-	DiskCopies      int64  `json:"disk_copies"`         // write-backs copied out of the pool first (a store needed the slot at once); the others go to disk from the slot
-	DiskNotAdmitted int64  `json:"disk_not_admitted"`   // evictions the admission filter kept off disk (key seen once)
-	DiskCorrupt     int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
-	DiskRecords     int64  `json:"disk_records"`        // records on disk now
-	DiskBytes       int64  `json:"disk_bytes"`          // their payload bytes
-	DiskCapacity    int64  `json:"disk_capacity"`       // records the disk tier can hold
-	DiskMode        string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
+	DiskLookupHits  int64 `json:"disk_lookup_hits"`  // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
+	DiskHits        int64 `json:"disk_hits"`         // blocks Load read from disk into host slots (promoted)
+	DiskMisses      int64 `json:"disk_misses"`       // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
+	DiskWrites      int64 `json:"disk_writes"`       // evicted blocks written back to disk
+	DiskWriteErrors int64 `json:"disk_write_errors"` // write-backs the store refused or failed (full, I/O error)
+	DiskDropped     int64 `json:"disk_dropped"`      // admitted evictions not written back: DiskConfig.WriteBackBytes of write-backs were in flight
+	DiskCopies      int64 `json:"disk_copies"`       // write-backs copied out of the pool first (a store needed the slot at once); the others go to disk from the slot
+	DiskNotAdmitted int64 `json:"disk_not_admitted"` // evictions the admission filter kept off disk (key seen once)
+	// DiskWriteThroughs are the stored blocks copied for a write-through
+	// (DiskConfig.WriteThrough); each then counts in DiskWrites or
+	// DiskWriteErrors like a write-back.
+	DiskWriteThroughs int64  `json:"disk_write_throughs"`
+	DiskCorrupt       int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
+	DiskRecords       int64  `json:"disk_records"`        // records on disk now
+	DiskBytes         int64  `json:"disk_bytes"`          // their payload bytes
+	DiskCapacity      int64  `json:"disk_capacity"`       // records the disk tier can hold
+	DiskMode          string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
 	// What the disk tier found at start and met since (tier/disk.Stats):
 	// records it discarded at New (torn: a damaged header or a payload cut
 	// off; stale: another format, fingerprint or size, or a second copy of
@@ -351,6 +355,7 @@ func (e *Engine) snapshot() Stats {
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
+		s.DiskWriteThroughs = d.throughs.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
