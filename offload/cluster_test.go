@@ -436,11 +436,7 @@ func TestPrefetchPolicies(t *testing.T) {
 	res, err = e.Lookup(keys[:2], LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Hits, "the background promotion's blocks are in the pool")
-	oc := loadAll(t, e, keys[:2], seqIDs(12, 2))
-	for i := range 2 {
-		require.Equal(t, OutcomeLoaded, oc[i])
-		require.Equal(t, contents[i], blockBytes(e, 12+i), "block %d promoted in the background", i)
-	}
+	requireLoads(t, e, keys[:2], 12, contents, "promoted in the background")
 	require.Equal(t, int64(1), e.Stats().PrefetchBackground)
 
 	gated.Store(true)

@@ -355,12 +355,18 @@ func (d *diskTier) through(k Key, mem []byte) {
 	d.busy++
 	gen := d.clearGen.Load()
 	d.busyMu.Unlock()
+	d.queueCopy(k, mem, gen)
+	d.throughs.Add(1)
+}
+
+// queueCopy copies mem into a free buffer (one is free for every accepted
+// write) and queues it for a writer as key k's, of clear generation gen.
+func (d *diskTier) queueCopy(k Key, mem []byte, gen uint64) {
 	buf := <-d.bufs
 	if buf == nil {
 		buf = alignedBytes(int(d.slot))
 	}
 	copy(buf, mem)
-	d.throughs.Add(1)
 	d.queue <- demotion{key: k, buf: buf, gen: gen}
 }
 
@@ -410,13 +416,8 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 		return true
 	}
 	d.busyMu.Unlock()
-	buf := <-d.bufs
-	if buf == nil {
-		buf = alignedBytes(int(d.slot))
-	}
-	copy(buf, mem)
+	d.queueCopy(k, mem, gen)
 	d.copies.Add(1)
-	d.queue <- demotion{key: k, buf: buf, gen: gen}
 	return false
 }
 

@@ -180,6 +180,17 @@ func TestDiskTier(t *testing.T) {
 	require.Equal(t, 0, res.Hits+res.DiskHits, "the damaged record was dropped")
 }
 
+// requireLoads loads keys into GPU blocks from, from+1, … and checks that
+// each is loaded and holds contents[i].
+func requireLoads(t *testing.T, e *Engine, keys []Key, from int, contents [][]byte, what string) {
+	t.Helper()
+	oc := loadAll(t, e, keys, seqIDs(from, len(keys)))
+	for i := range keys {
+		require.Equal(t, OutcomeLoaded, oc[i], "%s: block %d", what, i)
+		require.Equal(t, contents[i], blockBytes(e, from+i), "%s: block %d byte-exact", what, i)
+	}
+}
+
 // withTestBackend is what newTestEngine sets.
 func withTestBackend(cfg Config) Config {
 	cfg.Backend = BackendHost
@@ -669,11 +680,7 @@ func TestDiskWriteThrough(t *testing.T) {
 	res, err = e2.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.DiskHits, "a restart finds blocks never evicted")
-	oc := loadAll(t, e2, keys, seqIDs(8, 3))
-	for i := range keys {
-		require.Equal(t, OutcomeLoaded, oc[i])
-		require.Equal(t, contents[i], blockBytes(e2, 8+i), "block %d", i)
-	}
+	requireLoads(t, e2, keys, 8, contents, "written through, found after a restart")
 	require.NoError(t, e2.Close())
 
 	// AdmitAfter 3: blocks stored twice are not written back when evicted,

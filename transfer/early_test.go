@@ -78,6 +78,20 @@ func (e *fakeEnv) callerWaits(t *testing.T, ev Event) cuda.Event {
 	return mine
 }
 
+// callerWaitsLayers checks that op has layers layers and returns the
+// caller's view (callerWaits) of each layer's event.
+func (e *fakeEnv) callerWaitsLayers(t *testing.T, op *Op, layers int) []cuda.Event {
+	t.Helper()
+	require.Equal(t, layers, op.Layers())
+	mine := make([]cuda.Event, layers)
+	for l := range mine {
+		ev, err := op.LayerEvent(l)
+		require.NoError(t, err)
+		mine[l] = e.callerWaits(t, ev)
+	}
+	return mine
+}
+
 func (e *fakeEnv) deviceBytes(t *testing.T, n uint64) []byte {
 	t.Helper()
 	half := e.size / 2
@@ -124,13 +138,7 @@ func TestEarlyLayerEvents(t *testing.T) {
 	gate := make(chan struct{})
 	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, 1, gate), 5*time.Second)
 	require.NoError(t, err)
-	require.Equal(t, 3, op.Layers())
-	var mine [3]cuda.Event
-	for l := range mine {
-		ev, err := op.LayerEvent(l)
-		require.NoError(t, err)
-		mine[l] = e.callerWaits(t, ev)
-	}
+	mine := e.callerWaitsLayers(t, op, 3)
 	require.NoError(t, e.drv.EventSynchronize(mine[0]))
 	require.Equal(t, src[:seg], e.deviceBytes(t, seg))
 	time.Sleep(20 * time.Millisecond)
@@ -159,13 +167,7 @@ func TestEarlyLayerParts(t *testing.T) {
 	req.LayerParts = []int{3, 1, 2}
 	op, err := submitWithin(t, e.s, req, 5*time.Second)
 	require.NoError(t, err)
-	require.Equal(t, 3, op.Layers())
-	var mine [3]cuda.Event
-	for l := range mine {
-		ev, err := op.LayerEvent(l)
-		require.NoError(t, err)
-		mine[l] = e.callerWaits(t, ev)
-	}
+	mine := e.callerWaitsLayers(t, op, 3)
 	time.Sleep(30 * time.Millisecond)
 	require.False(t, e.done(t, mine[0]), "layer 0's event completed before its third part was built")
 	release()
