@@ -9,6 +9,7 @@ import (
 	"math"
 	"runtime"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/schollz/progressbar/v3"
@@ -54,7 +55,7 @@ reports a failed copy.`,
 		fs.Var(stringFlag[offload.Policy]{&cfg.policy}, "policy", "host pool policy: lru|tinylfu")
 		fs.Uint64Var(&cfg.seed, "seed", cfg.seed, "trace `seed`")
 		fs.BoolVar(&cfg.verify, "verify", cfg.verify, "verify every loaded block")
-		fs.StringVar(&cfg.diskDir, "disk", "", "add the disk tier, its records file in `dir` (pool evictions are written back there and loaded from it)")
+		fs.StringVar(&cfg.diskDir, "disk", "", "add the disk tier, a records file in each `dir[,dir]` (pool evictions are written back there and loaded from it)")
 		fs.StringVar(&cfg.redis, "redis", "", "add the cluster tier, a Redis Cluster at `HOST:PORT[,HOST:PORT]` (stores are written through; each request's prefix past the host hits is prefetched from it before loading)")
 		fs.StringVar(&cfg.redisUser, "redis-user", "", "with --redis, the ACL `user` to AUTH as (the password comes from $"+redisPasswordEnv+"; with neither, no AUTH)")
 		fs.BoolVar(&cfg.redisTLS, "redis-tls", false, "with --redis, connect with TLS (the system's roots)")
@@ -166,6 +167,9 @@ func (c demoConfig) check() (modelShape, error) {
 	}
 	if _, err := redisAddrs(c.redis); err != nil {
 		return shape, err
+	}
+	if c.diskDir != "" && slices.Contains(diskDirs(c.diskDir), "") {
+		return shape, fmt.Errorf("%w: --disk %q: want DIR[,DIR...] with no empty name", errUsage, c.diskDir)
 	}
 	if c.redis == "" && (c.redisUser != "" || c.redisTLS) {
 		return shape, fmt.Errorf("%w: --redis-user and --redis-tls need --redis", errUsage)
@@ -367,7 +371,7 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		if n == 0 {
 			n = 4 * cfg.poolBytes
 		}
-		ec.Disk = &offload.DiskConfig{Dirs: []string{cfg.diskDir}, CapacityBytes: n}
+		ec.Disk = &offload.DiskConfig{Dirs: diskDirs(cfg.diskDir), CapacityBytes: n}
 	}
 	ec.Cluster = clusterConfig(cfg)
 	if cfg.connect != "" {
@@ -799,4 +803,13 @@ func (f stringFlag[T]) String() string {
 func (f stringFlag[T]) Set(s string) error {
 	*f.p = T(s)
 	return nil
+}
+
+// diskDirs splits --disk's DIR[,DIR] list.
+func diskDirs(s string) []string {
+	dirs := strings.Split(s, ",")
+	for i := range dirs {
+		dirs[i] = strings.TrimSpace(dirs[i])
+	}
+	return dirs
 }

@@ -84,6 +84,26 @@ func TestDemoDisk(t *testing.T) {
 	require.Contains(t, out.String(), "disk tier")
 }
 
+// TestDemoDiskDirs: --disk takes DIR[,DIR]: each directory gets a records
+// file; an empty name is a usage error.
+func TestDemoDiskDirs(t *testing.T) {
+	cfg := tinyDemo(offload.BackendHost)
+	a, b := t.TempDir(), t.TempDir()
+	cfg.diskDir = a + "," + b
+	rep, err := runDemo(context.Background(), cfg, nil, noNotice)
+	require.NoError(t, err)
+	require.Positive(t, rep.Disk.Writes)
+	require.Zero(t, rep.VerifyFailures)
+	for _, d := range []string{a, b} {
+		files, err := filepath.Glob(filepath.Join(d, "records-*.kvo"))
+		require.NoError(t, err)
+		require.Len(t, files, 1, "a records file in %s", d)
+	}
+	cfg.diskDir = a + ",," + b
+	_, err = runDemo(context.Background(), cfg, nil, noNotice)
+	require.ErrorIs(t, err, errUsage)
+}
+
 func TestDemoDetectsCorruption(t *testing.T) {
 	cfg := tinyDemo(offload.BackendHost)
 	cfg.corruptLoads = 3
