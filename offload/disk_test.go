@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -716,4 +717,29 @@ func TestDiskWriteThrough(t *testing.T) {
 		require.ErrorIs(t, err, ErrInvalidConfig, "%d", bad)
 		require.ErrorContains(t, err, "AdmitAfter")
 	}
+}
+
+// TestDiskNoUsableDir: a disk tier none of whose directories can be used
+// at New (ENOSPC creating the records file) leaves the engine serving from
+// host memory, saying why; stores, loads and Prefetch work without it.
+func TestDiskNoUsableDir(t *testing.T) {
+	var on atomic.Bool
+	on.Store(true)
+	e := diskFaultEngine(t, diskEngineConfig(t.TempDir()), disk.FaultOpen, syscall.ENOSPC, &on)
+	defer func() { require.NoError(t, e.Close()) }()
+	st := e.Stats()
+	require.Equal(t, "off", st.DiskMode)
+	require.Contains(t, st.DiskError, "no usable directory")
+	require.Equal(t, 1, st.DiskUnusableDirs)
+	keys := seqKeys(0, 2)
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, e, i, byte(3+i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+	}
+	requireLoads(t, e, keys, 8, contents, "served from host memory")
+	require.NoError(t, e.FlushDisk(context.Background()))
+	pr, err := e.Prefetch(context.Background(), seqKeys(10, 2), PrefetchOptions{})
+	require.NoError(t, err)
+	require.Zero(t, pr.Promoted)
 }

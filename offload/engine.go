@@ -69,6 +69,9 @@ type Engine struct {
 	hub     eventHub  // Events' streams (events.go)
 	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *diskTier // the disk tier (Config.Disk), nil without one
+	// diskErr is why a configured disk tier is off (no usable directory
+	// at New): Stats.DiskError.
+	diskErr string
 	// background are the PrefetchBestEffort calls running (prefetch.go).
 	background backgroundPrefetches
 	// cluster is the cluster tier (Config.Cluster), nil without one; it

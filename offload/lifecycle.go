@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
+	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -418,10 +419,19 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	kcfg.OnIndex = e.hub.onIndex
 	if cfg.Disk != nil {
-		if e.disk, err = openDisk(cfg, slot, &e.hub, h, e); err != nil {
+		d, err := openDisk(cfg, slot, &e.hub, h, e)
+		switch {
+		case errors.Is(err, disk.ErrNoUsableDir):
+			// Every directory failed (full, I/O errors, permissions): the
+			// engine serves from host memory without its disk tier and
+			// says why (Stats.DiskError).
+			e.diskErr = err.Error()
+		case err != nil:
 			return nil, err
+		default:
+			e.disk = d
+			kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
 		}
-		kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
 	}
 	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err

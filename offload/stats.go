@@ -113,7 +113,11 @@ type Stats struct {
 	DiskRecords       int64  `json:"disk_records"`        // records on disk now
 	DiskBytes         int64  `json:"disk_bytes"`          // their payload bytes
 	DiskCapacity      int64  `json:"disk_capacity"`       // records the disk tier can hold
-	DiskMode          string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect)
+	DiskMode          string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect); "off" with DiskError
+	// DiskError is why the configured disk tier is off: New found no
+	// directory of Disk.Dirs usable (each one's error); the engine serves
+	// from host memory, every directory counts in DiskUnusableDirs.
+	DiskError string `json:"disk_error,omitempty"`
 	// What the disk tier found at start and met since (tier/disk.Stats):
 	// records it discarded at New (torn: a damaged header or a payload cut
 	// off; stale: another format, fingerprint or size, or a second copy of
@@ -348,6 +352,9 @@ func (e *Engine) snapshot() Stats {
 	if e.cudaDev != nil {
 		s.BounceCopies = e.cudaDev.BounceCopies()
 		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
+	}
+	if e.diskErr != "" {
+		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
 	}
 	if d := e.disk; d != nil {
 		ds := d.store.Stats()
