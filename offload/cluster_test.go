@@ -412,11 +412,7 @@ func TestPrefetchPolicies(t *testing.T) {
 	}})
 	require.NoError(t, err)
 	keys := seqKeys(0, 12)
-	contents := make([][]byte, len(keys))
-	for i := range keys {
-		contents[i] = fillBlock(t, e, i, byte(7+13*i))
-		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
-	}
+	contents := storeBlocks(t, e, keys, 7, 13)
 	require.NoError(t, e.FlushDisk(ctx))
 	res, err := e.Lookup(keys[:8], LookupOptions{})
 	require.NoError(t, err)

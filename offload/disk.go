@@ -344,19 +344,28 @@ func (d *diskTier) through(k Key, mem []byte) {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	d.busyMu.Lock()
-	if d.closed || d.busy >= d.maxBusy {
-		d.busyMu.Unlock()
-		d.dropped.Add(1)
+	gen, ok := d.acceptLocked()
+	d.busyMu.Unlock()
+	if !ok {
 		return
+	}
+	d.queueCopy(k, mem, gen)
+	d.throughs.Add(1)
+}
+
+// acceptLocked (busyMu held) accepts one more disk write if the tier is
+// open and fewer than maxBusy are accepted and unfinished, and returns the
+// clear generation it belongs to; otherwise it counts a drop.
+func (d *diskTier) acceptLocked() (gen uint64, ok bool) {
+	if d.closed || d.busy >= d.maxBusy {
+		d.dropped.Add(1)
+		return 0, false
 	}
 	if d.busy == 0 {
 		d.idle = make(chan struct{})
 	}
 	d.busy++
-	gen := d.clearGen.Load()
-	d.busyMu.Unlock()
-	d.queueCopy(k, mem, gen)
-	d.throughs.Add(1)
+	return d.clearGen.Load(), true
 }
 
 // queueCopy copies mem into a free buffer (one is free for every accepted
@@ -400,16 +409,11 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 		}
 	}
 	d.busyMu.Lock()
-	if d.closed || d.busy >= d.maxBusy {
+	gen, ok := d.acceptLocked()
+	if !ok {
 		d.busyMu.Unlock()
-		d.dropped.Add(1)
 		return false
 	}
-	if d.busy == 0 {
-		d.idle = make(chan struct{})
-	}
-	d.busy++
-	gen := d.clearGen.Load()
 	if !needed {
 		d.accept[slotGen{s.ID, s.Gen}] = gen
 		d.busyMu.Unlock()

@@ -181,6 +181,18 @@ func TestDiskTier(t *testing.T) {
 	require.Equal(t, 0, res.Hits+res.DiskHits, "the damaged record was dropped")
 }
 
+// storeBlocks fills GPU block i with seed+step·i's content, stores keys[i]
+// from it, checks it was stored, and returns the contents.
+func storeBlocks(t *testing.T, e *Engine, keys []Key, seed, step byte) [][]byte {
+	t.Helper()
+	contents := make([][]byte, len(keys))
+	for i := range keys {
+		contents[i] = fillBlock(t, e, i, seed+step*byte(i))
+		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
+	}
+	return contents
+}
+
 // requireLoads loads keys into GPU blocks from, from+1, … and checks that
 // each is loaded and holds contents[i].
 func requireLoads(t *testing.T, e *Engine, keys []Key, from int, contents [][]byte, what string) {
@@ -662,11 +674,7 @@ func TestDiskWriteThrough(t *testing.T) {
 	cfg.Disk.WriteThrough = true
 	e := newTestEngine(t, cfg)
 	keys := seqKeys(0, 3)
-	contents := make([][]byte, len(keys))
-	for i := range keys {
-		contents[i] = fillBlock(t, e, i, byte(9+17*i))
-		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
-	}
+	contents := storeBlocks(t, e, keys, 9, 17)
 	require.NoError(t, e.FlushDisk(ctx))
 	st := e.Stats()
 	require.Equal(t, int64(3), st.DiskWriteThroughs)
@@ -732,11 +740,7 @@ func TestDiskNoUsableDir(t *testing.T) {
 	require.Contains(t, st.DiskError, "no usable directory")
 	require.Equal(t, 1, st.DiskUnusableDirs)
 	keys := seqKeys(0, 2)
-	contents := make([][]byte, len(keys))
-	for i := range keys {
-		contents[i] = fillBlock(t, e, i, byte(3+i))
-		require.Equal(t, OutcomeStored, storeOne(t, e, keys[i], i))
-	}
+	contents := storeBlocks(t, e, keys, 3, 1)
 	requireLoads(t, e, keys, 8, contents, "served from host memory")
 	require.NoError(t, e.FlushDisk(context.Background()))
 	pr, err := e.Prefetch(context.Background(), seqKeys(10, 2), PrefetchOptions{})

@@ -43,11 +43,6 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 		return e.prefetchBackground(keys, opts), nil
 	}
 	defer e.leave()
-	if opts.Timeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, opts.Timeout)
-		defer cancel()
-	}
 	return e.prefetch(ctx, keys, opts), nil
 }
 
@@ -57,9 +52,7 @@ func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 func (e *Engine) prefetchBackground(keys []Key, opts PrefetchOptions) PrefetchResult {
 	bg := &e.background
 	bg.mu.Lock()
-	if bg.ctx == nil {
-		bg.ctx, bg.cancel = context.WithCancel(context.Background())
-	}
+	bg.start()
 	if bg.running >= MaxBackgroundPrefetches {
 		bg.mu.Unlock()
 		e.leave()
@@ -78,11 +71,6 @@ func (e *Engine) prefetchBackground(keys []Key, opts PrefetchOptions) PrefetchRe
 			bg.mu.Unlock()
 			e.leave()
 		}()
-		if opts.Timeout > 0 {
-			var cancel context.CancelFunc
-			ctx, cancel = context.WithTimeout(ctx, opts.Timeout)
-			defer cancel()
-		}
 		r := e.prefetch(ctx, keys, opts)
 		e.stats.prefetchBackgroundPromoted.Add(int64(r.Promoted))
 	}()
@@ -94,12 +82,8 @@ func (e *Engine) cancelBackground() {
 	bg := &e.background
 	bg.mu.Lock()
 	defer bg.mu.Unlock()
-	if bg.cancel != nil {
-		bg.cancel()
-	} else {
-		bg.ctx, bg.cancel = context.WithCancel(context.Background())
-		bg.cancel()
-	}
+	bg.start()
+	bg.cancel()
 }
 
 // backgroundPrefetches are the PrefetchBestEffort calls running.
@@ -110,8 +94,21 @@ type backgroundPrefetches struct {
 	running int
 }
 
-// prefetch is Prefetch's promotion (the engine entered), bounded by ctx.
+// start makes the context (mu held), once.
+func (b *backgroundPrefetches) start() {
+	if b.ctx == nil {
+		b.ctx, b.cancel = context.WithCancel(context.Background())
+	}
+}
+
+// prefetch is Prefetch's promotion (the engine entered), bounded by ctx
+// and opts.Timeout.
 func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) PrefetchResult {
+	if opts.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, opts.Timeout)
+		defer cancel()
+	}
 	var res PrefetchResult
 	if e.disk != nil && ctx.Err() == nil {
 		res.FromDisk = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
