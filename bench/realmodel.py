@@ -1218,7 +1218,8 @@ def main(argv=None):
         # run and not the next may be a different choice.
         st = b.eng.stats()
         engine_facts = {"copy calibration": st.get("copy_calibration", "") or "none",
-                        "bounce copies": st.get("bounce_copies", 0)}
+                        "bounce copies": st.get("bounce_copies", 0),
+                        "pitched copies": st.get("pitched_copies", 0)}
     finally:
         b.close()
     machine = machine_info()

@@ -200,7 +200,7 @@ type Config struct {
 	// engine stream writes after the copies (package transfer). Off, a
 	// call with events returns once its copies are enqueued (the copies
 	// of its first blocks run meanwhile). See doc/DESIGN.md for what early
-	// events need from the process (CUDA_DEVICE_MAX_CONNECTIONS).
+	// events need from the driver and from the process's other threads.
 	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout) and tags stored blocks for Clear. With a declared

@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -30,8 +31,16 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	// The automatic choice of copy method is calibrated (a fraction of a
 	// second) by the growth goroutine once the pool is grown; until then
 	// the copier uses its uncalibrated rule.
+	copyOpts := e.hooks.copyOptions
+	switch v := os.Getenv(NoPitchedStagingEnv); v {
+	case "", "0":
+	case "1":
+		copyOpts.GatherMinRow = -1
+	default:
+		return fmt.Errorf("%w: %s=%q: want 0 or 1", ErrInvalidConfig, NoPitchedStagingEnv, v)
+	}
 	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
-		CalibrateLater: true, Copy: e.hooks.copyOptions})
+		CalibrateLater: true, Copy: copyOpts})
 	if err != nil {
 		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)
 	}

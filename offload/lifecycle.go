@@ -117,6 +117,12 @@ const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
 // first one (copyPlan): for comparisons on a machine.
 const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 
+// NoPitchedStagingEnv set to 1 turns the copier's pitched staging DMAs off
+// (transfer/cudacopy Options.GatherMinRow < 0): a per-layer load's layers
+// then go through the copy kernel, as before they existed: for comparisons
+// on a machine.
+const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
+
 // openSim sets up the host backend: the simulated GPU, with a layout given
 // without tensors allocated densely in it.
 func (e *Engine) openSim() error {

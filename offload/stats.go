@@ -67,6 +67,11 @@ type Stats struct {
 	// gathered on the device before one DMA per block, loads scattered
 	// after it; see transfer.CUDA); 0 on the host backend.
 	BounceCopies int64 `json:"bounce_copies"`
+	// PitchedCopies counts the pitched DMAs (one per device staging chunk)
+	// of bounced copies whose host runs were rows of one length at one
+	// pitch: a layer of consecutive slots in a per-layer load; 0 on the
+	// host backend.
+	PitchedCopies int64 `json:"pitched_copies"`
 	// DeviceBytes is the GPU memory the copy layer has allocated now
 	// (descriptor tables, bounce chunks, the calibration buffer while it
 	// runs), never above MaxDeviceBytes, the bound in force
@@ -350,7 +355,7 @@ func (e *Engine) snapshot() Stats {
 		s.CopyCalibration = *c
 	}
 	if e.cudaDev != nil {
-		s.BounceCopies = e.cudaDev.BounceCopies()
+		s.BounceCopies, s.PitchedCopies = e.cudaDev.BounceCopies(), e.cudaDev.PitchedCopies()
 		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	if e.diskErr != "" {

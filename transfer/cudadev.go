@@ -33,6 +33,9 @@ type CUDA struct {
 	streams [2]cuda.Stream
 	bounce  [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
+	// counted is the copier, kept after Close clears copier: its counters
+	// stay readable (PitchedCopies) from any goroutine.
+	counted *cudacopy.Copier
 	scratch []cudacopy.Segment   // Copy is called only by the submitting thread
 	scr2D   []cudacopy.Segment2D // Copy's, for batches holding strided segments
 	tickets []cudacopy.Ticket    // Copy's, likewise
@@ -143,6 +146,7 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
+	c.counted = c.copier
 	c.meter = c.copier
 	// The copier keeps its device memory pooled, tables and staging each
 	// within a share of the bound, instead of freeing one kind's idle
@@ -195,6 +199,12 @@ func (c *CUDA) destroyStreams() error {
 // memory (stores gathered, loads scattered); safe to call at any time, also
 // after Close.
 func (c *CUDA) BounceCopies() int64 { return c.bounced.Load() }
+
+// PitchedCopies is the number of pitched DMAs the bounced copies made
+// (cudacopy.Copier.PitchedCopies): host runs of one length at one pitch,
+// such as a layer of consecutive slots; safe to call at any time, also
+// after Close.
+func (c *CUDA) PitchedCopies() int64 { return int64(c.counted.PitchedCopies()) }
 
 // Copier is the copy method the device uses (for its Fill and Checksum
 // kernels, calibration, and capabilities).

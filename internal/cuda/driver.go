@@ -110,6 +110,15 @@ type BatchCopy struct {
 	Size     uint64
 }
 
+// Memcpy2D is one pitched copy of Memcpy2DAsync: Height rows of Width
+// bytes, row r from Src + r×SrcPitch to Dst + r×DstPitch (unified
+// addresses; each pitch at least Width).
+type Memcpy2D struct {
+	Dst, Src           DevicePtr
+	DstPitch, SrcPitch uint64
+	Width, Height      uint64
+}
+
 // Driver is the subset of the CUDA driver API the engine uses. The real
 // implementation (Load) binds libcuda.so.1 at run time; tests substitute a fake
 // that injects faults. Methods that take a context-bound resource require the
@@ -161,6 +170,9 @@ type Driver interface {
 	Memcpy(dst, src DevicePtr, n uint64) error
 	// MemcpyAsync is cuMemcpyAsync between unified addresses.
 	MemcpyAsync(dst, src DevicePtr, n uint64, s Stream) error
+	// Memcpy2DAsync is cuMemcpy2DAsync_v2 between unified addresses
+	// (CU_MEMORYTYPE_UNIFIED on both sides): one DMA of p.Height rows.
+	Memcpy2DAsync(p Memcpy2D, s Stream) error
 	// HasMemcpyBatch reports whether cuMemcpyBatchAsync was bound (driver ≥ 12.8).
 	HasMemcpyBatch() bool
 	// MemcpyBatchAsync is cuMemcpyBatchAsync with one attribute set

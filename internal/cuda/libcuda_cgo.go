@@ -65,6 +65,39 @@ static CUresult kvo_memcpy_async(void* f, CUdeviceptr d, CUdeviceptr s, size_t n
 	return ((CUresult(*)(CUdeviceptr, CUdeviceptr, size_t, CUstream))f)(d, s, n, (CUstream)st);
 }
 
+// kvo_CUDA_MEMCPY2D is CUDA_MEMCPY2D (v2): CUmemorytype is an enum (int).
+typedef struct {
+	size_t srcXInBytes, srcY;
+	int srcMemoryType;
+	const void* srcHost;
+	CUdeviceptr srcDevice;
+	void* srcArray;
+	size_t srcPitch;
+	size_t dstXInBytes, dstY;
+	int dstMemoryType;
+	void* dstHost;
+	CUdeviceptr dstDevice;
+	void* dstArray;
+	size_t dstPitch;
+	size_t WidthInBytes, Height;
+} kvo_CUDA_MEMCPY2D;
+
+// kvo_memcpy2d_async calls cuMemcpy2DAsync_v2 between unified addresses
+// (CU_MEMORYTYPE_UNIFIED = 4 on both sides).
+static CUresult kvo_memcpy2d_async(void* f, CUdeviceptr d, size_t dp, CUdeviceptr s, size_t sp, size_t w, size_t h, uintptr_t st) {
+	kvo_CUDA_MEMCPY2D p;
+	memset(&p, 0, sizeof p);
+	p.srcMemoryType = 4;
+	p.srcDevice = s;
+	p.srcPitch = sp;
+	p.dstMemoryType = 4;
+	p.dstDevice = d;
+	p.dstPitch = dp;
+	p.WidthInBytes = w;
+	p.Height = h;
+	return ((CUresult(*)(const kvo_CUDA_MEMCPY2D*, CUstream))f)(&p, (CUstream)st);
+}
+
 // kvo_batch calls cuMemcpyBatchAsync (v1, with failIdx; or v2, without) with
 // one attribute set, stream-ordered source access, for all count copies.
 static CUresult kvo_batch(void* f, int v2, CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count, size_t* failIdx, uintptr_t st) {
@@ -149,7 +182,7 @@ type symbols struct {
 	deviceGetPCIBusID, deviceTotalMem, primaryCtxRetain, primaryCtxRelease, ctxSetCurrent, ctxGetCurrent,
 	ctxSynchronize, ctxGetStreamPriorityRange, memGetInfo, memHostRegister, memHostUnregister,
 	memHostGetDevicePointer, memHostAlloc, memFreeHost, memAlloc, memFree, memsetD8, memGetAddressRange, memcpy,
-	memcpyAsync, memcpyBatchAsync, streamCreateWithPriority, streamDestroy, streamSynchronize,
+	memcpyAsync, memcpy2DAsync, memcpyBatchAsync, streamCreateWithPriority, streamDestroy, streamSynchronize,
 	streamQuery, streamWaitEvent, streamIsCapturing, streamBeginCapture, streamEndCapture,
 	eventCreate, eventDestroy, eventRecord, eventRecordWithFlags, eventQuery, eventSynchronize,
 	eventElapsedTime, threadExchangeStreamCaptureMode, moduleLoadData, moduleUnload,
@@ -208,6 +241,7 @@ func (d *libcuda) bindings() []binding {
 		{&s.memGetAddressRange, []string{OpMemGetAddressRange}, false},
 		{&s.memcpy, []string{OpMemcpy}, false},
 		{&s.memcpyAsync, []string{OpMemcpyAsync}, false},
+		{&s.memcpy2DAsync, []string{OpMemcpy2DAsync + "_v2"}, false},
 		{&s.streamCreateWithPriority, []string{OpStreamCreate}, false},
 		{&s.streamDestroy, []string{OpStreamDestroy}, false},
 		{&s.streamSynchronize, []string{OpStreamSynchronize}, false},
@@ -436,6 +470,12 @@ func (d *libcuda) MemcpyAsync(dst, src DevicePtr, n uint64, s Stream) error {
 }
 
 func (d *libcuda) HasMemcpyBatch() bool { return d.s.memcpyBatchAsync != nil }
+
+// Memcpy2DAsync implements Driver.
+func (d *libcuda) Memcpy2DAsync(p Memcpy2D, s Stream) error {
+	return d.check(OpMemcpy2DAsync, C.kvo_memcpy2d_async(d.s.memcpy2DAsync, C.CUdeviceptr(p.Dst), C.size_t(p.DstPitch),
+		C.CUdeviceptr(p.Src), C.size_t(p.SrcPitch), C.size_t(p.Width), C.size_t(p.Height), C.uintptr_t(s)))
+}
 
 // MemcpyBatchAsync builds the address and size arrays in C memory and makes
 // one call. A failure the driver attributes to a copy (failIdx) is a

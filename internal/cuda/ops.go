@@ -30,6 +30,7 @@ const (
 	OpMemGetAddressRange              = "cuMemGetAddressRange_v2"
 	OpMemcpy                          = "cuMemcpy"
 	OpMemcpyAsync                     = "cuMemcpyAsync"
+	OpMemcpy2DAsync                   = "cuMemcpy2DAsync"
 	OpMemcpyBatchAsync                = "cuMemcpyBatchAsync"
 	OpStreamCreate                    = "cuStreamCreateWithPriority"
 	OpStreamDestroy                   = "cuStreamDestroy_v2"

@@ -190,9 +190,18 @@ suite_realmodel() {
 	# KVO_REALMODEL_WHOLE=1 adds the per-layer load's first layer built as
 	# one part (the way before the first layer was cut into parts), with
 	# early events: the comparison in the same call.
-	[ "${KVO_REALMODEL_WHOLE:-0}" = 1 ] || return 0
-	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_WHOLE_FIRST_LAYER=1 \
-		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-whole.md"
+	if [ "${KVO_REALMODEL_WHOLE:-0}" = 1 ]; then
+		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_WHOLE_FIRST_LAYER=1 \
+			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-whole.md"
+	fi
+	# KVO_REALMODEL_NOPITCH=1 adds early events without the pitched staging
+	# DMAs (a per-layer load's layers through the copy kernel, as before
+	# they existed): the comparison in the same call.
+	if [ "${KVO_REALMODEL_NOPITCH:-0}" = 1 ]; then
+		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_NO_PITCHED_STAGING=1 \
+			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-nopitch.md"
+	fi
+	return 0
 }
 
 # transformers' continuous batching (random-weight Llama, paged|sdpa) with

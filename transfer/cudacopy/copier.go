@@ -78,6 +78,14 @@ type Options struct {
 	// GatherMinRun is the mean host-contiguous run (bytes) from which
 	// Gatherable says yes (default DefaultGatherMinRun).
 	GatherMinRun int
+	// GatherMinRow is the shortest row of a pitched staging DMA: host runs
+	// of one length, at least this long and shorter than GatherMinRun, at
+	// a constant pitch (one layer of
+	// each of many consecutive host slots, as a per-layer load copies) move
+	// in one cuMemcpy2DAsync per staging chunk instead of one DMA each,
+	// and count as one run for GatherMinRun. Default DefaultGatherMinRow;
+	// negative: no pitched DMAs.
+	GatherMinRow int
 	// GatherRing is the number of staging chunks one SubmitGather reuses
 	// in turn (default DefaultGatherRing).
 	GatherRing int
@@ -364,6 +372,9 @@ func (o *Options) withDefaults() Options {
 	if r.GatherMinRun == 0 {
 		r.GatherMinRun = DefaultGatherMinRun
 	}
+	if r.GatherMinRow == 0 {
+		r.GatherMinRow = DefaultGatherMinRow
+	}
 	if r.GatherRing == 0 {
 		r.GatherRing = DefaultGatherRing
 	}
@@ -547,6 +558,7 @@ type Copier struct {
 	stagingAll, stagingFree []cuda.DevicePtr
 	eventsAll, eventsFree   []cuda.Event
 	gathers                 atomic.Uint64
+	pitched                 atomic.Uint64
 	// Device memory allocated (descriptor tables, staging chunks,
 	// Calibrate's buffer): devBytes under mu, mirrored in devNow for
 	// lock-free readers, and its peak.

@@ -27,6 +27,13 @@ const (
 	// Gatherable says yes: one DMA per run then moves at least this much,
 	// which is enough for the batch API to run at link speed.
 	DefaultGatherMinRun = 256 << 10
+	// DefaultGatherMinRow is the shortest row of a pitched staging DMA
+	// (Options.GatherMinRow): on the H200 machine one layer of 2048
+	// consecutive 2 MiB slots, 64 KiB rows in chunks of 128, moved at 0.98
+	// of a contiguous copy, and 32 KiB rows at 0.92, no better than the
+	// copy kernel (bench/results/h200/probe-layer-dma.md,
+	// probe-2d-dma.md).
+	DefaultGatherMinRow = 64 << 10
 	// minGatherChunk keeps a chunk larger than the largest segment the
 	// kernel method is chosen for.
 	minGatherChunk = 1 << 20
@@ -35,9 +42,13 @@ const (
 // gatherPiece is one DMA of a gathered batch: len bytes from staging chunk
 // chunk to the host address host. A piece never spans two chunks: they are
 // separate allocations, even where their addresses happen to be adjacent.
+//
+// rows > 1: a pitched DMA of rows rows of len bytes, row r at host + r ×
+// pitch and back to back in staging (staging + r × len).
 type gatherPiece struct {
 	host, staging, len uint64
 	chunk              int
+	rows, pitch        uint64
 }
 
 // Gatherable reports whether SubmitGather is the better way to copy this
@@ -66,22 +77,30 @@ func (c *Copier) stageable(dir Direction, segs []Segment) bool {
 	}
 	hosts := c.hosts.Load()
 	var total uint64
-	runs, prev := 0, -1
-	for i, g := range segs {
+	// The DMAs the staged copy would make, chunks aside: staging offsets
+	// are the batch's, back to back.
+	rp := runPacker{minRow: c.minRow(), maxRow: uint64(c.opts.GatherMinRun)}
+	for _, g := range segs {
 		if g.Len > uint64(c.opts.GatherChunkBytes) {
 			return false
 		}
+		host := hostSide(dir, g)
+		rp.add(host, total, g.Len, 0, hosts.rangeOf(host, g.Len))
 		total += g.Len
-		r := hosts.rangeOf(hostSide(dir, g), g.Len)
-		if i == 0 || r < 0 || r != prev || hostSide(dir, segs[i-1])+segs[i-1].Len != hostSide(dir, g) {
-			runs++
-		}
-		prev = r
 	}
-	if total/uint64(runs) < uint64(c.opts.GatherMinRun) || !aligned(segs) {
+	rp.flush()
+	if total/uint64(rp.n) < uint64(c.opts.GatherMinRun) || !aligned(segs) {
 		return false
 	}
 	return c.chooser.Load().choose(dir, len(segs), total, true) == MethodKernel
+}
+
+// minRow is the shortest row of a pitched staging DMA (0: none).
+func (c *Copier) minRow() uint64 {
+	if c.opts.GatherMinRow < 0 {
+		return 0
+	}
+	return uint64(c.opts.GatherMinRow)
 }
 
 // SubmitGather copies a D2H batch (Src on the device, Dst in registered host
@@ -172,7 +191,7 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 		return Ticket{}, err
 	}
 	staging, evs := gr.staging, gr.events
-	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load())
+	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load(), c.minRow(), uint64(c.opts.GatherMinRun))
 	cks := make([]chunker, len(parts))
 	for k, p := range parts {
 		cks[k] = chunker{kind: jobCopy, copies: kern[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
@@ -426,11 +445,12 @@ func (c *Copier) launchRanges(g cuda.Stream, cur *descCursor, rs []launchRange) 
 // chunk k lives in staging[k % len(staging)]) and returns the kernel's copies (D2H: device → staging;
 // H2D: staging → device) and the DMAs, one per host-contiguous run within a
 // chunk and within one of hosts' registered ranges (a copy may not span two
-// registrations; segments in no known range get a DMA each).
-func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable) ([]Segment, []gatherPiece) {
+// registrations; segments in no known range get a DMA each), runs of equal
+// length in [minRow, maxRow) (minRow 0: none) at a constant host pitch and
+// back to back in staging merged into one pitched DMA (runPacker).
+func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable, minRow, maxRow uint64) ([]Segment, []gatherPiece) {
 	kern := make([]Segment, len(segs))
-	pieces := make([]gatherPiece, 0, 8)
-	prev := -1
+	rp := runPacker{minRow: minRow, maxRow: maxRow, keep: true, pieces: make([]gatherPiece, 0, 8)}
 	for k, p := range parts {
 		off := uint64(0)
 		for i := p.lo; i < p.hi; i++ {
@@ -441,35 +461,132 @@ func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.Devi
 			} else {
 				kern[i] = Segment{Dst: sg.Dst, Src: stg, Len: sg.Len}
 			}
-			r := hosts.rangeOf(host, sg.Len)
-			if n := len(pieces); n > 0 && r >= 0 && r == prev && pieces[n-1].chunk == k && pieces[n-1].host+pieces[n-1].len == host && pieces[n-1].staging+pieces[n-1].len == stg {
-				pieces[n-1].len += sg.Len
-			} else {
-				pieces = append(pieces, gatherPiece{host: host, staging: stg, len: sg.Len, chunk: k})
-			}
-			prev = r
+			rp.add(host, stg, sg.Len, k, hosts.rangeOf(host, sg.Len))
 			off += sg.Len
 		}
 	}
-	return kern, pieces
+	rp.flush()
+	return kern, rp.pieces
+}
+
+// maxStagingPitch bounds the host pitch of a pitched staging DMA (the
+// driver's limit, CU_DEVICE_ATTRIBUTE_MAX_PITCH, is 2^31 - 1 on current
+// GPUs).
+const maxStagingPitch = 1 << 30
+
+// runPacker turns a staged batch's segments, added in order, into its
+// DMAs: a segment that continues the current run (host and staging
+// contiguous, the same chunk and registered range, a range known) extends
+// it; a run that ends becomes a row of the last DMA where that one is a
+// run (or pitched rows) of the same length, in [minRow, maxRow) (a longer
+// run already moves at the link's rate alone: whole blocks keep their
+// DMAs), in the
+// same chunk and range, its staging right after the last row's and its
+// host address one pitch on (the first two rows set the pitch, larger
+// than the row); otherwise a DMA of its own. keep: the DMAs are kept in
+// pieces; else only n counts them (stageable).
+type runPacker struct {
+	minRow, maxRow uint64
+	keep           bool
+	pieces         []gatherPiece
+	n              int
+	// cur is the open run (have), in range curR; last the last DMA, in
+	// range lastR.
+	cur, last   gatherPiece
+	curR, lastR int
+	have        bool
+}
+
+func (rp *runPacker) add(host, stg, n uint64, chunk, r int) {
+	c := &rp.cur
+	if rp.have && r >= 0 && r == rp.curR && c.chunk == chunk && c.host+c.len == host && c.staging+c.len == stg {
+		c.len += n
+		return
+	}
+	rp.flush()
+	rp.cur, rp.curR, rp.have = gatherPiece{host: host, staging: stg, len: n, chunk: chunk}, r, true
+}
+
+// flush ends the open run.
+func (rp *runPacker) flush() {
+	if !rp.have {
+		return
+	}
+	rp.have = false
+	if rp.n > 0 && rp.curR >= 0 && rp.curR == rp.lastR && rp.last.addRow(rp.cur, rp.minRow, rp.maxRow) {
+		if rp.keep {
+			rp.pieces[len(rp.pieces)-1] = rp.last
+		}
+		return
+	}
+	rp.last, rp.lastR = rp.cur, rp.curR
+	rp.n++
+	if rp.keep {
+		rp.pieces = append(rp.pieces, rp.cur)
+	}
+}
+
+// addRow makes run q the next row of p (a run or pitched rows in the same
+// registered range) where it can be one: see runPacker.
+func (p *gatherPiece) addRow(q gatherPiece, minRow, maxRow uint64) bool {
+	if minRow == 0 || p.chunk != q.chunk || p.len != q.len || p.len < minRow || p.len >= maxRow {
+		return false
+	}
+	rows := max(p.rows, 1)
+	if p.staging+rows*p.len != q.staging {
+		return false
+	}
+	lastHost := p.host + (rows-1)*p.pitch
+	if q.host <= lastHost {
+		return false
+	}
+	step := q.host - lastHost
+	switch {
+	case rows == 1 && step > p.len && step <= maxStagingPitch:
+		p.pitch = step
+	case rows == 1 || step != p.pitch:
+		return false
+	}
+	p.rows = rows + 1
+	return true
 }
 
 // stagingDMA enqueues one chunk's copies between staging and the host on s
 // (D2H: staging → host; H2D: host → staging): the batch API where the
 // driver has it, else one cuMemcpyAsync per run.
 func (c *Copier) stagingDMA(dir Direction, s cuda.Stream, pieces []gatherPiece) error {
-	segs := make([]Segment, len(pieces))
-	for i, p := range pieces {
-		segs[i] = Segment{Dst: p.host, Src: p.staging, Len: p.len}
+	segs := make([]Segment, 0, len(pieces))
+	for _, p := range pieces {
+		if p.rows > 1 {
+			cp := cuda.Memcpy2D{Dst: cuda.DevicePtr(p.staging), DstPitch: p.len, Src: cuda.DevicePtr(p.host), SrcPitch: p.pitch, Width: p.len, Height: p.rows}
+			if dir == D2H {
+				cp = cuda.Memcpy2D{Dst: cuda.DevicePtr(p.host), DstPitch: p.pitch, Src: cuda.DevicePtr(p.staging), SrcPitch: p.len, Width: p.len, Height: p.rows}
+			}
+			if err := c.drv.Memcpy2DAsync(cp, s); err != nil {
+				return fmt.Errorf("cudacopy: a pitched staging copy of %d rows of %d bytes (host pitch %d): %w", p.rows, p.len, p.pitch, err)
+			}
+			c.pitched.Add(1)
+			continue
+		}
 		if dir == H2D {
-			segs[i] = Segment{Dst: p.staging, Src: p.host, Len: p.len}
+			segs = append(segs, Segment{Dst: p.staging, Src: p.host, Len: p.len})
+		} else {
+			segs = append(segs, Segment{Dst: p.host, Src: p.staging, Len: p.len})
 		}
 	}
-	if c.caps.Batch {
+	switch {
+	case len(segs) == 0:
+		return nil
+	case c.caps.Batch:
 		return c.batch(s, segs)
 	}
 	return c.memcpy(s, segs)
 }
+
+// PitchedCopies is the number of pitched DMAs (cuMemcpy2DAsync) staged
+// copies have enqueued: runs of one length at a constant host pitch, such
+// as one layer of consecutive slots in a per-layer load.
+func (c *Copier) PitchedCopies() uint64 { return c.pitched.Load() }
 
 // joinAfterFailure makes s wait for everything enqueued on g so far (e
 // re-recorded on g: earlier waits on e keep the record they saw), or, if

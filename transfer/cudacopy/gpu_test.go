@@ -135,3 +135,17 @@ func TestGPUStagedRoundTrip(t *testing.T) {
 		require.Positive(t, c.Gathers())
 	}
 }
+
+// One layer of many consecutive slots by pitched DMA (cuMemcpy2DAsync_v2
+// between unified addresses) through staging, both ways, byte-exact: 200
+// slots in 1 MiB chunks (16 rows each, the last chunk part full) and the
+// default 8 MiB.
+func TestGPUPitchedStaging(t *testing.T) {
+	g := cudatest.Open(t)
+	s, aux := newStream(t, g.Drv), newStream(t, g.Drv)
+	for _, chunk := range []int{1 << 20, DefaultGatherChunk} {
+		c := newCopier(t, g.Drv, gpuOpts(t, Options{GatherChunkBytes: chunk}))
+		off := newCopier(t, g.Drv, gpuOpts(t, Options{GatherChunkBytes: chunk, GatherMinRow: -1}))
+		pitchedRoundTrip(t, g.Drv, c, off, s, aux, 200, uint64(chunk))
+	}
+}

@@ -15,7 +15,7 @@
 //     MemGetAddressRange finds the MemAlloc allocation containing an address
 //     (its requested size) and answers CUDA_ERROR_NOT_FOUND for any other.
 //   - Streams and events. Each stream is a FIFO served by its own goroutine;
-//     MemcpyAsync, MemcpyBatchAsync, LaunchKernel, EventRecord and
+//     MemcpyAsync, Memcpy2DAsync, MemcpyBatchAsync, LaunchKernel, EventRecord and
 //     StreamWaitEvent enqueue work items. An event completes when its stream
 //     reaches it. Options.MaxDelay adds a seeded random delay to every item,
 //     so completions across streams arrive out of order.

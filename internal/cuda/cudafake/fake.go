@@ -180,7 +180,7 @@ func (d *Driver) FailAt(op string, n int, code cuda.Result) {
 }
 
 // StickyAt makes the work enqueued by the n-th call of op (MemcpyAsync,
-// MemcpyBatchAsync, LaunchKernel, GraphLaunch, EventRecord*, StreamWaitEvent)
+// Memcpy2DAsync, MemcpyBatchAsync, LaunchKernel, GraphLaunch, EventRecord*, StreamWaitEvent)
 // fail when its stream reaches it: the call itself succeeds, and from then on
 // every call returns code, as after a kernel fault.
 func (d *Driver) StickyAt(op string, n int, code cuda.Result) {

@@ -574,3 +574,30 @@ func TestPeakDeviceBytes(t *testing.T) {
 	require.NoError(t, errors.Join(d.MemFree(b), d.MemFree(c)))
 	require.Equal(t, uint64(4<<20), d.PeakDeviceBytes())
 }
+
+// Memcpy2DAsync copies rows at each side's pitch, and refuses an empty
+// copy, a pitch below the width and rows outside known memory.
+func TestMemcpy2D(t *testing.T) {
+	d := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 50 * time.Microsecond})
+	const row, pitch, rows = 256, 1024, 16
+	host, hp := hostBuf(t, d, pitch*rows)
+	back, bp := hostBuf(t, d, pitch*rows)
+	dev := devBuf(t, d, row*rows)
+	s := newStream(t, d)
+	pattern(host, 3)
+	require.NoError(t, d.Memcpy2DAsync(cuda.Memcpy2D{Dst: dev, DstPitch: row, Src: hp + 128, SrcPitch: pitch, Width: row, Height: rows}, s))
+	require.NoError(t, d.Memcpy2DAsync(cuda.Memcpy2D{Dst: bp + 128, DstPitch: pitch, Src: dev, SrcPitch: row, Width: row, Height: rows}, s))
+	require.NoError(t, d.StreamSynchronize(s))
+	for r := range rows {
+		o := r*pitch + 128
+		require.Equal(t, host[o:o+row], back[o:o+row], "row %d", r)
+		require.Equal(t, byte(0), back[o+row], "row %d: nothing past the width", r)
+	}
+	for _, bad := range []cuda.Memcpy2D{
+		{Dst: dev, DstPitch: row, Src: hp, SrcPitch: row - 16, Width: row, Height: rows},
+		{Dst: dev, DstPitch: row, Src: hp, SrcPitch: pitch, Width: row, Height: 0},
+		{Dst: dev, DstPitch: row, Src: hp, SrcPitch: pitch, Width: row, Height: rows + 1},
+	} {
+		requireCode(t, d.Memcpy2DAsync(bad, s), cuda.ErrorInvalidValue)
+	}
+}

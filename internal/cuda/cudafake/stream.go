@@ -253,6 +253,35 @@ func (d *Driver) MemcpyAsync(dst, src cuda.DevicePtr, n uint64, s cuda.Stream) e
 	return d.enqueueLocked(cuda.OpMemcpyAsync, call, st, item{kind: itemCopy, dst: uint64(dst), src: uint64(src), n: n})
 }
 
+// Memcpy2DAsync implements cuda.Driver: the rows are copied in order when
+// the stream reaches the copy, as one item. Like the driver it refuses an
+// empty copy, a pitch below the width and rows outside known memory.
+func (d *Driver) Memcpy2DAsync(p cuda.Memcpy2D, s cuda.Stream) error {
+	const op = cuda.OpMemcpy2DAsync
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	call, err := d.beginLocked(op, needCtx)
+	if err != nil {
+		return err
+	}
+	if p.Width == 0 || p.Height == 0 || p.SrcPitch < p.Width || p.DstPitch < p.Width {
+		return cuda.NewError(op, cuda.ErrorInvalidValue)
+	}
+	rows := make([]cuda.BatchCopy, p.Height)
+	for r := range rows {
+		c := cuda.BatchCopy{Dst: p.Dst + cuda.DevicePtr(uint64(r)*p.DstPitch), Src: p.Src + cuda.DevicePtr(uint64(r)*p.SrcPitch), Size: p.Width}
+		if !d.mem.valid(uint64(c.Dst), c.Size) || !d.mem.valid(uint64(c.Src), c.Size) {
+			return cuda.NewError(op, cuda.ErrorInvalidValue)
+		}
+		rows[r] = c
+	}
+	st, err := d.streamLocked(op, s)
+	if err != nil {
+		return err
+	}
+	return d.enqueueLocked(op, call, st, item{kind: itemBatch, batch: rows})
+}
+
 // HasMemcpyBatch implements cuda.Driver (Options.NoMemcpyBatch, SetMemcpyBatch).
 func (d *Driver) HasMemcpyBatch() bool {
 	d.mu.Lock()
