@@ -211,4 +211,9 @@ func TestCUDAFakeEarlyEvents(t *testing.T) {
 	// The per-layer loads' layers (64 KiB of each of 24 consecutive slots)
 	// went by pitched DMA, checked byte for byte above.
 	require.Positive(t, st.PitchedCopies, "per-layer loads by pitched DMA")
+	// Without early events the layers go through the copy kernel: staging
+	// would pace the call (transfer.CUDA.StartEarly).
+	cb.early, cb.maxDevice = false, 0
+	cb.run(t, 1, drv, false)
+	require.Zero(t, st.PitchedCopies, "no pitched DMAs without early events")
 }

@@ -113,7 +113,17 @@ func (c *CUDA) EarlyEventsOff() string { return c.early.why }
 // (cudacopy.Copier.KeepIdle, which newCUDA asked for): cuMemFree can wait
 // for the device to go idle, which it never does while a signal stream
 // waits for a value that thread has yet to write.
-func (c *CUDA) StartEarly() bool { return c.early.on && c.keepIdle }
+//
+// Early events also turn the copier's pitched staging DMAs on (off until
+// then, see newCUDA): a per-layer load's layers of consecutive slots go
+// through device staging by DMA instead of the copy kernel.
+func (c *CUDA) StartEarly() bool {
+	if !c.early.on || !c.keepIdle {
+		return false
+	}
+	c.copier.SetPitchedStaging(true)
+	return true
+}
 
 // Promise records evs on dir's signal stream behind a wait for dir's
 // counter to reach v.
@@ -131,12 +141,11 @@ func (c *CUDA) Promise(dir Direction, v uint64, evs []Event) error {
 }
 
 // Fulfil has dir's engine stream write v to dir's counter after the work
-// enqueued on it so far (its bounce stream's joined in, see join).
+// of dir enqueued so far (on the stream tail gives: the values are written
+// in order, since the load stream joins the bounce stream before anything
+// it does after the bounce stream's writes).
 func (c *CUDA) Fulfil(dir Direction, v uint64) error {
-	if err := c.join(dir); err != nil {
-		return err
-	}
-	return c.drv.StreamWriteValue64(c.streams[dir], c.word(dir), v, cuda.StreamWriteValueDefault)
+	return c.drv.StreamWriteValue64(c.tail(dir), c.word(dir), v, cuda.StreamWriteValueDefault)
 }
 
 // Snapshot records snap on dir's snapshot stream behind a wait for the

@@ -559,6 +559,7 @@ type Copier struct {
 	eventsAll, eventsFree   []cuda.Event
 	gathers                 atomic.Uint64
 	pitched                 atomic.Uint64
+	noPitch                 atomic.Bool // SetPitchedStaging(false)
 	// Device memory allocated (descriptor tables, staging chunks,
 	// Calibrate's buffer): devBytes under mu, mirrored in devNow for
 	// lock-free readers, and its peak.

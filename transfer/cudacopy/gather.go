@@ -97,11 +97,16 @@ func (c *Copier) stageable(dir Direction, segs []Segment) bool {
 
 // minRow is the shortest row of a pitched staging DMA (0: none).
 func (c *Copier) minRow() uint64 {
-	if c.opts.GatherMinRow < 0 {
+	if c.opts.GatherMinRow < 0 || c.noPitch.Load() {
 		return 0
 	}
 	return uint64(c.opts.GatherMinRow)
 }
+
+// SetPitchedStaging turns pitched staging DMAs on (where
+// Options.GatherMinRow allows them: the default) or off, for the calls
+// that start after it; safe for concurrent use.
+func (c *Copier) SetPitchedStaging(on bool) { c.noPitch.Store(!on) }
 
 // SubmitGather copies a D2H batch (Src on the device, Dst in registered host
 // memory) in two steps per staging chunk: the copy kernel gathers the
