@@ -513,3 +513,34 @@ func TestLookupLeaseDeferred(t *testing.T) {
 	require.Equal(t, order, lruOrder(later))
 	require.NoError(t, later.Verify())
 }
+
+// TestLeaseAll: every visible block is leased and listed with its key, the
+// LRU and the lookup counters untouched; a block being written is not;
+// Unlease gives them all back.
+func TestLeaseAll(t *testing.T) {
+	c := newCache(t, 16, Config{})
+	ks, ids := keysN(0, 6)
+	store(t, c, ks, ids)
+	writing, err := c.BeginStore(StoreRequest{Keys: []Key{key(100)}, BlockIDs: []int{100}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, StoreWrite, writing[0].Outcome)
+	order, lookups := lruOrder(c), c.Stats().LookupKeys
+	slots, keys := c.LeaseAll(nil, nil)
+	require.Len(t, slots, 6, "the block being written is not listed")
+	require.ElementsMatch(t, ks, keys)
+	require.Equal(t, 6, c.Stats().Leased)
+	require.Equal(t, order, lruOrder(c), "the LRU as it was")
+	require.Equal(t, lookups, c.Stats().LookupKeys, "no lookup counted")
+	for i, s := range slots {
+		_, again := c.LookupLease(keys[i:i+1], nil)
+		require.Equal(t, s, again[0], "handle %d is the block's", i)
+		require.NoError(t, c.Unlease(again))
+	}
+	require.NoError(t, c.Unlease(slots))
+	require.Zero(t, c.Stats().Leased)
+	require.NoError(t, c.CompleteStore([]Slot{writing[0].Slot}, nil))
+	slots, _ = c.LeaseAll(nil, nil)
+	require.Len(t, slots, 7)
+	require.NoError(t, c.Unlease(slots))
+	require.NoError(t, c.Verify())
+}

@@ -818,3 +818,28 @@ func (s *seenSketch) add(k Key) {
 }
 
 func (s *seenSketch) count(k Key) int { return int(s.counts[s.bucket(k)]) }
+
+// LeaseAll leases every visible block, as LookupLease leases a hit but
+// without telling the policy or counting a lookup, and appends its handle
+// and key to dst and keys in slot order: a snapshot of the pool's blocks
+// for a caller that copies them out (the engine's write-back to disk at
+// Close). Each handle is released with Unlease. Nothing after Close.
+func (c *Cache) LeaseAll(dst []Slot, keys []Key) ([]Slot, []Key) {
+	c.mu.Lock()
+	defer c.unlock()
+	if c.closed {
+		return dst, keys
+	}
+	for i := range c.slots {
+		s := &c.slots[i]
+		if !s.visible() {
+			continue
+		}
+		c.lease(int32(i))
+		dst = append(dst, Slot{})
+		c.fillHandle(&dst[len(dst)-1], int32(i))
+		keys = append(keys, s.key)
+	}
+	c.check()
+	return dst, keys
+}

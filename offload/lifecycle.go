@@ -50,7 +50,7 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 	}
 	e.cancelBackground()
 	done := make(chan error, 1)
-	go func() { done <- e.shutdown() }()
+	go func() { done <- e.shutdown(ctx) }()
 	select {
 	case err := <-done:
 		return err
@@ -214,11 +214,12 @@ func (e *Engine) enter() bool {
 
 func (e *Engine) leave() { e.closeMu.RUnlock() }
 
-func (e *Engine) shutdown() error {
+func (e *Engine) shutdown(ctx context.Context) error {
 	e.closeMu.Lock()
 	defer e.closeMu.Unlock()
 	e.ops.Wait()
-	err := e.teardown()
+	err := e.writeBackAtClose(ctx)
+	err = errors.Join(err, e.teardown())
 	e.hub.closeAll()
 	return err
 }

@@ -113,7 +113,10 @@ type Stats struct {
 	// DiskWriteThroughs are the stored blocks copied for a write-through
 	// (DiskConfig.WriteThrough); each then counts in DiskWrites or
 	// DiskWriteErrors like a write-back.
-	DiskWriteThroughs int64  `json:"disk_write_throughs"`
+	DiskWriteThroughs int64 `json:"disk_write_throughs"`
+	// DiskWrittenAtClose are the pool's blocks Close wrote to disk
+	// (DiskConfig.WriteBackOnClose); not counted in DiskWrites.
+	DiskWrittenAtClose int64  `json:"disk_written_at_close"`
 	DiskCorrupt       int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
 	DiskRecords       int64  `json:"disk_records"`        // records on disk now
 	DiskBytes         int64  `json:"disk_bytes"`          // their payload bytes
@@ -367,7 +370,7 @@ func (e *Engine) snapshot() Stats {
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
-		s.DiskWriteThroughs = d.throughs.Load()
+		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.throughs.Load(), d.atClose.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs

@@ -294,12 +294,21 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 		if err := r.serve(gen.Next()); err != nil {
 			return r.finish(start, bar), err
 		}
+		if r.rep.FirstRequest == nil {
+			first := r.rep.Blocks
+			r.rep.FirstRequest = &first
+		}
 		if cfg.afterRequest != nil {
 			if err := cfg.afterRequest(r.eng, r.lastKeys); err != nil {
 				return r.finish(start, bar), err
 			}
 		}
 		bar.update(r.rep, time.Since(start))
+	}
+	if cfg.diskDir != "" && ctx.Err() == nil {
+		if err := r.drain(); err != nil {
+			return r.finish(start, bar), err
+		}
 	}
 	rep := r.finish(start, bar)
 	switch {
@@ -371,7 +380,9 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		if n == 0 {
 			n = 4 * cfg.poolBytes
 		}
-		ec.Disk = &offload.DiskConfig{Dirs: diskDirs(cfg.diskDir), CapacityBytes: n}
+		// A graceful shutdown's pool goes to disk (after the GPU cache's
+		// blocks, see drain): the next run on the directory finds it.
+		ec.Disk = &offload.DiskConfig{Dirs: diskDirs(cfg.diskDir), CapacityBytes: n, WriteBackOnClose: true}
 	}
 	ec.Cluster = clusterConfig(cfg)
 	if cfg.connect != "" {
@@ -557,6 +568,25 @@ func cpuTime() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// drain stores every block of the GPU cache (as a serving stack offloads
+// its cache at a graceful shutdown), least recent first, in batches of a
+// request's size, so that Close writes them to disk with the pool.
+func (r *demoRun) drain() error {
+	var vs []victim
+	for id := r.cache.tail; id >= 0; id = r.cache.prev[id] {
+		vs = append(vs, victim{id: id, key: r.cache.keyOf[id]})
+	}
+	for len(vs) > 0 {
+		n := min(len(vs), max(1, r.cache.blocks()/2))
+		if err := r.store(vs[:n]); err != nil {
+			return err
+		}
+		r.rep.Drained += int64(n)
+		vs = vs[n:]
+	}
+	return nil
 }
 
 // store stores the victims' blocks and waits for the copies: the blocks

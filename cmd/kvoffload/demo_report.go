@@ -32,6 +32,13 @@ type demoReport struct {
 	Requests          int         `json:"requests"`
 	RequestsTruncated int         `json:"requests_truncated"` // longer than the GPU cache: cut to it
 	Blocks            blockCounts `json:"blocks"`
+	// FirstRequest is the first request's share of Blocks: with --disk, a
+	// second run on the same directory loads it from disk.
+	FirstRequest *blockCounts `json:"first_request,omitempty"`
+	// Drained are the GPU cache's blocks stored at the end of a run with
+	// --disk (a graceful shutdown's offload), so that Close writes them to
+	// disk with the rest of the pool (DiskConfig.WriteBackOnClose).
+	Drained int64 `json:"drained,omitempty"`
 
 	Store directionReport `json:"store"`
 	Load  directionReport `json:"load"`
@@ -167,6 +174,10 @@ func (r *demoReport) print(w io.Writer) error {
 		row("disk tier", "%s (%s): %d of %d records (%s); %d written back, %d dropped (write-back full), %d not admitted, %d write errors",
 			d.Dir, d.Mode, d.Records, d.Capacity, formatSize(d.Bytes), d.Writes, d.Dropped, d.NotAdmitted, d.WriteErrors)
 		row("  promoted", "%d blocks read back, %d misses (%d damaged)", d.Hits, d.Misses, d.Corrupt)
+		if f := r.FirstRequest; f != nil {
+			row("  first request", "%d blocks: %d GPU, %d host, %d disk, %d missed", f.Total, f.GPUHits, f.HostHits, f.DiskHits, f.Misses)
+		}
+		row("  at the end", "%d GPU blocks stored to the pool; Close writes the pool's blocks not on disk yet, for the next run", r.Drained)
 	}
 	r.Cluster.print(row, bl)
 	row("recompute", "%.2f s", r.RecomputeSeconds)

@@ -84,6 +84,30 @@ func TestDemoDisk(t *testing.T) {
 	require.Contains(t, out.String(), "disk tier")
 }
 
+// TestDemoDiskRestart: a run with --disk stores its GPU cache at the end
+// and Close writes the pool to disk, so a second run on the same
+// directory (the same trace) loads its first request from disk instead of
+// recomputing it.
+func TestDemoDiskRestart(t *testing.T) {
+	cfg := tinyDemo(offload.BackendHost)
+	cfg.diskDir = t.TempDir()
+	first, err := runDemo(context.Background(), cfg, nil, noNotice)
+	require.NoError(t, err)
+	require.Positive(t, first.Drained)
+	require.NotNil(t, first.FirstRequest)
+	require.Equal(t, first.FirstRequest.Total, first.FirstRequest.Misses, "a fresh directory: the first request is recomputed")
+	second, err := runDemo(context.Background(), cfg, nil, noNotice)
+	require.NoError(t, err)
+	f := second.FirstRequest
+	require.NotNil(t, f)
+	require.Positive(t, f.DiskHits, "the second run hits the disk from its first request")
+	require.Zero(t, f.Misses, "every block of the first request was on disk")
+	require.Zero(t, second.VerifyFailures)
+	var out strings.Builder
+	require.NoError(t, second.print(&out))
+	require.Contains(t, out.String(), "first request")
+}
+
 // TestDemoDiskDirs: --disk takes DIR[,DIR]: each directory gets a records
 // file; an empty name is a usage error.
 func TestDemoDiskDirs(t *testing.T) {
