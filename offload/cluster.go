@@ -3,8 +3,10 @@ package offload
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -28,8 +30,17 @@ type ClusterConfig struct {
 	// Username and Password are sent with AUTH; empty: no AUTH.
 	Username string `json:"username,omitempty"`
 	Password string `json:"password,omitempty"`
-	// TLS connects with TLS (the system's roots).
+	// TLS connects with TLS, trusting the system's roots, or TLSCAFile's.
 	TLS bool `json:"tls,omitempty"`
+	// TLSCAFile is a PEM file of the certificate authorities the nodes'
+	// certificates must chain to, instead of the system's (a cluster with
+	// certificates of its own); setting it turns TLS on. New fails when it
+	// cannot be read or holds no certificate.
+	TLSCAFile string `json:"tls_ca_file,omitempty"`
+	// TLSServerName is the name the nodes' certificates are checked
+	// against, instead of each address's host (nodes addressed by IP whose
+	// certificates name a host); setting it turns TLS on.
+	TLSServerName string `json:"tls_server_name,omitempty"`
 	// Prefix opens every key in the cluster (default "kvo").
 	Prefix string `json:"prefix,omitempty"`
 	// TTL is every record's time to live (default 1h, at least 1ms).
@@ -157,8 +168,12 @@ func (e *Engine) openCluster(cfg Config) error {
 	if ccfg.Namespace == "" {
 		ccfg.Namespace = "default" // the cluster's keys need one; the fingerprint covers the engine's
 	}
-	if cc.TLS {
-		ccfg.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
+	if cc.TLS || cc.TLSCAFile != "" || cc.TLSServerName != "" {
+		tc, err := clusterTLS(cc)
+		if err != nil {
+			return err
+		}
+		ccfg.TLS = tc
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*cc.Timeout)
 	defer cancel()
@@ -249,4 +264,21 @@ func (e *Engine) FlushCluster() error {
 		e.cluster.Flush()
 	}
 	return nil
+}
+
+// clusterTLS is the TLS configuration of ClusterConfig cc (TLS on).
+func clusterTLS(cc *ClusterConfig) (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cc.TLSServerName}
+	if cc.TLSCAFile == "" {
+		return tc, nil
+	}
+	pem, err := os.ReadFile(cc.TLSCAFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: Cluster.TLSCAFile: %w", ErrInvalidConfig, err)
+	}
+	tc.RootCAs = x509.NewCertPool()
+	if !tc.RootCAs.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("%w: Cluster.TLSCAFile %s holds no PEM certificate", ErrInvalidConfig, cc.TLSCAFile)
+	}
+	return tc, nil
 }

@@ -59,6 +59,8 @@ reports a failed copy.`,
 		fs.StringVar(&cfg.redis, "redis", "", "add the cluster tier, a Redis Cluster at `HOST:PORT[,HOST:PORT]` (stores are written through; each request's prefix past the host hits is prefetched from it before loading)")
 		fs.StringVar(&cfg.redisUser, "redis-user", "", "with --redis, the ACL `user` to AUTH as (the password comes from $"+redisPasswordEnv+"; with neither, no AUTH)")
 		fs.BoolVar(&cfg.redisTLS, "redis-tls", false, "with --redis, connect with TLS (the system's roots)")
+		fs.StringVar(&cfg.redisTLSCA, "redis-tls-ca", "", "with --redis, connect with TLS trusting the CAs of PEM `file` instead of the system's")
+		fs.StringVar(&cfg.redisTLSName, "redis-tls-name", "", "with --redis, connect with TLS and check the nodes' certificates against `name`")
 		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
@@ -118,6 +120,8 @@ type demoConfig struct {
 	redis     string
 	redisUser string
 	redisTLS  bool
+	// redisTLSCA and redisTLSName: --redis-tls-ca and --redis-tls-name.
+	redisTLSCA, redisTLSName string
 	// connect: --connect, the node's socket (offload.Dial).
 	connect string
 
@@ -171,8 +175,8 @@ func (c demoConfig) check() (modelShape, error) {
 	if c.diskDir != "" && slices.Contains(diskDirs(c.diskDir), "") {
 		return shape, fmt.Errorf("%w: --disk %q: want DIR[,DIR...] with no empty name", errUsage, c.diskDir)
 	}
-	if c.redis == "" && (c.redisUser != "" || c.redisTLS) {
-		return shape, fmt.Errorf("%w: --redis-user and --redis-tls need --redis", errUsage)
+	if c.redis == "" && (c.redisUser != "" || c.redisTLS || c.redisTLSCA != "" || c.redisTLSName != "") {
+		return shape, fmt.Errorf("%w: --redis-user and --redis-tls[-ca|-name] need --redis", errUsage)
 	}
 	switch c.backend {
 	case offload.BackendAuto, offload.BackendCUDA, offload.BackendHost:

@@ -50,7 +50,8 @@ func clusterConfig(cfg demoConfig) *offload.ClusterConfig {
 	if err != nil || len(addrs) == 0 {
 		return nil
 	}
-	return &offload.ClusterConfig{Addrs: addrs, Username: cfg.redisUser, Password: os.Getenv(redisPasswordEnv), TLS: cfg.redisTLS}
+	return &offload.ClusterConfig{Addrs: addrs, Username: cfg.redisUser, Password: os.Getenv(redisPasswordEnv), TLS: cfg.redisTLS,
+		TLSCAFile: cfg.redisTLSCA, TLSServerName: cfg.redisTLSName}
 }
 
 // prefetchCluster (--redis) prefetches rest[n:], the keys past the host and

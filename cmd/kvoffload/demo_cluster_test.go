@@ -106,9 +106,32 @@ func TestDemoClusterAuth(t *testing.T) {
 	require.True(t, rep.Cluster.Available, "an ACL user: %+v", rep.Cluster)
 	require.Positive(t, rep.Cluster.Writes+rep.Cluster.Hits, "an ACL user writes and reads: %+v", rep.Cluster)
 
-	for _, flag := range [][]string{{"--redis-user", "kvo"}, {"--redis-tls"}} {
+	for _, flag := range [][]string{{"--redis-user", "kvo"}, {"--redis-tls"}, {"--redis-tls-ca", "ca.pem"}, {"--redis-tls-name", "n"}} {
 		cmd, _, errs := startCLI(t, append([]string{"demo", "--backend", "host", "--layout", "tiny", "--requests", "1"}, flag...)...)
 		require.Error(t, cmd.Wait())
 		require.Contains(t, errs.String(), "need --redis")
 	}
+}
+
+// TestDemoClusterTLS: demo --redis on a TLS-only cluster writes through
+// with --redis-tls-ca (and --redis-tls-name) and not without the CA.
+func TestDemoClusterTLS(t *testing.T) {
+	c, files := clustertest.StartTLS(t, 3)
+	report := func(extra ...string) demoReport {
+		args := append([]string{"demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB", "--gpu-blocks", "32",
+			"--requests", "30", "--duration", "0", "--pinning", "none", "--seed", "12", "--json", "--redis", strings.Join(c.Addrs(), ",")}, extra...)
+		cmd, out, errs := startCLI(t, args...)
+		require.NoError(t, cmd.Wait(), errs.String())
+		var rep demoReport
+		require.NoError(t, json.Unmarshal([]byte(out.String()), &rep), errs.String())
+		require.NotNil(t, rep.Cluster)
+		require.Zero(t, rep.VerifyFailures)
+		return rep
+	}
+	rep := report("--redis-tls-ca", files.CA, "--redis-tls-name", clustertest.ServerName)
+	require.True(t, rep.Cluster.Available, "%+v", rep.Cluster)
+	require.Positive(t, rep.Cluster.Writes)
+	rep = report("--redis-tls")
+	require.False(t, rep.Cluster.Available, "the system's roots do not hold the test CA")
+	require.Zero(t, rep.Cluster.Writes)
 }

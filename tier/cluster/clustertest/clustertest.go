@@ -22,6 +22,9 @@ type Cluster struct {
 	mu    sync.Mutex
 	ports []int
 	procs map[int]*exec.Cmd
+	// tls: the nodes serve TLS only (StartTLS), redis-cli is given tlsCLI.
+	tls    *TLSFiles
+	tlsCLI []string
 }
 
 // Need skips tb when redis-server or redis-cli is not installed.
@@ -97,7 +100,14 @@ func (c *Cluster) Launch() error {
 }
 
 func start(dir string, masters int) (*Cluster, error) {
-	c := &Cluster{dir: dir, procs: map[int]*exec.Cmd{}}
+	return startWith(dir, masters, nil)
+}
+
+func startWith(dir string, masters int, tf *TLSFiles) (*Cluster, error) {
+	c := &Cluster{dir: dir, procs: map[int]*exec.Cmd{}, tls: tf}
+	if tf != nil {
+		c.tlsCLI = []string{"--tls", "--cacert", tf.CA}
+	}
 	avoid := map[int]bool{}
 	for range masters {
 		p, err := FreePort(avoid)
@@ -114,11 +124,16 @@ func start(dir string, masters int) (*Cluster, error) {
 
 func (c *Cluster) launch() error {
 	for _, p := range c.ports {
-		cmd := exec.Command("redis-server", "--port", strconv.Itoa(p), "--bind", "127.0.0.1",
+		port := []string{"--port", strconv.Itoa(p)}
+		if tf := c.tls; tf != nil {
+			port = []string{"--port", "0", "--tls-port", strconv.Itoa(p), "--tls-cluster", "yes", "--tls-replication", "yes",
+				"--tls-cert-file", tf.Cert, "--tls-key-file", tf.Key, "--tls-ca-cert-file", tf.CA, "--tls-auth-clients", "no"}
+		}
+		cmd := exec.Command("redis-server", append(port, "--bind", "127.0.0.1",
 			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
 			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", c.dir,
 			"--dbfilename", fmt.Sprintf("dump-%d.rdb", p), // one RDB file a node (see tier/cluster's harness)
-			"--logfile", fmt.Sprintf("redis-%d.log", p))
+			"--logfile", fmt.Sprintf("redis-%d.log", p))...)
 		if err := cmd.Start(); err != nil {
 			c.Stop()
 			return fmt.Errorf("start redis-server: %w", err)
@@ -136,7 +151,7 @@ func (c *Cluster) launch() error {
 	args := []string{"--cluster", "create"}
 	args = append(args, c.Addrs()...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	if out, err := CLI(c.ports[0], "", args...); err != nil {
+	if out, err := CLI(c.ports[0], "", append(append([]string(nil), c.tlsCLI...), args...)...); err != nil {
 		c.Stop()
 		return fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
 	}
@@ -188,11 +203,16 @@ func WaitDial(p int, d time.Duration) error {
 	}
 }
 
-func (c *Cluster) waitOK(d time.Duration) error { return WaitOK(c.ports, "", d, nil) }
+func (c *Cluster) waitOK(d time.Duration) error { return waitOK(c.ports, "", c.tlsCLI, d, nil) }
 
 // WaitOK waits up to d until every node on ports (those skip does not
 // leave out) reports cluster_state:ok, asking with password if not "".
 func WaitOK(ports []int, password string, d time.Duration, skip func(port int) bool) error {
+	return waitOK(ports, password, nil, d, skip)
+}
+
+// waitOK is WaitOK with redis-cli given cli first (TLS).
+func waitOK(ports []int, password string, cli []string, d time.Duration, skip func(port int) bool) error {
 	deadline := time.Now().Add(d)
 	for {
 		bad := ""
@@ -200,7 +220,7 @@ func WaitOK(ports []int, password string, d time.Duration, skip func(port int) b
 			if skip != nil && skip(p) {
 				continue
 			}
-			out, err := CLI(p, password, "cluster", "info")
+			out, err := CLI(p, password, append(append([]string(nil), cli...), "cluster", "info")...)
 			if err != nil || !strings.Contains(out, "cluster_state:ok") {
 				bad = fmt.Sprintf("node %d: %v %s", p, err, out)
 				break
