@@ -123,7 +123,7 @@ func TestDemoClusterTLS(t *testing.T) {
 		cmd, out, errs := startCLI(t, args...)
 		require.NoError(t, cmd.Wait(), errs.String())
 		var rep demoReport
-		require.NoError(t, json.Unmarshal([]byte(out.String()), &rep), errs.String())
+		require.NoError(t, json.Unmarshal(out.Bytes(), &rep), errs.String())
 		require.NotNil(t, rep.Cluster)
 		require.Zero(t, rep.VerifyFailures)
 		return rep
