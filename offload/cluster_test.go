@@ -519,3 +519,29 @@ func TestClusterTLS(t *testing.T) {
 		require.ErrorContains(t, err, "TLSCAFile")
 	}
 }
+
+// TestClusterFullOOM: a cluster at its maxmemory with noeviction refuses
+// the write-throughs: each is a write error and an OOM in Stats, the
+// stores themselves succeed and the blocks load from host memory.
+func TestClusterFullOOM(t *testing.T) {
+	waitClientGone(t)
+	c := clustertest.Start(t, 3)
+	for _, a := range c.Addrs() {
+		port, err := strconv.Atoi(a[strings.LastIndexByte(a, ':')+1:])
+		require.NoError(t, err)
+		for _, kv := range [][2]string{{"maxmemory-policy", "noeviction"}, {"maxmemory", "1"}} {
+			_, err := clustertest.CLI(port, "", "config", "set", kv[0], kv[1])
+			require.NoError(t, err)
+		}
+	}
+	e := newTestEngine(t, clusterEngineConfig(c.Addrs(), fmt.Sprintf("oom-%d", time.Now().UnixNano()), 8))
+	defer func() { require.NoError(t, e.Close()) }()
+	keys := seqKeys(0, 4)
+	contents := storeBlocks(t, e, keys, 9, 17)
+	require.NoError(t, e.FlushCluster())
+	st := e.Stats()
+	require.EqualValues(t, 4, st.ClusterWriteErrors)
+	require.EqualValues(t, 4, st.ClusterWriteOOM)
+	require.Zero(t, st.ClusterWrites)
+	requireLoads(t, e, keys, 8, contents, "from host memory, the cluster full")
+}

@@ -117,11 +117,11 @@ type Stats struct {
 	// DiskWrittenAtClose are the pool's blocks Close wrote to disk
 	// (DiskConfig.WriteBackOnClose); not counted in DiskWrites.
 	DiskWrittenAtClose int64  `json:"disk_written_at_close"`
-	DiskCorrupt       int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
-	DiskRecords       int64  `json:"disk_records"`        // records on disk now
-	DiskBytes         int64  `json:"disk_bytes"`          // their payload bytes
-	DiskCapacity      int64  `json:"disk_capacity"`       // records the disk tier can hold
-	DiskMode          string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect); "off" with DiskError
+	DiskCorrupt        int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
+	DiskRecords        int64  `json:"disk_records"`        // records on disk now
+	DiskBytes          int64  `json:"disk_bytes"`          // their payload bytes
+	DiskCapacity       int64  `json:"disk_capacity"`       // records the disk tier can hold
+	DiskMode           string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect); "off" with DiskError
 	// DiskError is why the configured disk tier is off: New found no
 	// directory of Disk.Dirs usable (each one's error); the engine serves
 	// from host memory, every directory counts in DiskUnusableDirs.
@@ -155,9 +155,13 @@ type Stats struct {
 	ClusterWrites      int64 `json:"cluster_writes"`       // blocks written through that the cluster stored
 	ClusterWriteBytes  int64 `json:"cluster_write_bytes"`  // their bytes
 	ClusterWriteErrors int64 `json:"cluster_write_errors"` // write-throughs the cluster failed (a node down, a timeout, OOM)
-	ClusterDropped     int64 `json:"cluster_dropped"`      // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
-	ClusterHits        int64 `json:"cluster_hits"`         // blocks Prefetch read from the cluster (verified)
-	ClusterHitBytes    int64 `json:"cluster_hit_bytes"`    // their bytes
+	// ClusterWriteOOM are the ClusterWriteErrors a node refused for want
+	// of memory (maxmemory with noeviction: a full cluster; configure it
+	// with an LRU or LFU eviction policy).
+	ClusterWriteOOM int64 `json:"cluster_write_oom"`
+	ClusterDropped  int64 `json:"cluster_dropped"`   // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
+	ClusterHits     int64 `json:"cluster_hits"`      // blocks Prefetch read from the cluster (verified)
+	ClusterHitBytes int64 `json:"cluster_hit_bytes"` // their bytes
 	// ClusterMisses are the blocks Prefetch asked the cluster for and did
 	// not get (absent, damaged, stale, late, errors); ClusterTimeouts,
 	// ClusterCorrupt (damaged or stale: another fingerprint or key) and
@@ -379,7 +383,7 @@ func (e *Engine) snapshot() Stats {
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()
 		s.ClusterConfigured = true
-		s.ClusterWrites, s.ClusterWriteBytes, s.ClusterWriteErrors = cs.Puts, cs.PutBytes, cs.PutErrors
+		s.ClusterWrites, s.ClusterWriteBytes, s.ClusterWriteErrors, s.ClusterWriteOOM = cs.Puts, cs.PutBytes, cs.PutErrors, cs.PutOOM
 		s.ClusterDropped = cs.Dropped - cs.DroppedUnavailable
 		s.ClusterHits, s.ClusterHitBytes, s.ClusterMisses = cs.Hits, cs.HitBytes, cs.Misses
 		s.ClusterTimeouts, s.ClusterCorrupt, s.ClusterErrors = cs.Timeouts, cs.Corrupt+cs.Stale, cs.Errors

@@ -15,6 +15,7 @@ type clusterReport struct {
 	Addrs       []string `json:"addrs"`
 	Writes      int64    `json:"writes"`       // blocks written through that the cluster stored
 	WriteErrors int64    `json:"write_errors"` // write-throughs the cluster failed
+	WriteOOM    int64    `json:"write_oom"`    // the write errors a full node refused (OOM)
 	Dropped     int64    `json:"dropped"`      // write-throughs dropped (too many bytes in flight)
 	Hits        int64    `json:"hits"`         // blocks Prefetch read from the cluster
 	Misses      int64    `json:"misses"`       // blocks Prefetch asked for and did not get
@@ -82,7 +83,7 @@ func (r *demoRun) clusterReportOf(st offload.Stats) *clusterReport {
 		return nil
 	}
 	addrs, _ := redisAddrs(r.cfg.redis)
-	return &clusterReport{Addrs: addrs, Writes: st.ClusterWrites, WriteErrors: st.ClusterWriteErrors, Dropped: st.ClusterDropped,
+	return &clusterReport{Addrs: addrs, Writes: st.ClusterWrites, WriteErrors: st.ClusterWriteErrors, WriteOOM: st.ClusterWriteOOM, Dropped: st.ClusterDropped,
 		Hits: st.ClusterHits, Misses: st.ClusterMisses, Promoted: r.clusterPromoted, Available: st.ClusterAvailable,
 		Unavailable: st.ClusterUnavailable, Error: st.ClusterError}
 }
@@ -96,6 +97,6 @@ func (c *clusterReport) print(row func(name, format string, args ...any), bl blo
 	if !c.Available {
 		state += " (not connected: " + c.Error + ")"
 	}
-	row("cluster tier", "%s: %d written through, %d dropped, %d write errors, %d skipped while not connected", state, c.Writes, c.Dropped, c.WriteErrors, c.Unavailable)
+	row("cluster tier", "%s: %d written through, %d dropped, %d write errors (%d refused by a full node: OOM), %d skipped while not connected", state, c.Writes, c.Dropped, c.WriteErrors, c.WriteOOM, c.Unavailable)
 	row("  prefetched", "%d blocks read, %d misses; %d cluster hits loaded (%.1f%% of %d blocks)", c.Hits, c.Misses, bl.ClusterHits, 100*bl.ratio(bl.ClusterHits), bl.Total)
 }
