@@ -2,7 +2,6 @@ package offload
 
 import (
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -32,12 +31,12 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	// second) by the growth goroutine once the pool is grown; until then
 	// the copier uses its uncalibrated rule.
 	copyOpts := e.hooks.copyOptions
-	switch v := os.Getenv(NoPitchedStagingEnv); v {
-	case "", "0":
-	case "1":
+	noPitch, err := envSwitch(NoPitchedStagingEnv)
+	if err != nil {
+		return err
+	}
+	if noPitch {
 		copyOpts.GatherMinRow = -1
-	default:
-		return fmt.Errorf("%w: %s=%q: want 0 or 1", ErrInvalidConfig, NoPitchedStagingEnv, v)
 	}
 	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
 		CalibrateLater: true, Copy: copyOpts})

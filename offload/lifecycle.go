@@ -123,6 +123,19 @@ const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 // on a machine.
 const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
 
+// envSwitch reads a comparison switch from the environment: unset or "0"
+// off, "1" on, anything else ErrInvalidConfig naming it.
+func envSwitch(name string) (bool, error) {
+	switch v := os.Getenv(name); v {
+	case "", "0":
+		return false, nil
+	case "1":
+		return true, nil
+	default:
+		return false, fmt.Errorf("%w: %s=%q: want 0 or 1", ErrInvalidConfig, name, v)
+	}
+}
+
 // openSim sets up the host backend: the simulated GPU, with a layout given
 // without tensors allocated densely in it.
 func (e *Engine) openSim() error {
@@ -385,13 +398,11 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		}
 		builders = n
 	}
-	switch v := os.Getenv(WholeFirstLayerEnv); v {
-	case "", "0":
-	case "1":
-		e.hooks.wholeFirstLayer = true
-	default:
-		return nil, fmt.Errorf("%w: %s=%q: want 0 or 1", ErrInvalidConfig, WholeFirstLayerEnv, v)
+	whole, err := envSwitch(WholeFirstLayerEnv)
+	if err != nil {
+		return nil, err
 	}
+	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace,
