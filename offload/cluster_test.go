@@ -526,9 +526,7 @@ func TestClusterTLS(t *testing.T) {
 func TestClusterFullOOM(t *testing.T) {
 	waitClientGone(t)
 	c := clustertest.Start(t, 3)
-	for _, a := range c.Addrs() {
-		port, err := strconv.Atoi(a[strings.LastIndexByte(a, ':')+1:])
-		require.NoError(t, err)
+	for _, port := range c.Ports() {
 		for _, kv := range [][2]string{{"maxmemory-policy", "noeviction"}, {"maxmemory", "1"}} {
 			_, err := clustertest.CLI(port, "", "config", "set", kv[0], kv[1])
 			require.NoError(t, err)

@@ -2,8 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"net"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -26,13 +24,9 @@ func TestDemoClusterTwoProcesses(t *testing.T) {
 		return out.String(), errs.String()
 	}
 	report := func() demoReport {
-		out, errs := run("--json")
-		var rep demoReport
-		require.NoError(t, json.Unmarshal([]byte(out), &rep), errs)
+		rep := clusterDemo(t, append(append([]string(nil), args...), "--json"))
 		requireConsistent(t, &rep)
-		require.NotNil(t, rep.Cluster)
 		require.Empty(t, rep.Cluster.Error)
-		require.Zero(t, rep.VerifyFailures)
 		require.Equal(t, rep.Load.Blocks, rep.Verified, "every loaded block verified")
 		return rep
 	}
@@ -65,15 +59,7 @@ func TestDemoRedisFlagChecked(t *testing.T) {
 // (--redis-user) too. --redis-user and --redis-tls need --redis.
 func TestDemoClusterAuth(t *testing.T) {
 	c := clustertest.Start(t, 3)
-	var ports []int
-	for _, a := range c.Addrs() {
-		_, p, err := net.SplitHostPort(a)
-		require.NoError(t, err)
-		n, err := strconv.Atoi(p)
-		require.NoError(t, err)
-		ports = append(ports, n)
-	}
-	for _, p := range ports {
+	for _, p := range c.Ports() {
 		out, err := clustertest.CLI(p, "", "acl", "setuser", "kvo", "on", ">userpw", "~*", "+@all")
 		require.NoError(t, err, out)
 		out, err = clustertest.CLI(p, "", "config", "set", "requirepass", "s3cret")
@@ -82,13 +68,7 @@ func TestDemoClusterAuth(t *testing.T) {
 	args := []string{"demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB", "--gpu-blocks", "32",
 		"--requests", "20", "--duration", "0", "--pinning", "none", "--seed", "5", "--json", "--redis", strings.Join(c.Addrs(), ",")}
 	report := func(extra ...string) demoReport {
-		cmd, out, errs := startCLI(t, append(append([]string(nil), args...), extra...)...)
-		require.NoError(t, cmd.Wait(), errs.String())
-		var rep demoReport
-		require.NoError(t, json.Unmarshal(out.Bytes(), &rep), errs.String())
-		require.NotNil(t, rep.Cluster)
-		require.Zero(t, rep.VerifyFailures)
-		return rep
+		return clusterDemo(t, append(append([]string(nil), args...), extra...))
 	}
 	t.Setenv(redisPasswordEnv, "")
 	rep := report()
@@ -118,15 +98,8 @@ func TestDemoClusterAuth(t *testing.T) {
 func TestDemoClusterTLS(t *testing.T) {
 	c, files := clustertest.StartTLS(t, 3)
 	report := func(extra ...string) demoReport {
-		args := append([]string{"demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB", "--gpu-blocks", "32",
-			"--requests", "30", "--duration", "0", "--pinning", "none", "--seed", "12", "--json", "--redis", strings.Join(c.Addrs(), ",")}, extra...)
-		cmd, out, errs := startCLI(t, args...)
-		require.NoError(t, cmd.Wait(), errs.String())
-		var rep demoReport
-		require.NoError(t, json.Unmarshal(out.Bytes(), &rep), errs.String())
-		require.NotNil(t, rep.Cluster)
-		require.Zero(t, rep.VerifyFailures)
-		return rep
+		return clusterDemo(t, append([]string{"demo", "--backend", "host", "--layout", "tiny", "--pool-bytes", "1MiB", "--gpu-blocks", "32",
+			"--requests", "30", "--duration", "0", "--pinning", "none", "--seed", "12", "--json", "--redis", strings.Join(c.Addrs(), ",")}, extra...))
 	}
 	rep := report("--redis-tls-ca", files.CA, "--redis-tls-name", clustertest.ServerName)
 	require.True(t, rep.Cluster.Available, "%+v", rep.Cluster)
@@ -134,4 +107,18 @@ func TestDemoClusterTLS(t *testing.T) {
 	rep = report("--redis-tls")
 	require.False(t, rep.Cluster.Available, "the system's roots do not hold the test CA")
 	require.Zero(t, rep.Cluster.Writes)
+}
+
+// clusterDemo runs the CLI with args (a demo with --json and --redis),
+// requires it to succeed with a cluster report and no verification
+// failure, and returns the report.
+func clusterDemo(t *testing.T, args []string) demoReport {
+	t.Helper()
+	cmd, out, errs := startCLI(t, args...)
+	require.NoError(t, cmd.Wait(), errs.String())
+	var rep demoReport
+	require.NoError(t, json.Unmarshal(out.Bytes(), &rep), errs.String())
+	require.NotNil(t, rep.Cluster)
+	require.Zero(t, rep.VerifyFailures)
+	return rep
 }

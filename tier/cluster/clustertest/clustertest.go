@@ -59,6 +59,9 @@ func (c *Cluster) Addrs() []string {
 	return a
 }
 
+// Ports returns the nodes' loopback ports, in Addrs' order.
+func (c *Cluster) Ports() []int { return append([]int(nil), c.ports...) }
+
 // Stop kills every node (a cluster gone mid-run); a second Stop does nothing.
 func (c *Cluster) Stop() {
 	c.mu.Lock()
