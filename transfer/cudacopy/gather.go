@@ -485,11 +485,10 @@ const maxStagingPitch = 1 << 30
 // it; a run that ends becomes a row of the last DMA where that one is a
 // run (or pitched rows) of the same length, in [minRow, maxRow) (a longer
 // run already moves at the link's rate alone: whole blocks keep their
-// DMAs), in the
-// same chunk and range, its staging right after the last row's and its
-// host address one pitch on (the first two rows set the pitch, larger
-// than the row); otherwise a DMA of its own. keep: the DMAs are kept in
-// pieces; else only n counts them (stageable).
+// DMAs), in the same chunk and range, its staging right after the last
+// row's and its host address one pitch on (the first two rows set the
+// pitch, larger than the row); otherwise a DMA of its own. keep: the DMAs
+// are kept in pieces; else only n counts them (stageable).
 type runPacker struct {
 	minRow, maxRow uint64
 	keep           bool
