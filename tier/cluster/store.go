@@ -537,22 +537,28 @@ func (s *Store) fill(r rueidis.RedisResult, key [16]byte, dst []byte) bool {
 		s.countMiss(err)
 		return false
 	}
-	h, err := record.DecodeHeader(v)
-	switch {
-	case err != nil || len(v) < record.HeaderSize:
-		s.corrupt.Add(1)
-		return false
-	case h.Check(s.cfg.Fingerprint, record.HostLayoutVersion) != nil || h.Key != key:
-		s.stale.Add(1)
-		return false
-	case h.PayloadLen != uint64(len(dst)) || record.VerifyPayload(h, v[record.HeaderSize:]) != nil:
-		s.corrupt.Add(1)
+	if !s.count(record.Accept(v, len(v), func() uint32 { return record.Checksum(v[record.HeaderSize:]) }, s.cfg.Fingerprint, key, len(dst)), len(dst)) {
 		return false
 	}
 	copy(dst, v[record.HeaderSize:])
-	s.hits.Add(1)
-	s.hitBytes.Add(int64(len(dst)))
 	return true
+}
+
+// count counts a reply's accept decision (record.Accept: a hit of n
+// bytes, a stale record, or a corrupt one) and reports whether it was
+// accepted.
+func (s *Store) count(err error, n int) bool {
+	switch {
+	case err == nil:
+		s.hits.Add(1)
+		s.hitBytes.Add(int64(n))
+		return true
+	case record.Stale(err):
+		s.stale.Add(1)
+	default:
+		s.corrupt.Add(1)
+	}
+	return false
 }
 
 func (s *Store) countMiss(err error) {

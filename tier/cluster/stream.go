@@ -147,26 +147,15 @@ func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey str
 	case err != nil:
 		s.countMiss(err)
 		return false
-	case w.over || w.n < record.HeaderSize:
+	case w.over:
 		s.corrupt.Add(1)
 		return false
 	}
-	h, err := record.DecodeHeader(w.hdr)
-	switch {
-	case err != nil:
-		s.corrupt.Add(1)
-		return false
-	case h.Check(s.cfg.Fingerprint, record.HostLayoutVersion) != nil || h.Key != key:
-		s.stale.Add(1)
-		return false
-	case h.PayloadLen != uint64(len(dst)) || w.n != record.HeaderSize+len(dst) || w.sum != h.PayloadSum:
-		s.corrupt.Add(1)
+	if !s.count(record.Accept(w.hdr, w.n, func() uint32 { return w.sum }, s.cfg.Fingerprint, key, len(dst)), len(dst)) {
 		return false
 	}
 	if !direct {
 		copy(dst, w.body)
 	}
-	s.hits.Add(1)
-	s.hitBytes.Add(int64(len(dst)))
 	return true
 }

@@ -567,17 +567,8 @@ func (s *Store) read(i int32, key [16]byte, dst []byte) (ioErr, verr error) {
 	if err := preadFull(d.fd, [][]byte{*hdr, body}, off); err != nil {
 		return err, nil
 	}
-	h, err := record.DecodeHeader(*hdr)
-	if err == nil {
-		err = h.Check(s.cfg.Fingerprint, record.HostLayoutVersion)
-	}
-	if err == nil && h.Key != key {
-		err = fmt.Errorf("%w: slot holds key %x, indexed as %x", record.ErrCorrupt, h.Key, key)
-	}
-	if err == nil {
-		err = record.VerifyPayload(h, body[:len(dst)])
-	}
-	if err != nil {
+	payload := body[:len(dst)]
+	if err := record.Accept(*hdr, record.HeaderSize+len(dst), func() uint32 { return record.Checksum(payload) }, s.cfg.Fingerprint, key, len(dst)); err != nil {
 		return nil, err
 	}
 	if len(body) > 0 && &body[0] != &dst[0] {

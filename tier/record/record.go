@@ -48,6 +48,8 @@ var (
 	ErrFingerprint = errors.New("record: fingerprint mismatch")
 	// ErrLayoutVersion: a record of another host-layout version.
 	ErrLayoutVersion = errors.New("record: host-layout version mismatch")
+	// ErrKey: a record of another key than the one read for.
+	ErrKey = errors.New("record: key mismatch")
 )
 
 // Header is the decoded header sector of one record.
@@ -146,4 +148,45 @@ func VerifyPayload(h Header, payload []byte) error {
 		return fmt.Errorf("%w: payload checksum %08x, header says %08x", ErrCorrupt, got, h.PayloadSum)
 	}
 	return nil
+}
+
+// Accept is the one accept decision of a reader (the disk tier's Get, the
+// cluster tier's pipelined and streamed GETs) on the bytes it read for key
+// into a destination of n bytes: total is how many bytes the record read
+// has (header sector and payload), hdr its first bytes (at least HeaderLen
+// when total allows), sum the CRC-32C of its bytes after the header
+// sector, called only once everything else passed. It returns nil only
+// when the bytes are exactly one record (header sector, then n payload
+// bytes) of key, of fingerprint and HostLayoutVersion, whose payload has
+// the checksum its header states; otherwise an error wrapping ErrCorrupt,
+// ErrVersion, ErrFingerprint, ErrLayoutVersion or ErrKey. FuzzAccept
+// checks that an accepted header re-encodes to the bytes read.
+func Accept(hdr []byte, total int, sum func() uint32, fingerprint uint64, key [16]byte, n int) error {
+	if total < HeaderSize {
+		return fmt.Errorf("%w: %d bytes, shorter than the header sector", ErrCorrupt, total)
+	}
+	h, err := DecodeHeader(hdr)
+	if err != nil {
+		return err
+	}
+	if err := h.Check(fingerprint, HostLayoutVersion); err != nil {
+		return err
+	}
+	if h.Key != key {
+		return fmt.Errorf("%w: record of key %x, read for %x", ErrKey, h.Key, key)
+	}
+	if h.PayloadLen != uint64(n) || total != HeaderSize+n {
+		return fmt.Errorf("%w: payload of %d bytes read, header says %d, reader wants %d", ErrCorrupt, total-HeaderSize, h.PayloadLen, n)
+	}
+	if got := sum(); got != h.PayloadSum {
+		return fmt.Errorf("%w: payload checksum %08x, header says %08x", ErrCorrupt, got, h.PayloadSum)
+	}
+	return nil
+}
+
+// Stale reports whether err, from Accept, is a well-formed record that is
+// not the reader's (another fingerprint, host-layout version or key)
+// rather than damaged bytes.
+func Stale(err error) bool {
+	return errors.Is(err, ErrFingerprint) || errors.Is(err, ErrLayoutVersion) || errors.Is(err, ErrKey)
 }

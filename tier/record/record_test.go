@@ -1,6 +1,7 @@
 package record
 
 import (
+	"bytes"
 	"encoding/binary"
 	"hash/crc32"
 	"testing"
@@ -169,6 +170,56 @@ func FuzzDecodeHeader(f *testing.F) {
 		again, err := DecodeHeader(out)
 		if err != nil || again != h {
 			t.Fatalf("re-encoded %+v decoded as %+v, %v", h, again, err)
+		}
+	})
+}
+
+// FuzzAccept: whatever bytes a reader got for key into n bytes, Accept
+// accepts only exactly key's record of n payload bytes under the reader's
+// fingerprint: the bytes are the header sector and n bytes, the header
+// re-encodes to the bytes read, and the payload has the stated checksum.
+// A stale verdict (Stale) is given only to a well-formed header. Seeded
+// with valid records, which the fuzzer mutates.
+func FuzzAccept(f *testing.F) {
+	const fp = 0x0123456789abcdef
+	rec := func(key [16]byte, payload []byte) []byte {
+		v := make([]byte, HeaderSize+len(payload))
+		EncodeHeader(v, Header{LayoutVersion: HostLayoutVersion, Fingerprint: fp, Key: key,
+			PayloadLen: uint64(len(payload)), PayloadSum: Checksum(payload)})
+		copy(v[HeaderSize:], payload)
+		return v
+	}
+	key := [16]byte{9, 8, 7}
+	f.Add(rec(key, []byte("a payload of some bytes")), key[:], 23)
+	f.Add(rec(key, nil), key[:], 0)
+	f.Add(rec(key, bytes.Repeat([]byte{1}, 300)), []byte{9, 8}, 300)
+	f.Fuzz(func(t *testing.T, v, keyBytes []byte, n int) {
+		if n < 0 || n > 1<<16 || len(v) > 1<<17 {
+			return
+		}
+		var k [16]byte
+		copy(k[:], keyBytes)
+		summed := false
+		err := Accept(v, len(v), func() uint32 { summed = true; return Checksum(v[HeaderSize:]) }, fp, k, n)
+		if err != nil {
+			if Stale(err) {
+				if _, derr := DecodeHeader(v); derr != nil {
+					t.Fatalf("stale verdict %v on a header that does not decode: %v", err, derr)
+				}
+			}
+			return
+		}
+		if !summed || len(v) != HeaderSize+n {
+			t.Fatalf("accepted %d bytes for %d payload bytes (checksum computed: %v)", len(v), n, summed)
+		}
+		h, derr := DecodeHeader(v)
+		if derr != nil || h.Key != k || h.Fingerprint != fp || h.LayoutVersion != HostLayoutVersion || h.PayloadLen != uint64(n) || h.PayloadSum != Checksum(v[HeaderSize:]) {
+			t.Fatalf("accepted a record that is not key %x's of %d bytes: %+v, %v", k, n, h, derr)
+		}
+		again := make([]byte, HeaderLen)
+		EncodeHeader(again, h)
+		if !bytes.Equal(again, v[:HeaderLen]) {
+			t.Fatalf("an accepted header does not re-encode to itself")
 		}
 	})
 }
