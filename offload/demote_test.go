@@ -225,3 +225,74 @@ func TestDiskDemoteWriteFaults(t *testing.T) {
 		})
 	}
 }
+
+// TestDiskReadableWhileWriting: a block evicted to disk is readable from
+// the moment its write-back is accepted, before its record is written:
+// Lookup counts it among DiskHits and Load copies it, byte-exact, from
+// the demoting slot (ahead-of-demand evictions) or from the copy (a store
+// that needed the slot at once), counted in DiskHitsWriting, while the
+// write is still held. Once deleted it is no longer served, and its
+// record is deleted once written.
+func TestDiskReadableWhileWriting(t *testing.T) {
+	copyCfg := diskEngineConfig("")
+	copyCfg.Disk.AdmitAll = true
+	for _, tc := range []struct {
+		name     string
+		cfg      Config
+		fromSlot bool
+	}{{"from its slot", demoteConfig(""), true}, {"from its copy", copyCfg, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := holdFirstPut(t)
+			cfg := tc.cfg
+			cfg.Disk = &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: cfg.Disk.CapacityBytes, AdmitAll: true}
+			e, err := newEngine(withTestBackend(cfg), engineHooks{beforeDiskPut: h.hook})
+			require.NoError(t, err)
+			defer func() {
+				h.release() // a failing check first: Close waits for the write
+				require.NoError(t, e.Close())
+			}()
+			contents := map[Key][]byte{}
+			var held Key
+			for k := 0; held == (Key{}); k++ {
+				require.Less(t, k, 2*demoteSlots, "no write-back started")
+				contents[testKey(k)] = fillBlock(t, e, k%8, byte(k))
+				require.Equal(t, OutcomeStored, storeOne(t, e, testKey(k), k%8))
+				select {
+				case held = <-h.entered:
+				default:
+				}
+			}
+			require.NotNil(t, contents[held], "the held write is of a stored key")
+			st := e.Stats()
+			if tc.fromSlot {
+				require.Equal(t, 1, demoting(e))
+				require.Zero(t, st.DiskCopies)
+			} else {
+				require.Positive(t, st.DiskCopies)
+			}
+			require.False(t, e.disk.store.Contains(held), "not written yet")
+
+			res, err := e.Lookup([]Key{held}, LookupOptions{})
+			require.NoError(t, err)
+			require.Equal(t, 0, res.Hits)
+			require.Equal(t, 1, res.DiskHits, "a block being written counts as on disk")
+			fillBlock(t, e, 15, 0xEE)
+			require.Equal(t, []Outcome{OutcomeLoaded}, loadAll(t, e, []Key{held}, []int{15}))
+			require.Equal(t, contents[held], blockBytes(e, 15), "loaded byte-exact from the write-back in flight")
+			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
+			require.False(t, e.disk.store.Contains(held), "still not written: the load read no record")
+
+			_, err = e.Delete([]Key{held})
+			require.NoError(t, err)
+			res, err = e.Lookup([]Key{held}, LookupOptions{})
+			require.NoError(t, err)
+			require.Equal(t, 0, res.Hits+res.DiskHits, "a deleted block is not served from its write-back")
+			require.Equal(t, []Outcome{OutcomeMissing}, loadAll(t, e, []Key{held}, []int{15}))
+
+			h.release()
+			require.NoError(t, e.FlushDisk(context.Background()))
+			require.False(t, e.disk.store.Contains(held), "the deleted key's record was deleted once written")
+			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
+		})
+	}
+}

@@ -196,10 +196,16 @@ type diskTier struct {
 	wg     sync.WaitGroup
 
 	busyMu sync.Mutex
-	busy   int                // write-backs accepted and not finished (≤ maxBusy)
-	accept map[slotGen]uint64 // accepted to go demoting: the clear generation, until OnDemote
-	idle   chan struct{}      // closed when busy drops to 0
+	busy   int                    // write-backs accepted and not finished (≤ maxBusy)
+	accept map[slotGen]acceptance // accepted to go demoting, until OnDemote
+	idle   chan struct{}          // closed when busy drops to 0
 	tomb   map[Key]struct{}
+	// writing holds the write-backs accepted and not finished by key:
+	// their bytes (the demoting slot's, or the copy's) stay readable
+	// meanwhile (get copies from them, has counts them), and finish waits
+	// for their readers (readDone, on busyMu) before giving them back.
+	writing  map[Key]*writeBack
+	readDone *sync.Cond
 	// clearGen counts Clears: a demotion queued before one is deleted
 	// once written.
 	clearGen atomic.Uint64
@@ -208,7 +214,24 @@ type diskTier struct {
 	beforeGet func(Key) // test hook, run before each promotion read
 	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
 
-	hits, misses, writes, writeErrors, dropped, notAdmitted, copies, throughs, atClose atomic.Int64
+	hits, misses, writes, writeErrors, dropped, notAdmitted, copies, throughs, atClose, fromWriting atomic.Int64
+}
+
+// writeBack is a block being written to disk that readers may copy from:
+// src holds its bytes (a demoting slot, from the eviction's acceptance
+// until Cache.Demoted; or a copy buffer, until it is given back), gen is
+// the clear generation it belongs to.
+type writeBack struct {
+	src     []byte
+	gen     uint64
+	readers int
+}
+
+// acceptance is a demotion accepted from a slot, until OnDemote: its clear
+// generation and its readable entry.
+type acceptance struct {
+	gen uint64
+	wb  *writeBack
 }
 
 // demotion is a write-back for a writer: from slot (demoting) when
@@ -219,6 +242,7 @@ type demotion struct {
 	fromSlot bool
 	buf      []byte
 	gen      uint64
+	wb       *writeBack // its entry in diskTier.writing
 }
 
 // openDisk opens the disk tier of cfg (New): the record payload is the
@@ -245,14 +269,15 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 	n := int(dc.WriteBackBytes / slot)
 	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
 		writeThrough: dc.WriteThrough, maxBusy: n, seen: make([]uint8, 1<<16),
-		accept: map[slotGen]uint64{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+		accept: map[slotGen]acceptance{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
 		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
 		demoted: func(s kvcache.Slot) {
 			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
 			e.unhold([]kvcache.Slot{s})
 			e.kickReaper()
 		},
-		tomb: map[Key]struct{}{}, beforePut: h.beforeDiskPut, beforeGet: h.beforeDiskGet, readers: diskReaders}
+		tomb: map[Key]struct{}{}, writing: map[Key]*writeBack{}, beforePut: h.beforeDiskPut, beforeGet: h.beforeDiskGet, readers: diskReaders}
+	d.readDone = sync.NewCond(&d.busyMu)
 	for range n {
 		d.bufs <- nil
 	}
@@ -347,7 +372,7 @@ func (d *diskTier) admitted(k Key) bool {
 // maxBusy writes are accepted and unfinished; nothing when k is on disk.
 // Never waits.
 func (d *diskTier) through(k Key, mem []byte) {
-	if d.store.Contains(k) {
+	if d.has(k) {
 		return
 	}
 	d.mu.RLock()
@@ -385,7 +410,18 @@ func (d *diskTier) queueCopy(k Key, mem []byte, gen uint64) {
 		buf = alignedBytes(int(d.slot))
 	}
 	copy(buf, mem)
-	d.queue <- demotion{key: k, buf: buf, gen: gen}
+	wb := d.readable(k, buf, gen)
+	d.queue <- demotion{key: k, buf: buf, gen: gen, wb: wb}
+}
+
+// readable makes a write-back of key k from src (clear generation gen)
+// readable until it finishes.
+func (d *diskTier) readable(k Key, src []byte, gen uint64) *writeBack {
+	wb := &writeBack{src: src, gen: gen}
+	d.busyMu.Lock()
+	d.writing[k] = wb
+	d.busyMu.Unlock()
+	return wb
 }
 
 // demote is the cache's Config.Demote, under its lock: it accepts an
@@ -405,17 +441,15 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 		d.notAdmitted.Add(1)
 		return false
 	}
-	if d.store.Contains(k) {
+	if d.has(k) {
 		return false
 	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
-	var mem []byte
-	if needed {
-		if mem = d.slotBytes(s); mem == nil {
-			d.dropped.Add(1)
-			return false
-		}
+	mem := d.slotBytes(s)
+	if mem == nil {
+		d.dropped.Add(1)
+		return false
 	}
 	d.busyMu.Lock()
 	gen, ok := d.acceptLocked()
@@ -424,7 +458,10 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 		return false
 	}
 	if !needed {
-		d.accept[slotGen{s.ID, s.Gen}] = gen
+		// Readable from the slot at once: from here until Demoted the slot
+		// is releasing, then demoting, never reused.
+		d.accept[slotGen{s.ID, s.Gen}] = acceptance{gen, &writeBack{src: mem, gen: gen}}
+		d.writing[k] = d.accept[slotGen{s.ID, s.Gen}].wb
 		d.busyMu.Unlock()
 		return true
 	}
@@ -440,11 +477,11 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 // queue has room for every accepted write-back).
 func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
 	d.busyMu.Lock()
-	gen := d.accept[slotGen{s.ID, s.Gen}]
+	a := d.accept[slotGen{s.ID, s.Gen}]
 	delete(d.accept, slotGen{s.ID, s.Gen})
 	d.busyMu.Unlock()
 	d.hold(s)
-	job := demotion{key: k, slot: s, fromSlot: true, gen: gen}
+	job := demotion{key: k, slot: s, fromSlot: true, gen: a.gen, wb: a.wb}
 	d.mu.RLock()
 	if !d.closed {
 		d.queue <- job
@@ -488,6 +525,16 @@ func (d *diskTier) finish(job demotion, written bool) {
 	d.busyMu.Unlock()
 	if written && (deleted || d.clearGen.Load() != job.gen) {
 		d.store.Delete(job.key)
+	}
+	if job.wb != nil {
+		d.busyMu.Lock()
+		if d.writing[job.key] == job.wb {
+			delete(d.writing, job.key)
+		}
+		for job.wb.readers > 0 {
+			d.readDone.Wait()
+		}
+		d.busyMu.Unlock()
 	}
 	switch {
 	case job.buf != nil:
@@ -544,11 +591,35 @@ func (d *diskTier) flush(ctx context.Context) error {
 // prefix returns how many leading keys have a record on disk (memory only).
 func (d *diskTier) prefix(keys []Key) int {
 	for i, k := range keys {
-		if !d.store.Contains(k) {
+		if !d.has(k) {
 			return i
 		}
 	}
 	return len(keys)
+}
+
+// has reports whether key's block is on disk or being written there
+// (readable meanwhile): memory only, never I/O.
+func (d *diskTier) has(k Key) bool {
+	if d.store.Contains(k) {
+		return true
+	}
+	d.busyMu.Lock()
+	defer d.busyMu.Unlock()
+	return d.servableLocked(k) != nil
+}
+
+// servableLocked (busyMu held) returns key's write-back in flight if a
+// reader may copy from it: not deleted or cleared since it was accepted.
+func (d *diskTier) servableLocked(k Key) *writeBack {
+	wb := d.writing[k]
+	if wb == nil || wb.gen != d.clearGen.Load() {
+		return nil
+	}
+	if _, deleted := d.tomb[k]; deleted {
+		return nil
+	}
+	return wb
 }
 
 // alignedBytes returns n bytes at a 4 KiB-aligned address, so that an
@@ -694,8 +765,34 @@ func (d *diskTier) get(k Key, mem []byte) bool {
 	if d.beforeGet != nil {
 		d.beforeGet(k)
 	}
+	if d.getWriting(k, mem) {
+		return true
+	}
 	found, err := d.store.Get(k, mem)
 	return found && err == nil
+}
+
+// getWriting copies key's block into mem from its write-back in flight,
+// if there is one a reader may use (Stats.DiskHitsWriting): a block
+// evicted a moment ago reloads before its record is written, without a
+// disk read.
+func (d *diskTier) getWriting(k Key, mem []byte) bool {
+	d.busyMu.Lock()
+	wb := d.servableLocked(k)
+	if wb == nil {
+		d.busyMu.Unlock()
+		return false
+	}
+	wb.readers++
+	d.busyMu.Unlock()
+	copy(mem, wb.src)
+	d.busyMu.Lock()
+	if wb.readers--; wb.readers == 0 {
+		d.readDone.Broadcast()
+	}
+	d.busyMu.Unlock()
+	d.fromWriting.Add(1)
+	return true
 }
 
 // writeBackAtClose writes the pool's blocks that are not on disk yet to

@@ -513,7 +513,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		case r.Found:
 			idx, ids, slots = append(idx, n+j), append(ids, r.BlockID), append(slots, r.Slot)
 			looked = append(looked, r.Slot)
-		case onDisk && e.disk.store.Contains(keys[n+j]):
+		case onDisk && e.disk.has(keys[n+j]):
 			promote = append(promote, j)
 			op.setOutcome(n+j, OutcomeMissing, nil) // until a chunk copies it
 		default:

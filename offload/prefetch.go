@@ -150,7 +150,7 @@ func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []bool, count func(good, bad int), onDisk bool) int {
 	var pkeys, parents []Key
 	for j, k := range keys {
-		if onDisk && !e.disk.store.Contains(k) {
+		if onDisk && !e.disk.has(k) {
 			continue
 		}
 		var p Key

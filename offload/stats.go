@@ -102,8 +102,13 @@ type Stats struct {
 	StoreJoined    int64 `json:"store_joined"`    // head-range stores granted into a block another rank's store had reserved
 
 	// The disk tier (Config.Disk); all 0 without one.
-	DiskLookupHits  int64 `json:"disk_lookup_hits"`  // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
-	DiskHits        int64 `json:"disk_hits"`         // blocks Load read from disk into host slots (promoted)
+	DiskLookupHits int64 `json:"disk_lookup_hits"` // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
+	DiskHits       int64 `json:"disk_hits"`        // blocks Load read from disk into host slots (promoted)
+	// DiskHitsWriting are the DiskHits (and Prefetch promotions) copied
+	// from a block still being written to disk (its demoting slot, or its
+	// copy) rather than read from its record: an evicted block is readable
+	// from the moment its write-back is accepted.
+	DiskHitsWriting int64 `json:"disk_hits_writing"`
 	DiskMisses      int64 `json:"disk_misses"`       // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
 	DiskWrites      int64 `json:"disk_writes"`       // evicted blocks written back to disk
 	DiskWriteErrors int64 `json:"disk_write_errors"` // write-backs the store refused or failed (full, I/O error)
@@ -375,6 +380,7 @@ func (e *Engine) snapshot() Stats {
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
 		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.throughs.Load(), d.atClose.Load()
+		s.DiskHitsWriting = d.fromWriting.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
