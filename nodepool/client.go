@@ -959,6 +959,14 @@ func (c *Client) curEpoch() uint32 {
 // dst. A leased block whose region is not usable here ends the hits (and
 // is unleased).
 func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []Slot, err error) {
+	hits, _, leased, err = c.LookupTiers(keys, lease, dst)
+	return hits, leased, err
+}
+
+// LookupTiers is Lookup that also returns lower: how many keys after the
+// hits the node's disk tier holds (ServerConfig.Disk; 0 without one),
+// which a BeginLoad of them promotes into the pool first.
+func (c *Client) LookupTiers(keys []Key, lease bool, dst []Slot) (hits, lower int, leased []Slot, err error) {
 	leased = dst
 	start := len(dst)
 	for len(keys) > 0 {
@@ -974,9 +982,10 @@ func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []
 		c.msgs.Put(m)
 		if err != nil {
 			_ = c.Unlease(leased[start:])
-			return 0, leased[:start], err
+			return 0, 0, leased[:start], err
 		}
 		h := int(r.N)
+		low := int(r.Lower)
 		var drop []Slot
 		rv := c.resolverAt(epoch)
 		leased = slices.Grow(leased, len(r.Slots))
@@ -995,11 +1004,14 @@ func (c *Client) Lookup(keys []Key, lease bool, dst []Slot) (hits int, leased []
 		}
 		hits += h
 		if h < n {
+			if h == int(r.N) {
+				lower = low // not when a leased block ended the hits early
+			}
 			break
 		}
 		keys = keys[n:]
 	}
-	return hits, leased, nil
+	return hits, lower, leased, nil
 }
 
 // handles sends slots back in requests of type t, split by epoch and by

@@ -471,12 +471,21 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		}
 	}
 	s.cache, s.slotSize = c, layout.SlotSize()
+	if s.cfg.Disk != nil {
+		if err := s.openDisk(layout, layout.Kind()); err != nil {
+			s.diskErr = err.Error()
+			s.cfg.Logf("%v: serving without the disk tier", err)
+		}
+	}
 	return nil
 }
 
 // onIndex runs under the cache's lock: it only copies the event out, and
 // drops it (counted) when the fan-out is behind.
 func (s *Server) onIndex(e kvcache.IndexEvent) {
+	if e.Ready && s.disk != nil {
+		s.disk.onReady(e.Key)
+	}
 	if s.subscribers.Load() == 0 {
 		return
 	}
@@ -546,6 +555,10 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		o.Type = wire.TLookupOK
 		if m.Flags&wire.FlagLease == 0 {
 			o.N = uint64(c.Lookup(m.Keys))
+			if s.disk != nil {
+				o.Lower = uint32(s.disk.diskPrefix(m.Keys[o.N:]))
+				s.disk.lookupHits.Add(int64(o.Lower))
+			}
 			return o
 		}
 		var n int
@@ -553,6 +566,10 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		// the LRU's moves are off the round trip.
 		n, p.slots = c.LookupLeaseDeferred(m.Keys, p.slots[:0])
 		o.N = uint64(n)
+		if s.disk != nil {
+			o.Lower = uint32(s.disk.diskPrefix(m.Keys[n:]))
+			s.disk.lookupHits.Add(int64(o.Lower))
+		}
 		o.Slots = slices.Grow(o.Slots, len(p.slots))[:len(p.slots)]
 		for i := range p.slots {
 			putWire(&o.Slots[i], &p.slots[i])
@@ -626,6 +643,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		if err != nil {
 			return errMsg(m.ReqID, wire.CodeInvalid, "BeginLoad: %v", err)
 		}
+		if s.disk != nil {
+			p.promoteMissing(m.Keys, ns)
+		}
 		o.Type = wire.TBeginLoadOK
 		for _, r := range p.loadRes {
 			if !r.Found {
@@ -655,9 +675,15 @@ func (p *peer) handleRare(m *wire.Msg, o *wire.Msg, ns kvcache.Namespace) *wire.
 	switch m.Type {
 	case wire.TDelete:
 		o.N = uint64(c.Delete(m.Keys))
+		if s.disk != nil {
+			s.disk.delete(m.Keys)
+		}
 		s.reap()
 	case wire.TClear:
 		o.N = uint64(c.Clear(ns))
+		if s.disk != nil {
+			s.disk.clear()
+		}
 		s.reap()
 	case wire.TStats:
 		b, err := json.Marshal(s.Stats())
@@ -857,6 +883,16 @@ type Stats struct {
 	// InternalErrors counts states the node never expects (a client
 	// holding two generations of one slot); 0 unless there is a bug.
 	InternalErrors uint64 `json:"internal_errors"`
+	// The disk tier (ServerConfig.Disk); all 0 without one.
+	DiskLookupHits  int64  `json:"disk_lookup_hits"`  // keys Lookups found on disk after the pool's hits
+	DiskHits        int64  `json:"disk_hits"`         // blocks BeginLoad promoted from disk
+	DiskMisses      int64  `json:"disk_misses"`       // promotions whose record was missing or failed a check
+	DiskWrites      int64  `json:"disk_writes"`       // blocks written through to disk
+	DiskWriteErrors int64  `json:"disk_write_errors"` // writes the store refused or failed
+	DiskDropped     int64  `json:"disk_dropped"`      // ready blocks not written: the write-through queue was full
+	DiskRecords     int64  `json:"disk_records"`      // records on disk now
+	DiskCorrupt     int64  `json:"disk_corrupt"`      // records that failed a check when read
+	DiskError       string `json:"disk_error,omitempty"`
 }
 
 // Stats returns a snapshot of the node's state.
@@ -876,9 +912,17 @@ func (s *Server) Stats() Stats {
 		st.WaitingExit += len(w.peers)
 	}
 	c := s.cache
+	d := s.disk
+	st.DiskError = s.diskErr
 	s.mu.Unlock()
 	if c != nil {
 		st.Cache = c.Stats()
+	}
+	if d != nil {
+		ds := d.store.Stats()
+		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.lookupHits.Load(), d.hits.Load(), d.misses.Load()
+		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
+		st.DiskRecords, st.DiskCorrupt = ds.Records, ds.Corrupt
 	}
 	st.Accepted = s.counter.accepted.Load()
 	st.Refused = s.counter.refused.Load()

@@ -70,6 +70,11 @@ type ServerConfig struct {
 	OnEvents func([]wire.Event)
 	// Logf, when set, receives one line per connection event.
 	Logf func(format string, args ...any)
+	// Disk, when set, puts a disk tier under the pool (see DiskConfig). It
+	// opens with the first client's layout (the records' size is the
+	// slot's); a directory it cannot use leaves the node serving without
+	// it, Stats.DiskError saying why.
+	Disk *DiskConfig
 }
 
 // Server is a node: it owns the pool's memfd-backed regions, the block
@@ -97,6 +102,8 @@ type Server struct {
 	wg      sync.WaitGroup
 	stop    chan struct{}
 	events  chan wire.Event
+	disk    *nodeDisk // nil: no disk tier (or none yet: the first Hello opens it)
+	diskErr string
 	counter struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
 		eventsDropped, peersDropped, internal                       atomic.Uint64
@@ -145,6 +152,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
+	}
+	var err error
+	if cfg.Disk, err = checkDisk(cfg.Disk); err != nil {
+		return nil, err
 	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
 		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
@@ -374,6 +385,7 @@ func (s *Server) Close() error {
 		p.disconnect()
 	}
 	s.wg.Wait()
+	s.closeDisk()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.cache != nil {

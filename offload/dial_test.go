@@ -43,8 +43,13 @@ func dialConfig() Config {
 
 // startNode runs a node (what `kvoffload serve` runs) on socket.
 func startNode(t *testing.T, socket string) *nodepool.Server {
+	return startNodeConfig(t, nodepool.ServerConfig{Socket: socket, PoolBytes: 2 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1})
+}
+
+// startNodeConfig runs a node of cfg, closed at the test's end.
+func startNodeConfig(t *testing.T, cfg nodepool.ServerConfig) *nodepool.Server {
 	t.Helper()
-	s, err := nodepool.NewServer(nodepool.ServerConfig{Socket: socket, PoolBytes: 2 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1})
+	s, err := nodepool.NewServer(cfg)
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- s.Serve() }()
@@ -566,4 +571,49 @@ func TestDialTPSizeSharing(t *testing.T) {
 			tpCheck(t, e, l, id, j, name+" through the node")
 		}
 	}
+}
+
+// TestDialNodeDisk: an engine dialled to a node with a disk tier sees the
+// blocks the node's pool evicted as DiskHits of Lookup (in the lookup's
+// round trip), and its Load gets them byte-exact: the node promotes them
+// from disk into pool slots, the engine copies them from there.
+func TestDialNodeDisk(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	// 64 slots of 8 KiB for 128 blocks.
+	s := startNodeConfig(t, nodepool.ServerConfig{Socket: socket, PoolBytes: 512 << 10, RegionBytes: 512 << 10, PrefaultThreads: 1,
+		Disk: &nodepool.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 4 << 20}})
+	w, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer w.Close()
+	var all []Key
+	for b := range 4 {
+		keys := dialKeys(b+1, 32)
+		op, err := storeKeys(w, keys, StoreOptions{})
+		require.NoError(t, err)
+		out, err := waitOut(op)
+		require.NoError(t, err)
+		for i, oc := range out {
+			require.Equal(t, OutcomeStored, oc, "batch %d key %d", b, i)
+		}
+		all = append(all, keys...)
+		waitNode(t, s, "write-through", func(st nodepool.Stats) bool { return st.DiskWrites == int64(len(all)) })
+	}
+	require.Positive(t, s.Stats().Cache.Evicted)
+
+	r, err := Dial(socket, dialConfig())
+	require.NoError(t, err)
+	defer r.Close()
+	first := all[:32]
+	res, err := r.Lookup(first, LookupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Hits, "the first batch left the pool")
+	require.Equal(t, 32, res.DiskHits, "and is on the node's disk")
+	loaded, missing, err := loadVerify(r, first)
+	require.NoError(t, err)
+	require.Equal(t, 32, loaded)
+	require.Zero(t, missing)
+	st := s.Stats()
+	require.EqualValues(t, 32, st.DiskHits)
+	require.Zero(t, st.DiskMisses)
+	require.EqualValues(t, 32, r.Stats().DiskLookupHits)
 }

@@ -55,17 +55,25 @@ func nodeErr(err error) error {
 }
 
 func (ni *nodeIndex) Lookup(keys []Key) int {
-	hits, _, err := ni.c.Lookup(keys, false, nil)
-	if err != nil {
-		return 0
-	}
+	hits, _, _ := ni.lookupTiers(keys, false, nil)
 	return hits
 }
 
 func (ni *nodeIndex) LookupLease(keys []Key, dst []kvcache.Slot) (int, []kvcache.Slot) {
-	hits, leased, err := ni.c.Lookup(keys, true, nil)
+	hits, _, dst := ni.lookupTiers(keys, true, dst)
+	return hits, dst
+}
+
+// lookupTiers is Lookup (lease false) or LookupLease through the node,
+// with lower: how many keys after the hits the node's disk tier holds
+// (nodepool.DiskConfig), which Load promotes through the node's BeginLoad.
+func (ni *nodeIndex) lookupTiers(keys []Key, lease bool, dst []kvcache.Slot) (hits, lower int, _ []kvcache.Slot) {
+	hits, lower, leased, err := ni.c.LookupTiers(keys, lease, nil)
 	if err != nil {
-		return 0, dst
+		return 0, 0, dst
+	}
+	if !lease {
+		return hits, lower, dst
 	}
 	if len(leased) > hits {
 		_ = ni.c.Unlease(leased[hits:])
@@ -74,7 +82,7 @@ func (ni *nodeIndex) LookupLease(keys []Key, dst []kvcache.Slot) (int, []kvcache
 	for _, s := range leased {
 		dst = append(dst, toKVSlot(s))
 	}
-	return len(leased), dst
+	return len(leased), lower, dst
 }
 
 func (ni *nodeIndex) Unlease(slots []kvcache.Slot) error {

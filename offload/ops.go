@@ -90,14 +90,19 @@ func (e *Engine) lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	e.stats.lookups.Add(1)
 	e.stats.lookupKeys.Add(int64(len(keys)))
 	var res LookupResult
-	if opts.Lease {
-		n, slots := e.cache.LookupLease(keys, nil)
-		res.Hits = n
-		if n > 0 {
-			res.Lease = &Lease{eng: e, keys: append([]Key(nil), keys[:n]...), slots: slots}
-		}
-	} else {
+	var slots []kvcache.Slot
+	switch ni, dialed := e.cache.(*nodeIndex); {
+	case dialed:
+		// The node's disk tier answers in the same round trip.
+		res.Hits, res.DiskHits, slots = ni.lookupTiers(keys, opts.Lease, nil)
+		e.stats.diskLookupHits.Add(int64(res.DiskHits))
+	case opts.Lease:
+		res.Hits, slots = e.cache.LookupLease(keys, nil)
+	default:
 		res.Hits = e.cache.Lookup(keys)
+	}
+	if opts.Lease && res.Hits > 0 {
+		res.Lease = &Lease{eng: e, keys: append([]Key(nil), keys[:res.Hits]...), slots: slots}
 	}
 	e.stats.hits.Add(int64(res.Hits))
 	if e.disk != nil {

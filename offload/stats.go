@@ -373,9 +373,9 @@ func (e *Engine) snapshot() Stats {
 	if e.diskErr != "" {
 		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
 	}
+	s.DiskLookupHits = c.diskLookupHits.Load() // the embedded tier's, or a node's
 	if d := e.disk; d != nil {
 		ds := d.store.Stats()
-		s.DiskLookupHits = c.diskLookupHits.Load()
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
 		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
@@ -43,12 +44,26 @@ on SIGTERM or SIGINT.`,
 		metricsAddr := fs.String("metrics", "", "serve Prometheus metrics at http://`addr`/metrics")
 		eventsAddr := fs.String("events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://host:port)")
 		verbose := fs.Bool("v", false, "log connections, exits and regions to stderr")
+		diskDirs := fs.String("disk", "", "add a disk tier, a records file in each `dir[,dir]`: every block stored is written there, evicted blocks are loaded back from it, a restarted node finds them")
+		var diskBytes int64
+		fs.Var(sizeFlag{&diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
 			}
 			if cfg.Socket == "" {
 				return fmt.Errorf("%w: --socket is required", errUsage)
+			}
+			switch {
+			case diskBytes < 0:
+				return fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, diskBytes)
+			case diskBytes > 0 && *diskDirs == "":
+				return fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+			case *diskDirs != "":
+				if diskBytes == 0 {
+					diskBytes = 4 * cfg.PoolBytes
+				}
+				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes}
 			}
 			if *verbose {
 				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
@@ -70,6 +85,9 @@ on SIGTERM or SIGINT.`,
 			done := make(chan error, 1)
 			go func() { done <- s.Serve() }()
 			fmt.Fprintf(e.stdout, "kvoffload serve: listening on %s (pool %s, %s)\n", s.Addr(), formatSize(cfg.PoolBytes), s.PageMode())
+			if cfg.Disk != nil {
+				fmt.Fprintf(e.stdout, "kvoffload serve: disk tier of %s in %s, opened with the first client's layout\n", formatSize(diskBytes), strings.Join(cfg.Disk.Dirs, ","))
+			}
 			if pub != nil {
 				fmt.Fprintf(e.stdout, "kvoffload serve: publishing KV events at tcp://%s\n", pub.Addr())
 			}

@@ -186,8 +186,12 @@ func Decode(b []byte, m *Msg) error {
 	case TLookupOK:
 		m.N = r.u64("hits")
 		m.Slots = r.slots(m.Slots)
+		m.Lower = r.u32("lower-tier hits")
 		if r.err == nil && (m.N > MaxKeys || (len(m.Slots) != 0 && uint64(len(m.Slots)) != m.N)) {
 			r.fail(fmt.Sprintf("%d hits with %d leased slots", m.N, len(m.Slots)))
+		}
+		if r.err == nil && m.N+uint64(m.Lower) > MaxKeys {
+			r.fail(fmt.Sprintf("%d hits and %d lower-tier hits, over %d keys", m.N, m.Lower, MaxKeys))
 		}
 	case TUnlease, TCommitStore, TAbortStore, TEndLoad:
 		m.Handles = r.handles(m.Handles)

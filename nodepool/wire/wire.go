@@ -50,7 +50,7 @@ import (
 
 // Version is the protocol version this package speaks. A change of any
 // message's encoding changes it.
-const Version uint16 = 1
+const Version uint16 = 2
 
 // Magic opens every Hello: "KVON".
 const Magic uint32 = 0x4e4f564b
@@ -90,7 +90,7 @@ const (
 	TError                        // Code, Text
 	TOK                           // N
 	TLookup                       // Flags&FlagLease, Keys
-	TLookupOK                     // N (hits), Slots (leased: the first N keys' slots)
+	TLookupOK                     // N (hits), Slots (leased: the first N keys' slots), Lower (the node's disk holds the next Lower keys)
 	TUnlease                      // Handles
 	TBeginStore                   // Flags&FlagChain, HeadLo, HeadHi, Parent | Parents, Keys
 	TBeginStoreOK                 // Outcomes (one per key), Slots (one per OutcomeWrite, in key order)
@@ -214,9 +214,10 @@ type Msg struct {
 	SlotSize    uint64
 	Regions     uint32
 
-	Code uint16
-	Text string
-	N    uint64
+	Code  uint16
+	Text  string
+	N     uint64
+	Lower uint32
 
 	HeadLo, HeadHi uint16
 	Parent         Key
@@ -276,6 +277,7 @@ func Append(dst []byte, m *Msg) []byte {
 	case TLookupOK:
 		dst = le.AppendUint64(dst, m.N)
 		dst = appendSlots(dst, m.Slots)
+		dst = le.AppendUint32(dst, m.Lower)
 	case TUnlease, TCommitStore, TAbortStore, TEndLoad:
 		dst = appendHandles(dst, m.Handles)
 	case TBeginStore:
