@@ -985,7 +985,7 @@ func (c *Client) LookupTiers(keys []Key, lease bool, dst []Slot) (hits, lower in
 			return 0, 0, leased[:start], err
 		}
 		h := int(r.N)
-		low := int(r.Lower)
+		replied, low := h, int(r.Lower) // r goes back to the pool below
 		var drop []Slot
 		rv := c.resolverAt(epoch)
 		leased = slices.Grow(leased, len(r.Slots))
@@ -1004,7 +1004,7 @@ func (c *Client) LookupTiers(keys []Key, lease bool, dst []Slot) (hits, lower in
 		}
 		hits += h
 		if h < n {
-			if h == int(r.N) {
+			if h == replied {
 				lower = low // not when a leased block ended the hits early
 			}
 			break

@@ -91,9 +91,14 @@ func TestDemoDisk(t *testing.T) {
 func TestDemoDiskRestart(t *testing.T) {
 	cfg := tinyDemo(offload.BackendHost)
 	cfg.diskDir = t.TempDir()
+	// A disk tier the run cannot fill (the default, four times the pool,
+	// holds 409 tiny records and a 2 s run writes thousands: the first
+	// request's records survived only when its prefix came back late).
+	cfg.diskBytes = 512 << 20
 	first, err := runDemo(context.Background(), cfg, nil, noNotice)
 	require.NoError(t, err)
 	require.Positive(t, first.Drained)
+	require.Less(t, first.Disk.Records, first.Disk.Capacity, "the disk tier never filled: no record of the first request was evicted")
 	require.NotNil(t, first.FirstRequest)
 	require.Equal(t, first.FirstRequest.Total, first.FirstRequest.Misses, "a fresh directory: the first request is recomputed")
 	second, err := runDemo(context.Background(), cfg, nil, noNotice)
