@@ -233,12 +233,11 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, pos []int) {
 			continue
 		}
 		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer func() { <-sem; wg.Done() }()
+		wg.Go(func() {
+			defer func() { <-sem }()
 			found, err := d.store.Get(skeys[i], mem)
 			ok[i] = found && err == nil
-		}()
+		})
 	}
 	wg.Wait()
 	var good, bad []kvcache.Slot

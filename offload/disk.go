@@ -197,7 +197,7 @@ type diskTier struct {
 
 	busyMu sync.Mutex
 	busy   int                    // write-backs accepted and not finished (≤ maxBusy)
-	accept map[slotGen]acceptance // accepted to go demoting, until OnDemote
+	accept map[slotGen]*writeBack // accepted to go demoting, until OnDemote
 	idle   chan struct{}          // closed when busy drops to 0
 	tomb   map[Key]struct{}
 	// writing holds the write-backs accepted and not finished by key:
@@ -225,13 +225,6 @@ type writeBack struct {
 	src     []byte
 	gen     uint64
 	readers int
-}
-
-// acceptance is a demotion accepted from a slot, until OnDemote: its clear
-// generation and its readable entry.
-type acceptance struct {
-	gen uint64
-	wb  *writeBack
 }
 
 // demotion is a write-back for a writer: from slot (demoting) when
@@ -269,7 +262,7 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 	n := int(dc.WriteBackBytes / slot)
 	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
 		writeThrough: dc.WriteThrough, maxBusy: n, seen: make([]uint8, 1<<16),
-		accept: map[slotGen]acceptance{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
+		accept: map[slotGen]*writeBack{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
 		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
 		demoted: func(s kvcache.Slot) {
 			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
@@ -460,8 +453,8 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 	if !needed {
 		// Readable from the slot at once: from here until Demoted the slot
 		// is releasing, then demoting, never reused.
-		d.accept[slotGen{s.ID, s.Gen}] = acceptance{gen, &writeBack{src: mem, gen: gen}}
-		d.writing[k] = d.accept[slotGen{s.ID, s.Gen}].wb
+		wb := &writeBack{src: mem, gen: gen}
+		d.accept[slotGen{s.ID, s.Gen}], d.writing[k] = wb, wb
 		d.busyMu.Unlock()
 		return true
 	}
@@ -477,11 +470,13 @@ func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 // queue has room for every accepted write-back).
 func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
 	d.busyMu.Lock()
-	a := d.accept[slotGen{s.ID, s.Gen}]
+	job := demotion{key: k, slot: s, fromSlot: true, wb: d.accept[slotGen{s.ID, s.Gen}]}
 	delete(d.accept, slotGen{s.ID, s.Gen})
 	d.busyMu.Unlock()
+	if job.wb != nil { // demote's entry: always there
+		job.gen = job.wb.gen
+	}
 	d.hold(s)
-	job := demotion{key: k, slot: s, fromSlot: true, gen: a.gen, wb: a.wb}
 	d.mu.RLock()
 	if !d.closed {
 		d.queue <- job
