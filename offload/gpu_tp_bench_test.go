@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -38,9 +39,14 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		variants = "auto kernel"
 	}
 	for _, v := range strings.Fields(variants) {
-		h, err := hsVariant(v)
+		// early=1 (as in BenchmarkGPUPagedReload): Config.EarlyEvents.
+		hv, early := v, false
+		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
+			hv, early = base, true
+		}
+		h, err := hsVariant(hv)
 		require.NoError(b, err)
-		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h)) })
+		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, early)) })
 	}
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
 		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
@@ -94,14 +100,27 @@ func hsVariant(v string) (engineHooks, error) {
 
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
-func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks) string {
+func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early bool) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
+	var tr *prTracer
+	if os.Getenv("KVO_PR_TRACE") != "" {
+		tr = &prTracer{drv: drv}
+		h.trace = tr.point
+	}
+	defer tr.close(b)
 	rig := newHeadSlicedRig(b, g, 128, func(cfg Config) (*Engine, error) {
 		cfg.Backend = BackendCUDA
-		return newEngine(cfg, h)
+		cfg.EarlyEvents = early
+		e, err := newEngine(cfg, h)
+		if err == nil && tr != nil {
+			tr.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
+			tr.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
+		}
+		return e, err
 	})
 	defer func() { require.NoError(b, rig.e.Close()) }()
+	rig.tr = tr
 	rankBytes := rig.rankBytes
 	// The reference: contiguous copies of rankBytes between a pinned buffer
 	// and one device allocation, timed with events on a stream of our own.

@@ -2,6 +2,7 @@ package offload
 
 import (
 	"context"
+	"fmt"
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"testing"
 	"time"
@@ -22,6 +23,7 @@ type headSlicedRig struct {
 	keys      []Key
 	ids       []int
 	gpu       *gpuTiming // nil: no GPU-side timing
+	tr        *prTracer  // nil: no trace (KVO_PR_TRACE on the GPU)
 }
 
 const hsTP, hsHeads, hsLayers, hsBlocks = 4, 8, 32, 1024
@@ -122,6 +124,7 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	b.StartTimer()
 	var m headSlicedTimes
 	rig.gpu.start(b)
+	rig.traceArm(b, true)
 	t0 := time.Now()
 	op, err := rig.e.Store(ctx, rig.keys, rig.ids, StoreOptions{})
 	m.storeCall = time.Since(t0)
@@ -130,9 +133,11 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	require.NoError(b, op.Wait(ctx))
 	m.store = time.Since(t0)
 	m.storeGPU = rig.gpu.elapsed(b)
+	rig.tr.report(b, fmt.Sprintf("store %d: GPU side %.3f ms", it, m.storeGPU.Seconds()*1e3))
 	require.Equal(b, hsBlocks, op.Count(OutcomeStored))
 	require.NoError(b, op.Release())
 	rig.gpu.start(b)
+	rig.traceArm(b, false)
 	t0 = time.Now()
 	op, err = rig.e.Load(ctx, rig.keys, rig.ids, LoadOptions{})
 	m.loadCall = time.Since(t0)
@@ -141,10 +146,19 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	require.NoError(b, op.Wait(ctx))
 	m.load = time.Since(t0)
 	m.loadGPU = rig.gpu.elapsed(b)
+	rig.tr.report(b, fmt.Sprintf("load %d: GPU side %.3f ms", it, m.loadGPU.Seconds()*1e3))
 	require.Equal(b, hsBlocks, op.Count(OutcomeLoaded))
 	require.NoError(b, op.Release())
 	rig.e.Delete(rig.keys)
 	return m
+}
+
+// traceArm arms the rig's tracer (if any) for the next call, with the GPU
+// timing's start event as the trace's origin.
+func (rig *headSlicedRig) traceArm(b *testing.B, store bool) {
+	if rig.tr != nil && rig.gpu != nil {
+		rig.tr.arm(b, rig.gpu.e0, store)
+	}
 }
 
 // BenchmarkHeadSlicedFake is BenchmarkGPUHeadSliced's store and load of a

@@ -32,7 +32,8 @@
 // submitting thread copies the current one; it takes the parts in copy
 // order, and a part is built once). A device with early events (CUDA with stream memory
 // operations, see promiser) lets Submit of a request with events return
-// before its copies are built: a signalling goroutine records its events
+// before its copies are built: Submit records its events itself (on the
+// caller's thread, the device's context made current for the calls)
 // behind waits on a counter the engine stream writes after the copies. One submitting goroutine
 // takes queued requests, loads before stores, within MaxInFlightBytes and
 // MaxBatchesInFlight per direction, and issues them as one batch: waits on

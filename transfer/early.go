@@ -157,3 +157,8 @@ func (c *CUDA) Snapshot(dir Direction, caller, snap Event) error {
 	}
 	return c.drv.EventRecord(cuda.Event(snap), s)
 }
+
+// OnThread runs f on the calling goroutine's thread with the context
+// current and capture mode relaxed, both restored afterwards (a caller's
+// thread keeps its own).
+func (c *CUDA) OnThread(f func() error) error { return cuda.OnThread(c.drv, c.ctx, f) }

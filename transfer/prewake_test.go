@@ -18,7 +18,7 @@ import (
 // polling for them), after a Prewake whose poll ran out (the threads
 // asleep again), and from several goroutines that Prewake and Submit at
 // once, all complete with the right bytes, with and without early events
-// (the signalling thread's poll hands over what it receives). A request
+// (the events promised on the caller's thread). A request
 // the polling threads dropped, or a kick they swallowed, leaves Submit or
 // Wait hanging and fails the test; Close after a Prewake with nothing
 // submitted must not hang either (the cleanup), nor leave a goroutine

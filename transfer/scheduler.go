@@ -87,22 +87,24 @@ type Config struct {
 	// quarter of GOMAXPROCS, 1 to 4; at most MaxBuilders).
 	Builders int
 	// Trace, when set, is called at points of a lazy op's life, with the
-	// point's name: "submit" (Submit entered), "issue" (the submitting
-	// thread took the op), "events" (its events recorded), "fed" (builder
+	// point's name: "submit" (Submit entered), "promised" (early events:
+	// Submit recorded its events and handed it over), "issue" (the
+	// submitting thread took the op), "events" (its events recorded, or
+	// with early events its counter values written), "fed" (builder
 	// goroutines started on its parts), "built" (a part built on the
 	// submitting thread), "copy" and "copied" around each part's Copy
 	// (with the part's number), "issued" (its copies all enqueued).
-	// "submit" runs on the caller's goroutine, the others on the
+	// "submit" and "promised" run on the caller's goroutine, the others on the
 	// submitting thread with the device's context current, so calls may
 	// overlap (concurrent Submits): it must be safe for concurrent use and
 	// return at once. Diagnostics: where the time from a call to its first
 	// copy goes.
 	Trace func(point string, part int)
-	// PrewakeSpin is how long the engine's submitting and signalling
-	// threads, woken by Prewake, poll for the request announced before
-	// they sleep again. Waking a sleeping thread took 45–350 µs on the H200
-	// machine's VM, in series with every call; a Prewake at the start of a
-	// call overlaps it with the caller's own work. A polling thread holds
+	// PrewakeSpin is how long the engine's submitting thread, woken by
+	// Prewake, polls for the request announced before it sleeps again.
+	// Waking a sleeping thread took 45–350 µs on the H200 machine's VM,
+	// in series with every call; a Prewake at the start of a call
+	// overlaps it with the caller's own work. A polling thread holds
 	// a P of the Go runtime: the default is DefaultPrewakeSpin where
 	// GOMAXPROCS ≥ 8, else 0; negative or zero: Prewake does nothing.
 	PrewakeSpin time.Duration
@@ -245,21 +247,19 @@ type Scheduler struct {
 
 	wake           chan struct{}
 	prewake        chan struct{} // Prewake to the submitter
-	sigPrewake     chan struct{} // Prewake to the signaller
 	announced      atomic.Int32  // Prewakes not yet PrewakeDone
 	pending        [2]chan *batch
 	done           sync.WaitGroup
 	liveCompleters atomic.Int32
 
-	// Early events (see promiser): early is the device's, or nil. Ops
-	// with events go to the signalling goroutine (sigCh), which records
-	// their events behind waits for their sequence values and only then
-	// hands them to the submitter; signalling counts those accepted and
-	// not yet handed over (under mu). seq is the last value given out per
-	// direction (signalling goroutine only).
+	// Early events (see promiser): early is the device's, or nil. Submit
+	// of an op with events records them itself, under sigMu, behind waits
+	// for its sequence values, and only then hands the op to the
+	// submitter; signalling counts the ops accepted and not yet handed
+	// over (under mu). seq is the last value given out per direction
+	// (under sigMu).
 	early      promiser
-	sigCh      chan *Op
-	sigQuit    chan struct{}
+	sigMu      sync.Mutex
 	signalling int
 	seq        [2]uint64
 
@@ -432,6 +432,11 @@ type promiser interface {
 	Promise(dir Direction, v uint64, evs []Event) error
 	Fulfil(dir Direction, v uint64) error
 	Snapshot(dir Direction, caller, snap Event) error
+	// OnThread runs f on the calling goroutine's thread, locked, with
+	// the device's context current (and the thread's own restored after):
+	// Promise and Snapshot run on the caller of Submit, with no hand-over
+	// to another thread.
+	OnThread(f func() error) error
 }
 
 // Op is one submitted request. Its methods are safe for concurrent use.
@@ -451,8 +456,8 @@ type Op struct {
 
 	done chan struct{}
 
-	// Early events: the op's events were promised by the signalling
-	// goroutine for the values seq0+1 … seq0+Layers (layer l's is
+	// Early events: the op's events were promised by its Submit for the
+	// values seq0+1 … seq0+Layers (layer l's is
 	// seq0+l+1; the op event and Signal wait for the last); snap is the
 	// snapshot of After the copies wait on instead of After. subErr is
 	// what Submit returns when promising failed.
@@ -462,7 +467,7 @@ type Op struct {
 	subErr error
 	// built counts the bytes a lazy op's parts have produced.
 	built uint64
-	// given: the signaller gave the op counter values (seq0+1 …).
+	// given: its Submit gave the op counter values (seq0+1 …).
 	given bool
 
 	mu        sync.Mutex
@@ -494,14 +499,13 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 		return nil, err
 	}
 	s := &Scheduler{
-		dev:        dev,
-		cfg:        cfg,
-		host:       rangeSet{kind: "host"},
-		devR:       rangeSet{kind: "device"},
-		seed:       maphash.MakeSeed(),
-		wake:       make(chan struct{}, 1),
-		prewake:    make(chan struct{}, 1),
-		sigPrewake: make(chan struct{}, 1),
+		dev:     dev,
+		cfg:     cfg,
+		host:    rangeSet{kind: "host"},
+		devR:    rangeSet{kind: "device"},
+		seed:    maphash.MakeSeed(),
+		wake:    make(chan struct{}, 1),
+		prewake: make(chan struct{}, 1),
 	}
 	for d := range s.pending {
 		s.pending[d] = make(chan *batch, 4096)
@@ -509,9 +513,6 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 	threads := 3
 	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents && p.StartEarly() {
 		s.early = p
-		s.sigCh = make(chan *Op, 1024)
-		s.sigQuit = make(chan struct{})
-		threads++
 	}
 	ready := make(chan error, threads)
 	s.done.Add(threads)
@@ -519,9 +520,6 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 	go s.submitter(ready)
 	go s.completer(Load, ready)
 	go s.completer(Store, ready)
-	if s.early != nil {
-		go s.signaller(ready)
-	}
 	var err error
 	for range threads {
 		err = errors.Join(err, <-ready)
@@ -611,12 +609,21 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		}
 		s.inflight[d] += op.bytes
 		if s.early != nil {
-			// The signalling goroutine promises the op's events and hands
-			// it to the submitter; Submit returns once the events are
-			// valid, before the copies are built.
+			// The op's events are promised here, on the caller's thread
+			// with the device's context made current for the calls (a
+			// hand-over to an engine thread cost 20–200 µs on the H200
+			// machine, in series with the first copy), then the op goes
+			// to the submitter; Submit returns once the events are valid,
+			// before the copies are built. sigMu keeps the counter values
+			// in the order the submitter receives the ops.
 			s.signalling++
 			s.mu.Unlock()
-			s.sigCh <- op
+			s.sigMu.Lock()
+			s.handOver(op, s.early.OnThread(func() error { return s.promise(op) }))
+			s.sigMu.Unlock()
+			if req.lazy() {
+				s.trace("promised", -1)
+			}
 			<-op.enq
 			if op.subErr != nil {
 				return nil, op.subErr
@@ -791,9 +798,6 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		for d := range s.pending {
 			close(s.pending[d])
 		}
-		if s.sigQuit != nil {
-			close(s.sigQuit)
-		}
 		return
 	}
 	for {
@@ -812,9 +816,6 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	}
 	for d := range s.pending {
 		close(s.pending[d])
-	}
-	if s.sigQuit != nil {
-		close(s.sigQuit)
 	}
 	// The completers finish the batches in flight; their events are
 	// destroyed by the last completer to exit (see completer).
@@ -1240,34 +1241,6 @@ func (s *Scheduler) fulfilAll(b *batch) {
 	}
 }
 
-// signaller promises the events of ops with events (early events): on its
-// own locked thread, so that Submit never waits behind the submitter's
-// building and copying of earlier ops.
-func (s *Scheduler) signaller(ready chan<- error) {
-	defer s.done.Done()
-	defer runtime.UnlockOSThread()
-	err := s.lockThread()
-	ready <- err
-	for {
-		var op *Op
-		select {
-		case op = <-s.sigCh:
-		case <-s.sigPrewake:
-			var ok bool
-			if op, ok = spinFor(s.sigCh, s.cfg.PrewakeSpin, &s.announced); !ok {
-				continue
-			}
-		case <-s.sigQuit:
-			return
-		}
-		if err == nil {
-			s.handOver(op, s.promise(op))
-		} else {
-			s.handOver(op, err)
-		}
-	}
-}
-
 // Prewake tells the engine's threads that a request is about to be
 // submitted: they wake now, while the caller still prepares it, and poll
 // for it for up to Config.PrewakeSpin, so that its Submit does not wait
@@ -1283,12 +1256,6 @@ func (s *Scheduler) Prewake() {
 	select {
 	case s.prewake <- struct{}{}:
 	default:
-	}
-	if s.early != nil {
-		select {
-		case s.sigPrewake <- struct{}{}:
-		default:
-		}
 	}
 }
 
@@ -1440,7 +1407,7 @@ func (s *Scheduler) batchEvent() (Event, error) {
 }
 
 // opEventsFor gives op its pooled events (an engine thread: the
-// submitter, or the signaller for early events).
+// submitter, or Submit's caller for early events).
 func (s *Scheduler) opEventsFor(op *Op) error {
 	if !op.req.Events {
 		return nil
