@@ -861,3 +861,70 @@ func TestScanChunks(t *testing.T) {
 	require.Equal(t, got[0].st.StaleAtOpen, got[1].st.StaleAtOpen)
 	require.Equal(t, got[0].keys, got[1].keys)
 }
+
+// A record of at least splitMinBytes read with O_DIRECT is read in two
+// reads (the header sector and the head, then the tail while the head's CRC
+// runs): for a payload that is a multiple of 4 KiB (read into dst) and one
+// that is not (read through a bounce buffer), every record reads back
+// whole; a byte flipped in the tail, in the head or in the header is a
+// miss counted Corrupt, and a tail the file cuts short is a miss counted
+// IOErrors, each record dropped; through a bounce buffer, dst is left as it
+// was on each miss.
+func TestSplitRead(t *testing.T) {
+	for _, size := range []int64{1 << 20, 1<<20 + 100} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			const records = 5
+			s := open(t, config(directDir(t), size, records))
+			tail := s.readTail(s.dirs[0])
+			require.Positive(t, tail, "the read is split")
+			head := int64(s.padded) - int64(tail) // payload bytes in the first read
+			require.Less(t, head, size, "the tail holds payload bytes")
+			for i := range records {
+				require.NoError(t, s.Put(key(i), payload(key(i), size)))
+			}
+			for i := range records {
+				mustGet(t, s, key(i))
+				dst := make([]byte, size+1) // unaligned length: the bounce buffer
+				ok, err := s.Get(key(i), dst[1:])
+				require.NoError(t, err)
+				require.True(t, ok)
+				require.Equal(t, payload(key(i), size), dst[1:])
+			}
+
+			// The record at the end of the file is cut inside its tail;
+			// three others get a byte flipped in the tail, the head, the
+			// header; the last stays intact.
+			var byOff [records][16]byte
+			for i := range records {
+				byOff[slotOff(t, s, key(i))/s.slotBytes] = key(i)
+			}
+			cut, inTail, inHead, inHeader, intact := byOff[records-1], byOff[0], byOff[1], byOff[2], byOff[3]
+			path := s.dirs[0].path
+			flip := func(k [16]byte, at int64) {
+				off := slotOff(t, s, k) + at
+				patch(t, path, off, []byte{readAt(t, path, off, 1)[0] ^ 0x40})
+			}
+			flip(inTail, record.HeaderSize+size-1)
+			flip(inHead, record.HeaderSize+head-1)
+			flip(inHeader, 40) // the payload length
+			require.NoError(t, os.Truncate(path, slotOff(t, s, cut)+record.HeaderSize+head+align))
+
+			for n, k := range [][16]byte{inTail, inHead, inHeader} {
+				dst := bytes.Repeat([]byte{0xee}, int(size)+1)
+				ok, err := s.Get(k, dst[1:])
+				require.NoError(t, err)
+				require.False(t, ok, "key %x", k)
+				require.Equal(t, bytes.Repeat([]byte{0xee}, int(size)+1), dst, "dst untouched by a miss")
+				require.Equal(t, int64(n+1), s.Stats().Corrupt)
+				require.False(t, s.Contains(k), "dropped")
+			}
+			mustMiss(t, s, cut)
+			st := s.Stats()
+			require.Equal(t, int64(1), st.IOErrors, "the cut tail")
+			require.Equal(t, int64(3), st.Corrupt)
+			require.False(t, s.Contains(cut), "dropped")
+			mustGet(t, s, intact)
+			require.Equal(t, int64(2*records+1), s.Stats().Hits)
+		})
+	}
+}

@@ -38,6 +38,12 @@
 //     (ENOSPC, EIO, a read-only file system) returns ErrIO, counts it and
 //     leaves the store usable. A directory that refuses writes at Open
 //     serves the records it holds and takes no new ones.
+//   - A Get reads its record in one preadv, or, for payloads of at least
+//     1 MiB read with O_DIRECT, in two preads one after the other (the
+//     header sector and the head, then the last eighth of the payload)
+//     with the head's CRC beside the second: never two reads of one Get
+//     in flight at once, and the payload checksum covers both before Get
+//     reports a hit.
 //   - O_DIRECT is used where the file system takes it (DirectAuto), with
 //     buffered I/O where it does not (tmpfs); Stats.Mode says which.
 //     Aligned buffers (4 KiB in address and length, as the engine's pinned
@@ -49,7 +55,7 @@
 // Put, Get, Contains, Delete and Clear are safe for concurrent use. One
 // mutex guards the index, the free list and the LRU list; no I/O runs under
 // it, so many reads and writes are in flight at once (each in its own
-// goroutine, each one pread/pwrite). A slot being read is not reused until
-// its readers are done; eviction takes the least recently used record that
-// no one is reading. Contains reads memory only.
+// goroutine, each one pwrite, or one or two preads in turn). A slot being
+// read is not reused until its readers are done; eviction takes the least
+// recently used record that no one is reading. Contains reads memory only.
 package disk
