@@ -76,6 +76,60 @@ func loadAllParts(t *testing.T, e *fakeEnv, n, seg uint64, layered bool, seed in
 	require.Equal(t, want, c.parts)
 }
 
+// TestPipelinedSteal: with several builders, a part no builder has
+// started when the submitting thread needs it is built by that thread
+// (builders held back as a slow wake holds them: every part; builders
+// late by a few parts: some), each part exactly once, every byte copied.
+func TestPipelinedSteal(t *testing.T) {
+	const seg, n = 4096, 32 * 4096
+	for _, tc := range []struct {
+		name  string
+		delay time.Duration
+		all   bool // every part built on the submitting thread
+	}{
+		{"held", time.Hour, true},
+		{"late", 3 * time.Millisecond, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var onSubmitter atomic.Int32
+			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 31},
+				Config{Builders: 4, Trace: func(point string, _ int) {
+					if point == "built" {
+						onSubmitter.Add(1)
+					}
+				}})
+			e.s.builderDelay = tc.delay
+			src := randBytes(rand.New(rand.NewSource(32)), n)
+			copy(e.hostBuf, src)
+			var c countingBuild
+			req := lazyLoad(e, n, seg, false, -1, nil)
+			slow := req.Build
+			req.Build = c.wrap(func(p int, dst []Segment) ([]Segment, error) {
+				time.Sleep(200 * time.Microsecond) // the builders' share, were they awake
+				return slow(p, dst)
+			}, -1, nil)
+			op, err := submitWithin(t, e.s, req, 5*time.Second)
+			require.NoError(t, err)
+			waitWithin(t, op, 5*time.Second)
+			require.NoError(t, op.Release())
+			require.Equal(t, src, e.deviceBytes(t, n))
+			parts := slices.Clone(c.parts)
+			slices.Sort(parts)
+			want := make([]int, n/seg)
+			for i := range want {
+				want[i] = i
+			}
+			require.Equal(t, want, parts, "each part built exactly once")
+			if tc.all {
+				require.EqualValues(t, n/seg, onSubmitter.Load(), "every part built on the submitting thread")
+				require.Equal(t, want, c.parts, "in order")
+			} else {
+				require.Greater(t, onSubmitter.Load(), int32(1), "parts beyond the first built on the submitting thread")
+			}
+		})
+	}
+}
+
 // TestPipelinedFailure: a part that fails to build, or a copy that fails
 // part-way, fails the op; the builder stops (nothing built after a failed
 // part, at most one part ahead of a failed copy), nothing is built once

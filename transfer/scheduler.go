@@ -273,6 +273,9 @@ type Scheduler struct {
 	lone     partBuf
 	feed     partFeed  // the issue's part builder (submitting thread only)
 	partRefs []partRef // the parts it builds, in the order they are copied
+	// builderDelay (tests) holds each builder goroutine back before its
+	// first part, as a slow wake of its thread does.
+	builderDelay time.Duration
 }
 
 // partBuf is one built and validated part of a lazy op: its segments as
@@ -317,12 +320,21 @@ type partRef struct {
 // n builds the rest's parts j, j+n, j+2n, …
 // alternating between its two buffers, so one issue holds at most 2n
 // parts' buffers whatever its ops, and the rest's part i is the next
-// one builder i mod n hands over. A builder stops after a part that fails (the
-// submitting thread, taking parts in order, fails the op there), or at
-// stop; all have exited once stop returns.
+// one builder i mod n hands over. Each part of the rest is claimed once
+// (claimed), by its builder as it starts it or by the submitting thread
+// when it needs the part before its builder has started it (with more
+// than one builder configured, as for building the first part): the
+// submitting thread then builds it itself (steal) instead of waiting for
+// a builder goroutine still being woken (on the H200 machine the parts
+// the builders built first came 0.3–0.5 ms after they were started,
+// while the device ran dry), and the builder skips it. A builder stops
+// after a part that fails (the submitting thread, taking parts in order,
+// fails the op there), or at stop; all have exited once stop returns.
 type partFeed struct {
 	all      []feedBuilder // every builder made so far, each initialised
 	builders []feedBuilder // this issue's: all[:n]
+	parts    []partRef     // the rest: the parts the builders build
+	claimed  []atomic.Bool // per part of the rest: someone builds it
 	taken    int           // parts handed to the submitting thread
 	first    partRef       // built by the submitting thread (firstDue: not yet)
 	firstDue bool
@@ -347,6 +359,14 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 		parts = parts[1:]
 	}
 	n := min(s.cfg.Builders, len(parts))
+	f.parts = parts
+	if cap(f.claimed) < len(parts) {
+		f.claimed = make([]atomic.Bool, len(parts))
+	}
+	f.claimed = f.claimed[:len(parts)]
+	for i := range f.claimed {
+		f.claimed[i].Store(false)
+	}
 	for len(f.all) < n {
 		j := len(f.all)
 		f.all = append(f.all, feedBuilder{free: make(chan *partBuf, 2), ready: make(chan *partBuf, 2)})
@@ -362,6 +382,13 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 		f.exited.Add(1)
 		go func() {
 			defer f.exited.Done()
+			if d := s.builderDelay; d > 0 {
+				select {
+				case <-time.After(d):
+				case <-f.quit:
+					return
+				}
+			}
 			for i := j; i < len(parts); i += n {
 				select { // stop first, even with a buffer free
 				case <-f.quit:
@@ -374,6 +401,10 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 				case <-f.quit:
 					return
 				}
+				if !f.claimed[i].CompareAndSwap(false, true) {
+					fb.free <- pb // stolen; never blocks: as many places as buffers
+					continue
+				}
 				s.buildPart(parts[i].op, parts[i].p, pb)
 				fb.ready <- pb // never blocks: as many places as buffers
 				if pb.err != nil {
@@ -385,15 +416,30 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 	return f
 }
 
-// next waits for the feed's next part.
-func (f *partFeed) next() *partBuf {
-	pb := <-f.builders[f.taken%len(f.builders)].ready
+// nextPart returns the feed's next part: built by the submitting thread
+// itself into s.lone if no builder has started it (see partFeed), else
+// its builder's once ready.
+func (s *Scheduler) nextPart(f *partFeed) *partBuf {
+	i := f.taken
 	f.taken++
-	return pb
+	// With one builder, Build never runs twice at once: no stealing.
+	if s.cfg.Builders > 1 && f.claimed[i].CompareAndSwap(false, true) {
+		s.buildPart(f.parts[i].op, f.parts[i].p, &s.lone)
+		s.trace("built", f.parts[i].p)
+		return &s.lone
+	}
+	return <-f.builders[i%len(f.builders)].ready
 }
 
-// done gives a part's buffer back to its builder.
-func (f *partFeed) done(pb *partBuf) { f.builders[pb.builder].free <- pb }
+// done gives a part's buffer back to its builder (s.lone, a part the
+// submitting thread built, to no one).
+func (s *Scheduler) partDone(f *partFeed, pb *partBuf) {
+	if pb == &s.lone {
+		pb.op = nil
+		return
+	}
+	f.builders[pb.builder].free <- pb
+}
 
 // stopFeed ends the feed: the builders build nothing more and have exited
 // when it returns. Idempotent.
@@ -1096,14 +1142,17 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 			}
 			continue
 		}
-		pb := f.next()
+		pb := s.nextPart(f)
 		if pb.op != op || pb.p != p {
 			return fmt.Errorf("%w: the part builder gave part %d of another op, want part %d of this %v", ErrInvalidRequest, pb.p, p, op.dir)
 		}
 		if err := s.copyPart(b, op, pb); err != nil {
+			if pb == &s.lone {
+				pb.op = nil
+			}
 			return err
 		}
-		f.done(pb)
+		s.partDone(f, pb)
 	}
 	if l == len(op.layerEnds)-1 && op.built != op.bytes {
 		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
