@@ -893,6 +893,7 @@ type Stats struct {
 	DiskRecords     int64  `json:"disk_records"`      // records on disk now
 	DiskCorrupt     int64  `json:"disk_corrupt"`      // records that failed a check when read
 	DiskError       string `json:"disk_error,omitempty"`
+	DiskOpen        bool   `json:"disk_open,omitempty"` // the tier is open and serving
 }
 
 // Stats returns a snapshot of the node's state.
@@ -919,6 +920,7 @@ func (s *Server) Stats() Stats {
 		st.Cache = c.Stats()
 	}
 	if d != nil {
+		st.DiskOpen = true
 		ds := d.store.Stats()
 		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.lookupHits.Load(), d.hits.Load(), d.misses.Load()
 		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()

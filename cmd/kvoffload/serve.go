@@ -98,7 +98,7 @@ on SIGTERM or SIGINT.`,
 					return fmt.Errorf("--metrics %s: %w", *metricsAddr, err)
 				}
 				mux := http.NewServeMux()
-				mux.Handle("/metrics", promhttp.HandlerFor(nodeRegistry(s), promhttp.HandlerOpts{}))
+				mux.Handle("/metrics", promhttp.HandlerFor(nodeRegistry(s, cfg.Disk != nil), promhttp.HandlerOpts{}))
 				srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 				go func() { _ = srv.Serve(ln) }()
 				defer srv.Close()
@@ -148,7 +148,7 @@ func publisher(pub zmq4.Socket) func([]wire.Event) {
 }
 
 // nodeRegistry exports the node's Stats.
-func nodeRegistry(s *nodepool.Server) *prometheus.Registry {
+func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 	reg := prometheus.NewRegistry()
 	g := func(name, help string, f func(nodepool.Stats) float64) {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "kvoffload_node", Name: name, Help: help},
@@ -174,5 +174,24 @@ func nodeRegistry(s *nodepool.Server) *prometheus.Registry {
 	c("malformed_total", "Messages that did not decode.", func(st nodepool.Stats) float64 { return float64(st.Malformed) })
 	c("released_on_exit_total", "Clients whose holdings were released when their process exited.", func(st nodepool.Stats) float64 { return float64(st.ReleasedOnExit) })
 	c("events_dropped_total", "KV events dropped by a full queue.", func(st nodepool.Stats) float64 { return float64(st.EventsDropped) })
+	if disk {
+		// The disk tier's series (--disk), as nodepool.Stats counts them;
+		// disk_up is 0 while the tier is not open (before the first
+		// client's layout) or failed to open (disk_error in Stats).
+		g("disk_up", "1 when the disk tier is open and serving, else 0.", func(st nodepool.Stats) float64 {
+			if st.DiskOpen {
+				return 1
+			}
+			return 0
+		})
+		g("disk_records", "Records on disk now.", func(st nodepool.Stats) float64 { return float64(st.DiskRecords) })
+		c("disk_lookup_hits_total", "Keys lookups found on disk after the pool's hits.", func(st nodepool.Stats) float64 { return float64(st.DiskLookupHits) })
+		c("disk_promoted_total", "Blocks loads promoted from disk into the pool.", func(st nodepool.Stats) float64 { return float64(st.DiskHits) })
+		c("disk_misses_total", "Promotions whose record was missing or failed a check.", func(st nodepool.Stats) float64 { return float64(st.DiskMisses) })
+		c("disk_writes_total", "Blocks written through to disk.", func(st nodepool.Stats) float64 { return float64(st.DiskWrites) })
+		c("disk_write_errors_total", "Writes the disk store refused or failed.", func(st nodepool.Stats) float64 { return float64(st.DiskWriteErrors) })
+		c("disk_dropped_total", "Ready blocks not written: the write-through queue was full.", func(st nodepool.Stats) float64 { return float64(st.DiskDropped) })
+		c("disk_corrupt_total", "Records that failed a check when read.", func(st nodepool.Stats) float64 { return float64(st.DiskCorrupt) })
+	}
 	return reg
 }

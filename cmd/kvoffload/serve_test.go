@@ -63,6 +63,7 @@ func TestServe(t *testing.T) {
 	_ = resp.Body.Close()
 	require.Contains(t, string(body), "kvoffload_node_stored_total 2")
 	require.Contains(t, string(body), "kvoffload_node_clients 1")
+	require.NotContains(t, string(body), "kvoffload_node_disk_", "no disk tier, no disk series")
 	require.NoError(t, c.Close())
 
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
@@ -114,9 +115,31 @@ func startServeCmd(t *testing.T, sock string, args ...string) (*exec.Cmd, *syncB
 	return cmd, stdout
 }
 
+// serveMetrics waits for serve's metrics address on stdout and returns
+// what /metrics serves.
+func serveMetrics(t *testing.T, stdout *syncBuffer) string {
+	t.Helper()
+	var url string
+	require.Eventually(t, func() bool {
+		out := stdout.String()
+		i := strings.Index(out, "http://")
+		if i >= 0 {
+			url = strings.Fields(out[i:])[0]
+		}
+		return i >= 0
+	}, 20*time.Second, 10*time.Millisecond, "stdout %q", stdout)
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return string(body)
+}
+
 // TestServeDisk: `serve --disk` writes the blocks stored to disk, and a
 // node restarted on the same directory has them from its first lookup,
-// after its pool's (empty) hits, and loads them byte-exact. --disk-bytes
+// after its pool's (empty) hits, and loads them byte-exact; /metrics
+// carries the tier (up, records, lookup hits, promotions). --disk-bytes
 // without --disk is a usage error.
 func TestServeDisk(t *testing.T) {
 	dir := t.TempDir()
@@ -124,7 +147,8 @@ func TestServeDisk(t *testing.T) {
 	layout := nodepool.LayoutOf(kvcache.CrossLayer, kvcache.Geometry{Layers: 2, KVHeads: 2, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16})
 	keys := []kvcache.Key{{1}, {2}}
 	for round := range 2 {
-		cmd, stdout := startServeCmd(t, sock, "--pool", "4MiB", "--disk", dir, "--disk-bytes", "4MiB")
+		cmd, stdout := startServeCmd(t, sock, "--pool", "4MiB", "--disk", dir, "--disk-bytes", "4MiB", "--metrics", "127.0.0.1:0")
+		require.Contains(t, serveMetrics(t, stdout), "kvoffload_node_disk_up 0", "not open before the first client's layout")
 		require.Contains(t, stdout.String(), "disk tier of 4 MiB in "+dir)
 		c, err := nodepool.Dial(sock, nodepool.ClientConfig{Namespace: "m", Layout: layout, Redial: -1, PrefaultThreads: 1})
 		require.NoError(t, err)
@@ -145,6 +169,11 @@ func TestServeDisk(t *testing.T) {
 			require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
 			require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
 			require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+			m := serveMetrics(t, stdout)
+			for _, want := range []string{"kvoffload_node_disk_up 1", "kvoffload_node_disk_records 2",
+				"kvoffload_node_disk_lookup_hits_total 2", "kvoffload_node_disk_promoted_total 2", "kvoffload_node_disk_corrupt_total 0"} {
+				require.Contains(t, m, want)
+			}
 		}
 		require.NoError(t, c.Close())
 		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
