@@ -76,16 +76,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					h.trace = tr.point
 				}
 				defer tr.close(b)
-				lines = append(lines, pagedReload(b, gpu.Drv, v, func(cfg Config) (*Engine, error) {
-					cfg.Backend = BackendCUDA
-					cfg.EarlyEvents = early
-					e, err := newEngine(cfg, h)
-					if err == nil && tr != nil {
-						tr.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
-						tr.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
-					}
-					return e, err
-				}, n, tr))
+				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, early), n, tr))
 			})
 		}
 	}
@@ -285,6 +276,22 @@ func (t *prTracer) point(name string, part int) {
 		}
 	}
 	t.names, t.wall, t.evs = append(t.names, name), append(t.wall, time.Since(t.t0)), append(t.evs, ev)
+}
+
+// engine returns the benchmarks' engine maker: the CUDA backend with hooks
+// h and early events as asked, and, with a tracer (t not nil), the
+// engine's streams for it to record on.
+func (t *prTracer) engine(h engineHooks, early bool) func(Config) (*Engine, error) {
+	return func(cfg Config) (*Engine, error) {
+		cfg.Backend = BackendCUDA
+		cfg.EarlyEvents = early
+		e, err := newEngine(cfg, h)
+		if err == nil && t != nil {
+			t.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
+			t.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
+		}
+		return e, err
+	}
 }
 
 // report logs the traced call's points once its op completed.

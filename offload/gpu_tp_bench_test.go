@@ -15,7 +15,6 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/transfer"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
@@ -109,16 +108,7 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early
 		h.trace = tr.point
 	}
 	defer tr.close(b)
-	rig := newHeadSlicedRig(b, g, 128, func(cfg Config) (*Engine, error) {
-		cfg.Backend = BackendCUDA
-		cfg.EarlyEvents = early
-		e, err := newEngine(cfg, h)
-		if err == nil && tr != nil {
-			tr.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
-			tr.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
-		}
-		return e, err
-	})
+	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, early))
 	defer func() { require.NoError(b, rig.e.Close()) }()
 	rig.tr = tr
 	rankBytes := rig.rankBytes
