@@ -3,7 +3,6 @@ package disk
 import (
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -587,7 +586,7 @@ func (s *Store) read(i int32, key [16]byte, dst []byte) (ioErr, verr error) {
 			wg.Go(func() { headSum = record.Checksum(head) })
 			ioErr = preadFull(d.fd, [][]byte{tail}, off+record.HeaderSize+int64(len(head)))
 			wg.Wait()
-			return crc32.Update(headSum, castagnoli, payload[len(head):])
+			return record.ChecksumUpdate(headSum, payload[len(head):])
 		}
 	}
 	if err := preadFull(d.fd, [][]byte{*hdr, head}, off); err != nil {
@@ -602,10 +601,6 @@ func (s *Store) read(i int32, key [16]byte, dst []byte) (ioErr, verr error) {
 	}
 	return nil, nil
 }
-
-// castagnoli is record.Checksum's CRC-32C table, to extend a checksum of a
-// record's head over its tail.
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Get's split of a record read (see read): payloads of at least
 // splitMinBytes read with O_DIRECT are read as the header sector and the

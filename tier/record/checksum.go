@@ -8,6 +8,11 @@ import (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// ChecksumUpdate extends sum, the Checksum of the bytes before p, over p:
+// Checksum(append(a, b...)) == ChecksumUpdate(Checksum(a), b). For a
+// payload checksummed in pieces as they arrive (a disk Get's split read).
+func ChecksumUpdate(sum uint32, p []byte) uint32 { return crc32.Update(sum, castagnoli, p) }
+
 // Checksum returns the CRC-32C (Castagnoli) of p, the payload checksum
 // Header.PayloadSum holds. A payload of at least parallelMin bytes is
 // checksummed in up to parallelWays pieces on as many goroutines (no more

@@ -34,6 +34,19 @@ func TestChecksumIsCRC32C(t *testing.T) {
 	}
 }
 
+// ChecksumUpdate of a payload's head checksum over its tail is the
+// payload's Checksum, at any split (an empty head or tail included).
+func TestChecksumUpdate(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	p := make([]byte, 2<<20+4096)
+	for i := range p {
+		p[i] = byte(r.Uint32())
+	}
+	for _, cut := range []int{0, 1, 4096, 7 << 18, len(p) - 1, len(p)} {
+		require.Equal(t, Checksum(p), ChecksumUpdate(Checksum(p[:cut]), p[cut:]), "cut at %d", cut)
+	}
+}
+
 // CopyChecksum copies min(len(dst), len(src)) bytes and returns their
 // CRC-32C, for lengths around its pieces; bytes past the copy are untouched.
 func TestCopyChecksum(t *testing.T) {
