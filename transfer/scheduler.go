@@ -431,15 +431,6 @@ func (s *Scheduler) nextPart(f *partFeed) *partBuf {
 	return <-f.builders[i%len(f.builders)].ready
 }
 
-// done gives a part's buffer back to its builder (s.lone, a part the
-// submitting thread built, to no one).
-func (s *Scheduler) partDone(f *partFeed, pb *partBuf) {
-	if pb == &s.lone {
-		pb.op = nil
-		return
-	}
-	f.builders[pb.builder].free <- pb
-}
 
 // stopFeed ends the feed: the builders build nothing more and have exited
 // when it returns. Idempotent.
@@ -1146,13 +1137,16 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 		if pb.op != op || pb.p != p {
 			return fmt.Errorf("%w: the part builder gave part %d of another op, want part %d of this %v", ErrInvalidRequest, pb.p, p, op.dir)
 		}
-		if err := s.copyPart(b, op, pb); err != nil {
-			if pb == &s.lone {
-				pb.op = nil
-			}
+		err := s.copyPart(b, op, pb)
+		switch {
+		case pb == &s.lone: // a part the submitting thread built (nextPart)
+			pb.op = nil
+		case err == nil: // back to its builder (after a failure the feed stops)
+			f.builders[pb.builder].free <- pb
+		}
+		if err != nil {
 			return err
 		}
-		s.partDone(f, pb)
 	}
 	if l == len(op.layerEnds)-1 && op.built != op.bytes {
 		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
