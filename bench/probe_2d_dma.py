@@ -13,12 +13,11 @@ and libcuda; run on the GPU machine:
 
     python3 bench/probe_2d_dma.py
 """
-import ctypes
 import random
-import statistics
-import sys
 
 import torch
+
+from cudadrv import DEVICE, HOST, MEMCPY2D, copy2d, timed
 
 LAYERS, HEADS, HEAD_DIM, TOKENS, DT = 32, 8, 128, 16, 2
 HEAD_RUN = TOKENS * HEAD_DIM * DT          # 4 KiB: one head of one layer's K
@@ -26,52 +25,13 @@ LAYER_RUN = HEADS * HEAD_RUN               # 32 KiB: all heads of one layer's K
 BLOCK = LAYERS * 2 * LAYER_RUN             # 2 MiB
 NBLOCKS = 1024
 
-cu = ctypes.CDLL("libcuda.so.1")
-
-
-class MEMCPY2D(ctypes.Structure):
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
-
-
-HOST, DEVICE = 1, 2
-cu.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(MEMCPY2D), ctypes.c_void_p]
-
-
-def check(r, what):
-    if r != 0:
-        sys.exit(f"{what}: CUresult {r}")
-
 
 def main():
     torch.cuda.init()
     dev = torch.device("cuda")
     host = torch.empty(NBLOCKS * BLOCK, dtype=torch.uint8).pin_memory()
     stream = torch.cuda.Stream()
-    sp = ctypes.c_void_p(stream.cuda_stream)
     rows = []
-
-    def timed(fn, reps=5):
-        best = []
-        for _ in range(reps + 1):
-            a = torch.cuda.Event(enable_timing=True)
-            z = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                a.record(stream)
-                fn()
-                z.record(stream)
-            z.synchronize()
-            best.append(a.elapsed_time(z))
-        return min(best[1:]), statistics.median(best[1:])
 
     for tp in (1, 2, 4, 8):
         heads = HEADS // tp
@@ -102,8 +62,7 @@ def main():
             ds = descs[h2d]
 
             def pitched():
-                for d in ds:
-                    check(cu.cuMemcpy2DAsync_v2(ctypes.byref(d), sp), "cuMemcpy2DAsync")
+                copy2d(ds, stream)
 
             hv = host[:nbytes]
 
@@ -113,16 +72,14 @@ def main():
                 else:
                     hv.copy_(staging, non_blocking=True)
 
-            c0 = timed(contiguous)
-            p = timed(pitched)
-            c1 = timed(contiguous)
+            c0 = timed(stream, contiguous)
+            p = timed(stream, pitched)
+            c1 = timed(stream, contiguous)
             ref = min(c0[0], c1[0])
             rows.append((tp, "H2D" if h2d else "D2H", width, nbytes, ref, p[0], p[1]))
         # correctness of one direction: H2D then compare a block
         host[: 4 * BLOCK].random_(0, 255)
-        pitched_h2d = descs[True]
-        for d in pitched_h2d:
-            check(cu.cuMemcpy2DAsync_v2(ctypes.byref(d), sp), "cuMemcpy2DAsync")
+        copy2d(descs[True], stream)
         stream.synchronize()
         i = slots.index(0)
         got = staging[i * per_block:(i + 1) * per_block].cpu().view(LAYERS * 2, width)

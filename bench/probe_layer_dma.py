@@ -12,42 +12,15 @@ in shuffled runs of 4 and of 1. Needs torch and libcuda:
 
     python3 bench/probe_layer_dma.py
 """
-import ctypes
 import random
-import statistics
-import sys
 
 import torch
+
+from cudadrv import DEVICE, HOST, MEMCPY2D, copy2d, timed
 
 LAYERS = 32
 SLOT = 2 << 20
 NBLOCKS = 2048
-
-cu = ctypes.CDLL("libcuda.so.1")
-
-
-class MEMCPY2D(ctypes.Structure):
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
-
-
-HOST, DEVICE = 1, 2
-cu.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(MEMCPY2D), ctypes.c_void_p]
-cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-def check(r, what):
-    if r != 0:
-        sys.exit(f"{what}: CUresult {r}")
 
 
 def main():
@@ -56,23 +29,9 @@ def main():
     host = torch.empty(NBLOCKS * SLOT, dtype=torch.uint8).pin_memory()
     host.random_(0, 255)
     stream = torch.cuda.Stream()
-    sp = ctypes.c_void_p(stream.cuda_stream)
     run = SLOT // LAYERS
     per_layer = NBLOCKS * run
     dst = torch.empty(per_layer * LAYERS, dtype=torch.uint8, device=dev)
-
-    def timed(fn, reps=5):
-        ts = []
-        for _ in range(reps + 1):
-            a = torch.cuda.Event(enable_timing=True)
-            z = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                a.record(stream)
-                fn()
-                z.record(stream)
-            z.synchronize()
-            ts.append(a.elapsed_time(z))
-        return min(ts[1:]), statistics.median(ts[1:])
 
     def plan(order, height, width):
         """2-D copies: layer by layer, rows = consecutive runs of slots in order, at most height each."""
@@ -92,16 +51,13 @@ def main():
         return ds
 
     def run2d(ds):
-        def f():
-            for d in ds:
-                check(cu.cuMemcpy2DAsync_v2(ctypes.byref(d), sp), "cuMemcpy2DAsync")
-        return f
+        return lambda: copy2d(ds, stream)
 
     def contiguous():
         dst.copy_(host[: dst.numel()], non_blocking=True)
 
     rows = []
-    ref0 = timed(contiguous)
+    ref0 = timed(stream, contiguous)
     consecutive = list(range(NBLOCKS))
     runs4 = [list(range(k, k + 4)) for k in range(0, NBLOCKS, 4)]
     random.Random(1).shuffle(runs4)
@@ -114,10 +70,10 @@ def main():
                                 ("runs of 4 slots shuffled", shuffled4, 128),
                                 ("slots shuffled (one row a copy)", shuffled1, 128)):
         ds = plan(order, height, run)
-        best, med = timed(run2d(ds))
+        best, med = timed(stream, run2d(ds))
         rows.append((name, len(ds), best, med))
     # half-width rows (K only of a layer): 32 KiB
-    ref1 = timed(contiguous)
+    ref1 = timed(stream, contiguous)
     ref = min(ref0[0], ref1[0])
     total = dst.numel()
     # check one layer's bytes for the consecutive plan
