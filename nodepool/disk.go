@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/disk"
@@ -16,17 +17,38 @@ import (
 // records and the pool's slots; clients only copy between slots and their
 // GPU, as without a disk tier.
 //
-// In the node the tier is write-through: every block that becomes ready
-// in the pool (a client's commit) is written to disk from its slot, in the
-// background, the slot held meanwhile by a reader hold (so it is not
-// reused before its write ends). An evicted block is therefore on disk
-// once its write finished (the embedded engine's write-back on eviction,
-// with its admission filter, is not in the node yet). A Lookup reports,
-// after the pool's hits, how many following keys the disk holds
-// (LookupTiers); a BeginLoad of such keys promotes them first: the node
-// reserves slots for them as a store would, reads their records into the
-// slots (eight reads at once), makes the good ones ready and hands them
-// out as found. A record that fails a check (tier/record) is a miss.
+// By default, as in the embedded engine (offload.DiskConfig), the tier is
+// written back: a block the pool's policy evicts is written to disk if
+// its key passes the admission filter (seen at least AdmitAfter times,
+// default 2: stores and lookups through the node counted in
+// kvcache.SeenCounter; AdmitAll takes every eviction) and is not on disk
+// already, within WriteBackBytes of write-backs waiting (beyond it the
+// eviction is dropped, Stats.DiskDropped). An accepted block leaves the
+// index at once but stays readable until its write ends: a Lookup counts
+// it on disk, a BeginLoad promotes it from the bytes it is written from.
+// Evicted ahead of demand (the low-watermark, ServerConfig.LowWatermark),
+// its slot goes into kvcache's "demoting" state (bytes intact, never
+// handed to a store, its region not releasable) and a writer writes it
+// straight from the slot, then frees it (kvcache.Cache.Demoted). Evicted
+// by a store that needs its slot at once, it is copied out first (under
+// the cache's lock; Stats.DiskCopies) and written from the copy.
+//
+// WriteThrough also writes every block that becomes ready (a client's
+// commit) from its slot, in the background, the slot held meanwhile by a
+// reader hold the policy does not hear of (so it is not reused before its
+// write ends), past QueueBlocks waiting dropped (Stats.DiskDropped): a
+// restart then finds every block stored, not only those evicted (the
+// node's only mode before write-back; `kvoffload serve
+// --disk-write-through`). Evictions are still written back as above when
+// their block is not on disk yet.
+//
+// A Lookup reports, after the pool's hits, how many following keys the
+// disk holds (LookupTiers); a BeginLoad of such keys promotes them first:
+// the node reserves slots for them as a store would, reads their records
+// into the slots (eight reads at once), makes the good ones ready and
+// hands them out as found. A record that fails a check (tier/record) is a
+// miss. Delete deletes the keys' records, also one being written (deleted
+// once written); Clear of any namespace empties the tier.
 type DiskConfig struct {
 	// Dirs are the records' directories, each locked (flock) by this node
 	// for its life. Required.
@@ -38,11 +60,36 @@ type DiskConfig struct {
 	// the file system takes it).
 	Fsync  disk.FsyncPolicy
 	Direct disk.DirectMode
-	// QueueBlocks bounds the blocks waiting for their write-through; a
-	// block that finds the queue full is not written (Stats.DiskDropped).
-	// Default 256.
+	// WriteBackBytes bounds the bytes of evicted blocks waiting for their
+	// disk write: demoting slots (the pool holds that many blocks fewer
+	// meanwhile) and copies of slots a store needed at once (allocated as
+	// first needed). An eviction past it is not written back
+	// (Stats.DiskDropped). Default DefaultWriteBackBytes; at least one
+	// slot.
+	WriteBackBytes int64
+	// AdmitAll writes back every evicted block. By default only blocks
+	// whose key was seen at least AdmitAfter times (stored or looked up
+	// through the node) are: a block used once is not worth a disk write.
+	AdmitAll bool
+	// AdmitAfter is how many times a key must have been seen before its
+	// evicted block is written back: default 2 (as Dynamo's G3), at most
+	// kvcache.MaxSeenCount (15: the sketch's counters saturate there; the
+	// embedded engine takes up to 255); 1 admits every block. A store of
+	// head ranges counts once per block (the range that starts at head 0).
+	// Ignored with AdmitAll.
+	AdmitAfter int
+	// WriteThrough also writes every block that becomes ready, whatever
+	// the admission filter (see above).
+	WriteThrough bool
+	// QueueBlocks bounds the blocks waiting for their write-through
+	// (WriteThrough); a block that finds the queue full is not written
+	// through (Stats.DiskDropped). Default 256.
 	QueueBlocks int
 }
+
+// DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default (the
+// embedded engine's, offload.DefaultWriteBackBytes).
+const DefaultWriteBackBytes int64 = 64 << 20
 
 // nodeDiskNamespace is the namespace in the fingerprint of the node's
 // records: one node serves one slot layout (its first client's) for every
@@ -52,43 +99,132 @@ const nodeDiskNamespace = "kvoffload-node"
 // diskReadsAtOnce bounds a promotion's disk reads in flight.
 const diskReadsAtOnce = 8
 
-// nodeDisk is the node's disk tier: the store, the write-through queue and
-// its writer, and the counters.
+// diskWriters is the number of goroutines writing evicted blocks back.
+const diskWriters = 2
+
+// nodeDisk is the node's disk tier: the store, the admission counts, the
+// write-backs accepted and not finished with their writers, the
+// write-through queue and its writer, and the counters.
+//
+// Lock order: the cache's lock (Demote runs under it), then mu (read),
+// then busyMu. Nothing here takes the Server's mu under the cache's lock:
+// slot bytes come from mem, fixed at open.
 type nodeDisk struct {
-	store  *disk.Store
-	queue  chan kvcache.Key
+	store      *disk.Store
+	cache      *kvcache.Cache // set before the writers start
+	slot       uint64
+	mem        map[uint32][]byte    // the node's mapping of each region at open (the pool is fixed at start)
+	seen       *kvcache.SeenCounter // nil: every eviction is admitted
+	admitAfter int                  // DiskConfig.AdmitAfter
+	through    bool                 // DiskConfig.WriteThrough
+	maxBusy    int                  // write-backs at once (WriteBackBytes / slot)
+	reap       func()               // Server.reap: a demoting slot freed may end a region's drain
+	beforePut  func(kvcache.Key)    // test hook, run by every writer before each Put
+	queue      chan kvcache.Key     // write-through (nil without WriteThrough)
+	demotions  chan demotion        // write-backs for the writers, room for maxBusy
+	bufs       chan []byte          // copy buffers, maxBusy of them (nil: not allocated yet)
+
 	mu     sync.RWMutex // closed; held (read) while queueing
 	closed bool
 	wg     sync.WaitGroup
 
-	// The writer's block in progress, and whether a Delete or Clear came
-	// for it meanwhile (its record is then deleted once written).
+	// The write-through writer's block in progress, and whether a Delete
+	// or Clear came for it meanwhile (its record is then deleted once
+	// written).
 	curMu   sync.Mutex
 	cur     kvcache.Key
 	writing bool
 	curGone bool
 
-	lookupHits, hits, misses, writes, writeErrors, dropped atomic.Int64
+	busyMu   sync.Mutex
+	busy     int                        // write-backs accepted and not finished (≤ maxBusy)
+	accept   map[slotGen]*writeBack     // accepted to go demoting, until OnDemote
+	flight   map[kvcache.Key]*writeBack // accepted and not finished, by key: readable meanwhile
+	readDone *sync.Cond                 // on busyMu: a writeBack's last reader ended
+	// clearGen counts Clears: a write-back accepted before one is not
+	// served and is deleted once written.
+	clearGen atomic.Uint64
+
+	lookupHits, hits, misses, writes, writeErrors, dropped, notAdmitted, copies, fromFlight atomic.Int64
 }
 
-// openDisk opens the disk tier for the cache's layout (newCache, s.mu
-// held). An error leaves the node serving without it (Stats.DiskError).
-func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) error {
+// slotGen names one occupancy of a slot.
+type slotGen struct {
+	id  kvcache.SlotID
+	gen uint32
+}
+
+// writeBack is an evicted block being written to disk, which promotions
+// may copy from meanwhile: src holds its bytes (the demoting slot, or a
+// copy buffer), gen is the clear generation it was accepted in, gone is
+// set by a Delete of its key (then it is not served, and its record is
+// deleted once written). On busyMu.
+type writeBack struct {
+	src     []byte
+	gen     uint64
+	readers int
+	gone    bool
+}
+
+// demotion is a write-back for a writer: from slot (demoting) when
+// fromSlot, else from buf (a copy).
+type demotion struct {
+	key      kvcache.Key
+	slot     kvcache.Slot
+	fromSlot bool
+	buf      []byte
+	wb       *writeBack
+}
+
+// openDisk opens the disk tier for layout (newCache, s.mu held, before
+// the cache exists: its Demote and OnDemote are the tier's). start then
+// hands it the cache and starts its writers. An error leaves the node
+// serving without it (Stats.DiskError).
+func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nodeDisk, error) {
 	dc := s.cfg.Disk
 	g := layout.Geometry()
 	fp := record.Fingerprint(record.Geometry{Namespace: []byte(nodeDiskNamespace), KVHeads: g.KVHeads, Layers: g.Layers,
 		HeadDim: g.HeadDim, DTypeBytes: g.DTypeBytes, TokensPerBlock: g.TokensPerBlock, LayoutKind: uint8(kind),
 		HostFormat: uint8(kvcache.HostDeviceOrder)})
-	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: int64(layout.SlotSize()),
+	slot := layout.SlotSize()
+	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: int64(slot),
 		Fingerprint: fp, Fsync: dc.Fsync, Direct: dc.Direct})
 	if err != nil {
-		return fmt.Errorf("nodepool: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
+		return nil, fmt.Errorf("nodepool: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
-	d := &nodeDisk{store: st, queue: make(chan kvcache.Key, dc.QueueBlocks)}
-	d.wg.Add(1)
-	go s.diskWriter(d)
-	s.disk = d
-	return nil
+	n := int(max(dc.WriteBackBytes/int64(slot), 1))
+	d := &nodeDisk{store: st, slot: slot, mem: map[uint32][]byte{}, admitAfter: dc.AdmitAfter, through: dc.WriteThrough,
+		maxBusy: n, reap: func() { s.reap() }, beforePut: s.beforeDiskPut,
+		demotions: make(chan demotion, n), bufs: make(chan []byte, n),
+		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}}
+	d.readDone = sync.NewCond(&d.busyMu)
+	if !dc.AdmitAll && dc.AdmitAfter > 1 {
+		d.seen = kvcache.NewSeenCounter()
+	}
+	if dc.WriteThrough {
+		d.queue = make(chan kvcache.Key, dc.QueueBlocks)
+	}
+	for id, rr := range s.regions {
+		d.mem[id] = rr.r.Bytes()
+	}
+	for range n {
+		d.bufs <- nil
+	}
+	return d, nil
+}
+
+// start hands the tier its cache and starts its writers (newCache, once
+// the cache has its regions).
+func (d *nodeDisk) start(c *kvcache.Cache) {
+	d.cache = c
+	d.wg.Add(diskWriters)
+	for range diskWriters {
+		go d.writeBacks()
+	}
+	if d.queue != nil {
+		d.wg.Add(1)
+		go d.writeThrough()
+	}
 }
 
 // checkDisk checks ServerConfig.Disk and fills its defaults (NewServer).
@@ -105,15 +241,179 @@ func checkDisk(dc *DiskConfig) (*DiskConfig, error) {
 		return nil, fmt.Errorf("nodepool: Disk.CapacityBytes = %d, must be positive", d.CapacityBytes)
 	case d.QueueBlocks < 0:
 		return nil, fmt.Errorf("nodepool: Disk.QueueBlocks = %d, must not be negative", d.QueueBlocks)
-	case d.QueueBlocks == 0:
+	case d.WriteBackBytes < 0:
+		return nil, fmt.Errorf("nodepool: Disk.WriteBackBytes = %d, must not be negative", d.WriteBackBytes)
+	case d.AdmitAfter < 0 || d.AdmitAfter > kvcache.MaxSeenCount:
+		return nil, fmt.Errorf("nodepool: Disk.AdmitAfter = %d, want 1 to %d (0: the default, 2)", d.AdmitAfter, kvcache.MaxSeenCount)
+	}
+	if d.QueueBlocks == 0 {
 		d.QueueBlocks = 256
 	}
+	if d.WriteBackBytes == 0 {
+		d.WriteBackBytes = DefaultWriteBackBytes
+	}
+	if d.AdmitAfter == 0 {
+		d.AdmitAfter = 2
+	}
 	return &d, nil
+}
+
+// slotBytes returns slot sl's bytes in the node's mapping of its region
+// (nil for a region the node never had). The caller holds the slot (a
+// lease, a reservation, or a demoting or evicting slot under the cache's
+// lock): its region is mapped meanwhile. Never takes a lock.
+func (d *nodeDisk) slotBytes(sl kvcache.Slot) []byte {
+	mem := d.mem[uint32(sl.Region)]
+	if sl.Off+d.slot > uint64(len(mem)) {
+		return nil
+	}
+	return mem[sl.Off : sl.Off+d.slot]
+}
+
+// saw counts uses of keys (stores and lookups) for admission.
+func (d *nodeDisk) saw(keys []kvcache.Key) {
+	if d.seen != nil {
+		d.seen.Add(keys)
+	}
+}
+
+func (d *nodeDisk) admitted(k kvcache.Key) bool {
+	return d.seen == nil || d.seen.Count(k) >= d.admitAfter
+}
+
+// demote is the cache's Config.Demote, under its lock: it accepts an
+// evicted block for a write-back if its key is admitted, it is not on
+// disk already (a promoted block evicted again) and fewer than maxBusy
+// write-backs are accepted and unfinished; otherwise the eviction is not
+// admitted or dropped, counted. An accepted block evicted ahead of demand
+// (not needed) is written from its slot: true, the slot goes demoting, to
+// onDemote. One the evicting store needs at once is copied now (a ready
+// block: its bytes are complete) into a buffer a writer Puts: a memcpy of
+// one block under the cache's lock. Never waits: a buffer is free and the
+// queue has room for every accepted write-back.
+func (d *nodeDisk) demote(s kvcache.Slot, k kvcache.Key, needed bool) bool {
+	if !d.admitted(k) {
+		d.notAdmitted.Add(1)
+		return false
+	}
+	if d.has(k) {
+		return false
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	mem := d.slotBytes(s)
+	d.busyMu.Lock()
+	if d.closed || mem == nil || d.busy >= d.maxBusy {
+		d.busyMu.Unlock()
+		d.dropped.Add(1)
+		return false
+	}
+	d.busy++
+	wb := &writeBack{src: mem, gen: d.clearGen.Load()}
+	if !needed {
+		// Readable from the slot at once: from here until Demoted the
+		// slot is releasing, then demoting, never reused.
+		d.accept[slotGen{s.ID, s.Gen}], d.flight[k] = wb, wb
+		d.busyMu.Unlock()
+		return true
+	}
+	d.busyMu.Unlock()
+	buf := <-d.bufs
+	if buf == nil {
+		buf = alignedBytes(int(d.slot))
+	}
+	copy(buf, mem)
+	d.busyMu.Lock()
+	wb.src = buf // readable from the copy only: the slot is reused once this call ends
+	d.flight[k] = wb
+	d.busyMu.Unlock()
+	d.demotions <- demotion{key: k, buf: buf, wb: wb}
+	d.copies.Add(1)
+	return false
+}
+
+// onDemote is the cache's Config.OnDemote: slot s, demoting, is queued for
+// a writer, which Puts it straight from the slot's memory and gives it
+// back (Demoted). Never blocks (the queue has room for every accepted
+// write-back). After close, it is given back unwritten (dropped).
+func (d *nodeDisk) onDemote(s kvcache.Slot, k kvcache.Key) {
+	d.busyMu.Lock()
+	job := demotion{key: k, slot: s, fromSlot: true, wb: d.accept[slotGen{s.ID, s.Gen}]}
+	delete(d.accept, slotGen{s.ID, s.Gen})
+	d.busyMu.Unlock()
+	d.mu.RLock()
+	if !d.closed {
+		d.demotions <- job
+		d.mu.RUnlock()
+		return
+	}
+	d.mu.RUnlock()
+	d.dropped.Add(1)
+	d.finish(job, false)
+}
+
+// writeBacks writes accepted write-backs (one of diskWriters goroutines).
+func (d *nodeDisk) writeBacks() {
+	defer d.wg.Done()
+	for job := range d.demotions {
+		if d.beforePut != nil {
+			d.beforePut(job.key)
+		}
+		payload := job.buf
+		if payload == nil {
+			payload = d.slotBytes(job.slot) // demoting: its region is mapped
+		}
+		written := false
+		if err := d.store.Put(job.key, payload); err != nil {
+			d.writeErrors.Add(1)
+		} else {
+			d.writes.Add(1)
+			written = true
+		}
+		d.finish(job, written)
+	}
+}
+
+// finish ends a write-back: it stops being readable (its readers done), a
+// record written for a key deleted or cleared meanwhile is deleted, and
+// the buffer or the demoting slot is given back.
+func (d *nodeDisk) finish(job demotion, written bool) {
+	gone := true
+	if wb := job.wb; wb != nil { // always set: demote made it
+		d.busyMu.Lock()
+		// Read after the Put returned: a Delete marks gone before it
+		// deletes from the store, a Clear bumps clearGen before it
+		// clears, so a record neither saw is removed here.
+		gone = wb.gone || wb.gen != d.clearGen.Load()
+		if d.flight[job.key] == wb {
+			delete(d.flight, job.key)
+		}
+		for wb.readers > 0 {
+			d.readDone.Wait()
+		}
+		d.busyMu.Unlock()
+	}
+	if written && gone {
+		d.store.Delete(job.key)
+	}
+	switch {
+	case job.buf != nil:
+		d.bufs <- job.buf
+	case job.fromSlot:
+		_ = d.cache.Demoted([]kvcache.Slot{job.slot}) // a slot onDemote was given: only a bug fails
+		d.reap()
+	}
+	d.busyMu.Lock()
+	d.busy--
+	d.busyMu.Unlock()
 }
 
 // onReady queues a block that became ready for its write-through (from
 // the cache's OnIndex, under its lock: never blocks).
 func (d *nodeDisk) onReady(k kvcache.Key) {
+	if d.queue == nil {
+		return
+	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
@@ -126,30 +426,31 @@ func (d *nodeDisk) onReady(k kvcache.Key) {
 	}
 }
 
-// diskWriter writes queued blocks to disk from their slots: each is held
-// by a reader hold (a lease the policy does not hear of) while it is
-// written, so its slot is not reused; a block already on disk, or gone from
-// the pool meanwhile, is skipped.
-func (s *Server) diskWriter(d *nodeDisk) {
+// writeThrough writes queued ready blocks to disk from their slots
+// (WriteThrough): each is held by a reader hold (a lease the policy does
+// not hear of) while it is written, so its slot is not reused; a block
+// already on disk, or gone from the pool meanwhile, is skipped.
+func (d *nodeDisk) writeThrough() {
 	defer d.wg.Done()
 	var slots []kvcache.Slot
 	for k := range d.queue {
-		if d.store.Contains(k) {
+		if d.has(k) {
 			continue
 		}
+		// Current before the lookup: a Delete or Clear from here on marks
+		// it gone; one before finds it in the pool, or makes it a miss.
+		d.curMu.Lock()
+		d.cur, d.writing, d.curGone = k, true, false
+		d.curMu.Unlock()
 		var n int
-		n, slots = s.cache.LookupLeaseDeferred([]kvcache.Key{k}, slots[:0])
-		if n == 0 {
-			continue
-		}
-		if mem := s.slotBytes(slots[0]); len(mem) > 0 {
-			d.curMu.Lock()
-			d.cur, d.writing, d.curGone = k, true, false
-			d.curMu.Unlock()
-			err := d.store.Put(k, mem)
+		n, slots = d.cache.LookupLeaseDeferred([]kvcache.Key{k}, slots[:0])
+		if n > 0 {
+			if d.beforePut != nil {
+				d.beforePut(k)
+			}
+			err := d.store.Put(k, d.slotBytes(slots[0]))
 			d.curMu.Lock()
 			gone := d.curGone
-			d.writing = false
 			d.curMu.Unlock()
 			switch {
 			case err != nil:
@@ -159,39 +460,88 @@ func (s *Server) diskWriter(d *nodeDisk) {
 			default:
 				d.writes.Add(1)
 			}
+			_ = d.cache.Unlease(slots[:1])
+			d.reap()
 		}
-		_ = s.cache.Unlease(slots[:1])
-		s.reap()
+		d.curMu.Lock()
+		d.writing = false
+		d.curMu.Unlock()
 	}
 }
 
-// slotBytes returns slot sl's bytes in the node's mapping of its region,
-// nil when the region is gone. The caller holds the slot.
-func (s *Server) slotBytes(sl kvcache.Slot) []byte {
-	s.mu.Lock()
-	rr := s.regions[uint32(sl.Region)]
-	s.mu.Unlock()
-	if rr == nil || sl.Off+s.slotSize > uint64(rr.r.Len()) {
-		return nil
-	}
-	return rr.r.Bytes()[sl.Off : sl.Off+s.slotSize]
-}
-
-// diskPrefix returns how many leading keys the disk holds (memory only).
+// diskPrefix returns how many leading keys the disk holds, or a
+// write-back in flight (memory only).
 func (d *nodeDisk) diskPrefix(keys []kvcache.Key) int {
 	for i, k := range keys {
-		if !d.store.Contains(k) {
+		if !d.has(k) {
 			return i
 		}
 	}
 	return len(keys)
 }
 
-// promote brings the keys at pos (missing from the pool, held by the disk)
-// into the pool for a BeginLoad: slots reserved as a store of namespace ns
-// would (each key's parent the key before it in keys), records read
-// straight into them, the good ones made ready. It returns nothing: the
-// caller's BeginLoad finds what was promoted.
+// has reports whether key's block is on disk or being written there
+// (readable meanwhile): memory only, never I/O.
+func (d *nodeDisk) has(k kvcache.Key) bool {
+	if d.store.Contains(k) {
+		return true
+	}
+	d.busyMu.Lock()
+	defer d.busyMu.Unlock()
+	return d.servableLocked(k) != nil
+}
+
+// servableLocked (busyMu held) returns key's write-back in flight if a
+// reader may copy from it: not deleted or cleared since it was accepted.
+func (d *nodeDisk) servableLocked(k kvcache.Key) *writeBack {
+	wb := d.flight[k]
+	if wb == nil || wb.gone || wb.gen != d.clearGen.Load() {
+		return nil
+	}
+	return wb
+}
+
+// get reads key's block into mem: from its write-back in flight if there
+// is one (Stats.DiskHitsWriting: a block evicted a moment ago reloads
+// before its record is written, without a disk read), else from its
+// record. True when mem holds the verified block.
+func (d *nodeDisk) get(k kvcache.Key, mem []byte) bool {
+	d.busyMu.Lock()
+	if wb := d.servableLocked(k); wb != nil {
+		wb.readers++
+		d.busyMu.Unlock()
+		copy(mem, wb.src)
+		d.busyMu.Lock()
+		if wb.readers--; wb.readers == 0 {
+			d.readDone.Broadcast()
+		}
+		d.busyMu.Unlock()
+		d.fromFlight.Add(1)
+		return true
+	}
+	d.busyMu.Unlock()
+	found, err := d.store.Get(k, mem)
+	return found && err == nil
+}
+
+// alignedBytes returns n bytes at a 4 KiB-aligned address, so that an
+// O_DIRECT write takes a copy buffer as it is when n is a multiple of
+// 4 KiB (slots are).
+func alignedBytes(n int) []byte {
+	const a = 4096
+	b := make([]byte, n+a)
+	off := 0
+	if r := int(uintptr(unsafe.Pointer(&b[0])) % a); r != 0 {
+		off = a - r
+	}
+	return b[off : off+n : off+n]
+}
+
+// promote brings the keys at pos (missing from the pool, held by the disk
+// or a write-back in flight) into the pool for a BeginLoad: slots reserved
+// as a store of namespace ns would (each key's parent the key before it in
+// keys), records read straight into them, the good ones made ready. It
+// returns nothing: the caller's BeginLoad finds what was promoted.
 func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, pos []int) {
 	d := s.disk
 	c := s.cache
@@ -228,15 +578,14 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, pos []int) {
 	sem := make(chan struct{}, diskReadsAtOnce)
 	var wg sync.WaitGroup
 	for i := range slots {
-		mem := s.slotBytes(slots[i])
+		mem := d.slotBytes(slots[i])
 		if len(mem) == 0 {
 			continue
 		}
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			found, err := d.store.Get(skeys[i], mem)
-			ok[i] = found && err == nil
+			ok[i] = d.get(skeys[i], mem)
 		})
 	}
 	wg.Wait()
@@ -261,8 +610,19 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, pos []int) {
 
 var errDiskMiss = errors.New("nodepool: disk record missing or damaged")
 
-// delete removes keys' records (Delete), including one being written.
+// delete removes keys' records (Delete), including those being written:
+// a write-back in flight is marked gone first (no longer served, its
+// record deleted once written), then the store deletes.
 func (d *nodeDisk) delete(keys []kvcache.Key) {
+	d.busyMu.Lock()
+	if len(d.flight) > 0 {
+		for _, k := range keys {
+			if wb := d.flight[k]; wb != nil {
+				wb.gone = true
+			}
+		}
+	}
+	d.busyMu.Unlock()
 	d.curMu.Lock()
 	for _, k := range keys {
 		if d.writing && k == d.cur {
@@ -276,16 +636,21 @@ func (d *nodeDisk) delete(keys []kvcache.Key) {
 }
 
 // clear removes every record (Clear of any namespace: records carry none),
-// including one being written.
+// including those being written.
 func (d *nodeDisk) clear() {
+	d.clearGen.Add(1)
 	d.curMu.Lock()
 	d.curGone = d.writing
 	d.curMu.Unlock()
 	d.store.Clear()
 }
 
-// closeDisk writes the blocks still queued, stops the writer and closes
-// the store; the node's calls have ended, the cache is still open (Close).
+// closeDisk writes the blocks still queued (write-backs and
+// write-throughs; a demoting slot is given back once written), stops the
+// writers and closes the store; the node's calls have ended, the cache is
+// still open (Close). A block accepted and not demoting yet (a reader
+// still held it) is given back unwritten when its reader ends, counted
+// dropped.
 func (s *Server) closeDisk() {
 	d := s.disk
 	if d == nil {
@@ -293,7 +658,10 @@ func (s *Server) closeDisk() {
 	}
 	d.mu.Lock()
 	d.closed = true
-	close(d.queue)
+	close(d.demotions)
+	if d.queue != nil {
+		close(d.queue)
+	}
 	d.mu.Unlock()
 	d.wg.Wait()
 	_ = d.store.Close()
@@ -307,7 +675,7 @@ func (p *peer) promoteMissing(keys []kvcache.Key, ns kvcache.Namespace) {
 	s := p.s
 	var pos []int
 	for j, r := range p.loadRes {
-		if !r.Found && s.disk.store.Contains(keys[j]) {
+		if !r.Found && s.disk.has(keys[j]) {
 			pos = append(pos, j)
 		}
 	}

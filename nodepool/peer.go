@@ -450,9 +450,34 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		}
 		pol = t
 	}
-	c, err := kvcache.New(kvcache.Config{Layout: layout, Policy: pol, LowWatermark: s.cfg.LowWatermark,
-		OnIndex: s.onIndex, MaxSlots: min(slots, kvcache.MaxSlots)})
+	// The disk tier opens first: its Demote and OnDemote are the cache's.
+	var d *nodeDisk
+	if s.cfg.Disk != nil {
+		var err error
+		if d, err = s.openDisk(layout, layout.Kind()); err != nil {
+			s.diskErr = err.Error()
+			s.cfg.Logf("%v: serving without the disk tier", err)
+		}
+	}
+	kcfg := kvcache.Config{Layout: layout, Policy: pol, LowWatermark: s.cfg.LowWatermark,
+		OnIndex: s.onIndex, MaxSlots: min(slots, kvcache.MaxSlots)}
+	switch {
+	case kcfg.LowWatermark < 0:
+		kcfg.LowWatermark = 0
+	case kcfg.LowWatermark == 0 && s.cfg.Disk != nil:
+		// The embedded engine's: evictions run ahead of stores, so that
+		// the blocks written back go from their demoting slots, not
+		// copied out under the cache's lock.
+		kcfg.LowWatermark = min(slots/64, 64)
+	}
+	if d != nil {
+		kcfg.Demote, kcfg.OnDemote = d.demote, d.onDemote
+	}
+	c, err := kvcache.New(kcfg)
 	if err != nil {
+		if d != nil {
+			_ = d.store.Close()
+		}
 		return err
 	}
 	ids := make([]*regionRec, 0, len(s.regions))
@@ -467,15 +492,16 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		rr := ids[i]
 		if _, err := c.AddRegion(kvcache.Region{ID: kvcache.RegionID(rr.id), Base: rr.r.Addr(), Size: uint64(rr.r.Len())}); err != nil {
 			c.Close()
+			if d != nil {
+				_ = d.store.Close()
+			}
 			return fmt.Errorf("nodepool: region %d: %w", rr.id, err)
 		}
 	}
 	s.cache, s.slotSize = c, layout.SlotSize()
-	if s.cfg.Disk != nil {
-		if err := s.openDisk(layout, layout.Kind()); err != nil {
-			s.diskErr = err.Error()
-			s.cfg.Logf("%v: serving without the disk tier", err)
-		}
+	if d != nil {
+		d.start(c)
+		s.disk = d
 	}
 	return nil
 }
@@ -556,6 +582,7 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		if m.Flags&wire.FlagLease == 0 {
 			o.N = uint64(c.Lookup(m.Keys))
 			if s.disk != nil {
+				s.disk.saw(m.Keys)
 				o.Lower = uint32(s.disk.diskPrefix(m.Keys[o.N:]))
 				s.disk.lookupHits.Add(int64(o.Lower))
 			}
@@ -567,6 +594,7 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		n, p.slots = c.LookupLeaseDeferred(m.Keys, p.slots[:0])
 		o.N = uint64(n)
 		if s.disk != nil {
+			s.disk.saw(m.Keys)
 			o.Lower = uint32(s.disk.diskPrefix(m.Keys[n:]))
 			s.disk.lookupHits.Add(int64(o.Lower))
 		}
@@ -787,6 +815,11 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 	o := &p.out
 	o.Type = wire.TBeginStoreOK
 	keys := m.Keys
+	if d := p.s.disk; d != nil && m.HeadLo == 0 {
+		// A use of each block, once per tensor-parallel group (the range
+		// at head 0), for the disk tier's admission.
+		d.saw(keys)
+	}
 	var refused map[wire.Key]uint8
 	for i := 0; i < len(keys); {
 		parent := m.Parent
@@ -887,13 +920,23 @@ type Stats struct {
 	DiskLookupHits  int64  `json:"disk_lookup_hits"`  // keys Lookups found on disk after the pool's hits
 	DiskHits        int64  `json:"disk_hits"`         // blocks BeginLoad promoted from disk
 	DiskMisses      int64  `json:"disk_misses"`       // promotions whose record was missing or failed a check
-	DiskWrites      int64  `json:"disk_writes"`       // blocks written through to disk
+	DiskWrites      int64  `json:"disk_writes"`       // blocks written to disk: evictions written back, and with WriteThrough blocks written through
 	DiskWriteErrors int64  `json:"disk_write_errors"` // writes the store refused or failed
-	DiskDropped     int64  `json:"disk_dropped"`      // ready blocks not written: the write-through queue was full
+	DiskDropped     int64  `json:"disk_dropped"`      // blocks not written: an admitted eviction past WriteBackBytes waiting, or a ready block finding the write-through queue full
 	DiskRecords     int64  `json:"disk_records"`      // records on disk now
 	DiskCorrupt     int64  `json:"disk_corrupt"`      // records that failed a check when read
 	DiskError       string `json:"disk_error,omitempty"`
 	DiskOpen        bool   `json:"disk_open,omitempty"` // the tier is open and serving
+	// DiskNotAdmitted: evictions the admission filter kept off disk (key
+	// seen fewer than AdmitAfter times).
+	DiskNotAdmitted int64 `json:"disk_not_admitted"`
+	// DiskCopies: write-backs copied out of their slot first (a store
+	// needed the slot at once); the others are written from their demoting
+	// slot (Cache.Demotions).
+	DiskCopies int64 `json:"disk_copies"`
+	// DiskHitsWriting: DiskHits copied from a write-back in flight (the
+	// block's slot or copy) rather than read from its record.
+	DiskHitsWriting int64 `json:"disk_hits_writing"`
 }
 
 // Stats returns a snapshot of the node's state.
@@ -925,6 +968,7 @@ func (s *Server) Stats() Stats {
 		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.lookupHits.Load(), d.hits.Load(), d.misses.Load()
 		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		st.DiskRecords, st.DiskCorrupt = ds.Records, ds.Corrupt
+		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.notAdmitted.Load(), d.copies.Load(), d.fromFlight.Load()
 	}
 	st.Accepted = s.counter.accepted.Load()
 	st.Refused = s.counter.refused.Load()

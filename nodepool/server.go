@@ -57,6 +57,10 @@ type ServerConfig struct {
 	// Policy is "lru" (default) or "tinylfu".
 	Policy string
 	// LowWatermark: free slots kept by evicting ahead of demand (kvcache).
+	// 0: none without a disk tier; with one (Disk), a 64th of the pool's
+	// slots, at most 64, as the embedded engine keeps, so that evicted
+	// blocks are written back from their demoting slots rather than copied
+	// out first (DiskConfig). Negative: none.
 	LowWatermark int
 	// PrefaultThreads populate each region at start (0: mmapmem's default).
 	PrefaultThreads int
@@ -104,7 +108,10 @@ type Server struct {
 	events  chan wire.Event
 	disk    *nodeDisk // nil: no disk tier (or none yet: the first Hello opens it)
 	diskErr string
-	counter struct {
+	// beforeDiskPut, when set (tests, before the first client), runs in
+	// the disk tier's writers before each write.
+	beforeDiskPut func(kvcache.Key)
+	counter       struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
 		eventsDropped, peersDropped, internal                       atomic.Uint64
 	}
