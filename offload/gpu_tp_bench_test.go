@@ -38,14 +38,10 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		variants = "auto kernel"
 	}
 	for _, v := range strings.Fields(variants) {
-		// early=1 (as in BenchmarkGPUPagedReload): Config.EarlyEvents.
-		hv, early := v, false
-		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
-			hv, early = base, true
-		}
+		hv, late := eventsVariant(v)
 		h, err := hsVariant(hv)
 		require.NoError(b, err)
-		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, early)) })
+		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, late)) })
 	}
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
 		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
@@ -99,7 +95,7 @@ func hsVariant(v string) (engineHooks, error) {
 
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
-func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early bool) string {
+func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, late bool) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	var tr *prTracer
@@ -108,7 +104,7 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early
 		h.trace = tr.point
 	}
 	defer tr.close(b)
-	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, early))
+	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, late))
 	defer func() { require.NoError(b, rig.e.Close()) }()
 	rig.tr = tr
 	rankBytes := rig.rankBytes
