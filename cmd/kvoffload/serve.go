@@ -13,6 +13,7 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/kvoffload/kvoffload/events"
+	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/nodepool"
 	"github.com/kvoffload/kvoffload/nodepool/wire"
 	"github.com/kvoffload/kvoffload/offload"
@@ -44,9 +45,13 @@ on SIGTERM or SIGINT.`,
 		metricsAddr := fs.String("metrics", "", "serve Prometheus metrics at http://`addr`/metrics")
 		eventsAddr := fs.String("events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://host:port)")
 		verbose := fs.Bool("v", false, "log connections, exits and regions to stderr")
-		diskDirs := fs.String("disk", "", "add a disk tier, a records file in each `dir[,dir]`: every block stored is written there, evicted blocks are loaded back from it, a restarted node finds them")
-		var diskBytes int64
+		diskDirs := fs.String("disk", "", "add a disk tier, a records file in each `dir[,dir]`: evicted blocks seen twice are written back there (see --disk-admit-after), loaded back from it, and found by a restarted node")
+		var diskBytes, writeBackBytes int64
 		fs.Var(sizeFlag{&diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
+		admitAll := fs.Bool("disk-admit-all", false, "with --disk: write back every evicted block, not only those seen --disk-admit-after times")
+		admitAfter := fs.Int("disk-admit-after", 2, "with --disk: write back an evicted block whose key was stored or looked up at least this many `times` (1 to 15; 1: every block)")
+		writeThrough := fs.Bool("disk-write-through", false, "with --disk: also write every block stored as soon as it is ready (a restart finds every block stored, at a disk write each)")
+		fs.Var(sizeFlag{&writeBackBytes}, "disk-write-back-bytes", "with --disk: `bytes` of evicted blocks waiting for their disk write, past which an eviction is not written back (0: 64MiB)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
@@ -54,16 +59,27 @@ on SIGTERM or SIGINT.`,
 			if cfg.Socket == "" {
 				return fmt.Errorf("%w: --socket is required", errUsage)
 			}
+			var needDisk string
+			fs.Visit(func(f *flag.Flag) {
+				if strings.HasPrefix(f.Name, "disk-") && needDisk == "" {
+					needDisk = f.Name
+				}
+			})
 			switch {
 			case diskBytes < 0:
 				return fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, diskBytes)
-			case diskBytes > 0 && *diskDirs == "":
-				return fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+			case writeBackBytes < 0:
+				return fmt.Errorf("%w: --disk-write-back-bytes %d must not be negative", errUsage, writeBackBytes)
+			case *admitAfter < 1 || *admitAfter > kvcache.MaxSeenCount:
+				return fmt.Errorf("%w: --disk-admit-after %d: want 1 to %d", errUsage, *admitAfter, kvcache.MaxSeenCount)
+			case needDisk != "" && *diskDirs == "":
+				return fmt.Errorf("%w: --%s needs --disk", errUsage, needDisk)
 			case *diskDirs != "":
 				if diskBytes == 0 {
 					diskBytes = 4 * cfg.PoolBytes
 				}
-				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes}
+				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
+					AdmitAll: *admitAll, AdmitAfter: *admitAfter, WriteThrough: *writeThrough, WriteBackBytes: writeBackBytes}
 			}
 			if *verbose {
 				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
@@ -86,7 +102,8 @@ on SIGTERM or SIGINT.`,
 			go func() { done <- s.Serve() }()
 			fmt.Fprintf(e.stdout, "kvoffload serve: listening on %s (pool %s, %s)\n", s.Addr(), formatSize(cfg.PoolBytes), s.PageMode())
 			if cfg.Disk != nil {
-				fmt.Fprintf(e.stdout, "kvoffload serve: disk tier of %s in %s, opened with the first client's layout\n", formatSize(diskBytes), strings.Join(cfg.Disk.Dirs, ","))
+				fmt.Fprintf(e.stdout, "kvoffload serve: disk tier of %s in %s, opened with the first client's layout; %s\n",
+					formatSize(diskBytes), strings.Join(cfg.Disk.Dirs, ","), diskMode(cfg.Disk))
 			}
 			if pub != nil {
 				fmt.Fprintf(e.stdout, "kvoffload serve: publishing KV events at tcp://%s\n", pub.Addr())
@@ -147,6 +164,21 @@ func publisher(pub zmq4.Socket) func([]wire.Event) {
 	}
 }
 
+// diskMode describes the node's disk tier's writes for serve's banner.
+func diskMode(dc *nodepool.DiskConfig) string {
+	m := fmt.Sprintf("evicted blocks seen at least %d times written back", dc.AdmitAfter)
+	switch {
+	case dc.AdmitAll || dc.AdmitAfter <= 1:
+		m = "every evicted block written back"
+	case dc.AdmitAfter == 2:
+		m = "evicted blocks seen twice written back"
+	}
+	if dc.WriteThrough {
+		m += ", every block stored written through"
+	}
+	return m
+}
+
 // nodeRegistry exports the node's Stats.
 func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 	reg := prometheus.NewRegistry()
@@ -188,9 +220,10 @@ func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 		c("disk_lookup_hits_total", "Keys lookups found on disk after the pool's hits.", func(st nodepool.Stats) float64 { return float64(st.DiskLookupHits) })
 		c("disk_promoted_total", "Blocks loads promoted from disk into the pool.", func(st nodepool.Stats) float64 { return float64(st.DiskHits) })
 		c("disk_misses_total", "Promotions whose record was missing or failed a check.", func(st nodepool.Stats) float64 { return float64(st.DiskMisses) })
-		c("disk_writes_total", "Blocks written through to disk.", func(st nodepool.Stats) float64 { return float64(st.DiskWrites) })
+		c("disk_writes_total", "Blocks written to disk: evictions written back, and with --disk-write-through blocks written through.", func(st nodepool.Stats) float64 { return float64(st.DiskWrites) })
 		c("disk_write_errors_total", "Writes the disk store refused or failed.", func(st nodepool.Stats) float64 { return float64(st.DiskWriteErrors) })
-		c("disk_dropped_total", "Ready blocks not written: the write-through queue was full.", func(st nodepool.Stats) float64 { return float64(st.DiskDropped) })
+		c("disk_dropped_total", "Blocks not written: admitted evictions past the write-back bound, or ready blocks finding the write-through queue full.", func(st nodepool.Stats) float64 { return float64(st.DiskDropped) })
+		c("disk_not_admitted_total", "Evictions the admission filter kept off disk (key seen fewer than --disk-admit-after times).", func(st nodepool.Stats) float64 { return float64(st.DiskNotAdmitted) })
 		c("disk_corrupt_total", "Records that failed a check when read.", func(st nodepool.Stats) float64 { return float64(st.DiskCorrupt) })
 	}
 	return reg

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -136,8 +137,9 @@ func serveMetrics(t *testing.T, stdout *syncBuffer) string {
 	return string(body)
 }
 
-// TestServeDisk: `serve --disk` writes the blocks stored to disk, and a
-// node restarted on the same directory has them from its first lookup,
+// TestServeDisk: `serve --disk --disk-write-through` writes the blocks
+// stored to disk, and a node restarted on the same directory has them
+// from its first lookup,
 // after its pool's (empty) hits, and loads them byte-exact; /metrics
 // carries the tier (up, records, lookup hits, promotions). --disk-bytes
 // without --disk is a usage error.
@@ -147,9 +149,10 @@ func TestServeDisk(t *testing.T) {
 	layout := nodepool.LayoutOf(kvcache.CrossLayer, kvcache.Geometry{Layers: 2, KVHeads: 2, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16})
 	keys := []kvcache.Key{{1}, {2}}
 	for round := range 2 {
-		cmd, stdout := startServeCmd(t, sock, "--pool", "4MiB", "--disk", dir, "--disk-bytes", "4MiB", "--metrics", "127.0.0.1:0")
+		cmd, stdout := startServeCmd(t, sock, "--pool", "4MiB", "--disk", dir, "--disk-bytes", "4MiB", "--disk-write-through", "--metrics", "127.0.0.1:0")
 		require.Contains(t, serveMetrics(t, stdout), "kvoffload_node_disk_up 0", "not open before the first client's layout")
 		require.Contains(t, stdout.String(), "disk tier of 4 MiB in "+dir)
+		require.Contains(t, stdout.String(), "evicted blocks seen twice written back, every block stored written through")
 		c, err := nodepool.Dial(sock, nodepool.ClientConfig{Namespace: "m", Layout: layout, Redial: -1, PrefaultThreads: 1})
 		require.NoError(t, err)
 		if round == 0 {
@@ -185,4 +188,73 @@ func TestServeDisk(t *testing.T) {
 	out, err := bad.CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(out), "--disk-bytes needs --disk")
+}
+
+// TestServeDiskAdmission: serve's admission flags reach the node. A pool
+// of 256 slots takes 320 blocks, each stored once: by default none is
+// admitted (the not-admitted series counts them, nothing is written);
+// with --disk-admit-all (and a write-back bound of one block) the
+// evictions are written back or dropped, none refused. The disk flags
+// need --disk, and --disk-admit-after takes 1 to 15.
+func TestServeDiskAdmission(t *testing.T) {
+	layout := nodepool.LayoutOf(kvcache.CrossLayer, kvcache.Geometry{Layers: 2, KVHeads: 2, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16})
+	for _, tc := range []struct {
+		args []string
+		want string
+		ok   func(m map[string]float64) bool
+	}{
+		{nil, "evicted blocks seen twice written back", func(m map[string]float64) bool {
+			return m["disk_not_admitted_total"] > 0 && m["disk_writes_total"] == 0 && m["disk_dropped_total"] == 0
+		}},
+		{[]string{"--disk-admit-all", "--disk-write-back-bytes", "16KiB"}, "every evicted block written back", func(m map[string]float64) bool {
+			return m["disk_not_admitted_total"] == 0 && m["disk_writes_total"] > 0 && m["disk_writes_total"]+m["disk_dropped_total"] == m["evicted_total"]
+		}},
+	} {
+		sock := filepath.Join(t.TempDir(), "node.sock")
+		cmd, stdout := startServeCmd(t, sock, append([]string{"--pool", "4MiB", "--disk", t.TempDir(), "--metrics", "127.0.0.1:0"}, tc.args...)...)
+		serveMetrics(t, stdout)
+		require.Contains(t, stdout.String(), tc.want)
+		c, err := nodepool.Dial(sock, nodepool.ClientConfig{Namespace: "m", Layout: layout, Redial: -1, PrefaultThreads: 1})
+		require.NoError(t, err)
+		for b := range 10 {
+			keys := make([]kvcache.Key, 32)
+			for i := range keys {
+				keys[i] = kvcache.Key{7: byte(b), 6: byte(i), 5: 0x5a, 0: 1}
+			}
+			res, err := c.BeginStore(nodepool.StoreRequest{Keys: keys}, nil)
+			require.NoError(t, err)
+			var slots []nodepool.Slot
+			for _, r := range res {
+				require.Equal(t, nodepool.StoreWrite, r.Outcome)
+				slots = append(slots, r.Slot)
+			}
+			require.NoError(t, c.CommitStore(slots))
+		}
+		require.Eventually(t, func() bool {
+			m := map[string]float64{}
+			for _, line := range strings.Split(serveMetrics(t, stdout), "\n") {
+				if f := strings.Fields(line); len(f) == 2 && strings.HasPrefix(f[0], "kvoffload_node_") {
+					var v float64
+					_, _ = fmt.Sscan(f[1], &v)
+					m[strings.TrimPrefix(f[0], "kvoffload_node_")] = v
+				}
+			}
+			return m["evicted_total"] > 0 && tc.ok(m)
+		}, 10*time.Second, 20*time.Millisecond, "%v: %s", tc.args, serveMetrics(t, stdout))
+		require.NoError(t, c.Close())
+		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+		_ = cmd.Wait()
+	}
+	for _, args := range [][]string{{"--disk-admit-all"}, {"--disk-write-through"}, {"--disk-admit-after", "3"}, {"--disk-write-back-bytes", "1MiB"}} {
+		bad := exec.Command(os.Args[0], append([]string{"serve", "--socket", filepath.Join(t.TempDir(), "s")}, args...)...)
+		bad.Env = append(os.Environ(), "KVO_TEST_CLI=1")
+		out, err := bad.CombinedOutput()
+		require.Error(t, err)
+		require.Contains(t, string(out), args[0]+" needs --disk")
+	}
+	bad := exec.Command(os.Args[0], "serve", "--socket", filepath.Join(t.TempDir(), "s"), "--disk", t.TempDir(), "--disk-admit-after", "16")
+	bad.Env = append(os.Environ(), "KVO_TEST_CLI=1")
+	out, err := bad.CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(out), "--disk-admit-after 16: want 1 to 15")
 }
