@@ -82,6 +82,23 @@
 // MADV_DONTFORK). Where MPS is used, a crashed client's slots are only
 // safe to reuse once the MPS server has torn down that client's context.
 //
+// # The disk tier
+//
+// With ServerConfig.Disk the node keeps a disk tier (tier/disk) under its
+// pool and does the disk I/O itself, between records and slots; clients
+// only see more hits: LookupTiers' count of keys on disk after the pool's
+// hits, and BeginLoad's promotions (slots reserved as for a store, records
+// read into them). As in the embedded engine, a block the policy evicts is
+// written back if its key passes the admission filter (seen at least
+// twice, stores and lookups through the node counted; DiskConfig.AdmitAll,
+// AdmitAfter), within DiskConfig.WriteBackBytes of write-backs waiting
+// (past it dropped, counted); DiskConfig.WriteThrough also writes every
+// block as it becomes ready. A block written back from its slot keeps the
+// slot "demoting" (kvcache: bytes intact, readable by promotions, never
+// handed to a store, its region not releasable) until its write ends: the
+// invariant above (no slot handed to a writer while held) covers it. A
+// Delete or Clear reaches the records, also those being written.
+//
 // # Integration
 //
 // Pool is the interface offload implements against: its embedded engine

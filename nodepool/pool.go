@@ -53,9 +53,11 @@ package nodepool
 // Clear report 0; a CommitStore that fails with ErrUnavailable means the
 // blocks were not stored (OutcomeFailed). Close: end every op (wait for
 // copies), then Client.Close (goodbye), then release the transfer context.
-// Not through the node in this round: the disk and cluster tiers (they hang
-// on the embedded cache's OnFree and OnIndex), ZeroOnRelease (a node-side
-// option to add), GrowTo and PauseGrowth (the node maps its pool at start).
+// Not through the node in this round: the engine's own disk and cluster
+// tiers (Config.Disk, Config.Cluster: they hang on the embedded cache; the
+// node has a disk tier of its own, ServerConfig.Disk), ZeroOnRelease (a
+// node-side option to add), GrowTo and PauseGrowth (the node maps its pool
+// at start).
 // The C ABI and Python get kvo_engine_connect(socket, config JSON), returning
 // the same engine handle as kvo_engine_create, and Engine.connect. (offload
 // keeps slots as kvcache.Slots: Region = Slot.Epoch<<32 | Slot.Region, which
