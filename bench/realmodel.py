@@ -682,7 +682,7 @@ class Bench:
         if engine:  # the tier mode opens engines of its own (TierBench)
             self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
                                                      namespace=NAMESPACE, policy="lru",
-                                                     late_events=bool(args.late_events))
+                                                     early_events=bool(args.early_events))
             # Growth ends at once (one region); the engine then calibrates
             # its copy methods on its growth thread. Waiting for that here
             # keeps the calibration off the model's first prefill, which
@@ -939,7 +939,7 @@ class TierBench(Bench):
         blk = kv_bytes(TPB)
         pool = (nb + TIER_POOL_SLACK) * blk
         cfg = dict(pool_bytes=pool, first_region_bytes=pool, namespace=NAMESPACE, policy="lru",
-                   late_events=bool(self.args.late_events))
+                   early_events=bool(self.args.early_events))
         if kind == "disk":
             # Room for the KV and the fillers the writer writes back too.
             cfg["disk"] = {"dirs": [subdir], "capacity_bytes": (nb + FILLER_POOLS * (nb + TIER_POOL_SLACK) + TIER_POOL_SLACK)
@@ -1166,11 +1166,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--decode", type=int, default=4, help="eager decode steps compared (default 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of weights, prompts and block ids")
-    ap.add_argument("--late-events", action="store_true",
-                    help="the engine with late events (Config.LateEvents): load() and store() return once the copies "
-                    "are enqueued, instead of before they are built (early events, the default)")
     ap.add_argument("--early-events", action="store_true",
-                    help="early events, the default (kept for older command lines)")
+                    help="the engine with early events: load() and store() return before the copies are built")
     ap.add_argument("--out", help="also write the results (markdown) to this file, and beside it an SVG plot "
                     "of reload and recompute time by prompt length (realmodel.md: realmodel.svg)")
     ap.add_argument("--tier", action="append", default=[], metavar="disk:DIR|cluster:HOST:PORT[,...]",
@@ -1179,8 +1176,6 @@ def main(argv=None):
                     "recompute; one table per tier (--out X.md: X-disk.md, X-cluster.md). Repeatable, once per kind")
     ap.add_argument("--selfcheck", action="store_true", help="check the paging and table logic without torch; exit")
     args = ap.parse_args(argv)
-    if args.early_events and args.late_events:
-        ap.error("--early-events (the default) and --late-events: give one at most")
     if args.selfcheck:
         selfcheck()
         print("realmodel selfcheck: ok")

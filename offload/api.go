@@ -194,27 +194,13 @@ type Config struct {
 	// direction; beyond it a Store is refused (OutcomeRefusedBusy) and a
 	// Load fails with ErrBusy. Default DefaultMaxQueuedBytes.
 	MaxQueuedBytes int64 `json:"max_queued_bytes,omitempty"`
-	// Store and Load return before their copies are built, by default
-	// (early events: CUDA backend, on a driver with stream memory
-	// operations): the op's events are recorded at the call behind a wait
-	// on a counter that the engine stream writes after the copies (package
-	// transfer), so a call of 2048 blocks returns in well under a
-	// millisecond and a per-layer load's layer 0 event fires while later
-	// layers are still being described. Stats.EarlyEvents says whether they
-	// are in effect and Stats.EarlyEventsOff why not. See doc/DESIGN.md for
-	// what early events need from the driver and from the process's other
-	// threads.
-	//
-	// LateEvents turns early events off: a call with events then returns
-	// once its copies are enqueued (the copies of its first blocks run
-	// meanwhile), which takes time in proportion to the op (about 65 ms
-	// for 2048 blocks of 2 MiB on an H200). For comparisons, and for a
-	// process whose other threads must never see a device that stays busy
-	// on a counter wait while a call is being built.
-	LateEvents bool `json:"late_events,omitempty"`
-	// EarlyEvents asks for early events, the default: kept so that configs
-	// written when early events were opt-in still load. Setting it with
-	// LateEvents is an error.
+	// EarlyEvents has Store and Load return before their copies are built
+	// (CUDA backend, on a driver with stream memory operations): the op's
+	// events are recorded at the call behind a wait on a counter that the
+	// engine stream writes after the copies (package transfer). Off, a
+	// call with events returns once its copies are enqueued (the copies
+	// of its first blocks run meanwhile). See doc/DESIGN.md for what early
+	// events need from the driver and from the process's other threads.
 	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout) and tags stored blocks for Clear. With a declared

@@ -49,7 +49,7 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) [2][3]t
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * uint64(numBlocks)), V: g.alloc(seg * uint64(numBlocks)), Stride: seg})
 	}
 	slot := int64(seg) * int64(2*cb.layers)
-	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU, LateEvents: !cb.early}
+	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU, EarlyEvents: cb.early}
 	var e *Engine
 	var err error
 	if real {

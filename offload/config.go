@@ -103,9 +103,6 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if cfg.PrefaultThreads == 0 {
 		cfg.PrefaultThreads = min(runtime.NumCPU(), DefaultMaxPrefaultThreads)
 	}
-	if cfg.EarlyEvents && cfg.LateEvents {
-		return bad("EarlyEvents and LateEvents both set: early events are the default, LateEvents turns them off; set one at most")
-	}
 	if cfg.MaxInFlightBytes < 0 || cfg.MaxQueuedBytes < 0 || cfg.MaxCachedBytes < 0 {
 		return bad("MaxInFlightBytes = %d, MaxQueuedBytes = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.MaxQueuedBytes, cfg.MaxCachedBytes)
 	}

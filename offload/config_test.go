@@ -50,7 +50,6 @@ func TestWithDefaultsErrors(t *testing.T) {
 		{"bad numa", func(c *Config) { c.NUMANode = "-2" }, ErrInvalidConfig, `NUMANode "-2"`},
 		{"unknown policy", func(c *Config) { c.Policy = "arc" }, ErrInvalidConfig, `Policy "arc"`},
 		{"negative device", func(c *Config) { c.Device = -1 }, ErrInvalidConfig, "Device = -1"},
-		{"early and late events", func(c *Config) { c.EarlyEvents, c.LateEvents = true, true }, ErrInvalidConfig, "EarlyEvents and LateEvents both set"},
 		{"negative threads", func(c *Config) { c.PrefaultThreads = -1 }, ErrInvalidConfig, "PrefaultThreads = -1"},
 		{"nice above 19", func(c *Config) { c.PrefaultNice = 20 }, ErrInvalidConfig, "PrefaultNice = 20"},
 		{"negative in flight", func(c *Config) { c.MaxInFlightBytes = -1 }, ErrInvalidConfig, "MaxInFlightBytes = -1"},

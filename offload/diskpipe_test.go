@@ -285,7 +285,7 @@ func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 				h.copyOptions = cudacopy.Options{GatherMinRun: int(slot)}
 			}
 			e, err := newCUDAEngine(t, d, Config{PoolBytes: 48 * slot, StagingBytes: 64 << 10, Layout: g.layout(LayoutLayerSeparate, pipeBlocks),
-				Policy: PolicyLRU, LateEvents: !v.early, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, AdmitAll: true}}, h)
+				Policy: PolicyLRU, EarlyEvents: v.early, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, AdmitAll: true}}, h)
 			require.NoError(t, err)
 			defer func() { require.NoError(t, e.Close()) }()
 			hostKeys := seqKeys(100, 3)

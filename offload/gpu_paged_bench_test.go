@@ -60,7 +60,11 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 	}
 	var lines []string
 	for _, v := range strings.Fields(variants) {
-		hv, late := eventsVariant(v)
+		// early=1 (this benchmark's own key): Config.EarlyEvents.
+		hv, early := v, false
+		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
+			hv, early = base, true
+		}
 		h, err := hsVariant(hv)
 		require.NoError(b, err)
 		for _, n := range blocks {
@@ -72,7 +76,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					h.trace = tr.point
 				}
 				defer tr.close(b)
-				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, late), n, tr))
+				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, early), n, tr))
 			})
 		}
 	}
@@ -274,27 +278,13 @@ func (t *prTracer) point(name string, part int) {
 	t.names, t.wall, t.evs = append(t.names, name), append(t.wall, time.Since(t.t0)), append(t.evs, ev)
 }
 
-// eventsVariant splits a GPU benchmark's variant name into the copy
-// variant (hsVariant's) and the benchmarks' own key: ":late=1" is
-// Config.LateEvents (early events, the default, off); ":early=1", from
-// when early events were opt-in, names the default.
-func eventsVariant(v string) (base string, late bool) {
-	if b, ok := strings.CutSuffix(v, ":late=1"); ok {
-		return b, true
-	}
-	if b, ok := strings.CutSuffix(v, ":early=1"); ok {
-		return b, false
-	}
-	return v, false
-}
-
 // engine returns the benchmarks' engine maker: the CUDA backend with hooks
-// h, late events if asked, and, with a tracer (t not nil), the engine's
-// streams for it to record on.
-func (t *prTracer) engine(h engineHooks, late bool) func(Config) (*Engine, error) {
+// h and early events as asked, and, with a tracer (t not nil), the
+// engine's streams for it to record on.
+func (t *prTracer) engine(h engineHooks, early bool) func(Config) (*Engine, error) {
 	return func(cfg Config) (*Engine, error) {
 		cfg.Backend = BackendCUDA
-		cfg.LateEvents = late
+		cfg.EarlyEvents = early
 		e, err := newEngine(cfg, h)
 		if err == nil && t != nil {
 			t.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))

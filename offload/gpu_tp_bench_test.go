@@ -38,10 +38,14 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		variants = "auto kernel"
 	}
 	for _, v := range strings.Fields(variants) {
-		hv, late := eventsVariant(v)
+		// early=1 (as in BenchmarkGPUPagedReload): Config.EarlyEvents.
+		hv, early := v, false
+		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
+			hv, early = base, true
+		}
 		h, err := hsVariant(hv)
 		require.NoError(b, err)
-		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, late)) })
+		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, early)) })
 	}
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
 		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
@@ -95,7 +99,7 @@ func hsVariant(v string) (engineHooks, error) {
 
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
-func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, late bool) string {
+func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early bool) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	var tr *prTracer
@@ -104,7 +108,7 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, late 
 		h.trace = tr.point
 	}
 	defer tr.close(b)
-	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, late))
+	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, early))
 	defer func() { require.NoError(b, rig.e.Close()) }()
 	rig.tr = tr
 	rankBytes := rig.rankBytes

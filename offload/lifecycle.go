@@ -405,7 +405,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: cfg.LateEvents, Builders: builders, Trace: h.trace,
+		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace,
 	}); err != nil {
 		return nil, err
 	}

@@ -431,6 +431,7 @@ func (s *Scheduler) nextPart(f *partFeed) *partBuf {
 	return <-f.builders[i%len(f.builders)].ready
 }
 
+
 // stopFeed ends the feed: the builders build nothing more and have exited
 // when it returns. Idempotent.
 func (s *Scheduler) stopFeed(f *partFeed) {
@@ -806,10 +807,6 @@ func (s *Scheduler) kick() {
 	default:
 	}
 }
-
-// Early reports whether the scheduler promises ops' events at Submit
-// (early events, see Config.NoEarlyEvents).
-func (s *Scheduler) Early() bool { return s.early != nil }
 
 // Close refuses new requests, lets everything submitted finish, stops the
 // engine goroutines and destroys the scheduler's events. It does not close

@@ -62,7 +62,7 @@ SUITES=(
 	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
-	"realmodel|the real-model benchmark (python3 bench/realmodel.py), with early events (the default) and late events"
+	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
 	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
@@ -111,13 +111,12 @@ suite_trace() {
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 200 python3 bench/trace_reload.py --out "$D/trace.md"
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 200 python3 bench/trace_reload.py --late-events --out "$D/trace-late.md"
+		step timeout 200 python3 bench/trace_reload.py --early-events --out "$D/trace-early.md"
 }
 
 suite_calltime() {
-	# With early events (the default: the calls return before the copies are
-	# built), then late (Config.LateEvents: the calls return once the copies
-	# are enqueued).
+	# With early events (the calls return before the copies are built), then
+	# without (the calls return once the copies are enqueued).
 	step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
 		-test.benchtime 10x -test.count 3
 	KVO_BENCH_EARLY=0 step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
@@ -187,20 +186,20 @@ suite_realmodel() {
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 270 python3 bench/realmodel.py --late-events --out "$D/realmodel-late.md"
+		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
 	# KVO_REALMODEL_WHOLE=1 adds the per-layer load's first layer built as
-	# one part (the way before the first layer was cut into parts): the
-	# comparison in the same call.
+	# one part (the way before the first layer was cut into parts), with
+	# early events: the comparison in the same call.
 	if [ "${KVO_REALMODEL_WHOLE:-0}" = 1 ]; then
 		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_WHOLE_FIRST_LAYER=1 \
-			step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-early-whole.md"
+			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-whole.md"
 	fi
-	# KVO_REALMODEL_NOPITCH=1 adds early events (the default) without the pitched staging
+	# KVO_REALMODEL_NOPITCH=1 adds early events without the pitched staging
 	# DMAs (a per-layer load's layers through the copy kernel, as before
 	# they existed): the comparison in the same call.
 	if [ "${KVO_REALMODEL_NOPITCH:-0}" = 1 ]; then
 		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_NO_PITCHED_STAGING=1 \
-			step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-early-nopitch.md"
+			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-nopitch.md"
 	fi
 	return 0
 }
