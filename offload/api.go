@@ -200,7 +200,11 @@ type Config struct {
 	// engine stream writes after the copies (package transfer). Off, a
 	// call with events returns once its copies are enqueued (the copies
 	// of its first blocks run meanwhile). See doc/DESIGN.md for what early
-	// events need from the driver and from the process's other threads.
+	// events need from the driver and from the process's other threads:
+	// with them, a thread that frees device memory (cudaFree,
+	// torch.cuda.empty_cache) while a Store or Load is still being built
+	// can deadlock the process; free only when every op has been waited
+	// for. Stats.EarlyEvents says whether they are on.
 	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout) and tags stored blocks for Clear. With a declared

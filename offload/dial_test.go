@@ -579,9 +579,10 @@ func TestDialTPSizeSharing(t *testing.T) {
 // from disk into pool slots, the engine copies them from there.
 func TestDialNodeDisk(t *testing.T) {
 	socket := filepath.Join(t.TempDir(), "node.sock")
-	// 64 slots of 8 KiB for 128 blocks.
+	// 64 slots of 8 KiB for 128 blocks; every block stored once, so
+	// written through (the default writes back only blocks seen twice).
 	s := startNodeConfig(t, nodepool.ServerConfig{Socket: socket, PoolBytes: 512 << 10, RegionBytes: 512 << 10, PrefaultThreads: 1,
-		Disk: &nodepool.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 4 << 20}})
+		Disk: &nodepool.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 4 << 20, WriteThrough: true}})
 	w, err := Dial(socket, dialConfig())
 	require.NoError(t, err)
 	defer w.Close()

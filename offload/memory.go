@@ -181,8 +181,15 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 	if pr.pinned {
 		var err error
 		if e.pinner != nil {
-			if err = e.pinner.Unregister(pr.r); err != nil {
-				err = e.pinner.Unregister(pr.r)
+			// cuMemHostUnregister may wait for the device to go idle:
+			// with early events, only where no promised event waits on
+			// work yet to be enqueued (transfer.Scheduler.Quiesce).
+			unregister := func() error { return e.pinner.Unregister(pr.r) }
+			if e.sched != nil {
+				unregister = func() error { return e.sched.Quiesce(func() error { return e.pinner.Unregister(pr.r) }) }
+			}
+			if err = unregister(); err != nil {
+				err = unregister()
 			}
 		} else {
 			err = e.sim.UnregisterHost(pr.host)

@@ -125,6 +125,11 @@ func (c *CUDA) StartEarly() bool {
 	return true
 }
 
+// SetSyncGuard has the copier's calibration run its frees (calls that may
+// wait for the device to go idle) through g: with early events the
+// scheduler's Quiesce (cudacopy.Copier.SetSyncGuard).
+func (c *CUDA) SetSyncGuard(g func(func() error) error) { c.copier.SetSyncGuard(g) }
+
 // Promise records evs on dir's signal stream behind a wait for dir's
 // counter to reach v.
 func (c *CUDA) Promise(dir Direction, v uint64, evs []Event) error {

@@ -464,3 +464,43 @@ func TestEarlyPartialPromise(t *testing.T) {
 		t.Fatal("Close hung: a failed promise's counter values were never written")
 	}
 }
+
+// TestQuiesceFreeWhileBuilding: on a driver whose cuMemFree waits for the
+// device to go idle and holds every other driver call meanwhile (as the
+// H200 machine's did), a free run through Quiesce while an early op is
+// half built waits until the op's counter writes are enqueued, then
+// completes, and the op's bytes all arrive. A free run as it is would
+// deadlock: the promised event's stream waits for a counter write that
+// the submitting thread, held by the free, never enqueues (this test then
+// times out).
+func TestQuiesceFreeWhileBuilding(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 9, SyncingFree: true, BlockingFree: true})
+	require.True(t, e.cu.EarlyEvents(), e.cu.EarlyEventsOff())
+	src := randBytes(rand.New(rand.NewSource(10)), n)
+	copy(e.hostBuf, src)
+	p, err := e.drv.MemAlloc(1 << 20)
+	require.NoError(t, err)
+	gate := make(chan struct{})
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, 2, gate), 5*time.Second)
+	require.NoError(t, err)
+	freed := make(chan error, 1)
+	go func() {
+		freed <- e.s.Quiesce(func() error { return e.cu.OnThread(func() error { return e.drv.MemFree(p) }) })
+	}()
+	select {
+	case err := <-freed:
+		t.Fatalf("the free ran while the op's counter write was not enqueued (err %v)", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(gate)
+	select {
+	case err := <-freed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the quiesced free did not complete after the op was built (a deadlock)")
+	}
+	require.NoError(t, op.Wait())
+	require.Equal(t, src, e.deviceBytes(t, n))
+	require.NoError(t, op.Release())
+}

@@ -266,6 +266,10 @@ type Scheduler struct {
 	sigMu      sync.Mutex
 	signalling int
 	seq        [2]uint64
+	// fulfilled is the highest counter value per direction whose write
+	// the submitting thread has enqueued (or given up on: a failed
+	// write); Quiesce waits for it to reach seq.
+	fulfilled [2]atomic.Uint64
 
 	// The submitting thread's buffers for lazy requests: lone for an
 	// issue of a single part, built here; the feed's, two for each of its
@@ -431,7 +435,6 @@ func (s *Scheduler) nextPart(f *partFeed) *partBuf {
 	return <-f.builders[i%len(f.builders)].ready
 }
 
-
 // stopFeed ends the feed: the builders build nothing more and have exited
 // when it returns. Idempotent.
 func (s *Scheduler) stopFeed(f *partFeed) {
@@ -554,6 +557,11 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 	threads := 3
 	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents && p.StartEarly() {
 		s.early = p
+		if g, ok := dev.(interface {
+			SetSyncGuard(func(func() error) error)
+		}); ok {
+			g.SetSyncGuard(s.Quiesce)
+		}
 	}
 	ready := make(chan error, threads)
 	s.done.Add(threads)
@@ -807,6 +815,10 @@ func (s *Scheduler) kick() {
 	default:
 	}
 }
+
+// Early reports whether the scheduler promises ops' events at Submit
+// (early events, see Config.NoEarlyEvents).
+func (s *Scheduler) Early() bool { return s.early != nil }
 
 // Close refuses new requests, lets everything submitted finish, stops the
 // engine goroutines and destroys the scheduler's events. It does not close
@@ -1231,7 +1243,7 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 		return nil
 	}
 	if op.early {
-		if err := s.early.Fulfil(op.dir, op.seq0+uint64(l)+1); err != nil {
+		if err := s.fulfil(op.dir, op.seq0+uint64(l)+1); err != nil {
 			return fmt.Errorf("transfer: writing layer %d's counter value: %w", l, err)
 		}
 		return nil
@@ -1257,6 +1269,54 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 	return nil
 }
 
+// fulfil has the device write v to dir's counter (promiser.Fulfil) and
+// records v as fulfilled, written or not (a failed write fails its batch;
+// Quiesce must not wait for it).
+func (s *Scheduler) fulfil(dir Direction, v uint64) error {
+	err := s.early.Fulfil(dir, v)
+	f := &s.fulfilled[dir]
+	for cur := f.Load(); v > cur && !f.CompareAndSwap(cur, v); cur = f.Load() {
+	}
+	return err
+}
+
+// quiesceWait bounds how long Quiesce waits for the submitting thread to
+// enqueue the counter writes of the ops promised so far.
+const quiesceWait = 30 * time.Second
+
+// Quiesce runs f, a driver call that may wait for the device to go idle
+// (cuMemFree, cuMemFreeHost, cuMemHostUnregister), where that cannot
+// deadlock against early events. Such a call may also hold other threads'
+// driver calls meanwhile (on the H200 machine a cuMemcpyAsync of the
+// submitting thread waited behind a cuMemFree that waited for the
+// device), so it must not run while a signal stream waits for a counter
+// value whose write the submitting thread has yet to enqueue: the device
+// would never go idle. Quiesce holds new promises back (a Submit of an op
+// with events waits) and waits until every value promised so far has its
+// write enqueued, then runs f; the device then goes idle once the copies
+// in flight end. Without early events it just runs f. f must not submit
+// or wait for ops; Quiesce must not be called on the submitting thread.
+// If the writes are not enqueued within quiesceWait, f is not run and
+// Quiesce returns an error (the caller leaks rather than deadlocks).
+func (s *Scheduler) Quiesce(f func() error) error {
+	if s.early == nil {
+		return f()
+	}
+	s.sigMu.Lock()
+	defer s.sigMu.Unlock()
+	deadline := time.Now().Add(quiesceWait)
+	for d := range s.seq {
+		for s.fulfilled[d].Load() < s.seq[d] {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("transfer: %v counter values up to %d promised, only %d enqueued after %v: a call that waits for the device not run",
+					Direction(d), s.seq[d], s.fulfilled[d].Load(), quiesceWait)
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	return f()
+}
+
 // putBatchEvent returns an event to the batch event pool.
 func (s *Scheduler) putBatchEvent(e Event) {
 	s.mu.Lock()
@@ -1280,7 +1340,7 @@ func (s *Scheduler) fulfilAll(b *batch) {
 			op.snap = 0
 		}
 	}
-	if v != 0 && s.early.Fulfil(b.dir, v) != nil {
+	if v != 0 && s.fulfil(b.dir, v) != nil {
 		// The events may never complete: the completer must not wait
 		// for them (the batch fails; a caller's stream waiting on them
 		// is stuck as on a lost device).

@@ -33,6 +33,12 @@ type Options struct {
 	// SyncingFree makes MemFree wait until no stream has work queued, as
 	// the driver's cuMemFree may (it can wait for the device to go idle).
 	SyncingFree bool
+	// BlockingFree, with SyncingFree, makes every other driver call wait
+	// while a MemFree waits for the device to go idle, as the H200
+	// machine's driver held a cuMemcpyAsync on another thread behind a
+	// cuMemFree that waited for the device (a stream memory wait that only
+	// that copy's thread could satisfy then never ended).
+	BlockingFree bool
 	// DriverVersion is reported by DriverVersion (0: 12080).
 	DriverVersion int
 	// Devices is the number of devices (0: 1).
@@ -116,6 +122,7 @@ type Driver struct {
 	// running: every stream whose goroutine runs, destroyed ones still
 	// draining included (what SyncingFree waits for).
 	running    map[*stream]struct{}
+	freeing    int // MemFrees waiting for the device (BlockingFree)
 	events     map[cuda.Event]*event
 	modules    map[cuda.Module]*module
 	funcs      map[cuda.Function]*function
@@ -276,6 +283,9 @@ func (d *Driver) Close() error {
 
 // beginLocked accounts a call of op and decides whether it may run.
 func (d *Driver) beginLocked(op string, fl callFlags) (int, error) {
+	for d.freeing > 0 && !d.closed && d.stickyCode == cuda.Success {
+		d.cond.Wait()
+	}
 	if d.closed {
 		return 0, cuda.NewError(op, cuda.ErrorDeinitialized)
 	}

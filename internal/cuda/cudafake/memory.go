@@ -332,8 +332,15 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 	}
 	if d.opts.SyncingFree {
 		d.mu.Lock()
+		if d.opts.BlockingFree {
+			d.freeing++
+		}
 		for d.busyLocked() && !d.closed && d.stickyCode == cuda.Success {
 			d.cond.Wait()
+		}
+		if d.opts.BlockingFree {
+			d.freeing--
+			d.cond.Broadcast()
 		}
 		d.mu.Unlock()
 	}

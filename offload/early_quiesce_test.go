@@ -1,0 +1,95 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+)
+
+// TestCUDAFakeEarlyCalibrationWhileServing: with early events, the copy
+// methods' calibration at the end of growth frees its buffers (calls that
+// may wait for the device to go idle and, on the H200 machine's driver,
+// hold other threads' driver calls meanwhile) while stores and per-layer
+// loads are being built; on a fake driver that does both, the engine
+// serves through it without a deadlock and every byte arrives
+// (transfer.Scheduler.Quiesce). Stats says early events are on.
+func TestCUDAFakeEarlyCalibrationWhileServing(t *testing.T) {
+	d := fakeDriver(t, cudafake.Options{SyncingFree: true, BlockingFree: true})
+	g := newGPUMem(t, d, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	e, err := newCUDAEngine(t, d, Config{PoolBytes: 32 * slot, StagingBytes: 64 << 10, Layout: g.layout(LayoutLayerSeparate, 32),
+		Policy: PolicyLRU, EarlyEvents: true}, engineHooks{calibrate: true, copyOptions: calibrationOptions()})
+	require.NoError(t, err)
+	st := e.Stats()
+	require.True(t, st.EarlyEvents, st.EarlyEventsOff)
+	var rounds atomic.Int64
+	// The loop runs on the test goroutine (its thread has the context
+	// current); a deadlock stops it, which the watchdog reports.
+	watchdog := time.AfterFunc(60*time.Second, func() {
+		panic(fmt.Sprintf("serving stopped during the calibration after %d rounds (a deadlock); calibration %q",
+			rounds.Load(), e.Stats().CopyCalibration))
+	})
+	defer watchdog.Stop()
+	for seed := uint64(100); e.Stats().CopyCalibration == "" || rounds.Load() < 5; seed++ {
+		storeOverwriteLoad(t, e, g, 4, seed)
+		rounds.Add(1)
+	}
+	require.NoError(t, e.WaitGrown(context.Background()))
+	require.Contains(t, e.Stats().CopyCalibration, "calibrated in")
+	require.NoError(t, e.Close())
+}
+
+// TestEarlyEventsStats: Stats.EarlyEvents is false with the reason when
+// early events are not asked for, or the driver lacks stream memory
+// operations, or on the host backend; true when asked for on a driver
+// that has them.
+func TestEarlyEventsStats(t *testing.T) {
+	var mu sync.Mutex
+	for _, tc := range []struct {
+		name         string
+		early, noOps bool
+		host         bool
+		on           bool
+		why          string
+	}{
+		{name: "asked", early: true, on: true},
+		{name: "not asked", why: "Config.EarlyEvents is not set"},
+		{name: "no stream memory ops", early: true, noOps: true, why: "cuStreamWaitValue64_v2"},
+		{name: "host backend", early: true, host: true, why: "host backend"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mu.Lock()
+			defer mu.Unlock()
+			cfg := Config{PoolBytes: 16 * 8192, Layout: smallLayout(16), Policy: PolicyLRU, EarlyEvents: tc.early}
+			var e *Engine
+			var err error
+			if tc.host {
+				cfg.Backend, cfg.SkipMemoryCheck = BackendHost, true
+				e, err = New(cfg)
+			} else {
+				drv := fakeDriver(t, cudafake.Options{DeviceMemory: 64 << 20, NoStreamMemOps: tc.noOps})
+				g := newGPUMem(t, drv, 8192)
+				defer g.close()
+				cfg.Layout = g.layout(LayoutLayerSeparate, 16)
+				e, err = newCUDAEngine(t, drv, cfg, engineHooks{})
+			}
+			require.NoError(t, err)
+			defer func() { require.NoError(t, e.Close()) }()
+			st := e.Stats()
+			require.Equal(t, tc.on, st.EarlyEvents, st.EarlyEventsOff)
+			if tc.on {
+				require.Empty(t, st.EarlyEventsOff)
+			} else {
+				require.Contains(t, st.EarlyEventsOff, tc.why)
+			}
+		})
+	}
+}
