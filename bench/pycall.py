@@ -6,7 +6,8 @@ GPU block ids and loaded into others.
 
 Per size and rep it times, on the wall clock:
   prep  the package's argument checks and packing (pack_keys, _block_ids)
-  call  load() as a caller makes it (prep included)
+  call  load() as a caller makes it with lists (prep included), and with
+        packed arguments (keys as one bytes object, ids as array('q'))
   raw   kvo_load through ctypes with arguments packed beforehand
 and on the GPU (the caller's stream, events): reload (before the call
 until the stream waited on the op) and, for a per-layer load, layer 0's
@@ -65,7 +66,7 @@ def main(argv=None):
             raise RuntimeError(f"store outcomes {sorted(set(outc))}")
         raw_keys, _ = K.pack_keys(keys)
         raw_ids = E._block_ids(dst, n)
-        prep, call, raw, reload, layer0 = [], [], [], [], []
+        prep, call, packed, raw, reload, layer0 = [], [], [], [], [], []
         for rep in range(args.reps + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -100,6 +101,13 @@ def main(argv=None):
             op.release()
 
             torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            op = eng.load(raw_keys, raw_ids, after=compute)
+            packed.append((time.perf_counter() - t0) * 1e3)
+            op.wait()
+            op.release()
+
+            torch.cuda.synchronize()
             o = ctypes.c_uint64(0)
             t0 = time.perf_counter()
             rc = lib.kvo_load(eng._h(), E._addr(raw_keys), E._addr(raw_ids), n, 0, 0, 0, 0, ctypes.byref(o))
@@ -108,18 +116,18 @@ def main(argv=None):
             _lib.check(lib.kvo_op_wait(o.value, -1), "kvo_op_wait")
             lib.kvo_op_release(o.value)
             if rep == 0:  # the warm-up rep is not counted
-                for xs in (prep, call, raw, reload, layer0):
+                for xs in (prep, call, packed, raw, reload, layer0):
                     xs.clear()
         med = statistics.median
-        rows.append((n, med(prep), med(call), min(call), max(call), med(raw), med(reload), med(layer0),
+        rows.append((n, med(prep), med(call), min(call), max(call), med(packed), med(raw), med(reload), med(layer0),
                      n * BLOCK / 1e6))
         eng.delete(keys)
     eng.close()
     print(f"\n{args.label}: median of {args.reps} reps (ms)")
-    print("| blocks | MB | prep | load() call (min–max) | raw kvo_load | reload (GPU) | per-layer layer 0 (GPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for n, p, c, cmin, cmax, r, rl, l0, mb in rows:
-        print(f"| {n} | {mb:.0f} | {p:.3f} | {c:.3f} ({cmin:.3f}–{cmax:.3f}) | {r:.3f} | {rl:.2f} | {l0:.2f} |")
+    print("| blocks | MB | prep (lists) | load() call, lists (min–max) | load() call, packed | raw kvo_load | reload (GPU) | per-layer layer 0 (GPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, p, c, cmin, cmax, pk, r, rl, l0, mb in rows:
+        print(f"| {n} | {mb:.0f} | {p:.3f} | {c:.3f} ({cmin:.3f}–{cmax:.3f}) | {pk:.3f} | {r:.3f} | {rl:.2f} | {l0:.2f} |")
     sys.stdout.flush()
 
 

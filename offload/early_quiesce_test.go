@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 )
 
 // TestCUDAFakeEarlyCalibrationWhileServing: with early events, the copy
@@ -92,4 +93,37 @@ func TestEarlyEventsStats(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestGPUEarlyCalibrationWhileServing: the calibration-while-serving case
+// on the GPU, with early events and the engine's real calibration at the
+// end of growth: stores and loads go on through it (on the H200 machine,
+// before Quiesce, the calibration's cuMemFree deadlocked the demo's first
+// store with early events), then a Trim unregisters a region.
+func TestGPUEarlyCalibrationWhileServing(t *testing.T) {
+	gpu := cudatest.Open(t)
+	g := newGPUMem(t, gpu.Drv, 8<<10)
+	defer g.close()
+	slot := int64(8 << 10)
+	e, err := newCUDAEngine(t, gpu.Drv, Config{PoolBytes: 2048 * slot, FirstRegionBytes: 1024 * slot, RegionBytes: 1024 * slot,
+		Layout: g.layout(LayoutLayerSeparate, 512), Policy: PolicyLRU, EarlyEvents: true}, engineHooks{calibrate: true})
+	require.NoError(t, err)
+	require.True(t, e.Stats().EarlyEvents, e.Stats().EarlyEventsOff)
+	var rounds atomic.Int64
+	watchdog := time.AfterFunc(120*time.Second, func() {
+		panic(fmt.Sprintf("serving stopped during the calibration after %d rounds (a deadlock); calibration %q",
+			rounds.Load(), e.Stats().CopyCalibration))
+	})
+	defer watchdog.Stop()
+	for seed := uint64(200); e.Stats().CopyCalibration == "" || rounds.Load() < 5; seed++ {
+		storeOverwriteLoad(t, e, g, 64, seed)
+		rounds.Add(1)
+	}
+	t.Logf("%d rounds of 64 blocks served while the copy methods were calibrated (%s)", rounds.Load(), e.Stats().CopyCalibration)
+	require.NoError(t, e.WaitGrown(context.Background()))
+	res, err := e.Trim(context.Background(), 1024*slot)
+	require.NoError(t, err)
+	require.Equal(t, 1024*slot, res.FreedBytes)
+	storeOverwriteLoad(t, e, g, 64, 999)
+	require.NoError(t, e.Close())
 }

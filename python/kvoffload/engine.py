@@ -44,7 +44,14 @@ def _block_ids(block_ids, n):
     """block_ids (a sequence of ints, or a tensor/array with .tolist()) as
     the int64_t array kvo_store/kvo_load take: a bool or non-integer is
     ArgumentTypeError, a value outside int64 InvalidArgumentError, each
-    naming its index (the library checks the layout's range)."""
+    naming its index (the library checks the layout's range). An
+    array.array("q") is taken as it is, without a check per id (the
+    cheapest form for many blocks: about 0.1 µs a block less than a list
+    on the H200 machine's CPU, bench/pycall.py)."""
+    if type(block_ids) is array.array and block_ids.typecode == "q":
+        if len(block_ids) != n:
+            raise errors.InvalidArgumentError(f"{n} keys but {len(block_ids)} block ids")
+        return block_ids
     if hasattr(block_ids, "tolist"):
         block_ids = block_ids.tolist()
     if block_ids is None or isinstance(block_ids, (str, bytes)):

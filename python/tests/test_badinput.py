@@ -3,13 +3,14 @@ the limit, before ctypes converts them (issue 19): ctypes truncates an
 integer out of its C type's range silently and a NUL byte ends a C string,
 so neither may reach the library."""
 
+import array
 import unittest
 
 import kvoffload
 from kvoffload import _lib
 from kvoffload.layout import layout_from_tensors
 
-from .helpers import host_config, keys_for, needs_library
+from .helpers import block_holds, host_config, keys_for, needs_library, write_block
 from .test_layout import FakeTensor
 
 U64 = 2**64
@@ -152,6 +153,23 @@ class BadValues(unittest.TestCase):
         self.assert_refused(lambda: eng.load(keys, [4, 5], signal=U64), ValueError, "signal", str(U64))
         self.assert_refused(lambda: eng.store(keys, [0, 2**63]), ValueError, "block id 1", str(2**63))
         self.assert_refused(lambda: eng.store(keys, [0, U64]), ValueError, "block id 1")
+
+    def test_packed_inputs(self):
+        # keys as one bytes object and block ids as array('q') skip the
+        # per-item checks; the bytes still round-trip, and a wrong count or
+        # an id outside the layout is still refused.
+        eng = self.eng
+        keys = keys_for(3, 9)
+        for i, b in enumerate((0, 1, 2)):
+            write_block(eng, b, 40 + i)
+        with eng.store(b"".join(keys), array.array("q", [0, 1, 2])) as op:
+            self.assertEqual(op.wait(), ["stored"] * 3)
+        with eng.load(b"".join(keys), array.array("q", [5, 6, 7])) as op:
+            self.assertEqual(op.wait(), ["loaded"] * 3)
+        for i, b in enumerate((5, 6, 7)):
+            self.assertTrue(block_holds(eng, b, i, 40 + i), f"block {b}")
+        self.assert_refused(lambda: eng.load(keys, array.array("q", [5, 6])), ValueError, "3 keys but 2 block ids")
+        self.assert_refused(lambda: eng.load(keys, array.array("q", [5, 6, 10**9])), ValueError, str(10**9))
 
     def test_bool_and_non_int(self):
         eng = self.eng
