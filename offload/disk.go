@@ -547,9 +547,10 @@ func (d *diskTier) finish(job demotion, written bool) {
 
 // delete removes keys from disk, and from the demotions in flight.
 func (d *diskTier) delete(keys []Key) {
-	for _, k := range keys {
-		d.store.Delete(k)
-	}
+	// The tombs first, then the records: a write-back whose Put ends
+	// after the tomb deletes its record in finish; one whose Put ended
+	// before has its record deleted here. (The other order missed a Put
+	// that ended between the two.)
 	d.busyMu.Lock()
 	if d.busy > 0 {
 		for _, k := range keys {
@@ -557,6 +558,9 @@ func (d *diskTier) delete(keys []Key) {
 		}
 	}
 	d.busyMu.Unlock()
+	for _, k := range keys {
+		d.store.Delete(k)
+	}
 }
 
 // clearAll removes every record (records carry no namespace).
