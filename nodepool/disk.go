@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/disk"
@@ -320,7 +319,7 @@ func (d *nodeDisk) demote(s kvcache.Slot, k kvcache.Key, needed bool) bool {
 	d.busyMu.Unlock()
 	buf := <-d.bufs
 	if buf == nil {
-		buf = alignedBytes(int(d.slot))
+		buf = disk.AlignedBuffer(int(d.slot))
 	}
 	copy(buf, mem)
 	d.busyMu.Lock()
@@ -522,19 +521,6 @@ func (d *nodeDisk) get(k kvcache.Key, mem []byte) bool {
 	d.busyMu.Unlock()
 	found, err := d.store.Get(k, mem)
 	return found && err == nil
-}
-
-// alignedBytes returns n bytes at a 4 KiB-aligned address, so that an
-// O_DIRECT write takes a copy buffer as it is when n is a multiple of
-// 4 KiB (slots are).
-func alignedBytes(n int) []byte {
-	const a = 4096
-	b := make([]byte, n+a)
-	off := 0
-	if r := int(uintptr(unsafe.Pointer(&b[0])) % a); r != 0 {
-		off = a - r
-	}
-	return b[off : off+n : off+n]
 }
 
 // promote brings the keys at pos (missing from the pool, held by the disk

@@ -143,7 +143,7 @@ func TestDiskDemotingSlotHeld(t *testing.T) {
 	h.release()
 	require.NoError(t, e.FlushDisk(context.Background()))
 	require.Zero(t, demoting(e))
-	buf := alignedBytes(int(e.slot))
+	buf := disk.AlignedBuffer(int(e.slot))
 	found, err := e.disk.store.Get(held, buf)
 	require.NoError(t, err)
 	require.True(t, found)

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/disk"
@@ -400,7 +399,7 @@ func (d *diskTier) acceptLocked() (gen uint64, ok bool) {
 func (d *diskTier) queueCopy(k Key, mem []byte, gen uint64) {
 	buf := <-d.bufs
 	if buf == nil {
-		buf = alignedBytes(int(d.slot))
+		buf = disk.AlignedBuffer(int(d.slot))
 	}
 	copy(buf, mem)
 	wb := d.readable(k, buf, gen)
@@ -619,18 +618,6 @@ func (d *diskTier) servableLocked(k Key) *writeBack {
 		return nil
 	}
 	return wb
-}
-
-// alignedBytes returns n bytes at a 4 KiB-aligned address, so that an
-// O_DIRECT write takes them as they are when n is a multiple of 4 KiB.
-func alignedBytes(n int) []byte {
-	const a = 4096
-	b := make([]byte, n+a)
-	off := 0
-	if r := int(uintptr(unsafe.Pointer(&b[0])) % a); r != 0 {
-		off = a - r
-	}
-	return b[off : off+n : off+n]
 }
 
 // FlushDisk waits until every eviction queued for the disk tier has been

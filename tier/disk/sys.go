@@ -14,6 +14,11 @@ import (
 // 4 KiB covers both 512-byte and 4 KiB logical blocks.
 const align = 4096
 
+// AlignedBuffer returns n bytes starting at a 4 KiB-aligned address: a
+// buffer Put and Get take with O_DIRECT as it is when n is a multiple of
+// 4 KiB (the engine's and the node's copy buffers for write-backs).
+func AlignedBuffer(n int) []byte { return alignedBuf(n) }
+
 // alignedBuf returns n bytes (n a multiple of align) starting at an
 // align-aligned address. Go's heap does not move objects, so the address
 // stays valid for the slice's life.
