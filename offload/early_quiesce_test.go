@@ -31,21 +31,29 @@ func TestCUDAFakeEarlyCalibrationWhileServing(t *testing.T) {
 	require.NoError(t, err)
 	st := e.Stats()
 	require.True(t, st.EarlyEvents, st.EarlyEventsOff)
+	serveThroughCalibration(t, e, g, 4, 60*time.Second)
+	require.NoError(t, e.WaitGrown(context.Background()))
+	require.Contains(t, e.Stats().CopyCalibration, "calibrated in")
+	require.NoError(t, e.Close())
+}
+
+// serveThroughCalibration stores and loads rounds of n blocks
+// (storeOverwriteLoad) until the engine's copy calibration has ended and
+// at least five rounds ran, and returns the rounds. The loop runs on the
+// test goroutine (its thread has the context current); a deadlock stops
+// it, which a watchdog reports by panicking after limit.
+func serveThroughCalibration(t *testing.T, e *Engine, g *gpuMem, n int, limit time.Duration) int64 {
 	var rounds atomic.Int64
-	// The loop runs on the test goroutine (its thread has the context
-	// current); a deadlock stops it, which the watchdog reports.
-	watchdog := time.AfterFunc(60*time.Second, func() {
+	watchdog := time.AfterFunc(limit, func() {
 		panic(fmt.Sprintf("serving stopped during the calibration after %d rounds (a deadlock); calibration %q",
 			rounds.Load(), e.Stats().CopyCalibration))
 	})
 	defer watchdog.Stop()
 	for seed := uint64(100); e.Stats().CopyCalibration == "" || rounds.Load() < 5; seed++ {
-		storeOverwriteLoad(t, e, g, 4, seed)
+		storeOverwriteLoad(t, e, g, n, seed)
 		rounds.Add(1)
 	}
-	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Contains(t, e.Stats().CopyCalibration, "calibrated in")
-	require.NoError(t, e.Close())
+	return rounds.Load()
 }
 
 // TestEarlyEventsStats: Stats.EarlyEvents is false with the reason when
@@ -109,17 +117,8 @@ func TestGPUEarlyCalibrationWhileServing(t *testing.T) {
 		Layout: g.layout(LayoutLayerSeparate, 512), Policy: PolicyLRU, EarlyEvents: true}, engineHooks{calibrate: true})
 	require.NoError(t, err)
 	require.True(t, e.Stats().EarlyEvents, e.Stats().EarlyEventsOff)
-	var rounds atomic.Int64
-	watchdog := time.AfterFunc(120*time.Second, func() {
-		panic(fmt.Sprintf("serving stopped during the calibration after %d rounds (a deadlock); calibration %q",
-			rounds.Load(), e.Stats().CopyCalibration))
-	})
-	defer watchdog.Stop()
-	for seed := uint64(200); e.Stats().CopyCalibration == "" || rounds.Load() < 5; seed++ {
-		storeOverwriteLoad(t, e, g, 64, seed)
-		rounds.Add(1)
-	}
-	t.Logf("%d rounds of 64 blocks served while the copy methods were calibrated (%s)", rounds.Load(), e.Stats().CopyCalibration)
+	rounds := serveThroughCalibration(t, e, g, 64, 120*time.Second)
+	t.Logf("%d rounds of 64 blocks served while the copy methods were calibrated (%s)", rounds, e.Stats().CopyCalibration)
 	require.NoError(t, e.WaitGrown(context.Background()))
 	res, err := e.Trim(context.Background(), 1024*slot)
 	require.NoError(t, err)
