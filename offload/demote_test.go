@@ -265,7 +265,10 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 			require.NotNil(t, contents[held], "the held write is of a stored key")
 			st := e.Stats()
 			if tc.fromSlot {
-				require.Equal(t, 1, demoting(e))
+				// Only the held write stays: the other writer may still be
+				// finishing an eviction queued behind it (CI saw 2 here).
+				require.Eventually(t, func() bool { return demoting(e) == 1 }, 10*time.Second, time.Millisecond,
+					"demoting slots: %d, want the held one", demoting(e))
 				require.Zero(t, st.DiskCopies)
 			} else {
 				require.Positive(t, st.DiskCopies)
