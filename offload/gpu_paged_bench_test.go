@@ -267,7 +267,7 @@ func (t *prTracer) point(name string, part int) {
 		name = fmt.Sprintf("%s%d", name, part)
 	}
 	var ev cuda.Event
-	if name != "submit" && len(t.pool) > 0 && (part <= 2 || name == "issued") {
+	if !callerPoints[name] && len(t.pool) > 0 && (part <= 2 || name == "issued") {
 		ev = t.pool[len(t.pool)-1]
 		if t.drv.EventRecord(ev, t.stream) == nil {
 			t.pool = t.pool[:len(t.pool)-1]
@@ -277,6 +277,10 @@ func (t *prTracer) point(name string, part int) {
 	}
 	t.names, t.wall, t.evs = append(t.names, name), append(t.wall, time.Since(t.t0)), append(t.evs, ev)
 }
+
+// callerPoints are the trace points on the calling goroutine (the
+// engine's tracePoint and the scheduler's submit): no event is recorded.
+var callerPoints = map[string]bool{"load": true, "begun": true, "plan": true, "planned": true, "held": true, "submit": true}
 
 // engine returns the benchmarks' engine maker: the CUDA backend with hooks
 // h and early events as asked, and, with a tracer (t not nil), the

@@ -490,6 +490,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	e.sched.Prewake() // see store
 	defer e.sched.PrewakeDone()
 	start := time.Now()
+	e.tracePoint("load")
 	var leased []kvcache.Slot
 	if opts.Lease != nil {
 		leased = opts.Lease.slots
@@ -502,6 +503,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		}
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
+	e.tracePoint("begun")
 	op := newOp(e, OpLoad, len(keys))
 	if opts.PerLayer && l.Kind() != kvcache.CrossLayer {
 		op.layers = l.Geometry().Layers // what segments groups the copies by
@@ -626,10 +628,12 @@ func (e *Engine) newLoadRun(op *Op, l *kvcache.Layout, opts LoadOptions, start t
 // caller drops the holds and gives the blocks their outcome.
 func (r *loadRun) submit(idx, ids []int, slots []kvcache.Slot, end func()) error {
 	e := r.e
+	e.tracePoint("plan")
 	req, err := e.copyPlan(r.l, ids, slots, r.opts.PerLayer)
 	if err != nil {
 		return err
 	}
+	e.tracePoint("planned")
 	bytes := int64(len(slots)) * e.rankBytes(r.l)
 	e.ops.Add(1)
 	e.hold(slots)
@@ -639,6 +643,7 @@ func (r *loadRun) submit(idx, ids []int, slots []kvcache.Slot, end func()) error
 	req.Dir, req.After, req.Events, req.Signal = transfer.Load, r.after, r.chain, transfer.Event(r.opts.Signal)
 	req.OnComplete = e.onTransferDone(r.op, idx, slots, bytes, r.partDone, tdone, OutcomeLoaded, &e.stats.load,
 		func(error) error { end(); return nil })
+	e.tracePoint("held")
 	top, err := e.sched.Submit(req)
 	if err != nil {
 		e.ops.Done()
@@ -817,4 +822,13 @@ func (e *Engine) clear(ns string) int {
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()
 	return n
+}
+
+// tracePoint calls the test hook engineHooks.trace (the scheduler's
+// Config.Trace too) at a point of a call on the caller's goroutine; a nil
+// check where no test set it.
+func (e *Engine) tracePoint(name string) {
+	if e.hooks.trace != nil {
+		e.hooks.trace(name, -1)
+	}
 }
