@@ -102,7 +102,10 @@ func benchEnv(t *testing.T, name string, def, limit int64) int64 {
 // (Get's split off), a before/after in the same run. Below the table: each
 // cell against psync fio alone (the reference), also as the median
 // of each round's ratio, and the cells where the tier beats that reference
-// by more than 2% (INVALID as a check of the target).
+// by more than 2% (INVALID as a check of the target). KVO_DISK_BENCH_QS
+// (say 1 or 1,4) picks the queue depths; KVO_DISK_BENCH_Q1DIAG=1 adds the
+// Q=1 diagnosis (diagnoseQ1: fio, plain preads and Get on one store's file,
+// per record time in preads and the rest, device reads a record).
 func TestDiskVsFio(t *testing.T) {
 	dir := os.Getenv("KVO_DISK_BENCH")
 	if dir == "" {
@@ -114,6 +117,16 @@ func TestDiskVsFio(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(work) })
 	qs := []int{1, 4, 16}
+	if v := os.Getenv("KVO_DISK_BENCH_QS"); v != "" {
+		qs = nil
+		for _, f := range strings.Split(v, ",") {
+			q, err := strconv.Atoi(f)
+			if err != nil || q < 1 || q > 16 || 16%q != 0 {
+				t.Fatalf("KVO_DISK_BENCH_QS=%q: want queue depths dividing 16, comma-separated", v)
+			}
+			qs = append(qs, q)
+		}
+	}
 	passBytes := benchEnv(t, "KVO_DISK_BENCH_MIB", fioPassBytes>>20, 1<<20) << 20
 	rounds := int(benchEnv(t, "KVO_DISK_BENCH_ROUNDS", fioRounds, 100))
 	records := passBytes / fioRecord / 16 * 16 // a multiple of every Q
@@ -253,6 +266,9 @@ func TestDiskVsFio(t *testing.T) {
 		best = min(best, time.Since(start))
 	}
 	fmt.Fprintf(&out, "- the CRC-32C of one payload (%d bytes) on this CPU: %.0f µs (best of 20)\n", fioPayload, float64(best.Nanoseconds())/1e3)
+	if os.Getenv("KVO_DISK_BENCH_Q1DIAG") != "" {
+		out.WriteString(diagnoseQ1(t, fio, work, records, rounds))
+	}
 	t.Log("\n" + out.String())
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, "disk-vs-fio.md"), []byte(out.String()), 0o644))

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvoffload/kvoffload/tier/record"
 	"golang.org/x/sys/unix"
@@ -584,12 +585,12 @@ func (s *Store) read(i int32, key [16]byte, dst []byte) (ioErr, verr error) {
 			var headSum uint32
 			var wg sync.WaitGroup
 			wg.Go(func() { headSum = record.Checksum(head) })
-			ioErr = preadFull(d.fd, [][]byte{tail}, off+record.HeaderSize+int64(len(head)))
+			ioErr = s.pread(d, [][]byte{tail}, off+record.HeaderSize+int64(len(head)))
 			wg.Wait()
 			return record.ChecksumUpdate(headSum, payload[len(head):])
 		}
 	}
-	if err := preadFull(d.fd, [][]byte{*hdr, head}, off); err != nil {
+	if err := s.pread(d, [][]byte{*hdr, head}, off); err != nil {
 		return err, nil
 	}
 	verr = record.Accept(*hdr, record.HeaderSize+len(dst), sum, s.cfg.Fingerprint, key, len(dst))
@@ -601,6 +602,21 @@ func (s *Store) read(i int32, key [16]byte, dst []byte) (ioErr, verr error) {
 	}
 	return nil, nil
 }
+
+// pread is Get's preadFull, timed for readTimer when a test sets it.
+func (s *Store) pread(d *dirFile, bufs [][]byte, off int64) error {
+	if readTimer == nil {
+		return preadFull(d.fd, bufs, off)
+	}
+	start := time.Now()
+	err := preadFull(d.fd, bufs, off)
+	readTimer(time.Since(start))
+	return err
+}
+
+// readTimer, when a test sets it (before any Get), is given the time of
+// each of Get's preads (TestDiskVsFio's Q=1 diagnosis).
+var readTimer func(time.Duration)
 
 // Get's split of a record read (see read): payloads of at least
 // splitMinBytes read with O_DIRECT are read as the header sector and the
