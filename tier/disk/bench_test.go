@@ -135,11 +135,12 @@ func TestDiskVsFio(t *testing.T) {
 	}
 
 	oneRead := os.Getenv("KVO_DISK_BENCH_ONEREAD") != ""
-	type row struct{ regW, regR, intW, intR, aioW, aioR, tierW, tierR, oneR []float64 }
+	type row struct{ regW, regR, intW, intR, aioW, aioR, tierW, tierR, oneR, rawR []float64 }
 	rows := map[int]*row{}
 	for _, q := range qs {
 		r := &row{}
 		rows[q] = r
+		tierRuns := 0
 		// Each round starts one contender later than the last, so that none
 		// always runs first or last (a cloud disk's rate drifts within a
 		// round: its burst credit, the host's cache).
@@ -157,8 +158,9 @@ func TestDiskVsFio(t *testing.T) {
 				r.aioW, r.aioR = append(r.aioW, w), append(r.aioR, rd)
 			},
 			func() {
-				w, rd := runTier(t, work, q, records)
-				r.tierW, r.tierR = append(r.tierW, w), append(r.tierR, rd)
+				w, rd, raw := runTier(t, work, q, records, tierRuns%2 == 1)
+				tierRuns++
+				r.tierW, r.tierR, r.rawR = append(r.tierW, w), append(r.tierR, rd), append(r.rawR, raw)
 			},
 		}
 		if oneRead {
@@ -169,7 +171,7 @@ func TestDiskVsFio(t *testing.T) {
 				saved := splitMinBytes
 				defer func() { splitMinBytes = saved }()
 				splitMinBytes = 0
-				_, rd := runTier(t, work, q, records)
+				_, rd, _ := runTier(t, work, q, records, false)
 				r.oneR = append(r.oneR, rd)
 			})
 		}
@@ -236,6 +238,11 @@ func TestDiskVsFio(t *testing.T) {
 				100*median(r.oneR)/refR, pcts(ratios(r.oneR, pr)), 100*median(ratios(r.oneR, pr)), gbs(r.oneR))
 		}
 		fmt.Fprintln(&out, line)
+		fmt.Fprintf(&out, "- Q=%d against a plain preadv loop into the same buffers (the same records in the same order from the same goroutines, header and payload in one read, no CRC; before or after the Gets in turn): Get %.0f%% of its median (per round %s%%, median %.0f%%; its passes %s GB/s)\n",
+			q, 100*median(r.tierR)/median(r.rawR), pcts(ratios(r.tierR, r.rawR)), 100*median(ratios(r.tierR, r.rawR)), gbs(r.rawR))
+		if median(r.tierR) > 1.02*median(r.rawR) {
+			invalid = append(invalid, fmt.Sprintf("Q=%d Get at %.0f%% of the plain preadv loop", q, 100*median(r.tierR)/median(r.rawR)))
+		}
 		cells := []struct {
 			op        string
 			tier, ref float64
@@ -348,8 +355,15 @@ func runFio(t *testing.T, fio, work string, q int, records int64, p fioPattern) 
 // runTier opens a fresh store of records slots, Puts records blocks from q
 // goroutines (each from its own aligned buffer, as the engine's pinned
 // slots), then Gets them all back, and returns record bytes per second each
-// way (header included, as fio's block size includes it).
-func runTier(t *testing.T, work string, q int, records int64) (write, read float64) {
+// way (header included, as fio's block size includes it). raw is a plain
+// preadv loop's rate over the same records, in the same order, from the
+// same goroutines into the same buffers (header and payload in one read, no
+// checks), run after the Gets, or before them with rawFirst: the reference
+// with the same memory under every read. (A read's time on a virtio disk
+// depends on how many physically contiguous pieces its buffer is in, which
+// differs from one buffer, and one process, to the next: see
+// bench/results/h200/disk/disk-q1-diagnosis.md.)
+func runTier(t *testing.T, work string, q int, records int64, rawFirst bool) (write, read, raw float64) {
 	dir := filepath.Join(work, "tier")
 	require.NoError(t, os.MkdirAll(dir, 0o700))
 	defer os.RemoveAll(dir)
@@ -370,6 +384,21 @@ func runTier(t *testing.T, work string, q int, records int64) (write, read float
 		return float64(records*fioRecord) / time.Since(start).Seconds()
 	}
 	write = pass(func(g int, k [16]byte) error { return s.Put(k, bufs[g]) })
+	require.Len(t, s.dirs, 1)
+	offs := map[[16]byte]int64{}
+	for k, i := range s.index {
+		offs[k] = int64(i) * s.slotBytes
+	}
+	hdrs := make([][]byte, q)
+	for g := range hdrs {
+		hdrs[g] = alignedBuf(record.HeaderSize)
+	}
+	rawPass := func() float64 {
+		return pass(func(g int, k [16]byte) error { return preadFull(s.dirs[0].fd, [][]byte{hdrs[g], bufs[g]}, offs[k]) })
+	}
+	if rawFirst {
+		raw = rawPass()
+	}
 	read = pass(func(g int, k [16]byte) error {
 		ok, err := s.Get(k, bufs[g])
 		if err == nil && !ok {
@@ -377,10 +406,13 @@ func runTier(t *testing.T, work string, q int, records int64) (write, read float
 		}
 		return err
 	})
+	if !rawFirst {
+		raw = rawPass()
+	}
 	st := s.Stats()
 	require.Equal(t, records, st.Hits)
 	require.Zero(t, st.Corrupt+st.IOErrors+st.Evictions)
-	return write, read
+	return write, read, raw
 }
 
 // forEach runs op on key(0) ... key(n-1) from q goroutines, each taking the

@@ -167,6 +167,12 @@ func diagnoseQ1(t *testing.T, fio, work string, records int64, rounds int) strin
 			})
 		}},
 		{"Get into a huge page (split read)", func() ([]time.Duration, []time.Duration, float64) { return getInto(hugePayload) }},
+		{"Get into a huge page, in one read", func() ([]time.Duration, []time.Duration, float64) {
+			saved := splitMinBytes
+			defer func() { splitMinBytes = saved }()
+			splitMinBytes = 0
+			return getInto(hugePayload)
+		}},
 		{"Get in one read", func() ([]time.Duration, []time.Duration, float64) {
 			saved := splitMinBytes
 			defer func() { splitMinBytes = saved }()
