@@ -272,6 +272,10 @@ suite_disk() {
 	step_in tier/record timeout 60 "$B/tier_record.test" -test.run '^$' -test.bench 'Checksum2MiB' -test.benchtime 300x -test.count 3
 	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=${KVO_DISK_MIB:-2048} KVO_DISK_BENCH_ROUNDS=${KVO_DISK_ROUNDS:-3} KVO_BENCH_OUT=$D \
 		step_in tier/disk timeout 240 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 235s
+	# Q=1 diagnosis (the log only): fio, plain preads and Get on one store's file, per record
+	# time in preads and the rest, device reads a record, the buffers' physical layout.
+	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=1024 KVO_DISK_BENCH_ROUNDS=3 KVO_DISK_BENCH_QS=1 KVO_DISK_BENCH_Q1DIAG=1 \
+		step_in tier/disk timeout 150 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 145s
 	# The index scan at start (target: 2 s per 100,000 records) on this disk.
 	TMPDIR=$TIER_DIR step_in tier/disk timeout 150 "$B/tier_disk.test" -test.run '^$' -test.bench 'OpenScan' \
 		-test.benchtime 2x -test.count 1 -test.timeout 145s
