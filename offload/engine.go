@@ -18,8 +18,13 @@ import (
 // concurrent use by many goroutines; Close ends it.
 type Engine struct {
 	// Set by New and never changed.
-	cfg           Config
-	blockBits     sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
+	cfg       Config
+	blockBits sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
+	// loadResults holds *[]kvcache.LoadResult, the lookups of a Load
+	// (loadLeased), used only while the call runs: a Load of 2048 keys
+	// otherwise allocated 112 KiB a call, and the garbage of every op
+	// paced the GC, whose pauses landed in calls.
+	loadResults   sync.Pool
 	backend       Backend
 	backendReason string
 	start         time.Time

@@ -496,7 +496,17 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		leased = opts.Lease.slots
 	}
 	n := len(leased)
-	res, err := e.cache.BeginLoad(keys[n:], blockIDs[n:], nil)
+	rp, _ := e.loadResults.Get().(*[]kvcache.LoadResult)
+	if rp == nil || cap(*rp) < len(keys)-n {
+		rp = new(make([]kvcache.LoadResult, 0, len(keys)-n))
+	}
+	defer func() {
+		clear(*rp) // no slot handles kept past the call
+		*rp = (*rp)[:0]
+		e.loadResults.Put(rp)
+	}()
+	res, err := e.cache.BeginLoad(keys[n:], blockIDs[n:], (*rp)[:0])
+	*rp = res
 	if err != nil {
 		if errors.Is(err, ErrUnavailable) {
 			return nil, fmt.Errorf("offload: Load: %w", err)
@@ -512,14 +522,12 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	for i, s := range leased {
 		idx, ids, slots = append(idx, i), append(ids, blockIDs[i]), append(slots, s)
 	}
-	var looked []kvcache.Slot // the slots BeginLoad took reader holds on
-	var promote []int         // keys[n:] indices the disk holds and the pool lacks
+	var promote []int // keys[n:] indices the disk holds and the pool lacks
 	onDisk := e.disk != nil && ctx.Err() == nil
 	for j, r := range res {
 		switch {
 		case r.Found:
 			idx, ids, slots = append(idx, n+j), append(ids, r.BlockID), append(slots, r.Slot)
-			looked = append(looked, r.Slot)
 		case onDisk && e.disk.has(keys[n+j]):
 			promote = append(promote, j)
 			op.setOutcome(n+j, OutcomeMissing, nil) // until a chunk copies it
@@ -527,6 +535,8 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 			op.setOutcome(n+j, OutcomeMissing, nil)
 		}
 	}
+	// looked: the slots BeginLoad took reader holds on (after the lease's).
+	looked := slots[n:]
 	// end drops every reader hold the host part has: BeginLoad's and the
 	// lease's.
 	end := func() {

@@ -3,6 +3,8 @@ package cudacopy
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
@@ -196,7 +198,19 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 		return Ticket{}, err
 	}
 	staging, evs := gr.staging, gr.events
-	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load(), c.minRow(), uint64(c.opts.GatherMinRun))
+	// The kernel's segments live until the descriptors are written, all
+	// before this call returns: from a pool (a store of 2048 8B-class
+	// blocks otherwise allocated 3 MiB of them, garbage that paced the
+	// GC whose pauses landed in the engine's calls).
+	kp, _ := kernSegs.Get().(*[]Segment)
+	if kp == nil {
+		kp = new([]Segment)
+	}
+	kern, pieces := packStaged(dir, segs, parts, staging, c.hosts.Load(), c.minRow(), uint64(c.opts.GatherMinRun), *kp)
+	defer func() {
+		*kp = kern[:0]
+		kernSegs.Put(kp)
+	}()
 	cks := make([]chunker, len(parts))
 	for k, p := range parts {
 		cks[k] = chunker{kind: jobCopy, copies: kern[p.lo:p.hi], chunk: uint64(c.opts.ChunkBytes)}
@@ -290,6 +304,9 @@ func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bo
 	c.gathers.Add(1)
 	return t, nil
 }
+
+// kernSegs holds *[]Segment, staged's kernel segments between calls.
+var kernSegs sync.Pool
 
 // DefaultGatherRing is the number of staging chunks one SubmitGather
 // cycles through (Options.GatherRing).
@@ -453,8 +470,10 @@ func (c *Copier) launchRanges(g cuda.Stream, cur *descCursor, rs []launchRange) 
 // registrations; segments in no known range get a DMA each), runs of equal
 // length in [minRow, maxRow) (minRow 0: none) at a constant host pitch and
 // back to back in staging merged into one pitched DMA (runPacker).
-func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable, minRow, maxRow uint64) ([]Segment, []gatherPiece) {
-	kern := make([]Segment, len(segs))
+// The kernel's segments go into kern's memory (grown as needed; nil: a
+// new slice).
+func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable, minRow, maxRow uint64, kern []Segment) ([]Segment, []gatherPiece) {
+	kern = slices.Grow(kern[:0], len(segs))[:len(segs)]
 	rp := runPacker{minRow: minRow, maxRow: maxRow, keep: true, pieces: make([]gatherPiece, 0, 8)}
 	for k, p := range parts {
 		off := uint64(0)

@@ -236,7 +236,7 @@ func TestPackGather(t *testing.T) {
 		segs = append(segs, Segment{Dst: 0x7000000 + uint64(i)*256<<10, Src: 0x90000000 + uint64(9-i)*256<<10, Len: 256 << 10})
 	}
 	hosts := &hostTable{ranges: []hostRange{{base: 0x7000000, size: 16 << 20, dev: 0x7000000}}}
-	gather, pieces := packStaged(D2H, segs, chunkParts(segs, chunk), staging, hosts, 0, 0)
+	gather, pieces := packStaged(D2H, segs, chunkParts(segs, chunk), staging, hosts, 0, 0, nil)
 	require.Len(t, gather, 10)
 	require.Equal(t, []gatherPiece{
 		{host: 0x7000000, staging: 0x10000000, len: 4 * 256 << 10, chunk: 0},
@@ -250,7 +250,7 @@ func TestPackGather(t *testing.T) {
 	// A gap in the host addresses starts a new piece in the same chunk.
 	segs[2].Dst += 4096
 	segs[3].Dst += 4096
-	_, pieces = packStaged(D2H, segs[:4], chunkParts(segs[:4], chunk), staging, hosts, 0, 0)
+	_, pieces = packStaged(D2H, segs[:4], chunkParts(segs[:4], chunk), staging, hosts, 0, 0, nil)
 	require.Len(t, pieces, 2)
 	require.Equal(t, uint64(2*256<<10), pieces[0].len)
 	require.Equal(t, uint64(2*256<<10), pieces[1].len)
@@ -261,7 +261,7 @@ func TestPackGather(t *testing.T) {
 	for i := range loads {
 		loads[i] = Segment{Dst: 0x90000000 + uint64(2-i)*256<<10, Src: 0x7000000 + uint64(i)*256<<10, Len: 256 << 10}
 	}
-	scatter, pieces := packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], hosts, 0, 0)
+	scatter, pieces := packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], hosts, 0, 0, nil)
 	require.Equal(t, []gatherPiece{{host: 0x7000000, staging: 0x10000000, len: 3 * 256 << 10}}, pieces)
 	for i, g := range scatter {
 		require.Equal(t, Segment{Dst: loads[i].Dst, Src: 0x10000000 + uint64(i)*256<<10, Len: 256 << 10}, g)
@@ -269,10 +269,10 @@ func TestPackGather(t *testing.T) {
 	// Two registrations meeting between the second and third segment: no
 	// DMA spans them; outside every range, each segment goes alone.
 	two := &hostTable{ranges: []hostRange{{base: 0x7000000, size: 512 << 10, dev: 0x7000000}, {base: 0x7000000 + 512<<10, size: 16 << 20, dev: 0x7000000 + 512<<10}}}
-	_, pieces = packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], two, 0, 0)
+	_, pieces = packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], two, 0, 0, nil)
 	require.Len(t, pieces, 2)
 	require.Equal(t, []uint64{512 << 10, 256 << 10}, []uint64{pieces[0].len, pieces[1].len})
-	_, pieces = packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], &hostTable{}, 0, 0)
+	_, pieces = packStaged(H2D, loads, chunkParts(loads, chunk), staging[:1], &hostTable{}, 0, 0, nil)
 	require.Len(t, pieces, 3)
 }
 

@@ -53,7 +53,7 @@ func TestPackPitched(t *testing.T) {
 	}
 	segs := layerSegs(host, 1<<40, seq(8), seq(8), layers, 3, seg)
 	pack := func(segs []Segment, minRow uint64, hosts *hostTable) []gatherPiece {
-		_, ps := packStaged(H2D, segs, chunkParts(segs, chunk), staging, hosts, minRow, DefaultGatherMinRun)
+		_, ps := packStaged(H2D, segs, chunkParts(segs, chunk), staging, hosts, minRow, DefaultGatherMinRun, nil)
 		return ps
 	}
 	row := uint64(2 * seg)
