@@ -38,12 +38,8 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if noPitch {
 		copyOpts.GatherMinRow = -1
 	}
-	noWarm, err := envSwitch(NoWarmPathsEnv)
-	if err != nil {
-		return err
-	}
 	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
-		CalibrateLater: true, NoWarmPaths: noWarm, Copy: copyOpts})
+		CalibrateLater: true, Copy: copyOpts})
 	if err != nil {
 		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)
 	}

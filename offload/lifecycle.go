@@ -123,11 +123,6 @@ const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 // on a machine.
 const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
 
-// NoWarmPathsEnv set to 1 leaves out the small staged store and load New
-// runs on the engine's streams before it serves (transfer.CUDAOptions
-// NoWarmPaths): for comparisons on a machine.
-const NoWarmPathsEnv = "KVOFFLOAD_NO_WARM_PATHS"
-
 // envSwitch reads a comparison switch from the environment: unset or "0"
 // off, "1" on, anything else ErrInvalidConfig naming it.
 func envSwitch(name string) (bool, error) {

@@ -399,8 +399,7 @@ func TestGrowthFailureAtEachStage(t *testing.T) {
 		}, "CUDA_ERROR_OUT_OF_MEMORY"},
 		{"host ranges", []Backend{BackendCUDA}, cudafake.Options{Attributes: map[cuda.Attribute]int{cuda.AttrCanUseHostPointerForRegisteredMem: 0}},
 			stepRegister, func(d *cudafake.Driver) {
-				// Call 1 is the copier's warm-up buffer (transfer's warmPaths).
-				d.FailAt(cuda.OpMemHostGetDevicePointer, 4, cuda.ErrorInvalidValue)
+				d.FailAt(cuda.OpMemHostGetDevicePointer, 3, cuda.ErrorInvalidValue)
 			}, "host ranges of a region"},
 		{"cache", []Backend{BackendHost, BackendCUDA}, cudafake.Options{}, stepCache, nil, "adding pool region 2 to the cache"},
 	}

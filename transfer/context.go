@@ -186,10 +186,6 @@ type CUDAOptions struct {
 	// CPUs are free), instead of calibrating in NewCUDA. No effect when
 	// Copy forces a method or gives a calibration.
 	CalibrateLater bool
-	// NoWarmPaths leaves out the small gathered store and scattered load
-	// NewCUDA runs on the engine's streams (CUDA.warmPaths): for
-	// comparisons.
-	NoWarmPaths bool
 	// Copy tunes the copy method further; the fields above take precedence.
 	Copy CopyOptions
 }
@@ -211,9 +207,6 @@ func (c *Context) NewCUDA(opts CUDAOptions) (*CUDA, error) {
 	err := c.Do(func() error {
 		var err error
 		dev, err = newCUDA(c.drv, c.dev, c.ctx, co)
-		if err == nil && !opts.NoWarmPaths {
-			_ = dev.warmPaths() // best effort (see warmPaths)
-		}
 		if err == nil && !later {
 			dev.warmStaging()
 		}

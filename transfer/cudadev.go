@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"sync/atomic"
-	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
@@ -34,11 +33,6 @@ type CUDA struct {
 	streams [2]cuda.Stream
 	bounce  [2]cuda.Stream // per direction: the scatter (Load) and gather (Store) kernels' streams
 	copier  *cudacopy.Copier
-	// warm holds warmPaths' buffers until Close.
-	warm struct {
-		dev  cuda.DevicePtr
-		host unsafe.Pointer
-	}
 	// counted is the copier, kept after Close clears copier: its counters
 	// stay readable (PitchedCopies) from any goroutine.
 	counted *cudacopy.Copier
@@ -86,83 +80,6 @@ func (c *CUDA) warmStaging() {
 	if c.keepIdle {
 		_ = c.copier.Prewarm(0, prewarmRingsMax)
 	}
-}
-
-// warmPaths runs one small gathered store and one scattered load (16
-// segments of 32 KiB, every other one on the device) through the copier
-// on the engine's own streams and bounce streams, and waits for them: the
-// first staged copy of a process paid for what the calibration's direct
-// copies do not use (the bounce streams, the staged path's first gather
-// and staging DMA): an engine's first 2k-token store of a real model took
-// 1.7-1.9x as long as the next ones on the H200 machine, and the first
-// part of a Go process's first store 1.5 ms to enqueue against 0.1 later.
-// Run once, in NewCUDA, before anything else can use the streams. Its
-// buffers (512 KiB of device memory, 256 KiB pinned) stay until Close:
-// freeing device memory can wait for the device to go idle, which another
-// engine's early events in the process may hold off (see
-// transfer.Scheduler.Quiesce). Best effort: an error leaves the copies to
-// pay on their first use, as before.
-func (c *CUDA) warmPaths() (err error) {
-	const segs, seg = 16, 32 << 10
-	size := uint64(segs * seg)
-	if c.warm.dev, err = c.drv.MemAlloc(2 * size); err != nil {
-		return err
-	}
-	if c.warm.host, err = c.drv.MemHostAlloc(size, cuda.HostAllocPortable|cuda.HostAllocDeviceMap); err != nil {
-		return err
-	}
-	host := uintptr(c.warm.host)
-	if err := c.copier.AddHostRange(host, size); err != nil {
-		return err
-	}
-	defer func() { err = errors.Join(err, c.copier.RemoveHostRange(host)) }()
-	store := make([]cudacopy.Segment, segs)
-	load := make([]cudacopy.Segment, segs)
-	for i := range segs {
-		d, h := uint64(c.warm.dev)+uint64(2*i*seg), uint64(host)+uint64(i*seg)
-		store[i] = cudacopy.Segment{Dst: h, Src: d, Len: seg}
-		load[i] = cudacopy.Segment{Dst: d, Src: h, Len: seg}
-	}
-	var ts []cudacopy.Ticket
-	// The streams are synchronized, whatever failed, before the tickets
-	// are retired.
-	defer func() {
-		for _, s := range []cuda.Stream{c.bounce[Store], c.streams[Store], c.streams[Load], c.bounce[Load]} {
-			err = errors.Join(err, c.drv.StreamSynchronize(s))
-		}
-		for _, t := range ts {
-			err = errors.Join(err, c.copier.Retire(t))
-		}
-	}()
-	if c.copier.Gatherable(store) {
-		t, err := c.copier.SubmitGather(c.bounce[Store], c.streams[Store], store)
-		if err != nil {
-			return err
-		}
-		ts = append(ts, t)
-	}
-	if c.copier.Scatterable(load) {
-		t, err := c.copier.SubmitScatter(c.streams[Load], c.bounce[Load], load)
-		if err != nil {
-			return err
-		}
-		ts = append(ts, t)
-	}
-	return nil
-}
-
-// freeWarm frees warmPaths' buffers (Close).
-func (c *CUDA) freeWarm() error {
-	var err error
-	if c.warm.host != nil {
-		err = c.drv.MemFreeHost(c.warm.host)
-		c.warm.host = nil
-	}
-	if c.warm.dev != 0 {
-		err = errors.Join(err, c.drv.MemFree(c.warm.dev))
-		c.warm.dev = 0
-	}
-	return err
 }
 
 // descCapacity is the descriptor table size the engine's copier gets
@@ -645,8 +562,8 @@ func (c *CUDA) Close() error {
 		}
 		c.copier = nil
 		if err != nil {
-			return errors.Join(early, err, c.destroyStreams(), c.freeWarm())
+			return errors.Join(early, err, c.destroyStreams())
 		}
 	}
-	return errors.Join(early, c.destroyStreams(), c.freeWarm())
+	return errors.Join(early, c.destroyStreams())
 }

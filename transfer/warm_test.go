@@ -47,33 +47,3 @@ func TestWarmStaging(t *testing.T) {
 		d.Close()
 	}
 }
-
-// TestWarmPaths: NewCUDA runs one gathered store and one scattered load on
-// the engine's streams before returning (unless NoWarmPaths), counts
-// neither as the engine's bounced copies, keeps their buffers (one device
-// allocation, one pinned) until Close and frees them there.
-func TestWarmPaths(t *testing.T) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	for _, off := range []bool{false, true} {
-		d := cudafake.New(cudafake.Options{DeviceMemory: 2 << 30})
-		c, err := (&Driver{drv: d}).Open(0)
-		require.NoError(t, err)
-		before := d.Live()
-		dev, err := c.NewCUDA(CUDAOptions{CalibrateLater: true, MaxDeviceBytes: 256 << 20, NoWarmPaths: off})
-		require.NoError(t, err)
-		want := uint64(2)
-		if off {
-			want = 0
-		}
-		require.Equal(t, want, dev.Copier().Gathers(), "staged copies run by NewCUDA (NoWarmPaths %v)", off)
-		require.Zero(t, dev.BounceCopies(), "not the engine's copies")
-		require.Equal(t, !off, dev.warm.dev != 0 && dev.warm.host != nil, "buffers kept until Close")
-		require.NoError(t, c.Do(dev.Close))
-		after := d.Live()
-		require.Equal(t, before.DeviceAllocs, after.DeviceAllocs, "device memory freed at Close")
-		require.Equal(t, before.HostAllocs, after.HostAllocs, "pinned memory freed at Close")
-		require.NoError(t, c.Release())
-		d.Close()
-	}
-}
