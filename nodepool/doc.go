@@ -93,7 +93,10 @@
 // twice, stores and lookups through the node counted; DiskConfig.AdmitAll,
 // AdmitAfter), within DiskConfig.WriteBackBytes of write-backs waiting
 // (past it dropped, counted); DiskConfig.WriteThrough also writes every
-// block as it becomes ready. A block written back from its slot keeps the
+// block as it becomes ready, and DiskConfig.WriteBackOnClose has Close
+// write the pool's ready blocks not on disk yet (bounded by
+// Server.CloseContext's context), so that a restarted node finds them. A
+// block written back from its slot keeps the
 // slot "demoting" (kvcache: bytes intact, readable by promotions, never
 // handed to a store, its region not releasable) until its write ends: the
 // invariant above (no slot handed to a writer while held) covers it. A

@@ -937,6 +937,12 @@ type Stats struct {
 	// DiskHitsWriting: DiskHits copied from a write-back in flight (the
 	// block's slot or copy) rather than read from its record.
 	DiskHitsWriting int64 `json:"disk_hits_writing"`
+	// DiskWrittenAtClose: the pool's blocks Close wrote to disk
+	// (DiskConfig.WriteBackOnClose); not counted in DiskWrites.
+	DiskWrittenAtClose int64 `json:"disk_written_at_close"`
+	// DiskLeftAtClose: blocks not on disk that Close did not write
+	// because CloseContext's context ended first.
+	DiskLeftAtClose int64 `json:"disk_left_at_close"`
 }
 
 // Stats returns a snapshot of the node's state.
@@ -969,6 +975,7 @@ func (s *Server) Stats() Stats {
 		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
 		st.DiskRecords, st.DiskCorrupt = ds.Records, ds.Corrupt
 		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.notAdmitted.Load(), d.copies.Load(), d.fromFlight.Load()
+		st.DiskWrittenAtClose, st.DiskLeftAtClose = d.atClose.Load(), d.leftAtClose.Load()
 	}
 	st.Accepted = s.counter.accepted.Load()
 	st.Refused = s.counter.refused.Load()

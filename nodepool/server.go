@@ -1,6 +1,7 @@
 package nodepool
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -369,8 +370,18 @@ func (s *Server) Serve() error {
 
 // Close stops accepting, disconnects every client, closes the index and
 // unmaps the node's regions (clients keep their own mappings until they
-// unmap them). Leases and reservations die with the index.
-func (s *Server) Close() error {
+// unmap them). Leases and reservations die with the index. With a disk
+// tier it first writes the write-backs queued and, with
+// DiskConfig.WriteBackOnClose, the pool's blocks not on disk yet, however
+// long they take: CloseContext bounds the latter.
+func (s *Server) Close() error { return s.CloseContext(context.Background()) }
+
+// CloseContext is Close with a bound on the disk tier's write-back at
+// close (DiskConfig.WriteBackOnClose): once ctx ends no further block is
+// written (a write in progress finishes) and the rest are counted
+// (Stats.DiskLeftAtClose); the node closes as Close does, and ctx's end is
+// not an error. Nothing else of Close waits on ctx.
+func (s *Server) CloseContext(ctx context.Context) error {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -392,7 +403,7 @@ func (s *Server) Close() error {
 		p.disconnect()
 	}
 	s.wg.Wait()
-	s.closeDisk()
+	s.closeDisk(ctx)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.cache != nil {
