@@ -31,7 +31,9 @@ own GPU; the node holds the index, leases, reservations and eviction, and
 needs no GPU. The socket is 0600 (0660 with --group); a peer must have the
 node's uid (or root, or be in --group). One node is one trust domain: run
 one per tenant. It prints the socket and the page mode, and stops cleanly
-on SIGTERM or SIGINT.`,
+on SIGTERM or SIGINT; with --disk-write-back-on-close it first writes the
+pool's blocks not on disk yet, for at most --disk-close-timeout (a second
+signal ends it at once), and says how many it wrote and left.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		var cfg nodepool.ServerConfig
 		cfg.PoolBytes = 1 << 30
@@ -52,6 +54,8 @@ on SIGTERM or SIGINT.`,
 		admitAfter := fs.Int("disk-admit-after", 2, "with --disk: write back an evicted block whose key was stored or looked up at least this many `times` (1 to 15; 1: every block)")
 		writeThrough := fs.Bool("disk-write-through", false, "with --disk: also write every block stored as soon as it is ready (a restart finds every block stored, at a disk write each)")
 		fs.Var(sizeFlag{&writeBackBytes}, "disk-write-back-bytes", "with --disk: `bytes` of evicted blocks waiting for their disk write, past which an eviction is not written back (0: 64MiB)")
+		writeBackOnClose := fs.Bool("disk-write-back-on-close", false, "with --disk: at shutdown (SIGTERM, SIGINT) write every block in the pool not on disk yet, so that a restarted node finds the pool's last blocks (see --disk-close-timeout)")
+		closeTimeout := fs.Duration("disk-close-timeout", 25*time.Second, "with --disk-write-back-on-close: stop writing blocks at shutdown after this `duration` (the rest are not written, and counted)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
@@ -60,10 +64,12 @@ on SIGTERM or SIGINT.`,
 				return fmt.Errorf("%w: --socket is required", errUsage)
 			}
 			var needDisk string
+			closeTimeoutSet := false
 			fs.Visit(func(f *flag.Flag) {
 				if strings.HasPrefix(f.Name, "disk-") && needDisk == "" {
 					needDisk = f.Name
 				}
+				closeTimeoutSet = closeTimeoutSet || f.Name == "disk-close-timeout"
 			})
 			switch {
 			case diskBytes < 0:
@@ -72,14 +78,41 @@ on SIGTERM or SIGINT.`,
 				return fmt.Errorf("%w: --disk-write-back-bytes %d must not be negative", errUsage, writeBackBytes)
 			case *admitAfter < 1 || *admitAfter > kvcache.MaxSeenCount:
 				return fmt.Errorf("%w: --disk-admit-after %d: want 1 to %d", errUsage, *admitAfter, kvcache.MaxSeenCount)
+			case *closeTimeout <= 0:
+				return fmt.Errorf("%w: --disk-close-timeout %v must be positive", errUsage, *closeTimeout)
 			case needDisk != "" && *diskDirs == "":
 				return fmt.Errorf("%w: --%s needs --disk", errUsage, needDisk)
+			case closeTimeoutSet && !*writeBackOnClose:
+				return fmt.Errorf("%w: --disk-close-timeout needs --disk-write-back-on-close", errUsage)
 			case *diskDirs != "":
 				if diskBytes == 0 {
 					diskBytes = 4 * cfg.PoolBytes
 				}
 				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
-					AdmitAll: *admitAll, AdmitAfter: *admitAfter, WriteThrough: *writeThrough, WriteBackBytes: writeBackBytes}
+					AdmitAll: *admitAll, AdmitAfter: *admitAfter, WriteThrough: *writeThrough, WriteBackBytes: writeBackBytes,
+					WriteBackOnClose: *writeBackOnClose}
+			}
+			// closeNode closes the node, its write-back at close bounded by
+			// --disk-close-timeout, and says what that wrote.
+			closeNode := func(s *nodepool.Server) {
+				ctx, cancel := context.WithTimeout(context.Background(), *closeTimeout)
+				defer cancel()
+				_ = s.CloseContext(ctx)
+				if cfg.Disk == nil || !cfg.Disk.WriteBackOnClose {
+					return
+				}
+				st := s.Stats()
+				if !st.DiskOpen {
+					return
+				}
+				fmt.Fprintf(e.stdout, "kvoffload serve: wrote %d blocks of the pool to disk at close", st.DiskWrittenAtClose)
+				if st.DiskLeftAtClose > 0 {
+					fmt.Fprintf(e.stdout, ", %d not written (--disk-close-timeout %v passed)", st.DiskLeftAtClose, *closeTimeout)
+				}
+				if st.DiskWriteErrors > 0 {
+					fmt.Fprintf(e.stdout, "; %d disk writes failed", st.DiskWriteErrors)
+				}
+				fmt.Fprintln(e.stdout)
 			}
 			if *verbose {
 				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
@@ -123,12 +156,12 @@ on SIGTERM or SIGINT.`,
 			}
 			select {
 			case <-ctx.Done():
-				_ = s.Close()
+				closeNode(s)
 				<-done
 				fmt.Fprintln(e.stdout, "kvoffload serve: stopped")
 				return nil
 			case err := <-done:
-				_ = s.Close()
+				closeNode(s)
 				if errors.Is(err, nodepool.ErrServerClosed) {
 					err = nil
 				}
@@ -175,6 +208,9 @@ func diskMode(dc *nodepool.DiskConfig) string {
 	}
 	if dc.WriteThrough {
 		m += ", every block stored written through"
+	}
+	if dc.WriteBackOnClose {
+		m += ", the pool's blocks written at shutdown"
 	}
 	return m
 }
@@ -225,6 +261,8 @@ func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 		c("disk_dropped_total", "Blocks not written: admitted evictions past the write-back bound, or ready blocks finding the write-through queue full.", func(st nodepool.Stats) float64 { return float64(st.DiskDropped) })
 		c("disk_not_admitted_total", "Evictions the admission filter kept off disk (key seen fewer than --disk-admit-after times).", func(st nodepool.Stats) float64 { return float64(st.DiskNotAdmitted) })
 		c("disk_corrupt_total", "Records that failed a check when read.", func(st nodepool.Stats) float64 { return float64(st.DiskCorrupt) })
+		c("disk_written_at_close_total", "Blocks of the pool written to disk at shutdown (--disk-write-back-on-close); not in disk_writes_total.", func(st nodepool.Stats) float64 { return float64(st.DiskWrittenAtClose) })
+		c("disk_left_at_close_total", "Blocks not on disk that shutdown did not write: --disk-close-timeout passed first.", func(st nodepool.Stats) float64 { return float64(st.DiskLeftAtClose) })
 	}
 	return reg
 }

@@ -258,3 +258,80 @@ func TestServeDiskAdmission(t *testing.T) {
 	require.Error(t, err)
 	require.Contains(t, string(out), "--disk-admit-after 16: want 1 to 15")
 }
+
+// TestServeDiskWriteBackOnClose: with --disk-write-back-on-close, SIGTERM
+// writes the pool's blocks (none evicted, none written back before) to
+// disk and says so, and a node restarted on the directory loads them
+// byte-exact; without it, or with a --disk-close-timeout already passed
+// at shutdown (the blocks counted as not written), a restart finds none.
+// The flag needs --disk, --disk-close-timeout needs it.
+func TestServeDiskWriteBackOnClose(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(t.TempDir(), "node.sock")
+	layout := nodepool.LayoutOf(kvcache.CrossLayer, kvcache.Geometry{Layers: 2, KVHeads: 2, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16})
+	keys := []kvcache.Key{{1}, {2}}
+	for _, tc := range []struct {
+		args      []string
+		onDisk    int    // blocks a lookup finds on disk at start
+		atClose   string // what SIGTERM prints ("": nothing about a write at close)
+		noMetrics bool
+	}{
+		{[]string{"--disk-write-back-on-close", "--disk-close-timeout", "1ns"}, 0, "wrote 0 blocks of the pool to disk at close, 2 not written (--disk-close-timeout 1ns passed)\n", true},
+		{nil, 0, "", true},
+		{[]string{"--disk-write-back-on-close"}, 0, "wrote 2 blocks of the pool to disk at close\n", false},
+		{nil, 2, "", true},
+	} {
+		args := append([]string{"--pool", "4MiB", "--disk", dir, "--disk-bytes", "4MiB", "--metrics", "127.0.0.1:0"}, tc.args...)
+		cmd, stdout := startServeCmd(t, sock, args...)
+		m := serveMetrics(t, stdout)
+		if !tc.noMetrics {
+			require.Contains(t, stdout.String(), "the pool's blocks written at shutdown")
+			require.Contains(t, m, "kvoffload_node_disk_written_at_close_total 0")
+			require.Contains(t, m, "kvoffload_node_disk_left_at_close_total 0")
+		}
+		c, err := nodepool.Dial(sock, nodepool.ClientConfig{Namespace: "m", Layout: layout, Redial: -1, PrefaultThreads: 1})
+		require.NoError(t, err)
+		hits, lower, _, err := c.LookupTiers(keys, false, nil)
+		require.NoError(t, err)
+		require.Equal(t, 0, hits, "%v: a restarted node's pool is empty", tc.args)
+		require.Equal(t, tc.onDisk, lower, "%v: blocks on disk at start", tc.args)
+		if tc.onDisk == 0 {
+			res, err := c.BeginStore(nodepool.StoreRequest{Keys: keys}, nil)
+			require.NoError(t, err)
+			copy(c.SlotBytes(res[0].Slot), "hello")
+			copy(c.SlotBytes(res[1].Slot), "world")
+			require.NoError(t, c.CommitStore([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+		} else {
+			res, err := c.BeginLoad(keys, nil)
+			require.NoError(t, err)
+			require.True(t, res[0].Found && res[1].Found)
+			require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
+			require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
+			require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+		}
+		require.NoError(t, c.Close())
+		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+		_ = cmd.Wait()
+		out := stdout.String()
+		require.Contains(t, out, "stopped")
+		if tc.atClose != "" {
+			require.Contains(t, out, "kvoffload serve: "+tc.atClose)
+		} else {
+			require.NotContains(t, out, "at close")
+		}
+	}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--disk-write-back-on-close"}, "--disk-write-back-on-close needs --disk"},
+		{[]string{"--disk", t.TempDir(), "--disk-close-timeout", "5s"}, "--disk-close-timeout needs --disk-write-back-on-close"},
+		{[]string{"--disk", t.TempDir(), "--disk-write-back-on-close", "--disk-close-timeout", "0s"}, "--disk-close-timeout 0s must be positive"},
+	} {
+		bad := exec.Command(os.Args[0], append([]string{"serve", "--socket", filepath.Join(t.TempDir(), "s")}, tc.args...)...)
+		bad.Env = append(os.Environ(), "KVO_TEST_CLI=1")
+		out, err := bad.CombinedOutput()
+		require.Error(t, err)
+		require.Contains(t, string(out), tc.want)
+	}
+}
