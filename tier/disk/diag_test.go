@@ -179,18 +179,6 @@ func diagnoseQ1(t *testing.T, fio, work string, records int64, rounds int) strin
 			splitMinBytes = 0
 			return get()
 		}},
-		{"Get, head and tail in flight at once", func() ([]time.Duration, []time.Duration, float64) {
-			saved := splitParallel
-			defer func() { splitParallel = saved }()
-			splitParallel = true
-			return get()
-		}},
-		{"Get into a huge page, head and tail in flight at once", func() ([]time.Duration, []time.Duration, float64) {
-			saved := splitParallel
-			defer func() { splitParallel = saved }()
-			splitParallel = true
-			return getInto(hugePayload)
-		}},
 	}
 	if v := os.Getenv("KVO_DISK_BENCH_Q1SPLITS"); v != "" {
 		for _, f := range strings.Split(v, ",") {
