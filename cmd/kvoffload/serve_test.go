@@ -156,22 +156,13 @@ func TestServeDisk(t *testing.T) {
 		c, err := nodepool.Dial(sock, nodepool.ClientConfig{Namespace: "m", Layout: layout, Redial: -1, PrefaultThreads: 1})
 		require.NoError(t, err)
 		if round == 0 {
-			res, err := c.BeginStore(nodepool.StoreRequest{Keys: keys}, nil)
-			require.NoError(t, err)
-			copy(c.SlotBytes(res[0].Slot), "hello")
-			copy(c.SlotBytes(res[1].Slot), "world")
-			require.NoError(t, c.CommitStore([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+			storeHelloWorld(t, c, keys)
 		} else {
 			hits, lower, _, err := c.LookupTiers(keys, false, nil)
 			require.NoError(t, err)
 			require.Equal(t, 0, hits, "a restarted node's pool is empty")
 			require.Equal(t, 2, lower, "its disk has both blocks")
-			res, err := c.BeginLoad(keys, nil)
-			require.NoError(t, err)
-			require.True(t, res[0].Found && res[1].Found)
-			require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
-			require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
-			require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+			loadHelloWorld(t, c, keys)
 			m := serveMetrics(t, stdout)
 			for _, want := range []string{"kvoffload_node_disk_up 1", "kvoffload_node_disk_records 2",
 				"kvoffload_node_disk_lookup_hits_total 2", "kvoffload_node_disk_promoted_total 2", "kvoffload_node_disk_corrupt_total 0"} {
@@ -296,18 +287,9 @@ func TestServeDiskWriteBackOnClose(t *testing.T) {
 		require.Equal(t, 0, hits, "%v: a restarted node's pool is empty", tc.args)
 		require.Equal(t, tc.onDisk, lower, "%v: blocks on disk at start", tc.args)
 		if tc.onDisk == 0 {
-			res, err := c.BeginStore(nodepool.StoreRequest{Keys: keys}, nil)
-			require.NoError(t, err)
-			copy(c.SlotBytes(res[0].Slot), "hello")
-			copy(c.SlotBytes(res[1].Slot), "world")
-			require.NoError(t, c.CommitStore([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+			storeHelloWorld(t, c, keys)
 		} else {
-			res, err := c.BeginLoad(keys, nil)
-			require.NoError(t, err)
-			require.True(t, res[0].Found && res[1].Found)
-			require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
-			require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
-			require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+			loadHelloWorld(t, c, keys)
 		}
 		require.NoError(t, c.Close())
 		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
@@ -334,4 +316,27 @@ func TestServeDiskWriteBackOnClose(t *testing.T) {
 		require.Error(t, err)
 		require.Contains(t, string(out), tc.want)
 	}
+}
+
+// storeHelloWorld stores "hello" and "world" under the two keys through
+// the node client c.
+func storeHelloWorld(t *testing.T, c *nodepool.Client, keys []kvcache.Key) {
+	t.Helper()
+	res, err := c.BeginStore(nodepool.StoreRequest{Keys: keys}, nil)
+	require.NoError(t, err)
+	copy(c.SlotBytes(res[0].Slot), "hello")
+	copy(c.SlotBytes(res[1].Slot), "world")
+	require.NoError(t, c.CommitStore([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+}
+
+// loadHelloWorld loads the two keys through c and requires storeHelloWorld's
+// bytes.
+func loadHelloWorld(t *testing.T, c *nodepool.Client, keys []kvcache.Key) {
+	t.Helper()
+	res, err := c.BeginLoad(keys, nil)
+	require.NoError(t, err)
+	require.True(t, res[0].Found && res[1].Found)
+	require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
+	require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
+	require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
 }
