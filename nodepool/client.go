@@ -198,6 +198,9 @@ type StoreResult struct {
 type LoadResult struct {
 	Found bool
 	Slot  Slot // when Found: leased, and counted as a copy, until EndLoad
+	// OnDisk (BeginLoadTiers only): not found in the pool, and the node's
+	// disk tier holds it: Promote brings it in.
+	OnDisk bool
 }
 
 // Client is a connection to a node (see the package comment). Its methods
@@ -1144,8 +1147,40 @@ func (c *Client) abortResults(rs []StoreResult) {
 
 // BeginLoad leases each key's ready block and counts a copy on it,
 // appending one result per key to dst. A found block whose region is not
-// usable here is reported missing (and its load ended).
+// usable here is reported missing (and its load ended). With a disk tier
+// on the node, the keys the pool lacks and the disk holds are promoted
+// first, all of them before the node answers.
 func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
+	return c.beginLoad(wire.TBeginLoad, 0, keys, nil, dst)
+}
+
+// BeginLoadTiers is BeginLoad without the promotion: a key the pool lacks
+// and the node's disk tier holds is reported OnDisk (not Found), for
+// Promote to bring in, in chunks of the caller's choosing; the node reads
+// nothing for it. The same round trip as BeginLoad's.
+func (c *Client) BeginLoadTiers(keys []Key, dst []LoadResult) ([]LoadResult, error) {
+	return c.beginLoad(wire.TBeginLoad, wire.FlagDiskLater, keys, nil, dst)
+}
+
+// Promote promotes keys from the node's disk tier into its pool (the
+// records read into slots reserved as a store of this client's namespace
+// would, key i's parent parents[i]; a record that fails a check stays
+// missing) and then begins their load, as BeginLoad: one result per key
+// appended to dst, Found (a load to end with EndLoad) or not. A key
+// already in the pool is found without a read. The node serves a
+// client's Promotes in order, in the background: its other calls are
+// answered meanwhile, and a Promote sent before the last one's reply has
+// its reads started as soon as the last one's end.
+func (c *Client) Promote(keys, parents []Key, dst []LoadResult) ([]LoadResult, error) {
+	if len(parents) != len(keys) {
+		return dst, fmt.Errorf("%w: %d parents for %d keys", ErrInvalid, len(parents), len(keys))
+	}
+	return c.beginLoad(wire.TPromote, 0, keys, parents, dst)
+}
+
+// beginLoad is BeginLoad (t TBeginLoad, flags) or Promote (TPromote, with
+// parents).
+func (c *Client) beginLoad(t wire.Type, flags uint8, keys, parents []Key, dst []LoadResult) ([]LoadResult, error) {
 	if c.cfg.NoMap {
 		return dst, fmt.Errorf("%w: a client without mappings (NoMap) cannot load", ErrInvalid)
 	}
@@ -1155,8 +1190,11 @@ func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
 	for off := 0; off < len(keys); {
 		n := min(len(keys)-off, wire.MaxKeys)
 		m.Reset()
-		m.Type = wire.TBeginLoad
+		m.Type, m.Flags = t, flags
 		m.Keys = append(m.Keys, keys[off:off+n]...)
+		if parents != nil {
+			m.Parents = append(m.Parents, parents[off:off+n]...)
+		}
 		epoch := c.curEpoch()
 		r, err := c.callEpoch(m, wire.TBeginLoadOK, epoch)
 		if err != nil {
@@ -1174,7 +1212,7 @@ func (c *Client) BeginLoad(keys []Key, dst []LoadResult) ([]LoadResult, error) {
 		rv := c.resolverAt(epoch)
 		dst = slices.Grow(dst, len(r.Outcomes))
 		for _, o := range r.Outcomes {
-			dst = append(dst, LoadResult{})
+			dst = append(dst, LoadResult{OnDisk: o == wire.OutcomeOnDisk})
 			if o == wire.OutcomeFound {
 				res := &dst[len(dst)-1]
 				res.Found = rv.put(&res.Slot, &r.Slots[si])

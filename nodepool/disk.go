@@ -145,6 +145,7 @@ type nodeDisk struct {
 	maxBusy    int                  // write-backs at once (WriteBackBytes / slot)
 	reap       func()               // Server.reap: a demoting slot freed may end a region's drain
 	beforePut  func(kvcache.Key)    // test hook, run by every writer before each Put
+	beforeGet  func(kvcache.Key)    // test hook, run before each promotion's read
 	queue      chan kvcache.Key     // write-through (nil without WriteThrough)
 	demotions  chan demotion        // write-backs for the writers, room for maxBusy
 	bufs       chan []byte          // copy buffers, maxBusy of them (nil: not allocated yet)
@@ -220,7 +221,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 	}
 	n := int(max(dc.WriteBackBytes/int64(slot), 1))
 	d := &nodeDisk{store: st, slot: slot, mem: map[uint32][]byte{}, admitAfter: dc.AdmitAfter, through: dc.WriteThrough,
-		maxBusy: n, reap: func() { s.reap() }, beforePut: s.beforeDiskPut,
+		maxBusy: n, reap: func() { s.reap() }, beforePut: s.beforeDiskPut, beforeGet: s.beforeDiskGet,
 		demotions: make(chan demotion, n), bufs: make(chan []byte, n),
 		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}}
 	d.readDone = sync.NewCond(&d.busyMu)
@@ -532,6 +533,9 @@ func (d *nodeDisk) servableLocked(k kvcache.Key) *writeBack {
 // before its record is written, without a disk read), else from its
 // record. True when mem holds the verified block.
 func (d *nodeDisk) get(k kvcache.Key, mem []byte) bool {
+	if d.beforeGet != nil {
+		d.beforeGet(k)
+	}
 	d.busyMu.Lock()
 	if wb := d.servableLocked(k); wb != nil {
 		wb.readers++
@@ -551,30 +555,27 @@ func (d *nodeDisk) get(k kvcache.Key, mem []byte) bool {
 }
 
 // promote brings the keys at pos (missing from the pool, held by the disk
-// or a write-back in flight) into the pool for a BeginLoad: slots reserved
-// as a store of namespace ns would (each key's parent the key before it in
-// keys), records read straight into them, the good ones made ready. It
-// returns nothing: the caller's BeginLoad finds what was promoted.
-func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, pos []int) {
+// or a write-back in flight) into the pool for a BeginLoad or a Promote:
+// slots reserved as a store of namespace ns would (key j's parent
+// parent(j): one chain per run of them), records read straight into them
+// (diskReadsAtOnce at once), the good ones made ready. It returns nothing:
+// the caller's BeginLoad finds what was promoted.
+func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, parent func(j int) kvcache.Key, pos []int) {
 	d := s.disk
 	c := s.cache
 	var pkeys []kvcache.Key
 	for _, j := range pos {
 		pkeys = append(pkeys, keys[j])
 	}
-	// One BeginStore per run of consecutive positions (one chain each).
+	// One BeginStore per run of consecutive positions that chain.
 	var slots []kvcache.Slot
 	var skeys []kvcache.Key
 	for i := 0; i < len(pos); {
 		j := i + 1
-		for j < len(pos) && pos[j] == pos[j-1]+1 {
+		for j < len(pos) && pos[j] == pos[j-1]+1 && parent(pos[j]) == keys[pos[j-1]] {
 			j++
 		}
-		var parent kvcache.Key
-		if pos[i] > 0 {
-			parent = keys[pos[i]-1]
-		}
-		res, err := c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent, Keys: pkeys[i:j], BlockIDs: blockIDs[:j-i]}, nil)
+		res, err := c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent(pos[i]), Keys: pkeys[i:j], BlockIDs: blockIDs[:j-i]}, nil)
 		if err == nil {
 			for k, r := range res {
 				if r.Outcome == kvcache.StoreWrite {
@@ -740,14 +741,13 @@ send:
 	_ = d.cache.Unlease(slots) // LeaseAll's handles: only a bug fails
 }
 
-// promoteMissing (BeginLoad, with a disk tier) promotes the keys that
-// BeginLoad did not find in the pool and the disk holds, then loads them
-// into the call's results (p.loadRes): found if promoted, missing if their
-// read failed.
-func (p *peer) promoteMissing(keys []kvcache.Key, ns kvcache.Namespace) {
-	s := p.s
+// promoteMissing (BeginLoad or Promote, with a disk tier) promotes the
+// keys that the call's BeginLoad did not find in the pool (res) and the
+// disk holds (key j's parent parent(j)), then loads them into res: found
+// if promoted, missing if their read failed.
+func (s *Server) promoteMissing(ns kvcache.Namespace, keys []kvcache.Key, parent func(j int) kvcache.Key, res []kvcache.LoadResult) {
 	var pos []int
-	for j, r := range p.loadRes {
+	for j, r := range res {
 		if !r.Found && s.disk.has(keys[j]) {
 			pos = append(pos, j)
 		}
@@ -755,16 +755,16 @@ func (p *peer) promoteMissing(keys []kvcache.Key, ns kvcache.Namespace) {
 	if len(pos) == 0 {
 		return
 	}
-	s.promote(ns, keys, pos)
+	s.promote(ns, keys, parent, pos)
 	pk := make([]kvcache.Key, len(pos))
 	for i, j := range pos {
 		pk[i] = keys[j]
 	}
-	res, err := s.cache.BeginLoad(pk, blockIDs[:len(pk)], nil)
+	got, err := s.cache.BeginLoad(pk, blockIDs[:len(pk)], nil)
 	if err != nil {
 		return
 	}
 	for i, j := range pos {
-		p.loadRes[j] = res[i]
+		res[j] = got[i]
 	}
 }

@@ -16,9 +16,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// peer is one connected client. Its bookkeeping maps (reserved, leases,
-// loads) belong to its serving goroutine, and after that ends to release;
-// regions and subscribed are guarded by Server.mu.
+// peer is one connected client. Its bookkeeping (held: reservations,
+// leases, loads) is its serving goroutine's and its promoter's, under mu,
+// and after both end release's; regions and subscribed are guarded by
+// Server.mu.
 type peer struct {
 	s     *Server
 	id    uint32
@@ -27,7 +28,13 @@ type peer struct {
 	pidfd int
 	ns    *nsRec
 
+	mu   sync.Mutex // held, between the serving goroutine and the promoter
 	held holdings
+
+	// promoq feeds the promoter (Promote requests, served in the
+	// background: promoter); nil until the first. promoting ends with it.
+	promoq    chan promoteReq
+	promoting sync.WaitGroup
 
 	regions    map[uint32]bool // announced and not acknowledged retired
 	subscribed bool
@@ -182,6 +189,7 @@ func (s *Server) servePeer(c *net.UnixConn) {
 	go p.writer()
 	registered := p.serve()
 	p.disconnect()
+	p.stopPromoter()
 	if !registered {
 		_ = unix.Close(pidfd)
 		return
@@ -346,7 +354,14 @@ func (p *peer) serve() (registered bool) {
 			registered = true
 			continue
 		}
+		if m.Type == wire.TPromote && p.s.disk != nil {
+			// Not under mu: the promoter takes it to record its loads.
+			p.queuePromote(m)
+			continue // the promoter replies
+		}
+		p.mu.Lock()
 		out := p.handle(m)
+		p.mu.Unlock()
 		if out == nil {
 			continue
 		}
@@ -671,28 +686,146 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		if err != nil {
 			return errMsg(m.ReqID, wire.CodeInvalid, "BeginLoad: %v", err)
 		}
-		if s.disk != nil {
-			p.promoteMissing(m.Keys, ns)
+		var onDisk func(j int) bool
+		switch {
+		case s.disk == nil:
+		case m.Flags&wire.FlagDiskLater != 0:
+			// Not promoted here: the client asks for them in chunks
+			// (Promote), copying each while the next is read.
+			onDisk = func(j int) bool { return s.disk.has(m.Keys[j]) }
+		default:
+			s.promoteMissing(ns, m.Keys, chainParent(m.Keys), p.loadRes)
 		}
-		o.Type = wire.TBeginLoadOK
-		for _, r := range p.loadRes {
-			if !r.Found {
-				o.Outcomes = append(o.Outcomes, wire.OutcomeMissing)
-				continue
-			}
-			e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
-			if !ok {
-				return errMsg(m.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
-			}
-			e.loads++
-			p.held.loads++
-			o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
-			o.Slots = append(o.Slots, toWire(r.Slot))
+		return p.loadReply(o, p.loadRes, onDisk)
+	case wire.TPromote:
+		// Without a disk tier (with one, serve hands it to the promoter):
+		// nothing to read, a BeginLoad answered at once.
+		var err error
+		p.loadRes, err = c.BeginLoad(m.Keys, blockIDs[:len(m.Keys)], p.loadRes[:0])
+		if err != nil {
+			return errMsg(m.ReqID, wire.CodeInvalid, "Promote: %v", err)
 		}
+		return p.loadReply(o, p.loadRes, nil)
 	default:
 		return p.handleRare(m, o, ns)
 	}
 	return o
+}
+
+// loadReply records a load on each found result of res (this client's
+// BeginLoad of o's request) and fills o, BeginLoadOK: found, or
+// OutcomeOnDisk where onDisk (nil: none) says the node's disk holds a key
+// not found, or missing. p.mu held.
+func (p *peer) loadReply(o *wire.Msg, res []kvcache.LoadResult, onDisk func(j int) bool) *wire.Msg {
+	o.Type = wire.TBeginLoadOK
+	for j, r := range res {
+		if !r.Found {
+			if onDisk != nil && onDisk(j) {
+				o.Outcomes = append(o.Outcomes, wire.OutcomeOnDisk)
+			} else {
+				o.Outcomes = append(o.Outcomes, wire.OutcomeMissing)
+			}
+			continue
+		}
+		e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+		if !ok {
+			return errMsg(o.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
+		}
+		e.loads++
+		p.held.loads++
+		o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
+		o.Slots = append(o.Slots, toWire(r.Slot))
+	}
+	return o
+}
+
+// chainParent is the parents of keys that form one chain (key j's parent
+// key j-1, the first's none): what the promotions of a BeginLoad without
+// FlagDiskLater reserve with.
+func chainParent(keys []kvcache.Key) func(j int) kvcache.Key {
+	return func(j int) kvcache.Key {
+		if j == 0 {
+			return kvcache.Key{}
+		}
+		return keys[j-1]
+	}
+}
+
+// promoteReq is a Promote request for the promoter (its keys copied out
+// of the serving goroutine's message).
+type promoteReq struct {
+	reqID         uint32
+	keys, parents []kvcache.Key
+}
+
+// promoteQueue bounds the Promote requests of one client waiting for its
+// promoter; beyond it the serving goroutine waits.
+const promoteQueue = 4
+
+// queuePromote hands a Promote request to the client's promoter, started
+// on the first (the serving goroutine, not under mu).
+func (p *peer) queuePromote(m *wire.Msg) {
+	if p.promoq == nil {
+		p.promoq = make(chan promoteReq, promoteQueue)
+		p.promoting.Add(1)
+		go p.promoter()
+	}
+	r := promoteReq{reqID: m.ReqID, keys: slices.Clone(m.Keys), parents: slices.Clone(m.Parents)}
+	select {
+	case p.promoq <- r:
+	case <-p.done:
+	}
+}
+
+// promoter serves a client's Promote requests in order, in the
+// background: the disk reads of one do not hold up the client's other
+// requests (its EndLoads of the chunk before, its lookups), and the next
+// request's reads start as soon as the last ones end. Each promotes the
+// keys the pool lacks and the disk holds (Server.promoteMissing, key j's
+// parent parents[j]), records the loads of the keys then found under mu,
+// and replies BeginLoadOK. After the client disconnected it takes no
+// further request; the one in progress finishes its reads and records its
+// loads, which release gives back (servePeer waits for the promoter
+// first).
+func (p *peer) promoter() {
+	defer p.promoting.Done()
+	s := p.s
+	ns := kvcache.Namespace(p.ns.id)
+	var o wire.Msg
+	var res []kvcache.LoadResult
+	for r := range p.promoq {
+		select {
+		case <-p.done:
+			continue
+		default:
+		}
+		o.Reset()
+		o.ReqID = r.reqID
+		var err error
+		res, err = s.cache.BeginLoad(r.keys, blockIDs[:len(r.keys)], res[:0])
+		out := &o
+		if err != nil {
+			out = errMsg(r.reqID, wire.CodeInvalid, "Promote: %v", err)
+		} else {
+			s.promoteMissing(ns, r.keys, func(j int) kvcache.Key { return r.parents[j] }, res)
+			p.mu.Lock()
+			out = p.loadReply(&o, res, nil)
+			p.mu.Unlock()
+		}
+		clear(res) // no slot handles kept
+		if p.conn.Send(out, -1) != nil {
+			p.disconnect()
+		}
+	}
+}
+
+// stopPromoter ends the promoter once the serving goroutine has ended and
+// waits for it: what it holds is then in held.
+func (p *peer) stopPromoter() {
+	if p.promoq != nil {
+		close(p.promoq)
+	}
+	p.promoting.Wait()
 }
 
 // handleRare serves the requests that are not on a serving stack's hot
@@ -763,6 +896,8 @@ func (p *peer) settle() {
 	}
 	p.unsettled = false
 	p.s.cache.Accessed(p.slots)
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	for _, sl := range p.slots {
 		e, ok := p.held.take(uint32(sl.ID), sl.Gen)
 		if !ok {

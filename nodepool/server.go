@@ -112,6 +112,8 @@ type Server struct {
 	// beforeDiskPut, when set (tests, before the first client), runs in
 	// the disk tier's writers before each write.
 	beforeDiskPut func(kvcache.Key)
+	// beforeDiskGet, likewise, runs before each read of a promotion.
+	beforeDiskGet func(kvcache.Key)
 	counter       struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
 		eventsDropped, peersDropped, internal                       atomic.Uint64

@@ -207,6 +207,12 @@ func Decode(b []byte, m *Msg) error {
 		if r.err == nil && m.Flags&FlagChain == 0 && len(m.Parents) != len(m.Keys) {
 			r.fail(fmt.Sprintf("%d parents for %d keys", len(m.Parents), len(m.Keys)))
 		}
+	case TPromote:
+		m.Parents = r.keys(m.Parents, "parents")
+		m.Keys = r.keys(m.Keys, "keys")
+		if r.err == nil && len(m.Parents) != len(m.Keys) {
+			r.fail(fmt.Sprintf("%d parents for %d keys", len(m.Parents), len(m.Keys)))
+		}
 	case TBeginStoreOK, TBeginLoadOK:
 		n := r.count(MaxKeys, 1, "outcomes")
 		m.Outcomes = append(m.Outcomes, r.take(n, "outcomes")...)

@@ -18,7 +18,10 @@
 // Every message starts with an 8-byte header: type (1 byte), flags (1 byte),
 // 2 reserved bytes (zero), request id (uint32). Integers are little-endian.
 // A request (client to node) carries a nonzero request id and gets exactly
-// one reply (same id): the op's reply type, or Error. One request is one
+// one reply (same id): the op's reply type, or Error. Replies come in
+// request order but for Promote's, which a node with a disk tier sends
+// once its reads are done, after the replies of requests that came later:
+// a client matches replies by request id. One request is one
 // operation on a whole list of blocks: one round trip per op, never per
 // block. Pushes (node to client: RegionAdded, RegionRetire, Events) carry
 // request id 0.
@@ -50,7 +53,7 @@ import (
 
 // Version is the protocol version this package speaks. A change of any
 // message's encoding changes it.
-const Version uint16 = 2
+const Version uint16 = 3
 
 // Magic opens every Hello: "KVON".
 const Magic uint32 = 0x4e4f564b
@@ -96,8 +99,8 @@ const (
 	TBeginStoreOK                 // Outcomes (one per key), Slots (one per OutcomeWrite, in key order)
 	TCommitStore                  // Handles
 	TAbortStore                   // Handles
-	TBeginLoad                    // Keys
-	TBeginLoadOK                  // Outcomes (OutcomeFound or OutcomeMissing per key), Slots (one per found)
+	TBeginLoad                    // Flags&FlagDiskLater, Keys
+	TBeginLoadOK                  // Outcomes (OutcomeFound, OutcomeMissing or, with FlagDiskLater, OutcomeOnDisk per key), Slots (one per found)
 	TEndLoad                      // Handles
 	TDelete                       // Keys → OK{N removed}
 	TClear                        // → OK{N removed}: the client's namespace
@@ -111,13 +114,14 @@ const (
 	TRegionAdded                  // push: Region, one fd attached
 	TRegionRetire                 // push: Region.ID
 	TEvents                       // push: Events
+	TPromote                      // Parents, Keys → BeginLoadOK: promote from the node's disk, then BeginLoad (version 3)
 	numTypes
 )
 
 var typeNames = [numTypes]string{"", "Hello", "HelloOK", "Error", "OK", "Lookup", "LookupOK", "Unlease",
 	"BeginStore", "BeginStoreOK", "CommitStore", "AbortStore", "BeginLoad", "BeginLoadOK", "EndLoad",
 	"Delete", "Clear", "Stats", "StatsOK", "Trim", "TrimOK", "RetireAck", "Subscribe", "Bye",
-	"RegionAdded", "RegionRetire", "Events"}
+	"RegionAdded", "RegionRetire", "Events", "Promote"}
 
 func (t Type) String() string {
 	if t > 0 && t < numTypes {
@@ -130,6 +134,10 @@ func (t Type) String() string {
 const (
 	FlagLease uint8 = 1 << 0 // Lookup: lease the hits
 	FlagChain uint8 = 1 << 1 // BeginStore: Keys are one chain after Parent (no Parents list)
+	// FlagDiskLater (BeginLoad): do not promote the keys the pool lacks
+	// and the node's disk holds; report them OutcomeOnDisk (no slot), for
+	// Promote requests of their own (version 3).
+	FlagDiskLater uint8 = 1 << 2
 )
 
 // Store outcomes (BeginStoreOK) and load outcomes (BeginLoadOK), per key.
@@ -140,7 +148,8 @@ const (
 	OutcomeRefusedAdmission uint8 = 4
 	OutcomeFound            uint8 = 5 // load: leased and counted as a transfer until EndLoad
 	OutcomeMissing          uint8 = 6
-	maxOutcome                    = OutcomeMissing
+	OutcomeOnDisk           uint8 = 7 // load with FlagDiskLater: not in the pool, on the node's disk (Promote it)
+	maxOutcome                    = OutcomeOnDisk
 )
 
 // Error codes (Error.Code).
@@ -289,6 +298,9 @@ func Append(dst []byte, m *Msg) []byte {
 			dst = appendKeys(dst, m.Parents)
 		}
 		dst = appendKeys(dst, m.Keys)
+	case TPromote:
+		dst = appendKeys(dst, m.Parents)
+		dst = appendKeys(dst, m.Keys)
 	case TBeginStoreOK, TBeginLoadOK:
 		dst = le.AppendUint32(dst, uint32(len(m.Outcomes)))
 		dst = append(dst, m.Outcomes...)
@@ -326,7 +338,7 @@ func Encode(dst []byte, m *Msg) ([]byte, error) {
 	if len(m.Namespace) > MaxString || len(m.Text) > MaxString || len(m.JSON) > MaxJSON {
 		return dst, fmt.Errorf("%w: a string of %v is over its cap", ErrMalformed, m.Type)
 	}
-	if m.Type == TBeginStore && m.Flags&FlagChain == 0 && len(m.Parents) != len(m.Keys) {
+	if (m.Type == TBeginStore && m.Flags&FlagChain == 0 || m.Type == TPromote) && len(m.Parents) != len(m.Keys) {
 		return dst, fmt.Errorf("%w: %d parents for %d keys", ErrMalformed, len(m.Parents), len(m.Keys))
 	}
 	start := len(dst)
