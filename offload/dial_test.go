@@ -174,6 +174,21 @@ func runDialChild(role, socket, args string) int {
 	case "scheduler":
 		cfg = Config{Layout: smallLayout(dialBlocks), Namespace: "dialtest"}
 		cfg.Layout.NumBlocks = 1
+	case "loadhang":
+		// A Load of disk blocks whose copies never finish, stopped
+		// before it asks for its third chunk.
+		sim, err := transfer.NewSim(transfer.SimConfig{MinDelay: time.Hour, MaxDelay: time.Hour})
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		h.sim = sim
+		h.beforeNodePromote = func(i int) {
+			if i == 2 {
+				say("promoting 2")
+				select {}
+			}
+		}
 	}
 	e, err := dialEngine(socket, cfg, h)
 	if err != nil {
@@ -209,6 +224,10 @@ func runDialChild(role, socket, args string) int {
 		}
 		say("storing %d", n)
 		select {}
+	case "loadhang":
+		_, err := e.Load(context.Background(), keys, seqIDs(dialBlocks/2, n), LoadOptions{})
+		say("error: Load returned: %v", err)
+		return 1
 	case "scheduler":
 		res, err := e.Lookup(keys, LookupOptions{Lease: true})
 		if err != nil {

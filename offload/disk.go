@@ -745,6 +745,65 @@ func (e *Engine) promoteChunks(keys []Key, blockIDs []int, pos []int, ready func
 	e.kickReaper()
 }
 
+// promoteNode is promoteChunks for an engine of Dial (ni), whose node's
+// disk tier holds the blocks of keys at pos (beginLoadTiers said so): the
+// node promotes them a chunk of diskChunk blocks a request
+// (Client.Promote: slots reserved as promoteChunks reserves them, each
+// key's parent the key before it, the records read into them on the node,
+// the good ones made ready and their loads begun), and ready gets each
+// chunk's positions and results in order, as promoteChunks gives them.
+// The next chunk's request is sent as soon as a chunk's reply is in,
+// before ready submits that chunk's copies: the node reads a chunk (its
+// promoter serves a client's requests in order, in the background) while
+// this engine submits the one before and the GPU copies it. A chunk the
+// node could not serve (gone: ErrUnavailable) is all missing (ready gets
+// nil) and no later chunk is asked for (missing too). Once ctx has ended
+// no further chunk is asked for: those positions are returned, not
+// promoted, for the caller to report cancelled (a chunk asked for before
+// is given to ready, which ends its loads). It returns after the last
+// chunk's ready; no request of it is left in flight.
+func (e *Engine) promoteNode(ctx context.Context, ni *nodeIndex, keys []Key, blockIDs []int, pos []int, ready func(chunk []int, lres []kvcache.LoadResult)) (left []int) {
+	type reply struct {
+		lres []kvcache.LoadResult
+		err  error
+	}
+	ask := func(lo, hi int) chan reply {
+		ck, cp, ci := make([]Key, hi-lo), make([]Key, hi-lo), make([]int, hi-lo)
+		for i, j := range pos[lo:hi] {
+			ck[i], ci[i] = keys[j], blockIDs[j]
+			if j > 0 {
+				cp[i] = keys[j-1]
+			}
+		}
+		ch := make(chan reply, 1)
+		go func() {
+			if e.hooks.beforeNodePromote != nil {
+				e.hooks.beforeNodePromote(lo / diskChunk)
+			}
+			lres, err := ni.promote(ck, cp, ci)
+			ch <- reply{lres, err}
+		}()
+		return ch
+	}
+	next := ask(0, min(diskChunk, len(pos)))
+	for lo := 0; lo < len(pos); lo += diskChunk {
+		hi := min(lo+diskChunk, len(pos))
+		r := <-next
+		more := hi < len(pos) && r.err == nil && ctx.Err() == nil
+		if more {
+			next = ask(hi, min(hi+diskChunk, len(pos)))
+		}
+		ready(pos[lo:hi], r.lres) // nil when r.err: every block missing
+		if !more {
+			if r.err == nil && hi < len(pos) {
+				left = pos[hi:]
+			}
+			break
+		}
+	}
+	return left
+}
+
 // get reads key's record into mem (the test hook first); true when mem
 // holds its verified block.
 func (d *diskTier) get(k Key, mem []byte) bool {

@@ -66,7 +66,8 @@ func (ni *nodeIndex) LookupLease(keys []Key, dst []kvcache.Slot) (int, []kvcache
 
 // lookupTiers is Lookup (lease false) or LookupLease through the node,
 // with lower: how many keys after the hits the node's disk tier holds
-// (nodepool.DiskConfig), which Load promotes through the node's BeginLoad.
+// (nodepool.DiskConfig), which Load has the node promote in chunks
+// (beginLoadTiers, promote; Engine.promoteNode).
 func (ni *nodeIndex) lookupTiers(keys []Key, lease bool, dst []kvcache.Slot) (hits, lower int, _ []kvcache.Slot) {
 	hits, lower, leased, err := ni.c.LookupTiers(keys, lease, nil)
 	if err != nil {
@@ -163,6 +164,9 @@ func (ni *nodeIndex) CompleteStoreReady(slots []kvcache.Slot, err error, dst []k
 // (kvcache's PartialTimeout, at its next store).
 func (ni *nodeIndex) ExpirePartials() {}
 
+// BeginLoad is the node's BeginLoad, which promotes the keys its disk
+// tier holds before it answers. Load goes through beginLoadTiers and
+// promote instead.
 func (ni *nodeIndex) BeginLoad(keys []Key, blockIDs []int, dst []kvcache.LoadResult) ([]kvcache.LoadResult, error) {
 	if len(keys) == 0 {
 		return dst, nil
@@ -171,6 +175,43 @@ func (ni *nodeIndex) BeginLoad(keys []Key, blockIDs []int, dst []kvcache.LoadRes
 	if err != nil {
 		return dst, nodeErr(err)
 	}
+	return appendLoaded(dst, rs, blockIDs), nil
+}
+
+// beginLoadTiers is BeginLoad without the node's promotion
+// (Client.BeginLoadTiers, the same round trip): the keys the pool lacks
+// and the node's disk holds are not found, and their indices in keys are
+// appended to lower.
+func (ni *nodeIndex) beginLoadTiers(keys []Key, blockIDs []int, dst []kvcache.LoadResult, lower []int) ([]kvcache.LoadResult, []int, error) {
+	if len(keys) == 0 {
+		return dst, lower, nil
+	}
+	rs, err := ni.c.BeginLoadTiers(keys, nil)
+	if err != nil {
+		return dst, lower, nodeErr(err)
+	}
+	dst = appendLoaded(dst, rs, blockIDs)
+	for i, r := range rs {
+		if r.OnDisk {
+			lower = append(lower, i)
+		}
+	}
+	return dst, lower, nil
+}
+
+// promote has the node promote keys from its disk tier (key i's parent
+// parents[i]) and begin their load into blockIDs (Client.Promote): one
+// result per key, found or not (its record missing or damaged).
+func (ni *nodeIndex) promote(keys, parents []Key, blockIDs []int) ([]kvcache.LoadResult, error) {
+	rs, err := ni.c.Promote(keys, parents, nil)
+	if err != nil {
+		return nil, nodeErr(err)
+	}
+	return appendLoaded(make([]kvcache.LoadResult, 0, len(rs)), rs, blockIDs), nil
+}
+
+// appendLoaded appends the node's load results rs, into blockIDs, to dst.
+func appendLoaded(dst []kvcache.LoadResult, rs []nodepool.LoadResult, blockIDs []int) []kvcache.LoadResult {
 	for i, r := range rs {
 		out := kvcache.LoadResult{Found: r.Found, BlockID: blockIDs[i]}
 		if r.Found {
@@ -178,7 +219,7 @@ func (ni *nodeIndex) BeginLoad(keys []Key, blockIDs []int, dst []kvcache.LoadRes
 		}
 		dst = append(dst, out)
 	}
-	return dst, nil
+	return dst
 }
 
 func (ni *nodeIndex) EndLoad(slots []kvcache.Slot) error {

@@ -89,6 +89,10 @@ type engineHooks struct {
 	beforeDiskPut func(Key)
 	// beforeDiskGet runs before each read of a promotion (Load, Prefetch).
 	beforeDiskGet func(Key)
+	// beforeNodePromote runs before an engine of Dial asks its node to
+	// promote chunk i of a Load's disk blocks (promoteNode), on the
+	// goroutine that then sends the request.
+	beforeNodePromote func(i int)
 	// diskFaults is tier/disk's Config.Faults for the disk tier.
 	diskFaults diskFaultFunc
 	// dial makes an engine of Dial (dial.go): no pool of its own.

@@ -482,7 +482,11 @@ func (e *Engine) load(ctx context.Context, l *kvcache.Layout, keys []Key, blockI
 // blocks found in the pool are submitted first, then each chunk of
 // promoted blocks as its reads complete (a loadRun of several transfer
 // ops), so disk reads and copies overlap. Load returns once the last
-// chunk is submitted.
+// chunk is submitted. An engine of Dial does the same with the node's
+// disk tier (promoteNode): its BeginLoad leaves the keys the node's disk
+// holds unread (beginLoadTiers, the same round trip), and the node
+// promotes them a chunk a request, reading the next chunk while this
+// engine copies the one before.
 func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	if err := e.deviceLost(); err != nil {
 		return nil, err
@@ -505,7 +509,15 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		*rp = (*rp)[:0]
 		e.loadResults.Put(rp)
 	}()
-	res, err := e.cache.BeginLoad(keys[n:], blockIDs[n:], (*rp)[:0])
+	ni, dialed := e.cache.(*nodeIndex)
+	var res []kvcache.LoadResult
+	var lower []int // with dialed: the keys[n:] indices the node's disk holds and its pool lacks
+	var err error
+	if dialed {
+		res, lower, err = ni.beginLoadTiers(keys[n:], blockIDs[n:], (*rp)[:0], nil)
+	} else {
+		res, err = e.cache.BeginLoad(keys[n:], blockIDs[n:], (*rp)[:0])
+	}
 	*rp = res
 	if err != nil {
 		if errors.Is(err, ErrUnavailable) {
@@ -524,10 +536,16 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 	}
 	var promote []int // keys[n:] indices the disk holds and the pool lacks
 	onDisk := e.disk != nil && ctx.Err() == nil
+	if ctx.Err() != nil {
+		lower = nil // not promoted: missing
+	}
 	for j, r := range res {
 		switch {
 		case r.Found:
 			idx, ids, slots = append(idx, n+j), append(ids, r.BlockID), append(slots, r.Slot)
+		case len(lower) > 0 && lower[0] == j: // on the node's disk
+			lower = lower[1:]
+			fallthrough
 		case onDisk && e.disk.has(keys[n+j]):
 			promote = append(promote, j)
 			op.setOutcome(n+j, OutcomeMissing, nil) // until a chunk copies it
@@ -565,7 +583,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		}
 	}
 	if len(promote) > 0 {
-		e.promoteChunks(keys[n:], blockIDs[n:], promote, func(chunk []int, lres []kvcache.LoadResult) {
+		ready := func(chunk []int, lres []kvcache.LoadResult) {
 			var cidx, cids []int
 			var cslots []kvcache.Slot
 			for i, r := range lres {
@@ -590,7 +608,14 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 					op.setOutcome(i, OutcomeFailed, err)
 				}
 			}
-		})
+		}
+		if dialed {
+			for _, j := range e.promoteNode(ctx, ni, keys[n:], blockIDs[n:], promote, ready) {
+				op.setOutcome(n+j, OutcomeCancelled, nil) // not asked for: ctx ended
+			}
+		} else {
+			e.promoteChunks(keys[n:], blockIDs[n:], promote, ready)
+		}
 	}
 	run.submitted()
 	return op, nil
