@@ -88,7 +88,11 @@
 // pool and does the disk I/O itself, between records and slots; clients
 // only see more hits: LookupTiers' count of keys on disk after the pool's
 // hits, and BeginLoad's promotions (slots reserved as for a store, records
-// read into them). As in the embedded engine, a block the policy evicts is
+// read into them). BeginLoad promotes before it answers; BeginLoadTiers
+// reports the keys on disk instead, and Promote brings them in a chunk a
+// request, served by the client's promoter goroutine in order and in the
+// background, so that a client copies one chunk to its GPU while the node
+// reads the next (offload.Dial's Load does). As in the embedded engine, a block the policy evicts is
 // written back if its key passes the admission filter (seen at least
 // twice, stores and lookups through the node counted; DiskConfig.AdmitAll,
 // AdmitAfter), within DiskConfig.WriteBackBytes of write-backs waiting
