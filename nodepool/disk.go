@@ -90,8 +90,8 @@ type DiskConfig struct {
 	// (WriteThrough); a block that finds the queue full is not written
 	// through (Stats.DiskDropped). Default 256.
 	QueueBlocks int
-	// WriteBackOnClose has Close write every block in the pool that is
-	// not on disk yet, whatever the admission filter, before it releases
+	// WriteBackOnClose has Close write every ready block in the pool that
+	// is not on disk yet, whatever the admission filter, before it releases
 	// the pool: a restart then finds what the pool held at the end, not
 	// only what was evicted or written through (`kvoffload serve
 	// --disk-write-back-on-close`). It runs once the clients are
@@ -106,7 +106,11 @@ type DiskConfig struct {
 	// 2 GB/s), bounded by CloseContext's context: once it ends no further
 	// block is started (the writes in progress, one a writer, finish) and
 	// the blocks not on disk that were not written are counted
-	// (Stats.DiskLeftAtClose). A block the tier's capacity cannot hold
+	// (Stats.DiskLeftAtClose). The blocks go in slot order, not by
+	// recency, so a bound too short for the pool keeps whichever blocks
+	// the first slots hold. A block already evicted and accepted for its
+	// write-back but still read by a client when the tier closes is not
+	// written (it is no longer in the pool's index). A block the tier's capacity cannot hold
 	// evicts its oldest records, as any write does. Counted in
 	// Stats.DiskWrittenAtClose (not in DiskWrites).
 	WriteBackOnClose bool
@@ -688,56 +692,25 @@ func (s *Server) closeDisk(ctx context.Context) {
 // yet (DiskConfig.WriteBackOnClose) from their slots, leased meanwhile
 // (LeaseAll: ready blocks only, never a slot reserved for a store), with
 // diskWriters goroutines; closeDisk calls it once the queued writes are
-// done. It starts no block once ctx has ended: those left that the store
-// does not hold are counted (leftAtClose). A write the store refuses
-// counts as a write error.
+// done (tier/disk Store.PutAll). It starts no block once ctx has ended:
+// those left that the store does not hold are counted (leftAtClose). A
+// write the store refuses counts as a write error.
 func (d *nodeDisk) writeBackAtClose(ctx context.Context) {
 	slots, keys := d.cache.LeaseAll(nil, nil)
 	if len(slots) == 0 {
 		return
 	}
-	next := make(chan int)
-	var wg sync.WaitGroup
-	for range diskWriters {
-		wg.Go(func() {
-			for i := range next {
-				mem := d.slotBytes(slots[i]) // leased: its region is mapped
-				if mem == nil || d.store.Contains(keys[i]) {
-					continue
-				}
-				if d.beforePut != nil {
-					d.beforePut(keys[i])
-				}
-				if err := d.store.Put(keys[i], mem); err != nil {
-					d.writeErrors.Add(1)
-					continue
-				}
-				d.atClose.Add(1)
-			}
-		})
+	var before func(int)
+	if d.beforePut != nil {
+		before = func(i int) { d.beforePut(keys[i]) }
 	}
-	sent := 0
-send:
-	for sent < len(slots) {
-		select { // an ended ctx first: the select below picks at random
-		case <-ctx.Done():
-			break send
-		default:
-		}
-		select {
-		case next <- sent:
-			sent++
-		case <-ctx.Done():
-			break send
-		}
-	}
-	close(next)
-	wg.Wait()
-	for _, k := range keys[sent:] {
-		if !d.store.Contains(k) {
-			d.leftAtClose.Add(1)
-		}
-	}
+	written, failed, left := d.store.PutAll(ctx, len(slots), diskWriters,
+		func(i int) [16]byte { return keys[i] },
+		func(i int) []byte { return d.slotBytes(slots[i]) }, // leased: its region is mapped
+		before)
+	d.atClose.Add(written)
+	d.writeErrors.Add(failed)
+	d.leftAtClose.Add(left)
 	_ = d.cache.Unlease(slots) // LeaseAll's handles: only a bug fails
 }
 

@@ -843,9 +843,10 @@ func (d *diskTier) getWriting(k Key, mem []byte) bool {
 // writeBackAtClose writes the pool's blocks that are not on disk yet to
 // the disk tier (DiskConfig.WriteBackOnClose), from their slots, leased
 // meanwhile, with diskWriters goroutines; Close calls it once no call is
-// in flight, before the cache and the tier close. It stops early when ctx
-// ends (the blocks left are not written, and not an error: Close's own
-// wait reports ctx). A write the store refuses counts as a write error.
+// in flight, before the cache and the tier close (tier/disk Store.PutAll).
+// No write starts once ctx has ended (the blocks left are not written, and
+// not an error: Close's own wait reports ctx). A write the store refuses
+// counts as a write error.
 func (e *Engine) writeBackAtClose(ctx context.Context) error {
 	d := e.disk
 	if d == nil || !e.cfg.Disk.WriteBackOnClose || e.kc == nil {
@@ -855,32 +856,10 @@ func (e *Engine) writeBackAtClose(ctx context.Context) error {
 	if len(slots) == 0 {
 		return nil
 	}
-	next := make(chan int)
-	var wg sync.WaitGroup
-	for range diskWriters {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range next {
-				mem := d.slotBytes(slots[i])
-				if mem == nil || d.store.Contains(keys[i]) {
-					continue
-				}
-				if err := d.store.Put(keys[i], mem); err != nil {
-					d.writeErrors.Add(1)
-					continue
-				}
-				d.atClose.Add(1)
-			}
-		}()
-	}
-	for i := range slots {
-		if ctx.Err() != nil {
-			break
-		}
-		next <- i
-	}
-	close(next)
-	wg.Wait()
+	written, failed, _ := d.store.PutAll(ctx, len(slots), diskWriters,
+		func(i int) [16]byte { return keys[i] },
+		func(i int) []byte { return d.slotBytes(slots[i]) }, nil)
+	d.atClose.Add(written)
+	d.writeErrors.Add(failed)
 	return e.kc.Unlease(slots)
 }

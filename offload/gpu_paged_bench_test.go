@@ -251,9 +251,9 @@ func (t *prTracer) arm(b *testing.B, start cuda.Event, store bool) {
 	t.on.Store(true)
 }
 
-// point is the scheduler's Trace: on the submitting thread (every point
-// but submit) it records one of the pool's events on the load stream,
-// for the first parts.
+// point is the scheduler's Trace (and the engine's tracePoint): on the
+// submitting thread (every point but callerPoints) it records one of the
+// pool's events on the load stream, for the first parts.
 func (t *prTracer) point(name string, part int) {
 	if !t.on.Load() {
 		return

@@ -170,8 +170,7 @@ func TestServeDisk(t *testing.T) {
 			}
 		}
 		require.NoError(t, c.Close())
-		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-		_ = cmd.Wait()
+		stopServe(t, cmd)
 		require.Contains(t, stdout.String(), "stopped")
 	}
 	bad := exec.Command(os.Args[0], "serve", "--socket", sock, "--disk-bytes", "1MiB")
@@ -233,8 +232,7 @@ func TestServeDiskAdmission(t *testing.T) {
 			return m["evicted_total"] > 0 && tc.ok(m)
 		}, 10*time.Second, 20*time.Millisecond, "%v: %s", tc.args, serveMetrics(t, stdout))
 		require.NoError(t, c.Close())
-		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-		_ = cmd.Wait()
+		stopServe(t, cmd)
 	}
 	for _, args := range [][]string{{"--disk-admit-all"}, {"--disk-write-through"}, {"--disk-admit-after", "3"}, {"--disk-write-back-bytes", "1MiB"}} {
 		bad := exec.Command(os.Args[0], append([]string{"serve", "--socket", filepath.Join(t.TempDir(), "s")}, args...)...)
@@ -292,8 +290,7 @@ func TestServeDiskWriteBackOnClose(t *testing.T) {
 			loadHelloWorld(t, c, keys)
 		}
 		require.NoError(t, c.Close())
-		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-		_ = cmd.Wait()
+		stopServe(t, cmd)
 		out := stdout.String()
 		require.Contains(t, out, "stopped")
 		if tc.atClose != "" {
@@ -339,4 +336,21 @@ func loadHelloWorld(t *testing.T, c *nodepool.Client, keys []kvcache.Key) {
 	require.Equal(t, "hello", string(c.SlotBytes(res[0].Slot)[:5]))
 	require.Equal(t, "world", string(c.SlotBytes(res[1].Slot)[:5]))
 	require.NoError(t, c.EndLoad([]nodepool.Slot{res[0].Slot, res[1].Slot}))
+}
+
+// stopServe sends serve SIGTERM and waits (10 s at most) for it to exit
+// with 143.
+func stopServe(t *testing.T, cmd *exec.Cmd) {
+	t.Helper()
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		_ = cmd.Process.Kill()
+		<-exited
+		t.Fatal("serve still running 10 s after SIGTERM")
+	}
+	require.Equal(t, 143, cmd.ProcessState.ExitCode())
 }
