@@ -407,9 +407,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
+	// Warm start: the op events of two per-layer loads (and a few batch
+	// events) made before New returns, on the CUDA backend (events there
+	// are driver objects; the host backend's cost nothing).
+	prewarm := 0
+	if e.cudaDev != nil {
+		prewarm = 2 * (cfg.Layout.Layers + 1)
+	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace,
+		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
 	}); err != nil {
 		return nil, err
 	}

@@ -67,6 +67,12 @@ type CUDA struct {
 // as many more rings as the staging share holds (it stops there).
 const prewarmTables, prewarmRings, prewarmRingsMax = 40, 2, 64
 
+// prewarmCopyEvents is how many events newCUDA has the copier create
+// ahead (cudacopy.Copier.PrewarmEvents): on the fake driver the first
+// gathered store of 128 8B-class blocks took 36 and a per-layer load of
+// 32 layers (a launch each) up to 66 while earlier ones were in flight.
+const prewarmCopyEvents = 128
+
 // warmStaging fills the copier's staging share of MaxDeviceBytes with idle
 // chunks (with KeepIdle only: otherwise Prewarm would free idle tables to
 // make room). A store's parts each take a ring of chunks while in flight:
@@ -172,6 +178,7 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 	// rings of staging chunks ready instead of allocating them on the
 	// submitting thread. Short of memory, the copies allocate as before.
 	_ = c.copier.Prewarm(prewarmTables, prewarmRings)
+	_ = c.copier.PrewarmEvents(prewarmCopyEvents)
 	// The automatic choice of method is calibrated on this device before
 	// anything is queued (a fraction of a second, see
 	// cudacopy.CalibrationConfig), unless the method is forced or a saved

@@ -383,6 +383,24 @@ func (c *Copier) KeepIdle() bool {
 	return true
 }
 
+// PrewarmEvents creates events into the copier's pool until it holds n,
+// so that the first copies (a staged copy takes two a staging chunk of its
+// ring, a launch of the kernel path its own) do not create them on their
+// submitting thread.
+func (c *Copier) PrewarmEvents(n int) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for len(c.eventsFree) < n {
+		e, err := c.drv.EventCreate(cuda.EventDisableTiming)
+		if err != nil {
+			return fmt.Errorf("cudacopy: copy event: %w", err)
+		}
+		c.eventsAll = append(c.eventsAll, e)
+		c.eventsFree = append(c.eventsFree, e)
+	}
+	return nil
+}
+
 // Prewarm allocates, within MaxDeviceBytes, what the first copies would
 // otherwise allocate on their submitting thread: tables descriptor tables
 // (with their pinned host halves) and the staging chunks of rings
