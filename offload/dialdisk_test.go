@@ -54,6 +54,16 @@ func must[T any](v T, err error) T {
 	return v
 }
 
+// filledDiskNode starts a node with a disk tier, fills it (fillNodeDisk)
+// and returns it, its socket, the keys a Load asks for (nodeLoadKeys) and
+// the GPU block ids they go to.
+func filledDiskNode(t *testing.T) (*nodepool.Server, string, []Key, []int) {
+	socket := filepath.Join(t.TempDir(), "node.sock")
+	s := startNodeConfig(t, diskNodeConfig(socket, t.TempDir()))
+	keys := nodeLoadKeys(fillNodeDisk(t, s, socket))
+	return s, socket, keys, seqIDs(dialBlocks/2, len(keys))
+}
+
 // nodeLoadKeys is a Load's keys of the node disk tests: 4 keys of the
 // pool, then 20 of the disk (three chunks: 8, 8, 4).
 func nodeLoadKeys(batches [][]Key) []Key {
@@ -77,11 +87,7 @@ func zeroBlocks(t *testing.T, e *Engine, ids []int) {
 // byte-exact, the node holds nothing once the op is done, and the
 // promoted blocks are in the pool.
 func TestDialNodeDiskPipelined(t *testing.T) {
-	socket := filepath.Join(t.TempDir(), "node.sock")
-	s := startNodeConfig(t, diskNodeConfig(socket, t.TempDir()))
-	batches := fillNodeDisk(t, s, socket)
-	keys := nodeLoadKeys(batches)
-	ids := seqIDs(dialBlocks/2, len(keys))
+	s, socket, keys, ids := filledDiskNode(t)
 
 	var e *Engine
 	var asked atomic.Int32
@@ -120,15 +126,7 @@ func TestDialNodeDiskPipelined(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, [2]int{4, 20}, [2]int{res.Hits, res.DiskHits})
 
-	type loaded struct {
-		op  *Op
-		err error
-	}
-	ch := make(chan loaded, 1)
-	go func() {
-		op, err := e.Load(context.Background(), keys, ids, LoadOptions{})
-		ch <- loaded{op, err}
-	}()
+	ch := loadInBackground(e, keys, ids)
 	select {
 	case err := <-inHook:
 		require.NoError(t, err)
@@ -214,11 +212,7 @@ func TestDialNodeDiskCorruptMiddle(t *testing.T) {
 // the second on cancelled (the second's promoted blocks are not copied,
 // the third is never asked for), and leaves nothing held on the node.
 func TestDialNodeDiskCancel(t *testing.T) {
-	socket := filepath.Join(t.TempDir(), "node.sock")
-	s := startNodeConfig(t, diskNodeConfig(socket, t.TempDir()))
-	batches := fillNodeDisk(t, s, socket)
-	keys := nodeLoadKeys(batches)
-	ids := seqIDs(dialBlocks/2, len(keys))
+	s, socket, keys, ids := filledDiskNode(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var asked atomic.Int32

@@ -84,15 +84,7 @@ func TestDiskLoadPipelined(t *testing.T) {
 
 	keys := append(append([]Key(nil), hostKeys...), diskKeys...)
 	ids := seqIDs(30, len(keys))
-	type loaded struct {
-		op  *Op
-		err error
-	}
-	ch := make(chan loaded, 1)
-	go func() {
-		op, err := e.Load(context.Background(), keys, ids, LoadOptions{})
-		ch <- loaded{op, err}
-	}()
+	ch := loadInBackground(e, keys, ids)
 	<-reached
 	// While the held read waits: the pool's 4 blocks and the first two
 	// chunks (16 promoted blocks) are copied.
@@ -346,4 +338,21 @@ func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 			}
 		})
 	}
+}
+
+// loaded is the result of a Load run by loadInBackground.
+type loaded struct {
+	op  *Op
+	err error
+}
+
+// loadInBackground runs e.Load of keys into ids on a goroutine of its own
+// and sends its result on the channel it returns.
+func loadInBackground(e *Engine, keys []Key, ids []int) <-chan loaded {
+	ch := make(chan loaded, 1)
+	go func() {
+		op, err := e.Load(context.Background(), keys, ids, LoadOptions{})
+		ch <- loaded{op, err}
+	}()
+	return ch
 }

@@ -67,17 +67,7 @@ func TestServe(t *testing.T) {
 	require.NotContains(t, string(body), "kvoffload_node_disk_", "no disk tier, no disk series")
 	require.NoError(t, c.Close())
 
-	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	select {
-	case <-exited:
-	case <-time.After(10 * time.Second):
-		_ = cmd.Process.Kill()
-		<-exited
-		t.Fatalf("still running after SIGTERM; stderr %s", stderr)
-	}
-	require.Equal(t, 143, cmd.ProcessState.ExitCode(), "stderr: %s", stderr)
+	stopServe(t, cmd, "stderr: %s", stderr)
 	require.Contains(t, stdout.String(), "stopped")
 	_, err = os.Stat(sock)
 	require.True(t, os.IsNotExist(err), "socket left behind: %v", err)
@@ -339,8 +329,8 @@ func loadHelloWorld(t *testing.T, c *nodepool.Client, keys []kvcache.Key) {
 }
 
 // stopServe sends serve SIGTERM and waits (10 s at most) for it to exit
-// with 143.
-func stopServe(t *testing.T, cmd *exec.Cmd) {
+// with 143; msg (a format and its arguments) is added to a failure.
+func stopServe(t *testing.T, cmd *exec.Cmd, msg ...any) {
 	t.Helper()
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	exited := make(chan error, 1)
@@ -350,7 +340,7 @@ func stopServe(t *testing.T, cmd *exec.Cmd) {
 	case <-time.After(10 * time.Second):
 		_ = cmd.Process.Kill()
 		<-exited
-		t.Fatal("serve still running 10 s after SIGTERM")
+		require.Fail(t, "serve still running 10 s after SIGTERM", msg...)
 	}
-	require.Equal(t, 143, cmd.ProcessState.ExitCode())
+	require.Equal(t, 143, cmd.ProcessState.ExitCode(), msg...)
 }
