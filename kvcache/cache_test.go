@@ -543,4 +543,22 @@ func TestLeaseAll(t *testing.T) {
 	require.Len(t, slots, 7)
 	require.NoError(t, c.Unlease(slots))
 	require.NoError(t, c.Verify())
+
+	// Most recently used first: the blocks touched last lead, in the
+	// order of their last use.
+	_, hit := c.LookupLease([]Key{ks[2]}, nil)
+	require.NoError(t, c.Unlease(hit))
+	_, hit = c.LookupLease([]Key{ks[4]}, nil)
+	require.NoError(t, c.Unlease(hit))
+	slots, keys = c.LeaseAll(nil, nil)
+	require.Len(t, slots, 7)
+	require.Equal(t, []Key{ks[4], ks[2]}, keys[:2], "the last used first")
+	want := lruOrder(c)
+	got := make([]int32, len(slots))
+	for i, s := range slots {
+		got[i] = int32(s.ID)
+	}
+	require.Equal(t, want, got, "the LRU's order, most recent first")
+	require.NoError(t, c.Unlease(slots))
+	require.NoError(t, c.Verify())
 }

@@ -821,24 +821,44 @@ func (s *seenSketch) count(k Key) int { return int(s.counts[s.bucket(k)]) }
 
 // LeaseAll leases every visible block, as LookupLease leases a hit but
 // without telling the policy or counting a lookup, and appends its handle
-// and key to dst and keys in slot order: a snapshot of the pool's blocks
-// for a caller that copies them out (the engine's write-back to disk at
-// Close). Each handle is released with Unlease. Nothing after Close.
+// and key to dst and keys, most recently used first where the policy is
+// the LRU (then any block the LRU does not list, in slot order), else in
+// slot order: a snapshot of the pool's blocks for a caller that copies
+// them out (the write-back to disk at Close, which a time bound may cut
+// short: the hottest blocks go first). Each handle is released with
+// Unlease. Nothing after Close.
 func (c *Cache) LeaseAll(dst []Slot, keys []Key) ([]Slot, []Key) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
 		return dst, keys
 	}
-	for i := range c.slots {
+	var listed []bool
+	add := func(i int32) {
 		s := &c.slots[i]
-		if !s.visible() {
-			continue
+		if !s.visible() || (listed != nil && listed[i]) {
+			return
 		}
-		c.lease(int32(i))
+		if listed != nil {
+			listed[i] = true
+		}
+		c.lease(i)
 		dst = append(dst, Slot{})
-		c.fillHandle(&dst[len(dst)-1], int32(i))
+		c.fillHandle(&dst[len(dst)-1], i)
 		keys = append(keys, s.key)
+	}
+	if c.lru != nil {
+		listed = make([]bool, len(c.slots))
+		for i := c.lru.head; i >= 0; {
+			next := c.lru.nodes[i].next
+			if int(i) < len(c.slots) {
+				add(i)
+			}
+			i = next
+		}
+	}
+	for i := range c.slots {
+		add(int32(i))
 	}
 	c.check()
 	return dst, keys

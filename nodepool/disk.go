@@ -106,9 +106,9 @@ type DiskConfig struct {
 	// 2 GB/s), bounded by CloseContext's context: once it ends no further
 	// block is started (the writes in progress, one a writer, finish) and
 	// the blocks not on disk that were not written are counted
-	// (Stats.DiskLeftAtClose). The blocks go in slot order, not by
-	// recency, so a bound too short for the pool keeps whichever blocks
-	// the first slots hold. A block already evicted and accepted for its
+	// (Stats.DiskLeftAtClose). The blocks go most recently used first with
+	// the LRU policy (the default; kvcache.Cache.LeaseAll), so a bound too
+	// short for the pool keeps the hottest; with tinylfu, in slot order. A block already evicted and accepted for its
 	// write-back but still read by a client when the tier closes is not
 	// written (it is no longer in the pool's index). A block the tier's capacity cannot hold
 	// evicts its oldest records, as any write does. Counted in

@@ -60,8 +60,10 @@ type DiskConfig struct {
 	// only what was evicted or written through. Close takes as long as
 	// those blocks take at the disk's rate (a 64 GiB pool about 30 s at
 	// 2 GB/s), bounded by CloseContext's context (the rest is not
-	// written); a block the tier's capacity cannot hold evicts its oldest
-	// records, as any write does. Counted in Stats.DiskWrittenAtClose.
+	// written: the blocks go most recently used first with PolicyLRU,
+	// in slot order with TinyLFU); a block the tier's capacity cannot
+	// hold evicts its oldest records, as any write does. Counted in
+	// Stats.DiskWrittenAtClose.
 	WriteBackOnClose bool `json:"write_back_on_close,omitempty"`
 }
 

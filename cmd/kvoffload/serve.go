@@ -55,7 +55,7 @@ signal ends it at once), and says how many it wrote and left.`,
 		writeThrough := fs.Bool("disk-write-through", false, "with --disk: also write every block stored as soon as it is ready (a restart finds every block stored, at a disk write each)")
 		fs.Var(sizeFlag{&writeBackBytes}, "disk-write-back-bytes", "with --disk: `bytes` of evicted blocks waiting for their disk write, past which an eviction is not written back (0: 64MiB)")
 		writeBackOnClose := fs.Bool("disk-write-back-on-close", false, "with --disk: at shutdown (SIGTERM, SIGINT) write every block in the pool not on disk yet, so that a restarted node finds the pool's last blocks (see --disk-close-timeout)")
-		closeTimeout := fs.Duration("disk-close-timeout", 25*time.Second, "with --disk-write-back-on-close: stop writing blocks at shutdown after this `duration` (the rest are not written, and counted; blocks go in slot order, at the disk's rate: a 64 GiB pool takes about 30 s at 2 GB/s)")
+		closeTimeout := fs.Duration("disk-close-timeout", 25*time.Second, "with --disk-write-back-on-close: stop writing blocks at shutdown after this `duration` (the rest are not written, and counted; the most recently used blocks first with the lru policy, at the disk's rate: a 64 GiB pool takes about 30 s at 2 GB/s)")
 		return func(ctx context.Context, e *env, args []string) error {
 			if err := noArgs(args); err != nil {
 				return err
