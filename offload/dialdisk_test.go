@@ -199,6 +199,8 @@ func TestDialNodeDiskCorruptMiddle(t *testing.T) {
 		require.Equal(t, OutcomeLoaded, oc, "block %d", i)
 		require.Equal(t, keyContent(keys[i], e.slot), blockBytesErr(e, ids[i]), "block %d byte-exact", i)
 	}
+	est := e.Stats()
+	require.EqualValues(t, [2]int64{19, 1}, [2]int64{est.DiskHits, est.DiskMisses}, "the engine counts the node's promotions")
 	st := s2.Stats()
 	require.EqualValues(t, 19, st.DiskHits)
 	require.EqualValues(t, 1, st.DiskMisses)

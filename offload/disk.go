@@ -791,6 +791,16 @@ func (e *Engine) promoteNode(ctx context.Context, ni *nodeIndex, keys []Key, blo
 	for lo := 0; lo < len(pos); lo += diskChunk {
 		hi := min(lo+diskChunk, len(pos))
 		r := <-next
+		if r.err != nil {
+			e.stats.nodeDiskMisses.Add(int64(hi - lo))
+		}
+		for _, x := range r.lres {
+			if x.Found {
+				e.stats.nodeDiskHits.Add(1)
+			} else {
+				e.stats.nodeDiskMisses.Add(1)
+			}
+		}
 		more := hi < len(pos) && r.err == nil && ctx.Err() == nil
 		if more {
 			next = ask(hi, min(hi+diskChunk, len(pos)))

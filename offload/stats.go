@@ -106,7 +106,9 @@ type Stats struct {
 	PartialExpired int64 `json:"partial_expired"` // such blocks reclaimed after Config.PartialTimeout (a rank died or failed)
 	StoreJoined    int64 `json:"store_joined"`    // head-range stores granted into a block another rank's store had reserved
 
-	// The disk tier (Config.Disk); all 0 without one.
+	// The disk tier (Config.Disk); all 0 without one. An engine of Dial
+	// whose node has a disk tier counts DiskLookupHits, DiskHits and
+	// DiskMisses of its own calls (the node promotes).
 	DiskLookupHits int64 `json:"disk_lookup_hits"` // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
 	DiskHits       int64 `json:"disk_hits"`        // blocks Load read from disk into host slots (promoted)
 	// DiskHitsWriting are the DiskHits (and Prefetch promotions) copied
@@ -344,7 +346,11 @@ type counters struct {
 	deletes              atomic.Int64
 	zeroed               atomic.Int64
 	diskLookupHits       atomic.Int64
-	clusterUnavailable   atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
+	// nodeDiskHits, nodeDiskMisses: a dialled engine's blocks its node
+	// promoted from disk for a Load, and those it could not (Stats.DiskHits,
+	// DiskMisses where the engine has no tier of its own).
+	nodeDiskHits, nodeDiskMisses atomic.Int64
+	clusterUnavailable           atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
 	// PrefetchBestEffort calls started, refused (too many running), and
 	// the blocks they promoted.
 	prefetchBackground, prefetchRefused, prefetchBackgroundPromoted atomic.Int64
@@ -379,7 +385,8 @@ func (e *Engine) snapshot() Stats {
 	if e.diskErr != "" {
 		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
 	}
-	s.DiskLookupHits = c.diskLookupHits.Load() // the embedded tier's, or a node's
+	s.DiskLookupHits = c.diskLookupHits.Load()                                // the embedded tier's, or a node's
+	s.DiskHits, s.DiskMisses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
 	if d := e.disk; d != nil {
 		ds := d.store.Stats()
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
