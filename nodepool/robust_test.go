@@ -228,6 +228,18 @@ func mustEncode(t *testing.T, m *wire.Msg) []byte {
 func FuzzServer(f *testing.F) {
 	f.Add([]byte{byte(wire.TLookup), 1, 0, 0, 9, 0, 0, 0, 1, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16})
 	f.Add([]byte{byte(wire.TCommitStore), 0, 0, 0, 9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0})
+	// Version 3's requests: a BeginLoad that leaves the disk for later and
+	// a Promote (to a node without a disk tier).
+	for _, m := range []wire.Msg{
+		{Type: wire.TBeginLoad, ReqID: 9, Flags: wire.FlagDiskLater, Keys: []wire.Key{{1}, {2}}},
+		{Type: wire.TPromote, ReqID: 9, Parents: []wire.Key{{}, {1}}, Keys: []wire.Key{{1}, {2}}},
+	} {
+		b, err := wire.Encode(nil, &m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
 	s := startServer(f, ServerConfig{PoolBytes: 1 << 20})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Addr(), Net: "unixpacket"})
