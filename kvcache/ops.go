@@ -474,21 +474,13 @@ func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }
 func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadResult, error) {
 	c.mu.Lock()
 	defer c.unlock()
-	if err := c.checkKeys(keys, blockIDs, true); err != nil {
-		return dst, err
-	}
 	// Three passes over the keys, each with few dependent loads, so that
 	// their cache misses (index buckets, slot records, the policy's nodes)
 	// overlap instead of following one another: a Load of thousands of
 	// keys nothing has touched lately is all misses (BenchmarkBeginLoad
-	// 2048Cold).
-	c.found = c.found[:0]
-	for _, k := range keys {
-		i, ok := c.index.get(k)
-		if !ok {
-			i = -1
-		}
-		c.found = append(c.found, i)
+	// 2048Cold). checkLoad's passes look the keys up (c.found).
+	if err := c.checkLoad(keys, blockIDs); err != nil {
+		return dst, err
 	}
 	for j, i := range c.found {
 		if i >= 0 && !c.slots[i].visible() {
@@ -653,6 +645,67 @@ func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
 		}
 	}
 	return nil
+}
+
+// checkLoad is checkKeys for BeginLoad, and looks the keys up (c.found,
+// visible or not): the same checks and the same error (the first failing
+// index; at one index a bad block id before a repeated key before a
+// repeated block id), but a repeated key is found by the slot it maps to
+// (two keys in the index map to one slot only if equal), so that only the
+// keys the index lacks go through the set of keys: a hash and a probe
+// less per key.
+func (c *Cache) checkLoad(keys []Key, ids []int) error {
+	if c.closed {
+		return ErrClosed
+	}
+	if len(keys) != len(ids) {
+		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
+	}
+	// Block ids (range, repeats) up to the first failing one, and the
+	// lookups.
+	c.dupIDs.start(len(keys))
+	idAt, badBlock := len(keys), false
+	var idErr error
+	c.found = c.found[:0]
+	for j, k := range keys {
+		if idAt == len(keys) {
+			if err := c.layout.CheckBlock(ids[j]); err != nil {
+				idAt, badBlock, idErr = j, true, fmt.Errorf("key %d (%v): %w", j, k, err)
+			} else if c.dupIDs.add(ids[j]) {
+				idAt, idErr = j, fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
+			}
+		}
+		i, ok := c.index.get(k)
+		if !ok {
+			i = -1
+		}
+		c.found = append(c.found, i)
+	}
+	// Repeated keys, up to idAt (past it idErr is the answer): by slot
+	// mark where indexed, else through the set of keys.
+	c.nextDupEpoch()
+	started := false
+	for j, i := range c.found[:min(idAt+1, len(keys))] {
+		dup := false
+		if i >= 0 {
+			s := &c.slots[i]
+			dup = s.dupMark == c.dupEpoch
+			s.dupMark, s.dupN = c.dupEpoch, 0
+		} else {
+			if !started {
+				c.dupKeys.start(len(keys))
+				started = true
+			}
+			dup = c.dupKeys.add(keys[j])
+		}
+		if dup {
+			if j == idAt && badBlock {
+				break // the bad block id comes first at one index
+			}
+			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, keys[j], j)
+		}
+	}
+	return idErr
 }
 
 // ---- eviction ------------------------------------------------------------------
