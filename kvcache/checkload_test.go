@@ -1,17 +1,41 @@
 package kvcache
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
 
-// TestCheckLoadMatchesCheckKeys: BeginLoad's checkLoad (repeated keys found
-// by the slot they map to) gives exactly the error checkKeys gives for a
-// load, and its lookups are the index's, on random calls mixing stored
-// and unknown keys, repeated keys, repeated and out-of-range block ids.
-func TestCheckLoadMatchesCheckKeys(t *testing.T) {
+// loadErrRef is BeginLoad's checks as one loop over the keys made them
+// before checkLoad (28107a5's parent): at each index a bad block id, then
+// a key seen before, then a block id seen before; the first failing index
+// gives the error.
+func loadErrRef(c *Cache, keys []Key, ids []int) error {
+	keySeen, idSeen := map[Key]bool{}, map[int]bool{}
+	for j, k := range keys {
+		if err := c.layout.CheckBlock(ids[j]); err != nil {
+			return fmt.Errorf("key %d (%v): %w", j, k, err)
+		}
+		if keySeen[k] {
+			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
+		}
+		keySeen[k] = true
+		if idSeen[ids[j]] {
+			return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
+		}
+		idSeen[ids[j]] = true
+	}
+	return nil
+}
+
+// TestCheckLoadMatchesOneLoop: BeginLoad's checkLoad (repeated keys found
+// by the slot they map to) gives exactly the error of the one-loop checks
+// (loadErrRef), and its lookups are the index's, on random calls mixing
+// stored and unknown keys, repeated keys, repeated and out-of-range block
+// ids.
+func TestCheckLoadMatchesOneLoop(t *testing.T) {
 	c := newCache(t, 64, Config{Layout: tinyLayout(t, 64)})
 	stored, ids := keysN(0, 40)
 	store(t, c, stored, ids)
@@ -25,7 +49,7 @@ func TestCheckLoadMatchesCheckKeys(t *testing.T) {
 			bids[j] = rng.IntN(80) - 4  // some out of range, some repeated
 		}
 		c.mu.Lock()
-		want := c.checkKeys(keys, bids, true)
+		want := loadErrRef(c, keys, bids)
 		got := c.checkLoad(keys, bids)
 		found := append([]int32(nil), c.found...)
 		c.mu.Unlock()

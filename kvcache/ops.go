@@ -99,7 +99,7 @@ type LoadResult struct {
 func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
 	c.mu.Lock()
 	defer c.unlock()
-	if err := c.checkKeys(req.Keys, req.BlockIDs, false); err != nil {
+	if err := c.checkKeys(req.Keys, req.BlockIDs); err != nil {
 		return dst, err
 	}
 	heads, whole := req.Heads, true
@@ -620,9 +620,10 @@ func (c *Cache) Sync() {
 	c.Maintain()
 }
 
-// checkKeys validates a call's keys and block ids; load also rejects a block
-// id given twice.
-func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
+// checkKeys validates a store's keys and block ids: each block id in the
+// layout's range, no key twice (BeginLoad's checkLoad also rejects a block
+// id given twice).
+func (c *Cache) checkKeys(keys []Key, ids []int) error {
 	if c.closed {
 		return ErrClosed
 	}
@@ -630,9 +631,6 @@ func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
 		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
 	}
 	c.dupKeys.start(len(keys))
-	if load {
-		c.dupIDs.start(len(keys))
-	}
 	for j, k := range keys {
 		if err := c.layout.CheckBlock(ids[j]); err != nil {
 			return fmt.Errorf("key %d (%v): %w", j, k, err)
@@ -640,17 +638,15 @@ func (c *Cache) checkKeys(keys []Key, ids []int, load bool) error {
 		if c.dupKeys.add(k) {
 			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
 		}
-		if load && c.dupIDs.add(ids[j]) {
-			return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
-		}
 	}
 	return nil
 }
 
-// checkLoad is checkKeys for BeginLoad, and looks the keys up (c.found,
-// visible or not): the same checks and the same error (the first failing
-// index; at one index a bad block id before a repeated key before a
-// repeated block id), but a repeated key is found by the slot it maps to
+// checkLoad is checkKeys for BeginLoad, with a block id given twice
+// rejected too, and looks the keys up (c.found, visible or not). The error
+// is the first failing index's; at one index a bad block id before a
+// repeated key before a repeated block id. A repeated key is found by the
+// slot it maps to
 // (two keys in the index map to one slot only if equal), so that only the
 // keys the index lacks go through the set of keys: a hash and a probe
 // less per key.
