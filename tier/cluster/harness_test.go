@@ -89,14 +89,9 @@ func startClusterOn(dir string, ports []int, masters, replicas int, password str
 			return nil, err
 		}
 	}
-	args := []string{"--cluster", "create"}
-	for _, p := range c.ports {
-		args = append(args, "127.0.0.1:"+strconv.Itoa(p))
-	}
-	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
-	if out, err := c.cliAt(c.ports[0], args...); err != nil {
+	if err := clustertest.Create(c.ports, masters, password, nil, 20*time.Second); err != nil {
 		c.stop()
-		return nil, fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
+		return nil, err
 	}
 	if err := c.waitOK(20 * time.Second); err != nil {
 		c.stop()

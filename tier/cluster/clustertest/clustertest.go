@@ -126,6 +126,23 @@ func startWith(dir string, masters int, tf *TLSFiles) (*Cluster, error) {
 }
 
 func (c *Cluster) launch() error {
+	if err := c.startNodes(); err != nil {
+		return err
+	}
+	if err := Create(c.ports, len(c.ports), "", c.tlsCLI, 20*time.Second); err != nil {
+		c.Stop()
+		return err
+	}
+	if err := c.waitOK(20 * time.Second); err != nil {
+		c.Stop()
+		return err
+	}
+	return nil
+}
+
+// startNodes starts a redis-server on each of c's ports and waits until
+// each accepts connections; the nodes know nothing of each other yet.
+func (c *Cluster) startNodes() error {
 	for _, p := range c.ports {
 		port := []string{"--port", strconv.Itoa(p)}
 		if tf := c.tls; tf != nil {
@@ -150,17 +167,6 @@ func (c *Cluster) launch() error {
 			c.Stop()
 			return err
 		}
-	}
-	args := []string{"--cluster", "create"}
-	args = append(args, c.Addrs()...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	if out, err := CLI(c.ports[0], "", append(append([]string(nil), c.tlsCLI...), args...)...); err != nil {
-		c.Stop()
-		return fmt.Errorf("redis-cli --cluster create: %v: %s", err, out)
-	}
-	if err := c.waitOK(20 * time.Second); err != nil {
-		c.Stop()
-		return err
 	}
 	return nil
 }
