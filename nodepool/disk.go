@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/tier/disk/writeback"
 	"github.com/kvoffload/kvoffload/tier/record"
 )
 
@@ -132,31 +133,30 @@ const diskReadsAtOnce = 8
 const diskWriters = 2
 
 // nodeDisk is the node's disk tier: the store, the admission counts, the
-// write-backs accepted and not finished with their writers, the
-// write-through queue and its writer, and the counters.
+// write-back machine (tier/disk/writeback: the write-backs accepted and not
+// finished, readable meanwhile, with their writers), the write-through
+// queue and its writer, and the counters.
 //
-// Lock order: the cache's lock (Demote runs under it), then mu (read),
-// then busyMu. Nothing here takes the Server's mu under the cache's lock:
-// slot bytes come from mem, fixed at open.
+// Lock order: the cache's lock (Demote runs under it), then the
+// write-back machine's locks (writeback's package comment); onReady takes
+// mu (read) under the cache's lock. Nothing here takes the Server's mu
+// under the cache's lock: slot bytes come from mem, fixed at open.
 type nodeDisk struct {
 	store      *disk.Store
+	wb         *writeback.Writer
 	cache      *kvcache.Cache // set before the writers start
 	slot       uint64
 	mem        map[uint32][]byte    // the node's mapping of each region at open (the pool is fixed at start)
 	seen       *kvcache.SeenCounter // nil: every eviction is admitted
 	admitAfter int                  // DiskConfig.AdmitAfter
 	through    bool                 // DiskConfig.WriteThrough
-	maxBusy    int                  // write-backs at once (WriteBackBytes / slot)
 	reap       func()               // Server.reap: a demoting slot freed may end a region's drain
 	beforePut  func(kvcache.Key)    // test hook, run by every writer before each Put
-	beforeGet  func(kvcache.Key)    // test hook, run before each promotion's read
 	queue      chan kvcache.Key     // write-through (nil without WriteThrough)
-	demotions  chan demotion        // write-backs for the writers, room for maxBusy
-	bufs       chan []byte          // copy buffers, maxBusy of them (nil: not allocated yet)
 
-	mu     sync.RWMutex // closed; held (read) while queueing
+	mu     sync.RWMutex // closed; held (read) while queueing a write-through
 	closed bool
-	wg     sync.WaitGroup
+	wg     sync.WaitGroup // the write-through writer
 
 	// The write-through writer's block in progress, and whether a Delete
 	// or Clear came for it meanwhile (its record is then deleted once
@@ -166,45 +166,8 @@ type nodeDisk struct {
 	writing bool
 	curGone bool
 
-	busyMu   sync.Mutex
-	busy     int                        // write-backs accepted and not finished (≤ maxBusy)
-	accept   map[slotGen]*writeBack     // accepted to go demoting, until OnDemote
-	flight   map[kvcache.Key]*writeBack // accepted and not finished, by key: readable meanwhile
-	readDone *sync.Cond                 // on busyMu: a writeBack's last reader ended
-	// clearGen counts Clears: a write-back accepted before one is not
-	// served and is deleted once written.
-	clearGen atomic.Uint64
-
-	lookupHits, hits, misses, writes, writeErrors, dropped, notAdmitted, copies, fromFlight atomic.Int64
-	atClose, leftAtClose                                                                    atomic.Int64 // WriteBackOnClose
-}
-
-// slotGen names one occupancy of a slot.
-type slotGen struct {
-	id  kvcache.SlotID
-	gen uint32
-}
-
-// writeBack is an evicted block being written to disk, which promotions
-// may copy from meanwhile: src holds its bytes (the demoting slot, or a
-// copy buffer), gen is the clear generation it was accepted in, gone is
-// set by a Delete of its key (then it is not served, and its record is
-// deleted once written). On busyMu.
-type writeBack struct {
-	src     []byte
-	gen     uint64
-	readers int
-	gone    bool
-}
-
-// demotion is a write-back for a writer: from slot (demoting) when
-// fromSlot, else from buf (a copy).
-type demotion struct {
-	key      kvcache.Key
-	slot     kvcache.Slot
-	fromSlot bool
-	buf      []byte
-	wb       *writeBack
+	lookupHits, hits, misses, notAdmitted atomic.Int64
+	atClose, leftAtClose                  atomic.Int64 // WriteBackOnClose
 }
 
 // openDisk opens the disk tier for layout (newCache, s.mu held, before
@@ -223,12 +186,15 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 	if err != nil {
 		return nil, fmt.Errorf("nodepool: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
-	n := int(max(dc.WriteBackBytes/int64(slot), 1))
 	d := &nodeDisk{store: st, slot: slot, mem: map[uint32][]byte{}, admitAfter: dc.AdmitAfter, through: dc.WriteThrough,
-		maxBusy: n, reap: func() { s.reap() }, beforePut: s.beforeDiskPut, beforeGet: s.beforeDiskGet,
-		demotions: make(chan demotion, n), bufs: make(chan []byte, n),
-		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}}
-	d.readDone = sync.NewCond(&d.busyMu)
+		reap: func() { s.reap() }, beforePut: s.beforeDiskPut}
+	d.wb = writeback.New(writeback.Config{Store: st, SlotBytes: int(slot), MaxBusy: int(max(dc.WriteBackBytes/int64(slot), 1)),
+		Writers: diskWriters, Bytes: d.slotBytes,
+		Demoted: func(sl kvcache.Slot) {
+			_ = d.cache.Demoted([]kvcache.Slot{sl}) // a slot onDemote was given: only a bug fails
+			d.reap()
+		},
+		BeforePut: s.beforeDiskPut, BeforeGet: s.beforeDiskGet})
 	if !dc.AdmitAll && dc.AdmitAfter > 1 {
 		d.seen = kvcache.NewSeenCounter()
 	}
@@ -238,9 +204,6 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 	for id, rr := range s.regions {
 		d.mem[id] = rr.r.Bytes()
 	}
-	for range n {
-		d.bufs <- nil
-	}
 	return d, nil
 }
 
@@ -248,10 +211,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 // the cache has its regions).
 func (d *nodeDisk) start(c *kvcache.Cache) {
 	d.cache = c
-	d.wg.Add(diskWriters)
-	for range diskWriters {
-		go d.writeBacks()
-	}
+	d.wb.Start()
 	if d.queue != nil {
 		d.wg.Add(1)
 		go d.writeThrough()
@@ -312,131 +272,17 @@ func (d *nodeDisk) admitted(k kvcache.Key) bool {
 	return d.seen == nil || d.seen.Count(k) >= d.admitAfter
 }
 
-// demote is the cache's Config.Demote, under its lock: it accepts an
-// evicted block for a write-back if its key is admitted, it is not on
-// disk already (a promoted block evicted again) and fewer than maxBusy
-// write-backs are accepted and unfinished; otherwise the eviction is not
-// admitted or dropped, counted. An accepted block evicted ahead of demand
-// (not needed) is written from its slot: true, the slot goes demoting, to
-// onDemote. One the evicting store needs at once is copied now (a ready
-// block: its bytes are complete) into a buffer a writer Puts: a memcpy of
-// one block under the cache's lock. Never waits: a buffer is free and the
-// queue has room for every accepted write-back.
+// demote is the cache's Config.Demote, under its lock: a key the
+// admission filter refuses is counted (DiskNotAdmitted); an admitted one
+// goes to the write-back machine (writeback.Writer.Demote: accepted, or on
+// disk or being written already, or dropped; copied now when the evicting
+// store needs the slot). Never waits.
 func (d *nodeDisk) demote(s kvcache.Slot, k kvcache.Key, needed bool) bool {
 	if !d.admitted(k) {
 		d.notAdmitted.Add(1)
 		return false
 	}
-	if d.has(k) {
-		return false
-	}
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	mem := d.slotBytes(s)
-	d.busyMu.Lock()
-	if d.closed || mem == nil || d.busy >= d.maxBusy {
-		d.busyMu.Unlock()
-		d.dropped.Add(1)
-		return false
-	}
-	d.busy++
-	wb := &writeBack{src: mem, gen: d.clearGen.Load()}
-	if !needed {
-		// Readable from the slot at once: from here until Demoted the
-		// slot is releasing, then demoting, never reused.
-		d.accept[slotGen{s.ID, s.Gen}], d.flight[k] = wb, wb
-		d.busyMu.Unlock()
-		return true
-	}
-	d.busyMu.Unlock()
-	buf := <-d.bufs
-	if buf == nil {
-		buf = disk.AlignedBuffer(int(d.slot))
-	}
-	copy(buf, mem)
-	d.busyMu.Lock()
-	wb.src = buf // readable from the copy only: the slot is reused once this call ends
-	d.flight[k] = wb
-	d.busyMu.Unlock()
-	d.demotions <- demotion{key: k, buf: buf, wb: wb}
-	d.copies.Add(1)
-	return false
-}
-
-// onDemote is the cache's Config.OnDemote: slot s, demoting, is queued for
-// a writer, which Puts it straight from the slot's memory and gives it
-// back (Demoted). Never blocks (the queue has room for every accepted
-// write-back). After close, it is given back unwritten (dropped).
-func (d *nodeDisk) onDemote(s kvcache.Slot, k kvcache.Key) {
-	d.busyMu.Lock()
-	job := demotion{key: k, slot: s, fromSlot: true, wb: d.accept[slotGen{s.ID, s.Gen}]}
-	delete(d.accept, slotGen{s.ID, s.Gen})
-	d.busyMu.Unlock()
-	d.mu.RLock()
-	if !d.closed {
-		d.demotions <- job
-		d.mu.RUnlock()
-		return
-	}
-	d.mu.RUnlock()
-	d.dropped.Add(1)
-	d.finish(job, false)
-}
-
-// writeBacks writes accepted write-backs (one of diskWriters goroutines).
-func (d *nodeDisk) writeBacks() {
-	defer d.wg.Done()
-	for job := range d.demotions {
-		if d.beforePut != nil {
-			d.beforePut(job.key)
-		}
-		payload := job.buf
-		if payload == nil {
-			payload = d.slotBytes(job.slot) // demoting: its region is mapped
-		}
-		written := false
-		if err := d.store.Put(job.key, payload); err != nil {
-			d.writeErrors.Add(1)
-		} else {
-			d.writes.Add(1)
-			written = true
-		}
-		d.finish(job, written)
-	}
-}
-
-// finish ends a write-back: it stops being readable (its readers done), a
-// record written for a key deleted or cleared meanwhile is deleted, and
-// the buffer or the demoting slot is given back.
-func (d *nodeDisk) finish(job demotion, written bool) {
-	gone := true
-	if wb := job.wb; wb != nil { // always set: demote made it
-		d.busyMu.Lock()
-		// Read after the Put returned: a Delete marks gone before it
-		// deletes from the store, a Clear bumps clearGen before it
-		// clears, so a record neither saw is removed here.
-		gone = wb.gone || wb.gen != d.clearGen.Load()
-		if d.flight[job.key] == wb {
-			delete(d.flight, job.key)
-		}
-		for wb.readers > 0 {
-			d.readDone.Wait()
-		}
-		d.busyMu.Unlock()
-	}
-	if written && gone {
-		d.store.Delete(job.key)
-	}
-	switch {
-	case job.buf != nil:
-		d.bufs <- job.buf
-	case job.fromSlot:
-		_ = d.cache.Demoted([]kvcache.Slot{job.slot}) // a slot onDemote was given: only a bug fails
-		d.reap()
-	}
-	d.busyMu.Lock()
-	d.busy--
-	d.busyMu.Unlock()
+	return d.wb.Demote(s, k, needed)
 }
 
 // onReady queues a block that became ready for its write-through (from
@@ -453,7 +299,7 @@ func (d *nodeDisk) onReady(k kvcache.Key) {
 	select {
 	case d.queue <- k:
 	default:
-		d.dropped.Add(1)
+		d.wb.Dropped.Add(1)
 	}
 }
 
@@ -485,11 +331,11 @@ func (d *nodeDisk) writeThrough() {
 			d.curMu.Unlock()
 			switch {
 			case err != nil:
-				d.writeErrors.Add(1)
+				d.wb.WriteErrors.Add(1)
 			case gone:
 				d.store.Delete(k)
 			default:
-				d.writes.Add(1)
+				d.wb.Writes.Add(1)
 			}
 			_ = d.cache.Unlease(slots[:1])
 			d.reap()
@@ -502,61 +348,11 @@ func (d *nodeDisk) writeThrough() {
 
 // diskPrefix returns how many leading keys the disk holds, or a
 // write-back in flight (memory only).
-func (d *nodeDisk) diskPrefix(keys []kvcache.Key) int {
-	for i, k := range keys {
-		if !d.has(k) {
-			return i
-		}
-	}
-	return len(keys)
-}
+func (d *nodeDisk) diskPrefix(keys []kvcache.Key) int { return d.wb.Prefix(keys) }
 
 // has reports whether key's block is on disk or being written there
 // (readable meanwhile): memory only, never I/O.
-func (d *nodeDisk) has(k kvcache.Key) bool {
-	if d.store.Contains(k) {
-		return true
-	}
-	d.busyMu.Lock()
-	defer d.busyMu.Unlock()
-	return d.servableLocked(k) != nil
-}
-
-// servableLocked (busyMu held) returns key's write-back in flight if a
-// reader may copy from it: not deleted or cleared since it was accepted.
-func (d *nodeDisk) servableLocked(k kvcache.Key) *writeBack {
-	wb := d.flight[k]
-	if wb == nil || wb.gone || wb.gen != d.clearGen.Load() {
-		return nil
-	}
-	return wb
-}
-
-// get reads key's block into mem: from its write-back in flight if there
-// is one (Stats.DiskHitsWriting: a block evicted a moment ago reloads
-// before its record is written, without a disk read), else from its
-// record. True when mem holds the verified block.
-func (d *nodeDisk) get(k kvcache.Key, mem []byte) bool {
-	if d.beforeGet != nil {
-		d.beforeGet(k)
-	}
-	d.busyMu.Lock()
-	if wb := d.servableLocked(k); wb != nil {
-		wb.readers++
-		d.busyMu.Unlock()
-		copy(mem, wb.src)
-		d.busyMu.Lock()
-		if wb.readers--; wb.readers == 0 {
-			d.readDone.Broadcast()
-		}
-		d.busyMu.Unlock()
-		d.fromFlight.Add(1)
-		return true
-	}
-	d.busyMu.Unlock()
-	found, err := d.store.Get(k, mem)
-	return found && err == nil
-}
+func (d *nodeDisk) has(k kvcache.Key) bool { return d.wb.Has(k) }
 
 // promote brings the keys at pos (missing from the pool, held by the disk
 // or a write-back in flight) into the pool for a BeginLoad or a Promote:
@@ -603,7 +399,7 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, parent func(j
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			ok[i] = d.get(skeys[i], mem)
+			ok[i] = d.wb.Get(skeys[i], mem)
 		})
 	}
 	wg.Wait()
@@ -629,18 +425,10 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, parent func(j
 var errDiskMiss = errors.New("nodepool: disk record missing or damaged")
 
 // delete removes keys' records (Delete), including those being written:
-// a write-back in flight is marked gone first (no longer served, its
-// record deleted once written), then the store deletes.
+// the write-through in progress and the write-backs in flight are marked
+// gone first (no longer served, their records deleted once written), then
+// the store deletes.
 func (d *nodeDisk) delete(keys []kvcache.Key) {
-	d.busyMu.Lock()
-	if len(d.flight) > 0 {
-		for _, k := range keys {
-			if wb := d.flight[k]; wb != nil {
-				wb.gone = true
-			}
-		}
-	}
-	d.busyMu.Unlock()
 	d.curMu.Lock()
 	for _, k := range keys {
 		if d.writing && k == d.cur {
@@ -648,19 +436,16 @@ func (d *nodeDisk) delete(keys []kvcache.Key) {
 		}
 	}
 	d.curMu.Unlock()
-	for _, k := range keys {
-		d.store.Delete(k)
-	}
+	d.wb.Delete(keys)
 }
 
 // clear removes every record (Clear of any namespace: records carry none),
 // including those being written.
 func (d *nodeDisk) clear() {
-	d.clearGen.Add(1)
 	d.curMu.Lock()
 	d.curGone = d.writing
 	d.curMu.Unlock()
-	d.store.Clear()
+	d.wb.Clear()
 }
 
 // closeDisk writes the blocks still queued (write-backs and
@@ -676,11 +461,11 @@ func (s *Server) closeDisk(ctx context.Context) {
 	}
 	d.mu.Lock()
 	d.closed = true
-	close(d.demotions)
 	if d.queue != nil {
 		close(d.queue)
 	}
 	d.mu.Unlock()
+	d.wb.Close()
 	d.wg.Wait()
 	if s.cfg.Disk.WriteBackOnClose {
 		d.writeBackAtClose(ctx)
@@ -709,7 +494,7 @@ func (d *nodeDisk) writeBackAtClose(ctx context.Context) {
 		func(i int) []byte { return d.slotBytes(slots[i]) }, // leased: its region is mapped
 		before)
 	d.atClose.Add(written)
-	d.writeErrors.Add(failed)
+	d.wb.WriteErrors.Add(failed)
 	d.leftAtClose.Add(left)
 	_ = d.cache.Unlease(slots) // LeaseAll's handles: only a bug fails
 }

@@ -486,7 +486,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		kcfg.LowWatermark = min(slots/64, 64)
 	}
 	if d != nil {
-		kcfg.Demote, kcfg.OnDemote = d.demote, d.onDemote
+		kcfg.Demote, kcfg.OnDemote = d.demote, d.wb.OnDemote
 	}
 	c, err := kvcache.New(kcfg)
 	if err != nil {
@@ -1107,9 +1107,9 @@ func (s *Server) Stats() Stats {
 		st.DiskOpen = true
 		ds := d.store.Stats()
 		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.lookupHits.Load(), d.hits.Load(), d.misses.Load()
-		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
+		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.wb.Writes.Load(), d.wb.WriteErrors.Load(), d.wb.Dropped.Load()
 		st.DiskRecords, st.DiskCorrupt = ds.Records, ds.Corrupt
-		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.notAdmitted.Load(), d.copies.Load(), d.fromFlight.Load()
+		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.notAdmitted.Load(), d.wb.Copies.Load(), d.wb.Served.Load()
 		st.DiskWrittenAtClose, st.DiskLeftAtClose = d.atClose.Load(), d.leftAtClose.Load()
 	}
 	st.Accepted = s.counter.accepted.Load()

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/tier/disk/writeback"
 	"github.com/kvoffload/kvoffload/tier/record"
 )
 
@@ -158,85 +159,36 @@ func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
 	return f, m, nil
 }
 
-// diskTier is the engine's disk tier: the store, the admission sketch, the
-// write-backs accepted and not yet written, and the writers.
+// diskTier is the engine's disk tier: the store, the admission sketch and
+// the write-back machine (tier/disk/writeback) with its writers.
 //
 // Write-back (demotion): the cache asks demote, under its lock, about each
 // block its policy evicts; an admitted block not on disk yet, within
-// maxBusy write-backs at once, is accepted. Evicted ahead of demand, its
-// slot goes into the cache's "demoting" state and comes to onDemote: a
-// writer Puts it straight from the slot's pinned memory and gives the slot
-// back (Cache.Demoted). Evicted by a store that needs the slot at once,
-// the slot is freed at once: demote copies its bytes into a buffer first,
-// which a writer Puts. Either way the evicting call never waits for the
-// disk.
+// maxBusy write-backs at once, is accepted (writeback.Writer.Demote).
+// Evicted ahead of demand, its slot goes into the cache's "demoting" state
+// and comes to onDemote, held against Trim: a writer Puts it straight from
+// the slot's pinned memory and gives the slot back (Cache.Demoted, then
+// unhold). Evicted by a store that needs the slot at once, the slot is
+// freed at once: demote copies its bytes into a buffer first, which a
+// writer Puts. Either way the evicting call never waits for the disk. A
+// Delete tombs its keys while write-backs are unfinished
+// (writeback.Config.TombKeys).
 type diskTier struct {
 	store        *disk.Store
-	slot         int64
+	wb           *writeback.Writer
 	admitAll     bool
 	admitAfter   uint8 // DiskConfig.AdmitAfter
 	writeThrough bool  // DiskConfig.WriteThrough
-	maxBusy      int   // write-backs at once (WriteBackBytes / slot)
 
 	seenMu   sync.Mutex
 	seen     []uint8 // saturating use counts by key hash, halved every len(seen) additions
 	seenAdds int
 
-	bufs  chan []byte // copy buffers, maxBusy of them (nil: not allocated yet)
-	queue chan demotion
+	hold func(kvcache.Slot) // the engine's: holds a slot against Trim while it is written
 
-	// The engine's: a slot's pinned bytes (nil when its region is gone),
-	// holding a slot against Trim while it is written, and giving a
-	// written slot back (Cache.Demoted, then unhold).
-	slotBytes func(kvcache.Slot) []byte
-	hold      func(kvcache.Slot)
-	demoted   func(kvcache.Slot)
+	readers int // a promotion's reads in flight (diskReaders; tests set 1)
 
-	mu     sync.RWMutex // closed; held (read) while queueing
-	closed bool
-	wg     sync.WaitGroup
-
-	busyMu sync.Mutex
-	busy   int                    // write-backs accepted and not finished (≤ maxBusy)
-	accept map[slotGen]*writeBack // accepted to go demoting, until OnDemote
-	idle   chan struct{}          // closed when busy drops to 0
-	tomb   map[Key]struct{}
-	// writing holds the write-backs accepted and not finished by key:
-	// their bytes (the demoting slot's, or the copy's) stay readable
-	// meanwhile (get copies from them, has counts them), and finish waits
-	// for their readers (readDone, on busyMu) before giving them back.
-	writing  map[Key]*writeBack
-	readDone *sync.Cond
-	// clearGen counts Clears: a demotion queued before one is deleted
-	// once written.
-	clearGen atomic.Uint64
-
-	beforePut func(Key) // test hook, run by the writer before each Put
-	beforeGet func(Key) // test hook, run before each promotion read
-	readers   int       // a promotion's reads in flight (diskReaders; tests set 1)
-
-	hits, misses, writes, writeErrors, dropped, notAdmitted, copies, throughs, atClose, fromWriting atomic.Int64
-}
-
-// writeBack is a block being written to disk that readers may copy from:
-// src holds its bytes (a demoting slot, from the eviction's acceptance
-// until Cache.Demoted; or a copy buffer, until it is given back), gen is
-// the clear generation it belongs to.
-type writeBack struct {
-	src     []byte
-	gen     uint64
-	readers int
-}
-
-// demotion is a write-back for a writer: from slot (demoting) when
-// fromSlot, else from buf (a copy).
-type demotion struct {
-	key      Key
-	slot     kvcache.Slot
-	fromSlot bool
-	buf      []byte
-	gen      uint64
-	wb       *writeBack // its entry in diskTier.writing
+	hits, misses, notAdmitted, throughs, atClose atomic.Int64
 }
 
 // openDisk opens the disk tier of cfg (New): the record payload is the
@@ -260,25 +212,18 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 	if err != nil {
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
-	n := int(dc.WriteBackBytes / slot)
-	d := &diskTier{store: st, slot: slot, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
-		writeThrough: dc.WriteThrough, maxBusy: n, seen: make([]uint8, 1<<16),
-		accept: map[slotGen]*writeBack{}, bufs: make(chan []byte, n), queue: make(chan demotion, n),
-		slotBytes: e.slotBytes, hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
-		demoted: func(s kvcache.Slot) {
+	d := &diskTier{store: st, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
+		writeThrough: dc.WriteThrough, seen: make([]uint8, 1<<16),
+		hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) }, readers: diskReaders}
+	d.wb = writeback.New(writeback.Config{Store: st, SlotBytes: int(slot), MaxBusy: int(dc.WriteBackBytes / slot),
+		Writers: diskWriters, Bytes: e.slotBytes,
+		Demoted: func(s kvcache.Slot) {
 			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
 			e.unhold([]kvcache.Slot{s})
 			e.kickReaper()
 		},
-		tomb: map[Key]struct{}{}, writing: map[Key]*writeBack{}, beforePut: h.beforeDiskPut, beforeGet: h.beforeDiskGet, readers: diskReaders}
-	d.readDone = sync.NewCond(&d.busyMu)
-	for range n {
-		d.bufs <- nil
-	}
-	d.wg.Add(diskWriters)
-	for range diskWriters {
-		go d.writer()
-	}
+		BeforePut: h.beforeDiskPut, BeforeGet: h.beforeDiskGet, TombKeys: true})
+	d.wb.Start()
 	return d, nil
 }
 
@@ -318,15 +263,9 @@ func recordFingerprint(cfg Config) (uint64, error) {
 // closes the store. The engine's calls have ended and the cache is closed
 // (no eviction any more); the pool is unmapped after.
 func (d *diskTier) close() error {
-	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
+	if !d.wb.Close() {
 		return nil
 	}
-	d.closed = true
-	close(d.queue)
-	d.mu.Unlock()
-	d.wg.Wait()
 	return d.store.Close()
 }
 
@@ -366,261 +305,46 @@ func (d *diskTier) admitted(k Key) bool {
 // maxBusy writes are accepted and unfinished; nothing when k is on disk.
 // Never waits.
 func (d *diskTier) through(k Key, mem []byte) {
-	if d.has(k) {
-		return
+	if d.wb.Copy(k, mem) {
+		d.throughs.Add(1)
 	}
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	d.busyMu.Lock()
-	gen, ok := d.acceptLocked()
-	d.busyMu.Unlock()
-	if !ok {
-		return
-	}
-	d.queueCopy(k, mem, gen)
-	d.throughs.Add(1)
 }
 
-// acceptLocked (busyMu held) accepts one more disk write if the tier is
-// open and fewer than maxBusy are accepted and unfinished, and returns the
-// clear generation it belongs to; otherwise it counts a drop.
-func (d *diskTier) acceptLocked() (gen uint64, ok bool) {
-	if d.closed || d.busy >= d.maxBusy {
-		d.dropped.Add(1)
-		return 0, false
-	}
-	if d.busy == 0 {
-		d.idle = make(chan struct{})
-	}
-	d.busy++
-	return d.clearGen.Load(), true
-}
-
-// queueCopy copies mem into a free buffer (one is free for every accepted
-// write) and queues it for a writer as key k's, of clear generation gen.
-func (d *diskTier) queueCopy(k Key, mem []byte, gen uint64) {
-	buf := <-d.bufs
-	if buf == nil {
-		buf = disk.AlignedBuffer(int(d.slot))
-	}
-	copy(buf, mem)
-	wb := d.readable(k, buf, gen)
-	d.queue <- demotion{key: k, buf: buf, gen: gen, wb: wb}
-}
-
-// readable makes a write-back of key k from src (clear generation gen)
-// readable until it finishes.
-func (d *diskTier) readable(k Key, src []byte, gen uint64) *writeBack {
-	wb := &writeBack{src: src, gen: gen}
-	d.busyMu.Lock()
-	d.writing[k] = wb
-	d.busyMu.Unlock()
-	return wb
-}
-
-// demote is the cache's Config.Demote, under its lock: it accepts an
-// evicted block for a write-back if the key is admitted, not on disk
-// already (a promoted block evicted again) and fewer than maxBusy
-// write-backs are accepted and unfinished; otherwise the demotion is not
-// admitted or dropped, counted. An accepted block evicted ahead of demand
-// (not needed) is written from its slot (true: the slot goes demoting, to
-// onDemote). One the evicting store needs at once (its slot is reused as
-// soon as the call's critical section ends) is copied now, its bytes
-// intact (a ready block: no copy in flight), into a buffer a writer Puts:
-// a memcpy of one block under the cache's lock, where the slot would be
-// zeroed with ZeroOnRelease anyway. It never waits: a buffer is free for
-// every accepted write-back, and the queue has room for each.
+// demote is the cache's Config.Demote, under its lock: a key the
+// admission filter refuses is counted (notAdmitted); an admitted one goes
+// to the write-back machine (writeback.Writer.Demote: accepted, or on
+// disk already, or dropped; copied now when the evicting store needs the
+// slot). It never waits.
 func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
 	if !d.admitted(k) {
 		d.notAdmitted.Add(1)
 		return false
 	}
-	if d.has(k) {
-		return false
-	}
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	mem := d.slotBytes(s)
-	if mem == nil {
-		d.dropped.Add(1)
-		return false
-	}
-	d.busyMu.Lock()
-	gen, ok := d.acceptLocked()
-	if !ok {
-		d.busyMu.Unlock()
-		return false
-	}
-	if !needed {
-		// Readable from the slot at once: from here until Demoted the slot
-		// is releasing, then demoting, never reused.
-		wb := &writeBack{src: mem, gen: gen}
-		d.accept[slotGen{s.ID, s.Gen}], d.writing[k] = wb, wb
-		d.busyMu.Unlock()
-		return true
-	}
-	d.busyMu.Unlock()
-	d.queueCopy(k, mem, gen)
-	d.copies.Add(1)
-	return false
+	return d.wb.Demote(s, k, needed)
 }
 
-// onDemote is the cache's Config.OnDemote: slot s, demoting, is queued
-// for a writer, which Puts it straight from the slot's memory and gives
-// it back. The slot is held against Trim meanwhile. Never blocks (the
-// queue has room for every accepted write-back).
+// onDemote is the cache's Config.OnDemote: slot s, demoting, is held
+// against Trim, then queued for a writer, which Puts it straight from the
+// slot's memory and gives it back (Demoted, then unhold). Never blocks.
 func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
-	d.busyMu.Lock()
-	job := demotion{key: k, slot: s, fromSlot: true, wb: d.accept[slotGen{s.ID, s.Gen}]}
-	delete(d.accept, slotGen{s.ID, s.Gen})
-	d.busyMu.Unlock()
-	if job.wb != nil { // demote's entry: always there
-		job.gen = job.wb.gen
-	}
 	d.hold(s)
-	d.mu.RLock()
-	if !d.closed {
-		d.queue <- job
-		d.mu.RUnlock()
-		return
-	}
-	d.mu.RUnlock()
-	// Not under mu: finish takes the cache's lock, under which demote
-	// takes mu.
-	d.dropped.Add(1)
-	d.finish(job, false)
+	d.wb.OnDemote(s, k)
 }
 
-func (d *diskTier) writer() {
-	defer d.wg.Done()
-	for job := range d.queue {
-		if d.beforePut != nil {
-			d.beforePut(job.key)
-		}
-		payload := job.buf
-		if payload == nil {
-			payload = d.slotBytes(job.slot) // the pool's, held: never nil
-		}
-		written := false
-		if err := d.store.Put(job.key, payload); err != nil {
-			d.writeErrors.Add(1)
-		} else {
-			d.writes.Add(1)
-			written = true
-		}
-		d.finish(job, written)
-	}
-}
-
-// finish ends a write-back: a record written for a key deleted or
-// cleared meanwhile is deleted; the buffer or the demoting slot is given
-// back.
-func (d *diskTier) finish(job demotion, written bool) {
-	d.busyMu.Lock()
-	_, deleted := d.tomb[job.key]
-	d.busyMu.Unlock()
-	if written && (deleted || d.clearGen.Load() != job.gen) {
-		d.store.Delete(job.key)
-	}
-	if job.wb != nil {
-		d.busyMu.Lock()
-		if d.writing[job.key] == job.wb {
-			delete(d.writing, job.key)
-		}
-		for job.wb.readers > 0 {
-			d.readDone.Wait()
-		}
-		d.busyMu.Unlock()
-	}
-	switch {
-	case job.buf != nil:
-		d.bufs <- job.buf
-	case job.fromSlot:
-		d.demoted(job.slot)
-	}
-	d.busyMu.Lock()
-	if d.busy--; d.busy == 0 {
-		clear(d.tomb)
-		close(d.idle)
-	}
-	d.busyMu.Unlock()
-}
-
-// delete removes keys from disk, and from the demotions in flight.
-func (d *diskTier) delete(keys []Key) {
-	// The tombs first, then the records: a write-back whose Put ends
-	// after the tomb deletes its record in finish; one whose Put ended
-	// before has its record deleted here. (The other order missed a Put
-	// that ended between the two.)
-	d.busyMu.Lock()
-	if d.busy > 0 {
-		for _, k := range keys {
-			d.tomb[k] = struct{}{}
-		}
-	}
-	d.busyMu.Unlock()
-	for _, k := range keys {
-		d.store.Delete(k)
-	}
-}
+// delete removes keys from disk, and from the write-backs in flight
+// (tombed first: deleted once written).
+func (d *diskTier) delete(keys []Key) { d.wb.Delete(keys) }
 
 // clearAll removes every record (records carry no namespace).
-func (d *diskTier) clearAll() {
-	d.clearGen.Add(1)
-	d.store.Clear()
-}
+func (d *diskTier) clearAll() { d.wb.Clear() }
 
-// flush waits until no demotion is queued or being written.
-func (d *diskTier) flush(ctx context.Context) error {
-	for {
-		d.busyMu.Lock()
-		if d.busy == 0 {
-			d.busyMu.Unlock()
-			return nil
-		}
-		ch := d.idle
-		d.busyMu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-}
-
-// prefix returns how many leading keys have a record on disk (memory only).
-func (d *diskTier) prefix(keys []Key) int {
-	for i, k := range keys {
-		if !d.has(k) {
-			return i
-		}
-	}
-	return len(keys)
-}
+// prefix returns how many leading keys have a record on disk or a
+// write-back in flight (memory only).
+func (d *diskTier) prefix(keys []Key) int { return d.wb.Prefix(keys) }
 
 // has reports whether key's block is on disk or being written there
 // (readable meanwhile): memory only, never I/O.
-func (d *diskTier) has(k Key) bool {
-	if d.store.Contains(k) {
-		return true
-	}
-	d.busyMu.Lock()
-	defer d.busyMu.Unlock()
-	return d.servableLocked(k) != nil
-}
-
-// servableLocked (busyMu held) returns key's write-back in flight if a
-// reader may copy from it: not deleted or cleared since it was accepted.
-func (d *diskTier) servableLocked(k Key) *writeBack {
-	wb := d.writing[k]
-	if wb == nil || wb.gen != d.clearGen.Load() {
-		return nil
-	}
-	if _, deleted := d.tomb[k]; deleted {
-		return nil
-	}
-	return wb
-}
+func (d *diskTier) has(k Key) bool { return d.wb.Has(k) }
 
 // FlushDisk waits until every eviction queued for the disk tier has been
 // written (or failed), or ctx ends. Without a disk tier it returns at once.
@@ -631,7 +355,7 @@ func (e *Engine) FlushDisk(ctx context.Context) error {
 	if e.disk == nil {
 		return nil
 	}
-	return e.disk.flush(ctx)
+	return e.disk.wb.Flush(ctx)
 }
 
 // slotBytes returns slot s's bytes in the pool, nil when its region is
@@ -816,41 +540,10 @@ func (e *Engine) promoteNode(ctx context.Context, ni *nodeIndex, keys []Key, blo
 	return left
 }
 
-// get reads key's record into mem (the test hook first); true when mem
-// holds its verified block.
-func (d *diskTier) get(k Key, mem []byte) bool {
-	if d.beforeGet != nil {
-		d.beforeGet(k)
-	}
-	if d.getWriting(k, mem) {
-		return true
-	}
-	found, err := d.store.Get(k, mem)
-	return found && err == nil
-}
-
-// getWriting copies key's block into mem from its write-back in flight,
-// if there is one a reader may use (Stats.DiskHitsWriting): a block
-// evicted a moment ago reloads before its record is written, without a
-// disk read.
-func (d *diskTier) getWriting(k Key, mem []byte) bool {
-	d.busyMu.Lock()
-	wb := d.servableLocked(k)
-	if wb == nil {
-		d.busyMu.Unlock()
-		return false
-	}
-	wb.readers++
-	d.busyMu.Unlock()
-	copy(mem, wb.src)
-	d.busyMu.Lock()
-	if wb.readers--; wb.readers == 0 {
-		d.readDone.Broadcast()
-	}
-	d.busyMu.Unlock()
-	d.fromWriting.Add(1)
-	return true
-}
+// get reads key's block into mem, from its write-back in flight if there
+// is one (Stats.DiskHitsWriting), else from its record (the test hook
+// first); true when mem holds its verified block.
+func (d *diskTier) get(k Key, mem []byte) bool { return d.wb.Get(k, mem) }
 
 // writeBackAtClose writes the pool's blocks that are not on disk yet to
 // the disk tier (DiskConfig.WriteBackOnClose), from their slots, leased
@@ -870,8 +563,8 @@ func (e *Engine) writeBackAtClose(ctx context.Context) error {
 	}
 	written, failed, _ := d.store.PutAll(ctx, len(slots), diskWriters,
 		func(i int) [16]byte { return keys[i] },
-		func(i int) []byte { return d.slotBytes(slots[i]) }, nil)
+		func(i int) []byte { return e.slotBytes(slots[i]) }, nil)
 	d.atClose.Add(written)
-	d.writeErrors.Add(failed)
+	d.wb.WriteErrors.Add(failed)
 	return e.kc.Unlease(slots)
 }

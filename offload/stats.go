@@ -390,10 +390,10 @@ func (e *Engine) snapshot() Stats {
 	if d := e.disk; d != nil {
 		ds := d.store.Stats()
 		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
-		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.writes.Load(), d.writeErrors.Load(), d.dropped.Load()
-		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.copies.Load()
+		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.wb.Writes.Load(), d.wb.WriteErrors.Load(), d.wb.Dropped.Load()
+		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.wb.Copies.Load()
 		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.throughs.Load(), d.atClose.Load()
-		s.DiskHitsWriting = d.fromWriting.Load()
+		s.DiskHitsWriting = d.wb.Served.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
