@@ -1110,29 +1110,43 @@ func (c *Client) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult,
 			c.abortResults(dst[start:])
 			return dst[:start], err
 		}
-		var unusable []Slot
-		si := 0
-		rv := c.resolverAt(epoch)
-		dst = slices.Grow(dst, len(r.Outcomes))
-		for _, o := range r.Outcomes {
-			dst = append(dst, StoreResult{Outcome: StoreOutcome(o)})
-			if o == wire.OutcomeWrite {
-				res := &dst[len(dst)-1]
-				if !rv.put(&res.Slot, &r.Slots[si]) {
-					res.Outcome = StoreUnusable
-					unusable = append(unusable, res.Slot)
-				}
-				si++
-			}
+		if len(r.Outcomes) != n {
+			// Results would land on the wrong keys: give back what the
+			// reply reserved, and what earlier replies did.
+			dst = c.storeResults(dst, r, epoch)
+			c.abortResults(dst[start:])
+			return dst[:start], fmt.Errorf("%w: the node answered %d outcomes to BeginStore of %d keys", ErrInvalid, len(r.Outcomes), n)
 		}
-		c.done(r)
-		if len(unusable) > 0 {
-			_ = c.AbortStore(unusable)
-		}
+		dst = c.storeResults(dst, r, epoch)
 		off += n
 		parent = keys[off-1]
 	}
 	return dst, nil
+}
+
+// storeResults appends a BeginStore reply's results to dst (aborting the
+// reservations of regions not usable here) and gives r back.
+func (c *Client) storeResults(dst []StoreResult, r *wire.Msg, epoch uint32) []StoreResult {
+	var unusable []Slot
+	si := 0
+	rv := c.resolverAt(epoch)
+	dst = slices.Grow(dst, len(r.Outcomes))
+	for _, o := range r.Outcomes {
+		dst = append(dst, StoreResult{Outcome: StoreOutcome(o)})
+		if o == wire.OutcomeWrite {
+			res := &dst[len(dst)-1]
+			if !rv.put(&res.Slot, &r.Slots[si]) {
+				res.Outcome = StoreUnusable
+				unusable = append(unusable, res.Slot)
+			}
+			si++
+		}
+	}
+	c.done(r)
+	if len(unusable) > 0 {
+		_ = c.AbortStore(unusable)
+	}
+	return dst
 }
 
 func (c *Client) abortResults(rs []StoreResult) {
@@ -1170,7 +1184,9 @@ func (c *Client) BeginLoadTiers(keys []Key, dst []LoadResult) ([]LoadResult, err
 // already in the pool is found without a read. The node serves a
 // client's Promotes in order, in the background: its other calls are
 // answered meanwhile, and a Promote sent before the last one's reply has
-// its reads started as soon as the last one's end.
+// its reads started as soon as the last one's end. Up to four Promotes
+// wait on the node; past them the node reads the client's next requests
+// only as its promoter takes one (bounded memory for the keys waiting).
 func (c *Client) Promote(keys, parents []Key, dst []LoadResult) ([]LoadResult, error) {
 	if len(parents) != len(keys) {
 		return dst, fmt.Errorf("%w: %d parents for %d keys", ErrInvalid, len(parents), len(keys))
@@ -1197,6 +1213,13 @@ func (c *Client) beginLoad(t wire.Type, flags uint8, keys, parents []Key, dst []
 		}
 		epoch := c.curEpoch()
 		r, err := c.callEpoch(m, wire.TBeginLoadOK, epoch)
+		if err == nil && len(r.Outcomes) != n {
+			// Results would land on the wrong keys: end the loads the
+			// reply began, and those of earlier replies.
+			got := len(r.Outcomes)
+			dst = c.loadResults(dst, r, epoch)
+			err = fmt.Errorf("%w: the node answered %d outcomes to %v of %d keys", ErrInvalid, got, t, n)
+		}
 		if err != nil {
 			var slots []Slot
 			for _, x := range dst[start:] {
@@ -1207,29 +1230,36 @@ func (c *Client) beginLoad(t wire.Type, flags uint8, keys, parents []Key, dst []
 			_ = c.EndLoad(slots)
 			return dst[:start], err
 		}
-		var unusable []Slot
-		si := 0
-		rv := c.resolverAt(epoch)
-		dst = slices.Grow(dst, len(r.Outcomes))
-		for _, o := range r.Outcomes {
-			dst = append(dst, LoadResult{OnDisk: o == wire.OutcomeOnDisk})
-			if o == wire.OutcomeFound {
-				res := &dst[len(dst)-1]
-				res.Found = rv.put(&res.Slot, &r.Slots[si])
-				if !res.Found {
-					unusable = append(unusable, res.Slot)
-					res.Slot = Slot{}
-				}
-				si++
-			}
-		}
-		c.done(r)
-		if len(unusable) > 0 {
-			_ = c.EndLoad(unusable)
-		}
+		dst = c.loadResults(dst, r, epoch)
 		off += n
 	}
 	return dst, nil
+}
+
+// loadResults appends a BeginLoad or Promote reply's results to dst
+// (ending the loads of regions not usable here) and gives r back.
+func (c *Client) loadResults(dst []LoadResult, r *wire.Msg, epoch uint32) []LoadResult {
+	var unusable []Slot
+	si := 0
+	rv := c.resolverAt(epoch)
+	dst = slices.Grow(dst, len(r.Outcomes))
+	for _, o := range r.Outcomes {
+		dst = append(dst, LoadResult{OnDisk: o == wire.OutcomeOnDisk})
+		if o == wire.OutcomeFound {
+			res := &dst[len(dst)-1]
+			res.Found = rv.put(&res.Slot, &r.Slots[si])
+			if !res.Found {
+				unusable = append(unusable, res.Slot)
+				res.Slot = Slot{}
+			}
+			si++
+		}
+	}
+	c.done(r)
+	if len(unusable) > 0 {
+		_ = c.EndLoad(unusable)
+	}
+	return dst
 }
 
 // Delete removes keys from the index (any namespace); it returns how many

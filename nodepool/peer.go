@@ -373,7 +373,12 @@ func (p *peer) serve() (registered bool) {
 	}
 }
 
-func (p *peer) reply(m *wire.Msg) error { return p.conn.Send(m, -1) }
+func (p *peer) reply(m *wire.Msg) error {
+	if h := p.s.beforeReply.Load(); h != nil {
+		(*h)(m)
+	}
+	return p.conn.Send(m, -1)
+}
 
 func errMsg(req uint32, code uint16, format string, args ...any) *wire.Msg {
 	return &wire.Msg{Type: wire.TError, ReqID: req, Code: code, Text: fmt.Sprintf(format, args...)}
@@ -759,7 +764,11 @@ type promoteReq struct {
 }
 
 // promoteQueue bounds the Promote requests of one client waiting for its
-// promoter; beyond it the serving goroutine waits.
+// promoter (their keys are held meanwhile); beyond it the serving
+// goroutine waits until the promoter takes one, and the client's requests
+// behind it wait with it (a chunk's reads at most). The embedded engine
+// asks one chunk ahead per Load, so only more than two Loads promoting at
+// once through one client reach it.
 const promoteQueue = 4
 
 // queuePromote hands a Promote request to the client's promoter, started
@@ -813,7 +822,7 @@ func (p *peer) promoter() {
 			p.mu.Unlock()
 		}
 		clear(res) // no slot handles kept
-		if p.conn.Send(out, -1) != nil {
+		if p.reply(out) != nil {
 			p.disconnect()
 		}
 	}

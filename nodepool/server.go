@@ -114,7 +114,10 @@ type Server struct {
 	beforeDiskPut func(kvcache.Key)
 	// beforeDiskGet, likewise, runs before each read of a promotion.
 	beforeDiskGet func(kvcache.Key)
-	counter       struct {
+	// beforeReply, when set (tests), sees each reply to a client's request
+	// before it is sent, and may change it.
+	beforeReply atomic.Pointer[func(*wire.Msg)]
+	counter     struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
 		eventsDropped, peersDropped, internal                       atomic.Uint64
 	}

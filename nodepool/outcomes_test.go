@@ -1,0 +1,73 @@
+package nodepool
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/kvoffload/kvoffload/nodepool/wire"
+)
+
+// TestClientRefusesShortReplies: a BeginStore or BeginLoad reply with an
+// outcome fewer than the keys asked (a node that does not keep the
+// protocol) is ErrInvalid, not results shifted onto the wrong keys, and
+// the client gives back what the reply reserved or leased: nothing stays
+// held on the node. The same reply in full is taken.
+func TestClientRefusesShortReplies(t *testing.T) {
+	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot})
+	// short drops the last outcome of typ's replies: one that holds no
+	// slot (present, missing), so that everything the node holds for the
+	// request is in the reply the client sees.
+	short := func(typ wire.Type) {
+		h := func(m *wire.Msg) {
+			if m.Type != typ || len(m.Outcomes) == 0 {
+				return
+			}
+			if last := m.Outcomes[len(m.Outcomes)-1]; last == wire.OutcomeWrite || last == wire.OutcomeFound {
+				t.Errorf("the last outcome holds a slot (%d): the test drops only one that does not", last)
+				return
+			}
+			m.Outcomes = m.Outcomes[:len(m.Outcomes)-1]
+		}
+		s.beforeReply.Store(&h)
+	}
+	held := func(what string) {
+		t.Helper()
+		st := s.Stats()
+		if st.Cache.Leased != 0 || st.Cache.Writing != 0 || st.Cache.StoresInFlight != 0 {
+			t.Fatalf("%s: holds left on the node: %+v", what, st.Cache)
+		}
+	}
+	a := dial(t, s.Addr(), ClientConfig{})
+	defer a.Close()
+	if !a.WaitRegions(10 * time.Second) {
+		t.Fatal("regions not mapped")
+	}
+	keys := testKeys(5, 3)
+	// keys[2] stored: a BeginStore of keys answers write, write, present.
+	storeOneBlock(t, a, keys[2], keys[1])
+
+	short(wire.TBeginStoreOK)
+	res, err := a.BeginStore(StoreRequest{Keys: keys}, nil)
+	if !errors.Is(err, ErrInvalid) || len(res) != 0 {
+		t.Fatalf("short BeginStore reply: %v, %d results", err, len(res))
+	}
+	held("after the short BeginStore reply")
+
+	// keys[0] and keys[1] stored, a key never stored after them: a
+	// BeginLoad answers found, found, missing.
+	s.beforeReply.Store(nil)
+	storeOneBlock(t, a, keys[0], Key{})
+	storeOneBlock(t, a, keys[1], keys[0])
+	want := append(keys[:2:2], testKeys(77, 1)...)
+	short(wire.TBeginLoadOK)
+	lres, err := a.BeginLoad(want, nil)
+	if !errors.Is(err, ErrInvalid) || len(lres) != 0 {
+		t.Fatalf("short BeginLoad reply: %v, %d results", err, len(lres))
+	}
+	held("after the short BeginLoad reply")
+
+	s.beforeReply.Store(nil)
+	loadChecked(t, a, keys)
+	held("after a load in full")
+}
