@@ -368,6 +368,7 @@ func ioVariants(b *testing.B, f func(*testing.B)) {
 		{"defaults", func() { ioBuffers.read, ioBuffers.write, ioBuffers.stringConn, ioBuffers.stream = 0, 0, false, false }},
 		{"flush20us", func() { ioBuffers = saved; ioBuffers.flushDelay = 20 * time.Microsecond }},
 		{"16K", func() { ioBuffers = saved; ioBuffers.read, ioBuffers.write = 16<<10, 16<<10 }},
+		{"write64K", func() { ioBuffers = saved; ioBuffers.write = 64 << 10 }},
 	} {
 		v.set()
 		b.Run(v.name, f)
