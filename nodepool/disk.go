@@ -149,7 +149,6 @@ type nodeDisk struct {
 	mem        map[uint32][]byte    // the node's mapping of each region at open (the pool is fixed at start)
 	seen       *kvcache.SeenCounter // nil: every eviction is admitted
 	admitAfter int                  // DiskConfig.AdmitAfter
-	through    bool                 // DiskConfig.WriteThrough
 	reap       func()               // Server.reap: a demoting slot freed may end a region's drain
 	beforePut  func(kvcache.Key)    // test hook, run by every writer before each Put
 	queue      chan kvcache.Key     // write-through (nil without WriteThrough)
@@ -186,7 +185,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 	if err != nil {
 		return nil, fmt.Errorf("nodepool: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
-	d := &nodeDisk{store: st, slot: slot, mem: map[uint32][]byte{}, admitAfter: dc.AdmitAfter, through: dc.WriteThrough,
+	d := &nodeDisk{store: st, slot: slot, mem: map[uint32][]byte{}, admitAfter: dc.AdmitAfter,
 		reap: func() { s.reap() }, beforePut: s.beforeDiskPut}
 	d.wb = writeback.New(writeback.Config{Store: st, SlotBytes: int(slot), MaxBusy: int(max(dc.WriteBackBytes/int64(slot), 1)),
 		Writers: diskWriters, Bytes: d.slotBytes,

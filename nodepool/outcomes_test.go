@@ -71,3 +71,60 @@ func TestClientRefusesShortReplies(t *testing.T) {
 	loadChecked(t, a, keys)
 	held("after a load in full")
 }
+
+// TestLoadReplyInternalErrorHoldsNothing: should the index ever hand a
+// client a slot it holds in another generation (an internal error, never
+// reachable through the API: the test plants the clash in the client's
+// holdings), the BeginLoad fails and holds nothing: the loads recorded
+// before the clash are undone and every load the cache began is ended.
+func TestLoadReplyInternalErrorHoldsNothing(t *testing.T) {
+	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot})
+	a := dial(t, s.Addr(), ClientConfig{})
+	defer a.Close()
+	if !a.WaitRegions(10 * time.Second) {
+		t.Fatal("regions not mapped")
+	}
+	keys := testKeys(9, 3)
+	for i, k := range keys {
+		parent := Key{}
+		if i > 0 {
+			parent = keys[i-1]
+		}
+		storeOneBlock(t, a, k, parent)
+	}
+	res, err := a.BeginLoad(keys[1:2], nil)
+	if err != nil || !res[0].Found {
+		t.Fatalf("load of key 1: %v %+v", err, res)
+	}
+	clash := res[0].Slot
+	if err := a.EndLoad([]Slot{clash}); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	var p *peer
+	for _, q := range s.peers {
+		p = q
+	}
+	s.mu.Unlock()
+	p.mu.Lock()
+	e, _ := p.held.take(clash.ID, clash.Gen+1)
+	e.leases++ // another generation of key 1's slot, held
+	p.mu.Unlock()
+
+	if _, err := a.BeginLoad(keys, nil); err == nil {
+		t.Fatal("BeginLoad with a planted generation clash succeeded")
+	}
+	p.mu.Lock()
+	loads := p.held.loads
+	e, _ = p.held.take(clash.ID, clash.Gen+1) // (the table may have grown)
+	e.leases--                                // the planted holding gone again
+	p.mu.Unlock()
+	if loads != 0 {
+		t.Fatalf("%d loads recorded for the client after the failed reply", loads)
+	}
+	st := s.Stats()
+	if st.Cache.Leased != 0 {
+		t.Fatalf("loads left in the cache after the failed reply: %+v", st.Cache)
+	}
+	loadChecked(t, a, keys)
+}

@@ -734,6 +734,12 @@ func (p *peer) loadReply(o *wire.Msg, res []kvcache.LoadResult, onDisk func(j in
 		}
 		e, ok := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
 		if !ok {
+			// The index never reoccupies a slot this client holds: if it
+			// ever did, the client gets an error and this request holds
+			// nothing (the loads recorded so far undone, every load it
+			// began ended).
+			p.s.counter.internal.Add(1)
+			p.endLoads(res, j)
 			return errMsg(o.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
 		}
 		e.loads++
@@ -742,6 +748,27 @@ func (p *peer) loadReply(o *wire.Msg, res []kvcache.LoadResult, onDisk func(j in
 		o.Slots = append(o.Slots, toWire(r.Slot))
 	}
 	return o
+}
+
+// endLoads (mu held) gives back the loads of a load reply that failed at
+// result j: those of res[:j] recorded in held are taken out again, and
+// every found result's load is ended in the cache.
+func (p *peer) endLoads(res []kvcache.LoadResult, j int) {
+	var slots []kvcache.Slot
+	for i, r := range res {
+		if !r.Found {
+			continue
+		}
+		if i < j {
+			e, _ := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
+			e.loads--
+			p.held.loads--
+		}
+		slots = append(slots, r.Slot)
+	}
+	if err := p.s.cache.EndLoad(slots); err != nil {
+		p.s.cfg.Logf("client %d: ending the loads of a failed reply: %v", p.id, err)
+	}
 }
 
 // chainParent is the parents of keys that form one chain (key j's parent
