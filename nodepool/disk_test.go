@@ -58,11 +58,7 @@ func TestNodeDisk(t *testing.T) {
 	diskCfg := &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20, WriteThrough: true}
 	// A pool of 8 slots for 24 blocks: the first ones are evicted.
 	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
-	a := dial(t, s.Addr(), ClientConfig{})
-	defer a.Close()
-	if !a.WaitRegions(10 * time.Second) {
-		t.Fatal("regions not mapped")
-	}
+	a := dialMapped(t, s)
 	keys := testKeys(7, 24)
 	for i, k := range keys {
 		// Each its own chain: a chain's blocks are no victims for its

@@ -62,6 +62,18 @@ func dial(t testing.TB, socket string, cfg ClientConfig) *Client {
 	return c
 }
 
+// dialMapped dials s with the test layout, closes the client when t
+// ends, and waits until the client has mapped the pool's regions.
+func dialMapped(t testing.TB, s *Server) *Client {
+	t.Helper()
+	c := dial(t, s.Addr(), ClientConfig{})
+	t.Cleanup(func() { c.Close() })
+	if !c.WaitRegions(10 * time.Second) {
+		t.Fatal("regions not mapped")
+	}
+	return c
+}
+
 // testKeys returns n distinct keys of a seed.
 func testKeys(seed, n int) []Key {
 	keys := make([]Key, n)

@@ -3,7 +3,6 @@ package nodepool
 import (
 	"errors"
 	"testing"
-	"time"
 
 	"github.com/kvoffload/kvoffload/nodepool/wire"
 )
@@ -38,11 +37,7 @@ func TestClientRefusesShortReplies(t *testing.T) {
 			t.Fatalf("%s: holds left on the node: %+v", what, st.Cache)
 		}
 	}
-	a := dial(t, s.Addr(), ClientConfig{})
-	defer a.Close()
-	if !a.WaitRegions(10 * time.Second) {
-		t.Fatal("regions not mapped")
-	}
+	a := dialMapped(t, s)
 	keys := testKeys(5, 3)
 	// keys[2] stored: a BeginStore of keys answers write, write, present.
 	storeOneBlock(t, a, keys[2], keys[1])
@@ -79,18 +74,10 @@ func TestClientRefusesShortReplies(t *testing.T) {
 // before the clash are undone and every load the cache began is ended.
 func TestLoadReplyInternalErrorHoldsNothing(t *testing.T) {
 	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot})
-	a := dial(t, s.Addr(), ClientConfig{})
-	defer a.Close()
-	if !a.WaitRegions(10 * time.Second) {
-		t.Fatal("regions not mapped")
-	}
+	a := dialMapped(t, s)
 	keys := testKeys(9, 3)
-	for i, k := range keys {
-		parent := Key{}
-		if i > 0 {
-			parent = keys[i-1]
-		}
-		storeOneBlock(t, a, k, parent)
+	for _, k := range keys {
+		storeOneBlock(t, a, k, Key{})
 	}
 	res, err := a.BeginLoad(keys[1:2], nil)
 	if err != nil || !res[0].Found {

@@ -30,11 +30,7 @@ func TestNodeDiskPromoteChunks(t *testing.T) {
 		}
 	}
 	s.mu.Unlock()
-	a := dial(t, s.Addr(), ClientConfig{})
-	defer a.Close()
-	if !a.WaitRegions(10 * time.Second) {
-		t.Fatal("regions not mapped")
-	}
+	a := dialMapped(t, s)
 	for i, k := range keys {
 		storeOneBlock(t, a, k, Key{})
 		waitStats(t, s, "write-through", func(st Stats) bool { return st.DiskWrites == int64(i+1) })
