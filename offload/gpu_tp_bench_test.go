@@ -54,7 +54,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 
 // hsVariant parses a variant of BenchmarkGPUHeadSliced (KVO_HS_VARIANTS:
 // space-separated, each a method, auto, kernel, batch or memcpy, then :key=value pairs
-// of ctas, threads, part (segments a part), builders, chunk (bytes), inline
+// of ctas, sctas (cudacopy.Options.StagedCTAs), threads, part (segments a part), builders, chunk (bytes), inline
 // (inline=1: descriptor tables uploaded on the copy stream, see
 // cudacopy.Options.UploadOnCopyStream)).
 func hsVariant(v string) (engineHooks, error) {
@@ -80,6 +80,8 @@ func hsVariant(v string) (engineHooks, error) {
 		switch k {
 		case "ctas":
 			h.copyOptions.CTAs = n
+		case "sctas":
+			h.copyOptions.StagedCTAs = n
 		case "threads":
 			h.copyOptions.Threads = n
 		case "part":

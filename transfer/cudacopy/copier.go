@@ -51,6 +51,15 @@ type Options struct {
 	// Threads, when set, is the threads per CTA in both directions (a
 	// multiple of 32, at most 1024; default per direction).
 	Threads int
+	// StagedCTAs, when set, is the grid of the device-side kernel of staged
+	// copies (SubmitGather, SubmitScatter: between the device staging
+	// chunks and the KV cache, device memory on both sides), which CTAs
+	// does not set. That kernel runs at the device memory's rate as wide
+	// as it is, so its SM-time does not grow with the grid while the
+	// wait for the last chunk's scatter (a load) or the first chunk's
+	// gather (a store) shrinks with it. Default DefaultStagedCTAs (at most
+	// the device's SM count).
+	StagedCTAs int
 	// GreedyD2H takes the unthrottled D2H launch (GreedyD2HLaunch: a few
 	// percent more of the link, at the cost of slowing the model's kernels
 	// by up to several times while stores run) as the D2H default.
@@ -216,6 +225,22 @@ func DefaultLaunch(dir Direction, greedy bool) Launch {
 		return greedyD2H
 	}
 	return defaultD2H
+}
+
+// DefaultStagedCTAs is the default grid of the staged copies' device-side
+// kernel (Options.StagedCTAs).
+const DefaultStagedCTAs = 4
+
+// stagedLaunch is the launch of the staged copies' device-side kernel: the
+// H2D launch's kernel and threads (an unthrottled kernel: device memory
+// on both sides) on StagedCTAs CTAs, at most the device's sms.
+func (o *Options) stagedLaunch(sms int) Launch {
+	l := o.launch(H2D)
+	l.CTAs = min(DefaultStagedCTAs, max(sms, 1))
+	if o.StagedCTAs != 0 {
+		l.CTAs = o.StagedCTAs
+	}
+	return l
 }
 
 // GreedyD2HLaunch is kvo_copy unthrottled on 8 CTAs × 1024 threads: a
@@ -417,6 +442,9 @@ func (o *Options) validate(sms int) error {
 			return err
 		}
 	}
+	if o.StagedCTAs < 0 || o.StagedCTAs > sms {
+		return fmt.Errorf("%w: StagedCTAs %d not in [0, %d] (the device's SM count; 0: the default %d)", ErrInvalidOption, o.StagedCTAs, sms, DefaultStagedCTAs)
+	}
 	if m := MinDeviceBytes(*o); o.MaxDeviceBytes < m {
 		return fmt.Errorf("%w: MaxDeviceBytes %d is below the minimum %d (one descriptor table of %d bytes and one staging chunk of %d bytes)",
 			ErrInvalidOption, o.MaxDeviceBytes, m, int64(o.DescCapacity)*descSize, m-int64(o.DescCapacity)*descSize)
@@ -465,6 +493,9 @@ type Capabilities struct {
 	// fills and checksums launch like H2D).
 	D2H Launch `json:"d2h"`
 	H2D Launch `json:"h2d"`
+	// Staged is the launch of the device-side kernel of staged copies
+	// (see Options.StagedCTAs).
+	Staged Launch `json:"staged"`
 }
 
 // Ticket identifies the descriptor buffers of one Submit (or Fill or
@@ -533,9 +564,10 @@ type Copier struct {
 	// up is the stream kernel launches' descriptor tables are uploaded on
 	// (zero with Options.UploadOnCopyStream or without the kernel).
 	up cuda.Stream
-	// d2h and h2d are the resolved copy launches (D2D takes h2d); fill and
+	// d2h and h2d are the resolved copy launches (D2D takes h2d); stg is
+	// the staged copies' device-side kernel (Capabilities.Staged); fill and
 	// csum launch kvo_fill and kvo_checksum on h2d's grid.
-	d2h, h2d, fill, csum launchFn
+	d2h, h2d, stg, fill, csum launchFn
 
 	chooser atomic.Pointer[chooser]
 	hosts   atomic.Pointer[hostTable] // copy-on-write; nil entries never
@@ -598,10 +630,11 @@ func New(drv cuda.Driver, dev cuda.Device, opts Options) (*Copier, error) {
 			SMs:                 sms,
 			D2H:                 o.launch(D2H),
 			H2D:                 o.launch(H2D),
+			Staged:              o.stagedLaunch(sms),
 		},
 	}
 	c.cond = sync.NewCond(&c.mu)
-	c.d2h.Launch, c.h2d.Launch = c.caps.D2H, c.caps.H2D
+	c.d2h.Launch, c.h2d.Launch, c.stg.Launch = c.caps.D2H, c.caps.H2D, c.caps.Staged
 	c.fill.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_fill"}
 	c.csum.Launch = Launch{CTAs: c.h2d.CTAs, Threads: c.h2d.Threads, Kernel: "kvo_checksum"}
 	c.hosts.Store(&hostTable{})
@@ -649,7 +682,7 @@ func (c *Copier) loadModule() error {
 	if err != nil {
 		return fmt.Errorf("%w: loading the PTX module: %w", ErrUnavailable, err)
 	}
-	for _, l := range []*launchFn{&c.d2h, &c.h2d, &c.fill, &c.csum} {
+	for _, l := range []*launchFn{&c.d2h, &c.h2d, &c.stg, &c.fill, &c.csum} {
 		if l.fn, err = c.drv.ModuleGetFunction(mod, l.Kernel); err != nil {
 			return errors.Join(fmt.Errorf("%w: kernel %s: %w", ErrUnavailable, l.Kernel, err), c.drv.ModuleUnload(mod))
 		}

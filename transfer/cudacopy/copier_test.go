@@ -390,6 +390,8 @@ func TestNewErrors(t *testing.T) {
 		{"batch forced without the API", Options{Method: MethodBatch, PTX: fakePTX}, ErrUnavailable},
 		{"too many CTAs", Options{CTAs: 133, PTX: fakePTX}, ErrInvalidOption},
 		{"threads not a warp multiple", Options{Threads: 100, PTX: fakePTX}, ErrInvalidOption},
+		{"negative staged CTAs", Options{StagedCTAs: -1, PTX: fakePTX}, ErrInvalidOption},
+		{"too many staged CTAs", Options{StagedCTAs: 133, PTX: fakePTX}, ErrInvalidOption},
 		{"chunk too small", Options{ChunkBytes: 256, PTX: fakePTX}, ErrInvalidOption},
 		{"chunk misaligned", Options{ChunkBytes: 4100, PTX: fakePTX}, ErrInvalidOption},
 		{"bad method", Options{Method: 9}, ErrInvalidOption},
@@ -426,6 +428,20 @@ func TestNewErrors(t *testing.T) {
 	require.Equal(t, MethodMemcpy, c.Choose(H2D, segsOf(8, 4096, 0)))
 	_, err = c.Fill(0, []FillSegment{{Dst: 8, Len: 8}}, 0)
 	require.ErrorIs(t, err, ErrUnavailable)
+}
+
+// TestStagedLaunch: the staged copies' device-side kernel has a grid of
+// its own, StagedCTAs (default DefaultStagedCTAs), which CTAs does not set.
+func TestStagedLaunch(t *testing.T) {
+	drv := cudatest.OpenFake(t, cudafake.Options{})
+	def := newCopier(t, drv, Options{PTX: fakePTX}).Capabilities()
+	require.Equal(t, DefaultStagedCTAs, def.Staged.CTAs)
+	require.Equal(t, def.H2D.Threads, def.Staged.Threads)
+	require.Equal(t, def.H2D.Kernel, def.Staged.Kernel)
+	wide := newCopier(t, drv, Options{StagedCTAs: 32, CTAs: 2, PTX: fakePTX}).Capabilities()
+	require.Equal(t, 32, wide.Staged.CTAs)
+	require.Equal(t, 2, wide.H2D.CTAs)
+	require.Equal(t, DefaultStagedCTAs, newCopier(t, drv, Options{CTAs: 2, PTX: fakePTX}).Capabilities().Staged.CTAs)
 }
 
 func TestSubmitValidationEnqueuesNothing(t *testing.T) {

@@ -441,7 +441,7 @@ func (c *Copier) uploadDescs(g cuda.Stream, cur *descCursor) error {
 // launchRanges launches the copy kernel on g over uploaded descriptors
 // (or, fromHost, the pinned tables themselves).
 func (c *Copier) launchRanges(g cuda.Stream, cur *descCursor, rs []launchRange) error {
-	l := &c.h2d
+	l := &c.stg
 	warps := l.Threads / 32
 	for _, r := range rs {
 		dev := cur.bufs[r.buf].dev + cuda.DevicePtr(uint64(r.off)*descSize)
