@@ -60,10 +60,22 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 	}
 	var lines []string
 	for _, v := range strings.Fields(variants) {
-		// early=1 (this benchmark's own key): Config.EarlyEvents.
-		hv, early := v, false
-		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
-			hv, early = base, true
+		// This benchmark's own keys, last: early=1 (Config.EarlyEvents),
+		// after=1 (each Load's After an event recorded on the caller's
+		// stream just before the call, as the Python package's
+		// load(after=stream) does), legacy=1 (the caller's stream is the
+		// legacy default stream, as torch's current stream is by default).
+		hv, early, pr := v, false, prOptions{}
+		for {
+			if base, ok := strings.CutSuffix(hv, ":early=1"); ok {
+				hv, early = base, true
+			} else if base, ok := strings.CutSuffix(hv, ":after=1"); ok {
+				hv, pr.after = base, true
+			} else if base, ok := strings.CutSuffix(hv, ":legacy=1"); ok {
+				hv, pr.legacy = base, true
+			} else {
+				break
+			}
 		}
 		h, err := hsVariant(hv)
 		require.NoError(b, err)
@@ -76,7 +88,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					h.trace = tr.point
 				}
 				defer tr.close(b)
-				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, early), n, tr))
+				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, early), n, tr, pr))
 			})
 		}
 	}
@@ -88,11 +100,25 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 	}
 }
 
+// prOptions are BenchmarkGPUPagedReload's own variant keys (after=1,
+// legacy=1).
+type prOptions struct{ after, legacy bool }
+
+// loadOptions are a whole load's options: with after, ev recorded on s
+// just before the call as its After.
+func (pr prOptions) loadOptions(b *testing.B, drv cuda.Driver, ev cuda.Event, s cuda.Stream) LoadOptions {
+	if !pr.after {
+		return LoadOptions{}
+	}
+	require.NoError(b, drv.EventRecord(ev, s))
+	return LoadOptions{After: uintptr(ev)}
+}
+
 // pagedReload runs one row of BenchmarkGPUPagedReload and returns it as a
 // table row.
 // newEng makes the engine of a config (the CUDA backend's, with the
 // variant's hooks).
-func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config) (*Engine, error), n int, tr *prTracer) string {
+func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config) (*Engine, error), n int, tr *prTracer, pr prOptions) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	gpuBlocks := max(prGPUBlocks, 2*n)
@@ -113,7 +139,10 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 	s, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
 	require.NoError(b, err)
 	defer func() { require.NoError(b, drv.StreamDestroy(s)) }()
-	evs := make([]cuda.Event, 3)
+	if pr.legacy {
+		s = cuda.Stream(1) // CU_STREAM_LEGACY
+	}
+	evs := make([]cuda.Event, 4)
 	for i := range evs {
 		evs[i], err = drv.EventCreate(cuda.EventDefault)
 		require.NoError(b, err)
@@ -163,7 +192,7 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		storeCall, storeGPU = append(storeCall, c), append(storeGPU, g)
 		tr.report(b, fmt.Sprintf("%s/%d store %d: call %v, GPU side %v", name, n, it, c, g))
 		tr.arm(b, evs[0], false)
-		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, LoadOptions{}) }, OutcomeLoaded)
+		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, pr.loadOptions(b, drv, evs[3], s)) }, OutcomeLoaded)
 		loadCall, loadGPU = append(loadCall, c), append(loadGPU, g)
 		tr.report(b, fmt.Sprintf("%s/%d load %d: call %v, GPU side %v", name, n, it, c, g))
 

@@ -1,0 +1,163 @@
+"""Probe (issue 21): where the Python path's reload of 2k tokens loses its
+0.2-0.3 ms against Go's paged benchmark. Go's BenchmarkGPUPagedReload
+reloads 128 blocks of the real-model geometry at 0.94-0.95 of the link;
+bench/realmodel.py, through the Python package, at 0.90. One engine in the
+default mode (as realmodel.py's), 128 blocks stored once, then the variants
+below interleaved rep by rep, each timed on the GPU as realmodel.py times a
+reload (an event on the compute stream just before the call, another after
+the stream waited on the op):
+
+  list+after   load(keys list, ids list, after=compute): realmodel.py's call
+  list         the same without after
+  packed+after keys as one bytes object, ids as array('q')
+  raw          kvo_load through ctypes, arguments packed beforehand, no after
+  warm+after   list+after right after a lookup of one key (the library's
+               threads just ran), no synchronize between
+  slept+after  list+after after a 2 ms sleep of the calling thread
+
+and the contiguous pinned H2D copy of the same bytes (best of the reps)
+before and after. Prints one table: median, min and floor/median per
+variant.
+
+Usage: KVOFFLOAD_LIB=... PYTHONPATH=python python3 bench/probe_reload_head.py [--blocks 128] [--reps 15]
+"""
+
+import argparse
+import ctypes
+import random
+import statistics
+import time
+
+LAYERS, KV_HEADS, HEAD_DIM, TPB = 32, 8, 128, 16
+BLOCK = 2 * LAYERS * TPB * KV_HEADS * HEAD_DIM * 2
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--early-events", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import kvoffload
+    from kvoffload import _lib
+    from kvoffload import engine as E
+    from kvoffload import keys as K
+
+    n = args.blocks
+    num_blocks = 2 * n + 64
+    kv = [(torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
+           torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"))
+          for _ in range(LAYERS)]
+    pool = (n + 16) * BLOCK
+    eng = kvoffload.Engine.from_tensors(kv, pool_bytes=pool, first_region_bytes=pool, namespace="probe",
+                                        policy="lru", early_events=args.early_events)
+    eng.wait_grown()
+    lib = _lib.get()
+    compute = torch.cuda.current_stream()
+    rng = random.Random(3)
+    ids = rng.sample(range(num_blocks), 2 * n)
+    src, dst = ids[:n], ids[n:]
+    keys = kvoffload.chain_keys(range(rng.randrange(1 << 30), 0, -1)[:n * TPB], TPB, namespace="probe")
+    op = eng.store(keys, src, after=compute)
+    if op.wait() != ["stored"] * n:
+        raise RuntimeError("store failed")
+    op.release()
+    raw_keys, _ = K.pack_keys(keys)
+    raw_ids = E._block_ids(dst, n)
+
+    nbytes = n * BLOCK
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def floor():
+        best = None
+        for _ in range(5):
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(compute)
+            dev.copy_(host, non_blocking=True)
+            e.record(compute)
+            e.synchronize()
+            ms = s.elapsed_time(e)
+            best = ms if best is None else min(best, ms)
+        return best
+
+    def timed(call, sync=True):
+        if sync:
+            torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(compute)
+        o = call()
+        o.wait_stream(compute)
+        e.record(compute)
+        e.synchronize()
+        ms = s.elapsed_time(e)
+        if o.wait() != ["loaded"] * n:
+            raise RuntimeError("load failed")
+        o.release()
+        return ms
+
+    class RawOp:
+        def __init__(self, h):
+            self.h = h
+
+        def wait_stream(self, stream):
+            _lib.check(lib.kvo_op_stream_wait(self.h, stream.cuda_stream), "kvo_op_stream_wait")
+
+        def wait(self):
+            _lib.check(lib.kvo_op_wait(self.h, -1), "kvo_op_wait")
+            return ["loaded"] * n
+
+        def release(self):
+            lib.kvo_op_release(self.h)
+
+    def raw():
+        o = ctypes.c_uint64(0)
+        _lib.check(lib.kvo_load(eng._h(), E._addr(raw_keys), E._addr(raw_ids), n, 0, 0, 0, 0, ctypes.byref(o)),
+                   "kvo_load")
+        return RawOp(o.value)
+
+    def warm():
+        torch.cuda.synchronize()
+        eng.lookup(keys[:1])
+        return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
+
+    def slept():
+        torch.cuda.synchronize()
+        time.sleep(0.002)
+        return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
+
+    variants = [
+        ("list+after", lambda: timed(lambda: eng.load(keys, dst, after=compute))),
+        ("list", lambda: timed(lambda: eng.load(keys, dst))),
+        ("packed+after", lambda: timed(lambda: eng.load(raw_keys, raw_ids, after=compute))),
+        ("raw", lambda: timed(raw)),
+        ("warm+after", warm),
+        ("slept+after", slept),
+    ]
+    f0 = floor()
+    res = {name: [] for name, _ in variants}
+    for rep in range(args.reps + 1):
+        for name, fn in variants:
+            ms = fn()
+            if rep:
+                res[name].append(ms)
+    fl = min(f0, floor())
+    mode = "early events" if args.early_events else "default mode"
+    print(f"\n{n} blocks ({nbytes / 1e9:.3f} GB), {mode}, contiguous H2D floor {fl:.3f} ms "
+          f"(best of 5 before and 5 after); median of {args.reps} reps, variants interleaved")
+    print("| variant | median ms | min ms | floor / median |")
+    print("|---|---:|---:|---:|")
+    for name, _ in variants:
+        xs = res[name]
+        med = statistics.median(xs)
+        print(f"| {name} | {med:.3f} | {min(xs):.3f} | {fl / med:.3f} |")
+    eng.delete(keys)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
