@@ -37,6 +37,10 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--early-events", action="store_true")
+    ap.add_argument("--pool-blocks", type=int, default=0,
+                    help="the host pool in blocks (default: the blocks + 16; realmodel.py's is 4112)")
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="the GPU KV cache in blocks (default: 2 x the blocks + 64; realmodel.py's is 4160)")
     args = ap.parse_args(argv)
 
     import torch
@@ -47,11 +51,11 @@ def main(argv=None):
     from kvoffload import keys as K
 
     n = args.blocks
-    num_blocks = 2 * n + 64
+    num_blocks = args.kv_blocks or 2 * n + 64
     kv = [(torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
            torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"))
           for _ in range(LAYERS)]
-    pool = (n + 16) * BLOCK
+    pool = (args.pool_blocks or n + 16) * BLOCK
     eng = kvoffload.Engine.from_tensors(kv, pool_bytes=pool, first_region_bytes=pool, namespace="probe",
                                         policy="lru", early_events=args.early_events)
     eng.wait_grown()
@@ -147,7 +151,8 @@ def main(argv=None):
                 res[name].append(ms)
     fl = min(f0, floor())
     mode = "early events" if args.early_events else "default mode"
-    print(f"\n{n} blocks ({nbytes / 1e9:.3f} GB), {mode}, contiguous H2D floor {fl:.3f} ms "
+    print(f"\n{n} blocks ({nbytes / 1e9:.3f} GB), {mode}, pool {pool // BLOCK} blocks, KV {num_blocks} blocks, "
+          f"contiguous H2D floor {fl:.3f} ms "
           f"(best of 5 before and 5 after); median of {args.reps} reps, variants interleaved")
     print("| variant | median ms | min ms | floor / median |")
     print("|---|---:|---:|---:|")
@@ -155,6 +160,12 @@ def main(argv=None):
         xs = res[name]
         med = statistics.median(xs)
         print(f"| {name} | {med:.3f} | {min(xs):.3f} | {fl / med:.3f} |")
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            huge = [ln.split(None, 1)[1].strip() for ln in f if ln.startswith("AnonHugePages:")]
+        print(f"process AnonHugePages: {huge[0] if huge else '?'}")
+    except OSError:
+        pass
     eng.delete(keys)
     eng.close()
 

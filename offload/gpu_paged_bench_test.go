@@ -136,9 +136,10 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 	require.NoError(b, err)
 	defer func() { require.NoError(b, drv.MemFreeHost(hostP)) }()
 	devP := g.alloc(bytes)
-	s, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
+	own, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
 	require.NoError(b, err)
-	defer func() { require.NoError(b, drv.StreamDestroy(s)) }()
+	defer func() { require.NoError(b, drv.StreamDestroy(own)) }()
+	s := own
 	if pr.legacy {
 		s = cuda.Stream(1) // CU_STREAM_LEGACY
 	}
