@@ -14,6 +14,8 @@ the stream waited on the op):
   warm+after   list+after right after a lookup of one key (the library's
                threads just ran), no synchronize between
   slept+after  list+after after a 2 ms sleep of the calling thread
+  prefilled+after (--model) list+after right after a 2048-token prefill of
+               realmodel.py's model
 
 and the contiguous pinned H2D copy of the same bytes (best of the reps)
 before and after. Prints one table: median, min and floor/median per
@@ -41,6 +43,9 @@ def main(argv=None):
                     help="the host pool in blocks (default: the blocks + 16; realmodel.py's is 4112)")
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="the GPU KV cache in blocks (default: 2 x the blocks + 64; realmodel.py's is 4160)")
+    ap.add_argument("--model", action="store_true",
+                    help="build realmodel.py's model (random 8B-class Llama) first, and add a variant timed right "
+                         "after a 2048-token prefill (prefilled+after)")
     args = ap.parse_args(argv)
 
     import torch
@@ -51,6 +56,16 @@ def main(argv=None):
     from kvoffload import keys as K
 
     n = args.blocks
+    model = None
+    if args.model:
+        import os
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import realmodel as R
+        model = R.build_model(2048, 1)
+        prompt = torch.randint(0, R.VOCAB, (1, 2048), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        R.prefill(model, prompt)
+        torch.cuda.synchronize()
     num_blocks = args.kv_blocks or 2 * n + 64
     kv = [(torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
            torch.zeros(num_blocks, TPB, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"))
@@ -134,6 +149,11 @@ def main(argv=None):
         time.sleep(0.002)
         return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
 
+    def prefilled():
+        R.prefill(model, prompt)
+        torch.cuda.synchronize()
+        return timed(lambda: eng.load(keys, dst, after=compute))
+
     variants = [
         ("list+after", lambda: timed(lambda: eng.load(keys, dst, after=compute))),
         ("list", lambda: timed(lambda: eng.load(keys, dst))),
@@ -142,6 +162,8 @@ def main(argv=None):
         ("warm+after", warm),
         ("slept+after", slept),
     ]
+    if model is not None:
+        variants.append(("prefilled+after", prefilled))
     f0 = floor()
     res = {name: [] for name, _ in variants}
     for rep in range(args.reps + 1):
@@ -150,7 +172,7 @@ def main(argv=None):
             if rep:
                 res[name].append(ms)
     fl = min(f0, floor())
-    mode = "early events" if args.early_events else "default mode"
+    mode = ("early events" if args.early_events else "default mode") + (", the model built" if model is not None else "")
     print(f"\n{n} blocks ({nbytes / 1e9:.3f} GB), {mode}, pool {pool // BLOCK} blocks, KV {num_blocks} blocks, "
           f"contiguous H2D floor {fl:.3f} ms "
           f"(best of 5 before and 5 after); median of {args.reps} reps, variants interleaved")
