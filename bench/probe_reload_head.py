@@ -15,7 +15,9 @@ the stream waited on the op):
                threads just ran), no synchronize between
   slept+after  list+after after a 2 ms sleep of the calling thread
   prefilled+after (--model) list+after right after a 2048-token prefill of
-               realmodel.py's model
+               realmodel.py's model; then the same after a 10 ms sleep,
+               with Python's gc off, after 40 bf16 8k matmuls instead of
+               the prefill, after making 100k Python objects instead
 
 and the contiguous pinned H2D copy of the same bytes (best of the reps)
 before and after. Prints one table: median, min and floor/median per
@@ -163,7 +165,39 @@ def main(argv=None):
         ("slept+after", slept),
     ]
     if model is not None:
-        variants.append(("prefilled+after", prefilled))
+        import gc
+
+        big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+        def prefilled_slept():
+            R.prefill(model, prompt)
+            torch.cuda.synchronize()
+            time.sleep(0.01)
+            return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
+
+        def prefilled_nogc():
+            R.prefill(model, prompt)
+            torch.cuda.synchronize()
+            gc.disable()
+            try:
+                return timed(lambda: eng.load(keys, dst, after=compute))
+            finally:
+                gc.enable()
+
+        def matmuls():
+            for _ in range(40):
+                big @ big
+            torch.cuda.synchronize()
+            return timed(lambda: eng.load(keys, dst, after=compute))
+
+        def pyobjs():
+            junk = [{"a": i} for i in range(100000)]
+            del junk
+            return timed(lambda: eng.load(keys, dst, after=compute))
+
+        variants += [("prefilled+after", prefilled), ("prefilled, 10 ms sleep", prefilled_slept),
+                     ("prefilled, gc off", prefilled_nogc), ("40 matmuls 8k", matmuls),
+                     ("100k Python objects", pyobjs)]
     f0 = floor()
     res = {name: [] for name, _ in variants}
     for rep in range(args.reps + 1):
