@@ -48,6 +48,9 @@ def main(argv=None):
     ap.add_argument("--model", action="store_true",
                     help="build realmodel.py's model (random 8B-class Llama) first, and add a variant timed right "
                          "after a 2048-token prefill (prefilled+after)")
+    ap.add_argument("--trace", metavar="PATH",
+                    help="with --model: after the reps, 3 loads right after a prefill then 3 plain ones under "
+                         "torch.profiler (CUPTI), the trace at PATH, per-stream activity printed (trace_reload.py's)")
     args = ap.parse_args(argv)
 
     import torch
@@ -216,6 +219,25 @@ def main(argv=None):
         xs = res[name]
         med = statistics.median(xs)
         print(f"| {name} | {med:.3f} | {min(xs):.3f} | {fl / med:.3f} |")
+    if args.trace and model is not None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        import trace_reload
+
+        def traced(name, prefill):
+            if prefill:
+                R.prefill(model, prompt)
+            torch.cuda.synchronize()
+            with record_function(name):
+                ms = timed(lambda: eng.load(keys, dst, after=compute), sync=False)
+            return ms
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            got = [(f"prefilled-{i}", traced(f"prefilled-{i}", True)) for i in range(3)]
+            got += [(f"plain-{i}", traced(f"plain-{i}", False)) for i in range(3)]
+        prof.export_chrome_trace(args.trace)
+        print("\ntraced loads: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in got))
+        print("\n".join(trace_reload.analyse(args.trace, fl)))
     try:
         with open("/proc/self/smaps_rollup") as f:
             huge = [ln.split(None, 1)[1].strip() for ln in f if ln.startswith("AnonHugePages:")]
