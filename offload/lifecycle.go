@@ -101,6 +101,10 @@ type engineHooks struct {
 	builders int
 	// partSegments replaces the constant of that name (0: keep it).
 	partSegments int
+	// partGrowth is how many parts of a copy grow before they reach
+	// partSegments (partStarts); New sets it from PartGrowthEnv, else
+	// defaultPartGrowth, when the hooks leave it 0.
+	partGrowth int
 	// wholeFirstLayer builds a per-layer load's first layer as one part
 	// (WholeFirstLayerEnv).
 	wholeFirstLayer bool
@@ -115,6 +119,15 @@ type engineHooks struct {
 // (transfer.Config.Builders) instead of the default, a quarter of
 // GOMAXPROCS from 1 to 4: for comparisons on a machine.
 const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
+
+// PartGrowthEnv, when set (0 to 8), is how many parts of a copy grow,
+// each twice the one before, up to a whole part (partStarts): 5, the
+// default, starts at a 32nd; fewer start larger, giving the copy stream
+// more bytes ahead of the threads that build and enqueue the next parts,
+// for comparisons on a machine.
+const PartGrowthEnv = "KVOFFLOAD_PART_GROWTH"
+
+const defaultPartGrowth = 5
 
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
@@ -401,6 +414,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, fmt.Errorf("%w: %s=%q: want 1 to %d part builders", ErrInvalidConfig, BuildersEnv, v, transfer.MaxBuilders)
 		}
 		builders = n
+	}
+	if e.hooks.partGrowth == 0 {
+		e.hooks.partGrowth = defaultPartGrowth
+		if v := os.Getenv(PartGrowthEnv); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 0 || n > 8 {
+				return nil, fmt.Errorf("%w: %s=%q: want 0 to 8 growing parts", ErrInvalidConfig, PartGrowthEnv, v)
+			}
+			e.hooks.partGrowth = n
+		}
 	}
 	whole, err := envSwitch(WholeFirstLayerEnv)
 	if err != nil {

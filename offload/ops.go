@@ -124,18 +124,18 @@ func (e *Engine) unlease(slots []kvcache.Slot) {
 // part's copies run while the next are built.
 const partSegments = 4096
 
-// partStarts cuts n blocks into parts of per blocks, the first ones
-// smaller (a 32nd, a 16th, an eighth, a quarter, a half of per, at least
-// one block each), so that the first copies start after a small part is
-// built (building and enqueueing a part of 4096 segments took about 0.2 ms
-// on the H200 machine, the DMA of the first 2 MiB blocks 40 µs each); it
-// returns the parts' first blocks and n.
-func partStarts(n, per int) []int {
+// partStarts cuts n blocks into parts of per blocks, the first growth
+// ones smaller (with growth 5: a 32nd, a 16th, an eighth, a quarter, a half
+// of per, at least one block each), so that the first copies start after a
+// small part is built (building and enqueueing a part of 4096 segments took
+// about 0.2 ms on the H200 machine, the DMA of the first 2 MiB blocks 40 µs
+// each); it returns the parts' first blocks and n.
+func partStarts(n, per, growth int) []int {
 	starts := []int{0}
 	for i, k := 0, 0; i < n; k++ {
 		size := per
-		if k < 5 {
-			size = per >> (5 - k)
+		if k < growth {
+			size = per >> (growth - k)
 		}
 		i = min(n, i+max(1, size))
 		starts = append(starts, i)
@@ -200,7 +200,7 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		layers := l.Geometry().Layers
 		first := []int{0, len(blockIDs)}
 		if !e.hooks.wholeFirstLayer {
-			first = partStarts(len(blockIDs), max(1, ps/max(1, perSegs/layers)))
+			first = partStarts(len(blockIDs), max(1, ps/max(1, perSegs/layers)), e.hooks.partGrowth)
 		}
 		req.Layered = true
 		req.Parts = layers + len(first) - 2
@@ -230,7 +230,7 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		}
 		return req, nil
 	}
-	starts := partStarts(len(blockIDs), max(1, ps/perSegs))
+	starts := partStarts(len(blockIDs), max(1, ps/perSegs), e.hooks.partGrowth)
 	req.Parts = len(starts) - 1
 	req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
 		bs := make([]kvcache.Segment, 0, perSegs)

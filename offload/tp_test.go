@@ -454,14 +454,16 @@ func TestTPConcurrentRanks(t *testing.T) {
 
 // partStarts covers every block once, in order, the first parts smaller.
 func TestPartStarts(t *testing.T) {
-	require.Equal(t, []int{0}, partStarts(0, 64))
-	require.Equal(t, []int{0, 1}, partStarts(1, 64))
-	require.Equal(t, []int{0, 2, 6, 14, 30, 62, 126, 190, 200}, partStarts(200, 64))
-	require.Equal(t, []int{0, 1, 2, 3, 4, 5}, partStarts(5, 1))
-	require.Equal(t, []int{0, 1, 2, 3, 4, 5, 7}, partStarts(7, 2))
+	require.Equal(t, []int{0}, partStarts(0, 64, 5))
+	require.Equal(t, []int{0, 1}, partStarts(1, 64, 5))
+	require.Equal(t, []int{0, 2, 6, 14, 30, 62, 126, 190, 200}, partStarts(200, 64, 5))
+	require.Equal(t, []int{0, 1, 2, 3, 4, 5}, partStarts(5, 1, 5))
+	require.Equal(t, []int{0, 1, 2, 3, 4, 5, 7}, partStarts(7, 2, 5))
+	require.Equal(t, []int{0, 8, 24, 56, 120, 128}, partStarts(128, 64, 3))
+	require.Equal(t, []int{0, 64, 128}, partStarts(128, 64, 0))
 	for n := range 300 {
 		for _, per := range []int{1, 2, 3, 8, 64, 500} {
-			s := partStarts(n, per)
+			s := partStarts(n, per, n%9)
 			require.Equal(t, 0, s[0])
 			require.Equal(t, n, s[len(s)-1])
 			for i := 1; i < len(s); i++ {
