@@ -13,7 +13,8 @@ the stream waited on the op):
   raw          kvo_load through ctypes, arguments packed beforehand, no after
   warm+after   list+after right after a lookup of one key (the library's
                threads just ran), no synchronize between
-  slept+after  list+after after a 2 ms sleep of the calling thread
+  slept+after  list+after after a 2 ms sleep of the calling thread (and
+               after 20 and 60 ms)
   prefilled+after (--model) list+after right after a 2048-token prefill of
                realmodel.py's model; then the same after a 10 ms sleep,
                with Python's gc off, after 40 bf16 8k matmuls instead of
@@ -149,9 +150,9 @@ def main(argv=None):
         eng.lookup(keys[:1])
         return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
 
-    def slept():
+    def slept(seconds=0.002):
         torch.cuda.synchronize()
-        time.sleep(0.002)
+        time.sleep(seconds)
         return timed(lambda: eng.load(keys, dst, after=compute), sync=False)
 
     def prefilled():
@@ -166,6 +167,8 @@ def main(argv=None):
         ("raw", lambda: timed(raw)),
         ("warm+after", warm),
         ("slept+after", slept),
+        ("slept 20 ms", lambda: slept(0.02)),
+        ("slept 60 ms", lambda: slept(0.06)),
     ]
     if model is not None:
         import gc

@@ -73,6 +73,10 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 				hv, pr.after = base, true
 			} else if base, ok := strings.CutSuffix(hv, ":legacy=1"); ok {
 				hv, pr.legacy = base, true
+			} else if i := strings.LastIndex(hv, ":idle="); i >= 0 {
+				ms, err := strconv.Atoi(hv[i+len(":idle="):])
+				require.NoError(b, err, "variant %q: idle=MS", v)
+				hv, pr.idle = hv[:i], time.Duration(ms)*time.Millisecond
 			} else {
 				break
 			}
@@ -101,8 +105,11 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 }
 
 // prOptions are BenchmarkGPUPagedReload's own variant keys (after=1,
-// legacy=1).
-type prOptions struct{ after, legacy bool }
+// legacy=1, idle=MS).
+type prOptions struct {
+	after, legacy bool
+	idle          time.Duration
+}
 
 // loadOptions are a whole load's options: with after, ev recorded on s
 // just before the call as its After.
@@ -192,6 +199,9 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 		c, g := timed(func() (*Op, error) { return e.Store(ctx, keys, from, StoreOptions{}) }, OutcomeStored)
 		storeCall, storeGPU = append(storeCall, c), append(storeGPU, g)
 		tr.report(b, fmt.Sprintf("%s/%d store %d: call %v, GPU side %v", name, n, it, c, g))
+		if pr.idle > 0 {
+			time.Sleep(pr.idle)
+		}
 		tr.arm(b, evs[0], false)
 		c, g = timed(func() (*Op, error) { return e.Load(ctx, keys, into, pr.loadOptions(b, drv, evs[3], s)) }, OutcomeLoaded)
 		loadCall, loadGPU = append(loadCall, c), append(loadGPU, g)
