@@ -36,7 +36,11 @@
 // caller's thread, the device's context made current for the calls)
 // behind waits on a counter the engine stream writes after the copies. One submitting goroutine
 // takes queued requests, loads before stores, within MaxInFlightBytes and
-// MaxBatchesInFlight per direction, and issues them as one batch: waits on
+// MaxBatchesInFlight per direction, and issues them as one batch; without
+// early events, a Submit of a request with events (which waits until its
+// copies are enqueued) does the same itself on the caller's thread, the
+// device's context made current there, whenever no other issue is
+// running (Config.NoCallerIssue): one issuer at a time. A batch holds: waits on
 // callers' After events, the copies (coalesced, layer by layer when a
 // request declares layers, op and layer events recorded after each layer),
 // then the batch event. One completion goroutine per direction detects
@@ -58,7 +62,9 @@
 //     later Submit returns it (wrapped with ErrDeviceLost).
 //   - Every engine goroutine that calls the driver is locked to its OS
 //     thread with the context current and stream capture mode relaxed, so a
-//     global-mode capture on another thread is never invalidated by it.
+//     global-mode capture on another thread is never invalidated by it; a
+//     caller issuing its own request does so inside the device's OnThread
+//     (the same, its thread's own context and mode restored after).
 //
 // In invariant builds (-race, or the kvoinvariants tag) a Tracker given in
 // Config checks that every copy's host ranges stay live from submission to

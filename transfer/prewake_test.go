@@ -24,12 +24,16 @@ import (
 // submitted must not hang either (the cleanup), nor leave a goroutine
 // (goleak).
 func TestPrewake(t *testing.T) {
-	for _, early := range []bool{true, false} {
-		t.Run(map[bool]string{true: "early", false: "noearly"}[early], func(t *testing.T) {
+	// Without early events callers issue their own ops, and Prewake does
+	// nothing (noearly) unless NoCallerIssue (noearly-submitter).
+	for _, mode := range []string{"early", "noearly", "noearly-submitter"} {
+		early := mode == "early"
+		t.Run(mode, func(t *testing.T) {
 			const seg, n = 4096, 8 * 4096
 			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 5},
-				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond, NoEarlyEvents: !early})
+				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond, NoEarlyEvents: !early, NoCallerIssue: mode == "noearly-submitter"})
 			require.Equal(t, early, e.s.early != nil)
+			require.Equal(t, mode != "noearly", e.s.prewakes())
 			rng := rand.New(rand.NewSource(6))
 			round := func(t *testing.T) {
 				src := randBytes(rng, n)

@@ -76,6 +76,15 @@ type Config struct {
 	// Tracker, in invariant builds, has every copy's host ranges checked at
 	// submission and completion (see Tracker).
 	Tracker *Tracker
+	// NoCallerIssue has every op issued by the engine's submitting thread.
+	// By default a Submit of an op with events and without early events
+	// (which waits until its copies are enqueued anyway) issues on its
+	// caller's thread, with the device's context current there, whenever
+	// no other issue is running: a hand-over to a submitting thread that
+	// had slept for 10 ms or more cost 0.1–0.35 ms before the first copy
+	// on the H200 machine's VM (bench/results/h200/reload-head/). For
+	// comparisons.
+	NoCallerIssue bool
 	// NoEarlyEvents turns off early events on a device that has them
 	// (CUDA with stream memory operations): a request with Events then
 	// waits in Submit until the engine thread has enqueued its copies, as
@@ -282,7 +291,16 @@ type Scheduler struct {
 	// write); Quiesce waits for it to reach seq.
 	fulfilled [2]atomic.Uint64
 
-	// The submitting thread's buffers for lazy requests: lone for an
+	// issueMu is held by whoever issues (issueRound): the submitting
+	// thread, or a caller issuing on its own thread (issueHere); runOn runs
+	// such a caller's issue with the device's context current (the
+	// device's OnThread), nil where the device has none.
+	issueMu sync.Mutex
+	runOn   func(func() error) error
+	// issuedHere counts the issues callers ran themselves (tests).
+	issuedHere atomic.Int64
+
+	// The issuer's buffers for lazy requests (under issueMu): lone for an
 	// issue of a single part, built here; the feed's, two for each of its
 	// builder goroutines, for several (issueLayers).
 	lone     partBuf
@@ -566,6 +584,9 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 		s.pending[d] = make(chan *batch, 4096)
 	}
 	threads := 3
+	if r, ok := dev.(interface{ OnThread(func() error) error }); ok && !cfg.NoCallerIssue {
+		s.runOn = r.OnThread
+	}
 	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents && p.StartEarly() {
 		s.early = p
 		if g, ok := dev.(interface {
@@ -692,7 +713,9 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		}
 		s.immediate[d] = append(s.immediate[d], op)
 		s.mu.Unlock()
-		s.kick()
+		if !s.issueHere() {
+			s.kick()
+		}
 		<-op.enq
 		return op, nil
 	}
@@ -869,6 +892,7 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	}
 	for {
 		s.awaitWake()
+		s.issueMu.Lock()
 		for s.issueRound() {
 		}
 		s.mu.Lock()
@@ -878,8 +902,11 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		stop := s.closed && s.signalling == 0 && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
 		s.mu.Unlock()
 		if stop {
+			// issueMu stays held: no caller issues once the pending
+			// channels are closed (none has an op left to issue).
 			break
 		}
+		s.issueMu.Unlock()
 	}
 	for d := range s.pending {
 		close(s.pending[d])
@@ -888,8 +915,33 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	// destroyed by the last completer to exit (see completer).
 }
 
+// issueHere issues what is waiting (the caller's op among it) on the
+// calling goroutine's thread, with the device's context current there,
+// when the device can (runOn) and no other issue is running; it reports
+// whether it did. Otherwise (or when the context could not be made
+// current) the caller kicks the submitting thread, which takes the op in
+// its next round: an issue running now loops until a round takes nothing.
+func (s *Scheduler) issueHere() bool {
+	if s.runOn == nil || !s.issueMu.TryLock() {
+		return false
+	}
+	defer s.issueMu.Unlock()
+	ran := false
+	err := s.runOn(func() error {
+		ran = true
+		s.issuedHere.Add(1)
+		for s.issueRound() {
+		}
+		return nil
+	})
+	// A context not restored after the rounds is the caller's thread's
+	// problem, not the ops': they were issued.
+	_ = err
+	return ran
+}
+
 // issueRound takes what may be issued now, loads first, and issues it. It
-// reports whether anything was taken.
+// reports whether anything was taken. The caller holds issueMu.
 func (s *Scheduler) issueRound() bool {
 	var take [2][]*Op
 	s.mu.Lock()
@@ -1370,7 +1422,7 @@ func (s *Scheduler) fulfilAll(b *batch) {
 // threads stop polling when no announced call is pending. Cheap, never
 // blocks; safe for concurrent use.
 func (s *Scheduler) Prewake() {
-	if s.cfg.PrewakeSpin <= 0 {
+	if !s.prewakes() {
 		return
 	}
 	s.announced.Add(1)
@@ -1382,9 +1434,16 @@ func (s *Scheduler) Prewake() {
 
 // PrewakeDone ends what one Prewake announced (see Prewake).
 func (s *Scheduler) PrewakeDone() {
-	if s.cfg.PrewakeSpin > 0 {
+	if s.prewakes() {
 		s.announced.Add(-1)
 	}
+}
+
+// prewakes reports whether Prewake wakes the submitting thread: not
+// without a PrewakeSpin, nor where callers issue their ops themselves
+// (runOn without early events: the submitting thread is not waited for).
+func (s *Scheduler) prewakes() bool {
+	return s.cfg.PrewakeSpin > 0 && (s.runOn == nil || s.early != nil)
 }
 
 // awaitWake waits for kick; woken by Prewake first, it polls for the kick

@@ -230,6 +230,10 @@ func (s *Sim) access(addr, n uint64, f func([]byte)) error {
 // InitThread implements Device.
 func (s *Sim) InitThread() error { return s.cu.InitThread() }
 
+// OnThread runs f on the calling goroutine's thread with the simulated
+// device's context current (see CUDA.OnThread).
+func (s *Sim) OnThread(f func() error) error { return s.cu.OnThread(f) }
+
 // AddHostRange gives a registered range to the copy kernels (the
 // Scheduler forwards its own AddHostRange here).
 func (s *Sim) AddHostRange(base, size uint64) error { return s.cu.AddHostRange(base, size) }
