@@ -129,6 +129,12 @@ const PartGrowthEnv = "KVOFFLOAD_PART_GROWTH"
 
 const defaultPartGrowth = 5
 
+// NoCallerIssueEnv set to 1 has the engine's submitting thread issue
+// every op (transfer.Config.NoCallerIssue) instead of a Store or Load
+// without early events issuing its own on the caller's thread, for
+// comparisons on a machine.
+const NoCallerIssueEnv = "KVOFFLOAD_NO_CALLER_ISSUE"
+
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
 // first one (copyPlan): for comparisons on a machine.
@@ -429,6 +435,10 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	noCallerIssue, err := envSwitch(NoCallerIssueEnv)
+	if err != nil {
+		return nil, err
+	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	// Warm start: the op events of two per-layer loads (and a few batch
 	// events) made before New returns, on the CUDA backend (events there
@@ -440,6 +450,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
+		NoCallerIssue: noCallerIssue,
 	}); err != nil {
 		return nil, err
 	}
