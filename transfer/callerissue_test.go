@@ -97,17 +97,7 @@ func TestCallerIssuesConcurrently(t *testing.T) {
 			}
 		}()
 	}
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(20 * time.Second):
-		t.Fatal("concurrent submits did not finish within 20s")
-	}
-	close(errs)
-	for err := range errs {
-		require.NoError(t, err)
-	}
+	workersWithin(t, &wg, errs, 20*time.Second, "concurrent submits")
 	require.Equal(t, src, e.deviceBytes(t, n))
 	require.Positive(t, e.s.issuedHere.Load())
 }

@@ -77,17 +77,7 @@ func TestPrewake(t *testing.T) {
 					}
 				}()
 			}
-			done := make(chan struct{})
-			go func() { wg.Wait(); close(done) }()
-			select {
-			case <-done:
-			case <-time.After(10 * time.Second):
-				t.Fatal("concurrent Prewake and Submit did not finish within 10s")
-			}
-			close(errs)
-			for err := range errs {
-				require.NoError(t, err)
-			}
+			workersWithin(t, &wg, errs, 10*time.Second, "concurrent Prewake and Submit")
 			round(t)
 			e.s.Prewake() // and nothing follows
 			e.s.PrewakeDone()
@@ -142,6 +132,23 @@ func TestPrewakeDefault(t *testing.T) {
 }
 
 // waitWithin waits for op, failing the test after d.
+// workersWithin waits up to d for wg's workers (what they do: what) and
+// fails on the first error they sent on errs, which it closes.
+func workersWithin(t *testing.T, wg *sync.WaitGroup, errs chan error, d time.Duration, what string) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Fatalf("%s did not finish within %v", what, d)
+	}
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+}
+
 func waitWithin(t *testing.T, op *Op, d time.Duration) {
 	t.Helper()
 	ch := make(chan error, 1)
