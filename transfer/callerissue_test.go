@@ -101,3 +101,73 @@ func TestCallerIssuesConcurrently(t *testing.T) {
 	require.Equal(t, src, e.deviceBytes(t, n))
 	require.Positive(t, e.s.issuedHere.Load())
 }
+
+// TestCallerIssuesOnlyItsOwn: a caller issuing its own Load returns once
+// its op is enqueued, without issuing a Store submitted meanwhile (whose
+// Build here blocks until the test lets it go): that one goes to the
+// submitting thread. Issuing until nothing was left held the Load's
+// caller until the Store's parts were built.
+func TestCallerIssuesOnlyItsOwn(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 11},
+		Config{Builders: 1, NoEarlyEvents: true})
+	rng := rand.New(rand.NewSource(12))
+	src := randBytes(rng, n)
+	copy(e.hostBuf, src)
+	inLoad, loadGate, storeGate := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	load := Request{Dir: Load, Events: true, Parts: 4, Bytes: n,
+		Build: func(p int, dst []Segment) ([]Segment, error) {
+			if p == 1 {
+				once.Do(func() { close(inLoad) })
+				<-loadGate
+			}
+			off := uint64(p) * seg
+			return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
+		}}
+	store := Request{Dir: Store, Events: true, Parts: 1, Bytes: seg,
+		Build: func(p int, dst []Segment) ([]Segment, error) {
+			<-storeGate
+			return append(dst, Segment{Dev: e.dev + n, Host: e.host + n, Len: seg}), nil
+		}}
+	type result struct {
+		op  *Op
+		err error
+	}
+	loaded, stored := make(chan result, 1), make(chan result, 1)
+	go func() { op, err := e.s.Submit(load); loaded <- result{op, err} }()
+	select {
+	case <-inLoad:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the load's parts were not built")
+	}
+	go func() { op, err := e.s.Submit(store); stored <- result{op, err} }()
+	time.Sleep(20 * time.Millisecond) // the store waits in s.immediate
+	close(loadGate)
+	var l result
+	select {
+	case l = <-loaded:
+	case <-time.After(2 * time.Second):
+		close(storeGate)
+		t.Fatal("the load's Submit waited for the store submitted after it")
+	}
+	require.NoError(t, l.err)
+	waitWithin(t, l.op, 5*time.Second)
+	require.NoError(t, l.op.Release())
+	require.Equal(t, src, e.deviceBytes(t, n))
+	select {
+	case <-stored:
+		t.Fatal("the store was issued before its Build could run")
+	default:
+	}
+	close(storeGate)
+	var st result
+	select {
+	case st = <-stored:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the store's Submit did not return")
+	}
+	require.NoError(t, st.err)
+	waitWithin(t, st.op, 5*time.Second)
+	require.NoError(t, st.op.Release())
+}

@@ -29,7 +29,7 @@
 // instead: when an issue holds several parts, Config.Builders builder
 // goroutines build, validate, coalesce and, on a device that prepares
 // copies (CUDA's strided ones), prepare the next parts while the
-// submitting thread copies the current one; it takes the parts in copy
+// issuing thread copies the current one; it takes the parts in copy
 // order, and a part is built once). A device with early events (CUDA with stream memory
 // operations, see promiser) lets Submit of a request with events return
 // before its copies are built: Submit records its events itself (on the
@@ -48,8 +48,12 @@
 // completes the batch's ops.
 //
 // Invariants:
-//   - Nothing is ever blocked on the GPU in Submit: beyond the in-flight
-//     bound requests queue, beyond MaxQueuedBytes they get ErrBusy.
+//   - Submit never waits for copies to finish to admit a request: beyond
+//     the in-flight bound requests queue, beyond MaxQueuedBytes they get
+//     ErrBusy. A Submit that issues its own request (Config.NoCallerIssue)
+//     can wait where the submitting thread would have: for the copy
+//     method's device memory bound to free a buffer (an event
+//     synchronize), or for a stream after a failed enqueue.
 //   - An op completes without error only after an event recorded after all
 //     of its copies has retired; a failed op is reported only once none of
 //     its copies can still run (its batch event, or a stream synchronize,

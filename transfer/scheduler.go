@@ -98,14 +98,15 @@ type Config struct {
 	// Trace, when set, is called at points of a lazy op's life, with the
 	// point's name: "submit" (Submit entered), "promised" (early events:
 	// Submit recorded its events and handed it over), "issue" (the
-	// submitting thread took the op), "events" (its events recorded, or
+	// issuer took the op), "events" (its events recorded, or
 	// with early events its counter values written), "fed" (builder
 	// goroutines started on its parts), "built" (a part built on the
-	// submitting thread), "copy" and "copied" around each part's Copy
+	// issuing thread), "copy" and "copied" around each part's Copy
 	// (with the part's number), "issued" (its copies all enqueued).
-	// "submit" and "promised" run on the caller's goroutine, the others on the
-	// submitting thread with the device's context current, so calls may
-	// overlap (concurrent Submits): it must be safe for concurrent use and
+	// "submit" and "promised" run on the caller's goroutine, the others on
+	// the issuing thread (the submitting thread's, or a caller's issuing
+	// its own op, see NoCallerIssue) with the device's context current, so
+	// calls may overlap (concurrent Submits): it must be safe for concurrent use and
 	// return at once. Diagnostics: where the time from a call to its first
 	// copy goes.
 	Trace func(point string, part int)
@@ -209,8 +210,11 @@ type Request struct {
 	// after the op's copies (for a graph's external event-wait node). Like
 	// Events, the op is issued before Submit returns.
 	Signal Event
-	// OnComplete, if set, is called once on a completion goroutine when the
-	// op completes or fails. It must not block.
+	// OnComplete, if set, is called once when the op completes or fails:
+	// on a completion goroutine, or, for an op failed before its copies
+	// ran, on the goroutine issuing its batch (the submitting thread's,
+	// or a Submit's caller's, see Config.NoCallerIssue). It must not block
+	// or take a lock a Submit's caller may hold.
 	OnComplete func(op *Op, err error)
 
 	// Build, instead of Segments, produces the op's segments when the op
@@ -226,10 +230,12 @@ type Request struct {
 	// 1, their sum Parts): a layer cut into parts starts copying once its
 	// first part is built (a per-layer load's first layer, whose event the
 	// caller waits for first). Build runs on the
-	// submitting goroutine or on builder goroutines (Config.Builders)
-	// ahead of it, none of them Submit's: it must make no driver call and
-	// need no thread state (no CUDA context is current there), must not
-	// block, and must produce segments valid until the op completes. Calls
+	// issuing goroutine (the submitting thread's, or the caller's of any
+	// Submit issuing its own op, see Config.NoCallerIssue) or on builder
+	// goroutines (Config.Builders) ahead of it: it must make no driver
+	// call and need no thread state (no CUDA context need be current
+	// there), must not block or take a lock a Submit's caller may hold,
+	// and must produce segments valid until the op completes. Calls
 	// for different parts, of this request or another, may run at once
 	// (one on each builder goroutine): Build must be safe for that. A part
 	// is built once, and no Build runs after the op has completed.
@@ -344,11 +350,11 @@ type partRef struct {
 }
 
 // partFeed builds lazy ops' parts (a list of partRefs, in the order the
-// submitting thread copies them) on builder goroutines ahead of the
-// submitting thread, which takes them in that order (next) and gives
-// their buffers back (done). With more than one builder configured (Build
-// may then run concurrently anyway), the first part the submitting thread
-// builds itself (first), at once, while the builders start: waiting for
+// issuer (the submitting thread, or a caller issuing its own op) copies
+// them) on builder goroutines ahead of the issuer, which takes them in
+// that order (next) and gives their buffers back (done). With more than
+// one builder configured (Build may then run concurrently anyway), the
+// first part the issuer builds itself (first), at once, while the builders start: waiting for
 // a builder to wake and hand it over delayed the first copy. Builder j of
 // n builds the rest's parts j, j+n, j+2n, …
 // alternating between its two buffers, so one issue holds at most 2n
@@ -713,7 +719,7 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		}
 		s.immediate[d] = append(s.immediate[d], op)
 		s.mu.Unlock()
-		if !s.issueHere() {
+		if !s.issueHere(op) {
 			s.kick()
 		}
 		<-op.enq
@@ -915,13 +921,19 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	// destroyed by the last completer to exit (see completer).
 }
 
-// issueHere issues what is waiting (the caller's op among it) on the
+// issueHere issues op, a Submit's own op waiting in s.immediate, on the
 // calling goroutine's thread, with the device's context current there,
 // when the device can (runOn) and no other issue is running; it reports
-// whether it did. Otherwise (or when the context could not be made
-// current) the caller kicks the submitting thread, which takes the op in
-// its next round: an issue running now loops until a round takes nothing.
-func (s *Scheduler) issueHere() bool {
+// whether it did. It issues op's direction only, what waits there with it
+// (in the order taken, as the submitting thread would), and stops once op
+// is issued; anything left (the other direction, ops submitted meanwhile)
+// it leaves to the submitting thread, which it kicks. Otherwise (or when
+// the context could not be made current) the caller kicks the submitting
+// thread, which takes op in its next round: an issue running now loops
+// until a round takes nothing. A panic in the issue (a Build's, or a bug)
+// crashes the process, as it did on the submitting thread, rather than
+// reaching the caller half done with other callers' ops taken.
+func (s *Scheduler) issueHere(op *Op) bool {
 	if s.runOn == nil || !s.issueMu.TryLock() {
 		return false
 	}
@@ -930,23 +942,52 @@ func (s *Scheduler) issueHere() bool {
 	err := s.runOn(func() error {
 		ran = true
 		s.issuedHere.Add(1)
-		for s.issueRound() {
+		defer func() {
+			if r := recover(); r != nil {
+				go panic(fmt.Sprintf("transfer: panic while a caller issued its op: %v", r))
+				select {} // the process ends with the panic above
+			}
+		}()
+		for s.issueRoundDirs(op.req.Dir) && !closed(op.enq) {
 		}
 		return nil
 	})
-	// A context not restored after the rounds is the caller's thread's
+	// A context not restored after the round is the caller's thread's
 	// problem, not the ops': they were issued.
 	_ = err
+	if ran && s.waiting() {
+		s.kick()
+	}
 	return ran
+}
+
+// closed reports whether ch is closed (it is never sent on).
+func closed(ch chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// waiting reports whether an op waits to be issued in either direction.
+func (s *Scheduler) waiting() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) > 0
 }
 
 // issueRound takes what may be issued now, loads first, and issues it. It
 // reports whether anything was taken. The caller holds issueMu.
-func (s *Scheduler) issueRound() bool {
+func (s *Scheduler) issueRound() bool { return s.issueRoundDirs(Load, Store) }
+
+// issueRoundDirs is issueRound over dirs only, in that order.
+func (s *Scheduler) issueRoundDirs(dirs ...Direction) bool {
 	var take [2][]*Op
 	s.mu.Lock()
 	sticky := s.sticky
-	for _, d := range []Direction{Load, Store} {
+	for _, d := range dirs {
 		take[d] = s.immediate[d]
 		s.immediate[d] = nil
 		for len(s.queue[d]) > 0 && s.batches[d] < s.cfg.MaxBatchesInFlight {
@@ -965,7 +1006,7 @@ func (s *Scheduler) issueRound() bool {
 	}
 	s.mu.Unlock()
 	any := false
-	for _, d := range []Direction{Load, Store} {
+	for _, d := range dirs {
 		if len(take[d]) == 0 {
 			continue
 		}
