@@ -221,6 +221,9 @@ type Client struct {
 	nextReq  uint32
 	closed   bool
 	redialOn bool
+	// draining: Close is waiting for the goroutines (wg); spawn starts no
+	// more (an Add from zero must happen before the Wait).
+	draining bool
 
 	timeout atomic.Int64 // ClientConfig.Timeout (tests change it)
 	adds    chan regionAdd
@@ -294,8 +297,7 @@ func Dial(socket string, cfg ClientConfig) (*Client, error) {
 	if err := c.connect(); err != nil {
 		return nil, err
 	}
-	c.wg.Add(1)
-	go c.mapper()
+	c.spawn(c.mapper)
 	return c, nil
 }
 
@@ -356,14 +358,11 @@ func (c *Client) connect() error {
 	c.conn, c.cs = conn, cs
 	c.mu.Unlock()
 	if c.cfg.OnEvents != nil {
-		c.wg.Add(1)
-		go func() {
-			defer c.wg.Done()
-			_, _ = c.call(&wire.Msg{Type: wire.TSubscribe}, wire.TOK)
-		}()
+		c.spawn(func() { _, _ = c.call(&wire.Msg{Type: wire.TSubscribe}, wire.TOK) })
 	}
-	c.wg.Add(1)
-	go c.idleReader(cs)
+	if !c.spawn(func() { c.idleReader(cs) }) {
+		_ = conn.Close() // Close is draining: this redial's connection ends here
+	}
 	return nil
 }
 
@@ -437,7 +436,6 @@ func (c *Client) retireLocal(r *Region) {
 
 // mapper maps the regions announced after the first, one at a time.
 func (c *Client) mapper() {
-	defer c.wg.Done()
 	for {
 		select {
 		case <-c.stop:
@@ -482,8 +480,8 @@ func (c *Client) readOne(cs *connState, me *waiter) (*wire.Msg, error) {
 	case wire.TRegionRetire:
 		id := m.Region.ID
 		c.msgs.Put(m)
-		c.wg.Add(1)
-		go c.retire(id, cs.epoch)
+		epoch := cs.epoch
+		c.spawn(func() { c.retire(id, epoch) }) // refused: Close retires what is left
 		return nil, nil
 	case wire.TEvents:
 		if f := c.cfg.OnEvents; f != nil {
@@ -527,7 +525,6 @@ func (c *Client) readFailed(cs *connState, err error) {
 // idleReader reads the connection while no call is in flight: pushes
 // (regions, retirements, events) and the node's going away.
 func (c *Client) idleReader(cs *connState) {
-	defer c.wg.Done()
 	quiet := time.NewTimer(time.Hour)
 	defer quiet.Stop()
 	for !cs.dead.Load() {
@@ -585,9 +582,26 @@ func (c *Client) lead(cs *connState, w *waiter, deadline time.Time) (*wire.Msg, 
 	}
 }
 
+// spawn runs f on a goroutine that Close waits for, and reports true;
+// false, and nothing runs, once Close is draining: every wg.Add then
+// happens before Close's Wait (under mu), as a WaitGroup requires of an
+// Add from zero (the race detector caught lost's Add beside Close's Wait).
+func (c *Client) spawn(f func()) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.draining {
+		return false
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		f()
+	}()
+	return true
+}
+
 // retire answers the node's RegionRetire: hook, unmap, acknowledge.
 func (c *Client) retire(id, epoch uint32) {
-	defer c.wg.Done()
 	c.mu.Lock()
 	r := c.regions[id]
 	if r != nil && r.epoch == epoch {
@@ -626,11 +640,8 @@ func (c *Client) compensate(m *wire.Msg, epoch uint32) {
 	if t == 0 || len(hs) == 0 {
 		return
 	}
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		_, _ = c.callEpoch(&wire.Msg{Type: t, Handles: hs}, wire.TOK, epoch)
-	}()
+	// Refused while Close drains: the node ends them with the connection.
+	c.spawn(func() { _, _ = c.callEpoch(&wire.Msg{Type: t, Handles: hs}, wire.TOK, epoch) })
 }
 
 // lost handles the end of a connection.
@@ -664,22 +675,22 @@ func (c *Client) lost(conn *wire.Conn, epoch uint32) {
 	if !closed {
 		c.cfg.Logf("node at %s gone: %d regions retired locally", c.socket, len(gone))
 	}
-	// Not on the caller that noticed: the hooks may wait for copies.
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
+	// Not on the caller that noticed: the hooks may wait for copies
+	// (but on it while Close drains, which waits for it then).
+	retire := func() {
 		for _, r := range gone {
 			c.retireLocal(r)
 		}
-	}()
+	}
+	if !c.spawn(retire) {
+		retire()
+	}
 	if start {
-		c.wg.Add(1)
-		go c.redial()
+		c.spawn(c.redial) // start: not closed, so not draining either
 	}
 }
 
 func (c *Client) redial() {
-	defer c.wg.Done()
 	t := time.NewTicker(c.cfg.Redial)
 	defer t.Stop()
 	for {
@@ -1336,6 +1347,9 @@ func (c *Client) Close() error {
 		}
 		_ = conn.Close()
 	}
+	c.mu.Lock()
+	c.draining = true
+	c.mu.Unlock()
 	c.wg.Wait()
 	c.mu.Lock()
 	var rs []*Region
