@@ -2,6 +2,8 @@ package transfer
 
 import (
 	"math/rand"
+	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -170,4 +172,36 @@ func TestCallerIssuesOnlyItsOwn(t *testing.T) {
 	require.NoError(t, st.err)
 	waitWithin(t, st.op, 5*time.Second)
 	require.NoError(t, st.op.Release())
+}
+
+// BenchmarkSubmitAfterIdle: how long a Submit of a 4-part op with events
+// takes to return (its copies enqueued) after the engine's threads idled
+// for KVO_IDLE_MS (default 20) ms, with the caller issuing its own op and
+// with the hand-over to the submitting thread (NoCallerIssue), alternated
+// op by op on the fake driver. The idle time is outside the timer.
+func BenchmarkSubmitAfterIdle(b *testing.B) {
+	idle := 20 * time.Millisecond
+	if v := os.Getenv("KVO_IDLE_MS"); v != "" {
+		ms, err := strconv.Atoi(v)
+		require.NoError(b, err)
+		idle = time.Duration(ms) * time.Millisecond
+	}
+	const seg, n = 4096, 4 * 4096
+	for _, noCaller := range []bool{false, true} {
+		b.Run(map[bool]string{false: "caller", true: "handover"}[noCaller], func(b *testing.B) {
+			e := newFakeEnvConfig(b, n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 1},
+				Config{Builders: 1, NoEarlyEvents: true, NoCallerIssue: noCaller})
+			var total time.Duration
+			for range b.N {
+				time.Sleep(idle)
+				t0 := time.Now()
+				op, err := e.s.Submit(lazyLoad(e, n, seg, false, -1, nil))
+				total += time.Since(t0)
+				require.NoError(b, err)
+				require.NoError(b, op.Wait())
+				require.NoError(b, op.Release())
+			}
+			b.ReportMetric(float64(total.Microseconds())/float64(b.N), "submit-µs")
+		})
+	}
 }

@@ -46,7 +46,7 @@ func newFakeEnvBuilders(t *testing.T, size uint64, copts cudacopy.Options, opts 
 
 // newFakeEnvConfig is newFakeEnvBuilders with the scheduler's Config given
 // (its Tracker and poll timings are the env's).
-func newFakeEnvConfig(t *testing.T, size uint64, copts cudacopy.Options, opts cudafake.Options, cfg Config) *fakeEnv {
+func newFakeEnvConfig(t testing.TB, size uint64, copts cudacopy.Options, opts cudafake.Options, cfg Config) *fakeEnv {
 	t.Helper()
 	opts.CheckContext = true
 	d := cudafake.New(opts)
