@@ -18,6 +18,11 @@ PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SIGNAL_SCRIPT = textwrap.dedent("""
     import ctypes, os, signal, sys, threading, time
+    # Python's own SIGINT handler, as at a normal start, before the library
+    # loads: a process started with SIGINT ignored (a background job of a
+    # shell without job control) keeps it ignored, and the loop below
+    # would never be interrupted.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import kvoffload
     from kvoffload import _lib
     from tests.helpers import host_config, keys_for, write_block
