@@ -86,12 +86,7 @@ func TestCallerIssuesConcurrently(t *testing.T) {
 					for i := range uint64(per) {
 						segs = append(segs, seg(i)...)
 					}
-					op, err := e.s.Submit(Request{Dir: dir, Events: w%2 == 0, Segments: segs})
-					if err == nil {
-						err = op.Wait()
-						_ = op.Release()
-					}
-					if err != nil {
+					if err := submitWait(e.s, Request{Dir: dir, Events: w%2 == 0, Segments: segs}); err != nil {
 						errs <- err
 						return
 					}

@@ -64,12 +64,8 @@ func TestPrewake(t *testing.T) {
 					defer wg.Done()
 					for range 10 {
 						e.s.Prewake()
-						op, err := e.s.Submit(lazyLoad(e, n, seg, false, -1, nil))
+						err := submitWait(e.s, lazyLoad(e, n, seg, false, -1, nil))
 						e.s.PrewakeDone()
-						if err == nil {
-							err = op.Wait()
-							_ = op.Release()
-						}
 						if err != nil {
 							errs <- err
 							return
@@ -132,6 +128,17 @@ func TestPrewakeDefault(t *testing.T) {
 }
 
 // waitWithin waits for op, failing the test after d.
+// submitWait submits req, waits for the op and releases it: the first
+// error of the three.
+func submitWait(s *Scheduler, req Request) error {
+	op, err := s.Submit(req)
+	if err == nil {
+		err = op.Wait()
+		_ = op.Release()
+	}
+	return err
+}
+
 // workersWithin waits up to d for wg's workers (what they do: what) and
 // fails on the first error they sent on errs, which it closes.
 func workersWithin(t *testing.T, wg *sync.WaitGroup, errs chan error, d time.Duration, what string) {

@@ -905,7 +905,7 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		// Also after a sticky error: the ops still being promised are
 		// handed over (and failed by issueRound) before the engine stops,
 		// so no Submit waits forever and no op is left without completion.
-		stop := s.closed && s.signalling == 0 && len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) == 0
+		stop := s.closed && s.signalling == 0 && !s.waitingLocked()
 		s.mu.Unlock()
 		if stop {
 			// issueMu stays held: no caller issues once the pending
@@ -975,6 +975,11 @@ func closed(ch chan struct{}) bool {
 func (s *Scheduler) waiting() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.waitingLocked()
+}
+
+// waitingLocked is waiting with s.mu held.
+func (s *Scheduler) waitingLocked() bool {
 	return len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) > 0
 }
 
