@@ -56,7 +56,8 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // space-separated, each a method, auto, kernel, batch or memcpy, then :key=value pairs
 // of ctas, sctas (cudacopy.Options.StagedCTAs), threads, part (segments a part), builders, chunk (bytes), inline
 // (inline=1: descriptor tables uploaded on the copy stream, see
-// cudacopy.Options.UploadOnCopyStream)).
+// cudacopy.Options.UploadOnCopyStream), head (microseconds of
+// transfer.Config.EarlyHead) and nohead (nohead=1: EarlyHead 0)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -90,6 +91,10 @@ func hsVariant(v string) (engineHooks, error) {
 			h.builders = n
 		case "chunk":
 			h.copyOptions.ChunkBytes = n
+		case "head":
+			h.earlyHead = time.Duration(n) * time.Microsecond // head=US: EarlyHead
+		case "nohead":
+			h.noEarlyHead = true // nohead=1: no head issued on the caller's thread
 		case "inline":
 			h.copyOptions.UploadOnCopyStream = true // inline=1: each table uploaded on the copy stream before its launch
 		default:

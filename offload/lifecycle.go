@@ -110,6 +110,10 @@ type engineHooks struct {
 	wholeFirstLayer bool
 	// trace is the scheduler's Config.Trace.
 	trace func(point string, part int)
+	// earlyHead, when positive, replaces the scheduler's EarlyHead
+	// (DefaultEarlyHead, EarlyHeadEnv); noEarlyHead turns it off.
+	earlyHead   time.Duration
+	noEarlyHead bool
 	// afterDiskClear runs in Clear after the disk tier's first clear,
 	// before the cache's.
 	afterDiskClear func()
@@ -134,6 +138,22 @@ const defaultPartGrowth = 5
 // without early events issuing its own on the caller's thread, for
 // comparisons on a machine.
 const NoCallerIssueEnv = "KVOFFLOAD_NO_CALLER_ISSUE"
+
+// EarlyHeadEnv, when set (microseconds, 0 to 10000), is how long a Store
+// or Load with early events issues its op's first parts on the caller's
+// thread while the submitting thread wakes (transfer.Config.EarlyHead;
+// 0: the submitting thread issues every part): for comparisons on a
+// machine. The default is DefaultEarlyHead.
+const EarlyHeadEnv = "KVOFFLOAD_EARLY_HEAD_US"
+
+// DefaultEarlyHead is the engine's transfer.Config.EarlyHead: with early
+// events, a Store or Load issues its first parts itself until the
+// submitting thread is awake to take over, for at most this long (and one
+// part). Waking that thread after 10 ms or more asleep took 0.1–0.35 ms on
+// the H200 machine's VM, in series with the first copy; a part of a 32nd
+// of 4096 segments builds in a few tens of microseconds, so a call returns
+// at most this much later.
+const DefaultEarlyHead = 200 * time.Microsecond
 
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
@@ -439,6 +459,20 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	earlyHead := DefaultEarlyHead
+	if v := os.Getenv(EarlyHeadEnv); v != "" {
+		us, err := strconv.Atoi(v)
+		if err != nil || us < 0 || us > 10000 {
+			return nil, fmt.Errorf("%w: %s=%q: want 0 to 10000 microseconds", ErrInvalidConfig, EarlyHeadEnv, v)
+		}
+		earlyHead = time.Duration(us) * time.Microsecond
+	}
+	switch {
+	case h.noEarlyHead:
+		earlyHead = 0
+	case h.earlyHead > 0:
+		earlyHead = h.earlyHead
+	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	// Warm start: the op events of two per-layer loads (and a few batch
 	// events) made before New returns, on the CUDA backend (events there
@@ -450,7 +484,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
-		NoCallerIssue: noCallerIssue,
+		NoCallerIssue: noCallerIssue, EarlyHead: earlyHead,
 	}); err != nil {
 		return nil, err
 	}

@@ -187,6 +187,13 @@ suite_realmodel() {
 		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
+	# KVO_REALMODEL_NOHEAD=1 adds early events without the head a call
+	# issues on its own thread (KVOFFLOAD_EARLY_HEAD_US=0): the comparison
+	# in the same call.
+	if [ "${KVO_REALMODEL_NOHEAD:-0}" = 1 ]; then
+		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_EARLY_HEAD_US=0 \
+			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-nohead.md"
+	fi
 	# KVO_REALMODEL_WHOLE=1 adds the per-layer load's first layer built as
 	# one part (the way before the first layer was cut into parts), with
 	# early events: the comparison in the same call.

@@ -1,0 +1,219 @@
+package transfer
+
+import (
+	"errors"
+	"math/rand"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+)
+
+// newHeadEnv is a fake-driver env with early events and Config.EarlyHead
+// head, two builders.
+func newHeadEnv(t *testing.T, size, seed uint64, head time.Duration) *fakeEnv {
+	t.Helper()
+	e := newFakeEnvConfig(t, size, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: seed},
+		Config{Builders: 2, EarlyHead: head})
+	require.NotNil(t, e.s.early, e.cu.EarlyEventsOff())
+	return e
+}
+
+// holdSubmitter stops the submitting thread before it next takes issueMu
+// (it may be past that point for a wake already taken: the tests hold it
+// before their first Submit); the function returned lets it go (once).
+func (e *fakeEnv) holdSubmitter(t *testing.T) (release func()) {
+	t.Helper()
+	h := make(chan struct{})
+	e.s.holdSubmitter.Store(&h)
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			e.s.holdSubmitter.Store(nil)
+			close(h)
+		})
+	}
+	t.Cleanup(release)
+	return release
+}
+
+// TestEarlyHead: with early events and EarlyHead, a Submit of a lazy op
+// builds and copies the op's first parts on the caller's thread before it
+// returns, and writes the counter value of each layer it completes: with
+// the submitting thread held, a head with time to spare issues the whole
+// op (every layer's event completes, the bytes arrive), and a head of one
+// part completes layer 0 only. Released, the submitting thread issues
+// the rest and completes the op, byte-exact. Without the head's counter
+// writes the layer events could not complete while the thread is held.
+func TestEarlyHead(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	for _, tc := range []struct {
+		name      string
+		head      time.Duration
+		wantParts int64
+		wantDone  int // layers whose events complete with the thread held
+	}{
+		{"whole op", time.Minute, 3, 3},
+		{"one part", time.Nanosecond, 1, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newHeadEnv(t, 2*n, 21, tc.head)
+			src := randBytes(rand.New(rand.NewSource(22)), n)
+			copy(e.hostBuf, src)
+			release := e.holdSubmitter(t)
+			op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+			require.NoError(t, err)
+			require.Equal(t, tc.wantParts, e.s.headParts.Load(), "parts the caller issued")
+			mine := e.callerWaitsLayers(t, op, 3)
+			for l := range tc.wantDone {
+				require.NoError(t, e.drv.EventSynchronize(mine[l]), "layer %d", l)
+			}
+			require.Equal(t, src[:tc.wantDone*seg], e.deviceBytes(t, uint64(tc.wantDone*seg)))
+			time.Sleep(20 * time.Millisecond)
+			for l := tc.wantDone; l < 3; l++ {
+				require.False(t, e.done(t, mine[l]), "layer %d's event completed before the submitting thread issued it", l)
+			}
+			release()
+			require.NoError(t, e.drv.EventSynchronize(mine[2]))
+			waitWithin(t, op, 5*time.Second)
+			require.NoError(t, op.Release())
+			require.Equal(t, src, e.deviceBytes(t, n))
+
+			// The engine goes on: a store and a load after it.
+			copy(e.hostBuf, make([]byte, n))
+			st, err := submitWithin(t, e.s, Request{Dir: Store, Events: true, Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}}, 5*time.Second)
+			require.NoError(t, err)
+			waitWithin(t, st, 5*time.Second)
+			require.NoError(t, st.Release())
+			require.Equal(t, src, e.hostBuf[:n])
+		})
+	}
+}
+
+// TestEarlyHeadWaitsItsTurn: a Submit does not issue a head while an
+// earlier op of its direction waits to be issued: its counter values are
+// greater, and writing them first would complete the earlier op's events
+// before its copies. With the submitting thread held, an op without a
+// head (segments given) waits; a lazy op submitted after it issues
+// nothing on its caller's thread, and the first op's event stays pending
+// until the thread is released. Both then complete, byte-exact.
+func TestEarlyHeadWaitsItsTurn(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newHeadEnv(t, 4*n, 23, time.Minute)
+	rng := rand.New(rand.NewSource(24))
+	src := randBytes(rng, 2*n)
+	copy(e.hostBuf, src)
+	release := e.holdSubmitter(t)
+	first, err := submitWithin(t, e.s, Request{Dir: Load, Events: true, Segments: []Segment{{Dev: e.dev + n, Host: e.host + n, Len: n}}}, 5*time.Second)
+	require.NoError(t, err)
+	firstEv, err := first.Event()
+	require.NoError(t, err)
+	firstMine := e.callerWaits(t, firstEv)
+	second, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.Zero(t, e.s.headParts.Load(), "a head was issued before an earlier op of its direction")
+	time.Sleep(20 * time.Millisecond)
+	require.False(t, e.done(t, firstMine), "the first op's event completed before its copies were issued")
+	release()
+	require.NoError(t, e.drv.EventSynchronize(firstMine))
+	waitWithin(t, first, 5*time.Second)
+	waitWithin(t, second, 5*time.Second)
+	require.NoError(t, first.Release())
+	require.NoError(t, second.Release())
+	require.Equal(t, src, e.deviceBytes(t, 2*n))
+
+	// Its turn come, the next lazy op issues a head.
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	waitWithin(t, op, 5*time.Second)
+	require.NoError(t, op.Release())
+	require.Positive(t, e.s.headParts.Load())
+}
+
+// TestEarlyHeadFailure: a head whose first part fails to build still
+// returns the op from Submit (its events are promised); the op fails with
+// the build's error once the submitting thread takes it, its event
+// completes, and the engine goes on serving.
+func TestEarlyHeadFailure(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newHeadEnv(t, 2*n, 25, time.Minute)
+	src := randBytes(rand.New(rand.NewSource(26)), n)
+	copy(e.hostBuf, src)
+	boom := errors.New("boom")
+	release := e.holdSubmitter(t)
+	req := lazyLoad(e, n, seg, true, -1, nil)
+	build := req.Build
+	req.Build = func(p int, dst []Segment) ([]Segment, error) {
+		if p == 1 {
+			return nil, boom
+		}
+		return build(p, dst)
+	}
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), e.s.headParts.Load(), "the head stops at the part that failed")
+	ev, err := op.Event()
+	require.NoError(t, err)
+	mine := e.callerWaits(t, ev)
+	release()
+	require.NoError(t, e.drv.EventSynchronize(mine), "a failed op's event must complete")
+	select {
+	case <-op.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the failed op did not complete")
+	}
+	require.ErrorIs(t, op.Err(), boom)
+	require.ErrorContains(t, op.Err(), "building part 1")
+	require.NoError(t, op.Release())
+
+	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	waitWithin(t, ok, 5*time.Second)
+	require.NoError(t, ok.Release())
+	require.Equal(t, src, e.deviceBytes(t, n))
+}
+
+// TestEarlyHeadConcurrently: lazy loads and stores with early events and
+// heads from several goroutines at once, beside ops without events, with
+// a short head (so the submitting thread takes over mid-op) and a long
+// one: every op completes and each round trip is byte-exact.
+func TestEarlyHeadConcurrently(t *testing.T) {
+	const seg, per, workers = 4096, 6, 6
+	for _, head := range []time.Duration{20 * time.Microsecond, time.Minute} {
+		t.Run(head.String(), func(t *testing.T) {
+			n := uint64(seg * per * workers)
+			e := newHeadEnv(t, 2*n, 27, head)
+			src := randBytes(rand.New(rand.NewSource(28)), n)
+			copy(e.hostBuf, src)
+			var wg sync.WaitGroup
+			errs := make(chan error, workers)
+			for w := range workers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					base := uint64(w * seg * per)
+					for round := range 10 {
+						for _, dir := range []Direction{Load, Store} {
+							req := Request{Dir: dir, Events: w%3 != 0, Parts: per, Layered: round%2 == 0, Bytes: seg * per,
+								Build: func(p int, dst []Segment) ([]Segment, error) {
+									off := base + uint64(p)*seg
+									return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
+								}}
+							if err := submitWait(e.s, req); err != nil {
+								errs <- err
+								return
+							}
+						}
+					}
+				}()
+			}
+			workersWithin(t, &wg, errs, 30*time.Second, "concurrent submits with heads")
+			require.Equal(t, src, e.deviceBytes(t, n))
+			require.Positive(t, e.s.headParts.Load())
+		})
+	}
+}
