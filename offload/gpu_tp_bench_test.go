@@ -57,7 +57,8 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // of ctas, sctas (cudacopy.Options.StagedCTAs), threads, part (segments a part), builders, chunk (bytes), inline
 // (inline=1: descriptor tables uploaded on the copy stream, see
 // cudacopy.Options.UploadOnCopyStream), head (microseconds of
-// transfer.Config.EarlyHead) and nohead (nohead=1: EarlyHead 0)).
+// transfer.Config.EarlyHead), headparts (its EarlyHeadParts), growth
+// (PartGrowthEnv's parts that grow) and nohead (nohead=1: EarlyHead 0)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -93,6 +94,10 @@ func hsVariant(v string) (engineHooks, error) {
 			h.copyOptions.ChunkBytes = n
 		case "head":
 			h.earlyHead = time.Duration(n) * time.Microsecond // head=US: EarlyHead
+		case "headparts":
+			h.earlyHeadParts = n // headparts=N: EarlyHeadParts
+		case "growth":
+			h.partGrowth = n // growth=N: parts that grow (PartGrowthEnv)
 		case "nohead":
 			h.noEarlyHead = true // nohead=1: no head issued on the caller's thread
 		case "inline":

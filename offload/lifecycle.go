@@ -114,6 +114,9 @@ type engineHooks struct {
 	// (DefaultEarlyHead, EarlyHeadEnv); noEarlyHead turns it off.
 	earlyHead   time.Duration
 	noEarlyHead bool
+	// earlyHeadParts, when positive, replaces the scheduler's
+	// EarlyHeadParts (DefaultEarlyHeadParts, EarlyHeadPartsEnv).
+	earlyHeadParts int
 	// afterDiskClear runs in Clear after the disk tier's first clear,
 	// before the cache's.
 	afterDiskClear func()
@@ -154,6 +157,15 @@ const EarlyHeadEnv = "KVOFFLOAD_EARLY_HEAD_US"
 // of 4096 segments builds in a few tens of microseconds, so a call returns
 // at most this much later.
 const DefaultEarlyHead = 200 * time.Microsecond
+
+// EarlyHeadPartsEnv, when set (0 to 64), is how many parts a head issues
+// before the awake submitting thread takes over
+// (transfer.Config.EarlyHeadParts), for comparisons on a machine; the
+// default is DefaultEarlyHeadParts.
+const EarlyHeadPartsEnv = "KVOFFLOAD_EARLY_HEAD_PARTS"
+
+// DefaultEarlyHeadParts is the engine's transfer.Config.EarlyHeadParts.
+const DefaultEarlyHeadParts = 1
 
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
@@ -473,6 +485,17 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	case h.earlyHead > 0:
 		earlyHead = h.earlyHead
 	}
+	earlyHeadParts := DefaultEarlyHeadParts
+	if v := os.Getenv(EarlyHeadPartsEnv); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || n > 64 {
+			return nil, fmt.Errorf("%w: %s=%q: want 0 to 64 parts", ErrInvalidConfig, EarlyHeadPartsEnv, v)
+		}
+		earlyHeadParts = n
+	}
+	if h.earlyHeadParts > 0 {
+		earlyHeadParts = h.earlyHeadParts
+	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	// Warm start: the op events of two per-layer loads (and a few batch
 	// events) made before New returns, on the CUDA backend (events there
@@ -484,7 +507,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
 		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
-		NoCallerIssue: noCallerIssue, EarlyHead: earlyHead,
+		NoCallerIssue: noCallerIssue, EarlyHead: earlyHead, EarlyHeadParts: earlyHeadParts,
 	}); err != nil {
 		return nil, err
 	}

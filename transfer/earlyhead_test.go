@@ -94,6 +94,34 @@ func TestEarlyHead(t *testing.T) {
 	}
 }
 
+// TestEarlyHeadParts: a head stops once the submitting thread waits to
+// take over (takeover, set here by hand with the thread held) and
+// EarlyHeadParts parts are issued: 1 (also the default, 0) or 3 of 5.
+func TestEarlyHeadParts(t *testing.T) {
+	const seg, n = 4096, 5 * 4096
+	for _, tc := range []struct{ parts, want int }{{0, 1}, {1, 1}, {3, 3}} {
+		e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 29},
+			Config{Builders: 2, EarlyHead: time.Minute, EarlyHeadParts: tc.parts})
+		require.NotNil(t, e.s.early)
+		src := randBytes(rand.New(rand.NewSource(30)), n)
+		copy(e.hostBuf, src)
+		release := e.holdSubmitter(t)
+		e.s.takeover.Store(true)
+		op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+		require.NoError(t, err)
+		require.Equal(t, int64(tc.want), e.s.headParts.Load(), "EarlyHeadParts %d", tc.parts)
+		e.s.takeover.Store(false)
+		release()
+		waitWithin(t, op, 5*time.Second)
+		require.NoError(t, op.Release())
+		require.Equal(t, src, e.deviceBytes(t, n))
+	}
+	_, err := New(nil, Config{EarlyHeadParts: -1})
+	require.ErrorIs(t, err, ErrInvalidRequest)
+	_, err = New(nil, Config{EarlyHead: -time.Second})
+	require.ErrorIs(t, err, ErrInvalidRequest)
+}
+
 // TestEarlyHeadWaitsItsTurn: a Submit does not issue a head while an
 // earlier op of its direction waits to be issued: its counter values are
 // greater, and writing them first would complete the earlier op's events

@@ -99,6 +99,11 @@ type Config struct {
 	// the H200 machine's VM, in series with the first copy. 0: off (the
 	// submitting thread issues every part); negative is refused.
 	EarlyHead time.Duration
+	// EarlyHeadParts is how many parts a head issues before it lets the
+	// submitting thread, awake, take over (default 1; EarlyHead still
+	// ends it): handing over costs the copy stream the time the thread
+	// takes to build its first part, which the head's parts can cover.
+	EarlyHeadParts int
 	// NoEarlyEvents turns off early events on a device that has them
 	// (CUDA with stream memory operations): a request with Events then
 	// waits in Submit until the engine thread has enqueued its copies, as
@@ -197,6 +202,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: Builders %d outside [1, %d]", ErrInvalidRequest, c.Builders, MaxBuilders)
 	case c.EarlyHead < 0:
 		return fmt.Errorf("%w: EarlyHead %v < 0", ErrInvalidRequest, c.EarlyHead)
+	case c.EarlyHeadParts < 0:
+		return fmt.Errorf("%w: EarlyHeadParts %d < 0", ErrInvalidRequest, c.EarlyHeadParts)
 	}
 	return nil
 }
@@ -1041,8 +1048,9 @@ func (s *Scheduler) lockIssue() {
 // other issue runs and no earlier op of its direction waits to be issued
 // (Config.EarlyHead): it kicks the submitting thread, then builds and
 // copies op's parts in order, writing each completed layer's counter
-// value, until the submitting thread waits to take over (takeover), the
-// head's time is up (one part at least) or the op is issued. It records
+// value, until the submitting thread waits to take over (takeover) and
+// EarlyHeadParts are issued, the head's time is up (one part at least) or
+// the op is issued. It records
 // what it did in op (headParts, headLayers, headRetires, headDescs); a
 // failure goes in op.headErr, which fails the op's batch when the
 // submitting thread takes it (the copies enqueued before it are waited
@@ -1084,7 +1092,7 @@ func (s *Scheduler) issueHead(op *Op) {
 	for l := range op.layerEnds {
 		from, to := op.partsOf(l)
 		for p := from; p < to; p++ {
-			if op.headParts > 0 && (s.takeover.Load() || time.Since(start) >= s.cfg.EarlyHead) {
+			if op.headParts > 0 && (op.headParts >= s.cfg.EarlyHeadParts && s.takeover.Load() || time.Since(start) >= s.cfg.EarlyHead) {
 				return
 			}
 			s.buildPart(op, p, &s.lone)
