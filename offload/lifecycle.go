@@ -164,8 +164,13 @@ const DefaultEarlyHead = 200 * time.Microsecond
 // default is DefaultEarlyHeadParts.
 const EarlyHeadPartsEnv = "KVOFFLOAD_EARLY_HEAD_PARTS"
 
-// DefaultEarlyHeadParts is the engine's transfer.Config.EarlyHeadParts.
-const DefaultEarlyHeadParts = 1
+// DefaultEarlyHeadParts is the engine's transfer.Config.EarlyHeadParts:
+// in the real-model benchmark with early events on the H200 machine, two
+// runs each, alternating in one call, reloads read 0.94–0.95 / 0.96–0.97
+// of the link at 2k / 8k tokens with a head of 3 parts, 0.90–0.92 /
+// 0.96 with 1, 0.89–0.90 / 0.93 without a head
+// (bench/results/h200/early-head/).
+const DefaultEarlyHeadParts = 3
 
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
