@@ -34,7 +34,11 @@
 // operations, see promiser) lets Submit of a request with events return
 // before its copies are built: Submit records its events itself (on the
 // caller's thread, the device's context made current for the calls)
-// behind waits on a counter the engine stream writes after the copies. One submitting goroutine
+// behind waits on a counter the engine stream writes after the copies,
+// and with Config.EarlyHead it builds and copies the op's first parts
+// there too while the submitting goroutine wakes, when no earlier op of
+// its direction waits to be issued (the counter values are written in the
+// order given out); that goroutine issues the rest. One submitting goroutine
 // takes queued requests, loads before stores, within MaxInFlightBytes and
 // MaxBatchesInFlight per direction, and issues them as one batch; without
 // early events, a Submit of a request with events (which waits until its
@@ -51,7 +55,8 @@
 //   - Submit never waits for copies to finish to admit a request: beyond
 //     the in-flight bound requests queue, beyond MaxQueuedBytes they get
 //     ErrBusy. A Submit that issues its own request (Config.NoCallerIssue)
-//     can wait where the submitting thread would have: for the copy
+//     or its head (Config.EarlyHead) can wait where the submitting thread
+//     would have: for the copy
 //     method's device memory bound to free a buffer (an event
 //     synchronize), or for a stream after a failed enqueue.
 //   - An op completes without error only after an event recorded after all
