@@ -70,31 +70,24 @@ func TestCallerIssuesConcurrently(t *testing.T) {
 	rng := rand.New(rand.NewSource(10))
 	src := randBytes(rng, n)
 	copy(e.hostBuf, src)
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			base := uint64(w * seg * per)
-			seg := func(i uint64) []Segment {
-				return []Segment{{Dev: e.dev + base + i*seg, Host: e.host + base + i*seg, Len: seg}}
-			}
-			for range 10 {
-				for _, dir := range []Direction{Load, Store} {
-					var segs []Segment
-					for i := range uint64(per) {
-						segs = append(segs, seg(i)...)
-					}
-					if err := submitWait(e.s, Request{Dir: dir, Events: w%2 == 0, Segments: segs}); err != nil {
-						errs <- err
-						return
-					}
+	runWorkers(t, workers, 20*time.Second, "concurrent submits", func(w int) error {
+		base := uint64(w * seg * per)
+		seg := func(i uint64) []Segment {
+			return []Segment{{Dev: e.dev + base + i*seg, Host: e.host + base + i*seg, Len: seg}}
+		}
+		for range 10 {
+			for _, dir := range []Direction{Load, Store} {
+				var segs []Segment
+				for i := range uint64(per) {
+					segs = append(segs, seg(i)...)
+				}
+				if err := submitWait(e.s, Request{Dir: dir, Events: w%2 == 0, Segments: segs}); err != nil {
+					return err
 				}
 			}
-		}()
-	}
-	workersWithin(t, &wg, errs, 20*time.Second, "concurrent submits")
+		}
+		return nil
+	})
 	require.Equal(t, src, e.deviceBytes(t, n))
 	require.Positive(t, e.s.issuedHere.Load())
 }

@@ -217,29 +217,22 @@ func TestEarlyHeadConcurrently(t *testing.T) {
 			e := newHeadEnv(t, 2*n, 27, head)
 			src := randBytes(rand.New(rand.NewSource(28)), n)
 			copy(e.hostBuf, src)
-			var wg sync.WaitGroup
-			errs := make(chan error, workers)
-			for w := range workers {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					base := uint64(w * seg * per)
-					for round := range 10 {
-						for _, dir := range []Direction{Load, Store} {
-							req := Request{Dir: dir, Events: w%3 != 0, Parts: per, Layered: round%2 == 0, Bytes: seg * per,
-								Build: func(p int, dst []Segment) ([]Segment, error) {
-									off := base + uint64(p)*seg
-									return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
-								}}
-							if err := submitWait(e.s, req); err != nil {
-								errs <- err
-								return
-							}
+			runWorkers(t, workers, 30*time.Second, "concurrent submits with heads", func(w int) error {
+				base := uint64(w * seg * per)
+				build := func(p int, dst []Segment) ([]Segment, error) {
+					off := base + uint64(p)*seg
+					return append(dst, Segment{Dev: e.dev + off, Host: e.host + off, Len: seg}), nil
+				}
+				for round := range 10 {
+					for _, dir := range []Direction{Load, Store} {
+						req := Request{Dir: dir, Events: w%3 != 0, Parts: per, Layered: round%2 == 0, Bytes: seg * per, Build: build}
+						if err := submitWait(e.s, req); err != nil {
+							return err
 						}
 					}
-				}()
-			}
-			workersWithin(t, &wg, errs, 30*time.Second, "concurrent submits with heads")
+				}
+				return nil
+			})
 			require.Equal(t, src, e.deviceBytes(t, n))
 			require.Positive(t, e.s.headParts.Load())
 		})

@@ -56,24 +56,17 @@ func TestPrewake(t *testing.T) {
 			round(t)
 			e.s.PrewakeDone()
 			// Several callers at once (the bytes they load are the same).
-			var wg sync.WaitGroup
-			errs := make(chan error, 40)
-			for range 4 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for range 10 {
-						e.s.Prewake()
-						err := submitWait(e.s, lazyLoad(e, n, seg, false, -1, nil))
-						e.s.PrewakeDone()
-						if err != nil {
-							errs <- err
-							return
-						}
+			runWorkers(t, 4, 10*time.Second, "concurrent Prewake and Submit", func(int) error {
+				for range 10 {
+					e.s.Prewake()
+					err := submitWait(e.s, lazyLoad(e, n, seg, false, -1, nil))
+					e.s.PrewakeDone()
+					if err != nil {
+						return err
 					}
-				}()
-			}
-			workersWithin(t, &wg, errs, 10*time.Second, "concurrent Prewake and Submit")
+				}
+				return nil
+			})
 			round(t)
 			e.s.Prewake() // and nothing follows
 			e.s.PrewakeDone()
@@ -139,10 +132,19 @@ func submitWait(s *Scheduler, req Request) error {
 	return err
 }
 
-// workersWithin waits up to d for wg's workers (what they do: what) and
-// fails on the first error they sent on errs, which it closes.
-func workersWithin(t *testing.T, wg *sync.WaitGroup, errs chan error, d time.Duration, what string) {
+// runWorkers runs f(w) for w in [0, n) on n goroutines and waits up to d
+// for them (what they do: what), failing on the first error one returned.
+func runWorkers(t *testing.T, n int, d time.Duration, what string, f func(w int) error) {
 	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for w := range n {
+		wg.Go(func() {
+			if err := f(w); err != nil {
+				errs <- err
+			}
+		})
+	}
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
 	select {
