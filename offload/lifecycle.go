@@ -153,9 +153,11 @@ const EarlyHeadEnv = "KVOFFLOAD_EARLY_HEAD_US"
 // events, a Store or Load issues its first parts itself until the
 // submitting thread is awake to take over, for at most this long (and one
 // part). Waking that thread after 10 ms or more asleep took 0.1–0.35 ms on
-// the H200 machine's VM, in series with the first copy; a part of a 32nd
-// of 4096 segments builds in a few tens of microseconds, so a call returns
-// at most this much later.
+// the H200 machine's VM, in series with the first copy. The head stops
+// only between parts, so a call can return this much later plus one
+// part's build and copy (a part of a 32nd of 4096 segments, the first,
+// builds in a few tens of microseconds), plus any wait of the copy
+// method for its device memory bound.
 const DefaultEarlyHead = 200 * time.Microsecond
 
 // EarlyHeadPartsEnv, when set (0 to 64), is how many parts a head issues

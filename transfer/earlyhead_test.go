@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
@@ -183,7 +184,7 @@ func TestEarlyHeadFailure(t *testing.T) {
 	}
 	op, err := submitWithin(t, e.s, req, 5*time.Second)
 	require.NoError(t, err)
-	require.Equal(t, int64(2), e.s.headParts.Load(), "the head stops at the part that failed")
+	require.Equal(t, int64(1), e.s.headParts.Load(), "the head stops at the part that failed")
 	ev, err := op.Event()
 	require.NoError(t, err)
 	mine := e.callerWaits(t, ev)
@@ -202,6 +203,86 @@ func TestEarlyHeadFailure(t *testing.T) {
 	require.NoError(t, err)
 	waitWithin(t, ok, 5*time.Second)
 	require.NoError(t, ok.Release())
+	require.Equal(t, src, e.deviceBytes(t, n))
+}
+
+// TestEarlyHeadBatchEventFailure: when the batch that takes a head's op
+// cannot get its batch event, the op fails only once the head's copies
+// (slowed here) have finished: its bytes are all there when it is done.
+// Reporting the failure at once let the caller reuse blocks still being
+// copied.
+func TestEarlyHeadBatchEventFailure(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy},
+		cudafake.Options{Seed: 31, CopyMinDelay: 20 * time.Millisecond, CopyMaxDelay: 30 * time.Millisecond},
+		Config{Builders: 2, EarlyHead: time.Minute})
+	require.NotNil(t, e.s.early)
+	src := randBytes(rand.New(rand.NewSource(32)), n)
+	copy(e.hostBuf, src)
+	release := e.holdSubmitter(t)
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, int64(4), e.s.headParts.Load(), "the whole op in the head")
+	e.drv.FailAt(cuda.OpEventCreate, e.drv.Calls(cuda.OpEventCreate)+1, cuda.ErrorOutOfMemory)
+	release()
+	select {
+	case <-op.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the op did not complete")
+	}
+	require.Error(t, op.Err())
+	require.Equal(t, src, e.deviceBytes(t, n), "the op was reported failed before its head's copies finished")
+	require.NoError(t, op.Release())
+
+	// The engine goes on.
+	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	waitWithin(t, ok, 10*time.Second)
+	require.NoError(t, ok.Release())
+}
+
+// TestEarlyHeadRestoreFailure: a failure to restore the caller's capture
+// mode after its op's events were promised and its head issued does not
+// fail the Submit (the copies are enqueued; the op completes and its
+// bytes arrive), as a caller issuing its own op ignores it.
+func TestEarlyHeadRestoreFailure(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newHeadEnv(t, 2*n, 33, time.Minute)
+	src := randBytes(rand.New(rand.NewSource(34)), n)
+	copy(e.hostBuf, src)
+	release := e.holdSubmitter(t)
+	// The second exchange of this Submit's OnThread is the restore.
+	e.drv.FailAt(cuda.OpThreadExchangeStreamCaptureMode, e.drv.Calls(cuda.OpThreadExchangeStreamCaptureMode)+2, cuda.ErrorInvalidValue)
+	op, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err, "a Submit whose head was issued failed on the restore after it")
+	require.Positive(t, e.s.headParts.Load())
+	release()
+	waitWithin(t, op, 5*time.Second)
+	require.NoError(t, op.Release())
+	require.Equal(t, src, e.deviceBytes(t, n))
+}
+
+// TestEarlyHeadOtherDirectionWaits: no head while an op of the other
+// direction waits to be issued (a load's head would otherwise hold back a
+// store it may depend on through After): with the submitting thread held,
+// a store with events waits, and a lazy load submitted after it issues
+// nothing on its caller's thread. Released, both complete.
+func TestEarlyHeadOtherDirectionWaits(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newHeadEnv(t, 4*n, 35, time.Minute)
+	src := randBytes(rand.New(rand.NewSource(36)), n)
+	copy(e.hostBuf, src)
+	release := e.holdSubmitter(t)
+	st, err := submitWithin(t, e.s, Request{Dir: Store, Events: true, Segments: []Segment{{Dev: e.dev + 2*n, Host: e.host + 2*n, Len: n}}}, 5*time.Second)
+	require.NoError(t, err)
+	ld, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	require.Zero(t, e.s.headParts.Load(), "a load's head ran while a store waited to be issued")
+	release()
+	waitWithin(t, st, 5*time.Second)
+	waitWithin(t, ld, 5*time.Second)
+	require.NoError(t, st.Release())
+	require.NoError(t, ld.Release())
 	require.Equal(t, src, e.deviceBytes(t, n))
 }
 

@@ -76,8 +76,9 @@ type Config struct {
 	// Tracker, in invariant builds, has every copy's host ranges checked at
 	// submission and completion (see Tracker).
 	Tracker *Tracker
-	// NoCallerIssue has every op issued by the engine's submitting thread.
-	// By default a Submit of an op with events and without early events
+	// NoCallerIssue has every op without early events issued by the
+	// engine's submitting thread (with early events, EarlyHead governs
+	// what a caller issues). By default a Submit of an op with events and without early events
 	// (which waits until its copies are enqueued anyway) issues on its
 	// caller's thread, with the device's context current there, whenever
 	// no other issue is running: a hand-over to a submitting thread that
@@ -256,7 +257,9 @@ type Request struct {
 	// first part is built (a per-layer load's first layer, whose event the
 	// caller waits for first). Build runs on the
 	// issuing goroutine (the submitting thread's, or the caller's of any
-	// Submit issuing its own op, see Config.NoCallerIssue) or on builder
+	// Submit issuing its own op, see Config.NoCallerIssue, or its op's
+	// head, see Config.EarlyHead: inside Submit, the promise mutex held,
+	// so a Build must not Submit) or on builder
 	// goroutines (Config.Builders) ahead of it: it must make no driver
 	// call and need no thread state (no CUDA context need be current
 	// there), must not block or take a lock a Submit's caller may hold,
@@ -318,8 +321,9 @@ type Scheduler struct {
 	signalling int
 	seq        [2]uint64
 	// fulfilled is the highest counter value per direction whose write
-	// the submitting thread has enqueued (or given up on: a failed
-	// write); Quiesce waits for it to reach seq.
+	// the issuer (the submitting thread, or a caller issuing its op's
+	// head) has enqueued (or given up on: a failed write); Quiesce waits
+	// for it to reach seq.
 	fulfilled [2]atomic.Uint64
 
 	// issueMu is held by whoever issues (issueRound): the submitting
@@ -338,7 +342,8 @@ type Scheduler struct {
 	takeover  atomic.Bool
 
 	// The issuer's buffers for lazy requests (under issueMu): lone for an
-	// issue of a single part, built here; the feed's, two for each of its
+	// issue of a single part, built here, and for a head's parts; the
+	// feed's, two for each of its
 	// builder goroutines, for several (issueLayers).
 	lone     partBuf
 	feed     partFeed  // the issue's part builder (submitting thread only)
@@ -715,9 +720,12 @@ func (s *Scheduler) stateErr() error {
 	return nil
 }
 
-// Submit validates req and queues it; it never waits for the GPU. Requests
-// with Events or Signal wait for the engine thread to issue them (CPU work
-// only). On error nothing was enqueued and no callback will run.
+// Submit validates req and queues it. Requests with Events or Signal wait
+// for the engine thread to issue them (CPU work only), or issue
+// themselves (NoCallerIssue) or their head (EarlyHead): those may wait
+// where the submitting thread would have, for the copy method's device
+// memory bound to free a buffer. On error nothing was enqueued and no
+// callback will run.
 func (s *Scheduler) Submit(req Request) (*Op, error) {
 	if req.lazy() {
 		s.trace("submit", -1)
@@ -749,15 +757,32 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 			s.signalling++
 			s.mu.Unlock()
 			s.sigMu.Lock()
-			s.handOver(op, s.early.OnThread(func() error {
+			promised, held := false, false
+			err := s.early.OnThread(func() error {
 				if err := s.promise(op); err != nil {
 					return err
 				}
+				promised = true
 				if s.cfg.EarlyHead > 0 && req.lazy() {
-					s.issueHead(op)
+					held = s.issueHead(op)
 				}
 				return nil
-			}))
+			})
+			if promised {
+				// Its events are recorded, its head perhaps issued: a
+				// failure to restore the thread's context or capture mode
+				// after is the caller's thread's, not the op's (as in
+				// issueHere); failing the op here would leave copies
+				// running under a failed Submit.
+				err = nil
+			}
+			s.handOver(op, err)
+			if held {
+				// Held through the hand-over, so that the submitting
+				// thread, polling for it, finds the op queued when it
+				// gets it (released before, it found nothing and slept).
+				s.issueMu.Unlock()
+			}
 			s.sigMu.Unlock()
 			if req.lazy() {
 				s.trace("promised", -1)
@@ -1028,7 +1053,9 @@ func (s *Scheduler) lockIssue() {
 	if s.issueMu.TryLock() {
 		return
 	}
-	if s.early == nil || s.cfg.EarlyHead <= 0 {
+	if s.early == nil || s.cfg.EarlyHead <= 0 || runtime.GOMAXPROCS(0) < 2 {
+		// With one P a polling thread would keep the caller's head from
+		// running.
 		s.issueMu.Lock()
 		return
 	}
@@ -1055,18 +1082,25 @@ func (s *Scheduler) lockIssue() {
 // failure goes in op.headErr, which fails the op's batch when the
 // submitting thread takes it (the copies enqueued before it are waited
 // for first, as for any failed batch). A panic ends the process, as
-// issueHere's.
-func (s *Scheduler) issueHead(op *Op) {
+// issueHere's. It reports whether it holds issueMu, which the caller
+// releases after handing op over.
+//
+// No head while an op of the other direction waits either: it would be
+// held back (loads go first), and if op's After depends on that op's
+// events, a head waiting on the host for the device (the copy method's
+// memory bound) would wait for copies only the submitting thread, which
+// needs issueMu, can issue.
+func (s *Scheduler) issueHead(op *Op) (held bool) {
 	d := op.dir
 	if !s.issueMu.TryLock() {
-		return
+		return false
 	}
-	defer s.issueMu.Unlock()
 	s.mu.Lock()
-	ok := len(s.immediate[d]) == 0 && s.sticky == nil
+	ok := len(s.immediate[Load])+len(s.immediate[Store]) == 0 && s.sticky == nil
 	s.mu.Unlock()
 	if !ok {
-		return
+		s.issueMu.Unlock()
+		return false
 	}
 	s.kick()
 	defer func() {
@@ -1085,7 +1119,7 @@ func (s *Scheduler) issueHead(op *Op) {
 		op.snap = 0
 		if err != nil {
 			op.headErr = fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err)
-			return
+			return true
 		}
 	}
 	s.trace("head", -1)
@@ -1093,29 +1127,30 @@ func (s *Scheduler) issueHead(op *Op) {
 		from, to := op.partsOf(l)
 		for p := from; p < to; p++ {
 			if op.headParts > 0 && (op.headParts >= s.cfg.EarlyHeadParts && s.takeover.Load() || time.Since(start) >= s.cfg.EarlyHead) {
-				return
+				return true
 			}
 			s.buildPart(op, p, &s.lone)
 			s.trace("built", p)
 			err := s.copyPart(&hb, op, &s.lone)
 			s.lone.op = nil
+			if err != nil {
+				op.headErr = err // part of it may be enqueued: the batch waits
+				return true
+			}
 			op.headParts = p + 1
 			s.headParts.Add(1)
-			if err != nil {
-				op.headErr = err
-				return
-			}
 		}
 		if l == len(op.layerEnds)-1 && op.built != op.bytes {
 			op.headErr = fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, d, op.built, op.bytes)
-			return
+			return true
 		}
 		if err := s.recordLayer(op, l); err != nil {
 			op.headErr = err
-			return
+			return true
 		}
 		op.headLayers = l + 1
 	}
+	return true
 }
 
 // adoptHeads moves the heads' retires (and descriptors) of b's ops into
@@ -1238,6 +1273,16 @@ func (s *Scheduler) issue(b *batch) {
 		b.err = errors.Join(err, s.dev.SyncStream(d))
 		s.finish(b)
 	}
+	// The heads' copies (their callers issued them) are enqueued already:
+	// from here on a failure waits for the stream, and finishes their
+	// retires with the batch's.
+	b.descs = s.descBuf()
+	b.adoptHeads()
+	for _, op := range b.ops {
+		if op.headParts > 0 || op.headErr != nil {
+			enqueued = true
+		}
+	}
 	ev, err := s.batchEvent()
 	if err != nil {
 		fail(err)
@@ -1252,7 +1297,6 @@ func (s *Scheduler) issue(b *batch) {
 			}
 		}
 	}
-	b.descs = s.descBuf()
 	// First each op with early events on its own, in the order taken (the
 	// order its counter values were given out: the waits are ≥
 	// comparisons, so a value written early would release the events of
@@ -1270,11 +1314,7 @@ func (s *Scheduler) issue(b *batch) {
 			shared = append(shared, op)
 		}
 	}
-	b.adoptHeads()
 	for _, op := range early {
-		if op.headParts > 0 || op.headErr != nil {
-			enqueued = true
-		}
 		if op.headErr != nil {
 			fail(op.headErr)
 			return
@@ -1410,8 +1450,8 @@ func (op *Op) partsOf(l int) (from, to int) {
 	return from, op.layerEnds[l]
 }
 
-// issueParts copies the parts of lazy op that make its layer l (submitting
-// thread), taking them from f (the issue's feed, which builds them ahead
+// issueParts copies the parts of lazy op that make its layer l (issuing
+// thread), skipping those its head copied, taking them from f (the issue's feed, which builds them ahead
 // in this order, but for its first, built here) or, without one, building
 // them here. Each part's
 // descriptors are appended to the batch's. A part that fails to build or
@@ -1486,7 +1526,8 @@ func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
 }
 
 // copyPart coalesces a built part's segments into the batch's descriptors
-// and copies them (submitting thread).
+// and copies them (issuing thread: the submitting thread, or a caller
+// issuing its op or its op's head).
 func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	if pb.err != nil {
 		return pb.err
