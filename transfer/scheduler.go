@@ -1113,14 +1113,9 @@ func (s *Scheduler) issueHead(op *Op) (held bool) {
 	start := time.Now()
 	hb := batch{dir: d}
 	defer func() { op.headRetires, op.headDescs = hb.retires, hb.descs }()
-	if op.snap != 0 {
-		err := s.dev.Wait(d, op.snap)
-		s.putBatchEvent(op.snap)
-		op.snap = 0
-		if err != nil {
-			op.headErr = fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err)
-			return true
-		}
+	if err := s.waitSnapshot(op); err != nil {
+		op.headErr = err
+		return true
 	}
 	s.trace("head", -1)
 	for l := range op.layerEnds {
@@ -1129,19 +1124,15 @@ func (s *Scheduler) issueHead(op *Op) (held bool) {
 			if op.headParts > 0 && (op.headParts >= s.cfg.EarlyHeadParts && s.takeover.Load() || time.Since(start) >= s.cfg.EarlyHead) {
 				return true
 			}
-			s.buildPart(op, p, &s.lone)
-			s.trace("built", p)
-			err := s.copyPart(&hb, op, &s.lone)
-			s.lone.op = nil
-			if err != nil {
+			if err := s.copyLone(&hb, op, p); err != nil {
 				op.headErr = err // part of it may be enqueued: the batch waits
 				return true
 			}
 			op.headParts = p + 1
 			s.headParts.Add(1)
 		}
-		if l == len(op.layerEnds)-1 && op.built != op.bytes {
-			op.headErr = fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, d, op.built, op.bytes)
+		if err := op.checkBuilt(l); err != nil {
+			op.headErr = err
 			return true
 		}
 		if err := s.recordLayer(op, l); err != nil {
@@ -1154,13 +1145,52 @@ func (s *Scheduler) issueHead(op *Op) (held bool) {
 }
 
 // adoptHeads moves the heads' retires (and descriptors) of b's ops into
-// b, which finishes them with its own.
-func (b *batch) adoptHeads() {
+// b, which finishes them with its own, and reports whether any of its ops
+// had a head (whose copies, some at least, are enqueued).
+func (b *batch) adoptHeads() (any bool) {
 	for _, op := range b.ops {
 		b.retires = append(b.retires, op.headRetires...)
 		b.descs = append(b.descs, op.headDescs...)
 		op.headRetires, op.headDescs = nil, nil
+		any = any || op.headParts > 0 || op.headErr != nil
 	}
+	return any
+}
+
+// waitSnapshot has dir's streams wait on op's snapshot of its After event
+// (taken at Submit with early events), if it has one, and gives the
+// snapshot back: once the wait is enqueued the event may be recorded
+// again.
+func (s *Scheduler) waitSnapshot(op *Op) error {
+	if op.snap == 0 {
+		return nil
+	}
+	err := s.dev.Wait(op.dir, op.snap)
+	s.putBatchEvent(op.snap)
+	op.snap = 0
+	if err != nil {
+		return fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err)
+	}
+	return nil
+}
+
+// copyLone builds part p of lazy op on the issuing thread, into s.lone,
+// and copies it into b (issueMu held).
+func (s *Scheduler) copyLone(b *batch, op *Op, p int) error {
+	s.buildPart(op, p, &s.lone)
+	s.trace("built", p)
+	err := s.copyPart(b, op, &s.lone)
+	s.lone.op = nil
+	return err
+}
+
+// checkBuilt reports a lazy op whose parts, once its last layer l is
+// copied, did not copy the bytes it declared.
+func (op *Op) checkBuilt(l int) error {
+	if l == len(op.layerEnds)-1 && op.built != op.bytes {
+		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
+	}
+	return nil
 }
 
 // closed reports whether ch is closed (it is never sent on).
@@ -1277,12 +1307,7 @@ func (s *Scheduler) issue(b *batch) {
 	// from here on a failure waits for the stream, and finishes their
 	// retires with the batch's.
 	b.descs = s.descBuf()
-	b.adoptHeads()
-	for _, op := range b.ops {
-		if op.headParts > 0 || op.headErr != nil {
-			enqueued = true
-		}
-	}
+	enqueued = b.adoptHeads()
 	ev, err := s.batchEvent()
 	if err != nil {
 		fail(err)
@@ -1319,16 +1344,9 @@ func (s *Scheduler) issue(b *batch) {
 			fail(op.headErr)
 			return
 		}
-		if op.snap != 0 {
-			// The snapshot of After taken at Submit; once the wait is
-			// enqueued the event may be recorded again.
-			err := s.dev.Wait(d, op.snap)
-			s.putBatchEvent(op.snap)
-			op.snap = 0
-			if err != nil {
-				fail(fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err))
-				return
-			}
+		if err := s.waitSnapshot(op); err != nil {
+			fail(err)
+			return
 		}
 		enqueued = true // from here on a failure waits for the stream (see issueLayers)
 		if err := s.issueLayers(b, []*Op{op}); err != nil {
@@ -1467,11 +1485,7 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 			f.firstDue, inline = false, true
 		}
 		if inline {
-			s.buildPart(op, p, &s.lone)
-			s.trace("built", p)
-			err := s.copyPart(b, op, &s.lone)
-			s.lone.op = nil
-			if err != nil {
+			if err := s.copyLone(b, op, p); err != nil {
 				return err
 			}
 			continue
@@ -1491,10 +1505,7 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 			return err
 		}
 	}
-	if l == len(op.layerEnds)-1 && op.built != op.bytes {
-		return fmt.Errorf("%w: a %v's parts copy %d bytes, it declared %d", ErrInvalidRequest, op.dir, op.built, op.bytes)
-	}
-	return nil
+	return op.checkBuilt(l)
 }
 
 // buildPart builds part p of lazy op into pb, validates it (pb.err says
