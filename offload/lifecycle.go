@@ -185,6 +185,21 @@ const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 // on a machine.
 const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
 
+// envInt reads an integer setting for comparisons from the environment:
+// unset, def; outside [lo, hi] or not an integer, ErrInvalidConfig naming
+// it and the range (of unit).
+func envInt(name string, def, lo, hi int, unit string) (int, error) {
+	v := os.Getenv(name)
+	if v == "" {
+		return def, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < lo || n > hi {
+		return 0, fmt.Errorf("%w: %s=%q: want %d to %d %s", ErrInvalidConfig, name, v, lo, hi, unit)
+	}
+	return n, nil
+}
+
 // envSwitch reads a comparison switch from the environment: unset or "0"
 // off, "1" on, anything else ErrInvalidConfig naming it.
 func envSwitch(name string) (bool, error) {
@@ -453,21 +468,14 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, fmt.Errorf("%w: Layout: %w", ErrInvalidConfig, err)
 	}
 	builders := h.builders
-	if v := os.Getenv(BuildersEnv); v != "" && builders == 0 {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > transfer.MaxBuilders {
-			return nil, fmt.Errorf("%w: %s=%q: want 1 to %d part builders", ErrInvalidConfig, BuildersEnv, v, transfer.MaxBuilders)
+	if builders == 0 {
+		if builders, err = envInt(BuildersEnv, 0, 1, transfer.MaxBuilders, "part builders"); err != nil {
+			return nil, err
 		}
-		builders = n
 	}
 	if e.hooks.partGrowth == 0 {
-		e.hooks.partGrowth = defaultPartGrowth
-		if v := os.Getenv(PartGrowthEnv); v != "" {
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 || n > 8 {
-				return nil, fmt.Errorf("%w: %s=%q: want 0 to 8 growing parts", ErrInvalidConfig, PartGrowthEnv, v)
-			}
-			e.hooks.partGrowth = n
+		if e.hooks.partGrowth, err = envInt(PartGrowthEnv, defaultPartGrowth, 0, 8, "growing parts"); err != nil {
+			return nil, err
 		}
 	}
 	whole, err := envSwitch(WholeFirstLayerEnv)
@@ -478,27 +486,20 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	earlyHead := DefaultEarlyHead
-	if v := os.Getenv(EarlyHeadEnv); v != "" {
-		us, err := strconv.Atoi(v)
-		if err != nil || us < 0 || us > 10000 {
-			return nil, fmt.Errorf("%w: %s=%q: want 0 to 10000 microseconds", ErrInvalidConfig, EarlyHeadEnv, v)
-		}
-		earlyHead = time.Duration(us) * time.Microsecond
+	us, err := envInt(EarlyHeadEnv, int(DefaultEarlyHead/time.Microsecond), 0, 10000, "microseconds")
+	if err != nil {
+		return nil, err
 	}
+	earlyHead := time.Duration(us) * time.Microsecond
 	switch {
 	case h.noEarlyHead:
 		earlyHead = 0
 	case h.earlyHead > 0:
 		earlyHead = h.earlyHead
 	}
-	earlyHeadParts := DefaultEarlyHeadParts
-	if v := os.Getenv(EarlyHeadPartsEnv); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 || n > 64 {
-			return nil, fmt.Errorf("%w: %s=%q: want 0 to 64 parts", ErrInvalidConfig, EarlyHeadPartsEnv, v)
-		}
-		earlyHeadParts = n
+	earlyHeadParts, err := envInt(EarlyHeadPartsEnv, DefaultEarlyHeadParts, 0, 64, "parts")
+	if err != nil {
+		return nil, err
 	}
 	if h.earlyHeadParts > 0 {
 		earlyHeadParts = h.earlyHeadParts
