@@ -205,6 +205,33 @@ func TestBuildersEnv(t *testing.T) {
 	require.NoError(t, e.Close())
 }
 
+// The other integer comparison settings (envInt): a bad value is an
+// error from New naming it and its range; a good one is taken.
+func TestIntEnvs(t *testing.T) {
+	cfg := Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}
+	for _, tc := range []struct {
+		name, want string
+		bad        []string
+		good       string
+	}{
+		{PartGrowthEnv, "want 0 to 8 growing parts", []string{"9", "-1", "x"}, "3"},
+		{EarlyHeadEnv, "want 0 to 10000 microseconds", []string{"10001", "-1", "1ms"}, "0"},
+		{EarlyHeadPartsEnv, "want 0 to 64 parts", []string{"65", "-1", "two"}, "1"},
+	} {
+		for _, v := range tc.bad {
+			t.Setenv(tc.name, v)
+			_, err := newEngine(cfg, engineHooks{})
+			require.ErrorIs(t, err, ErrInvalidConfig, "%s=%s", tc.name, v)
+			require.ErrorContains(t, err, tc.name+`="`+v+`": `+tc.want)
+		}
+		t.Setenv(tc.name, tc.good)
+		e, err := newEngine(cfg, engineHooks{})
+		require.NoError(t, err, "%s=%s", tc.name, tc.good)
+		require.NoError(t, e.Close())
+		t.Setenv(tc.name, "")
+	}
+}
+
 // KVOFFLOAD_WHOLE_FIRST_LAYER takes 0 or 1; another value is an error from
 // New naming it; 1 keeps a per-layer load's first layer one part.
 func TestWholeFirstLayerEnv(t *testing.T) {
