@@ -33,6 +33,18 @@ func lazyLoad(e *fakeEnv, n, seg uint64, layered bool, gated int, gate <-chan st
 	}
 }
 
+// failingPart is req (lazy) whose Build of part fails with err.
+func failingPart(req Request, part int, err error) Request {
+	build := req.Build
+	req.Build = func(p int, dst []Segment) ([]Segment, error) {
+		if p == part {
+			return dst, err
+		}
+		return build(p, dst)
+	}
+	return req
+}
+
 // busyLoad is a lazy load whose part 0 waits for hold, submitted: it keeps
 // the submitter busy, and busyLoad returns once the submitter has taken it
 // (its Build has started), so that requests submitted after it go into
@@ -280,15 +292,7 @@ func TestEarlyBuildFailure(t *testing.T) {
 	const seg, n = 4096, 3 * 4096
 	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 9})
 	boom := errors.New("boom")
-	req := lazyLoad(e, n, seg, true, -1, nil)
-	build := req.Build
-	req.Build = func(p int, dst []Segment) ([]Segment, error) {
-		if p == 1 {
-			return dst, boom
-		}
-		return build(p, dst)
-	}
-	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	op, err := submitWithin(t, e.s, failingPart(lazyLoad(e, n, seg, true, -1, nil), 1, boom), 5*time.Second)
 	require.NoError(t, err)
 	ev, err := op.Event()
 	require.NoError(t, err)

@@ -174,15 +174,7 @@ func TestEarlyHeadFailure(t *testing.T) {
 	copy(e.hostBuf, src)
 	boom := errors.New("boom")
 	release := e.holdSubmitter(t)
-	req := lazyLoad(e, n, seg, true, -1, nil)
-	build := req.Build
-	req.Build = func(p int, dst []Segment) ([]Segment, error) {
-		if p == 1 {
-			return nil, boom
-		}
-		return build(p, dst)
-	}
-	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	op, err := submitWithin(t, e.s, failingPart(lazyLoad(e, n, seg, true, -1, nil), 1, boom), 5*time.Second)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), e.s.headParts.Load(), "the head stops at the part that failed")
 	ev, err := op.Event()
