@@ -93,8 +93,9 @@ type Config struct {
 	// part until the submitting thread is awake and waiting to take over,
 	// EarlyHead has passed (one part at least) or the op is issued; the
 	// submitting thread issues the rest. A caller does it only when no
-	// other issue is running and no earlier op of its direction waits to
-	// be issued (the counter values are written in the order given out).
+	// other issue is running and no op of either direction waits to be
+	// issued (the counter values are written in the order given out; see
+	// issueHead for the other direction).
 	// Build then runs on the caller's goroutine for those parts. Waking
 	// the submitting thread after 10 ms or more asleep took 0.1–0.35 ms on
 	// the H200 machine's VM, in series with the first copy. 0: off (the
@@ -1072,7 +1073,7 @@ func (s *Scheduler) lockIssue() {
 
 // issueHead issues the head of op, a lazy op whose events its Submit has
 // just promised (caller's thread, context current, sigMu held), when no
-// other issue runs and no earlier op of its direction waits to be issued
+// other issue runs and no op of either direction waits to be issued
 // (Config.EarlyHead): it kicks the submitting thread, then builds and
 // copies op's parts in order, writing each completed layer's counter
 // value, until the submitting thread waits to take over (takeover) and
