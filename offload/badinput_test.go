@@ -1,7 +1,9 @@
 package offload
 
 import (
+	"bytes"
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -217,6 +219,7 @@ func TestIntEnvs(t *testing.T) {
 		{PartGrowthEnv, "want 0 to 8 growing parts", []string{"9", "-1", "x"}, "3"},
 		{EarlyHeadEnv, "want 0 to 10000 microseconds", []string{"10001", "-1", "1ms"}, "0"},
 		{EarlyHeadPartsEnv, "want 0 to 64 parts", []string{"65", "-1", "two"}, "1"},
+		{TraceCallsEnv, "want 0 to 1048576 calls", []string{"1048577", "-1", "all"}, "2"},
 	} {
 		for _, v := range tc.bad {
 			t.Setenv(tc.name, v)
@@ -249,4 +252,41 @@ func TestWholeFirstLayerEnv(t *testing.T) {
 		require.Equal(t, v == "1", e.hooks.wholeFirstLayer)
 		require.NoError(t, e.Close())
 	}
+}
+
+// KVOFFLOAD_TRACE_CALLS=2 traces the first two Store and Load calls, each
+// as one line with the points the call reached, a failed call with its
+// error; later calls are not traced.
+func TestTraceCallsEnv(t *testing.T) {
+	t.Setenv(TraceCallsEnv, "2")
+	e, err := New(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.Close()) }()
+	var buf bytes.Buffer
+	require.NotNil(t, e.calls)
+	e.calls.w = &buf
+	ctx := context.Background()
+	keys := []Key{testKey(1), testKey(2)}
+	op, err := e.Store(ctx, keys, []int{0, 1}, StoreOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	_, err = e.Load(ctx, keys, []int{2, 2}, LoadOptions{})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	op, err = e.Load(ctx, keys, []int{2, 3}, LoadOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	lines := strings.Split(strings.TrimSuffix(buf.String(), "\n"), "\n")
+	require.Len(t, lines, 2, buf.String())
+	require.Regexp(t, `^kvoffload trace: Store of 2 blocks entered at [0-9]+ ns \(CLOCK_MONOTONIC\), returned after [0-9.]+ ms: checked [0-9.]+ .* \(ms from the call's entry\)$`, lines[0])
+	require.Regexp(t, `^kvoffload trace: Load of 2 blocks entered at [0-9]+ ns \(CLOCK_MONOTONIC\), returned after [0-9.]+ ms \(error: .*block id 2.*\):`, lines[1])
+	// A tracer with no budget left traces nothing.
+	require.False(t, e.calls.begin("Load", 1))
+	// The engine's points in order, on a call that got past the checks.
+	tr := newCallTracer(&buf, 1)
+	e.calls, e.hooks.trace = tr, tr.point
+	buf.Reset()
+	op, err = e.Load(ctx, keys, []int{4, 5}, LoadOptions{})
+	require.NoError(t, err)
+	require.NoError(t, op.Wait(ctx))
+	require.Regexp(t, `Load of 2 blocks entered at [0-9]+ ns \(CLOCK_MONOTONIC\), returned after [0-9.]+ ms: checked [0-9.]+ load [0-9.]+ begun [0-9.]+ plan [0-9.]+ planned [0-9.]+ held [0-9.]+`, buf.String())
 }

@@ -20,6 +20,8 @@ type Engine struct {
 	// Set by New and never changed.
 	cfg       Config
 	blockBits sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
+	// calls traces Store and Load calls (TraceCallsEnv; nil: off).
+	calls *callTracer
 	// loadResults holds *[]kvcache.LoadResult, the lookups of a Load
 	// (loadLeased), used only while the call runs: a Load of 2048 keys
 	// otherwise allocated 112 KiB a call, and the garbage of every op
@@ -187,13 +189,17 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 // cancelled. ctx cancels only what is not yet enqueued on the copy stream.
 // Invalid input (lengths differ, a block id outside the layout, a key twice)
 // returns an error and stores nothing.
-func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
+func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
+	if e.calls.begin("Store", len(keys)) {
+		defer func() { e.calls.end(err) }()
+	}
 	if err := e.checkOpen("Store"); err != nil {
 		return nil, err
 	}
 	if err := e.checkBlocks("Store", keys, blockIDs); err != nil {
 		return nil, err
 	}
+	e.tracePoint("checked")
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
@@ -206,13 +212,17 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 // complete, the blocks found in the pool first: Load then returns once the
 // last chunk is submitted (after the reads, while the copies run), and the
 // op's events cover every block.
-func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
+func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
+	if e.calls.begin("Load", len(keys)) {
+		defer func() { e.calls.end(err) }()
+	}
 	if err := e.checkOpen("Load"); err != nil {
 		return nil, err
 	}
 	if err := e.checkBlocks("Load", keys, blockIDs); err != nil {
 		return nil, err
 	}
+	e.tracePoint("checked")
 	return e.load(ctx, e.layout, keys, blockIDs, opts)
 }
 

@@ -320,7 +320,7 @@ func (t *prTracer) point(name string, part int) {
 
 // callerPoints are the trace points on the calling goroutine (the
 // engine's tracePoint and the scheduler's submit): no event is recorded.
-var callerPoints = map[string]bool{"load": true, "begun": true, "plan": true, "planned": true, "held": true, "submit": true}
+var callerPoints = map[string]bool{"checked": true, "load": true, "begun": true, "plan": true, "planned": true, "held": true, "submit": true}
 
 // engine returns the benchmarks' engine maker: the CUDA backend with hooks
 // h and early events as asked, and, with a tracer (t not nil), the

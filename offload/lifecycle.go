@@ -505,6 +505,14 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		earlyHeadParts = h.earlyHeadParts
 	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
+	calls, err := traceCallsFromEnv()
+	if err != nil {
+		return nil, err
+	}
+	if calls != nil && h.trace == nil {
+		e.calls = calls
+		h.trace, e.hooks.trace = calls.point, calls.point
+	}
 	// Warm start: the op events of two per-layer loads (and a few batch
 	// events) made before New returns, on the CUDA backend (events there
 	// are driver objects; the host backend's cost nothing).

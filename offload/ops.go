@@ -859,9 +859,9 @@ func (e *Engine) clear(ns string) int {
 	return n
 }
 
-// tracePoint calls the test hook engineHooks.trace (the scheduler's
-// Config.Trace too) at a point of a call on the caller's goroutine; a nil
-// check where no test set it.
+// tracePoint calls engineHooks.trace (the scheduler's Config.Trace too:
+// a test's, or TraceCallsEnv's tracer) at a point of a call on the
+// caller's goroutine; a nil check where neither is set.
 func (e *Engine) tracePoint(name string) {
 	if e.hooks.trace != nil {
 		e.hooks.trace(name, -1)
