@@ -47,6 +47,9 @@ def main(argv=None):
     ap.add_argument("--trace", action="store_true", help="split the calls with the engine's trace (see above)")
     args = ap.parse_args(argv)
     tracer = CallTrace() if args.trace else None
+    if tracer is not None:
+        tracer.start()  # before the library loads: Go reads the environment once, then
+    tr = tracer.mark if tracer is not None else (lambda *a: None)
 
     import torch
 
@@ -54,10 +57,6 @@ def main(argv=None):
     from kvoffload import _lib
     from kvoffload import engine as E
     from kvoffload import keys as K
-
-    if tracer is not None:
-        tracer.start()
-    tr = tracer.mark if tracer is not None else (lambda *a: None)
 
     nmax = max(args.blocks)
     num_blocks = 2 * nmax + 64
