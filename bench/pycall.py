@@ -46,9 +46,14 @@ def main(argv=None):
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", action="store_true", help="split the calls with the engine's trace (see above)")
     args = ap.parse_args(argv)
+    if args.trace and os.environ.get("KVOFFLOAD_TRACE_CALLS") is None:
+        # Go in a shared library reads the environment the process started
+        # with (the loader's envp), not os.environ's later changes: start
+        # again with the switch set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "KVOFFLOAD_TRACE_CALLS": "1000000"})
     tracer = CallTrace() if args.trace else None
     if tracer is not None:
-        tracer.start()  # before the library loads: Go reads the environment once, then
+        tracer.start()
     tr = tracer.mark if tracer is not None else (lambda *a: None)
 
     import torch
@@ -175,7 +180,6 @@ class CallTrace:
         self.saved = None
 
     def start(self):
-        os.environ["KVOFFLOAD_TRACE_CALLS"] = "1000000"
         self.file = tempfile.TemporaryFile(mode="w+b")
         sys.stderr.flush()
         self.saved = os.dup(2)
