@@ -311,3 +311,60 @@ func TestEarlyHeadConcurrently(t *testing.T) {
 		})
 	}
 }
+
+// TestEarlyHeadFirstPartBeforePromise: the head builds and copies its op's
+// first part before the layers' events are recorded behind their counter
+// waits (promiseLayers), and the events are all recorded before Submit
+// returns. It fails if the promise went first again (the first copy 0.1 ms
+// later on the H200 machine) or if Submit returned before it.
+func TestEarlyHeadFirstPartBeforePromise(t *testing.T) {
+	const seg, n = 4096, 3 * 4096
+	e := newHeadEnv(t, 2*n, 41, time.Minute)
+	release := e.holdSubmitter(t)
+	waits0 := e.drv.Calls(cuda.OpStreamWaitValue64)
+	var atPart [3]int
+	req := lazyLoad(e, n, seg, true, -1, nil)
+	build := req.Build
+	req.Build = func(p int, dst []Segment) ([]Segment, error) {
+		atPart[p] = e.drv.Calls(cuda.OpStreamWaitValue64) - waits0
+		return build(p, dst)
+	}
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, 3, e.drv.Calls(cuda.OpStreamWaitValue64)-waits0, "Submit returned before its 3 layers' waits were enqueued")
+	require.Equal(t, int64(3), e.s.headParts.Load())
+	require.Equal(t, [3]int{0, 3, 3}, atPart, "counter waits enqueued before each part was built")
+	release()
+	waitWithin(t, op, 5*time.Second)
+	require.NoError(t, op.Release())
+}
+
+// TestEarlyHeadPromiseFailure: when recording the layers' events fails
+// after the head's first copies were enqueued, Submit fails, and only once
+// those copies (slowed here) have finished: the caller frees what the op
+// would have copied as soon as Submit fails. The scheduler goes on, and
+// the failed op's counter values are written in their turn (Close does
+// not hang on the signal stream).
+func TestEarlyHeadPromiseFailure(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy},
+		cudafake.Options{Seed: 43, CopyMinDelay: 20 * time.Millisecond, CopyMaxDelay: 30 * time.Millisecond, SyncingFree: true},
+		Config{Builders: 2, EarlyHead: time.Minute})
+	require.NotNil(t, e.s.early)
+	src := randBytes(rand.New(rand.NewSource(44)), n)
+	copy(e.hostBuf, src)
+	release := e.holdSubmitter(t)
+	e.drv.FailAt(cuda.OpStreamWaitValue64, e.drv.Calls(cuda.OpStreamWaitValue64)+2, cuda.ErrorInvalidValue)
+	_, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.Error(t, err)
+	require.ErrorContains(t, err, "promising layer 1's events")
+	require.Equal(t, int64(0), e.s.headParts.Load(), "the head stops at its first part when the promise fails")
+	require.Equal(t, src[:seg], e.deviceBytes(t, seg), "Submit failed before the head's copies finished")
+	release()
+
+	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	waitWithin(t, ok, 5*time.Second)
+	require.NoError(t, ok.Release())
+	require.Equal(t, src, e.deviceBytes(t, n))
+}
