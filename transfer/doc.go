@@ -36,7 +36,8 @@
 // caller's thread, the device's context made current for the calls)
 // behind waits on a counter the engine stream writes after the copies,
 // and with Config.EarlyHead it builds and copies the op's first parts
-// there too while the submitting goroutine wakes, when no op of either
+// there too (the first one before the events are recorded; Submit
+// returns once they are) while the submitting goroutine wakes, when no op of either
 // direction waits to be issued (the counter values are written in the
 // order given out); that goroutine issues the rest. One submitting goroutine
 // takes queued requests, loads before stores, within MaxInFlightBytes and
