@@ -348,22 +348,34 @@ func (e *Engine) hold(slots []kvcache.Slot) {
 		return // gate (dial.go) counted them
 	}
 	e.memory.mu.Lock()
-	for _, s := range slots {
-		e.memory.inflight[s.Region]++
-	}
+	forRegionRuns(slots, func(r kvcache.RegionID, n int) { e.memory.inflight[r] += n })
 	e.memory.mu.Unlock()
+}
+
+// forRegionRuns calls f once per run of consecutive slots in one region,
+// with the run's length: a map update a run instead of one a slot (2048
+// slots of a few regions: 20–40 µs of a Load's call otherwise).
+func forRegionRuns(slots []kvcache.Slot, f func(r kvcache.RegionID, n int)) {
+	for i := 0; i < len(slots); {
+		j := i + 1
+		for j < len(slots) && slots[j].Region == slots[i].Region {
+			j++
+		}
+		f(slots[i].Region, j-i)
+		i = j
+	}
 }
 
 // unhold ends hold; a draining region whose last copy ended wakes Trim.
 func (e *Engine) unhold(slots []kvcache.Slot) {
 	e.memory.mu.Lock()
 	wake := false
-	for _, s := range slots {
-		if e.memory.inflight[s.Region]--; e.memory.inflight[s.Region] == 0 {
-			delete(e.memory.inflight, s.Region)
-			wake = wake || e.memory.draining[s.Region] != nil
+	forRegionRuns(slots, func(r kvcache.RegionID, n int) {
+		if e.memory.inflight[r] -= n; e.memory.inflight[r] == 0 {
+			delete(e.memory.inflight, r)
+			wake = wake || e.memory.draining[r] != nil
 		}
-	}
+	})
 	if wake {
 		e.notifyLocked()
 	}
