@@ -368,3 +368,21 @@ func TestEarlyHeadPromiseFailure(t *testing.T) {
 	require.NoError(t, ok.Release())
 	require.Equal(t, src, e.deviceBytes(t, n))
 }
+
+// TestEarlyHeadPromiseFailureDeviceLost: when, after a failed promise, the
+// head's copies cannot be waited for either, the device is lost: Submit's
+// error says so (ErrDeviceLost, which the engine reads to mark itself
+// lost), and the scheduler refuses later requests.
+func TestEarlyHeadPromiseFailureDeviceLost(t *testing.T) {
+	const seg, n = 4096, 4 * 4096
+	e := newHeadEnv(t, 2*n, 45, time.Minute)
+	release := e.holdSubmitter(t)
+	defer release()
+	e.drv.FailAt(cuda.OpStreamWaitValue64, e.drv.Calls(cuda.OpStreamWaitValue64)+2, cuda.ErrorInvalidValue)
+	e.drv.FailAt(cuda.OpStreamSynchronize, e.drv.Calls(cuda.OpStreamSynchronize)+1, cuda.ErrorLaunchFailed)
+	_, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.ErrorContains(t, err, "promising layer 1's events")
+	require.ErrorIs(t, err, ErrDeviceLost)
+	_, err = submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
+	require.ErrorIs(t, err, ErrDeviceLost)
+}

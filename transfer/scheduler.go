@@ -240,8 +240,10 @@ type Request struct {
 	// OnComplete, if set, is called once when the op completes or fails:
 	// on a completion goroutine, or, for an op failed before its copies
 	// ran, on the goroutine issuing its batch (the submitting thread's,
-	// or a Submit's caller's, see Config.NoCallerIssue). It must not block
-	// or take a lock a Submit's caller may hold.
+	// or a Submit's caller's, see Config.NoCallerIssue) or the one of a
+	// Submit that found the device lost (its head's copies could not be
+	// waited for, see unwindHead). It must not block or take a lock a
+	// Submit's caller may hold.
 	OnComplete func(op *Op, err error)
 
 	// Build, instead of Segments, produces the op's segments when the op
@@ -1150,7 +1152,9 @@ func (s *Scheduler) issueHead(op *Op) (held bool, err error) {
 			if !promised {
 				promised = true
 				if err := s.promiseLayers(op); err != nil {
-					s.unwindHead(&hb)
+					if lost := s.unwindHead(&hb); lost != nil {
+						err = errors.Join(err, lost)
+					}
 					return true, err
 				}
 			}
@@ -1176,18 +1180,22 @@ func (s *Scheduler) issueHead(op *Op) (held bool, err error) {
 
 // unwindHead undoes a head whose op's promise failed after some of its
 // copies were enqueued: Submit fails, so nothing of the op may stay in
-// flight. It waits for dir's stream, then runs the head's retires; when
-// the wait fails the device is lost (sticky) and the retires never run,
-// their buffers never reused.
-func (s *Scheduler) unwindHead(hb *batch) {
+// flight. It waits for dir's stream (with sigMu and issueMu held: the
+// scheduler waits with it, on a path taken only when the driver fails a
+// call), then runs the head's retires. When the wait fails the device is
+// lost: the scheduler turns sticky (failing its queued ops on this
+// goroutine, see Request.OnComplete), the retires never run, their
+// buffers are never reused, and the sticky error (ErrDeviceLost) is
+// returned for Submit's.
+func (s *Scheduler) unwindHead(hb *batch) error {
+	defer func() { hb.retires, hb.descs = nil, nil }()
 	if err := s.dev.SyncStream(hb.dir); err != nil {
-		_ = s.setSticky(fmt.Errorf("transfer: waiting for a head whose promise failed: %w", err))
-	} else {
-		for _, r := range hb.retires {
-			r()
-		}
+		return s.setSticky(fmt.Errorf("transfer: waiting for a head whose promise failed: %w", err))
 	}
-	hb.retires, hb.descs = nil, nil
+	for _, r := range hb.retires {
+		r()
+	}
+	return nil
 }
 
 // adoptHeads moves the heads' retires (and descriptors) of b's ops into
@@ -1861,8 +1869,9 @@ func (s *Scheduler) promiseLayers(op *Op) error {
 			continue
 		}
 		if err := s.early.Promise(d, base+uint64(l)+1, evs); err != nil {
-			// The values given out are never written for this op; a
-			// later op's greater values satisfy the waits already queued.
+			// The op fails; handOver's placeholder writes the values
+			// given out in their turn, satisfying the waits already
+			// queued.
 			return fmt.Errorf("transfer: promising layer %d's events: %w", l, err)
 		}
 	}
