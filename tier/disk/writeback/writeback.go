@@ -39,6 +39,10 @@
 //     write-back is not served meanwhile. Delete and Clear mark before the
 //     Store deletes, and finish looks after the Put returned: a record
 //     neither saw is removed by finish.
+//   - One key's write-backs are Put one at a time, in the order they were
+//     queued: a later one waits for the earlier one's finish, so a record
+//     deleted once written (above) never takes the next write-back's
+//     record with it (TestDeletedThenStoredAgain).
 //   - Every accepted write-back finishes once: written or not, its buffer
 //     or demoting slot is given back, also after Close (OnDemote of a slot
 //     accepted before Close gives it back unwritten, counted in Dropped).
@@ -108,6 +112,15 @@ type Writer struct {
 	flight   map[kvcache.Key]*writeBack
 	readDone *sync.Cond
 	tomb     map[kvcache.Key]struct{} // TombKeys: keys deleted while busy > 0
+	// order holds each key's queued write-backs in queue order: a writer
+	// Puts a write-back only once it is its key's first (turn), so an
+	// older one of the key, deleted meanwhile, deletes its record before
+	// the newer one writes its own (in the other order it deleted the
+	// newer record). qmu keeps order's order the queue's: a writer that
+	// waits for its turn waits for a job some writer already took.
+	order map[kvcache.Key][]*writeBack
+	turn  *sync.Cond
+	qmu   sync.Mutex
 	// clearGen counts Clears: a write-back accepted before one is not
 	// served and is deleted once written.
 	clearGen atomic.Uint64
@@ -151,8 +164,10 @@ type job struct {
 func New(cfg Config) *Writer {
 	cfg.MaxBusy = max(cfg.MaxBusy, 1)
 	w := &Writer{cfg: cfg, bufs: make(chan []byte, cfg.MaxBusy), queue: make(chan job, cfg.MaxBusy),
-		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}, tomb: map[kvcache.Key]struct{}{}}
+		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}, tomb: map[kvcache.Key]struct{}{},
+		order: map[kvcache.Key][]*writeBack{}}
 	w.readDone = sync.NewCond(&w.busyMu)
+	w.turn = sync.NewCond(&w.busyMu)
 	for range cfg.MaxBusy {
 		w.bufs <- nil
 	}
@@ -236,7 +251,7 @@ func (w *Writer) OnDemote(s kvcache.Slot, k kvcache.Key) {
 	w.busyMu.Unlock()
 	w.mu.RLock()
 	if !w.closed {
-		w.queue <- j
+		w.enqueue(j)
 		w.mu.RUnlock()
 		return
 	}
@@ -297,12 +312,39 @@ func (w *Writer) queueCopy(k kvcache.Key, mem []byte, gen uint64) {
 	w.busyMu.Lock()
 	w.flight[k] = wb
 	w.busyMu.Unlock()
-	w.queue <- job{key: k, buf: buf, wb: wb}
+	w.enqueue(job{key: k, buf: buf, wb: wb})
+}
+
+// enqueue (mu held, read) queues j for a writer, last in its key's order.
+// The queue has room for every accepted write-back: the send never waits.
+func (w *Writer) enqueue(j job) {
+	w.qmu.Lock()
+	defer w.qmu.Unlock()
+	if j.wb != nil {
+		w.busyMu.Lock()
+		w.order[j.key] = append(w.order[j.key], j.wb)
+		w.busyMu.Unlock()
+	}
+	w.queue <- j
+}
+
+// awaitTurn waits until j's write-back is the first unfinished one of its
+// key (the earlier ones were taken by writers before j: see order).
+func (w *Writer) awaitTurn(j job) {
+	if j.wb == nil {
+		return
+	}
+	w.busyMu.Lock()
+	for q := w.order[j.key]; len(q) > 0 && q[0] != j.wb; q = w.order[j.key] {
+		w.turn.Wait()
+	}
+	w.busyMu.Unlock()
 }
 
 func (w *Writer) writer() {
 	defer w.wg.Done()
 	for j := range w.queue {
+		w.awaitTurn(j)
 		if w.cfg.BeforePut != nil {
 			w.cfg.BeforePut(j.key)
 		}
@@ -339,6 +381,16 @@ func (w *Writer) finish(j job, written bool) {
 		w.busyMu.Lock()
 		if w.flight[j.key] == wb {
 			delete(w.flight, j.key)
+		}
+		// The key's next write-back may Put now: this one's record is
+		// written, or deleted if it was gone.
+		if q := w.order[j.key]; len(q) > 0 && q[0] == wb {
+			if len(q) == 1 {
+				delete(w.order, j.key)
+			} else {
+				w.order[j.key] = q[1:]
+			}
+			w.turn.Broadcast()
 		}
 		for wb.readers > 0 {
 			w.readDone.Wait()

@@ -158,12 +158,10 @@ func TestTombKeys(t *testing.T) {
 		require.False(t, r.w.Demote(r.slot(2, k1), k1, true), "stored and evicted again")
 		require.Equal(t, !tomb, r.w.Has(k1))
 		r.flush(t)
-		// Two write-backs of k1: the first's finish may delete the
-		// second's record without TombKeys (it ends after); with it both
-		// are deleted.
-		if tomb {
-			require.False(t, r.store.Contains(k1))
-		}
+		// Two write-backs of k1, Put in turn: without TombKeys the first's
+		// record is deleted before the second writes its own, which is
+		// kept (TestDeletedThenStoredAgain); with it both are deleted.
+		require.Equal(t, !tomb, r.store.Contains(k1))
 		require.True(t, r.store.Contains(k9))
 	}
 }
@@ -222,4 +220,52 @@ func TestFinishWaitsForReaders(t *testing.T) {
 	require.False(t, r.w.Demote(r.slot(2, k2), k2, true))
 	r.flush(t)
 	require.True(t, r.store.Contains(k2))
+}
+
+// TestDeletedThenStoredAgain: a key's write-back deleted while its Put is
+// held, then the key stored and evicted again: the second write-back Puts
+// only after the first finished (and deleted its record), so the second
+// record is kept, with the second block's bytes. Before, the second Put
+// could end first and the first's finish delete its record.
+func TestDeletedThenStoredAgain(t *testing.T) {
+	st, err := disk.Open(disk.Config{Dirs: []string{t.TempDir()}, CapacityBytes: 64 * disk.SlotBytes(slotBytes),
+		RecordPayloadBytes: slotBytes, Fingerprint: 0x5eed, Direct: disk.DirectOff})
+	require.NoError(t, err)
+	first, held := make(chan struct{}), make(chan struct{})
+	var puts sync.Mutex
+	n := 0
+	w := New(Config{Store: st, SlotBytes: slotBytes, MaxBusy: 4, Writers: 2,
+		Bytes: func(kvcache.Slot) []byte { return nil }, Demoted: func(kvcache.Slot) {},
+		BeforePut: func(kvcache.Key) {
+			puts.Lock()
+			n++
+			i := n
+			puts.Unlock()
+			if i == 1 {
+				close(held)
+				<-first // the first Put waits until the test lets it go
+			}
+		}})
+	w.Start()
+	defer func() {
+		w.Close()
+		require.NoError(t, st.Close())
+	}()
+	k := key(1)
+	old, fresh := block(key(7)), block(key(8))
+	require.True(t, w.Copy(k, old))
+	<-held
+	w.Delete([]kvcache.Key{k})
+	require.False(t, w.Has(k))
+	require.True(t, w.Copy(k, fresh), "stored and evicted again: a second write-back")
+	time.Sleep(50 * time.Millisecond) // the second writer's chance to run ahead
+	close(first)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, w.Flush(ctx))
+	require.True(t, st.Contains(k), "the second record was deleted by the first write-back's finish")
+	buf := make([]byte, slotBytes)
+	require.True(t, w.Get(k, buf))
+	require.Equal(t, fresh, buf)
+	require.EqualValues(t, 2, w.Writes.Load())
 }
