@@ -191,11 +191,7 @@ func TestEarlyHeadFailure(t *testing.T) {
 	require.ErrorContains(t, op.Err(), "building part 1")
 	require.NoError(t, op.Release())
 
-	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, false, -1, nil), 5*time.Second)
-	require.NoError(t, err)
-	waitWithin(t, ok, 5*time.Second)
-	require.NoError(t, ok.Release())
-	require.Equal(t, src, e.deviceBytes(t, n))
+	e.loadGoesOn(t, n, seg, false, src)
 }
 
 // TestEarlyHeadBatchEventFailure: when the batch that takes a head's op
@@ -226,11 +222,7 @@ func TestEarlyHeadBatchEventFailure(t *testing.T) {
 	require.Equal(t, src, e.deviceBytes(t, n), "the op was reported failed before its head's copies finished")
 	require.NoError(t, op.Release())
 
-	// The engine goes on.
-	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
-	require.NoError(t, err)
-	waitWithin(t, ok, 10*time.Second)
-	require.NoError(t, ok.Release())
+	e.loadGoesOn(t, n, seg, true, nil) // the engine goes on
 }
 
 // TestEarlyHeadRestoreFailure: a failure to restore the caller's capture
@@ -362,11 +354,7 @@ func TestEarlyHeadPromiseFailure(t *testing.T) {
 	require.Equal(t, src[:seg], e.deviceBytes(t, seg), "Submit failed before the head's copies finished")
 	release()
 
-	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
-	require.NoError(t, err)
-	waitWithin(t, ok, 5*time.Second)
-	require.NoError(t, ok.Release())
-	require.Equal(t, src, e.deviceBytes(t, n))
+	e.loadGoesOn(t, n, seg, true, src)
 }
 
 // TestEarlyHeadPromiseFailureDeviceLost: when, after a failed promise, the
@@ -385,4 +373,18 @@ func TestEarlyHeadPromiseFailureDeviceLost(t *testing.T) {
 	require.ErrorIs(t, err, ErrDeviceLost)
 	_, err = submitWithin(t, e.s, lazyLoad(e, n, seg, true, -1, nil), 5*time.Second)
 	require.ErrorIs(t, err, ErrDeviceLost)
+}
+
+// loadGoesOn checks that the scheduler goes on after a failure: a lazy
+// load of n bytes in parts of seg completes, and, with want, the device
+// then holds want.
+func (e *fakeEnv) loadGoesOn(t *testing.T, n, seg uint64, layered bool, want []byte) {
+	t.Helper()
+	ok, err := submitWithin(t, e.s, lazyLoad(e, n, seg, layered, -1, nil), 5*time.Second)
+	require.NoError(t, err)
+	waitWithin(t, ok, 10*time.Second)
+	require.NoError(t, ok.Release())
+	if want != nil {
+		require.Equal(t, want, e.deviceBytes(t, n))
+	}
 }
