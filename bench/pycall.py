@@ -46,11 +46,6 @@ def main(argv=None):
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", action="store_true", help="split the calls with the engine's trace (see above)")
     args = ap.parse_args(argv)
-    if args.trace and os.environ.get("KVOFFLOAD_TRACE_CALLS") is None:
-        # Go in a shared library reads the environment the process started
-        # with (the loader's envp), not os.environ's later changes: start
-        # again with the switch set.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "KVOFFLOAD_TRACE_CALLS": "1000000"})
     tracer = CallTrace() if args.trace else None
     if tracer is not None:
         tracer.start()
@@ -180,6 +175,9 @@ class CallTrace:
         self.saved = None
 
     def start(self):
+        # Read when the engine is made (the C ABI reads the switches
+        # with C's getenv: os.environ's changes count).
+        os.environ["KVOFFLOAD_TRACE_CALLS"] = "1000000"
         self.file = tempfile.TemporaryFile(mode="w+b")
         sys.stderr.flush()
         self.saved = os.dup(2)

@@ -22,6 +22,10 @@
 //   - Loading the library caps the Go runtime's GOMAXPROCS at 8 (runtime.go)
 //     unless the GOMAXPROCS environment variable is set; it writes no
 //     environment variable.
+//   - The engine's KVOFFLOAD_* switches are read from the process's current
+//     environment (C's getenv, env.go), not from the copy Go took when the
+//     library loaded: a host's later os.environ or setenv reaches the next
+//     engine made.
 //
 // Without cgo (CGO_ENABLED=0) the package builds as an empty command, so
 // that the module builds anywhere.

@@ -5,13 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/envvar"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/tier/disk"
@@ -189,7 +189,7 @@ const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
 // unset, def; outside [lo, hi] or not an integer, ErrInvalidConfig naming
 // it and the range (of unit).
 func envInt(name string, def, lo, hi int, unit string) (int, error) {
-	v := os.Getenv(name)
+	v := envvar.Get(name)
 	if v == "" {
 		return def, nil
 	}
@@ -203,7 +203,7 @@ func envInt(name string, def, lo, hi int, unit string) (int, error) {
 // envSwitch reads a comparison switch from the environment: unset or "0"
 // off, "1" on, anything else ErrInvalidConfig naming it.
 func envSwitch(name string) (bool, error) {
-	switch v := os.Getenv(name); v {
+	switch v := envvar.Get(name); v {
 	case "", "0":
 		return false, nil
 	case "1":

@@ -1,6 +1,7 @@
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -249,6 +250,47 @@ class Library(unittest.TestCase):
             subprocess.run(["gcc", "-shared", "-fPIC", "-o", so, src], check=True)
             with self.assertRaises(kvoffload.AbiVersionError):
                 _lib.load_library(so)
+
+
+@needs_library
+class EnvironmentSwitches(unittest.TestCase):
+    def test_set_after_the_library_loaded(self):
+        # A KVOFFLOAD_* switch set through os.environ after the library
+        # loaded reaches the next engine (Go keeps its own copy of the
+        # environment from the process's start; the C ABI brings the
+        # current switches into it when it makes an engine), a bad value
+        # is refused by name, and one removed is gone again.
+        pkg = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        code = """
+import os, sys
+sys.path.insert(0, os.path.join(%r, "tests"))
+import kvoffload
+from helpers import host_config, keys_for
+kvoffload.Engine(host_config()).close()  # the library is loaded
+os.environ["KVOFFLOAD_TRACE_CALLS"] = "x"
+try:
+    kvoffload.Engine(host_config())
+    print("bad value accepted")
+except kvoffload.KvoError as e:
+    print("refused:", "KVOFFLOAD_TRACE_CALLS" in str(e))
+os.environ["KVOFFLOAD_TRACE_CALLS"] = "1"
+eng = kvoffload.Engine(host_config())
+eng.store(keys_for(2, 1), [0, 1]).wait()
+eng.close()
+del os.environ["KVOFFLOAD_TRACE_CALLS"]
+eng = kvoffload.Engine(host_config())
+eng.store(keys_for(2, 2), [2, 3]).wait()
+eng.close()
+""" % pkg
+        env = dict(os.environ)
+        env.pop("KVOFFLOAD_TRACE_CALLS", None)
+        env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+        out = subprocess.run([sys.executable, "-c", code], cwd=pkg, env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.split(), ["refused:", "True"])
+        traced = [ln for ln in out.stderr.splitlines() if ln.startswith("kvoffload trace: ")]
+        self.assertEqual(len(traced), 1, out.stderr)
+        self.assertIn("Store of 2 blocks", traced[0])
 
 
 if __name__ == "__main__":
