@@ -40,9 +40,13 @@
 //     Store deletes, and finish looks after the Put returned: a record
 //     neither saw is removed by finish.
 //   - One key's write-backs are Put one at a time, in the order they were
-//     queued: a later one waits for the earlier one's finish, so a record
-//     deleted once written (above) never takes the next write-back's
-//     record with it (TestDeletedThenStoredAgain).
+//     accepted: a later one a writer takes first is parked and written
+//     by whoever finishes the one before (after Close: dropped with it),
+//     so a record deleted once written (above) never takes the next
+//     write-back's record with it, also when the earlier one is accepted
+//     from its slot and queued only later, by OnDemote
+//     (TestDeletedThenStoredAgain, TestDeletedThenStoredAgainFromSlot).
+//     No writer waits for another's write-back.
 //   - Every accepted write-back finishes once: written or not, its buffer
 //     or demoting slot is given back, also after Close (OnDemote of a slot
 //     accepted before Close gives it back unwritten, counted in Dropped).
@@ -50,6 +54,7 @@ package writeback
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -112,15 +117,16 @@ type Writer struct {
 	flight   map[kvcache.Key]*writeBack
 	readDone *sync.Cond
 	tomb     map[kvcache.Key]struct{} // TombKeys: keys deleted while busy > 0
-	// order holds each key's queued write-backs in queue order: a writer
-	// Puts a write-back only once it is its key's first (turn), so an
+	// order holds each key's unfinished write-backs in the order they
+	// were accepted: one is Put only once it is its key's first, so an
 	// older one of the key, deleted meanwhile, deletes its record before
 	// the newer one writes its own (in the other order it deleted the
-	// newer record). qmu keeps order's order the queue's: a writer that
-	// waits for its turn waits for a job some writer already took.
-	order map[kvcache.Key][]*writeBack
-	turn  *sync.Cond
-	qmu   sync.Mutex
+	// newer record). A job a writer takes before its turn is parked (by
+	// its write-back) and run by whoever finishes its predecessor: nobody
+	// waits, even for a predecessor accepted from its slot and not queued
+	// yet (OnDemote comes when the slot's readers are done).
+	order  map[kvcache.Key][]*writeBack
+	parked map[*writeBack]job
 	// clearGen counts Clears: a write-back accepted before one is not
 	// served and is deleted once written.
 	clearGen atomic.Uint64
@@ -165,9 +171,8 @@ func New(cfg Config) *Writer {
 	cfg.MaxBusy = max(cfg.MaxBusy, 1)
 	w := &Writer{cfg: cfg, bufs: make(chan []byte, cfg.MaxBusy), queue: make(chan job, cfg.MaxBusy),
 		accept: map[slotGen]*writeBack{}, flight: map[kvcache.Key]*writeBack{}, tomb: map[kvcache.Key]struct{}{},
-		order: map[kvcache.Key][]*writeBack{}}
+		order: map[kvcache.Key][]*writeBack{}, parked: map[*writeBack]job{}}
 	w.readDone = sync.NewCond(&w.busyMu)
-	w.turn = sync.NewCond(&w.busyMu)
 	for range cfg.MaxBusy {
 		w.bufs <- nil
 	}
@@ -231,6 +236,7 @@ func (w *Writer) Demote(s kvcache.Slot, k kvcache.Key, needed bool) bool {
 		// is releasing, then demoting, never reused.
 		wb := &writeBack{src: mem, gen: gen}
 		w.accept[slotGen{s.ID, s.Gen}], w.flight[k] = wb, wb
+		w.order[k] = append(w.order[k], wb)
 		w.busyMu.Unlock()
 		return true
 	}
@@ -251,15 +257,18 @@ func (w *Writer) OnDemote(s kvcache.Slot, k kvcache.Key) {
 	w.busyMu.Unlock()
 	w.mu.RLock()
 	if !w.closed {
-		w.enqueue(j)
+		w.queue <- j
 		w.mu.RUnlock()
 		return
 	}
 	w.mu.RUnlock()
 	// Not under mu: Demoted takes the cache's lock, under which Demote
-	// takes mu.
-	w.Dropped.Add(1)
-	w.finish(j, false)
+	// takes mu. A later write-back of its key parked for it is dropped too
+	// (the writers are gone).
+	for ok := true; ok; {
+		w.Dropped.Add(1)
+		j, ok = w.finish(j, false)
+	}
 }
 
 // Copy writes key k's block, mem (which the caller holds until Copy
@@ -311,62 +320,64 @@ func (w *Writer) queueCopy(k kvcache.Key, mem []byte, gen uint64) {
 	wb := &writeBack{src: buf, gen: gen}
 	w.busyMu.Lock()
 	w.flight[k] = wb
+	w.order[k] = append(w.order[k], wb)
 	w.busyMu.Unlock()
-	w.enqueue(job{key: k, buf: buf, wb: wb})
-}
-
-// enqueue (mu held, read) queues j for a writer, last in its key's order.
-// The queue has room for every accepted write-back: the send never waits.
-func (w *Writer) enqueue(j job) {
-	w.qmu.Lock()
-	defer w.qmu.Unlock()
-	if j.wb != nil {
-		w.busyMu.Lock()
-		w.order[j.key] = append(w.order[j.key], j.wb)
-		w.busyMu.Unlock()
-	}
-	w.queue <- j
-}
-
-// awaitTurn waits until j's write-back is the first unfinished one of its
-// key (the earlier ones were taken by writers before j: see order).
-func (w *Writer) awaitTurn(j job) {
-	if j.wb == nil {
-		return
-	}
-	w.busyMu.Lock()
-	for q := w.order[j.key]; len(q) > 0 && q[0] != j.wb; q = w.order[j.key] {
-		w.turn.Wait()
-	}
-	w.busyMu.Unlock()
+	w.queue <- job{key: k, buf: buf, wb: wb}
 }
 
 func (w *Writer) writer() {
 	defer w.wg.Done()
 	for j := range w.queue {
-		w.awaitTurn(j)
-		if w.cfg.BeforePut != nil {
-			w.cfg.BeforePut(j.key)
+		if !w.takeTurn(j) {
+			continue // parked: its predecessor's finisher runs it
 		}
-		payload := j.buf
-		if payload == nil {
-			payload = w.cfg.Bytes(j.slot) // demoting: its memory stays
+		for ok := true; ok; {
+			j, ok = w.write(j)
 		}
-		written := false
-		if err := w.cfg.Store.Put(j.key, payload); err != nil {
-			w.WriteErrors.Add(1)
-		} else {
-			w.Writes.Add(1)
-			written = true
-		}
-		w.finish(j, written)
 	}
+}
+
+// takeTurn reports whether j's write-back is the first unfinished one of
+// its key; if not, it parks j for the finish of the one before.
+func (w *Writer) takeTurn(j job) bool {
+	if j.wb == nil {
+		return true
+	}
+	w.busyMu.Lock()
+	defer w.busyMu.Unlock()
+	if q := w.order[j.key]; len(q) > 0 && q[0] != j.wb {
+		w.parked[j.wb] = j
+		return false
+	}
+	return true
+}
+
+// write Puts j and finishes it; it returns the key's next job if it was
+// parked waiting for this one (next: true), for the caller to write.
+func (w *Writer) write(j job) (next job, ok bool) {
+	if w.cfg.BeforePut != nil {
+		w.cfg.BeforePut(j.key)
+	}
+	payload := j.buf
+	if payload == nil {
+		payload = w.cfg.Bytes(j.slot) // demoting: its memory stays
+	}
+	written := false
+	if err := w.cfg.Store.Put(j.key, payload); err != nil {
+		w.WriteErrors.Add(1)
+	} else {
+		w.Writes.Add(1)
+		written = true
+	}
+	return w.finish(j, written)
 }
 
 // finish ends a write-back: a record written for a key deleted or cleared
 // meanwhile is deleted; it stops being readable, its readers done; the
-// buffer or the demoting slot is given back.
-func (w *Writer) finish(j job, written bool) {
+// buffer or the demoting slot is given back. It returns the key's next
+// write-back's job when that was parked waiting for this one (ok), which
+// the caller writes (a writer) or drops (after Close).
+func (w *Writer) finish(j job, written bool) (next job, ok bool) {
 	wb := j.wb
 	w.busyMu.Lock()
 	// Read after the Put returned: a Delete marks before it deletes from
@@ -384,14 +395,7 @@ func (w *Writer) finish(j job, written bool) {
 		}
 		// The key's next write-back may Put now: this one's record is
 		// written, or deleted if it was gone.
-		if q := w.order[j.key]; len(q) > 0 && q[0] == wb {
-			if len(q) == 1 {
-				delete(w.order, j.key)
-			} else {
-				w.order[j.key] = q[1:]
-			}
-			w.turn.Broadcast()
-		}
+		next, ok = w.leaveOrderLocked(j.key, wb)
 		for wb.readers > 0 {
 			w.readDone.Wait()
 		}
@@ -409,6 +413,30 @@ func (w *Writer) finish(j job, written bool) {
 		close(w.idle)
 	}
 	w.busyMu.Unlock()
+	return next, ok
+}
+
+// leaveOrderLocked (busyMu held) takes wb out of key k's order; when it
+// was the first and the next one's job is parked, it returns that job,
+// unparked.
+func (w *Writer) leaveOrderLocked(k kvcache.Key, wb *writeBack) (next job, ok bool) {
+	q := w.order[k]
+	i := slices.Index(q, wb)
+	if i < 0 {
+		return job{}, false
+	}
+	q = slices.Delete(q, i, i+1)
+	if len(q) == 0 {
+		delete(w.order, k)
+		return job{}, false
+	}
+	w.order[k] = q
+	if i == 0 {
+		if next, ok = w.parked[q[0]]; ok {
+			delete(w.parked, q[0])
+		}
+	}
+	return next, ok
 }
 
 // goneLocked (busyMu held) reports whether key k's write-back wb was

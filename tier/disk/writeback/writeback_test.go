@@ -269,3 +269,51 @@ func TestDeletedThenStoredAgain(t *testing.T) {
 	require.Equal(t, fresh, buf)
 	require.EqualValues(t, 2, w.Writes.Load())
 }
+
+// TestDeletedThenStoredAgainFromSlot: the same with the first write-back
+// accepted from its slot (Demote, not needed), which is queued only when
+// the cache hands the slot over (OnDemote, once its readers are done):
+// here after the key's second write-back was queued. Order is by
+// acceptance: the second waits, parked, for the first's finish.
+func TestDeletedThenStoredAgainFromSlot(t *testing.T) {
+	r := newRig(t, 8, false)
+	r.open()
+	k := key(1)
+	s1 := r.slot(1, key(7)) // the old block's bytes
+	require.True(t, r.w.Demote(s1, k, false), "accepted from its slot")
+	r.w.Delete([]kvcache.Key{k})
+	fresh := block(key(8))
+	require.True(t, r.w.Copy(k, fresh), "stored and evicted again")
+	time.Sleep(20 * time.Millisecond) // a writer takes the second write-back meanwhile
+	require.False(t, r.store.Contains(k), "the second write-back was written before the first")
+	r.w.OnDemote(s1, k)
+	r.flush(t)
+	require.True(t, r.store.Contains(k), "the first write-back's finish deleted the second's record")
+	buf := make([]byte, slotBytes)
+	require.True(t, r.w.Get(k, buf))
+	require.Equal(t, fresh, buf)
+	require.EqualValues(t, 2, r.w.Writes.Load())
+	require.Equal(t, []kvcache.Slot{s1}, r.demoted)
+}
+
+// TestParkedDroppedAfterClose: a write-back parked behind one accepted
+// from its slot is dropped, its buffer given back, when that slot is
+// handed over only after Close.
+func TestParkedDroppedAfterClose(t *testing.T) {
+	r := newRig(t, 8, false)
+	r.open()
+	k := key(1)
+	s1 := r.slot(1, k)
+	require.True(t, r.w.Demote(s1, k, false))
+	r.w.Delete([]kvcache.Key{k})
+	require.True(t, r.w.Copy(k, block(key(8))))
+	time.Sleep(20 * time.Millisecond) // parked by a writer
+	require.True(t, r.w.Close())
+	r.w.OnDemote(s1, k)
+	require.EqualValues(t, 2, r.w.Dropped.Load(), "the slot's write-back and the one parked behind it")
+	require.Equal(t, []kvcache.Slot{s1}, r.demoted)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, r.w.Flush(ctx), "both finished")
+	require.False(t, r.store.Contains(k))
+}
