@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -119,17 +120,27 @@ def main():
     print("traces:", " ".join(traces))
 
 
+OP_NAME = re.compile(r"^(store|load)(-per-layer)?-\d+$")
+
+
 def analyse(path, floor):
-    """Per user annotation (each op's record_function span), the GPU
+    """Per op (its record_function span on the CPU, from the call), the GPU
     activity that started between it and the next op's, per stream: first start, last
-    end, busy time, gaps over 5 µs, and the names of the activity."""
+    end, busy time, gaps over 5 µs, and the names of the activity. The
+    CPU-side annotations, one per op, bound the windows: the GPU-side ones
+    (gpu_user_annotation) split an op in two when a Store or Load issues
+    its head on the caller's thread (the head's copies under the call's
+    annotation, the rest after), which made the windows wrong."""
     with open(path) as f:
         tr = json.load(f)
     ev = [e for e in tr.get("traceEvents", []) if e.get("ph") == "X"]
+    return windows(ev)
+
+
+def windows(ev):
+    """analyse's lines for the trace's complete events ev."""
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    ops = [e for e in ev if e.get("cat") == "gpu_user_annotation"]
-    if not ops:  # CPU-side annotations then
-        ops = [e for e in ev if e.get("cat") == "user_annotation"]
+    ops = [e for e in ev if e.get("cat") == "user_annotation" and OP_NAME.match(e.get("name", ""))]
     out = []
     ops = sorted(ops, key=lambda e: e["ts"])
     for i, o in enumerate(ops):
