@@ -906,12 +906,19 @@ class Bench:
             totals.append(ms)
         bad = self.bad_blocks(dst, ref)
         self.checks.append((bad == 0, f"{tokens} tokens: {nb - bad} of {nb} blocks byte-exact after the timed loads"))
+        waits0 = self.eng.stats().get("copy_budget_waits", 0)
         for _ in range(args.reps):
             self.eng.delete(keys)
             ms, outc = self.store(keys, src)
             if outc != ["stored"] * nb:
                 raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
             stores.append(ms)
+        # A store slower than the link in one process and not the next
+        # (seen once, 2.5 ms at every size): did its copies wait for device
+        # memory (the log line, for the next such run)?
+        print(f"realmodel: {tokens} tokens: the timed stores waited for device memory "
+              f"{self.eng.stats().get('copy_budget_waits', 0) - waits0} times; store ms {[round(x, 2) for x in stores]}",
+              file=sys.stderr)
         self.eng.delete(keys)
         h2d, d2h = self.contiguous(kv_bytes(tokens))
         del ref
@@ -1219,7 +1226,8 @@ def main(argv=None):
         st = b.eng.stats()
         engine_facts = {"copy calibration": st.get("copy_calibration", "") or "none",
                         "bounce copies": st.get("bounce_copies", 0),
-                        "pitched copies": st.get("pitched_copies", 0)}
+                        "pitched copies": st.get("pitched_copies", 0),
+                        "copy budget waits": st.get("copy_budget_waits", 0)}
     finally:
         b.close()
     machine = machine_info()

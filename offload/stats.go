@@ -77,6 +77,11 @@ type Stats struct {
 	// pitch: a layer of consecutive slots in a per-layer load; 0 on the
 	// host backend.
 	PitchedCopies int64 `json:"pitched_copies"`
+	// CopyBudgetWaits counts the times a copy waited for an earlier
+	// batch's copies to finish so that its device memory (descriptor
+	// tables, staging chunks; Config.MaxDeviceBytes) could be reused; 0 on
+	// the host backend.
+	CopyBudgetWaits int64 `json:"copy_budget_waits"`
 	// DeviceBytes is the GPU memory the copy layer has allocated now
 	// (descriptor tables, bounce chunks, the calibration buffer while it
 	// runs), never above MaxDeviceBytes, the bound in force
@@ -380,6 +385,7 @@ func (e *Engine) snapshot() Stats {
 	s.EarlyEvents, s.EarlyEventsOff = e.earlyEvents()
 	if e.cudaDev != nil {
 		s.BounceCopies, s.PitchedCopies = e.cudaDev.BounceCopies(), e.cudaDev.PitchedCopies()
+		s.CopyBudgetWaits = e.cudaDev.BudgetWaits()
 		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	if e.diskErr != "" {

@@ -220,6 +220,11 @@ func (c *CUDA) BounceCopies() int64 { return c.bounced.Load() }
 // after Close.
 func (c *CUDA) PitchedCopies() int64 { return int64(c.counted.PitchedCopies()) }
 
+// BudgetWaits is how many times a copy waited for earlier copies to free
+// device memory (cudacopy.Copier.BudgetWaits); safe to call at any time,
+// also after Close.
+func (c *CUDA) BudgetWaits() int64 { return c.counted.BudgetWaits() }
+
 // Copier is the copy method the device uses (for its Fill and Checksum
 // kernels, calibration, and capabilities).
 func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
