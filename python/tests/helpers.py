@@ -1,6 +1,7 @@
 """Shared helpers for the host-backend tests: a small engine config and
 block reads/writes through the simulated GPU."""
 
+import importlib.util
 import os
 import unittest
 
@@ -60,3 +61,19 @@ def small_config(blocks, **over):
                              **over))
     cfg["layout"] = dict(cfg["layout"], head_dim=64, num_blocks=8)
     return cfg
+
+
+# The repository's root, seen from python/tests (also in wheel_test.sh's
+# copy, laid out the same way).
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def load_script(path):
+    """Imports the script at path (absolute, or relative to the repository:
+    bench/realmodel.py) as a module named after it, without running its
+    main."""
+    path = os.path.join(REPO, path)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,21 +1,19 @@
 """The plain-Python part of bench/realmodel.py (block ids, paging, the
 results table and targets), without torch or a GPU, so that CI runs it."""
 
-import importlib.util
 import os
 import random
 import subprocess
 import sys
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "realmodel.py")
+from .helpers import REPO, load_script
+
+SCRIPT = os.path.join(REPO, "bench", "realmodel.py")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("realmodel", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 class RealModelBench(unittest.TestCase):

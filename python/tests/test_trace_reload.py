@@ -1,18 +1,14 @@
 """bench/trace_reload.py's trace reading, on a synthetic trace (no torch, no
 GPU), so that CI runs it."""
 
-import importlib.util
-import os
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "trace_reload.py")
+from .helpers import load_script
+
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("trace_reload", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script('bench/trace_reload.py')
 
 
 class TraceWindows(unittest.TestCase):

@@ -2,20 +2,18 @@
 prefill, token comparisons, the table and its targets), without torch or
 a GPU, so that CI runs it."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "transformers_cb.py")
+from .helpers import REPO, load_script
+
+SCRIPT = os.path.join(REPO, "bench", "transformers_cb.py")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("transformers_cb", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 @unittest.skipUnless(os.path.exists(SCRIPT), "no bench/transformers_cb.py beside the tests")

@@ -4,7 +4,6 @@ its files (a wheel built from a stand-in library, so no Go is needed)."""
 
 import base64
 import hashlib
-import importlib.util
 import os
 import struct
 import sys
@@ -15,16 +14,13 @@ import zipfile
 import kvoffload
 from kvoffload import _lib
 
-from .helpers import needs_library
+from .helpers import REPO, load_script, needs_library
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "build_wheel.py")
+SCRIPT = os.path.join(REPO, "scripts", "build_wheel.py")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("build_wheel", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def real_elf():
