@@ -1108,16 +1108,25 @@ func (s *Scheduler) lockIssue() {
 // memory bound) would wait for copies only the submitting thread, which
 // needs issueMu, can issue.
 func (s *Scheduler) issueHead(op *Op) (held bool, err error) {
-	d := op.dir
+	hb := batch{dir: op.dir}
+	promised := false
+	defer func() {
+		if !promised {
+			// Nothing copied: no head, the snapshot's wait failed, or no
+			// parts.
+			err = s.promiseLayers(op)
+		}
+		op.headRetires, op.headDescs = hb.retires, hb.descs
+	}()
 	if !s.issueMu.TryLock() {
-		return false, s.promiseLayers(op)
+		return false, nil
 	}
 	s.mu.Lock()
 	ok := len(s.immediate[Load])+len(s.immediate[Store]) == 0 && s.sticky == nil
 	s.mu.Unlock()
 	if !ok {
 		s.issueMu.Unlock()
-		return false, s.promiseLayers(op)
+		return false, nil
 	}
 	s.kick()
 	defer func() {
@@ -1128,15 +1137,6 @@ func (s *Scheduler) issueHead(op *Op) (held bool, err error) {
 	}()
 	op.early = true
 	start := time.Now()
-	hb := batch{dir: d}
-	promised := false
-	defer func() {
-		if !promised {
-			// Nothing copied (the snapshot's wait failed, or no parts).
-			err = s.promiseLayers(op)
-		}
-		op.headRetires, op.headDescs = hb.retires, hb.descs
-	}()
 	if err := s.waitSnapshot(op); err != nil {
 		op.headErr = err
 		return true, nil
