@@ -235,6 +235,69 @@ extern "C" __global__ void __launch_bounds__(1024) kvo_copy_probe(const Desc* de
     copy_all<false, true, true>(descs, n, fence_iters, pace_ns);
 }
 
+// A template descriptor (kvo_copy_tmpl): one piece of a block's copy,
+// relative to the block. The piece of block id, whose host buffer starts
+// at host, lies at dev + id * stride on the device and at host + host_off
+// on the host; len and aux are a descriptor's (aux != 0: 2-D, its pitches
+// the source's and the destination's of the launch's direction). 64 bytes,
+// so the block table that follows a template stays 16-byte aligned.
+struct TDesc {
+    uint64_t dev;
+    uint64_t stride;
+    uint64_t host_off;
+    uint64_t len;
+    uint64_t aux;
+    uint64_t pad[3];
+};
+
+// A block of a template launch: its host buffer's address (as the kernel
+// addresses host memory) and its id on the device.
+struct TBlock {
+    uint64_t host;
+    uint64_t id;
+};
+
+// copy_tmpl copies nb blocks of nt template pieces each: the table holds
+// the nt TDescs, then the nb TBlocks. Work item w is piece w % nt of
+// block w / nt, one warp each, grid-stride, as copy_all. h2d: host to
+// device (else device to host). The Go side bounds nt * nb to 32 bits.
+template <bool Throttled, bool Probe>
+__device__ __forceinline__ void copy_tmpl(const TDesc* t, uint32_t nt, uint32_t nb, uint32_t h2d, uint64_t fence_iters, uint64_t pace_ns) {
+    const TBlock* blocks = (const TBlock*)(t + nt);
+    unsigned lane = threadIdx.x & 31;
+    uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    uint32_t nwarps = (gridDim.x * blockDim.x) >> 5;
+    Throttle th = {fence_iters, pace_ns, 0, 0, 0, false};
+    if (Throttled && pace_ns != 0) th.next = global_ns() - pace_ns;
+    const uint32_t n = nt * nb;
+    for (uint32_t w = warp; w < n; w += nwarps) {
+        const uint32_t b = w / nt, k = w - b * nt;
+        const TDesc d = t[k];
+        const TBlock bl = blocks[b];
+        const uint64_t host = bl.host + d.host_off, dev = d.dev + bl.id * d.stride;
+        const char* src = (const char*)(h2d ? host : dev);
+        char* dst = (char*)(h2d ? dev : host);
+        if (d.aux == 0) {
+            copy_segment<false, Throttled, Probe>(src, dst, d.len, lane, &th);
+        } else {
+            copy_rows<false, Throttled, Probe>(src, dst, d.len, d.aux, lane, &th);
+        }
+    }
+}
+
+// kvo_copy_tmpl is kvo_copy for a template launch (copy_tmpl): the same
+// loop, its descriptors computed from a block's template piece and the
+// block, so that a head-sliced copy's table is one entry a block instead
+// of one descriptor per head, layer and K/V.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_tmpl(const TDesc* t, uint32_t nt, uint32_t nb, uint32_t h2d) {
+    copy_tmpl<false, false>(t, nt, nb, h2d, 0, 0);
+}
+
+// kvo_copy_tmpl_probe is kvo_copy_probe for a template launch.
+extern "C" __global__ void __launch_bounds__(1024) kvo_copy_tmpl_probe(const TDesc* t, uint32_t nt, uint32_t nb, uint32_t h2d, uint64_t fence_iters, uint64_t pace_ns) {
+    copy_tmpl<true, true>(t, nt, nb, h2d, fence_iters, pace_ns);
+}
+
 // kvo_desc2d does nothing: its presence in an image tells the Go side that
 // the copy kernels take 2-D descriptors (Desc with aux != 0).
 extern "C" __global__ void kvo_desc2d() {}
