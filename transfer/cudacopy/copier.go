@@ -485,6 +485,11 @@ type Capabilities struct {
 	// Desc2DKernel), so Submit2D sends strided segments as they are;
 	// otherwise one descriptor per row.
 	Kernel2D bool `json:"kernel_2d"`
+	// Template: the PTX image has the template launches' kernels
+	// (TemplateKernel, TemplateProbeKernel), so NewTemplate and
+	// SubmitTemplate work where the direction's copy kernel is the
+	// default one (see NewTemplate).
+	Template bool `json:"template"`
 	// HostPointerIdentity: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 1, so
 	// the kernel uses registered host pointers as they are.
 	HostPointerIdentity bool `json:"host_pointer_identity"`
@@ -522,6 +527,9 @@ type descBuf struct {
 	table []desc
 	dev   cuda.DevicePtr
 	args  [4][]byte
+	// targs: a template launch's parameters (table, nt, nb, h2d, and
+	// kvo_copy_tmpl_probe's fence_iters and pace_ns).
+	targs [6][]byte
 }
 
 type ticketRec struct {
@@ -568,6 +576,9 @@ type Copier struct {
 	// the staged copies' device-side kernel (Capabilities.Staged); fill and
 	// csum launch kvo_fill and kvo_checksum on h2d's grid.
 	d2h, h2d, stg, fill, csum launchFn
+	// tmplH2D and tmplD2H are the template launches (template.go), on
+	// h2d's and d2h's grids.
+	tmplH2D, tmplD2H launchFn
 
 	chooser atomic.Pointer[chooser]
 	hosts   atomic.Pointer[hostTable] // copy-on-write; nil entries never
@@ -691,6 +702,7 @@ func (c *Copier) loadModule() error {
 	if _, err := c.drv.ModuleGetFunction(mod, Desc2DKernel); err == nil {
 		c.caps.Kernel2D = true
 	}
+	_ = c.loadTemplates() // Capabilities.Template says whether it found them
 	return nil
 }
 
@@ -714,8 +726,10 @@ func (c *Copier) newDescBuf() (*descBuf, error) {
 		table: unsafe.Slice((*desc)(h), c.opts.DescCapacity),
 		dev:   d,
 		args:  [4][]byte{make([]byte, 8), make([]byte, 4), make([]byte, 8), make([]byte, 8)},
+		targs: [6][]byte{make([]byte, 8), make([]byte, 4), make([]byte, 4), make([]byte, 4), make([]byte, 8), make([]byte, 8)},
 	}
 	binary.LittleEndian.PutUint64(b.args[0], uint64(d))
+	binary.LittleEndian.PutUint64(b.targs[0], uint64(d))
 	c.all = append(c.all, b)
 	return b, nil
 }
@@ -944,15 +958,10 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 	}
 	total := ck.count()
 	nbuf := (total + c.opts.DescCapacity - 1) / c.opts.DescCapacity
-	// The tables go up on c.up unless s is capturing a graph (a captured
-	// launch may not wait on uncaptured work in another stream).
-	side := c.up != 0
-	if side {
-		st, err := c.drv.StreamIsCapturing(s)
-		if err != nil {
-			return Ticket{}, fmt.Errorf("cudacopy: checking the launch stream for a capture: %w", err)
-		}
-		side = st == cuda.CaptureStatusNone
+	// The tables go up on c.up unless s is capturing a graph.
+	side, err := c.sideUpload(s)
+	if err != nil {
+		return Ticket{}, err
 	}
 	events := 1
 	if side {
@@ -988,27 +997,11 @@ func (c *Copier) launch(s cuda.Stream, ck *chunker, l *launchFn, extra uint64) (
 	return t, nil
 }
 
-// enqueue uploads b's first n descriptors and launches l over them on s:
-// the upload on s itself, or, with an uploaded event, on the upload stream
-// c.up, s waiting for the event. (A table is reused only after its
-// ticket's done event, recorded on s after the launch, has completed, so
-// an upload on c.up never overwrites a table a launch still reads.)
+// enqueue uploads b's first n descriptors (upload: on s, or with an
+// uploaded event on the upload stream) and launches l over them on s.
 func (c *Copier) enqueue(s cuda.Stream, b *descBuf, l *launchFn, ck *chunker, n int, extra uint64, done, warpsPerCTA int, uploaded cuda.Event) error {
-	host := cuda.DevicePtr(uintptr(b.host))
-	up := s
-	if uploaded != 0 {
-		up = c.up
-	}
-	if err := c.drv.MemcpyAsync(b.dev, host, uint64(n)*descSize, up); err != nil {
-		return fmt.Errorf("cudacopy: uploading %d descriptors: %w", n, err)
-	}
-	if uploaded != 0 {
-		if err := c.drv.EventRecord(uploaded, up); err != nil {
-			return fmt.Errorf("cudacopy: recording a descriptor upload: %w", err)
-		}
-		if err := c.drv.StreamWaitEvent(s, uploaded, cuda.EventWaitDefault); err != nil {
-			return fmt.Errorf("cudacopy: ordering a launch after its descriptor upload: %w", err)
-		}
+	if err := c.upload(s, b, n*descSize, uploaded); err != nil {
+		return err
 	}
 	binary.LittleEndian.PutUint32(b.args[1], uint32(n))
 	args := b.args[:2]

@@ -23,6 +23,22 @@ const (
 	// in bits 24-47, the destination pitch / 16 in bits 0-23, len the row's
 	// bytes); the fake's copy kernels interpret them. It does nothing.
 	KernelDesc2D = "kvo_desc2d"
+	// KernelCopyTmpl is a template launch (kvo_copy_tmpl): the table holds
+	// nt template pieces of 64 bytes {dev, stride, host_off, len, aux, 3
+	// words unused}, then nb blocks of 16 bytes {host, id}; piece k of
+	// block b copies len bytes (aux != 0: a 2-D descriptor's rows) between
+	// host + host_off and dev + id × stride, host to device when h2d != 0.
+	KernelCopyTmpl = "kvo_copy_tmpl"
+	// KernelCopyTmplProbe is KernelCopyTmpl throttled by read-backs (the
+	// same to the fake).
+	KernelCopyTmplProbe = "kvo_copy_tmpl_probe"
+)
+
+// tmplPieceSize and tmplBlockSize are the sizes of a template launch's
+// table entries (struct TDesc and TBlock in kernels.cu).
+const (
+	tmplPieceSize = 64
+	tmplBlockSize = 16
 )
 
 // descSize is the size of one descriptor {src, dst, len, aux uint64}.
@@ -36,6 +52,9 @@ var kernelParams = map[string][]int{
 	KernelCopySys:   {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
 	KernelCopyProbe: {8, 4, 8, 8}, // descs, n, fence_iters, pace_ns
 	KernelDesc2D:    {},
+	// table, nt, nb, h2d (and fence_iters, pace_ns)
+	KernelCopyTmpl:      {8, 4, 4, 4},
+	KernelCopyTmplProbe: {8, 4, 4, 4, 8, 8},
 }
 
 // maxSpin bounds the sleep that stands in for kvo_fill's spin.
@@ -161,6 +180,9 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 	if name == KernelDesc2D {
 		return cuda.Success
 	}
+	if name == KernelCopyTmpl || name == KernelCopyTmplProbe {
+		return d.runTemplate(args)
+	}
 	table := binary.LittleEndian.Uint64(args[0])
 	n := uint64(binary.LittleEndian.Uint32(args[1]))
 	if name == KernelFill {
@@ -217,6 +239,47 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 				return cuda.ErrorIllegalAddress
 			}
 			binary.LittleEndian.PutUint64(dst, Checksum(src))
+		}
+	}
+	return cuda.Success
+}
+
+// runTemplate runs a template launch (KernelCopyTmpl): every block's
+// pieces, block by block.
+func (d *Driver) runTemplate(args [][]byte) cuda.Result {
+	table := binary.LittleEndian.Uint64(args[0])
+	nt := uint64(binary.LittleEndian.Uint32(args[1]))
+	nb := uint64(binary.LittleEndian.Uint32(args[2]))
+	h2d := binary.LittleEndian.Uint32(args[3]) != 0
+	d.mem.mu.RLock()
+	defer d.mem.mu.RUnlock()
+	raw, ok := d.mem.slice(table, nt*tmplPieceSize+nb*tmplBlockSize)
+	if !ok {
+		return cuda.ErrorIllegalAddress
+	}
+	u := func(off uint64) uint64 { return binary.LittleEndian.Uint64(raw[off:]) }
+	for b := range nb {
+		bo := nt*tmplPieceSize + b*tmplBlockSize
+		host, id := u(bo), u(bo+8)
+		for k := range nt {
+			po := k * tmplPieceSize
+			h, v := host+u(po+16), u(po)+id*u(po+8)
+			ds := desc{src: v, dst: h, len: u(po + 24), aux: u(po + 32)}
+			if h2d {
+				ds.src, ds.dst = h, v
+			}
+			if ds.aux != 0 {
+				if !d.copy2D(ds) {
+					return cuda.ErrorIllegalAddress
+				}
+				continue
+			}
+			dst, ok1 := d.mem.slice(ds.dst, ds.len)
+			src, ok2 := d.mem.slice(ds.src, ds.len)
+			if !ok1 || !ok2 {
+				return cuda.ErrorIllegalAddress
+			}
+			copy(dst, src)
 		}
 	}
 	return cuda.Success
