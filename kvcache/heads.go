@@ -178,6 +178,17 @@ func (l *Layout) devKV(b uint64, i, kv int) uint64 {
 	return lt.V + b*lt.Stride
 }
 
+// DevStride is the device bytes between block id's and block id+1's
+// segments of layer (each segment of a block lies at its block 0 address
+// plus id × the stride of its tensor): the layer's tensors' Stride, or the
+// cross-layer tensor's. It panics on a layer outside the geometry.
+func (l *Layout) DevStride(layer int) uint64 {
+	if l.spec.Kind == CrossLayer {
+		return l.spec.Stride
+	}
+	return l.spec.Layers[layer].Stride
+}
+
 // SegmentsRange appends to dst the segments of heads r of block id and
 // returns it: per layer, K then V, the device side of the heads (2-D
 // segments for a TokenMajor layout, one per head; one contiguous segment

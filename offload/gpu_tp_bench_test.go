@@ -58,7 +58,8 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // (inline=1: descriptor tables uploaded on the copy stream, see
 // cudacopy.Options.UploadOnCopyStream), head (microseconds of
 // transfer.Config.EarlyHead), headparts (its EarlyHeadParts), growth
-// (PartGrowthEnv's parts that grow) and nohead (nohead=1: EarlyHead 0)).
+// (PartGrowthEnv's parts that grow), nohead (nohead=1: EarlyHead 0) and
+// notmpl (notmpl=1: no template requests)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -100,6 +101,8 @@ func hsVariant(v string) (engineHooks, error) {
 			h.partGrowth = n // growth=N: parts that grow (PartGrowthEnv)
 		case "nohead":
 			h.noEarlyHead = true // nohead=1: no head issued on the caller's thread
+		case "notmpl":
+			h.noTemplates = true // notmpl=1: no template requests (parts of segments, as before them)
 		case "inline":
 			h.copyOptions.UploadOnCopyStream = true // inline=1: each table uploaded on the copy stream before its launch
 		default:

@@ -114,6 +114,9 @@ type engineHooks struct {
 	// (DefaultEarlyHead, EarlyHeadEnv); noEarlyHead turns it off.
 	earlyHead   time.Duration
 	noEarlyHead bool
+	// noTemplates: head-sliced copies cut into parts for Build alone,
+	// never template requests (A/B benchmarks).
+	noTemplates bool
 	// earlyHeadParts, when positive, replaces the scheduler's
 	// EarlyHeadParts (DefaultEarlyHeadParts, EarlyHeadPartsEnv).
 	earlyHeadParts int

@@ -188,6 +188,9 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		return dst
 	}
 	req := transfer.Request{Bytes: perBlock * uint64(len(blockIDs))}
+	if tp := e.templatePlan(l, ks, blockIDs, slots, perLayer); tp != nil {
+		return tp(req), nil
+	}
 	ps := partSegments
 	if e.hooks.partSegments > 0 {
 		ps = e.hooks.partSegments
@@ -244,6 +247,73 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 		return dst, nil
 	}
 	return req, nil
+}
+
+// templatePlan returns, for a layout whose segments are strided (a TP
+// rank's heads of token-major tensors) on a scheduler that copies
+// templates, the function that completes req as a template request: one
+// part (every block), or with perLayer one part a layer, each copied as
+// one template launch (transfer.Template: the block's pieces once, then a
+// slot address and block id a block), Build the same parts' segments.
+// Otherwise nil: the parts are cut for Build alone. ks is a block's
+// segments, as copyPlan got them.
+func (e *Engine) templatePlan(l *kvcache.Layout, ks []kvcache.Segment, blockIDs []int, slots []kvcache.Slot, perLayer bool) func(transfer.Request) transfer.Request {
+	if e.hooks.noTemplates || !slices.ContainsFunc(ks, kvcache.Segment.Strided) || l.Kind() == kvcache.CrossLayer ||
+		!e.sched.Templates(transfer.Store) || !e.sched.Templates(transfer.Load) {
+		return nil
+	}
+	base, err := l.Segments(0, nil)
+	if err != nil || len(base) != len(ks) {
+		return nil
+	}
+	layers := l.Geometry().Layers
+	pieces := make([]transfer.Piece, len(base))
+	var ends []int
+	for i, s := range base {
+		pieces[i] = transfer.Piece{Segment: transfer.Segment{
+			Dev: s.Dev, Host: s.Off, Len: s.Len, Rows: s.Rows, RowLen: s.RowLen, DevPitch: s.DevPitch, HostPitch: s.HostPitch,
+		}, DevStride: l.DevStride(s.Layer)}
+		if perLayer && (i == len(base)-1 || base[i+1].Layer != s.Layer) {
+			ends = append(ends, i+1)
+		}
+	}
+	if perLayer && len(ends) != layers {
+		return nil
+	}
+	return func(req transfer.Request) transfer.Request {
+		blocks := func(_ int, dst []transfer.Block) ([]transfer.Block, error) {
+			for i, id := range blockIDs {
+				dst = append(dst, transfer.Block{Host: uint64(slots[i].Addr), ID: uint64(id)})
+			}
+			return dst, nil
+		}
+		req.Template = &transfer.Template{Pieces: pieces, LayerEnds: ends, Blocks: blocks}
+		req.Parts = 1
+		if perLayer {
+			req.Layered, req.Parts = true, layers
+		}
+		req.Build = func(p int, dst []transfer.Segment) ([]transfer.Segment, error) {
+			var bs []kvcache.Segment
+			var err error
+			for i, id := range blockIDs {
+				if perLayer {
+					bs, err = l.LayerSegments(id, p, bs[:0])
+				} else {
+					bs, err = l.Segments(id, bs[:0])
+				}
+				if err != nil {
+					return dst, err
+				}
+				host := uint64(slots[i].Addr)
+				for j := range bs {
+					s := &bs[j]
+					dst = append(dst, transfer.Segment{Dev: s.Dev, Host: host + s.Off, Len: s.Len, Rows: s.Rows, RowLen: s.RowLen, DevPitch: s.DevPitch, HostPitch: s.HostPitch})
+				}
+			}
+			return dst, nil
+		}
+		return req
+	}
 }
 
 func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {

@@ -131,8 +131,19 @@ func repeatOutcome(o Outcome, n int) []Outcome {
 // KV laid out for its TP size (token-major: 2-D segments for ranks of
 // several heads), per layer too, into poisoned blocks of which only the
 // loaded ones change. KV events announce each block once.
+// It runs twice: with template requests (the simulated device copies
+// them: the ranks' head-sliced copies each go as one launch, or one a
+// layer) and without (Build's segments in parts).
 func TestTPSizeSharing(t *testing.T) {
-	e := newTestEngine(t, Config{PoolBytes: 64 * 4096, Layout: tpLayout(2, 0), Namespace: "model-x"})
+	for _, noTemplates := range []bool{false, true} {
+		t.Run(fmt.Sprint("templates=", !noTemplates), func(t *testing.T) { tpSizeSharing(t, noTemplates) })
+	}
+}
+
+func tpSizeSharing(t *testing.T, noTemplates bool) {
+	e, err := newEngine(Config{Backend: BackendHost, SkipMemoryCheck: true, PoolBytes: 64 * 4096, Layout: tpLayout(2, 0), Namespace: "model-x"},
+		engineHooks{noTemplates: noTemplates})
+	require.NoError(t, err)
 	defer func() { _ = e.Close() }() // closed below; this on a failure
 	events := e.Events(256)
 	r1, err := e.Rank(tpLayout(2, 1))
@@ -208,6 +219,14 @@ func TestTPSizeSharing(t *testing.T) {
 				}
 			}
 		}
+	}
+	if noTemplates {
+		require.Zero(t, e.sim.Templated())
+	} else {
+		// Two stores, TP=1's load (all four heads, token-major: 2-D
+		// pieces), TP=2's two per-layer loads of tpLayers parts each; not
+		// TP=4's (a rank of one head copies contiguous segments).
+		require.EqualValues(t, 2+1+2*tpLayers, e.sim.Templated(), "template copies")
 	}
 	require.NoError(t, e.Close())
 	var stored []Event

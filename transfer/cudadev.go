@@ -47,6 +47,8 @@ type CUDA struct {
 	bounced atomic.Int64 // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64 // BudgetSplits
 	prepped atomic.Int64 // copies enqueued as prepared (CopyPrepared), for tests
+	// templated counts template copies (CopyTemplate).
+	templated atomic.Int64
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
 	// early: stream memory operations for early events (early.go).

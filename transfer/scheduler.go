@@ -270,7 +270,11 @@ type Request struct {
 	// for different parts, of this request or another, may run at once
 	// (one on each builder goroutine): Build must be safe for that. A part
 	// is built once, and no Build runs after the op has completed.
-	Build      func(part int, dst []Segment) ([]Segment, error)
+	Build func(part int, dst []Segment) ([]Segment, error)
+	// Template, with Build, gives the parts as blocks of one shape, which
+	// a device that copies templates copies from it instead of Build's
+	// segments (see Template); Build's segments remain the definition.
+	Template   *Template
 	Parts      int
 	Layered    bool
 	LayerParts []int
@@ -373,6 +377,10 @@ type partBuf struct {
 	prepared bool
 	err      error
 	builder  int // the feed's builder that owns it
+	// A template part (tmpl): its blocks and the bytes they copy.
+	tmpl   bool
+	blocks []Block
+	tbytes uint64
 }
 
 // preparer is a Device that can do a Copy's host-side work ahead, on a
@@ -599,6 +607,9 @@ type Op struct {
 	headRetires           []func()
 	headDescs             []Segment
 	headErr               error
+	// tmpl: the op's templates as the device prepared them (one, or one
+	// per layer), nil when its parts are copied from Build.
+	tmpl []opTemplate
 
 	mu        sync.Mutex
 	err       error
@@ -913,10 +924,16 @@ func (s *Scheduler) prepareLazy(req Request) (*Op, error) {
 	default:
 		ends = []int{req.Parts}
 	}
+	if req.Template != nil {
+		if err := checkTemplate(&req); err != nil {
+			return nil, err
+		}
+	}
 	op := &Op{s: s, dir: req.Dir, req: req, bytes: req.Bytes, done: make(chan struct{}), layerEnds: ends}
 	if req.Events || req.Signal != 0 {
 		op.enq = make(chan struct{})
 	}
+	s.prepareTemplates(op)
 	return op, nil
 }
 
@@ -1571,6 +1588,12 @@ func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
 	pb.op, pb.p, pb.err, pb.prepared = op, p, nil, false
 	pb.descs = pb.descs[:0]
+	pb.tmpl, pb.tbytes = false, 0
+	if op.tmpl != nil {
+		pb.placed = pb.placed[:0]
+		s.buildTemplatePart(op, p, pb)
+		return
+	}
 	segs, err := op.req.Build(p, pb.segs[:0])
 	if err != nil {
 		pb.placed = pb.placed[:0]
@@ -1596,6 +1619,9 @@ func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
 func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	if pb.err != nil {
 		return pb.err
+	}
+	if pb.tmpl {
+		return s.copyTemplatePart(b, op, pb)
 	}
 	if len(pb.placed) == 0 {
 		return nil

@@ -32,6 +32,12 @@ type simEnv struct {
 
 func newSimEnv(t *testing.T, size uint64, cfg Config, sc SimConfig) *simEnv {
 	t.Helper()
+	return newSimEnvOn(t, size, cfg, sc, nil)
+}
+
+// newSimEnvOn is newSimEnv with the scheduler on wrap(sim) (nil: the sim).
+func newSimEnvOn(t *testing.T, size uint64, cfg Config, sc SimConfig, wrap func(*Sim) Device) *simEnv {
+	t.Helper()
 	sim, err := NewSim(sc)
 	require.NoError(t, err)
 	dev, err := sim.MemAlloc(size)
@@ -49,7 +55,11 @@ func newSimEnv(t *testing.T, size uint64, cfg Config, sc SimConfig) *simEnv {
 	} else {
 		e.tracker = cfg.Tracker
 	}
-	s, err := New(sim, cfg)
+	var d Device = sim
+	if wrap != nil {
+		d = wrap(sim)
+	}
+	s, err := New(d, cfg)
 	require.NoError(t, err)
 	require.NoError(t, s.AddDeviceRange(dev, size))
 	require.NoError(t, s.AddHostRange(host, size))

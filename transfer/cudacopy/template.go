@@ -97,6 +97,14 @@ func (c *Copier) tmplLaunch(dir Direction) (*launchFn, error) {
 	return nil, fmt.Errorf("%w: template copies go between host and device, not %v", ErrInvalidOption, dir)
 }
 
+// TemplateAvailable is nil when NewTemplate may succeed for dir, else why
+// it cannot (ErrUnavailable, or ErrInvalidOption for a direction that is
+// not H2D or D2H).
+func (c *Copier) TemplateAvailable(dir Direction) error {
+	_, err := c.tmplLaunch(dir)
+	return err
+}
+
 // maxTemplatePieces is the most encoded pieces a template may have: its
 // table and one block fit one descriptor table.
 func (c *Copier) maxTemplatePieces() uint64 {
