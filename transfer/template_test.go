@@ -22,7 +22,7 @@ type tmplCase struct {
 	slotOf                     []int // block i's device id is i, its slot slotOf[i]
 }
 
-func (c *tmplCase) devBlock() uint64 { return uint64(c.tokens * c.count * c.row) }
+func (c *tmplCase) devBlock() uint64  { return uint64(c.tokens * c.count * c.row) }
 func (c *tmplCase) headBytes() uint64 { return uint64(c.tokens * c.row) }
 func (c *tmplCase) slot() uint64      { return uint64(c.layers*2*c.heads) * c.headBytes() }
 func (c *tmplCase) tensor(l, kv int) uint64 {
