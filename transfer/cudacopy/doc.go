@@ -30,6 +30,15 @@
 // otherwise, and for the memcpy and batch methods, each row is a copy of
 // its own (the driver binding has no cuMemcpy2DAsync).
 //
+// Template copies (NewTemplate, SubmitTemplate; template.go) move many
+// blocks of one shape: the template's pieces (one block's segments, each
+// with its device stride per block id) are encoded once into the table,
+// then 16 bytes a block (its host slot and id), and kvo_copy_tmpl
+// (kvo_copy_tmpl_probe for D2H) computes work item w's descriptor as piece
+// w%pieces of block w/pieces. A template needs the kernel method and the
+// template kernels in the PTX image (TemplateAvailable); blocks that do not
+// fit one table are split over several launches.
+//
 // Staged copies (SubmitGather, SubmitScatter; gather.go) move whole blocks —
 // segments from many device tensors, back to back in a host slot — with one
 // DMA per block between the host and device staging and the kernel on the
