@@ -241,16 +241,21 @@ func (s *Sim) AddHostRange(base, size uint64) error { return s.cu.AddHostRange(b
 // RemoveHostRange forgets a host range.
 func (s *Sim) RemoveHostRange(base uint64) error { return s.cu.RemoveHostRange(base) }
 
+// takeCopyFailure returns (and clears) the failure FailNextCopy set.
+func (s *Sim) takeCopyFailure() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	err := s.failCp
+	s.failCp = nil
+	return err
+}
+
 // Copy implements Device.
 func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
 	if !dir.valid() {
 		return nil, fmt.Errorf("%w: direction %d", ErrSim, int(dir))
 	}
-	s.mu.Lock()
-	err := s.failCp
-	s.failCp = nil
-	s.mu.Unlock()
-	if err != nil {
+	if err := s.takeCopyFailure(); err != nil {
 		return nil, err
 	}
 	return s.cu.Copy(dir, segs)

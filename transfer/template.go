@@ -323,11 +323,7 @@ func (s *Sim) CanTemplate(dir Direction) bool { return s.cu.CanTemplate(dir) }
 
 // CopyTemplate implements templater, failing like Copy after FailNextCopy.
 func (s *Sim) CopyTemplate(dir Direction, prepared any, blocks []Block) (func(), error) {
-	s.mu.Lock()
-	err := s.failCp
-	s.failCp = nil
-	s.mu.Unlock()
-	if err != nil {
+	if err := s.takeCopyFailure(); err != nil {
 		return nil, err
 	}
 	return s.cu.CopyTemplate(dir, prepared, blocks)

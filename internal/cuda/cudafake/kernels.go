@@ -209,18 +209,9 @@ func (d *Driver) runKernel(name string, args [][]byte) cuda.Result {
 	for i, ds := range descs {
 		switch name {
 		case KernelCopy, KernelCopySys, KernelCopyProbe:
-			if ds.aux != 0 {
-				if !d.copy2D(ds) {
-					return cuda.ErrorIllegalAddress
-				}
-				continue
-			}
-			dst, ok1 := d.mem.slice(ds.dst, ds.len)
-			src, ok2 := d.mem.slice(ds.src, ds.len)
-			if !ok1 || !ok2 {
+			if !d.copyDesc(ds) {
 				return cuda.ErrorIllegalAddress
 			}
-			copy(dst, src)
 		case KernelFill:
 			words := ds.len >> 3
 			dst, ok := d.mem.slice(ds.dst, words*8)
@@ -268,21 +259,28 @@ func (d *Driver) runTemplate(args [][]byte) cuda.Result {
 			if h2d {
 				ds.src, ds.dst = h, v
 			}
-			if ds.aux != 0 {
-				if !d.copy2D(ds) {
-					return cuda.ErrorIllegalAddress
-				}
-				continue
-			}
-			dst, ok1 := d.mem.slice(ds.dst, ds.len)
-			src, ok2 := d.mem.slice(ds.src, ds.len)
-			if !ok1 || !ok2 {
+			if !d.copyDesc(ds) {
 				return cuda.ErrorIllegalAddress
 			}
-			copy(dst, src)
 		}
 	}
 	return cuda.Success
+}
+
+// copyDesc runs one copy descriptor (2-D when aux is set), as kvo_copy's
+// warps do; false when a span is outside device or host memory. The caller
+// holds d.mem.mu.
+func (d *Driver) copyDesc(ds desc) bool {
+	if ds.aux != 0 {
+		return d.copy2D(ds)
+	}
+	dst, ok1 := d.mem.slice(ds.dst, ds.len)
+	src, ok2 := d.mem.slice(ds.src, ds.len)
+	if !ok1 || !ok2 {
+		return false
+	}
+	copy(dst, src)
+	return true
 }
 
 // Checksum is kvo_checksum's function of one segment: the wrapping sum over
