@@ -1,8 +1,10 @@
 package transfer
 
 import (
+	"errors"
 	"fmt"
 	"math/bits"
+	"slices"
 
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
@@ -118,6 +120,9 @@ func (s *Scheduler) prepareTemplates(op *Op) {
 		from = to
 		for j := range o.pieces {
 			p := &o.pieces[j]
+			if checkPiece(j, p, s.cfg.Align) != nil {
+				return // Build's segments report it
+			}
 			end, c1 := bits.Add64(p.Host, p.hostExtent(), 0)
 			sum, c2 := bits.Add64(o.bytes, p.Len, 0)
 			if c1 != 0 || c2 != 0 {
@@ -238,6 +243,25 @@ func (s *Scheduler) checkBlocks(t *opTemplate, blocks []Block) error {
 	return nil
 }
 
+// checkPiece holds a template piece to what validate asks of a segment
+// that does not depend on its block (a length, rows that make it up,
+// alignment to align: its host side as an offset into the slot, whose
+// address checkBlocks holds to align), so that a template is taken only
+// where Build's segments would pass too.
+func checkPiece(i int, p *Piece, align uint64) error {
+	s := p.Segment
+	if s.Len == 0 {
+		return fmt.Errorf("%w: template piece %d has zero length", ErrInvalidSegment, i)
+	}
+	if align > 1 && (s.Dev%align != 0 || s.Host%align != 0 || s.Len%align != 0) {
+		return fmt.Errorf("%w: template piece %d (dev %#x, host offset %d, len %d) is not aligned to %d bytes", ErrInvalidSegment, i, s.Dev, s.Host, s.Len, align)
+	}
+	if s.Rows > 1 {
+		return check2D(i, s, align)
+	}
+	return nil
+}
+
 // copyTemplatePart copies a built template part (issuing thread).
 func (s *Scheduler) copyTemplatePart(b *batch, op *Op, pb *partBuf) error {
 	d := op.dir
@@ -269,15 +293,18 @@ func (s *Scheduler) Templates(dir Direction) bool {
 }
 
 // CanTemplate implements templater: the copier has a template launch for
-// dir.
+// dir (false once the device is closed).
 func (c *CUDA) CanTemplate(dir Direction) bool {
-	return c.copier.TemplateAvailable(copyDir(dir)) == nil
+	return c.copier != nil && c.copier.TemplateAvailable(copyDir(dir)) == nil
 }
 
 // PrepareTemplate implements templater: the copier's template for dir
 // (cudacopy.NewTemplate), or its error (cudacopy.ErrUnavailable where the
 // PTX image or the options have no template launch).
 func (c *CUDA) PrepareTemplate(dir Direction, pieces []Piece) (any, error) {
+	if c.copier == nil {
+		return nil, fmt.Errorf("%w: PrepareTemplate on a closed CUDA device", ErrInvalidRequest)
+	}
 	ps := make([]cudacopy.TemplatePiece, len(pieces))
 	for i, p := range pieces {
 		rows, row := p.Rows, p.RowLen
@@ -301,12 +328,51 @@ func (c *CUDA) CopyTemplate(dir Direction, prepared any, blocks []Block) (func()
 			return nil, err
 		}
 	}
-	tk, err := c.copier.SubmitTemplate(c.streams[dir], t, blocks)
-	if err != nil {
+	ts := c.tickets[:0]
+	defer func() { c.tickets = ts[:0] }()
+	if err := c.submitTemplate(dir, t, blocks, &ts); err != nil {
+		if len(ts) > 0 {
+			// Halves of a split copy were enqueued: their tables are
+			// reused only once they are known finished.
+			err = errors.Join(err, c.join(dir), c.drv.StreamSynchronize(c.streams[dir]))
+			for _, tk := range ts {
+				_ = c.copier.Retire(tk)
+			}
+		}
 		return nil, err
 	}
 	c.templated.Add(1)
-	return func() { _ = c.copier.Retire(tk) }, nil
+	if len(ts) == 1 {
+		tk := ts[0]
+		return func() { _ = c.copier.Retire(tk) }, nil
+	}
+	split := slices.Clone(ts)
+	return func() {
+		for _, tk := range split {
+			_ = c.copier.Retire(tk)
+		}
+	}, nil
+}
+
+// submitTemplate submits blocks of t in one SubmitTemplate or, where that
+// needs more tables than the copier's MaxDeviceBytes can ever give one call
+// (cudacopy.ErrDeviceBudget: a template of many pieces leaves room for few
+// blocks a table), in halves, appending each call's ticket to ts in
+// stream order.
+func (c *CUDA) submitTemplate(dir Direction, t *cudacopy.Template, blocks []Block, ts *[]cudacopy.Ticket) error {
+	tk, err := c.copier.SubmitTemplate(c.streams[dir], t, blocks)
+	if err == nil {
+		*ts = append(*ts, tk)
+		return nil
+	}
+	if !errors.Is(err, cudacopy.ErrDeviceBudget) || len(blocks) < 2 {
+		return err
+	}
+	c.splits.Add(1)
+	if err := c.submitTemplate(dir, t, blocks[:len(blocks)/2], ts); err != nil {
+		return err
+	}
+	return c.submitTemplate(dir, t, blocks[len(blocks)/2:], ts)
 }
 
 // Templated is how many template copies the device has enqueued (tests and

@@ -232,6 +232,24 @@ func TestTemplateValidationSim(t *testing.T) {
 	require.NoError(t, err)
 	require.ErrorIs(t, op.Wait(), ErrInvalidRequest)
 	require.NoError(t, op.Release())
+	// A piece that Build's segments would not pass as a segment (rows
+	// that do not make up its length; a host offset off the scheduler's
+	// alignment) is no template: the part is Build's, whose segments
+	// (made from the same pieces here) fail it, and nothing goes as a
+	// template.
+	for _, mod := range []func(*Piece){
+		func(p *Piece) { p.Len += 16 },
+		func(p *Piece) { p.Host += 8 },
+	} {
+		req = c.request(Store, 1, false)
+		mod(&req.Template.Pieces[0])
+		before := e.sim.Templated()
+		op, err = e.s.Submit(req)
+		require.NoError(t, err)
+		require.ErrorIs(t, op.Wait(), ErrInvalidSegment)
+		require.NoError(t, op.Release())
+		require.Equal(t, before, e.sim.Templated(), "a bad piece went as a template")
+	}
 	// The scheduler still copies.
 	op, err = e.s.Submit(c.request(Store, 2, false))
 	require.NoError(t, err)

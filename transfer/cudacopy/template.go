@@ -40,6 +40,7 @@ type TemplateBlock struct {
 // Template is a template's pieces encoded for one direction's launches
 // (NewTemplate), immutable and safe to share between SubmitTemplate calls.
 type Template struct {
+	c     *Copier // the Copier whose options (table size, chunks) encoded it
 	dir   Direction
 	enc   []tmplPiece
 	span  uint64 // host bytes from a block's address its pieces reach
@@ -127,7 +128,7 @@ func (c *Copier) NewTemplate(dir Direction, pieces []TemplatePiece) (*Template, 
 	if len(pieces) == 0 {
 		return nil, fmt.Errorf("%w: a template of no pieces", ErrInvalidSegment)
 	}
-	t := &Template{dir: dir, maxID: ^uint64(0)}
+	t := &Template{c: c, dir: dir, maxID: ^uint64(0)}
 	var n uint64
 	for i := range pieces {
 		p := &pieces[i]
@@ -239,11 +240,17 @@ func (c *Copier) encodePiece(out []tmplPiece, dir Direction, p *TemplatePiece) [
 // template's devices addresses; ErrMisaligned for a host address not a
 // multiple of 16; ErrUnregisteredHost where host addresses need
 // translating and a block's span is not in a registered range) and nothing
-// is enqueued then. Tickets, retirement and errors after the checks are
-// Submit's. It allocates nothing.
+// is enqueued then; ErrInvalidOption for a template another Copier made.
+// Tickets, retirement and errors after the checks are Submit's. It
+// allocates nothing.
 func (c *Copier) SubmitTemplate(s cuda.Stream, t *Template, blocks []TemplateBlock) (Ticket, error) {
 	if t == nil || len(t.enc) == 0 {
 		return Ticket{}, fmt.Errorf("%w: SubmitTemplate without a template (NewTemplate)", ErrInvalidOption)
+	}
+	if t.c != c {
+		// Its encoding and its size follow another Copier's options: a
+		// table of this one might not hold it beside a block.
+		return Ticket{}, fmt.Errorf("%w: SubmitTemplate of a template another Copier made", ErrInvalidOption)
 	}
 	l, err := c.tmplLaunch(t.dir)
 	if err != nil {

@@ -218,6 +218,14 @@ func TestTemplateValidation(t *testing.T) {
 	}
 	_, err = c.SubmitTemplate(1, nil, []TemplateBlock{{Host: 0x4000}})
 	require.ErrorIs(t, err, ErrInvalidOption)
+	// A template another Copier made (here one whose larger tables hold
+	// pieces that c's 8-descriptor table could not hold beside a block).
+	big := newCopier(t, drv, Options{PTX: fakePTX, DescCapacity: 100})
+	other, err := big.NewTemplate(H2D, []TemplatePiece{ok, ok, ok, ok, ok})
+	require.NoError(t, err)
+	_, err = c.SubmitTemplate(1, other, []TemplateBlock{{Host: 0x4000}, {Host: 0x8000}})
+	require.ErrorIs(t, err, ErrInvalidOption)
+	require.ErrorContains(t, err, "another Copier")
 	require.Empty(t, drv.args, "nothing launched")
 
 	for _, o := range []Options{{PTX: fakePTX, Method: MethodMemcpy}, {PTX: fakePTX, Method: MethodBatch}, {PTX: fakePTX, CopyKernel: StreamingCopyKernel}} {
