@@ -65,3 +65,19 @@ func TestCopyTemplateSplitsOverBudget(t *testing.T) {
 		require.Equal(t, bytes.Repeat([]byte{0xEE}, stride-3*piece), got[b+3*piece:b+stride], "block %d past its pieces", i)
 	}
 }
+
+// A closed CUDA device templates nothing and says so, without a panic.
+func TestTemplateAfterClose(t *testing.T) {
+	drv := cudafake.New(cudafake.Options{DeviceMemory: 1 << 24})
+	defer func() { require.NoError(t, drv.Close()) }()
+	ctx, err := drv.PrimaryCtxRetain(0)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, drv.PrimaryCtxRelease(0)) }()
+	cu, err := newCUDANoEarly(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
+	require.NoError(t, err)
+	require.True(t, cu.CanTemplate(Store))
+	require.NoError(t, cu.Close())
+	require.False(t, cu.CanTemplate(Store))
+	_, err = cu.PrepareTemplate(Store, []Piece{{Segment: Segment{Dev: 1 << 20, Len: 64}}})
+	require.ErrorIs(t, err, ErrInvalidRequest)
+}
