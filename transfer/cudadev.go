@@ -281,10 +281,16 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 		}
 		err = c.submit(dir, c.scratch, &ts)
 	}
+	return c.retirer(dir, ts, err)
+}
+
+// retirer ends a copy submitted as the tickets ts (several where it was
+// split): on err, the pieces already enqueued are waited for (their memory
+// is reused only once they are known finished) and retired; otherwise the
+// function that retires them all.
+func (c *CUDA) retirer(dir Direction, ts []cudacopy.Ticket, err error) (func(), error) {
 	if err != nil {
 		if len(ts) > 0 {
-			// Pieces of a split copy were enqueued: their memory is reused
-			// only once they are known finished.
 			err = errors.Join(err, c.join(dir), c.drv.StreamSynchronize(c.streams[dir]))
 			for _, t := range ts {
 				_ = c.copier.Retire(t)

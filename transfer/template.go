@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
-	"slices"
 
 	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
@@ -330,28 +329,12 @@ func (c *CUDA) CopyTemplate(dir Direction, prepared any, blocks []Block) (func()
 	}
 	ts := c.tickets[:0]
 	defer func() { c.tickets = ts[:0] }()
-	if err := c.submitTemplate(dir, t, blocks, &ts); err != nil {
-		if len(ts) > 0 {
-			// Halves of a split copy were enqueued: their tables are
-			// reused only once they are known finished.
-			err = errors.Join(err, c.join(dir), c.drv.StreamSynchronize(c.streams[dir]))
-			for _, tk := range ts {
-				_ = c.copier.Retire(tk)
-			}
-		}
-		return nil, err
+	err := c.submitTemplate(dir, t, blocks, &ts) // before ts is read: it appends
+	retire, err := c.retirer(dir, ts, err)
+	if err == nil {
+		c.templated.Add(1)
 	}
-	c.templated.Add(1)
-	if len(ts) == 1 {
-		tk := ts[0]
-		return func() { _ = c.copier.Retire(tk) }, nil
-	}
-	split := slices.Clone(ts)
-	return func() {
-		for _, tk := range split {
-			_ = c.copier.Retire(tk)
-		}
-	}, nil
+	return retire, err
 }
 
 // submitTemplate submits blocks of t in one SubmitTemplate or, where that
