@@ -26,7 +26,7 @@ func TestChecksumIsCRC32C(t *testing.T) {
 	}
 	prev := runtime.GOMAXPROCS(0)
 	defer runtime.GOMAXPROCS(prev)
-	for _, procs := range []int{1, 2, 3, 4, 8} {
+	for _, procs := range []int{1, 2, 3, 4, 8, 12, 16} {
 		runtime.GOMAXPROCS(procs)
 		for _, n := range lengths {
 			require.Equal(t, crc32.Checksum(p[:n], castagnoli), Checksum(p[:n]), "%d bytes, GOMAXPROCS %d", n, procs)
@@ -110,6 +110,27 @@ func BenchmarkChecksum2MiB(b *testing.B) {
 }
 
 var benchBufs = 64
+
+// BenchmarkChecksumWays: Checksum's split of a cold 2 MiB payload over 1
+// to 16 goroutines (pieces of at least parallelPiece), as in
+// BenchmarkChecksum2MiB.
+func BenchmarkChecksumWays(b *testing.B) {
+	bufs := make([][]byte, benchBufs)
+	for i := range bufs {
+		bufs[i] = make([]byte, 2<<20)
+		for j := range bufs[i] {
+			bufs[i][j] = byte(j * i)
+		}
+	}
+	for _, ways := range []int{1, 4, 8, 12, 16} {
+		b.Run(fmt.Sprintf("ways=%d", ways), func(b *testing.B) {
+			b.SetBytes(2 << 20)
+			for i := range b.N {
+				checksumWays(bufs[i%len(bufs)], ways)
+			}
+		})
+	}
+}
 
 // BenchmarkCopyChecksum: CopyChecksum against a copy and then Checksum of
 // the copy (the cluster tier's PutAsync before it), of a warm source into
