@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"context"
 	"encoding/csv"
 	"fmt"
@@ -76,8 +77,10 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 	}
 	fmt.Println("client CPU: the client process's user+system time per request (redis-benchmark's from its rusage, run once per op; the tier's from the test process's, over the op's phase)")
 	fmt.Println()
-	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s | client CPU µs/req: redis-benchmark, tier |")
-	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+	fmt.Println("server CPU: the masters' user+system time together (from /proc/PID/stat, 10 ms ticks) per request over the same phase, and as cores busy on average (3 masters: 3 cores at most, one event loop each)")
+	fmt.Println()
+	fmt.Println("| record bytes | op | round | load avg | count | redis-benchmark req/s | tier req/s | tier / redis-benchmark | tier GB/s | client CPU µs/req: redis-benchmark, tier | server CPU µs/req (cores): redis-benchmark, tier |")
+	fmt.Println("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 	var invalid []string
 	flush := func() {
 		for _, p := range c.ports[:3] {
@@ -89,8 +92,11 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 		ratios := map[string][]float64{}
 		for round := range rounds {
 			load := loadAvg()
+			srv0 := c.serverCPU()
 			rbSet, rbSetCPU := redisBenchmark(t, c, "set", size, depth, conns, count, keyspace)
+			srv1 := c.serverCPU()
 			rbGet, rbGetCPU := redisBenchmark(t, c, "get", size, depth, conns, count, keyspace)
+			rbSetSrv, rbGetSrv := srv1-srv0, c.serverCPU()-srv1
 			flush()
 			tr := benchTier(t, c, size, depth, conns, count, keyspace, perNode)
 			flush()
@@ -98,12 +104,14 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 				op             string
 				rb, tier       float64
 				rbCPU, tierCPU time.Duration
-			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU},
-				{"GET / GetDirect", rbGet, tr.getDirect, rbGetCPU, tr.getDirectCPU},
-				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU}} {
+				rbSrv, tierSrv time.Duration
+			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU, rbSetSrv, tr.putSrv}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU, rbGetSrv, tr.getSrv},
+				{"GET / GetDirect", rbGet, tr.getDirect, rbGetCPU, tr.getDirectCPU, rbGetSrv, tr.getDirectSrv},
+				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU, rbSetSrv, tr.rawSrv}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
-				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f |\n", size, r.op, round+1, load, count, r.rb, r.tier,
-					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count))
+				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f | %.0f (%.1f), %.0f (%.1f) |\n", size, r.op, round+1, load, count, r.rb, r.tier,
+					100*r.tier/r.rb, r.tier*float64(size)/1e9, us(r.rbCPU, count), us(r.tierCPU, count),
+					us(r.rbSrv, count), us(r.rbSrv, count)*r.rb/1e6, us(r.tierSrv, count), us(r.tierSrv, count)*r.tier/1e6)
 			}
 		}
 		for _, op := range []string{"SET / PutAsync", "GET / Get", "GET / GetDirect", "SET / the client alone"} {
@@ -255,7 +263,7 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	}
 	keys := keysN(keyspace, 0xbe)
 	var r tierResult
-	cpu0 := cpuTime(syscall.RUSAGE_SELF)
+	cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 	start := time.Now()
 	for i := range count {
 		sem <- struct{}{}
@@ -265,7 +273,7 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	}
 	s.Flush()
 	r.put = float64(count) / time.Since(start).Seconds()
-	r.putCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
+	r.putCPU, r.putSrv = cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
 	if st := s.Stats(); st.PutErrors != 0 {
 		t.Fatalf("put errors: %+v", st)
 	}
@@ -273,9 +281,9 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	var hits atomic.Int64
 	// The Gets: conns goroutines, depth keys a call, with get (Get, or
 	// GetDirect, the engine's promotion path).
-	gets := func(get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration) {
+	gets := func(get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
 		hits.Store(0)
-		cpu0 := cpuTime(syscall.RUSAGE_SELF)
+		cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 		start := time.Now()
 		inBatches(conns, depth, count, func(w int) func(i, n int) bool {
 			ks := make([][16]byte, depth)
@@ -288,14 +296,14 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 				return true
 			}
 		})
-		rate, cpu := float64(count)/time.Since(start).Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0
+		rate, cpu, srv := float64(count)/time.Since(start).Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
 		if hits.Load() != int64(count) {
 			t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 		}
-		return rate, cpu
+		return rate, cpu, srv
 	}
-	r.get, r.getCPU = gets(s.Get)
-	r.getDirect, r.getDirectCPU = gets(s.GetDirect)
+	r.get, r.getCPU, r.getSrv = gets(s.Get)
+	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets(s.GetDirect)
 
 	// The client alone: the same SETs (a whole record each, from one
 	// buffer: no copy, no checksum) as conns goroutines sending depth at a
@@ -306,7 +314,7 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	for i := range rkeys {
 		rkeys[i] = s.key(1<<40, keys[i])
 	}
-	cpu0 = cpuTime(syscall.RUSAGE_SELF)
+	cpu0, srv0 = cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 	start = time.Now()
 	inBatches(conns, depth, count, func(int) func(i, n int) bool {
 		cmds := make(rueidis.Commands, depth)
@@ -324,15 +332,50 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}
 	})
 	r.raw = float64(count) / time.Since(start).Seconds()
-	r.rawCPU = cpuTime(syscall.RUSAGE_SELF) - cpu0
+	r.rawCPU, r.rawSrv = cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
 	return r
 }
 
-// tierResult is benchTier's: rates and CPU time of the put and get phases
-// (Get, GetDirect), and of the client's own SETs (raw).
+// tierResult is benchTier's: rates, CPU time and the masters' CPU time of
+// the put and get phases (Get, GetDirect), and of the client's own SETs
+// (raw).
 type tierResult struct {
 	put, get, getDirect, raw             float64
 	putCPU, getCPU, getDirectCPU, rawCPU time.Duration
+	putSrv, getSrv, getDirectSrv, rawSrv time.Duration
+}
+
+// serverCPU is the user+system time the cluster's running masters have
+// used so far (/proc/PID/stat, in clock ticks of 10 ms: Linux's USER_HZ
+// is 100 on every architecture Go supports here); 0 where it cannot be read.
+func (c *testCluster) serverCPU() time.Duration {
+	var total time.Duration
+	for _, p := range c.ports[:c.masters] {
+		cmd := c.procs[p]
+		if cmd == nil || cmd.Process == nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", cmd.Process.Pid))
+		if err != nil {
+			continue
+		}
+		// The fields after the command's name in parentheses: utime and
+		// stime are the 12th and 13th of them (fields 14 and 15 of stat).
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		u, err1 := strconv.ParseInt(f[11], 10, 64)
+		st, err2 := strconv.ParseInt(f[12], 10, 64)
+		if err1 == nil && err2 == nil {
+			total += time.Duration(u+st) * 10 * time.Millisecond
+		}
+	}
+	return total
 }
 
 func count1(ok []bool) int { return count(ok) }

@@ -35,29 +35,32 @@ func checksumWays(p []byte, ways int) uint32 {
 	if len(p) < parallelMin || ways < 2 {
 		return crc32.Checksum(p, castagnoli)
 	}
-	piece := len(p) / ways
+	return inPieces(len(p), ways, func(lo, hi int) uint32 { return crc32.Checksum(p[lo:hi], castagnoli) })
+}
+
+// inPieces splits [0, n) into ways pieces (the last one takes the rest),
+// runs f on each, the first on the calling goroutine and the others on
+// their own, and returns the CRC of the whole from the pieces' CRCs.
+func inPieces(n, ways int, f func(lo, hi int) uint32) uint32 {
+	piece := n / ways
 	sums := make([]uint32, ways)
 	var wg sync.WaitGroup
 	for i := 1; i < ways; i++ {
 		lo, hi := i*piece, (i+1)*piece
 		if i == ways-1 {
-			hi = len(p)
+			hi = n
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sums[i] = crc32.Checksum(p[lo:hi], castagnoli)
-		}()
+		wg.Go(func() { sums[i] = f(lo, hi) })
 	}
-	sums[0] = crc32.Checksum(p[:piece], castagnoli)
+	sums[0] = f(0, piece)
 	wg.Wait()
 	sum := sums[0]
 	for i := 1; i < ways; i++ {
-		n := piece
+		m := piece
 		if i == ways-1 {
-			n = len(p) - i*piece
+			m = n - i*piece
 		}
-		sum = combine(sum, sums[i], n)
+		sum = combine(sum, sums[i], m)
 	}
 	return sum
 }
@@ -144,12 +147,30 @@ func zerosOp(n int) *gf2Matrix {
 // returns the CRC-32C of the bytes copied, computed on each piece of dst
 // right after its copy, while it is in the cache: one pass over memory
 // where a copy and then Checksum make two (the cluster tier's PutAsync,
-// which copies a payload behind its record header).
+// which copies a payload behind its record header). From copyParallelMin
+// bytes it runs on up to parallelWays goroutines (no more than half of
+// GOMAXPROCS, pieces of at least copyParallelPiece), as Checksum does: a
+// PutAsync's caller waits for it.
 func CopyChecksum(dst, src []byte) uint32 {
+	return copyChecksumWays(dst, src, min(parallelWays, runtime.GOMAXPROCS(0)/2))
+}
+
+// copyChecksumWays is CopyChecksum on at most ways goroutines.
+func copyChecksumWays(dst, src []byte, ways int) uint32 {
 	n := min(len(dst), len(src))
+	ways = min(ways, n/copyParallelPiece)
+	if n < copyParallelMin || ways < 2 {
+		return copyChecksum(dst[:n], src[:n])
+	}
+	return inPieces(n, ways, func(lo, hi int) uint32 { return copyChecksum(dst[lo:hi], src[lo:hi]) })
+}
+
+// copyChecksum is CopyChecksum on the calling goroutine, for len(dst) ==
+// len(src).
+func copyChecksum(dst, src []byte) uint32 {
 	var sum uint32
-	for off := 0; off < n; off += copyPiece {
-		end := min(off+copyPiece, n)
+	for off := 0; off < len(src); off += copyPiece {
+		end := min(off+copyPiece, len(src))
 		copy(dst[off:end], src[off:end])
 		sum = crc32.Update(sum, castagnoli, dst[off:end])
 	}
@@ -159,3 +180,10 @@ func CopyChecksum(dst, src []byte) uint32 {
 // copyPiece is CopyChecksum's piece: well within a core's L2 (16 KiB pieces
 // measured the same, 128 KiB a little faster on the 2-CPU VM).
 const copyPiece = 64 << 10
+
+// CopyChecksum's parallel bounds: from copyParallelMin bytes (a cluster
+// record of 256 KiB: 4 pieces), pieces of at least copyParallelPiece.
+const (
+	copyParallelMin   = 256 << 10
+	copyParallelPiece = 64 << 10
+)

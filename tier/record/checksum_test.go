@@ -51,22 +51,32 @@ func TestChecksumUpdate(t *testing.T) {
 // CRC-32C, for lengths around its pieces; bytes past the copy are untouched.
 func TestCopyChecksum(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
-	src := make([]byte, 5*copyPiece+9)
+	src := make([]byte, 40*copyPiece+9)
 	for i := range src {
 		src[i] = byte(r.Uint32())
 	}
-	for _, n := range []int{0, 1, copyPiece - 1, copyPiece, copyPiece + 1, 3 * copyPiece, len(src)} {
-		for _, extra := range []int{0, 5} {
-			dst := make([]byte, n+extra)
-			for i := range dst {
-				dst[i] = 0xee
+	prev := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(prev)
+	lengths := []int{0, 1, copyPiece - 1, copyPiece, copyPiece + 1, 3 * copyPiece, 5*copyPiece + 9,
+		copyParallelMin - 1, copyParallelMin, copyParallelMin + 1, copyParallelMin + 4095, 2 << 20, len(src)}
+	for range 6 {
+		lengths = append(lengths, copyParallelMin+r.IntN(len(src)-copyParallelMin))
+	}
+	for _, procs := range []int{1, 2, 4, 8, 16} {
+		runtime.GOMAXPROCS(procs)
+		for _, n := range lengths {
+			for _, extra := range []int{0, 5} {
+				dst := make([]byte, n+extra)
+				for i := range dst {
+					dst[i] = 0xee
+				}
+				require.Equal(t, crc32.Checksum(src[:n], castagnoli), CopyChecksum(dst, src[:n]), "%d bytes, GOMAXPROCS %d", n, procs)
+				require.Equal(t, src[:n], dst[:n])
+				require.Equal(t, bytes.Repeat([]byte{0xee}, extra), dst[n:], "past the copy")
 			}
-			require.Equal(t, crc32.Checksum(src[:n], castagnoli), CopyChecksum(dst, src[:n]), "%d bytes", n)
-			require.Equal(t, src[:n], dst[:n])
-			require.Equal(t, bytes.Repeat([]byte{0xee}, extra), dst[n:], "past the copy")
+			short := make([]byte, n/2)
+			require.Equal(t, crc32.Checksum(src[:n/2], castagnoli), CopyChecksum(short, src[:n]), "a shorter dst: %d bytes", n/2)
 		}
-		short := make([]byte, n/2)
-		require.Equal(t, crc32.Checksum(src[:n/2], castagnoli), CopyChecksum(short, src[:n]), "a shorter dst: %d bytes", n/2)
 	}
 }
 
@@ -127,6 +137,28 @@ func BenchmarkChecksumWays(b *testing.B) {
 			b.SetBytes(2 << 20)
 			for i := range b.N {
 				checksumWays(bufs[i%len(bufs)], ways)
+			}
+		})
+	}
+}
+
+// BenchmarkCopyChecksumWays: CopyChecksum of a warm 256 KiB source (a
+// cluster record's payload) into one of 24 destinations in turn, on 1 to
+// 8 goroutines.
+func BenchmarkCopyChecksumWays(b *testing.B) {
+	src := make([]byte, 256<<10)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	dsts := make([][]byte, 24)
+	for i := range dsts {
+		dsts[i] = make([]byte, len(src))
+	}
+	for _, ways := range []int{1, 2, 4} {
+		b.Run(fmt.Sprintf("ways=%d", ways), func(b *testing.B) {
+			b.SetBytes(int64(len(src)))
+			for i := range b.N {
+				copyChecksumWays(dsts[i%len(dsts)], src, ways)
 			}
 		})
 	}
