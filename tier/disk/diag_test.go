@@ -82,7 +82,25 @@ func diagnoseQ1(t *testing.T, fio, work string, records int64, rounds int) strin
 	// is two physically contiguous pieces.
 	huge := hugeBuf(t, 6<<20)
 	hugeWhole, hugePayload := huge[2<<20-record.HeaderSize:4<<20], huge[2<<20:4<<20]
+	// A ring of huge pages, one record's payload each, taken in turn: as a
+	// Load of consecutive disk blocks reads them into distinct pool slots
+	// (no read lands in memory the CPU just checksummed).
+	const ringSlots = 8
+	ring := hugeBuf(t, ringSlots*2<<20)
+	slot := func(i int64) []byte { k := int(i%ringSlots) * 2 << 20; return ring[k : k+fioPayload] }
 	var getIO time.Duration
+	getRing := func() (total, io []time.Duration, gbs float64) {
+		readTimer = func(d time.Duration) { getIO += d }
+		defer func() { readTimer = nil }()
+		return loop(func(i int64) (time.Duration, error) {
+			getIO = 0
+			ok, err := s.Get(key(int(i)), slot(i))
+			if err == nil && !ok {
+				err = fmt.Errorf("record %d: miss", i)
+			}
+			return getIO, err
+		})
+	}
 	getInto := func(dst []byte) (total, io []time.Duration, gbs float64) {
 		readTimer = func(d time.Duration) { getIO += d }
 		defer func() { readTimer = nil }()
@@ -178,6 +196,18 @@ func diagnoseQ1(t *testing.T, fio, work string, records int64, rounds int) strin
 			defer func() { splitMinBytes = saved }()
 			splitMinBytes = 0
 			return get()
+		}},
+		{fmt.Sprintf("Go preadv header + payload into a ring of %d huge pages (no CRC)", ringSlots), func() ([]time.Duration, []time.Duration, float64) {
+			return loop(func(i int64) (time.Duration, error) {
+				return timed(func() error { return preadFull(d.fd, [][]byte{hdr, slot(i)}, i*fioRecord) })
+			})
+		}},
+		{fmt.Sprintf("Get into a ring of %d huge pages (split read)", ringSlots), getRing},
+		{fmt.Sprintf("Get into a ring of %d huge pages, in one read", ringSlots), func() ([]time.Duration, []time.Duration, float64) {
+			saved := splitMinBytes
+			defer func() { splitMinBytes = saved }()
+			splitMinBytes = 0
+			return getRing()
 		}},
 	}
 	if v := os.Getenv("KVO_DISK_BENCH_Q1SPLITS"); v != "" {
