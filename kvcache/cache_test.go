@@ -275,6 +275,41 @@ func TestPoolFullAndWatermark(t *testing.T) {
 	require.NoError(t, w.Verify())
 }
 
+// LeaseHandles leases current handles only, and a block so leased is not
+// evicted (a store needing its slot is refused) nor reused after Delete
+// until its lease is given back.
+func TestLeaseHandles(t *testing.T) {
+	c := newCache(t, 2, Config{})
+	ks, ids := keysN(0, 2)
+	res := store(t, c, ks, ids)
+	h := []Slot{res[0].Slot, res[1].Slot}
+	// A handle of another generation (a stale one) is not leased.
+	stale := h[1]
+	stale.Gen++
+	ok := c.LeaseHandles([]Slot{h[0], stale}, nil)
+	require.Equal(t, []bool{true, false}, ok)
+	require.Equal(t, 1, c.Stats().Leased)
+	require.NoError(t, c.Verify())
+	// The unleased block goes to a new store; the leased one stays.
+	r2 := store(t, c, []Key{key(9)}, []int{9})
+	require.Equal(t, StoreWrite, r2[0].Outcome)
+	require.Equal(t, h[1].ID, r2[0].Slot.ID, "the unleased slot was the victim")
+	require.Equal(t, []bool{true}, c.LeaseHandles([]Slot{r2[0].Slot}, nil))
+	r3, err := c.BeginStore(StoreRequest{Keys: []Key{key(10)}, BlockIDs: []int{10}}, nil)
+	require.NoError(t, err)
+	require.Equal(t, StoreRefusedFull, r3[0].Outcome, "leased blocks are no victims")
+	require.NoError(t, c.Unlease([]Slot{r2[0].Slot}))
+	// Deleted while leased: not freed until Unlease.
+	require.Equal(t, 1, c.Delete(ks[:1]))
+	require.Equal(t, 0, c.Stats().Free)
+	require.Equal(t, []bool{false}, c.LeaseHandles(h[:1], nil), "a deleted block is not leased again")
+	require.NoError(t, c.Unlease(h[:1]))
+	require.Equal(t, 1, c.Stats().Free)
+	require.NoError(t, c.Verify())
+	c.Close()
+	require.Equal(t, []bool{false}, c.LeaseHandles([]Slot{r2[0].Slot}, nil), "nothing after Close")
+}
+
 func TestLeasedEvictionDeferred(t *testing.T) {
 	c := newCache(t, 2, Config{})
 	ks, ids := keysN(0, 2)

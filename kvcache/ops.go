@@ -460,6 +460,33 @@ func (c *Cache) unleaseOne(i int32, load bool) {
 	}
 }
 
+// LeaseHandles takes a reader lease on each block of slots whose handle is
+// still current and visible (ready or leased), as LookupLease does for a
+// hit but without telling the policy or counting a lookup, and appends to
+// ok whether it did (a handle gone stale, its block evicted or deleted
+// meanwhile, gets false). A leased block is not evicted or reused until
+// its lease is given back with Unlease: a reader of the slot's memory (the
+// cluster tier's write-through, copying on its own goroutine) keeps it.
+// After Close, nothing is leased.
+func (c *Cache) LeaseHandles(slots []Slot, ok []bool) []bool {
+	c.mu.Lock()
+	defer c.unlock()
+	for _, h := range slots {
+		leased := false
+		if !c.closed {
+			if s, err := c.lookupHandle(h); err == nil && s.visible() {
+				c.lease(int32(h.ID))
+				leased = true
+			}
+		}
+		ok = append(ok, leased)
+	}
+	if !c.closed {
+		c.check()
+	}
+	return ok
+}
+
 // Unlease gives back leases taken by LookupLease. Errors (nothing changes):
 // ErrStaleSlot for a handle without that many leases.
 func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }

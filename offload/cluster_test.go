@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"bytes"
 	"context"
 	"encoding/hex"
 	"fmt"
@@ -70,6 +71,7 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	require.Empty(t, a.Stats().ClusterError)
 	keys := seqKeys(0, 6)
 	contents := storeWrittenThrough(t, a, keys, 7)
+	require.Zero(t, a.kc.Stats().Leased, "every write-through lease given back once flushed")
 	st := a.Stats()
 	require.Equal(t, int64(len(keys)), st.ClusterWrites)
 	require.Zero(t, st.ClusterDropped)
@@ -118,6 +120,66 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	pr, err = d.Prefetch(context.Background(), keys, PrefetchOptions{})
 	require.NoError(t, err)
 	require.Zero(t, pr.Promoted, "cleared")
+}
+
+// TestClusterWriteThroughSlotReuse: the cluster tier copies a written-
+// through block on its own goroutine, from the pool slot, here 30 ms
+// late (the test hook); stores that follow at once in a pool of 8 slots
+// need slots meanwhile. No slot may be reused before its copy: every
+// block a second engine promotes from the cluster is the one stored under
+// its key, byte-exact (without the write-through's lease the stores reuse
+// the slots, and this fails).
+func TestClusterWriteThroughSlotReuse(t *testing.T) {
+	waitClientGone(t)
+	c := clustertest.Start(t, 3)
+	ns := fmt.Sprintf("slot-reuse-%d", time.Now().UnixNano())
+	cfg := clusterEngineConfig(c.Addrs(), ns, 8)
+	cfg.Backend, cfg.SkipMemoryCheck = BackendHost, true
+	cfg.Cluster.MaxInFlightBytes = 64 << 20 // no drops
+	var copies atomic.Int64
+	a, err := newEngine(cfg, engineHooks{beforeClusterCopy: func(Key) {
+		copies.Add(1)
+		time.Sleep(30 * time.Millisecond)
+	}})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, a.Close()) }()
+	const rounds = 6
+	keys := seqKeys(0, 8*rounds)
+	want := map[Key][]byte{}
+	for i, k := range keys {
+		b := i % 8
+		if b == 0 && (i/8)%2 == 1 {
+			// Every other round after the copies of the last have been
+			// made; the others at once, while they are pending.
+			time.Sleep(60 * time.Millisecond)
+		}
+		content := fillBlock(t, a, b, byte(3*i+1))
+		if storeOne(t, a, k, b) == OutcomeStored {
+			want[k] = content
+		}
+	}
+	require.Eventually(t, func() bool { return a.Stats().ClusterWrites >= copies.Load() }, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, a.FlushCluster())
+	require.Zero(t, a.kc.Stats().Leased, "every write-through lease given back")
+	require.Greater(t, len(want), 8, "stores went on past the pool's size")
+	require.Equal(t, int64(len(want)), a.Stats().ClusterWrites)
+
+	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, int64(len(keys))))
+	defer func() { require.NoError(t, b.Close()) }()
+	stored := make([]Key, 0, len(want))
+	for _, k := range keys {
+		if want[k] != nil {
+			stored = append(stored, k)
+		}
+	}
+	pr, err := b.Prefetch(context.Background(), stored, PrefetchOptions{Timeout: 5 * time.Second})
+	require.NoError(t, err)
+	require.Equal(t, len(stored), pr.FromCluster, "every stored block reached the cluster")
+	for i, k := range stored {
+		oc := loadAll(t, b, []Key{k}, []int{i % 16})
+		require.Equal(t, OutcomeLoaded, oc[0])
+		require.True(t, bytes.Equal(want[k], blockBytes(b, i%16)), "key %d: the block stored under it, not a later one", i)
+	}
 }
 
 // TestPrefetchFromDisk: Prefetch promotes disk records into host slots

@@ -84,6 +84,10 @@ type engineHooks struct {
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
+	// beforeClusterCopy, when set, runs on a goroutine of its own before
+	// each write-through's PutAsyncFrom (a slow copy, seen from the engine:
+	// the slot must stay the block's until the tier releases it).
+	beforeClusterCopy func(Key)
 	// beforeDiskPut runs on the disk tier's writer before each write, with
 	// its key.
 	beforeDiskPut func(Key)

@@ -413,7 +413,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 			ready, err := e.cache.CompleteStoreReady(slots, cerr, nil)
 			e.hub.forget(endedStores(slots, ready, cerr))
 			if cerr == nil && err == nil {
-				e.writeThrough(readyKeys(wt, slots, ready), ready, wtCluster) // the slots are held until this returns
+				e.writeThrough(readyKeys(wt, slots, ready), ready, wtCluster) // the cluster tier leases what it copies later
 			}
 			return e.commitFailed(err)
 		})

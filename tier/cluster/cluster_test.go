@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -277,6 +278,52 @@ func TestBadRecords(t *testing.T) {
 	ds = dstsN(1, size)
 	require.False(t, wrongFP.GetDirect(context.Background(), ks[:1], ds)[0])
 	require.EqualValues(t, 2, wrongFP.Stats().Stale)
+}
+
+// PutAsyncFrom copies the payload before it calls release, once per put
+// accepted and never for one dropped: a caller that reuses the payload in
+// release (as the engine gives its pool slot back) still stores the bytes
+// it passed.
+func TestPutAsyncFrom(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{MaxInFlightBytes: 4 * (record.HeaderSize + 300<<10)})
+	const n, size = 40, 300 << 10 // from 256 KiB: CopyChecksum in pieces where GOMAXPROCS allows
+	ks, ps := keysN(n, 11), payloads(n, size)
+	want := make([][]byte, n)
+	for i := range ps {
+		want[i] = bytes.Clone(ps[i])
+	}
+	var released [n]atomic.Int32
+	var dropped []int
+	for i := range ks {
+		if !s.PutAsyncFrom(ks[i], ps[i], func() {
+			released[i].Add(1)
+			for j := range ps[i] {
+				ps[i][j] ^= 0x5a // the slot reused at once
+			}
+		}) {
+			dropped = append(dropped, i)
+		}
+	}
+	s.Flush()
+	require.EqualValues(t, len(dropped), s.Stats().Dropped)
+	ds := dstsN(n, size)
+	ok := s.Get(context.Background(), ks, ds)
+	for i := range ks {
+		if slices.Contains(dropped, i) {
+			require.Zero(t, released[i].Load(), "key %d: dropped, yet released", i)
+			require.False(t, ok[i])
+			continue
+		}
+		require.EqualValues(t, 1, released[i].Load(), "key %d: released once", i)
+		require.True(t, ok[i], "key %d", i)
+		require.True(t, bytes.Equal(want[i], ds[i]), "key %d: the bytes passed, not those after release", i)
+	}
+	require.Less(t, len(dropped), n, "some put was accepted")
+	require.NoError(t, s.Close())
+	called := false
+	require.False(t, s.PutAsyncFrom(ks[0], want[0], func() { called = true }))
+	require.False(t, called, "a put refused after Close is not released")
 }
 
 func TestBoundedInFlight(t *testing.T) {

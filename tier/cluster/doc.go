@@ -61,7 +61,9 @@
 //     master down, a timeout, a node refusing a write (OOM), a closed store.
 //   - PutAsync never blocks on the network: it copies the payload behind a
 //     header into a buffer of its own (the caller may reuse its payload as soon
-//     as PutAsync returns) and returns; the bytes of records not yet
+//     as PutAsync returns) and returns; PutAsyncFrom makes that copy on the
+//     put's goroutine instead and calls the caller's release once it is made
+//     (exactly once per accepted put, never for a drop). The bytes of records not yet
 //     acknowledged are bounded by Config.MaxInFlightBytes, past which PutAsync
 //     returns false and counts a drop. Config.OnPutDone is called once per
 //     accepted put when the cluster has answered.
