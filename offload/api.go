@@ -344,7 +344,7 @@ const (
 	OutcomePending          Outcome = iota // not decided yet
 	OutcomeStored                          // copied to the host pool and visible to lookups
 	OutcomeAlreadyPresent                  // the key was already stored (or being stored)
-	OutcomeRefusedFull                     // no free slot (never evicts a leased block, never waits)
+	OutcomeRefusedFull                     // no free slot (never evicts a leased block, a write-through's to the cluster not yet copied included; never waits)
 	OutcomeRefusedBusy                     // the queue for in-flight room was full
 	OutcomeRefusedAdmission                // the policy declined the key
 	OutcomeFailed                          // the copy failed (see Op.Err)

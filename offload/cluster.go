@@ -16,7 +16,9 @@ import (
 // ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
 // shared by engines of one namespace on several machines. Every block a
 // Store makes ready in the host pool is written through to it,
-// asynchronously (a copy of the slot's bytes; the slot is not held);
+// asynchronously (a copy of the slot's bytes, made on the tier's goroutine
+// while the slot is leased: such a block is not evicted until copied, and
+// counts in Stats.BlocksLeased meanwhile);
 // Prefetch asks it for blocks the host pool (and the disk tier) lack and
 // promotes what it finds into host slots. Lookup never asks it. A cluster
 // that does not answer at New is not an error: the engine serves from host
@@ -217,44 +219,50 @@ func (e *Engine) writeThroughKeys(ns string, keys []Key, idx []int) ([]Key, bool
 
 // writeThrough puts the ready slots' blocks (keys from writeThroughKeys) to
 // the cluster (toCluster) and the disk (DiskConfig.WriteThrough), in the
-// background, never waiting for either. The disk tier copies the bytes
-// before through returns. The cluster tier copies them on its own
-// goroutine (PutAsyncFrom): each slot is leased (neither evicted nor
-// reused) and held against Trim until its copy is made, so that a store's
-// completion does not spend a copy and a CRC of every block (a few
-// hundred µs a 2 MiB block) on its own thread. Drops are counted by each
-// tier.
+// background, never waiting for either. Each slot is first leased (neither
+// evicted nor reused): one whose handle went stale meanwhile (evicted by
+// the completion's own eviction pass, deleted) is not written anywhere.
+// The disk tier copies the bytes before through returns. The cluster tier
+// copies them on its own goroutine (PutAsyncFrom), the slot leased and
+// held against Trim until then, so that a store's completion does not
+// spend a copy and a CRC of every block (a few hundred µs a 2 MiB block)
+// on its own thread. Drops are counted by each tier.
 func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot, toCluster bool) {
-	if len(keys) != len(slots) {
+	if len(keys) != len(slots) || e.kc == nil {
 		return
 	}
 	toDisk := e.disk != nil && e.disk.writeThrough
-	var leased []bool
-	if toCluster && e.kc != nil {
-		leased = e.kc.LeaseHandles(slots, nil)
+	if !toCluster && !toDisk {
+		return
 	}
+	// One lock for the leases, one for the leases given back at once (a
+	// drop, a cluster not connected), each copy's own when it is made.
+	leased := e.kc.LeaseHandles(slots, nil)
+	var done []kvcache.Slot // leases given back here, in one call
 	for i, s := range slots {
+		if !leased[i] {
+			continue
+		}
 		mem := e.slotBytes(s)
-		own := leased != nil && leased[i]
-		switch {
-		case mem == nil:
-		case own:
-			one := slots[i : i+1 : i+1]
-			e.hold(one)
-			if e.putFrom(keys[i], mem, func() { e.releaseWriteThrough(one) }) {
-				own = false // released by the cluster tier once copied
-			} else {
-				e.unhold(one)
-			}
-		case toCluster && leased == nil:
-			e.cluster.PutAsync(keys[i], mem)
+		if mem == nil {
+			done = append(done, s)
+			continue
 		}
-		if own {
-			_ = e.kc.Unlease(slots[i : i+1])
-		}
-		if mem != nil && toDisk {
+		if toDisk {
 			e.disk.through(keys[i], mem)
 		}
+		one := slots[i : i+1 : i+1]
+		if toCluster {
+			e.hold(one)
+			if e.putFrom(keys[i], mem, func() { e.releaseWriteThrough(one) }) {
+				continue // given back by the cluster tier once copied
+			}
+			e.unhold(one)
+		}
+		done = append(done, s)
+	}
+	if len(done) > 0 {
+		e.unlease(done)
 	}
 }
 
@@ -278,10 +286,13 @@ func (e *Engine) putFrom(k Key, mem []byte, release func()) bool {
 }
 
 // releaseWriteThrough gives back a slot writeThrough leased and held for
-// the cluster tier's copy (after Close the lease is gone with the cache).
+// the cluster tier's copy (after Close the lease is gone with the cache):
+// the lease first, then the hold, then the reaper, so that a Trim woken by
+// the hold finds the slot free (as every unlease does).
 func (e *Engine) releaseWriteThrough(one []kvcache.Slot) {
-	e.unhold(one)
 	_ = e.kc.Unlease(one)
+	e.unhold(one)
+	e.kickReaper()
 }
 
 // clearCluster (Clear) empties the cluster's records of the engine's

@@ -52,7 +52,7 @@ type Stats struct {
 	SlotsTotal     int64  `json:"slots_total"`   // slots in pinned regions
 	SlotsFree      int64  `json:"slots_free"`    // free slots
 	BlocksReady    int64  `json:"blocks_ready"`  // ready or leased blocks
-	BlocksLeased   int64  `json:"blocks_leased"` // blocks with readers
+	BlocksLeased   int64  `json:"blocks_leased"` // blocks with readers (Lookup leases, loads, write-throughs to the cluster not yet copied)
 	BlockBytes     int64  `json:"block_bytes"`   // bytes of one block (one slot)
 	// CopyCalibration says how the CUDA copy method is chosen: "" on the
 	// host backend and until the background calibration is done (the

@@ -150,7 +150,8 @@ func zerosOp(n int) *gf2Matrix {
 // which copies a payload behind its record header). From copyParallelMin
 // bytes it runs on up to parallelWays goroutines (no more than half of
 // GOMAXPROCS, pieces of at least copyParallelPiece), as Checksum does: a
-// PutAsync's caller waits for it.
+// PutAsync's caller waits for it (PutAsyncFrom's caller does not, and there
+// the pieces only shorten the slot's lease).
 func CopyChecksum(dst, src []byte) uint32 {
 	return copyChecksumWays(dst, src, min(parallelWays, runtime.GOMAXPROCS(0)/2))
 }
