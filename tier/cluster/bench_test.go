@@ -59,6 +59,14 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 	// reference the tier outruns is its client's bound, not the cluster's.
 	rbThreads = env("KVO_CLUSTER_BENCH_THREADS", 0)
 	rbProcs = env("KVO_CLUSTER_BENCH_PROCS", 1)
+	// The puts' copy on at most this many goroutines each (0: CopyChecksum's
+	// own; -1: half the cores shared out among the puts in flight).
+	if w := env("KVO_CLUSTER_BENCH_COPYWAYS", 0); w != 0 {
+		saved := ioBuffers
+		defer func() { ioBuffers = saved }()
+		ioBuffers.copyWays = w
+		fmt.Printf("\nthe puts' copy: copyWays %d\n", w)
+	}
 	keyspace := 96
 	c := newCluster(t, 3, 0, "")
 	perNode := 1

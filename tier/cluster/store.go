@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math/bits"
 	"net"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -235,7 +236,21 @@ var ioBuffers = struct {
 	flushDelay  time.Duration
 	stringConn  bool
 	stream      bool // Get streams each record (stream.go) instead of pipelining the batch
+	copyWays    int  // a put's copy: 0 record.CopyChecksum's ways, > 0 at most that many, < 0 half the cores shared out among the puts in flight
 }{read: 64 << 10, write: 4 << 10, stringConn: true, stream: true}
+
+// copyChecksum is record.CopyChecksum of a put's payload behind its header,
+// on as many goroutines as ioBuffers.copyWays says, given the puts in flight
+// (this one included).
+func copyChecksum(dst, src []byte, inflight int64) uint32 {
+	switch w := ioBuffers.copyWays; {
+	case w > 0:
+		return record.CopyChecksumWays(dst, src, w)
+	case w < 0:
+		return record.CopyChecksumWays(dst, src, max(1, runtime.GOMAXPROCS(0)/2/int(inflight)))
+	}
+	return record.CopyChecksum(dst, src)
+}
 
 // stringConn is a net.Conn that is an io.StringWriter: the client's
 // bufio.Writer hands a string larger than its free space (a record's value,
@@ -398,19 +413,20 @@ func (s *Store) putAsync(key [16]byte, payload []byte, release func()) bool {
 	}
 	s.inflightBytes += n
 	s.inflightPuts++
+	inflight := s.inflightPuts
 	s.mu.Unlock()
 	gen := s.gen.Load()
 	// The payload's CRC on each piece of the copy while it is in the cache
 	// (one pass over memory, not two).
 	if release == nil {
 		bp := s.buffer(int(n))
-		sum := record.CopyChecksum((*bp)[record.HeaderSize:], payload)
+		sum := copyChecksum((*bp)[record.HeaderSize:], payload, inflight)
 		s.goLabelled(func() { s.put(client, key, gen, bp, sum) })
 		return true
 	}
 	s.goLabelled(func() {
 		bp := s.buffer(int(n))
-		sum := record.CopyChecksum((*bp)[record.HeaderSize:], payload)
+		sum := copyChecksum((*bp)[record.HeaderSize:], payload, inflight)
 		release()
 		s.put(client, key, gen, bp, sum)
 	})

@@ -156,6 +156,14 @@ func CopyChecksum(dst, src []byte) uint32 {
 	return copyChecksumWays(dst, src, min(parallelWays, runtime.GOMAXPROCS(0)/2))
 }
 
+// CopyChecksumWays is CopyChecksum on at most ways goroutines (and no more
+// than CopyChecksum would use): for a caller running several copies at once,
+// whose own concurrency already keeps the cores busy. ways < 2 copies on the
+// calling goroutine.
+func CopyChecksumWays(dst, src []byte, ways int) uint32 {
+	return copyChecksumWays(dst, src, min(ways, parallelWays, runtime.GOMAXPROCS(0)/2))
+}
+
 // copyChecksumWays is CopyChecksum on at most ways goroutines.
 func copyChecksumWays(dst, src []byte, ways int) uint32 {
 	n := min(len(dst), len(src))

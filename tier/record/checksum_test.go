@@ -76,6 +76,11 @@ func TestCopyChecksum(t *testing.T) {
 			}
 			short := make([]byte, n/2)
 			require.Equal(t, crc32.Checksum(src[:n/2], castagnoli), CopyChecksum(short, src[:n]), "a shorter dst: %d bytes", n/2)
+			for _, ways := range []int{-1, 0, 1, 3, 64} {
+				dst := make([]byte, n)
+				require.Equal(t, crc32.Checksum(src[:n], castagnoli), CopyChecksumWays(dst, src[:n], ways), "%d bytes, %d ways, GOMAXPROCS %d", n, ways, procs)
+				require.Equal(t, src[:n], dst)
+			}
 		}
 	}
 }
