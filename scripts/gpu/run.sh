@@ -296,14 +296,20 @@ suite_cluster() {
 	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS:-5} step_in tier/cluster timeout 200 \
 		"$B/tier_cluster.test" -test.v -test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 195s \
 		-test.cpuprofile "$D/cluster-bench-cpu.pprof"
-	# A reference the cluster bounds: redis-benchmark as 8 processes (rates
-	# summed) at 48 connections, depth 1, where its SETs and GETs keep the
+	# A reference the cluster bounds: redis-benchmark as 8 processes (its
+	# rate: the requests over the span the masters took to serve them, from
+	# their INFO commandstats) at 48 connections, depth 1, where its SETs and GETs keep the
 	# three masters ~3 cores busy (the server CPU column says so per round;
 	# at fewer processes or deeper pipelines its own client is the bound and
 	# the tier beats it: an invalid reference). Then 12 connections, depth 4.
-	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_PROCS=8 KVO_CLUSTER_BENCH_CONNS=48 KVO_CLUSTER_BENCH_DEPTH=1 \
-		KVO_CLUSTER_BENCH_COUNT=24576 step_in tier/cluster timeout 200 "$B/tier_cluster.test" -test.v -test.count=1 \
-		-test.run 'TestBenchVsRedisBenchmark$' -test.timeout 195s
+	# One size a step, each with a count that keeps a phase over a second.
+	local size count
+	for size in 262144:49152 2101248:6144; do
+		count=${size#*:} size=${size%:*}
+		KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_PROCS=8 KVO_CLUSTER_BENCH_CONNS=48 KVO_CLUSTER_BENCH_DEPTH=1 \
+			KVO_CLUSTER_BENCH_SIZES=$size KVO_CLUSTER_BENCH_COUNT=$count step_in tier/cluster timeout 150 "$B/tier_cluster.test" -test.v \
+			-test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 145s
+	done
 	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_CONNS=12 KVO_CLUSTER_BENCH_PROCS=4 KVO_CLUSTER_BENCH_SIZES=262144 \
 		KVO_CLUSTER_BENCH_COUNT=24576 step_in tier/cluster timeout 90 "$B/tier_cluster.test" -test.v -test.count=1 \
 		-test.run 'TestBenchVsRedisBenchmark$' -test.timeout 85s
