@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/redis/rueidis"
+	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/tier/record"
 )
@@ -668,4 +669,50 @@ func inBatches(workers, depth, count int, worker func(w int) func(i, n int) bool
 		}()
 	}
 	wg.Wait()
+}
+
+// The benchmark's reference rate rests on callsWatch: it counts the
+// masters' calls of a command across the cluster (not other commands), and
+// its span closes once they have all been served.
+func TestCallsWatch(t *testing.T) {
+	c := shared(t)
+	w, err := newCallsWatch(c.ports[:3], "setex")
+	require.NoError(t, err)
+	defer w.close()
+	s, err := Open(context.Background(), Config{Addrs: c.addrs(), Namespace: "watch", Timeout: 5 * time.Second})
+	require.NoError(t, err)
+	defer s.Close()
+	client := s.cl()
+	const n = 40
+	done := make(chan callsSpan, 1)
+	go func() { done <- w.wait(n, 20*time.Second) }()
+	time.Sleep(20 * time.Millisecond)
+	for i := range n {
+		key := fmt.Sprintf("watch-%d", i) // spread over the masters' slots
+		require.NoError(t, client.Do(context.Background(), client.B().Get().Key(key).Build()).NonRedisError())
+		require.NoError(t, client.Do(context.Background(), client.B().Setex().Key(key).Seconds(60).Value("v").Build()).Error())
+	}
+	span := <-done
+	require.NoError(t, span.err)
+	require.False(t, span.end.Before(span.start), "span %v .. %v", span.start, span.end)
+	got, err := w.calls()
+	require.NoError(t, err)
+	require.Equal(t, w.base+n, got, "SETEX calls beyond the base: the GETs are not counted")
+	// A count that never comes is an error, not a span.
+	short := w.wait(n+1, 50*time.Millisecond)
+	require.Error(t, short.err)
+}
+
+func TestParseCalls(t *testing.T) {
+	body := "# Commandstats\r\ncmdstat_get:calls=12,usec=30,usec_per_call=2.50\r\ncmdstat_set:calls=7,usec=21\r\n"
+	reply := fmt.Sprintf("$%d\r\n%s\r\n", len(body), body)
+	for cmd, want := range map[string]int64{"get": 12, "set": 7, "del": 0} {
+		n, err := parseCalls(bufio.NewReader(strings.NewReader(reply)), cmd)
+		require.NoError(t, err)
+		require.Equal(t, want, n, cmd)
+	}
+	for _, bad := range []string{"-ERR no\r\n", "$x\r\n", "$99999999\r\n", "$10\r\nshort"} {
+		_, err := parseCalls(bufio.NewReader(strings.NewReader(bad)), "get")
+		require.Error(t, err, "%q", bad)
+	}
 }
