@@ -1,6 +1,6 @@
 // Package cluster is the cluster tier: records (package record's format) kept
 // in a Redis Cluster, written through asynchronously and read back by a
-// pipelined, deadline-bound batch Get. It knows nothing of CUDA or of the
+// deadline-bound batch Get (each record streamed on a connection of its own). It knows nothing of CUDA or of the
 // engine, which writes host blocks through into it on store and promotes
 // what Get finds into pinned slots (Prefetch).
 //
@@ -10,11 +10,13 @@
 // aware (slot map, MOVED and ASK followed and the map refreshed, retries of
 // idempotent reads), auto-pipelining (concurrent commands to one node share
 // one write and one round trip), streamed replies, RESP3, contexts for
-// deadlines, AUTH with a password or an ACL user, TLS. Writes go out
-// without a copy in the client: rueidis.BinaryString aliases the record
-// buffer, and the connection is an io.StringWriter, so a value larger than
-// the client's (64 KiB) write buffer goes from the record buffer to the
-// socket. Get streams each record (one GET per connection of a node's
+// deadlines, AUTH with a password or an ACL user, TLS. A record is copied
+// once, with its CRC, behind its header into a buffer of the store (the
+// payload and the header must be one value); the client then copies only
+// the head of the value: rueidis.BinaryString aliases the record buffer and
+// the connection is an io.StringWriter, so once the client's write buffer
+// (4 KiB here) is full and flushed the rest of the value goes from the
+// record buffer to the socket. Get streams each record (one GET per connection of a node's
 // stream pool, Config.Streams at once): the reply's bytes go from the socket
 // into a pooled buffer, the payload's CRC-32C is computed piece by piece as
 // they arrive, and a verified record is copied once into the caller's
