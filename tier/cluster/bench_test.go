@@ -29,8 +29,11 @@ import (
 // like: one cluster (3 masters), one run, records of the same size (the
 // tier's header included: redis-benchmark's -d is the tier's header plus
 // payload), the same number of requests outstanding (connections × pipeline
-// depth) and the same count. Not in CI: it runs with KVO_CLUSTER_BENCH=1.
-// KVO_CLUSTER_BENCH_SIZES (record bytes, comma-separated), _CONNS, _DEPTH
+// depth), the same count and a keyspace of the same size spread as evenly
+// over the masters (balancedKeys). redis-benchmark's rate is what the
+// masters served (callsWatch); each phase's log line says how its calls and
+// the masters' CPU were shared among the masters. Not in CI: it runs with
+// KVO_CLUSTER_BENCH=1. KVO_CLUSTER_BENCH_SIZES (record bytes, comma-separated), _CONNS, _DEPTH
 // _COUNT and _ROUNDS (redis-benchmark and the tier alternate that many
 // times, default 3) change the defaults.
 func TestBenchVsRedisBenchmark(t *testing.T) {
@@ -216,6 +219,7 @@ func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conn
 		t.Fatal(err)
 	}
 	defer w.close()
+	split := mastersSplit(c, test)
 	watched := make(chan callsSpan, 1)
 	go func() { watched <- w.wait(int64(count), 5*time.Minute) }()
 	cpu0 := cpuTime(syscall.RUSAGE_CHILDREN)
@@ -245,8 +249,8 @@ func redisBenchmark(t *testing.T, c *testCluster, test string, size, depth, conn
 		t.Fatalf("redis-benchmark %s: the masters' %s calls: %v", test, test, span.err)
 	}
 	rate := float64(count) / span.end.Sub(span.start).Seconds()
-	fmt.Printf("<!-- redis-benchmark %s: %d requests served in %v by the masters' count (%.0f/s); its own rates summed: %.0f/s -->\n",
-		test, count, span.end.Sub(span.start).Round(time.Millisecond), rate, total)
+	fmt.Printf("<!-- redis-benchmark %s: %d requests served in %v by the masters' count (%.0f/s); its own rates summed: %.0f/s; %s -->\n",
+		test, count, span.end.Sub(span.start).Round(time.Millisecond), rate, total, split(span.end.Sub(span.start)))
 	return rate, cpu
 }
 
@@ -297,19 +301,29 @@ func (w *callsWatch) close() {
 
 // calls is the masters' count of w.cmd calls now.
 func (w *callsWatch) calls() (int64, error) {
+	each, err := w.callsEach()
 	var total int64
+	for _, n := range each {
+		total += n
+	}
+	return total, err
+}
+
+// callsEach is each master's count of w.cmd calls now.
+func (w *callsWatch) callsEach() ([]int64, error) {
+	each := make([]int64, len(w.conns))
 	for i, c := range w.conns {
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		if _, err := c.Write([]byte("*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")); err != nil {
-			return 0, err
+			return nil, err
 		}
 		n, err := parseCalls(w.rds[i], w.cmd)
 		if err != nil {
-			return 0, err
+			return nil, err
 		}
-		total += n
+		each[i] = n
 	}
-	return total, nil
+	return each, nil
 }
 
 // parseCalls reads one INFO reply (a bulk string) from r and returns the
@@ -416,13 +430,19 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	for i := range payload {
 		payload[i] = byte(i * 7)
 	}
-	keys := keysN(keyspace, 0xbe)
+	// The keys, as many a master: redis-benchmark --cluster pins each of its
+	// connections to one master's slots, so its keyspace is spread evenly by
+	// construction, where 96 hashed keys fall unevenly (36/28/36% on the
+	// 2-CPU VM's cluster) and the busiest master bounds the tier; an
+	// engine's thousands of blocks spread as evenly as the hash does.
+	keys := balancedKeys(s.key, s.gen.Load(), keyspace, c.masters, 0xbe)
 	var r tierResult
 	// The puts: one goroutine putting (as the engine's store completion
 	// does), conns×depth in flight; with PutAsync (copied on the caller)
 	// or PutAsyncFrom (copied on the put's goroutine: the engine's
 	// write-through; the payload never changes, so release does nothing).
-	puts := func(put func(k [16]byte) bool) (float64, time.Duration, time.Duration) {
+	puts := func(name string, put func(k [16]byte) bool) (float64, time.Duration, time.Duration) {
+		split := mastersSplit(c, "set")
 		cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 		start := time.Now()
 		for i := range count {
@@ -432,20 +452,23 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 			}
 		}
 		s.Flush()
-		rate := float64(count) / time.Since(start).Seconds()
+		elapsed := time.Since(start)
+		rate := float64(count) / elapsed.Seconds()
+		fmt.Printf("<!-- the tier's %s: %s -->\n", name, split(elapsed))
 		if st := s.Stats(); st.PutErrors != 0 {
 			t.Fatalf("put errors: %+v", st)
 		}
 		return rate, cpuTime(syscall.RUSAGE_SELF) - cpu0, c.serverCPU() - srv0
 	}
-	r.put, r.putCPU, r.putSrv = puts(func(k [16]byte) bool { return s.PutAsync(k, payload) })
-	r.putFrom, r.putFromCPU, r.putFromSrv = puts(func(k [16]byte) bool { return s.PutAsyncFrom(k, payload, func() {}) })
+	r.put, r.putCPU, r.putSrv = puts("PutAsync", func(k [16]byte) bool { return s.PutAsync(k, payload) })
+	r.putFrom, r.putFromCPU, r.putFromSrv = puts("PutAsyncFrom", func(k [16]byte) bool { return s.PutAsyncFrom(k, payload, func() {}) })
 
 	var hits atomic.Int64
 	// The Gets: conns goroutines, depth keys a call, with get (Get, or
 	// GetDirect, the engine's promotion path).
-	gets := func(get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
+	gets := func(name string, get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
 		hits.Store(0)
+		split := mastersSplit(c, "get")
 		cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 		start := time.Now()
 		inBatches(conns, depth, count, func(w int) func(i, n int) bool {
@@ -459,14 +482,16 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 				return true
 			}
 		})
-		rate, cpu, srv := float64(count)/time.Since(start).Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
+		elapsed := time.Since(start)
+		rate, cpu, srv := float64(count)/elapsed.Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
+		fmt.Printf("<!-- the tier's %s: %s -->\n", name, split(elapsed))
 		if hits.Load() != int64(count) {
 			t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 		}
 		return rate, cpu, srv
 	}
-	r.get, r.getCPU, r.getSrv = gets(s.Get)
-	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets(s.GetDirect)
+	r.get, r.getCPU, r.getSrv = gets("Get", s.Get)
+	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets("GetDirect", s.GetDirect)
 
 	// The client alone: the same SETs (a whole record each, from one
 	// buffer: no copy, no checksum) as conns goroutines sending depth at a
@@ -474,9 +499,10 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	client := s.cl()
 	rec := make([]byte, size)
 	rkeys := make([]string, keyspace)
-	for i := range rkeys {
-		rkeys[i] = s.key(1<<40, keys[i])
+	for i, k := range balancedKeys(s.key, 1<<40, keyspace, c.masters, 0xbf) {
+		rkeys[i] = s.key(1<<40, k)
 	}
+	split := mastersSplit(c, "set")
 	cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 	start := time.Now()
 	inBatches(conns, depth, count, func(int) func(i, n int) bool {
@@ -494,7 +520,9 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 			return true
 		}
 	})
-	r.raw = float64(count) / time.Since(start).Seconds()
+	elapsed := time.Since(start)
+	r.raw = float64(count) / elapsed.Seconds()
+	fmt.Printf("<!-- the Go client alone: %s -->\n", split(elapsed))
 	r.rawCPU, r.rawSrv = cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
 	return r
 }
@@ -513,7 +541,17 @@ type tierResult struct {
 // is 100 on every architecture Go supports here); 0 where it cannot be read.
 func (c *testCluster) serverCPU() time.Duration {
 	var total time.Duration
-	for _, p := range c.ports[:c.masters] {
+	for _, d := range c.serverCPUEach() {
+		total += d
+	}
+	return total
+}
+
+// serverCPUEach is serverCPU of each master (c.ports order); 0 for one whose
+// time cannot be read.
+func (c *testCluster) serverCPUEach() []time.Duration {
+	each := make([]time.Duration, c.masters)
+	for m, p := range c.ports[:c.masters] {
 		cmd := c.procs[p]
 		if cmd == nil || cmd.Process == nil {
 			continue
@@ -535,10 +573,41 @@ func (c *testCluster) serverCPU() time.Duration {
 		u, err1 := strconv.ParseInt(f[11], 10, 64)
 		st, err2 := strconv.ParseInt(f[12], 10, 64)
 		if err1 == nil && err2 == nil {
-			total += time.Duration(u+st) * 10 * time.Millisecond
+			each[m] = time.Duration(u+st) * 10 * time.Millisecond
 		}
 	}
-	return total
+	return each
+}
+
+// mastersSplit reads, at the start of a phase, each master's calls of cmd
+// and CPU time; its result, called at the phase's end, says how the phase's
+// calls and CPU were shared among the masters ("" where they cannot be
+// read): a tier whose keys pile on one master is bound by that one.
+func mastersSplit(c *testCluster, cmd string) func(elapsed time.Duration) string {
+	w, err := newCallsWatch(c.ports[:c.masters], cmd)
+	if err != nil {
+		return func(time.Duration) string { return "" }
+	}
+	calls0, err0 := w.callsEach()
+	cpu0 := c.serverCPUEach()
+	return func(elapsed time.Duration) string {
+		defer w.close()
+		calls1, err1 := w.callsEach()
+		cpu1 := c.serverCPUEach()
+		if err0 != nil || err1 != nil || elapsed <= 0 {
+			return ""
+		}
+		var total int64
+		for m := range calls1 {
+			total += calls1[m] - calls0[m]
+		}
+		var shares, cores []string
+		for m := range calls1 {
+			shares = append(shares, fmt.Sprintf("%.0f%%", 100*float64(calls1[m]-calls0[m])/float64(max(total, 1))))
+			cores = append(cores, fmt.Sprintf("%.2f", float64(cpu1[m]-cpu0[m])/float64(elapsed)))
+		}
+		return fmt.Sprintf("%s calls a master %s, cores a master %s", cmd, strings.Join(shares, "/"), strings.Join(cores, "/"))
+	}
 }
 
 func count1(ok []bool) int { return count(ok) }
@@ -714,5 +783,69 @@ func TestParseCalls(t *testing.T) {
 	for _, bad := range []string{"-ERR no\r\n", "$x\r\n", "$99999999\r\n", "$10\r\nshort"} {
 		_, err := parseCalls(bufio.NewReader(strings.NewReader(bad)), "get")
 		require.Error(t, err, "%q", bad)
+	}
+}
+
+// balancedKeys returns n block keys whose cluster keys (key(gen, k)) fall
+// as evenly as n allows on the masters of a cluster whose slots are split
+// as clustertest's assign splits them (master m holds the m-th of masters
+// equal ranges).
+func balancedKeys(key func(uint64, [16]byte) string, gen uint64, n, masters int, seed byte) [][16]byte {
+	per := make([]int, masters)
+	var out [][16]byte
+	for _, k := range keysN(min(65536, 64*n), seed) {
+		m := int(keySlot(key(gen, k))) * masters / 16384
+		if per[m] < (n+masters-1-m)/masters {
+			per[m]++
+			out = append(out, k)
+			if len(out) == n {
+				break
+			}
+		}
+	}
+	return out
+}
+
+// keySlot is Redis Cluster's hash slot of a key without a hash tag:
+// CRC-16/XMODEM of the key, modulo 16384.
+func keySlot(key string) uint16 {
+	var crc uint16
+	for i := 0; i < len(key); i++ {
+		crc ^= uint16(key[i]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc % 16384
+}
+
+// The benchmark's keys: keySlot agrees with the servers' CLUSTER KEYSLOT,
+// and balancedKeys' keys land as many on each master (the masters' own
+// count of the GETs of each key once).
+func TestBalancedKeys(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{Timeout: 5 * time.Second})
+	for _, k := range keysN(20, 0x5a) {
+		key := s.key(7, k)
+		out, err := c.cli(c.ports[0], "cluster", "keyslot", key)
+		require.NoError(t, err)
+		require.Equal(t, strings.TrimSpace(out), strconv.Itoa(int(keySlot(key))), key)
+	}
+	keys := balancedKeys(s.key, s.gen.Load(), 96, c.masters, 0x5b)
+	require.Len(t, keys, 96)
+	w, err := newCallsWatch(c.ports[:c.masters], "get")
+	require.NoError(t, err)
+	defer w.close()
+	before, err := w.callsEach()
+	require.NoError(t, err)
+	s.Get(context.Background(), keys, dstsN(len(keys), 8))
+	after, err := w.callsEach()
+	require.NoError(t, err)
+	for m := range after {
+		require.EqualValues(t, 32, after[m]-before[m], "master %d's GETs (before %v, after %v)", m, before, after)
 	}
 }
