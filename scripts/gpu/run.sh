@@ -303,12 +303,14 @@ suite_cluster() {
 	# at fewer processes or deeper pipelines its own client is the bound and
 	# the tier beats it: an invalid reference). Then 12 connections, depth 4.
 	# One size a step, each with a count that keeps a phase over a second.
+	# The 2 MiB step with a CPU profile of the test process (where a get's
+	# time goes when neither the masters nor the client's CPUs are full).
 	local size count
 	for size in 262144:49152 2101248:6144; do
 		count=${size#*:} size=${size%:*}
-		KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_PROCS=8 KVO_CLUSTER_BENCH_CONNS=48 KVO_CLUSTER_BENCH_DEPTH=1 \
+		KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS_BOUND:-5} KVO_CLUSTER_BENCH_PROCS=8 KVO_CLUSTER_BENCH_CONNS=48 KVO_CLUSTER_BENCH_DEPTH=1 \
 			KVO_CLUSTER_BENCH_SIZES=$size KVO_CLUSTER_BENCH_COUNT=$count step_in tier/cluster timeout 150 "$B/tier_cluster.test" -test.v \
-			-test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 145s
+			-test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 145s -test.cpuprofile "$D/cluster-bound-$size-cpu.pprof"
 	done
 	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_CONNS=12 KVO_CLUSTER_BENCH_PROCS=4 KVO_CLUSTER_BENCH_SIZES=262144 \
 		KVO_CLUSTER_BENCH_COUNT=24576 step_in tier/cluster timeout 90 "$B/tier_cluster.test" -test.v -test.count=1 \
