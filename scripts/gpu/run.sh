@@ -303,7 +303,7 @@ suite_cluster() {
 	# at fewer processes or deeper pipelines its own client is the bound and
 	# the tier beats it: an invalid reference). Then 12 connections, depth 4.
 	# One size a step, each with a count that keeps a phase over a second.
-	# The 2 MiB step with a CPU profile of the test process (where a get's
+	# Each step with a CPU profile of the test process (where a 2 MiB get's
 	# time goes when neither the masters nor the client's CPUs are full).
 	local size count
 	for size in 262144:49152 2101248:6144; do
