@@ -469,6 +469,16 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	gets := func(name string, get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
 		hits.Store(0)
 		split := mastersSplit(c, "get")
+		// Each streamed GET's wait for its reply's first byte (the master's
+		// queue and its turn to write) and the reply's transfer, apart.
+		var tmu sync.Mutex
+		var queued, moved []time.Duration
+		streamTimes = func(sent, first, done time.Time) {
+			tmu.Lock()
+			queued, moved = append(queued, first.Sub(sent)), append(moved, done.Sub(first))
+			tmu.Unlock()
+		}
+		defer func() { streamTimes = nil }()
 		cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 		start := time.Now()
 		inBatches(conns, depth, count, func(w int) func(i, n int) bool {
@@ -484,7 +494,8 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		})
 		elapsed := time.Since(start)
 		rate, cpu, srv := float64(count)/elapsed.Seconds(), cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
-		fmt.Printf("<!-- the tier's %s: %s -->\n", name, split(elapsed))
+		streamTimes = nil
+		fmt.Printf("<!-- the tier's %s: %s; %s -->\n", name, split(elapsed), quantiles(queued, moved))
 		if hits.Load() != int64(count) {
 			t.Fatalf("%d hits of %d: %+v", hits.Load(), count, s.Stats())
 		}
@@ -848,4 +859,19 @@ func TestBalancedKeys(t *testing.T) {
 	for m := range after {
 		require.EqualValues(t, 32, after[m]-before[m], "master %d's GETs (before %v, after %v)", m, before, after)
 	}
+}
+
+// quantiles describes streamed GETs' times to their first byte and from it
+// to their last: medians and 90th percentiles.
+func quantiles(queued, moved []time.Duration) string {
+	if len(queued) == 0 {
+		return "no streamed GET timed"
+	}
+	q := func(ds []time.Duration, p float64) time.Duration {
+		s := append([]time.Duration(nil), ds...)
+		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+		return s[min(len(s)-1, int(p*float64(len(s))))].Round(time.Microsecond)
+	}
+	return fmt.Sprintf("%d streamed GETs: to the first byte %v median, %v p90; first to last byte %v median, %v p90",
+		len(queued), q(queued, 0.5), q(queued, 0.9), q(moved, 0.5), q(moved, 0.9))
 }

@@ -5,6 +5,7 @@ import (
 	"hash/crc32"
 	"io"
 	"sync"
+	"time"
 
 	"github.com/redis/rueidis"
 
@@ -30,13 +31,21 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // the header into hdr and the payload into body; a longer reply is drained
 // and marked over.
 type recvBuf struct {
-	hdr  []byte // record.HeaderSize bytes
-	own  []byte // the pooled payload buffer body is, when it is not the caller's
-	body []byte
-	n    int // bytes received (header first)
-	over bool
-	sum  uint32 // CRC-32C of the payload bytes received
+	hdr   []byte // record.HeaderSize bytes
+	own   []byte // the pooled payload buffer body is, when it is not the caller's
+	body  []byte
+	n     int // bytes received (header first)
+	over  bool
+	sum   uint32    // CRC-32C of the payload bytes received
+	first time.Time // when the first byte came (only while streamTimes is set)
 }
+
+// streamTimes, when set (by a benchmark, before it starts a store's gets,
+// and cleared after they have returned), is called once per streamed GET
+// that was received whole, with when the request was sent, when the
+// reply's first byte came and when its last did: the server's queue and
+// the reply's transfer, apart.
+var streamTimes func(sent, first, done time.Time)
 
 // reset prepares w for a reply whose payload has n bytes, received into dst
 // when dst is not nil (then len(dst) == n), else into w's own buffer.
@@ -52,7 +61,7 @@ func (w *recvBuf) reset(n int, dst []byte) {
 		}
 		w.body = w.own[:n]
 	}
-	w.n, w.over, w.sum = 0, false, 0
+	w.n, w.over, w.sum, w.first = 0, false, 0, time.Time{}
 }
 
 // release drops w's reference to a caller's destination before w goes
@@ -70,6 +79,9 @@ func (w *recvBuf) next() []byte {
 
 // took accounts for next()[:m] having been filled.
 func (w *recvBuf) took(m int) {
+	if w.n == 0 && m > 0 && streamTimes != nil {
+		w.first = time.Now()
+	}
 	if w.n >= record.HeaderSize {
 		off := w.n - record.HeaderSize
 		w.sum = crc32.Update(w.sum, castagnoli, w.body[off:off+m])
@@ -136,8 +148,15 @@ func (s *Store) getStreamed(ctx context.Context, client rueidis.Client, rkey str
 	} else {
 		w.reset(len(dst), nil)
 	}
+	var sent time.Time
+	if streamTimes != nil {
+		sent = time.Now()
+	}
 	st := client.DoStream(ctx, client.B().Get().Key(rkey).Build())
 	_, err := st.WriteTo(w)
+	if streamTimes != nil && err == nil && !w.first.IsZero() {
+		streamTimes(sent, w.first, time.Now())
+	}
 	switch {
 	case rueidis.IsRedisNil(err):
 		s.notFound.Add(1)
