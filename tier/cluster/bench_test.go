@@ -123,6 +123,9 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 			}{{"SET / PutAsync", rbSet, tr.put, rbSetCPU, tr.putCPU, rbSetSrv, tr.putSrv},
 				{"SET / PutAsyncFrom", rbSet, tr.putFrom, rbSetCPU, tr.putFromCPU, rbSetSrv, tr.putFromSrv}, {"GET / Get", rbGet, tr.get, rbGetCPU, tr.getCPU, rbGetSrv, tr.getSrv},
 				{"GET / GetDirect", rbGet, tr.getDirect, rbGetCPU, tr.getDirectCPU, rbGetSrv, tr.getDirectSrv},
+				{"GET / GetDirect, pinned", rbGet, tr.pinned, rbGetCPU, tr.pinnedCPU, rbGetSrv, tr.pinnedSrv},
+				{"GET / GetDirect, keyspace calls", rbGet, tr.calls, rbGetCPU, tr.callsCPU, rbGetSrv, tr.callsSrv},
+				{"GET / GetDirect, keyspace calls, key order", rbGet, tr.callsOrder, rbGetCPU, tr.callsOrderCPU, rbGetSrv, tr.callsOrderSrv},
 				{"SET / the client alone", rbSet, tr.raw, rbSetCPU, tr.rawCPU, rbSetSrv, tr.rawSrv}} {
 				ratios[r.op] = append(ratios[r.op], r.tier/r.rb)
 				fmt.Printf("| %d | %s | %d | %s | %d | %.0f | %.0f | %.0f%% | %.2f | %.0f, %.0f | %.0f (%.1f), %.0f (%.1f) |\n", size, r.op, round+1, load, count, r.rb, r.tier,
@@ -130,7 +133,7 @@ func TestBenchVsRedisBenchmark(t *testing.T) {
 					us(r.rbSrv, count), us(r.rbSrv, count)*r.rb/1e6, us(r.tierSrv, count), us(r.tierSrv, count)*r.tier/1e6)
 			}
 		}
-		for _, op := range []string{"SET / PutAsync", "SET / PutAsyncFrom", "GET / Get", "GET / GetDirect", "SET / the client alone"} {
+		for _, op := range []string{"SET / PutAsync", "SET / PutAsyncFrom", "GET / Get", "GET / GetDirect", "GET / GetDirect, pinned", "GET / GetDirect, keyspace calls", "GET / GetDirect, keyspace calls, key order", "SET / the client alone"} {
 			rs := append([]float64(nil), ratios[op]...)
 			sort.Float64s(rs)
 			fmt.Printf("| %d | %s | **median** | | | | | **%.0f%%** | | |\n", size, op, 100*rs[len(rs)/2])
@@ -464,9 +467,35 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	r.putFrom, r.putFromCPU, r.putFromSrv = puts("PutAsyncFrom", func(k [16]byte) bool { return s.PutAsyncFrom(k, payload, func() {}) })
 
 	var hits atomic.Int64
-	// The Gets: conns goroutines, depth keys a call, with get (Get, or
-	// GetDirect, the engine's promotion path).
-	gets := func(name string, get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
+	// The keys each master serves (the test cluster's masters hold the
+	// slots in equal ranges, in order).
+	byMaster := make([][][16]byte, c.masters)
+	for _, k := range keys {
+		m := int(keySlot(s.key(s.gen.Load(), k))) * c.masters / 16384
+		byMaster[m] = append(byMaster[m], k)
+	}
+	// How the gets are driven: workers goroutines, each asking for up to
+	// per keys a call, keyOf(w, i) the key of the worker w's i-th request.
+	type driver struct {
+		workers, per int
+		keyOf        func(w, i int) [16]byte
+	}
+	// spread: conns goroutines, depth keys a call, every key in turn from
+	// every worker (each request to any master).
+	spread := driver{conns, depth, func(w, i int) [16]byte { return keys[(i+w)%keyspace] }}
+	// pinned: conns goroutines, depth keys a call, a worker's keys all on
+	// one master, conns/masters workers a master: redis-benchmark
+	// --cluster's connections, each of which sends only keys of its node.
+	pinned := driver{conns, depth, func(w, i int) [16]byte {
+		ks := byMaster[w%c.masters]
+		return ks[i%len(ks)]
+	}}
+	// calls: two goroutines each asking for the whole keyspace a call, the
+	// store's Streams (conns×depth) bounding the GETs in flight: the
+	// engine's Prefetch of a long prefix.
+	calls := driver{2, keyspace, func(_, i int) [16]byte { return keys[i%keyspace] }}
+	// The Gets, with get (Get, or GetDirect, the engine's promotion path).
+	gets := func(name string, d driver, get func(context.Context, [][16]byte, [][]byte) []bool) (float64, time.Duration, time.Duration) {
 		hits.Store(0)
 		split := mastersSplit(c, "get")
 		// Each streamed GET's wait for its reply's first byte (the master's
@@ -479,14 +508,25 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 			tmu.Unlock()
 		}
 		defer func() { streamTimes = nil }()
+		// The destinations, written once before the clock starts (as the
+		// engine's pool slots are): a fresh page's fault is not the tier's.
+		dsts := make([][][]byte, d.workers)
+		for w := range dsts {
+			dsts[w] = dstsN(d.per, size-record.HeaderSize)
+			for _, b := range dsts[w] {
+				for j := 0; j < len(b); j += 4096 {
+					b[j] = 1
+				}
+			}
+		}
 		cpu0, srv0 := cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 		start := time.Now()
-		inBatches(conns, depth, count, func(w int) func(i, n int) bool {
-			ks := make([][16]byte, depth)
-			ds := dstsN(depth, size-record.HeaderSize)
+		inBatches(d.workers, d.per, count, func(w int) func(i, n int) bool {
+			ks := make([][16]byte, d.per)
+			ds := dsts[w]
 			return func(i, n int) bool {
 				for j := range n {
-					ks[j] = keys[(i+j+w)%keyspace]
+					ks[j] = d.keyOf(w, i+j)
 				}
 				hits.Add(int64(count1(get(context.Background(), ks[:n], ds[:n]))))
 				return true
@@ -501,8 +541,13 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 		}
 		return rate, cpu, srv
 	}
-	r.get, r.getCPU, r.getSrv = gets("Get", s.Get)
-	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets("GetDirect", s.GetDirect)
+	r.get, r.getCPU, r.getSrv = gets("Get", spread, s.Get)
+	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets("GetDirect", spread, s.GetDirect)
+	r.pinned, r.pinnedCPU, r.pinnedSrv = gets("GetDirect pinned", pinned, s.GetDirect)
+	r.calls, r.callsCPU, r.callsSrv = gets("GetDirect of the keyspace a call", calls, s.GetDirect)
+	ioBuffers.perMaster = false
+	r.callsOrder, r.callsOrderCPU, r.callsOrderSrv = gets("GetDirect of the keyspace a call, streams in key order", calls, s.GetDirect)
+	ioBuffers.perMaster = true
 
 	// The client alone: the same SETs (a whole record each, from one
 	// buffer: no copy, no checksum) as conns goroutines sending depth at a
@@ -539,12 +584,13 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 }
 
 // tierResult is benchTier's: rates, CPU time and the masters' CPU time of
-// the put and get phases (Get, GetDirect), and of the client's own SETs
+// the put and get phases (Get, GetDirect; GetDirect with each worker's
+// keys on one master, and a keyspace a call), and of the client's own SETs
 // (raw).
 type tierResult struct {
-	put, putFrom, get, getDirect, raw                float64
-	putCPU, putFromCPU, getCPU, getDirectCPU, rawCPU time.Duration
-	putSrv, putFromSrv, getSrv, getDirectSrv, rawSrv time.Duration
+	put, putFrom, get, getDirect, pinned, calls, callsOrder, raw                         float64
+	putCPU, putFromCPU, getCPU, getDirectCPU, pinnedCPU, callsCPU, callsOrderCPU, rawCPU time.Duration
+	putSrv, putFromSrv, getSrv, getDirectSrv, pinnedSrv, callsSrv, callsOrderSrv, rawSrv time.Duration
 }
 
 // serverCPU is the user+system time the cluster's running masters have
@@ -815,23 +861,6 @@ func balancedKeys(key func(uint64, [16]byte) string, gen uint64, n, masters int,
 		}
 	}
 	return out
-}
-
-// keySlot is Redis Cluster's hash slot of a key without a hash tag:
-// CRC-16/XMODEM of the key, modulo 16384.
-func keySlot(key string) uint16 {
-	var crc uint16
-	for i := 0; i < len(key); i++ {
-		crc ^= uint16(key[i]) << 8
-		for range 8 {
-			if crc&0x8000 != 0 {
-				crc = crc<<1 ^ 0x1021
-			} else {
-				crc <<= 1
-			}
-		}
-	}
-	return crc % 16384
 }
 
 // The benchmark's keys: keySlot agrees with the servers' CLUSTER KEYSLOT,

@@ -72,8 +72,10 @@ type Store struct {
 	timeouts, errors, clears         atomic.Int64
 	unavailPuts, unavailGets         atomic.Int64
 	putBytes, hitBytes               atomic.Int64
-	stop                             chan struct{} // closed by Close: the connector and the refresher end
-	streams                          chan struct{} // a slot per streamed GET in flight (Config.Streams)
+	stop                             chan struct{}           // closed by Close: the connector and the refresher end
+	streams                          chan struct{}           // a slot per streamed GET in flight (Config.Streams)
+	slots                            atomic.Pointer[slotMap] // the masters' slots, for Get's streams (slots.go); nil: not known
+	masterSems                       masterSems
 	bg                               sync.WaitGroup
 }
 
@@ -210,7 +212,10 @@ func (s *Store) connect(ctx context.Context) error {
 		if err = s.refreshGenerationWith(ctx, client); err != nil {
 			client.Close()
 			err = fmt.Errorf("cluster: read generation %s: %w", s.genKey, err)
+			return
 		}
+		_ = s.refreshSlots(ctx, client) // without a map Get's streams go in key order
+
 	})
 	if err != nil {
 		msg := err.Error()
@@ -237,7 +242,8 @@ var ioBuffers = struct {
 	stringConn  bool
 	stream      bool // Get streams each record (stream.go) instead of pipelining the batch
 	copyWays    int  // a put's copy: 0 record.CopyChecksum's ways, > 0 at most that many, < 0 half the cores shared out among the puts in flight
-}{read: 64 << 10, write: 4 << 10, stringConn: true, stream: true}
+	perMaster   bool // Get's streams shared out by master when the slot map is known (slots.go)
+}{read: 64 << 10, write: 4 << 10, stringConn: true, stream: true, perMaster: true}
 
 // copyChecksum is record.CopyChecksum of a put's payload behind its header,
 // on as many goroutines as ioBuffers.copyWays says, given the puts in flight
@@ -552,6 +558,10 @@ func (s *Store) get(ctx context.Context, keys [][16]byte, dsts [][]byte, direct 
 	defer cancel()
 	gen := s.gen.Load()
 	if ioBuffers.stream {
+		if m := s.slots.Load(); m != nil && ioBuffers.perMaster {
+			s.getByMaster(ctx, client, m, gen, keys, dsts, direct, ok)
+			return ok
+		}
 		var wg sync.WaitGroup
 		for i, k := range keys {
 			select {
@@ -700,6 +710,7 @@ func (s *Store) refresher() {
 			return
 		case <-t.C:
 			_ = s.refreshGenerationWith(context.Background(), s.cl()) // a failure keeps the generation known
+			_ = s.refreshSlots(context.Background(), s.cl())          // and the slot map
 		}
 	}
 }

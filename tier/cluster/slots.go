@@ -1,0 +1,216 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	"github.com/redis/rueidis"
+)
+
+// Streams by master. A Get's records are read by streamed GETs, at most
+// Config.Streams at once store-wide. Handed out in the keys' order, those
+// streams pile up on whichever master is slowest at the moment: its GETs
+// take longest, so it holds the most streams while the others run dry,
+// and a master with more replies outstanding spends more CPU on each
+// (on the H200 with 48 streams over 3 masters and 2 MiB records, one
+// master 1.0 core busy while the others were 0.5, with the same share
+// of the calls each). redis-benchmark --cluster has no such trouble:
+// each of its connections sends only keys of one node. So when the slot
+// map is known a Get sorts its keys by master, and each master's keys
+// are read by at most Streams/masters streams (store-wide, a semaphore
+// a master), the master's keys one after another: every master keeps its
+// share of the streams busy for as long as it has keys to serve.
+//
+// The map (CLUSTER SLOTS, read at connect and with the generation every
+// GenerationRefresh) schedules, it does not route: the client sends each
+// GET to the slot's owner as it knows it and follows MOVED and ASK, so a
+// stale map costs balance, never a wrong record. Without a map (the
+// command refused, say, to an ACL user without it) a Get hands its keys
+// to the store-wide streams in order, as before.
+
+// slotMap is which master served each hash slot when CLUSTER SLOTS was
+// read, and a semaphore for each master.
+type slotMap struct {
+	owner [16384]uint8 // index into sems and addrs; noMaster: no master known
+	sems  []chan struct{}
+	addrs []string
+}
+
+const noMaster = 0xff
+
+// keySlot is Redis Cluster's hash slot of a key without a hash tag (the
+// store's keys have none): CRC-16/XMODEM of the key, modulo 16384.
+func keySlot(key string) uint16 {
+	var crc uint16
+	for i := 0; i < len(key); i++ {
+		crc ^= uint16(key[i]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc % 16384
+}
+
+// masterSems keeps each master's semaphore across refreshes, by address
+// (a stream holds the one it took until it ends).
+type masterSems struct {
+	mu   sync.Mutex
+	sems map[string]chan struct{}
+}
+
+// refreshSlots reads CLUSTER SLOTS through client and installs the map; on
+// a failure the map is left as it was.
+func (s *Store) refreshSlots(ctx context.Context, client rueidis.Client) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	ranges, err := client.Do(ctx, client.B().ClusterSlots().Build()).ToArray()
+	if err != nil {
+		return err
+	}
+	m, err := s.parseSlots(ranges)
+	if err != nil {
+		return err
+	}
+	s.slots.Store(m)
+	return nil
+}
+
+// parseSlots makes a slotMap of CLUSTER SLOTS' reply: ranges of [first
+// slot, last slot, [master host, port, ...], replicas...].
+func (s *Store) parseSlots(ranges []rueidis.RedisMessage) (*slotMap, error) {
+	m := &slotMap{}
+	for i := range m.owner {
+		m.owner[i] = noMaster
+	}
+	index := map[string]int{}
+	var addrs []string
+	for _, r := range ranges {
+		f, err := r.ToArray()
+		if err != nil || len(f) < 3 {
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: %v", r, err)
+		}
+		first, err1 := f[0].AsInt64()
+		last, err2 := f[1].AsInt64()
+		node, err3 := f[2].ToArray()
+		if err1 != nil || err2 != nil || err3 != nil || len(node) < 2 || first < 0 || last < first || last >= 16384 {
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: slots or node unreadable", r)
+		}
+		host, err1 := node[0].ToString()
+		port, err2 := node[1].AsInt64()
+		if err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: node address unreadable", r)
+		}
+		addr := net.JoinHostPort(host, strconv.FormatInt(port, 10))
+		k, ok := index[addr]
+		if !ok {
+			if len(addrs) == noMaster {
+				return nil, fmt.Errorf("cluster: CLUSTER SLOTS names more than %d masters", noMaster)
+			}
+			k = len(addrs)
+			index[addr] = k
+			addrs = append(addrs, addr)
+		}
+		for slot := first; slot <= last; slot++ {
+			m.owner[slot] = uint8(k)
+		}
+	}
+	// The semaphores: Streams shared out among the masters (rounded up),
+	// a master's kept while it stays one, dropped once it is not.
+	per := max(1, (s.cfg.Streams+len(addrs)-1)/max(1, len(addrs)))
+	s.masterSems.mu.Lock()
+	defer s.masterSems.mu.Unlock()
+	sems := make(map[string]chan struct{}, len(addrs))
+	for _, a := range addrs {
+		sem := s.masterSems.sems[a]
+		if sem == nil || cap(sem) != per {
+			sem = make(chan struct{}, per)
+		}
+		sems[a] = sem
+		m.sems = append(m.sems, sem)
+	}
+	m.addrs = addrs
+	s.masterSems.sems = sems
+	return m, nil
+}
+
+// getByMaster is get's streamed path with a slot map: keys sorted by
+// master, each master's read by at most its semaphore's streams, every one
+// also holding one of the store's (keys of a slot without a known master
+// take only those).
+func (s *Store) getByMaster(ctx context.Context, client rueidis.Client, m *slotMap, gen uint64, keys [][16]byte, dsts [][]byte, direct bool, ok []bool) {
+	rkeys := make([]string, len(keys))
+	groups := make([][]int, len(m.sems)+1)
+	for i, k := range keys {
+		rkeys[i] = s.key(gen, k)
+		g := int(m.owner[keySlot(rkeys[i])])
+		if g == noMaster {
+			g = len(m.sems)
+		}
+		groups[g] = append(groups[g], i)
+	}
+	var wg sync.WaitGroup
+	for g, idx := range groups {
+		if len(idx) == 0 {
+			continue
+		}
+		var sem chan struct{}
+		workers := len(idx)
+		if g < len(m.sems) {
+			sem = m.sems[g]
+			workers = min(workers, cap(sem))
+		}
+		var next atomic.Int64
+		for range workers {
+			wg.Add(1)
+			s.goLabelled(func() {
+				defer wg.Done()
+				for {
+					j := int(next.Add(1)) - 1
+					if j >= len(idx) {
+						return
+					}
+					i := idx[j]
+					if !s.acquireStream(ctx, sem) {
+						s.countMiss(ctx.Err())
+						continue
+					}
+					ok[i] = s.getStreamed(ctx, client, rkeys[i], keys[i], dsts[i], direct)
+					<-s.streams
+					if sem != nil {
+						<-sem
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+}
+
+// acquireStream takes a place in sem (when not nil) and then one of the
+// store's streams, unless ctx ends first (then it holds neither).
+func (s *Store) acquireStream(ctx context.Context, sem chan struct{}) bool {
+	if sem != nil {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return false
+		}
+	}
+	select {
+	case s.streams <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		if sem != nil {
+			<-sem
+		}
+		return false
+	}
+}

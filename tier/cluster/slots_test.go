@@ -1,0 +1,73 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The slot map read at connect names the master that holds each key, and
+// shares Streams out among the masters.
+func TestSlotMap(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{Namespace: "slotmap", Streams: 7, Timeout: 5 * time.Second})
+	m := s.slots.Load()
+	require.NotNil(t, m, "no slot map after connect")
+	require.Len(t, m.addrs, 3)
+	for _, sem := range m.sems {
+		require.Equal(t, 3, cap(sem), "7 streams over 3 masters, rounded up")
+	}
+	const n, size = 30, 1000
+	ks, ps := keysN(n, 0x31), payloads(n, size)
+	putAll(t, s, ks, ps)
+	seen := map[string]bool{}
+	for _, k := range ks {
+		rk := s.key(s.gen.Load(), k)
+		owner := m.owner[keySlot(rk)]
+		require.NotEqual(t, noMaster, int(owner), "slot of %s has no master", rk)
+		_, port, err := net.SplitHostPort(m.addrs[owner])
+		require.NoError(t, err)
+		p, err := strconv.Atoi(port)
+		require.NoError(t, err)
+		out, err := c.cli(p, "exists", rk)
+		require.NoError(t, err)
+		require.Equal(t, "1", out, "the map's master %s does not hold %s", m.addrs[owner], rk)
+		seen[m.addrs[owner]] = true
+	}
+	require.Len(t, seen, 3, "30 keys all on fewer than 3 masters")
+}
+
+// A map that names the wrong masters costs balance, never a record: the
+// client routes each GET itself. One stream a master still reads every key.
+func TestGetWithWrongSlotMap(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{Namespace: "wrongmap", Streams: 3, GenerationRefresh: -1, Timeout: 5 * time.Second})
+	const n, size = 60, 3000
+	ks, ps := keysN(n, 0x32), payloads(n, size)
+	putAll(t, s, ks, ps)
+	m := s.slots.Load()
+	require.NotNil(t, m)
+	wrong := &slotMap{sems: m.sems, addrs: m.addrs}
+	for i := range wrong.owner {
+		wrong.owner[i] = uint8((int(m.owner[i]) + 1) % len(m.sems))
+	}
+	wrong.owner[keySlot(s.key(s.gen.Load(), ks[0]))] = noMaster
+	s.slots.Store(wrong)
+	for _, direct := range []bool{false, true} {
+		ds := dstsN(n, size)
+		ok := s.get(context.Background(), ks, ds, direct)
+		require.Equal(t, n, count(ok), "direct %v", direct)
+		for i := range ks {
+			require.True(t, bytes.Equal(ps[i], ds[i]), "key %d, direct %v", i, direct)
+		}
+	}
+	require.Len(t, s.streams, 0, "a stream left taken")
+	for _, sem := range m.sems {
+		require.Len(t, sem, 0, "a master's stream left taken")
+	}
+}
