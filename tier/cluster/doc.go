@@ -17,7 +17,8 @@
 // the connection is an io.StringWriter, so once the client's write buffer
 // (4 KiB here) is full and flushed the rest of the value goes from the
 // record buffer to the socket. Get streams each record (one GET per connection of a node's
-// stream pool, Config.Streams at once): the reply's bytes go from the socket
+// stream pool, Config.Streams at once, shared out by master: see
+// slots.go): the reply's bytes go from the socket
 // into a pooled buffer, the payload's CRC-32C is computed piece by piece as
 // they arrive, and a verified record is copied once into the caller's
 // buffer; no reply is allocated. GetDirect receives the payload straight
