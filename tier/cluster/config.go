@@ -38,7 +38,8 @@ type Config struct {
 	// power of two up to 256 (default 2).
 	ConnsPerNode int
 	// Streams bounds the records Get reads at once, store-wide, each on a
-	// connection of its own (default 32).
+	// connection of its own (default 32); when the slot map is known they
+	// are shared out evenly among the masters, rounded up (slots.go).
 	Streams int
 	// GenerationRefresh is how often the namespace's generation is re-read
 	// from the cluster (default 1s; negative: never, only at Open and Clear).

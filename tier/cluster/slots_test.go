@@ -71,3 +71,38 @@ func TestGetWithWrongSlotMap(t *testing.T) {
 		require.Len(t, sem, 0, "a master's stream left taken")
 	}
 }
+
+// A Get whose masters' streams are all taken waits no longer than its
+// deadline: every key a timeout, counted, nothing left taken.
+func TestGetWaitsForMasterStreams(t *testing.T) {
+	c := shared(t)
+	s := open(t, c, Config{Namespace: "busymasters", Streams: 3, GenerationRefresh: -1, Timeout: 5 * time.Second})
+	const n, size = 12, 100
+	ks, ps := keysN(n, 0x33), payloads(n, size)
+	putAll(t, s, ks, ps)
+	m := s.slots.Load()
+	require.NotNil(t, m)
+	for _, sem := range m.sems {
+		for range cap(sem) {
+			sem <- struct{}{}
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	ok := s.GetDirect(ctx, ks, dstsN(n, size))
+	require.Less(t, time.Since(start), 3*time.Second)
+	require.Zero(t, count(ok))
+	require.EqualValues(t, n, s.Stats().Timeouts)
+	require.Len(t, s.streams, 0)
+	for _, sem := range m.sems {
+		for range cap(sem) {
+			<-sem
+		}
+	}
+	ds := dstsN(n, size)
+	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)))
+	for i := range ks {
+		require.True(t, bytes.Equal(ps[i], ds[i]), "key %d", i)
+	}
+}
