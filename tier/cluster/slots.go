@@ -83,24 +83,26 @@ func (s *Store) refreshSlots(ctx context.Context, client rueidis.Client) error {
 	return nil
 }
 
+// slotRange is one entry of CLUSTER SLOTS: slots first to last (both
+// included) served by the master at addr.
+type slotRange struct {
+	first, last int64
+	addr        string
+}
+
 // parseSlots makes a slotMap of CLUSTER SLOTS' reply: ranges of [first
 // slot, last slot, [master host, port, ...], replicas...].
 func (s *Store) parseSlots(ranges []rueidis.RedisMessage) (*slotMap, error) {
-	m := &slotMap{}
-	for i := range m.owner {
-		m.owner[i] = noMaster
-	}
-	index := map[string]int{}
-	var addrs []string
+	rs := make([]slotRange, 0, len(ranges))
 	for _, r := range ranges {
 		f, err := r.ToArray()
 		if err != nil || len(f) < 3 {
-			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: %v", r, err)
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: not an array of 3 or more", r)
 		}
 		first, err1 := f[0].AsInt64()
 		last, err2 := f[1].AsInt64()
 		node, err3 := f[2].ToArray()
-		if err1 != nil || err2 != nil || err3 != nil || len(node) < 2 || first < 0 || last < first || last >= 16384 {
+		if err1 != nil || err2 != nil || err3 != nil || len(node) < 2 {
 			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: slots or node unreadable", r)
 		}
 		host, err1 := node[0].ToString()
@@ -108,22 +110,40 @@ func (s *Store) parseSlots(ranges []rueidis.RedisMessage) (*slotMap, error) {
 		if err1 != nil || err2 != nil {
 			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: node address unreadable", r)
 		}
-		addr := net.JoinHostPort(host, strconv.FormatInt(port, 10))
-		k, ok := index[addr]
+		rs = append(rs, slotRange{first, last, net.JoinHostPort(host, strconv.FormatInt(port, 10))})
+	}
+	return s.buildSlotMap(rs)
+}
+
+// buildSlotMap makes a slotMap of ranges (a later range naming a slot
+// again wins) and installs the masters' semaphores: Streams shared out
+// among them (rounded up), a master's kept while it stays one with the
+// same share, dropped once it is not. A range outside 0–16383 or with
+// last < first, or more than 255 masters, is an error and changes nothing.
+func (s *Store) buildSlotMap(ranges []slotRange) (*slotMap, error) {
+	m := &slotMap{}
+	for i := range m.owner {
+		m.owner[i] = noMaster
+	}
+	index := map[string]int{}
+	var addrs []string
+	for _, r := range ranges {
+		if r.first < 0 || r.last < r.first || r.last >= int64(len(m.owner)) {
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS range %d-%d of %s: outside 0-%d", r.first, r.last, r.addr, len(m.owner)-1)
+		}
+		k, ok := index[r.addr]
 		if !ok {
 			if len(addrs) == noMaster {
 				return nil, fmt.Errorf("cluster: CLUSTER SLOTS names more than %d masters", noMaster)
 			}
 			k = len(addrs)
-			index[addr] = k
-			addrs = append(addrs, addr)
+			index[r.addr] = k
+			addrs = append(addrs, r.addr)
 		}
-		for slot := first; slot <= last; slot++ {
+		for slot := r.first; slot <= r.last; slot++ {
 			m.owner[slot] = uint8(k)
 		}
 	}
-	// The semaphores: Streams shared out among the masters (rounded up),
-	// a master's kept while it stays one, dropped once it is not.
 	per := max(1, (s.cfg.Streams+len(addrs)-1)/max(1, len(addrs)))
 	s.masterSems.mu.Lock()
 	defer s.masterSems.mu.Unlock()

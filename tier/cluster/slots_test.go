@@ -106,3 +106,46 @@ func TestGetWaitsForMasterStreams(t *testing.T) {
 		require.True(t, bytes.Equal(ps[i], ds[i]), "key %d", i)
 	}
 }
+
+// buildSlotMap on any ranges: no panic; on success every slot of a range
+// is owned by the last range naming it and no other slot has a master,
+// one semaphore a master with Streams shared out; on an error no map.
+func FuzzBuildSlotMap(f *testing.F) {
+	f.Add([]byte{0, 0, 0x15, 0x54, 1, 0x15, 0x55, 0x2a, 0xaa, 2, 0x2a, 0xab, 0x3f, 0xff, 3}, uint8(32))
+	f.Add([]byte{0x3f, 0xff, 0, 0, 1}, uint8(0))
+	f.Add([]byte{0x40, 0, 0x40, 0, 1}, uint8(7))
+	f.Fuzz(func(t *testing.T, b []byte, streams uint8) {
+		var rs []slotRange
+		for len(b) >= 5 && len(rs) < 600 {
+			// Signed 16-bit slot numbers, so negatives and > 16383 occur.
+			first := int64(int16(uint16(b[0])<<8 | uint16(b[1])))
+			last := int64(int16(uint16(b[2])<<8 | uint16(b[3])))
+			rs = append(rs, slotRange{first, last, "n" + strconv.Itoa(int(b[4])%300)})
+			b = b[5:]
+		}
+		s := &Store{cfg: Config{Streams: int(streams)}}
+		m, err := s.buildSlotMap(rs)
+		if err != nil {
+			require.Nil(t, m)
+			return
+		}
+		want := map[int]string{}
+		for _, r := range rs {
+			for slot := r.first; slot <= r.last; slot++ {
+				want[int(slot)] = r.addr
+			}
+		}
+		for slot, o := range m.owner {
+			if a, ok := want[slot]; ok {
+				require.Less(t, int(o), len(m.addrs), "slot %d", slot)
+				require.Equal(t, a, m.addrs[o], "slot %d", slot)
+			} else {
+				require.Equal(t, noMaster, int(o), "slot %d", slot)
+			}
+		}
+		require.Len(t, m.sems, len(m.addrs))
+		for _, sem := range m.sems {
+			require.Equal(t, max(1, (int(streams)+len(m.addrs)-1)/max(1, len(m.addrs))), cap(sem))
+		}
+	})
+}
