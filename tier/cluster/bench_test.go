@@ -476,11 +476,14 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	r.putFrom, r.putFromCPU, r.putFromSrv = puts("PutAsyncFrom", func(k [16]byte) bool { return s.PutAsyncFrom(k, payload, func() {}) })
 
 	var hits atomic.Int64
-	// The keys each master serves (the test cluster's masters hold the
-	// slots in equal ranges, in order).
+	// The keys each master serves, by the store's slot map.
+	sm := s.slots.Load()
+	if sm == nil || len(sm.addrs) != c.masters {
+		t.Fatalf("the store has no slot map of %d masters", c.masters)
+	}
 	byMaster := make([][][16]byte, c.masters)
 	for _, k := range keys {
-		m := int(keySlot(s.key(s.gen.Load(), k))) * c.masters / 16384
+		m := int(sm.owner[keySlot(s.key(s.gen.Load(), k))])
 		byMaster[m] = append(byMaster[m], k)
 	}
 	// How the gets are driven: workers goroutines, each asking for up to
@@ -554,9 +557,12 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	r.getDirect, r.getDirectCPU, r.getDirectSrv = gets("GetDirect", spread, s.GetDirect)
 	r.pinned, r.pinnedCPU, r.pinnedSrv = gets("GetDirect pinned", pinned, s.GetDirect)
 	r.calls, r.callsCPU, r.callsSrv = gets("GetDirect of the keyspace a call", calls, s.GetDirect)
-	ioBuffers.perMaster = false
-	r.callsOrder, r.callsOrderCPU, r.callsOrderSrv = gets("GetDirect of the keyspace a call, streams in key order", calls, s.GetDirect)
-	ioBuffers.perMaster = true
+	func() {
+		saved := ioBuffers.perMaster
+		defer func() { ioBuffers.perMaster = saved }()
+		ioBuffers.perMaster = false
+		r.callsOrder, r.callsOrderCPU, r.callsOrderSrv = gets("GetDirect of the keyspace a call, streams in key order", calls, s.GetDirect)
+	}()
 
 	// The client alone: the same SETs (a whole record each, from one
 	// buffer: no copy, no checksum) as conns goroutines sending depth at a
@@ -590,19 +596,20 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	fmt.Printf("<!-- the Go client alone: %s -->\n", split(elapsed))
 	r.rawCPU, r.rawSrv = cpuTime(syscall.RUSAGE_SELF)-cpu0, c.serverCPU()-srv0
 
-	// The client alone, reading them back: GETs as redis-benchmark --cluster
-	// sends them, each worker's keys on one master, depth at a time
-	// (DoMulti), or at depth 1 each reply streamed into a buffer (no
-	// allocation, no check, no copy): the tier's ceiling on this client,
-	// a reference for GetDirect that redis-benchmark's own client (16 KiB
-	// reads, more of the masters' CPU per reply) is not.
+	// The client alone, reading them back: conns×depth workers (the
+	// requests redis-benchmark keeps outstanding), each worker's keys on one
+	// master as redis-benchmark --cluster's connections' are, each reply
+	// streamed (DoStream, as GetDirect's) into a buffer: no allocation, no
+	// check, no copy. The tier's ceiling on this client, a reference for
+	// GetDirect that redis-benchmark's own client (which costs the masters
+	// more CPU per reply) is not.
 	rawByMaster := make([][]string, c.masters)
 	for _, rk := range rkeys {
-		m := int(keySlot(rk)) * c.masters / 16384
+		m := int(sm.owner[keySlot(rk)])
 		rawByMaster[m] = append(rawByMaster[m], rk)
 	}
 	split = mastersSplit(c, "get")
-	bufs := make([]sinkBuf, conns)
+	bufs := make([]sinkBuf, conns*depth)
 	for w := range bufs {
 		bufs[w].b = make([]byte, size)
 		for j := 0; j < size; j += 4096 {
@@ -611,28 +618,15 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	}
 	cpu0, srv0 = cpuTime(syscall.RUSAGE_SELF), c.serverCPU()
 	start = time.Now()
-	inBatches(conns, depth, count, func(w int) func(i, n int) bool {
+	inBatches(conns*depth, 1, count, func(w int) func(i, n int) bool {
 		ks := rawByMaster[w%c.masters]
-		cmds := make(rueidis.Commands, depth)
-		return func(i, n int) bool {
-			if n == 1 {
-				bufs[w].n = 0
-				st := client.DoStream(context.Background(), client.B().Get().Key(ks[i%len(ks)]).Build())
-				_, err := st.WriteTo(&bufs[w])
-				if err != nil || bufs[w].n != size {
-					t.Errorf("GET: %d bytes, %v", bufs[w].n, err)
-					return false
-				}
-				return true
-			}
-			for j := range n {
-				cmds[j] = client.B().Get().Key(ks[(i+j)%len(ks)]).Build()
-			}
-			for _, res := range client.DoMulti(context.Background(), cmds[:n]...) {
-				if v, err := res.AsBytes(); err != nil || len(v) != size {
-					t.Errorf("GET: %d bytes, %v", len(v), err)
-					return false
-				}
+		return func(i, _ int) bool {
+			bufs[w].n, bufs[w].over = 0, 0
+			st := client.DoStream(context.Background(), client.B().Get().Key(ks[i%len(ks)]).Build())
+			_, err := st.WriteTo(&bufs[w])
+			if err != nil || bufs[w].n != size || bufs[w].over != 0 {
+				t.Errorf("GET: %d bytes (%d more), %v", bufs[w].n, bufs[w].over, err)
+				return false
 			}
 			return true
 		}
@@ -644,10 +638,11 @@ func benchTier(t *testing.T, c *testCluster, size, depth, conns, count, keyspace
 	return r
 }
 
-// sinkBuf receives a streamed reply into b, unchecked.
+// sinkBuf receives a streamed reply into b, unchecked; bytes past len(b)
+// are counted in over.
 type sinkBuf struct {
-	b []byte
-	n int
+	b       []byte
+	n, over int
 }
 
 func (k *sinkBuf) ReadFrom(r io.Reader) (int64, error) {
@@ -655,6 +650,7 @@ func (k *sinkBuf) ReadFrom(r io.Reader) (int64, error) {
 	for {
 		if k.n == len(k.b) {
 			m, err := io.Copy(io.Discard, r)
+			k.over += int(m)
 			return total + m, err
 		}
 		m, err := r.Read(k.b[k.n:])
@@ -670,7 +666,9 @@ func (k *sinkBuf) ReadFrom(r io.Reader) (int64, error) {
 }
 
 func (k *sinkBuf) Write(p []byte) (int, error) {
-	k.n += copy(k.b[k.n:], p)
+	m := copy(k.b[k.n:], p)
+	k.n += m
+	k.over += len(p) - m
 	return len(p), nil
 }
 
@@ -962,8 +960,13 @@ func balancedKeys(key func(uint64, [16]byte) string, gen uint64, n, masters int,
 func TestBalancedKeys(t *testing.T) {
 	c := shared(t)
 	s := open(t, c, Config{Timeout: 5 * time.Second})
+	var ks []string
 	for _, k := range keysN(20, 0x5a) {
-		key := s.key(7, k)
+		ks = append(ks, s.key(7, k))
+	}
+	// Hash tags: the first {...} that is not empty, else the whole key.
+	ks = append(ks, "a{b}c", "{}x", "x{", "{a}{b}", "a{}{b}", "x}{y}", "{kvo}:ns:3:00ff", "{{a}}")
+	for _, key := range ks {
 		out, err := c.cli(c.ports[0], "cluster", "keyslot", key)
 		require.NoError(t, err)
 		require.Equal(t, strings.TrimSpace(out), strconv.Itoa(int(keySlot(key))), key)

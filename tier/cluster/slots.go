@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -21,30 +22,42 @@ import (
 // of the calls each). redis-benchmark --cluster has no such trouble:
 // each of its connections sends only keys of one node. So when the slot
 // map is known a Get sorts its keys by master, and each master's keys
-// are read by at most Streams/masters streams (store-wide, a semaphore
-// a master), the master's keys one after another: every master keeps its
-// share of the streams busy for as long as it has keys to serve.
+// are read by at most Streams/masters streams, rounded up (store-wide, a
+// semaphore a master), the master's keys one after another: every master
+// keeps its share of the streams busy for as long as it has keys to
+// serve. The price: a Get whose keys are mostly on one master reads them
+// with that master's share, not all of Streams (the engine's keys are
+// block hashes, spread over the slots evenly).
 //
 // The map (CLUSTER SLOTS, read at connect and with the generation every
 // GenerationRefresh) schedules, it does not route: the client sends each
 // GET to the slot's owner as it knows it and follows MOVED and ASK, so a
-// stale map costs balance, never a wrong record. Without a map (the
-// command refused, say, to an ACL user without it) a Get hands its keys
-// to the store-wide streams in order, as before.
+// stale map costs balance, never a wrong record (with a negative
+// GenerationRefresh the map read at connect is never re-read). Without a
+// map (the command refused, or a reply naming no master) a Get hands its
+// keys to the store-wide streams in order, as before; keys of a slot the
+// map names no master for go the same way.
 
 // slotMap is which master served each hash slot when CLUSTER SLOTS was
 // read, and a semaphore for each master.
 type slotMap struct {
 	owner [16384]uint8 // index into sems and addrs; noMaster: no master known
 	sems  []chan struct{}
-	addrs []string
+	addrs []string // each master's host:port ("" where the reply did not say)
 }
 
 const noMaster = 0xff
 
-// keySlot is Redis Cluster's hash slot of a key without a hash tag (the
-// store's keys have none): CRC-16/XMODEM of the key, modulo 16384.
+// keySlot is Redis Cluster's hash slot of a key: CRC-16/XMODEM, modulo
+// 16384, of the key or, when it has a hash tag (the bytes between its
+// first '{' and the first '}' after it, not none), of the tag. The
+// store's keys have one only if Prefix or Namespace does.
 func keySlot(key string) uint16 {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			key = key[i+1 : i+1+j]
+		}
+	}
 	var crc uint16
 	for i := 0; i < len(key); i++ {
 		crc ^= uint16(key[i]) << 8
@@ -59,7 +72,7 @@ func keySlot(key string) uint16 {
 	return crc % 16384
 }
 
-// masterSems keeps each master's semaphore across refreshes, by address
+// masterSems keeps each master's semaphore across refreshes, by node
 // (a stream holds the one it took until it ends).
 type masterSems struct {
 	mu   sync.Mutex
@@ -84,10 +97,12 @@ func (s *Store) refreshSlots(ctx context.Context, client rueidis.Client) error {
 }
 
 // slotRange is one entry of CLUSTER SLOTS: slots first to last (both
-// included) served by the master at addr.
+// included) served by the master node (its node ID where the reply gives
+// one, else its address: what tells masters apart), at addr (host:port,
+// "" where the reply does not say).
 type slotRange struct {
 	first, last int64
-	addr        string
+	node, addr  string
 }
 
 // parseSlots makes a slotMap of CLUSTER SLOTS' reply: ranges of [first
@@ -105,12 +120,25 @@ func (s *Store) parseSlots(ranges []rueidis.RedisMessage) (*slotMap, error) {
 		if err1 != nil || err2 != nil || err3 != nil || len(node) < 2 {
 			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: slots or node unreadable", r)
 		}
+		// The node ID (Redis 4 and later) tells masters apart even where
+		// their endpoints do not (an unknown endpoint is NULL, a hidden
+		// one ""); else host:port.
+		var id, addr string
+		if len(node) > 2 {
+			id, _ = node[2].ToString()
+		}
 		host, err1 := node[0].ToString()
 		port, err2 := node[1].AsInt64()
-		if err1 != nil || err2 != nil {
-			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: node address unreadable", r)
+		if err1 == nil && err2 == nil && host != "" {
+			addr = net.JoinHostPort(host, strconv.FormatInt(port, 10))
 		}
-		rs = append(rs, slotRange{first, last, net.JoinHostPort(host, strconv.FormatInt(port, 10))})
+		if id == "" {
+			id = addr
+		}
+		if id == "" {
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS entry %v: neither node ID nor address", r)
+		}
+		rs = append(rs, slotRange{first, last, id, addr})
 	}
 	return s.buildSlotMap(rs)
 }
@@ -119,41 +147,46 @@ func (s *Store) parseSlots(ranges []rueidis.RedisMessage) (*slotMap, error) {
 // again wins) and installs the masters' semaphores: Streams shared out
 // among them (rounded up), a master's kept while it stays one with the
 // same share, dropped once it is not. A range outside 0–16383 or with
-// last < first, or more than 255 masters, is an error and changes nothing.
+// last < first, more than 255 masters or none is an error and changes
+// nothing.
 func (s *Store) buildSlotMap(ranges []slotRange) (*slotMap, error) {
 	m := &slotMap{}
 	for i := range m.owner {
 		m.owner[i] = noMaster
 	}
 	index := map[string]int{}
-	var addrs []string
+	var nodes, addrs []string
 	for _, r := range ranges {
 		if r.first < 0 || r.last < r.first || r.last >= int64(len(m.owner)) {
-			return nil, fmt.Errorf("cluster: CLUSTER SLOTS range %d-%d of %s: outside 0-%d", r.first, r.last, r.addr, len(m.owner)-1)
+			return nil, fmt.Errorf("cluster: CLUSTER SLOTS range %d-%d of %s: outside 0-%d", r.first, r.last, r.node, len(m.owner)-1)
 		}
-		k, ok := index[r.addr]
+		k, ok := index[r.node]
 		if !ok {
-			if len(addrs) == noMaster {
+			if len(nodes) == noMaster {
 				return nil, fmt.Errorf("cluster: CLUSTER SLOTS names more than %d masters", noMaster)
 			}
-			k = len(addrs)
-			index[r.addr] = k
+			k = len(nodes)
+			index[r.node] = k
+			nodes = append(nodes, r.node)
 			addrs = append(addrs, r.addr)
 		}
 		for slot := r.first; slot <= r.last; slot++ {
 			m.owner[slot] = uint8(k)
 		}
 	}
-	per := max(1, (s.cfg.Streams+len(addrs)-1)/max(1, len(addrs)))
+	if len(nodes) == 0 {
+		return nil, fmt.Errorf("cluster: CLUSTER SLOTS names no master")
+	}
+	per := max(1, (s.cfg.Streams+len(nodes)-1)/len(nodes))
 	s.masterSems.mu.Lock()
 	defer s.masterSems.mu.Unlock()
-	sems := make(map[string]chan struct{}, len(addrs))
-	for _, a := range addrs {
-		sem := s.masterSems.sems[a]
+	sems := make(map[string]chan struct{}, len(nodes))
+	for _, n := range nodes {
+		sem := s.masterSems.sems[n]
 		if sem == nil || cap(sem) != per {
 			sem = make(chan struct{}, per)
 		}
-		sems[a] = sem
+		sems[n] = sem
 		m.sems = append(m.sems, sem)
 	}
 	m.addrs = addrs
@@ -182,7 +215,7 @@ func (s *Store) getByMaster(ctx context.Context, client rueidis.Client, m *slotM
 			continue
 		}
 		var sem chan struct{}
-		workers := len(idx)
+		workers := min(len(idx), cap(s.streams))
 		if g < len(m.sems) {
 			sem = m.sems[g]
 			workers = min(workers, cap(sem))

@@ -100,6 +100,21 @@ func TestGetWaitsForMasterStreams(t *testing.T) {
 			<-sem
 		}
 	}
+	// The store's streams all taken: a key that got its master's place
+	// gives it back when its deadline comes first.
+	for range cap(s.streams) {
+		s.streams <- struct{}{}
+	}
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel2()
+	require.Zero(t, count(s.Get(ctx2, ks, dstsN(n, size))))
+	require.EqualValues(t, 2*n, s.Stats().Timeouts)
+	for _, sem := range m.sems {
+		require.Len(t, sem, 0, "a master's place left taken")
+	}
+	for range cap(s.streams) {
+		<-s.streams
+	}
 	ds := dstsN(n, size)
 	require.Equal(t, n, count(s.Get(context.Background(), ks, ds)))
 	for i := range ks {
@@ -120,7 +135,8 @@ func FuzzBuildSlotMap(f *testing.F) {
 			// Signed 16-bit slot numbers, so negatives and > 16383 occur.
 			first := int64(int16(uint16(b[0])<<8 | uint16(b[1])))
 			last := int64(int16(uint16(b[2])<<8 | uint16(b[3])))
-			rs = append(rs, slotRange{first, last, "n" + strconv.Itoa(int(b[4])%300)})
+			n := "n" + strconv.Itoa(int(b[4])%300)
+			rs = append(rs, slotRange{first, last, n, n + ":1"})
 			b = b[5:]
 		}
 		s := &Store{cfg: Config{Streams: int(streams)}}

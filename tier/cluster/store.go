@@ -464,8 +464,9 @@ func (s *Store) put(client rueidis.Client, key [16]byte, gen uint64, bp *[]byte,
 	err := s.cfg.faults.inject(opPut)
 	if err == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.Timeout)
-		// BinaryString aliases buf: the client writes it to the socket
-		// before Do returns, and buf goes back to the pool only after.
+		// BinaryString aliases buf: on success the client has written it
+		// to the socket before Do returns; on a failure (a deadline, say)
+		// it may still be queued, so buf is not reused (below).
 		cmd := client.B().Set().Key(s.key(gen, key)).Value(rueidis.BinaryString(buf)).
 			Px(s.cfg.TTL).Build()
 		err = client.Do(ctx, cmd).Error()
@@ -480,7 +481,9 @@ func (s *Store) put(client rueidis.Client, key [16]byte, gen uint64, bp *[]byte,
 			s.putOOM.Add(1)
 		}
 	}
-	s.bufs.Put(bp)
+	if err == nil {
+		s.bufs.Put(bp)
+	} // else the client may still write buf: left to the collector
 	// The put's bytes are free before OnPutDone runs (a caller may put
 	// again from it), but the put counts until it has returned, so that
 	// Flush returns only after the callbacks of the puts it waited for.
