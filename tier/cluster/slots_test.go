@@ -165,3 +165,4 @@ func FuzzBuildSlotMap(f *testing.F) {
 		}
 	})
 }
+

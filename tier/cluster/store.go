@@ -72,7 +72,9 @@ type Store struct {
 	timeouts, errors, clears         atomic.Int64
 	unavailPuts, unavailGets         atomic.Int64
 	putBytes, hitBytes               atomic.Int64
-	stop                             chan struct{}           // closed by Close: the connector and the refresher end
+	stop                             chan struct{}   // closed by Close: the connector and the refresher end
+	stopCtx                          context.Context // cancelled by Close: the refresher's commands end at once
+	stopCancel                       context.CancelFunc
 	streams                          chan struct{}           // a slot per streamed GET in flight (Config.Streams)
 	slots                            atomic.Pointer[slotMap] // the masters' slots, for Get's streams (slots.go); nil: not known
 	masterSems                       masterSems
@@ -138,6 +140,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		streams:  make(chan struct{}, cfg.Streams),
 	}
 	s.done = sync.NewCond(&s.mu)
+	s.stopCtx, s.stopCancel = context.WithCancel(context.Background())
 	err := s.connect(ctx)
 	if err != nil && !cfg.Background {
 		s.waitGoroutines(closeWaitMax)
@@ -712,8 +715,8 @@ func (s *Store) refresher() {
 		case <-s.stop:
 			return
 		case <-t.C:
-			_ = s.refreshGenerationWith(context.Background(), s.cl()) // a failure keeps the generation known
-			_ = s.refreshSlots(context.Background(), s.cl())          // and the slot map
+			_ = s.refreshGenerationWith(s.stopCtx, s.cl()) // a failure keeps the generation known
+			_ = s.refreshSlots(s.stopCtx, s.cl())          // and the slot map
 		}
 	}
 }
@@ -736,6 +739,7 @@ func (s *Store) Close() error {
 	s.mu.Unlock()
 	s.Flush()
 	close(s.stop)
+	s.stopCancel()
 	s.bg.Wait()
 	if c := s.cl(); c != nil {
 		// Labelled: the client closes its connections on goroutines of its
