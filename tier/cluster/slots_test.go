@@ -165,4 +165,3 @@ func FuzzBuildSlotMap(f *testing.F) {
 		}
 	})
 }
-
