@@ -194,18 +194,24 @@ func (s *Store) buildSlotMap(ranges []slotRange) (*slotMap, error) {
 	return m, nil
 }
 
-// getByMaster is get's streamed path with a slot map: keys sorted by
+// getByMaster is get's streamed path: with a slot map m, keys sorted by
 // master, each master's read by at most its semaphore's streams, every one
-// also holding one of the store's (keys of a slot without a known master
-// take only those).
+// also holding one of the store's; keys of a slot without a known master,
+// and every key when m is nil, take only the store's, in order.
 func (s *Store) getByMaster(ctx context.Context, client rueidis.Client, m *slotMap, gen uint64, keys [][16]byte, dsts [][]byte, direct bool, ok []bool) {
+	var sems []chan struct{}
+	if m != nil {
+		sems = m.sems
+	}
 	rkeys := make([]string, len(keys))
-	groups := make([][]int, len(m.sems)+1)
+	groups := make([][]int, len(sems)+1)
 	for i, k := range keys {
 		rkeys[i] = s.key(gen, k)
-		g := int(m.owner[keySlot(rkeys[i])])
-		if g == noMaster {
-			g = len(m.sems)
+		g := len(sems)
+		if m != nil {
+			if o := m.owner[keySlot(rkeys[i])]; o != noMaster {
+				g = int(o)
+			}
 		}
 		groups[g] = append(groups[g], i)
 	}
@@ -216,8 +222,8 @@ func (s *Store) getByMaster(ctx context.Context, client rueidis.Client, m *slotM
 		}
 		var sem chan struct{}
 		workers := min(len(idx), cap(s.streams))
-		if g < len(m.sems) {
-			sem = m.sems[g]
+		if g < len(sems) {
+			sem = sems[g]
 			workers = min(workers, cap(sem))
 		}
 		var next atomic.Int64

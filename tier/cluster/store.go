@@ -72,8 +72,7 @@ type Store struct {
 	timeouts, errors, clears         atomic.Int64
 	unavailPuts, unavailGets         atomic.Int64
 	putBytes, hitBytes               atomic.Int64
-	stop                             chan struct{}   // closed by Close: the connector and the refresher end
-	stopCtx                          context.Context // cancelled by Close: the refresher's commands end at once
+	stopCtx                          context.Context // cancelled by Close: the connector and the refresher end, their commands at once
 	stopCancel                       context.CancelFunc
 	streams                          chan struct{}           // a slot per streamed GET in flight (Config.Streams)
 	slots                            atomic.Pointer[slotMap] // the masters' slots, for Get's streams (slots.go); nil: not known
@@ -136,13 +135,13 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		genKey:   cfg.Prefix + ":" + cfg.Namespace + ":gen",
 		label:    id,
 		lctx:     pprof.WithLabels(context.Background(), pprof.Labels(labelKey, id)),
-		stop:     make(chan struct{}),
 		streams:  make(chan struct{}, cfg.Streams),
 	}
 	s.done = sync.NewCond(&s.mu)
 	s.stopCtx, s.stopCancel = context.WithCancel(context.Background())
 	err := s.connect(ctx)
 	if err != nil && !cfg.Background {
+		s.stopCancel()
 		s.waitGoroutines(closeWaitMax)
 		return nil, err
 	}
@@ -218,7 +217,6 @@ func (s *Store) connect(ctx context.Context) error {
 			return
 		}
 		_ = s.refreshSlots(ctx, client) // without a map Get's streams go in key order
-
 	})
 	if err != nil {
 		msg := err.Error()
@@ -294,7 +292,7 @@ func (s *Store) reconnect() bool {
 	for {
 		t := time.NewTimer(wait)
 		select {
-		case <-s.stop:
+		case <-s.stopCtx.Done():
 			t.Stop()
 			return false
 		case <-t.C:
@@ -564,26 +562,11 @@ func (s *Store) get(ctx context.Context, keys [][16]byte, dsts [][]byte, direct 
 	defer cancel()
 	gen := s.gen.Load()
 	if ioBuffers.stream {
-		if m := s.slots.Load(); m != nil && ioBuffers.perMaster {
-			s.getByMaster(ctx, client, m, gen, keys, dsts, direct, ok)
-			return ok
+		var m *slotMap // nil: the keys in order (slots.go)
+		if ioBuffers.perMaster {
+			m = s.slots.Load()
 		}
-		var wg sync.WaitGroup
-		for i, k := range keys {
-			select {
-			case s.streams <- struct{}{}:
-			case <-ctx.Done():
-				s.countMiss(ctx.Err())
-				continue
-			}
-			wg.Add(1)
-			s.goLabelled(func() {
-				defer wg.Done()
-				ok[i] = s.getStreamed(ctx, client, s.key(gen, k), k, dsts[i], direct)
-				<-s.streams
-			})
-		}
-		wg.Wait()
+		s.getByMaster(ctx, client, m, gen, keys, dsts, direct, ok)
 		return ok
 	}
 	cmds := make(rueidis.Commands, len(keys))
@@ -705,14 +688,14 @@ func (s *Store) refreshGenerationWith(ctx context.Context, client rueidis.Client
 // a labelled goroutine, once connected).
 func (s *Store) refresher() {
 	if s.cfg.GenerationRefresh < 0 {
-		<-s.stop
+		<-s.stopCtx.Done()
 		return
 	}
 	t := time.NewTicker(s.cfg.GenerationRefresh)
 	defer t.Stop()
 	for {
 		select {
-		case <-s.stop:
+		case <-s.stopCtx.Done():
 			return
 		case <-t.C:
 			_ = s.refreshGenerationWith(s.stopCtx, s.cl()) // a failure keeps the generation known
@@ -738,7 +721,6 @@ func (s *Store) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	s.Flush()
-	close(s.stop)
 	s.stopCancel()
 	s.bg.Wait()
 	if c := s.cl(); c != nil {
