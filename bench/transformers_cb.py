@@ -515,6 +515,60 @@ def write(out, command, mach, rows, notes, started):
                    "date": started}, f, indent=1, default=str)
 
 
+def time_module():
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import tfcb_time
+    return tfcb_time
+
+
+def main_time(args, argv):
+    """The time steps (bench/tfcb_time.py): out/tfcb-<step>.md and .json."""
+    tt = time_module()
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    t_start = time.perf_counter()
+    import kvoffload.integrations.transformers as kvt
+    version = kvt.check_transformers()
+    mach = machine()
+    print(f"transformers {version}; {mach}", flush=True)
+    command = "python3 bench/transformers_cb.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows, notes = [], []
+
+    def save():
+        if not args.out:
+            return None
+        md, ts = tt.report(command, mach, args.step, rows, notes, started)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"tfcb-{args.step}.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(args.out, f"tfcb-{args.step}.json"), "w") as f:
+            json.dump({"command": command, "rows": rows, "targets": ts, "notes": notes, "machine": mach,
+                       "date": started}, f, indent=1, default=str)
+        return ts
+
+    def emit(row):
+        rows.append(row)
+        print(tt.format_row(row), end="", flush=True)
+        save()
+
+    errors = 0
+    try:
+        tt.run_step(sys.modules[__name__], args.step, args, emit)
+    except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+        errors += 1
+        traceback.print_exc()
+        notes.append(f"FAILED: {type(e).__name__}: {e}")
+    save()
+    md, ts = tt.report(command, mach, args.step, rows, notes, started)
+    print()
+    print(md)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if errors or any(r.get("checksums_bad") for r in rows):
+        return 1
+    return 0 if all(ok for ok, _ in ts) else 3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -524,7 +578,13 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--layers-8b", type=int, default=8, help="layers of the 8b geometry (default 8; 32 is full)")
     ap.add_argument("--preempt-models", nargs="+", default=["small"], help="models the preempt workload runs on")
-    ap.add_argument("--pool-gib", type=float, default=4.0, help="kvoffload pool and transformers' cpu_offload_space")
+    ap.add_argument("--pool-gib", type=float, default=None,
+                    help="kvoffload pool and transformers' cpu_offload_space (default 4; the time steps: the tier's "
+                         "default, sized from the GPU cache)")
+    ap.add_argument("--step", default="classic", choices=["classic", "long", "batch", "atonce", "verify"],
+                    help="classic: the prefix and preempt workloads (tokens, checksums); the others: time against "
+                         "transformers alone (bench/tfcb_time.py)")
+    ap.add_argument("--profile", help="the time steps: also run kvo under cProfile, hot spots written here")
     ap.add_argument("--per-layer", default="auto", type=lambda v: {"on": True, "off": False}.get(v, v),
                     choices=["auto", True, False], help="the tier's per-layer loads: auto (default), on, off")
     ap.add_argument("--seed", type=int, default=1)
@@ -534,8 +594,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.selfcheck:
         selfcheck()
+        time_module().selfcheck()
         print("selfcheck: ok")
         return 0
+    if args.step != "classic":
+        return main_time(args, argv)
+    if args.pool_gib is None:
+        args.pool_gib = 4.0
     GEOMETRIES["8b"]["layers"] = args.layers_8b
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t_start = time.perf_counter()

@@ -188,7 +188,9 @@ type Config struct {
 	// (bench/results/README.md).
 	Policy Policy `json:"policy,omitempty"`
 	// MaxInFlightBytes bounds the bytes being copied per direction; work
-	// beyond it waits in the queue. Default DefaultMaxInFlightBytes.
+	// beyond it waits in the queue (host backend). An op with events (every
+	// op on CUDA) is issued at once and never refused for it: its stream is
+	// its queue. Default DefaultMaxInFlightBytes.
 	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
 	// MaxQueuedBytes bounds the bytes waiting for in-flight room per
 	// direction; beyond it a Store is refused (OutcomeRefusedBusy) and a
@@ -445,8 +447,8 @@ type LoadOptions struct {
 	// the load's copies, in addition to the op's own event (for CUDA graphs
 	// whose external event-wait node waits on a fixed event). A Load that
 	// copies nothing (every key missing) does not record it. Like the op's
-	// events, it makes the Load fail fast with ErrBusy rather than queue when
-	// the in-flight bound is full. 0: none. On the host backend it is an
+	// events, it makes the Load issue at once, whatever the bytes in flight.
+	// 0: none. On the host backend it is an
 	// event of the simulated device (package hostsim).
 	Signal uintptr
 }

@@ -111,8 +111,8 @@
 // (Config.MaxQueuedBytes); beyond that a Store reports its blocks
 // refused-busy and a Load fails fast with ErrBusy. On CUDA every op carries
 // events valid from the moment it is returned, so it is issued to the
-// engine's stream at once: beyond the in-flight bound a Store is refused
-// busy and a Load fails with ErrBusy, without queueing. A cancelled ctx
+// engine's stream at once and never refused for the bytes in flight: the
+// copy stream is its queue (a swap or an eviction is never refused busy). A cancelled ctx
 // cancels what is not yet enqueued, never a copy in flight.
 //
 // # What an Op guarantees

@@ -55,7 +55,8 @@
 // Invariants:
 //   - Submit never waits for copies to finish to admit a request: beyond
 //     the in-flight bound requests queue, beyond MaxQueuedBytes they get
-//     ErrBusy. A Submit that issues its own request (Config.NoCallerIssue)
+//     ErrBusy. A request with events (or a signal) is never refused for
+//     bytes in flight: it is issued at once, its stream is its queue. A Submit that issues its own request (Config.NoCallerIssue)
 //     or its head (Config.EarlyHead) can wait where the submitting thread
 //     would have: for the copy
 //     method's device memory bound to free a buffer (an event

@@ -56,8 +56,9 @@ func (c Completion) String() string {
 // Config bounds and tunes a Scheduler. Zero fields take the defaults.
 type Config struct {
 	// MaxInFlightBytes bounds the bytes submitted to each direction's stream
-	// and not yet completed (default 256 MiB). A single larger request runs
-	// alone.
+	// and not yet completed (default 256 MiB) by requests without events or
+	// signal; a single larger request runs alone. Requests with events are
+	// issued at once and never refused for it, but their bytes count.
 	MaxInFlightBytes uint64
 	// MaxQueuedBytes bounds the bytes waiting for the in-flight bound, per
 	// direction (default 1 GiB); beyond it Submit returns ErrBusy.
@@ -230,8 +231,8 @@ type Request struct {
 	AfterStream *Stream
 	// Events asks for an op event (Op.Event) and, with LayerEnds, one per
 	// layer (Op.LayerEvent). Such an op is issued to the engine stream
-	// before Submit returns (so the caller may wait on its events at once)
-	// and is refused with ErrBusy rather than queued.
+	// before Submit returns (so the caller may wait on its events at once),
+	// whatever the bytes in flight: its stream is its queue.
 	Events bool
 	// Signal (0: none) is a caller-owned event recorded on the engine stream
 	// after the op's copies (for a graph's external event-wait node). Like
@@ -755,10 +756,11 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		return nil, err
 	}
 	if op.enq != nil {
-		if inflight := s.inflight[d]; inflight > 0 && inflight+op.bytes > s.cfg.MaxInFlightBytes {
-			s.mu.Unlock()
-			return nil, fmt.Errorf("%w: %v: %d bytes in flight + %d exceeds the bound %d", ErrBusy, d, inflight, op.bytes, s.cfg.MaxInFlightBytes)
-		}
+		// An op with events is issued to its stream at once and never
+		// refused for the bytes already in flight: the copy stream is its
+		// queue, and refusing it would lose the blocks a swap or an
+		// eviction stores (the caller would recompute them). Its bytes
+		// still count, so plain ops queue behind it.
 		s.inflight[d] += op.bytes
 		if s.early != nil {
 			// The op's events are promised here, on the caller's thread

@@ -111,9 +111,17 @@ class Configs(unittest.TestCase):
         with self.assertRaises(kvt.UnsupportedConfigError):
             kvt.attach(self.manager(allow_block_sharing=False), pool_bytes=1 << 20, check=False, model_id="m")
 
-    def test_needs_a_pool(self):
-        with self.assertRaises(ValueError):
-            kvt.attach(self.manager(), check=False)
+    def test_bad_pool_size_refused(self):
+        for bad in (0, -1, 1.5, "1GiB", True):
+            with self.assertRaises(ValueError, msg=repr(bad)) as cm:
+                kvt.attach(self.manager(), pool_bytes=bad, check=False)
+            self.assertIn(repr(bad), str(cm.exception))
+
+    def test_default_pool_from_the_gpu_cache(self):
+        cache = F.PagedAttentionCache(num_blocks=40, block_size=256, layers=32, kv_heads=8, head_dim=128)
+        self.assertEqual(kvt.cache_bytes(cache), 40 * 256 * 8 * 128 * 2 * 32 * 2)
+        self.assertEqual(kvt.default_pool_bytes(kvt.cache_bytes(cache)), kvt.POOL_CACHES * kvt.cache_bytes(cache))
+        self.assertEqual(kvt.default_pool_bytes(4096), kvt.MIN_POOL_BYTES)
 
     def test_wrong_target(self):
         with self.assertRaises(TypeError):
@@ -124,7 +132,20 @@ class Configs(unittest.TestCase):
 class Hooks(unittest.TestCase):
     """The tier on the fakes, end to end: blocks stored at eviction, the
     prefix lookup loading what the GPU lost, preemption, with every block a
-    request reads checked against what computing it writes."""
+    request reads checked against what computing it writes. Stores at
+    eviction and swap only (write_behind=False): the eviction path itself;
+    HooksWriteBehind runs the default."""
+
+    WRITE_BEHIND = False
+
+    def assert_evicted_in_pool(self, st, n):
+        """At least n evicted blocks were stored as they were evicted."""
+        self.assertGreaterEqual(st.get("evict_store_blocks", 0), n)
+        self.assertEqual(st.get("store_stored", 0), st["evict_store_blocks"])
+
+    def assert_swapped(self, st, full, partial):
+        """A swap stored full + partial blocks."""
+        self.assertEqual(st.get("swap_store_blocks", 0), full + partial)
 
     def setUp(self):
         self.caches = []
@@ -136,7 +157,8 @@ class Hooks(unittest.TestCase):
 
         self.num_blocks = 12
         self.model = F.FakeModel(F.FakeConfig(layers=2, name="fake/llama"), cache_factory)
-        self.tier = kvt.attach(self.model, engine_factory=F.host_engine_factory(64), check=False)
+        self.tier = kvt.attach(self.model, engine_factory=F.host_engine_factory(64), check=False,
+                               write_behind=self.WRITE_BEHIND)
         self.addCleanup(self.tier.close)
         self.manager = self.model.init_continuous_batching()
         self.bp = self.manager._create_batch_processor()
@@ -189,8 +211,7 @@ class Hooks(unittest.TestCase):
         F.finish(self.bp, b)
         self.assertEqual(self.cache._block_manager._hash_to_id.keys() & set(), set())
         st = self.tier.stats()
-        self.assertGreaterEqual(st["evict_store_blocks"], 4)
-        self.assertEqual(st.get("store_stored", 0), st["evict_store_blocks"])
+        self.assert_evicted_in_pool(st, 4)
         # The same prefix again: none of it on the GPU, all of it in kvoffload.
         before = self.gpu.computed
         c, computed = self.req("c", prefix + [9, 9, 9], new=1)
@@ -217,7 +238,7 @@ class Hooks(unittest.TestCase):
         evict = 3
         filler = list(range(7000, 7000 + (free_uninit + evict) * BS - 2))
         f, _ = self.req("f", filler, new=1)
-        self.assertGreater(self.tier.stats()["evict_store_blocks"], 0)
+        self.assert_evicted_in_pool(self.tier.stats(), 1)
         # The same prefix plus new tokens: the head is on the GPU, the rest in kvoffload.
         F.finish(self.bp, f)
         c, computed = self.req("c", prefix + [5, 6, 7, 8, 9], new=1)
@@ -278,7 +299,7 @@ class Hooks(unittest.TestCase):
         new_state = self.bp.offloading_manager.offload(st)  # preemption: stored, then soft reset
         s = self.tier.stats()
         self.assertEqual(s["swapped_requests"], 1)
-        self.assertEqual(s["swap_store_blocks"], 3)  # 3 full blocks (12 tokens) + a partial one (0 tokens: none)
+        self.assert_swapped(s, full=3, partial=0)  # 3 full blocks (12 tokens) + a partial one (0 tokens: none)
         # Fill the GPU so that nothing of v stays there.
         b, _ = self.req("b", list(range(8000, 8000 + 11 * BS)), new=1)
         F.finish(self.bp, b)
@@ -298,7 +319,7 @@ class Hooks(unittest.TestCase):
         self.assertEqual(st.position_offset, 10)
         new_state = self.bp.offloading_manager.offload(st)
         s = self.tier.stats()
-        self.assertEqual(s["swap_store_blocks"], 3)
+        self.assert_swapped(s, full=2, partial=1)
         b, _ = self.req("b", list(range(8000, 8000 + 11 * BS)), new=1)
         F.finish(self.bp, b)
         before = self.gpu.computed
@@ -330,7 +351,9 @@ class Hooks(unittest.TestCase):
         f, _ = self.req("f", list(range(9500, 9500 + 11 * BS)), new=1)  # evicts everything cached
         s = self.tier.stats()
         self.assertEqual(s["keys_stored_twice"], 0)
-        self.assertGreater(s.get("store_already-present", 0), 0)
+        # The prefix in the pool is not handed to the engine again (or, if it
+        # is, the engine reports it already present).
+        self.assertGreater(s.get("swap_already_stored", 0) + s.get("store_already-present", 0), 0)
         self.assertEqual(s["store_stored"], s["keys_stored"])
 
     def test_preempted_blocks_lost_from_the_pool_are_recomputed(self):
@@ -412,8 +435,6 @@ class Hooks(unittest.TestCase):
 
     def test_refused_store_is_not_fatal(self):
         prefix = list(range(1600, 1600 + 4 * BS))
-        a, _ = self.req("a", prefix + [1], new=1)
-        F.finish(self.bp, a)
         real_store = self.tier.engine.store
 
         def full(*a, **kw):
@@ -421,7 +442,10 @@ class Hooks(unittest.TestCase):
 
         self.tier.engine.store = full
         with self.assertLogs("kvoffload.transformers", "WARNING"):
-            b, _ = self.req("b", list(range(5000, 5000 + 11 * BS)), new=1)  # evicts a's blocks: the store fails
+            # Written behind, or stored as b evicts them: the stores fail.
+            a, _ = self.req("a", prefix + [1], new=1)
+            F.finish(self.bp, a)
+            b, _ = self.req("b", list(range(5000, 5000 + 11 * BS)), new=1)
         self.tier.engine.store = real_store
         self.assertGreater(self.tier.stats()["store_refused"], 0)
         F.finish(self.bp, b)
@@ -480,3 +504,64 @@ class Hooks(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class HooksWriteBehind(Hooks):
+    """The same, with the default write-behind: a block is stored once the
+    forward that completes it is queued, so an eviction or a swap copies
+    only what is not in the pool yet (a swap's partly filled last block)."""
+
+    WRITE_BEHIND = True
+
+    def assert_evicted_in_pool(self, st, n):
+        # In the pool, or its store still in flight (waited on, not copied again).
+        self.assertGreaterEqual(st.get("evict_already_stored", 0) + st.get("evict_waited_inflight", 0), n)
+        self.assertEqual(st.get("evict_store_blocks", 0), 0, "nothing copied at eviction")
+        self.assertEqual(st.get("store_stored", 0), st["behind_store_blocks"])
+
+    def assert_swapped(self, st, full, partial):
+        self.assertEqual(st.get("swap_already_stored", 0) + st.get("swap_waited_inflight", 0), full)
+        self.assertEqual(st.get("swap_store_blocks", 0), partial)
+
+    def test_blocks_stored_once_complete(self):
+        prefix = list(range(3000, 3000 + 3 * BS))
+        a, _ = self.req("a", prefix + [1, 2], new=1)
+        st = self.tier.stats()
+        self.assertEqual(st["behind_store_blocks"], 3)
+        self.assertEqual(st["store_stored"], 3)
+        keys = kvoffload.chain_keys(prefix, BS, namespace=self.tier.key_namespace)
+        self.assertEqual(self.tier.engine.lookup(keys), 3)
+        # Shared by a second request on the GPU: not stored again.
+        b, _ = self.req("b", prefix + [3, 4], new=1)
+        self.assertEqual(self.tier.stats()["behind_store_blocks"], 3)
+
+    def test_missed_lookup_not_repeated_until_a_store_lands(self):
+        a = F.RequestState("a", list(range(3500, 3500 + 3 * BS)) + [1], max_new_tokens=2)
+        sched = self.bp.scheduler
+        for _ in range(5):  # a waiting request, looked up at every scheduling step
+            self.cache.search_prefix_match("a", a.remaining_prefill_tokens)
+        st = self.tier.stats()
+        self.assertEqual(st["lookups"], 5)
+        self.assertEqual(st["lookup_misses"], 1)
+        self.assertEqual(st["lookups_skipped"], 4)
+        # Another request computes and stores the same first block: a is
+        # looked up again (and finds it on the GPU, transformers' own match).
+        b, _ = self.req("b", list(range(3500, 3500 + BS)) + [7], new=1)
+        self.assertIsNotNone(sched)
+        got = self.cache.search_prefix_match("a", a.remaining_prefill_tokens)
+        self.assertEqual(got, BS)
+        self.assertEqual(self.tier.stats()["lookups_skipped"], 4)
+
+    def test_missed_lookup_retried_once_its_key_lands(self):
+        prefix = list(range(3700, 3700 + 2 * BS))
+        keys = kvoffload.chain_keys(prefix, BS, namespace=self.tier.key_namespace)
+        self.cache.search_prefix_match("w", prefix + [1])
+        self.cache.search_prefix_match("w", prefix + [1])
+        self.assertEqual(self.tier.stats()["lookups_skipped"], 1)
+        # The key lands in the pool (as another process's store would, here
+        # stored through the tier's own path): the next lookup asks again.
+        self.tier._land(keys[0])
+        self.cache.search_prefix_match("w", prefix + [1])
+        st = self.tier.stats()
+        self.assertEqual(st["lookups_skipped"], 1)
+        self.assertEqual(st["lookup_misses"], 2)

@@ -63,7 +63,7 @@ SUITES=(
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
 	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
-	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all)"
+	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all); tfcb:long, tfcb:batch, tfcb:atonce, tfcb:verify: the time steps (bench/tfcb_time.py)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
 	"disk|the disk tier against fio on this machine's disk (tier_disk.test TestDiskVsFio, Q = 1, 4, 16, 2 GiB passes), and Open's index scan (BenchmarkOpenScan); needs build/gpu-tools.tar.gz (not in all)"
@@ -219,6 +219,15 @@ suite_tfcb() {
 	if [ ! -f bench/transformers_cb.py ]; then
 		echo "bench/transformers_cb.py does not exist at this commit" >>"$F"
 		return 1
+	fi
+	# tfcb:STEP runs one time step of bench/tfcb_time.py (long, batch, atonce,
+	# verify), each within one call; KVO_TFCB_PROFILE=1 adds a cProfile run.
+	if [ -n "${1:-}" ]; then
+		local prof=()
+		[ "${KVO_TFCB_PROFILE:-0}" = 1 ] && prof=(--profile "$D")
+		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
+			step timeout 560 python3 bench/transformers_cb.py --step "$1" --run-timeout 240 --out "$D" "${prof[@]}"
+		return
 	fi
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
 		step_in python timeout 180 python3 -m unittest -v tests.test_tf_integration tests.test_tf_real tests.test_transformers_cb_bench

@@ -99,6 +99,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import Counter, deque
 
@@ -295,6 +296,27 @@ def default_model_id(model):
 
 # ---- the tier -------------------------------------------------------------
 
+POOL_CACHES = 4  # default pool: this many times the GPU cache's bytes
+MIN_POOL_BYTES = 1 << 30
+
+
+def cache_bytes(cache):
+    """The bytes of a PagedAttentionCache's KV: blocks x block size x KV
+    heads x head dim x 2 (K and V) x layers x dtype size."""
+    k = cache.key_cache[0] if cache.key_cache else None
+    if hasattr(k, "numel") and hasattr(k, "element_size"):
+        return 2 * len(cache.key_cache) * k.numel() * k.element_size()
+    dt = getattr(cache, "dtype", None)
+    size = getattr(dt, "itemsize", None) or 2
+    return (cache.num_blocks * cache.block_size * cache.num_key_value_heads * cache.head_dim * 2
+            * len(cache.key_cache) * size)
+
+
+def default_pool_bytes(gpu_cache_bytes):
+    """The pool attach() gives when pool_bytes is None."""
+    return max(MIN_POOL_BYTES, POOL_CACHES * int(gpu_cache_bytes))
+
+
 class _Entry:
     """The kvoffload key of one complete GPU block, valid while the block
     keeps transformers' hash h."""
@@ -313,13 +335,34 @@ class _Tail:
         self.nfull, self.ntok, self.key = nfull, ntok, key
 
 
-def _wrap(obj, name, fn, installed):
+def _wrap(obj, name, fn, installed, clock=None):
     """Installs fn(orig, *args, **kw) as obj.name (an instance attribute
-    shadowing the class's method) and records it for removal."""
+    shadowing the class's method) and records it for removal. clock: a
+    Counter that gets, under "ns_<name>", the nanoseconds spent in the
+    hook (transformers' own method included) and under "ns_<name>_orig"
+    those in the method it wraps: the serving thread's time in the tier is
+    the difference."""
     orig = getattr(obj, name)
+    if clock is None:
+        def hooked(*args, **kw):
+            return fn(orig, *args, **kw)
+    else:
+        now = time.perf_counter_ns
+        k_all, k_orig = f"ns_{name}", f"ns_{name}_orig"
 
-    def hooked(*args, **kw):
-        return fn(orig, *args, **kw)
+        def timed_orig(*args, **kw):
+            t = now()
+            try:
+                return orig(*args, **kw)
+            finally:
+                clock[k_orig] += now() - t
+
+        def hooked(*args, **kw):
+            t = now()
+            try:
+                return fn(timed_orig, *args, **kw)
+            finally:
+                clock[k_all] += now() - t
 
     hooked.__kvo_orig__ = orig
     hooked.__name__ = name
@@ -333,7 +376,10 @@ class TransformersOffload:
     context manager: on exit the hooks on the model are removed and the
     engine is closed.
 
-    pool_bytes: the kvoffload host pool; engine_config: other engine Config
+    pool_bytes: the kvoffload host pool (default: POOL_CACHES times the
+    GPU cache's bytes, at least MIN_POOL_BYTES), pinned whole when the
+    batch processor is created, before any request runs (nothing is pinned
+    while requests are served); engine_config: other engine Config
     fields (policy, staging_bytes, ...); model_id: names the weights in the
     namespace (default: default_model_id); per_layer: True, False or
     "auto" (per-layer load events when the forward runs eagerly, without
@@ -345,13 +391,20 @@ class TransformersOffload:
     benchmark checksums blocks there);
     engine_factory(cache, namespace) -> Engine replaces the default
     (Engine.from_tensors over the cache's tensors; tests give a host
-    engine)."""
+    engine); write_behind: store each block once the forward that
+    completes it is queued (off the compute stream: nothing waits for it),
+    so that evicting or swapping a block already stored copies nothing
+    and waits only for a store still in flight on it; False stores at
+    eviction and swap only."""
 
     def __init__(self, pool_bytes=None, engine_config=None, model_id=None, per_layer="auto", observer=None,
-                 engine_factory=None, check=True):
-        if engine_factory is None and not pool_bytes:
-            raise ValueError("kvoffload: attach needs pool_bytes (the host pool size) or an engine_factory")
+                 engine_factory=None, check=True, write_behind=True):
+        if pool_bytes is not None and (not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool)
+                                       or pool_bytes <= 0):
+            raise ValueError(f"kvoffload: pool_bytes={pool_bytes!r}: must be a positive int (bytes), or None to "
+                             "size the pool from the GPU cache")
         self.pool_bytes = pool_bytes
+        self.write_behind = bool(write_behind)
         self.engine_config = dict(engine_config or {})
         self.model_id = model_id
         self.per_layer_opt = per_layer
@@ -373,7 +426,10 @@ class TransformersOffload:
         self._stores = deque()  # store ops not yet reaped
         self._inflight = {}  # key -> store op not yet reaped (lookup sees a block once its store is done)
         self._loads = deque()  # load ops not yet reaped
-        self._pending_layers = []  # per-layer load ops whose layers the forward has not all waited on
+        self._pending_layers = []  # [op, layers waited on, GPU block ids] of per-layer loads not all waited on
+        self._landed = {}  # key -> sequence number when its store (or load) showed it in the pool
+        self._seq = 0
+        self._missed = {}  # request id -> (GPU match, prompt length, first missing key, sequence number)
         self._lock = threading.RLock()
         self.counters = Counter()
         self.stored_keys = Counter()  # key -> times its outcome was "stored" (a copy into the pool)
@@ -451,6 +507,7 @@ class TransformersOffload:
                 self._tails.clear()
                 self._fix_alloc.clear()
                 self._key_memo.clear()
+                self._missed.clear()
                 return
             cache = bp.cache
             if getattr(cache, "num_groups", 1) != 1 or getattr(cache, "num_sliding_attention_groups", 0):
@@ -468,6 +525,8 @@ class TransformersOffload:
             self._tails.clear()
             self._fix_alloc.clear()
             self._key_memo.clear()
+            self._missed.clear()
+            self._landed.clear()
             if self.model_id is None:
                 self.model_id = f"unnamed-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             self.namespace = model_namespace(self.model_id, cache.dtype, cache.block_size, cache.num_key_value_heads,
@@ -476,13 +535,14 @@ class TransformersOffload:
             self.engine = self._make_engine(cache)
             self._per_layer = self._decide_per_layer(bp)
             bm = cache._block_manager
-            _wrap(bm, "has_enough_free_blocks", self._has_enough_free_blocks, self._installed)
-            _wrap(bm, "mark_shareable_blocks_as_complete", self._mark_complete, self._installed)
-            _wrap(cache, "search_prefix_match", self._search_prefix_match, self._installed)
+            c = self.counters
+            _wrap(bm, "has_enough_free_blocks", self._has_enough_free_blocks, self._installed, c)
+            _wrap(bm, "mark_shareable_blocks_as_complete", self._mark_complete, self._installed, c)
+            _wrap(cache, "search_prefix_match", self._search_prefix_match, self._installed, c)
             if self._per_layer:
-                _wrap(cache, "update", self._update, self._installed)
-            _wrap(bp.scheduler, "_infer_request_tokens", self._infer_request_tokens, self._installed)
-            _wrap(bp.offloading_manager, "_offload_to_cpu", self._offload_to_cpu, self._installed)
+                _wrap(cache, "update", self._update, self._installed, c)
+            _wrap(bp.scheduler, "_infer_request_tokens", self._infer_request_tokens, self._installed, c)
+            _wrap(bp.offloading_manager, "_offload_to_cpu", self._offload_to_cpu, self._installed, c)
             self.counters["processors"] += 1
 
     def _make_engine(self, cache):
@@ -493,7 +553,12 @@ class TransformersOffload:
         kv = [(k.view(*shape), v.view(*shape)) for k, v in zip(cache.key_cache, cache.value_cache)]
         cfg = dict(self.engine_config)
         cfg.setdefault("namespace", self.namespace)
-        return Engine.from_tensors(kv, self.pool_bytes, **cfg)
+        pool = self.pool_bytes or default_pool_bytes(cache_bytes(cache))
+        # The whole pool is pinned here, while the batch processor is
+        # created and before any request runs: pinning later, in the
+        # background, would run beside the forwards it could stall.
+        cfg.setdefault("first_region_bytes", pool)
+        return Engine.from_tensors(kv, pool, **cfg)
 
     def _decide_per_layer(self, bp):
         if self.per_layer_opt in (True, False):
@@ -521,27 +586,40 @@ class TransformersOffload:
         else:
             op.wait()
 
-    def _flush_loads(self):
-        """Makes the compute stream wait on every per-layer load whose layers
-        the forward may not have waited on yet (before a store reads blocks,
-        and once a batch is over)."""
-        while self._pending_layers:
-            op, _ = self._pending_layers.pop()
-            if self._stream is not None:
-                op.wait_stream(self._stream)
+    def _wait_op(self, op):
+        """The compute stream waits on op's copies (the CPU, without streams)."""
+        if self._stream is not None:
+            op.wait_stream(self._stream)
+        else:
+            op.wait()
+
+    def _flush_loads(self, ids=None):
+        """Makes the compute stream wait on the per-layer loads whose layers
+        the forward may not have waited on yet: those writing any of the
+        GPU blocks ids (before those blocks are stored or handed to another
+        request), or all of them (ids None: once a batch is over)."""
+        keep = []
+        for entry in self._pending_layers:
+            if ids is None or not entry[2].isdisjoint(ids):
+                self._wait_op(entry[0])
             else:
-                op.wait()
+                keep.append(entry)
+        self._pending_layers[:] = keep
 
     def _unpend(self, op):
         """A per-layer load about to be released: the compute stream waits on
         the whole of it (it is done, or about to be) instead of on its
         layers."""
-        for i, (o, _) in enumerate(self._pending_layers):
-            if o is op:
+        for i, entry in enumerate(self._pending_layers):
+            if entry[0] is op:
                 del self._pending_layers[i]
                 if self._stream is not None:
                     op.wait_stream(self._stream)
                 return
+
+    def _land(self, key):
+        self._seq += 1
+        self._landed[key] = self._seq
 
     def _reap(self, wait=False):
         """Collects the outcomes of the ops that are done (all of them with
@@ -564,6 +642,11 @@ class TransformersOffload:
                     self.counters[f"{kind}_{o}"] += 1
                     if o == "stored":
                         self.stored_keys[key] += 1
+                    if kind == "store":
+                        if o in ("stored", "already-present"):
+                            self._land(key)
+                        else:
+                            self._landed.pop(key, None)
                 if kind == "store":
                     for key in keys:
                         if self._inflight.get(key) is op:
@@ -573,10 +656,14 @@ class TransformersOffload:
                     done(kind, op, keys, outs)
                 op.release()
 
-    def _store(self, keys, ids, parents=None, parent=None, why="evict"):
+    def _store(self, keys, ids, parents=None, parent=None, why="evict", wait=True):
+        """Stores GPU blocks ids under keys, after the compute stream's
+        queued work; with wait, the compute stream's later work (the
+        blocks' overwrite) waits for the copies. Per-layer loads still
+        writing those blocks are waited on first."""
         if not keys:
             return None
-        self._flush_loads()
+        self._flush_loads(ids)
         try:
             op = self.engine.store(keys, ids, after=self._stream, parents=parents, parent=parent)
         except KvoError as e:  # nothing was stored: those blocks are computed again if needed
@@ -585,12 +672,45 @@ class TransformersOffload:
             return None
         if self.observer is not None:
             self.observer.stored(list(keys), list(ids), op, self._stream)
-        self._after_store(op)
+        if wait:
+            self._after_store(op)
         self._stores.append((op, list(keys)))
         for k in keys:
             self._inflight[k] = op
         self.counters[f"{why}_store_blocks"] += len(keys)
+        self.counters[f"{why}_stores"] += 1
         return op
+
+    def _settled(self, key):
+        """Whether key's block needs no copy before its GPU block is reused:
+        it is in the pool (its store or load showed it), or its store is in
+        flight (returned: the op to wait on)."""
+        if key in self._landed:
+            return True
+        return self._inflight.get(key)
+
+    def _store_or_wait(self, keys, ids, parents, why):
+        """Before GPU blocks ids (holding keys) are handed to another
+        request: blocks already in the pool cost nothing, blocks whose
+        store is in flight make the compute stream wait on that store
+        alone, the others are stored now (and waited on)."""
+        skeys, sids, sparents, waits = [], [], [], {}
+        self._flush_loads(ids)
+        for k, b, p in zip(keys, ids, parents):
+            st = self._settled(k)
+            if st is True:
+                self.counters[f"{why}_already_stored"] += 1
+                continue
+            if st:
+                waits[id(st)] = st
+                self.counters[f"{why}_waited_inflight"] += 1
+                continue
+            skeys.append(k)
+            sids.append(b)
+            sparents.append(p)
+        for op in waits.values():
+            self._wait_op(op)
+        self._store(skeys, sids, parents=sparents, why=why)
 
     # ---- hook: store before eviction ----------------------------------------
 
@@ -613,21 +733,30 @@ class TransformersOffload:
                     ids.append(bid)
                     parents.append(e.parent)
                 self.counters["evicted_blocks"] += len(victims)
-                self._store(keys, ids, parents=parents, why="evict")
+                self._store_or_wait(keys, ids, parents, "evict")
             return orig(n_blocks)
 
     def _mark_complete(self, orig, num_complete_blocks, allocated_blocks, prompt_ids):
         with self._lock:
             r = orig(num_complete_blocks, allocated_blocks, prompt_ids)
-            self._learn(allocated_blocks, prompt_ids)
+            fresh = self._learn(allocated_blocks, prompt_ids)
+            if fresh and self.write_behind:
+                # Write-behind: the forward that wrote these blocks is queued
+                # on the compute stream; the store's copies wait for it on
+                # the copy stream, and the compute stream does not wait.
+                self._store([e.key for _, e in fresh], [b for b, _ in fresh], parents=[e.parent for _, e in fresh],
+                            why="behind", wait=False)
             return r
 
     def _learn(self, table, tokens):
         """Records the key of every complete block of a block table (a
-        request's blocks in order, tokens its token ids)."""
+        request's blocks in order, tokens its token ids). Returns the
+        [(block id, _Entry)] of the complete blocks neither in the pool nor
+        being stored."""
         bm = self._cache._block_manager
         bs = self._cache.block_size
         parent = None
+        fresh = []
         for i, bid in enumerate(table):
             blk = bm._id_to_block.get(bid)
             if blk is None or blk.hash is None:
@@ -639,7 +768,10 @@ class TransformersOffload:
                     break
                 e = _Entry(blk.hash, block_key(chunk, self.key_namespace, parent), parent)
                 self._keys[bid] = e
+            if e.key not in self._landed and e.key not in self._inflight:
+                fresh.append((bid, e))
             parent = e.key
+        return fresh
 
     # ---- hook: prefix lookup past the GPU -----------------------------------
 
@@ -648,6 +780,17 @@ class TransformersOffload:
             self._reap()
             self._tails_started()
             matched = orig(request_id, prompt_ids)
+            miss = self._missed.get(request_id)
+            if miss is not None:
+                m, n, key, seq = miss
+                if m == matched and n == len(prompt_ids) and self._landed.get(key, 0) <= seq:
+                    # The chain missed here before, and no store of the key
+                    # it missed has landed since: nothing to look up.
+                    self.counters["lookups"] += 1
+                    self.counters["lookups_skipped"] += 1
+                    self.counters["gpu_prefix_blocks"] += matched // self._cache.block_size
+                    return matched
+                del self._missed[request_id]
             try:
                 extra = self._extend(request_id, prompt_ids, matched)
             except KvoError as e:  # the GPU prefix stands; the rest is computed
@@ -718,8 +861,16 @@ class TransformersOffload:
                 h, pos = nh, pos + 1
                 self.counters["gpu_after_gap_blocks"] += 1
                 continue
+            # In kvoffload? One lookup over the rest of the chain; only the
+            # blocks it finds are hashed the way transformers hashes them.
+            n = self.engine.lookup(keys[pos:limit])
+            if n == 0 and keys[pos] not in self._inflight:
+                if pos == g and tail is None:
+                    self._missed[request_id] = (matched, len(prompt_ids), keys[pos], self._seq)
+                    self.counters["lookup_misses"] += 1
+                break
             hashes, hh = [nh], nh
-            for b in range(pos + 1, limit):
+            for b in range(pos + 1, pos + max(n, 1)):
                 hh = bm.compute_hash(hh, prompt_ids[b * bs:(b + 1) * bs], 0)
                 if hh in bm._hash_to_id:
                     break
@@ -860,7 +1011,7 @@ class TransformersOffload:
                 pass
             return False
         if self._per_layer:
-            self._pending_layers.append((op, set()))
+            self._pending_layers.append([op, set(), set(ids)])
         elif self._stream is not None:
             op.wait_stream(self._stream)
         else:
@@ -868,6 +1019,8 @@ class TransformersOffload:
         if self.observer is not None:
             self.observer.loaded(list(keys), list(ids), op, self._stream)
         self._loads.append((op, list(keys)))
+        for k in keys:  # leased into the load: in the pool, nothing to store when its GPU block goes
+            self._land(k)
         return True
 
     def _update(self, orig, key_states, value_states, layer_idx, read_index, write_index):
@@ -878,7 +1031,8 @@ class TransformersOffload:
             stream = self._current_stream()
             _, j = self._cache.layer_index_to_group_indices[layer_idx]
             nlayers = len(self._cache.key_cache)
-            for op, seen in list(pending):
+            for entry in list(pending):
+                op, seen = entry[0], entry[1]
                 if j not in seen:
                     if stream is None:  # no streams (host backend): the CPU waits
                         op.wait()
@@ -886,7 +1040,7 @@ class TransformersOffload:
                         op.wait_layer(j, stream)
                     seen.add(j)
                 if len(seen) == nlayers:
-                    pending.remove((op, seen))
+                    pending.remove(entry)
         return orig(key_states, value_states, layer_idx, read_index, write_index)
 
     @staticmethod
@@ -932,6 +1086,7 @@ class TransformersOffload:
                 if rid in self._tails:  # started again without its blocks, and preempted again
                     self.counters["resumed_partly"] += 1
                 self._tails[rid] = _Tail(nfull, ntok, tkey)
+                self._missed.pop(rid, None)
                 for i, (k, b) in enumerate(zip(keys, ids)):
                     if k not in seen:  # a prefix shared by two victims: once
                         seen.add(k)
@@ -939,7 +1094,10 @@ class TransformersOffload:
                         all_ids.append(b)
                         all_parents.append(keys[i - 1] if i else None)
                 self.counters["swapped_requests"] += 1
-            self._store(all_keys, all_ids, parents=all_parents, why="swap")
+            # Blocks already in the pool (stored behind the forward, or
+            # loaded) cost nothing; the rest are stored now and the compute
+            # stream waits before the freed blocks are written again.
+            self._store_or_wait(all_keys, all_ids, all_parents, "swap")
             # No victim is "CPU-offloaded" for transformers: it requeues each
             # as prompt + generated tokens (its soft reset), and the prefix
             # lookup brings the blocks back from the GPU or kvoffload.
