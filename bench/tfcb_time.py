@@ -232,6 +232,8 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
         checks = cb.Checksums() if mode == "verify" else None
         tier = kvt.attach(model, pool_bytes=int(args.pool_gib * 2**30) if args.pool_gib else None, observer=checks,
                           model_id=f"random-llama-{wl['geometry']}-seed{args.seed}")
+    if wl.get("generate_batch"):
+        return run_generate_batch(cb, model, wl_name, wl, workload, mode, args, rnd, gen, cbc, rec, tier, num_blocks)
     manager = None
     prof = None
     try:
@@ -283,6 +285,52 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
         raise RuntimeError(f"{wl_name}/{mode}: {len(results)} of {len(workload)} requests finished, "
                            f"{len(failed)} failed")
     ttft = [1000 * (r.timestamps[0] - submit[rid]) for rid, r in results.items() if r.timestamps]
+    row = finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, checks)
+    if prof is not None:
+        write_profile(prof, profile, wl_name, mode, wall)
+        row["mode"] = mode + "-profiled"
+    return row
+
+
+def run_generate_batch(cb, model, wl_name, wl, workload, mode, args, rnd, gen, cbc, rec, tier, num_blocks):
+    """The workload through model.generate_batch (every request given at
+    once; transformers groups them by prompt). TTFT from the call."""
+    import torch
+    inst = vars(model).get("init_continuous_batching")
+    orig = model.init_continuous_batching
+
+    def init_cb(*a, **kw):
+        manager = orig(*a, **kw)
+        cb.instrument(manager, rec)
+        return manager
+
+    model.init_continuous_batching = init_cb
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate_batch([toks for _, toks, _ in workload], generation_config=gen,
+                                   continuous_batching_config=cbc, progress_bar=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+    finally:
+        if inst is not None:
+            model.init_continuous_batching = inst
+        else:
+            del model.init_continuous_batching
+    results = list(out.values()) if isinstance(out, dict) else list(out)
+    if len(results) != len(workload) or any(getattr(r, "error", None) for r in results):
+        if tier is not None:
+            tier.close()
+        raise RuntimeError(f"{wl_name}/{mode}: {len(results)} of {len(workload)} results, or errors")
+    ttft = [1000 * (r.timestamps[0] - t0) for r in results if getattr(r, "timestamps", None)]
+    return finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, None)
+
+
+def finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, checks):
     s = summary(ttft)
     row = dict(workload=wl_name, mode=mode, round=rnd, wall_s=wall, ttft_mean=s["mean"], ttft_p50=s["p50"],
                ttft_p90=s["p90"], ttft_max=s["max"], prefill_tokens=rec["prefill_tokens"],
@@ -305,19 +353,22 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
         if checks is not None:
             checked, bad, unmatched = checks.finish()
             row.update(checksums_checked=checked, checksums_bad=bad, checksums_unmatched=unmatched)
-    if prof is not None:
-        import io
-        import pstats
-        os.makedirs(profile, exist_ok=True)
-        buf = io.StringIO()
-        ps = pstats.Stats(prof, stream=buf).sort_stats("tottime")
-        ps.print_stats(40)
-        buf.write("\n\n---- by cumulative time ----\n")
-        ps.sort_stats("cumulative").print_stats(60)
-        with open(os.path.join(profile, f"profile-{wl_name}-{mode}.txt"), "w") as f:
-            f.write(f"cProfile of all threads, {wl_name}/{mode}, wall {wall:.2f} s\n\n" + buf.getvalue())
-        row["mode"] = mode + "-profiled"
     return row
+
+
+def write_profile(prof, profile, wl_name, mode, wall):
+    """The profile's hot spots, by own time and by cumulative time, to
+    profile/profile-<workload>-<mode>.txt."""
+    import io
+    import pstats
+    os.makedirs(profile, exist_ok=True)
+    buf = io.StringIO()
+    ps = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    ps.print_stats(40)
+    buf.write("\n\n---- by cumulative time ----\n")
+    ps.sort_stats("cumulative").print_stats(60)
+    with open(os.path.join(profile, f"profile-{wl_name}-{mode}.txt"), "w") as f:
+        f.write(f"cProfile of all threads, {wl_name}/{mode}, wall {wall:.2f} s\n\n" + buf.getvalue())
 
 
 def geometry(cb, name):
