@@ -107,6 +107,16 @@ class Configs(unittest.TestCase):
                 kvt.attach(self.manager(cpu_offload_space=space), pool_bytes=1 << 20, check=False, model_id="m")
             self.assertIn("cpu_offload_space", str(cm.exception))
 
+    def test_cuda_graphs_refused(self):
+        for on in (True, (True, False), (False, True)):
+            m = self.manager()
+            m.continuous_batching_config.use_cuda_graph = on
+            with self.assertRaises(kvt.UnsupportedConfigError) as cm:
+                kvt.attach(m, pool_bytes=1 << 20, check=False, model_id="m")
+            self.assertIn("use_cuda_graph", str(cm.exception))
+        for off in (False, None, (False, False)):
+            kvt.check_no_cuda_graphs(off)
+
     def test_block_sharing_required(self):
         with self.assertRaises(kvt.UnsupportedConfigError):
             kvt.attach(self.manager(allow_block_sharing=False), pool_bytes=1 << 20, check=False, model_id="m")

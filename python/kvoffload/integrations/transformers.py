@@ -266,6 +266,22 @@ def check_model_config(config):
     return groups, types
 
 
+def check_no_cuda_graphs(use_cuda_graph):
+    """Raises UnsupportedConfigError when transformers' CUDA graphs are on
+    (True, or a tuple with any True; None, transformers' automatic choice,
+    is checked again on the batch processor, where it is resolved). A
+    replayed graph reads the cache without the per-layer waits and
+    orders its kernels by the graph, not by the stream waits the tier puts
+    on the compute stream before a load's blocks are read; that ordering
+    is not checked on a GPU, so the tier refuses rather than risk a read
+    of a block still being copied."""
+    on = any(bool(x) for x in use_cuda_graph) if isinstance(use_cuda_graph, (tuple, list)) else use_cuda_graph is True
+    if on:
+        raise UnsupportedConfigError(
+            f"kvoffload: use_cuda_graph={use_cuda_graph!r}: the transformers tier does not support transformers' "
+            "CUDA graphs; set ContinuousBatchingConfig(use_cuda_graph=False)")
+
+
 def model_namespace(model_id, dtype, block_size, kv_heads, head_dim, layers):
     """The engine namespace of a model's KV blocks: everything the bytes of
     a block depend on besides its tokens."""
@@ -478,6 +494,7 @@ class TransformersOffload:
         if not getattr(cfg, "allow_block_sharing", False):
             raise UnsupportedConfigError("kvoffload: allow_block_sharing=False: the tier extends transformers' "
                                          "prefix sharing, which must be on")
+        check_no_cuda_graphs(getattr(cfg, "use_cuda_graph", None))
         model = getattr(manager, "model", None)
         if model is not None:
             check_model_config(model.config.get_text_config() if hasattr(model.config, "get_text_config")
@@ -515,6 +532,8 @@ class TransformersOffload:
                                             "supports one full-attention group (see the module doc)")
             if getattr(getattr(bp, "distributed_helper", None), "tp_size", 1) > 1:
                 raise UnsupportedModelError("kvoffload: tensor parallelism is not supported by the transformers tier")
+            check_no_cuda_graphs((getattr(bp, "use_cuda_graph_varlen", False), getattr(bp, "use_cuda_graph_decode",
+                                                                                       False)))
             if not cache.use_prefix_sharing:
                 raise UnsupportedConfigError("kvoffload: the cache does not use prefix sharing (allow_block_sharing "
                                              "off, or several layer groups)")
@@ -570,6 +589,8 @@ class TransformersOffload:
             return False  # flash's decode fast path reads the cache without cache.update
         cfg = getattr(bp, "cb_config", None)
         graphs = getattr(cfg, "use_cuda_graph", None)
+        if graphs is None and hasattr(bp, "use_cuda_graph_varlen"):  # transformers' automatic choice, resolved
+            graphs = (bp.use_cuda_graph_varlen, getattr(bp, "use_cuda_graph_decode", False))
         if graphs is None or (isinstance(graphs, tuple) and any(graphs)) or graphs is True:
             return False
         if getattr(cfg, "varlen_compile_config", None) is not None or getattr(cfg, "decode_compile_config", None):
