@@ -31,13 +31,13 @@ import os
 import statistics
 import time
 
-DELTA = 1.0  # seconds between arrivals in the long workload
+DELTA = 1.5  # seconds between arrivals in the long workload (transformers alone serves one in about that)
 
 GEOMETRY_32 = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000)
 GEOMETRY_MID = dict(layers=16, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, vocab=32000)
 
 WORKLOADS = {
-    "long": dict(geometry="8b32", requests=48, prefixes=4, prefix_len=16384, suffix_len=64, new_tokens=8,
+    "long": dict(geometry="8b32", requests=40, prefixes=4, prefix_len=16384, suffix_len=64, new_tokens=8,
                  num_blocks=144, max_batch_tokens=16384, arrival=DELTA),
     "batch": dict(geometry="8b32", requests=16, prefixes=4, prefix_len=16384, suffix_len=64, new_tokens=8,
                   num_blocks=144, max_batch_tokens=16384, arrival=None, generate_batch=True),
