@@ -29,14 +29,18 @@ fixed classes, so the hooks are instance attributes installed on those
 objects at run time, when the manager creates its batch processor; the
 classes and transformers' files are untouched):
 
-1. Store before eviction: BlockManager.has_enough_free_blocks is where a
-   cached complete block (ref_count 0, still hashed) is un-initialized to
-   be handed to another request (popped last-freed-first). The hook sees
-   which blocks it is about to take, stores them first (one store, after=
-   the compute stream, so the copies wait for the kernels that wrote
-   them), and makes the compute stream wait on the store op, so the
-   overwrite by the next forward waits for the copies. Blocks already in
-   the pool are not copied again (outcome already-present).
+1. Store behind the forward, so that eviction costs nothing:
+   BlockManager.mark_shareable_blocks_as_complete is where transformers
+   hashes the blocks a forward completed. The hook learns their keys and
+   stores the ones not yet in the pool at once (one store, after= the
+   compute stream, so the copies wait for the kernels that wrote them;
+   the compute stream does not wait for the store). When
+   BlockManager.has_enough_free_blocks is about to hand a cached complete
+   block (ref_count 0, still hashed, popped last-freed-first) to another
+   request, a block already in the pool costs nothing, a block whose store
+   is still in flight makes the compute stream wait on that store alone,
+   and any other block is stored then and waited on. write_behind=False
+   stores at eviction only.
 
 2. Prefix lookup past the GPU: PagedAttentionCache.search_prefix_match
    walks transformers' hash chain and stops at the first block not on the
@@ -50,13 +54,17 @@ classes and transformers' files are untouched):
    update() waits on each layer's event before reading that layer) and
    returns the longer prefix: the scheduler then computes only the rest.
    A prompt partly on the GPU, partly in kvoffload and partly new loads
-   only the middle and computes only the new part.
+   only the middle and computes only the new part. A waiting request is
+   looked up at every scheduling step: one whose chain missed is not
+   looked up again (no engine call, no hashing) until a store of the key
+   it missed has landed in the pool or transformers' own match moved.
 
 3. Swap on preemption: OffloadingManager._offload_to_cpu (called for the
    victims before their blocks are freed) stores each victim's blocks
-   under their chained keys (a prefix already in the pool is not copied
-   again), and its last, partly filled block under a key of its tokens
-   chained to the last full block. It returns no request as
+   under their chained keys (blocks already in the pool, written behind,
+   are not copied again; stores are never refused for bytes in flight),
+   and its last, partly filled block under a key of its tokens chained to
+   the last full block. It returns no request as
    "CPU-offloaded", so transformers requeues every victim as a new
    request of its prompt plus the tokens generated so far (its soft
    reset); when that request is scheduled, the prefix lookup above finds
