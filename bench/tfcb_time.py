@@ -226,7 +226,7 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
                                    allow_block_sharing=True, use_cuda_graph=False, use_async_batching=False)
     gen = GenerationConfig(max_new_tokens=wl["new_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=0)
     rec = {"prefill_tokens": 0, "decode_tokens": 0, "batches": 0, "victims": 0, "cpu_offloaded": 0,
-           "gpu_evictions": 0, "victim_ids": set()}
+           "gpu_evictions": 0, "victim_ids": set(), "timeline": []}
     tier = checks = None
     if mode in ("kvo", "verify"):
         checks = cb.Checksums() if mode == "verify" else None
@@ -286,6 +286,12 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
                            f"{len(failed)} failed")
     ttft = [1000 * (r.timestamps[0] - submit[rid]) for rid, r in results.items() if r.timestamps]
     row = finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, checks)
+    row["ttft_by_arrival"] = [(rid, round(1000 * (results[rid].timestamps[0] - submit[rid])))
+                              for rid in submit if results[rid].timestamps]
+    # The slowest forward steps: (start s from t0, seconds to the next, prefill tokens, decode tokens).
+    tl = rec["timeline"]
+    steps = [(round(a[0] - t0, 3), round(b[0] - a[0], 3), a[1], a[2]) for a, b in zip(tl, tl[1:])]
+    row["slowest_steps"] = sorted(steps, key=lambda x: -x[1])[:12]
     if prof is not None:
         write_profile(prof, profile, wl_name, mode, wall)
         row["mode"] = mode + "-profiled"
@@ -377,6 +383,20 @@ def geometry(cb, name):
     return name
 
 
+def warm_up(cb, model, wl, workload, args):
+    """One untimed run of the workload's first contexts through
+    transformers alone, so that no mode pays for the process's first
+    forwards of these shapes."""
+    import argparse
+    first = {}
+    for item in workload:
+        first.setdefault(item[2], item)
+    w = dict(wl, arrival=None, generate_batch=False, requests=min(4, len(first)))
+    t = time.perf_counter()
+    run(cb, model, "warm-up", w, list(first.values())[:4], "alone", argparse.Namespace(**vars(args)))
+    print(f"warm-up: {time.perf_counter() - t:.1f} s", flush=True)
+
+
 def run_step(cb, step, args, emit):
     """Runs a step's workloads and modes; emit(row) after each run."""
     import torch
@@ -393,6 +413,7 @@ def run_step(cb, step, args, emit):
             print(f"{gname}: model built in {time.perf_counter() - t:.1f} s", flush=True)
         model = models[gname]
         workload = cb.make_workload(vocab=cb.GEOMETRIES[gname]["vocab"], seed=args.seed, **wl)
+        warm_up(cb, model, wl, workload, args)
         counts = {}
         for mode in modes:
             counts[mode] = counts.get(mode, 0) + 1

@@ -381,10 +381,17 @@ def instrument(manager, rec):
 
         def prep(*pa, **pkw):
             rib = pkw.get("requests_in_batch", pa[0] if pa else [])
+            pre = dec = 0
             for fs in rib:
-                key = "prefill_tokens" if fs.state.generated_len() == 0 else "decode_tokens"
-                rec[key] += fs.query_length
+                if fs.state.generated_len() == 0:
+                    pre += fs.query_length
+                else:
+                    dec += fs.query_length
+            rec["prefill_tokens"] += pre
+            rec["decode_tokens"] += dec
             rec["batches"] += 1
+            if "timeline" in rec:
+                rec["timeline"].append((time.perf_counter(), pre, dec))
             return o_prep(*pa, **pkw)
 
         io.prepare_batch_tensors = prep

@@ -585,7 +585,15 @@ class TransformersOffload:
         # created and before any request runs: pinning later, in the
         # background, would run beside the forwards it could stall.
         cfg.setdefault("first_region_bytes", pool)
-        return Engine.from_tensors(kv, pool, **cfg)
+        eng = Engine.from_tensors(kv, pool, **cfg)
+        # Growth, then the calibration of the copy methods (copies of their
+        # own on the GPU), end before the first request: run beside the
+        # first forwards they would slow them.
+        try:
+            eng.wait_grown()
+        except KvoError as e:  # the engine works with what it pinned
+            logger.warning("kvoffload: pool growth stopped: %s", e)
+        return eng
 
     def _decide_per_layer(self, bp):
         if self.per_layer_opt in (True, False):
