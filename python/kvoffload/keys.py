@@ -44,10 +44,12 @@ def block_key(tokens, namespace=b"", parent=None):
     return _block_key(list(tokens), ns, parent)
 
 
-def _block_key(tokens, ns, parent):
+def _pack_tokens(tokens):
+    """tokens (a list) as little-endian uint32 bytes; raises for a token that
+    is not an int in [0, 2^32) (struct would take a bool as 0 or 1)."""
     try:
         packed = struct.pack("<%dI" % len(tokens), *tokens)
-        bad = any(type(t) is bool for t in tokens)  # struct takes bools as 0 and 1
+        bad = bool in set(map(type, tokens))
     except struct.error:
         bad = True
     if bad:
@@ -56,7 +58,11 @@ def _block_key(tokens, ns, parent):
             raise ArgumentTypeError(f"token id {t!r} is a {type(t).__name__}, must be an integer in [0, {_MAX_TOKEN}]")
         t = next(t for t in tokens if not 0 <= t <= _MAX_TOKEN)
         raise InvalidArgumentError(f"token id {t!r} is outside [0, {_MAX_TOKEN}]")
-    return hashlib.sha256(parent + packed + ns).digest()[:KEY_BYTES]
+    return packed
+
+
+def _block_key(tokens, ns, parent):
+    return hashlib.sha256(parent + _pack_tokens(tokens) + ns).digest()[:KEY_BYTES]
 
 
 def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
@@ -70,12 +76,15 @@ def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
     tokens = list(tokens)
     ns = _namespace_bytes(namespace)
     key = _parent_bytes(parent)
+    full = len(tokens) // tokens_per_block * tokens_per_block
+    packed = _pack_tokens(tokens[:full])  # the whole chain at once: one pass of checks, not one a block
+    step = 4 * tokens_per_block
     keys = []
-    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        key = _block_key(tokens[start:start + tokens_per_block], ns, key)
+    sha = hashlib.sha256
+    for start in range(0, 4 * full, step):
+        key = sha(key + packed[start:start + step] + ns).digest()[:KEY_BYTES]
         keys.append(key)
     return keys
-
 
 
 def pack_keys(keys):
