@@ -14,6 +14,15 @@
 // ErrLocked naming the holder written in kvoffload.holder); records files of
 // another slot size in it are removed at Open.
 //
+// The files inside a directory, the records file and kvoffload.holder, are
+// opened relative to the locked directory and never through a symbolic
+// link (O_NOFOLLOW): a link planted under either name, a FIFO, or a
+// regular file that has another hard link is ErrUnsafeFile naming it, and
+// the directory is not used (unusable, as one that cannot be opened), so
+// no write, truncation or preallocation ever reaches a file outside it.
+// The directory itself may be a symbolic link: where the records live is
+// the operator's choice. Inspect reads no file through a link either.
+//
 // # What it guarantees
 //
 //   - Get never returns bytes that fail a check: the header checksum, the

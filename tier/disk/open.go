@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -24,6 +23,7 @@ const scanWorkers = 32
 // dirFile is one directory's records file.
 type dirFile struct {
 	dir      string
+	name     string // the records file's name in dir
 	path     string
 	fd       int
 	lockFd   int
@@ -38,26 +38,30 @@ type dirFile struct {
 func recordsName(slotBytes int64) string { return fmt.Sprintf("records-%d.kvo", slotBytes) }
 
 // lockDir takes an exclusive flock on dir itself (which works in a read-only
-// directory too) and records this process as the holder.
+// directory too) and records this process as the holder. dir may itself be
+// a symbolic link (the design leaves where a directory lives to its
+// operator); the files inside it are never followed: every one is opened
+// relative to the locked directory's descriptor with O_NOFOLLOW
+// (files.go), so a link planted there fails the open instead of sending a
+// write outside the directory.
 func lockDir(dir string) (int, error) {
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return -1, opError("open directory", dir, err)
 	}
 	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		unix.Close(fd)
+		defer unix.Close(fd)
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			holder := "unknown holder"
-			if b, rerr := os.ReadFile(filepath.Join(dir, holderFile)); rerr == nil && len(b) > 0 {
-				holder = strings.TrimSpace(string(b))
-			}
-			return -1, fmt.Errorf("%w: %s is held by %s", ErrLocked, dir, holder)
+			return -1, fmt.Errorf("%w: %s is held by %s", ErrLocked, dir, readHolder(fd))
 		}
 		return -1, opError("flock", dir, err)
 	}
 	host, _ := os.Hostname()
 	info := fmt.Sprintf("pid %d on %s since %s\n", os.Getpid(), host, time.Now().UTC().Format(time.RFC3339))
-	_ = os.WriteFile(filepath.Join(dir, holderFile), []byte(info), 0o600) // best effort: the directory may be read-only
+	if err := writeHolder(fd, dir, info); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
 	return fd, nil
 }
 
@@ -70,7 +74,8 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 	if err != nil {
 		return nil, 0, err
 	}
-	d := &dirFile{dir: dir, path: filepath.Join(dir, recordsName(s.slotBytes)), fd: -1, lockFd: lockFd, n: n}
+	name := recordsName(s.slotBytes)
+	d := &dirFile{dir: dir, name: name, path: filepath.Join(dir, name), fd: -1, lockFd: lockFd, n: n}
 	fail := func(err error) (*dirFile, int64, error) {
 		d.close()
 		return nil, 0, err
@@ -128,13 +133,15 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 // openFile opens the records file, with O_DIRECT as mode allows, then
 // probes a direct read (some file systems accept the flag and refuse the
 // I/O). A read-only dirFile opens the file as it is, without creating it.
+// The file is opened relative to the locked directory, never through a
+// symbolic link, and must be a regular file of one link (openIn).
 func (d *dirFile) openFile(mode DirectMode, f *faults) error {
-	flags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC
+	flags := unix.O_RDWR | unix.O_CREAT
 	if !d.writable {
-		flags = unix.O_RDONLY | unix.O_CLOEXEC
+		flags = unix.O_RDONLY
 	}
 	if mode != DirectOff {
-		fd, err := unix.Open(d.path, flags|unix.O_DIRECT, 0o600)
+		fd, err := openIn(d.lockFd, d.dir, d.name, flags|unix.O_DIRECT, 0o600)
 		if err == nil {
 			if ferr := f.inject(opOpenDirect, d.dir); ferr != nil {
 				unix.Close(fd)
@@ -152,6 +159,9 @@ func (d *dirFile) openFile(mode DirectMode, f *faults) error {
 			unix.Close(fd)
 			err = perr
 		}
+		if errors.Is(err, ErrUnsafeFile) {
+			return err
+		}
 		if !errors.Is(err, unix.EINVAL) {
 			return opError("open", d.path, err)
 		}
@@ -159,8 +169,11 @@ func (d *dirFile) openFile(mode DirectMode, f *faults) error {
 			return fmt.Errorf("%w: %s: %v", ErrDirectUnsupported, d.path, err)
 		}
 	}
-	fd, err := unix.Open(d.path, flags, 0o600)
+	fd, err := openIn(d.lockFd, d.dir, d.name, flags, 0o600)
 	if err != nil {
+		if errors.Is(err, ErrUnsafeFile) {
+			return err
+		}
 		return opError("open", d.path, err)
 	}
 	d.fd = fd
