@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 
 	"github.com/kvoffload/kvoffload/tier/record"
@@ -119,4 +121,63 @@ func parseRecordsName(name string) (int64, bool) {
 		return 0, false
 	}
 	return slot, slot > record.HeaderSize && slot%align == 0
+}
+
+// checkRemoveRecords validates Config.RemoveRecords for a store of
+// slotBytes slots: each a records file's name, none this store's own.
+func checkRemoveRecords(names []string, slotBytes int64) error {
+	for _, n := range names {
+		slot, ok := parseRecordsName(n)
+		switch {
+		case !ok:
+			return fmt.Errorf("%w: RemoveRecords %q is not the name of a records file (records-<slot bytes>.kvo, a multiple of 4096 above %d)", ErrConfig, n, record.HeaderSize)
+		case slot == slotBytes:
+			return fmt.Errorf("%w: RemoveRecords %q is this store's own records file (slots of %d bytes)", ErrConfig, n, slotBytes)
+		}
+	}
+	return nil
+}
+
+// removeRecords removes the records files names (checked by
+// checkRemoveRecords) from the directory open at dirFd: those of other
+// layouts that the configuration asked to remove. A name not there is
+// skipped; a link of that name is removed, never its target.
+func removeRecords(dirFd int, dir string, names []string) error {
+	for _, n := range names {
+		if err := unix.Unlinkat(dirFd, n, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return opError("remove (RemoveRecords)", filepath.Join(dir, n), err)
+		}
+	}
+	return nil
+}
+
+// otherLayouts describes, for an error that is ENOSPC or EDQUOT, the
+// records files of other slot sizes in the directory open at dirFd: the
+// space other layouts' records keep, which Open leaves unless
+// RemoveRecords names them. "" for other errors or when there are none.
+func otherLayouts(dirFd int, dir, own string, err error) string {
+	if !isNoSpace(err) {
+		return ""
+	}
+	entries, rerr := os.ReadDir(dir)
+	if rerr != nil {
+		return ""
+	}
+	var others []string
+	for _, e := range entries {
+		n := e.Name()
+		if _, ok := parseRecordsName(n); !ok || n == own {
+			continue
+		}
+		var st unix.Stat_t
+		if unix.Fstatat(dirFd, n, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+			continue
+		}
+		others = append(others, fmt.Sprintf("%s (%d bytes)", n, st.Size))
+	}
+	if len(others) == 0 {
+		return ""
+	}
+	sort.Strings(others)
+	return fmt.Sprintf("; the directory also holds the records of other layouts, kept: %s (RemoveRecords names those to remove)", strings.Join(others, ", "))
 }

@@ -68,7 +68,8 @@ func lockDir(dir string) (int, error) {
 // openDir locks dir and opens (creating and sizing when it can) its records
 // file of n slots. A directory that refuses writes is opened read-only when
 // its file exists. It returns the file and the size the file had before
-// (records past it are torn).
+// (records past it are torn). Records files of other slot sizes (other
+// layouts) are left as they are, but for those Config.RemoveRecords names.
 func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 	lockFd, err := lockDir(dir)
 	if err != nil {
@@ -80,14 +81,8 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 		d.close()
 		return nil, 0, err
 	}
-	// Records files of another slot size cannot be served by this store,
-	// which owns the directory: their space is given back.
-	if old, _ := filepath.Glob(filepath.Join(dir, "records-*.kvo")); len(old) > 0 {
-		for _, p := range old {
-			if p != d.path {
-				_ = os.Remove(p)
-			}
-		}
+	if err := removeRecords(lockFd, dir, s.cfg.RemoveRecords); err != nil {
+		return fail(err)
 	}
 	d.writable = true
 	if err := s.cfg.faults.inject(opOpen, dir); err != nil {
@@ -119,9 +114,13 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 			return fail(opError("truncate", d.path, err))
 		}
 	}
-	if err := unix.Fallocate(d.fd, 0, 0, want); err != nil {
+	err = s.cfg.faults.inject(opFallocate, dir)
+	if err == nil {
+		err = unix.Fallocate(d.fd, 0, 0, want)
+	}
+	if err != nil {
 		if !errors.Is(err, unix.EOPNOTSUPP) {
-			return fail(opError(fmt.Sprintf("fallocate %d bytes of", want), d.path, err))
+			return fail(fmt.Errorf("%w%s", opError(fmt.Sprintf("fallocate %d bytes of", want), d.path, err), otherLayouts(lockFd, dir, name, err)))
 		}
 		if err := unix.Ftruncate(d.fd, want); err != nil {
 			return fail(opError("extend", d.path, err))
