@@ -9,10 +9,8 @@ import (
 	"math"
 	"runtime"
 	"slices"
-	"strings"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
@@ -782,68 +780,4 @@ func quantileMicros(d []time.Duration, q float64) float64 {
 	slices.Sort(s)
 	i := int(math.Ceil(q*float64(len(s)))) - 1
 	return float64(s[min(max(i, 0), len(s)-1)]) / 1e3
-}
-
-// demoBar is the progress bar (a no-op without a writer).
-type demoBar struct {
-	bar *progressbar.ProgressBar
-	cfg demoConfig
-}
-
-func newDemoBar(w io.Writer, cfg demoConfig) *demoBar {
-	if w == nil {
-		return &demoBar{}
-	}
-	return &demoBar{cfg: cfg, bar: progressbar.NewOptions(1000, progressbar.OptionSetWriter(w),
-		progressbar.OptionSetDescription("serving"), progressbar.OptionSetWidth(30),
-		progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
-		progressbar.OptionSetPredictTime(false))}
-}
-
-// update moves the bar to the fraction of the run done (by time or by
-// requests, whichever bound is nearer).
-func (b *demoBar) update(rep *demoReport, elapsed time.Duration) {
-	if b.bar == nil {
-		return
-	}
-	var frac float64
-	if b.cfg.duration > 0 {
-		frac = elapsed.Seconds() / b.cfg.duration.Seconds()
-	}
-	if b.cfg.requests > 0 {
-		frac = max(frac, float64(rep.Requests)/float64(b.cfg.requests))
-	}
-	b.bar.Describe(fmt.Sprintf("%d requests, %.0f%% host hits, %d verified", rep.Requests, 100*rep.Blocks.ratio(rep.Blocks.HostHits), rep.Verified))
-	_ = b.bar.Set(int(min(frac, 1) * 1000))
-}
-
-func (b *demoBar) finish() {
-	if b.bar != nil {
-		_ = b.bar.Finish()
-	}
-}
-
-// stringFlag is a flag.Value for a flag whose value is one of offload's
-// string-typed Config enums; check and the engine validate it.
-type stringFlag[T ~string] struct{ p *T }
-
-func (f stringFlag[T]) String() string {
-	if f.p == nil {
-		return ""
-	}
-	return string(*f.p)
-}
-
-func (f stringFlag[T]) Set(s string) error {
-	*f.p = T(s)
-	return nil
-}
-
-// diskDirs splits --disk's DIR[,DIR] list.
-func diskDirs(s string) []string {
-	dirs := strings.Split(s, ",")
-	for i := range dirs {
-		dirs[i] = strings.TrimSpace(dirs[i])
-	}
-	return dirs
 }
