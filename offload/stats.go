@@ -143,6 +143,11 @@ type Stats struct {
 	// directory of Disk.Dirs usable (each one's error); the engine serves
 	// from host memory, every directory counts in DiskUnusableDirs.
 	DiskError string `json:"disk_error,omitempty"`
+	// DiskUnusableError is why the directories counted in
+	// DiskUnusableDirs were left out at New, each one's error, with the
+	// tier on (the other directories serving) or off (then DiskError
+	// says it too); "" when every directory is in use.
+	DiskUnusableError string `json:"disk_unusable_error,omitempty"`
 	// What the disk tier found at start and met since (tier/disk.Stats):
 	// records it discarded at New (torn: a damaged header or a payload cut
 	// off; stale: another format, fingerprint or size, or a second copy of
@@ -390,6 +395,7 @@ func (e *Engine) snapshot() Stats {
 	}
 	if e.diskErr != "" {
 		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
+		s.DiskUnusableError = e.diskErr
 	}
 	s.DiskLookupHits = c.diskLookupHits.Load()                                // the embedded tier's, or a node's
 	s.DiskHits, s.DiskMisses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
@@ -404,6 +410,9 @@ func (e *Engine) snapshot() Stats {
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
 		s.DiskReadOnlyDirs, s.DiskUnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
+		if err := d.store.UnusableError(); err != nil {
+			s.DiskUnusableError = err.Error()
+		}
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()

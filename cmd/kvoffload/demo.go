@@ -17,6 +17,7 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache/trace"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
+	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 var demoCommand = command{
@@ -37,8 +38,11 @@ other process connected to it, so that several demos (one per GPU) store and
 load each other's blocks, each verified as above; --pool-bytes then only
 shapes the trace, and --disk and --redis are refused.
 
+With --disk, a directory the disk tier cannot use (missing, not a directory,
+too small for its records file) fails the demo, naming it and why.
+
 Exit status 3 when a loaded block holds the wrong content, 1 when the engine
-reports a failed copy.`,
+reports a failed copy or a --disk directory is unusable.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		cfg := defaultDemoConfig()
 		fs.DurationVar(&cfg.duration, "duration", cfg.duration, "run for `time` (0: until --requests)")
@@ -123,6 +127,9 @@ type demoConfig struct {
 	// connect: --connect, the node's socket (offload.Dial).
 	connect string
 
+	// diskFaults is a test hook: tier/disk's fault seam for the host
+	// backend's disk tier (hostsim.Options.DiskFaults).
+	diskFaults func(op disk.FaultOp, dir string) error
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
 	corruptLoads int
@@ -255,6 +262,9 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	sp.end()
 	if err != nil {
 		return nil, err
+	}
+	if err := diskTierError(cfg, opened.eng.Stats()); err != nil {
+		return nil, errors.Join(err, opened.close())
 	}
 	r.eng, r.mem = opened.eng, opened.mem
 	if err := observe(opened, cfg, notice); err != nil {
@@ -440,7 +450,7 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 			}
 		}
 	}
-	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed)})
+	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed), DiskFaults: cfg.diskFaults})
 	if err != nil {
 		return nil, err
 	}
