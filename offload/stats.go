@@ -24,6 +24,12 @@ type Stats struct {
 	StagingBytes  int64 `json:"staging_bytes"`   // the reserved staging region
 	StagingUsed   int64 `json:"staging_used"`    // handed out by Staging
 
+	// NodeConnections is, for an engine of Dial, the connections to its
+	// node made so far: 1 after Dial, one more each time the engine
+	// reconnected to a node that went away and came back (a node
+	// restart). 0 for an engine of New.
+	NodeConnections int64 `json:"node_connections,omitempty"`
+
 	// Regions and pinning.
 	Regions      int           `json:"regions"`       // regions pinned now
 	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
@@ -384,6 +390,11 @@ func (e *Engine) snapshot() Stats {
 		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
 		Store: c.store.snapshot(), Load: c.load.snapshot()}
 	s.Misses = s.LookupKeys - s.Hits
+	if d := e.dial; d != nil {
+		if cl := d.client.Load(); cl != nil {
+			s.NodeConnections = int64(cl.Info().Epoch)
+		}
+	}
 	if c := e.calibration.Load(); c != nil {
 		s.CopyCalibration = *c
 	}

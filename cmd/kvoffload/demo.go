@@ -36,7 +36,10 @@ With --connect SOCKET the engine is offload.Dial's: its index and host pool
 are those of the node serving SOCKET (kvoffload serve), shared with every
 other process connected to it, so that several demos (one per GPU) store and
 load each other's blocks, each verified as above; --pool-bytes then only
-shapes the trace, and --disk and --redis are refused.
+shapes the trace, and --disk and --redis are refused. A node that restarts
+during the run costs the blocks it had (stores not committed, loads it cannot
+serve: recomputed, as a serving loop does) and the engine reconnects; the
+report counts the restarts.
 
 With --disk, a directory the disk tier cannot use (missing, not a directory,
 too small for its records file) fails the demo, naming it and why.
@@ -130,6 +133,9 @@ type demoConfig struct {
 	// diskFaults is a test hook: tier/disk's fault seam for the host
 	// backend's disk tier (hostsim.Options.DiskFaults).
 	diskFaults func(op disk.FaultOp, dir string) error
+	// simDelay is a test hook: the host backend's copies each wait this
+	// long (hostsim.Options' MinDelay and MaxDelay).
+	simDelay time.Duration
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
 	corruptLoads int
@@ -238,6 +244,8 @@ type demoRun struct {
 	corrupted         int
 	lastKeys          []offload.Key // the keys of the request served last
 	clusterPromoted   int64         // blocks Prefetch promoted (--redis)
+	notice            func(string)
+	nodeDown          bool // --connect: the last op met the node gone (nodeGone)
 }
 
 // runDemo runs the demo and returns its report; the report is returned
@@ -256,7 +264,7 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 
-	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind)}
+	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind), notice: notice}
 	sp := startStep(progress, fmt.Sprintf("starting the engine (%s pool, %s backend)", formatSize(cfg.poolBytes), cfg.backend))
 	opened, err := openDemo(cfg, lay, notice)
 	sp.end()
@@ -450,7 +458,7 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 			}
 		}
 	}
-	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed), DiskFaults: cfg.diskFaults})
+	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed), DiskFaults: cfg.diskFaults, MinDelay: cfg.simDelay, MaxDelay: cfg.simDelay})
 	if err != nil {
 		return nil, err
 	}
@@ -654,6 +662,7 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 			Hits: st.DiskHits, Misses: st.DiskMisses, Corrupt: st.DiskCorrupt}
 	}
 	rep.Cluster = r.clusterReportOf(st)
+	r.nodeReport(st)
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration

@@ -23,6 +23,10 @@ func (r *demoRun) store(vs []victim) error {
 	}
 	cpu0, t0 := cpuTime(), time.Now()
 	op, err := r.eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: r.mem.storeAfter()})
+	if r.nodeGone(err) {
+		r.rep.Store.Unavailable += int64(len(vs))
+		return nil
+	}
 	if err != nil {
 		return fmt.Errorf("storing %d blocks: %w", len(vs), err)
 	}
@@ -40,6 +44,9 @@ func (r *demoRun) store(vs []victim) error {
 	s := &r.rep.Store
 	s.Ops++
 	s.Seconds += lat.Seconds()
+	// Blocks the node did not commit (it went away during the copies)
+	// are not stored: an outcome of a node restart, not a failed copy.
+	gone := r.nodeGone(werr)
 	for _, oc := range out {
 		switch oc {
 		case offload.OutcomeStored:
@@ -53,12 +60,14 @@ func (r *demoRun) store(vs []victim) error {
 		case offload.OutcomeRefusedAdmission:
 			s.RefusedAdmission++
 		case offload.OutcomeFailed:
-			s.Failed++
+			if gone {
+				s.Unavailable++
+			} else {
+				s.Failed++
+			}
 		}
 	}
-	if werr != nil && r.rep.FirstEngineError == "" {
-		r.rep.FirstEngineError = werr.Error()
-	}
+	r.noteResult(werr, gone)
 	return nil
 }
 
@@ -70,12 +79,22 @@ func (r *demoRun) load(keys []offload.Key, ids []int, lease *offload.Lease) (loa
 	}
 	cpu0, t0 := cpuTime(), time.Now()
 	op, err := r.eng.Load(context.Background(), keys, ids, offload.LoadOptions{Lease: lease})
-	if errors.Is(err, offload.ErrBusy) {
-		r.rep.Load.Busy++
+	// Busy, or the node gone (the lease's region is gone from this
+	// process, the node unreachable): recompute instead (the README's
+	// serving loop); a lease of a node gone is given back as a no-op.
+	if gone := r.nodeGone(err); gone || errors.Is(err, offload.ErrBusy) {
+		if gone {
+			r.rep.Load.Unavailable += int64(len(keys))
+		} else {
+			r.rep.Load.Busy++
+		}
 		for i := range keys {
 			missing = append(missing, i)
 		}
-		return nil, missing, releaseLease(lease)
+		if err := releaseLease(lease); err != nil && !r.nodeGone(err) {
+			return nil, nil, err
+		}
+		return nil, missing, nil
 	}
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("loading %d blocks: %w", len(keys), err), releaseLease(lease))
@@ -94,22 +113,25 @@ func (r *demoRun) load(keys []offload.Key, ids []int, lease *offload.Lease) (loa
 	l := &r.rep.Load
 	l.Ops++
 	l.Seconds += lat.Seconds()
+	gone := r.nodeGone(werr)
 	for i, oc := range out {
 		switch oc {
 		case offload.OutcomeLoaded:
 			l.Blocks++
 			loaded = append(loaded, i)
 		case offload.OutcomeFailed:
-			l.Failed++
+			if gone {
+				l.Unavailable++
+			} else {
+				l.Failed++
+			}
 			missing = append(missing, i)
 		default:
 			l.Missing++
 			missing = append(missing, i)
 		}
 	}
-	if werr != nil && r.rep.FirstEngineError == "" {
-		r.rep.FirstEngineError = werr.Error()
-	}
+	r.noteResult(werr, gone)
 	return loaded, missing, nil
 }
 
