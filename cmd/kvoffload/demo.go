@@ -67,6 +67,7 @@ reports a failed copy or a --disk directory is unusable.`,
 		fs.StringVar(&cfg.redisTLSCA, "redis-tls-ca", "", "with --redis, connect with TLS trusting the CAs of PEM `file` instead of the system's")
 		fs.StringVar(&cfg.redisTLSName, "redis-tls-name", "", "with --redis, connect with TLS and check the nodes' certificates against `name`")
 		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
+		fs.StringVar(&cfg.diskRemove, "disk-remove-records", "", "with --disk, remove another layout's records `file[,file]` (records-<slot bytes>.kvo, as info --disk lists them) from the directories; other layouts' files are kept otherwise")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
 		fs.StringVar(&cfg.metricsAddr, "metrics", "", "serve Prometheus metrics at http://`addr`/metrics while the demo runs")
@@ -120,6 +121,8 @@ type demoConfig struct {
 	// diskDir and diskBytes: --disk and --disk-bytes (the engine's Config.Disk).
 	diskDir   string
 	diskBytes int64
+	// diskRemove: --disk-remove-records (DiskConfig.RemoveRecords).
+	diskRemove string
 	// redis: --redis (the engine's Config.Cluster; demo_cluster.go), with
 	// --redis-user and --redis-tls.
 	redis     string
@@ -175,8 +178,8 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --prefault-threads %d must not be negative (0: the default)", errUsage, c.prefaultThreads)
 	case c.diskBytes < 0:
 		return shape, fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, c.diskBytes)
-	case c.diskBytes > 0 && c.diskDir == "":
-		return shape, fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+	case (c.diskBytes > 0 || c.diskRemove != "") && c.diskDir == "":
+		return shape, fmt.Errorf("%w: --disk-bytes and --disk-remove-records need --disk", errUsage)
 	case c.connect != "" && (c.diskDir != "" || c.redis != ""):
 		return shape, fmt.Errorf("%w: --connect: the disk and cluster tiers are not available through a node", errUsage)
 	}
@@ -403,6 +406,9 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		// A graceful shutdown's pool goes to disk (after the GPU cache's
 		// blocks, see drain): the next run on the directory finds it.
 		ec.Disk = &offload.DiskConfig{Dirs: diskDirs(cfg.diskDir), CapacityBytes: n, WriteBackOnClose: true}
+		if cfg.diskRemove != "" {
+			ec.Disk.RemoveRecords = diskDirs(cfg.diskRemove)
+		}
 	}
 	ec.Cluster = clusterConfig(cfg)
 	if cfg.connect != "" {

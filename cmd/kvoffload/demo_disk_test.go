@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -90,4 +92,64 @@ func TestDemoDiskNoSpaceTmpfs(t *testing.T) {
 		require.Contains(t, errs, w)
 	}
 	require.False(t, strings.Contains(out, "for the next run"))
+}
+
+// TestDemoDiskOtherLayout: a demo of another layout on the same --disk
+// directory keeps the first layout's records file beside its own, and a
+// run of the first layout still loads its first request from disk;
+// --disk-remove-records removes only the file it names, and naming this
+// layout's own file is refused.
+func TestDemoDiskOtherLayout(t *testing.T) {
+	dir := t.TempDir()
+	tinyFile := filepath.Join(dir, "records-20480.kvo")  // 16 KiB blocks
+	bigFile := filepath.Join(dir, "records-2101248.kvo") // 2 MiB blocks (8b)
+	require.Equal(t, filepath.Base(tinyFile), filepath.Base(recordsFileOf(t, "tiny")))
+	require.Equal(t, filepath.Base(bigFile), filepath.Base(recordsFileOf(t, "8b")))
+	tiny := tinyDiskArgs(dir, "--disk-bytes", "64MiB")
+	code, out, errs := runCLI(t, tiny...)
+	require.Equal(t, exitOK, code, errs)
+	before, err := os.ReadFile(tinyFile)
+	require.NoError(t, err)
+
+	big := []string{"demo", "--backend", "host", "--layout", "8b", "--pool-bytes", "8MiB", "--gpu-blocks", "4",
+		"--requests", "3", "--duration", "0", "--pinning", "none", "--disk", dir, "--json"}
+	code, out, errs = runCLI(t, big...)
+	require.Equal(t, exitOK, code, "%s%s", out, errs)
+	after, err := os.ReadFile(tinyFile)
+	require.NoError(t, err)
+	require.Equal(t, before, after, "the tiny layout's records file is untouched by the 8b run")
+	_, err = os.Stat(bigFile)
+	require.NoError(t, err)
+
+	code, out, errs = runCLI(t, append(tiny, "--json")...)
+	require.Equal(t, exitOK, code, errs)
+	var rep demoReport
+	require.NoError(t, json.Unmarshal([]byte(out), &rep))
+	require.NotNil(t, rep.FirstRequest)
+	require.Positive(t, rep.FirstRequest.DiskHits, "the tiny layout's blocks came back from disk after the 8b run")
+	require.Zero(t, rep.VerifyFailures)
+
+	code, _, errs = runCLI(t, append(tiny, "--disk-remove-records", filepath.Base(tinyFile))...)
+	require.NotEqual(t, exitOK, code)
+	require.Contains(t, errs, filepath.Base(tinyFile))
+	require.Contains(t, errs, "own records file")
+	_, err = os.Stat(tinyFile)
+	require.NoError(t, err, "a refused option removes nothing")
+
+	code, _, errs = runCLI(t, append(tiny, "--disk-remove-records", filepath.Base(bigFile))...)
+	require.Equal(t, exitOK, code, errs)
+	_, err = os.Stat(bigFile)
+	require.ErrorIs(t, err, os.ErrNotExist, "the named layout's file is removed")
+	_, err = os.Stat(tinyFile)
+	require.NoError(t, err)
+
+	code, _, errs = runCLI(t, "demo", "--disk-remove-records", "records-20480.kvo", "--requests", "1", "--duration", "0")
+	require.Equal(t, exitUsage, code, errs)
+}
+
+// recordsFileOf is the records file name a demo of layout writes.
+func recordsFileOf(t *testing.T, layout string) string {
+	t.Helper()
+	lay := cacheLayout{shape: layoutPresets[layout], kind: offload.LayoutLayerSeparate}
+	return filepath.Join("", "records-"+strconv.FormatInt(disk.SlotBytes(lay.blockBytes()), 10)+".kvo")
 }
