@@ -23,7 +23,11 @@
 // give their space back; naming the store's own file is ErrConfig. The
 // kept files take their space: when the store's own file cannot be
 // preallocated (ENOSPC), Open's error names the other layouts' files and
-// their sizes.
+// their sizes. Records of another fingerprint in the store's own file
+// (another model of the same slot size, or the same model under another
+// namespace) are another matter: they are misses, and their slots are
+// reused as new records need them. Models of one slot size that must
+// keep each other's blocks need directories of their own.
 //
 // The files inside a directory, the records file and kvoffload.holder, are
 // opened relative to the locked directory and never through a symbolic
