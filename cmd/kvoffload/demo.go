@@ -139,6 +139,10 @@ type demoConfig struct {
 	// simDelay is a test hook: the host backend's copies each wait this
 	// long (hostsim.Options' MinDelay and MaxDelay).
 	simDelay time.Duration
+	// nodeStep is a test hook: with --connect, it runs on the serving
+	// goroutine right after a Store is submitted ("store") and before a
+	// Load with a lease ("load"), where the tests restart the node.
+	nodeStep func(step string)
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
 	corruptLoads int

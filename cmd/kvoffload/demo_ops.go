@@ -30,6 +30,9 @@ func (r *demoRun) store(vs []victim) error {
 	if err != nil {
 		return fmt.Errorf("storing %d blocks: %w", len(vs), err)
 	}
+	if r.cfg.nodeStep != nil && r.cfg.connect != "" {
+		r.cfg.nodeStep("store")
+	}
 	werr := op.Wait(context.Background())
 	lat := time.Since(t0)
 	r.rep.CPUSeconds += (cpuTime() - cpu0).Seconds()
@@ -76,6 +79,9 @@ func (r *demoRun) store(vs []victim) error {
 func (r *demoRun) load(keys []offload.Key, ids []int, lease *offload.Lease) (loaded, missing []int, err error) {
 	if len(keys) == 0 {
 		return nil, nil, nil
+	}
+	if r.cfg.nodeStep != nil && r.cfg.connect != "" && lease != nil {
+		r.cfg.nodeStep("load")
 	}
 	cpu0, t0 := cpuTime(), time.Now()
 	op, err := r.eng.Load(context.Background(), keys, ids, offload.LoadOptions{Lease: lease})
