@@ -24,11 +24,11 @@ var ErrUnsafeFile = errors.New("disk: unsafe file in the directory")
 // openIn opens name in the directory open at dirFd (dir is its name, for
 // messages) with O_NOFOLLOW: a symbolic link there is ErrUnsafeFile, never
 // followed, and so is anything but a regular file of one link (a FIFO is
-// opened without blocking, then refused). The descriptor is close-on-exec
-// and blocking.
+// opened without blocking, a terminal without becoming the controlling
+// one, then refused). The descriptor is close-on-exec and blocking.
 func openIn(dirFd int, dir, name string, flags int, mode uint32) (int, error) {
 	path := filepath.Join(dir, name)
-	fd, err := unix.Openat(dirFd, name, flags|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, mode)
+	fd, err := unix.Openat(dirFd, name, flags|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, mode)
 	if err != nil {
 		if errors.Is(err, unix.ELOOP) {
 			return -1, fmt.Errorf("%w: %s is a symbolic link; the disk tier never follows links in its directory (remove it)", ErrUnsafeFile, path)
