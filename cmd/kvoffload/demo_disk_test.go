@@ -113,7 +113,7 @@ func TestDemoDiskOtherLayout(t *testing.T) {
 	require.Equal(t, filepath.Base(bigFile), filepath.Base(recordsFileOf(t, "8b")))
 	tiny := tinyDiskArgs(dir, "--disk-bytes", "64MiB")
 	code, out, errs := runCLI(t, tiny...)
-	require.Equal(t, exitOK, code, errs)
+	require.Equal(t, exitOK, code, "%s%s", out, errs)
 	before, err := os.ReadFile(tinyFile)
 	require.NoError(t, err)
 
