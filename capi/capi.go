@@ -209,69 +209,6 @@ func timeoutCtx(ns C.int64_t) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), time.Duration(ns))
 }
 
-//export kvoGo_engine_create
-func kvoGo_engine_create(configJSON *C.char, out *C.uint64_t) (rc C.int) {
-	defer guard(&rc)
-	if configJSON == nil || out == nil {
-		return failf("kvo_engine_create: config_json and out must not be NULL")
-	}
-	return openEngine(configJSON, out, hostsim.NewEngine)
-}
-
-//export kvoGo_engine_connect
-func kvoGo_engine_connect(socket, configJSON *C.char, out *C.uint64_t) (rc C.int) {
-	defer guard(&rc)
-	if socket == nil || configJSON == nil || out == nil {
-		return failf("kvo_engine_connect: socket, config_json and out must not be NULL")
-	}
-	sock := C.GoString(socket)
-	return openEngine(configJSON, out, func(cfg offload.Config, sim *hostsim.GPU) (*offload.Engine, error) {
-		return hostsim.Dial(sock, cfg, sim)
-	})
-}
-
-// openEngine parses configJSON, makes the host backend's simulated device
-// and opens an engine on it with open (its own pool, or a node's), storing
-// the new handle in *out.
-func openEngine(configJSON *C.char, out *C.uint64_t, open func(offload.Config, *hostsim.GPU) (*offload.Engine, error)) C.int {
-	cfg, opts, err := parseConfig(C.GoString(configJSON))
-	if err != nil {
-		return fail(err)
-	}
-	sim, err := hostsim.NewGPU(opts)
-	if err != nil {
-		return fail(fmt.Errorf("%w: sim: %w", offload.ErrInvalidConfig, err))
-	}
-	eng, err := open(cfg, sim)
-	if err != nil {
-		sim.Close()
-		return fail(err)
-	}
-	*out = C.uint64_t(engines.add(&engineEntry{eng: eng, sim: sim}))
-	return codeOK
-}
-
-//export kvoGo_engine_destroy
-func kvoGo_engine_destroy(h C.uint64_t) (rc C.int) {
-	defer guard(&rc)
-	e, err := engines.take(uint64(h))
-	if err != nil {
-		if errors.Is(err, errStale) {
-			return fail(fmt.Errorf("%w (%w): %w", offload.ErrClosed, errEngineStale, err))
-		}
-		return fail(err)
-	}
-	err = e.eng.Close()
-	dropEvents(h)
-	if serr := e.sim.Close(); err == nil && serr != nil {
-		err = fmt.Errorf("kvoffload: closing the simulated GPU: %w", serr)
-	}
-	if err != nil {
-		return fail(err)
-	}
-	return codeOK
-}
-
 // configJSON is what kvo_engine_config_json writes: the engine's Config
 // with the backend in use in place of the configured one ("auto" resolved)
 // and the device always present (Config drops a zero device).

@@ -19,6 +19,11 @@
 //     the calling thread's last error (C thread-local storage) and leaves no
 //     partial state.
 //   - Every entry point is safe for concurrent use from many C threads.
+//     Objects are published in a handle table or the event-subscription
+//     table only once whole (an event subscription with its stream), so a
+//     call racing another never sees a part of one; kvo_engine_destroy
+//     runs every step of the destroy (the engine, its event stream, its
+//     simulated GPU) even when one fails, and reports it after.
 //   - Loading the library caps the Go runtime's GOMAXPROCS at 8 (runtime.go)
 //     unless the GOMAXPROCS environment variable is set; it writes no
 //     environment variable.

@@ -164,7 +164,10 @@ int kvo_engine_connect(const char* socket, const char* config_json, kvo_engine_t
  * and unmaps the pool, and frees the handle: every later call taking it
  * (this one included) returns KVO_ECLOSED. Ops and leases of the engine
  * stay valid handles (kvo_op_wait, kvo_op_outcomes, releases) and must
- * still be released. */
+ * still be released. Every step of the destroy (the engine, its event
+ * stream, its simulated GPU) runs even when one fails; the failure is
+ * reported (KVO_EFAIL or the step's code) with the handle freed all the
+ * same. */
 int kvo_engine_destroy(kvo_engine_t engine);
 
 /* Writes the engine's configuration with defaults filled in (and, on the
@@ -357,7 +360,13 @@ int kvo_sim_read(kvo_engine_t engine, uint64_t device_addr, void* dst, size_t n)
  * ("[]" when none). When cap is too small it writes nothing, returns
  * KVO_EINVAL with *needed, and keeps the batch for the next call. Stored
  * events come after the block is ready, removed ones after it left the
- * index. Calls on an engine without kvo_events_open are KVO_EINVAL. */
+ * index. Calls on an engine without kvo_events_open are KVO_EINVAL.
+ * From several threads: a poll or dropped racing kvo_events_close or
+ * kvo_engine_destroy returns what the stream still held ("[]" once it is
+ * empty), KVO_EINVAL (closed: no stream) or KVO_ECLOSED (destroyed); of
+ * concurrent kvo_events_close calls one closes the stream and the others
+ * return KVO_EINVAL; a kvo_events_open racing kvo_engine_destroy returns
+ * KVO_OK (the stream then closed by the destroy) or KVO_ECLOSED. */
 int kvo_metrics_text(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);
 int kvo_events_open(kvo_engine_t engine, int64_t buffer);
 int kvo_events_poll(kvo_engine_t engine, char* buf, size_t cap, size_t* needed);

@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -54,9 +55,12 @@ func writeString(b []byte, buf *C.char, capacity C.size_t, needed *C.size_t) C.i
 
 // eventSub is an engine handle's event stream and the batch a poll
 // encoded but could not hand over (the caller's buffer was too small).
+// stream is set before the eventSub is published in eventSubs and never
+// changes: a concurrent call finds either no subscription or a whole one.
 type eventSub struct {
+	stream *offload.EventStream
+
 	mu      sync.Mutex
-	stream  *offload.EventStream
 	pending []byte
 }
 
@@ -68,19 +72,50 @@ const maxPollEvents = 4096
 //export kvoGo_events_open
 func kvoGo_events_open(h C.uint64_t, buffer C.int64_t) (rc C.int) {
 	defer guard(&rc)
-	eng, err := engine(h)
-	if err != nil {
+	if err := eventsOpen(uint64(h), int64(buffer)); err != nil {
 		return fail(err)
 	}
-	if buffer < 0 || buffer > 1<<30 {
-		return failf("kvo_events_open: buffer %d outside [0, 2^30]", int64(buffer))
-	}
-	sub := &eventSub{}
-	if _, loaded := eventSubs.LoadOrStore(uint64(h), sub); loaded {
-		return failf("kvo_events_open: the engine's event stream is already open")
-	}
-	sub.stream = eng.Events(int(buffer))
 	return codeOK
+}
+
+// errNoStream and errStreamOpen are the event calls' documented
+// KVO_EINVAL cases: no kvo_events_open (or closed since, by another
+// thread too), and a second open.
+var (
+	errNoStream   = errors.New("no event stream (call kvo_events_open first)")
+	errStreamOpen = errors.New("the engine's event stream is already open")
+)
+
+// eventsOpen subscribes engine handle h to its engine's events. The
+// subscription is built whole (its stream made) before it is published,
+// so a concurrent poll, dropped, close or destroy never sees a part of
+// one. An engine destroyed meanwhile (its handle taken between the lookup
+// and the publication) gets no subscription that outlives it: the one
+// published is withdrawn and closed, here or by the destroy's dropEvents
+// (whichever removes it closes it), and the call is KVO_ECLOSED.
+func eventsOpen(h uint64, buffer int64) error {
+	eng, err := engine(C.uint64_t(h))
+	if err != nil {
+		return err
+	}
+	if buffer < 0 || buffer > 1<<30 {
+		return fmt.Errorf("%w: kvo_events_open: buffer %d outside [0, 2^30]", offload.ErrInvalidArgument, buffer)
+	}
+	if _, ok := eventSubs.Load(h); ok {
+		return fmt.Errorf("%w: kvo_events_open: %w", offload.ErrInvalidArgument, errStreamOpen)
+	}
+	sub := &eventSub{stream: eng.Events(int(buffer))}
+	if _, loaded := eventSubs.LoadOrStore(h, sub); loaded {
+		sub.stream.Close()
+		return fmt.Errorf("%w: kvo_events_open: %w", offload.ErrInvalidArgument, errStreamOpen)
+	}
+	if _, err := engine(C.uint64_t(h)); err != nil {
+		if eventSubs.CompareAndDelete(h, sub) {
+			sub.stream.Close()
+		}
+		return err
+	}
+	return nil
 }
 
 // eventJSON is one event as kvo_events_poll writes it: vLLM's field names,
@@ -114,13 +149,13 @@ func toJSON(ev offload.Event) eventJSON {
 	return out
 }
 
-func subOf(h C.uint64_t, call string) (*eventSub, error) {
-	if _, err := engine(h); err != nil {
+func subOf(h uint64, call string) (*eventSub, error) {
+	if _, err := engine(C.uint64_t(h)); err != nil {
 		return nil, err
 	}
-	v, ok := eventSubs.Load(uint64(h))
+	v, ok := eventSubs.Load(h)
 	if !ok {
-		return nil, fmt.Errorf("%w: %s: no event stream (call kvo_events_open first)", offload.ErrInvalidArgument, call)
+		return nil, fmt.Errorf("%w: %s: %w", offload.ErrInvalidArgument, call, errNoStream)
 	}
 	return v.(*eventSub), nil
 }
@@ -128,9 +163,27 @@ func subOf(h C.uint64_t, call string) (*eventSub, error) {
 //export kvoGo_events_poll
 func kvoGo_events_poll(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
-	sub, err := subOf(h, "kvo_events_poll")
+	rc = codeOK
+	err := eventsPoll(uint64(h), func(b []byte) bool {
+		rc = writeString(b, buf, capacity, needed)
+		return rc == codeOK
+	})
 	if err != nil {
 		return fail(err)
+	}
+	return rc
+}
+
+// eventsPoll takes the events waiting on h's stream (at most
+// maxPollEvents) as a JSON array and hands it to deliver, under the
+// subscription's lock; a batch deliver refuses (the caller's buffer too
+// small) is kept for the next poll. A stream closed meanwhile (by
+// kvo_events_close or kvo_engine_destroy on another thread) gives what it
+// still held, then "[]".
+func eventsPoll(h uint64, deliver func([]byte) bool) error {
+	sub, err := subOf(h, "kvo_events_poll")
+	if err != nil {
+		return err
 	}
 	sub.mu.Lock()
 	defer sub.mu.Unlock()
@@ -150,46 +203,68 @@ func kvoGo_events_poll(h C.uint64_t, buf *C.char, capacity C.size_t, needed *C.s
 		}
 		b, err := json.Marshal(evs)
 		if err != nil {
-			return fail(fmt.Errorf("kvoffload: encoding events: %w", err))
+			return fmt.Errorf("kvoffload: encoding events: %w", err)
 		}
 		sub.pending = b
 	}
-	if rc := writeString(sub.pending, buf, capacity, needed); rc != codeOK {
-		return rc // kept for the next call, with a larger buffer
+	if deliver(sub.pending) {
+		sub.pending = nil
 	}
-	sub.pending = nil
-	return codeOK
+	return nil
 }
 
 //export kvoGo_events_dropped
 func kvoGo_events_dropped(h C.uint64_t, dropped *C.uint64_t) (rc C.int) {
 	defer guard(&rc)
-	sub, err := subOf(h, "kvo_events_dropped")
+	n, err := eventsDropped(uint64(h), dropped != nil)
 	if err != nil {
 		return fail(err)
 	}
-	if dropped == nil {
-		return failf("kvo_events_dropped: dropped is NULL")
-	}
-	*dropped = C.uint64_t(sub.stream.Dropped())
+	*dropped = C.uint64_t(n)
 	return codeOK
+}
+
+// eventsDropped is the count of events h's stream dropped; out says
+// whether the caller gave somewhere to put it.
+func eventsDropped(h uint64, out bool) (int64, error) {
+	sub, err := subOf(h, "kvo_events_dropped")
+	if err != nil {
+		return 0, err
+	}
+	if !out {
+		return 0, fmt.Errorf("%w: kvo_events_dropped: dropped is NULL", offload.ErrInvalidArgument)
+	}
+	return sub.stream.Dropped(), nil
 }
 
 //export kvoGo_events_close
 func kvoGo_events_close(h C.uint64_t) (rc C.int) {
 	defer guard(&rc)
-	sub, err := subOf(h, "kvo_events_close")
-	if err != nil {
+	if err := eventsClose(uint64(h)); err != nil {
 		return fail(err)
 	}
-	eventSubs.Delete(uint64(h))
-	sub.stream.Close()
 	return codeOK
 }
 
+// eventsClose closes h's stream. Of concurrent closes (and a destroy) of
+// one subscription exactly one removes and closes it; the others find no
+// stream (KVO_EINVAL, as after a close) or the engine destroyed
+// (KVO_ECLOSED).
+func eventsClose(h uint64) error {
+	sub, err := subOf(h, "kvo_events_close")
+	if err != nil {
+		return err
+	}
+	if !eventSubs.CompareAndDelete(h, sub) {
+		return fmt.Errorf("%w: kvo_events_close: %w (closed by another call)", offload.ErrInvalidArgument, errNoStream)
+	}
+	sub.stream.Close()
+	return nil
+}
+
 // dropEvents forgets an engine handle's stream (kvo_engine_destroy).
-func dropEvents(h C.uint64_t) {
-	if v, ok := eventSubs.LoadAndDelete(uint64(h)); ok {
+func dropEvents(h uint64) {
+	if v, ok := eventSubs.LoadAndDelete(h); ok {
 		v.(*eventSub).stream.Close()
 	}
 }

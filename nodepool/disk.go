@@ -115,6 +115,11 @@ type DiskConfig struct {
 	// evicts its oldest records, as any write does. Counted in
 	// Stats.DiskWrittenAtClose (not in DiskWrites).
 	WriteBackOnClose bool
+	// RemoveRecords names records files of other layouts (tier/disk's
+	// Config.RemoveRecords) to remove from the directories when the tier
+	// opens; by default another layout's records file is kept beside the
+	// node's.
+	RemoveRecords []string
 }
 
 // DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default (the
@@ -181,7 +186,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 		HostFormat: uint8(kvcache.HostDeviceOrder)})
 	slot := layout.SlotSize()
 	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: int64(slot),
-		Fingerprint: fp, Fsync: dc.Fsync, Direct: dc.Direct})
+		Fingerprint: fp, Fsync: dc.Fsync, Direct: dc.Direct, RemoveRecords: dc.RemoveRecords})
 	if err != nil {
 		return nil, fmt.Errorf("nodepool: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}

@@ -66,6 +66,14 @@ type DiskConfig struct {
 	// hold evicts its oldest records, as any write does. Counted in
 	// Stats.DiskWrittenAtClose.
 	WriteBackOnClose bool `json:"write_back_on_close,omitempty"`
+	// RemoveRecords names records files of other layouts (other slot
+	// sizes: records-<slot bytes>.kvo, as `kvoffload info --disk` lists
+	// them) that New removes from every directory, giving their space
+	// back. By default another layout's records file is kept beside this
+	// engine's (another model's blocks, which its own engine finds again);
+	// nothing on disk this engine did not write for its layout is deleted
+	// unless named here. Naming this engine's own file is ErrInvalidConfig.
+	RemoveRecords []string `json:"remove_records,omitempty"`
 }
 
 // DiskFsync is DiskConfig.Fsync: when the disk tier flushes its records.
@@ -101,6 +109,7 @@ func diskDefaults(cfg *Config, slot int64) error {
 	}
 	d := *cfg.Disk
 	d.Dirs = append([]string(nil), d.Dirs...)
+	d.RemoveRecords = append([]string(nil), d.RemoveRecords...)
 	cfg.Disk = &d
 	if len(d.Dirs) == 0 {
 		return fmt.Errorf("%w: Disk.Dirs is empty: name at least one directory", ErrInvalidConfig)
@@ -205,10 +214,13 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 		return nil, err
 	}
 	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: slot,
-		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease,
+		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease, RemoveRecords: dc.RemoveRecords,
 		OnStore:  func(k [16]byte) { hub.onTier(EventStored, k, MediumDisk) },
 		OnRemove: func(k [16]byte, _ bool) { hub.onTier(EventRemoved, k, MediumDisk) },
 		Faults:   h.diskFaults})
+	if errors.Is(err, disk.ErrConfig) {
+		return nil, fmt.Errorf("%w: Disk: %w", ErrInvalidConfig, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}

@@ -2,13 +2,14 @@ package offload
 
 import (
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
+	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // The hooks of package hostsim (see offload/internal/simhook).
 func init() {
-	simhook.NewEngine = func(cfg any, sim *transfer.Sim) (any, error) {
-		return newEngine(cfg.(Config), engineHooks{sim: sim})
+	simhook.NewEngine = func(cfg any, sim *transfer.Sim, diskFaults func(disk.FaultOp, string) error) (any, error) {
+		return newEngine(cfg.(Config), engineHooks{sim: sim, diskFaults: diskFaults})
 	}
 	simhook.Sim = func(eng any) *transfer.Sim { return eng.(*Engine).sim }
 	simhook.Violations = func(eng any) []error { return eng.(*Engine).invariantViolations() }

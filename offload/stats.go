@@ -24,6 +24,12 @@ type Stats struct {
 	StagingBytes  int64 `json:"staging_bytes"`   // the reserved staging region
 	StagingUsed   int64 `json:"staging_used"`    // handed out by Staging
 
+	// NodeConnections is, for an engine of Dial, the connections to its
+	// node made so far: 1 after Dial, one more each time the engine
+	// reconnected to a node that went away and came back (a node
+	// restart). 0 for an engine of New.
+	NodeConnections int64 `json:"node_connections,omitempty"`
+
 	// Regions and pinning.
 	Regions      int           `json:"regions"`       // regions pinned now
 	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
@@ -143,6 +149,11 @@ type Stats struct {
 	// directory of Disk.Dirs usable (each one's error); the engine serves
 	// from host memory, every directory counts in DiskUnusableDirs.
 	DiskError string `json:"disk_error,omitempty"`
+	// DiskUnusableError is why the directories counted in
+	// DiskUnusableDirs were left out at New, each one's error, with the
+	// tier on (the other directories serving) or off (then DiskError
+	// says it too); "" when every directory is in use.
+	DiskUnusableError string `json:"disk_unusable_error,omitempty"`
 	// What the disk tier found at start and met since (tier/disk.Stats):
 	// records it discarded at New (torn: a damaged header or a payload cut
 	// off; stale: another format, fingerprint or size, or a second copy of
@@ -379,6 +390,11 @@ func (e *Engine) snapshot() Stats {
 		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
 		Store: c.store.snapshot(), Load: c.load.snapshot()}
 	s.Misses = s.LookupKeys - s.Hits
+	if d := e.dial; d != nil {
+		if cl := d.client.Load(); cl != nil {
+			s.NodeConnections = int64(cl.Info().Epoch)
+		}
+	}
 	if c := e.calibration.Load(); c != nil {
 		s.CopyCalibration = *c
 	}
@@ -390,6 +406,7 @@ func (e *Engine) snapshot() Stats {
 	}
 	if e.diskErr != "" {
 		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
+		s.DiskUnusableError = e.diskErr
 	}
 	s.DiskLookupHits = c.diskLookupHits.Load()                                // the embedded tier's, or a node's
 	s.DiskHits, s.DiskMisses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
@@ -404,6 +421,9 @@ func (e *Engine) snapshot() Stats {
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
 		s.DiskReadOnlyDirs, s.DiskUnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
+		if err := d.store.UnusableError(); err != nil {
+			s.DiskUnusableError = err.Error()
+		}
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()

@@ -9,16 +9,15 @@ import (
 	"math"
 	"runtime"
 	"slices"
-	"strings"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/kvcache/trace"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
+	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 var demoCommand = command{
@@ -37,10 +36,16 @@ With --connect SOCKET the engine is offload.Dial's: its index and host pool
 are those of the node serving SOCKET (kvoffload serve), shared with every
 other process connected to it, so that several demos (one per GPU) store and
 load each other's blocks, each verified as above; --pool-bytes then only
-shapes the trace, and --disk and --redis are refused.
+shapes the trace, and --disk and --redis are refused. A node that restarts
+during the run costs the blocks it had (stores not committed, loads it cannot
+serve: recomputed, as a serving loop does) and the engine reconnects; the
+report counts the restarts.
+
+With --disk, a directory the disk tier cannot use (missing, not a directory,
+too small for its records file) fails the demo, naming it and why.
 
 Exit status 3 when a loaded block holds the wrong content, 1 when the engine
-reports a failed copy.`,
+reports a failed copy or a --disk directory is unusable.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		cfg := defaultDemoConfig()
 		fs.DurationVar(&cfg.duration, "duration", cfg.duration, "run for `time` (0: until --requests)")
@@ -62,6 +67,7 @@ reports a failed copy.`,
 		fs.StringVar(&cfg.redisTLSCA, "redis-tls-ca", "", "with --redis, connect with TLS trusting the CAs of PEM `file` instead of the system's")
 		fs.StringVar(&cfg.redisTLSName, "redis-tls-name", "", "with --redis, connect with TLS and check the nodes' certificates against `name`")
 		fs.Var(sizeFlag{&cfg.diskBytes}, "disk-bytes", "disk tier `size` with --disk (0: four times the pool)")
+		fs.StringVar(&cfg.diskRemove, "disk-remove-records", "", "with --disk, remove another layout's records `file[,file]` (records-<slot bytes>.kvo, as info --disk lists them) from the directories; other layouts' files are kept otherwise")
 		fs.IntVar(&cfg.prefaultThreads, "prefault-threads", cfg.prefaultThreads, "threads prefaulting the pool as it grows, `n` (0: the engine's default, one per CPU up to 16)")
 		fs.IntVar(&cfg.prefaultNice, "prefault-nice", cfg.prefaultNice, "nice increment `n` of the prefault threads (0: the engine's default; negative: none; at most 19)")
 		fs.StringVar(&cfg.metricsAddr, "metrics", "", "serve Prometheus metrics at http://`addr`/metrics while the demo runs")
@@ -115,6 +121,8 @@ type demoConfig struct {
 	// diskDir and diskBytes: --disk and --disk-bytes (the engine's Config.Disk).
 	diskDir   string
 	diskBytes int64
+	// diskRemove: --disk-remove-records (DiskConfig.RemoveRecords).
+	diskRemove string
 	// redis: --redis (the engine's Config.Cluster; demo_cluster.go), with
 	// --redis-user and --redis-tls.
 	redis     string
@@ -125,6 +133,16 @@ type demoConfig struct {
 	// connect: --connect, the node's socket (offload.Dial).
 	connect string
 
+	// diskFaults is a test hook: tier/disk's fault seam for the host
+	// backend's disk tier (hostsim.Options.DiskFaults).
+	diskFaults func(op disk.FaultOp, dir string) error
+	// simDelay is a test hook: the host backend's copies each wait this
+	// long (hostsim.Options' MinDelay and MaxDelay).
+	simDelay time.Duration
+	// nodeStep is a test hook: with --connect, it runs on the serving
+	// goroutine right after a Store is submitted ("store") and before a
+	// Load with a lease ("load"), where the tests restart the node.
+	nodeStep func(step string)
 	// corruptLoads is a test hook: the first corruptLoads loaded blocks
 	// get one byte changed before they are verified.
 	corruptLoads int
@@ -164,8 +182,8 @@ func (c demoConfig) check() (modelShape, error) {
 		return shape, fmt.Errorf("%w: --prefault-threads %d must not be negative (0: the default)", errUsage, c.prefaultThreads)
 	case c.diskBytes < 0:
 		return shape, fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, c.diskBytes)
-	case c.diskBytes > 0 && c.diskDir == "":
-		return shape, fmt.Errorf("%w: --disk-bytes needs --disk", errUsage)
+	case (c.diskBytes > 0 || c.diskRemove != "") && c.diskDir == "":
+		return shape, fmt.Errorf("%w: --disk-bytes and --disk-remove-records need --disk", errUsage)
 	case c.connect != "" && (c.diskDir != "" || c.redis != ""):
 		return shape, fmt.Errorf("%w: --connect: the disk and cluster tiers are not available through a node", errUsage)
 	}
@@ -233,6 +251,8 @@ type demoRun struct {
 	corrupted         int
 	lastKeys          []offload.Key // the keys of the request served last
 	clusterPromoted   int64         // blocks Prefetch promoted (--redis)
+	notice            func(string)
+	nodeDown          bool // --connect: the last op met the node gone (nodeGone)
 }
 
 // runDemo runs the demo and returns its report; the report is returned
@@ -251,12 +271,15 @@ func runDemo(ctx context.Context, cfg demoConfig, progress io.Writer, notice fun
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 
-	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind)}
+	r := &demoRun{cfg: cfg, ns: "kvoffload-demo/" + cfg.layoutName + "/" + string(cfg.layoutKind), notice: notice}
 	sp := startStep(progress, fmt.Sprintf("starting the engine (%s pool, %s backend)", formatSize(cfg.poolBytes), cfg.backend))
 	opened, err := openDemo(cfg, lay, notice)
 	sp.end()
 	if err != nil {
 		return nil, err
+	}
+	if err := diskTierError(cfg, opened.eng.Stats()); err != nil {
+		return nil, errors.Join(err, opened.close())
 	}
 	r.eng, r.mem = opened.eng, opened.mem
 	if err := observe(opened, cfg, notice); err != nil {
@@ -387,6 +410,9 @@ func engineConfig(cfg demoConfig, lay cacheLayout, backend offload.Backend) offl
 		// A graceful shutdown's pool goes to disk (after the GPU cache's
 		// blocks, see drain): the next run on the directory finds it.
 		ec.Disk = &offload.DiskConfig{Dirs: diskDirs(cfg.diskDir), CapacityBytes: n, WriteBackOnClose: true}
+		if cfg.diskRemove != "" {
+			ec.Disk.RemoveRecords = diskDirs(cfg.diskRemove)
+		}
 	}
 	ec.Cluster = clusterConfig(cfg)
 	if cfg.connect != "" {
@@ -442,7 +468,7 @@ func openHostDemo(cfg demoConfig, lay cacheLayout, notice func(string)) (*opened
 			}
 		}
 	}
-	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed)})
+	sim, err := hostsim.NewGPU(hostsim.Options{Seed: int64(cfg.seed), DiskFaults: cfg.diskFaults, MinDelay: cfg.simDelay, MaxDelay: cfg.simDelay})
 	if err != nil {
 		return nil, err
 	}
@@ -558,13 +584,6 @@ func (r *demoRun) serve(req trace.Request) error {
 	return nil
 }
 
-func releaseLease(l *offload.Lease) error {
-	if l == nil {
-		return nil
-	}
-	return l.Release()
-}
-
 // cpuTime is the process's user plus system CPU time.
 func cpuTime() time.Duration {
 	var ru unix.Rusage
@@ -591,110 +610,6 @@ func (r *demoRun) drain() error {
 		vs = vs[n:]
 	}
 	return nil
-}
-
-// store stores the victims' blocks and waits for the copies: the blocks
-// are overwritten next, as a serving stack waits on the store's event
-// before its kernels reuse them.
-func (r *demoRun) store(vs []victim) error {
-	if len(vs) == 0 {
-		return nil
-	}
-	keys := make([]offload.Key, len(vs))
-	ids := make([]int, len(vs))
-	for i, v := range vs {
-		keys[i], ids[i] = v.key, v.id
-	}
-	cpu0, t0 := cpuTime(), time.Now()
-	op, err := r.eng.Store(context.Background(), keys, ids, offload.StoreOptions{After: r.mem.storeAfter()})
-	if err != nil {
-		return fmt.Errorf("storing %d blocks: %w", len(vs), err)
-	}
-	werr := op.Wait(context.Background())
-	lat := time.Since(t0)
-	r.rep.CPUSeconds += (cpuTime() - cpu0).Seconds()
-	out, err := op.Outcomes()
-	if err != nil {
-		return errors.Join(err, op.Release())
-	}
-	if err := op.Release(); err != nil {
-		return err
-	}
-	r.storeLat = append(r.storeLat, lat)
-	s := &r.rep.Store
-	s.Ops++
-	s.Seconds += lat.Seconds()
-	for _, oc := range out {
-		switch oc {
-		case offload.OutcomeStored:
-			s.Blocks++
-		case offload.OutcomeAlreadyPresent:
-			s.AlreadyPresent++
-		case offload.OutcomeRefusedFull:
-			s.RefusedFull++
-		case offload.OutcomeRefusedBusy:
-			s.Busy++
-		case offload.OutcomeRefusedAdmission:
-			s.RefusedAdmission++
-		case offload.OutcomeFailed:
-			s.Failed++
-		}
-	}
-	if werr != nil && r.rep.FirstEngineError == "" {
-		r.rep.FirstEngineError = werr.Error()
-	}
-	return nil
-}
-
-// load loads keys into ids with the lease from Lookup and waits; it
-// returns the indices loaded and the indices to recompute instead.
-func (r *demoRun) load(keys []offload.Key, ids []int, lease *offload.Lease) (loaded, missing []int, err error) {
-	if len(keys) == 0 {
-		return nil, nil, nil
-	}
-	cpu0, t0 := cpuTime(), time.Now()
-	op, err := r.eng.Load(context.Background(), keys, ids, offload.LoadOptions{Lease: lease})
-	if errors.Is(err, offload.ErrBusy) {
-		r.rep.Load.Busy++
-		for i := range keys {
-			missing = append(missing, i)
-		}
-		return nil, missing, releaseLease(lease)
-	}
-	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("loading %d blocks: %w", len(keys), err), releaseLease(lease))
-	}
-	werr := op.Wait(context.Background())
-	lat := time.Since(t0)
-	r.rep.CPUSeconds += (cpuTime() - cpu0).Seconds()
-	out, err := op.Outcomes()
-	if err != nil {
-		return nil, nil, errors.Join(err, op.Release())
-	}
-	if err := op.Release(); err != nil {
-		return nil, nil, err
-	}
-	r.loadLat = append(r.loadLat, lat)
-	l := &r.rep.Load
-	l.Ops++
-	l.Seconds += lat.Seconds()
-	for i, oc := range out {
-		switch oc {
-		case offload.OutcomeLoaded:
-			l.Blocks++
-			loaded = append(loaded, i)
-		case offload.OutcomeFailed:
-			l.Failed++
-			missing = append(missing, i)
-		default:
-			l.Missing++
-			missing = append(missing, i)
-		}
-	}
-	if werr != nil && r.rep.FirstEngineError == "" {
-		r.rep.FirstEngineError = werr.Error()
-	}
-	return loaded, missing, nil
 }
 
 // verify checks the loaded blocks (indices into ids and keys), timed apart
@@ -757,6 +672,7 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 			Hits: st.DiskHits, Misses: st.DiskMisses, Corrupt: st.DiskCorrupt}
 	}
 	rep.Cluster = r.clusterReportOf(st)
+	r.nodeReport(st)
 	for _, d := range []struct {
 		dir *directionReport
 		lat []time.Duration
@@ -782,68 +698,4 @@ func quantileMicros(d []time.Duration, q float64) float64 {
 	slices.Sort(s)
 	i := int(math.Ceil(q*float64(len(s)))) - 1
 	return float64(s[min(max(i, 0), len(s)-1)]) / 1e3
-}
-
-// demoBar is the progress bar (a no-op without a writer).
-type demoBar struct {
-	bar *progressbar.ProgressBar
-	cfg demoConfig
-}
-
-func newDemoBar(w io.Writer, cfg demoConfig) *demoBar {
-	if w == nil {
-		return &demoBar{}
-	}
-	return &demoBar{cfg: cfg, bar: progressbar.NewOptions(1000, progressbar.OptionSetWriter(w),
-		progressbar.OptionSetDescription("serving"), progressbar.OptionSetWidth(30),
-		progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
-		progressbar.OptionSetPredictTime(false))}
-}
-
-// update moves the bar to the fraction of the run done (by time or by
-// requests, whichever bound is nearer).
-func (b *demoBar) update(rep *demoReport, elapsed time.Duration) {
-	if b.bar == nil {
-		return
-	}
-	var frac float64
-	if b.cfg.duration > 0 {
-		frac = elapsed.Seconds() / b.cfg.duration.Seconds()
-	}
-	if b.cfg.requests > 0 {
-		frac = max(frac, float64(rep.Requests)/float64(b.cfg.requests))
-	}
-	b.bar.Describe(fmt.Sprintf("%d requests, %.0f%% host hits, %d verified", rep.Requests, 100*rep.Blocks.ratio(rep.Blocks.HostHits), rep.Verified))
-	_ = b.bar.Set(int(min(frac, 1) * 1000))
-}
-
-func (b *demoBar) finish() {
-	if b.bar != nil {
-		_ = b.bar.Finish()
-	}
-}
-
-// stringFlag is a flag.Value for a flag whose value is one of offload's
-// string-typed Config enums; check and the engine validate it.
-type stringFlag[T ~string] struct{ p *T }
-
-func (f stringFlag[T]) String() string {
-	if f.p == nil {
-		return ""
-	}
-	return string(*f.p)
-}
-
-func (f stringFlag[T]) Set(s string) error {
-	*f.p = T(s)
-	return nil
-}
-
-// diskDirs splits --disk's DIR[,DIR] list.
-func diskDirs(s string) []string {
-	dirs := strings.Split(s, ",")
-	for i := range dirs {
-		dirs[i] = strings.TrimSpace(dirs[i])
-	}
-	return dirs
 }

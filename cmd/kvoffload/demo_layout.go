@@ -110,8 +110,12 @@ func checkLayout(l cacheLayout) error {
 	default:
 		return fmt.Errorf("%w: --layout-kind %q must be %q or %q", errUsage, l.kind, offload.LayoutLayerSeparate, offload.LayoutCrossLayer)
 	}
-	if b := l.Bytes(); b > maxSize {
-		return fmt.Errorf("%w: %d GPU blocks of %s is %s, above the limit of %s", errUsage, l.blocks, formatSize(l.blockBytes()), formatSize(b), formatSize(maxSize))
+	// The product is checked by division first: blocks × block bytes must
+	// not wrap (--gpu-blocks 9223372036854775807 is a usage error naming
+	// the limit, not a negative size).
+	if bb := l.blockBytes(); int64(l.blocks) > maxSize/bb {
+		return fmt.Errorf("%w: --gpu-blocks %d: %d GPU blocks of %s are above the limit of %s (at most %d such blocks)",
+			errUsage, l.blocks, l.blocks, formatSize(bb), formatSize(maxSize), maxSize/bb)
 	}
 	return nil
 }

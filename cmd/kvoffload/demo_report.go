@@ -24,6 +24,12 @@ type demoReport struct {
 	// Node is the node pool's socket (--connect), "" for a pool of the
 	// engine's own.
 	Node string `json:"node,omitempty"`
+	// NodeReconnects is how many times the engine reconnected to its node
+	// (--connect) after it went away: node restarts during the run.
+	NodeReconnects int `json:"node_reconnects,omitempty"`
+	// FirstNodeError is the first error of the node gone (unavailable):
+	// the blocks it concerned are counted Unavailable and recomputed.
+	FirstNodeError string `json:"first_node_error,omitempty"`
 
 	// Interrupted: a signal (or the caller) ended the run before its
 	// --duration or --requests; the report covers what ran.
@@ -127,7 +133,11 @@ type directionReport struct {
 	RefusedAdmission int64 `json:"refused_admission,omitempty"`
 	Missing          int64 `json:"missing,omitempty"`
 	Busy             int64 `json:"busy,omitempty"`
-	Failed           int64 `json:"failed"`
+	// Unavailable counts the blocks of ops that met the node gone
+	// (--connect): stores it did not commit, loads it could not serve.
+	// They are recomputed; a node restart is not a failed copy.
+	Unavailable int64 `json:"unavailable,omitempty"`
+	Failed      int64 `json:"failed"`
 }
 
 func (r *demoReport) print(w io.Writer) error {
@@ -137,6 +147,10 @@ func (r *demoReport) print(w io.Writer) error {
 	row("backend", "%s (%s)", r.Backend, r.BackendReason)
 	if r.Node != "" {
 		row("node pool", "%s (offload.Dial: the index and pool are the node's)", r.Node)
+		if r.NodeReconnects > 0 || r.Store.Unavailable+r.Load.Unavailable > 0 {
+			row("  node restarts", "%d (reconnected); blocks met with the node gone, recomputed: %d stores not committed, %d loads; first: %s",
+				r.NodeReconnects, r.Store.Unavailable, r.Load.Unavailable, r.FirstNodeError)
+		}
 	}
 	row("layout", "%s %s, %s blocks, %d GPU blocks (%s), pool %s (%s), policy %s", r.Layout, r.LayoutKind,
 		formatSize(r.BlockBytes), r.GPUBlocks, formatSize(int64(r.GPUBlocks)*r.BlockBytes), formatSize(r.PoolBytes), r.Pinning, r.Policy)

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
+	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -26,11 +27,19 @@ type Options struct {
 	Seed int64
 	// MinDelay and MaxDelay bound the random delay before each copy runs.
 	MinDelay, MaxDelay time.Duration
+	// DiskFaults, when set, is tier/disk's fault seam (disk.Config.Faults)
+	// for the disk tier of the engines NewEngine makes on this GPU: the
+	// simulated machine's disk failing (ENOSPC at fallocate, EIO on a
+	// read...), for tests and demos. Leave it nil otherwise.
+	DiskFaults func(op disk.FaultOp, dir string) error
 }
 
 // GPU is a simulated GPU. Tests and demos allocate a KV cache in it and
 // read and write it.
-type GPU struct{ sim *transfer.Sim }
+type GPU struct {
+	sim        *transfer.Sim
+	diskFaults func(op disk.FaultOp, dir string) error
+}
 
 // NewGPU starts a simulated GPU. Close it after the engines using it.
 func NewGPU(opts Options) (*GPU, error) {
@@ -38,7 +47,7 @@ func NewGPU(opts Options) (*GPU, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &GPU{sim: s}, nil
+	return &GPU{sim: s, diskFaults: opts.DiskFaults}, nil
 }
 
 // Alloc allocates n bytes of simulated device memory.
@@ -61,7 +70,7 @@ func (g *GPU) Close() error { return g.sim.Close() }
 // driver, where a Layout giving addresses is then taken as addresses in
 // gpu); on the CUDA backend gpu is unused. The engine does not close gpu.
 func NewEngine(cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
-	e, err := simhook.NewEngine(cfg, gpu.sim)
+	e, err := simhook.NewEngine(cfg, gpu.sim, gpu.diskFaults)
 	if err != nil {
 		return nil, err
 	}

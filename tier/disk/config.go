@@ -94,6 +94,16 @@ type Config struct {
 	OnStore  func(key [16]byte)
 	OnRemove func(key [16]byte, evicted bool)
 
+	// RemoveRecords names records files of other layouts (other slot
+	// sizes: records-<slot bytes>.kvo, as kvoffload info --disk lists
+	// them) to remove from every directory at Open, giving their space
+	// back. By default Open leaves every other layout's records file
+	// where it is: a directory may keep the records of several models,
+	// each store using the one of its slot size; nothing this store did
+	// not write is deleted unless named here. Naming this store's own
+	// file, or a name that is not a records file's, is ErrConfig.
+	RemoveRecords []string
+
 	// Faults is for tests only (a fault-injection seam, also used by the
 	// engine's tests): when set, it runs before each file operation of the
 	// kind op on directory dir, and a non-nil error replaces the
@@ -115,6 +125,7 @@ const (
 	FaultOpenDirect = FaultOp(opOpenDirect) // opening it with O_DIRECT
 	FaultWrite      = FaultOp(opWrite)      // a record's payload or header
 	FaultRead       = FaultOp(opRead)       // a record's header and payload
+	FaultFallocate  = FaultOp(opFallocate)  // preallocating the records file at Open (e.g. unix.ENOSPC)
 )
 
 // Errors. Every error of this package wraps one of these or an errno.
@@ -154,6 +165,7 @@ const (
 	opOpenDirect                // opening it with O_DIRECT
 	opWrite                     // a record's payload or header
 	opRead                      // a record's header and payload
+	opFallocate                 // preallocating the records file at Open
 )
 
 func (f *faults) inject(op faultOp, dir string) error {

@@ -11,8 +11,32 @@
 // sector then the payload rounded up to 4 KiB, so every read and write is
 // aligned for O_DIRECT. Each directory is locked with flock(2) for the
 // store's life (a second Open of it, from this process or another, is
-// ErrLocked naming the holder written in kvoffload.holder); records files of
-// another slot size in it are removed at Open.
+// ErrLocked naming the holder written in kvoffload.holder).
+//
+// A directory may hold the records files of several layouts (several slot
+// sizes: the blocks of several models), one a layout. Open uses the file
+// of its own slot size and leaves every other one as it is: records this
+// store did not write for its layout are never deleted, so each model's
+// engine finds its own blocks again whichever opened the directory last.
+// Only Config.RemoveRecords, which names the other layouts' files one by
+// one (records-<slot bytes>.kvo, as Inspect lists them), removes them, to
+// give their space back; naming the store's own file is ErrConfig. The
+// kept files take their space: when the store's own file cannot be
+// preallocated (ENOSPC), Open's error names the other layouts' files and
+// their sizes. Records of another fingerprint in the store's own file
+// (another model of the same slot size, or the same model under another
+// namespace) are another matter: they are misses, and their slots are
+// reused as new records need them. Models of one slot size that must
+// keep each other's blocks need directories of their own.
+//
+// The files inside a directory, the records file and kvoffload.holder, are
+// opened relative to the locked directory and never through a symbolic
+// link (O_NOFOLLOW): a link planted under either name, a FIFO, or a
+// regular file that has another hard link is ErrUnsafeFile naming it, and
+// the directory is not used (unusable, as one that cannot be opened), so
+// no write, truncation or preallocation ever reaches a file outside it.
+// The directory itself may be a symbolic link: where the records live is
+// the operator's choice. Inspect reads no file through a link either.
 //
 // # What it guarantees
 //

@@ -6,14 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
-	"strings"
 
 	"github.com/kvoffload/kvoffload/tier/record"
 	"golang.org/x/sys/unix"
 )
 
 // DirInfo is what Inspect found in a directory. Inspect changes nothing
-// there (unlike Open, which creates, sizes and removes records files).
+// there (unlike Open, which creates and sizes its records file, and removes those RemoveRecords names).
 type DirInfo struct {
 	Dir string `json:"dir"`
 	// Mode is the I/O Open would use with DirectAuto: "direct" when the
@@ -64,37 +63,38 @@ func Inspect(dir string) DirInfo {
 		return info
 	}
 	info.Writable = unix.Access(dir, unix.W_OK) == nil
-	if fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err == nil {
-		if err := unix.Flock(fd, unix.LOCK_SH|unix.LOCK_NB); errors.Is(err, unix.EWOULDBLOCK) {
-			info.Holder = "unknown holder"
-			if b, err := os.ReadFile(filepath.Join(dir, holderFile)); err == nil && len(b) > 0 {
-				info.Holder = strings.TrimSpace(string(b))
-			}
-		}
-		unix.Close(fd) // releases the shared lock, if taken
+	dirFd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		info.Error = opError("open directory", dir, err).Error()
+		return info
+	}
+	defer unix.Close(dirFd) // releases the shared lock, if taken
+	if err := unix.Flock(dirFd, unix.LOCK_SH|unix.LOCK_NB); errors.Is(err, unix.EWOULDBLOCK) {
+		info.Holder = readHolder(dirFd)
 	}
 	paths, _ := filepath.Glob(filepath.Join(dir, "records-*.kvo"))
 	sort.Strings(paths)
 	for _, p := range paths {
-		var slot int64
-		if _, err := fmt.Sscanf(filepath.Base(p), "records-%d.kvo", &slot); err != nil || slot <= record.HeaderSize || slot%align != 0 {
+		name := filepath.Base(p)
+		slot, ok := parseRecordsName(name)
+		if !ok {
 			continue
 		}
-		fi, err := inspectFile(p, slot)
+		fi, err := inspectFile(dirFd, dir, name, slot)
 		if err != nil {
 			info.Error = err.Error()
 			continue
 		}
 		info.Files = append(info.Files, fi)
 		if info.Mode == "unknown" {
-			info.Mode = directProbe(p)
+			info.Mode = directProbe(dirFd, dir, name)
 		}
 	}
 	if info.Mode == "unknown" && info.Writable {
 		if f, err := os.CreateTemp(dir, ".kvoffload-probe-*"); err == nil {
 			name := f.Name()
 			f.Close()
-			info.Mode = directProbe(name)
+			info.Mode = directProbe(dirFd, dir, filepath.Base(name))
 			os.Remove(name)
 		}
 	}
@@ -104,8 +104,9 @@ func Inspect(dir string) DirInfo {
 // directProbe opens path with O_DIRECT and reads its first sector, as Open's
 // DirectAuto does: "direct" when that works, "buffered" when the file
 // system refuses it (EINVAL), "unknown" otherwise.
-func directProbe(path string) string {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+// The file is opened as Open would (openIn: never through a link).
+func directProbe(dirFd int, dir, name string) string {
+	fd, err := openIn(dirFd, dir, name, unix.O_RDONLY|unix.O_DIRECT, 0)
 	if err == nil {
 		hdr := headerBufs.Get().(*[]byte)
 		_, err = unix.Pread(fd, *hdr, 0)
@@ -121,12 +122,18 @@ func directProbe(path string) string {
 	return "unknown"
 }
 
-// inspectFile reads every slot's header of the records file at path.
-func inspectFile(path string, slot int64) (FileInfo, error) {
-	f, err := os.Open(path)
+// inspectFile reads every slot's header of the records file name in the
+// directory open at dirFd (opened as Open would: never through a link).
+func inspectFile(dirFd int, dir, name string, slot int64) (FileInfo, error) {
+	path := filepath.Join(dir, name)
+	fd, err := openIn(dirFd, dir, name, unix.O_RDONLY, 0)
 	if err != nil {
-		return FileInfo{}, err
+		if errors.Is(err, ErrUnsafeFile) {
+			return FileInfo{}, err
+		}
+		return FileInfo{}, opError("open", path, err)
 	}
+	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -24,6 +23,7 @@ const scanWorkers = 32
 // dirFile is one directory's records file.
 type dirFile struct {
 	dir      string
+	name     string // the records file's name in dir
 	path     string
 	fd       int
 	lockFd   int
@@ -38,51 +38,51 @@ type dirFile struct {
 func recordsName(slotBytes int64) string { return fmt.Sprintf("records-%d.kvo", slotBytes) }
 
 // lockDir takes an exclusive flock on dir itself (which works in a read-only
-// directory too) and records this process as the holder.
+// directory too) and records this process as the holder. dir may itself be
+// a symbolic link (the design leaves where a directory lives to its
+// operator); the files inside it are never followed: every one is opened
+// relative to the locked directory's descriptor with O_NOFOLLOW
+// (files.go), so a link planted there fails the open instead of sending a
+// write outside the directory.
 func lockDir(dir string) (int, error) {
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return -1, opError("open directory", dir, err)
 	}
 	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		unix.Close(fd)
+		defer unix.Close(fd)
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			holder := "unknown holder"
-			if b, rerr := os.ReadFile(filepath.Join(dir, holderFile)); rerr == nil && len(b) > 0 {
-				holder = strings.TrimSpace(string(b))
-			}
-			return -1, fmt.Errorf("%w: %s is held by %s", ErrLocked, dir, holder)
+			return -1, fmt.Errorf("%w: %s is held by %s", ErrLocked, dir, readHolder(fd))
 		}
 		return -1, opError("flock", dir, err)
 	}
 	host, _ := os.Hostname()
 	info := fmt.Sprintf("pid %d on %s since %s\n", os.Getpid(), host, time.Now().UTC().Format(time.RFC3339))
-	_ = os.WriteFile(filepath.Join(dir, holderFile), []byte(info), 0o600) // best effort: the directory may be read-only
+	if err := writeHolder(fd, dir, info); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
 	return fd, nil
 }
 
 // openDir locks dir and opens (creating and sizing when it can) its records
 // file of n slots. A directory that refuses writes is opened read-only when
 // its file exists. It returns the file and the size the file had before
-// (records past it are torn).
+// (records past it are torn). Records files of other slot sizes (other
+// layouts) are left as they are, but for those Config.RemoveRecords names.
 func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 	lockFd, err := lockDir(dir)
 	if err != nil {
 		return nil, 0, err
 	}
-	d := &dirFile{dir: dir, path: filepath.Join(dir, recordsName(s.slotBytes)), fd: -1, lockFd: lockFd, n: n}
+	name := recordsName(s.slotBytes)
+	d := &dirFile{dir: dir, name: name, path: filepath.Join(dir, name), fd: -1, lockFd: lockFd, n: n}
 	fail := func(err error) (*dirFile, int64, error) {
 		d.close()
 		return nil, 0, err
 	}
-	// Records files of another slot size cannot be served by this store,
-	// which owns the directory: their space is given back.
-	if old, _ := filepath.Glob(filepath.Join(dir, "records-*.kvo")); len(old) > 0 {
-		for _, p := range old {
-			if p != d.path {
-				_ = os.Remove(p)
-			}
-		}
+	if err := removeRecords(lockFd, dir, s.cfg.RemoveRecords); err != nil {
+		return fail(err)
 	}
 	d.writable = true
 	if err := s.cfg.faults.inject(opOpen, dir); err != nil {
@@ -114,9 +114,13 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 			return fail(opError("truncate", d.path, err))
 		}
 	}
-	if err := unix.Fallocate(d.fd, 0, 0, want); err != nil {
+	err = s.cfg.faults.inject(opFallocate, dir)
+	if err == nil {
+		err = unix.Fallocate(d.fd, 0, 0, want)
+	}
+	if err != nil {
 		if !errors.Is(err, unix.EOPNOTSUPP) {
-			return fail(opError(fmt.Sprintf("fallocate %d bytes of", want), d.path, err))
+			return fail(fmt.Errorf("%w%s", opError(fmt.Sprintf("fallocate %d bytes of", want), d.path, err), otherLayouts(lockFd, dir, name, err)))
 		}
 		if err := unix.Ftruncate(d.fd, want); err != nil {
 			return fail(opError("extend", d.path, err))
@@ -128,13 +132,15 @@ func (s *Store) openDir(dir string, n int32) (*dirFile, int64, error) {
 // openFile opens the records file, with O_DIRECT as mode allows, then
 // probes a direct read (some file systems accept the flag and refuse the
 // I/O). A read-only dirFile opens the file as it is, without creating it.
+// The file is opened relative to the locked directory, never through a
+// symbolic link, and must be a regular file of one link (openIn).
 func (d *dirFile) openFile(mode DirectMode, f *faults) error {
-	flags := unix.O_RDWR | unix.O_CREAT | unix.O_CLOEXEC
+	flags := unix.O_RDWR | unix.O_CREAT
 	if !d.writable {
-		flags = unix.O_RDONLY | unix.O_CLOEXEC
+		flags = unix.O_RDONLY
 	}
 	if mode != DirectOff {
-		fd, err := unix.Open(d.path, flags|unix.O_DIRECT, 0o600)
+		fd, err := openIn(d.lockFd, d.dir, d.name, flags|unix.O_DIRECT, 0o600)
 		if err == nil {
 			if ferr := f.inject(opOpenDirect, d.dir); ferr != nil {
 				unix.Close(fd)
@@ -152,6 +158,9 @@ func (d *dirFile) openFile(mode DirectMode, f *faults) error {
 			unix.Close(fd)
 			err = perr
 		}
+		if errors.Is(err, ErrUnsafeFile) {
+			return err
+		}
 		if !errors.Is(err, unix.EINVAL) {
 			return opError("open", d.path, err)
 		}
@@ -159,8 +168,11 @@ func (d *dirFile) openFile(mode DirectMode, f *faults) error {
 			return fmt.Errorf("%w: %s: %v", ErrDirectUnsupported, d.path, err)
 		}
 	}
-	fd, err := unix.Open(d.path, flags, 0o600)
+	fd, err := openIn(d.lockFd, d.dir, d.name, flags, 0o600)
 	if err != nil {
+		if errors.Is(err, ErrUnsafeFile) {
+			return err
+		}
 		return opError("open", d.path, err)
 	}
 	d.fd = fd

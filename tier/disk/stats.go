@@ -1,6 +1,9 @@
 package disk
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
 
 // IOMode is the kind of I/O a store does, over its directories.
 type IOMode uint8
@@ -76,3 +79,7 @@ func (s *Store) Stats() Stats {
 	}
 	return st
 }
+
+// UnusableError is why the directories counted in Stats.UnusableDirs were
+// left out at Open, each one's error joined (nil when none was).
+func (s *Store) UnusableError() error { return errors.Join(s.unusable...) }

@@ -97,6 +97,9 @@ func Open(cfg Config) (*Store, error) {
 		return nil, fmt.Errorf("%w: CapacityBytes = %d holds %d records of %d bytes; need 1 to %d per directory",
 			ErrConfig, cfg.CapacityBytes, total, s.slotBytes, (1<<31-1)/len(cfg.Dirs))
 	}
+	if err := checkRemoveRecords(cfg.RemoveRecords, s.slotBytes); err != nil {
+		return nil, err
+	}
 	seen := map[string]bool{}
 	for _, dir := range cfg.Dirs {
 		abs, err := filepath.Abs(dir)

@@ -6,12 +6,16 @@
 // package (hostsim asserts them back to *offload.Engine).
 package simhook
 
-import "github.com/kvoffload/kvoffload/transfer"
+import (
+	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/transfer"
+)
 
 var (
 	// NewEngine builds an engine from cfg (an offload.Config) whose host
-	// backend, if selected, uses sim as its device.
-	NewEngine func(cfg any, sim *transfer.Sim) (eng any, err error)
+	// backend, if selected, uses sim as its device; diskFaults, when not
+	// nil, is tier/disk's Config.Faults for the engine's disk tier.
+	NewEngine func(cfg any, sim *transfer.Sim, diskFaults func(op disk.FaultOp, dir string) error) (eng any, err error)
 	// Dial is offload.Dial(socket, cfg) with sim as the device of the
 	// host backend, if selected.
 	Dial func(socket string, cfg any, sim *transfer.Sim) (eng any, err error)

@@ -1,0 +1,35 @@
+package offload
+
+import (
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestDiskUnusableError: a directory of Disk.Dirs the tier cannot use is
+// counted and says why (Stats.DiskUnusableError), with the tier on over
+// the others and with the tier off.
+func TestDiskUnusableError(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing")
+	cfg := diskEngineConfig(t.TempDir())
+	cfg.Disk.Dirs = append(cfg.Disk.Dirs, missing)
+	e := newTestEngine(t, cfg)
+	st := e.Stats()
+	require.Empty(t, st.DiskError, "the tier is on over the first directory")
+	require.Equal(t, 1, st.DiskUnusableDirs)
+	require.Contains(t, st.DiskUnusableError, missing)
+	require.Contains(t, st.DiskUnusableError, "no such file or directory")
+	require.NoError(t, e.Close())
+
+	e = newTestEngine(t, diskEngineConfig(missing))
+	st = e.Stats()
+	require.Equal(t, "off", st.DiskMode)
+	require.Contains(t, st.DiskError, missing)
+	require.Equal(t, st.DiskError, st.DiskUnusableError)
+	require.NoError(t, e.Close())
+
+	e = newTestEngine(t, diskEngineConfig(t.TempDir()))
+	require.Empty(t, e.Stats().DiskUnusableError)
+	require.NoError(t, e.Close())
+}
