@@ -266,6 +266,46 @@ func runChild(role, socket, args string) int {
 				say("churning")
 			}
 		}
+	case "hog":
+		// Store n blocks, lease half of those written, reserve n more
+		// without committing, and hold it all until killed.
+		res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		var slots []Slot
+		var written []Key
+		for i, r := range res {
+			if r.Outcome == StoreWrite {
+				fill(c.SlotBytes(r.Slot), keys[i])
+				slots = append(slots, r.Slot)
+				written = append(written, keys[i])
+			}
+		}
+		if err := c.CommitStore(slots); err != nil {
+			say("error %v", err)
+			return 1
+		}
+		_, leased, err := c.Lookup(written[:len(written)/2], true, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		res, err = c.BeginStore(StoreRequest{Keys: testKeys(seed+1, n)}, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		reserved := 0
+		for _, r := range res {
+			if r.Outcome == StoreWrite {
+				reserved++
+			}
+		}
+		say("hogging %d %d %d", len(slots), len(leased), reserved)
+		_, _ = io.Copy(io.Discard, os.Stdin) // until killed
+		select {}
 	case "hang", "drop":
 		res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
 		if err != nil {
