@@ -178,8 +178,13 @@ func (c *child) wait(t *testing.T) {
 // writes half of each, and waits to be killed; "drop" reserves, closes
 // its connection without goodbye, and waits to be killed.
 func runChild(role, socket, args string) int {
-	if role == "serve" {
+	switch role {
+	case "serve":
 		return runNode(socket, args)
+	case "serve-lowfd":
+		return runLowFDNode(socket, args)
+	case "hostile":
+		return runHostile(socket, args)
 	}
 	f := strings.Fields(args)
 	seed, _ := strconv.Atoi(f[0])

@@ -1,0 +1,231 @@
+package nodepool
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestHostileConnections (issue 52 item 1): one client makes 100,000
+// connection attempts, holding hundreds open and saying nothing, at a node
+// whose RLIMIT_NOFILE is 128 (so that its accepts fail with EMFILE) and
+// whose connection caps are out of the way: the node never stops serving,
+// another client's stores and loads go on byte-exact throughout, and a new
+// client connects once the flood ends.
+func TestHostileConnections(t *testing.T) {
+	sock := t.TempDir() + "/node.sock"
+	node := startChild(t, "serve-lowfd", sock, "128")
+	node.expect(t, "listening")
+	good := dial(t, sock, ClientConfig{})
+	defer good.Close()
+	if !good.WaitRegions(10 * time.Second) {
+		t.Fatal("regions not mapped")
+	}
+	hostile := startChild(t, "hostile", sock, "100000 300")
+	var rounds atomic.Int64
+	stop := make(chan struct{})
+	errc := make(chan error, 1)
+	go func() {
+		errc <- func() error {
+			for round := 0; ; round++ {
+				select {
+				case <-stop:
+					return nil
+				default:
+				}
+				if err := storeLoad(good, round); err != nil {
+					return fmt.Errorf("round %d: %w", round, err)
+				}
+				rounds.Add(1)
+			}
+		}()
+	}()
+	line := hostile.expect(t, "attempts")
+	close(stop)
+	if err := <-errc; err != nil {
+		t.Fatalf("the well-behaved client, during the flood: %v", err)
+	}
+	t.Logf("hostile: %s; the other client served %d rounds meanwhile", line, rounds.Load())
+	if rounds.Load() < 10 {
+		t.Fatalf("the other client got %d rounds through during the flood", rounds.Load())
+	}
+	// A new client connects once the flood ends (the node may be in its
+	// back-off, at most a second).
+	c := dial(t, sock, ClientConfig{})
+	if err := storeLoad(c, 1000); err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = c.Close()
+	t.Logf("node: %d accept errors, %d hello timeouts, %d accepted, %d refused", st.AcceptErrors, st.HelloTimeouts, st.Accepted, st.Refused)
+	if st.AcceptErrors == 0 {
+		t.Fatal("the node never ran out of descriptors: the test did not reach exhaustion")
+	}
+	if err := storeLoad(good, 1001); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// storeLoad stores 8 blocks of a round through c, loads them back and
+// checks every byte.
+func storeLoad(c *Client, round int) error {
+	keys := testKeys(500+round, 8)
+	res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
+	if err != nil {
+		return err
+	}
+	var slots []Slot
+	for i, r := range res {
+		if r.Outcome != StoreWrite {
+			return fmt.Errorf("key %d: store outcome %d", i, r.Outcome)
+		}
+		fill(c.SlotBytes(r.Slot), keys[i])
+		slots = append(slots, r.Slot)
+	}
+	if err := c.CommitStore(slots); err != nil {
+		return err
+	}
+	lr, err := c.BeginLoad(keys, nil)
+	if err != nil {
+		return err
+	}
+	var ends []Slot
+	var bad error
+	for i, r := range lr {
+		if !r.Found {
+			bad = fmt.Errorf("key %d: not found after its store", i)
+			continue
+		}
+		if err := check(c.SlotBytes(r.Slot), keys[i]); err != nil && bad == nil {
+			bad = err
+		}
+		ends = append(ends, r.Slot)
+	}
+	if err := c.EndLoad(ends); err != nil {
+		return err
+	}
+	return bad
+}
+
+// runLowFDNode is a node process (role "serve-lowfd") whose RLIMIT_NOFILE
+// is args, with connection caps too high to matter and a short
+// HelloTimeout; it serves until killed, and exits 1 if Serve ever
+// returns.
+func runLowFDNode(socket, args string) int {
+	n, _ := strconv.ParseUint(strings.TrimSpace(args), 10, 64)
+	var r unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &r); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	r.Cur = n
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &r); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	s, err := NewServer(ServerConfig{Socket: socket, PoolBytes: 1 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1,
+		MaxConns: 1 << 20, MaxConnsPerClient: 1 << 20, HelloTimeout: 300 * time.Millisecond})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("listening", s.Addr())
+	err = s.Serve()
+	fmt.Println("error Serve returned:", err)
+	return 1
+}
+
+// runHostile (role "hostile", args "attempts open") connects attempts
+// times without a word, holding up to open connections (the oldest
+// closed first), first holding open of them for a while so that the
+// node's descriptors run out.
+func runHostile(socket, args string) int {
+	f := strings.Fields(args)
+	attempts, _ := strconv.Atoi(f[0])
+	open, _ := strconv.Atoi(f[1])
+	ring := make([]int, 0, open)
+	connected, refused := 0, 0
+	addr := &unix.SockaddrUnix{Name: socket}
+	for i := range attempts {
+		if len(ring) == open {
+			if i == open {
+				time.Sleep(500 * time.Millisecond) // the node accepts until EMFILE
+			}
+			_ = unix.Close(ring[0])
+			ring = append(ring[:0], ring[1:]...)
+		}
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			fmt.Println("error socket:", err)
+			return 1
+		}
+		switch err := unix.Connect(fd, addr); {
+		case err == nil:
+			connected++
+			ring = append(ring, fd)
+		case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.ECONNREFUSED):
+			refused++
+			_ = unix.Close(fd)
+		default:
+			fmt.Println("error connect:", err)
+			return 1
+		}
+	}
+	for _, fd := range ring {
+		_ = unix.Close(fd)
+	}
+	fmt.Printf("attempts %d: %d connected, %d refused by a full backlog\n", attempts, connected, refused)
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	return 0
+}
+
+// TestIdleConnectionCost (issue 52 item 1): a connection that has not said
+// Hello costs the node little memory (no full-size receive buffer, push
+// queue or writer until its Hello).
+func TestIdleConnectionCost(t *testing.T) {
+	const n = 1000
+	s := startServer(t, ServerConfig{PoolBytes: 1 << 20, MaxConns: 2 * n, MaxConnsPerClient: 2 * n})
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var conns []*net.UnixConn
+	defer func() {
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}()
+	for range n {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Addr(), Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Stats().Accepted < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%+v", s.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := (int64(after.HeapInuse+after.StackInuse) - int64(before.HeapInuse+before.StackInuse)) / n
+	t.Logf("%d bytes of the node's memory per idle connection", per)
+	if per > 32<<10 {
+		t.Fatalf("an idle connection costs the node %d bytes, want at most 32 KiB", per)
+	}
+}
