@@ -97,8 +97,6 @@ func (s system) gpuNUMANode(busID string) int {
 	return n
 }
 
-func gib(n int64) float64 { return memfit.GiB(n) }
-
 // addSizes is a+b for non-negative sizes, false on overflow.
 func addSizes(a, b int64) (int64, bool) {
 	if a > math.MaxInt64-b {
