@@ -65,13 +65,26 @@ func TestPoolSizedUpFront(t *testing.T) {
 			}
 		})
 	}
+	// With HugeTLB, the free huge pages count: 4 MiB of them hold a 4 MiB
+	// pool that MemAvailable (1 MiB) would not; without, it is refused.
+	small := map[string]string{"proc/meminfo": "MemAvailable: 1024 kB\nHugePages_Free: 2\nHugepagesize: 2048 kB\n"}
+	cfg := ServerConfig{Socket: filepath.Join(t.TempDir(), "node.sock"), PoolBytes: 4 << 20, HugeTLB: true, NoPrefault: true}
+	s, err := newServer(context.Background(), cfg, fakeSystem(small), nil)
+	if err != nil {
+		t.Fatalf("a pool the free huge pages hold: %v", err)
+	}
+	_ = s.Close()
+	cfg.HugeTLB = false
+	if _, err := newServer(context.Background(), cfg, fakeSystem(small), nil); !errors.Is(err, ErrInsufficientMemory) {
+		t.Fatalf("4 MiB of base pages with 1 MiB available: %v", err)
+	}
 	// Stopped between regions: what was mapped is unmapped, the lock is
 	// free again.
 	sock := filepath.Join(t.TempDir(), "node.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var seen []uint32
-	_, err := newServer(ctx, ServerConfig{Socket: sock, PoolBytes: 8 << 20, RegionBytes: 1 << 20, NoPrefault: true},
+	_, err = newServer(ctx, ServerConfig{Socket: sock, PoolBytes: 8 << 20, RegionBytes: 1 << 20, NoPrefault: true},
 		fakeSystem(map[string]string{"proc/meminfo": meminfo}), func(id uint32) {
 			seen = append(seen, id)
 			if id == 3 {
@@ -84,7 +97,7 @@ func TestPoolSizedUpFront(t *testing.T) {
 	if len(seen) != 3 {
 		t.Fatalf("regions begun: %v, want 1 2 3", seen)
 	}
-	s := startServer(t, ServerConfig{Socket: sock, PoolBytes: 1 << 20})
+	s = startServer(t, ServerConfig{Socket: sock, PoolBytes: 1 << 20})
 	dialMapped(t, s)
 }
 

@@ -281,8 +281,18 @@ func newServer(ctx context.Context, cfg ServerConfig, sys memfit.System, beforeR
 	if cfg.BindNUMA {
 		node = cfg.NUMANode
 	}
-	if err := s.sys.CheckFits(cfg.PoolBytes, false, node); err != nil {
+	// With HugeTLB, the free huge pages hold that much of the pool (the
+	// rest falls back to shared memory's pages, region by region).
+	need, huge := cfg.PoolBytes, int64(0)
+	if cfg.HugeTLB {
+		huge = min(s.sys.HugePagesFree(), need)
+		need -= huge
+	}
+	if err := s.sys.CheckFits(need, false, node); need > 0 && err != nil {
 		s.unlock()
+		if huge > 0 {
+			return nil, fmt.Errorf("%w: pool of %d bytes, %d of them beyond the free huge pages: %w", ErrInsufficientMemory, cfg.PoolBytes, need, err)
+		}
 		return nil, fmt.Errorf("%w: pool of %d bytes: %w", ErrInsufficientMemory, cfg.PoolBytes, err)
 	}
 	if err := s.mapPool(ctx); err != nil {

@@ -113,6 +113,23 @@ func (s System) MemAvailable() (int64, error) {
 	return v, nil
 }
 
+// HugePagesFree is the free huge pages of the default size in bytes
+// (HugePages_Free times Hugepagesize of /proc/meminfo): memory a hugetlbfs
+// mapping takes from the huge page pool, not from MemAvailable. 0 when
+// unknown.
+func (s System) HugePagesFree() int64 {
+	data, err := s.Read("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	n, ok1 := MeminfoField(data, "HugePages_Free")
+	size, ok2 := MeminfoField(data, "Hugepagesize")
+	if !ok1 || !ok2 || n <= 0 || size <= 0 || n > math.MaxInt64/size {
+		return 0
+	}
+	return n * size
+}
+
 // NodeFree is MemFree of NUMA node n.
 func (s System) NodeFree(n int) (int64, error) {
 	p := fmt.Sprintf("/sys/devices/system/node/node%d/meminfo", n)

@@ -41,3 +41,13 @@ func TestCheckFits(t *testing.T) {
 		t.Fatalf("NUMA node 3: %v", err)
 	}
 }
+
+func TestHugePagesFree(t *testing.T) {
+	s := fake(map[string]string{"proc/meminfo": "HugePages_Total: 8\nHugePages_Free: 3\nHugepagesize: 2048 kB\n"})
+	if got := s.HugePagesFree(); got != 3<<21 {
+		t.Fatalf("%d bytes, want %d", got, 3<<21)
+	}
+	if got := fake(map[string]string{"proc/meminfo": "MemAvailable: 1 kB\n"}).HugePagesFree(); got != 0 {
+		t.Fatalf("no huge pages: %d", got)
+	}
+}
