@@ -284,6 +284,12 @@ func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 	c("malformed_total", "Messages that did not decode.", func(st nodepool.Stats) float64 { return float64(st.Malformed) })
 	c("released_on_exit_total", "Clients whose holdings were released when their process exited.", func(st nodepool.Stats) float64 { return float64(st.ReleasedOnExit) })
 	c("events_dropped_total", "KV events dropped by a full queue.", func(st nodepool.Stats) float64 { return float64(st.EventsDropped) })
+	g("connections", "Connections open (said Hello or not).", func(st nodepool.Stats) float64 { return float64(st.Connections) })
+	c("conns_refused_total", "Connections refused past --max-conns or --max-conns-per-client.", func(st nodepool.Stats) float64 { return float64(st.ConnsRefused) })
+	c("accept_errors_total", "Accepts that failed (out of descriptors or memory, a connection aborted) and were retried.", func(st nodepool.Stats) float64 { return float64(st.AcceptErrors) })
+	c("hello_timeouts_total", "Connections closed for saying no Hello within --hello-timeout.", func(st nodepool.Stats) float64 { return float64(st.HelloTimeouts) })
+	c("over_share_total", "Requests cut short by a client's share of the pool (--client-share) or a slot's lease count.", func(st nodepool.Stats) float64 { return float64(st.OverShare) })
+	c("reservations_expired_total", "Reservations not committed within --reserve-timeout.", func(st nodepool.Stats) float64 { return float64(st.ReservationsExpired) })
 	if disk {
 		// The disk tier's series (--disk), as nodepool.Stats counts them;
 		// disk_up is 0 while the tier is not open (before the first

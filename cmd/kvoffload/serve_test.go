@@ -64,6 +64,8 @@ func TestServe(t *testing.T) {
 	_ = resp.Body.Close()
 	require.Contains(t, string(body), "kvoffload_node_stored_total 2")
 	require.Contains(t, string(body), "kvoffload_node_clients 1")
+	require.Contains(t, string(body), "kvoffload_node_connections 1")
+	require.Contains(t, string(body), "kvoffload_node_accept_errors_total 0")
 	require.NotContains(t, string(body), "kvoffload_node_disk_", "no disk tier, no disk series")
 	require.NoError(t, c.Close())
 
