@@ -70,9 +70,10 @@
 //
 //   - Connections are capped in total (ServerConfig.MaxConns, by default
 //     also kept within what RLIMIT_NOFILE leaves, a connection costing the
-//     node its socket and the client's pidfd) and per client process
-//     (MaxConnsPerClient, the SO_PEERCRED pid), checked before the pidfd is
-//     opened; a connection past a cap is told which, with the count and
+//     node its socket and the client's pidfd), per client process
+//     (MaxConnsPerClient, the SO_PEERCRED pid) and per user
+//     (MaxConnsPerUser, the uid: for a node that admits a group), checked
+//     before the pidfd is opened; a connection past a cap is told which, with the count and
 //     the limit, and closed at once. A connection has HelloTimeout to say
 //     Hello, and until then costs a small receive buffer and one
 //     goroutine: the full-size buffers, the push queue and its writer come

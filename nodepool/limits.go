@@ -52,7 +52,7 @@ var errExpired = errors.New("nodepool: reservation expired (not committed within
 
 // limits are the node's bounds on one client, resolved from ServerConfig.
 type limits struct {
-	maxConns, perClient int
+	maxConns, perClient, perUser int
 	hello, reserve      time.Duration
 	share               float64
 }
@@ -60,13 +60,15 @@ type limits struct {
 // resolveLimits checks ServerConfig's limits and fills in the defaults;
 // regions is the number of memfds the pool keeps open.
 func resolveLimits(cfg *ServerConfig, regions int64) (limits, error) {
-	l := limits{maxConns: cfg.MaxConns, perClient: cfg.MaxConnsPerClient, hello: cfg.HelloTimeout,
+	l := limits{maxConns: cfg.MaxConns, perClient: cfg.MaxConnsPerClient, perUser: cfg.MaxConnsPerUser, hello: cfg.HelloTimeout,
 		reserve: cfg.ReserveTimeout, share: cfg.ClientShare}
 	switch {
 	case l.maxConns < 0:
 		return l, fmt.Errorf("nodepool: MaxConns %d: must not be negative (0: the default)", l.maxConns)
 	case l.perClient < 0:
 		return l, fmt.Errorf("nodepool: MaxConnsPerClient %d: must not be negative (0: the default)", l.perClient)
+	case l.perUser < 0:
+		return l, fmt.Errorf("nodepool: MaxConnsPerUser %d: must not be negative (0: MaxConns)", l.perUser)
 	case l.hello < 0:
 		return l, fmt.Errorf("nodepool: HelloTimeout %v: must not be negative (0: the default)", l.hello)
 	case l.reserve < 0:
@@ -84,6 +86,9 @@ func resolveLimits(cfg *ServerConfig, regions int64) (limits, error) {
 	if l.perClient == 0 {
 		l.perClient = min(DefaultMaxConnsPerClient, l.maxConns)
 	}
+	if l.perUser == 0 {
+		l.perUser = l.maxConns
+	}
 	if l.hello == 0 {
 		l.hello = DefaultHelloTimeout
 	}
@@ -100,6 +105,7 @@ func resolveLimits(cfg *ServerConfig, regions int64) (limits, error) {
 // its connections hold: its share of the pool is counted across them.
 type account struct {
 	pid   int32
+	uid   uint32
 	conns int          // live connections, Server.lim's
 	slots atomic.Int64 // slots held (a slot once per connection holding it) or granted to a request
 	share int64        // slots it may hold; 0 until the index exists
@@ -133,19 +139,24 @@ type accounts struct {
 	mu    sync.Mutex
 	conns int
 	byPid map[int32]*account
+	byUid map[uint32]int // connections per user
 	share int64 // slots each account may hold, once the index exists
 }
 
-// open counts a new connection of pid, or says which cap it would pass.
-func (as *accounts) open(l limits, pid int32) (*account, error) {
+// open counts a new connection of a process (pid, of user uid), or says
+// which cap it would pass.
+func (as *accounts) open(l limits, pid int32, uid uint32) (*account, error) {
 	as.mu.Lock()
 	defer as.mu.Unlock()
 	if as.conns >= l.maxConns {
 		return nil, fmt.Errorf("the node has %d connections, at most %d (ServerConfig.MaxConns, serve --max-conns)", as.conns, l.maxConns)
 	}
+	if n := as.byUid[uid]; n >= l.perUser {
+		return nil, fmt.Errorf("uid %d has %d connections to the node, at most %d (ServerConfig.MaxConnsPerUser, serve --max-conns-per-user)", uid, n, l.perUser)
+	}
 	a := as.byPid[pid]
 	if a == nil {
-		a = &account{pid: pid, share: as.share}
+		a = &account{pid: pid, uid: uid, share: as.share}
 		as.byPid[pid] = a
 	}
 	if a.conns >= l.perClient {
@@ -153,6 +164,7 @@ func (as *accounts) open(l limits, pid int32) (*account, error) {
 	}
 	a.conns++
 	as.conns++
+	as.byUid[uid]++
 	return a, nil
 }
 
@@ -163,6 +175,9 @@ func (as *accounts) closed(a *account) {
 	defer as.mu.Unlock()
 	a.conns--
 	as.conns--
+	if as.byUid[a.uid]--; as.byUid[a.uid] <= 0 {
+		delete(as.byUid, a.uid)
+	}
 	as.forget(a)
 }
 
@@ -190,7 +205,7 @@ func (s *Server) admit(c *net.UnixConn) (*account, unix.Ucred) {
 	cred, err := peerUcred(c)
 	if err == nil {
 		var a *account
-		if a, err = s.accts.open(s.lim, cred.Pid); err == nil {
+		if a, err = s.accts.open(s.lim, cred.Pid, cred.Uid); err == nil {
 			return a, cred
 		}
 		s.counter.refusedCap.Add(1)

@@ -316,7 +316,7 @@ func TestReleaseManyLeases(t *testing.T) {
 	}
 	// A client's holdings as 20.5M leases would leave them: taken in the
 	// index, counted in a peer's table.
-	a, err := s.accts.open(s.lim, 1<<30)
+	a, err := s.accts.open(s.lim, 1<<30, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -448,4 +448,25 @@ func TestConnCaps(t *testing.T) {
 		t.Fatalf("%d refused", st.ConnsRefused)
 	}
 	dialMapped(t, s)
+	// The total, and one user's connections together.
+	l := limits{maxConns: 3, perClient: 2, perUser: 3}
+	as := accounts{byPid: map[int32]*account{}, byUid: map[uint32]int{}}
+	for _, pid := range []int32{1, 1, 2} {
+		if _, err := as.open(l, pid, 7); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := as.open(l, 3, 8); err == nil || !strings.Contains(err.Error(), "the node has 3 connections, at most 3") {
+		t.Fatalf("past MaxConns: %v", err)
+	}
+	l.maxConns = 10
+	if _, err := as.open(l, 3, 7); err == nil || !strings.Contains(err.Error(), "uid 7 has 3 connections to the node, at most 3") {
+		t.Fatalf("past MaxConnsPerUser: %v", err)
+	}
+	if _, err := as.open(l, 1, 8); err == nil || !strings.Contains(err.Error(), "process 1 has 2 connections to the node, at most 2") {
+		t.Fatalf("past MaxConnsPerClient: %v", err)
+	}
+	if _, err := as.open(l, 4, 8); err != nil {
+		t.Fatalf("another user: %v", err)
+	}
 }

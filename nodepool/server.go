@@ -93,6 +93,10 @@ type ServerConfig struct {
 	// MaxConnsPerClient caps the connections of one client process (its
 	// pid, SO_PEERCRED). 0: DefaultMaxConnsPerClient (at most MaxConns).
 	MaxConnsPerClient int
+	// MaxConnsPerUser caps the connections of one user's processes
+	// together (the SO_PEERCRED uid), for a node that admits a group.
+	// 0: MaxConns.
+	MaxConnsPerUser int
 	// HelloTimeout closes a connection that has not said Hello by then.
 	// 0: DefaultHelloTimeout.
 	HelloTimeout time.Duration
@@ -263,7 +267,7 @@ func newServer(ctx context.Context, cfg ServerConfig, sys memfit.System, beforeR
 	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
 		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192),
-		lim: lim, accts: accounts{byPid: map[int32]*account{}}, sys: sys, beforeRegion: beforeRegion}
+		lim: lim, accts: accounts{byPid: map[int32]*account{}, byUid: map[uint32]int{}}, sys: sys, beforeRegion: beforeRegion}
 	if cfg.Group != "" {
 		gid, err := lookupGroup(cfg.Group)
 		if err != nil {

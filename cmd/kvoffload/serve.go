@@ -47,6 +47,7 @@ signal ends it at once), and says how many it wrote and left.`,
 		numaNode := fs.Int("numa-node", -1, "bind the pool to this NUMA `node` (-1: not bound); the pool must fit its free memory")
 		fs.IntVar(&cfg.MaxConns, "max-conns", 0, fmt.Sprintf("at most this many `connections`, every client's together (0: %d, lowered to what RLIMIT_NOFILE allows)", nodepool.DefaultMaxConns))
 		fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", 0, fmt.Sprintf("at most this many `connections` of one client process (0: %d)", nodepool.DefaultMaxConnsPerClient))
+		fs.IntVar(&cfg.MaxConnsPerUser, "max-conns-per-user", 0, "at most this many `connections` of one user's processes together, with --group (0: --max-conns)")
 		fs.DurationVar(&cfg.HelloTimeout, "hello-timeout", nodepool.DefaultHelloTimeout, "close a connection that says no Hello within this `duration`")
 		fs.Float64Var(&cfg.ClientShare, "client-share", nodepool.DefaultClientShare, "the `fraction` of the pool's slots one client process may hold at once (reserved, leased or loading), in (0, 1]")
 		fs.DurationVar(&cfg.ReserveTimeout, "reserve-timeout", nodepool.DefaultReserveTimeout, "a reservation not committed within this `duration` expires (its slot goes back to the pool)")
@@ -195,6 +196,8 @@ func checkServeFlags(cfg *nodepool.ServerConfig, numaNode int) error {
 		return fmt.Errorf("%w: --max-conns %d must not be negative", errUsage, cfg.MaxConns)
 	case cfg.MaxConnsPerClient < 0:
 		return fmt.Errorf("%w: --max-conns-per-client %d must not be negative", errUsage, cfg.MaxConnsPerClient)
+	case cfg.MaxConnsPerUser < 0:
+		return fmt.Errorf("%w: --max-conns-per-user %d must not be negative", errUsage, cfg.MaxConnsPerUser)
 	case cfg.HelloTimeout <= 0:
 		return fmt.Errorf("%w: --hello-timeout %v must be positive", errUsage, cfg.HelloTimeout)
 	case cfg.ReserveTimeout <= 0:
