@@ -53,8 +53,8 @@ var errExpired = errors.New("nodepool: reservation expired (not committed within
 // limits are the node's bounds on one client, resolved from ServerConfig.
 type limits struct {
 	maxConns, perClient, perUser int
-	hello, reserve      time.Duration
-	share               float64
+	hello, reserve               time.Duration
+	share                        float64
 }
 
 // resolveLimits checks ServerConfig's limits and fills in the defaults;
@@ -140,7 +140,7 @@ type accounts struct {
 	conns int
 	byPid map[int32]*account
 	byUid map[uint32]int // connections per user
-	share int64 // slots each account may hold, once the index exists
+	share int64          // slots each account may hold, once the index exists
 }
 
 // open counts a new connection of a process (pid, of user uid), or says
