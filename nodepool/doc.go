@@ -105,7 +105,8 @@
 // Starting a node: the whole pool is checked against what the machine
 // allows (MemAvailable, the memory cgroup's limit at every level,
 // RLIMIT_AS, and with BindNUMA the NUMA node's free memory; the check the
-// embedded engine runs, internal/memfit) before anything is mapped, and
+// embedded engine runs, internal/memfit; with HugeTLB only for the part the
+// free huge pages do not hold) before anything is mapped, and
 // refused with ErrInsufficientMemory naming the limit; the pool is then
 // mapped region by region, NewServerContext's context checked between
 // two. The node takes an exclusive lock on a file beside its socket before
