@@ -18,13 +18,19 @@ import (
 
 // TestHostileConnections (issue 52 item 1): one client makes 100,000
 // connection attempts, holding hundreds open and saying nothing, at a node
-// whose RLIMIT_NOFILE is 128 (so that its accepts fail with EMFILE) and
-// whose connection caps are out of the way: the node never stops serving,
-// another client's stores and loads go on byte-exact throughout, and a new
-// client connects once the flood ends.
+// whose RLIMIT_NOFILE is 128: with its connection caps out of the way (so
+// that its accepts fail with EMFILE), and with the default caps (which
+// RLIMIT_NOFILE lowers: the flood is refused by them instead). Either way
+// the node never stops serving, another client's stores and loads go on
+// byte-exact throughout, and a new client connects once the flood ends.
 func TestHostileConnections(t *testing.T) {
+	t.Run("no caps", func(t *testing.T) { hostileFlood(t, "nocaps") })
+	t.Run("default caps", func(t *testing.T) { hostileFlood(t, "default") })
+}
+
+func hostileFlood(t *testing.T, caps string) {
 	sock := t.TempDir() + "/node.sock"
-	node := startChild(t, "serve-lowfd", sock, "128")
+	node := startChild(t, "serve-lowfd", sock, "128 "+caps)
 	node.expect(t, "listening")
 	good := dial(t, sock, ClientConfig{})
 	defer good.Close()
@@ -60,8 +66,18 @@ func TestHostileConnections(t *testing.T) {
 		t.Fatalf("the other client got %d rounds through during the flood", rounds.Load())
 	}
 	// A new client connects once the flood ends (the node may be in its
-	// back-off, at most a second).
-	c := dial(t, sock, ClientConfig{})
+	// back-off, at most a second, or still accepting the connections the
+	// flood left in its backlog).
+	var c *Client
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		var err error
+		if c, err = Dial(sock, ClientConfig{Namespace: "test", Layout: testLayout, PrefaultThreads: 1}); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no new client once the flood ended: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if err := storeLoad(c, 1000); err != nil {
 		t.Fatal(err)
 	}
@@ -70,9 +86,13 @@ func TestHostileConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = c.Close()
-	t.Logf("node: %d accept errors, %d hello timeouts, %d accepted, %d refused", st.AcceptErrors, st.HelloTimeouts, st.Accepted, st.Refused)
-	if st.AcceptErrors == 0 {
+	t.Logf("node: %d accept errors, %d hello timeouts, %d accepted, %d refused (%d past a cap)",
+		st.AcceptErrors, st.HelloTimeouts, st.Accepted, st.Refused, st.ConnsRefused)
+	if caps == "nocaps" && st.AcceptErrors == 0 {
 		t.Fatal("the node never ran out of descriptors: the test did not reach exhaustion")
+	}
+	if caps == "default" && st.ConnsRefused == 0 {
+		t.Fatal("the caps refused nothing")
 	}
 	if err := storeLoad(good, 1001); err != nil {
 		t.Fatal(err)
@@ -120,12 +140,13 @@ func storeLoad(c *Client, round int) error {
 	return bad
 }
 
-// runLowFDNode is a node process (role "serve-lowfd") whose RLIMIT_NOFILE
-// is args, with connection caps too high to matter and a short
-// HelloTimeout; it serves until killed, and exits 1 if Serve ever
-// returns.
+// runLowFDNode is a node process (role "serve-lowfd", args "NOFILE caps")
+// whose RLIMIT_NOFILE is NOFILE, with connection caps too high to matter
+// (caps "nocaps") or the defaults, and a short HelloTimeout; it serves
+// until killed, and exits 1 if Serve ever returns.
 func runLowFDNode(socket, args string) int {
-	n, _ := strconv.ParseUint(strings.TrimSpace(args), 10, 64)
+	f := strings.Fields(args)
+	n, _ := strconv.ParseUint(f[0], 10, 64)
 	var r unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &r); err != nil {
 		fmt.Println("error", err)
@@ -136,8 +157,11 @@ func runLowFDNode(socket, args string) int {
 		fmt.Println("error", err)
 		return 1
 	}
-	s, err := NewServer(ServerConfig{Socket: socket, PoolBytes: 1 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1,
-		MaxConns: 1 << 20, MaxConnsPerClient: 1 << 20, HelloTimeout: 300 * time.Millisecond})
+	cfg := ServerConfig{Socket: socket, PoolBytes: 1 << 20, RegionBytes: 1 << 20, PrefaultThreads: 1, HelloTimeout: 300 * time.Millisecond}
+	if f[1] == "nocaps" {
+		cfg.MaxConns, cfg.MaxConnsPerClient = 1<<20, 1<<20
+	}
+	s, err := NewServer(cfg)
 	if err != nil {
 		fmt.Println("error", err)
 		return 1

@@ -20,7 +20,8 @@ const (
 	// DefaultMaxConns caps the node's connections (lowered to what
 	// RLIMIT_NOFILE allows).
 	DefaultMaxConns = 1024
-	// DefaultMaxConnsPerClient caps one client process's connections.
+	// DefaultMaxConnsPerClient caps one client process's connections (at
+	// most a quarter of MaxConns).
 	DefaultMaxConnsPerClient = 64
 	// DefaultHelloTimeout: a connection silent this long after it was
 	// accepted is closed.
@@ -84,7 +85,9 @@ func resolveLimits(cfg *ServerConfig, regions int64) (limits, error) {
 		}
 	}
 	if l.perClient == 0 {
-		l.perClient = min(DefaultMaxConnsPerClient, l.maxConns)
+		// A quarter of the total at most: one process cannot take every
+		// connection when RLIMIT_NOFILE makes the total small.
+		l.perClient = min(DefaultMaxConnsPerClient, max(1, l.maxConns/4))
 	}
 	if l.perUser == 0 {
 		l.perUser = l.maxConns

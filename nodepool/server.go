@@ -91,7 +91,8 @@ type ServerConfig struct {
 	// to what RLIMIT_NOFILE leaves (a connection costs two descriptors).
 	MaxConns int
 	// MaxConnsPerClient caps the connections of one client process (its
-	// pid, SO_PEERCRED). 0: DefaultMaxConnsPerClient (at most MaxConns).
+	// pid, SO_PEERCRED). 0: DefaultMaxConnsPerClient, at most a quarter of
+	// MaxConns.
 	MaxConnsPerClient int
 	// MaxConnsPerUser caps the connections of one user's processes
 	// together (the SO_PEERCRED uid), for a node that admits a group.

@@ -46,7 +46,7 @@ signal ends it at once), and says how many it wrote and left.`,
 		fs.IntVar(&cfg.LowWatermark, "low-watermark", 0, "free `slots` kept by evicting ahead of demand")
 		numaNode := fs.Int("numa-node", -1, "bind the pool to this NUMA `node` (-1: not bound); the pool must fit its free memory")
 		fs.IntVar(&cfg.MaxConns, "max-conns", 0, fmt.Sprintf("at most this many `connections`, every client's together (0: %d, lowered to what RLIMIT_NOFILE allows)", nodepool.DefaultMaxConns))
-		fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", 0, fmt.Sprintf("at most this many `connections` of one client process (0: %d)", nodepool.DefaultMaxConnsPerClient))
+		fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", 0, fmt.Sprintf("at most this many `connections` of one client process (0: %d, at most a quarter of --max-conns)", nodepool.DefaultMaxConnsPerClient))
 		fs.IntVar(&cfg.MaxConnsPerUser, "max-conns-per-user", 0, "at most this many `connections` of one user's processes together, with --group (0: --max-conns)")
 		fs.DurationVar(&cfg.HelloTimeout, "hello-timeout", nodepool.DefaultHelloTimeout, "close a connection that says no Hello within this `duration`")
 		fs.Float64Var(&cfg.ClientShare, "client-share", nodepool.DefaultClientShare, "the `fraction` of the pool's slots one client process may hold at once (reserved, leased or loading), in (0, 1]")
