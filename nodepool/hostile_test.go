@@ -253,3 +253,39 @@ func TestIdleConnectionCost(t *testing.T) {
 		t.Fatalf("an idle connection costs the node %d bytes, want at most 32 KiB", per)
 	}
 }
+
+// TestCloseWithSilentConnection: Close does not wait for a connection that
+// has said nothing (its HelloTimeout is far off): it is closed with the
+// others.
+func TestCloseWithSilentConnection(t *testing.T) {
+	s, err := NewServer(ServerConfig{Socket: t.TempDir() + "/node.sock", PoolBytes: 1 << 20, NoPrefault: true, HelloTimeout: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Serve() }()
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Addr(), Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer uc.Close()
+	for deadline := time.Now().Add(5 * time.Second); s.Stats().Accepted == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("not accepted")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	closed := make(chan struct{})
+	go func() {
+		_ = s.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waits for a connection that never said Hello")
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -205,6 +205,20 @@ func (s *Server) servePeer(c *net.UnixConn, a *account, cred unix.Ucred) {
 	s.counter.accepted.Add(1)
 	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, acct: a, regions: map[uint32]bool{}, done: make(chan struct{})}
 	p.held.acct = a
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		_ = unix.Close(pidfd)
+		_ = conn.Close()
+		return
+	}
+	s.unhelloed[p] = true
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.unhelloed, p)
+		s.mu.Unlock()
+	}()
 	timer := time.AfterFunc(s.lim.hello, func() {
 		if !p.helloed.Load() {
 			s.counter.helloTimeouts.Add(1)
@@ -463,6 +477,7 @@ func (p *peer) hello(m *wire.Msg) bool {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p.id] = p
+	delete(s.unhelloed, p)
 	p.helloed.Store(true)
 	p.conn.SetRecvSize()
 	p.pushq = make(chan push, DefaultPushQueue)

@@ -143,6 +143,7 @@ type Server struct {
 	namespaces  map[string]*nsRec
 	regions     map[uint32]*regionRec
 	peers       map[uint32]*peer
+	unhelloed   map[*peer]bool // connections that have not said Hello yet
 	nextPeer    uint32
 	closed      bool
 	draining    atomic.Int32 // regions draining (RemoveRegion'd, not yet releasable)
@@ -267,7 +268,7 @@ func newServer(ctx context.Context, cfg ServerConfig, sys memfit.System, beforeR
 		return nil, err
 	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
-		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192),
+		peers: map[uint32]*peer{}, unhelloed: map[*peer]bool{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192),
 		lim: lim, accts: accounts{byPid: map[int32]*account{}, byUid: map[uint32]int{}}, sys: sys, beforeRegion: beforeRegion}
 	if cfg.Group != "" {
 		gid, err := lookupGroup(cfg.Group)
@@ -537,9 +538,12 @@ func (s *Server) CloseContext(ctx context.Context) error {
 	for _, w := range s.waits {
 		_ = w.f.Close()
 	}
-	peers := make([]*peer, 0, len(s.peers))
+	peers := make([]*peer, 0, len(s.peers)+len(s.unhelloed))
 	for _, p := range s.peers {
 		peers = append(peers, p)
+	}
+	for p := range s.unhelloed {
+		peers = append(peers, p) // not waited for until their HelloTimeout
 	}
 	s.mu.Unlock()
 	_ = s.ln.Close()
