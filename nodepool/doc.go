@@ -73,11 +73,11 @@
 //     node its socket and the client's pidfd), per client process
 //     (MaxConnsPerClient, the SO_PEERCRED pid) and per user
 //     (MaxConnsPerUser, the uid: for a node that admits a group), checked
-//     before the pidfd is opened; a connection past a cap is told which, with the count and
-//     the limit, and closed at once. A connection has HelloTimeout to say
-//     Hello, and until then costs a small receive buffer and one
-//     goroutine: the full-size buffers, the push queue and its writer come
-//     with the Hello.
+//     before the pidfd is opened; a connection past a cap is told which,
+//     with the count and the limit, and closed at once. A connection has
+//     HelloTimeout to say Hello, and until then costs a small receive
+//     buffer and one goroutine: the full-size buffers, the push queue and
+//     its writer come with the Hello (and Close does not wait for it).
 //   - A failed accept (out of descriptors or memory, a connection aborted
 //     by its client) never ends Serve: it is counted (Stats.AcceptErrors)
 //     and retried after a pause that grows while accepts keep failing.
@@ -105,11 +105,10 @@
 // Starting a node: the whole pool is checked against what the machine
 // allows (MemAvailable, the memory cgroup's limit at every level,
 // RLIMIT_AS, and with BindNUMA the NUMA node's free memory; the check the
-// embedded engine runs, internal/memfit; with HugeTLB only for the part the
-// free huge pages do not hold) before anything is mapped, and
-// refused with ErrInsufficientMemory naming the limit; the pool is then
-// mapped region by region, NewServerContext's context checked between
-// two. The node takes an exclusive lock on a file beside its socket before
+// embedded engine runs, internal/memfit; with HugeTLB only for the part
+// the free huge pages do not hold) before anything is mapped, and refused
+// with ErrInsufficientMemory naming the limit; the pool is then mapped
+// region by region, NewServerContext's context checked between two. The node takes an exclusive lock on a file beside its socket before
 // it looks at the socket's path and holds it until Close, so that of nodes
 // started at once on one path exactly one serves; Close removes the socket
 // only if the path is still the socket this node bound. A socket path
