@@ -108,7 +108,8 @@
 // embedded engine runs, internal/memfit; with HugeTLB only for the part
 // the free huge pages do not hold) before anything is mapped, and refused
 // with ErrInsufficientMemory naming the limit; the pool is then mapped
-// region by region, NewServerContext's context checked between two. The node takes an exclusive lock on a file beside its socket before
+// region by region, NewServerContext's context checked between two. The
+// node takes an exclusive lock on a file beside its socket before
 // it looks at the socket's path and holds it until Close, so that of nodes
 // started at once on one path exactly one serves; Close removes the socket
 // only if the path is still the socket this node bound. A socket path
