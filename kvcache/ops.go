@@ -387,7 +387,7 @@ func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) 
 	c.found = c.found[:0]
 	for _, k := range keys {
 		i, ok := c.index.get(k)
-		if !ok || !c.slots[i].visible() {
+		if !ok || !c.slots[i].visible() || (lease && c.slots[i].readers >= MaxReaders) {
 			break
 		}
 		c.found = append(c.found, i)
@@ -474,7 +474,7 @@ func (c *Cache) LeaseHandles(slots []Slot, ok []bool) []bool {
 	for _, h := range slots {
 		leased := false
 		if !c.closed {
-			if s, err := c.lookupHandle(h); err == nil && s.visible() {
+			if s, err := c.lookupHandle(h); err == nil && s.visible() && s.readers < MaxReaders {
 				c.lease(int32(h.ID))
 				leased = true
 			}
@@ -510,7 +510,7 @@ func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadR
 		return dst, err
 	}
 	for j, i := range c.found {
-		if i >= 0 && !c.slots[i].visible() {
+		if i >= 0 && (!c.slots[i].visible() || c.slots[i].readers >= MaxReaders) {
 			c.found[j] = -1
 		}
 	}

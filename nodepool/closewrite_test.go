@@ -84,7 +84,7 @@ func TestNodeDiskWriteBackOnClose(t *testing.T) {
 				t.Fatalf("after close: %+v", st)
 			}
 
-			s2 := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20}})
+			s2 := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20}})
 			c2 := dial(t, s2.Addr(), ClientConfig{})
 			defer c2.Close()
 			if n := onDisk(t, c2, stored); n != written {

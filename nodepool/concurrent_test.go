@@ -84,7 +84,7 @@ func TestConcurrentCallers(t *testing.T) {
 // MaxKeys slots back) pass through the socket, and longer ops are split.
 func TestLargeOps(t *testing.T) {
 	n := 5000 // more than wire.MaxKeys
-	s := startServer(t, ServerConfig{PoolBytes: int64(n+100) * testSlot, NoPrefault: true})
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: int64(n+100) * testSlot, NoPrefault: true})
 	c := dial(t, s.Addr(), ClientConfig{NoPrefault: true})
 	defer c.Close()
 	keys := testKeys(20, n)

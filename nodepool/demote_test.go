@@ -36,7 +36,7 @@ func diskNode(t *testing.T, dc DiskConfig, lowWatermark int, hook func(Key)) (*S
 	if dc.CapacityBytes == 0 {
 		dc.CapacityBytes = 8 << 20
 	}
-	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, LowWatermark: lowWatermark, Disk: &dc})
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, LowWatermark: lowWatermark, Disk: &dc})
 	if hook != nil {
 		s.mu.Lock() // openDisk reads it under s.mu
 		s.beforeDiskPut = hook

@@ -57,7 +57,7 @@ func TestNodeDisk(t *testing.T) {
 	dir := t.TempDir()
 	diskCfg := &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20, WriteThrough: true}
 	// A pool of 8 slots for 24 blocks: the first ones are evicted.
-	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
 	a := dialMapped(t, s)
 	keys := testKeys(7, 24)
 	for i, k := range keys {
@@ -94,7 +94,7 @@ func TestNodeDisk(t *testing.T) {
 
 	// A second node on the same directory: refused the lock, it serves
 	// without the tier.
-	s2 := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
+	s2 := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
 	c2 := dial(t, s2.Addr(), ClientConfig{})
 	st2 := s2.Stats()
 	if st2.DiskError == "" || !strings.Contains(st2.DiskError, dir) {
@@ -113,7 +113,7 @@ func TestNodeDisk(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	s3 := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
+	s3 := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
 	c := dial(t, s3.Addr(), ClientConfig{})
 	defer c.Close()
 	if !c.WaitRegions(10 * time.Second) {

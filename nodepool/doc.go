@@ -63,6 +63,58 @@
 //     others. Decoding allocates at most in proportion to the message,
 //     itself bounded (package wire).
 //
+// # One client cannot take the node down
+//
+// The node is shared by every serving process of the machine, so what one
+// client can cost it is bounded, and nothing a client does makes it exit:
+//
+//   - Connections are capped in total (ServerConfig.MaxConns, by default
+//     also kept within what RLIMIT_NOFILE leaves, a connection costing the
+//     node its socket and the client's pidfd), per client process
+//     (MaxConnsPerClient, the SO_PEERCRED pid) and per user
+//     (MaxConnsPerUser, the uid: for a node that admits a group), checked
+//     before the pidfd is opened; a connection past a cap is told which,
+//     with the count and the limit, and closed at once. A connection has
+//     HelloTimeout to say Hello, and until then costs a small receive
+//     buffer and one goroutine: the full-size buffers, the push queue and
+//     its writer come with the Hello (and Close does not wait for it).
+//   - A failed accept (out of descriptors or memory, a connection aborted
+//     by its client) never ends Serve: it is counted (Stats.AcceptErrors)
+//     and retried after a pause that grows while accepts keep failing.
+//     Connected clients are served meanwhile.
+//   - Each client process holds at most its share of the pool's slots
+//     (ClientShare, counted across its connections): slots reserved for its
+//     stores, leased, or loading, a slot once per connection however many
+//     leases it has on it. Past its share its stores are refused full, its
+//     leasing lookups lease a shorter prefix and its loads find fewer
+//     blocks (Stats.OverShare). The others hold at most their shares, so a
+//     client within its share is never refused full because of another
+//     client, as long as the shares of the clients holding slots at once
+//     fit the pool (their number times ClientShare at most one).
+//   - A reservation neither committed nor aborted within ReserveTimeout
+//     expires, also one of a client that left without goodbye: the block
+//     never becomes ready, the slot goes back to the pool, and a later
+//     commit of it is refused as not the client's. A client must not write
+//     into a reservation after its deadline.
+//   - A client's leases and loads are counts per slot, each bounded (a
+//     request past the bound is cut short, as past the share), and the
+//     index bounds a slot's readers likewise (kvcache.MaxReaders): no
+//     count can overflow. Releasing a client costs in proportion to the
+//     slots it held, not the leases it took (kvcache.EndReads).
+//
+// Starting a node: the whole pool is checked against what the machine
+// allows (MemAvailable, the memory cgroup's limit at every level,
+// RLIMIT_AS, and with BindNUMA the NUMA node's free memory; the check the
+// embedded engine runs, internal/memfit; with HugeTLB only for the part
+// the free huge pages do not hold) before anything is mapped, and refused
+// with ErrInsufficientMemory naming the limit; the pool is then mapped
+// region by region, NewServerContext's context checked between two. The
+// node takes an exclusive lock on a file beside its socket before
+// it looks at the socket's path and holds it until Close, so that of nodes
+// started at once on one path exactly one serves; Close removes the socket
+// only if the path is still the socket this node bound. A socket path
+// longer than a unix socket address holds (MaxSocketPath) is refused.
+//
 // # Trust
 //
 // One node pool is one trust domain: every client maps the whole pool and

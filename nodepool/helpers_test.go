@@ -178,8 +178,13 @@ func (c *child) wait(t *testing.T) {
 // writes half of each, and waits to be killed; "drop" reserves, closes
 // its connection without goodbye, and waits to be killed.
 func runChild(role, socket, args string) int {
-	if role == "serve" {
+	switch role {
+	case "serve":
 		return runNode(socket, args)
+	case "serve-lowfd":
+		return runLowFDNode(socket, args)
+	case "hostile":
+		return runHostile(socket, args)
 	}
 	f := strings.Fields(args)
 	seed, _ := strconv.Atoi(f[0])
@@ -266,6 +271,46 @@ func runChild(role, socket, args string) int {
 				say("churning")
 			}
 		}
+	case "hog":
+		// Store n blocks, lease half of those written, reserve n more
+		// without committing, and hold it all until killed.
+		res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		var slots []Slot
+		var written []Key
+		for i, r := range res {
+			if r.Outcome == StoreWrite {
+				fill(c.SlotBytes(r.Slot), keys[i])
+				slots = append(slots, r.Slot)
+				written = append(written, keys[i])
+			}
+		}
+		if err := c.CommitStore(slots); err != nil {
+			say("error %v", err)
+			return 1
+		}
+		_, leased, err := c.Lookup(written[:len(written)/2], true, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		res, err = c.BeginStore(StoreRequest{Keys: testKeys(seed+1, n)}, nil)
+		if err != nil {
+			say("error %v", err)
+			return 1
+		}
+		reserved := 0
+		for _, r := range res {
+			if r.Outcome == StoreWrite {
+				reserved++
+			}
+		}
+		say("hogging %d %d %d", len(slots), len(leased), reserved)
+		_, _ = io.Copy(io.Discard, os.Stdin) // until killed
+		select {}
 	case "hang", "drop":
 		res, err := c.BeginStore(StoreRequest{Keys: keys}, nil)
 		if err != nil {

@@ -7,13 +7,24 @@ import (
 
 // holdings is what one client holds, indexed by slot id: for each slot,
 // the generation (occupancy) held, the reader leases, the loads (a lease
-// and a copy each), and whether the client reserved it for a store. A
-// client holds at most one generation of a slot at a time: a slot is not
-// reoccupied while anyone holds it. A dense table rather than maps: the
-// hot path (1024 leases a lookup) is an array index per block.
+// and a copy each), and whether the client reserved it for a store (and
+// when). A client holds at most one generation of a slot at a time: a slot
+// is not reoccupied while anyone holds it. A dense table rather than maps:
+// the hot path (1024 leases a lookup) is an array index per block. Leases
+// and loads are counts per slot, so what a client holds costs the node in
+// proportion to its slots, however many leases it took, and so does its
+// release (drain).
+//
+// Every change goes through the methods below, which keep the totals and
+// the count of slots held (slots), charged to the client process's
+// account: a slot becoming held uses one slot of a request's grant (see
+// account.grant), or is charged directly when the request had none (an
+// undo); a slot no longer held is given back.
 type holdings struct {
 	t                       []holding
 	reserved, leases, loads int // totals
+	slots                   int // entries not empty
+	acct                    *account
 }
 
 type holding struct {
@@ -23,6 +34,9 @@ type holding struct {
 	// heads is the head range of the reservation (zero: the whole
 	// block): one range per block per client.
 	heads kvcache.HeadRange
+	// since is when the reservation was made (UnixNano), for
+	// ReserveTimeout.
+	since int64
 }
 
 func (h *holding) empty() bool { return h.leases == 0 && h.loads == 0 && !h.reserved }
@@ -44,6 +58,14 @@ func (hs *holdings) take(id, gen uint32) (*holding, bool) {
 	return e, e.gen == gen
 }
 
+// peek returns the entry of slot id (nil: none held).
+func (hs *holdings) peek(id uint32) *holding {
+	if int(id) >= len(hs.t) || hs.t[id].empty() {
+		return nil
+	}
+	return &hs.t[id]
+}
+
 // get returns the entry of handle h if the client holds that generation.
 func (hs *holdings) get(h wire.Handle) *holding {
 	if int(h.ID) >= len(hs.t) {
@@ -54,6 +76,76 @@ func (hs *holdings) get(h wire.Handle) *holding {
 		return nil
 	}
 	return e
+}
+
+// grew counts e becoming held, from *grant when it has some left.
+func (hs *holdings) grew(grant *int) {
+	hs.slots++
+	switch {
+	case grant != nil && *grant > 0:
+		*grant--
+	case hs.acct != nil:
+		hs.acct.slots.Add(1)
+	}
+}
+
+// shrank counts e held no more.
+func (hs *holdings) shrank() {
+	hs.slots--
+	if hs.acct != nil {
+		hs.acct.slots.Add(-1)
+	}
+}
+
+func (hs *holdings) addLease(e *holding, grant *int) {
+	if e.empty() {
+		hs.grew(grant)
+	}
+	e.leases++
+	hs.leases++
+}
+
+func (hs *holdings) addLoad(e *holding, grant *int) {
+	if e.empty() {
+		hs.grew(grant)
+	}
+	e.loads++
+	hs.loads++
+}
+
+func (hs *holdings) reserve(e *holding, heads kvcache.HeadRange, since int64, grant *int) {
+	if e.empty() {
+		hs.grew(grant)
+	}
+	e.reserved, e.heads, e.since = true, heads, since
+	hs.reserved++
+}
+
+func (hs *holdings) dropLease(e *holding) {
+	e.leases--
+	hs.leases--
+	if e.empty() {
+		hs.shrank()
+	}
+}
+
+func (hs *holdings) dropLoad(e *holding) {
+	e.loads--
+	hs.loads--
+	if e.empty() {
+		hs.shrank()
+	}
+}
+
+// unreserve ends e's reservation and returns its head range.
+func (hs *holdings) unreserve(e *holding) kvcache.HeadRange {
+	heads := e.heads
+	e.reserved, e.heads, e.since = false, kvcache.HeadRange{}, 0
+	hs.reserved--
+	if e.empty() {
+		hs.shrank()
+	}
+	return heads
 }
 
 func slotOf(h wire.Handle) kvcache.Slot { return kvcache.Slot{ID: kvcache.SlotID(h.ID), Gen: h.Gen} }
@@ -68,9 +160,28 @@ func appendSlotOf(s []kvcache.Slot, h wire.Handle) []kvcache.Slot {
 	return s
 }
 
-// drain lists every holding as kvcache slot handles (a slot once per
-// lease or load) and clears the table.
-func (hs *holdings) drain() (reserved, leases, loads []kvcache.Slot) {
+// expire ends the reservations made before cut (UnixNano), appending their
+// handles (with their head ranges) to dst.
+func (hs *holdings) expire(cut int64, dst []kvcache.Slot) []kvcache.Slot {
+	if hs.reserved == 0 {
+		return dst
+	}
+	for id := range hs.t {
+		e := &hs.t[id]
+		if !e.reserved || e.since >= cut {
+			continue
+		}
+		s := kvcache.Slot{ID: kvcache.SlotID(id), Gen: e.gen}
+		s.Heads = hs.unreserve(e)
+		dst = append(dst, s)
+	}
+	return dst
+}
+
+// drain lists every holding, the reservations as kvcache slot handles and
+// the leases and loads as one count each per slot (kvcache.EndReads), and
+// clears the table: its cost is in proportion to the slots held.
+func (hs *holdings) drain() (reserved []kvcache.Slot, reads []kvcache.Reads) {
 	for id := range hs.t {
 		e := &hs.t[id]
 		if e.empty() {
@@ -82,14 +193,15 @@ func (hs *holdings) drain() (reserved, leases, loads []kvcache.Slot) {
 			r.Heads = e.heads
 			reserved = append(reserved, r)
 		}
-		for range e.leases {
-			leases = append(leases, s)
-		}
-		for range e.loads {
-			loads = append(loads, s)
+		if e.leases > 0 || e.loads > 0 {
+			reads = append(reads, kvcache.Reads{Slot: s, Leases: e.leases, Loads: e.loads})
 		}
 		*e = holding{}
 	}
-	hs.reserved, hs.leases, hs.loads = 0, 0, 0
+	if hs.acct != nil {
+		hs.acct.slots.Add(-int64(hs.slots))
+	}
+	hs.reserved, hs.leases, hs.loads, hs.slots = 0, 0, 0, 0
+	hs.t = nil // the table's memory goes with the client
 	return
 }

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/nodepool/wire"
@@ -27,6 +29,12 @@ type peer struct {
 	cred  unix.Ucred
 	pidfd int
 	ns    *nsRec
+	acct  *account // the client process's: connections and share
+
+	helloed atomic.Bool // Hello done: the hello timer leaves it be
+	// grant is what a leasing Lookup was granted of the account's share
+	// for the slots settle records (the rest refunded there).
+	grant int
 
 	mu   sync.Mutex // held, between the serving goroutine and the promoter
 	held holdings
@@ -103,39 +111,48 @@ func (p *peer) writer() {
 	}
 }
 
-// peerCred reads SO_PEERCRED and opens a pidfd for the peer: from
-// SO_PEERPIDFD where the kernel has it (6.5+: the pidfd of the very process
-// that connected), else pidfd_open of the SO_PEERCRED pid.
-func peerCred(c *net.UnixConn) (unix.Ucred, int, error) {
+// peerUcred reads SO_PEERCRED (no descriptor opened: the accept loop
+// checks the connection caps with it first).
+func peerUcred(c *net.UnixConn) (unix.Ucred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
-		return unix.Ucred{}, -1, err
+		return unix.Ucred{}, err
 	}
 	var cred *unix.Ucred
-	pidfd := -1
 	var cerr error
 	err = rc.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-		if cerr != nil {
-			return
-		}
-		if v, e := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); e == nil && v >= 0 {
-			pidfd = v
-			unix.CloseOnExec(v)
-		}
 	})
 	if err == nil {
 		err = cerr
 	}
 	if err != nil {
-		return unix.Ucred{}, -1, fmt.Errorf("SO_PEERCRED: %w", err)
+		return unix.Ucred{}, fmt.Errorf("SO_PEERCRED: %w", err)
 	}
+	return *cred, nil
+}
+
+// peerPidfd opens a pidfd for the peer: from SO_PEERPIDFD where the kernel
+// has it (6.5+: the pidfd of the very process that connected), else
+// pidfd_open of the SO_PEERCRED pid.
+func peerPidfd(c *net.UnixConn, cred unix.Ucred) (int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	pidfd := -1
+	_ = rc.Control(func(fd uintptr) {
+		if v, e := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); e == nil && v >= 0 {
+			pidfd = v
+			unix.CloseOnExec(v)
+		}
+	})
 	if pidfd < 0 {
 		if pidfd, err = unix.PidfdOpen(int(cred.Pid), 0); err != nil {
-			return *cred, -1, fmt.Errorf("pidfd_open(%d): %w", cred.Pid, err)
+			return -1, fmt.Errorf("pidfd_open(%d): %w", cred.Pid, err)
 		}
 	}
-	return *cred, pidfd, nil
+	return pidfd, nil
 }
 
 // admitted: the node's uid, root, or (with Group) a member of the group
@@ -166,28 +183,51 @@ func (s *Server) admitted(cred unix.Ucred) bool {
 	return false
 }
 
-func (s *Server) servePeer(c *net.UnixConn) {
-	conn := wire.NewConn(c)
-	cred, pidfd, err := peerCred(c)
-	if err != nil || !s.admitted(cred) {
+// servePeer serves one admitted connection (Serve counted it against the
+// caps, in account a). Until its Hello it costs a small receive buffer and
+// this goroutine, and it has HelloTimeout to say Hello.
+func (s *Server) servePeer(c *net.UnixConn, a *account, cred unix.Ucred) {
+	conn := wire.NewConnSize(c, preHelloRecv)
+	pidfd := -1
+	var err error
+	if !s.admitted(cred) {
+		err = fmt.Errorf("uid %d gid %d is not admitted to this node", cred.Uid, cred.Gid)
+	} else {
+		pidfd, err = peerPidfd(c, cred)
+	}
+	if err != nil {
 		s.counter.refused.Add(1)
-		why := fmt.Sprintf("uid %d gid %d is not admitted to this node", cred.Uid, cred.Gid)
-		if err != nil {
-			why = err.Error()
-		}
-		s.cfg.Logf("refused a connection: %s", why)
-		_ = conn.Send(&wire.Msg{Type: wire.TError, Code: wire.CodeHandshake, Text: why}, -1)
-		if pidfd >= 0 {
-			_ = unix.Close(pidfd)
-		}
+		s.logRare(&s.refusedLog, "refused a connection: %v", err)
+		_ = conn.Send(&wire.Msg{Type: wire.TError, Code: wire.CodeHandshake, Text: err.Error()}, -1)
 		_ = conn.Close()
 		return
 	}
 	s.counter.accepted.Add(1)
-	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, regions: map[uint32]bool{},
-		pushq: make(chan push, DefaultPushQueue), done: make(chan struct{})}
-	go p.writer()
+	p := &peer{s: s, conn: conn, cred: cred, pidfd: pidfd, acct: a, regions: map[uint32]bool{}, done: make(chan struct{})}
+	p.held.acct = a
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		_ = unix.Close(pidfd)
+		_ = conn.Close()
+		return
+	}
+	s.unhelloed[p] = true
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.unhelloed, p)
+		s.mu.Unlock()
+	}()
+	timer := time.AfterFunc(s.lim.hello, func() {
+		if !p.helloed.Load() {
+			s.counter.helloTimeouts.Add(1)
+			s.logRare(&s.helloLog, "pid %d said no Hello within %v: connection closed", cred.Pid, s.lim.hello)
+			p.disconnect()
+		}
+	})
 	registered := p.serve()
+	timer.Stop()
 	p.disconnect()
 	p.stopPromoter()
 	if !registered {
@@ -299,17 +339,24 @@ func (s *Server) release(p *peer) {
 		s.acked(p, id)
 	}
 	s.mu.Unlock()
-	reserved, leases, loads := p.held.drain()
+	p.mu.Lock()
+	reserved, reads := p.held.drain()
+	p.mu.Unlock()
 	if c != nil {
 		if len(reserved) > 0 {
 			_ = c.CompleteStore(reserved, errPeerGone)
 		}
-		if len(leases) > 0 {
-			_ = c.Unlease(leases)
+		if len(reads) > 0 {
+			if err := c.EndReads(reads); err != nil {
+				s.counter.internal.Add(1)
+				s.cfg.Logf("client %d: releasing its leases and loads: %v", p.id, err)
+			}
 		}
-		if len(loads) > 0 {
-			_ = c.EndLoad(loads)
-		}
+	}
+	if p.acct != nil {
+		s.accts.mu.Lock()
+		s.accts.forget(p.acct)
+		s.accts.mu.Unlock()
 	}
 	s.reap()
 }
@@ -430,6 +477,11 @@ func (p *peer) hello(m *wire.Msg) bool {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p.id] = p
+	delete(s.unhelloed, p)
+	p.helloed.Store(true)
+	p.conn.SetRecvSize()
+	p.pushq = make(chan push, DefaultPushQueue)
+	go p.writer()
 	var active []*regionRec
 	for _, rr := range s.regions {
 		if rr.state == regionActive {
@@ -519,6 +571,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		}
 	}
 	s.cache, s.slotSize = c, layout.SlotSize()
+	s.accts.setShare(min(slots, kvcache.MaxSlots), s.lim.share)
 	if d != nil {
 		d.start(c)
 		s.disk = d
@@ -612,6 +665,14 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		// The policy hears of the hits after the reply is sent (settle):
 		// the LRU's moves are off the round trip.
 		n, p.slots = c.LookupLeaseDeferred(m.Keys, p.slots[:0])
+		if k := p.fitLeases(); k < n {
+			// Past the client's share (or a slot's lease count): a
+			// shorter prefix is leased.
+			if err := c.Unlease(p.slots[k:]); err != nil {
+				p.s.counter.internal.Add(1)
+			}
+			p.slots, n = p.slots[:k], k
+		}
 		o.N = uint64(n)
 		if s.disk != nil {
 			s.disk.saw(m.Keys)
@@ -637,11 +698,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 					m.Type, h.ID, h.Gen, map[bool]string{true: "load", false: "lease"}[load])
 			}
 			if load {
-				e.loads--
-				p.held.loads--
+				p.held.dropLoad(e)
 			} else {
-				e.leases--
-				p.held.leases--
+				p.held.dropLease(e)
 			}
 			p.slots = appendSlotOf(p.slots, h)
 		}
@@ -663,18 +722,16 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		for i, h := range m.Handles {
 			e := p.held.get(h)
 			if e == nil || !e.reserved {
+				now := time.Now().UnixNano()
 				for k, g := range m.Handles[:i] {
 					e, _ := p.held.take(g.ID, g.Gen)
-					e.reserved, e.heads = true, p.slots[k].Heads
-					p.held.reserved++
+					p.held.reserve(e, p.slots[k].Heads, now, nil)
 				}
-				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no reservation on it (given twice, or another's)",
-					m.Type, h.ID, h.Gen)
+				return errMsg(m.ReqID, wire.CodeNotYours, "%v of slot %d gen %d: this client holds no reservation on it (given twice, another's, or expired after %v)",
+					m.Type, h.ID, h.Gen, p.s.lim.reserve)
 			}
-			e.reserved = false
-			p.held.reserved--
 			p.slots = appendSlotOf(p.slots, h)
-			p.slots[len(p.slots)-1].Heads, e.heads = e.heads, kvcache.HeadRange{}
+			p.slots[len(p.slots)-1].Heads = p.held.unreserve(e)
 		}
 		var cerr error
 		if m.Type == wire.TAbortStore {
@@ -723,7 +780,35 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 // not found, or missing. p.mu held.
 func (p *peer) loadReply(o *wire.Msg, res []kvcache.LoadResult, onDisk func(j int) bool) *wire.Msg {
 	o.Type = wire.TBeginLoadOK
+	need := 0
+	for _, r := range res {
+		if r.Found && p.held.peek(uint32(r.Slot.ID)) == nil {
+			need++
+		}
+	}
+	grant := 0
+	if need > 0 {
+		grant = p.acct.grant(need)
+	}
+	var over []kvcache.Slot
+	defer func() {
+		p.acct.refund(grant)
+		if len(over) > 0 {
+			// Past the client's share, or a slot's load count: missing.
+			p.s.counter.overShare.Add(1)
+			if err := p.s.cache.EndLoad(over); err != nil {
+				p.s.counter.internal.Add(1)
+			}
+		}
+	}()
 	for j, r := range res {
+		if r.Found {
+			if e := p.held.peek(uint32(r.Slot.ID)); (e == nil && grant == 0) || (e != nil && e.loads >= maxSlotReads) {
+				over = append(over, r.Slot)
+				res[j].Found = false
+				r.Found = false
+			}
+		}
 		if !r.Found {
 			if onDisk != nil && onDisk(j) {
 				o.Outcomes = append(o.Outcomes, wire.OutcomeOnDisk)
@@ -742,8 +827,7 @@ func (p *peer) loadReply(o *wire.Msg, res []kvcache.LoadResult, onDisk func(j in
 			p.endLoads(res, j)
 			return errMsg(o.ReqID, wire.CodeInternal, "slot %d loaded in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
 		}
-		e.loads++
-		p.held.loads++
+		p.held.addLoad(e, &grant)
 		o.Outcomes = append(o.Outcomes, wire.OutcomeFound)
 		o.Slots = append(o.Slots, toWire(r.Slot))
 	}
@@ -761,8 +845,7 @@ func (p *peer) endLoads(res []kvcache.LoadResult, j int) {
 		}
 		if i < j {
 			e, _ := p.held.take(uint32(r.Slot.ID), r.Slot.Gen)
-			e.loads--
-			p.held.loads--
+			p.held.dropLoad(e)
 		}
 		slots = append(slots, r.Slot)
 	}
@@ -934,6 +1017,10 @@ func (p *peer) settle() {
 	p.s.cache.Accessed(p.slots)
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	defer func() {
+		p.acct.refund(p.grant)
+		p.grant = 0
+	}()
 	for _, sl := range p.slots {
 		e, ok := p.held.take(uint32(sl.ID), sl.Gen)
 		if !ok {
@@ -944,8 +1031,7 @@ func (p *peer) settle() {
 			p.s.cfg.Logf("client %d: slot %d leased in generation %d while it holds generation %d", p.id, sl.ID, sl.Gen, e.gen)
 			continue
 		}
-		e.leases++
-		p.held.leases++
+		p.held.addLease(e, &p.grant)
 	}
 }
 
@@ -954,11 +1040,9 @@ func (p *peer) restore(hs []wire.Handle, load bool) {
 	for _, h := range hs {
 		e, _ := p.held.take(h.ID, h.Gen)
 		if load {
-			e.loads++
-			p.held.loads++
+			p.held.addLoad(e, nil)
 		} else {
-			e.leases++
-			p.held.leases++
+			p.held.addLease(e, nil)
 		}
 	}
 }
@@ -992,17 +1076,34 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 		d.saw(keys)
 	}
 	var refused map[wire.Key]uint8
+	// The client's share: each key written takes one slot of the grant;
+	// the index is asked for at most as many keys as are left of it, and
+	// once none is left the rest are refused full (the keys of a chain cut
+	// short go to the index with the last key given as their parent).
+	grant := p.acct.grant(len(keys))
+	defer func() { p.acct.refund(grant) }()
+	now := time.Now().UnixNano()
 	for i := 0; i < len(keys); {
 		parent := m.Parent
-		if m.Flags&wire.FlagChain == 0 {
+		switch {
+		case m.Flags&wire.FlagChain == 0:
 			parent = m.Parents[i]
-			if out, ok := refused[parent]; ok && parent != (wire.Key{}) {
-				// The parent was refused in this call: so is its child.
-				o.Outcomes = append(o.Outcomes, out)
-				refused[keys[i]] = out
-				i++
-				continue
+		case i > 0:
+			parent = keys[i-1]
+		}
+		if out, ok := refused[parent]; ok && parent != (wire.Key{}) {
+			// The parent was refused in this call: so is its child.
+			o.Outcomes = append(o.Outcomes, out)
+			refused[keys[i]] = out
+			i++
+			continue
+		}
+		if grant == 0 {
+			p.s.counter.overShare.Add(1)
+			for range keys[i:] {
+				o.Outcomes = append(o.Outcomes, wire.OutcomeRefusedFull)
 			}
+			break
 		}
 		j := i + 1
 		if m.Flags&wire.FlagChain != 0 {
@@ -1012,6 +1113,7 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 				j++
 			}
 		}
+		j = min(j, i+grant)
 		var err error
 		p.storeRes, err = c.BeginStore(kvcache.StoreRequest{Namespace: ns, Parent: parent, Keys: keys[i:j], BlockIDs: blockIDs[i:j], Heads: heads}, p.storeRes[:0])
 		if err != nil {
@@ -1019,10 +1121,8 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 			p.slots = p.slots[:0]
 			for _, sl := range o.Slots {
 				e := p.held.get(sl.Handle())
-				e.reserved = false
-				p.held.reserved--
 				ks := slotOf(sl.Handle())
-				ks.Heads, e.heads = e.heads, kvcache.HeadRange{}
+				ks.Heads = p.held.unreserve(e)
 				p.slots = append(p.slots, ks)
 			}
 			if len(p.slots) > 0 {
@@ -1039,9 +1139,7 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 				if !ok || e.reserved {
 					return errMsg(m.ReqID, wire.CodeInternal, "slot %d reserved in generation %d while this client holds generation %d", r.Slot.ID, r.Slot.Gen, e.gen)
 				}
-				e.reserved = true
-				e.heads = r.Slot.Heads
-				p.held.reserved++
+				p.held.reserve(e, r.Slot.Heads, now, &grant)
 				o.Slots = append(o.Slots, toWire(r.Slot))
 			case kvcache.StorePresent:
 				out = wire.OutcomePresent
@@ -1087,6 +1185,23 @@ type Stats struct {
 	// InternalErrors counts states the node never expects (a client
 	// holding two generations of one slot); 0 unless there is a bug.
 	InternalErrors uint64 `json:"internal_errors"`
+	// Connections: connections open now (said Hello or not); ConnsRefused:
+	// connections refused past MaxConns or MaxConnsPerClient (also counted
+	// in Refused); AcceptErrors: accepts that failed (out of descriptors or
+	// memory, a connection aborted) and were retried; HelloTimeouts:
+	// connections closed for saying no Hello within HelloTimeout.
+	Connections   int    `json:"connections"`
+	ConnsRefused  uint64 `json:"conns_refused"`
+	AcceptErrors  uint64 `json:"accept_errors"`
+	HelloTimeouts uint64 `json:"hello_timeouts"`
+	// ShareSlots: the slots one client process may hold at once
+	// (ClientShare of the pool; 0 before the first client). OverShare:
+	// requests cut short by it (or by a slot's lease or load count).
+	// ReservationsExpired: reservations not committed within
+	// ReserveTimeout.
+	ShareSlots          int64  `json:"share_slots"`
+	OverShare           uint64 `json:"over_share"`
+	ReservationsExpired uint64 `json:"reservations_expired"`
 	// The disk tier (ServerConfig.Disk); all 0 without one.
 	DiskLookupHits  int64  `json:"disk_lookup_hits"`  // keys Lookups found on disk after the pool's hits
 	DiskHits        int64  `json:"disk_hits"`         // blocks BeginLoad promoted from disk
@@ -1156,5 +1271,10 @@ func (s *Server) Stats() Stats {
 	st.EventsDropped = s.counter.eventsDropped.Load()
 	st.PeersDropped = s.counter.peersDropped.Load()
 	st.InternalErrors = s.counter.internal.Load()
+	st.ConnsRefused, st.AcceptErrors = s.counter.refusedCap.Load(), s.counter.acceptErrors.Load()
+	st.HelloTimeouts, st.OverShare, st.ReservationsExpired = s.counter.helloTimeouts.Load(), s.counter.overShare.Load(), s.counter.expired.Load()
+	s.accts.mu.Lock()
+	st.Connections, st.ShareSlots = s.accts.conns, s.accts.share
+	s.accts.mu.Unlock()
 	return st
 }

@@ -108,7 +108,7 @@ func TestDisconnectWaitsForExit(t *testing.T) {
 // region), then every client unmaps them (hook, ack) and the node frees
 // them; the rest of the pool keeps serving.
 func TestTrimWithClients(t *testing.T) {
-	s := startServer(t, ServerConfig{PoolBytes: 4 << 20, RegionBytes: 1 << 20})
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 4 << 20, RegionBytes: 1 << 20})
 	type log struct {
 		sync.Mutex
 		added, retiring []uint32

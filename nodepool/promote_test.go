@@ -15,7 +15,7 @@ import (
 // waits for it; once the read goes on, every promoted block is found and
 // the node's holds add up to nothing after the EndLoads.
 func TestNodeDiskPromoteChunks(t *testing.T) {
-	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
 		Disk: &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
 	keys := testKeys(11, 24)
 	held := keys[3]
@@ -145,7 +145,7 @@ func TestNodeDiskPromoteChunks(t *testing.T) {
 // read held on the node is released once the read ends: the promoted
 // block's load is given back, nothing stays reserved or leased.
 func TestNodeDiskPromoteBye(t *testing.T) {
-	s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
+	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
 		Disk: &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
 	keys := testKeys(12, 12)
 	reached, gate := make(chan struct{}), make(chan struct{})

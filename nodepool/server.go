@@ -13,7 +13,11 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffload/kvoffload/internal/memfit"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/nodepool/wire"
@@ -37,8 +41,11 @@ const MaxRegionBytes int64 = 64 << 30
 
 // ServerConfig configures a node.
 type ServerConfig struct {
-	// Socket is the path of the unix socket (SOCK_SEQPACKET). Required. A
-	// stale socket (nothing listening) is replaced; a live one is an error.
+	// Socket is the path of the unix socket (SOCK_SEQPACKET), at most
+	// MaxSocketPath bytes. Required. The node holds an exclusive lock
+	// (flock) on Socket+".lock" while it runs, taken before anything else:
+	// a second node on the path is refused, as is a live socket of another
+	// kind; a stale socket (nothing listening) is replaced.
 	Socket string
 	// PoolBytes is the pool's size in bytes. Required.
 	PoolBytes int64
@@ -75,6 +82,37 @@ type ServerConfig struct {
 	OnEvents func([]wire.Event)
 	// Logf, when set, receives one line per connection event.
 	Logf func(format string, args ...any)
+	// BindNUMA binds the pool's memory to NUMA node NUMANode (mbind), and
+	// the pool must fit that node's free memory.
+	BindNUMA bool
+	NUMANode int
+	// MaxConns caps the node's connections, every client's together; one
+	// past it is told why and closed at once. 0: DefaultMaxConns, lowered
+	// to what RLIMIT_NOFILE leaves (a connection costs two descriptors).
+	MaxConns int
+	// MaxConnsPerClient caps the connections of one client process (its
+	// pid, SO_PEERCRED). 0: DefaultMaxConnsPerClient, at most a quarter of
+	// MaxConns.
+	MaxConnsPerClient int
+	// MaxConnsPerUser caps the connections of one user's processes
+	// together (the SO_PEERCRED uid), for a node that admits a group.
+	// 0: MaxConns.
+	MaxConnsPerUser int
+	// HelloTimeout closes a connection that has not said Hello by then.
+	// 0: DefaultHelloTimeout.
+	HelloTimeout time.Duration
+	// ClientShare is the fraction of the pool's slots, in (0, 1], that one
+	// client process (all its connections) may hold at once: reserved for
+	// its stores, leased, or loading. Past it, its stores are refused full,
+	// its lookups lease a shorter prefix and its loads find fewer blocks.
+	// 0: DefaultClientShare.
+	ClientShare float64
+	// ReserveTimeout: a reservation neither committed nor aborted this
+	// long after BeginStore expires (the block never becomes ready, the
+	// slot goes back to the pool, a later commit of it is refused). A
+	// client must not write into a reservation after it. 0:
+	// DefaultReserveTimeout.
+	ReserveTimeout time.Duration
 	// Disk, when set, puts a disk tier under the pool (see DiskConfig). It
 	// opens with the first client's layout (the records' size is the
 	// slot's); a directory it cannot use leaves the node serving without
@@ -90,6 +128,14 @@ type Server struct {
 	ln       *net.UnixListener
 	gid      int // -1: owner only
 	pageMode string
+	lim      limits
+	accts    accounts
+	lock     *os.File  // the flock on Socket+".lock", held until Close
+	sockID   [2]uint64 // dev and inode of the socket bound: Close removes only it
+	sys      memfit.System
+	// beforeRegion, when set (tests), runs before each region is mapped.
+	beforeRegion                    func(id uint32)
+	refusedLog, acceptLog, helloLog atomic.Uint64
 
 	mu          sync.Mutex
 	cache       *kvcache.Cache // created by the first Hello, with its layout
@@ -97,6 +143,7 @@ type Server struct {
 	namespaces  map[string]*nsRec
 	regions     map[uint32]*regionRec
 	peers       map[uint32]*peer
+	unhelloed   map[*peer]bool // connections that have not said Hello yet
 	nextPeer    uint32
 	closed      bool
 	draining    atomic.Int32 // regions draining (RemoveRegion'd, not yet releasable)
@@ -120,6 +167,7 @@ type Server struct {
 	counter     struct {
 		accepted, refused, malformed, releasedOnExit, releasedOnBye atomic.Uint64
 		eventsDropped, peersDropped, internal                       atomic.Uint64
+		refusedCap, acceptErrors, helloTimeouts, expired, overShare atomic.Uint64
 	}
 }
 
@@ -146,16 +194,62 @@ const (
 // ErrServerClosed: the node was closed.
 var ErrServerClosed = errors.New("nodepool: node closed")
 
-// NewServer maps the pool and listens on cfg.Socket. Serve must then run.
+// MaxSocketPath is the longest socket path: a unix socket address
+// (sun_path) holds 108 bytes, the terminating NUL included.
+const MaxSocketPath = 107
+
+// ErrInsufficientMemory: the pool does not fit what the machine allows
+// (MemAvailable, the memory cgroup's limit, RLIMIT_AS, the NUMA node's
+// free memory); the error says how much is available and where the limit
+// comes from.
+var ErrInsufficientMemory = errors.New("nodepool: insufficient memory for the pool")
+
+// NewServer is NewServerContext without a context.
 func NewServer(cfg ServerConfig) (*Server, error) {
-	if cfg.Socket == "" || cfg.PoolBytes <= 0 {
-		return nil, fmt.Errorf("nodepool: a socket path and a positive pool size are required (socket %q, pool %d bytes)", cfg.Socket, cfg.PoolBytes)
+	return NewServerContext(context.Background(), cfg)
+}
+
+// NewServerContext checks the configuration, takes the socket's lock,
+// checks that the whole pool fits the machine before it maps anything
+// (ErrInsufficientMemory), maps the pool region by region (ctx ending
+// between two stops it: what was mapped is unmapped and ctx's error
+// returned) and listens on cfg.Socket. Serve must then run.
+func NewServerContext(ctx context.Context, cfg ServerConfig) (*Server, error) {
+	return newServer(ctx, cfg, memfit.Host(), nil)
+}
+
+// CheckConfig reports the first of cfg's values that NewServer would
+// refuse before it touches the machine, with the value and its limit.
+func CheckConfig(cfg ServerConfig) error {
+	_, err := checkConfig(cfg)
+	return err
+}
+
+func checkConfig(cfg ServerConfig) (ServerConfig, error) {
+	switch {
+	case cfg.Socket == "":
+		return cfg, errors.New("nodepool: a socket path is required")
+	case len(cfg.Socket) > MaxSocketPath:
+		return cfg, fmt.Errorf("nodepool: socket path %q is %d bytes, at most %d (a unix socket address holds %d bytes, its terminating NUL included)",
+			cfg.Socket, len(cfg.Socket), MaxSocketPath, MaxSocketPath+1)
+	case cfg.PoolBytes <= 0:
+		return cfg, fmt.Errorf("nodepool: pool size %d bytes: must be positive", cfg.PoolBytes)
+	case cfg.RegionBytes < 0:
+		return cfg, fmt.Errorf("nodepool: region size %d bytes: must not be negative (0: the default %d)", cfg.RegionBytes, DefaultRegionBytes)
+	case cfg.RegionBytes > MaxRegionBytes:
+		return cfg, fmt.Errorf("nodepool: region size %d bytes: at most %d (one registration range in each client)", cfg.RegionBytes, MaxRegionBytes)
 	}
-	if cfg.RegionBytes <= 0 {
+	if cfg.RegionBytes == 0 {
 		cfg.RegionBytes = DefaultRegionBytes
 	}
-	if cfg.RegionBytes > MaxRegionBytes {
-		return nil, fmt.Errorf("nodepool: region size %d bytes: at most %d (one registration range in each client)", cfg.RegionBytes, MaxRegionBytes)
+	_, err := resolveLimits(&cfg, 0)
+	return cfg, err
+}
+
+func newServer(ctx context.Context, cfg ServerConfig, sys memfit.System, beforeRegion func(uint32)) (*Server, error) {
+	cfg, err := checkConfig(cfg)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.Policy == "" {
 		cfg.Policy = "lru"
@@ -166,12 +260,16 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
-	var err error
 	if cfg.Disk, err = checkDisk(cfg.Disk); err != nil {
 		return nil, err
 	}
+	lim, err := resolveLimits(&cfg, (cfg.PoolBytes+cfg.RegionBytes-1)/cfg.RegionBytes)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{cfg: cfg, gid: -1, namespaces: map[string]*nsRec{}, regions: map[uint32]*regionRec{},
-		peers: map[uint32]*peer{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192)}
+		peers: map[uint32]*peer{}, unhelloed: map[*peer]bool{}, waits: map[int32]*exitWait{}, stop: make(chan struct{}), events: make(chan wire.Event, 8192),
+		lim: lim, accts: accounts{byPid: map[int32]*account{}, byUid: map[uint32]int{}}, sys: sys, beforeRegion: beforeRegion}
 	if cfg.Group != "" {
 		gid, err := lookupGroup(cfg.Group)
 		if err != nil {
@@ -182,12 +280,35 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.OnEvents != nil {
 		s.subscribers.Add(1)
 	}
-	if err := s.mapPool(); err != nil {
+	if err := s.lockSocket(); err != nil {
+		return nil, err
+	}
+	node := -1
+	if cfg.BindNUMA {
+		node = cfg.NUMANode
+	}
+	// With HugeTLB, the free huge pages hold that much of the pool (the
+	// rest falls back to shared memory's pages, region by region).
+	need, huge := cfg.PoolBytes, int64(0)
+	if cfg.HugeTLB {
+		huge = min(s.sys.HugePagesFree(), need)
+		need -= huge
+	}
+	if err := s.sys.CheckFits(need, false, node); need > 0 && err != nil {
+		s.unlock()
+		if huge > 0 {
+			return nil, fmt.Errorf("%w: pool of %d bytes, %d of them beyond the free huge pages: %w", ErrInsufficientMemory, cfg.PoolBytes, need, err)
+		}
+		return nil, fmt.Errorf("%w: pool of %d bytes: %w", ErrInsufficientMemory, cfg.PoolBytes, err)
+	}
+	if err := s.mapPool(ctx); err != nil {
 		s.unmapAll()
+		s.unlock()
 		return nil, err
 	}
 	if err := s.listen(); err != nil {
 		s.unmapAll()
+		s.unlock()
 		return nil, err
 	}
 	return s, nil
@@ -206,10 +327,11 @@ func lookupGroup(g string) (int, error) {
 
 // mapPool maps every region (memfd, fallocate'd, populated unless
 // NoPrefault) and decides the page mode Info reports.
-func (s *Server) mapPool() error {
+func (s *Server) mapPool(ctx context.Context) error {
 	shmem := shmemEnabled()
 	opts := mmapmem.Options{Memfd: true, MemfdName: "kvoffload-node", HugeTLB: s.cfg.HugeTLB,
 		PrefaultThreads: s.cfg.PrefaultThreads, NoPrefault: s.cfg.NoPrefault,
+		BindNUMA: s.cfg.BindNUMA, NUMANode: s.cfg.NUMANode,
 		// MADV_HUGEPAGE matters on shared memory only where shmem_enabled
 		// is advise (always/within_size need no advice, never/deny refuse).
 		NoTHP: shmem == "never" || shmem == "deny"}
@@ -217,6 +339,12 @@ func (s *Server) mapPool() error {
 	var huge, thp int
 	fallback := ""
 	for left > 0 {
+		if s.beforeRegion != nil {
+			s.beforeRegion(id)
+		}
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("nodepool: stopped while mapping the pool, after %d of %d bytes: %w", s.cfg.PoolBytes-left, s.cfg.PoolBytes, err)
+		}
 		size := min(left, s.cfg.RegionBytes)
 		r, err := mmapmem.New(size, opts)
 		if err != nil {
@@ -297,24 +425,16 @@ func (s *Server) unmapAll() {
 // reachable with a wider mode.
 func (s *Server) listen() error {
 	path := s.cfg.Socket
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return fmt.Errorf("nodepool: %s exists and is not a socket", path)
-		}
-		if c, err := net.Dial("unixpacket", path); err == nil {
-			_ = c.Close()
-			return fmt.Errorf("nodepool: a node already listens on %s", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return fmt.Errorf("nodepool: remove stale socket: %w", err)
-		}
-	}
-	dir, err := os.MkdirTemp(filepath.Dir(path), ".kvoffload-node-")
+	dir, err := os.MkdirTemp(filepath.Dir(path), ".kvo")
 	if err != nil {
 		return fmt.Errorf("nodepool: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	tmp := filepath.Join(dir, "sock")
+	tmp := filepath.Join(dir, "s")
+	if len(tmp) > MaxSocketPath {
+		return fmt.Errorf("nodepool: socket path %q: the temporary path it is bound at first, %q, is %d bytes, at most %d: use a shorter directory",
+			path, tmp, len(tmp), MaxSocketPath)
+	}
 	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
 	if err != nil {
 		return fmt.Errorf("nodepool: listen: %w", err)
@@ -332,10 +452,16 @@ func (s *Server) listen() error {
 		_ = ln.Close()
 		return fmt.Errorf("nodepool: chmod socket: %w", err)
 	}
+	var st unix.Stat_t
+	if err := unix.Stat(tmp, &st); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("nodepool: stat socket: %w", err)
+	}
 	if err := os.Rename(tmp, path); err != nil {
 		_ = ln.Close()
 		return fmt.Errorf("nodepool: move socket into place: %w", err)
 	}
+	s.sockID = [2]uint64{uint64(st.Dev), st.Ino}
 	s.ln = ln
 	return nil
 }
@@ -347,11 +473,17 @@ func (s *Server) Addr() string { return s.cfg.Socket }
 // pages as shmem_enabled allows, or base pages), in words.
 func (s *Server) PageMode() string { return s.pageMode }
 
-// Serve accepts clients until Close; it returns nil after Close.
+// Serve accepts clients until Close; it returns nil after Close. A failed
+// accept (out of descriptors or memory, a connection aborted) is counted
+// (Stats.AcceptErrors) and retried after a pause: it never ends Serve. A
+// connection past ServerConfig.MaxConns or MaxConnsPerClient is told why
+// and closed at once.
 func (s *Server) Serve() error {
-	s.wg.Add(1)
+	s.wg.Add(2)
 	go s.fanOutEvents()
+	go s.expirer()
 	defer s.wg.Done()
+	var delay time.Duration
 	for {
 		c, err := s.ln.AcceptUnix()
 		if err != nil {
@@ -360,15 +492,24 @@ func (s *Server) Serve() error {
 				return nil
 			default:
 			}
-			if ne, ok := err.(net.Error); ok && ne.Timeout() {
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("nodepool: accept: %w", err)
 			}
-			return fmt.Errorf("nodepool: accept: %w", err)
+			if s.acceptBackoff(&delay, err) {
+				return nil
+			}
+			continue
+		}
+		delay = 0
+		a, cred := s.admit(c)
+		if a == nil {
+			continue
 		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.servePeer(c)
+			defer s.accts.closed(a)
+			s.servePeer(c, a, cred)
 		}()
 	}
 }
@@ -397,13 +538,17 @@ func (s *Server) CloseContext(ctx context.Context) error {
 	for _, w := range s.waits {
 		_ = w.f.Close()
 	}
-	peers := make([]*peer, 0, len(s.peers))
+	peers := make([]*peer, 0, len(s.peers)+len(s.unhelloed))
 	for _, p := range s.peers {
 		peers = append(peers, p)
 	}
+	for p := range s.unhelloed {
+		peers = append(peers, p) // not waited for until their HelloTimeout
+	}
 	s.mu.Unlock()
 	_ = s.ln.Close()
-	_ = os.Remove(s.cfg.Socket)
+	s.removeSocket()
+	s.unlock()
 	for _, p := range peers {
 		p.disconnect()
 	}

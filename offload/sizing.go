@@ -1,8 +1,6 @@
 package offload
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -13,14 +11,13 @@ import (
 	"strconv"
 	"strings"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/kvoffload/kvoffload/internal/cgroup"
+	"github.com/kvoffload/kvoffload/internal/memfit"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // system is what the engine reads about the machine: files under a root
-// (tests point it at a fake /proc and /sys tree) and RLIMIT_MEMLOCK.
+// (tests point it at a fake /proc and /sys tree) and RLIMIT_MEMLOCK. The
+// readings and the check are internal/memfit's, which the node shares.
 type system struct {
 	fsys    fs.FS
 	memlock func() (uint64, error) // soft RLIMIT_MEMLOCK; math.MaxUint64 for unlimited
@@ -32,151 +29,35 @@ type system struct {
 }
 
 func hostSystem() system {
-	return system{fsys: os.DirFS("/"), fsysName: "/", memlock: func() (uint64, error) {
-		var r unix.Rlimit
-		if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &r); err != nil {
-			return 0, fmt.Errorf("getrlimit(RLIMIT_MEMLOCK): %w", err)
-		}
-		if r.Cur == unix.RLIM_INFINITY {
-			return math.MaxUint64, nil
-		}
-		return r.Cur, nil
-	}, addrSpace: hostAddrSpace}
+	return system{fsys: os.DirFS("/"), fsysName: "/", memlock: memfit.HostMemlock, addrSpace: memfit.HostAddrSpace}
 }
 
-// hostAddrSpace is system.addrSpace of this process: the soft RLIMIT_AS
-// minus VmSize of /proc/self/status.
-func hostAddrSpace() (int64, bool) {
-	var r unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_AS, &r); err != nil || r.Cur == unix.RLIM_INFINITY || r.Cur > math.MaxInt64 {
-		return 0, false
-	}
-	data, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return 0, false
-	}
-	used, ok := meminfoField(data, "VmSize")
-	if !ok {
-		return 0, false
-	}
-	return max(int64(r.Cur)-used, 0), true
+func (s system) fit() memfit.System {
+	return memfit.System{FS: s.fsys, Memlock: s.memlock, AddrSpace: s.addrSpace}
 }
 
-func (s system) read(p string) ([]byte, error) {
-	return fs.ReadFile(s.fsys, strings.TrimPrefix(p, "/"))
-}
-
-// meminfoField returns a "Name: N kB" field of a meminfo file in bytes.
-func meminfoField(data []byte, name string) (int64, bool) {
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		// "MemAvailable: N kB" or, per node, "Node 0 MemFree: N kB".
-		for i := 0; i+1 < len(f); i++ {
-			if f[i] == name+":" {
-				v, err := strconv.ParseInt(f[i+1], 10, 64)
-				if err != nil {
-					return 0, false
-				}
-				if i+2 < len(f) && f[i+2] == "kB" {
-					v *= 1024
-				}
-				return v, true
-			}
-		}
-	}
-	return 0, false
-}
+func (s system) read(p string) ([]byte, error) { return s.fit().Read(p) }
 
 // memAvailable is MemAvailable of /proc/meminfo.
-func (s system) memAvailable() (int64, error) {
-	data, err := s.read("/proc/meminfo")
-	if err != nil {
-		return 0, err
-	}
-	v, ok := meminfoField(data, "MemAvailable")
-	if !ok {
-		return 0, errors.New("/proc/meminfo has no MemAvailable")
-	}
-	return v, nil
-}
+func (s system) memAvailable() (int64, error) { return s.fit().MemAvailable() }
 
-// nodeFree is MemFree of NUMA node n.
-func (s system) nodeFree(n int) (int64, error) {
-	p := fmt.Sprintf("/sys/devices/system/node/node%d/meminfo", n)
-	data, err := s.read(p)
-	if err != nil {
-		return 0, err
-	}
-	v, ok := meminfoField(data, "MemFree")
-	if !ok {
-		return 0, fmt.Errorf("%s has no MemFree", p)
-	}
-	return v, nil
-}
-
-// cgroupRoom returns the memory the process's cgroup (and its ancestors)
-// still allows: the smallest limit minus usage (usage counted as 0 when
-// unknown); ok is false when no limit is set. It reads cgroup v2
-// (memory.max, memory.current) and v1 (memory.limit_in_bytes,
-// memory.usage_in_bytes).
-func (s system) cgroupRoom() (room int64, where string, ok bool) {
-	levels, err := cgroup.Levels(s.read)
-	if err != nil {
-		return 0, "", false
-	}
-	room = math.MaxInt64
-	for _, lv := range levels {
-		if lv.Unlimited {
-			continue
-		}
-		if r := max(lv.Limit-lv.Usage, 0); r < room {
-			room, where, ok = r, lv.LimitFile, true
-		}
-	}
-	return room, where, ok
-}
-
-// checkFits refuses a pool of need bytes that the machine cannot hold:
-// MemAvailable, the cgroup limit, RLIMIT_MEMLOCK when mlock pins the pool,
-// and node's free memory when the pool is bound to a NUMA node (node < 0:
-// not bound). The error wraps ErrInsufficientMemory and says how much is
-// available and where the limit comes from.
+// checkFits refuses a pool of need bytes that the machine cannot hold
+// (memfit.System.CheckFits: MemAvailable, the cgroup limit, RLIMIT_AS,
+// RLIMIT_MEMLOCK when mlock pins the pool, and node's free memory when the
+// pool is bound to a NUMA node; node < 0: not bound). The error wraps
+// ErrInsufficientMemory and says how much is available and where the limit
+// comes from; a NUMA node it cannot read wraps ErrInvalidConfig.
 func (s system) checkFits(need int64, mlock bool, node int) error {
-	refuse := func(avail int64, what string) error {
-		return fmt.Errorf("%w: %d bytes (%.2f GiB) needed, %s allows %d bytes (%.2f GiB)",
-			ErrInsufficientMemory, need, gib(need), what, avail, gib(avail))
+	err := s.fit().CheckFits(need, mlock, node)
+	var short *memfit.Shortfall
+	var bad *memfit.NodeError
+	switch {
+	case errors.As(err, &short):
+		return fmt.Errorf("%w: %w", ErrInsufficientMemory, err)
+	case errors.As(err, &bad):
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	if avail, err := s.memAvailable(); err == nil && avail < need {
-		return refuse(avail, "MemAvailable in /proc/meminfo")
-	}
-	if room, where, ok := s.cgroupRoom(); ok && room < need {
-		return refuse(room, "the cgroup limit "+where+" (minus usage)")
-	}
-	if s.addrSpace != nil {
-		if room, ok := s.addrSpace(); ok && room < need {
-			return refuse(room, "RLIMIT_AS (ulimit -v) minus the process's VmSize")
-		}
-	}
-	if mlock && s.memlock != nil {
-		lim, err := s.memlock()
-		if err != nil {
-			return err
-		}
-		if lim < uint64(need) {
-			return refuse(int64(lim), "RLIMIT_MEMLOCK (raise it with ulimit -l, or use HostPinning \"none\")")
-		}
-	}
-	if node >= 0 {
-		free, err := s.nodeFree(node)
-		if err != nil {
-			return fmt.Errorf("%w: NUMA node %d: %w", ErrInvalidConfig, node, err)
-		}
-		if free < need {
-			return refuse(free, fmt.Sprintf("MemFree of NUMA node %d", node))
-		}
-	}
-	return nil
+	return err
 }
 
 // checkNode refuses a NUMA node the machine does not have, with an error
@@ -215,8 +96,6 @@ func (s system) gpuNUMANode(busID string) int {
 	}
 	return n
 }
-
-func gib(n int64) float64 { return float64(n) / (1 << 30) }
 
 // addSizes is a+b for non-negative sizes, false on overflow.
 func addSizes(a, b int64) (int64, bool) {

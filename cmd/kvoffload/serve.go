@@ -44,6 +44,13 @@ signal ends it at once), and says how many it wrote and left.`,
 		fs.BoolVar(&cfg.HugeTLB, "hugetlb", true, "map the pool from hugetlbfs (MFD_HUGETLB) where pages are reserved, else shared memory's pages")
 		fs.StringVar(&cfg.Policy, "policy", "lru", "eviction `policy`: lru or tinylfu")
 		fs.IntVar(&cfg.LowWatermark, "low-watermark", 0, "free `slots` kept by evicting ahead of demand")
+		numaNode := fs.Int("numa-node", -1, "bind the pool to this NUMA `node` (-1: not bound); the pool must fit its free memory")
+		fs.IntVar(&cfg.MaxConns, "max-conns", 0, fmt.Sprintf("at most this many `connections`, every client's together (0: %d, lowered to what RLIMIT_NOFILE allows)", nodepool.DefaultMaxConns))
+		fs.IntVar(&cfg.MaxConnsPerClient, "max-conns-per-client", 0, fmt.Sprintf("at most this many `connections` of one client process (0: %d, at most a quarter of --max-conns)", nodepool.DefaultMaxConnsPerClient))
+		fs.IntVar(&cfg.MaxConnsPerUser, "max-conns-per-user", 0, "at most this many `connections` of one user's processes together, with --group (0: --max-conns)")
+		fs.DurationVar(&cfg.HelloTimeout, "hello-timeout", nodepool.DefaultHelloTimeout, "close a connection that says no Hello within this `duration`")
+		fs.Float64Var(&cfg.ClientShare, "client-share", nodepool.DefaultClientShare, "the `fraction` of the pool's slots one client process may hold at once (reserved, leased or loading), in (0, 1]")
+		fs.DurationVar(&cfg.ReserveTimeout, "reserve-timeout", nodepool.DefaultReserveTimeout, "a reservation not committed within this `duration` expires (its slot goes back to the pool)")
 		metricsAddr := fs.String("metrics", "", "serve Prometheus metrics at http://`addr`/metrics")
 		eventsAddr := fs.String("events", "", "publish KV events (vLLM's schema) on a ZeroMQ PUB socket at `endpoint` (tcp://host:port)")
 		verbose := fs.Bool("v", false, "log connections, exits and regions to stderr")
@@ -62,6 +69,9 @@ signal ends it at once), and says how many it wrote and left.`,
 			}
 			if cfg.Socket == "" {
 				return fmt.Errorf("%w: --socket is required", errUsage)
+			}
+			if err := checkServeFlags(&cfg, *numaNode); err != nil {
+				return err
 			}
 			var needDisk string
 			closeTimeoutSet := false
@@ -127,7 +137,7 @@ signal ends it at once), and says how many it wrote and left.`,
 				defer pub.Close()
 				cfg.OnEvents = publisher(pub)
 			}
-			s, err := nodepool.NewServer(cfg)
+			s, err := nodepool.NewServerContext(ctx, cfg)
 			if err != nil {
 				return err
 			}
@@ -169,6 +179,41 @@ signal ends it at once), and says how many it wrote and left.`,
 			}
 		}
 	},
+}
+
+// checkServeFlags refuses serve's bad values as usage errors (exit 2),
+// naming the flag, the value and the limit, before anything is mapped.
+func checkServeFlags(cfg *nodepool.ServerConfig, numaNode int) error {
+	switch {
+	case cfg.PoolBytes <= 0:
+		return fmt.Errorf("%w: --pool %s: the pool must be a positive size (at least one slot of the first client's layout)", errUsage, formatSizeFlag(cfg.PoolBytes))
+	case cfg.RegionBytes > nodepool.MaxRegionBytes:
+		return fmt.Errorf("%w: --region %s: at most %s (one CUDA registration range in each client)", errUsage, formatSizeFlag(cfg.RegionBytes), formatSizeFlag(nodepool.MaxRegionBytes))
+	case len(cfg.Socket) > nodepool.MaxSocketPath:
+		return fmt.Errorf("%w: --socket %q is %d bytes, at most %d (a unix socket address holds %d bytes, its terminating NUL included)",
+			errUsage, cfg.Socket, len(cfg.Socket), nodepool.MaxSocketPath, nodepool.MaxSocketPath+1)
+	case cfg.MaxConns < 0:
+		return fmt.Errorf("%w: --max-conns %d must not be negative", errUsage, cfg.MaxConns)
+	case cfg.MaxConnsPerClient < 0:
+		return fmt.Errorf("%w: --max-conns-per-client %d must not be negative", errUsage, cfg.MaxConnsPerClient)
+	case cfg.MaxConnsPerUser < 0:
+		return fmt.Errorf("%w: --max-conns-per-user %d must not be negative", errUsage, cfg.MaxConnsPerUser)
+	case cfg.HelloTimeout <= 0:
+		return fmt.Errorf("%w: --hello-timeout %v must be positive", errUsage, cfg.HelloTimeout)
+	case cfg.ReserveTimeout <= 0:
+		return fmt.Errorf("%w: --reserve-timeout %v must be positive", errUsage, cfg.ReserveTimeout)
+	case !(cfg.ClientShare > 0 && cfg.ClientShare <= 1):
+		return fmt.Errorf("%w: --client-share %v: want a fraction of the pool above 0 and at most 1", errUsage, cfg.ClientShare)
+	case numaNode < -1:
+		return fmt.Errorf("%w: --numa-node %d: a node number, or -1 for none", errUsage, numaNode)
+	}
+	if numaNode >= 0 {
+		cfg.BindNUMA, cfg.NUMANode = true, numaNode
+	}
+	if err := nodepool.CheckConfig(*cfg); err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	return nil
 }
 
 // publisher sends the node's events as vLLM KVEventBatches (medium CPU;
@@ -242,6 +287,12 @@ func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
 	c("malformed_total", "Messages that did not decode.", func(st nodepool.Stats) float64 { return float64(st.Malformed) })
 	c("released_on_exit_total", "Clients whose holdings were released when their process exited.", func(st nodepool.Stats) float64 { return float64(st.ReleasedOnExit) })
 	c("events_dropped_total", "KV events dropped by a full queue.", func(st nodepool.Stats) float64 { return float64(st.EventsDropped) })
+	g("connections", "Connections open (said Hello or not).", func(st nodepool.Stats) float64 { return float64(st.Connections) })
+	c("conns_refused_total", "Connections refused past --max-conns or --max-conns-per-client.", func(st nodepool.Stats) float64 { return float64(st.ConnsRefused) })
+	c("accept_errors_total", "Accepts that failed (out of descriptors or memory, a connection aborted) and were retried.", func(st nodepool.Stats) float64 { return float64(st.AcceptErrors) })
+	c("hello_timeouts_total", "Connections closed for saying no Hello within --hello-timeout.", func(st nodepool.Stats) float64 { return float64(st.HelloTimeouts) })
+	c("over_share_total", "Requests cut short by a client's share of the pool (--client-share) or a slot's lease count.", func(st nodepool.Stats) float64 { return float64(st.OverShare) })
+	c("reservations_expired_total", "Reservations not committed within --reserve-timeout.", func(st nodepool.Stats) float64 { return float64(st.ReservationsExpired) })
 	if disk {
 		// The disk tier's series (--disk), as nodepool.Stats counts them;
 		// disk_up is 0 while the tier is not open (before the first

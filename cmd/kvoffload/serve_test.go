@@ -64,6 +64,8 @@ func TestServe(t *testing.T) {
 	_ = resp.Body.Close()
 	require.Contains(t, string(body), "kvoffload_node_stored_total 2")
 	require.Contains(t, string(body), "kvoffload_node_clients 1")
+	require.Contains(t, string(body), "kvoffload_node_connections 1")
+	require.Contains(t, string(body), "kvoffload_node_accept_errors_total 0")
 	require.NotContains(t, string(body), "kvoffload_node_disk_", "no disk tier, no disk series")
 	require.NoError(t, c.Close())
 
@@ -343,4 +345,39 @@ func stopServe(t *testing.T, cmd *exec.Cmd, msg ...any) {
 		require.Fail(t, "serve still running 10 s after SIGTERM", msg...)
 	}
 	require.Equal(t, 143, cmd.ProcessState.ExitCode(), msg...)
+}
+
+// TestServeUsageErrors (issue 52 item 10): serve's bad values are usage
+// errors (exit 2) naming the flag, the value and the limit, refused
+// before any memory is mapped; a pool the machine cannot hold is refused
+// (exit 1) naming the limit, before it is mapped.
+func TestServeUsageErrors(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "node.sock")
+	long := filepath.Join(dir, strings.Repeat("s", nodepool.MaxSocketPath-len(dir)))
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--pool", "0"}, "--pool 0: the pool must be a positive size"},
+		{[]string{"--region", "65GiB"}, "--region 65GiB: at most 64GiB"},
+		{[]string{"--socket", long}, fmt.Sprintf("is %d bytes, at most 107", len(long))},
+		{[]string{"--client-share", "0"}, "--client-share 0: want a fraction"},
+		{[]string{"--client-share", "1.5"}, "--client-share 1.5"},
+		{[]string{"--max-conns", "-1"}, "--max-conns -1 must not be negative"},
+		{[]string{"--hello-timeout", "0s"}, "--hello-timeout 0s must be positive"},
+		{[]string{"--reserve-timeout", "-1s"}, "--reserve-timeout -1s must be positive"},
+		{[]string{"--numa-node", "-2"}, "--numa-node -2"},
+	} {
+		args := append([]string{"serve", "--socket", sock}, tt.args...)
+		code, _, errs := runCLI(t, args...)
+		require.Equal(t, exitUsage, code, "%v: %s", tt.args, errs)
+		require.Contains(t, errs, tt.want, "%v", tt.args)
+		_, err := os.Lstat(sock)
+		require.True(t, os.IsNotExist(err), "%v: the socket was bound", tt.args)
+	}
+	code, _, errs := runCLI(t, "serve", "--socket", sock, "--pool", "256TiB", "--hugetlb=false")
+	require.Equal(t, exitError, code, errs)
+	require.Contains(t, errs, "insufficient memory for the pool")
+	require.Contains(t, errs, "281474976710656 bytes")
 }

@@ -41,6 +41,27 @@ func NewConn(uc *net.UnixConn) *Conn {
 	return c
 }
 
+// NewConnSize is NewConn receiving messages of at most recv bytes (a
+// longer one is refused as truncated, ErrMalformed) until SetRecvSize: a
+// server keeps a connection that has not said Hello small. recv 0: no
+// receive buffer (the connection only sends).
+func NewConnSize(uc *net.UnixConn, recv int) *Conn {
+	c := &Conn{uc: uc, rbuf: make([]byte, min(max(recv, 1), MaxMessage+1)), oob: make([]byte, unix.CmsgSpace(4*4))}
+	c.rc, _ = uc.SyscallConn()
+	c.tryRecv = c.tryRecvOnce
+	return c
+}
+
+// SetRecvSize lets Recv take messages of up to MaxMessage bytes, and sizes
+// the socket's buffers as NewConn does. Not concurrently with Recv.
+func (c *Conn) SetRecvSize() {
+	if len(c.rbuf) <= MaxMessage {
+		_ = c.uc.SetWriteBuffer(4 * MaxMessage)
+		_ = c.uc.SetReadBuffer(4 * MaxMessage)
+		c.rbuf = make([]byte, MaxMessage+1)
+	}
+}
+
 // UnixConn is the socket.
 func (c *Conn) UnixConn() *net.UnixConn { return c.uc }
 

@@ -9,7 +9,8 @@
 // MSG_TRUNC, reported as an error), a reader never waits for the rest of a
 // message a hostile peer never sends, and no length field can make a reader
 // allocate: every buffer is MaxMessage bytes, allocated once per
-// connection. File descriptors passed with SCM_RIGHTS ride on exactly the
+// connection (a node's connection starts with a small receive buffer,
+// NewConnSize, and takes the full one with its Hello). File descriptors passed with SCM_RIGHTS ride on exactly the
 // message they belong to (RegionAdded), which a byte stream cannot promise.
 // Delivery is reliable and ordered, as on a stream.
 //

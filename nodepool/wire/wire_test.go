@@ -2,9 +2,13 @@ package wire
 
 import (
 	"errors"
+	"net"
+	"os"
 	"reflect"
 	"runtime"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func key(i int) Key { return Key{byte(i), byte(i >> 8), 7} }
@@ -152,4 +156,45 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("%v re-encodes differently:\n%x\n%x", m.Type, b, out)
 		}
 	})
+}
+
+// TestConnSize: a connection of NewConnSize refuses a message longer than
+// its receive size as truncated (and stays usable), and takes one of
+// MaxMessage bytes after SetRecvSize.
+func TestConnSize(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		c, err := net.FileConn(os.NewFile(uintptr(fd), "sock"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*net.UnixConn)
+	}
+	a, b := NewConn(conn(fds[0])), NewConnSize(conn(fds[1]), 64)
+	defer a.Close()
+	defer b.Close()
+	big := &Msg{Type: TStatsOK, ReqID: 1, JSON: make([]byte, 1000)}
+	small := &Msg{Type: TStats, ReqID: 2}
+	var m Msg
+	for _, x := range []*Msg{big, small} {
+		if err := a.Send(x, -1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.Recv(&m); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("1000 bytes into 64: %v", err)
+	}
+	if _, err := b.Recv(&m); err != nil || m.ReqID != 2 {
+		t.Fatalf("the next message: %v %+v", err, m)
+	}
+	b.SetRecvSize()
+	if err := a.Send(big, -1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Recv(&m); err != nil || len(m.JSON) != 1000 {
+		t.Fatalf("after SetRecvSize: %v", err)
+	}
 }
