@@ -232,8 +232,9 @@ suite_tfcb() {
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
 		step_in python timeout 180 python3 -m unittest -v tests.test_tf_integration tests.test_tf_real tests.test_transformers_cb_bench
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 420 python3 bench/transformers_cb.py --budget "${KVO_TFCB_BUDGET:-300}" --out "$D"
-	# KVO_TFCB_EXAMPLE=0 leaves the example out (a call short of device time).
+		step timeout 420 python3 bench/transformers_cb.py --budget "${KVO_TFCB_BUDGET:-300}" --out "$D" ${KVO_TFCB_ARGS:-}
+	# KVO_TFCB_ARGS adds arguments (--models small, ...) and KVO_TFCB_EXAMPLE=0
+	# leaves the example out (a call short of device time).
 	[ "${KVO_TFCB_EXAMPLE:-1}" = 0 ] && return 0
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 120 python3 examples/transformers_cb.py
