@@ -315,7 +315,7 @@ def run_generate_batch(cb, model, wl_name, wl, workload, mode, args, rnd, gen, c
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate_batch([toks for _, toks, _ in workload], generation_config=gen,
-                                   continuous_batching_config=cbc, progress_bar=False)
+                                   continuous_batching_config=cbc, progress_bar=False, record_timestamps=True)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     except BaseException:
