@@ -248,26 +248,8 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
-        t0 = time.perf_counter()
-        submit, results = {}, {}
-        pending = list(workload)
-        deadline = t0 + args.run_timeout
-        arrival = wl.get("arrival")
-        while (pending or len(results) < len(workload)) and time.perf_counter() < deadline:
-            now = time.perf_counter()
-            while pending and (arrival is None or now >= t0 + len(submit) * arrival):
-                rid, toks, _ = pending.pop(0)
-                submit[rid] = time.perf_counter()
-                manager.add_request(toks, request_id=rid, max_new_tokens=wl["new_tokens"], record_timestamps=True,
-                                    eos_token_id=-1)
-                now = time.perf_counter()
-            wait = 0.5 if not pending else max(0.0, min(0.5, t0 + len(submit) * arrival - now))
-            r = manager.get_result(timeout=wait) if wait > 0 else None
-            if r is not None and r.is_finished():
-                results[r.request_id] = r
-            elif r is None and not manager.is_running():
-                break
-        wall = time.perf_counter() - t0
+        t0, submit, results, wall = cb.drive(manager, workload, wl["new_tokens"], args.run_timeout,
+                                             arrival=wl.get("arrival"))
         if prof is not None:
             prof.disable()
     except BaseException:
@@ -278,12 +260,11 @@ def run(cb, model, wl_name, wl, workload, mode, args, rnd=0, profile=None):
         if manager is not None:
             manager.stop(block=True, timeout=60)
             manager.destroy()
-    failed = [rid for rid, r in results.items() if r.error is not None]
-    if len(results) < len(workload) or failed:
+    bad = cb.unfinished(workload, results)
+    if bad:
         if tier is not None:
             tier.close()
-        raise RuntimeError(f"{wl_name}/{mode}: {len(results)} of {len(workload)} requests finished, "
-                           f"{len(failed)} failed")
+        raise RuntimeError(f"{wl_name}/{mode}: {bad}")
     ttft = [1000 * (r.timestamps[0] - submit[rid]) for rid, r in results.items() if r.timestamps]
     row = finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, checks)
     row["ttft_by_arrival"] = [(rid, round(1000 * (results[rid].timestamps[0] - submit[rid])))

@@ -221,7 +221,7 @@ def format_targets(ts):
 
 
 def format_report(command, machine, rows, ts, notes, started):
-    out = [f"# transformers continuous batching with kvoffload (issue 22)\n\n",
+    out = ["# transformers continuous batching with kvoffload (issue 22)\n\n",
            f"command: `{command}`  \n", f"date: {started}  \n", f"machine: {machine}\n\n",
            format_table(rows), "\n", format_details(rows), "\n## Targets\n\n", format_targets(ts)]
     if notes:
@@ -422,6 +422,43 @@ def instrument(manager, rec):
     manager._create_batch_processor = create
 
 
+def drive(manager, workload, new_tokens, timeout, arrival=None):
+    """Adds the workload's requests to a started manager, all at once or
+    request i at i x arrival seconds, and collects the finished results
+    until every request finished, the manager stopped or timeout seconds
+    passed. Returns (t0, {request id: submit time}, {request id: result},
+    wall seconds)."""
+    t0 = time.perf_counter()
+    submit, results = {}, {}
+    pending = list(workload)
+    deadline = t0 + timeout
+    while (pending or len(results) < len(workload)) and time.perf_counter() < deadline:
+        now = time.perf_counter()
+        while pending and (arrival is None or now >= t0 + len(submit) * arrival):
+            rid, toks, _ = pending.pop(0)
+            submit[rid] = time.perf_counter()
+            manager.add_request(toks, request_id=rid, max_new_tokens=new_tokens, record_timestamps=True,
+                                eos_token_id=-1)
+            now = time.perf_counter()
+        wait = 0.5 if not pending else max(0.0, min(0.5, t0 + len(submit) * arrival - now))
+        r = manager.get_result(timeout=wait) if wait > 0 else None
+        if r is not None and r.is_finished():
+            results[r.request_id] = r
+        elif r is None and not manager.is_running():
+            break
+    return t0, submit, results, time.perf_counter() - t0
+
+
+def unfinished(workload, results):
+    """None when every request of workload finished without error, else
+    what went wrong."""
+    failed = [rid for rid, r in results.items() if r.error is not None]
+    if len(results) < len(workload) or failed:
+        return (f"{len(results)} of {len(workload)} requests finished, {len(failed)} failed "
+                f"({failed[:3]}: {[results[f].error for f in failed[:1]]})")
+    return None
+
+
 def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, per_layer="auto"):
     import torch
     from transformers import GenerationConfig
@@ -450,21 +487,7 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
             checks.cache = rec["cache"]
         manager.start()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        submit = {}
-        for rid, toks, _ in workload:
-            submit[rid] = time.perf_counter()
-            manager.add_request(toks, request_id=rid, max_new_tokens=wl["new_tokens"], record_timestamps=True,
-                                eos_token_id=-1)
-        results = {}
-        deadline = t0 + args.run_timeout
-        while len(results) < len(workload) and time.perf_counter() < deadline:
-            r = manager.get_result(timeout=1)
-            if r is not None and r.is_finished():
-                results[r.request_id] = r
-            elif r is None and not manager.is_running():
-                break
-        wall = time.perf_counter() - t0
+        _, submit, results, wall = drive(manager, workload, wl["new_tokens"], args.run_timeout)
     except BaseException:
         if tier is not None:
             tier.close()
@@ -473,12 +496,11 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
         if manager is not None:
             manager.stop(block=True, timeout=60)
             manager.destroy()
-    failed = [rid for rid, r in results.items() if r.error is not None]
-    if len(results) < len(workload) or failed:
+    bad = unfinished(workload, results)
+    if bad:
         if tier is not None:
             tier.close()
-        raise RuntimeError(f"{wl_name}/{model_name}/{mode}: {len(results)} of {len(workload)} requests finished, "
-                           f"{len(failed)} failed ({failed[:3]}: {[results[f].error for f in failed[:1]]})")
+        raise RuntimeError(f"{wl_name}/{model_name}/{mode}: {bad}")
     tokens = {rid: list(r.generated_tokens) for rid, r in results.items()}
     ttft = [1000 * (r.timestamps[0] - submit[rid]) for rid, r in results.items() if r.timestamps]
     gen_tokens = sum(len(t) for t in tokens.values())
