@@ -1153,8 +1153,13 @@ class TransformersOffload:
         last token is computed again), resumed_partly and
         resume_recomputed_tokens (the others, and the tokens they recompute),
         store_<outcome> / load_<outcome> per block, keys_stored_twice (keys
-        copied into the pool more than once), and the engine's stats under
-        "engine"."""
+        copied into the pool more than once), behind_store_blocks (stored
+        behind the forward), evict_already_stored / swap_already_stored
+        (nothing to copy), evict_waited_inflight / swap_waited_inflight
+        (waited on a store in flight), lookup_misses and lookups_skipped
+        (misses not asked again), ns_<hook> and ns_<hook>_orig (nanoseconds
+        on the serving thread in each hook, and in transformers' method it
+        wraps), and the engine's stats under "engine"."""
         with self._lock:
             if self.engine is not None and not self.engine.closed:
                 self._reap(wait=wait)
