@@ -53,12 +53,24 @@ def _pack_tokens(tokens):
     except struct.error:
         bad = True
     if bad:
-        t = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int)), None)
-        if t is not None:
-            raise ArgumentTypeError(f"token id {t!r} is a {type(t).__name__}, must be an integer in [0, {_MAX_TOKEN}]")
-        t = next(t for t in tokens if not 0 <= t <= _MAX_TOKEN)
-        raise InvalidArgumentError(f"token id {t!r} is outside [0, {_MAX_TOKEN}]")
+        raise _token_error(tokens)
     return packed
+
+
+def _token_error(tokens, block=None):
+    """The error of the first block (block tokens each; None: one block)
+    holding a bad token: within it, a token of another type before one out
+    of range, as a block at a time always reported."""
+    block = block or max(len(tokens), 1)
+    for start in range(0, len(tokens), block):
+        chunk = tokens[start:start + block]
+        t = next((t for t in chunk if isinstance(t, bool) or not isinstance(t, int)), None)
+        if t is not None:
+            return ArgumentTypeError(f"token id {t!r} is a {type(t).__name__}, must be an integer in [0, {_MAX_TOKEN}]")
+        t = next((t for t in chunk if not 0 <= t <= _MAX_TOKEN), None)
+        if t is not None:
+            return InvalidArgumentError(f"token id {t!r} is outside [0, {_MAX_TOKEN}]")
+    return InvalidArgumentError("token ids could not be packed as uint32")
 
 
 def _block_key(tokens, ns, parent):
@@ -77,7 +89,10 @@ def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
     ns = _namespace_bytes(namespace)
     key = _parent_bytes(parent)
     full = len(tokens) // tokens_per_block * tokens_per_block
-    packed = _pack_tokens(tokens[:full])  # the whole chain at once: one pass of checks, not one a block
+    try:
+        packed = _pack_tokens(tokens[:full])  # the whole chain at once: one pass of checks, not one a block
+    except (ArgumentTypeError, InvalidArgumentError):
+        raise _token_error(tokens[:full], tokens_per_block) from None
     step = 4 * tokens_per_block
     keys = []
     sha = hashlib.sha256

@@ -104,3 +104,15 @@ class KeysMatchLibrary(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ChainErrors(unittest.TestCase):
+    def test_first_bad_block_decides_the_error(self):
+        # Block 0 holds a token out of range, block 1 one of another type:
+        # the first block's error, as a block at a time reported it.
+        with self.assertRaises(kvoffload.InvalidArgumentError):
+            kvoffload.chain_keys([1, -1, 3, 4, 1.5, 6], 2)
+        with self.assertRaises(kvoffload.ArgumentTypeError):
+            kvoffload.chain_keys([1, 2, True, 3, -1, 6], 2)
+        # A partial last block is not checked (it gets no key).
+        self.assertEqual(len(kvoffload.chain_keys([1, 2, 3, -1], 3)), 1)

@@ -565,13 +565,57 @@ class HooksWriteBehind(Hooks):
     def test_missed_lookup_retried_once_its_key_lands(self):
         prefix = list(range(3700, 3700 + 2 * BS))
         keys = kvoffload.chain_keys(prefix, BS, namespace=self.tier.key_namespace)
-        self.cache.search_prefix_match("w", prefix + [1])
-        self.cache.search_prefix_match("w", prefix + [1])
+        prompt = prefix + [1]  # transformers passes the waiting request's same list at every step
+        self.cache.search_prefix_match("w", prompt)
+        self.cache.search_prefix_match("w", prompt)
         self.assertEqual(self.tier.stats()["lookups_skipped"], 1)
         # The key lands in the pool (as another process's store would, here
         # stored through the tier's own path): the next lookup asks again.
         self.tier._land(keys[0])
-        self.cache.search_prefix_match("w", prefix + [1])
+        self.cache.search_prefix_match("w", prompt)
         st = self.tier.stats()
         self.assertEqual(st["lookups_skipped"], 1)
         self.assertEqual(st["lookup_misses"], 2)
+
+    def test_missed_lookup_memo_follows_the_prompt_and_expires(self):
+        prefix = list(range(3800, 3800 + 2 * BS))
+        first = prefix + [1]
+        self.cache.search_prefix_match("r", first)
+        self.assertEqual(self.tier.stats()["lookup_misses"], 1)
+        # The same request id with another prompt of the same length, whose
+        # blocks are in the pool: looked up, not skipped.
+        other = list(range(3900, 3900 + 2 * BS)) + [1]
+        a, _ = self.req("a", other, new=1)
+        F.finish(self.bp, a)
+        f, _ = self.req("filler", list(range(8000, 8000 + 11 * BS)), new=1)  # other's blocks leave the GPU
+        F.finish(self.bp, f)
+        got = self.cache.search_prefix_match("r", list(other))
+        self.assertEqual(got, 2 * BS, "found in kvoffload")
+        self.assertEqual(self.tier.stats().get("lookups_skipped", 0), 0)
+        # A memo is trusted for MISS_RECHECK_S at most.
+        self.cache.search_prefix_match("q", first)
+        self.cache.search_prefix_match("q", first)
+        skipped = self.tier.stats()["lookups_skipped"]
+        self.assertEqual(skipped, 1)
+        orig, kvt.MISS_RECHECK_S = kvt.MISS_RECHECK_S, 0.0
+        try:
+            self.cache.search_prefix_match("q", first)
+        finally:
+            kvt.MISS_RECHECK_S = orig
+        self.assertEqual(self.tier.stats()["lookups_skipped"], skipped)
+
+    def test_block_dropped_from_the_pool_is_stored_at_eviction(self):
+        prefix = list(range(4100, 4100 + 3 * BS))
+        a, _ = self.req("a", prefix + [1], new=1)
+        F.finish(self.bp, a)
+        keys = kvoffload.chain_keys(prefix, BS, namespace=self.tier.key_namespace)
+        self.tier.stats()  # reap: the stores behind the forward landed
+        self.tier.engine.delete(keys)  # the pool drops them (its own eviction, a trim, ...)
+        b, _ = self.req("b", list(range(8000, 8000 + 11 * BS)), new=1)  # evicts a's blocks
+        F.finish(self.bp, b)
+        st = self.tier.stats()
+        self.assertEqual(st["evict_dropped_from_pool"], 3)
+        self.assertEqual(self.tier.engine.lookup(keys), 3, "stored again at eviction")
+        c, computed = self.req("c", prefix + [2], new=1)
+        self.assertEqual(computed, 1)
+        self.assertEqual(self.gpu.bad, [])

@@ -321,6 +321,17 @@ def default_model_id(model):
 # ---- the tier -------------------------------------------------------------
 
 POOL_CACHES = 4  # default pool: this many times the GPU cache's bytes
+# A missed lookup is asked again at the latest after this many seconds (a
+# store by another process into a shared pool does not land here).
+MISS_RECHECK_S = 0.1
+
+
+def _prompt_ident(prompt_ids, matched, bs):
+    """What identifies a waiting request's prompt for the miss memo beyond
+    its id and length: the list object and the tokens of the block the
+    chain missed at (a request id reused with another prompt differs)."""
+    g = matched // bs
+    return id(prompt_ids), hash(tuple(prompt_ids[g * bs:(g + 1) * bs]))
 MIN_POOL_BYTES = 1 << 30
 
 
@@ -718,6 +729,17 @@ class TransformersOffload:
         self.counters[f"{why}_stores"] += 1
         return op
 
+    def _present(self, keys):
+        """The keys the pool holds now: lookup answers how many leading keys
+        it holds, so a run of present keys costs one call, and each absent
+        key one more."""
+        out, i = set(), 0
+        while i < len(keys):
+            n = self.engine.lookup(keys[i:])
+            out.update(keys[i:i + n])
+            i += n + 1
+        return out
+
     def _settled(self, key):
         """Whether key's block needs no copy before its GPU block is reused:
         it is in the pool (its store or load showed it), or its store is in
@@ -733,11 +755,20 @@ class TransformersOffload:
         alone, the others are stored now (and waited on)."""
         skeys, sids, sparents, waits = [], [], [], {}
         self._flush_loads(ids)
+        # _landed is a hint: the pool may have dropped a key since (its own
+        # eviction, a delete, a trim). Those it still holds are confirmed
+        # here, one lookup for a run of present keys.
+        landed = [k for k in keys if k in self._landed]
+        present = self._present(landed) if landed else set()
         for k, b, p in zip(keys, ids, parents):
             st = self._settled(k)
-            if st is True:
+            if st is True and k in present:
                 self.counters[f"{why}_already_stored"] += 1
                 continue
+            if st is True:
+                del self._landed[k]
+                st = None
+                self.counters[f"{why}_dropped_from_pool"] += 1
             if st:
                 waits[id(st)] = st
                 self.counters[f"{why}_waited_inflight"] += 1
@@ -819,8 +850,10 @@ class TransformersOffload:
             matched = orig(request_id, prompt_ids)
             miss = self._missed.get(request_id)
             if miss is not None:
-                m, n, key, seq = miss
-                if m == matched and n == len(prompt_ids) and self._landed.get(key, 0) <= seq:
+                m, n, key, seq, ident, at = miss
+                if (m == matched and n == len(prompt_ids) and self._landed.get(key, 0) <= seq
+                        and ident == _prompt_ident(prompt_ids, matched, self._cache.block_size)
+                        and time.monotonic() - at < MISS_RECHECK_S):
                     # The chain missed here before, and no store of the key
                     # it missed has landed since: nothing to look up.
                     self.counters["lookups"] += 1
@@ -900,10 +933,18 @@ class TransformersOffload:
                 continue
             # In kvoffload? One lookup over the rest of the chain; only the
             # blocks it finds are hashed the way transformers hashes them.
-            n = self.engine.lookup(keys[pos:limit])
+            try:
+                n = self.engine.lookup(keys[pos:limit])
+            except KvoError as e:  # what is appended so far stands; the rest is computed
+                logger.error("kvoffload: lookup for %s failed: %s", request_id, e)
+                self.counters["lookup_errors"] += 1
+                break
             if n == 0 and keys[pos] not in self._inflight:
                 if pos == g and tail is None:
-                    self._missed[request_id] = (matched, len(prompt_ids), keys[pos], self._seq)
+                    if len(self._missed) >= 4096:
+                        self._missed.clear()
+                    self._missed[request_id] = (matched, len(prompt_ids), keys[pos], self._seq,
+                                                _prompt_ident(prompt_ids, matched, bs), time.monotonic())
                     self.counters["lookup_misses"] += 1
                 break
             hashes, hh = [nh], nh
@@ -912,7 +953,13 @@ class TransformersOffload:
                 if hh in bm._hash_to_id:
                     break
                 hashes.append(hh)
-            got, deferred = self._load_full(table, keys[pos:pos + len(hashes)], hashes, keys[pos - 1] if pos else None)
+            try:
+                got, deferred = self._load_full(table, keys[pos:pos + len(hashes)], hashes,
+                                                keys[pos - 1] if pos else None)
+            except KvoError as e:  # _load_full appends only loads it issued: those stand
+                logger.error("kvoffload: load for %s failed: %s", request_id, e)
+                self.counters["lookup_errors"] += 1
+                break
             if not got:
                 break
             h, pos = hashes[got - 1], pos + got
@@ -1063,22 +1110,26 @@ class TransformersOffload:
     def _update(self, orig, key_states, value_states, layer_idx, read_index, write_index):
         """cache.update with per-layer loads: the current stream (the compute
         stream) waits on layer layer_idx's copies before reading the cache."""
-        pending = self._pending_layers
-        if pending:
-            stream = self._current_stream()
-            _, j = self._cache.layer_index_to_group_indices[layer_idx]
-            nlayers = len(self._cache.key_cache)
-            for entry in list(pending):
-                op, seen = entry[0], entry[1]
-                if j not in seen:
-                    if stream is None:  # no streams (host backend): the CPU waits
-                        op.wait()
-                    else:
-                        op.wait_layer(j, stream)
-                    seen.add(j)
-                if len(seen) == nlayers:
-                    pending.remove(entry)
+        if self._pending_layers:
+            with self._lock:  # stats() on another thread may reap (and unpend) meanwhile
+                self._wait_layers(layer_idx)
         return orig(key_states, value_states, layer_idx, read_index, write_index)
+
+    def _wait_layers(self, layer_idx):
+        pending = self._pending_layers
+        stream = self._current_stream()
+        _, j = self._cache.layer_index_to_group_indices[layer_idx]
+        nlayers = len(self._cache.key_cache)
+        for entry in list(pending):
+            op, seen = entry[0], entry[1]
+            if j not in seen:
+                if stream is None:  # no streams (host backend): the CPU waits
+                    op.wait()
+                else:
+                    op.wait_layer(j, stream)
+                seen.add(j)
+            if len(seen) == nlayers:
+                pending.remove(entry)
 
     @staticmethod
     def _current_stream():
