@@ -368,13 +368,12 @@ def warm_up(cb, model, wl, workload, args):
     """One untimed run of the workload's first contexts through
     transformers alone, so that no mode pays for the process's first
     forwards of these shapes."""
-    import argparse
     first = {}
     for item in workload:
         first.setdefault(item[2], item)
     w = dict(wl, arrival=None, generate_batch=False, requests=min(4, len(first)))
     t = time.perf_counter()
-    run(cb, model, "warm-up", w, list(first.values())[:4], "alone", argparse.Namespace(**vars(args)))
+    run(cb, model, "warm-up", w, list(first.values())[:4], "alone", args)
     print(f"warm-up: {time.perf_counter() - t:.1f} s", flush=True)
 
 

@@ -531,17 +531,24 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
     return row, tokens
 
 
-def write(out, command, mach, rows, notes, started):
-    """Writes out/transformers_cb.md and .json (nothing without out)."""
+def save(out, name, md, command, mach, rows, ts, notes, started):
+    """Writes out/name.md (md) and out/name.json (the rows, targets and
+    notes); nothing without out."""
     if not out:
         return
-    ts = targets(rows)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "transformers_cb.md"), "w") as f:
-        f.write(format_report(command, mach, rows, ts, notes, started))
-    with open(os.path.join(out, "transformers_cb.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"command": command, "rows": rows, "targets": ts, "notes": notes, "machine": mach,
                    "date": started}, f, indent=1, default=str)
+
+
+def write(out, command, mach, rows, notes, started):
+    """Writes out/transformers_cb.md and .json (nothing without out)."""
+    ts = targets(rows)
+    save(out, "transformers_cb", format_report(command, mach, rows, ts, notes, started), command, mach, rows, ts,
+         notes, started)
 
 
 def time_module():
@@ -564,22 +571,15 @@ def main_time(args, argv):
     command = "python3 bench/transformers_cb.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows, notes = [], []
 
-    def save():
-        if not args.out:
-            return None
+    def write_step():
         md, ts = tt.report(command, mach, args.step, rows, notes, started)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"tfcb-{args.step}.md"), "w") as f:
-            f.write(md)
-        with open(os.path.join(args.out, f"tfcb-{args.step}.json"), "w") as f:
-            json.dump({"command": command, "rows": rows, "targets": ts, "notes": notes, "machine": mach,
-                       "date": started}, f, indent=1, default=str)
-        return ts
+        save(args.out, f"tfcb-{args.step}", md, command, mach, rows, ts, notes, started)
+        return md, ts
 
     def emit(row):
         rows.append(row)
         print(tt.format_row(row), end="", flush=True)
-        save()
+        write_step()
 
     errors = 0
     try:
@@ -588,8 +588,7 @@ def main_time(args, argv):
         errors += 1
         traceback.print_exc()
         notes.append(f"FAILED: {type(e).__name__}: {e}")
-    save()
-    md, ts = tt.report(command, mach, args.step, rows, notes, started)
+    md, ts = write_step()
     print()
     print(md)
     print(f"total {time.perf_counter() - t_start:.0f} s")

@@ -44,16 +44,17 @@ def block_key(tokens, namespace=b"", parent=None):
     return _block_key(list(tokens), ns, parent)
 
 
-def _pack_tokens(tokens):
+def _pack_tokens(tokens, block=None):
     """tokens (a list) as little-endian uint32 bytes; raises for a token that
-    is not an int in [0, 2^32) (struct would take a bool as 0 or 1)."""
+    is not an int in [0, 2^32) (struct would take a bool as 0 or 1), the
+    error of the first bad block of block tokens (see _token_error)."""
     try:
         packed = struct.pack("<%dI" % len(tokens), *tokens)
         bad = bool in set(map(type, tokens))
     except struct.error:
         bad = True
     if bad:
-        raise _token_error(tokens)
+        raise _token_error(tokens, block)
     return packed
 
 
@@ -89,10 +90,7 @@ def chain_keys(tokens, tokens_per_block, namespace=b"", parent=None):
     ns = _namespace_bytes(namespace)
     key = _parent_bytes(parent)
     full = len(tokens) // tokens_per_block * tokens_per_block
-    try:
-        packed = _pack_tokens(tokens[:full])  # the whole chain at once: one pass of checks, not one a block
-    except (ArgumentTypeError, InvalidArgumentError):
-        raise _token_error(tokens[:full], tokens_per_block) from None
+    packed = _pack_tokens(tokens[:full], tokens_per_block)  # the whole chain at once: one pass of checks
     step = 4 * tokens_per_block
     keys = []
     sha = hashlib.sha256

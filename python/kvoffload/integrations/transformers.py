@@ -321,6 +321,7 @@ def default_model_id(model):
 # ---- the tier -------------------------------------------------------------
 
 POOL_CACHES = 4  # default pool: this many times the GPU cache's bytes
+MIN_POOL_BYTES = 1 << 30
 # A missed lookup is asked again at the latest after this many seconds (a
 # store by another process into a shared pool does not land here).
 MISS_RECHECK_S = 0.1
@@ -332,7 +333,6 @@ def _prompt_ident(prompt_ids, matched, bs):
     chain missed at (a request id reused with another prompt differs)."""
     g = matched // bs
     return id(prompt_ids), hash(tuple(prompt_ids[g * bs:(g + 1) * bs]))
-MIN_POOL_BYTES = 1 << 30
 
 
 def cache_bytes(cache):
@@ -464,7 +464,8 @@ class TransformersOffload:
         self._pending_layers = []  # [op, layers waited on, GPU block ids] of per-layer loads not all waited on
         self._landed = {}  # key -> sequence number when its store (or load) showed it in the pool
         self._seq = 0
-        self._missed = {}  # request id -> (GPU match, prompt length, first missing key, sequence number)
+        self._missed = {}  # request id -> (GPU match, prompt length, first missing key, sequence number,
+        #                     _prompt_ident, time of the miss)
         self._lock = threading.RLock()
         self.counters = Counter()
         self.stored_keys = Counter()  # key -> times its outcome was "stored" (a copy into the pool)
@@ -626,14 +627,6 @@ class TransformersOffload:
 
     # ---- ordering helpers ------------------------------------------------
 
-    def _after_store(self, op):
-        """The compute stream waits on the store before anything it queues
-        later (the overwrite of the stored blocks) runs."""
-        if self._stream is not None:
-            op.wait_stream(self._stream)
-        else:
-            op.wait()
-
     def _wait_op(self, op):
         """The compute stream waits on op's copies (the CPU, without streams)."""
         if self._stream is not None:
@@ -720,8 +713,8 @@ class TransformersOffload:
             return None
         if self.observer is not None:
             self.observer.stored(list(keys), list(ids), op, self._stream)
-        if wait:
-            self._after_store(op)
+        if wait:  # the blocks' overwrite, queued later, waits for the copies
+            self._wait_op(op)
         self._stores.append((op, list(keys)))
         for k in keys:
             self._inflight[k] = op
@@ -740,14 +733,6 @@ class TransformersOffload:
             i += n + 1
         return out
 
-    def _settled(self, key):
-        """Whether key's block needs no copy before its GPU block is reused:
-        it is in the pool (its store or load showed it), or its store is in
-        flight (returned: the op to wait on)."""
-        if key in self._landed:
-            return True
-        return self._inflight.get(key)
-
     def _store_or_wait(self, keys, ids, parents, why):
         """Before GPU blocks ids (holding keys) are handed to another
         request: blocks already in the pool cost nothing, blocks whose
@@ -761,16 +746,15 @@ class TransformersOffload:
         landed = [k for k in keys if k in self._landed]
         present = self._present(landed) if landed else set()
         for k, b, p in zip(keys, ids, parents):
-            st = self._settled(k)
-            if st is True and k in present:
+            if k in present:
                 self.counters[f"{why}_already_stored"] += 1
                 continue
-            if st is True:
+            if k in self._landed:
                 del self._landed[k]
-                st = None
                 self.counters[f"{why}_dropped_from_pool"] += 1
-            if st:
-                waits[id(st)] = st
+            op = self._inflight.get(k)
+            if op is not None:
+                waits[id(op)] = op
                 self.counters[f"{why}_waited_inflight"] += 1
                 continue
             skeys.append(k)
