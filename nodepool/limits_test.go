@@ -382,20 +382,33 @@ func TestLeaseCountBound(t *testing.T) {
 		p = q
 	}
 	s.mu.Unlock()
-	p.mu.Lock()
-	e := p.held.peek(leased[0].ID)
-	e.leases = maxSlotReads // as if it had taken that many
-	p.mu.Unlock()
+	// The node records a Lookup's leases (settle) after its reply went
+	// out: wait for the record before changing it, and never stop the
+	// test with p.mu held (the server's Close would wait for it).
+	var e *holding
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		p.mu.Lock()
+		if e = p.held.peek(leased[0].ID); e != nil && e.leases == 1 {
+			e.leases = maxSlotReads // as if it had taken that many
+			p.mu.Unlock()
+			break
+		}
+		p.mu.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatal("the first Lookup's lease was not recorded")
+		}
+	}
 	hits, more, err := c.Lookup(keys, true, nil)
 	if err != nil || hits != 0 || len(more) != 0 {
 		t.Fatalf("a lease past %d on one slot: %d hits, %v", maxSlotReads, hits, err)
 	}
 	p.mu.Lock()
-	if e.leases != maxSlotReads {
-		t.Fatalf("lease count %d", e.leases)
-	}
+	got := e.leases
 	e.leases = 1
 	p.mu.Unlock()
+	if got != maxSlotReads {
+		t.Fatalf("lease count %d", got)
+	}
 	if err := c.Unlease(leased); err != nil {
 		t.Fatal(err)
 	}
