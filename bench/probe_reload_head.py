@@ -41,7 +41,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--early-events", action="store_true")
     ap.add_argument("--pool-blocks", type=int, default=0,
                     help="the host pool in blocks (default: the blocks + 16; realmodel.py's is 4112)")
     ap.add_argument("--kv-blocks", type=int, default=0,
@@ -78,7 +77,7 @@ def main(argv=None):
           for _ in range(LAYERS)]
     pool = (args.pool_blocks or n + 16) * BLOCK
     eng = kvoffload.Engine.from_tensors(kv, pool_bytes=pool, first_region_bytes=pool, namespace="probe",
-                                        policy="lru", early_events=args.early_events)
+                                        policy="lru")
     eng.wait_grown()
     lib = _lib.get()
     compute = torch.cuda.current_stream()
@@ -212,7 +211,7 @@ def main(argv=None):
             if rep:
                 res[name].append(ms)
     fl = min(f0, floor())
-    mode = ("early events" if args.early_events else "default mode") + (", the model built" if model is not None else "")
+    mode = "default mode" + (", the model built" if model is not None else "")
     print(f"\n{n} blocks ({nbytes / 1e9:.3f} GB), {mode}, pool {pool // BLOCK} blocks, KV {num_blocks} blocks, "
           f"contiguous H2D floor {fl:.3f} ms "
           f"(best of 5 before and 5 after); median of {args.reps} reps, variants interleaved")

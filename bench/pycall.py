@@ -1,7 +1,7 @@
 """Where a Python load() of many blocks spends its time (issue 21's "the
 Python call's time reported beside" Go's): no model, the real-model
 benchmark's KV geometry (32 layers, 8 KV heads of 128, 16-token bf16
-blocks: 2 MiB a block) on the GPU, early events, blocks stored from random
+blocks: 2 MiB a block) on the GPU, blocks stored from random
 GPU block ids and loaded into others.
 
 Per size and rep it times, on the wall clock:
@@ -65,7 +65,7 @@ def main(argv=None):
           for _ in range(LAYERS)]
     pool = (nmax + 16) * BLOCK
     eng = kvoffload.Engine.from_tensors(kv, pool_bytes=pool, first_region_bytes=pool, namespace="pycall",
-                                        policy="lru", early_events=True)
+                                        policy="lru")
     eng.wait_grown()
     lib = _lib.get()
     compute = torch.cuda.current_stream()

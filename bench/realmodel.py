@@ -47,12 +47,20 @@ DTYPE_BYTES = 2  # bf16
 DEFAULT_TOKENS = (2048, 8192, 32768)
 NAMESPACE = "realmodel/llama-8b-geometry/bf16"
 
-# Targets (issue 21): reload at >= 92% of a contiguous pinned H2D copy of the
-# same bytes, store at >= 90% of a contiguous D2H copy, and per-layer events
-# no later than their share of the whole load plus 1 ms.
+# Targets (issues 21 and 51): reload at >= 92% of a contiguous pinned H2D copy
+# of the same bytes (95% from RELOAD_LONG_TOKENS tokens), store at >= 92% of a
+# contiguous D2H copy, per-layer events no later than their share of the
+# same-run contiguous H2D copy plus 0.75 ms, store() and load() back within
+# 1.5 ms, wait_layer(0) back within 1 ms of the load() call, and the first
+# store (the warm-up) within 1.2x the timed ones.
 RELOAD_MIN = 0.92
-STORE_MIN = 0.90
-LAYER_SLACK_MS = 1.0
+RELOAD_LONG_MIN = 0.95
+RELOAD_LONG_TOKENS = 8192
+STORE_MIN = 0.92
+LAYER_SLACK_MS = 0.75
+CALL_MAX_MS = 1.5
+WAIT0_MAX_MS = 1.0
+FIRST_STORE_MAX = 1.2
 
 
 # ---- plain Python: block ids, paging, results --------------------------------
@@ -112,8 +120,9 @@ def ratio(num, den):
 
 
 def layer_verdicts(layer_ms, total_ms, slack_ms=LAYER_SLACK_MS):
-    """Layers whose event came later than (l+1)*total/L + slack: a list of
-    (layer, ms, bound) for the late ones (empty: PASS)."""
+    """Layers whose event came later than (l+1)*total/L + slack (total: the
+    contiguous H2D copy of the whole KV): a list of (layer, ms, bound) for
+    the late ones (empty: PASS)."""
     n = len(layer_ms)
     late = []
     for l, ms in enumerate(layer_ms):
@@ -124,31 +133,52 @@ def layer_verdicts(layer_ms, total_ms, slack_ms=LAYER_SLACK_MS):
 
 
 def targets(row):
-    """The PASS/FAIL lines of one size's row (see Row)."""
+    """The PASS/FAIL lines of one size's row (see make_row), in this order:
+    reload, store, per-layer, call times, wait_layer(0), first store. A
+    value not measured (nan) fails."""
     out = []
+    t = row["tokens"]
     fr = row["floor_over_reload"]
-    out.append((fr >= RELOAD_MIN, f"{row['tokens']} tokens: reload {row['reload_ms']:.2f} ms, contiguous H2D "
-                f"{row['h2d_ms']:.2f} ms: {100 * fr:.1f}% of the floor [>= {100 * RELOAD_MIN:.0f}%]"))
+    rmin = RELOAD_LONG_MIN if t >= RELOAD_LONG_TOKENS else RELOAD_MIN
+    out.append((fr >= rmin, f"{t} tokens: reload {row['reload_ms']:.2f} ms, contiguous H2D "
+                f"{row['h2d_ms']:.2f} ms: {100 * fr:.1f}% of the floor [>= {100 * rmin:.0f}%]"))
     sr = row["d2h_over_store"]
-    out.append((sr >= STORE_MIN, f"{row['tokens']} tokens: store {row['store_ms']:.2f} ms, contiguous D2H "
+    out.append((sr >= STORE_MIN, f"{t} tokens: store {row['store_ms']:.2f} ms, contiguous D2H "
                 f"{row['d2h_ms']:.2f} ms: {100 * sr:.1f}% of the floor [>= {100 * STORE_MIN:.0f}%]"))
-    late = layer_verdicts(row["layer_ms"], row["layer_total_ms"])
+    late = layer_verdicts(row["layer_ms"], row["h2d_ms"])
+    if row["h2d_ms"] != row["h2d_ms"]:
+        late = [(0, row["layer_ms"][0], float("nan"))]
     if late:
         l, ms, bound = late[0]
-        text = (f"{row['tokens']} tokens: per-layer load: {len(late)} of {len(row['layer_ms'])} layers late, "
-                f"first layer {l} at {ms:.2f} ms > {bound:.2f} ms [(l+1)*total/L + {LAYER_SLACK_MS:g} ms]")
+        text = (f"{t} tokens: per-layer load: {len(late)} of {len(row['layer_ms'])} layers late, "
+                f"first layer {l} at {ms:.2f} ms > {bound:.2f} ms [(l+1)*C/L + {LAYER_SLACK_MS:g} ms, "
+                f"C the contiguous H2D copy]")
     else:
-        text = (f"{row['tokens']} tokens: per-layer load: every layer l by (l+1)*total/L + {LAYER_SLACK_MS:g} ms "
-                f"(layer 0 at {row['layer_ms'][0]:.2f} ms, all at {row['layer_total_ms']:.2f} ms)")
+        text = (f"{t} tokens: per-layer load: every layer l by (l+1)*C/L + {LAYER_SLACK_MS:g} ms, C the contiguous "
+                f"H2D copy (layer 0 at {row['layer_ms'][0]:.2f} ms, all at {row['layer_total_ms']:.2f} ms)")
     out.append((not late, text))
+    lc, sc = row["load_return_ms"], row["store_call_ms"]
+    out.append((lc <= CALL_MAX_MS and sc <= CALL_MAX_MS,
+                f"{t} tokens: load() returned after {lc:.3f} ms, store() after {sc:.3f} ms [<= {CALL_MAX_MS:g} ms]"))
+    w0 = row["wait0_ms"]
+    out.append((w0 <= WAIT0_MAX_MS, f"{t} tokens: wait_layer(0) returned {w0:.3f} ms after the per-layer load() "
+                f"was called [<= {WAIT0_MAX_MS:g} ms]"))
+    fs = row["first"].get("store_ms", float("nan"))
+    out.append((fs <= FIRST_STORE_MAX * row["store_ms"],
+                f"{t} tokens: first store {fs:.2f} ms, {ratio(fs, row['store_ms']):.2f}x the timed stores' "
+                f"{row['store_ms']:.2f} ms [<= {FIRST_STORE_MAX:g}x]"))
     return out
 
 
 def make_row(tokens, prefill_ms, reload_ms, load_return_ms, layer_ms, layer_total_ms, store_ms, h2d_ms, d2h_ms,
-             first=None):
+             first=None, store_call_ms=float("nan"), wait0_ms=float("nan")):
     """One size's results: medians of the timed reps (layer_ms: the median
-    per layer), best-of references, and the warm-up's times in first."""
+    per layer; load_return_ms, store_call_ms: the calls' wall clock;
+    wait0_ms: from the per-layer load() call until wait_layer(0) returned),
+    best-of references, and the warm-up's times in first."""
     return {
+        "store_call_ms": store_call_ms,
+        "wait0_ms": wait0_ms,
         "tokens": tokens,
         "kv_gb": kv_bytes(tokens) / 1e9,
         "prefill_ms": prefill_ms,
@@ -168,9 +198,9 @@ def make_row(tokens, prefill_ms, reload_ms, load_return_ms, layer_ms, layer_tota
 
 TABLE_HEADER = (
     "| tokens | KV GB | recompute (prefill ms) | reload ms | contiguous H2D ms | floor/reload "
-    "| load() returned after ms | per-layer load: layer 0 / all ms | store ms | contiguous D2H ms "
-    "| D2H/store | recompute/reload |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    "| load() returned after ms | wait_layer(0) returned after ms | per-layer load: layer 0 / all ms | store ms "
+    "| store() returned after ms | contiguous D2H ms | D2H/store | recompute/reload |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 
 
 def format_table(rows):
@@ -178,9 +208,9 @@ def format_table(rows):
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['kv_gb']:.2f} | {r['prefill_ms']:.1f} | {r['reload_ms']:.2f} | {r['h2d_ms']:.2f} "
-            f"| {r['floor_over_reload']:.2f} | {r['load_return_ms']:.3f} | {r['layer_ms'][0]:.2f} / "
-            f"{r['layer_total_ms']:.2f} | {r['store_ms']:.2f} | {r['d2h_ms']:.2f} | {r['d2h_over_store']:.2f} "
-            f"| {r['recompute_over_reload']:.1f}x |\n")
+            f"| {r['floor_over_reload']:.2f} | {r['load_return_ms']:.3f} | {r['wait0_ms']:.3f} | {r['layer_ms'][0]:.2f} / "
+            f"{r['layer_total_ms']:.2f} | {r['store_ms']:.2f} | {r['store_call_ms']:.3f} | {r['d2h_ms']:.2f} "
+            f"| {r['d2h_over_store']:.2f} | {r['recompute_over_reload']:.1f}x |\n")
     return "".join(lines)
 
 
@@ -209,8 +239,9 @@ def format_report(command, machine, rows, checks, reps, started):
         f"({kv_bytes(TPB) >> 20} MiB per block over all layers) at random GPU block ids. "
         f"Median of {reps} timed reps after one warm-up; contiguous copies: best of {reps}. "
         "reload: CUDA events on the compute stream, from just before load() to after the stream waited on the op. "
-        "load() returned after: wall clock of the call. Per-layer: a per_layer load, the compute stream waiting "
-        "on each layer's event in turn and recording its own event after each. The engine's copy calibration "
+        "load() and store() returned after: wall clock of the call. wait_layer(0) returned after: wall clock from "
+        "the per-layer load() call until wait_layer(0) returned. Per-layer: a per_layer load, the compute stream "
+        "waiting on each layer's event in turn and recording its own event after each. The engine's copy calibration "
         "ran (wait_grown) before the model did.\n\n",
         format_table(rows), "\n## First op (warm-up) per size\n\n", format_first(rows),
         "\n## Targets\n\n", format_targets(rows), "\n## Checks\n\n",
@@ -489,18 +520,24 @@ def selfcheck():
     assert from_paged(moved, dst) == seq
 
     assert layer_verdicts([1.0, 2.0, 3.0, 4.0], 4.0) == []
-    assert layer_verdicts([3.5, 2.0, 3.0, 4.0], 4.0) == [(0, 3.5, 2.0)]
-    row = make_row(2048, prefill_ms=61.5, reload_ms=5.0, load_return_ms=0.2, layer_ms=[0.3 * (i + 1) for i in range(32)],
-                   layer_total_ms=9.6, store_ms=5.2, h2d_ms=4.8, d2h_ms=4.9, first={"store_ms": 9, "load_ms": 8})
+    assert layer_verdicts([3.5, 2.0, 3.0, 4.0], 4.0) == [(0, 3.5, 1.75)]
+    row = make_row(2048, prefill_ms=61.5, reload_ms=5.0, load_return_ms=0.2, layer_ms=[0.15 * (i + 1) for i in range(32)],
+                   layer_total_ms=9.6, store_ms=5.2, h2d_ms=4.8, d2h_ms=4.9, first={"store_ms": 6, "load_ms": 8},
+                   store_call_ms=0.3, wait0_ms=0.5)
     assert abs(row["kv_gb"] - 0.268435456) < 1e-9
     v = targets(row)
-    assert [ok for ok, _ in v] == [True, True, True], v
-    slow = dict(row, floor_over_reload=0.5, d2h_over_store=0.89, layer_ms=[5.0] + row["layer_ms"][1:])
-    assert [ok for ok, _ in targets(slow)] == [False, False, False]
+    assert [ok for ok, _ in v] == [True] * 6, v
+    slow = dict(row, floor_over_reload=0.5, d2h_over_store=0.91, layer_ms=[5.0] + row["layer_ms"][1:],
+                store_call_ms=1.6, wait0_ms=1.01, first={"store_ms": 6.3})
+    assert [ok for ok, _ in targets(slow)] == [False] * 6
+    # 94% of the floor passes at 2k tokens, not from 8k.
+    assert targets(dict(row, floor_over_reload=0.94))[0][0]
+    assert not targets(dict(row, tokens=8192, floor_over_reload=0.94))[0][0]
     md = format_report("python3 bench/realmodel.py --selfcheck", {"gpu": "none"}, [row],
                        [(True, "2048 tokens: 128 blocks byte-exact")], 5, "2026-01-01T00:00:00Z")
-    for want in ("| 2048 | 0.27 | 61.5 | 5.00 | 4.80 | 0.96 | 0.200 | 0.30 / 9.60 | 5.20 | 4.90 | 0.94 | 12.3x |",
-                 "- PASS: 2048 tokens: reload 5.00 ms", "| 2048 | 9.00 | 8.00 | nan |", "Command: `python3",
+    for want in ("| 2048 | 0.27 | 61.5 | 5.00 | 4.80 | 0.96 | 0.200 | 0.500 | 0.15 / 9.60 | 5.20 | 0.300 | 4.90 | 0.94 "
+                 "| 12.3x |",
+                 "- PASS: 2048 tokens: reload 5.00 ms", "| 2048 | 6.00 | 8.00 | nan |", "Command: `python3",
                  "- ok: 2048 tokens"):
         assert want in md, (want, md)
     tier_selfcheck()
@@ -681,8 +718,7 @@ class Bench:
         self.eng = None
         if engine:  # the tier mode opens engines of its own (TierBench)
             self.eng = kvoffload.Engine.from_tensors(self.kv, pool_bytes=pool, first_region_bytes=pool,
-                                                     namespace=NAMESPACE, policy="lru",
-                                                     early_events=bool(args.early_events))
+                                                     namespace=NAMESPACE, policy="lru")
             # Growth ends at once (one region); the engine then calibrates
             # its copy methods on its growth thread. Waiting for that here
             # keeps the calibration off the model's first prefill, which
@@ -761,16 +797,19 @@ class Bench:
             pk.view(self.torch.int16).fill_(0x7fc1)  # a NaN in bf16
             pv.view(self.torch.int16).fill_(0x7fc1)
 
-    def store(self, keys, ids, eng=None):
+    def store(self, keys, ids, eng=None, call=None):
         """One store (on eng, default the bench's engine): (GPU ms from
         before the call until the compute stream may reuse the blocks,
-        outcomes)."""
+        outcomes); call, a list, gets the call's wall ms."""
         torch = self.torch
         eng = self.eng if eng is None else eng
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(self.compute)
+        t0 = time.perf_counter()
         op = eng.store(keys, ids, after=self.compute)
+        if call is not None:
+            call.append((time.perf_counter() - t0) * 1e3)
         op.wait_stream(self.compute)
         e.record(self.compute)
         ms = events_ms(s, e)
@@ -783,7 +822,8 @@ class Bench:
         Engine.prefetch of keys first, inside the timing): (GPU ms from
         before the calls until the compute stream is released, wall ms of
         the calls, per-layer ms or None, outcomes; with prefetch also its
-        result)."""
+        result). A per-layer load sets self.wait0_ms: wall ms from before
+        the calls until wait_layer(0) returned."""
         torch = self.torch
         eng = self.eng if eng is None else eng
         torch.cuda.synchronize()
@@ -797,6 +837,8 @@ class Bench:
         if per_layer:
             for layer in range(LAYERS):
                 op.wait_layer(layer, self.compute)
+                if layer == 0:
+                    self.wait0_ms = (time.perf_counter() - t0) * 1e3
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.compute)
                 lev.append(ev)
@@ -895,13 +937,14 @@ class Bench:
         del orig
 
         # Timed: loads (whole op), per-layer loads, stores.
-        reload, calls, layer_runs, totals, stores = [], [], [], [], []
+        reload, calls, layer_runs, totals, stores, store_calls, wait0 = [], [], [], [], [], [], []
         for _ in range(args.reps):
             ms, call, _, outc = self.load(keys, dst)
             reload.append(ms)
             calls.append(call)
         for _ in range(args.reps):
             ms, _, layers, outc = self.load(keys, dst, per_layer=True)
+            wait0.append(self.wait0_ms)
             layer_runs.append(layers)
             totals.append(ms)
         bad = self.bad_blocks(dst, ref)
@@ -909,7 +952,7 @@ class Bench:
         waits0 = self.eng.stats().get("copy_budget_waits", 0)
         for _ in range(args.reps):
             self.eng.delete(keys)
-            ms, outc = self.store(keys, src)
+            ms, outc = self.store(keys, src, call=store_calls)
             if outc != ["stored"] * nb:
                 raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
             stores.append(ms)
@@ -925,7 +968,7 @@ class Bench:
         torch.cuda.empty_cache()
         layer_ms = [median([run[l] for run in layer_runs]) for l in range(LAYERS)]
         return make_row(tokens, prefill_ms, median(reload), median(calls), layer_ms, median(totals), median(stores),
-                        h2d, d2h, first)
+                        h2d, d2h, first, store_call_ms=median(store_calls), wait0_ms=median(wait0))
 
 
 class TierBench(Bench):
@@ -945,8 +988,7 @@ class TierBench(Bench):
         admits as the default does."""
         blk = kv_bytes(TPB)
         pool = (nb + TIER_POOL_SLACK) * blk
-        cfg = dict(pool_bytes=pool, first_region_bytes=pool, namespace=NAMESPACE, policy="lru",
-                   early_events=bool(self.args.early_events))
+        cfg = dict(pool_bytes=pool, first_region_bytes=pool, namespace=NAMESPACE, policy="lru")
         if kind == "disk":
             # Room for the KV and the fillers the writer writes back too.
             cfg["disk"] = {"dirs": [subdir], "capacity_bytes": (nb + FILLER_POOLS * (nb + TIER_POOL_SLACK) + TIER_POOL_SLACK)
@@ -1173,8 +1215,6 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--decode", type=int, default=4, help="eager decode steps compared (default 4)")
     ap.add_argument("--seed", type=int, default=1, help="seed of weights, prompts and block ids")
-    ap.add_argument("--early-events", action="store_true",
-                    help="the engine with early events: load() and store() return before the copies are built")
     ap.add_argument("--out", help="also write the results (markdown) to this file, and beside it an SVG plot "
                     "of reload and recompute time by prompt length (realmodel.md: realmodel.svg)")
     ap.add_argument("--tier", action="append", default=[], metavar="disk:DIR|cluster:HOST:PORT[,...]",

@@ -31,7 +31,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--early-events", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -49,7 +48,7 @@ def main():
         v.view(torch.int16).random_(-30000, 30000)
     pool = (2 * nmax + 16) * LAYERS * 2 * SEG
     eng = kvoffload.Engine.from_tensors(kv, pool_bytes=pool, first_region_bytes=pool, namespace="trace",
-                                        policy="lru", early_events=args.early_events)
+                                        policy="lru")
     compute = torch.cuda.current_stream()
     maxb = nmax * LAYERS * 2 * SEG
     host = torch.empty(maxb, dtype=torch.uint8, pin_memory=True)

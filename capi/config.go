@@ -16,6 +16,9 @@ import (
 type createConfig struct {
 	offload.Config
 	Sim *simConfig `json:"sim,omitempty"`
+	// EarlyEvents is the key of the mode ABI 3 retired: refused with a
+	// message saying so, rather than as an unknown field.
+	EarlyEvents *bool `json:"early_events,omitempty"`
 }
 
 // simConfig configures the simulated GPU of the host backend: the seed of
@@ -37,6 +40,9 @@ func parseConfig(text string) (offload.Config, hostsim.Options, error) {
 	}
 	if dec.More() {
 		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: config JSON: trailing data after the object", offload.ErrInvalidConfig)
+	}
+	if cc.EarlyEvents != nil {
+		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: config JSON: early_events was retired in ABI 3: kvo_store and kvo_load always return before their copies are enqueued, and kvo_op_event and kvo_op_layer_event wait until the event is recorded", offload.ErrInvalidConfig)
 	}
 	if i := strings.IndexByte(cc.Namespace, 0); i >= 0 {
 		return offload.Config{}, hostsim.Options{}, fmt.Errorf("%w: namespace %q has a NUL byte at %d: kvo_clear takes the namespace as a NUL-terminated C string and could not name it", offload.ErrInvalidConfig, cc.Namespace, i)

@@ -35,11 +35,13 @@
  *    same engine or different ones. Pointers passed in are read or written
  *    only during the call, never kept; CUDA events passed in (after_event,
  *    signal_event) are used until the op is done.
- *  - Asynchrony: kvo_store and kvo_load return at once with an op; the
- *    caller waits on the CPU (kvo_op_wait / kvo_op_query) or on the GPU
- *    (kvo_op_stream_wait, kvo_op_event). No call waits for copies or for
- *    growth except kvo_op_wait and kvo_wait_grown (each for at most its
- *    timeout), kvo_op_release of an op not yet done, kvo_trim,
+ *  - Asynchrony: kvo_store and kvo_load return at once with an op, before
+ *    its copies are enqueued (a load with a signal_event returns once they
+ *    are); the caller waits on the CPU (kvo_op_wait / kvo_op_query) or on
+ *    the GPU (kvo_op_stream_wait, kvo_op_event, kvo_op_layer_event, which
+ *    block the CPU only until the event is recorded). No call waits for
+ *    copies or for growth except kvo_op_wait and kvo_wait_grown (each for
+ *    at most its timeout), kvo_op_release of an op not yet done, kvo_trim,
  *    kvo_engine_destroy and, on the host backend, kvo_op_stream_wait.
  *
  * The Go runtime inside a non-Go process
@@ -76,8 +78,13 @@ extern "C" {
  * KVO_ABI_VERSION before any other call; a library of another version
  * must not be used. It changes only on an incompatible change:
  *   1  the first release;
- *   2  kvo_store gained parent and parents (before after_event). */
-#define KVO_ABI_VERSION 2
+ *   2  kvo_store gained parent and parents (before after_event);
+ *   3  one mode: kvo_store and kvo_load return before their copies are
+ *      enqueued, and kvo_op_event, kvo_op_layer_event and
+ *      kvo_op_stream_wait block until the event is recorded (the copies
+ *      it follows enqueued, not finished); the early_events config key
+ *      and stats fields are gone. */
+#define KVO_ABI_VERSION 3
 
 /* Error codes. */
 #define KVO_OK          0
@@ -238,17 +245,21 @@ int kvo_op_wait(kvo_op_t op, int64_t timeout_ns);
 /* *done = 1 when the op is done, else 0. Never blocks. */
 int kvo_op_query(kvo_op_t op, int* done);
 
-/* Makes stream wait on the GPU (without blocking the CPU) until the op's
- * copies are complete. On the host backend it waits on the CPU. */
+/* Makes stream wait on the GPU until the op's copies are complete; the CPU
+ * waits only until they are enqueued (see kvo_op_event). On the host
+ * backend it waits on the CPU. */
 int kvo_op_stream_wait(kvo_op_t op, uintptr_t stream);
 
 /* The op's completion CUevent (0 on the host backend), valid until
- * kvo_op_release. */
+ * kvo_op_release. It blocks until the engine has recorded the event (the
+ * op's copies enqueued, not finished); KVO_EFAIL if the op failed first. */
 int kvo_op_event(kvo_op_t op, uintptr_t* event);
 
 /* The event recorded after layer's copies of a per-layer load (0 on the
- * host backend). KVO_EINVAL for a layer outside [0, layers), a store, a
- * load without per_layer, or a cross-layer layout. */
+ * host backend). It blocks until that event is recorded (layer 0's comes
+ * first); KVO_EFAIL if the op failed first. KVO_EINVAL for a layer outside
+ * [0, layers), a store, a load without per_layer, or a cross-layer
+ * layout. */
 int kvo_op_layer_event(kvo_op_t op, int layer, uintptr_t* event);
 
 /* Writes the op's n per-block outcomes (KVO_OUTCOME_*) into out, in key

@@ -196,18 +196,6 @@ type Config struct {
 	// direction; beyond it a Store is refused (OutcomeRefusedBusy) and a
 	// Load fails with ErrBusy. Default DefaultMaxQueuedBytes.
 	MaxQueuedBytes int64 `json:"max_queued_bytes,omitempty"`
-	// EarlyEvents has Store and Load return before their copies are built
-	// (CUDA backend, on a driver with stream memory operations): the op's
-	// events are recorded at the call behind a wait on a counter that the
-	// engine stream writes after the copies (package transfer). Off, a
-	// call with events returns once its copies are enqueued (the copies
-	// of its first blocks run meanwhile). See doc/DESIGN.md for what early
-	// events need from the driver and from the process's other threads:
-	// with them, a thread that frees device memory (cudaFree,
-	// torch.cuda.empty_cache) while a Store or Load is still being built
-	// can deadlock the process; free only when every op has been waited
-	// for. Stats.EarlyEvents says whether they are on.
-	EarlyEvents bool `json:"early_events,omitempty"`
 	// Namespace is mixed into the keys Engine.Keys makes (model, dtype,
 	// layout) and tags stored blocks for Clear. With a declared
 	// Layout.Order it must not name the tensor-parallel rank or size:
@@ -446,9 +434,10 @@ type LoadOptions struct {
 	// Signal is a caller-owned CUevent recorded on the engine's stream after
 	// the load's copies, in addition to the op's own event (for CUDA graphs
 	// whose external event-wait node waits on a fixed event). A Load that
-	// copies nothing (every key missing) does not record it. Like the op's
-	// events, it makes the Load issue at once, whatever the bytes in flight.
-	// 0: none. On the host backend it is an
+	// copies nothing (every key missing) does not record it. The caller may
+	// wait on it as soon as Load returns, so a Load with a Signal returns
+	// once its copies are enqueued and the Signal recorded (a Load without
+	// one returns before). 0: none. On the host backend it is an
 	// event of the simulated device (package hostsim).
 	Signal uintptr
 }

@@ -217,8 +217,6 @@ func TestIntEnvs(t *testing.T) {
 		good       string
 	}{
 		{PartGrowthEnv, "want 0 to 8 growing parts", []string{"9", "-1", "x"}, "3"},
-		{EarlyHeadEnv, "want 0 to 10000 microseconds", []string{"10001", "-1", "1ms"}, "0"},
-		{EarlyHeadPartsEnv, "want 0 to 64 parts", []string{"65", "-1", "two"}, "1"},
 		{TraceCallsEnv, "want 0 to 1048576 calls", []string{"1048577", "-1", "all"}, "2"},
 	} {
 		for _, v := range tc.bad {

@@ -3,9 +3,7 @@ package offload
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"testing"
 	"time"
@@ -22,7 +20,6 @@ import (
 // GPU block ids and loaded into others, as an allocator hands them out.
 type callBench struct {
 	layers, heads, headDim, blocks int
-	early                          bool
 	// verify writes random contents into the stored blocks and checks
 	// every loaded block against them (tests); maxDevice, if set, is the
 	// copier's MaxDeviceBytes (fake driver only).
@@ -49,7 +46,7 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) [2][3]t
 		l.LayerTensors = append(l.LayerTensors, LayerTensors{K: g.alloc(seg * uint64(numBlocks)), V: g.alloc(seg * uint64(numBlocks)), Stride: seg})
 	}
 	slot := int64(seg) * int64(2*cb.layers)
-	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU, EarlyEvents: cb.early}
+	cfg := Config{PoolBytes: slot * int64(cb.blocks) * 5 / 4, Layout: l, Policy: PolicyLRU}
 	var e *Engine
 	var err error
 	if real {
@@ -143,16 +140,12 @@ func (cb callBench) report(b *testing.B, m [2][3]time.Duration) {
 	b.ReportMetric(float64(cb.blocks*2*cb.layers), "segments/op")
 }
 
-// benchEarly is whether a call-time benchmark runs with early events
-// (KVO_BENCH_EARLY=0: without).
-func benchEarly() bool { return os.Getenv("KVO_BENCH_EARLY") != "0" }
-
 // BenchmarkCallTimeFake: the call times on the fake driver (CPU only): 2048
 // blocks of 64 segments of 256 bytes, what the calls' own work costs.
 func BenchmarkCallTimeFake(b *testing.B) {
 	drv := cudafake.New(cudafake.Options{DeviceMemory: 1 << 30})
 	defer drv.Close()
-	cb := callBench{layers: 32, heads: 1, headDim: 4, blocks: 2048, early: benchEarly()}
+	cb := callBench{layers: 32, heads: 1, headDim: 4, blocks: 2048}
 	cb.report(b, cb.run(b, b.N, drv, false))
 }
 
@@ -161,7 +154,7 @@ func BenchmarkCallTimeFake(b *testing.B) {
 // segments of 32 KiB a block) on the GPU, at the default MaxDeviceBytes.
 func BenchmarkGPUCallTime(b *testing.B) {
 	gpu := cudatest.Open(b)
-	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 2048, early: benchEarly()}
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 2048}
 	cb.report(b, cb.run(b, b.N, gpu.Drv, true))
 }
 
@@ -170,34 +163,27 @@ func BenchmarkGPUCallTime(b *testing.B) {
 func BenchmarkCallTimeFakeBig(b *testing.B) {
 	drv := cudafake.New(cudafake.Options{DeviceMemory: 2 << 30})
 	defer drv.Close()
-	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 192, early: benchEarly()}
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 192}
 	cb.report(b, cb.run(b, b.N, drv, false))
 }
 
 // TestCUDAFakeFirstLayerParts: a per-layer load whose first layer is cut
 // into seven parts (parts of 16 segments: 1, 1, 1, 2, 4, 8 and 7 of its 24
-// blocks) and a store and load in parts of one block, with and without
-// early events, byte for byte.
+// blocks) and a store and load in parts of one block, byte for byte.
 func TestCUDAFakeFirstLayerParts(t *testing.T) {
-	for _, early := range []bool{false, true} {
-		t.Run(fmt.Sprintf("early=%v", early), func(t *testing.T) {
-			drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
-			cb := callBench{layers: 4, heads: 2, headDim: 16, blocks: 24, early: early, verify: true, partSegments: 16}
-			cb.run(t, 2, drv, false)
-		})
-	}
+	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
+	cb := callBench{layers: 4, heads: 2, headDim: 16, blocks: 24, verify: true, partSegments: 16}
+	cb.run(t, 2, drv, false)
 }
 
-// TestCUDAFakeEarlyEvents: 8B-class blocks stored and loaded (whole and
-// per layer) with early events, byte for byte, on a fake driver whose
-// MemFree waits for the device to go idle (as cuMemFree can) and a copier
-// bound so small that tables and staging chunks compete for it: freeing
-// on the submitting thread would deadlock against the pending waits of
-// the op it is building.
-func TestCUDAFakeEarlyEvents(t *testing.T) {
+// TestCUDAFakeBigBlocks: 8B-class blocks stored and loaded (whole and
+// per layer), byte for byte, on a fake driver whose MemFree waits for the
+// device to go idle (as cuMemFree can) and a copier bound so small that
+// tables and staging chunks compete for it.
+func TestCUDAFakeBigBlocks(t *testing.T) {
 	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
 	var st Stats
-	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 24, early: true, verify: true, maxDevice: 40 << 20, stats: &st}
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 24, verify: true, maxDevice: 40 << 20, stats: &st}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -206,7 +192,7 @@ func TestCUDAFakeEarlyEvents(t *testing.T) {
 	select {
 	case <-done:
 	case <-time.After(2 * time.Minute):
-		t.Fatal("stores and loads with early events did not finish (a deadlock)")
+		t.Fatal("stores and loads did not finish (a deadlock)")
 	}
 	// The per-layer loads' layers (64 KiB of each of 24 consecutive slots)
 	// went by pitched DMA, checked byte for byte above.
@@ -214,9 +200,4 @@ func TestCUDAFakeEarlyEvents(t *testing.T) {
 	// 40 MiB of device memory for 48 MiB ops: copies waited for earlier
 	// ones to free theirs, and Stats counts it.
 	require.Positive(t, st.CopyBudgetWaits, "copies waited for device memory")
-	// Without early events the layers go through the copy kernel: staging
-	// would pace the call (transfer.CUDA.StartEarly).
-	cb.early, cb.maxDevice = false, 0
-	cb.run(t, 1, drv, false)
-	require.Zero(t, st.PitchedCopies, "no pitched DMAs without early events")
 }

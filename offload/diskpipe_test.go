@@ -238,7 +238,7 @@ func TestDiskLoadSignalPerLayer(t *testing.T) {
 }
 
 // TestCUDAFakeDiskLoad: on the CUDA backend (fake driver, random copy
-// delays), with and without early events, and staged through device
+// delays), plain and staged through device
 // bounce chunks, a (per-layer, but for staged) Load of pool and
 // disk blocks runs as several transfer ops whose events are chained: the
 // op's Event, its last LayerEvent and a stream that StreamWaits on it all
@@ -260,9 +260,9 @@ func TestGPUDiskLoad(t *testing.T) {
 // gives each variant.
 func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 	for _, v := range []struct {
-		name          string
-		early, staged bool
-	}{{"events", false, false}, {"early", true, false}, {"staged", false, true}} {
+		name   string
+		staged bool
+	}{{"events", false}, {"staged", true}} {
 		t.Run(v.name, func(t *testing.T) {
 			dir := t.TempDir()
 			writeDiskRecords(t, dir, seqKeys(0, 60))
@@ -277,7 +277,7 @@ func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 				h.copyOptions = cudacopy.Options{GatherMinRun: int(slot)}
 			}
 			e, err := newCUDAEngine(t, d, Config{PoolBytes: 48 * slot, StagingBytes: 64 << 10, Layout: g.layout(LayoutLayerSeparate, pipeBlocks),
-				Policy: PolicyLRU, EarlyEvents: v.early, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, AdmitAll: true}}, h)
+				Policy: PolicyLRU, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, AdmitAll: true}}, h)
 			require.NoError(t, err)
 			defer func() { require.NoError(t, e.Close()) }()
 			hostKeys := seqKeys(100, 3)

@@ -110,10 +110,12 @@
 // in-flight bound (Config.MaxInFlightBytes) waits in a bounded queue
 // (Config.MaxQueuedBytes); beyond that a Store reports its blocks
 // refused-busy and a Load fails fast with ErrBusy. On CUDA every op carries
-// events valid from the moment it is returned, so it is issued to the
-// engine's stream at once and never refused for the bytes in flight: the
-// copy stream is its queue (a swap or an eviction is never refused busy). A cancelled ctx
-// cancels what is not yet enqueued, never a copy in flight.
+// events and is never refused for the bytes in flight: the engine's
+// submitting thread issues ops in the order they came, the copy stream is
+// their queue (a swap or an eviction is never refused busy). Store and
+// Load return before their copies are built: they check, reserve and hand
+// the op over, and make no driver call. A cancelled ctx cancels what is
+// not yet enqueued, never a copy in flight.
 //
 // # What an Op guarantees
 //
@@ -128,9 +130,17 @@
 // Op.Event (and Op.LayerEvent, for a Load with LoadOptions.PerLayer) is an
 // event the stack's stream waits on (Op.StreamWait does the
 // cuStreamWaitEvent): after a Store, before overwriting the blocks; after a
-// Load, before reading them. LoadOptions.Signal records a caller-owned
-// event as well, for graphs that wait on a fixed event. Events stay valid
-// until Op.Release, after which the op's methods return ErrReleased.
+// Load, before reading them. Event and LayerEvent block the calling
+// thread until the engine has recorded the event asked for, that is,
+// until the copies it follows are enqueued (not finished): layer 0's
+// first, so a forward waits for the layer it needs next, and a stream
+// only ever waits on work already enqueued. No engine thread waits on a
+// caller's thread, and nothing on the GPU waits on work a host thread has
+// yet to enqueue, so a thread that frees device memory (cudaFree,
+// torch.cuda.empty_cache) at any time cannot deadlock the engine.
+// LoadOptions.Signal records a caller-owned event as well, for graphs that
+// wait on a fixed event. Events stay valid until Op.Release, after which
+// the op's methods return ErrReleased.
 //
 // A sticky driver error (the context is lost) fails the ops in flight, and
 // every later Store and Load returns ErrDeviceLost wrapping the driver's

@@ -60,16 +60,13 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 	}
 	var lines []string
 	for _, v := range strings.Fields(variants) {
-		// This benchmark's own keys, last: early=1 (Config.EarlyEvents),
-		// after=1 (each Load's After an event recorded on the caller's
+		// This benchmark's own keys, last: after=1 (each Load's After an event recorded on the caller's
 		// stream just before the call, as the Python package's
 		// load(after=stream) does), legacy=1 (the caller's stream is the
 		// legacy default stream, as torch's current stream is by default).
-		hv, early, pr := v, false, prOptions{}
+		hv, pr := v, prOptions{}
 		for {
-			if base, ok := strings.CutSuffix(hv, ":early=1"); ok {
-				hv, early = base, true
-			} else if base, ok := strings.CutSuffix(hv, ":after=1"); ok {
+			if base, ok := strings.CutSuffix(hv, ":after=1"); ok {
 				hv, pr.after = base, true
 			} else if base, ok := strings.CutSuffix(hv, ":legacy=1"); ok {
 				hv, pr.legacy = base, true
@@ -92,7 +89,7 @@ func BenchmarkGPUPagedReload(b *testing.B) {
 					h.trace = tr.point
 				}
 				defer tr.close(b)
-				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h, early), n, tr, pr))
+				lines = append(lines, pagedReload(b, gpu.Drv, v, tr.engine(h), n, tr, pr))
 			})
 		}
 	}
@@ -323,12 +320,11 @@ func (t *prTracer) point(name string, part int) {
 var callerPoints = map[string]bool{"checked": true, "load": true, "begun": true, "plan": true, "planned": true, "held": true, "submit": true}
 
 // engine returns the benchmarks' engine maker: the CUDA backend with hooks
-// h and early events as asked, and, with a tracer (t not nil), the
+// h, and, with a tracer (t not nil), the
 // engine's streams for it to record on.
-func (t *prTracer) engine(h engineHooks, early bool) func(Config) (*Engine, error) {
+func (t *prTracer) engine(h engineHooks) func(Config) (*Engine, error) {
 	return func(cfg Config) (*Engine, error) {
 		cfg.Backend = BackendCUDA
-		cfg.EarlyEvents = early
 		e, err := newEngine(cfg, h)
 		if err == nil && t != nil {
 			t.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))

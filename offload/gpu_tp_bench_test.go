@@ -38,14 +38,9 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 		variants = "auto kernel"
 	}
 	for _, v := range strings.Fields(variants) {
-		// early=1 (as in BenchmarkGPUPagedReload): Config.EarlyEvents.
-		hv, early := v, false
-		if base, ok := strings.CutSuffix(v, ":early=1"); ok {
-			hv, early = base, true
-		}
-		h, err := hsVariant(hv)
+		h, err := hsVariant(v)
 		require.NoError(b, err)
-		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h, early)) })
+		b.Run(v, func(b *testing.B) { lines = append(lines, headSliced(b, gpu.Drv, v, h)) })
 	}
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" && len(lines) > 0 {
 		_ = os.WriteFile(filepath.Join(dir, "headsliced.md"), []byte("# Head-sliced stores and loads\n\n"+strings.Join(lines, "\n\n")+"\n"), 0o644)
@@ -56,10 +51,8 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // space-separated, each a method, auto, kernel, batch or memcpy, then :key=value pairs
 // of ctas, sctas (cudacopy.Options.StagedCTAs), threads, part (segments a part), builders, chunk (bytes), inline
 // (inline=1: descriptor tables uploaded on the copy stream, see
-// cudacopy.Options.UploadOnCopyStream), head (microseconds of
-// transfer.Config.EarlyHead), headparts (its EarlyHeadParts), growth
-// (PartGrowthEnv's parts that grow), nohead (nohead=1: EarlyHead 0) and
-// notmpl (notmpl=1: no template requests)).
+// cudacopy.Options.UploadOnCopyStream), growth
+// (PartGrowthEnv's parts that grow) and notmpl (notmpl=1: no template requests)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -93,14 +86,8 @@ func hsVariant(v string) (engineHooks, error) {
 			h.builders = n
 		case "chunk":
 			h.copyOptions.ChunkBytes = n
-		case "head":
-			h.earlyHead = time.Duration(n) * time.Microsecond // head=US: EarlyHead
-		case "headparts":
-			h.earlyHeadParts = n // headparts=N: EarlyHeadParts
 		case "growth":
 			h.partGrowth = n // growth=N: parts that grow (PartGrowthEnv)
-		case "nohead":
-			h.noEarlyHead = true // nohead=1: no head issued on the caller's thread
 		case "notmpl":
 			h.noTemplates = true // notmpl=1: no template requests (parts of segments, as before them)
 		case "inline":
@@ -114,7 +101,7 @@ func hsVariant(v string) (engineHooks, error) {
 
 // headSliced runs one variant of BenchmarkGPUHeadSliced and returns its
 // verdict line.
-func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early bool) string {
+func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks) string {
 	g := newGPUMem(b, drv, 8)
 	defer g.close()
 	var tr *prTracer
@@ -123,7 +110,7 @@ func headSliced(b *testing.B, drv cuda.Driver, name string, h engineHooks, early
 		h.trace = tr.point
 	}
 	defer tr.close(b)
-	rig := newHeadSlicedRig(b, g, 128, tr.engine(h, early))
+	rig := newHeadSlicedRig(b, g, 128, tr.engine(h))
 	defer func() { require.NoError(b, rig.e.Close()) }()
 	rig.tr = tr
 	rankBytes := rig.rankBytes

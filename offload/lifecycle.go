@@ -114,16 +114,9 @@ type engineHooks struct {
 	wholeFirstLayer bool
 	// trace is the scheduler's Config.Trace.
 	trace func(point string, part int)
-	// earlyHead, when positive, replaces the scheduler's EarlyHead
-	// (DefaultEarlyHead, EarlyHeadEnv); noEarlyHead turns it off.
-	earlyHead   time.Duration
-	noEarlyHead bool
 	// noTemplates: head-sliced copies cut into parts for Build alone,
 	// never template requests (A/B benchmarks).
 	noTemplates bool
-	// earlyHeadParts, when positive, replaces the scheduler's
-	// EarlyHeadParts (DefaultEarlyHeadParts, EarlyHeadPartsEnv).
-	earlyHeadParts int
 	// afterDiskClear runs in Clear after the disk tier's first clear,
 	// before the cache's.
 	afterDiskClear func()
@@ -142,44 +135,6 @@ const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
 const PartGrowthEnv = "KVOFFLOAD_PART_GROWTH"
 
 const defaultPartGrowth = 5
-
-// NoCallerIssueEnv set to 1 has the engine's submitting thread issue
-// every op (transfer.Config.NoCallerIssue) instead of a Store or Load
-// without early events issuing its own on the caller's thread, for
-// comparisons on a machine.
-const NoCallerIssueEnv = "KVOFFLOAD_NO_CALLER_ISSUE"
-
-// EarlyHeadEnv, when set (microseconds, 0 to 10000), is how long a Store
-// or Load with early events issues its op's first parts on the caller's
-// thread while the submitting thread wakes (transfer.Config.EarlyHead;
-// 0: the submitting thread issues every part): for comparisons on a
-// machine. The default is DefaultEarlyHead.
-const EarlyHeadEnv = "KVOFFLOAD_EARLY_HEAD_US"
-
-// DefaultEarlyHead is the engine's transfer.Config.EarlyHead: with early
-// events, a Store or Load issues its first parts itself until the
-// submitting thread is awake to take over, for at most this long (and one
-// part). Waking that thread after 10 ms or more asleep took 0.1–0.35 ms on
-// the H200 machine's VM, in series with the first copy. The head stops
-// only between parts, so a call can return this much later plus one
-// part's build and copy (a part of a 32nd of 4096 segments, the first,
-// builds in a few tens of microseconds), plus any wait of the copy
-// method for its device memory bound.
-const DefaultEarlyHead = 200 * time.Microsecond
-
-// EarlyHeadPartsEnv, when set (0 to 64), is how many parts a head issues
-// before the awake submitting thread takes over
-// (transfer.Config.EarlyHeadParts), for comparisons on a machine; the
-// default is DefaultEarlyHeadParts.
-const EarlyHeadPartsEnv = "KVOFFLOAD_EARLY_HEAD_PARTS"
-
-// DefaultEarlyHeadParts is the engine's transfer.Config.EarlyHeadParts:
-// in the real-model benchmark with early events on the H200 machine, two
-// runs each, alternating in one call, reloads read 0.94–0.95 / 0.96–0.97
-// of the link at 2k / 8k tokens with a head of 3 parts, 0.90–0.92 /
-// 0.96 with 1, 0.89–0.90 / 0.93 without a head
-// (bench/results/h200/early-head/).
-const DefaultEarlyHeadParts = 3
 
 // WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
@@ -489,28 +444,6 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	noCallerIssue, err := envSwitch(NoCallerIssueEnv)
-	if err != nil {
-		return nil, err
-	}
-	us, err := envInt(EarlyHeadEnv, int(DefaultEarlyHead/time.Microsecond), 0, 10000, "microseconds")
-	if err != nil {
-		return nil, err
-	}
-	earlyHead := time.Duration(us) * time.Microsecond
-	switch {
-	case h.noEarlyHead:
-		earlyHead = 0
-	case h.earlyHead > 0:
-		earlyHead = h.earlyHead
-	}
-	earlyHeadParts, err := envInt(EarlyHeadPartsEnv, DefaultEarlyHeadParts, 0, 64, "parts")
-	if err != nil {
-		return nil, err
-	}
-	if h.earlyHeadParts > 0 {
-		earlyHeadParts = h.earlyHeadParts
-	}
 	e.hooks.wholeFirstLayer = e.hooks.wholeFirstLayer || whole
 	calls, err := traceCallsFromEnv()
 	if err != nil {
@@ -529,8 +462,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	if e.sched, err = transfer.New(e.dev, transfer.Config{
 		MaxInFlightBytes: uint64(cfg.MaxInFlightBytes), MaxQueuedBytes: uint64(cfg.MaxQueuedBytes), Tracker: h.tracker,
-		NoEarlyEvents: !cfg.EarlyEvents, Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
-		NoCallerIssue: noCallerIssue, EarlyHead: earlyHead, EarlyHeadParts: earlyHeadParts,
+		Builders: builders, Trace: h.trace, PrewarmOpEvents: prewarm,
 	}); err != nil {
 		return nil, err
 	}

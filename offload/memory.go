@@ -181,13 +181,10 @@ func (e *Engine) unmapRegion(pr *poolRegion) error {
 	if pr.pinned {
 		var err error
 		if e.pinner != nil {
-			// cuMemHostUnregister may wait for the device to go idle:
-			// with early events, only where no promised event waits on
-			// work yet to be enqueued (transfer.Scheduler.Quiesce).
+			// cuMemHostUnregister may wait for the device to go idle,
+			// which it does: no stream of the engine's waits on work a
+			// host thread has yet to enqueue.
 			unregister := func() error { return e.pinner.Unregister(pr.r) }
-			if e.sched != nil {
-				unregister = func() error { return e.sched.Quiesce(func() error { return e.pinner.Unregister(pr.r) }) }
-			}
 			if err = unregister(); err != nil {
 				err = unregister()
 			}

@@ -32,9 +32,12 @@ func (k OpKind) String() string {
 //   - Done is closed exactly once, after every block has its final outcome;
 //     until then Outcomes returns ErrNotDone.
 //   - Every block has exactly one outcome, in the order of the keys passed.
-//   - Event (and LayerEvent) are valid CUDA events from the moment Store or
-//     Load returns until Release; a stream that waits on them (StreamWait)
-//     is ordered after the op's copies. They are 0 on the host backend.
+//   - Event (and LayerEvent) return a CUDA event once the engine has
+//     recorded it (they block until the copies it follows are enqueued,
+//     never until they finish), valid until Release; a stream that waits
+//     on them (StreamWait) is ordered after the op's copies. An op that
+//     failed before its event was recorded returns the failure instead.
+//     They are 0 on the host backend.
 //   - After Release every method returns ErrReleased (Done returns a closed
 //     channel); the events may be reused by later ops.
 //
@@ -63,8 +66,8 @@ type Op struct {
 
 // completion is the part of an op that lives in the copy layer.
 type completion interface {
-	event() uintptr
-	layerEvent(i int) (uintptr, bool)
+	event() (uintptr, error)
+	layerEvent(i int) (uintptr, bool, error)
 	streamWait(stream uintptr) error
 	release() error
 }
@@ -162,7 +165,7 @@ func (o *Op) Event() (uintptr, error) {
 	if o.completion == nil {
 		return 0, nil
 	}
-	return o.completion.event(), nil
+	return o.completion.event()
 }
 
 // LayerEvent is the event recorded after layer i's copies of a Load with
@@ -183,17 +186,18 @@ func (o *Op) LayerEvent(i int) (uintptr, error) {
 	if o.completion == nil {
 		return 0, nil
 	}
-	ev, ok := o.completion.layerEvent(i)
+	ev, ok, err := o.completion.layerEvent(i)
 	if !ok {
 		return 0, fmt.Errorf("%w: layer %d: the op has no per-layer event for it", ErrInvalidArgument, i)
 	}
-	return ev, nil
+	return ev, err
 }
 
-// StreamWait makes the caller's stream wait (on the GPU, without blocking
-// the CPU) until the op's copies are complete: for a Store, before the
-// stream overwrites the blocks being copied out; for a Load, before it reads
-// the loaded blocks. On CUDA it is cuStreamWaitEvent on the op's event and
+// StreamWait makes the caller's stream wait (on the GPU) until the op's
+// copies are complete: for a Store, before the stream overwrites the
+// blocks being copied out; for a Load, before it reads the loaded blocks.
+// The CPU waits only until the op's copies are enqueued (see Event). On
+// CUDA it is cuStreamWaitEvent on the op's event and
 // the calling OS thread must have the CUDA context current (as for any
 // stream call of the serving stack). On the host backend it waits on the
 // CPU until the op is done.

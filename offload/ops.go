@@ -26,32 +26,33 @@ func (e *Engine) newCompletion(op *transfer.Op, done <-chan struct{}) *copyCompl
 	return &copyCompletion{op: op, done: done, events: e.events, gpu: e.gpu}
 }
 
-func (c *copyCompletion) event() uintptr {
+func (c *copyCompletion) event() (uintptr, error) {
 	if !c.events {
-		return 0
+		return 0, nil
 	}
 	ev, err := c.op.Event()
 	if err != nil {
-		return 0
+		return 0, fmt.Errorf("offload: the op's event: %w", err)
 	}
-	return uintptr(ev)
+	return uintptr(ev), nil
 }
 
-// layerEvent is layer i's event: on the host backend 0, and true only
-// for a load submitted with per-layer events (LayerEnds) and i among its
-// layers; Op.LayerEvent has checked both (Op.layers) before asking.
-func (c *copyCompletion) layerEvent(i int) (uintptr, bool) {
+// layerEvent is layer i's event: on the host backend 0, and ok only for
+// a load submitted with per-layer events (LayerEnds) and i among its
+// layers; Op.LayerEvent has checked both (Op.layers) before asking. err:
+// the op failed before the event was recorded.
+func (c *copyCompletion) layerEvent(i int) (ev uintptr, ok bool, err error) {
 	if i < 0 || i >= c.op.Layers() || c.op.Dir() != transfer.Load {
-		return 0, false
+		return 0, false, nil
 	}
 	if !c.events {
-		return 0, true
+		return 0, true, nil
 	}
-	ev, err := c.op.LayerEvent(i)
+	tev, err := c.op.LayerEvent(i)
 	if err != nil {
-		return 0, false
+		return 0, true, fmt.Errorf("offload: layer %d's event: %w", i, err)
 	}
-	return uintptr(ev), true
+	return uintptr(tev), true, nil
 }
 
 func (c *copyCompletion) streamWait(stream uintptr) error {
@@ -688,6 +689,13 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		}
 	}
 	run.submitted()
+	if opts.Signal != 0 && len(run.parts) > 0 {
+		// The caller may launch work that waits on its Signal (a graph's
+		// event-wait node) as soon as Load returns: the Signal must be
+		// recorded by then, so this Load returns once its copies are
+		// enqueued. A failure there is the op's, reported by its outcomes.
+		_, _ = run.tail().op.Event()
+	}
 	return op, nil
 }
 
@@ -697,23 +705,22 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 // submitted its last (pending counts the parts in flight, plus one until
 // then).
 //
-// Ordering: with CUDA events (or a Signal, which must be recorded after
-// every part's copies), each part's copies wait on the previous part's op
-// event (its After; the first part waits on the caller's After), so the
-// last part's events are recorded after every copy of the Load: the op's
-// Event, LayerEvent(i) (after layer i of the last part and every layer of
-// the parts before it), StreamWait and Signal (recorded by every part,
-// the last record wins) are the last part's. On the host backend without a
-// Signal the parts are independent (each waits on the caller's After) and
-// StreamWait waits on the CPU for them all.
+// Ordering: every part waits on the caller's After, and the parts go to
+// the engine's load stream in the order submitted, where an event recorded
+// follows every copy enqueued before it (transfer.CUDA's tail). So with
+// CUDA events (or a Signal, recorded after every part's copies) the last
+// part's events follow every copy of the Load: the op's Event,
+// LayerEvent(i) (after layer i of the last part and of every part before
+// it), StreamWait and Signal (recorded by every part, the last record
+// wins) are the last part's. On the host backend without a Signal
+// StreamWait waits on the CPU for every part.
 type loadRun struct {
 	e     *Engine
 	op    *Op
 	l     *kvcache.Layout
 	opts  LoadOptions
 	start time.Time
-	chain bool
-	after transfer.Event // the next part's After
+	chain bool // the parts have events (CUDA) or a Signal
 
 	parts   []*copyCompletion // submitted, in order (the Load's thread only)
 	pending atomic.Int32
@@ -722,7 +729,7 @@ type loadRun struct {
 
 func (e *Engine) newLoadRun(op *Op, l *kvcache.Layout, opts LoadOptions, start time.Time) *loadRun {
 	r := &loadRun{e: e, op: op, l: l, opts: opts, start: start, chain: e.events || opts.Signal != 0,
-		after: transfer.Event(opts.After), done: make(chan struct{})}
+		done: make(chan struct{})}
 	r.pending.Store(1)
 	return r
 }
@@ -745,7 +752,7 @@ func (r *loadRun) submit(idx, ids []int, slots []kvcache.Slot, end func()) error
 	e.stats.inFlightBytes.Add(bytes)
 	r.pending.Add(1)
 	tdone := make(chan struct{})
-	req.Dir, req.After, req.Events, req.Signal = transfer.Load, r.after, r.chain, transfer.Event(r.opts.Signal)
+	req.Dir, req.After, req.Events, req.Signal = transfer.Load, transfer.Event(r.opts.After), r.chain, transfer.Event(r.opts.Signal)
 	req.OnComplete = e.onTransferDone(r.op, idx, slots, bytes, r.partDone, tdone, OutcomeLoaded, &e.stats.load,
 		func(error) error { end(); return nil })
 	e.tracePoint("held")
@@ -763,14 +770,6 @@ func (r *loadRun) submit(idx, ids []int, slots []kvcache.Slot, end func()) error
 			return fmt.Errorf("%w: Load refused: %w", ErrDeviceLost, err)
 		}
 		return err
-	}
-	if r.chain {
-		ev, err := top.Event()
-		if err != nil {
-			// Not released before the Load returns: cannot happen.
-			return fmt.Errorf("offload: Load: a part's event: %w", err)
-		}
-		r.after = ev
 	}
 	r.parts = append(r.parts, e.newCompletion(top, tdone))
 	return nil
@@ -802,9 +801,9 @@ func (r *loadRun) submitted() {
 
 func (r *loadRun) tail() *copyCompletion { return r.parts[len(r.parts)-1] }
 
-func (r *loadRun) event() uintptr { return r.tail().event() }
+func (r *loadRun) event() (uintptr, error) { return r.tail().event() }
 
-func (r *loadRun) layerEvent(i int) (uintptr, bool) { return r.tail().layerEvent(i) }
+func (r *loadRun) layerEvent(i int) (uintptr, bool, error) { return r.tail().layerEvent(i) }
 
 func (r *loadRun) streamWait(stream uintptr) error {
 	if !r.e.events {

@@ -73,11 +73,6 @@ type Stats struct {
 	// gathered on the device before one DMA per block, loads scattered
 	// after it; see transfer.CUDA); 0 on the host backend.
 	BounceCopies int64 `json:"bounce_copies"`
-	// EarlyEvents is whether Store and Load return before their copies
-	// are built (Config.EarlyEvents); EarlyEventsOff says why not when they
-	// do not: not asked for, the host backend, or what the driver lacks.
-	EarlyEvents    bool   `json:"early_events"`
-	EarlyEventsOff string `json:"early_events_off,omitempty"`
 	// PitchedCopies counts the pitched DMAs (one per device staging chunk)
 	// of bounced copies whose host runs were rows of one length at one
 	// pitch: a layer of consecutive slots in a per-layer load; 0 on the
@@ -398,7 +393,6 @@ func (e *Engine) snapshot() Stats {
 	if c := e.calibration.Load(); c != nil {
 		s.CopyCalibration = *c
 	}
-	s.EarlyEvents, s.EarlyEventsOff = e.earlyEvents()
 	if e.cudaDev != nil {
 		s.BounceCopies, s.PitchedCopies = e.cudaDev.BounceCopies(), e.cudaDev.PitchedCopies()
 		s.CopyBudgetWaits = e.cudaDev.BudgetWaits()
@@ -469,19 +463,4 @@ func (e *Engine) snapshot() Stats {
 		s.Partial, s.PartialExpired, s.StoreJoined = int64(cs.Partial), int64(cs.PartialExpired), int64(cs.StoreJoined)
 	}
 	return s
-}
-
-// earlyEvents is Stats.EarlyEvents and EarlyEventsOff.
-func (e *Engine) earlyEvents() (bool, string) {
-	switch {
-	case e.sched != nil && e.sched.Early():
-		return true, ""
-	case !e.cfg.EarlyEvents:
-		return false, "Config.EarlyEvents is not set"
-	case e.cudaDev == nil:
-		return false, "the host backend has no CUDA events"
-	case e.cudaDev.EarlyEventsOff() != "":
-		return false, e.cudaDev.EarlyEventsOff()
-	}
-	return false, "the copier does not keep its device memory (cudacopy.Copier.KeepIdle)"
 }

@@ -51,8 +51,6 @@ type CUDA struct {
 	templated atomic.Int64
 	// meter is the copier, kept after Close for its device memory counters.
 	meter *cudacopy.Copier
-	// early: stream memory operations for early events (early.go).
-	early earlyState
 	// calibrateLater: Calibrate has the copy methods to measure (set by
 	// Context.NewCUDA before the device is used; read and cleared by the
 	// one goroutine that calibrates).
@@ -107,19 +105,8 @@ const descCapacity = 1 << 14
 // to complete, and a copy no single copier call could hold is split in
 // halves (BudgetSplits). The calling OS
 // thread must have ctx (dev's context) current; the engine threads make it
-// current on theirs. The machinery of early events (streams, counters)
-// is prepared; newCUDANoEarly leaves it out.
+// current on theirs.
 func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
-	return newCUDAWith(drv, dev, ctx, opts, true)
-}
-
-// newCUDANoEarly is newCUDA for a device that never gives early events
-// (Sim): no signal streams or counters are made for nothing.
-func newCUDANoEarly(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options) (*CUDA, error) {
-	return newCUDAWith(drv, dev, ctx, opts, false)
-}
-
-func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.Options, early bool) (*CUDA, error) {
 	least, greatest, err := drv.StreamPriorityRange()
 	if err != nil {
 		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
@@ -155,13 +142,12 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 		return nil, errors.Join(fmt.Errorf("transfer: copier: %w", err), c.destroyStreams())
 	}
 	c.counted = c.copier
-	// Pitched staging DMAs wait for early events (StartEarly): without
-	// them a call returns once its copies are enqueued, and a staged copy's
-	// enqueueing waits for device staging (the default bound holds the
-	// rings of about 7 layers), so a per-layer load of 32 layers returned
-	// after 65 ms instead of 11 on the H200 machine, and its layers' events,
-	// which the caller waits for after the call, with it.
-	c.copier.SetPitchedStaging(false)
+	// Pitched staging DMAs: a per-layer load's layers of consecutive
+	// slots go through device staging by DMA instead of the copy kernel.
+	// Their enqueueing waits for staging to free up, on the submitting
+	// thread only: a Submit returns before it, and a layer's event is
+	// recorded once its copies are enqueued.
+	c.copier.SetPitchedStaging(true)
 	c.meter = c.copier
 	// The copier keeps its device memory pooled, tables and staging each
 	// within a share of the bound, instead of freeing one kind's idle
@@ -171,11 +157,6 @@ func newCUDAWith(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudaco
 	// cuMemFree may wait for the device to go idle). Too small a bound to
 	// split: as before.
 	c.keepIdle = c.copier.KeepIdle()
-	if early {
-		c.setupEarly()
-	} else {
-		c.early.why = "not prepared for this device"
-	}
 	// Warm start: the first copies find their descriptor tables and two
 	// rings of staging chunks ready instead of allocating them on the
 	// submitting thread. Short of memory, the copies allocate as before.
@@ -571,19 +552,18 @@ func (c *CUDA) IsCapturing(s Stream) (bool, error) {
 // Close implements Device: the copier and the streams. The calling thread
 // must have the context current and the Scheduler must be closed.
 func (c *CUDA) Close() error {
-	early := c.closeEarly()
 	if c.copier != nil {
 		err := c.copier.Close()
 		if errors.Is(err, cudacopy.ErrInFlight) {
 			// Copies still hold descriptor buffers or bounce chunks: keep the
 			// copier and the streams, so a Close after they are retired
 			// frees everything.
-			return errors.Join(early, err)
+			return err
 		}
 		c.copier = nil
 		if err != nil {
-			return errors.Join(early, err, c.destroyStreams())
+			return errors.Join(err, c.destroyStreams())
 		}
 	}
-	return errors.Join(early, c.destroyStreams())
+	return c.destroyStreams()
 }

@@ -7,10 +7,8 @@ package transfer
 //
 // Threading: every method except IsCapturing is called only from the
 // scheduler's engine goroutines, each locked to its OS thread, after
-// InitThread has run on that thread, or from a caller of Submit issuing
-// its op itself (Config.NoCallerIssue) or its op's head (Config.EarlyHead:
-// Copy, Prepare, CopyPrepared, Wait and the promiser's Fulfil) inside the
-// device's OnThread, one issuer at a time. Events are Event handles in both
+// InitThread has run on that thread; the copies only from the submitting
+// thread, one issuer. Events are Event handles in both
 // implementations; 0 is never a valid event.
 type Device interface {
 	// InitThread prepares the calling (locked) OS thread for driver calls:

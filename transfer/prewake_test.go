@@ -17,23 +17,17 @@ import (
 // TestPrewake: requests submitted after a Prewake (the engine's threads
 // polling for them), after a Prewake whose poll ran out (the threads
 // asleep again), and from several goroutines that Prewake and Submit at
-// once, all complete with the right bytes, with and without early events
-// (the events promised on the caller's thread). A request
-// the polling threads dropped, or a kick they swallowed, leaves Submit or
-// Wait hanging and fails the test; Close after a Prewake with nothing
-// submitted must not hang either (the cleanup), nor leave a goroutine
-// (goleak).
+// once, all complete with the right bytes. A request the polling threads
+// dropped, or a kick they swallowed, leaves Wait hanging and fails the
+// test; Close after a Prewake with nothing submitted must not hang either
+// (the cleanup), nor leave a goroutine (goleak).
 func TestPrewake(t *testing.T) {
-	// Without early events callers issue their own ops, and Prewake does
-	// nothing (noearly) unless NoCallerIssue (noearly-submitter).
-	for _, mode := range []string{"early", "noearly", "noearly-submitter"} {
-		early := mode == "early"
-		t.Run(mode, func(t *testing.T) {
+	{
+		t.Run("submitter", func(t *testing.T) {
 			const seg, n = 4096, 8 * 4096
 			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 5},
-				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond, NoEarlyEvents: !early, NoCallerIssue: mode == "noearly-submitter"})
-			require.Equal(t, early, e.s.early != nil)
-			require.Equal(t, mode != "noearly", e.s.prewakes())
+				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond})
+			require.True(t, e.s.prewakes())
 			rng := rand.New(rand.NewSource(6))
 			round := func(t *testing.T) {
 				src := randBytes(rng, n)

@@ -77,62 +77,21 @@ type Config struct {
 	// Tracker, in invariant builds, has every copy's host ranges checked at
 	// submission and completion (see Tracker).
 	Tracker *Tracker
-	// NoCallerIssue has every op without early events issued by the
-	// engine's submitting thread (with early events, EarlyHead governs
-	// what a caller issues). By default a Submit of an op with events and without early events
-	// (which waits until its copies are enqueued anyway) issues on its
-	// caller's thread, with the device's context current there, whenever
-	// no other issue is running: a hand-over to a submitting thread that
-	// had slept for 10 ms or more cost 0.1–0.35 ms before the first copy
-	// on the H200 machine's VM (bench/results/h200/reload-head/). For
-	// comparisons.
-	NoCallerIssue bool
-	// EarlyHead, with early events, has a Submit of a lazy op build and
-	// copy the op's first parts itself, on the caller's thread with the
-	// device's context current (as for its promise), before it returns,
-	// while the submitting thread, kicked at once, wakes: part after
-	// part until the submitting thread is awake and waiting to take over,
-	// EarlyHead has passed (one part at least) or the op is issued; the
-	// submitting thread issues the rest. A caller does it only when no
-	// other issue is running and no op of either direction waits to be
-	// issued (the counter values are written in the order given out; see
-	// issueHead for the other direction).
-	// Build then runs on the caller's goroutine for those parts. Waking
-	// the submitting thread after 10 ms or more asleep took 0.1–0.35 ms on
-	// the H200 machine's VM, in series with the first copy. 0: off (the
-	// submitting thread issues every part); negative is refused.
-	EarlyHead time.Duration
-	// EarlyHeadParts is how many parts a head issues before it lets the
-	// submitting thread, awake, take over (default 1; EarlyHead still
-	// ends it): handing over costs the copy stream the time the thread
-	// takes to build its first part, which the head's parts can cover.
-	EarlyHeadParts int
-	// NoEarlyEvents turns off early events on a device that has them
-	// (CUDA with stream memory operations): a request with Events then
-	// waits in Submit until the engine thread has enqueued its copies, as
-	// on a device without them. For comparisons and tests.
-	NoEarlyEvents bool
 	// Builders is how many goroutines build a lazy op's parts (Build,
 	// validation and, on CUDA, descriptor encoding) ahead of the
 	// submitting thread, which then only enqueues them (default: a
 	// quarter of GOMAXPROCS, 1 to 4; at most MaxBuilders).
 	Builders int
 	// Trace, when set, is called at points of a lazy op's life, with the
-	// point's name: "submit" (Submit entered), "promised" (early events:
-	// Submit recorded its events and handed it over), "head" (early
-	// events: the caller starts issuing its op's first parts, see
-	// EarlyHead; before "promised"), "issue" (the
-	// issuer took the op), "events" (its events recorded, or
-	// with early events its counter values written), "fed" (builder
-	// goroutines started on its parts), "built" (a part built on the
-	// issuing thread), "copy" and "copied" around each part's Copy
-	// (with the part's number), "issued" (its copies all enqueued).
-	// "submit" and "promised" run on the caller's goroutine, the others on
-	// the issuing thread (the submitting thread's, or a caller's issuing
-	// its own op, see NoCallerIssue) with the device's context current, so
-	// calls may overlap (concurrent Submits): it must be safe for concurrent use and
-	// return at once. Diagnostics: where the time from a call to its first
-	// copy goes.
+	// point's name: "submit" (Submit entered, on the caller's goroutine),
+	// then on the submitting thread, with the device's context current:
+	// "issue" (the thread took the op's batch), "events" (its events
+	// taken), "fed" (builder goroutines started on its parts), "built" (a
+	// part built on the issuing thread), "copy" and "copied" around each
+	// part's Copy (with the part's number), "issued" (its copies all
+	// enqueued). Calls may overlap (concurrent Submits): it must be safe
+	// for concurrent use and return at once. Diagnostics: where the time
+	// from a call to its first copy goes.
 	Trace func(point string, part int)
 	// PrewakeSpin is how long the engine's submitting thread, woken by
 	// Prewake, polls for the request announced before it sleeps again.
@@ -203,10 +162,6 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: negative poll timing %v/%v", ErrInvalidRequest, c.PollSpin, c.PollMaxSleep)
 	case c.Builders < 0 || c.Builders > MaxBuilders:
 		return fmt.Errorf("%w: Builders %d outside [1, %d]", ErrInvalidRequest, c.Builders, MaxBuilders)
-	case c.EarlyHead < 0:
-		return fmt.Errorf("%w: EarlyHead %v < 0", ErrInvalidRequest, c.EarlyHead)
-	case c.EarlyHeadParts < 0:
-		return fmt.Errorf("%w: EarlyHeadParts %d < 0", ErrInvalidRequest, c.EarlyHeadParts)
 	}
 	return nil
 }
@@ -223,27 +178,29 @@ type Request struct {
 	// After (0: none) is a caller event, recorded on the caller's stream
 	// after the work producing the source (for a store: the kernels writing
 	// the blocks). The copies wait on its most recent record at the time
-	// the op is issued to the engine stream.
+	// the submitting thread issues the op, which may be after Submit
+	// returns: a caller that records After again before the op is done
+	// makes the copies wait for that later record (never an earlier one).
 	After Event
 	// AfterStream, if set, is the stream After was recorded on: the request
 	// is refused with ErrCapturing if it is capturing. Checked on the
 	// caller's goroutine, whose thread must have the context current.
 	AfterStream *Stream
 	// Events asks for an op event (Op.Event) and, with LayerEnds, one per
-	// layer (Op.LayerEvent). Such an op is issued to the engine stream
-	// before Submit returns (so the caller may wait on its events at once),
-	// whatever the bytes in flight: its stream is its queue.
+	// layer (Op.LayerEvent). Such an op is issued by the submitting thread
+	// in the order submitted, whatever the bytes in flight: its stream is
+	// its queue. Submit returns before its copies are enqueued; Op.Event
+	// and Op.LayerEvent wait on the host until the event asked for is
+	// recorded (after the copies it follows are enqueued, not finished).
 	Events bool
 	// Signal (0: none) is a caller-owned event recorded on the engine stream
 	// after the op's copies (for a graph's external event-wait node). Like
-	// Events, the op is issued before Submit returns.
+	// Events, the op is issued in order, whatever the bytes in flight;
+	// Op.Event waits until the Signal is recorded too.
 	Signal Event
 	// OnComplete, if set, is called once when the op completes or fails:
 	// on a completion goroutine, or, for an op failed before its copies
-	// ran, on the goroutine issuing its batch (the submitting thread's,
-	// or a Submit's caller's, see Config.NoCallerIssue) or the one of a
-	// Submit that found the device lost (its head's copies could not be
-	// waited for, see unwindHead). It must not block or take a lock a
+	// ran, on the submitting thread. It must not block or take a lock a
 	// Submit's caller may hold.
 	OnComplete func(op *Op, err error)
 
@@ -260,10 +217,7 @@ type Request struct {
 	// 1, their sum Parts): a layer cut into parts starts copying once its
 	// first part is built (a per-layer load's first layer, whose event the
 	// caller waits for first). Build runs on the
-	// issuing goroutine (the submitting thread's, or the caller's of any
-	// Submit issuing its own op, see Config.NoCallerIssue, or its op's
-	// head, see Config.EarlyHead: inside Submit, the promise mutex held,
-	// so a Build must not Submit) or on builder
+	// submitting thread or on builder
 	// goroutines (Config.Builders) ahead of it: it must make no driver
 	// call and need no thread state (no CUDA context need be current
 	// there), must not block or take a lock a Submit's caller may hold,
@@ -318,38 +272,7 @@ type Scheduler struct {
 	done           sync.WaitGroup
 	liveCompleters atomic.Int32
 
-	// Early events (see promiser): early is the device's, or nil. Submit
-	// of an op with events records them itself, under sigMu, behind waits
-	// for its sequence values, and only then hands the op to the
-	// submitter; signalling counts the ops accepted and not yet handed
-	// over (under mu). seq is the last value given out per direction
-	// (under sigMu).
-	early      promiser
-	sigMu      sync.Mutex
-	signalling int
-	seq        [2]uint64
-	// fulfilled is the highest counter value per direction whose write
-	// the issuer (the submitting thread, or a caller issuing its op's
-	// head) has enqueued (or given up on: a failed write); Quiesce waits
-	// for it to reach seq.
-	fulfilled [2]atomic.Uint64
-
-	// issueMu is held by whoever issues (issueRound): the submitting
-	// thread, or a caller issuing on its own thread (issueHere); runOn runs
-	// such a caller's issue with the device's context current (the
-	// device's OnThread), nil where the device has none.
-	issueMu sync.Mutex
-	runOn   func(func() error) error
-	// issuedHere counts the issues callers ran themselves (tests).
-	issuedHere atomic.Int64
-	// headParts counts the parts callers issued as their ops' heads
-	// (Config.EarlyHead; tests); takeover is set while the submitting
-	// thread, awake, waits for a caller issuing a head to let go of
-	// issueMu (the caller then stops after its current part).
-	headParts atomic.Int64
-	takeover  atomic.Bool
-
-	// The issuer's buffers for lazy requests (under issueMu): lone for an
+	// The issuer's buffers for lazy requests (submitting thread only): lone for an
 	// issue of a single part, built here, and for a head's parts; the
 	// feed's, two for each of its
 	// builder goroutines, for several (issueLayers).
@@ -360,7 +283,7 @@ type Scheduler struct {
 	// first part, as a slow wake of its thread does.
 	builderDelay time.Duration
 	// holdSubmitter (tests), when set, is received from by the
-	// submitting thread each time it wakes, before it takes issueMu:
+	// submitting thread each time it wakes, before it issues:
 	// closing it lets the thread go on.
 	holdSubmitter atomic.Pointer[chan struct{}]
 }
@@ -545,31 +468,6 @@ func (s *Scheduler) stopFeed(f *partFeed) {
 	f.running = false
 }
 
-// promiser is implemented by devices that can make an op's events valid
-// before its copies are enqueued (CUDA with stream memory operations).
-// Each direction has a counter in device memory that only grows: Fulfil
-// has dir's stream write v to it after the work enqueued so far, and
-// Promise records events on a stream of their own behind a wait for the
-// counter to reach v, so each completes only after the copies that precede
-// the write of v, however late those are enqueued. Snapshot captures a
-// caller's event as it is now (its most recent record) in an event of the
-// scheduler's, for a wait enqueued later.
-type promiser interface {
-	EarlyEvents() bool
-	// StartEarly prepares the device for early events (nothing on the
-	// submitting thread may then wait for the device to go idle); false
-	// when it cannot.
-	StartEarly() bool
-	Promise(dir Direction, v uint64, evs []Event) error
-	Fulfil(dir Direction, v uint64) error
-	Snapshot(dir Direction, caller, snap Event) error
-	// OnThread runs f on the calling goroutine's thread, locked, with
-	// the device's context current (and the thread's own restored after):
-	// Promise and Snapshot run on the caller of Submit, with no hand-over
-	// to another thread.
-	OnThread(f func() error) error
-}
-
 // Op is one submitted request. Its methods are safe for concurrent use.
 // After Release every method returns ErrReleased.
 type Op struct {
@@ -579,7 +477,9 @@ type Op struct {
 	segs      []placed
 	layerEnds []int
 	req       Request
-	enq       chan struct{} // immediate ops: closed once issued (or failed)
+	// waits: the op has events or a Signal (it goes to s.immediate, and
+	// Event and LayerEvent wait for its issue).
+	waits bool
 
 	ev       Event
 	layerEvs []Event
@@ -587,27 +487,8 @@ type Op struct {
 
 	done chan struct{}
 
-	// Early events: the op's events were promised by its Submit for the
-	// values seq0+1 … seq0+Layers (layer l's is
-	// seq0+l+1; the op event and Signal wait for the last); snap is the
-	// snapshot of After the copies wait on instead of After. subErr is
-	// what Submit returns when promising failed.
-	early  bool
-	seq0   uint64
-	snap   Event
-	subErr error
 	// built counts the bytes a lazy op's parts have produced.
 	built uint64
-	// given: its Submit gave the op counter values (seq0+1 …).
-	given bool
-	// The head its Submit issued (Config.EarlyHead): parts [0, headParts)
-	// copied, layers [0, headLayers) complete with their counter values
-	// written; their retires (and, with invariants, descriptors), which
-	// the op's batch adopts; headErr, a failure that fails that batch.
-	headParts, headLayers int
-	headRetires           []func()
-	headDescs             []Segment
-	headErr               error
 	// tmpl: the op's templates as the device prepared them (one, or one
 	// per layer), nil when its parts are copied from Build.
 	tmpl []opTemplate
@@ -616,6 +497,14 @@ type Op struct {
 	err       error
 	completed bool
 	released  bool
+	// Issue progress (under mu; rec waits on it): recorded is how many
+	// layers have their events recorded; issued is set once the issuing
+	// thread is done with the op, recorded or failed (issueErr: why its
+	// remaining events were never recorded).
+	rec      sync.Cond
+	recorded int
+	issued   bool
+	issueErr error
 }
 
 type batch struct {
@@ -629,8 +518,6 @@ type batch struct {
 	// awaits it before reporting.
 	recorded bool
 	err      error // the batch's failure, reported at completion
-	// unfulfilled: writing the counter for the batch's early ops failed.
-	unfulfilled bool
 }
 
 // New starts a scheduler over dev: one submitting goroutine and one
@@ -653,17 +540,6 @@ func New(dev Device, cfg Config) (*Scheduler, error) {
 		s.pending[d] = make(chan *batch, 4096)
 	}
 	threads := 3
-	if r, ok := dev.(interface{ OnThread(func() error) error }); ok && !cfg.NoCallerIssue {
-		s.runOn = r.OnThread
-	}
-	if p, ok := dev.(promiser); ok && p.EarlyEvents() && !cfg.NoEarlyEvents && p.StartEarly() {
-		s.early = p
-		if g, ok := dev.(interface {
-			SetSyncGuard(func(func() error) error)
-		}); ok {
-			g.SetSyncGuard(s.Quiesce)
-		}
-	}
 	ready := make(chan error, threads)
 	s.done.Add(threads)
 	s.liveCompleters.Store(2)
@@ -735,12 +611,13 @@ func (s *Scheduler) stateErr() error {
 	return nil
 }
 
-// Submit validates req and queues it. Requests with Events or Signal wait
-// for the engine thread to issue them (CPU work only), or issue
-// themselves (NoCallerIssue) or their head (EarlyHead): those may wait
-// where the submitting thread would have, for the copy method's device
-// memory bound to free a buffer. On error nothing was enqueued and no
-// callback will run.
+// Submit validates req and queues it, and returns without waiting for
+// anything but the scheduler's lock: it makes no driver call, and the
+// submitting thread issues the op (builds its parts, enqueues its copies,
+// records its events). A request with Events or a Signal is taken in the
+// order submitted, whatever the bytes in flight; one without waits for
+// the in-flight bound, and beyond MaxQueuedBytes it gets ErrBusy. On
+// error nothing was queued and no callback will run.
 func (s *Scheduler) Submit(req Request) (*Op, error) {
 	if req.lazy() {
 		s.trace("submit", -1)
@@ -755,75 +632,16 @@ func (s *Scheduler) Submit(req Request) (*Op, error) {
 		s.mu.Unlock()
 		return nil, err
 	}
-	if op.enq != nil {
-		// An op with events is issued to its stream at once and never
-		// refused for the bytes already in flight: the copy stream is its
-		// queue, and refusing it would lose the blocks a swap or an
-		// eviction stores (the caller would recompute them). Its bytes
-		// still count, so plain ops queue behind it.
+	if op.waits {
+		// An op with events is issued in its turn and never refused for
+		// the bytes already in flight: the copy stream is its queue, and
+		// refusing it would lose the blocks a swap or an eviction stores
+		// (the caller would recompute them). Its bytes still count, so
+		// plain ops queue behind it.
 		s.inflight[d] += op.bytes
-		if s.early != nil {
-			// The op's events are promised here, on the caller's thread
-			// with the device's context made current for the calls (a
-			// hand-over to an engine thread cost 20–200 µs on the H200
-			// machine, in series with the first copy), then the op goes
-			// to the submitter; Submit returns once the events are valid,
-			// before the copies are built. sigMu keeps the counter values
-			// in the order the submitter receives the ops.
-			s.signalling++
-			s.mu.Unlock()
-			s.sigMu.Lock()
-			promised, held := false, false
-			err := s.early.OnThread(func() error {
-				if err := s.promiseBegin(op); err != nil {
-					return err
-				}
-				if s.cfg.EarlyHead > 0 && req.lazy() {
-					// The head records the layers' events after its
-					// first part's copies are enqueued (promiseLayers,
-					// 0.1 ms for 33 events on the H200 machine): they
-					// are valid before Submit returns all the same.
-					var err error
-					if held, err = s.issueHead(op); err != nil {
-						return err
-					}
-				} else if err := s.promiseLayers(op); err != nil {
-					return err
-				}
-				promised = true
-				return nil
-			})
-			if promised {
-				// Its events are recorded, its head perhaps issued: a
-				// failure to restore the thread's context or capture mode
-				// after is the caller's thread's, not the op's (as in
-				// issueHere); failing the op here would leave copies
-				// running under a failed Submit.
-				err = nil
-			}
-			s.handOver(op, err)
-			if held {
-				// Held through the hand-over, so that the submitting
-				// thread, polling for it, finds the op queued when it
-				// gets it (released before, it found nothing and slept).
-				s.issueMu.Unlock()
-			}
-			s.sigMu.Unlock()
-			if req.lazy() {
-				s.trace("promised", -1)
-			}
-			<-op.enq
-			if op.subErr != nil {
-				return nil, op.subErr
-			}
-			return op, nil
-		}
 		s.immediate[d] = append(s.immediate[d], op)
 		s.mu.Unlock()
-		if !s.issueHere(op) {
-			s.kick()
-		}
-		<-op.enq
+		s.kick()
 		return op, nil
 	}
 	if queued := s.queued[d]; queued > 0 && queued+op.bytes > s.cfg.MaxQueuedBytes {
@@ -873,9 +691,8 @@ func (s *Scheduler) prepare(req Request) (*Op, error) {
 	for _, g := range segs {
 		op.bytes += g.Len
 	}
-	if req.Events || req.Signal != 0 {
-		op.enq = make(chan struct{})
-	}
+	op.waits = req.Events || req.Signal != 0
+	op.rec.L = &op.mu
 	return op, nil
 }
 
@@ -932,9 +749,8 @@ func (s *Scheduler) prepareLazy(req Request) (*Op, error) {
 		}
 	}
 	op := &Op{s: s, dir: req.Dir, req: req, bytes: req.Bytes, done: make(chan struct{}), layerEnds: ends}
-	if req.Events || req.Signal != 0 {
-		op.enq = make(chan struct{})
-	}
+	op.waits = req.Events || req.Signal != 0
+	op.rec.L = &op.mu
 	s.prepareTemplates(op)
 	return op, nil
 }
@@ -962,10 +778,6 @@ func (s *Scheduler) kick() {
 	default:
 	}
 }
-
-// Early reports whether the scheduler promises ops' events at Submit
-// (early events, see Config.NoEarlyEvents).
-func (s *Scheduler) Early() bool { return s.early != nil }
 
 // Close refuses new requests, lets everything submitted finish, stops the
 // engine goroutines and destroys the scheduler's events. It does not close
@@ -1008,21 +820,17 @@ func (s *Scheduler) submitter(ready chan<- error) {
 		if h := s.holdSubmitter.Load(); h != nil {
 			<-*h
 		}
-		s.lockIssue()
 		for s.issueRound() {
 		}
 		s.mu.Lock()
-		// Also after a sticky error: the ops still being promised are
-		// handed over (and failed by issueRound) before the engine stops,
-		// so no Submit waits forever and no op is left without completion.
-		stop := s.closed && s.signalling == 0 && !s.waitingLocked()
+		// Also after a sticky error: the ops queued are taken (and failed
+		// by issueRound) before the engine stops, so no op is left
+		// without completion and no Event waits forever.
+		stop := s.closed && !s.waitingLocked()
 		s.mu.Unlock()
 		if stop {
-			// issueMu stays held: no caller issues once the pending
-			// channels are closed (none has an op left to issue).
 			break
 		}
-		s.issueMu.Unlock()
 	}
 	for d := range s.pending {
 		close(s.pending[d])
@@ -1031,224 +839,8 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	// destroyed by the last completer to exit (see completer).
 }
 
-// issueHere issues op, a Submit's own op waiting in s.immediate, on the
-// calling goroutine's thread, with the device's context current there,
-// when the device can (runOn) and no other issue is running; it reports
-// whether it did. It issues op's direction only, what waits there with it
-// (in the order taken, as the submitting thread would), and stops once op
-// is issued; anything left (the other direction, ops submitted meanwhile)
-// it leaves to the submitting thread, which it kicks. Otherwise (or when
-// the context could not be made current) the caller kicks the submitting
-// thread, which takes op in its next round: an issue running now loops
-// until a round takes nothing. A panic in the issue (a Build's, or a bug)
-// crashes the process, as it did on the submitting thread, rather than
-// reaching the caller half done with other callers' ops taken.
-func (s *Scheduler) issueHere(op *Op) bool {
-	if s.runOn == nil || !s.issueMu.TryLock() {
-		return false
-	}
-	defer s.issueMu.Unlock()
-	ran := false
-	err := s.runOn(func() error {
-		ran = true
-		s.issuedHere.Add(1)
-		defer func() {
-			if r := recover(); r != nil {
-				go panic(fmt.Sprintf("transfer: panic while a caller issued its op: %v", r))
-				select {} // the process ends with the panic above
-			}
-		}()
-		for s.issueRoundDirs(op.req.Dir) && !closed(op.enq) {
-		}
-		return nil
-	})
-	// A context not restored after the round is the caller's thread's
-	// problem, not the ops': they were issued.
-	_ = err
-	if ran && s.waiting() {
-		s.kick()
-	}
-	return ran
-}
-
-// headSpin bounds how long the submitting thread polls issueMu beyond
-// Config.EarlyHead while a caller issues its op's head.
-const headSpin = time.Millisecond
-
-// lockIssue takes issueMu for the submitting thread. With EarlyHead, a
-// caller issuing its op's head may hold it: the thread then polls for it
-// (a blocked Lock would put the thread back to sleep, and waking it again
-// is the delay the head covers), telling the caller it waits (takeover),
-// for up to EarlyHead + headSpin before it blocks.
-func (s *Scheduler) lockIssue() {
-	if s.issueMu.TryLock() {
-		return
-	}
-	if s.early == nil || s.cfg.EarlyHead <= 0 || runtime.GOMAXPROCS(0) < 2 {
-		// With one P a polling thread would keep the caller's head from
-		// running.
-		s.issueMu.Lock()
-		return
-	}
-	s.takeover.Store(true)
-	defer s.takeover.Store(false)
-	deadline := time.Now().Add(s.cfg.EarlyHead + headSpin)
-	for i := 0; !s.issueMu.TryLock(); i++ {
-		if i%64 == 0 && time.Now().After(deadline) {
-			s.issueMu.Lock()
-			return
-		}
-	}
-}
-
-// issueHead issues the head of op, a lazy op whose Submit has just begun
-// its promise (promiseBegin; caller's thread, context current, sigMu
-// held), when no other issue runs and no op of either direction waits to
-// be issued (Config.EarlyHead): it kicks the submitting thread, then
-// builds and copies op's parts in order, writing each completed layer's
-// counter value, until the submitting thread waits to take over
-// (takeover) and EarlyHeadParts are issued, the head's time is up (one
-// part at least) or the op is issued. It finishes the promise
-// (promiseLayers) once its first part's copies are enqueued, or at once
-// when it issues nothing: the first copies start 0.1 ms sooner, and the
-// events are valid before Submit returns all the same. It records what it
-// did in op (headParts, headLayers, headRetires, headDescs); a failure to
-// copy goes in op.headErr, which fails the op's batch when the submitting
-// thread takes it (the copies enqueued before it are waited for first,
-// as for any failed batch). A failure to promise is returned (err): the
-// op's events are not valid, so Submit fails, and only once the head's
-// copies are known finished (unwindHead). A panic ends the process, as
-// issueHere's. It reports whether it holds issueMu, which the caller
-// releases after handing op over.
-//
-// No head while an op of the other direction waits either: it would be
-// held back (loads go first), and if op's After depends on that op's
-// events, a head waiting on the host for the device (the copy method's
-// memory bound) would wait for copies only the submitting thread, which
-// needs issueMu, can issue.
-func (s *Scheduler) issueHead(op *Op) (held bool, err error) {
-	hb := batch{dir: op.dir}
-	promised := false
-	defer func() {
-		if !promised {
-			// Nothing copied: no head, the snapshot's wait failed, or no
-			// parts.
-			err = s.promiseLayers(op)
-		}
-		op.headRetires, op.headDescs = hb.retires, hb.descs
-	}()
-	if !s.issueMu.TryLock() {
-		return false, nil
-	}
-	s.mu.Lock()
-	ok := len(s.immediate[Load])+len(s.immediate[Store]) == 0 && s.sticky == nil
-	s.mu.Unlock()
-	if !ok {
-		s.issueMu.Unlock()
-		return false, nil
-	}
-	s.kick()
-	defer func() {
-		if r := recover(); r != nil {
-			go panic(fmt.Sprintf("transfer: panic while a caller issued its op's head: %v", r))
-			select {} // the process ends with the panic above
-		}
-	}()
-	op.early = true
-	start := time.Now()
-	if err := s.waitSnapshot(op); err != nil {
-		op.headErr = err
-		return true, nil
-	}
-	s.trace("head", -1)
-	for l := range op.layerEnds {
-		from, to := op.partsOf(l)
-		for p := from; p < to; p++ {
-			if op.headParts > 0 && (op.headParts >= s.cfg.EarlyHeadParts && s.takeover.Load() || time.Since(start) >= s.cfg.EarlyHead) {
-				return true, nil
-			}
-			cerr := s.copyLone(&hb, op, p)
-			if !promised {
-				promised = true
-				if err := s.promiseLayers(op); err != nil {
-					if lost := s.unwindHead(&hb); lost != nil {
-						err = errors.Join(err, lost)
-					}
-					return true, err
-				}
-			}
-			if cerr != nil {
-				op.headErr = cerr // part of it may be enqueued: the batch waits
-				return true, nil
-			}
-			op.headParts = p + 1
-			s.headParts.Add(1)
-		}
-		if err := op.checkBuilt(l); err != nil {
-			op.headErr = err
-			return true, nil
-		}
-		if err := s.recordLayer(op, l); err != nil {
-			op.headErr = err
-			return true, nil
-		}
-		op.headLayers = l + 1
-	}
-	return true, nil
-}
-
-// unwindHead undoes a head whose op's promise failed after some of its
-// copies were enqueued: Submit fails, so nothing of the op may stay in
-// flight. It waits for dir's stream (with sigMu and issueMu held: the
-// scheduler waits with it, on a path taken only when the driver fails a
-// call), then runs the head's retires. When the wait fails the device is
-// lost: the scheduler turns sticky (failing its queued ops on this
-// goroutine, see Request.OnComplete), the retires never run, their
-// buffers are never reused, and the sticky error (ErrDeviceLost) is
-// returned for Submit's.
-func (s *Scheduler) unwindHead(hb *batch) error {
-	defer func() { hb.retires, hb.descs = nil, nil }()
-	if err := s.dev.SyncStream(hb.dir); err != nil {
-		return s.setSticky(fmt.Errorf("transfer: waiting for a head whose promise failed: %w", err))
-	}
-	for _, r := range hb.retires {
-		r()
-	}
-	return nil
-}
-
-// adoptHeads moves the heads' retires (and descriptors) of b's ops into
-// b, which finishes them with its own, and reports whether any of its ops
-// had a head (whose copies, some at least, are enqueued).
-func (b *batch) adoptHeads() (any bool) {
-	for _, op := range b.ops {
-		b.retires = append(b.retires, op.headRetires...)
-		b.descs = append(b.descs, op.headDescs...)
-		op.headRetires, op.headDescs = nil, nil
-		any = any || op.headParts > 0 || op.headErr != nil
-	}
-	return any
-}
-
-// waitSnapshot has dir's streams wait on op's snapshot of its After event
-// (taken at Submit with early events), if it has one, and gives the
-// snapshot back: once the wait is enqueued the event may be recorded
-// again.
-func (s *Scheduler) waitSnapshot(op *Op) error {
-	if op.snap == 0 {
-		return nil
-	}
-	err := s.dev.Wait(op.dir, op.snap)
-	s.putBatchEvent(op.snap)
-	op.snap = 0
-	if err != nil {
-		return fmt.Errorf("transfer: waiting on the snapshot of the After event %#x: %w", uintptr(op.req.After), err)
-	}
-	return nil
-}
-
 // copyLone builds part p of lazy op on the issuing thread, into s.lone,
-// and copies it into b (issueMu held).
+// and copies it into b (submitting thread).
 func (s *Scheduler) copyLone(b *batch, op *Op, p int) error {
 	s.buildPart(op, p, &s.lone)
 	s.trace("built", p)
@@ -1266,30 +858,13 @@ func (op *Op) checkBuilt(l int) error {
 	return nil
 }
 
-// closed reports whether ch is closed (it is never sent on).
-func closed(ch chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
-	}
-}
-
-// waiting reports whether an op waits to be issued in either direction.
-func (s *Scheduler) waiting() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.waitingLocked()
-}
-
 // waitingLocked is waiting with s.mu held.
 func (s *Scheduler) waitingLocked() bool {
 	return len(s.queue[Load])+len(s.queue[Store])+len(s.immediate[Load])+len(s.immediate[Store]) > 0
 }
 
 // issueRound takes what may be issued now, loads first, and issues it. It
-// reports whether anything was taken. The caller holds issueMu.
+// reports whether anything was taken (submitting thread).
 func (s *Scheduler) issueRound() bool { return s.issueRoundDirs(Load, Store) }
 
 // issueRoundDirs is issueRound over dirs only, in that order.
@@ -1324,23 +899,35 @@ func (s *Scheduler) issueRoundDirs(dirs ...Direction) bool {
 		b := &batch{dir: d, ops: take[d]}
 		if sticky != nil {
 			b.err = sticky
-			b.adoptHeads()
-			s.fulfilAll(b)
+			ops := b.ops
 			s.pending[d] <- b
-			signalIssued(b.ops)
+			signalIssued(ops, sticky)
 			continue
 		}
-		s.issue(b)
-		signalIssued(b.ops)
+		ops := b.ops
+		signalIssued(ops, s.issue(b))
 	}
 	return any
 }
 
-func signalIssued(ops []*Op) {
+// signalIssued tells the waiters of ops (Event, LayerEvent) that the
+// submitting thread is done with them: err, when the batch failed, is why
+// the events not yet recorded never will be.
+func signalIssued(ops []*Op, err error) {
 	for _, op := range ops {
-		if op.enq != nil && !op.early {
-			close(op.enq)
+		if !op.waits {
+			continue
 		}
+		op.mu.Lock()
+		op.issued = true
+		if op.recorded < len(op.layerEnds) {
+			op.issueErr = err
+			if err == nil {
+				op.issueErr = fmt.Errorf("transfer: the %v was issued without its events recorded", op.dir)
+			}
+		}
+		op.mu.Unlock()
+		op.rec.Broadcast()
 	}
 }
 
@@ -1348,14 +935,12 @@ func signalIssued(ops []*Op) {
 // failure fails the whole batch; if copies were already enqueued, the
 // failure is reported only once they are known finished (the batch event,
 // or a stream synchronize), so no memory is reused under a running copy.
-func (s *Scheduler) issue(b *batch) {
+// It returns the failure (for the ops' Event waiters), nil when issued.
+func (s *Scheduler) issue(b *batch) (failed error) {
 	d := b.dir
 	enqueued := false
 	fail := func(err error) {
-		// Promised events must complete: the counter is written after
-		// whatever copies were enqueued (a failed op's events carry no
-		// meaning for its blocks; the op's error does).
-		s.fulfilAll(b)
+		failed = err
 		if cuda.IsSticky(err) {
 			err = s.setSticky(err)
 		}
@@ -1376,15 +961,11 @@ func (s *Scheduler) issue(b *batch) {
 		b.err = errors.Join(err, s.dev.SyncStream(d))
 		s.finish(b)
 	}
-	// The heads' copies (their callers issued them) are enqueued already:
-	// from here on a failure waits for the stream, and finishes their
-	// retires with the batch's.
 	b.descs = s.descBuf()
-	enqueued = b.adoptHeads()
 	ev, err := s.batchEvent()
 	if err != nil {
 		fail(err)
-		return
+		return failed
 	}
 	b.ev = ev
 	s.trace("issue", -1)
@@ -1395,49 +976,22 @@ func (s *Scheduler) issue(b *batch) {
 			}
 		}
 	}
-	// First each op with early events on its own, in the order taken (the
-	// order its counter values were given out: the waits are ≥
-	// comparisons, so a value written early would release the events of
-	// every smaller one), its snapshot wait just before its own copies: a
-	// later op's After may depend on an earlier op's events (the caller
-	// waited on them), so no wait may come before an earlier op's copies.
-	// Then the ops without early events, layer by layer, their copies
-	// coalesced after their waits; nothing can wait on them on the GPU
-	// before they are issued (they have no events yet).
-	var shared, early []*Op
-	for _, op := range b.ops {
-		if op.early {
-			early = append(early, op)
-		} else {
-			shared = append(shared, op)
-		}
-	}
-	for _, op := range early {
-		if op.headErr != nil {
-			fail(op.headErr)
-			return
-		}
-		if err := s.waitSnapshot(op); err != nil {
-			fail(err)
-			return
-		}
-		enqueued = true // from here on a failure waits for the stream (see issueLayers)
-		if err := s.issueLayers(b, []*Op{op}); err != nil {
-			fail(err)
-			return
-		}
-	}
+	// The ops layer by layer, their copies coalesced after their waits:
+	// a later op's After cannot depend on an earlier op of the batch
+	// (nothing waits on an op's events before they are recorded, and
+	// Event and LayerEvent return only then).
+	shared := b.ops
 	for _, op := range shared {
 		if op.req.After != 0 {
 			if err := s.dev.Wait(d, op.req.After); err != nil {
 				fail(fmt.Errorf("transfer: waiting on the After event %#x: %w", uintptr(op.req.After), err))
-				return
+				return failed
 			}
 		}
-		if op.enq != nil || op.req.Events {
+		if op.req.Events {
 			if err := s.opEventsFor(op); err != nil {
 				fail(err)
-				return
+				return failed
 			}
 		}
 	}
@@ -1445,7 +999,7 @@ func (s *Scheduler) issue(b *batch) {
 	s.trace("events", -1)
 	if err := s.issueLayers(b, shared); err != nil {
 		fail(err)
-		return
+		return failed
 	}
 	if invariantsEnabled {
 		b.hash = descHash(s.seed, b.descs)
@@ -1457,11 +1011,12 @@ func (s *Scheduler) issue(b *batch) {
 		s.batchEvs = append(s.batchEvs, ev)
 		s.mu.Unlock()
 		fail(fmt.Errorf("transfer: recording the %v batch event: %w", d, err))
-		return
+		return failed
 	}
 	b.recorded = true
 	s.trace("issued", -1)
 	s.pending[d] <- b
+	return nil
 }
 
 // issueLayers enqueues the copies of ops layer by layer (the given ops'
@@ -1483,7 +1038,7 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 		for _, op := range ops {
 			if l < len(op.layerEnds) && op.req.lazy() {
 				from, to := op.partsOf(l)
-				for p := max(from, op.headParts); p < to; p++ {
+				for p := from; p < to; p++ {
 					refs = append(refs, partRef{op, p})
 				}
 			}
@@ -1516,9 +1071,6 @@ func (s *Scheduler) issueLayers(b *batch, ops []*Op) error {
 			b.retires = append(b.retires, retire)
 		}
 		for _, op := range ops {
-			if l < op.headLayers {
-				continue // its head issued it, counter value and all
-			}
 			if l < len(op.layerEnds) && op.req.lazy() {
 				if err := s.issueParts(b, op, l, f); err != nil {
 					return err
@@ -1549,7 +1101,7 @@ func (op *Op) partsOf(l int) (from, to int) {
 // copy fails the op.
 func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 	from, to := op.partsOf(l)
-	for p := max(from, op.headParts); p < to; p++ {
+	for p := from; p < to; p++ {
 		inline := f == nil
 		if f != nil && f.firstDue {
 			if f.first != (partRef{op, p}) {
@@ -1661,18 +1213,26 @@ func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	return nil
 }
 
-// recordLayer records op's events that follow its layer l; for an op
-// with early events it writes the counter value they wait for.
+// recordLayer records op's events that follow its layer l and tells
+// those waiting for them (LayerEvent, and Event after the last layer).
 func (s *Scheduler) recordLayer(op *Op, l int) error {
 	if l >= len(op.layerEnds) {
 		return nil
 	}
-	if op.early {
-		if err := s.fulfil(op.dir, op.seq0+uint64(l)+1); err != nil {
-			return fmt.Errorf("transfer: writing layer %d's counter value: %w", l, err)
-		}
-		return nil
+	if err := s.recordLayerEvents(op, l); err != nil {
+		return err
 	}
+	if op.waits {
+		op.mu.Lock()
+		op.recorded = l + 1
+		op.mu.Unlock()
+		op.rec.Broadcast()
+	}
+	return nil
+}
+
+// recordLayerEvents records op's events that follow its layer l.
+func (s *Scheduler) recordLayerEvents(op *Op, l int) error {
 	if op.layerEvs != nil {
 		if err := s.dev.Record(op.dir, op.layerEvs[l]); err != nil {
 			return fmt.Errorf("transfer: recording layer %d's event: %w", l, err)
@@ -1692,85 +1252,6 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 		}
 	}
 	return nil
-}
-
-// fulfil has the device write v to dir's counter (promiser.Fulfil) and
-// records v as fulfilled, written or not (a failed write fails its batch;
-// Quiesce must not wait for it).
-func (s *Scheduler) fulfil(dir Direction, v uint64) error {
-	err := s.early.Fulfil(dir, v)
-	f := &s.fulfilled[dir]
-	for cur := f.Load(); v > cur && !f.CompareAndSwap(cur, v); cur = f.Load() {
-	}
-	return err
-}
-
-// quiesceWait bounds how long Quiesce waits for the submitting thread to
-// enqueue the counter writes of the ops promised so far.
-const quiesceWait = 30 * time.Second
-
-// Quiesce runs f, a driver call that may wait for the device to go idle
-// (cuMemFree, cuMemFreeHost, cuMemHostUnregister), where that cannot
-// deadlock against early events. Such a call may also hold other threads'
-// driver calls meanwhile (on the H200 machine a cuMemcpyAsync of the
-// submitting thread waited behind a cuMemFree that waited for the
-// device), so it must not run while a signal stream waits for a counter
-// value whose write the submitting thread has yet to enqueue: the device
-// would never go idle. Quiesce holds new promises back (a Submit of an op
-// with events waits) and waits until every value promised so far has its
-// write enqueued, then runs f; the device then goes idle once the copies
-// in flight end. Without early events it just runs f. f must not submit
-// or wait for ops; Quiesce must not be called on the submitting thread.
-// If the writes are not enqueued within quiesceWait, f is not run and
-// Quiesce returns an error (the caller leaks rather than deadlocks).
-func (s *Scheduler) Quiesce(f func() error) error {
-	if s.early == nil {
-		return f()
-	}
-	s.sigMu.Lock()
-	defer s.sigMu.Unlock()
-	deadline := time.Now().Add(quiesceWait)
-	for d := range s.seq {
-		for s.fulfilled[d].Load() < s.seq[d] {
-			if time.Now().After(deadline) {
-				return fmt.Errorf("transfer: %v counter values up to %d promised, only %d enqueued after %v: a call that waits for the device not run",
-					Direction(d), s.seq[d], s.fulfilled[d].Load(), quiesceWait)
-			}
-			time.Sleep(50 * time.Microsecond)
-		}
-	}
-	return f()
-}
-
-// putBatchEvent returns an event to the batch event pool.
-func (s *Scheduler) putBatchEvent(e Event) {
-	s.mu.Lock()
-	s.batchEvs = append(s.batchEvs, e)
-	s.mu.Unlock()
-}
-
-// fulfilAll writes, for a batch that failed or was never issued, the last
-// counter value any of its early ops waits for, so their promised events
-// complete (after whatever copies were enqueued). Errors are ignored: the
-// batch fails anyway, and a failed write means a lost context.
-func (s *Scheduler) fulfilAll(b *batch) {
-	var v uint64
-	for _, op := range b.ops {
-		if op.early {
-			v = max(v, op.seq0+uint64(len(op.layerEnds)))
-		}
-		if op.snap != 0 {
-			// Its wait was never enqueued: the snapshot goes back.
-			s.putBatchEvent(op.snap)
-			op.snap = 0
-		}
-	}
-	if v != 0 && s.fulfil(b.dir, v) != nil {
-		// The events may never complete: the completer must not wait
-		// for them (the batch fails; a caller's stream waiting on them
-		// is stuck as on a lost device).
-		b.unfulfilled = true
-	}
 }
 
 // Prewake tells the engine's threads that a request is about to be
@@ -1799,10 +1280,9 @@ func (s *Scheduler) PrewakeDone() {
 }
 
 // prewakes reports whether Prewake wakes the submitting thread: not
-// without a PrewakeSpin, nor where callers issue their ops themselves
-// (runOn without early events: the submitting thread is not waited for).
+// without a PrewakeSpin.
 func (s *Scheduler) prewakes() bool {
-	return s.cfg.PrewakeSpin > 0 && (s.runOn == nil || s.early != nil)
+	return s.cfg.PrewakeSpin > 0
 }
 
 // awaitWake waits for kick; woken by Prewake first, it polls for the kick
@@ -1835,112 +1315,6 @@ func spinFor[T any](ch <-chan T, d time.Duration, pending *atomic.Int32) (T, boo
 			return zero, false
 		}
 	}
-}
-
-// promiseBegin and promiseLayers promise an early op's events, in two
-// halves so that a head's first copies can go between them (Submit).
-// promiseBegin gives op its events from the pool, snapshots its After
-// event and gives it its counter values (op.given); nothing of it waits on
-// a counter yet.
-func (s *Scheduler) promiseBegin(op *Op) error {
-	d := op.dir
-	s.mu.Lock()
-	sticky := s.sticky
-	s.mu.Unlock()
-	if sticky != nil {
-		return sticky
-	}
-	if err := s.opEventsFor(op); err != nil {
-		return err
-	}
-	if op.req.After != 0 {
-		snap, err := s.batchEvent()
-		if err != nil {
-			return err
-		}
-		if err := s.early.Snapshot(d, op.req.After, snap); err != nil {
-			s.putBatchEvent(snap)
-			return fmt.Errorf("transfer: snapshotting the After event %#x: %w", uintptr(op.req.After), err)
-		}
-		op.snap = snap
-	}
-	base := s.seq[d]
-	s.seq[d] += uint64(len(op.layerEnds))
-	op.seq0 = base
-	op.given = true
-	return nil
-}
-
-// promiseLayers is promise's second half: each layer's events (the op's
-// own event and Signal after the last layer) recorded on dir's signal
-// stream behind a wait for the layer's counter value. On error the
-// values given out are still written in their turn (handOver's
-// placeholder).
-func (s *Scheduler) promiseLayers(op *Op) error {
-	d, base := op.dir, op.seq0
-	var evs []Event
-	for l := range op.layerEnds {
-		evs = evs[:0]
-		if op.layerEvs != nil {
-			evs = append(evs, op.layerEvs[l])
-		}
-		if l == len(op.layerEnds)-1 {
-			// The op event last: the completer awaits it (lastEvent).
-			if op.req.Signal != 0 {
-				evs = append(evs, op.req.Signal)
-			}
-			if op.ev != 0 {
-				evs = append(evs, op.ev)
-			}
-		}
-		if len(evs) == 0 {
-			continue
-		}
-		if err := s.early.Promise(d, base+uint64(l)+1, evs); err != nil {
-			// The op fails; handOver's placeholder writes the values
-			// given out in their turn, satisfying the waits already
-			// queued.
-			return fmt.Errorf("transfer: promising layer %d's events: %w", l, err)
-		}
-	}
-	return nil
-}
-
-// handOver queues a promised op for the submitter, or, if promising
-// failed (err), undoes what Submit counted and gives Submit the error.
-func (s *Scheduler) handOver(op *Op, err error) {
-	d := op.dir
-	s.mu.Lock()
-	s.signalling--
-	if err != nil {
-		s.inflight[d] -= op.bytes
-		op.subErr = err
-		if op.given {
-			// Waits for its values may already be queued on the signal
-			// stream: an op with no copies has the engine stream write them
-			// in turn, so the stream (and the device) are not left waiting.
-			s.immediate[d] = append(s.immediate[d], op.placeholder())
-		}
-	} else {
-		op.early = true
-		s.immediate[d] = append(s.immediate[d], op)
-	}
-	s.mu.Unlock()
-	if err != nil {
-		var evs []Event
-		if op.ev != 0 {
-			evs = append(evs, op.ev)
-		}
-		evs = append(evs, op.layerEvs...)
-		op.ev, op.layerEvs = 0, nil
-		s.putOpEvents(evs)
-		if op.snap != 0 {
-			s.putBatchEvent(op.snap)
-			op.snap = 0
-		}
-	}
-	close(op.enq)
-	s.kick()
 }
 
 // prewarmEvents fills the op and batch event pools
@@ -2095,14 +1469,6 @@ func (s *Scheduler) completer(d Direction, ready chan<- error) {
 		s.mu.Unlock()
 		if sticky == nil && b.recorded {
 			werr := s.await(b.ev)
-			for _, op := range b.ops {
-				// An early op's events are recorded on the signal stream,
-				// a moment after the counter write the batch event follows:
-				// the op completes only once they have too.
-				if e := op.lastEvent(); werr == nil && e != 0 && !b.unfulfilled {
-					werr = s.await(e)
-				}
-			}
 			if werr != nil {
 				werr = fmt.Errorf("transfer: %v batch event: %w", d, werr)
 				if cuda.IsSticky(werr) {
@@ -2220,25 +1586,6 @@ func (op *Op) complete(err error) {
 	}
 }
 
-// placeholder is an early op with no copies and no events that stands for
-// op in the submitter's queue: its only effect is writing op's counter
-// values in their turn.
-func (op *Op) placeholder() *Op {
-	p := &Op{s: op.s, dir: op.dir, early: true, seq0: op.seq0, done: make(chan struct{})}
-	p.layerEnds = make([]int, len(op.layerEnds))
-	return p
-}
-
-// lastEvent is the op event of an early op, recorded last by its promise
-// (0 for an op without early events or without Events). A caller's Signal
-// is never waited on here: the caller may record it again or destroy it.
-func (op *Op) lastEvent() Event {
-	if !op.early {
-		return 0
-	}
-	return op.ev
-}
-
 func (op *Op) recycle() {
 	var evs []Event
 	if op.ev != 0 {
@@ -2275,39 +1622,65 @@ func (op *Op) Wait() error {
 	return op.Err()
 }
 
-// Event is the op's completion event, recorded on the engine stream after
-// all of its copies: a caller's stream waits on it (cuStreamWaitEvent) to
-// read loaded blocks or to overwrite stored ones. Valid until Release.
+// Event is the op's completion event, recorded on the engine stream
+// after all of its copies: a caller's stream waits on it
+// (cuStreamWaitEvent) to read loaded blocks or to overwrite stored ones.
+// It blocks until the submitting thread has recorded it (the op's copies
+// enqueued, not finished; Signal recorded too): a stream only ever waits
+// on work already enqueued. An op whose issue failed first returns that
+// error. Valid until Release.
 func (op *Op) Event() (Event, error) {
-	op.mu.Lock()
-	defer op.mu.Unlock()
-	if op.released {
+	if op.isReleased() {
 		return 0, fmt.Errorf("%w: Event", ErrReleased)
 	}
-	if op.ev == 0 {
-		return 0, fmt.Errorf("%w: the op was submitted without Events (or failed before they were recorded)", ErrInvalidRequest)
+	if !op.req.Events {
+		return 0, fmt.Errorf("%w: the op was submitted without Events", ErrInvalidRequest)
 	}
-	return op.ev, nil
+	return op.awaitLayer(len(op.layerEnds)-1, "Event", func() Event { return op.ev })
 }
 
 // Layers is the number of layers the op declared (1 without LayerEnds).
 func (op *Op) Layers() int { return len(op.layerEnds) }
 
 // LayerEvent is the event recorded after layer l's copies (requests with
-// LayerEnds and Events). Valid until Release.
+// LayerEnds, or Layered, and Events). Like Event it blocks until the event
+// is recorded: until layer l's copies are enqueued, which the submitting
+// thread does in layer order, so layer 0's event comes first. Valid until
+// Release.
 func (op *Op) LayerEvent(l int) (Event, error) {
-	op.mu.Lock()
-	defer op.mu.Unlock()
-	if op.released {
+	if op.isReleased() {
 		return 0, fmt.Errorf("%w: LayerEvent(%d)", ErrReleased, l)
 	}
-	if op.layerEvs == nil {
+	if !op.req.Events || (len(op.req.LayerEnds) == 0 && !(op.req.lazy() && op.req.Layered)) {
 		return 0, fmt.Errorf("%w: the op has no layer events (submit with LayerEnds and Events)", ErrInvalidRequest)
 	}
-	if l < 0 || l >= len(op.layerEvs) {
-		return 0, fmt.Errorf("%w: layer %d outside [0, %d)", ErrInvalidRequest, l, len(op.layerEvs))
+	if l < 0 || l >= len(op.layerEnds) {
+		return 0, fmt.Errorf("%w: layer %d outside [0, %d)", ErrInvalidRequest, l, len(op.layerEnds))
 	}
-	return op.layerEvs[l], nil
+	return op.awaitLayer(l, fmt.Sprintf("LayerEvent(%d)", l), func() Event { return op.layerEvs[l] })
+}
+
+func (op *Op) isReleased() bool {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	return op.released
+}
+
+// awaitLayer waits until layer l's events are recorded (or the op's issue
+// failed before) and returns ev() read then.
+func (op *Op) awaitLayer(l int, what string, ev func() Event) (Event, error) {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	for !op.released && op.recorded <= l && !op.issued {
+		op.rec.Wait()
+	}
+	switch {
+	case op.released:
+		return 0, fmt.Errorf("%w: %s", ErrReleased, what)
+	case op.recorded <= l:
+		return 0, fmt.Errorf("transfer: %s: the %v failed before its event was recorded: %w", what, op.dir, op.issueErr)
+	}
+	return ev(), nil
 }
 
 // Release ends the caller's use of the op: its events return to the pool
@@ -2322,6 +1695,7 @@ func (op *Op) Release() error {
 	op.released = true
 	recycle := op.completed
 	op.mu.Unlock()
+	op.rec.Broadcast() // an Event waiter returns ErrReleased
 	if recycle {
 		op.recycle()
 	}

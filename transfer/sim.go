@@ -71,7 +71,7 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 	}
 	// The copy kernels, uncalibrated (the rule the fake's timings would
 	// not make better).
-	cu, err := newCUDANoEarly(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
+	cu, err := newCUDA(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("%w: %w", ErrSim, err), drv.PrimaryCtxRelease(0), drv.Close())
 	}
@@ -229,10 +229,6 @@ func (s *Sim) access(addr, n uint64, f func([]byte)) error {
 
 // InitThread implements Device.
 func (s *Sim) InitThread() error { return s.cu.InitThread() }
-
-// OnThread runs f on the calling goroutine's thread with the simulated
-// device's context current (see CUDA.OnThread).
-func (s *Sim) OnThread(f func() error) error { return s.cu.OnThread(f) }
 
 // AddHostRange gives a registered range to the copy kernels (the
 // Scheduler forwards its own AddHostRange here).

@@ -44,14 +44,25 @@ class RealModelBench(unittest.TestCase):
 
     def test_targets_at_the_bounds(self):
         rm = self.rm
-        row = rm.make_row(8192, 257, reload_ms=20.0, load_return_ms=0.5, layer_ms=[0.625 * (l + 1) for l in range(32)],
-                          layer_total_ms=20.0, store_ms=20.0, h2d_ms=18.5, d2h_ms=18.1)
-        self.assertEqual([ok for ok, _ in rm.targets(row)], [True, True, True])  # 92.5% and 90.5%
-        late = dict(row, layer_ms=[0.625 * (l + 1) + (1.01 if l == 7 else 0) for l in range(32)])
+        # C = 19.2 ms: layer l's bound is 0.6 (l+1) + 0.75 ms.
+        row = rm.make_row(8192, 257, reload_ms=20.0, load_return_ms=1.5, layer_ms=[0.6 * (l + 1) + 0.749 for l in range(32)],
+                          layer_total_ms=20.0, store_ms=20.0, h2d_ms=19.2, d2h_ms=18.5, first={"store_ms": 24.0},
+                          store_call_ms=1.5, wait0_ms=1.0)
+        self.assertEqual([ok for ok, _ in rm.targets(row)], [True] * 6)  # 96% and 92.5%, every bound met
+        late = dict(row, layer_ms=[0.6 * (l + 1) + (0.76 if l == 7 else 0.75) for l in range(32)])
         ok, text = rm.targets(late)[2]
         self.assertFalse(ok)
         self.assertIn("first layer 7", text)
-        self.assertEqual([ok for ok, _ in rm.targets(dict(row, floor_over_reload=0.919))][:1], [False])
+        self.assertFalse(rm.targets(dict(row, floor_over_reload=0.949))[0][0])  # 95% from 8k tokens
+        self.assertTrue(rm.targets(dict(row, tokens=2048, floor_over_reload=0.92))[0][0])  # 92% below
+        self.assertFalse(rm.targets(dict(row, d2h_over_store=0.919))[1][0])
+        self.assertFalse(rm.targets(dict(row, load_return_ms=1.51))[3][0])
+        self.assertFalse(rm.targets(dict(row, store_call_ms=1.51))[3][0])
+        self.assertFalse(rm.targets(dict(row, wait0_ms=1.01))[4][0])
+        self.assertFalse(rm.targets(dict(row, first={"store_ms": 24.1}))[5][0])
+        # Not measured: fails.
+        self.assertFalse(rm.targets(dict(row, first={}))[5][0])
+        self.assertFalse(rm.targets(dict(row, h2d_ms=float("nan")))[2][0])
 
     def test_svg(self):
         import xml.etree.ElementTree as ET

@@ -62,7 +62,7 @@ SUITES=(
 	"demo|the CUDA demo, 8b blocks for 10 s and tiny blocks for 5 s"
 	"soak|the soak with invariants on the CUDA backend, tiny and 8b blocks, 30 s each"
 	"python|the Python package's tests on torch tensors, and examples/torch_offload.py"
-	"realmodel|the real-model benchmark (python3 bench/realmodel.py), without and with early events"
+	"realmodel|the real-model benchmark (python3 bench/realmodel.py): reload, store, per-layer readiness and call times against the same-run contiguous copies"
 	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all); tfcb:long, tfcb:batch, tfcb:atonce, tfcb:verify: the time steps (bench/tfcb_time.py)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
@@ -110,16 +110,10 @@ suite_paged() {
 suite_trace() {
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 200 python3 bench/trace_reload.py --out "$D/trace.md"
-	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 200 python3 bench/trace_reload.py --early-events --out "$D/trace-early.md"
 }
 
 suite_calltime() {
-	# With early events (the calls return before the copies are built), then
-	# without (the calls return once the copies are enqueued).
 	step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
-		-test.benchtime 10x -test.count 3
-	KVO_BENCH_EARLY=0 step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
 		-test.benchtime 10x -test.count 3
 }
 
@@ -185,28 +179,17 @@ suite_realmodel() {
 	fi
 	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
 		step timeout 270 python3 bench/realmodel.py --out "$D/realmodel.md"
-	KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-		step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early.md"
-	# KVO_REALMODEL_NOHEAD=1 adds early events without the head a call
-	# issues on its own thread (KVOFFLOAD_EARLY_HEAD_US=0): the comparison
-	# in the same call.
-	if [ "${KVO_REALMODEL_NOHEAD:-0}" = 1 ]; then
-		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_EARLY_HEAD_US=0 \
-			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-nohead.md"
-	fi
 	# KVO_REALMODEL_WHOLE=1 adds the per-layer load's first layer built as
-	# one part (the way before the first layer was cut into parts), with
-	# early events: the comparison in the same call.
+	# one part (the way before the first layer was cut into parts), and
+	# KVO_REALMODEL_NOPITCH=1 the layers through the copy kernel instead of
+	# the pitched staging DMAs: the comparisons in the same call.
 	if [ "${KVO_REALMODEL_WHOLE:-0}" = 1 ]; then
 		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_WHOLE_FIRST_LAYER=1 \
-			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-whole.md"
+			step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-whole.md"
 	fi
-	# KVO_REALMODEL_NOPITCH=1 adds early events without the pitched staging
-	# DMAs (a per-layer load's layers through the copy kernel, as before
-	# they existed): the comparison in the same call.
 	if [ "${KVO_REALMODEL_NOPITCH:-0}" = 1 ]; then
 		KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python KVOFFLOAD_NO_PITCHED_STAGING=1 \
-			step timeout 270 python3 bench/realmodel.py --early-events --out "$D/realmodel-early-nopitch.md"
+			step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-nopitch.md"
 	fi
 	return 0
 }
