@@ -322,13 +322,12 @@ func TestReleaseWakesEventWaiter(t *testing.T) {
 // TestFreeWhileIssuing: another thread frees and allocates device memory
 // in a loop (as PyTorch's caching allocator does under pressure, or
 // torch.cuda.empty_cache) while stores and loads with events go through,
-// each waited on the way a serving loop does (a stream waits on its first
-// layer's event, then on the op's). The fake driver's free waits for
-// every stream to drain and holds every other driver call meanwhile, as
-// the H200 machine's cuMemFree did; nothing the engine enqueues waits on
-// work a host thread has yet to enqueue, so the loop never hangs. It did
-// hang with the retired early events (a stream waiting on a counter that
-// only the held submitting thread would write).
+// each waited on the way a serving loop does (freeWhileIssuing). The fake
+// driver's free waits for every stream to drain and holds every other
+// driver call meanwhile, as the H200 machine's cuMemFree did; nothing the
+// engine enqueues waits on work a host thread has yet to enqueue, so the
+// loop never hangs. It did hang with the retired early events (a stream
+// waiting on a counter that only the held submitting thread would write).
 func TestFreeWhileIssuing(t *testing.T) {
 	const seg, n = 4096, 4 * 4096
 	ops := 10000
@@ -338,16 +337,33 @@ func TestFreeWhileIssuing(t *testing.T) {
 	e := newFakeEnv(t, 4*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 21, SyncingFree: true, BlockingFree: true})
 	src := randBytes(rand.New(rand.NewSource(22)), n)
 	copy(e.hostBuf, src)
+	freeWhileIssuing(t, e.drv, e.s, e.dev, e.host, n, seg, ops)
+	require.Equal(t, src, e.deviceBytes(t, n))
+}
+
+// freeWhileIssuing runs ops stores and loads of the first n bytes of host
+// and dev (in parts of seg bytes; every other one layered, a part a
+// layer) on s while another thread of drv's device 0 allocates and frees
+// device memory in a loop. Each op is waited on as a serving loop does: a
+// stream of the caller's waits on its layer 0 event (layered ones), then
+// on the op's event, then the op is waited for on the CPU. It fails if
+// the ops do not finish within two minutes.
+func freeWhileIssuing(t *testing.T, drv cuda.Driver, s *Scheduler, dev, host, n, seg uint64, ops int) {
+	t.Helper()
+	onThread := func() error {
+		runtime.LockOSThread()
+		ctx, err := drv.PrimaryCtxRetain(0)
+		if err == nil {
+			err = drv.CtxSetCurrent(ctx)
+		}
+		return err
+	}
 	stop := make(chan struct{})
 	var frees atomic.Int64
 	freerDone := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
-		ctx, err := e.drv.PrimaryCtxRetain(0)
-		if err == nil {
-			err = e.drv.CtxSetCurrent(ctx)
-		}
+		err := onThread()
 		for err == nil {
 			select {
 			case <-stop:
@@ -356,35 +372,37 @@ func TestFreeWhileIssuing(t *testing.T) {
 			default:
 			}
 			var p cuda.DevicePtr
-			if p, err = e.drv.MemAlloc(1 << 16); err == nil {
-				err = e.drv.MemFree(p)
+			if p, err = drv.MemAlloc(1 << 20); err == nil {
+				err = drv.MemFree(p)
 				frees.Add(1)
 			}
 		}
 		freerDone <- err
 	}()
-	cs, err := e.drv.StreamCreate(cuda.StreamNonBlocking, 0)
-	require.NoError(t, err)
-	defer func() { _ = e.drv.StreamDestroy(cs) }()
 	finished := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
 		finished <- func() error {
-			ctx, err := e.drv.PrimaryCtxRetain(0)
+			if err := onThread(); err != nil {
+				return err
+			}
+			cs, err := drv.StreamCreate(cuda.StreamNonBlocking, 0)
 			if err != nil {
 				return err
 			}
-			if err := e.drv.CtxSetCurrent(ctx); err != nil {
-				return err
-			}
+			defer func() { _ = drv.StreamDestroy(cs) }()
 			for i := range ops {
-				req := lazyLoad(e, n, seg, i%2 == 0, -1, nil)
-				if i%3 == 2 {
-					// A store of the same bytes back to the host.
-					req.Dir = Store
+				req := Request{
+					Dir: Load, Events: true, Parts: int(n / seg), Layered: i%2 == 0, Bytes: n,
+					Build: func(p int, dst []Segment) ([]Segment, error) {
+						off := uint64(p) * seg
+						return append(dst, Segment{Dev: dev + off, Host: host + off, Len: seg}), nil
+					},
 				}
-				op, err := e.s.Submit(req)
+				if i%3 == 2 {
+					req.Dir = Store // the same bytes back to the host
+				}
+				op, err := s.Submit(req)
 				if err != nil {
 					return err
 				}
@@ -393,7 +411,7 @@ func TestFreeWhileIssuing(t *testing.T) {
 					if err != nil {
 						return err
 					}
-					if err := e.drv.StreamWaitEvent(cs, cuda.Event(ev), cuda.EventWaitDefault); err != nil {
+					if err := drv.StreamWaitEvent(cs, cuda.Event(ev), cuda.EventWaitDefault); err != nil {
 						return err
 					}
 				}
@@ -401,14 +419,14 @@ func TestFreeWhileIssuing(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				if err := e.drv.StreamWaitEvent(cs, cuda.Event(ev), cuda.EventWaitDefault); err != nil {
+				if err := drv.StreamWaitEvent(cs, cuda.Event(ev), cuda.EventWaitDefault); err != nil {
 					return err
 				}
 				if err := errors.Join(op.Wait(), op.Release()); err != nil {
 					return err
 				}
 			}
-			return e.drv.StreamSynchronize(cs)
+			return drv.StreamSynchronize(cs)
 		}()
 	}()
 	select {
@@ -420,5 +438,5 @@ func TestFreeWhileIssuing(t *testing.T) {
 	close(stop)
 	require.NoError(t, <-freerDone)
 	require.Positive(t, frees.Load(), "the freeing thread never freed")
-	require.Equal(t, src, e.deviceBytes(t, n))
+	t.Logf("%d ops with %d frees and allocations of 1 MiB on another thread", ops, frees.Load())
 }

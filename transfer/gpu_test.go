@@ -430,3 +430,18 @@ func TestGPUCapture(t *testing.T) {
 		require.NoError(t, err)
 	}
 }
+
+// TestGPUFreeWhileIssuing is TestFreeWhileIssuing on the GPU: 10,000
+// stores and loads of 4 MiB (every other one in 64 layers), each waited
+// on by a stream of the test's, while another thread allocates and frees
+// device memory (cuMemFree, which may wait for the device to go idle) in a
+// loop. It never hangs, and the bytes are right after.
+func TestGPUFreeWhileIssuing(t *testing.T) {
+	const seg, n = 64 << 10, 4 << 20
+	e := newGPUEnv(t, 2*n, Config{})
+	src := randBytes(rand.New(rand.NewSource(23)), n)
+	copy(e.hostBuf, src)
+	freeWhileIssuing(t, e.g.Drv, e.s, e.dev, e.host, n, seg, 10000)
+	require.NoError(t, e.g.Drv.Memcpy(cuda.DevicePtr(e.host+n), cuda.DevicePtr(e.dev), n))
+	require.True(t, bytes.Equal(src, e.hostBuf[n:2*n]), "the device bytes differ after the loads")
+}
