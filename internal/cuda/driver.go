@@ -73,13 +73,6 @@ const (
 	EventWaitExternal   uint32 = 0x1 // CU_EVENT_WAIT_EXTERNAL
 )
 
-// Flags for StreamWaitValue64 and StreamWriteValue64 (CU_STREAM_WAIT_VALUE_*,
-// CU_STREAM_WRITE_VALUE_*).
-const (
-	StreamWaitValueGEQ      uint32 = 0x0 // wait until *addr >= value (as unsigned)
-	StreamWriteValueDefault uint32 = 0x0 // the write is ordered after earlier work, with a memory barrier
-)
-
 // CaptureMode is a CUstreamCaptureMode.
 type CaptureMode uint32
 
@@ -179,17 +172,6 @@ type Driver interface {
 	// (stream-ordered source access) applied to all copies. On failure the
 	// error says which copy failed.
 	MemcpyBatchAsync(copies []BatchCopy, s Stream) error
-	// HasStreamMemOps reports whether cuStreamWaitValue64 and
-	// cuStreamWriteValue64 were bound (their _v2 forms, driver ≥ 11.7,
-	// which need no module parameter).
-	HasStreamMemOps() bool
-	// StreamWaitValue64 is cuStreamWaitValue64_v2: work queued on s after
-	// it waits until the 64-bit word at addr (device memory) satisfies
-	// flags against value (StreamWaitValueGEQ).
-	StreamWaitValue64(s Stream, addr DevicePtr, value uint64, flags uint32) error
-	// StreamWriteValue64 is cuStreamWriteValue64_v2: s writes value to the
-	// 64-bit word at addr once the work queued before it has completed.
-	StreamWriteValue64(s Stream, addr DevicePtr, value uint64, flags uint32) error
 
 	StreamCreate(flags uint32, priority int) (Stream, error)
 	StreamDestroy(s Stream) error

@@ -123,9 +123,6 @@ static CUresult kvo_stream_create(void* f, uintptr_t* s, unsigned int fl, int pr
 static CUresult kvo_h(void* f, uintptr_t h) { return ((CUresult(*)(void*))f)((void*)h); }
 static CUresult kvo_h_h(void* f, uintptr_t a, uintptr_t b) { return ((CUresult(*)(void*, void*))f)((void*)a, (void*)b); }
 static CUresult kvo_h_h_u(void* f, uintptr_t a, uintptr_t b, unsigned int c) { return ((CUresult(*)(void*, void*, unsigned int))f)((void*)a, (void*)b, c); }
-static CUresult kvo_memop(void* f, uintptr_t s, CUdeviceptr a, unsigned long long v, unsigned int fl) {
-	return ((CUresult(*)(CUstream, CUdeviceptr, unsigned long long, unsigned int))f)((CUstream)s, a, v, fl);
-}
 static CUresult kvo_h_pi(void* f, uintptr_t a, int* b) { return ((CUresult(*)(void*, int*))f)((void*)a, b); }
 static CUresult kvo_h_i(void* f, uintptr_t a, int b) { return ((CUresult(*)(void*, int))f)((void*)a, b); }
 static CUresult kvo_h_out(void* f, uintptr_t a, uintptr_t* out) {
@@ -187,7 +184,7 @@ type symbols struct {
 	eventCreate, eventDestroy, eventRecord, eventRecordWithFlags, eventQuery, eventSynchronize,
 	eventElapsedTime, threadExchangeStreamCaptureMode, moduleLoadData, moduleUnload,
 	moduleGetFunction, launchKernel, graphInstantiate, graphLaunch, graphDestroy,
-	graphExecDestroy, getErrorName, getErrorString, streamWaitValue64, streamWriteValue64 unsafe.Pointer
+	graphExecDestroy, getErrorName, getErrorString unsafe.Pointer
 }
 
 // libcuda is the Driver bound to the real libcuda.
@@ -267,10 +264,6 @@ func (d *libcuda) bindings() []binding {
 		{&s.graphDestroy, []string{OpGraphDestroy}, false},
 		{&s.graphExecDestroy, []string{OpGraphExecDestroy}, false},
 		{&s.memcpyBatchAsync, []string{OpMemcpyBatchAsync}, true},
-		// Only the _v2 forms: the legacy ones need the nvidia module's
-		// NVreg_EnableStreamMemOPs=1 and fail without it.
-		{&s.streamWaitValue64, []string{OpStreamWaitValue64 + "_v2"}, true},
-		{&s.streamWriteValue64, []string{OpStreamWriteValue64 + "_v2"}, true},
 	}
 }
 
@@ -542,24 +535,6 @@ func (d *libcuda) query(op string, r C.CUresult) (bool, error) {
 		return false, err
 	}
 	return true, nil
-}
-
-func (d *libcuda) HasStreamMemOps() bool {
-	return d.s.streamWaitValue64 != nil && d.s.streamWriteValue64 != nil
-}
-
-func (d *libcuda) StreamWaitValue64(s Stream, addr DevicePtr, value uint64, flags uint32) error {
-	if !d.HasStreamMemOps() {
-		return NewError(OpStreamWaitValue64, ErrorNotSupported)
-	}
-	return d.check(OpStreamWaitValue64, C.kvo_memop(d.s.streamWaitValue64, C.uintptr_t(s), C.CUdeviceptr(addr), C.ulonglong(value), C.uint(flags)))
-}
-
-func (d *libcuda) StreamWriteValue64(s Stream, addr DevicePtr, value uint64, flags uint32) error {
-	if !d.HasStreamMemOps() {
-		return NewError(OpStreamWriteValue64, ErrorNotSupported)
-	}
-	return d.check(OpStreamWriteValue64, C.kvo_memop(d.s.streamWriteValue64, C.uintptr_t(s), C.CUdeviceptr(addr), C.ulonglong(value), C.uint(flags)))
 }
 
 func (d *libcuda) StreamWaitEvent(s Stream, e Event, flags uint32) error {

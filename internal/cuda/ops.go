@@ -37,8 +37,6 @@ const (
 	OpStreamSynchronize               = "cuStreamSynchronize"
 	OpStreamQuery                     = "cuStreamQuery"
 	OpStreamWaitEvent                 = "cuStreamWaitEvent"
-	OpStreamWaitValue64               = "cuStreamWaitValue64"
-	OpStreamWriteValue64              = "cuStreamWriteValue64"
 	OpStreamIsCapturing               = "cuStreamIsCapturing"
 	OpStreamBeginCapture              = "cuStreamBeginCapture_v2"
 	OpStreamEndCapture                = "cuStreamEndCapture"

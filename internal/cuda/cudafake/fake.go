@@ -27,16 +27,13 @@ type Options struct {
 	DeviceMemory uint64
 	// NoMemcpyBatch makes HasMemcpyBatch report false (a driver older than 12.8).
 	NoMemcpyBatch bool
-	// NoStreamMemOps makes HasStreamMemOps report false (a driver without
-	// the _v2 stream memory operations).
-	NoStreamMemOps bool
 	// SyncingFree makes MemFree wait until no stream has work queued, as
 	// the driver's cuMemFree may (it can wait for the device to go idle).
 	SyncingFree bool
 	// BlockingFree, with SyncingFree, makes every other driver call wait
 	// while a MemFree waits for the device to go idle, as the H200
 	// machine's driver held a cuMemcpyAsync on another thread behind a
-	// cuMemFree that waited for the device (a stream memory wait that only
+	// cuMemFree that waited for the device (a stream wait that only
 	// that copy's thread could satisfy then never ended).
 	BlockingFree bool
 	// DriverVersion is reported by DriverVersion (0: 12080).
@@ -110,7 +107,6 @@ type Driver struct {
 	closed     bool
 	stickyCode cuda.Result
 	hasBatch   bool
-	hasMemOps  bool
 	calls      map[string]int
 	failAt     map[opCall]cuda.Result
 	stickyAt   map[opCall]cuda.Result
@@ -153,7 +149,6 @@ func New(opts Options) *Driver {
 	d := &Driver{
 		opts:       opts,
 		hasBatch:   !opts.NoMemcpyBatch,
-		hasMemOps:  !opts.NoStreamMemOps,
 		calls:      map[string]int{},
 		failAt:     map[opCall]cuda.Result{},
 		stickyAt:   map[opCall]cuda.Result{},

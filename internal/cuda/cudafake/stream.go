@@ -16,9 +16,7 @@ const (
 	itemKernel
 	itemRecord
 	itemWait
-	itemWaitValue  // waits until the word at dst is ≥ n (as CU_STREAM_WAIT_VALUE_GEQ)
-	itemWriteValue // writes n to the word at dst
-	itemHost       // runs fn (LaunchHostFunc)
+	itemHost // runs fn (LaunchHostFunc)
 )
 
 // item is one unit of queued work. Items recorded by a capture are
@@ -103,14 +101,6 @@ func (d *Driver) serve(s *stream) {
 				return
 			}
 		}
-		if it.kind == itemWaitValue {
-			for d.wordLocked(it.dst) < it.n && !d.closed && d.stickyCode == cuda.Success {
-				d.cond.Wait()
-			}
-			if d.closed {
-				return
-			}
-		}
 		delay := d.delayLocked() + d.copyDelayLocked(it)
 		poisoned := d.stickyCode != cuda.Success
 		d.mu.Unlock()
@@ -122,10 +112,6 @@ func (d *Driver) serve(s *stream) {
 		d.mu.Lock()
 		if res != cuda.Success && d.stickyCode == cuda.Success {
 			d.stickyCode = res
-		}
-		if it.kind == itemWriteValue && res == cuda.Success && !poisoned {
-			// Under mu, where waiters read the word (wordLocked).
-			d.setWordLocked(it.dst, it.n)
 		}
 		if it.kind == itemRecord && !it.hang && it.gen > it.ev.completed {
 			it.ev.completed = it.gen
