@@ -55,7 +55,7 @@ SUITES=(
 	"tp|tensor-parallel sharing on the GPU: TestGPUTPSizeSharing, and a TP=4 rank's head-sliced stores and loads against the same-run link (offload.test BenchmarkGPUHeadSliced; not in all)"
 	"paged|bench/realmodel.py's paged reload and store without the model, per copy method and part size, GPU side vs the same-run link, with call and per-layer times (offload.test BenchmarkGPUPagedReload; KVO_PR_VARIANTS, KVO_PR_BLOCKS; not in all)"
 	"trace|where a paged reload's GPU time goes: bench/trace_reload.py under torch.profiler (CUPTI), per stream busy time and gaps, chrome traces (not in all)"
-	"calltime|how long Engine.Store and Engine.Load of 2048 8B-class blocks take to return (offload.test BenchmarkGPUCallTime)"
+	"calltime|how long Engine.Store and Engine.Load of 128, 512 and 2048 8B-class blocks take to return, and a per-layer load's LayerEvent(0) (offload.test BenchmarkGPUCallTime)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
 	"multigpu_link|each GPU's host link alone and with the others at once, and nvidia-smi topo (not in all)"
@@ -113,7 +113,7 @@ suite_trace() {
 }
 
 suite_calltime() {
-	step_in offload timeout 150 "$B/offload.test" -test.run '^$' -test.bench 'GPUCallTime$' \
+	step_in offload timeout 200 "$B/offload.test" -test.v -test.run '^$' -test.bench 'GPUCallTime$' \
 		-test.benchtime 10x -test.count 3
 }
 
