@@ -45,8 +45,10 @@ or restores from its CPU pool, those kvoffload resumes with all their KV,
 blocks copied into the pool twice, and whether the preempted requests
 finish with the tokens of the run that never evicts.
 
-Targets (PASS/FAIL lines): kvo's computed prefill tokens within 5% of the
-ideal; every loaded block byte-identical (checksums); in the preemption
+Targets (PASS/FAIL lines): kvo's wall and mean TTFT within 3% of
+transformers alone's (issue 50; kvo is timed without checksums); kvo's
+computed prefill tokens within 5% of the ideal; every loaded block
+byte-identical (checksums, in the kvo-verify run); in the preemption
 workload no block copied into the pool twice and fewer recomputing soft
 resets than transformers alone. Exit status: 1 when a checksum differs or
 a run fails, 3 when a target fails, 0 otherwise.
@@ -82,7 +84,11 @@ WORKLOADS = {
                     max_batch_tokens=2048, block=32),
 }
 
-MODES = ("ref", "kvo", "share", "tfoffload")  # run in this order (the budget may cut the last ones)
+# Run in this order (the budget may cut the last ones). kvo is timed as a
+# user runs it; kvo-verify is the same run with every stored and loaded
+# block checksummed (its time is not compared).
+MODES = ("ref", "kvo", "share", "kvo-verify", "tfoffload")
+TIME_SLACK = 0.03  # kvo's wall and mean TTFT within 3% of transformers alone's (share)
 # (model, workload) in the order they run: the prefix workload on both models first.
 PLAN = (("small", "prefix"), ("8b", "prefix"), ("small", "preempt"), ("8b", "preempt"))
 
@@ -190,6 +196,19 @@ def targets(rows):
     for (wl, model, mode), r in sorted(by.items()):
         if not mode.startswith("kvo"):
             continue
+        checked, bad = r.get("checksums_checked", 0), r.get("checksums_bad", 0)
+        if mode.startswith("kvo-verify"):
+            if r.get("kvo_loaded", 0):
+                out.append((bad == 0 and checked > 0,
+                            f"{model} {wl}: {checked} loaded blocks checksummed against their stores, {bad} differ "
+                            f"({r.get('checksums_unmatched', 0)} without a store seen) [0 differ]"))
+            continue
+        share = by.get((wl, model, "share"))
+        if share is not None:
+            for key, what in (("wall_s", "wall"), ("ttft_ms", "mean TTFT")):
+                ok = r[key] <= (1 + TIME_SLACK) * share[key]
+                out.append((ok, f"{model} {wl}: kvo {what} {r[key]:.2f}, transformers alone {share[key]:.2f}: "
+                                f"{r[key] / share[key]:.3f}x [<= {1 + TIME_SLACK:.2f}x]"))
         if wl == "prefix":
             share = by.get((wl, model, "share"))
             base = f", transformers alone {pct(share['prefill_tokens'], r['ideal']):+.1f}%" if share else ""
@@ -208,11 +227,6 @@ def targets(rows):
                 out.append((ok, f"{model} preempt: {r['soft_resets']} soft resets recomputing KV with kvo "
                                 f"({r['victims']} preempted, {r.get('resumed', 0)} resumed with all their KV), "
                                 f"{share['soft_resets']} with transformers alone [fewer]"))
-        checked, bad = r.get("checksums_checked", 0), r.get("checksums_bad", 0)
-        if r.get("kvo_loaded", 0):
-            out.append((bad == 0 and checked > 0,
-                        f"{model} {wl}: {checked} loaded blocks checksummed against their stores, {bad} differ "
-                        f"({r.get('checksums_unmatched', 0)} without a store seen) [0 differ]"))
     return out
 
 
@@ -248,18 +262,23 @@ def selfcheck():
     assert (eq, n, div, miss) == (1, 3, [("b", 1)], ["c"]), (eq, n, div, miss)
     rows = [fake_row("prefix", "small", "share", prefill_tokens=48128, ideal=32768),
             fake_row("prefix", "small", "kvo", prefill_tokens=33000, ideal=32768, kvo_loaded=60, kvo_stored=64,
-                     checksums_checked=60),
+                     wall_s=1.03, ttft_ms=90.0),
             fake_row("preempt", "small", "share", victims=9, soft_resets=9),
             fake_row("preempt", "small", "kvo", victims=9, soft_resets=0, resumed=9, kvo_stored=50, kvo_loaded=40,
-                     checksums_checked=40, keys_stored_twice=0)]
+                     keys_stored_twice=0),
+            fake_row("preempt", "small", "kvo-verify", victims=9, soft_resets=0, resumed=9, kvo_stored=50,
+                     kvo_loaded=40, checksums_checked=40, keys_stored_twice=0, wall_s=9.0)]
     ts = targets(rows)
     assert all(ok for ok, _ in ts), ts
+    assert len(ts) == 2 + 1 + 2 + 3 + 1, ts  # time and tokens of each kvo row, the checksums of kvo-verify
     assert any("transformers alone +46.9%" in t for _, t in ts), ts
     # A preemption workload that preempted nothing fails (it tested nothing).
     idle = targets([fake_row("preempt", "small", "share", victims=0, soft_resets=0),
                     fake_row("preempt", "small", "kvo", victims=0, soft_resets=0, kvo_stored=8)])
-    assert [ok for ok, _ in idle] == [True, False, False], idle
-    bad = targets([dict(rows[1], prefill_tokens=40000, checksums_bad=1)])
+    assert [ok for ok, _ in idle] == [True, True, True, False, False], idle
+    slow = targets([rows[0], dict(rows[1], wall_s=1.031, ttft_ms=103.1)])
+    assert [ok for ok, _ in slow] == [False, False, True], slow
+    bad = targets([dict(rows[1], prefill_tokens=40000), dict(rows[4], checksums_bad=1)])
     assert [ok for ok, _ in bad] == [False, False], bad
     rows[3].update(victims_equal=8, victims_compared=9)
     md = format_report("x", "m", rows, ts, ["a note"], "now")
@@ -473,8 +492,8 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
     rec = {"prefill_tokens": 0, "decode_tokens": 0, "batches": 0, "victims": 0, "cpu_offloaded": 0,
            "gpu_evictions": 0, "victim_ids": set()}
     tier = checks = None
-    if mode == "kvo":
-        checks = Checksums()
+    if mode in ("kvo", "kvo-verify"):
+        checks = Checksums() if mode == "kvo-verify" else None
         tier = kvt.attach(model, pool_bytes=int(args.pool_gib * 2**30), observer=checks, per_layer=per_layer,
                           model_id=f"random-llama-{model_name}-seed{args.seed}")
     row = dict(workload=wl_name, model=model_name, mode=mode, ideal=ideal_prefill(**wl), num_blocks=num_blocks)
@@ -511,7 +530,7 @@ def run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens, p
     if tier is not None:
         st = tier.stats()
         tier.close()
-        checked, bad, unmatched = checks.finish()
+        checked, bad, unmatched = checks.finish() if checks is not None else (0, 0, 0)
         row.update(kvo_loaded=st.get("kvo_prefix_blocks", 0) + st.get("tail_blocks", 0),
                    kvo_stored=st.get("store_stored", 0), kvo_already=st.get("store_already-present", 0),
                    keys_stored_twice=st.get("keys_stored_twice", 0), resumed=st.get("resumed", 0),
@@ -641,8 +660,8 @@ def main(argv=None):
     command = "python3 bench/transformers_cb.py " + " ".join(argv if argv is not None else sys.argv[1:])
     notes.append(f"8b geometry with {args.layers_8b} layers (an 8B Llama has 32); small: "
                  f"{GEOMETRIES['small']['layers']} layers, hidden {GEOMETRIES['small']['hidden']}")
-    notes.append("kvo's loads are checksummed after they complete, which makes the compute stream wait for whole "
-                 "loads (the per-layer overlap is not what is timed)")
+    notes.append("kvo is timed as a user runs it; kvo-verify runs it again with every stored and loaded block "
+                 "checksummed (which makes the compute stream wait for whole loads), for the bytes only")
     models = {}
     for model_name, wl_name in PLAN:
         if model_name not in args.models or wl_name not in args.workloads:
@@ -672,12 +691,12 @@ def main(argv=None):
                 errors += 1
                 traceback.print_exc()
                 notes.append(f"{wl_name}/{model_name}/{mode}: FAILED: {type(e).__name__}: {e}")
-                if mode != "kvo" or args.per_layer is False:
+                if not mode.startswith("kvo") or args.per_layer is False:
                     continue
                 try:  # once more without per-layer loads, so that the rest is still measured
                     row, tokens = run_mode(model, model_name, wl_name, wl, workload, mode, args, ref_tokens,
                                            per_layer=False)
-                    row["mode"] = "kvo (whole loads)"
+                    row["mode"] = mode + " (whole loads)"
                     notes.append(f"{wl_name}/{model_name}/kvo: run again with per_layer=False")
                 except Exception as e2:  # noqa: BLE001
                     traceback.print_exc()

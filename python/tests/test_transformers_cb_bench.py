@@ -57,11 +57,16 @@ class TransformersCBBench(unittest.TestCase):
                 b.fake_row("preempt", "small", "share", victims=4, soft_resets=4),
                 b.fake_row("preempt", "small", "kvo", victims=4, soft_resets=4, keys_stored_twice=2, kvo_stored=9)]
         got = b.targets(rows)
-        # preempt: copied twice (fail), preempted 4 (pass), as many soft resets as alone (fail); prefix (fail)
-        self.assertEqual([ok for ok, _ in got], [False, True, False, False])
-        self.assertIn("+6.8%", got[3][1])
+        # preempt: wall and TTFT as alone's (pass), copied twice (fail), preempted 4 (pass), as many soft
+        # resets as alone (fail); prefix (fail, and no time targets without a share row)
+        self.assertEqual([ok for ok, _ in got], [True, True, False, True, False, False])
+        self.assertIn("+6.8%", got[5][1])
         text = b.format_targets(got)
         self.assertEqual(text.count("- FAIL:"), 3)
+        # A kvo run 4% slower than transformers alone fails its time target.
+        slow = b.targets([rows[1], dict(rows[2], wall_s=1.04)])
+        self.assertFalse(slow[0][0])
+        self.assertIn("1.040x", slow[0][1])
 
     def test_compare_divergence_at_length_difference(self):
         eq, n, div, miss = self.b.compare({"a": [1, 2, 3]}, {"a": [1, 2]})
