@@ -218,19 +218,25 @@ class Op(_Handle):
 
     def wait_stream(self, stream):
         """Makes stream (a torch.cuda.Stream or a CUstream int) wait on the
-        GPU until the op's copies are done; the CPU does not block."""
+        GPU until the op's copies are done. The CPU waits only until the
+        engine has enqueued them (store() and load() return before that);
+        it never waits for the copies themselves."""
         _lib.check(_lib.get().kvo_op_stream_wait(self._h(), _stream_handle(stream)), "kvo_op_stream_wait")
 
     def event(self):
-        """The op's completion CUevent as an int (0 on the host backend)."""
+        """The op's completion CUevent as an int (0 on the host backend). It
+        blocks until the engine has recorded it (the op's copies enqueued,
+        not finished); a failure before that raises."""
         ev = ctypes.c_size_t(0)
         _lib.check(_lib.get().kvo_op_event(self._h(), ctypes.byref(ev)), "kvo_op_event")
         return ev.value
 
     def layer_event(self, layer):
         """The CUevent recorded after layer's copies of a per_layer load (0
-        on the host backend). InvalidArgumentError for a layer outside the
-        layout, a store, or a load without per_layer."""
+        on the host backend). It blocks until that event is recorded (layer
+        0's first, in small parts, while later layers are still being
+        enqueued). InvalidArgumentError for a layer outside the layout, a
+        store, or a load without per_layer."""
         layer = _lib.check_int("layer", layer, _lib.INT_MIN, _lib.INT_MAX)
         ev = ctypes.c_size_t(0)
         _lib.check(_lib.get().kvo_op_layer_event(self._h(), layer, ctypes.byref(ev)), "kvo_op_layer_event")
@@ -238,7 +244,9 @@ class Op(_Handle):
 
     def wait_layer(self, layer, stream):
         """Makes stream wait until layer's copies of a per_layer load are done
-        (cuStreamWaitEvent on layer_event(layer))."""
+        (cuStreamWaitEvent on layer_event(layer)): the CPU waits only until
+        that layer's copies are enqueued, the GPU until they are done (the
+        pattern of vLLM's wait_for_layer_load)."""
         ev = self.layer_event(layer)
         if ev:
             _cuda_stream_wait_event(_stream_handle(stream), ev)
