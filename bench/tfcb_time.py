@@ -181,6 +181,11 @@ def targets(rows):
         if r.get("refused"):
             out.append((False, f"{r['workload']}/{r['mode']} round {r.get('round', 0)}: {r['refused']} blocks "
                                "refused or dropped [0]"))
+        if r.get("victims"):
+            partly = r.get("resumed_partly", 0)
+            out.append((partly == 0 and r.get("resumed", 0) > 0,
+                        f"{r['workload']}/{r['mode']} round {r.get('round', 0)}: {r['victims']} preempted, "
+                        f"{r.get('resumed', 0)} resumed with all their KV, {partly} partly [0 partly]"))
         if r["mode"] == "verify":
             checked, bad = r.get("checksums_checked", 0), r.get("checksums_bad", 0)
             out.append((bad == 0 and checked > 0, f"{r['workload']}/verify: {checked} loaded blocks checksummed "
@@ -207,6 +212,9 @@ def selfcheck():
     got = targets(at)
     assert [o for o, _ in got] == [True, True], got
     assert "medians of 3/3" in got[0][1]
+    pre = dict(rows[2], victims=3, resumed=3, resumed_partly=0)
+    assert [o for o, _ in targets([rows[0], rows[1], pre])][-1:] == [True]
+    assert [o for o, _ in targets([rows[0], rows[1], dict(pre, resumed=2, resumed_partly=1)])][-1:] == [False]
     assert tier_ms({"ns_a": 3_000_000, "ns_a_orig": 1_000_000, "ns_b": 1_000_000}) == 3.0
     return format_table(rows)
 
