@@ -42,3 +42,35 @@ func (c *SeenCounter) Count(k Key) int {
 	defer c.mu.Unlock()
 	return c.s.count(k)
 }
+
+const (
+	seenBits = 20 // 1 Mi counters of 1 byte
+	maxSeen  = 15
+)
+
+// seenSketch counts lookups per key approximately: one saturating counter
+// per hash bucket, all halved every seenSize additions so that old demand
+// fades (the "reset" of TinyLFU).
+type seenSketch struct {
+	counts []uint8
+	adds   int
+}
+
+func newSeenSketch() seenSketch { return seenSketch{counts: make([]uint8, 1<<seenBits)} }
+
+func (s *seenSketch) bucket(k Key) uint32 { return uint32(hash64(k) >> (64 - seenBits)) }
+
+func (s *seenSketch) add(k Key) {
+	b := s.bucket(k)
+	if s.counts[b] < maxSeen {
+		s.counts[b]++
+	}
+	if s.adds++; s.adds >= len(s.counts) {
+		s.adds = 0
+		for i := range s.counts {
+			s.counts[i] >>= 1
+		}
+	}
+}
+
+func (s *seenSketch) count(k Key) int { return int(s.counts[s.bucket(k)]) }
