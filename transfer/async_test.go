@@ -440,3 +440,31 @@ func freeWhileIssuing(t *testing.T, drv cuda.Driver, s *Scheduler, dev, host, n,
 	require.Positive(t, frees.Load(), "the freeing thread never freed")
 	t.Logf("%d ops with %d frees and allocations of 1 MiB on another thread", ops, frees.Load())
 }
+
+// TestSignalEvent: an op with a Signal and no Events is issued in its turn
+// too; its Event blocks until the Signal is recorded and then returns the
+// Signal, so a caller launches work that waits on the Signal only once its
+// record is this op's. An op with neither has no Event.
+func TestSignalEvent(t *testing.T) {
+	const seg, n = 4096, 2 * 4096
+	e := newFakeEnv(t, 2*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 31})
+	sig, err := e.drv.EventCreate(cuda.EventDisableTiming)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, e.drv.EventDestroy(sig)) }()
+	gate := make(chan struct{})
+	req := lazyLoad(e, n, seg, false, 1, gate)
+	req.Events, req.Signal = false, Event(sig)
+	op, err := submitWithin(t, e.s, req, 5*time.Second)
+	require.NoError(t, err)
+	_, _, blocked := eventWithin(op.Event, 30*time.Millisecond)
+	require.True(t, blocked, "Event returned before the Signal was recorded")
+	close(gate)
+	ev, err, blocked := eventWithin(op.Event, 5*time.Second)
+	require.False(t, blocked)
+	require.NoError(t, err)
+	require.Equal(t, Event(sig), ev)
+	require.NoError(t, op.Wait())
+	_, err = op.LayerEvent(0)
+	require.ErrorIs(t, err, ErrInvalidRequest, "a Signal is no layer event")
+	require.NoError(t, op.Release())
+}

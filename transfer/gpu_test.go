@@ -415,14 +415,20 @@ func TestGPUCapture(t *testing.T) {
 		cudacopy.FillPattern(uint64(i), e.hostBuf[:n])
 		op, err := e.s.Submit(Request{Dir: Load, Signal: Event(sig), Segments: []Segment{{Dev: e.dev, Host: e.host, Len: n}}})
 		require.NoError(t, err)
+		// Submit returns before the op is issued: the graph's wait node
+		// waits on sig's record as of the launch, so launch only once
+		// this load has recorded it (Event returns the Signal then).
+		got, err := op.Event()
+		require.NoError(t, err)
+		require.Equal(t, Event(sig), got)
 		require.NoError(t, e.g.Drv.GraphLaunch(exec, cs))
 		// The read-back stays on cs (a non-blocking stream): the legacy
 		// stream must not be used while another thread captures.
 		require.NoError(t, e.g.Drv.MemcpyAsync(cuda.DevicePtr(e.host+7*uint64(n)), out, 8, cs))
 		require.NoError(t, e.g.Drv.StreamSynchronize(cs))
 		require.NoError(t, op.Wait())
-		got := *(*uint64)(unsafe.Pointer(&res[0]))
-		require.Equal(t, cudacopy.HostChecksum(e.hostBuf[:n]), got, "replay %d", i)
+		sum := *(*uint64)(unsafe.Pointer(&res[0]))
+		require.Equal(t, cudacopy.HostChecksum(e.hostBuf[:n]), sum, "replay %d", i)
 	}
 	halt()
 	close(bgErrs)

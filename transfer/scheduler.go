@@ -196,7 +196,9 @@ type Request struct {
 	// Signal (0: none) is a caller-owned event recorded on the engine stream
 	// after the op's copies (for a graph's external event-wait node). Like
 	// Events, the op is issued in order, whatever the bytes in flight;
-	// Op.Event waits until the Signal is recorded too.
+	// Op.Event waits until the Signal is recorded too. Work that waits on
+	// the Signal must be launched only once Op.Event has returned: until
+	// then the Signal holds an earlier record.
 	Signal Event
 	// OnComplete, if set, is called once when the op completes or fails:
 	// on a completion goroutine, or, for an op failed before its copies
@@ -1627,16 +1629,23 @@ func (op *Op) Wait() error {
 // (cuStreamWaitEvent) to read loaded blocks or to overwrite stored ones.
 // It blocks until the submitting thread has recorded it (the op's copies
 // enqueued, not finished; Signal recorded too): a stream only ever waits
-// on work already enqueued. An op whose issue failed first returns that
-// error. Valid until Release.
+// on work already enqueued. An op submitted with a Signal and without
+// Events returns its Signal once recorded: work that waits on the Signal
+// (a graph's event-wait node) must be launched only after that. An op
+// whose issue failed first returns that error. Valid until Release.
 func (op *Op) Event() (Event, error) {
 	if op.isReleased() {
 		return 0, fmt.Errorf("%w: Event", ErrReleased)
 	}
-	if !op.req.Events {
-		return 0, fmt.Errorf("%w: the op was submitted without Events", ErrInvalidRequest)
+	if !op.req.Events && op.req.Signal == 0 {
+		return 0, fmt.Errorf("%w: the op was submitted without Events or a Signal", ErrInvalidRequest)
 	}
-	return op.awaitLayer(len(op.layerEnds)-1, "Event", func() Event { return op.ev })
+	return op.awaitLayer(len(op.layerEnds)-1, "Event", func() Event {
+		if op.ev != 0 {
+			return op.ev
+		}
+		return op.req.Signal
+	})
 }
 
 // Layers is the number of layers the op declared (1 without LayerEnds).
