@@ -76,7 +76,7 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	}
 	for {
 		s.awaitWake()
-		if h := s.holdSubmitter.Load(); h != nil {
+		if h := s.hooks.holdSubmitter.Load(); h != nil {
 			<-*h
 		}
 		for s.issueRound() {

@@ -123,7 +123,7 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 		f.exited.Add(1)
 		go func() {
 			defer f.exited.Done()
-			if d := s.builderDelay; d > 0 {
+			if d := s.hooks.builderDelay; d > 0 {
 				select {
 				case <-time.After(d):
 				case <-f.quit:

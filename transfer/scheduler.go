@@ -67,10 +67,16 @@ type Scheduler struct {
 	lone     partBuf
 	feed     partFeed  // the issue's part builder (submitting thread only)
 	partRefs []partRef // the parts it builds, in the order they are copied
-	// builderDelay (tests) holds each builder goroutine back before its
+	hooks    testHooks // set by tests only
+}
+
+// testHooks are the Scheduler's fields that only tests set, to hold its
+// goroutines back.
+type testHooks struct {
+	// builderDelay holds each builder goroutine back before its
 	// first part, as a slow wake of its thread does.
 	builderDelay time.Duration
-	// holdSubmitter (tests), when set, is received from by the
+	// holdSubmitter, when set, is received from by the
 	// submitting thread each time it wakes, before it issues:
 	// closing it lets the thread go on.
 	holdSubmitter atomic.Pointer[chan struct{}]
