@@ -1,5 +1,11 @@
 package transfer
 
+// The Scheduler: its state, New, Close, range registration and the
+// batch. Locks: Scheduler.mu (Close; stateErr's callers hold it), never
+// with another lock held; the range sets' own locks (AddHostRange and the
+// rest), each released before the device's AddHostRange or
+// RemoveHostRange is called.
+
 import (
 	"errors"
 	"fmt"
