@@ -56,8 +56,7 @@ func (s *Scheduler) batchEvent() (Event, error) {
 	return e, nil
 }
 
-// opEventsFor gives op its pooled events (an engine thread: the
-// submitter, or Submit's caller for early events).
+// opEventsFor gives op its pooled events (the submitting thread).
 func (s *Scheduler) opEventsFor(op *Op) error {
 	if !op.req.Events {
 		return nil

@@ -334,11 +334,10 @@ func (op *Op) partsOf(l int) (from, to int) {
 }
 
 // issueParts copies the parts of lazy op that make its layer l (issuing
-// thread), skipping those its head copied, taking them from f (the issue's feed, which builds them ahead
-// in this order, but for its first, built here) or, without one, building
-// them here. Each part's
-// descriptors are appended to the batch's. A part that fails to build or
-// copy fails the op.
+// thread), taking them from f (the issue's feed, which builds them ahead in
+// this order, but for its first, built here) or, without one, building them
+// here. Each part's descriptors are appended to the batch's. A part that
+// fails to build or copy fails the op.
 func (s *Scheduler) issueParts(b *batch, op *Op, l int, f *partFeed) error {
 	from, to := op.partsOf(l)
 	for p := from; p < to; p++ {

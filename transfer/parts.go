@@ -52,25 +52,24 @@ type partRef struct {
 }
 
 // partFeed builds lazy ops' parts (a list of partRefs, in the order the
-// issuer (the submitting thread, or a caller issuing its own op) copies
-// them) on builder goroutines ahead of the issuer, which takes them in
-// that order (next) and gives their buffers back (done). With more than
-// one builder configured (Build may then run concurrently anyway), the
-// first part the issuer builds itself (first), at once, while the builders start: waiting for
-// a builder to wake and hand it over delayed the first copy. Builder j of
-// n builds the rest's parts j, j+n, j+2n, …
-// alternating between its two buffers, so one issue holds at most 2n
-// parts' buffers whatever its ops, and the rest's part i is the next
+// issuer (the submitting thread) copies them) on builder goroutines ahead of
+// the issuer, which takes them in that order (next) and gives their buffers
+// back (done). With more than one builder configured (Build may then run
+// concurrently anyway), the first part the issuer builds itself (first), at
+// once, while the builders start: waiting for a builder to wake and hand it
+// over delayed the first copy. Builder j of n builds the rest's parts j,
+// j+n, j+2n, … alternating between its two buffers, so one issue holds at
+// most 2n parts' buffers whatever its ops, and the rest's part i is the next
 // one builder i mod n hands over. Each part of the rest is claimed once
-// (claimed), by its builder as it starts it or by the submitting thread
-// when it needs the part before its builder has started it (with more
-// than one builder configured, as for building the first part): the
-// submitting thread then builds it itself (steal) instead of waiting for
-// a builder goroutine still being woken (on the H200 machine the parts
-// the builders built first came 0.3–0.5 ms after they were started,
-// while the device ran dry), and the builder skips it. A builder stops
-// after a part that fails (the submitting thread, taking parts in order,
-// fails the op there), or at stop; all have exited once stop returns.
+// (claimed), by its builder as it starts it or by the submitting thread when
+// it needs the part before its builder has started it (with more than one
+// builder configured, as for building the first part): the submitting thread
+// then builds it itself (steal) instead of waiting for a builder goroutine
+// still being woken (on the H200 machine the parts the builders built first
+// came 0.3–0.5 ms after they were started, while the device ran dry), and
+// the builder skips it. A builder stops after a part that fails (the
+// submitting thread, taking parts in order, fails the op there), or at stop;
+// all have exited once stop returns.
 type partFeed struct {
 	all      []feedBuilder // every builder made so far, each initialised
 	builders []feedBuilder // this issue's: all[:n]
@@ -249,8 +248,7 @@ func (s *Scheduler) buildPart(op *Op, p int, pb *partBuf) {
 }
 
 // copyPart coalesces a built part's segments into the batch's descriptors
-// and copies them (issuing thread: the submitting thread, or a caller
-// issuing its op or its op's head).
+// and copies them (the submitting thread).
 func (s *Scheduler) copyPart(b *batch, op *Op, pb *partBuf) error {
 	if pb.err != nil {
 		return pb.err

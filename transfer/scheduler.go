@@ -66,10 +66,10 @@ type Scheduler struct {
 	done           sync.WaitGroup
 	liveCompleters atomic.Int32
 
-	// The issuer's buffers for lazy requests (submitting thread only): lone for an
-	// issue of a single part, built here, and for a head's parts; the
-	// feed's, two for each of its
-	// builder goroutines, for several (issueLayers).
+	// The issuer's buffers for lazy requests (submitting thread only): lone
+	// for a part the submitting thread builds itself (an issue of a single
+	// part, the feed's first, or one it steals); the feed's, two for each
+	// of its builder goroutines, for several (issueLayers).
 	lone     partBuf
 	feed     partFeed  // the issue's part builder (submitting thread only)
 	partRefs []partRef // the parts it builds, in the order they are copied
