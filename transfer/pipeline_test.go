@@ -98,7 +98,7 @@ func TestPipelinedSteal(t *testing.T) {
 						onSubmitter.Add(1)
 					}
 				}})
-			e.s.builderDelay = tc.delay
+			e.s.hooks.builderDelay = tc.delay
 			src := randBytes(rand.New(rand.NewSource(32)), n)
 			copy(e.hostBuf, src)
 			var c countingBuild

@@ -44,9 +44,7 @@ const simDeviceMemory = 1 << 42
 //
 // Its methods beyond Device let tests play the caller: create streams,
 // record events on them, launch functions in stream order, mark a stream
-// capturing, and inject driver errors. A Sim has no early events: an op
-// with events is issued before Submit returns, as on a driver without
-// stream memory operations.
+// capturing, and inject driver errors.
 type Sim struct {
 	drv *cudafake.Driver
 	cu  *CUDA
