@@ -154,7 +154,7 @@ type Options struct {
 	// launch instead of holding the copy stream between launches (on the
 	// H200, launches of 4096 head-sliced 4 KiB descriptors ran at 87% of
 	// the link with the upload in line, 90% with it on a second stream:
-	// bench/probe_tma.cu).
+	// bench/probes/probe_tma.cu).
 	UploadOnCopyStream bool
 }
 

@@ -4,7 +4,7 @@
 // 4 KiB descriptors)? A standalone probe, not part of the engine: it needs
 // nvcc and an sm_90 GPU (the H200 machine):
 //
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_tma bench/probe_tma.cu && /tmp/probe_tma
+//   nvcc -O3 -arch=sm_90a -o /tmp/probe_tma bench/probes/probe_tma.cu && /tmp/probe_tma
 //
 // Patterns, each way, 512 MiB a run, best of REPS runs, CUDA events:
 //   seg4k   131,072 segments of 4 KiB at random host slots and GPU slots

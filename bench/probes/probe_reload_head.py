@@ -24,7 +24,7 @@ and the contiguous pinned H2D copy of the same bytes (best of the reps)
 before and after. Prints one table: median, min and floor/median per
 variant.
 
-Usage: KVOFFLOAD_LIB=... PYTHONPATH=python python3 bench/probe_reload_head.py [--blocks 128] [--reps 15]
+Usage: KVOFFLOAD_LIB=... PYTHONPATH=python python3 bench/probes/probe_reload_head.py [--blocks 128] [--reps 15]
 """
 
 import argparse
@@ -65,7 +65,7 @@ def main(argv=None):
     if args.model:
         import os
         import sys
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
         import realmodel as R
         model = R.build_model(2048, 1)
         prompt = torch.randint(0, R.VOCAB, (1, 2048), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))

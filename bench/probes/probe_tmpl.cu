@@ -4,7 +4,7 @@
 // every descriptor, and how close to the link? A standalone probe, not part
 // of the engine; it includes transfer/cudacopy/kernels.cu as it is:
 //
-//   nvcc -O3 -arch=sm_90 -o /tmp/probe_tmpl bench/probe_tmpl.cu && /tmp/probe_tmpl
+//   nvcc -O3 -arch=sm_90 -o /tmp/probe_tmpl bench/probes/probe_tmpl.cu && /tmp/probe_tmpl
 //
 // The pattern is BenchmarkGPUHeadSliced's: an 8-KV-head model, head dim
 // 128, bf16, 16-token blocks, 32 layers; the rank holds heads [2, 4). On the

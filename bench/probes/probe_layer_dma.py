@@ -10,7 +10,7 @@ slots in a staging chunk) per chunk, for every layer of 2048 blocks, against
 a contiguous copy of the same bytes in the same run; slots consecutive, and
 in shuffled runs of 4 and of 1. Needs torch and libcuda:
 
-    python3 bench/probe_layer_dma.py
+    python3 bench/probes/probe_layer_dma.py
 """
 import random
 

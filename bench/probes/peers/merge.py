@@ -2,7 +2,7 @@
 """One table: the engine's figures (DIR/summary.json from `kvoffload bench
 --out DIR`) beside the PyTorch peers' (DIR/peers.json from peers.py).
 
-    python3 bench/peers/merge.py DIR        # prints markdown, writes DIR/comparison.md
+    python3 bench/probes/peers/merge.py DIR        # prints markdown, writes DIR/comparison.md
 """
 
 import json

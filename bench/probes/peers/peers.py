@@ -20,7 +20,7 @@ the same sizes:
 Writes DIR/peers.json and prints a table. merge.py puts these figures beside
 the engine's (DIR/summary.json from `kvoffload bench --out DIR`).
 
-    python3 bench/peers/peers.py --out DIR --sizes 4KiB,16KiB,64KiB,256KiB,2MiB
+    python3 bench/probes/peers/peers.py --out DIR --sizes 4KiB,16KiB,64KiB,256KiB,2MiB
 """
 
 import argparse

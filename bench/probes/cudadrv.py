@@ -1,5 +1,5 @@
-"""What the bench probes call beside torch (bench/probe_2d_dma.py,
-bench/probe_layer_dma.py): libcuda's pitched copy (cuMemcpy2DAsync_v2)
+"""What the bench probes call beside torch (bench/probes/probe_2d_dma.py,
+bench/probes/probe_layer_dma.py): libcuda's pitched copy (cuMemcpy2DAsync_v2)
 through ctypes, and the timing of a function's work on a stream with
 torch's CUDA events. Runs only where libcuda and torch are (the GPU
 machine)."""

@@ -11,7 +11,7 @@ records and a contiguous device staging buffer, against a contiguous copy of
 the same bytes in the same run. Needs torch (for pinned and device memory)
 and libcuda; run on the GPU machine:
 
-    python3 bench/probe_2d_dma.py
+    python3 bench/probes/probe_2d_dma.py
 """
 import random
 
