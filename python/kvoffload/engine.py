@@ -210,7 +210,6 @@ class Engine(_Handle):
         return self._handle
 
     def _json(self, fn, call):
-        lib = _lib.get()
         need = ctypes.c_size_t(0)
         size = 4096
         while True:
