@@ -2,8 +2,8 @@ package offload
 
 import (
 	"bytes"
-	"fmt"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
