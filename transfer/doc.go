@@ -50,7 +50,7 @@
 //   - Submit never waits for copies to finish to admit a request: beyond
 //     the in-flight bound requests queue, beyond MaxQueuedBytes they get
 //     ErrBusy. A request with events (or a signal) is never refused for
-//     bytes in flight: it is issued at once, its stream is its queue.
+//     bytes in flight: it is issued in its turn, its stream is its queue.
 //     Submit never waits for the submitting thread either: only that
 //     thread waits where issuing must, for the copy method's device
 //     memory bound to free a buffer (an event synchronize), or for a
