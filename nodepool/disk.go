@@ -356,7 +356,7 @@ func (d *nodeDisk) diskPrefix(keys []kvcache.Key) int { return d.wb.Prefix(keys)
 
 // has reports whether key's block is on disk or being written there
 // (readable meanwhile): memory only, never I/O.
-func (d *nodeDisk) has(k kvcache.Key) bool { return d.wb.Has(k) }
+func (d *nodeDisk) has(k kvcache.Key) bool { return d.wb.Contains(k) }
 
 // promote brings the keys at pos (missing from the pool, held by the disk
 // or a write-back in flight) into the pool for a BeginLoad or a Promote:

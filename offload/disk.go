@@ -356,7 +356,7 @@ func (d *diskTier) prefix(keys []Key) int { return d.wb.Prefix(keys) }
 
 // has reports whether key's block is on disk or being written there
 // (readable meanwhile): memory only, never I/O.
-func (d *diskTier) has(k Key) bool { return d.wb.Has(k) }
+func (d *diskTier) has(k Key) bool { return d.wb.Contains(k) }
 
 // FlushDisk waits until every eviction queued for the disk tier has been
 // written (or failed), or ctx ends. Without a disk tier it returns at once.

@@ -15,7 +15,7 @@
 //     needed, or Copy);
 //   - the queue of write-backs and the writer goroutines that Put each one,
 //     from its demoting slot or from its copy, then finish it;
-//   - the write-backs in flight by key, readable meanwhile: Has counts
+//   - the write-backs in flight by key, readable meanwhile: Contains counts
 //     them, Get copies from them (Served) instead of reading a record.
 //
 // Its owner keeps the admission filter (Demote is called for admitted
@@ -215,7 +215,7 @@ func (w *Writer) Close() bool {
 // its bytes intact (a ready block), into a buffer a writer Puts (Copies):
 // a memcpy of one block under the cache's lock. Never waits.
 func (w *Writer) Demote(s kvcache.Slot, k kvcache.Key, needed bool) bool {
-	if w.Has(k) {
+	if w.Contains(k) {
 		return false
 	}
 	w.mu.RLock()
@@ -278,7 +278,7 @@ func (w *Writer) OnDemote(s kvcache.Slot, k kvcache.Key) {
 // unfinished or the Writer is closed. True when it was queued. Never
 // waits.
 func (w *Writer) Copy(k kvcache.Key, mem []byte) bool {
-	if w.Has(k) {
+	if w.Contains(k) {
 		return false
 	}
 	w.mu.RLock()
@@ -496,9 +496,9 @@ func (w *Writer) Flush(ctx context.Context) error {
 	}
 }
 
-// Has reports whether key k's block is on disk or in flight (readable):
+// Contains reports whether key k's block is on disk or in flight (readable):
 // memory only, never I/O.
-func (w *Writer) Has(k kvcache.Key) bool {
+func (w *Writer) Contains(k kvcache.Key) bool {
 	if w.cfg.Store.Contains(k) {
 		return true
 	}
@@ -507,10 +507,10 @@ func (w *Writer) Has(k kvcache.Key) bool {
 	return w.servableLocked(k) != nil
 }
 
-// Prefix returns how many leading keys Has (memory only).
+// Prefix returns how many leading keys Contains (memory only).
 func (w *Writer) Prefix(keys []kvcache.Key) int {
 	for i, k := range keys {
-		if !w.Has(k) {
+		if !w.Contains(k) {
 			return i
 		}
 	}

@@ -80,7 +80,7 @@ func (r *rig) flush(t *testing.T) {
 }
 
 // TestReadableInFlight: a block accepted from its slot, and one copied
-// out, are readable (Has, Get) until written, then on disk; the demoting
+// out, are readable (Contains, Get) until written, then on disk; the demoting
 // slot is given back once written.
 func TestReadableInFlight(t *testing.T) {
 	r := newRig(t, 4, false)
@@ -127,13 +127,13 @@ func TestDeleteClearInFlight(t *testing.T) {
 		require.False(t, r.w.Demote(r.slot(3, k3), k3, true))
 
 		r.w.Delete([]kvcache.Key{k1, k2})
-		require.False(t, r.w.Has(k1))
+		require.False(t, r.w.Contains(k1))
 		require.False(t, r.w.Get(k2, make([]byte, slotBytes)), "deleted: not served")
-		require.True(t, r.w.Has(k3))
+		require.True(t, r.w.Contains(k3))
 		r.w.Clear()
-		require.False(t, r.w.Has(k3), "cleared: not served")
+		require.False(t, r.w.Contains(k3), "cleared: not served")
 		require.False(t, r.w.Demote(r.slot(4, k4), k4, true))
-		require.True(t, r.w.Has(k4), "accepted after the Clear")
+		require.True(t, r.w.Contains(k4), "accepted after the Clear")
 
 		r.flush(t)
 		require.EqualValues(t, 4, r.w.Writes.Load(), "every Put ran")
@@ -156,7 +156,7 @@ func TestTombKeys(t *testing.T) {
 		require.False(t, r.w.Demote(r.slot(1, k1), k1, true))
 		r.w.Delete([]kvcache.Key{k1})
 		require.False(t, r.w.Demote(r.slot(2, k1), k1, true), "stored and evicted again")
-		require.Equal(t, !tomb, r.w.Has(k1))
+		require.Equal(t, !tomb, r.w.Contains(k1))
 		r.flush(t)
 		// Two write-backs of k1, Put in turn: without TombKeys the first's
 		// record is deleted before the second writes its own, which is
@@ -177,7 +177,7 @@ func TestDropPastMaxBusy(t *testing.T) {
 	require.False(t, r.w.Demote(s2, key(2), false), "past MaxBusy")
 	require.False(t, r.w.Copy(key(4), r.pool[4*slotBytes:5*slotBytes]), "past MaxBusy")
 	require.EqualValues(t, 2, r.w.Dropped.Load())
-	require.False(t, r.w.Has(key(2)))
+	require.False(t, r.w.Contains(key(2)))
 
 	r.open()
 	require.True(t, r.w.Close())
@@ -256,7 +256,7 @@ func TestDeletedThenStoredAgain(t *testing.T) {
 	require.True(t, w.Copy(k, old))
 	<-held
 	w.Delete([]kvcache.Key{k})
-	require.False(t, w.Has(k))
+	require.False(t, w.Contains(k))
 	require.True(t, w.Copy(k, fresh), "stored and evicted again: a second write-back")
 	time.Sleep(50 * time.Millisecond) // the second writer's chance to run ahead
 	close(first)
