@@ -129,6 +129,13 @@ func (s *Scheduler) startFeed(parts []partRef) *partFeed {
 					return
 				}
 			}
+			if g := s.hooks.builderGate; g != nil {
+				select {
+				case <-g:
+				case <-f.quit:
+					return
+				}
+			}
 			for i := j; i < len(parts); i += n {
 				select { // stop first, even with a buffer free
 				case <-f.quit:

@@ -79,7 +79,8 @@ func loadAllParts(t *testing.T, e *fakeEnv, n, seg uint64, layered bool, seed in
 // TestPipelinedSteal: with several builders, a part no builder has
 // started when the submitting thread needs it is built by that thread
 // (builders held back as a slow wake holds them: every part; builders
-// late by a few parts: some), each part exactly once, every byte copied.
+// late by a few parts, let go once the submitting thread has built three:
+// some), each part exactly once, every byte copied.
 func TestPipelinedSteal(t *testing.T) {
 	const seg, n = 4096, 32 * 4096
 	for _, tc := range []struct {
@@ -88,17 +89,25 @@ func TestPipelinedSteal(t *testing.T) {
 		all   bool // every part built on the submitting thread
 	}{
 		{"held", time.Hour, true},
-		{"late", 3 * time.Millisecond, false},
+		{"late", 0, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var onSubmitter atomic.Int32
+			// late: the builders start once the submitting thread has built
+			// three parts (a fixed delay let a descheduled submitting
+			// thread fall behind them under -race on two cores).
+			gate := make(chan struct{})
+			var open sync.Once
 			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 31},
 				Config{Builders: 4, Trace: func(point string, _ int) {
-					if point == "built" {
-						onSubmitter.Add(1)
+					if point == "built" && onSubmitter.Add(1) >= 3 && !tc.all {
+						open.Do(func() { close(gate) })
 					}
 				}})
 			e.s.hooks.builderDelay = tc.delay
+			if !tc.all {
+				e.s.hooks.builderGate = gate
+			}
 			src := randBytes(rand.New(rand.NewSource(32)), n)
 			copy(e.hostBuf, src)
 			var c countingBuild

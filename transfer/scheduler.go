@@ -80,8 +80,10 @@ type Scheduler struct {
 // goroutines back.
 type testHooks struct {
 	// builderDelay holds each builder goroutine back before its
-	// first part, as a slow wake of its thread does.
+	// first part, as a slow wake of its thread does; builderGate, when
+	// set, holds them until it is closed.
 	builderDelay time.Duration
+	builderGate  chan struct{}
 	// holdSubmitter, when set, is received from by the
 	// submitting thread each time it wakes, before it issues:
 	// closing it lets the thread go on.
