@@ -108,7 +108,7 @@
 //     thread builds a part, and quit and the exited WaitGroup stop the
 //     builders.
 //   - Without a lock: announced and liveCompleters (atomic counters),
-//     testHooks.holdSubmitter (atomic), the wake and prewake channels, and
+//     the wake and prewake channels, and
 //     pending, which hands each batch from the submitting thread to its
 //     direction's completion goroutine.
 //   - A Device keeps its own locks (Sim.mu, the copier's in

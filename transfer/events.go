@@ -62,7 +62,7 @@ func (s *Scheduler) opEventsFor(op *Op) error {
 		return nil
 	}
 	n := 1
-	if len(op.req.LayerEnds) > 0 || (op.req.lazy() && op.req.Layered) {
+	if op.req.layered() {
 		n += len(op.layerEnds)
 	}
 	evs := make([]Event, 0, n)

@@ -76,9 +76,6 @@ func (s *Scheduler) submitter(ready chan<- error) {
 	}
 	for {
 		s.awaitWake()
-		if h := s.hooks.holdSubmitter.Load(); h != nil {
-			<-*h
-		}
 		for s.issueRound() {
 		}
 		s.mu.Lock()

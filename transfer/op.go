@@ -137,7 +137,7 @@ func (op *Op) LayerEvent(l int) (Event, error) {
 	if op.isReleased() {
 		return 0, fmt.Errorf("%w: LayerEvent(%d)", ErrReleased, l)
 	}
-	if !op.req.Events || (len(op.req.LayerEnds) == 0 && !(op.req.lazy() && op.req.Layered)) {
+	if !op.req.Events || !op.req.layered() {
 		return 0, fmt.Errorf("%w: the op has no layer events (submit with LayerEnds and Events)", ErrInvalidRequest)
 	}
 	if l < 0 || l >= len(op.layerEnds) {

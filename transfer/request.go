@@ -78,6 +78,10 @@ type Request struct {
 	Bytes      uint64
 }
 
+// layered reports whether the request declares layers (LayerEnds, or a
+// lazy request's Layered): with Events, it gets an event per layer.
+func (r *Request) layered() bool { return len(r.LayerEnds) > 0 || (r.lazy() && r.Layered) }
+
 // lazy reports whether the request's segments come from Build.
 func (r *Request) lazy() bool { return r.Build != nil }
 

@@ -84,10 +84,6 @@ type testHooks struct {
 	// set, holds them until it is closed.
 	builderDelay time.Duration
 	builderGate  chan struct{}
-	// holdSubmitter, when set, is received from by the
-	// submitting thread each time it wakes, before it issues:
-	// closing it lets the thread go on.
-	holdSubmitter atomic.Pointer[chan struct{}]
 }
 
 type batch struct {

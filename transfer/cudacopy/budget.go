@@ -303,27 +303,6 @@ func (c *Copier) allocRaw(n uint64, what string) (cuda.DevicePtr, error) {
 	}
 }
 
-// SetSyncGuard has the calls of Calibrate that may wait for the device to
-// go idle (cuMemFree, cuMemFreeHost of its buffers) run through g, which
-// runs them where that cannot deadlock (transfer.Scheduler.Quiesce: no
-// stream waits on work a blocked thread has yet to enqueue). nil: run them
-// as they are.
-func (c *Copier) SetSyncGuard(g func(func() error) error) {
-	if g == nil {
-		c.syncGuard.Store(nil)
-		return
-	}
-	c.syncGuard.Store(&g)
-}
-
-// guarded runs f through the sync guard, if any.
-func (c *Copier) guarded(f func() error) error {
-	if g := c.syncGuard.Load(); g != nil {
-		return (*g)(f)
-	}
-	return f()
-}
-
 // freeRaw frees an allocRaw allocation of n bytes. cuMemFree may wait
 // for the whole device to be idle, so it is called without mu: a
 // submitting thread must never wait for it (see KeepIdle).

@@ -153,13 +153,13 @@ func (c *Copier) Calibrate(s cuda.Stream) (cal *Calibration, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("cudacopy: calibration host buffer of %d bytes: %w", cfg.TotalBytes, err)
 	}
-	defer func() { err = errors.Join(err, c.guarded(func() error { return c.drv.MemFreeHost(hostP) })) }()
+	defer func() { err = errors.Join(err, c.drv.MemFreeHost(hostP)) }()
 	dev, err := c.allocRaw(cfg.TotalBytes, "calibration device buffer")
 	if err != nil {
 		return nil, err
 	}
 	defer func() {
-		err = errors.Join(err, c.guarded(func() error { return c.freeRaw(dev, cfg.TotalBytes) }))
+		err = errors.Join(err, c.freeRaw(dev, cfg.TotalBytes))
 	}()
 	host := uintptr(hostP)
 	if err := c.AddHostRange(host, cfg.TotalBytes); err != nil {

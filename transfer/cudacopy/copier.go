@@ -147,7 +147,6 @@ type Copier struct {
 	gathers                 atomic.Uint64
 	pitched                 atomic.Uint64
 	noPitch                 atomic.Bool // SetPitchedStaging(false)
-	syncGuard               atomic.Pointer[func(func() error) error]
 	// Device memory allocated (descriptor tables, staging chunks,
 	// Calibrate's buffer): devBytes under mu, mirrored in devNow for
 	// lock-free readers, and its peak.
