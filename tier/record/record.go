@@ -97,7 +97,8 @@ func EncodeHeader(dst []byte, h Header) {
 // HeaderLen bytes are read). It verifies the magic, the header checksum, the
 // format version and the payload length bound; it does not allocate.
 // Errors wrap ErrCorrupt (src shorter than HeaderLen, a bad magic or header
-// checksum, a length over MaxPayloadBytes) or ErrVersion.
+// checksum, a reserved byte not zero, a length over MaxPayloadBytes) or
+// ErrVersion.
 func DecodeHeader(src []byte) (Header, error) {
 	if len(src) < HeaderLen {
 		return Header{}, fmt.Errorf("%w: header of %d bytes, need %d", ErrCorrupt, len(src), HeaderLen)
@@ -116,6 +117,13 @@ func DecodeHeader(src []byte) (Header, error) {
 		Key:           [16]byte(src[offKey : offKey+16]),
 		PayloadLen:    binary.LittleEndian.Uint64(src[offPayloadLen:]),
 		PayloadSum:    binary.LittleEndian.Uint32(src[offPayloadSum:]),
+	}
+	// The reserved bytes (after the version, after the payload checksum,
+	// after the header checksum) are zero in every header EncodeHeader
+	// writes; the last four are outside the header checksum, so a header
+	// with any of them set is damaged, not merely another writer's.
+	if binary.LittleEndian.Uint16(src[offVersion+2:]) != 0 || binary.LittleEndian.Uint32(src[offPayloadSum+4:]) != 0 || binary.LittleEndian.Uint32(src[offHeaderSum+4:]) != 0 {
+		return Header{}, fmt.Errorf("%w: reserved header bytes %x %x %x are not zero", ErrCorrupt, src[offVersion+2:offVersion+4], src[offPayloadSum+4:offPayloadSum+8], src[offHeaderSum+4:HeaderLen])
 	}
 	if h.Version != FormatVersion {
 		return Header{}, fmt.Errorf("%w: format version %d, this reader knows %d", ErrVersion, h.Version, FormatVersion)

@@ -63,6 +63,11 @@ func TestDecodeHeaderRejects(t *testing.T) {
 			reseal(b)
 			return b
 		}, ErrCorrupt},
+		// Byte 60 is after the header checksum and outside it: the bytes
+		// FuzzAccept found accepted but not re-encoding to themselves.
+		{"byte after the header checksum", func(b []byte) []byte { b[offHeaderSum+4] = 1; return b }, ErrCorrupt},
+		{"reserved after the version", func(b []byte) []byte { b[offVersion+3] = 1; reseal(b); return b }, ErrCorrupt},
+		{"reserved after the payload checksum", func(b []byte) []byte { b[offPayloadSum+5] = 1; reseal(b); return b }, ErrCorrupt},
 		{"older version", func(b []byte) []byte {
 			binary.LittleEndian.PutUint16(b[offVersion:], FormatVersion-1)
 			reseal(b)
