@@ -3,7 +3,7 @@
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
-GPU_PKGS    := internal/cuda register transfer transfer/cudacopy bench kvcache offload cmd/kvoffload tier/record tier/disk tier/cluster
+GPU_PKGS    := internal/cuda register transfer internal/cudacopy bench kvcache offload cmd/kvoffload internal/tier/record internal/tier/disk internal/tier/cluster
 GPU_LDFLAGS := -s -w $(VERSION_LDFLAGS)
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s
@@ -89,8 +89,8 @@ gpu-tools:
 # PTX ISA 7.0 is the lowest that targets sm_80 (checked with ptxas on the H200
 # machine: 6.x refuses sm_80), so drivers back to CUDA 11.0 load it.
 ptx:
-	$(NVCC) -ptx -arch=compute_80 -O3 -o transfer/cudacopy/kernels.ptx transfer/cudacopy/kernels.cu
-	sed -i 's/^\.version .*/.version 7.0/' transfer/cudacopy/kernels.ptx
+	$(NVCC) -ptx -arch=compute_80 -O3 -o internal/cudacopy/kernels.ptx internal/cudacopy/kernels.cu
+	sed -i 's/^\.version .*/.version 7.0/' internal/cudacopy/kernels.ptx
 
 # Every fuzz target for FUZZTIME each (seed corpora: f.Add in the tests and
 # testdata/fuzz/ in each package).

@@ -7,7 +7,7 @@ import (
 	"strings"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // BlocksConfig says what MeasureBlocks measures: stores, loads, and both at

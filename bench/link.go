@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // MaxPctOfLink is the most a row may reach against the contiguous link

@@ -9,7 +9,7 @@ import (
 	"strings"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // KernelVariant is one copy-kernel launch configuration of the sweep.

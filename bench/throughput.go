@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // ThroughputConfig says what MeasureThroughput measures. Zero fields take

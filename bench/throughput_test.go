@@ -14,7 +14,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // throughputConfigFromEnv is the quick configuration, or the full one with

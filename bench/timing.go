@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // run is one timed run: GPU time between the events, CPU time of enqueue,

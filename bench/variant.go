@@ -10,7 +10,7 @@ import (
 	"math/rand/v2"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // variant is one copier configuration of the benchmark.

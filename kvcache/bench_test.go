@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvoffload/kvoffload/kvcache/trace"
+	"github.com/kvoffload/kvoffload/internal/trace"
 )
 
 // replay runs a trace through a cache the way the engine uses it: look up a

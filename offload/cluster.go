@@ -9,8 +9,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/tier/cluster"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/tier/cluster"
 )
 
 // ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster

@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
-	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
+	"github.com/kvoffload/kvoffload/internal/tier/cluster/clustertest"
 )
 
 // TestCUDAFakeClusterTwoEngines is the real-model benchmark's cluster

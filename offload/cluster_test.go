@@ -15,8 +15,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
-	"github.com/kvoffload/kvoffload/tier/record"
+	"github.com/kvoffload/kvoffload/internal/tier/cluster/clustertest"
+	"github.com/kvoffload/kvoffload/internal/tier/record"
 )
 
 // clusterEngineConfig is a pool of pool 8 KiB slots over the cluster at

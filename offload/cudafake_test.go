@@ -15,9 +15,9 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/kvoffload/kvoffload/internal/cudahook"
 	"github.com/kvoffload/kvoffload/transfer"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // gpuMem is a serving stack's side of a CUDA test: a driver with the

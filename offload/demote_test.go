@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 )
 
 // demoteSlots is the pool of the demotion tests: 128 slots of 8 KiB, so

@@ -7,9 +7,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/nodepool"
+	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/nodepool"
-	"github.com/kvoffload/kvoffload/nodepool/wire"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
 	"github.com/kvoffload/kvoffload/transfer"
 )

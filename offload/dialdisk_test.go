@@ -11,7 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/nodepool"
+	"github.com/kvoffload/kvoffload/internal/nodepool"
 )
 
 // diskNodeConfig is a node of 64 slots of 8 KiB (dialConfig's blocks) over

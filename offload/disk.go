@@ -8,10 +8,10 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk/writeback"
+	"github.com/kvoffload/kvoffload/internal/tier/record"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/tier/disk"
-	"github.com/kvoffload/kvoffload/tier/disk/writeback"
-	"github.com/kvoffload/kvoffload/tier/record"
 )
 
 // DiskConfig turns on the disk tier (Config.Disk): host blocks the policy

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 )
 
 // diskEngineConfig is a pool of four 8 KiB slots over a disk tier in dir.

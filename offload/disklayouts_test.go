@@ -8,7 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 )
 
 // otherRecordsName is the name of the records file an engine of slot bytes

@@ -13,9 +13,9 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // pipeBlocks is the GPU blocks of the disk pipeline tests' layout.

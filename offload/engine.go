@@ -7,9 +7,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/tier/cluster"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
-	"github.com/kvoffload/kvoffload/tier/cluster"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 

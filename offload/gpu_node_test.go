@@ -23,8 +23,8 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/nodepool"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/nodepool"
 )
 
 // The node pool on one GPU (issue 25's H200 checks). A node process and

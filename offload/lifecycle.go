@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/envvar"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
-	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 

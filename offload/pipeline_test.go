@@ -14,8 +14,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/kvoffload/kvoffload/mmapmem"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // The tests of this file prove the growth pipeline's overlap by ordering:

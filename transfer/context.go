@@ -8,8 +8,8 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/kvoffload/kvoffload/internal/cudahook"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // ErrNoDriver: libcuda.so.1 (or a device) is not available, or the module

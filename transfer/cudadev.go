@@ -7,7 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its

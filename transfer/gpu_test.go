@@ -16,7 +16,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // gpuEnv is a Scheduler over the real driver with one registered host

@@ -9,7 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // SimConfig configures the host simulation.

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"math/bits"
 
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 )
 
 // Template requests. A lazy request whose blocks all have one shape (a TP

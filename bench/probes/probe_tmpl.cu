@@ -2,7 +2,7 @@
 // block, each warp computing its descriptor from the block and a template
 // piece) move a TP=4 rank's heads as fast as one launch of kvo_copy over
 // every descriptor, and how close to the link? A standalone probe, not part
-// of the engine; it includes transfer/cudacopy/kernels.cu as it is:
+// of the engine; it includes internal/cudacopy/kernels.cu as it is:
 //
 //   nvcc -O3 -arch=sm_90 -o /tmp/probe_tmpl bench/probes/probe_tmpl.cu && /tmp/probe_tmpl
 //
@@ -22,7 +22,7 @@
 #include <random>
 #include <vector>
 
-#include "../transfer/cudacopy/kernels.cu"
+#include "../internal/cudacopy/kernels.cu"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 

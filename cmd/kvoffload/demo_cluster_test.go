@@ -7,7 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/tier/cluster/clustertest"
+	"github.com/kvoffload/kvoffload/internal/tier/cluster/clustertest"
 )
 
 // TestDemoClusterTwoProcesses: two demo processes with one seed and

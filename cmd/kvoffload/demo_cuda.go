@@ -8,8 +8,8 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/kvoffload/kvoffload/offload"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // cudaMemory is the cache in device memory (cuMemAlloc). Blocks are

@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
-	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 // tinyDiskArgs are a short demo's arguments with --disk dirs.

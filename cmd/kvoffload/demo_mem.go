@@ -7,9 +7,9 @@ import (
 	"sort"
 	"sync"
 
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
-	"github.com/kvoffload/kvoffload/transfer/cudacopy"
 )
 
 // kvMemory is the demo's GPU KV cache memory: the serving stack's side of

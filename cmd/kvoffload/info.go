@@ -22,7 +22,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cgroup"
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 )
 
 var infoCommand = command{

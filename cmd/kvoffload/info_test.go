@@ -13,8 +13,8 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
-	"github.com/kvoffload/kvoffload/tier/disk"
 )
 
 // fakeRoot writes files under a temporary root for a prober.

@@ -13,9 +13,9 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/kvoffload/kvoffload/events"
+	"github.com/kvoffload/kvoffload/internal/nodepool"
+	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/nodepool"
-	"github.com/kvoffload/kvoffload/nodepool/wire"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"

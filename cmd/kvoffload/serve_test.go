@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/nodepool"
 	"github.com/stretchr/testify/require"
 )
 

@@ -15,9 +15,9 @@ package hostsim
 import (
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
-	"github.com/kvoffload/kvoffload/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 

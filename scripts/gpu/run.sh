@@ -66,8 +66,8 @@ SUITES=(
 	"tfcb|transformers' continuous batching with kvoffload as its prefix and swap tier vs transformers alone (python3 bench/transformers_cb.py; not in all); tfcb:long, tfcb:batch, tfcb:atonce, tfcb:verify: the time steps (bench/tfcb_time.py)"
 	"wheel|the wheel (make wheel here, carry dist) in a venv with the system's torch: python/tests against the installed copy"
 	"nodepool|the node pool on one GPU: kvoffload serve and client processes with their own CUDA contexts: store here/load there, two at once vs one alone, SIGKILL mid-store, TP=2 ranks to TP=1, pinning vs the embedded engine (offload.test TestGPUNodePool; not in all)"
-	"disk|the disk tier against fio on this machine's disk (tier_disk.test TestDiskVsFio, Q = 1, 4, 16, 2 GiB passes), and Open's index scan (BenchmarkOpenScan); needs build/gpu-tools.tar.gz (not in all)"
-	"cluster|the cluster tier against redis-benchmark --cluster on a 3-master Redis Cluster on loopback (tier_cluster.test TestBenchVsRedisBenchmark), with a CPU profile; needs build/gpu-tools.tar.gz (not in all)"
+	"disk|the disk tier against fio on this machine's disk (internal_tier_disk.test TestDiskVsFio, Q = 1, 4, 16, 2 GiB passes), and Open's index scan (BenchmarkOpenScan); needs build/gpu-tools.tar.gz (not in all)"
+	"cluster|the cluster tier against redis-benchmark --cluster on a 3-master Redis Cluster on loopback (internal_tier_cluster.test TestBenchVsRedisBenchmark), with a CPU profile; needs build/gpu-tools.tar.gz (not in all)"
 	"realtier|a real model's KV reloaded from the disk tier and from a Redis Cluster on loopback, beside reload from host and recompute (python3 bench/realmodel.py --tier); needs build/gpu-tools.tar.gz (not in all)"
 	"sweep:NAME|an exploration, not in all: NAME a KVO_BENCH_VARIANTS set (bidir, probe, probegrid, fence, batch) or parbatch, mixed, staged"
 )
@@ -269,15 +269,15 @@ suite_disk() {
 	disk_facts "$TIER_DIR"
 	# What a payload's CRC-32C costs on this machine's CPUs, cold (as after a
 	# DMA) and parallel (record.Checksum) against one core.
-	step_in tier/record timeout 60 "$B/tier_record.test" -test.run '^$' -test.bench 'Checksum2MiB' -test.benchtime 300x -test.count 3
+	step_in internal/tier/record timeout 60 "$B/internal_tier_record.test" -test.run '^$' -test.bench 'Checksum2MiB' -test.benchtime 300x -test.count 3
 	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=${KVO_DISK_MIB:-2048} KVO_DISK_BENCH_ROUNDS=${KVO_DISK_ROUNDS:-3} KVO_BENCH_OUT=$D \
-		step_in tier/disk timeout 240 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 235s
+		step_in internal/tier/disk timeout 240 "$B/internal_tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 235s
 	# Q=1 diagnosis (the log only): fio, plain preads and Get on one store's file, per record
 	# time in preads and the rest, device reads a record, the buffers' physical layout.
 	KVO_DISK_BENCH=$TIER_DIR KVO_DISK_BENCH_MIB=1024 KVO_DISK_BENCH_ROUNDS=3 KVO_DISK_BENCH_QS=1 KVO_DISK_BENCH_Q1DIAG=1 \
-		step_in tier/disk timeout 150 "$B/tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 145s
+		step_in internal/tier/disk timeout 150 "$B/internal_tier_disk.test" -test.v -test.count=1 -test.run 'TestDiskVsFio$' -test.timeout 145s
 	# The index scan at start (target: 2 s per 100,000 records) on this disk.
-	TMPDIR=$TIER_DIR step_in tier/disk timeout 150 "$B/tier_disk.test" -test.run '^$' -test.bench 'OpenScan' \
+	TMPDIR=$TIER_DIR step_in internal/tier/disk timeout 150 "$B/internal_tier_disk.test" -test.run '^$' -test.bench 'OpenScan' \
 		-test.benchtime 2x -test.count 1 -test.timeout 145s
 	rm -rf "$TIER_DIR"
 }
@@ -286,8 +286,8 @@ suite_cluster() {
 	need_tools || return 1
 	# Like for like with bench/results/cpu/cluster-vs-redis-benchmark.md (-c 6 -P 4,
 	# 256 KiB and 2 MiB + 4 KiB records), then twice the connections at 256 KiB.
-	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS:-5} step_in tier/cluster timeout 200 \
-		"$B/tier_cluster.test" -test.v -test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 195s \
+	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS:-5} step_in internal/tier/cluster timeout 200 \
+		"$B/internal_tier_cluster.test" -test.v -test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 195s \
 		-test.cpuprofile "$D/cluster-bench-cpu.pprof"
 	# A reference the cluster bounds: redis-benchmark as 8 processes (its
 	# rate: the requests over the span the masters took to serve them, from
@@ -302,11 +302,11 @@ suite_cluster() {
 	for size in 262144:49152 2101248:6144; do
 		count=${size#*:} size=${size%:*}
 		KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=${KVO_CLUSTER_ROUNDS_BOUND:-5} KVO_CLUSTER_BENCH_PROCS=8 KVO_CLUSTER_BENCH_CONNS=48 KVO_CLUSTER_BENCH_DEPTH=1 \
-			KVO_CLUSTER_BENCH_SIZES=$size KVO_CLUSTER_BENCH_COUNT=$count step_in tier/cluster timeout 150 "$B/tier_cluster.test" -test.v \
+			KVO_CLUSTER_BENCH_SIZES=$size KVO_CLUSTER_BENCH_COUNT=$count step_in internal/tier/cluster timeout 150 "$B/internal_tier_cluster.test" -test.v \
 			-test.count=1 -test.run 'TestBenchVsRedisBenchmark$' -test.timeout 145s -test.cpuprofile "$D/cluster-bound-$size-cpu.pprof"
 	done
 	KVO_CLUSTER_BENCH=1 KVO_CLUSTER_BENCH_ROUNDS=3 KVO_CLUSTER_BENCH_CONNS=12 KVO_CLUSTER_BENCH_PROCS=4 KVO_CLUSTER_BENCH_SIZES=262144 \
-		KVO_CLUSTER_BENCH_COUNT=24576 step_in tier/cluster timeout 90 "$B/tier_cluster.test" -test.v -test.count=1 \
+		KVO_CLUSTER_BENCH_COUNT=24576 step_in internal/tier/cluster timeout 90 "$B/internal_tier_cluster.test" -test.v -test.count=1 \
 		-test.run 'TestBenchVsRedisBenchmark$' -test.timeout 85s
 }
 
@@ -383,7 +383,7 @@ suite_sweep() {
 
 # ---------------------------------------------------------------- machinery
 
-# pkgdir transfer_cudacopy → transfer/cudacopy (the folder a test binary runs in).
+# pkgdir internal_tier_disk → internal/tier/disk (the folder a test binary runs in).
 pkgdir() {
 	local d
 	d=$(echo "$1" | tr _ /)

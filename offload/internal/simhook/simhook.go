@@ -7,7 +7,7 @@
 package simhook
 
 import (
-	"github.com/kvoffload/kvoffload/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
