@@ -165,7 +165,7 @@ func MeasureBlocks(drv cuda.Driver, dev cuda.Device, cfg BlocksConfig) (res Bloc
 	if err != nil {
 		return res, err
 	}
-	// gather, scatter: as transfer.CUDA's staging streams, at the priority
+	// gather, scatter: as cudadev.CUDA's staging streams, at the priority
 	// of their direction's stream.
 	var aux [2]cuda.Stream
 	for i, prio := range []int{least, greatest} {
@@ -231,7 +231,7 @@ func (b *bench) blockRow(m *blockMethod, aux [2]cuda.Stream, gm *gemm, res Block
 		var x cudacopy.Ticket
 		var err error
 		if m.staged || (m.auto && m.c.Gatherable(d2h)) {
-			// As transfer.CUDA does: the staging stream waits for what the
+			// As cudadev.CUDA does: the staging stream waits for what the
 			// store stream waits for (here the run's start event).
 			if err = b.drv.StreamWaitEvent(aux[0], b.ev[0], 0); err == nil {
 				x, err = m.c.SubmitGather(aux[0], b.s[0], d2h)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
@@ -104,7 +105,7 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 		return nil, err
 	}
 	defer release(&err)
-	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{RangeLimit: opts.RangeLimit, PipelineChunk: opts.PipelineChunk})
+	p, err := register.NewCUDA(cudadev.Bind(drv, ctx), register.CUDAOptions{RangeLimit: opts.RangeLimit, PipelineChunk: opts.PipelineChunk})
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +145,7 @@ func MeasurePinning(drv cuda.Driver, dev cuda.Device, sizes []int64, opts Pinnin
 	return results, nil
 }
 
-func measureOurs(p *register.CUDA, size int64, opts mmapmem.Options, res *PinningResult) error {
+func measureOurs(p register.Pinner, size int64, opts mmapmem.Options, res *PinningResult) error {
 	start := time.Now()
 	r, err := mmapmem.New(size, opts)
 	if err != nil {
@@ -381,7 +382,7 @@ func MeasurePinningVariants(drv cuda.Driver, dev cuda.Device, size int64, varian
 		return nil, err
 	}
 	defer release(&err)
-	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{})
+	p, err := register.NewCUDA(cudadev.Bind(drv, ctx), register.CUDAOptions{})
 	if err != nil {
 		return nil, err
 	}

@@ -278,7 +278,7 @@ func TestStagedLoadProbe(t *testing.T) {
 				return err
 			}
 		}
-		// both: the store gathered as transfer.CUDA does (the gather stream
+		// both: the store gathered as cudadev.CUDA does (the gather stream
 		// waits for the run's start), the load staged.
 		both := func(prio string) func(*[]tk) error {
 			return func(t *[]tk) error {

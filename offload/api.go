@@ -5,7 +5,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
 // Sentinel errors callers branch on (errors.Is). Every error the package
@@ -22,7 +22,7 @@ var (
 	ErrBusy = errors.New("offload: engine busy")
 	// ErrNoDriver: the CUDA backend was asked for but libcuda.so.1 (or a
 	// device) is not available, or the module was built with CGO_ENABLED=0.
-	ErrNoDriver = transfer.ErrNoDriver
+	ErrNoDriver = cudadev.ErrNoDriver
 	// ErrPoolTooSmall: the configured pool cannot hold a single block.
 	ErrPoolTooSmall = errors.New("offload: pool too small")
 	// ErrInsufficientMemory: the machine (MemAvailable, the cgroup's memory
@@ -228,7 +228,7 @@ type Config struct {
 	// where the file system cannot punch), an evicted one is overwritten.
 	ZeroOnRelease bool `json:"zero_on_release,omitempty"`
 	// GreedyStores (CUDA backend) runs stores on the copy kernel's
-	// unthrottled launch (transfer.CUDAOptions.GreedyStores): small
+	// unthrottled launch (cudadev.CUDAOptions.GreedyStores): small
 	// segments move a little faster, but the backlog of posted writes to
 	// host memory slows a compute-bound kernel running beside the stores
 	// several times (the fence sweep in bench/results/README.md). Leave it
@@ -237,7 +237,7 @@ type Config struct {
 	// MaxDeviceBytes (CUDA backend) bounds the GPU memory the copy layer
 	// allocates beside the serving stack's: descriptor tables, the bounce
 	// chunks of bounced copies and, while it runs, the calibration buffer.
-	// 0 means transfer.DefaultMaxDeviceBytes (256 MiB: three bounced copies
+	// 0 means cudadev.DefaultMaxDeviceBytes (256 MiB: three bounced copies
 	// per direction in flight with their full rings of bounce chunks, and
 	// the calibration buffer beside them). A copy short of it waits for
 	// earlier copies to complete and reuses their memory; one that could
@@ -245,7 +245,7 @@ type Config struct {
 	// of growth (tables and idle bounce chunks, kept for the first ops: see
 	// doc/DESIGN.md, warm start) and keeps it until Close. Negative, or
 	// below one descriptor table and one bounce chunk
-	// (transfer.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
+	// (cudadev.MinDeviceBytes, 10 MiB), is ErrInvalidConfig.
 	MaxDeviceBytes int64 `json:"max_device_bytes,omitempty"`
 	// SkipMemoryCheck disables the safe-sizing check (MemAvailable, cgroup
 	// limit, RLIMIT_MEMLOCK, NUMA node free memory) done before pinning.

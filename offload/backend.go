@@ -3,21 +3,21 @@ package offload
 import (
 	"fmt"
 
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
 // backendChoice is the outcome of selectBackend.
 type backendChoice struct {
 	name   Backend
 	reason string
-	drv    *transfer.Driver // nil on the host backend
-	busID  string           // the device's PCI bus id (CUDA only)
+	drv    *cudadev.Driver // nil on the host backend
+	busID  string          // the device's PCI bus id (CUDA only)
 }
 
 // selectBackend resolves Config.Backend: "auto" picks CUDA when the driver
 // loads and device exists, else the host backend, and says why; "cuda"
 // fails with ErrNoDriver when it cannot; "host" never touches the driver.
-func selectBackend(want Backend, device int, load func() (*transfer.Driver, error)) (backendChoice, error) {
+func selectBackend(want Backend, device int, load func() (*cudadev.Driver, error)) (backendChoice, error) {
 	if want == BackendHost {
 		return backendChoice{name: BackendHost, reason: "asked for (Backend \"host\")"}, nil
 	}

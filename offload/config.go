@@ -7,8 +7,8 @@ import (
 	"runtime"
 	"strconv"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // numaSetting is Config.NUMANode parsed.
@@ -46,9 +46,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("PrefaultNice = %d: at most 19 (the lowest priority); negative keeps the caller's", cfg.PrefaultNice)
 	}
 	if cfg.MaxDeviceBytes < 0 {
-		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, transfer.DefaultMaxDeviceBytes)
+		return bad("MaxDeviceBytes = %d, must not be negative (0: the default %d)", cfg.MaxDeviceBytes, cudadev.DefaultMaxDeviceBytes)
 	}
-	if m := transfer.MinDeviceBytes(); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
+	if m := cudadev.MinDeviceBytes(); cfg.MaxDeviceBytes > 0 && cfg.MaxDeviceBytes < m {
 		return bad("MaxDeviceBytes = %d is below the minimum %d (one descriptor table and one staging chunk)", cfg.MaxDeviceBytes, m)
 	}
 	if cfg.FirstRegionBytes == 0 {

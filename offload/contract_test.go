@@ -8,7 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
 // storeEach stores keys from blockIDs with opts and requires every block to
@@ -108,7 +108,7 @@ func TestStoreParentOptionsInvalid(t *testing.T) {
 // included: the K and V extents overlap and the engine must know their
 // union, not refuse V's.
 func TestInterleavedKVLastBlock(t *testing.T) {
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	defer sim.Close()
 	const blocks = 8

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/transfer"
 )
@@ -22,7 +23,7 @@ type copyCompletion struct {
 	op     *transfer.Op
 	done   <-chan struct{}
 	events bool
-	gpu    *transfer.Context
+	gpu    *cudadev.Context
 }
 
 func (e *Engine) newCompletion(op *transfer.Op, done <-chan struct{}) *copyCompletion {

@@ -4,9 +4,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // openCUDA sets up the CUDA backend: device Config.Device's primary
@@ -24,7 +24,7 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if err := gpu.Do(e.checkDeviceTensors); err != nil {
 		return err
 	}
-	if e.pinner, err = register.NewCUDAFor(gpu, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
+	if e.pinner, err = register.NewCUDA(gpu, register.CUDAOptions{RangeLimit: e.hooks.rangeLimit, PipelineChunk: pipelineChunk(e.slot)}); err != nil {
 		return err
 	}
 	// The automatic choice of copy method is calibrated (a fraction of a
@@ -38,7 +38,7 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if noPitch {
 		copyOpts.GatherMinRow = -1
 	}
-	e.cudaDev, err = gpu.NewCUDA(transfer.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
+	e.cudaDev, err = gpu.NewCUDA(cudadev.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
 		CalibrateLater: true, Copy: copyOpts})
 	if err != nil {
 		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)
@@ -121,7 +121,7 @@ func slotStride(slot int64) int64 {
 }
 
 // onThread runs f on a locked OS thread with the CUDA context current and
-// capture mode relaxed (transfer.Context.Do); on the host backend it just
+// capture mode relaxed (cudadev.Context.Do); on the host backend it just
 // runs f.
 func (e *Engine) onThread(f func() error) error {
 	if e.gpu == nil {
@@ -166,7 +166,7 @@ func (e *Engine) closeCUDADevice() error {
 		return nil
 	}
 	err := e.gpu.Do(e.cudaDev.Close)
-	if transfer.IsContextLost(err) {
+	if cudadev.IsContextLost(err) {
 		// The context is lost: its streams and module went with it.
 		return nil
 	}

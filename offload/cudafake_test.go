@@ -16,8 +16,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
-	"github.com/kvoffload/kvoffload/internal/cudahook"
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
 // gpuMem is a serving stack's side of a CUDA test: a driver with the
@@ -109,7 +108,7 @@ func newCUDAEngine(t testing.TB, drv cuda.Driver, cfg Config, h engineHooks) (*E
 		cfg.Backend = BackendCUDA
 	}
 	cfg.SkipMemoryCheck = true
-	h.loadDriver = func() (*transfer.Driver, error) { return driverOf(drv), nil }
+	h.loadDriver = func() (*cudadev.Driver, error) { return driverOf(drv), nil }
 	if h.copyOptions.Method == cudacopy.MethodAuto && h.copyOptions.Calibration == nil && !h.calibrate {
 		// Tests run with the uncalibrated rule; TestCUDAFakeCalibration
 		// covers the background calibration.
@@ -574,11 +573,11 @@ func TestCUDAFakeGreedyStores(t *testing.T) {
 }
 
 // driverOf is drv (a fake, or the real driver) as the engine loads it.
-func driverOf(drv cuda.Driver) *transfer.Driver { return cudahook.WrapDriver(drv).(*transfer.Driver) }
+func driverOf(drv cuda.Driver) *cudadev.Driver { return cudadev.WrapDriver(drv) }
 
 // loader is load as engineHooks.loadDriver.
-func loader(load func() (cuda.Driver, error)) func() (*transfer.Driver, error) {
-	return func() (*transfer.Driver, error) {
+func loader(load func() (cuda.Driver, error)) func() (*cudadev.Driver, error) {
+	return func() (*cudadev.Driver, error) {
 		drv, err := load()
 		if err != nil {
 			return nil, err

@@ -7,11 +7,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // ErrUnavailable: an engine of Dial cannot reach its node (not started,
@@ -23,7 +23,7 @@ import (
 var ErrUnavailable = errors.New("offload: node unavailable")
 
 func init() {
-	simhook.Dial = func(socket string, cfg any, sim *transfer.Sim) (any, error) {
+	simhook.Dial = func(socket string, cfg any, sim *cudadev.Sim) (any, error) {
 		return dialEngine(socket, cfg.(Config), engineHooks{sim: sim})
 	}
 }

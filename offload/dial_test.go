@@ -17,8 +17,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestMain runs a dialled-engine child role when the test binary is
@@ -165,7 +165,7 @@ func runDialChild(role, socket, args string) int {
 	cfg := dialConfig()
 	switch role {
 	case "hang":
-		sim, err := transfer.NewSim(transfer.SimConfig{MinDelay: time.Hour, MaxDelay: time.Hour})
+		sim, err := cudadev.NewSim(cudadev.SimConfig{MinDelay: time.Hour, MaxDelay: time.Hour})
 		if err != nil {
 			say("error %v", err)
 			return 1
@@ -177,7 +177,7 @@ func runDialChild(role, socket, args string) int {
 	case "loadhang":
 		// A Load of disk blocks whose copies never finish, stopped
 		// before it asks for its third chunk.
-		sim, err := transfer.NewSim(transfer.SimConfig{MinDelay: time.Hour, MaxDelay: time.Hour})
+		sim, err := cudadev.NewSim(cudadev.SimConfig{MinDelay: time.Hour, MaxDelay: time.Hour})
 		if err != nil {
 			say("error %v", err)
 			return 1

@@ -14,8 +14,8 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // pipeBlocks is the GPU blocks of the disk pipeline tests' layout.
@@ -190,7 +190,7 @@ func TestDiskLoadSignalPerLayer(t *testing.T) {
 	dir := t.TempDir()
 	diskKeys := seqKeys(0, 20)
 	writeDiskRecords(t, dir, diskKeys)
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sim.Close()) })
 	e, err := newEngine(withTestBackend(Config{PoolBytes: 48 * 8 << 10, Layout: simLayout(t, sim, pipeBlocks), Policy: PolicyLRU,

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/cluster"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
@@ -42,12 +43,12 @@ type Engine struct {
 
 	// The copy device. Set by New; the CUDA fields are nil on the host
 	// backend, sim is nil on CUDA.
-	dev        transfer.Device   // the Sim or the CUDA device
-	sim        *transfer.Sim     // the host backend's simulated device
-	ownSim     bool              // the engine made sim, and closes it
-	denseAlloc uint64            // the layout's tensors allocated in sim (0: none)
-	gpu        *transfer.Context // the device's primary context
-	cudaDev    *transfer.CUDA
+	dev        transfer.Device  // the Sim or the CUDA device
+	sim        *cudadev.Sim     // the host backend's simulated device
+	ownSim     bool             // the engine made sim, and closes it
+	denseAlloc uint64           // the layout's tensors allocated in sim (0: none)
+	gpu        *cudadev.Context // the device's primary context
+	cudaDev    *cudadev.CUDA
 	pinner     register.Pinner
 	events     bool // ops carry CUDA events (CUDA backend)
 

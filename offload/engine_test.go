@@ -6,10 +6,9 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
-
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 func newTestEngine(t *testing.T, cfg Config) *Engine {
@@ -86,7 +85,7 @@ func TestStoreLoadRoundTrip(t *testing.T) {
 
 // newEngineOn is newTestEngine over the simulated device sim (which the
 // test owns and closes), as hostsim.NewEngine builds it.
-func newEngineOn(t *testing.T, cfg Config, sim *transfer.Sim) *Engine {
+func newEngineOn(t *testing.T, cfg Config, sim *cudadev.Sim) *Engine {
 	t.Helper()
 	cfg.Backend = BackendHost
 	cfg.SkipMemoryCheck = true

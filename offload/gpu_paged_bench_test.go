@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -327,8 +328,8 @@ func (t *prTracer) engine(h engineHooks) func(Config) (*Engine, error) {
 		cfg.Backend = BackendCUDA
 		e, err := newEngine(cfg, h)
 		if err == nil && t != nil {
-			t.loadStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Load))
-			t.storeStream = cuda.Stream(e.dev.(*transfer.CUDA).Stream(transfer.Store))
+			t.loadStream = cuda.Stream(e.dev.(*cudadev.CUDA).Stream(transfer.Load))
+			t.storeStream = cuda.Stream(e.dev.(*cudadev.CUDA).Stream(transfer.Store))
 		}
 		return e, err
 	}

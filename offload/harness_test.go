@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -50,7 +51,7 @@ func writeBlock(t errorer, e *Engine, id int, content []byte) {
 
 // simLayout allocates smallLayout(blocks)'s tensors in sim (so that the
 // test, not the engine, owns the "GPU" memory and can read it after Close).
-func simLayout(t testing.TB, sim *transfer.Sim, blocks int) LayoutSpec {
+func simLayout(t testing.TB, sim *cudadev.Sim, blocks int) LayoutSpec {
 	l := smallLayout(blocks)
 	seg := uint64(l.KVHeads * l.HeadDim * l.DTypeBytes * l.TokensPerBlock)
 	for range l.Layers {
@@ -303,7 +304,7 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 // before the engine's Close runs, which waits for the copies): a store
 // given the event as StoreOptions.After stays in flight until open is
 // called.
-func gatedEvent(t *testing.T, sim *transfer.Sim) (ev transfer.Event, cs transfer.Stream, open func()) {
+func gatedEvent(t *testing.T, sim *cudadev.Sim) (ev transfer.Event, cs transfer.Stream, open func()) {
 	t.Helper()
 	cs = sim.NewStream()
 	openGate, err := sim.Gate(cs)

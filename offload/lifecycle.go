@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/envvar"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -65,8 +66,8 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 type engineHooks struct {
 	// sim is the host backend's simulated device (nil: the engine makes
 	// its own and closes it).
-	sim        *transfer.Sim
-	loadDriver func() (*transfer.Driver, error)
+	sim        *cudadev.Sim
+	loadDriver func() (*cudadev.Driver, error)
 	sys        *system
 	tracker    *transfer.Tracker
 	// beforeGrow runs on the growth thread before it registers plan[i]
@@ -80,7 +81,7 @@ type engineHooks struct {
 	// rangeLimit is the CUDA pinner's registration range limit (0: 64 GiB).
 	rangeLimit int64
 	// copyOptions configure the CUDA copy method.
-	copyOptions transfer.CopyOptions
+	copyOptions cudadev.CopyOptions
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
@@ -180,7 +181,7 @@ func envSwitch(name string) (bool, error) {
 func (e *Engine) openSim() error {
 	var err error
 	if e.sim = e.hooks.sim; e.sim == nil {
-		if e.sim, err = transfer.NewSim(transfer.SimConfig{}); err != nil {
+		if e.sim, err = cudadev.NewSim(cudadev.SimConfig{}); err != nil {
 			return err
 		}
 		e.ownSim = true
@@ -336,7 +337,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		return nil, err
 	}
 	if h.loadDriver == nil {
-		h.loadDriver = transfer.LoadDriver
+		h.loadDriver = cudadev.LoadDriver
 	}
 	sys := hostSystem()
 	if h.sys != nil {

@@ -209,7 +209,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 //
 // Ordering: every part waits on the caller's After, and the parts go to
 // the engine's load stream in the order submitted, where an event recorded
-// follows every copy enqueued before it (transfer.CUDA's tail). So with
+// follows every copy enqueued before it (cudadev.CUDA's tail). So with
 // CUDA events (or a Signal, recorded after every part's copies) the last
 // part's events follow every copy of the Load: the op's Event,
 // LayerEvent(i) (after layer i of the last part and of every part before

@@ -8,12 +8,12 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
-func newSimEngine(t *testing.T, blocks int) (*Engine, *transfer.Sim) {
+func newSimEngine(t *testing.T, blocks int) (*Engine, *cudadev.Sim) {
 	t.Helper()
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, sim.Close()) })
 	e := newEngineOn(t, Config{PoolBytes: 64 << 10, Layout: simLayout(t, sim, blocks), Policy: PolicyLRU}, sim)

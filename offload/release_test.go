@@ -10,14 +10,14 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
-	"github.com/kvoffload/kvoffload/transfer"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 )
 
 // Op.Release returns at once, also while the op's copies are still in
 // flight: the op's events go back to the pool when they retire, recycled
 // by the engine's completion thread. It never waits for the GPU.
 func TestReleaseDoesNotWait(t *testing.T) {
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	defer sim.Close()
 	e := newEngineOn(t, Config{PoolBytes: 64 << 10, Layout: simLayout(t, sim, 8)}, sim)

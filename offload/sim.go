@@ -1,17 +1,17 @@
 package offload
 
 import (
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // The hooks of package hostsim (see offload/internal/simhook).
 func init() {
-	simhook.NewEngine = func(cfg any, sim *transfer.Sim, diskFaults func(disk.FaultOp, string) error) (any, error) {
+	simhook.NewEngine = func(cfg any, sim *cudadev.Sim, diskFaults func(disk.FaultOp, string) error) (any, error) {
 		return newEngine(cfg.(Config), engineHooks{sim: sim, diskFaults: diskFaults})
 	}
-	simhook.Sim = func(eng any) *transfer.Sim { return eng.(*Engine).sim }
+	simhook.Sim = func(eng any) *cudadev.Sim { return eng.(*Engine).sim }
 	simhook.Violations = func(eng any) []error { return eng.(*Engine).invariantViolations() }
 }
 

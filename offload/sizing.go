@@ -11,8 +11,8 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/memfit"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // system is what the engine reads about the machine: files under a root
@@ -86,7 +86,7 @@ func (s system) checkNode(node int) error {
 // /sys/bus/pci/devices/<bus id>/numa_node, or -1 when sysfs says none (-1)
 // or has no such file.
 func (s system) gpuNUMANode(busID string) int {
-	data, err := s.read(path.Join("/sys/bus/pci/devices", transfer.SysfsBusID(busID), "numa_node"))
+	data, err := s.read(path.Join("/sys/bus/pci/devices", cudadev.SysfsBusID(busID), "numa_node"))
 	if err != nil {
 		return -1
 	}

@@ -71,7 +71,7 @@ type Stats struct {
 	// batch the engine submits, not per block) of whole blocks bounced
 	// through device chunks so that the DMA engines move them (stores
 	// gathered on the device before one DMA per block, loads scattered
-	// after it; see transfer.CUDA); 0 on the host backend.
+	// after it; see cudadev.CUDA); 0 on the host backend.
 	BounceCopies int64 `json:"bounce_copies"`
 	// PitchedCopies counts the pitched DMAs (one per device staging chunk)
 	// of bounced copies whose host runs were rows of one length at one

@@ -8,10 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
-
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestStressCloseInTheMiddle runs stores, loads (with and without leases),
@@ -25,7 +24,7 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
 		t.Run(string(policy), func(t *testing.T) {
-			sim, err := transfer.NewSim(transfer.SimConfig{Seed: 7, MaxDelay: 200 * time.Microsecond})
+			sim, err := cudadev.NewSim(cudadev.SimConfig{Seed: 7, MaxDelay: 200 * time.Microsecond})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()
 			slot := int64(8 << 10)
@@ -116,7 +115,7 @@ func TestPoolFullOfDeletedWritesRecovers(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	for _, policy := range []Policy{PolicyLRU, PolicyTinyLFU} {
 		t.Run(string(policy), func(t *testing.T) {
-			sim, err := transfer.NewSim(transfer.SimConfig{})
+			sim, err := cudadev.NewSim(cudadev.SimConfig{})
 			require.NoError(t, err)
 			defer func() { require.NoError(t, sim.Close()) }()
 			slot := int64(8 << 10)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
@@ -40,7 +41,7 @@ func drained(e *Engine) bool {
 // bytes, and the memory counters add up.
 func TestTrimUnderLoad(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := transfer.NewSim(transfer.SimConfig{Seed: 3, MaxDelay: 200 * time.Microsecond})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{Seed: 3, MaxDelay: 200 * time.Microsecond})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	tracker := transfer.NewTracker(func(addr, n uint64) { _ = sim.Fill(addr, n, transfer.PoisonByte) })
@@ -130,7 +131,7 @@ func TestTrimUnderLoad(t *testing.T) {
 // whose ctx ends first reports the region pending and it is freed later.
 func TestTrimWaitsOnlyForCopies(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	slot := int64(8 << 10)
@@ -306,7 +307,7 @@ func TestTrimDuringGrowthStaysTrimmed(t *testing.T) {
 // Load with the lease still loads them; the region is freed after.
 func TestLeaseSurvivesTrimAndDelete(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	sim, err := transfer.NewSim(transfer.SimConfig{})
+	sim, err := cudadev.NewSim(cudadev.SimConfig{})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, sim.Close()) }()
 	slot := int64(8 << 10)

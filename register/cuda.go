@@ -7,18 +7,26 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/internal/cudahook"
 	"github.com/kvoffload/kvoffload/mmapmem"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // MaxRangeSize is the default and largest CUDA registration range: 64 GiB.
 const MaxRangeSize int64 = 64 << 30
 
-// RegisterFlags are the flags every CUDA registration uses: portable to all
-// contexts, and mapped into the device address space (harmless with unified
-// addressing, and what MemHostGetDevicePointer relies on).
-const RegisterFlags = cuda.HostRegisterPortable | cuda.HostRegisterDeviceMap
+// Context is the CUDA context a CUDA pinner registers in: the module's
+// device context (the offload engine's) implements it over the driver.
+type Context interface {
+	// Do runs f on the calling goroutine's OS thread, locked, with the
+	// context current and the stream capture mode relaxed, the thread's
+	// previous context and capture mode restored afterwards.
+	Do(f func() error) error
+	// HostRegister pins [p, p+n) (cuMemHostRegister_v2, portable to all
+	// contexts and mapped into the device address space) and
+	// HostUnregister unpins the registration at p; both on a thread Do
+	// prepared.
+	HostRegister(p unsafe.Pointer, n uint64) error
+	HostUnregister(p unsafe.Pointer) error
+}
 
 // CUDAOptions configure a CUDA pinner.
 type CUDAOptions struct {
@@ -56,33 +64,21 @@ func (e *RangeError) Error() string {
 
 func (e *RangeError) Unwrap() error { return e.Err }
 
-// CUDA pins regions with cuMemHostRegister_v2.
-type CUDA struct {
+// cudaPinner pins regions with cuMemHostRegister_v2 (NewCUDA).
+type cudaPinner struct {
 	*tracker
-	drv cuda.Driver
-	ctx cuda.Context
+	ctx Context
 }
 
-var _ Pinner = (*CUDA)(nil)
+var _ Pinner = (*cudaPinner)(nil)
 
-// NewCUDAFor returns a CUDA pinner that registers in c's context (see
-// NewCUDA): the way packages above transfer, which never see the driver,
-// pin for the context their copies run in.
-func NewCUDAFor(c *transfer.Context, opts CUDAOptions) (*CUDA, error) {
-	drv, ctx, ok := cudahook.ContextOf(c)
-	if !ok {
-		return nil, fmt.Errorf("register: cuda: no context: %w", cuda.ErrNoDriver)
-	}
-	return NewCUDA(drv, ctx, opts)
-}
-
-// NewCUDA returns a CUDA pinner that registers with drv in context ctx. Each
-// call locks the calling goroutine to its OS thread, makes ctx current there
-// and sets the thread's stream capture mode to relaxed for the duration of
-// the driver calls (cuda.OnThread): the thread's previous context and
-// capture mode are restored afterwards.
-func NewCUDA(drv cuda.Driver, ctx cuda.Context, opts CUDAOptions) (*CUDA, error) {
-	if drv == nil {
+// NewCUDA returns a CUDA pinner that registers in ctx (of Kind "cuda").
+// Each call runs the driver calls through ctx.Do: on the calling
+// goroutine's OS thread, locked, with the context current and the stream
+// capture mode relaxed, both restored afterwards. A nil ctx is an error
+// wrapping ErrNoDriver (the module's, offload.ErrNoDriver).
+func NewCUDA(ctx Context, opts CUDAOptions) (Pinner, error) {
+	if ctx == nil {
 		return nil, fmt.Errorf("register: cuda: no driver: %w", cuda.ErrNoDriver)
 	}
 	limit := opts.RangeLimit
@@ -98,7 +94,7 @@ func NewCUDA(drv cuda.Driver, ctx cuda.Context, opts CUDAOptions) (*CUDA, error)
 	if err != nil {
 		return nil, err
 	}
-	c := &CUDA{drv: drv, ctx: ctx}
+	c := &cudaPinner{ctx: ctx}
 	c.tracker = newTracker("cuda", rangeLimit(limit, min(chunk, limit)), c.pin, c.unpin)
 	return c, nil
 }
@@ -128,10 +124,10 @@ func rangeLimit(limit, chunk int64) func(*mmapmem.Region) int64 {
 // pin registers ranges in order, each prefaulted first when r's prefault
 // was deferred (see eachPrefaulted), and on a failure at range k
 // unregisters ranges 0..k-1 again.
-func (c *CUDA) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error) {
-	err = cuda.OnThread(c.drv, c.ctx, func() error {
+func (c *cudaPinner) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error) {
+	err = c.ctx.Do(func() error {
 		k, perr := eachPrefaulted(r, ranges, func(k int, rg Range) error {
-			if err := c.drv.MemHostRegister(unsafe.Add(r.Pointer(), rg.Off), uint64(rg.Len), RegisterFlags); err != nil {
+			if err := c.ctx.HostRegister(unsafe.Add(r.Pointer(), rg.Off), uint64(rg.Len)); err != nil {
 				return err
 			}
 			pinned = ranges[:k+1]
@@ -151,9 +147,9 @@ func (c *CUDA) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err error
 	return pinned, err
 }
 
-func (c *CUDA) unpin(r *mmapmem.Region, ranges []Range) (left []Range, err error) {
+func (c *cudaPinner) unpin(r *mmapmem.Region, ranges []Range) (left []Range, err error) {
 	left = ranges
-	err = cuda.OnThread(c.drv, c.ctx, func() error {
+	err = c.ctx.Do(func() error {
 		var uerr error
 		left, uerr = c.unpinLocked(r, ranges)
 		return uerr
@@ -162,12 +158,12 @@ func (c *CUDA) unpin(r *mmapmem.Region, ranges []Range) (left []Range, err error
 }
 
 // unpinLocked unregisters ranges in reverse order on a thread already set
-// up by OnThread and returns those that could not be unregistered.
-func (c *CUDA) unpinLocked(r *mmapmem.Region, ranges []Range) (left []Range, err error) {
+// up by Do and returns those that could not be unregistered.
+func (c *cudaPinner) unpinLocked(r *mmapmem.Region, ranges []Range) (left []Range, err error) {
 	var errs []error
 	for k := len(ranges) - 1; k >= 0; k-- {
 		rg := ranges[k]
-		if uerr := c.drv.MemHostUnregister(unsafe.Add(r.Pointer(), rg.Off)); uerr != nil {
+		if uerr := c.ctx.HostUnregister(unsafe.Add(r.Pointer(), rg.Off)); uerr != nil {
 			left = append([]Range{rg}, left...)
 			errs = append(errs, fmt.Errorf("register: cuda: unregister range %d (offset %d, %d bytes) of %s: %w", k, rg.Off, rg.Len, r, uerr))
 		}

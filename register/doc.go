@@ -1,6 +1,9 @@
 // Package register pins regions (package mmapmem) so that DMA engines can
-// read and write them: CUDA, its Pinner, registers them with
-// cuMemHostRegister_v2. (The host backend's mlock pinning lives in offload.)
+// read and write them: NewCUDA's Pinner registers them with
+// cuMemHostRegister_v2 in a Context, the CUDA context it is given (the
+// module's device context implements it: register never sees the driver
+// and imports no device package). (The host backend's mlock pinning lives
+// in offload.)
 //
 // Invariants:
 //   - register, not mmapmem, knows which regions are registered: a Pinner
@@ -22,10 +25,10 @@
 //     prefault or its pinning), ranges 0..k-1 are unregistered again, the
 //     prefaulting goroutine has ended, and the error (*RangeError) names
 //     range k, its offset and size, and the reason.
-//   - CUDA calls run on a locked OS thread with the pinner's context current
-//     and CU_STREAM_CAPTURE_MODE_RELAXED set (the previous mode restored
-//     afterwards), so pinning never breaks a serving stack's graph capture
-//     on another thread.
+//   - CUDA calls run through Context.Do: on a locked OS thread with the
+//     pinner's context current and CU_STREAM_CAPTURE_MODE_RELAXED set (the
+//     previous mode restored afterwards), so pinning never breaks a serving
+//     stack's graph capture on another thread.
 //
 // Pinners are safe for concurrent use. Registering a region takes seconds
 // for tens of GiB; Stats, Registered and Ranges do not wait for it.

@@ -5,12 +5,14 @@ import (
 	"fmt"
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
 
 // A registered region cannot be closed; Release unregisters and closes it.
-// (The driver here is the fake of internal/cuda/cudafake.)
+// (The driver here is the fake of internal/cuda/cudafake, its context a
+// register.Context through internal/cudadev.)
 func ExampleRelease() {
 	drv := cudafake.New(cudafake.Options{})
 	defer drv.Close()
@@ -20,7 +22,7 @@ func ExampleRelease() {
 		return
 	}
 	defer drv.PrimaryCtxRelease(0)
-	p, err := register.NewCUDA(drv, ctx, register.CUDAOptions{})
+	p, err := register.NewCUDA(cudadev.Bind(drv, ctx), register.CUDAOptions{})
 	if err != nil {
 		fmt.Println(err)
 		return

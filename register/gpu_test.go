@@ -12,6 +12,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
@@ -35,7 +36,7 @@ func TestGPURegister(t *testing.T) {
 	}{{0, 0, false}, {256 << 20, 0, false}, {0, 256 << 20, true}, {0, 0, true}}
 	for _, size := range sizes {
 		for _, m := range modes {
-			p, err := register.NewCUDA(g.Drv, g.Ctx, register.CUDAOptions{RangeLimit: m.limit, PipelineChunk: m.chunk})
+			p, err := register.NewCUDA(cudadev.Bind(g.Drv, g.Ctx), register.CUDAOptions{RangeLimit: m.limit, PipelineChunk: m.chunk})
 			require.NoError(t, err)
 			start := time.Now()
 			r, err := mmapmem.New(size, mmapmem.Options{DeferPrefault: m.deferred})
@@ -68,7 +69,7 @@ func TestGPURegister(t *testing.T) {
 // It runs against the fake driver in CI too.
 func roundTrip(t *testing.T, g *cudatest.GPU, src func(r *mmapmem.Region) cuda.DevicePtr) {
 	const size = 64<<20 + 12345
-	p, err := register.NewCUDA(g.Drv, g.Ctx, register.CUDAOptions{})
+	p, err := register.NewCUDA(cudadev.Bind(g.Drv, g.Ctx), register.CUDAOptions{})
 	require.NoError(t, err)
 	a, err := mmapmem.New(size, mmapmem.Options{})
 	require.NoError(t, err)

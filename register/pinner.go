@@ -52,7 +52,7 @@ type Stats struct {
 	MaxUnregisterTime time.Duration
 }
 
-// Pinner pins regions. CUDA is its implementation; tests and callers hold
+// Pinner pins regions. NewCUDA returns its implementation; callers hold
 // it as a Pinner. Implementations are safe for concurrent use.
 type Pinner interface {
 	// Kind names the implementation ("cuda").

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
@@ -134,7 +135,7 @@ func TestPrefetchedRegionNotPrefaultedAgain(t *testing.T) {
 func TestPipelineChunkOptions(t *testing.T) {
 	fd, _ := newFake(t, 0)
 	for _, chunk := range []int64{-4096, 1000, 4097} {
-		_, err := register.NewCUDA(fd, 0, register.CUDAOptions{PipelineChunk: chunk})
+		_, err := register.NewCUDA(cudadev.Bind(fd, 0), register.CUDAOptions{PipelineChunk: chunk})
 		require.ErrorIs(t, err, register.ErrOptions)
 		require.ErrorContains(t, err, fmt.Sprintf("PipelineChunk %d", chunk))
 	}
@@ -256,7 +257,7 @@ func TestPipelineProperty(t *testing.T) {
 		ctx, err := fd.PrimaryCtxRetain(0)
 		require.NoError(rt, err)
 		defer func() { require.NoError(rt, fd.PrimaryCtxRelease(0)) }()
-		p, err := register.NewCUDA(rec, ctx, register.CUDAOptions{RangeLimit: limit, PipelineChunk: chunk})
+		p, err := register.NewCUDA(cudadev.Bind(rec, ctx), register.CUDAOptions{RangeLimit: limit, PipelineChunk: chunk})
 		require.NoError(rt, err)
 		r := deferred(rt, size)
 		defer func() { require.NoError(rt, r.Close()) }()

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
@@ -29,7 +30,7 @@ func TestPinnerStateMachine(t *testing.T) {
 		defer func() { require.NoError(rt, fd.Close()) }()
 		ctx, err := fd.PrimaryCtxRetain(0)
 		require.NoError(rt, err)
-		p, err := register.NewCUDA(fd, ctx, register.CUDAOptions{RangeLimit: 16 * kib})
+		p, err := register.NewCUDA(cudadev.Bind(fd, ctx), register.CUDAOptions{RangeLimit: 16 * kib})
 		require.NoError(rt, err)
 
 		const n = 3

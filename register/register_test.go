@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/register"
 )
@@ -79,19 +80,19 @@ func (r *recorder) log() []call {
 // newFake returns a recording fake driver that checks the calling thread
 // has the context current, a CUDA pinner on it with the given range limit,
 // and a cleanup that asserts nothing is left registered.
-func newFake(t *testing.T, limit int64) (*recorder, *register.CUDA) {
+func newFake(t *testing.T, limit int64) (*recorder, register.Pinner) {
 	t.Helper()
 	return newFakeWith(t, register.CUDAOptions{RangeLimit: limit})
 }
 
 // newFakeWith is newFake with all the pinner's options.
-func newFakeWith(t *testing.T, opts register.CUDAOptions) (*recorder, *register.CUDA) {
+func newFakeWith(t *testing.T, opts register.CUDAOptions) (*recorder, register.Pinner) {
 	t.Helper()
 	fd := cudafake.New(cudafake.Options{CheckContext: true})
 	rec := &recorder{Driver: fd}
 	ctx, err := fd.PrimaryCtxRetain(0)
 	require.NoError(t, err)
-	p, err := register.NewCUDA(rec, ctx, opts)
+	p, err := register.NewCUDA(cudadev.Bind(rec, ctx), opts)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		require.Zero(t, fd.Live().Registrations, "registrations left in the fake driver")
@@ -204,12 +205,12 @@ func TestCUDARanges(t *testing.T) {
 }
 
 func TestNewCUDAOptions(t *testing.T) {
-	_, err := register.NewCUDA(nil, 0, register.CUDAOptions{})
+	_, err := register.NewCUDA(nil, register.CUDAOptions{})
 	require.ErrorIs(t, err, cuda.ErrNoDriver)
 	fd := cudafake.New(cudafake.Options{})
 	defer func() { require.NoError(t, fd.Close()) }()
 	for _, limit := range []int64{-4096, 1000, register.MaxRangeSize + 4096} {
-		_, err := register.NewCUDA(fd, 0, register.CUDAOptions{RangeLimit: limit})
+		_, err := register.NewCUDA(cudadev.Bind(fd, 0), register.CUDAOptions{RangeLimit: limit})
 		require.ErrorIs(t, err, register.ErrOptions)
 		require.Contains(t, err.Error(), fmt.Sprint(limit))
 		require.Contains(t, err.Error(), fmt.Sprint(register.MaxRangeSize))

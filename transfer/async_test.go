@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"errors"
@@ -14,6 +14,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // lazyLoad is a load of the env's first n bytes from host to device in
@@ -331,7 +332,7 @@ func TestReleaseWakesEventWaiter(t *testing.T) {
 func TestFreeWhileIssuing(t *testing.T) {
 	const seg, n = 4096, 4 * 4096
 	ops := 10000
-	if invariantsEnabled || testing.Short() { // -race builds have invariants on
+	if InvariantsEnabled() || testing.Short() { // -race builds have invariants on
 		ops = 2000
 	}
 	e := newFakeEnv(t, 4*n, cudacopy.MethodMemcpy, cudafake.Options{Seed: 21, SyncingFree: true, BlockingFree: true})

@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"errors"
@@ -7,6 +7,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestOpConcurrentUse backs the documented claim that an Op's methods are

@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -14,6 +14,8 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // fakeEnv is the CUDA Device over the fake driver, with one device
@@ -60,7 +62,7 @@ func newFakeEnvConfig(t testing.TB, size uint64, copts cudacopy.Options, opts cu
 	require.NoError(t, d.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
 	dp, err := d.MemAlloc(size)
 	require.NoError(t, err)
-	cu, err := newCUDA(d, 0, ctx, copts)
+	cu, err := NewOn(d, 0, ctx, copts)
 	require.NoError(t, err)
 	tr := NewTracker(nil)
 	host := uint64(uintptr(p))
@@ -339,7 +341,7 @@ func TestCUDACloseInFlight(t *testing.T) {
 	ctx, err := d.PrimaryCtxRetain(0)
 	require.NoError(t, err)
 	require.NoError(t, d.CtxSetCurrent(ctx))
-	cu, err := newCUDA(d, 0, ctx, cudacopy.Options{Method: cudacopy.MethodKernel})
+	cu, err := NewOn(d, 0, ctx, cudacopy.Options{Method: cudacopy.MethodKernel})
 	require.NoError(t, err)
 	a, err := d.MemAlloc(1 << 20)
 	require.NoError(t, err)

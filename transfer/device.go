@@ -1,9 +1,13 @@
 package transfer
 
 // Device is what the scheduler drives: two engine streams (one per
-// Direction), events, and a copy method. Implementations: CUDA (Context.NewCUDA,
-// over the driver and transfer/cudacopy) and Sim (the same over the fake
-// driver, for machines without a GPU).
+// Direction), events, and a copy method. The module's implementations are
+// internal/cudadev's: CUDA (Context.NewCUDA, over the driver and
+// internal/cudacopy) and Sim (the same over the fake driver, for machines
+// without a GPU). A device may also copy templates, prepare copies ahead
+// and learn host ranges (the optional interfaces templater, preparer and
+// hostRanger, whose methods are exported so that a device of another
+// package implements them).
 //
 // Threading: every method except IsCapturing is called only from the
 // scheduler's engine goroutines, each locked to its OS thread, after

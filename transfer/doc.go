@@ -1,26 +1,20 @@
 // Package transfer moves segments between device memory and registered host
-// memory asynchronously: it owns the engine's two streams (loads at higher
-// priority than stores; on CUDA also a bounce stream per direction, for
-// gathered stores and scattered loads, see CUDA),
-// batches, events and completion. It knows segments
-// and addresses, never keys; the owner of the slots (kvcache, composed by
-// offload) changes slot state only when an op completes.
+// memory asynchronously: it owns the scheduling of the engine's two
+// streams (loads at higher priority than stores), batches, events and
+// completion. It knows segments and addresses, never keys; the owner of
+// the slots (kvcache, composed by offload) changes slot state only when an
+// op completes.
 //
-// A Scheduler runs over a Device: CUDA (copying through transfer/cudacopy)
-// or Sim (the CUDA device over the fake driver internal/cuda/cudafake, with
-// random, seeded copy delays: machines without a GPU).
-//
-// The CUDA side starts from the driver, which this package owns with the
-// streams, events and device memory: LoadDriver loads libcuda.so.1,
-// Driver.Probe checks a device, Driver.Open retains its primary Context,
-// and Context.NewCUDA makes the CUDA device in it. Context also runs
-// functions with the context current (Do), prepares engine threads
-// (InitThread), and answers the driver questions its owner asks
-// (AllocationRange, HostDevicePointer, StreamWaitEvent on a caller's
-// stream); package register pins host memory for a Context. Events and
-// streams are Event and Stream values, plain integers: the driver's CUevent
-// and CUstream, or the Sim's. No exported name of this package is of an
-// internal type.
+// A Scheduler runs over a Device, the public interface of this package:
+// the module's are the CUDA device and its simulation over the fake
+// driver (package internal/cudadev: CUDA, copying through
+// internal/cudacopy, with a bounce stream per direction for gathered
+// stores and scattered loads; Sim, with random, seeded copy delays, for
+// machines without a GPU). The driver, its contexts, device memory and
+// the copy method belong to internal/cudadev, not to this package, which
+// imports neither it nor the copier. Events and streams are Event and
+// Stream values, plain integers: the driver's CUevent and CUstream, or the
+// Sim's. No exported name of this package is of an internal type.
 //
 // Life of a request: Submit validates every segment against the host and
 // device ranges the scheduler was told about (AddHostRange, AddDeviceRange)
@@ -111,10 +105,9 @@
 //     the wake and prewake channels, and
 //     pending, which hands each batch from the submitting thread to its
 //     direction's completion goroutine.
-//   - A Device keeps its own locks (Sim.mu, the copier's in
-//     transfer/cudacopy), taken inside its methods, which the scheduler
-//     calls with none of its locks held; Context.mu guards whether the
-//     Context still holds its primary context (Release).
+//   - A Device keeps its own locks (internal/cudadev's, the copier's in
+//     internal/cudacopy), taken inside its methods, which the scheduler
+//     calls with none of its locks held.
 //
 // In invariant builds (-race, or the kvoinvariants tag) a Tracker given in
 // Config checks that every copy's host ranges stay live from submission to

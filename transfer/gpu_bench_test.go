@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"fmt"
@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 func cpuTime(tb testing.TB) time.Duration {

@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -17,6 +17,8 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // gpuEnv is a Scheduler over the real driver with one registered host
@@ -39,7 +41,7 @@ func newGPUEnv(tb testing.TB, size uint64, cfg Config) *gpuEnv {
 	require.NoError(tb, g.Drv.MemHostRegister(p, size, cuda.HostRegisterPortable|cuda.HostRegisterDeviceMap))
 	dp, err := g.Drv.MemAlloc(size)
 	require.NoError(tb, err)
-	cu, err := newCUDA(g.Drv, g.Dev, g.Ctx, cudacopy.Options{})
+	cu, err := NewOn(g.Drv, g.Dev, g.Ctx, cudacopy.Options{})
 	require.NoError(tb, err)
 	s, err := New(cu, cfg)
 	require.NoError(tb, err)

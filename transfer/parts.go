@@ -24,7 +24,7 @@ type partBuf struct {
 	segs     []Segment
 	placed   []placed
 	descs    []Segment
-	prep     devPrep
+	prep     any
 	prepared bool
 	err      error
 	builder  int // the feed's builder that owns it
@@ -36,13 +36,15 @@ type partBuf struct {
 
 // preparer is a Device that can do a Copy's host-side work ahead, on a
 // builder goroutine (no driver call, safe at once with its other methods
-// and other Prepare calls on other devPreps), so that the submitting
-// thread only enqueues (CopyPrepared). Prepare's error is not the copy's:
+// and other Prepare calls on other parts' state), so that the submitting
+// thread only enqueues (CopyPrepared); p is the part's, for the device to
+// keep its prepared state in (nil at first, kept across the part's reuses).
+// Prepare's error is not the copy's:
 // the part is then copied with Copy, which reports it.
 type preparer interface {
-	Prepare(dir Direction, segs []Segment, p *devPrep) error
+	Prepare(dir Direction, segs []Segment, p *any) error
 	// CopyPrepared is Copy(dir, segs) for segs as Prepare saw them.
-	CopyPrepared(dir Direction, segs []Segment, p *devPrep) (retire func(), err error)
+	CopyPrepared(dir Direction, segs []Segment, p *any) (retire func(), err error)
 }
 
 // partRef names part p of a lazy op.

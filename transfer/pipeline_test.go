@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // countingBuild wraps a lazy request's Build: it counts calls, records
@@ -104,9 +105,10 @@ func TestPipelinedSteal(t *testing.T) {
 						open.Do(func() { close(gate) })
 					}
 				}})
-			e.s.hooks.builderDelay = tc.delay
-			if !tc.all {
-				e.s.hooks.builderGate = gate
+			if tc.all {
+				e.s.SetBuilderHooks(tc.delay, nil)
+			} else {
+				e.s.SetBuilderHooks(tc.delay, gate)
 			}
 			src := randBytes(rand.New(rand.NewSource(32)), n)
 			copy(e.hostBuf, src)
@@ -304,7 +306,7 @@ func TestParallelBuilders(t *testing.T) {
 					require.Equal(t, i, p, "each part built once")
 				}
 			}
-			require.Equal(t, int64(2*n/seg), e.cu.prepped.Load(), "every part's copy prepared on a builder")
+			require.Equal(t, int64(2*n/seg), e.cu.PreparedCopies(), "every part's copy prepared on a builder")
 		})
 	}
 }

@@ -1,10 +1,8 @@
-package transfer
+package transfer_test
 
 import (
 	"math/rand"
-	"runtime"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,6 +10,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestPrewake: requests submitted after a Prewake (the engine's threads
@@ -27,7 +26,7 @@ func TestPrewake(t *testing.T) {
 			const seg, n = 4096, 8 * 4096
 			e := newFakeEnvConfig(t, 2*n, cudacopy.Options{Method: cudacopy.MethodMemcpy}, cudafake.Options{Seed: 5},
 				Config{Builders: 2, PrewakeSpin: 20 * time.Millisecond})
-			require.True(t, e.s.prewakes())
+			require.True(t, e.s.PrewakesOn())
 			rng := rand.New(rand.NewSource(6))
 			round := func(t *testing.T) {
 				src := randBytes(rng, n)
@@ -64,54 +63,9 @@ func TestPrewake(t *testing.T) {
 			round(t)
 			e.s.Prewake() // and nothing follows
 			e.s.PrewakeDone()
-			require.Zero(t, e.s.announced.Load())
+			require.Zero(t, e.s.AnnouncedPrewakes())
 		})
 	}
-}
-
-// TestSpinFor: the poll returns what arrives while a call is announced,
-// and gives up at once when none is (pending ≤ 0), or as soon as the
-// announced call ends, long before its deadline.
-func TestSpinFor(t *testing.T) {
-	var pending atomic.Int32
-	ch := make(chan int, 1)
-	t0 := time.Now()
-	_, ok := spinFor(ch, 10*time.Second, &pending)
-	require.False(t, ok)
-	require.Less(t, time.Since(t0), time.Second, "polled with no call announced")
-
-	pending.Store(1)
-	go func() { time.Sleep(5 * time.Millisecond); ch <- 7 }()
-	v, ok := spinFor(ch, 10*time.Second, &pending)
-	require.True(t, ok)
-	require.Equal(t, 7, v)
-
-	go func() { time.Sleep(5 * time.Millisecond); pending.Store(0) }()
-	t0 = time.Now()
-	_, ok = spinFor(ch, 10*time.Second, &pending)
-	require.False(t, ok)
-	require.Less(t, time.Since(t0), 5*time.Second, "kept polling after the announced call ended")
-
-	pending.Store(1)
-	t0 = time.Now()
-	_, ok = spinFor(ch, 20*time.Millisecond, &pending)
-	require.False(t, ok)
-	require.GreaterOrEqual(t, time.Since(t0), 20*time.Millisecond)
-}
-
-// TestPrewakeDefault: the poll is on by default only where GOMAXPROCS is 8
-// or more, and off where PrewakeSpin is negative.
-func TestPrewakeDefault(t *testing.T) {
-	c := Config{}
-	require.NoError(t, c.setDefaults())
-	if runtime.GOMAXPROCS(0) >= 8 {
-		require.Equal(t, DefaultPrewakeSpin, c.PrewakeSpin)
-	} else {
-		require.Zero(t, c.PrewakeSpin)
-	}
-	c = Config{PrewakeSpin: -1}
-	require.NoError(t, c.setDefaults())
-	require.Negative(t, c.PrewakeSpin)
 }
 
 // waitWithin waits for op, failing the test after d.

@@ -147,7 +147,7 @@ type hostRanger interface {
 // [base, base+size) is registered host memory that segments may use. Over
 // CUDA on a device that cannot use registered host pointers directly the
 // copy method looks up the range's device pointer on the calling thread,
-// which must then have the context current (as for Context.NewCUDA).
+// which must then have the context current (as for the CUDA device's construction).
 func (s *Scheduler) AddHostRange(base, size uint64) error {
 	if err := s.host.add(base, size); err != nil {
 		return err

@@ -41,8 +41,8 @@ func (d Direction) valid() bool { return d == Load || d == Store }
 // row r at Dev + r×DevPitch and Host + r×HostPitch, with Len = Rows×RowLen
 // (one KV head of a token-major block: its tokens at the stride of the
 // rank's heads on the device, back to back in the host slot). Strided
-// segments are never coalesced; the CUDA device copies them with
-// cudacopy's Submit2D, the Sim row by row.
+// segments are never coalesced; the CUDA device copies them with the
+// copier's Submit2D (internal/cudacopy).
 type Segment struct {
 	Dev, Host, Len uint64
 

@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -14,6 +14,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -212,50 +214,6 @@ func TestSubmitValidation(t *testing.T) {
 	}
 }
 
-func FuzzValidate(f *testing.F) {
-	f.Add(uint64(0x1000), uint64(0x2000), uint64(16), uint64(16))
-	f.Add(uint64(0x1ff0), uint64(0x2000), uint64(32), uint64(1))
-	f.Add(^uint64(0), uint64(0), uint64(2), uint64(8))
-	f.Fuzz(func(t *testing.T, dev, host, n, align uint64) {
-		align = 1 << (align % 8)
-		var hs, ds rangeSet
-		require.NoError(t, hs.add(0x2000, 0x1000))
-		require.NoError(t, ds.add(0x1000, 0x1000))
-		out, err := validate([]Segment{{Dev: dev, Host: host, Len: n}}, align, &hs, &ds, nil)
-		if err != nil {
-			require.Empty(t, out)
-			return
-		}
-		require.NotZero(t, n)
-		require.True(t, dev >= 0x1000 && dev+n <= 0x2000 && dev+n > dev, "dev %#x+%d accepted", dev, n)
-		require.True(t, host >= 0x2000 && host+n <= 0x3000 && host+n > host, "host %#x+%d accepted", host, n)
-		require.Zero(t, (dev|host|n)%align)
-	})
-}
-
-func TestCoalesce(t *testing.T) {
-	p := func(d, h, n, hid, did uint64) placed {
-		return placed{Segment: Segment{Dev: d, Host: h, Len: n}, hostID: hid, devID: did}
-	}
-	tests := []struct {
-		name string
-		in   []placed
-		want []Segment
-	}{
-		{"both contiguous", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 15}}},
-		{"host gap", []placed{p(0, 100, 10, 1, 1), p(10, 111, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 10, Host: 111, Len: 5}}},
-		{"device gap", []placed{p(0, 100, 10, 1, 1), p(11, 110, 5, 1, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 11, Host: 110, Len: 5}}},
-		{"across two host ranges", []placed{p(0, 100, 10, 1, 1), p(10, 110, 5, 2, 1)}, []Segment{{Dev: 0, Host: 100, Len: 10}, {Dev: 10, Host: 110, Len: 5}}},
-		{"three in a row", []placed{p(0, 0, 1, 1, 1), p(1, 1, 1, 1, 1), p(2, 2, 1, 1, 1)}, []Segment{{Dev: 0, Host: 0, Len: 3}}},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			var last placed
-			require.Equal(t, tc.want, coalesce(nil, &last, tc.in))
-		})
-	}
-}
-
 // TestBusyBounds holds the store stream behind a pending caller event and
 // fills the in-flight bound, then the queue, then expects ErrBusy.
 func TestBusyBounds(t *testing.T) {
@@ -272,9 +230,8 @@ func TestBusyBounds(t *testing.T) {
 	// The first batch is issued and waits on the gate; MaxBatchesInFlight=1
 	// keeps everything else queued: three fit the queue, the fourth is busy.
 	require.Eventually(t, func() bool {
-		e.s.mu.Lock()
-		defer e.s.mu.Unlock()
-		return e.s.batches[Store] == 1
+		batches, _, _ := e.s.Counts(Store)
+		return batches == 1
 	}, 5*time.Second, time.Millisecond)
 	for i := 1; i <= 3; i++ {
 		op, err := e.s.Submit(req(i, 0))
@@ -297,10 +254,9 @@ func TestBusyBounds(t *testing.T) {
 	for _, op := range ops {
 		require.NoError(t, op.Wait())
 	}
-	e.s.mu.Lock()
-	defer e.s.mu.Unlock()
-	require.Zero(t, e.s.inflight[Store])
-	require.Zero(t, e.s.queued[Store])
+	_, inflight, queued := e.s.Counts(Store)
+	require.Zero(t, inflight)
+	require.Zero(t, queued)
 }
 
 func TestCopyFailureFailsOnlyItsBatch(t *testing.T) {
@@ -561,40 +517,4 @@ func TestCloseRefusesAndDrains(t *testing.T) {
 	}
 	_, err = s.Submit(Request{Dir: Store, Segments: []Segment{{Dev: dev, Host: host, Len: 4096}}})
 	require.ErrorIs(t, err, ErrClosed)
-}
-
-// TestRangeSetLookupNear: whatever the hint, lookupNear finds what a plain
-// binary search finds (the range holding the whole span, or none), and the
-// index it returns is that range's.
-func TestRangeSetLookupNear(t *testing.T) {
-	rng := rand.New(rand.NewSource(7))
-	for round := range 50 {
-		var rs rangeSet
-		base := uint64(0x10000)
-		for range 1 + rng.Intn(40) {
-			base += uint64(rng.Intn(3)) * 0x100 // adjacent ranges too
-			size := uint64(1+rng.Intn(16)) * 0x100
-			require.NoError(t, rs.add(base, size))
-			base += size
-		}
-		for range 2000 {
-			addr := 0x10000 - 0x200 + uint64(rng.Intn(int(base-0x10000+0x400)))
-			n := uint64(1 + rng.Intn(0x800))
-			hint := rng.Intn(len(rs.ranges)+2) - 1
-			// The reference: the last range starting at or below addr.
-			var want memRange
-			wantOK := false
-			for _, r := range rs.ranges {
-				if r.base <= addr {
-					want, wantOK = r, r.holds(addr, n)
-				}
-			}
-			got, at, ok := rs.lookupNear(addr, n, hint)
-			require.Equal(t, wantOK, ok, "round %d addr %#x+%d hint %d", round, addr, n, hint)
-			if ok {
-				require.Equal(t, want, got)
-				require.Equal(t, want, rs.ranges[at])
-			}
-		}
-	}
 }

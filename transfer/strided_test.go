@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -6,6 +6,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestStridedSim stores 2-D segments (rows of a "head" at a device pitch,
@@ -85,14 +88,4 @@ func TestStridedValidation(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, op.Wait())
 	require.NoError(t, op.Release())
-}
-
-// TestCoalesceStrided: 2-D segments are never joined to a neighbour.
-func TestCoalesceStrided(t *testing.T) {
-	a := Segment{Dev: 0, Host: 0, Len: 128, Rows: 2, RowLen: 64, DevPitch: 64, HostPitch: 64}
-	b := Segment{Dev: 128, Host: 128, Len: 64}
-	c := Segment{Dev: 192, Host: 192, Len: 128, Rows: 2, RowLen: 64, DevPitch: 64, HostPitch: 64}
-	in := []placed{{Segment: a, hostID: 1, devID: 1}, {Segment: b, hostID: 1, devID: 1}, {Segment: c, hostID: 1, devID: 1}}
-	var last placed
-	require.Equal(t, []Segment{a, b, c}, coalesce(nil, &last, in))
 }

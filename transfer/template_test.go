@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -7,6 +7,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // tmplCase is a TP rank's heads of token-major device tensors (one per

@@ -1,4 +1,4 @@
-package transfer
+package transfer_test
 
 import (
 	"bytes"
@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	. "github.com/kvoffload/kvoffload/internal/cudadev"
+	. "github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestGatingHarness plays the slot owner. Correct gating releases a slot
@@ -53,36 +56,11 @@ func TestGatingHarness(t *testing.T) {
 				require.ErrorIs(t, v[0], ErrInvariant)
 				require.Equal(t, bytes.Repeat([]byte{PoisonByte}, n), got, "the load read the poisoned slot")
 				// Accept the violation so the env's cleanup check passes.
-				tr.mu.Lock()
-				tr.violations = nil
-				tr.mu.Unlock()
+				tr.ClearViolations()
 			} else {
 				require.Empty(t, v)
 				require.Equal(t, data, got)
 			}
 		})
 	}
-}
-
-func TestTrackerDeclarations(t *testing.T) {
-	if !InvariantsEnabled() {
-		t.Skip("Tracker is a no-op without invariants")
-	}
-	tr := NewTracker(nil)
-	require.NoError(t, tr.Live(0x1000, 0x100))
-	require.ErrorIs(t, tr.Live(0x10f0, 0x20), ErrInvalidRequest, "overlap")
-	require.ErrorIs(t, tr.Live(0x2000, 0), ErrInvalidRequest, "empty")
-	require.ErrorIs(t, tr.Released(0x1000, 0x80), ErrInvalidRequest, "not as declared")
-	require.NoError(t, tr.Released(0x1000, 0x100))
-	require.ErrorIs(t, tr.Released(0x1000, 0x100), ErrInvalidRequest, "twice")
-	// A range released and declared live again between a copy's submission
-	// and completion is caught by its generation.
-	require.NoError(t, tr.Live(0x1000, 0x100))
-	segs := []placed{{Segment: Segment{Host: 0x1000, Len: 0x100}}}
-	g := tr.gens("at submission", Store, segs, nil)
-	require.NoError(t, tr.Released(0x1000, 0x100))
-	require.NoError(t, tr.Live(0x1000, 0x100))
-	tr.gens("at completion", Store, segs, g)
-	require.Len(t, tr.Violations(), 1)
-	require.ErrorIs(t, tr.Violations()[0], ErrInvariant)
 }

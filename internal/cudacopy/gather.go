@@ -143,7 +143,7 @@ func (c *Copier) SubmitGather(g, s cuda.Stream, segs []Segment) (Ticket, error) 
 // SubmitGather, except on error: s then waits for everything enqueued on g
 // (or the call waits for g), so that no scatter writes the device after s's
 // work has completed. For whole blocks it is faster than the copy kernel
-// alone; transfer.CUDA uses it for loads where Scatterable.
+// alone; cudadev.CUDA uses it for loads where Scatterable.
 func (c *Copier) SubmitScatter(s, g cuda.Stream, segs []Segment) (Ticket, error) {
 	return c.staged(H2D, g, s, segs, true)
 }

@@ -74,7 +74,7 @@ func TestSubmitGatherFake(t *testing.T) {
 
 // The gather reads the device only after what g was made to wait for: a
 // producer on a third stream writes the data after a spin; the store's
-// streams wait for its event, as transfer.CUDA does for a store.
+// streams wait for its event, as cudadev.CUDA does for a store.
 func TestSubmitGatherWaitsForProducerFake(t *testing.T) {
 	drv := cudatest.OpenFake(t, cudafake.Options{MaxDelay: 20_000})
 	p, g, s := newStream(t, drv), newStream(t, drv), newStream(t, drv)

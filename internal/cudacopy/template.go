@@ -8,6 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // Template launches (kvo_copy_tmpl and kvo_copy_tmpl_probe in kernels.cu)
@@ -33,9 +34,8 @@ type TemplatePiece struct {
 
 // TemplateBlock is one block of a template copy: its host address (a
 // registered host range must hold the template's span from it) and its id.
-type TemplateBlock struct {
-	Host, ID uint64
-}
+// It is transfer's Block, so that a request's blocks come as they are.
+type TemplateBlock = transfer.Block
 
 // Template is a template's pieces encoded for one direction's launches
 // (NewTemplate), immutable and safe to share between SubmitTemplate calls.

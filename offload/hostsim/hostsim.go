@@ -1,5 +1,5 @@
 // Package hostsim is the host backend's simulated device: the CUDA code
-// path over the module's fake driver (transfer.Sim), "GPU memory" in
+// path over the module's fake driver (cudadev.Sim), "GPU memory" in
 // anonymous host mappings, copies run by the fake's stream goroutines after
 // a random, seeded delay, completions out of order across directions as on
 // a GPU. It is for tests, demos and the C ABI's kvo_sim_* calls, not for a
@@ -15,10 +15,10 @@ package hostsim
 import (
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/internal/simhook"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // Options configure a GPU.
@@ -37,13 +37,13 @@ type Options struct {
 // GPU is a simulated GPU. Tests and demos allocate a KV cache in it and
 // read and write it.
 type GPU struct {
-	sim        *transfer.Sim
+	sim        *cudadev.Sim
 	diskFaults func(op disk.FaultOp, dir string) error
 }
 
 // NewGPU starts a simulated GPU. Close it after the engines using it.
 func NewGPU(opts Options) (*GPU, error) {
-	s, err := transfer.NewSim(transfer.SimConfig{Seed: opts.Seed, MinDelay: opts.MinDelay, MaxDelay: opts.MaxDelay})
+	s, err := cudadev.NewSim(cudadev.SimConfig{Seed: opts.Seed, MinDelay: opts.MinDelay, MaxDelay: opts.MaxDelay})
 	if err != nil {
 		return nil, err
 	}

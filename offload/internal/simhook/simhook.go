@@ -7,20 +7,20 @@
 package simhook
 
 import (
+	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 var (
 	// NewEngine builds an engine from cfg (an offload.Config) whose host
 	// backend, if selected, uses sim as its device; diskFaults, when not
 	// nil, is tier/disk's Config.Faults for the engine's disk tier.
-	NewEngine func(cfg any, sim *transfer.Sim, diskFaults func(op disk.FaultOp, dir string) error) (eng any, err error)
+	NewEngine func(cfg any, sim *cudadev.Sim, diskFaults func(op disk.FaultOp, dir string) error) (eng any, err error)
 	// Dial is offload.Dial(socket, cfg) with sim as the device of the
 	// host backend, if selected.
-	Dial func(socket string, cfg any, sim *transfer.Sim) (eng any, err error)
+	Dial func(socket string, cfg any, sim *cudadev.Sim) (eng any, err error)
 	// Sim returns an *offload.Engine's simulated device (nil on CUDA).
-	Sim func(eng any) *transfer.Sim
+	Sim func(eng any) *cudadev.Sim
 	// Violations returns an *offload.Engine's gating violations.
 	Violations func(eng any) []error
 )

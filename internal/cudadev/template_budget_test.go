@@ -1,9 +1,11 @@
-package transfer
+package cudadev
 
 import (
 	"bytes"
 	"testing"
 	"unsafe"
+
+	"github.com/kvoffload/kvoffload/transfer"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
@@ -25,7 +27,7 @@ func TestCopyTemplateSplitsOverBudget(t *testing.T) {
 	cu, err := newCUDA(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}, DescCapacity: 8, MaxDeviceBytes: 512, NoGather: true})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, cu.Close()) }()
-	require.True(t, cu.CanTemplate(Load))
+	require.True(t, cu.CanTemplate(transfer.Load))
 
 	const blocks, stride, piece = 9, 256, 64
 	dev, err := drv.MemAlloc(blocks * stride)
@@ -38,20 +40,20 @@ func TestCopyTemplateSplitsOverBudget(t *testing.T) {
 	for i := range host {
 		host[i] = byte(i*7 + 1)
 	}
-	var pieces []Piece
+	var pieces []transfer.Piece
 	for k := range 3 {
-		pieces = append(pieces, Piece{Segment: Segment{Dev: uint64(dev) + uint64(k*piece), Host: uint64(k * piece), Len: piece}, DevStride: stride})
+		pieces = append(pieces, transfer.Piece{Segment: transfer.Segment{Dev: uint64(dev) + uint64(k*piece), Host: uint64(k * piece), Len: piece}, DevStride: stride})
 	}
-	prep, err := cu.PrepareTemplate(Load, pieces)
+	prep, err := cu.PrepareTemplate(transfer.Load, pieces)
 	require.NoError(t, err)
-	var bs []Block
+	var bs []transfer.Block
 	for i := range blocks {
-		bs = append(bs, Block{Host: uint64(uintptr(hostP)) + uint64(i*stride), ID: uint64(i)})
+		bs = append(bs, transfer.Block{Host: uint64(uintptr(hostP)) + uint64(i*stride), ID: uint64(i)})
 	}
 	splits := cu.BudgetSplits()
-	retire, err := cu.CopyTemplate(Load, prep, bs)
+	retire, err := cu.CopyTemplate(transfer.Load, prep, bs)
 	require.NoError(t, err)
-	require.NoError(t, drv.StreamSynchronize(cu.streams[Load]))
+	require.NoError(t, drv.StreamSynchronize(cu.streams[transfer.Load]))
 	retire()
 	require.Greater(t, cu.BudgetSplits(), splits, "the copy was split")
 	gotP, err := drv.MemHostAlloc(blocks*stride, cuda.HostAllocPortable)
@@ -75,9 +77,9 @@ func TestTemplateAfterClose(t *testing.T) {
 	defer func() { require.NoError(t, drv.PrimaryCtxRelease(0)) }()
 	cu, err := newCUDA(drv, 0, ctx, cudacopy.Options{Calibration: &cudacopy.Calibration{}})
 	require.NoError(t, err)
-	require.True(t, cu.CanTemplate(Store))
+	require.True(t, cu.CanTemplate(transfer.Store))
 	require.NoError(t, cu.Close())
-	require.False(t, cu.CanTemplate(Store))
-	_, err = cu.PrepareTemplate(Store, []Piece{{Segment: Segment{Dev: 1 << 20, Len: 64}}})
-	require.ErrorIs(t, err, ErrInvalidRequest)
+	require.False(t, cu.CanTemplate(transfer.Store))
+	_, err = cu.PrepareTemplate(transfer.Store, []transfer.Piece{{Segment: transfer.Segment{Dev: 1 << 20, Len: 64}}})
+	require.ErrorIs(t, err, transfer.ErrInvalidRequest)
 }

@@ -1,4 +1,4 @@
-package transfer
+package cudadev
 
 import (
 	"errors"
@@ -9,7 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
-	"github.com/kvoffload/kvoffload/internal/cudahook"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // ErrNoDriver: libcuda.so.1 (or a device) is not available, or the module
@@ -32,20 +32,13 @@ func SysfsBusID(id string) string { return cuda.SysfsBusID(id) }
 // is unusable, and its streams and module went with it.
 func IsContextLost(err error) bool { return cuda.IsSticky(err) }
 
-func init() {
-	cudahook.WrapDriver = func(drv cuda.Driver) any { return &Driver{drv: drv} }
-	cudahook.ContextOf = func(c any) (cuda.Driver, cuda.Context, bool) {
-		ctx, ok := c.(*Context)
-		if !ok || ctx == nil {
-			return nil, 0, false
-		}
-		return ctx.drv, ctx.ctx, true
-	}
-}
-
 // Driver is the CUDA driver, loaded at run time (dlopen of libcuda.so.1,
 // never linked).
 type Driver struct{ drv cuda.Driver }
+
+// WrapDriver returns drv as a Driver (tests: the fake driver of
+// internal/cuda/cudafake, or a wrapper of it).
+func WrapDriver(drv cuda.Driver) *Driver { return &Driver{drv: drv} }
 
 // LoadDriver loads and initialises the driver; the error wraps ErrNoDriver
 // when the library, a required symbol or cuInit fails, or the build has no
@@ -90,6 +83,13 @@ func (d *Driver) Open(device int) (*Context, error) {
 		return nil, fmt.Errorf("%w: retaining device %d's primary context: %w", ErrNoDriver, device, err)
 	}
 	return &Context{drv: d.drv, dev: dev, ctx: ctx, ordinal: device, held: true}, nil
+}
+
+// Bind wraps ctx, a context of drv's that the caller holds, as a Context
+// (tests and benchmarks that drive the driver themselves); its Release does
+// nothing and its Device is 0.
+func Bind(drv cuda.Driver, ctx cuda.Context) *Context {
+	return &Context{drv: drv, ctx: ctx}
 }
 
 // Context is one device's retained primary context: what the copy layer's
@@ -147,9 +147,24 @@ func (c *Context) HostDevicePointer(p unsafe.Pointer) (uint64, error) {
 	return uint64(d), err
 }
 
+// hostRegisterFlags are the flags every host registration uses: portable
+// to all contexts, and mapped into the device address space (harmless with
+// unified addressing, and what MemHostGetDevicePointer relies on).
+const hostRegisterFlags = cuda.HostRegisterPortable | cuda.HostRegisterDeviceMap
+
+// HostRegister pins [p, p+n) with hostRegisterFlags
+// (cuMemHostRegister_v2), on a thread Do prepared: register.Context.
+func (c *Context) HostRegister(p unsafe.Pointer, n uint64) error {
+	return c.drv.MemHostRegister(p, n, hostRegisterFlags)
+}
+
+// HostUnregister unpins the registration at p (cuMemHostUnregister), on a
+// thread Do prepared: register.Context.
+func (c *Context) HostUnregister(p unsafe.Pointer) error { return c.drv.MemHostUnregister(p) }
+
 // StreamWaitEvent makes a caller's stream s wait for the most recent
 // record of e (cuStreamWaitEvent); it takes no context.
-func (c *Context) StreamWaitEvent(s Stream, e Event) error {
+func (c *Context) StreamWaitEvent(s transfer.Stream, e transfer.Event) error {
 	return c.drv.StreamWaitEvent(cuda.Stream(s), cuda.Event(e), cuda.EventWaitDefault)
 }
 

@@ -1,4 +1,4 @@
-package transfer
+package cudadev
 
 import (
 	"errors"
@@ -10,6 +10,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // SimConfig configures the host simulation.
@@ -51,8 +52,8 @@ type Sim struct {
 
 	mu        sync.Mutex
 	failCp    error
-	hosts     map[uint64][]byte   // RegisterHost's buffers by address
-	capturing map[Stream]struct{} // SetCapturing's streams
+	hosts     map[uint64][]byte            // RegisterHost's buffers by address
+	capturing map[transfer.Stream]struct{} // SetCapturing's streams
 	closed    bool
 }
 
@@ -73,20 +74,20 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("%w: %w", ErrSim, err), drv.PrimaryCtxRelease(0), drv.Close())
 	}
-	return &Sim{drv: drv, cu: cu, hosts: map[uint64][]byte{}, capturing: map[Stream]struct{}{}}, nil
+	return &Sim{drv: drv, cu: cu, hosts: map[uint64][]byte{}, capturing: map[transfer.Stream]struct{}{}}, nil
 }
 
 // NewStream creates a stream (a caller's stream in tests).
-func (s *Sim) NewStream() Stream {
+func (s *Sim) NewStream() transfer.Stream {
 	st, err := s.drv.StreamCreate(cuda.StreamNonBlocking, 0)
 	if err != nil {
 		return 0
 	}
-	return Stream(st)
+	return transfer.Stream(st)
 }
 
 // SetCapturing marks a caller stream as capturing a graph (or not).
-func (s *Sim) SetCapturing(id Stream, on bool) error {
+func (s *Sim) SetCapturing(id transfer.Stream, on bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if on {
@@ -98,12 +99,12 @@ func (s *Sim) SetCapturing(id Stream, on bool) error {
 }
 
 // Launch runs fn in stream order on stream id, like a kernel.
-func (s *Sim) Launch(id Stream, fn func()) error {
+func (s *Sim) Launch(id transfer.Stream, fn func()) error {
 	return s.drv.LaunchHostFunc(cuda.Stream(id), fn)
 }
 
 // Gate blocks stream id at this point until the returned func is called.
-func (s *Sim) Gate(id Stream) (open func(), err error) {
+func (s *Sim) Gate(id transfer.Stream) (open func(), err error) {
 	ch := make(chan struct{})
 	var once sync.Once
 	if err := s.Launch(id, func() { <-ch }); err != nil {
@@ -113,17 +114,19 @@ func (s *Sim) Gate(id Stream) (open func(), err error) {
 }
 
 // RecordEvent records e on stream id.
-func (s *Sim) RecordEvent(e Event, id Stream) error {
+func (s *Sim) RecordEvent(e transfer.Event, id transfer.Stream) error {
 	return s.drv.EventRecord(cuda.Event(e), cuda.Stream(id))
 }
 
 // StreamWaitEvent makes stream id wait for e's most recent record.
-func (s *Sim) StreamWaitEvent(id Stream, e Event) error {
+func (s *Sim) StreamWaitEvent(id transfer.Stream, e transfer.Event) error {
 	return s.drv.StreamWaitEvent(cuda.Stream(id), cuda.Event(e), cuda.EventWaitDefault)
 }
 
 // StreamSynchronize blocks until stream id is idle.
-func (s *Sim) StreamSynchronize(id Stream) error { return s.drv.StreamSynchronize(cuda.Stream(id)) }
+func (s *Sim) StreamSynchronize(id transfer.Stream) error {
+	return s.drv.StreamSynchronize(cuda.Stream(id))
+}
 
 // InjectError makes err the context's sticky error: every later call fails
 // (a *cuda.Error's code, or CUDA_ERROR_ILLEGAL_ADDRESS for another error).
@@ -245,8 +248,8 @@ func (s *Sim) takeCopyFailure() error {
 }
 
 // Copy implements Device.
-func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
-	if !dir.valid() {
+func (s *Sim) Copy(dir transfer.Direction, segs []transfer.Segment) (func(), error) {
+	if dir != transfer.Load && dir != transfer.Store {
 		return nil, fmt.Errorf("%w: direction %d", ErrSim, int(dir))
 	}
 	if err := s.takeCopyFailure(); err != nil {
@@ -256,29 +259,31 @@ func (s *Sim) Copy(dir Direction, segs []Segment) (func(), error) {
 }
 
 // Record implements Device.
-func (s *Sim) Record(dir Direction, e Event) error { return s.cu.Record(dir, e) }
+func (s *Sim) Record(dir transfer.Direction, e transfer.Event) error { return s.cu.Record(dir, e) }
 
 // Wait implements Device.
-func (s *Sim) Wait(dir Direction, e Event) error { return s.cu.Wait(dir, e) }
+func (s *Sim) Wait(dir transfer.Direction, e transfer.Event) error { return s.cu.Wait(dir, e) }
 
 // SyncStream implements Device.
-func (s *Sim) SyncStream(dir Direction) error { return s.cu.SyncStream(dir) }
+func (s *Sim) SyncStream(dir transfer.Direction) error { return s.cu.SyncStream(dir) }
 
 // CreateEvent implements Device.
-func (s *Sim) CreateEvent(blockingSync bool) (Event, error) { return s.cu.CreateEvent(blockingSync) }
+func (s *Sim) CreateEvent(blockingSync bool) (transfer.Event, error) {
+	return s.cu.CreateEvent(blockingSync)
+}
 
 // DestroyEvent implements Device.
-func (s *Sim) DestroyEvent(e Event) error { return s.cu.DestroyEvent(e) }
+func (s *Sim) DestroyEvent(e transfer.Event) error { return s.cu.DestroyEvent(e) }
 
 // Query implements Device.
-func (s *Sim) Query(e Event) (bool, error) { return s.cu.Query(e) }
+func (s *Sim) Query(e transfer.Event) (bool, error) { return s.cu.Query(e) }
 
 // Sync implements Device.
-func (s *Sim) Sync(e Event) error { return s.cu.Sync(e) }
+func (s *Sim) Sync(e transfer.Event) error { return s.cu.Sync(e) }
 
 // IsCapturing implements Device: a stream SetCapturing marked, or one
 // capturing in the fake.
-func (s *Sim) IsCapturing(id Stream) (bool, error) {
+func (s *Sim) IsCapturing(id transfer.Stream) (bool, error) {
 	s.mu.Lock()
 	_, on := s.capturing[id]
 	s.mu.Unlock()

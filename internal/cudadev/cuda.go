@@ -1,4 +1,4 @@
-package transfer
+package cudadev
 
 import (
 	"errors"
@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cudacopy"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // CUDA is the Device over the CUDA driver: two non-blocking streams of its
@@ -46,7 +47,7 @@ type CUDA struct {
 	open    bool
 	bounced atomic.Int64 // copies submitted bounced (BounceCopies)
 	splits  atomic.Int64 // BudgetSplits
-	prepped atomic.Int64 // copies enqueued as prepared (CopyPrepared), for tests
+	prepped atomic.Int64 // copies enqueued as prepared (PreparedCopies)
 	// templated counts template copies (CopyTemplate).
 	templated atomic.Int64
 	// meter is the copier, kept after Close for its device memory counters.
@@ -98,6 +99,13 @@ func (c *CUDA) warmStaging() {
 // for earlier layers.
 const descCapacity = 1 << 14
 
+// NewOn is newCUDA for tests and benchmarks that hold the driver, the
+// device and its current context themselves (no calibration pending, no
+// warm staging: what opts give).
+func NewOn(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts CopyOptions) (*CUDA, error) {
+	return newCUDA(drv, dev, ctx, opts)
+}
+
 // newCUDA creates the engine's streams and copier on dev. The copier's
 // device memory (descriptor tables, bounce chunks) stays within
 // opts.MaxDeviceBytes (default cudacopy.DefaultMaxDeviceBytes): a Copy
@@ -112,8 +120,8 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 		return nil, fmt.Errorf("transfer: stream priorities: %w", err)
 	}
 	c := &CUDA{drv: drv, ctx: ctx}
-	prio := [2]int{Load: greatest, Store: least}
-	for _, d := range []Direction{Load, Store} {
+	prio := [2]int{transfer.Load: greatest, transfer.Store: least}
+	for _, d := range []transfer.Direction{transfer.Load, transfer.Store} {
 		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
 		if err != nil {
 			return nil, errors.Join(fmt.Errorf("transfer: creating the %v stream: %w", d, err), c.destroyStreams())
@@ -124,7 +132,7 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	// kernels, gathers of large blocks keep their rate even at the least
 	// priority; gathers of small blocks of small segments would starve, but
 	// the engine does not gather those (Gatherable).
-	for _, d := range []Direction{Load, Store} {
+	for _, d := range []transfer.Direction{transfer.Load, transfer.Store} {
 		s, err := drv.StreamCreate(cuda.StreamNonBlocking, prio[d])
 		if err != nil {
 			return nil, errors.Join(fmt.Errorf("transfer: creating the %v bounce stream: %w", d, err), c.destroyStreams())
@@ -167,7 +175,7 @@ func newCUDA(drv cuda.Driver, dev cuda.Device, ctx cuda.Context, opts cudacopy.O
 	// cudacopy.CalibrationConfig), unless the method is forced or a saved
 	// calibration was given.
 	if opts.Method == cudacopy.MethodAuto && opts.Calibration == nil {
-		if _, err := c.copier.Calibrate(c.streams[Store]); err != nil {
+		if _, err := c.copier.Calibrate(c.streams[transfer.Store]); err != nil {
 			return nil, errors.Join(fmt.Errorf("transfer: calibrating copy methods: %w", err), c.copier.Close(), c.destroyStreams())
 		}
 	}
@@ -213,7 +221,7 @@ func (c *CUDA) BudgetWaits() int64 { return c.counted.BudgetWaits() }
 func (c *CUDA) Copier() *cudacopy.Copier { return c.copier }
 
 // Stream is the engine's stream for dir.
-func (c *CUDA) Stream(dir Direction) Stream { return Stream(c.streams[dir]) }
+func (c *CUDA) Stream(dir transfer.Direction) transfer.Stream { return transfer.Stream(c.streams[dir]) }
 
 // AddHostRange tells the copier about a registered host range (the
 // Scheduler forwards its own AddHostRange here). Where the device cannot
@@ -243,8 +251,8 @@ func (c *CUDA) InitThread() error {
 // A batch holding a strided segment (Segment.Rows > 1) goes whole to
 // cudacopy's Submit2D (its contiguous segments as one-row ones): never
 // gathered or scattered, which move whole contiguous blocks.
-func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
-	strided := slices.ContainsFunc(segs, Segment.Strided)
+func (c *CUDA) Copy(dir transfer.Direction, segs []transfer.Segment) (func(), error) {
+	strided := slices.ContainsFunc(segs, transfer.Segment.Strided)
 	ts := c.tickets[:0]
 	defer func() { c.tickets = ts[:0] }()
 	var err error
@@ -254,7 +262,7 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 	} else {
 		c.scratch = c.scratch[:0]
 		for _, g := range segs {
-			if dir == Load {
+			if dir == transfer.Load {
 				c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Dev, Src: g.Host, Len: g.Len})
 			} else {
 				c.scratch = append(c.scratch, cudacopy.Segment{Dst: g.Host, Src: g.Dev, Len: g.Len})
@@ -269,7 +277,7 @@ func (c *CUDA) Copy(dir Direction, segs []Segment) (func(), error) {
 // split): on err, the pieces already enqueued are waited for (their memory
 // is reused only once they are known finished) and retired; otherwise the
 // function that retires them all.
-func (c *CUDA) retirer(dir Direction, ts []cudacopy.Ticket, err error) (func(), error) {
+func (c *CUDA) retirer(dir transfer.Direction, ts []cudacopy.Ticket, err error) (func(), error) {
 	if err != nil {
 		if len(ts) > 0 {
 			err = errors.Join(err, c.join(dir), c.drv.StreamSynchronize(c.streams[dir]))
@@ -306,17 +314,22 @@ var errNotPrepared = errors.New("transfer: copy not prepared")
 // Prepare does a strided Copy's host-side work (conversion, validation,
 // the method's choice, descriptor encoding) into p without a driver call
 // (preparer); other copies are left to Copy.
-func (c *CUDA) Prepare(dir Direction, segs []Segment, p *devPrep) error {
-	if !slices.ContainsFunc(segs, Segment.Strided) {
+func (c *CUDA) Prepare(dir transfer.Direction, segs []transfer.Segment, prep *any) error {
+	if !slices.ContainsFunc(segs, transfer.Segment.Strided) {
 		return errNotPrepared
+	}
+	p, _ := (*prep).(*devPrep)
+	if p == nil {
+		p = &devPrep{}
+		*prep = p
 	}
 	p.segs2D = to2D(dir, segs, p.segs2D[:0])
 	return c.copier.Prepare2D(copyDir(dir), p.segs2D, &p.p)
 }
 
 // copyDir is dir as the copier names it.
-func copyDir(dir Direction) cudacopy.Direction {
-	if dir == Store {
+func copyDir(dir transfer.Direction) cudacopy.Direction {
+	if dir == transfer.Store {
 		return cudacopy.D2H
 	}
 	return cudacopy.H2D
@@ -325,7 +338,11 @@ func copyDir(dir Direction) cudacopy.Direction {
 // CopyPrepared is Copy(dir, segs) for a p Prepare filled from segs: it
 // only enqueues; a batch that needs more descriptor memory than one
 // submission may have goes through Copy, which splits it.
-func (c *CUDA) CopyPrepared(dir Direction, segs []Segment, p *devPrep) (func(), error) {
+func (c *CUDA) CopyPrepared(dir transfer.Direction, segs []transfer.Segment, prep *any) (func(), error) {
+	p, ok := (*prep).(*devPrep)
+	if !ok {
+		return nil, errNotPrepared
+	}
 	if err := c.join(dir); err != nil {
 		return nil, err
 	}
@@ -341,13 +358,13 @@ func (c *CUDA) CopyPrepared(dir Direction, segs []Segment, p *devPrep) (func(), 
 }
 
 // to2D appends segs as the copier's strided segments for dir.
-func to2D(dir Direction, segs []Segment, out []cudacopy.Segment2D) []cudacopy.Segment2D {
+func to2D(dir transfer.Direction, segs []transfer.Segment, out []cudacopy.Segment2D) []cudacopy.Segment2D {
 	for _, g := range segs {
 		rows, row := g.Rows, g.RowLen
 		if rows <= 1 {
 			rows, row = 1, g.Len
 		}
-		if dir == Load {
+		if dir == transfer.Load {
 			out = append(out, cudacopy.Segment2D{Dst: g.Dev, Src: g.Host, Rows: rows, RowLen: row, DstPitch: g.DevPitch, SrcPitch: g.HostPitch})
 		} else {
 			out = append(out, cudacopy.Segment2D{Dst: g.Host, Src: g.Dev, Rows: rows, RowLen: row, DstPitch: g.HostPitch, SrcPitch: g.DevPitch})
@@ -360,22 +377,22 @@ func to2D(dir Direction, segs []Segment, out []cudacopy.Segment2D) []cudacopy.Se
 // memory than the copier's MaxDeviceBytes can ever give one call
 // (cudacopy.ErrDeviceBudget), in halves (a lone segment by its length),
 // appending each call's ticket to ts in stream order.
-func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
+func (c *CUDA) submit(dir transfer.Direction, segs []cudacopy.Segment, ts *[]cudacopy.Ticket) error {
 	var t cudacopy.Ticket
 	var err error
 	bounced := false
 	switch {
-	case dir == Store && c.copier.Gatherable(segs):
+	case dir == transfer.Store && c.copier.Gatherable(segs):
 		bounced = true
-		t, err = c.copier.SubmitGather(c.bounce[Store], c.streams[Store], segs)
-	case dir == Load && c.copier.Scatterable(segs):
+		t, err = c.copier.SubmitGather(c.bounce[transfer.Store], c.streams[transfer.Store], segs)
+	case dir == transfer.Load && c.copier.Scatterable(segs):
 		// Left open: the next scattered copy's runs start on the load
 		// stream without waiting for this one's last scatter (on error
 		// the copier has joined it).
 		bounced = true
-		t, err = c.copier.SubmitScatterOpen(c.streams[Load], c.bounce[Load], segs)
+		t, err = c.copier.SubmitScatterOpen(c.streams[transfer.Load], c.bounce[transfer.Load], segs)
 		c.open = c.open || err == nil
-	case dir == Store:
+	case dir == transfer.Store:
 		t, err = c.copier.Submit(c.streams[dir], cudacopy.D2H, segs)
 	default:
 		if err = c.join(dir); err == nil {
@@ -414,7 +431,7 @@ func (c *CUDA) submit(dir Direction, segs []cudacopy.Segment, ts *[]cudacopy.Tic
 // submit2D is submit for a batch of strided segments (cudacopy.Submit2D,
 // never bounced): split in halves where one call could never get the
 // device memory it needs, a lone segment by its rows.
-func (c *CUDA) submit2D(dir Direction, segs []cudacopy.Segment2D, ts *[]cudacopy.Ticket) error {
+func (c *CUDA) submit2D(dir transfer.Direction, segs []cudacopy.Segment2D, ts *[]cudacopy.Ticket) error {
 	if err := c.join(dir); err != nil {
 		return err
 	}
@@ -462,6 +479,10 @@ func (c *CUDA) PeakDeviceBytes() int64 { return c.meter.PeakDeviceBytes() }
 // MaxDeviceBytes: see DeviceBytes.
 func (c *CUDA) MaxDeviceBytes() int64 { return c.meter.MaxDeviceBytes() }
 
+// PreparedCopies is the number of copies enqueued as prepared
+// (CopyPrepared): tests check that a part's copy was prepared on a builder.
+func (c *CUDA) PreparedCopies() int64 { return c.prepped.Load() }
+
 // BudgetSplits is the number of times Copy split a copy in two because one
 // copier call could never hold it within MaxDeviceBytes.
 func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
@@ -470,14 +491,14 @@ func (c *CUDA) BudgetSplits() int64 { return c.splits.Load() }
 // copies submitted since the last join (nothing for the store stream, or
 // when none is open): the load stream's later work, and events recorded
 // on it, then follow them. Submitting thread.
-func (c *CUDA) join(dir Direction) error {
-	if dir != Load || !c.open {
+func (c *CUDA) join(dir transfer.Direction) error {
+	if dir != transfer.Load || !c.open {
 		return nil
 	}
-	if err := c.drv.EventRecord(c.joinEv, c.bounce[Load]); err != nil {
+	if err := c.drv.EventRecord(c.joinEv, c.bounce[transfer.Load]); err != nil {
 		return fmt.Errorf("transfer: recording the scatter join event: %w", err)
 	}
-	if err := c.drv.StreamWaitEvent(c.streams[Load], c.joinEv, cuda.EventWaitDefault); err != nil {
+	if err := c.drv.StreamWaitEvent(c.streams[transfer.Load], c.joinEv, cuda.EventWaitDefault); err != nil {
 		return fmt.Errorf("transfer: joining the scatters: %w", err)
 	}
 	c.open = false
@@ -494,22 +515,22 @@ func (c *CUDA) join(dir Direction) error {
 // there leaves the load stream free to run on into the next part's DMAs:
 // a join before each per-layer load's layer event held the DMAs back for
 // a scatter at every layer.
-func (c *CUDA) tail(dir Direction) cuda.Stream {
-	if dir == Load && c.open {
-		return c.bounce[Load]
+func (c *CUDA) tail(dir transfer.Direction) cuda.Stream {
+	if dir == transfer.Load && c.open {
+		return c.bounce[transfer.Load]
 	}
 	return c.streams[dir]
 }
 
 // Record implements Device (after the scatters of the direction's copies,
 // see tail).
-func (c *CUDA) Record(dir Direction, e Event) error {
+func (c *CUDA) Record(dir transfer.Direction, e transfer.Event) error {
 	return c.drv.EventRecord(cuda.Event(e), c.tail(dir))
 }
 
 // Wait implements Device. It holds the direction's bounce kernel (a
 // store's gathers, a load's scatters) too.
-func (c *CUDA) Wait(dir Direction, e Event) error {
+func (c *CUDA) Wait(dir transfer.Direction, e transfer.Event) error {
 	if err := c.drv.StreamWaitEvent(c.bounce[dir], cuda.Event(e), cuda.EventWaitDefault); err != nil {
 		return err
 	}
@@ -517,7 +538,7 @@ func (c *CUDA) Wait(dir Direction, e Event) error {
 }
 
 // SyncStream implements Device.
-func (c *CUDA) SyncStream(dir Direction) error {
+func (c *CUDA) SyncStream(dir transfer.Direction) error {
 	if err := c.join(dir); err != nil {
 		return err
 	}
@@ -525,26 +546,26 @@ func (c *CUDA) SyncStream(dir Direction) error {
 }
 
 // CreateEvent implements Device.
-func (c *CUDA) CreateEvent(blockingSync bool) (Event, error) {
+func (c *CUDA) CreateEvent(blockingSync bool) (transfer.Event, error) {
 	flags := cuda.EventDisableTiming
 	if blockingSync {
 		flags |= cuda.EventBlockingSync
 	}
 	e, err := c.drv.EventCreate(flags)
-	return Event(e), err
+	return transfer.Event(e), err
 }
 
 // DestroyEvent implements Device.
-func (c *CUDA) DestroyEvent(e Event) error { return c.drv.EventDestroy(cuda.Event(e)) }
+func (c *CUDA) DestroyEvent(e transfer.Event) error { return c.drv.EventDestroy(cuda.Event(e)) }
 
 // Query implements Device.
-func (c *CUDA) Query(e Event) (bool, error) { return c.drv.EventQuery(cuda.Event(e)) }
+func (c *CUDA) Query(e transfer.Event) (bool, error) { return c.drv.EventQuery(cuda.Event(e)) }
 
 // Sync implements Device.
-func (c *CUDA) Sync(e Event) error { return c.drv.EventSynchronize(cuda.Event(e)) }
+func (c *CUDA) Sync(e transfer.Event) error { return c.drv.EventSynchronize(cuda.Event(e)) }
 
 // IsCapturing implements Device: an active or invalidated capture counts.
-func (c *CUDA) IsCapturing(s Stream) (bool, error) {
+func (c *CUDA) IsCapturing(s transfer.Stream) (bool, error) {
 	st, err := c.drv.StreamIsCapturing(cuda.Stream(s))
 	return st != cuda.CaptureStatusNone, err
 }
