@@ -3,7 +3,7 @@
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
-GPU_PKGS    := internal/cuda register transfer internal/cudacopy bench kvcache offload cmd/kvoffload internal/tier/record internal/tier/disk internal/tier/cluster
+GPU_PKGS    := internal/cuda register transfer internal/cudacopy internal/benchgpu kvcache offload cmd/kvoffload internal/tier/record internal/tier/disk internal/tier/cluster
 GPU_LDFLAGS := -s -w $(VERSION_LDFLAGS)
 NVCC        ?= nvcc
 FUZZTIME    ?= 10s

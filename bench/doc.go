@@ -1,14 +1,14 @@
-// Package bench measures kvoffload against the references it must beat, in
-// the same run on the same machine (absolute figures drift between
-// machines; doc/ANCHORS.md has the reference figures).
+// Package bench is the public, GPU-free part of the module's benchmarks:
+// line charts written as SVG without a plotting dependency (Chart, Series,
+// RefLine, WriteSVG), in which the throughput results are drawn. The
+// measurements themselves, which drive the CUDA driver, are internal
+// (internal/benchgpu: kvoffload bench and the GPU suites of
+// scripts/gpu/run.sh run them); this folder also holds the Python
+// benchmarks (realmodel.py, transformers_cb.py, ...) and their results
+// (bench/results/<machine>/, listed in bench/results/README.md).
 //
-// Each measurement is a plain function returning typed results plus a
-// Format function that renders them as a markdown table, so that tests,
-// benchmarks and the command-line tool print the same thing. Measurements
-// that need a GPU take a cuda.Driver; their tests skip without one
-// (internal/cuda/cudatest) and run on the GPU machine from binaries built
-// here (make gpu-bins), by scripts/gpu/run.sh's suites bench, blocks and
-// sweep:NAME; their results are in bench/results/<machine>/, listed in
-// bench/results/README.md. Nothing here asserts a speed: targets are printed
-// next to results.
+// Invariants: WriteSVG validates the whole chart before it writes: an
+// invalid one (ErrChart: no points, mismatched lengths, a value that is
+// not finite, a non-positive x on a log axis) writes nothing. The package
+// has no state and imports nothing beyond the standard library.
 package bench

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/bench"
+	"github.com/kvoffload/kvoffload/internal/benchgpu"
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
@@ -38,7 +39,7 @@ reporting targets, summary.json has "valid": false, and the exit status is 3.
 
 Without a GPU it exits with status 1 and says why.`,
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-		cfg := bench.DefaultThroughputConfig()
+		cfg := benchgpu.DefaultThroughputConfig()
 		out := fs.String("out", "kvoffload-bench", "output `dir` (created)")
 		total := int64(cfg.TotalBytes)
 		fs.Var(sizeFlag{&total}, "total-bytes", "bytes moved per direction in every timed run, a `size`")
@@ -90,7 +91,7 @@ Without a GPU it exits with status 1 and says why.`,
 
 // benchRun is one `kvoffload bench`.
 type benchRun struct {
-	cfg           bench.ThroughputConfig
+	cfg           benchgpu.ThroughputConfig
 	pools         []int64
 	skipHostAlloc bool
 	only          string
@@ -100,19 +101,19 @@ type benchRun struct {
 
 // benchSummary is summary.json.
 type benchSummary struct {
-	Command    string                   `json:"command"`
-	Started    time.Time                `json:"started"`
-	Machine    machineInfo              `json:"machine"`
-	Throughput *bench.ThroughputResults `json:"throughput,omitempty"`
-	Pinning    []pinningRow             `json:"pinning,omitempty"`
-	Skipped    []string                 `json:"skipped,omitempty"`
-	// Valid is false when a throughput row exceeded bench.MaxPctOfLink of
+	Command    string                      `json:"command"`
+	Started    time.Time                   `json:"started"`
+	Machine    machineInfo                 `json:"machine"`
+	Throughput *benchgpu.ThroughputResults `json:"throughput,omitempty"`
+	Pinning    []pinningRow                `json:"pinning,omitempty"`
+	Skipped    []string                    `json:"skipped,omitempty"`
+	// Valid is false when a throughput row exceeded benchgpu.MaxPctOfLink of
 	// the link (Throughput.Invalid says which): no target is reported.
 	Valid bool `json:"valid"`
 }
 
 // verdict sets s.Valid from the throughput rows' check against the link
-// (bench.LinkVerdict, done by MeasureThroughput) and returns an
+// (benchgpu.LinkVerdict, done by MeasureThroughput) and returns an
 // errVerification error for an invalid run.
 func (s *benchSummary) verdict() error {
 	s.Valid = s.Throughput == nil || len(s.Throughput.Invalid) == 0
@@ -120,10 +121,10 @@ func (s *benchSummary) verdict() error {
 		return nil
 	}
 	return fmt.Errorf("%w: the throughput run is INVALID: %d row(s) above %d%% of the link reference (first: %s)",
-		errVerification, len(s.Throughput.Invalid), bench.MaxPctOfLink, s.Throughput.Invalid[0])
+		errVerification, len(s.Throughput.Invalid), benchgpu.MaxPctOfLink, s.Throughput.Invalid[0])
 }
 
-// pinningRow is a bench.PinningResult in seconds and bytes, for JSON and CSV.
+// pinningRow is a benchgpu.PinningResult in seconds and bytes, for JSON and CSV.
 type pinningRow struct {
 	SizeBytes        int64   `json:"size_bytes"`
 	MapSeconds       float64 `json:"map_s"`
@@ -141,7 +142,7 @@ type pinningRow struct {
 	HostAllocGiBps   float64 `json:"hostalloc_gib_per_s"`
 	Speedup          float64 `json:"speedup"`
 	// The first (cold) run at this size, before cuMemHostAlloc: see
-	// bench.PinningResult.Cold.
+	// benchgpu.PinningResult.Cold.
 	ColdMapSeconds      float64 `json:"cold_map_s"`
 	ColdRegisterSeconds float64 `json:"cold_register_s"`
 	ColdTotalSeconds    float64 `json:"cold_total_s"`
@@ -151,7 +152,7 @@ type pinningRow struct {
 	ChunkBytes int64 `json:"chunk_bytes"`
 }
 
-func toPinningRows(rs []bench.PinningResult) []pinningRow {
+func toPinningRows(rs []benchgpu.PinningResult) []pinningRow {
 	out := make([]pinningRow, len(rs))
 	for i, r := range rs {
 		out[i] = pinningRow{SizeBytes: r.Size, MapSeconds: r.Map.Seconds(), RegisterSeconds: r.Register.Seconds(),
@@ -210,7 +211,7 @@ func (b benchRun) run(e *env, asJSON bool) error {
 		if len(sizes) > 0 {
 			fmt.Fprintln(e.stderr, "kvoffload bench: measuring pinning...")
 			sp := startStep(progress, "pinning")
-			rs, err := bench.MeasurePinning(drv, dev, sizes, bench.PinningOptions{SkipHostAlloc: b.skipHostAlloc})
+			rs, err := benchgpu.MeasurePinning(drv, dev, sizes, benchgpu.PinningOptions{SkipHostAlloc: b.skipHostAlloc})
 			sp.end()
 			sum.Pinning = toPinningRows(rs)
 			if err != nil {
@@ -233,7 +234,7 @@ func (b benchRun) run(e *env, asJSON bool) error {
 
 // throughput runs the sweep on a locked thread with the device's primary
 // context current.
-func (b benchRun) throughput(drv cuda.Driver, dev cuda.Device) (res bench.ThroughputResults, err error) {
+func (b benchRun) throughput(drv cuda.Driver, dev cuda.Device) (res benchgpu.ThroughputResults, err error) {
 	ctx, err := drv.PrimaryCtxRetain(dev)
 	if err != nil {
 		return res, err
@@ -241,7 +242,7 @@ func (b benchRun) throughput(drv cuda.Driver, dev cuda.Device) (res bench.Throug
 	defer func() { err = errors.Join(err, drv.PrimaryCtxRelease(dev)) }()
 	err = cuda.OnThread(drv, ctx, func() error {
 		var merr error
-		res, merr = bench.MeasureThroughput(drv, dev, b.cfg)
+		res, merr = benchgpu.MeasureThroughput(drv, dev, b.cfg)
 		return merr
 	})
 	return res, err
@@ -273,7 +274,7 @@ func benchMarkdown(s benchSummary) string {
 	}
 	if s.Throughput != nil {
 		b.WriteString("\n## Throughput\n\n")
-		b.WriteString(bench.FormatThroughput(*s.Throughput))
+		b.WriteString(benchgpu.FormatThroughput(*s.Throughput))
 	}
 	if len(s.Pinning) > 0 {
 		b.WriteString("\n## Pinning\n\n")
@@ -285,18 +286,18 @@ func benchMarkdown(s benchSummary) string {
 	return b.String()
 }
 
-// formatPinningRows renders pinning rows through bench.FormatPinning.
+// formatPinningRows renders pinning rows through benchgpu.FormatPinning.
 func formatPinningRows(rows []pinningRow) string {
-	rs := make([]bench.PinningResult, len(rows))
+	rs := make([]benchgpu.PinningResult, len(rows))
 	for i, r := range rows {
-		rs[i] = bench.PinningResult{Size: r.SizeBytes, Map: secs(r.MapSeconds), Register: secs(r.RegisterSeconds),
+		rs[i] = benchgpu.PinningResult{Size: r.SizeBytes, Map: secs(r.MapSeconds), Register: secs(r.RegisterSeconds),
 			Total: secs(r.TotalSeconds), GiBps: r.GiBps, Mapped: r.MappedBytes, PageSize: r.PageBytes, Ranges: r.Ranges,
 			Threads: r.Threads, Fallback: r.Fallback, HostAlloc: secs(r.HostAllocSeconds), HostAllocFree: secs(r.HostAllocFreeSec),
 			HostAllocGiBs: r.HostAllocGiBps, Speedup: r.Speedup, ColdSpeedup: r.ColdSpeedup, Chunk: r.ChunkBytes,
-			Cold: bench.PinningRun{Map: secs(r.ColdMapSeconds), Register: secs(r.ColdRegisterSeconds),
+			Cold: benchgpu.PinningRun{Map: secs(r.ColdMapSeconds), Register: secs(r.ColdRegisterSeconds),
 				Total: secs(r.ColdTotalSeconds), GiBps: r.ColdGiBps}}
 	}
-	return bench.FormatPinning(rs)
+	return benchgpu.FormatPinning(rs)
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
@@ -320,9 +321,9 @@ func writeBenchFiles(dir string, s benchSummary) ([]string, error) {
 	var errs []error
 	if s.Throughput != nil {
 		r := *s.Throughput
-		errs = append(errs, write("throughput.csv", func(w io.Writer) error { return bench.WriteThroughputCSV(w, r) }))
+		errs = append(errs, write("throughput.csv", func(w io.Writer) error { return benchgpu.WriteThroughputCSV(w, r) }))
 		for _, dir := range []string{"d2h", "h2d", "both"} {
-			c := bench.ThroughputChart(r, dir)
+			c := benchgpu.ThroughputChart(r, dir)
 			if len(c.Series) == 0 {
 				continue
 			}

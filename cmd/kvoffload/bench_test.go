@@ -9,9 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffload/kvoffload/internal/benchgpu"
 	"github.com/stretchr/testify/require"
-
-	"github.com/kvoffload/kvoffload/bench"
 )
 
 func TestBenchWithoutGPU(t *testing.T) {
@@ -27,17 +26,17 @@ func TestBenchWithoutGPU(t *testing.T) {
 }
 
 func TestWriteBenchFiles(t *testing.T) {
-	res := bench.ThroughputResults{Device: "test GPU", Link: map[string]float64{"d2h": 55, "h2d": 54, "both": 95},
-		Config: bench.DefaultThroughputConfig()}
+	res := benchgpu.ThroughputResults{Device: "test GPU", Link: map[string]float64{"d2h": 55, "h2d": 54, "both": 95},
+		Config: benchgpu.DefaultThroughputConfig()}
 	for _, seg := range []uint64{4 << 10, 64 << 10, 2 << 20} {
 		for _, dir := range []string{"d2h", "h2d", "both"} {
 			res.Rows = append(res.Rows,
-				bench.ThroughputRow{Method: "memcpy", Dir: dir, SegBytes: seg, GBps: float64(seg>>10) / 50, Background: "none"},
-				bench.ThroughputRow{Method: "kernel", CTAs: 8, Dir: dir, SegBytes: seg, GBps: 52, Background: "none"})
+				benchgpu.ThroughputRow{Method: "memcpy", Dir: dir, SegBytes: seg, GBps: float64(seg>>10) / 50, Background: "none"},
+				benchgpu.ThroughputRow{Method: "kernel", CTAs: 8, Dir: dir, SegBytes: seg, GBps: 52, Background: "none"})
 		}
 	}
 	sum := benchSummary{Command: "kvoffload bench --reps=1", Started: time.Unix(0, 0).UTC(), Machine: defaultProber().collect(0),
-		Throughput: &res, Pinning: toPinningRows([]bench.PinningResult{{Size: 1 << 30, Map: time.Second, Register: time.Second,
+		Throughput: &res, Pinning: toPinningRows([]benchgpu.PinningResult{{Size: 1 << 30, Map: time.Second, Register: time.Second,
 			Total: 2 * time.Second, GiBps: 0.5, Mapped: 1 << 30, PageSize: 4096, Ranges: 1, Threads: 2,
 			HostAlloc: 4 * time.Second, Speedup: 2}}),
 		Skipped: []string{"pinning 48 GiB skipped: above 80% of MemAvailable"}}
@@ -105,11 +104,11 @@ func TestListFlags(t *testing.T) {
 // The summary rows keep what FormatPinning needs: the cold run and the
 // pipeline chunk survive the round trip through pinningRow.
 func TestPinningRowsKeepColdAndChunk(t *testing.T) {
-	in := []bench.PinningResult{{Size: 1 << 30, Map: time.Millisecond, Register: 50 * time.Millisecond, Total: 51 * time.Millisecond,
+	in := []benchgpu.PinningResult{{Size: 1 << 30, Map: time.Millisecond, Register: 50 * time.Millisecond, Total: 51 * time.Millisecond,
 		GiBps: 19.6, Threads: 16, Chunk: 2 << 30, HostAlloc: 400 * time.Millisecond, Speedup: 7.8, ColdSpeedup: 2.5,
-		Cold: bench.PinningRun{Map: 2 * time.Millisecond, Register: 158 * time.Millisecond, Total: 160 * time.Millisecond, GiBps: 6.25}}}
+		Cold: benchgpu.PinningRun{Map: 2 * time.Millisecond, Register: 158 * time.Millisecond, Total: 160 * time.Millisecond, GiBps: 6.25}}}
 	got := formatPinningRows(toPinningRows(in))
-	require.Equal(t, bench.FormatPinning(in), got)
+	require.Equal(t, benchgpu.FormatPinning(in), got)
 	require.Contains(t, got, "160 ms")
 	require.Contains(t, got, "pipelined")
 }
@@ -136,11 +135,11 @@ func TestBenchPTXFlag(t *testing.T) {
 // error that exits with status 3.
 func TestBenchVerdict(t *testing.T) {
 	link := map[string]float64{"d2h": 46.2, "h2d": 45.7, "both": 62.1}
-	rows := []bench.ThroughputRow{
+	rows := []benchgpu.ThroughputRow{
 		{Method: "contiguous", Dir: "d2h", SegBytes: 2 << 30, GBps: 46.2, PctOfLink: 100, Background: "none"},
 		{Method: "auto", CTAs: 8, Dir: "d2h", SegBytes: 64 << 10, GBps: 52, PctOfLink: 112.6, Background: "none", Chosen: "kernel"},
 	}
-	res := bench.ThroughputResults{Device: "test GPU", Link: link, Config: bench.DefaultThroughputConfig(), Rows: rows, Invalid: bench.LinkVerdict(link, rows)}
+	res := benchgpu.ThroughputResults{Device: "test GPU", Link: link, Config: benchgpu.DefaultThroughputConfig(), Rows: rows, Invalid: benchgpu.LinkVerdict(link, rows)}
 	sum := benchSummary{Command: "kvoffload bench", Throughput: &res}
 	err := sum.verdict()
 	require.ErrorIs(t, err, errVerification)
@@ -159,7 +158,7 @@ func TestBenchVerdict(t *testing.T) {
 	require.NotContains(t, string(md), "[≥97%")
 
 	res.Link = map[string]float64{"d2h": 55.3, "h2d": 55.4, "both": 95.1}
-	res.Invalid = bench.LinkVerdict(res.Link, rows)
+	res.Invalid = benchgpu.LinkVerdict(res.Link, rows)
 	require.NoError(t, sum.verdict())
 	require.True(t, sum.Valid)
 	require.True(t, (&benchSummary{}).verdict() == nil, "a pinning-only run is valid")

@@ -51,7 +51,7 @@ OUT=${OUT:-/tmp/kvo-out}
 SUITES=(
 	"tests|every package's GPU tests (-test.run GPU, KVO_REQUIRE_GPU=1)"
 	"bench|kvoffload info; the throughput benchmark (kvoffload bench --only throughput --reps 3)"
-	"blocks|the block-store benchmark (bench.test TestBlocksBench)"
+	"blocks|the block-store benchmark (internal_benchgpu.test TestBlocksBench)"
 	"tp|tensor-parallel sharing on the GPU: TestGPUTPSizeSharing, and a TP=4 rank's head-sliced stores and loads against the same-run link (offload.test BenchmarkGPUHeadSliced; not in all)"
 	"paged|bench/realmodel.py's paged reload and store without the model, per copy method and part size, GPU side vs the same-run link, with call and per-layer times (offload.test BenchmarkGPUPagedReload; KVO_PR_VARIANTS, KVO_PR_BLOCKS; not in all)"
 	"trace|where a paged reload's GPU time goes: bench/trace_reload.py under torch.profiler (CUPTI), per stream busy time and gaps, chrome traces (not in all)"
@@ -92,7 +92,7 @@ suite_bench() {
 }
 
 suite_blocks() {
-	KVO_BENCH_BLOCKS=1 KVO_BENCH_OUT=$D step_in bench timeout 300 "$B/bench.test" -test.v \
+	KVO_BENCH_BLOCKS=1 KVO_BENCH_OUT=$D step_in internal/benchgpu timeout 300 "$B/internal_benchgpu.test" -test.v \
 		-test.run 'TestBlocksBench$' -test.timeout 4m
 }
 
@@ -372,12 +372,12 @@ suite_realtier() {
 suite_sweep() {
 	local what=${1:-}
 	case $what in
-	parbatch) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestParallelBatch$' -test.timeout 7m ;;
-	mixed) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestMixedBound$' -test.timeout 7m ;;
-	staged) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in bench timeout 420 "$B/bench.test" -test.v -test.run 'TestStagedLoadProbe$' -test.timeout 7m ;;
+	parbatch) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in internal/benchgpu timeout 420 "$B/internal_benchgpu.test" -test.v -test.run 'TestParallelBatch$' -test.timeout 7m ;;
+	mixed) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in internal/benchgpu timeout 420 "$B/internal_benchgpu.test" -test.v -test.run 'TestMixedBound$' -test.timeout 7m ;;
+	staged) KVO_BENCH_PARBATCH=1 KVO_BENCH_OUT=$D step_in internal/benchgpu timeout 420 "$B/internal_benchgpu.test" -test.v -test.run 'TestStagedLoadProbe$' -test.timeout 7m ;;
 	'') echo "sweep needs a name: sweep:bidir, sweep:parbatch, ... (--list)" >>"$F"; return 1 ;;
 	*) KVO_BENCH_VARIANTS=$what KVO_BENCH_TOTAL_MIB=${KVO_BENCH_TOTAL_MIB:-2048} KVO_BENCH_OUT=$D \
-		step_in bench timeout 540 "$B/bench.test" -test.v -test.run 'TestKernelVariants$' -test.timeout 9m ;;
+		step_in internal/benchgpu timeout 540 "$B/internal_benchgpu.test" -test.v -test.run 'TestKernelVariants$' -test.timeout 9m ;;
 	esac
 }
 

@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // The throughput benchmark of issue 5: ThroughputConfig, ThroughputRow,
 // ThroughputResults, MeasureThroughput, and scattered, which measures one

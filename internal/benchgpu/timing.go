@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // Timed runs: measure times one run between events on the bench's two
 // streams (behind the gate, where there is one) and retires its tickets

@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // The gate: a kvo_fill launch that only spins, holding the bench's
 // streams while a run is enqueued so that the events time GPU work alone;

@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // What a run submits: the variants (one copier configuration each) and
 // their fans of extra streams, submitSide, the segment sets of one size,

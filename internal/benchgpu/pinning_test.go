@@ -1,4 +1,4 @@
-package bench_test
+package benchgpu_test
 
 import (
 	"fmt"
@@ -11,7 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/kvoffload/kvoffload/bench"
+	"github.com/kvoffload/kvoffload/internal/benchgpu"
 	"github.com/kvoffload/kvoffload/internal/cuda"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
 	"github.com/kvoffload/kvoffload/internal/cuda/cudatest"
@@ -22,15 +22,15 @@ import (
 const gib = 1 << 30
 
 func TestFormatPinning(t *testing.T) {
-	results := []bench.PinningResult{
-		{Size: gib, Cold: bench.PinningRun{Map: 60 * time.Millisecond, Register: 25 * time.Millisecond, Total: 85 * time.Millisecond, GiBps: 11.8}, ColdSpeedup: 4.8, Map: 30 * time.Millisecond, Register: 25 * time.Millisecond, Total: 55 * time.Millisecond, GiBps: 18.2,
+	results := []benchgpu.PinningResult{
+		{Size: gib, Cold: benchgpu.PinningRun{Map: 60 * time.Millisecond, Register: 25 * time.Millisecond, Total: 85 * time.Millisecond, GiBps: 11.8}, ColdSpeedup: 4.8, Map: 30 * time.Millisecond, Register: 25 * time.Millisecond, Total: 55 * time.Millisecond, GiBps: 18.2,
 			Mapped: gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 411 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 7.5},
-		{Size: 48 * gib, Cold: bench.PinningRun{Map: 7000 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 8180 * time.Millisecond, GiBps: 5.9}, ColdSpeedup: 2.4, Map: 1080 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 2260 * time.Millisecond, GiBps: 21.2,
+		{Size: 48 * gib, Cold: benchgpu.PinningRun{Map: 7000 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 8180 * time.Millisecond, GiBps: 5.9}, ColdSpeedup: 2.4, Map: 1080 * time.Millisecond, Register: 1180 * time.Millisecond, Total: 2260 * time.Millisecond, GiBps: 21.2,
 			Mapped: 48 * gib, PageSize: 4096, Ranges: 1, Threads: 16, HostAlloc: 19700 * time.Millisecond, HostAllocGiBs: 2.4, Speedup: 8.7},
 		{Size: 5*gib + 1, Total: time.Second, GiBps: 5, Mapped: 5*gib + 4096, PageSize: 4096, Ranges: 1, Threads: 16,
 			Fallback: "hugetlbfs pages unavailable"},
 	}
-	out := bench.FormatPinning(results)
+	out := benchgpu.FormatPinning(results)
 	require.Contains(t, out, "| 1 GiB | 60 ms | 25 ms | 85 ms | 11.8 | 30 ms | 25 ms | 55 ms | 18.2 | 1 | 0 | 411 ms | 2.4 | 7.5× (4.8×) |")
 	require.Contains(t, out, "| 48 GiB | 7000 ms | 1180 ms | 8180 ms | 5.9 | 1080 ms | 1180 ms | 2260 ms | 21.2 | 1 | 0 | 19700 ms | 2.4 | 8.7× (2.4×) |")
 	require.Contains(t, out, "| 5368709121 B | 0.00 ms | 0.00 ms | 0.00 ms | 0.0 | 0.00 ms | 0.00 ms | 1000 ms | 5.0 | 1 | 4095 | – | – | – |")
@@ -44,25 +44,25 @@ func TestFormatPinning(t *testing.T) {
 	for i := range results {
 		results[i].Chunk = 2 * gib
 	}
-	require.Contains(t, bench.FormatPinning(results), "Ours, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
+	require.Contains(t, benchgpu.FormatPinning(results), "Ours, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
 		"Register = register.CUDA.Register in 2 GiB ranges, prefaulting range k+1 on 16 threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.")
 	results[1].Speedup = 6.9
-	require.Contains(t, bench.FormatPinning(results), "At 48 GiB, warm: 21.2 GiB/s, 6.9×, 0 bytes beyond asked: target MISSED.")
+	require.Contains(t, benchgpu.FormatPinning(results), "At 48 GiB, warm: 21.2 GiB/s, 6.9×, 0 bytes beyond asked: target MISSED.")
 	results[1].Speedup, results[1].GiBps = 8.7, 17.9
-	require.Contains(t, bench.FormatPinning(results), "At 48 GiB, warm: 17.9 GiB/s, 8.7×, 0 bytes beyond asked: target MISSED.")
+	require.Contains(t, benchgpu.FormatPinning(results), "At 48 GiB, warm: 17.9 GiB/s, 8.7×, 0 bytes beyond asked: target MISSED.")
 }
 
 func TestMeasurePinningFake(t *testing.T) {
 	cases := []struct {
 		name      string
-		opts      bench.PinningOptions
+		opts      benchgpu.PinningOptions
 		chunk     int64 // reported
 		rangeSize int64
 	}{
-		{"pipelined, chunk cut to the range limit", bench.PinningOptions{RangeLimit: 1 << 20}, 1 << 20, 1 << 20},
-		{"pipelined", bench.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10}, 256 << 10, 256 << 10},
-		{"pipelined, default chunk", bench.PinningOptions{}, register.DefaultPipelineChunk, register.DefaultPipelineChunk},
-		{"sequential", bench.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10, Sequential: true}, 0, 1 << 20},
+		{"pipelined, chunk cut to the range limit", benchgpu.PinningOptions{RangeLimit: 1 << 20}, 1 << 20, 1 << 20},
+		{"pipelined", benchgpu.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10}, 256 << 10, 256 << 10},
+		{"pipelined, default chunk", benchgpu.PinningOptions{}, register.DefaultPipelineChunk, register.DefaultPipelineChunk},
+		{"sequential", benchgpu.PinningOptions{RangeLimit: 1 << 20, PipelineChunk: 256 << 10, Sequential: true}, 0, 1 << 20},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -71,11 +71,11 @@ func TestMeasurePinningFake(t *testing.T) {
 	}
 }
 
-func measurePinningFake(t *testing.T, opts bench.PinningOptions, chunk, rangeSize int64) {
+func measurePinningFake(t *testing.T, opts benchgpu.PinningOptions, chunk, rangeSize int64) {
 	fd := cudafake.New(cudafake.Options{CheckContext: true})
 	defer func() { require.NoError(t, fd.Close()) }()
 	sizes := []int64{1<<20 + 1, 3 << 20}
-	results, err := bench.MeasurePinning(fd, 0, sizes, opts)
+	results, err := benchgpu.MeasurePinning(fd, 0, sizes, opts)
 	require.NoError(t, err)
 	require.Len(t, results, 2)
 	for i, r := range results {
@@ -95,30 +95,30 @@ func measurePinningFake(t *testing.T, opts bench.PinningOptions, chunk, rangeSiz
 	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
 	require.Equal(t, 2, fd.Calls(cuda.OpMemHostAlloc))
 	require.Equal(t, 2, fd.Calls(cuda.OpMemFreeHost))
-	t.Log("\n" + bench.FormatPinning(results))
+	t.Log("\n" + benchgpu.FormatPinning(results))
 }
 
 func TestMeasurePinningErrors(t *testing.T) {
 	fd := cudafake.New(cudafake.Options{})
 	defer func() { require.NoError(t, fd.Close()) }()
 
-	_, err := bench.MeasurePinning(fd, 0, []int64{1 << 20, 0}, bench.PinningOptions{})
+	_, err := benchgpu.MeasurePinning(fd, 0, []int64{1 << 20, 0}, benchgpu.PinningOptions{})
 	require.ErrorContains(t, err, "pinning size 0")
 
 	fd.FailAt(cuda.OpMemHostRegister, 1, cuda.ErrorOutOfMemory)
-	_, err = bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{})
+	_, err = benchgpu.MeasurePinning(fd, 0, []int64{1 << 20}, benchgpu.PinningOptions{})
 	require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory))
 	require.ErrorContains(t, err, "register 1048576 bytes")
 
 	fd.FailAt(cuda.OpMemHostAlloc, 1, cuda.ErrorOutOfMemory)
-	results, err := bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{})
+	results, err := benchgpu.MeasurePinning(fd, 0, []int64{1 << 20}, benchgpu.PinningOptions{})
 	require.ErrorContains(t, err, "cuMemHostAlloc 1048576 bytes")
 	require.Empty(t, results)
 
-	results, err = bench.MeasurePinning(fd, 0, []int64{1 << 20}, bench.PinningOptions{SkipHostAlloc: true})
+	results, err = benchgpu.MeasurePinning(fd, 0, []int64{1 << 20}, benchgpu.PinningOptions{SkipHostAlloc: true})
 	require.NoError(t, err)
 	require.Zero(t, results[0].HostAlloc)
-	require.Contains(t, bench.FormatPinning(results), "| – | – | – |")
+	require.Contains(t, benchgpu.FormatPinning(results), "| – | – | – |")
 	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
 }
 
@@ -143,8 +143,8 @@ func pinSizes(t testing.TB) []int64 {
 // pinOptions reads KVO_PIN_CHUNK (the pipeline chunk in GiB, default
 // register.DefaultPipelineChunk) and KVO_PIN_SEQUENTIAL=1 (prefault all,
 // then register, for comparison).
-func pinOptions(t testing.TB) bench.PinningOptions {
-	var opts bench.PinningOptions
+func pinOptions(t testing.TB) benchgpu.PinningOptions {
+	var opts benchgpu.PinningOptions
 	if s := os.Getenv("KVO_PIN_CHUNK"); s != "" {
 		g, err := strconv.ParseFloat(s, 64)
 		chunk := int64(g*gib) / (2 << 20) * (2 << 20)
@@ -164,9 +164,9 @@ func pinOptions(t testing.TB) bench.PinningOptions {
 // pinning.md there.
 func TestPinningBench(t *testing.T) {
 	g := cudatest.Open(t)
-	results, err := bench.MeasurePinning(g.Drv, g.Dev, pinSizes(t), pinOptions(t))
+	results, err := benchgpu.MeasurePinning(g.Drv, g.Dev, pinSizes(t), pinOptions(t))
 	require.NoError(t, err)
-	table := bench.FormatPinning(results)
+	table := benchgpu.FormatPinning(results)
 	t.Log("\n" + table)
 	dir := os.Getenv("KVO_RESULTS_DIR")
 	if dir == "" {
@@ -188,7 +188,7 @@ func BenchmarkPinning(b *testing.B) {
 		b.Run(fmt.Sprintf("%dMiB", size>>20), func(b *testing.B) {
 			var gibps, speedup float64
 			for b.Loop() {
-				results, err := bench.MeasurePinning(g.Drv, g.Dev, []int64{size}, pinOptions(b))
+				results, err := benchgpu.MeasurePinning(g.Drv, g.Dev, []int64{size}, pinOptions(b))
 				require.NoError(b, err)
 				gibps += results[0].GiBps
 				speedup += results[0].Speedup
@@ -202,9 +202,9 @@ func BenchmarkPinning(b *testing.B) {
 func TestMeasurePinningVariantsFake(t *testing.T) {
 	fd := cudafake.New(cudafake.Options{CheckContext: true})
 	defer func() { require.NoError(t, fd.Close()) }()
-	variants := bench.DefaultPinningVariants()
+	variants := benchgpu.DefaultPinningVariants()
 	require.Len(t, variants, 14)
-	results, err := bench.MeasurePinningVariants(fd, 0, 4<<20+5, variants)
+	results, err := benchgpu.MeasurePinningVariants(fd, 0, 4<<20+5, variants)
 	require.NoError(t, err)
 	require.Len(t, results, len(variants))
 	registered := 0
@@ -223,29 +223,29 @@ func TestMeasurePinningVariantsFake(t *testing.T) {
 	require.Equal(t, 4, registered)
 	require.Equal(t, 4, fd.Calls(cuda.OpMemHostRegister))
 	require.True(t, fd.Live().IsZero(), "everything released: %+v", fd.Live())
-	out := bench.FormatPinningVariants(bench.ReadPinningEnv(), results)
+	out := benchgpu.FormatPinningVariants(benchgpu.ReadPinningEnv(), results)
 	require.Contains(t, out, "GOMAXPROCS")
 	require.Contains(t, out, "| touch ×16 no THP + register | 4194309 B |")
 	require.Contains(t, out, "Fastest prefault: ")
 	t.Log("\n" + out)
 
-	_, err = bench.MeasurePinningVariants(fd, 0, 0, variants)
+	_, err = benchgpu.MeasurePinningVariants(fd, 0, 0, variants)
 	require.ErrorContains(t, err, "pinning size 0")
 	fd.FailAt(cuda.OpMemHostRegister, 5, cuda.ErrorOutOfMemory)
-	_, err = bench.MeasurePinningVariants(fd, 0, 1<<20, variants)
+	_, err = benchgpu.MeasurePinningVariants(fd, 0, 1<<20, variants)
 	require.True(t, cuda.IsCode(err, cuda.ErrorOutOfMemory))
 	require.ErrorContains(t, err, "touch ×16 THP + register")
 	require.True(t, fd.Live().IsZero(), "everything released after a failure: %+v", fd.Live())
 }
 
 func TestFormatPinningVariants(t *testing.T) {
-	env := bench.PinningEnv{GOMAXPROCS: 5, NumCPU: 16, CPUMax: "500000 100000", THPEnabled: "always [madvise] never", THPDefrag: "madvise", Kernel: "6.8.0"}
-	results := []bench.PinningVariantResult{
-		{Variant: bench.PinningVariant{Name: "touch ×16"}, Size: 8 * gib, Prefault: 200 * time.Millisecond, PrefaultGiBps: 40, HugeBytes: 8 * gib},
-		{Variant: bench.PinningVariant{Name: "populate ×16 THP + register", Region: mmapmem.Options{Prefault: mmapmem.PrefaultPopulate}, Register: true},
+	env := benchgpu.PinningEnv{GOMAXPROCS: 5, NumCPU: 16, CPUMax: "500000 100000", THPEnabled: "always [madvise] never", THPDefrag: "madvise", Kernel: "6.8.0"}
+	results := []benchgpu.PinningVariantResult{
+		{Variant: benchgpu.PinningVariant{Name: "touch ×16"}, Size: 8 * gib, Prefault: 200 * time.Millisecond, PrefaultGiBps: 40, HugeBytes: 8 * gib},
+		{Variant: benchgpu.PinningVariant{Name: "populate ×16 THP + register", Region: mmapmem.Options{Prefault: mmapmem.PrefaultPopulate}, Register: true},
 			Size: 8 * gib, Prefault: 100 * time.Millisecond, Register: 300 * time.Millisecond, PrefaultGiBps: 80, HugeBytes: 4 * gib},
 	}
-	out := bench.FormatPinningVariants(env, results)
+	out := benchgpu.FormatPinningVariants(env, results)
 	require.Contains(t, out, `GOMAXPROCS 5, NumCPU 16, cgroup cpu.max "500000 100000"`)
 	require.Contains(t, out, "| touch ×16 | 8 GiB | 200 ms | 40.0 | 100% | – | – |")
 	require.Contains(t, out, "| populate ×16 THP + register | 8 GiB | 100 ms | 80.0 | 50% | 300 ms | 20.0 |")
@@ -266,7 +266,7 @@ func TestPinningVariants(t *testing.T) {
 		}
 		size = int64(v * gib)
 	}
-	results, err := bench.MeasurePinningVariants(g.Drv, g.Dev, size, bench.DefaultPinningVariants())
+	results, err := benchgpu.MeasurePinningVariants(g.Drv, g.Dev, size, benchgpu.DefaultPinningVariants())
 	require.NoError(t, err)
-	t.Log("\n" + bench.FormatPinningVariants(bench.ReadPinningEnv(), results))
+	t.Log("\n" + benchgpu.FormatPinningVariants(benchgpu.ReadPinningEnv(), results))
 }

@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // The throughput results as CSV (WriteThroughputCSV) and markdown
 // (FormatThroughput, with formatTargets checking issue 5's targets).

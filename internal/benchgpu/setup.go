@@ -1,4 +1,4 @@
-package bench
+package benchgpu
 
 // The bench: the streams, events, host and device buffers, copiers and
 // PTX module of one benchmark call (MeasureThroughput, MeasureBlocks,
