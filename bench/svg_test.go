@@ -36,15 +36,6 @@ func parseSVG(t require.TestingT, b []byte) map[string][]xml.StartElement {
 	return els
 }
 
-func attr(se xml.StartElement, name string) string {
-	for _, a := range se.Attr {
-		if a.Name.Local == name {
-			return a.Value
-		}
-	}
-	return ""
-}
-
 func TestWriteSVGRejects(t *testing.T) {
 	for name, c := range map[string]Chart{
 		"no points":    {},
