@@ -10,8 +10,8 @@ import (
 	"github.com/kvoffload/kvoffload/mmapmem"
 )
 
-// MaxRangeSize is the default and largest CUDA registration range: 64 GiB.
-const MaxRangeSize int64 = 64 << 30
+// maxRangeSize is the default and largest CUDA registration range: 64 GiB.
+const maxRangeSize int64 = 64 << 30
 
 // Context is the CUDA context a CUDA pinner registers in: the module's
 // device context (the offload engine's) implements it over the driver.
@@ -31,8 +31,8 @@ type Context interface {
 // CUDAOptions configure a CUDA pinner.
 type CUDAOptions struct {
 	// RangeLimit is the largest registration range in bytes: 0 means
-	// MaxRangeSize. It must be a positive multiple of the page size, at most
-	// MaxRangeSize.
+	// the default and largest, 64 GiB. It must be a positive multiple of
+	// the page size, at most 64 GiB.
 	RangeLimit int64
 	// PipelineChunk is the registration range, at most RangeLimit, for
 	// regions mapped with mmapmem.Options.DeferPrefault: Register
@@ -45,10 +45,10 @@ type CUDAOptions struct {
 	PipelineChunk int64
 }
 
-// RangeError is a failed registration of one range: its prefault (for a
+// rangeError is a failed registration of one range: its prefault (for a
 // region mapped with mmapmem.Options.DeferPrefault) or its pinning. Ranges
 // 0..Index-1 were pinned and have been unpinned again.
-type RangeError struct {
+type rangeError struct {
 	Pinner string // the pinner's Kind
 	Region string // the region, as mmapmem.Region.String reports it
 	Index  int    // the range that failed
@@ -57,12 +57,12 @@ type RangeError struct {
 	Err    error // the driver's (*cuda.Error) or the prefault's error
 }
 
-func (e *RangeError) Error() string {
+func (e *rangeError) Error() string {
 	return fmt.Sprintf("register: %s: range %d of %d (offset %d, %d bytes) of %s failed, %d earlier ranges rolled back: %v",
 		e.Pinner, e.Index, e.Count, e.Range.Off, e.Range.Len, e.Region, e.Index, e.Err)
 }
 
-func (e *RangeError) Unwrap() error { return e.Err }
+func (e *rangeError) Unwrap() error { return e.Err }
 
 // cudaPinner pins regions with cuMemHostRegister_v2 (NewCUDA).
 type cudaPinner struct {
@@ -83,12 +83,12 @@ func NewCUDA(ctx Context, opts CUDAOptions) (Pinner, error) {
 	}
 	limit := opts.RangeLimit
 	if limit == 0 {
-		limit = MaxRangeSize
+		limit = maxRangeSize
 	}
 	page := int64(os.Getpagesize())
-	if limit < 0 || limit > MaxRangeSize || limit%page != 0 {
+	if limit < 0 || limit > maxRangeSize || limit%page != 0 {
 		return nil, fmt.Errorf("%w: RangeLimit %d: must be a positive multiple of the page size %d, at most %d (MaxRangeSize)",
-			ErrOptions, opts.RangeLimit, page, MaxRangeSize)
+			ErrOptions, opts.RangeLimit, page, maxRangeSize)
 	}
 	chunk, err := pipelineChunk(opts.PipelineChunk, page)
 	if err != nil {
@@ -136,7 +136,7 @@ func (c *cudaPinner) pin(r *mmapmem.Region, ranges []Range) (pinned []Range, err
 		if perr == nil {
 			return nil
 		}
-		fail := &RangeError{Pinner: c.kind, Region: r.String(), Index: k, Count: len(ranges), Range: ranges[k], Err: perr}
+		fail := &rangeError{Pinner: c.kind, Region: r.String(), Index: k, Count: len(ranges), Range: ranges[k], Err: perr}
 		var rollback error
 		pinned, rollback = c.unpinLocked(r, pinned)
 		if rollback != nil {

@@ -23,8 +23,9 @@
 //     has finished. Ranges reports these ranges like any other.
 //   - A failed Register leaves nothing registered: when range k fails (its
 //     prefault or its pinning), ranges 0..k-1 are unregistered again, the
-//     prefaulting goroutine has ended, and the error (*RangeError) names
-//     range k, its offset and size, and the reason.
+//     prefaulting goroutine has ended, and the error names range k, its
+//     offset and size, and wraps the reason (the driver's error or the
+//     prefault's).
 //   - CUDA calls run through Context.Do: on a locked OS thread with the
 //     pinner's context current and CU_STREAM_CAPTURE_MODE_RELAXED set (the
 //     previous mode restored afterwards), so pinning never breaks a serving

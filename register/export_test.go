@@ -13,3 +13,9 @@ func SetPrefault(t *testing.T, f func(r *mmapmem.Region, off, n int64) error) {
 	prefaultRange = f
 	t.Cleanup(func() { prefaultRange = prev })
 }
+
+// MaxRangeSize is the default and largest CUDA registration range.
+const MaxRangeSize = maxRangeSize
+
+// RangeError is the error of a failed registration of one range.
+type RangeError = rangeError

@@ -27,9 +27,6 @@ var (
 // beyond Region.Len.
 type Range struct{ Off, Len int64 }
 
-// End is Off+Len.
-func (r Range) End() int64 { return r.Off + r.Len }
-
 // Stats are a pinner's counters, in the spirit of
 // torch.cuda.host_memory_stats.
 type Stats struct {
