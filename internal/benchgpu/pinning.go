@@ -31,8 +31,8 @@ type PinningOptions struct {
 	RangeLimit int64
 	// PipelineChunk is the pinner's pipeline chunk (0:
 	// register.DefaultPipelineChunk): ours maps the region with
-	// mmapmem.Options.DeferPrefault and register.CUDA.Register prefaults
-	// range k+1 while it registers range k.
+	// mmapmem.Options.DeferPrefault and the CUDA pinner's Register
+	// (register.NewCUDA) prefaults range k+1 while it registers range k.
 	PipelineChunk int64
 	// Sequential measures ours the old way instead: mmapmem.New prefaults
 	// the whole region, then Register registers it in RangeLimit ranges.
@@ -53,7 +53,7 @@ type PinningResult struct {
 	// Ours (the fields below, through Fallback): the warm run, after
 	// cuMemHostAlloc, on memory the guest has backed once: what an engine
 	// starting on a warmed machine sees, and what cuMemHostAlloc is
-	// compared with. Map is mmapmem.New, Register is register.CUDA.Register.
+	// compared with. Map is mmapmem.New, Register is the CUDA pinner's Register (register.NewCUDA).
 	// Pipelined (Chunk > 0): New maps and advises without touching, and
 	// Register prefaults range k+1 while it registers range k. Sequential
 	// (Chunk = 0): New prefaults everything, then Register registers.

@@ -183,7 +183,7 @@ func (c *Context) Release() error {
 	return nil
 }
 
-// CopyOptions tune the copy method (transfer/cudacopy): tests and
+// CopyOptions tune the copy method (internal/cudacopy): tests and
 // benchmarks force a method or shrink its buffers through them.
 type CopyOptions = cudacopy.Options
 

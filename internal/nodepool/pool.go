@@ -11,7 +11,7 @@ package nodepool
 // stages; it Dials with ClientConfig{Namespace: cfg.Namespace, Layout:
 // LayoutOf(kind, geometry of cfg.Layout)} and these hooks:
 //
-//   - Hooks.RegionAdded(r): register r (register.NewCUDAFor on the CUDA
+//   - Hooks.RegionAdded(r): register r (register.NewCUDA on the CUDA
 //     backend, in ≤ 64 GiB ranges; mlock or nothing on the host backend)
 //     and hand its ranges to the copier, as the growth thread does for a
 //     region of its own. The first region is added inside Dial, the rest
