@@ -19,12 +19,13 @@
 // (templates, prepared copies, host ranges), which CUDA and Sim implement.
 //
 // Invariants:
-//   - Every driver call runs on an OS thread with the device's context
+//   - Driver calls that need the context run on an OS thread with it
 //     current: a Context's Do and InitThread set it up, the CUDA device's
 //     methods rely on the scheduler's engine threads (transfer.Device's
 //     threading rules), and a Context's own queries say which they need.
-//   - A Context holds its primary context until Release, once (Context.mu
-//     guards whether it still does); Bind's and WrapDriver's never retain.
+//   - A Context from Driver.Open holds its primary context until Release,
+//     once (Context.mu guards whether it still does); one from Bind never
+//     retains nor releases the context its caller holds.
 //   - The CUDA device's copier stays within MaxDeviceBytes of device
 //     memory: a copy short of it waits for an earlier one on the
 //     submitting thread, and one no copier call could hold is split.
