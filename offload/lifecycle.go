@@ -297,7 +297,7 @@ func (e *Engine) teardown() error {
 	if e.disk != nil {
 		// After the cache (no eviction any more), before the pool is
 		// unmapped: the writers give the demoting slots back.
-		errs = append(errs, e.disk.close())
+		errs = append(errs, e.disk.Close(context.Background(), false))
 	}
 	errs = append(errs, e.closeCluster())
 	e.memory.mu.Lock()
@@ -505,13 +505,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, err
 		default:
 			e.disk = d
-			kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
+			kcfg.Demote, kcfg.OnDemote = e.disk.Demote, e.disk.OnDemote
 		}
 	}
 	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}
 	e.cache = e.kc
+	if e.disk != nil {
+		e.disk.Start(e.kc) // its writers
+	}
 	if cfg.Cluster != nil {
 		if err := e.openCluster(cfg); err != nil {
 			return nil, err

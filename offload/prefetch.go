@@ -113,10 +113,7 @@ func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 	if e.disk != nil && ctx.Err() == nil {
 		res.FromDisk = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
 			return e.readDisk(ctx, pkeys, mems)
-		}, func(good, bad int) {
-			e.disk.hits.Add(int64(good))
-			e.disk.misses.Add(int64(bad))
-		}, true)
+		}, e.disk.Promoted, true)
 	}
 	if e.cluster != nil && ctx.Err() == nil && !e.cluster.Available() {
 		// Not connected (yet): no slot is reserved for what cannot come.
@@ -150,7 +147,7 @@ func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []bool, count func(good, bad int), onDisk bool) int {
 	var pkeys, parents []Key
 	for j, k := range keys {
-		if onDisk && !e.disk.has(k) {
+		if onDisk && !e.disk.Has(k) {
 			continue
 		}
 		var p Key
@@ -220,27 +217,11 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 	return len(good)
 }
 
-// readDisk reads the disk records of keys into mems, diskReaders at a time;
-// once ctx is done no more reads start (those keys are misses).
+// readDisk reads the disk records of keys into mems, tiered.Readers at a
+// time (Tier.Read); once ctx is done no more reads start (those keys are
+// misses).
 func (e *Engine) readDisk(ctx context.Context, keys []Key, mems [][]byte) []bool {
 	ok := make([]bool, len(keys))
-	sem := make(chan struct{}, e.disk.readers)
-	var wg sync.WaitGroup
-	for i := range keys {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-		}
-		if ctx.Err() != nil {
-			break
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ok[i] = e.disk.get(keys[i], mems[i])
-			<-sem
-		}()
-	}
-	wg.Wait()
+	e.disk.Read(ctx, keys, mems, func(i int, good bool) { ok[i] = good })
 	return ok
 }

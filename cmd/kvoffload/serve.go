@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffload/kvoffload/events"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/prometheus/client_golang/prometheus"
@@ -98,7 +99,7 @@ signal ends it at once), and says how many it wrote and left.`,
 				if diskBytes == 0 {
 					diskBytes = 4 * cfg.PoolBytes
 				}
-				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
+				cfg.Disk = &tiered.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
 					AdmitAll: *admitAll, AdmitAfter: *admitAfter, WriteThrough: *writeThrough, WriteBackBytes: writeBackBytes,
 					WriteBackOnClose: *writeBackOnClose}
 			}
@@ -243,7 +244,7 @@ func publisher(pub zmq4.Socket) func([]wire.Event) {
 }
 
 // diskMode describes the node's disk tier's writes for serve's banner.
-func diskMode(dc *nodepool.DiskConfig) string {
+func diskMode(dc *tiered.DiskConfig) string {
 	m := fmt.Sprintf("evicted blocks seen at least %d times written back", dc.AdmitAfter)
 	switch {
 	case dc.AdmitAll || dc.AdmitAfter <= 1:

@@ -146,10 +146,10 @@
 // background, so that a client copies one chunk to its GPU while the node
 // reads the next (offload.Dial's Load does). As in the embedded engine, a block the policy evicts is
 // written back if its key passes the admission filter (seen at least
-// twice, stores and lookups through the node counted; DiskConfig.AdmitAll,
-// AdmitAfter), within DiskConfig.WriteBackBytes of write-backs waiting
-// (past it dropped, counted); DiskConfig.WriteThrough also writes every
-// block as it becomes ready, and DiskConfig.WriteBackOnClose has Close
+// twice, stores and lookups through the node counted; tiered.DiskConfig.AdmitAll,
+// AdmitAfter), within tiered.DiskConfig.WriteBackBytes of write-backs waiting
+// (past it dropped, counted); tiered.DiskConfig.WriteThrough also writes every
+// block as it becomes ready, and tiered.DiskConfig.WriteBackOnClose has Close
 // write the pool's ready blocks not on disk yet (bounded by
 // Server.CloseContext's context), so that a restarted node finds them. A
 // block written back from its slot keeps the
