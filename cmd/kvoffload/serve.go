@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
@@ -11,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
 	"github.com/kvoffload/kvoffload/events"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
@@ -128,12 +126,11 @@ signal ends it at once), and says how many it wrote and left.`,
 			if *verbose {
 				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
 			}
-			var pub zmq4.Socket
+			var pub *events.Publisher
 			if *eventsAddr != "" {
-				pub = zmq4.NewPub(context.Background())
-				if err := pub.Listen(*eventsAddr); err != nil {
-					_ = pub.Close()
-					return fmt.Errorf("--events %s: %w", *eventsAddr, err)
+				var err error
+				if pub, err = events.Listen(context.Background(), *eventsAddr, events.Options{}); err != nil {
+					return fmt.Errorf("--events %s: %w", *eventsAddr, errors.Unwrap(err))
 				}
 				defer pub.Close()
 				cfg.OnEvents = publisher(pub)
@@ -217,11 +214,9 @@ func checkServeFlags(cfg *nodepool.ServerConfig, numaNode int) error {
 	return nil
 }
 
-// publisher sends the node's events as vLLM KVEventBatches (medium CPU;
-// the node knows no parents or tokens).
-func publisher(pub zmq4.Socket) func([]wire.Event) {
-	var seq uint64
-	var buf []byte
+// publisher sends the node's events through pub, a KVEventBatch each
+// (medium CPU; the node knows no parents or tokens).
+func publisher(pub *events.Publisher) func([]wire.Event) {
 	var evs []offload.Event
 	return func(batch []wire.Event) {
 		evs = evs[:0]
@@ -232,14 +227,7 @@ func publisher(pub zmq4.Socket) func([]wire.Event) {
 			}
 			evs = append(evs, offload.Event{Kind: k, Key: offload.Key(w.Key), Medium: offload.MediumCPU})
 		}
-		var err error
-		if buf, err = events.AppendBatch(buf[:0], time.Now(), evs); err != nil {
-			return
-		}
-		var s [8]byte
-		binary.BigEndian.PutUint64(s[:], seq)
-		seq++
-		_ = pub.Send(zmq4.NewMsgFrom([]byte{}, s[:], append([]byte(nil), buf...)))
+		_ = pub.Publish(evs) // a subscriber that does not keep up loses messages, as vLLM's
 	}
 }
 
