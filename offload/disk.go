@@ -313,25 +313,17 @@ func (e *Engine) promoteChunks(keys []Key, blockIDs []int, pos []int, ready func
 	for c := range chunks {
 		lo, hi := c*diskChunk, min((c+1)*diskChunk, len(pos))
 		reads[c].Wait()
-		var good, bad []kvcache.Slot
+		var read []kvcache.Slot // the chunk's reserved slots, and their reads
+		var rok []bool
 		for i := lo; i < hi; i++ {
-			switch {
-			case mems[i] == nil:
-			case ok[i]:
-				good = append(good, slots[i])
-			default:
-				bad = append(bad, slots[i])
+			if mems[i] != nil {
+				read, rok = append(read, slots[i]), append(rok, ok[i])
 			}
 		}
-		e.disk.Promoted(len(good), len(bad))
-		e.unhold(good)
-		e.unhold(bad)
-		if len(bad) > 0 {
-			_ = e.cache.CompleteStore(bad, errDiskMiss)
-		}
-		if len(good) > 0 {
-			_ = e.cache.CompleteStore(good, nil)
-		}
+		_, _ = tiered.Settle(e.cache, read, rok, errDiskMiss, func(good, bad int) {
+			e.disk.Promoted(good, bad)
+			e.unhold(read)
+		})
 		// Keys not reserved here may have been promoted by another call
 		// meanwhile: BeginLoad finds them too.
 		lres, err := e.cache.BeginLoad(pkeys[lo:hi], pids[lo:hi], nil)

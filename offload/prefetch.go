@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
@@ -189,32 +190,16 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 	e.hold(slots)
 	ok := read(rkeys, mems)
 	e.unhold(slots)
-	var good, bad []kvcache.Slot
-	for i, s := range slots {
-		if i < len(ok) && ok[i] {
-			good = append(good, s)
-		} else {
-			bad = append(bad, s)
-		}
+	cause := errClusterMiss
+	if onDisk {
+		cause = errDiskMiss
 	}
-	if count != nil {
-		count(len(good), len(bad))
-	}
-	if len(bad) > 0 {
-		cause := errClusterMiss
-		if onDisk {
-			cause = errDiskMiss
-		}
-		_ = e.cache.CompleteStore(bad, cause)
-	}
-	if len(good) == 0 {
-		return 0
-	}
-	if err := e.cache.CompleteStore(good, nil); err != nil {
+	good, err := tiered.Settle(e.cache, slots, ok, cause, count)
+	if good == 0 || err != nil {
 		return 0
 	}
 	e.kickReaper()
-	return len(good)
+	return good
 }
 
 // readDisk reads the disk records of keys into mems, tiered.Readers at a

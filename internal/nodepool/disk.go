@@ -135,21 +135,7 @@ func (s *Server) promote(ns kvcache.Namespace, keys []kvcache.Key, parent func(j
 		mems[i] = d.SlotBytes(slots[i])
 	}
 	d.Read(context.Background(), skeys, mems, func(i int, good bool) { ok[i] = good })
-	var good, bad []kvcache.Slot
-	for i, sl := range slots {
-		if ok[i] {
-			good = append(good, sl)
-		} else {
-			bad = append(bad, sl)
-		}
-	}
-	d.Promoted(len(good), len(bad))
-	if len(bad) > 0 {
-		_ = c.CompleteStore(bad, errDiskMiss)
-	}
-	if len(good) > 0 {
-		_ = c.CompleteStore(good, nil)
-	}
+	_, _ = tiered.Settle(c, slots, ok, errDiskMiss, d.Promoted)
 	s.reap()
 }
 
