@@ -262,7 +262,7 @@ const diskChunk = tiered.Readers
 // promoteChunks promotes the blocks of keys at pos (blocks the pool lacks
 // and the disk holds) for a Load into blockIDs: it reserves host slots for
 // them as a Store would (one chain, each key's parent the key before it),
-// reads their records straight into the slots' pinned memory (diskReaders
+// reads their records straight into the slots' pinned memory (tiered.Readers
 // reads in flight, started in key order), and, chunk by chunk in order as soon as a chunk's
 // reads are complete, makes the good blocks ready and takes reader holds
 // on them (BeginLoad) and calls ready with the chunk's positions and
