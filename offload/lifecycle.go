@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/envvar"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/transfer"
@@ -487,7 +488,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// and rehashed the index (O(slots so far) under the cache's lock,
 	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
-	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve,
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: tiered.LowWatermark(maxBlocks), MaxSlots: reserve,
 		PartialTimeout: cfg.PartialTimeout}
 	if cfg.ZeroOnRelease {
 		kcfg.OnFree = e.zeroSlot

@@ -48,10 +48,8 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 	case kcfg.LowWatermark < 0:
 		kcfg.LowWatermark = 0
 	case kcfg.LowWatermark == 0 && s.cfg.Disk != nil:
-		// The embedded engine's: evictions run ahead of stores, so that
-		// the blocks written back go from their demoting slots, not
-		// copied out under the cache's lock.
-		kcfg.LowWatermark = min(slots/64, 64)
+		// The embedded engine's: evictions run ahead of stores.
+		kcfg.LowWatermark = tiered.LowWatermark(slots)
 	}
 	if d != nil {
 		kcfg.Demote, kcfg.OnDemote = d.Demote, d.OnDemote

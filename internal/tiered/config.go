@@ -111,6 +111,13 @@ const Writers = 2
 // default).
 const Readers = 8
 
+// LowWatermark is the free slots a pool of slots keeps by evicting ahead
+// of demand (kvcache.Config.LowWatermark): 1/64 of them, at most 64, so
+// that the blocks written back go from their demoting slots, not copied
+// out under the cache's lock. The engine's pool always keeps it; the
+// node's with a disk tier, unless configured.
+func LowWatermark(slots int) int { return min(slots/64, 64) }
+
 // Check checks d and returns it with its defaults filled (Dirs and
 // RemoveRecords copied): Dirs and CapacityBytes required, then more (the
 // owner's own checks; nil: none), then QueueBlocks and WriteBackBytes not
