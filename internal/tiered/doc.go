@@ -28,17 +28,24 @@
 //     queues its key and one writer Puts it from its slot, leased
 //     meanwhile, past QueueBlocks waiting dropped (the node's,
 //     Config.ThroughFromSlot). A block on disk already is not written.
-//   - Reads: Has, Prefix and Get see the records and the write-backs in
-//     flight (readable until written); Read reads a promotion's records
-//     into its slots, Readers at once, started in key order. A record that
-//     fails a check (tier/record) is a miss.
+//   - Promotion: Has, Prefix and Get see the records and the write-backs
+//     in flight (readable until written; Has and Prefix do no I/O); the owner
+//     reserves slots as a store would, Read reads the records into them,
+//     Readers at once, started in key order (none once its context ends),
+//     and Settle makes the good ones ready and releases the others with a
+//     miss, never a damaged block: a record that fails a check
+//     (tier/record) is a miss.
+//   - LowWatermark is the free slots both pools keep by evicting ahead of
+//     demand, so that write-backs go from demoting slots.
 //   - Delete and Clear remove the records, also those being written (the
 //     write-back in flight or the write-through in progress is marked gone
 //     and its record deleted once written).
 //   - Close: the write-throughs queued and the write-backs accepted are
 //     written (every demoting slot is given back), the writers stop, with
-//     WriteBackOnClose the pool's ready blocks not on disk are written
-//     (WriteBackAtClose, bounded by its context), then the Store closes.
+//     atClose (the node's WriteBackOnClose) the pool's ready blocks not on
+//     disk are written (WriteBackAtClose, bounded by its context; the
+//     engine calls it itself, earlier, once its calls have ended), then
+//     the Store closes. A second Close does nothing.
 //
 // Locks: the cache's lock is taken first (Demote, and Ready from the
 // cache's OnIndex, run under it); under it a Tier takes its close lock
