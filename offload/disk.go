@@ -91,7 +91,7 @@ const (
 )
 
 // DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default.
-const DefaultWriteBackBytes int64 = tiered.DefaultWriteBackBytes
+const DefaultWriteBackBytes int64 = 64 << 20
 
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
 // caller's DiskConfig is not changed). The checks are internal/tiered's
