@@ -24,7 +24,9 @@
 // Later vLLM (main after v0.15) dropped array_like and encodes the structs
 // as maps; this package writes the array form.
 //
-// The offload package does not import this one.
+// Publish sends a batch its caller made: a node's events (`kvoffload
+// serve --events`) go out that way, in the same format. The offload
+// package does not import this one.
 package events
 
 import (
@@ -32,6 +34,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -126,7 +129,9 @@ type Options struct {
 type Publisher struct {
 	sock   zmq4.Socket
 	opts   Options
+	mu     sync.Mutex // seq and buf, and each send
 	seq    uint64
+	buf    []byte       // Publish's
 	sent   atomic.Int64 // events sent
 	errors atomic.Int64 // batches the socket failed to send
 }
@@ -202,7 +207,34 @@ func (p *Publisher) Run(ctx context.Context, s *offload.EventStream) error {
 	}
 }
 
+// Publish sends evs as one KVEventBatch stamped now, a message of its
+// own (the next sequence number, whatever MaxBatch): for a source that
+// batches its events itself, as a node does (`kvoffload serve --events`:
+// its blocks' BlockStored and BlockRemoved of medium CPU, with no parent
+// or tokens). Safe to call while Run runs; counted as Run counts (Sent,
+// SendErrors).
+func (p *Publisher) Publish(evs []offload.Event) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var err error
+	if p.buf, err = AppendBatch(p.buf[:0], time.Now(), evs); err != nil {
+		return err
+	}
+	if err := p.sendLocked(p.buf); err != nil {
+		p.errors.Add(1)
+		return err
+	}
+	p.sent.Add(int64(len(evs)))
+	return nil
+}
+
 func (p *Publisher) send(payload []byte) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.sendLocked(payload)
+}
+
+func (p *Publisher) sendLocked(payload []byte) error {
 	var seq [8]byte
 	binary.BigEndian.PutUint64(seq[:], p.seq)
 	p.seq++

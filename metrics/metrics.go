@@ -11,6 +11,9 @@
 // transfer_type) with vLLM's "vllm:kv_offload_" prefix replaced by
 // "kvoffload_"; metrics vLLM has no counterpart for (pool, growth) use the
 // same prefix. The README lists the correspondence.
+//
+// NodeRegistry exports a node's (`kvoffload serve`) state the same way,
+// as kvoffload_node_* series read from NodeStats on every scrape.
 package metrics
 
 import (

@@ -207,7 +207,7 @@ func (e *Engine) closeCluster() error {
 // promotes into); they go to disk with DiskConfig.WriteThrough.
 func (e *Engine) writeThroughKeys(ns string, keys []Key, idx []int) ([]Key, bool) {
 	toCluster := e.cluster != nil && ns == e.cfg.Namespace
-	if !toCluster && (e.disk == nil || !e.disk.writeThrough) {
+	if !toCluster && (e.disk == nil || !e.disk.WritesThrough()) {
 		return nil, false
 	}
 	out := make([]Key, len(idx))
@@ -231,7 +231,7 @@ func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot, toCluster bool) 
 	if len(keys) != len(slots) || e.kc == nil {
 		return
 	}
-	toDisk := e.disk != nil && e.disk.writeThrough
+	toDisk := e.disk != nil && e.disk.WritesThrough()
 	if !toCluster && !toDisk {
 		return
 	}
@@ -249,7 +249,7 @@ func (e *Engine) writeThrough(keys []Key, slots []kvcache.Slot, toCluster bool) 
 			continue
 		}
 		if toDisk {
-			e.disk.through(keys[i], mem)
+			e.disk.Through(keys[i], mem)
 		}
 		one := slots[i : i+1 : i+1]
 		if toCluster {

@@ -144,7 +144,7 @@ func TestDiskDemotingSlotHeld(t *testing.T) {
 	require.NoError(t, e.FlushDisk(context.Background()))
 	require.Zero(t, demoting(e))
 	buf := disk.AlignedBuffer(int(e.slot))
-	found, err := e.disk.store.Get(held, buf)
+	found, err := e.disk.Store.Get(held, buf)
 	require.NoError(t, err)
 	require.True(t, found)
 	require.Equal(t, contents[heldAt], buf, "the slot was not reused while it was written")
@@ -172,7 +172,7 @@ func TestDiskDeleteWhileDemoting(t *testing.T) {
 	st := e.Stats()
 	require.Positive(t, st.DiskWrites)
 	require.Zero(t, st.DiskCopies)
-	require.False(t, e.disk.store.Contains(k), "the deleted key's record was deleted once written")
+	require.False(t, e.disk.Store.Contains(k), "the deleted key's record was deleted once written")
 	require.Equal(t, st.DiskWrites-1, st.DiskRecords, "the others stay")
 }
 
@@ -273,7 +273,7 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 			} else {
 				require.Positive(t, st.DiskCopies)
 			}
-			require.False(t, e.disk.store.Contains(held), "not written yet")
+			require.False(t, e.disk.Store.Contains(held), "not written yet")
 
 			res, err := e.Lookup([]Key{held}, LookupOptions{})
 			require.NoError(t, err)
@@ -283,7 +283,7 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 			require.Equal(t, []Outcome{OutcomeLoaded}, loadAll(t, e, []Key{held}, []int{15}))
 			require.Equal(t, contents[held], blockBytes(e, 15), "loaded byte-exact from the write-back in flight")
 			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
-			require.False(t, e.disk.store.Contains(held), "still not written: the load read no record")
+			require.False(t, e.disk.Store.Contains(held), "still not written: the load read no record")
 
 			_, err = e.Delete([]Key{held})
 			require.NoError(t, err)
@@ -294,7 +294,7 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 
 			h.release()
 			require.NoError(t, e.FlushDisk(context.Background()))
-			require.False(t, e.disk.store.Contains(held), "the deleted key's record was deleted once written")
+			require.False(t, e.disk.Store.Contains(held), "the deleted key's record was deleted once written")
 			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
 		})
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // TestMain runs a dialled-engine child role when the test binary is
@@ -601,7 +602,7 @@ func TestDialNodeDisk(t *testing.T) {
 	// 64 slots of 8 KiB for 128 blocks; every block stored once, so
 	// written through (the default writes back only blocks seen twice).
 	s := startNodeConfig(t, nodepool.ServerConfig{Socket: socket, PoolBytes: 512 << 10, RegionBytes: 512 << 10, PrefaultThreads: 1,
-		Disk: &nodepool.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 4 << 20, WriteThrough: true}})
+		Disk: &tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 4 << 20, WriteThrough: true}})
 	w, err := Dial(socket, dialConfig())
 	require.NoError(t, err)
 	defer w.Close()

@@ -12,13 +12,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvoffload/kvoffload/internal/nodepool"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // diskNodeConfig is a node of 64 slots of 8 KiB (dialConfig's blocks) over
 // a write-through disk tier in dir.
 func diskNodeConfig(socket, dir string) nodepool.ServerConfig {
 	return nodepool.ServerConfig{Socket: socket, PoolBytes: 512 << 10, RegionBytes: 512 << 10, PrefaultThreads: 1,
-		Disk: &nodepool.DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, WriteThrough: true}}
+		Disk: &tiered.DiskConfig{Dirs: []string{dir}, CapacityBytes: 4 << 20, WriteThrough: true}}
 }
 
 // fillNodeDisk stores four batches of 32 keys (dialKeys seeds 1 to 4)

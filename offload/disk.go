@@ -2,15 +2,13 @@ package offload
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
-	"github.com/kvoffload/kvoffload/internal/tier/disk/writeback"
 	"github.com/kvoffload/kvoffload/internal/tier/record"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
@@ -95,14 +93,10 @@ const (
 // DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default.
 const DefaultWriteBackBytes int64 = 64 << 20
 
-// diskWriters is the number of goroutines writing evicted blocks to disk.
-const diskWriters = 2
-
-// diskReaders bounds the disk reads one Load runs at once.
-const diskReaders = 8
-
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
-// caller's DiskConfig is not changed).
+// caller's DiskConfig is not changed). The checks are internal/tiered's
+// (DiskConfig.Check, with the admission sketch's 255), the Fsync and
+// Direct values this package's.
 func diskDefaults(cfg *Config, slot int64) error {
 	if cfg.Disk == nil {
 		return nil
@@ -111,35 +105,35 @@ func diskDefaults(cfg *Config, slot int64) error {
 	d.Dirs = append([]string(nil), d.Dirs...)
 	d.RemoveRecords = append([]string(nil), d.RemoveRecords...)
 	cfg.Disk = &d
-	if len(d.Dirs) == 0 {
-		return fmt.Errorf("%w: Disk.Dirs is empty: name at least one directory", ErrInvalidConfig)
-	}
-	if d.CapacityBytes <= 0 {
-		return fmt.Errorf("%w: Disk.CapacityBytes = %d, must be positive", ErrInvalidConfig, d.CapacityBytes)
-	}
 	if d.Fsync == "" {
 		d.Fsync = DiskFsyncNone
 	}
 	if d.Direct == "" {
 		d.Direct = DiskDirectAuto
 	}
-	if _, _, err := diskModes(d); err != nil {
+	td, err := d.tiered().Check(255, func() error {
+		_, _, err := diskModes(d)
 		return err
+	})
+	if err != nil {
+		if errors.Is(err, ErrInvalidConfig) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	switch {
-	case d.WriteBackBytes == 0:
-		d.WriteBackBytes = DefaultWriteBackBytes
-	case d.WriteBackBytes < 0:
-		return fmt.Errorf("%w: Disk.WriteBackBytes = %d, must not be negative", ErrInvalidConfig, d.WriteBackBytes)
-	}
-	d.WriteBackBytes = max(d.WriteBackBytes, slot)
-	switch {
-	case d.AdmitAfter == 0:
-		d.AdmitAfter = 2
-	case d.AdmitAfter < 0 || d.AdmitAfter > 255:
-		return fmt.Errorf("%w: Disk.AdmitAfter = %d, want 1 to 255 (0: the default, 2)", ErrInvalidConfig, d.AdmitAfter)
-	}
+	d.WriteBackBytes = max(td.WriteBackBytes, slot)
+	d.AdmitAfter = td.AdmitAfter
 	return nil
+}
+
+// tiered converts d (Fsync and Direct valid: diskDefaults checked them)
+// to the tier's configuration; the write-throughs are copies
+// (internal/tiered's QueueBlocks unused).
+func (d DiskConfig) tiered() tiered.DiskConfig {
+	fsync, direct, _ := diskModes(d)
+	return tiered.DiskConfig{Dirs: d.Dirs, CapacityBytes: d.CapacityBytes, Fsync: fsync, Direct: direct,
+		WriteBackBytes: d.WriteBackBytes, AdmitAll: d.AdmitAll, AdmitAfter: d.AdmitAfter, WriteThrough: d.WriteThrough,
+		WriteBackOnClose: d.WriteBackOnClose, RemoveRecords: d.RemoveRecords}
 }
 
 func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
@@ -168,74 +162,38 @@ func diskModes(d DiskConfig) (disk.FsyncPolicy, disk.DirectMode, error) {
 	return f, m, nil
 }
 
-// diskTier is the engine's disk tier: the store, the admission sketch and
-// the write-back machine (tier/disk/writeback) with its writers.
-//
-// Write-back (demotion): the cache asks demote, under its lock, about each
-// block its policy evicts; an admitted block not on disk yet, within
-// maxBusy write-backs at once, is accepted (writeback.Writer.Demote).
-// Evicted ahead of demand, its slot goes into the cache's "demoting" state
-// and comes to onDemote, held against Trim: a writer Puts it straight from
-// the slot's pinned memory and gives the slot back (Cache.Demoted, then
-// unhold). Evicted by a store that needs the slot at once, the slot is
-// freed at once: demote copies its bytes into a buffer first, which a
-// writer Puts. Either way the evicting call never waits for the disk. A
-// Delete tombs its keys while write-backs are unfinished
-// (writeback.Config.TombKeys).
-type diskTier struct {
-	store        *disk.Store
-	wb           *writeback.Writer
-	admitAll     bool
-	admitAfter   uint8 // DiskConfig.AdmitAfter
-	writeThrough bool  // DiskConfig.WriteThrough
-
-	seenMu   sync.Mutex
-	seen     []uint8 // saturating use counts by key hash, halved every len(seen) additions
-	seenAdds int
-
-	hold func(kvcache.Slot) // the engine's: holds a slot against Trim while it is written
-
-	readers int // a promotion's reads in flight (diskReaders; tests set 1)
-
-	hits, misses, notAdmitted, throughs, atClose atomic.Int64
-}
-
-// openDisk opens the disk tier of cfg (New): the record payload is the
-// slot, the fingerprint covers the namespace and the layout's geometry
+// openDisk opens the disk tier of cfg (New; a tiered.Tier, its cache
+// given by Start once it exists): the record payload is the slot, the
+// fingerprint covers the namespace and the layout's geometry
 // (recordFingerprint); the store's changes go to hub as MediumDisk events.
-func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (*diskTier, error) {
+// A demoting slot is held against Trim while it is written, and its
+// write-back ends with the reaper kicked; a Delete tombs its keys while
+// write-backs are unfinished (writeback.Config.TombKeys). Evicted ahead
+// of demand, a block goes to disk from its demoting slot; evicted by a
+// store that needs the slot at once, from a copy: either way the evicting
+// call never waits for the disk.
+func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (*tiered.Tier, error) {
 	dc := cfg.Disk
-	fsync, direct, err := diskModes(*dc)
-	if err != nil {
-		return nil, err
-	}
 	fp, err := recordFingerprint(cfg)
 	if err != nil {
 		return nil, err
 	}
-	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: slot,
-		Fingerprint: fp, Fsync: fsync, Direct: direct, ZeroOnRelease: cfg.ZeroOnRelease, RemoveRecords: dc.RemoveRecords,
+	d, err := tiered.Open(tiered.Config{Disk: dc.tiered(), SlotBytes: slot, Fingerprint: fp, ZeroOnRelease: cfg.ZeroOnRelease,
 		OnStore:  func(k [16]byte) { hub.onTier(EventStored, k, MediumDisk) },
 		OnRemove: func(k [16]byte, _ bool) { hub.onTier(EventRemoved, k, MediumDisk) },
-		Faults:   h.diskFaults})
+		Faults:   h.diskFaults, Bytes: e.slotBytes,
+		Hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) },
+		Released: func(s kvcache.Slot) {
+			e.unhold([]kvcache.Slot{s})
+			e.kickReaper()
+		},
+		TombKeys: true, BeforePut: h.beforeDiskPut, BeforeGet: h.beforeDiskGet})
 	if errors.Is(err, disk.ErrConfig) {
 		return nil, fmt.Errorf("%w: Disk: %w", ErrInvalidConfig, err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("offload: opening the disk tier (Disk.Dirs %q): %w", dc.Dirs, err)
 	}
-	d := &diskTier{store: st, admitAll: dc.AdmitAll || dc.AdmitAfter <= 1, admitAfter: uint8(max(1, dc.AdmitAfter)),
-		writeThrough: dc.WriteThrough, seen: make([]uint8, 1<<16),
-		hold: func(s kvcache.Slot) { e.hold([]kvcache.Slot{s}) }, readers: diskReaders}
-	d.wb = writeback.New(writeback.Config{Store: st, SlotBytes: int(slot), MaxBusy: int(dc.WriteBackBytes / slot),
-		Writers: diskWriters, Bytes: e.slotBytes,
-		Demoted: func(s kvcache.Slot) {
-			_ = e.kc.Demoted([]kvcache.Slot{s}) // a slot onDemote was given: only a bug fails
-			e.unhold([]kvcache.Slot{s})
-			e.kickReaper()
-		},
-		BeforePut: h.beforeDiskPut, BeforeGet: h.beforeDiskGet, TombKeys: true})
-	d.wb.Start()
 	return d, nil
 }
 
@@ -271,93 +229,6 @@ func recordFingerprint(cfg Config) (uint64, error) {
 	}), nil
 }
 
-// close writes back what is queued (giving the demoting slots back), then
-// closes the store. The engine's calls have ended and the cache is closed
-// (no eviction any more); the pool is unmapped after.
-func (d *diskTier) close() error {
-	if !d.wb.Close() {
-		return nil
-	}
-	return d.store.Close()
-}
-
-// saw counts uses of keys (stores and lookups) for admission.
-func (d *diskTier) saw(keys []Key) {
-	if d.admitAll || len(keys) == 0 {
-		return
-	}
-	d.seenMu.Lock()
-	for _, k := range keys {
-		b := binary.LittleEndian.Uint64(k[:8]) % uint64(len(d.seen))
-		if d.seen[b] < 255 {
-			d.seen[b]++
-		}
-		if d.seenAdds++; d.seenAdds >= len(d.seen) {
-			d.seenAdds = 0
-			for i := range d.seen {
-				d.seen[i] >>= 1
-			}
-		}
-	}
-	d.seenMu.Unlock()
-}
-
-func (d *diskTier) admitted(k Key) bool {
-	if d.admitAll {
-		return true
-	}
-	d.seenMu.Lock()
-	defer d.seenMu.Unlock()
-	return d.seen[binary.LittleEndian.Uint64(k[:8])%uint64(len(d.seen))] >= d.admitAfter
-}
-
-// through writes a stored block (key k, mem its slot's bytes, which its
-// caller holds until through returns) to disk (DiskConfig.WriteThrough):
-// copied into a buffer now, Put by a writer. Dropped, counted, when
-// maxBusy writes are accepted and unfinished; nothing when k is on disk.
-// Never waits.
-func (d *diskTier) through(k Key, mem []byte) {
-	if d.wb.Copy(k, mem) {
-		d.throughs.Add(1)
-	}
-}
-
-// demote is the cache's Config.Demote, under its lock: a key the
-// admission filter refuses is counted (notAdmitted); an admitted one goes
-// to the write-back machine (writeback.Writer.Demote: accepted, or on
-// disk already, or dropped; copied now when the evicting store needs the
-// slot). It never waits.
-func (d *diskTier) demote(s kvcache.Slot, k Key, needed bool) bool {
-	if !d.admitted(k) {
-		d.notAdmitted.Add(1)
-		return false
-	}
-	return d.wb.Demote(s, k, needed)
-}
-
-// onDemote is the cache's Config.OnDemote: slot s, demoting, is held
-// against Trim, then queued for a writer, which Puts it straight from the
-// slot's memory and gives it back (Demoted, then unhold). Never blocks.
-func (d *diskTier) onDemote(s kvcache.Slot, k Key) {
-	d.hold(s)
-	d.wb.OnDemote(s, k)
-}
-
-// delete removes keys from disk, and from the write-backs in flight
-// (tombed first: deleted once written).
-func (d *diskTier) delete(keys []Key) { d.wb.Delete(keys) }
-
-// clearAll removes every record (records carry no namespace).
-func (d *diskTier) clearAll() { d.wb.Clear() }
-
-// prefix returns how many leading keys have a record on disk or a
-// write-back in flight (memory only).
-func (d *diskTier) prefix(keys []Key) int { return d.wb.Prefix(keys) }
-
-// has reports whether key's block is on disk or being written there
-// (readable meanwhile): memory only, never I/O.
-func (d *diskTier) has(k Key) bool { return d.wb.Contains(k) }
-
 // FlushDisk waits until every eviction queued for the disk tier has been
 // written (or failed), or ctx ends. Without a disk tier it returns at once.
 func (e *Engine) FlushDisk(ctx context.Context) error {
@@ -367,7 +238,7 @@ func (e *Engine) FlushDisk(ctx context.Context) error {
 	if e.disk == nil {
 		return nil
 	}
-	return e.disk.wb.Flush(ctx)
+	return e.disk.Flush(ctx)
 }
 
 // slotBytes returns slot s's bytes in the pool, nil when its region is
@@ -385,13 +256,13 @@ var errDiskMiss = errors.New("offload: disk record missing or damaged")
 
 // diskChunk is how many promoted blocks one part of a Load copies: a
 // chunk's copy is submitted once its reads are complete, while the next
-// chunk's reads run (diskReaders at once).
-const diskChunk = diskReaders
+// chunk's reads run (tiered.Readers at once).
+const diskChunk = tiered.Readers
 
 // promoteChunks promotes the blocks of keys at pos (blocks the pool lacks
 // and the disk holds) for a Load into blockIDs: it reserves host slots for
 // them as a Store would (one chain, each key's parent the key before it),
-// reads their records straight into the slots' pinned memory (diskReaders
+// reads their records straight into the slots' pinned memory (tiered.Readers
 // reads in flight, started in key order), and, chunk by chunk in order as soon as a chunk's
 // reads are complete, makes the good blocks ready and takes reader holds
 // on them (BeginLoad) and calls ready with the chunk's positions and
@@ -435,43 +306,24 @@ func (e *Engine) promoteChunks(keys []Key, blockIDs []int, pos []int, ready func
 		_ = e.cache.CompleteStore(lost, errDiskMiss)
 	}
 	e.hold(held)
-	go func() {
-		sem := make(chan struct{}, e.disk.readers)
-		for i := range pos {
-			if mems[i] == nil {
-				continue
-			}
-			sem <- struct{}{}
-			go func() {
-				defer func() { <-sem }()
-				ok[i] = e.disk.get(pkeys[i], mems[i])
-				reads[i/diskChunk].Done()
-			}()
-		}
-	}()
+	go e.disk.Read(context.Background(), pkeys, mems, func(i int, good bool) {
+		ok[i] = good
+		reads[i/diskChunk].Done()
+	})
 	for c := range chunks {
 		lo, hi := c*diskChunk, min((c+1)*diskChunk, len(pos))
 		reads[c].Wait()
-		var good, bad []kvcache.Slot
+		var read []kvcache.Slot // the chunk's reserved slots, and their reads
+		var rok []bool
 		for i := lo; i < hi; i++ {
-			switch {
-			case mems[i] == nil:
-			case ok[i]:
-				good = append(good, slots[i])
-			default:
-				bad = append(bad, slots[i])
+			if mems[i] != nil {
+				read, rok = append(read, slots[i]), append(rok, ok[i])
 			}
 		}
-		e.disk.hits.Add(int64(len(good)))
-		e.disk.misses.Add(int64(len(bad)))
-		e.unhold(good)
-		e.unhold(bad)
-		if len(bad) > 0 {
-			_ = e.cache.CompleteStore(bad, errDiskMiss)
-		}
-		if len(good) > 0 {
-			_ = e.cache.CompleteStore(good, nil)
-		}
+		_, _ = tiered.Settle(e.cache, read, rok, errDiskMiss, func(good, bad int) {
+			e.disk.Promoted(good, bad)
+			e.unhold(read)
+		})
 		// Keys not reserved here may have been promoted by another call
 		// meanwhile: BeginLoad finds them too.
 		lres, err := e.cache.BeginLoad(pkeys[lo:hi], pids[lo:hi], nil)
@@ -552,31 +404,15 @@ func (e *Engine) promoteNode(ctx context.Context, ni *nodeIndex, keys []Key, blo
 	return left
 }
 
-// get reads key's block into mem, from its write-back in flight if there
-// is one (Stats.DiskHitsWriting), else from its record (the test hook
-// first); true when mem holds its verified block.
-func (d *diskTier) get(k Key, mem []byte) bool { return d.wb.Get(k, mem) }
-
 // writeBackAtClose writes the pool's blocks that are not on disk yet to
-// the disk tier (DiskConfig.WriteBackOnClose), from their slots, leased
-// meanwhile, with diskWriters goroutines; Close calls it once no call is
-// in flight, before the cache and the tier close (tier/disk Store.PutAll).
-// No write starts once ctx has ended (the blocks left are not written, and
-// not an error: Close's own wait reports ctx). A write the store refuses
-// counts as a write error.
+// the disk tier (DiskConfig.WriteBackOnClose; tiered.Tier.WriteBackAtClose),
+// from their slots, leased meanwhile; Close calls it once no call is in
+// flight, before the cache and the tier close. No write starts once ctx
+// has ended (the blocks left are not written, and not an error: Close's
+// own wait reports ctx).
 func (e *Engine) writeBackAtClose(ctx context.Context) error {
-	d := e.disk
-	if d == nil || !e.cfg.Disk.WriteBackOnClose || e.kc == nil {
+	if e.disk == nil || e.kc == nil {
 		return nil
 	}
-	slots, keys := e.kc.LeaseAll(nil, nil)
-	if len(slots) == 0 {
-		return nil
-	}
-	written, failed, _ := d.store.PutAll(ctx, len(slots), diskWriters,
-		func(i int) [16]byte { return keys[i] },
-		func(i int) []byte { return e.slotBytes(slots[i]) }, nil)
-	d.atClose.Add(written)
-	d.wb.WriteErrors.Add(failed)
-	return e.kc.Unlease(slots)
+	return e.disk.WriteBackAtClose(ctx)
 }

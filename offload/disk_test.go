@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // diskEngineConfig is a pool of four 8 KiB slots over a disk tier in dir.
@@ -302,6 +303,7 @@ func TestDiskConfig(t *testing.T) {
 	require.Equal(t, DiskFsyncNone, cfg.Disk.Fsync)
 	require.Equal(t, DiskDirectAuto, cfg.Disk.Direct)
 	require.Equal(t, DefaultWriteBackBytes, cfg.Disk.WriteBackBytes)
+	require.Equal(t, tiered.DefaultWriteBackBytes, DefaultWriteBackBytes, "the tier's default, as the node's")
 	require.Empty(t, d.Fsync, "the caller's DiskConfig is not changed")
 }
 

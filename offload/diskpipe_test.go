@@ -147,13 +147,13 @@ func TestDiskLoadFaultsMidPipeline(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	// The hook and the seam pair up only one read at a time.
-	e.disk.readers = 1
+	e.disk.Readers = 1
 	hostKeys := seqKeys(100, 4)
 	for i, k := range hostKeys {
 		writeBlock(t, e, i, keyContent(k, e.slot))
 		require.Equal(t, OutcomeStored, storeOne(t, e, k, i))
 	}
-	e.disk.delete([]Key{diskKeys[deleted]})
+	e.disk.Delete([]Key{diskKeys[deleted]})
 
 	ids := seqIDs(30, len(diskKeys))
 	oc := loadAll(t, e, diskKeys, ids)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/cluster"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 	"github.com/kvoffload/kvoffload/transfer"
@@ -74,9 +75,9 @@ type Engine struct {
 	stage   stagingArea
 	reaping reaperState
 	names   namespaces
-	hub     eventHub  // Events' streams (events.go)
-	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
-	disk    *diskTier // the disk tier (Config.Disk), nil without one
+	hub     eventHub     // Events' streams (events.go)
+	slotMem sync.Map     // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
+	disk    *tiered.Tier // the disk tier (Config.Disk), nil without one
 	// diskErr is why a configured disk tier is off (no usable directory
 	// at New): Stats.DiskError.
 	diskErr string

@@ -66,7 +66,7 @@ func (ni *nodeIndex) LookupLease(keys []Key, dst []kvcache.Slot) (int, []kvcache
 
 // lookupTiers is Lookup (lease false) or LookupLease through the node,
 // with lower: how many keys after the hits the node's disk tier holds
-// (nodepool.DiskConfig), which Load has the node promote in chunks
+// (tiered.DiskConfig), which Load has the node promote in chunks
 // (beginLoadTiers, promote; Engine.promoteNode).
 func (ni *nodeIndex) lookupTiers(keys []Key, lease bool, dst []kvcache.Slot) (hits, lower int, _ []kvcache.Slot) {
 	hits, lower, leased, err := ni.c.LookupTiers(keys, lease, nil)

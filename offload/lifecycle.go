@@ -14,6 +14,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/envvar"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 	"github.com/kvoffload/kvoffload/transfer"
@@ -298,7 +299,7 @@ func (e *Engine) teardown() error {
 	if e.disk != nil {
 		// After the cache (no eviction any more), before the pool is
 		// unmapped: the writers give the demoting slots back.
-		errs = append(errs, e.disk.close())
+		errs = append(errs, e.disk.Close(context.Background(), false))
 	}
 	errs = append(errs, e.closeCluster())
 	e.memory.mu.Lock()
@@ -488,7 +489,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// and rehashed the index (O(slots so far) under the cache's lock,
 	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
-	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: min(maxBlocks/64, 64), MaxSlots: reserve,
+	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: tiered.LowWatermark(maxBlocks), MaxSlots: reserve,
 		PartialTimeout: cfg.PartialTimeout}
 	if cfg.ZeroOnRelease {
 		kcfg.OnFree = e.zeroSlot
@@ -506,13 +507,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 			return nil, err
 		default:
 			e.disk = d
-			kcfg.Demote, kcfg.OnDemote = e.disk.demote, e.disk.onDemote
+			kcfg.Demote, kcfg.OnDemote = e.disk.Demote, e.disk.OnDemote
 		}
 	}
 	if e.kc, err = kvcache.New(kcfg); err != nil {
 		return nil, err
 	}
 	e.cache = e.kc
+	if e.disk != nil {
+		e.disk.Start(e.kc) // its writers
+	}
 	if cfg.Cluster != nil {
 		if err := e.openCluster(cfg); err != nil {
 			return nil, err

@@ -52,8 +52,8 @@ func (e *Engine) lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	}
 	e.stats.hits.Add(int64(res.Hits))
 	if e.disk != nil {
-		e.disk.saw(keys)
-		res.DiskHits = e.disk.prefix(keys[res.Hits:])
+		e.disk.Saw(keys)
+		res.DiskHits = e.disk.Prefix(keys[res.Hits:])
 		e.stats.diskLookupHits.Add(int64(res.DiskHits))
 	}
 	return res, nil
@@ -133,7 +133,7 @@ func (e *Engine) finishOp(op *Op, start time.Time) {
 func (e *Engine) delete(keys []Key) int {
 	n := e.cache.Delete(keys)
 	if e.disk != nil {
-		e.disk.delete(keys)
+		e.disk.Delete(keys)
 	}
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()
@@ -144,7 +144,7 @@ func (e *Engine) clear(ns string) int {
 	if e.disk != nil {
 		// Records carry no namespace: the whole disk tier goes (also
 		// when this engine stored nothing in ns, as after a restart).
-		e.disk.clearAll()
+		e.disk.Clear()
 		if e.hooks.afterDiskClear != nil {
 			e.hooks.afterDiskClear()
 		}
@@ -162,7 +162,7 @@ func (e *Engine) clear(ns string) int {
 		// cache's Clear was handed to the disk after it (its write then
 		// outlives the first clear); this one deletes it, written or
 		// in flight.
-		e.disk.clearAll()
+		e.disk.Clear()
 	}
 	e.stats.deletes.Add(int64(n))
 	e.kickReaper()

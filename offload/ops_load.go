@@ -119,7 +119,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		case len(lower) > 0 && lower[0] == j: // on the node's disk
 			lower = lower[1:]
 			fallthrough
-		case onDisk && e.disk.has(keys[n+j]):
+		case onDisk && e.disk.Has(keys[n+j]):
 			promote = append(promote, j)
 			op.setOutcome(n+j, OutcomeMissing, nil) // until a chunk copies it
 		default:

@@ -51,7 +51,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 		return nil, err
 	}
 	if e.disk != nil {
-		e.disk.saw(keys)
+		e.disk.Saw(keys)
 	}
 	res, err := e.beginStore(e.namespace(ns), l.Heads(), keys, blockIDs, opts)
 	if err != nil {

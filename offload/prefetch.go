@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
@@ -113,10 +114,7 @@ func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 	if e.disk != nil && ctx.Err() == nil {
 		res.FromDisk = e.promoteKeys(keys, func(pkeys []Key, mems [][]byte) []bool {
 			return e.readDisk(ctx, pkeys, mems)
-		}, func(good, bad int) {
-			e.disk.hits.Add(int64(good))
-			e.disk.misses.Add(int64(bad))
-		}, true)
+		}, e.disk.Promoted, true)
 	}
 	if e.cluster != nil && ctx.Err() == nil && !e.cluster.Available() {
 		// Not connected (yet): no slot is reserved for what cannot come.
@@ -150,7 +148,7 @@ func (e *Engine) prefetch(ctx context.Context, keys []Key, opts PrefetchOptions)
 func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []bool, count func(good, bad int), onDisk bool) int {
 	var pkeys, parents []Key
 	for j, k := range keys {
-		if onDisk && !e.disk.has(k) {
+		if onDisk && !e.disk.Has(k) {
 			continue
 		}
 		var p Key
@@ -192,55 +190,23 @@ func (e *Engine) promoteKeys(keys []Key, read func(keys []Key, mems [][]byte) []
 	e.hold(slots)
 	ok := read(rkeys, mems)
 	e.unhold(slots)
-	var good, bad []kvcache.Slot
-	for i, s := range slots {
-		if i < len(ok) && ok[i] {
-			good = append(good, s)
-		} else {
-			bad = append(bad, s)
-		}
+	cause := errClusterMiss
+	if onDisk {
+		cause = errDiskMiss
 	}
-	if count != nil {
-		count(len(good), len(bad))
-	}
-	if len(bad) > 0 {
-		cause := errClusterMiss
-		if onDisk {
-			cause = errDiskMiss
-		}
-		_ = e.cache.CompleteStore(bad, cause)
-	}
-	if len(good) == 0 {
-		return 0
-	}
-	if err := e.cache.CompleteStore(good, nil); err != nil {
+	good, err := tiered.Settle(e.cache, slots, ok, cause, count)
+	if good == 0 || err != nil {
 		return 0
 	}
 	e.kickReaper()
-	return len(good)
+	return good
 }
 
-// readDisk reads the disk records of keys into mems, diskReaders at a time;
-// once ctx is done no more reads start (those keys are misses).
+// readDisk reads the disk records of keys into mems, tiered.Readers at a
+// time (Tier.Read); once ctx is done no more reads start (those keys are
+// misses).
 func (e *Engine) readDisk(ctx context.Context, keys []Key, mems [][]byte) []bool {
 	ok := make([]bool, len(keys))
-	sem := make(chan struct{}, e.disk.readers)
-	var wg sync.WaitGroup
-	for i := range keys {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-		}
-		if ctx.Err() != nil {
-			break
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ok[i] = e.disk.get(keys[i], mems[i])
-			<-sem
-		}()
-	}
-	wg.Wait()
+	e.disk.Read(ctx, keys, mems, func(i int, good bool) { ok[i] = good })
 	return ok
 }

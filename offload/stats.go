@@ -405,17 +405,17 @@ func (e *Engine) snapshot() Stats {
 	s.DiskLookupHits = c.diskLookupHits.Load()                                // the embedded tier's, or a node's
 	s.DiskHits, s.DiskMisses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
 	if d := e.disk; d != nil {
-		ds := d.store.Stats()
-		s.DiskHits, s.DiskMisses = d.hits.Load(), d.misses.Load()
-		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.wb.Writes.Load(), d.wb.WriteErrors.Load(), d.wb.Dropped.Load()
-		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.notAdmitted.Load(), ds.Corrupt, d.wb.Copies.Load()
-		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.throughs.Load(), d.atClose.Load()
-		s.DiskHitsWriting = d.wb.Served.Load()
+		ds := d.Store.Stats()
+		s.DiskHits, s.DiskMisses = d.Hits.Load(), d.Misses.Load()
+		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.WB.Writes.Load(), d.WB.WriteErrors.Load(), d.WB.Dropped.Load()
+		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.NotAdmitted.Load(), ds.Corrupt, d.WB.Copies.Load()
+		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.Throughs.Load(), d.AtClose.Load()
+		s.DiskHitsWriting = d.WB.Served.Load()
 		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
 		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
 		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
 		s.DiskReadOnlyDirs, s.DiskUnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
-		if err := d.store.UnusableError(); err != nil {
+		if err := d.Store.UnusableError(); err != nil {
 			s.DiskUnusableError = err.Error()
 		}
 	}

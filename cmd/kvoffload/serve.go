@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
@@ -11,13 +10,13 @@ import (
 	"strings"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
 	"github.com/kvoffload/kvoffload/events"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
+	"github.com/kvoffload/kvoffload/metrics"
 	"github.com/kvoffload/kvoffload/offload"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -98,7 +97,7 @@ signal ends it at once), and says how many it wrote and left.`,
 				if diskBytes == 0 {
 					diskBytes = 4 * cfg.PoolBytes
 				}
-				cfg.Disk = &nodepool.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
+				cfg.Disk = &tiered.DiskConfig{Dirs: strings.Split(*diskDirs, ","), CapacityBytes: diskBytes,
 					AdmitAll: *admitAll, AdmitAfter: *admitAfter, WriteThrough: *writeThrough, WriteBackBytes: writeBackBytes,
 					WriteBackOnClose: *writeBackOnClose}
 			}
@@ -127,12 +126,11 @@ signal ends it at once), and says how many it wrote and left.`,
 			if *verbose {
 				cfg.Logf = func(f string, a ...any) { fmt.Fprintf(e.stderr, "kvoffload serve: "+f+"\n", a...) }
 			}
-			var pub zmq4.Socket
+			var pub *events.Publisher
 			if *eventsAddr != "" {
-				pub = zmq4.NewPub(context.Background())
-				if err := pub.Listen(*eventsAddr); err != nil {
-					_ = pub.Close()
-					return fmt.Errorf("--events %s: %w", *eventsAddr, err)
+				var err error
+				if pub, err = events.Listen(context.Background(), *eventsAddr, events.Options{}); err != nil {
+					return fmt.Errorf("--events %s: %w", *eventsAddr, errors.Unwrap(err))
 				}
 				defer pub.Close()
 				cfg.OnEvents = publisher(pub)
@@ -158,7 +156,7 @@ signal ends it at once), and says how many it wrote and left.`,
 					return fmt.Errorf("--metrics %s: %w", *metricsAddr, err)
 				}
 				mux := http.NewServeMux()
-				mux.Handle("/metrics", promhttp.HandlerFor(nodeRegistry(s, cfg.Disk != nil), promhttp.HandlerOpts{}))
+				mux.Handle("/metrics", promhttp.HandlerFor(metrics.NodeRegistry(func() metrics.NodeStats { return nodeStats(s.Stats()) }, cfg.Disk != nil), promhttp.HandlerOpts{}))
 				srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 				go func() { _ = srv.Serve(ln) }()
 				defer srv.Close()
@@ -216,11 +214,9 @@ func checkServeFlags(cfg *nodepool.ServerConfig, numaNode int) error {
 	return nil
 }
 
-// publisher sends the node's events as vLLM KVEventBatches (medium CPU;
-// the node knows no parents or tokens).
-func publisher(pub zmq4.Socket) func([]wire.Event) {
-	var seq uint64
-	var buf []byte
+// publisher sends the node's events through pub, a KVEventBatch each
+// (medium CPU; the node knows no parents or tokens).
+func publisher(pub *events.Publisher) func([]wire.Event) {
 	var evs []offload.Event
 	return func(batch []wire.Event) {
 		evs = evs[:0]
@@ -231,19 +227,12 @@ func publisher(pub zmq4.Socket) func([]wire.Event) {
 			}
 			evs = append(evs, offload.Event{Kind: k, Key: offload.Key(w.Key), Medium: offload.MediumCPU})
 		}
-		var err error
-		if buf, err = events.AppendBatch(buf[:0], time.Now(), evs); err != nil {
-			return
-		}
-		var s [8]byte
-		binary.BigEndian.PutUint64(s[:], seq)
-		seq++
-		_ = pub.Send(zmq4.NewMsgFrom([]byte{}, s[:], append([]byte(nil), buf...)))
+		_ = pub.Publish(evs) // a subscriber that does not keep up loses messages, as vLLM's
 	}
 }
 
 // diskMode describes the node's disk tier's writes for serve's banner.
-func diskMode(dc *nodepool.DiskConfig) string {
+func diskMode(dc *tiered.DiskConfig) string {
 	m := fmt.Sprintf("evicted blocks seen at least %d times written back", dc.AdmitAfter)
 	switch {
 	case dc.AdmitAll || dc.AdmitAfter <= 1:
@@ -260,60 +249,15 @@ func diskMode(dc *nodepool.DiskConfig) string {
 	return m
 }
 
-// nodeRegistry exports the node's Stats.
-func nodeRegistry(s *nodepool.Server, disk bool) *prometheus.Registry {
-	reg := prometheus.NewRegistry()
-	g := func(name, help string, f func(nodepool.Stats) float64) {
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "kvoffload_node", Name: name, Help: help},
-			func() float64 { return f(s.Stats()) }))
-	}
-	c := func(name, help string, f func(nodepool.Stats) float64) {
-		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Namespace: "kvoffload_node", Name: name, Help: help},
-			func() float64 { return f(s.Stats()) }))
-	}
-	g("pool_bytes", "Bytes of the pool's regions not given back.", func(st nodepool.Stats) float64 { return float64(st.PoolBytes - st.FreedBytes) })
-	g("regions", "Regions mapped by the node (retiring ones included).", func(st nodepool.Stats) float64 { return float64(st.Regions) })
-	g("clients", "Connected clients.", func(st nodepool.Stats) float64 { return float64(st.Clients) })
-	g("clients_waiting_exit", "Clients disconnected without goodbye whose process still runs.", func(st nodepool.Stats) float64 { return float64(st.WaitingExit) })
-	g("slots_free", "Free slots.", func(st nodepool.Stats) float64 { return float64(st.Cache.Free) })
-	g("slots_writing", "Slots reserved for stores.", func(st nodepool.Stats) float64 { return float64(st.Cache.Writing) })
-	g("blocks_ready", "Ready blocks without readers.", func(st nodepool.Stats) float64 { return float64(st.Cache.Ready) })
-	g("blocks_leased", "Ready blocks with readers.", func(st nodepool.Stats) float64 { return float64(st.Cache.Leased) })
-	c("lookup_hits_total", "Keys found by lookups.", func(st nodepool.Stats) float64 { return float64(st.Cache.LookupHits) })
-	c("lookup_misses_total", "Keys missed by lookups.", func(st nodepool.Stats) float64 { return float64(st.Cache.LookupMisses) })
-	c("stored_total", "Blocks committed.", func(st nodepool.Stats) float64 { return float64(st.Cache.Stored) })
-	c("store_failed_total", "Reservations aborted (or of clients that exited).", func(st nodepool.Stats) float64 { return float64(st.Cache.StoreFailed) })
-	c("evicted_total", "Blocks evicted by the policy.", func(st nodepool.Stats) float64 { return float64(st.Cache.Evicted) })
-	c("malformed_total", "Messages that did not decode.", func(st nodepool.Stats) float64 { return float64(st.Malformed) })
-	c("released_on_exit_total", "Clients whose holdings were released when their process exited.", func(st nodepool.Stats) float64 { return float64(st.ReleasedOnExit) })
-	c("events_dropped_total", "KV events dropped by a full queue.", func(st nodepool.Stats) float64 { return float64(st.EventsDropped) })
-	g("connections", "Connections open (said Hello or not).", func(st nodepool.Stats) float64 { return float64(st.Connections) })
-	c("conns_refused_total", "Connections refused past --max-conns or --max-conns-per-client.", func(st nodepool.Stats) float64 { return float64(st.ConnsRefused) })
-	c("accept_errors_total", "Accepts that failed (out of descriptors or memory, a connection aborted) and were retried.", func(st nodepool.Stats) float64 { return float64(st.AcceptErrors) })
-	c("hello_timeouts_total", "Connections closed for saying no Hello within --hello-timeout.", func(st nodepool.Stats) float64 { return float64(st.HelloTimeouts) })
-	c("over_share_total", "Requests cut short by a client's share of the pool (--client-share) or a slot's lease count.", func(st nodepool.Stats) float64 { return float64(st.OverShare) })
-	c("reservations_expired_total", "Reservations not committed within --reserve-timeout.", func(st nodepool.Stats) float64 { return float64(st.ReservationsExpired) })
-	if disk {
-		// The disk tier's series (--disk), as nodepool.Stats counts them;
-		// disk_up is 0 while the tier is not open (before the first
-		// client's layout) or failed to open (disk_error in Stats).
-		g("disk_up", "1 when the disk tier is open and serving, else 0.", func(st nodepool.Stats) float64 {
-			if st.DiskOpen {
-				return 1
-			}
-			return 0
-		})
-		g("disk_records", "Records on disk now.", func(st nodepool.Stats) float64 { return float64(st.DiskRecords) })
-		c("disk_lookup_hits_total", "Keys lookups found on disk after the pool's hits.", func(st nodepool.Stats) float64 { return float64(st.DiskLookupHits) })
-		c("disk_promoted_total", "Blocks loads promoted from disk into the pool.", func(st nodepool.Stats) float64 { return float64(st.DiskHits) })
-		c("disk_misses_total", "Promotions whose record was missing or failed a check.", func(st nodepool.Stats) float64 { return float64(st.DiskMisses) })
-		c("disk_writes_total", "Blocks written to disk: evictions written back, and with --disk-write-through blocks written through.", func(st nodepool.Stats) float64 { return float64(st.DiskWrites) })
-		c("disk_write_errors_total", "Writes the disk store refused or failed.", func(st nodepool.Stats) float64 { return float64(st.DiskWriteErrors) })
-		c("disk_dropped_total", "Blocks not written: admitted evictions past the write-back bound, or ready blocks finding the write-through queue full.", func(st nodepool.Stats) float64 { return float64(st.DiskDropped) })
-		c("disk_not_admitted_total", "Evictions the admission filter kept off disk (key seen fewer than --disk-admit-after times).", func(st nodepool.Stats) float64 { return float64(st.DiskNotAdmitted) })
-		c("disk_corrupt_total", "Records that failed a check when read.", func(st nodepool.Stats) float64 { return float64(st.DiskCorrupt) })
-		c("disk_written_at_close_total", "Blocks of the pool written to disk at shutdown (--disk-write-back-on-close); not in disk_writes_total.", func(st nodepool.Stats) float64 { return float64(st.DiskWrittenAtClose) })
-		c("disk_left_at_close_total", "Blocks not on disk that shutdown did not write: --disk-close-timeout passed first.", func(st nodepool.Stats) float64 { return float64(st.DiskLeftAtClose) })
-	}
-	return reg
+// nodeStats is what metrics.NodeRegistry exports of the node's Stats.
+func nodeStats(st nodepool.Stats) metrics.NodeStats {
+	return metrics.NodeStats{PoolBytes: st.PoolBytes, FreedBytes: st.FreedBytes, Regions: st.Regions,
+		Clients: st.Clients, WaitingExit: st.WaitingExit, Connections: st.Connections, Cache: st.Cache,
+		Malformed: st.Malformed, ReleasedOnExit: st.ReleasedOnExit, EventsDropped: st.EventsDropped,
+		ConnsRefused: st.ConnsRefused, AcceptErrors: st.AcceptErrors, HelloTimeouts: st.HelloTimeouts,
+		OverShare: st.OverShare, ReservationsExpired: st.ReservationsExpired,
+		DiskOpen: st.DiskOpen, DiskRecords: st.DiskRecords, DiskLookupHits: st.DiskLookupHits, DiskHits: st.DiskHits,
+		DiskMisses: st.DiskMisses, DiskWrites: st.DiskWrites, DiskWriteErrors: st.DiskWriteErrors,
+		DiskDropped: st.DiskDropped, DiskNotAdmitted: st.DiskNotAdmitted, DiskCorrupt: st.DiskCorrupt,
+		DiskWrittenAtClose: st.DiskWrittenAtClose, DiskLeftAtClose: st.DiskLeftAtClose}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"testing"
+
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // TestNodeDiskWriteBackOnClose: a node whose pool holds 5 blocks stored
@@ -46,7 +48,7 @@ func TestNodeDiskWriteBackOnClose(t *testing.T) {
 			if tc.ctx != nil {
 				ctx, hook = tc.ctx()
 			}
-			s, c := diskNode(t, DiskConfig{Dirs: []string{dir}, WriteBackOnClose: tc.onClose}, 0, hook)
+			s, c := diskNode(t, tiered.DiskConfig{Dirs: []string{dir}, WriteBackOnClose: tc.onClose}, 0, hook)
 			keys := spreadKeys(26, 6)
 			stored, reserved := keys[:5], keys[5]
 			for _, k := range stored {
@@ -76,15 +78,15 @@ func TestNodeDiskWriteBackOnClose(t *testing.T) {
 				if written != tc.written || int(st.DiskLeftAtClose) != tc.left {
 					t.Fatalf("at close: %d written, %d left; want %d, %d", written, st.DiskLeftAtClose, tc.written, tc.left)
 				}
-			} else if written < 1 || written > diskWriters || written+int(st.DiskLeftAtClose) != len(stored) {
+			} else if written < 1 || written > tiered.Writers || written+int(st.DiskLeftAtClose) != len(stored) {
 				// One write a writer at most: the rest are not started.
-				t.Fatalf("ended during: %d written, %d left; want 1 to %d, adding up to %d", written, st.DiskLeftAtClose, diskWriters, len(stored))
+				t.Fatalf("ended during: %d written, %d left; want 1 to %d, adding up to %d", written, st.DiskLeftAtClose, tiered.Writers, len(stored))
 			}
 			if st.DiskWrites != 0 || st.DiskWriteErrors != 0 || int(st.DiskRecords) != written {
 				t.Fatalf("after close: %+v", st)
 			}
 
-			s2 := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20}})
+			s2 := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: &tiered.DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20}})
 			c2 := dial(t, s2.Addr(), ClientConfig{})
 			defer c2.Close()
 			if n := onDisk(t, c2, stored); n != written {

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // spreadKeys returns n keys whose every byte is hashed (as real keys are),
@@ -28,7 +30,7 @@ func spreadKeys(seed, n int) []Key {
 
 // diskNode runs a node of 8 slots with disk tier dc in dir (a fresh one
 // when ""), the writers held by hook when set, and one client of it.
-func diskNode(t *testing.T, dc DiskConfig, lowWatermark int, hook func(Key)) (*Server, *Client) {
+func diskNode(t *testing.T, dc tiered.DiskConfig, lowWatermark int, hook func(Key)) (*Server, *Client) {
 	t.Helper()
 	if len(dc.Dirs) == 0 {
 		dc.Dirs = []string{t.TempDir()}
@@ -102,7 +104,7 @@ func (h *heldWriters) next(t *testing.T) Key {
 // written-back blocks (not those its pool held at Close: write-back only).
 func TestNodeDiskAdmission(t *testing.T) {
 	dir := t.TempDir()
-	dc := DiskConfig{Dirs: []string{dir}}
+	dc := tiered.DiskConfig{Dirs: []string{dir}}
 	s, c := diskNode(t, dc, 0, nil)
 	keys := spreadKeys(1, 16)
 	for _, k := range keys[:8] {
@@ -158,7 +160,7 @@ func TestNodeDiskAdmission(t *testing.T) {
 // TestNodeDiskAdmitAll: AdmitAll writes back every evicted block and
 // nothing else; the blocks still in the pool are not on disk.
 func TestNodeDiskAdmitAll(t *testing.T) {
-	s, c := diskNode(t, DiskConfig{AdmitAll: true}, 0, nil)
+	s, c := diskNode(t, tiered.DiskConfig{AdmitAll: true}, 0, nil)
 	keys := spreadKeys(2, 16)
 	for _, k := range keys {
 		storeOneBlock(t, c, k, Key{})
@@ -186,7 +188,7 @@ func TestNodeDiskAdmitAll(t *testing.T) {
 // its record serves.
 func TestNodeDiskDemoting(t *testing.T) {
 	h := newHeldWriters(t)
-	s, c := diskNode(t, DiskConfig{AdmitAll: true}, 2, h.hook)
+	s, c := diskNode(t, tiered.DiskConfig{AdmitAll: true}, 2, h.hook)
 	keys := spreadKeys(3, 8)
 	for _, k := range keys {
 		storeOneBlock(t, c, k, Key{})
@@ -227,7 +229,7 @@ func TestNodeDiskDemoting(t *testing.T) {
 func TestNodeDiskDropped(t *testing.T) {
 	t.Run("write-back", func(t *testing.T) {
 		h := newHeldWriters(t)
-		s, c := diskNode(t, DiskConfig{AdmitAll: true, WriteBackBytes: testSlot}, 0, h.hook)
+		s, c := diskNode(t, tiered.DiskConfig{AdmitAll: true, WriteBackBytes: testSlot}, 0, h.hook)
 		keys := spreadKeys(4, 12)
 		for _, k := range keys {
 			storeOneBlock(t, c, k, Key{})
@@ -245,7 +247,7 @@ func TestNodeDiskDropped(t *testing.T) {
 	})
 	t.Run("write-through", func(t *testing.T) {
 		h := newHeldWriters(t)
-		s, c := diskNode(t, DiskConfig{WriteThrough: true, QueueBlocks: 1}, 0, h.hook)
+		s, c := diskNode(t, tiered.DiskConfig{WriteThrough: true, QueueBlocks: 1}, 0, h.hook)
 		keys := spreadKeys(5, 4)
 		storeOneBlock(t, c, keys[0], Key{})
 		if k := h.next(t); k != keys[0] {
@@ -274,7 +276,7 @@ func TestNodeDiskDeleteWhileDemoting(t *testing.T) {
 		name := map[bool]string{false: "delete", true: "clear"}[clear]
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
-			dc := DiskConfig{Dirs: []string{dir}, AdmitAll: true}
+			dc := tiered.DiskConfig{Dirs: []string{dir}, AdmitAll: true}
 			h := newHeldWriters(t)
 			s, c := diskNode(t, dc, 2, h.hook)
 			keys := spreadKeys(6, 8)
@@ -329,7 +331,7 @@ func TestNodeDiskDeleteWhileDemoting(t *testing.T) {
 // left demoting, the index's invariants hold, and a trim drains.
 func TestNodeDiskConcurrent(t *testing.T) {
 	s := startServer(t, ServerConfig{PoolBytes: 32 * testSlot, RegionBytes: 16 * testSlot, LowWatermark: 4,
-		Disk: &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteBackBytes: 4 * testSlot}})
+		Disk: &tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteBackBytes: 4 * testSlot}})
 	var wg sync.WaitGroup
 	errs := make(chan error, 16)
 	for g := range 4 {

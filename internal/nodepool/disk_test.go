@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // storeOneBlock stores key k through client c (bytes from fill) and
@@ -47,7 +49,7 @@ func loadChecked(t *testing.T, c *Client, keys []Key) {
 	}
 }
 
-// TestNodeDisk: with a write-through disk tier (DiskConfig.WriteThrough)
+// TestNodeDisk: with a write-through disk tier (tiered.DiskConfig.WriteThrough)
 // the node writes every committed block to disk from its slot; blocks the pool evicted are reported after the hits
 // by LookupTiers and promoted by BeginLoad, byte-exact, for another
 // client; a node restarted on the same directory finds every block on
@@ -55,7 +57,7 @@ func loadChecked(t *testing.T, c *Client, keys []Key) {
 // node on a directory in use serves without a disk tier and says why.
 func TestNodeDisk(t *testing.T) {
 	dir := t.TempDir()
-	diskCfg := &DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20, WriteThrough: true}
+	diskCfg := &tiered.DiskConfig{Dirs: []string{dir}, CapacityBytes: 8 << 20, WriteThrough: true}
 	// A pool of 8 slots for 24 blocks: the first ones are evicted.
 	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: diskCfg})
 	a := dialMapped(t, s)
@@ -153,15 +155,15 @@ func TestNodeDisk(t *testing.T) {
 // naming the field.
 func TestNodeDiskConfig(t *testing.T) {
 	for _, tc := range []struct {
-		cfg  DiskConfig
+		cfg  tiered.DiskConfig
 		want string
 	}{
-		{DiskConfig{CapacityBytes: 1 << 20}, "Disk.Dirs"},
-		{DiskConfig{Dirs: []string{t.TempDir()}}, "Disk.CapacityBytes = 0"},
-		{DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, QueueBlocks: -1}, "Disk.QueueBlocks = -1"},
-		{DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, WriteBackBytes: -1}, "Disk.WriteBackBytes = -1"},
-		{DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, AdmitAfter: -1}, "Disk.AdmitAfter = -1"},
-		{DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, AdmitAfter: 16}, "Disk.AdmitAfter = 16, want 1 to 15"},
+		{tiered.DiskConfig{CapacityBytes: 1 << 20}, "Disk.Dirs"},
+		{tiered.DiskConfig{Dirs: []string{t.TempDir()}}, "Disk.CapacityBytes = 0"},
+		{tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, QueueBlocks: -1}, "Disk.QueueBlocks = -1"},
+		{tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, WriteBackBytes: -1}, "Disk.WriteBackBytes = -1"},
+		{tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, AdmitAfter: -1}, "Disk.AdmitAfter = -1"},
+		{tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 1 << 20, AdmitAfter: 16}, "Disk.AdmitAfter = 16, want 1 to 15"},
 	} {
 		_, err := NewServer(ServerConfig{Socket: filepath.Join(t.TempDir(), "s"), PoolBytes: 1 << 20, Disk: &tc.cfg})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -8,12 +8,13 @@ import (
 	"testing"
 
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // TestNodeDiskOtherLayoutKept: a node whose disk directory holds the
 // records of another layout (another slot size, written by an embedded
 // engine of another model, say) keeps that file as it is, beside its own;
-// with DiskConfig.RemoveRecords naming it, the node removes it.
+// with tiered.DiskConfig.RemoveRecords naming it, the node removes it.
 func TestNodeDiskOtherLayoutKept(t *testing.T) {
 	dir := t.TempDir()
 	const otherPayload = 3 * testSlot // not the node's slot size
@@ -35,7 +36,7 @@ func TestNodeDiskOtherLayoutKept(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	run := func(dc *DiskConfig) {
+	run := func(dc *tiered.DiskConfig) {
 		s := startServer(t, ServerConfig{PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot, Disk: dc})
 		c := dialMapped(t, s)
 		storeOneBlock(t, c, testKeys(3, 1)[0], Key{})
@@ -49,7 +50,7 @@ func TestNodeDiskOtherLayoutKept(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	run(&DiskConfig{Dirs: []string{dir}, CapacityBytes: 1 << 20, WriteThrough: true})
+	run(&tiered.DiskConfig{Dirs: []string{dir}, CapacityBytes: 1 << 20, WriteThrough: true})
 	after, err := os.ReadFile(filepath.Join(dir, otherName))
 	if err != nil || !bytes.Equal(before, after) {
 		t.Fatalf("the other layout's records file after a node ran on its directory: %v (unchanged: %v)", err, bytes.Equal(before, after))
@@ -66,7 +67,7 @@ func TestNodeDiskOtherLayoutKept(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	run(&DiskConfig{Dirs: []string{dir}, CapacityBytes: 1 << 20, WriteThrough: true, RemoveRecords: []string{otherName}})
+	run(&tiered.DiskConfig{Dirs: []string{dir}, CapacityBytes: 1 << 20, WriteThrough: true, RemoveRecords: []string{otherName}})
 	if _, err := os.Stat(filepath.Join(dir, otherName)); !os.IsNotExist(err) {
 		t.Fatalf("RemoveRecords %s: the file is still there (%v)", otherName, err)
 	}

@@ -144,16 +144,16 @@
 // reports the keys on disk instead, and Promote brings them in a chunk a
 // request, served by the client's promoter goroutine in order and in the
 // background, so that a client copies one chunk to its GPU while the node
-// reads the next (offload.Dial's Load does). As in the embedded engine, a block the policy evicts is
-// written back if its key passes the admission filter (seen at least
-// twice, stores and lookups through the node counted; DiskConfig.AdmitAll,
-// AdmitAfter), within DiskConfig.WriteBackBytes of write-backs waiting
-// (past it dropped, counted); DiskConfig.WriteThrough also writes every
-// block as it becomes ready, and DiskConfig.WriteBackOnClose has Close
-// write the pool's ready blocks not on disk yet (bounded by
-// Server.CloseContext's context), so that a restarted node finds them. A
-// block written back from its slot keeps the
-// slot "demoting" (kvcache: bytes intact, readable by promotions, never
+// reads the next (offload.Dial's Load does). The tier is the embedded
+// engine's, internal/tiered's Tier: a block the policy evicts is written
+// back if its key passes the admission filter (seen at least twice,
+// stores and lookups through the node counted; tiered.DiskConfig's
+// AdmitAll, AdmitAfter), within its WriteBackBytes of write-backs waiting
+// (past it dropped, counted); WriteThrough also writes every block as it
+// becomes ready, and WriteBackOnClose has Close write the pool's ready
+// blocks not on disk yet (bounded by Server.CloseContext's context), so
+// that a restarted node finds them. A block written back from its slot
+// keeps the slot "demoting" (kvcache: bytes intact, readable by promotions, never
 // handed to a store, its region not releasable) until its write ends: the
 // invariant above (no slot handed to a writer while held) covers it. A
 // Delete or Clear reaches the records, also those being written.

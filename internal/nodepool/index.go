@@ -6,14 +6,15 @@ package nodepool
 // subscribed clients.
 //
 // Locks: newCache runs with s.mu held (from hello). onIndex runs under
-// the cache's lock and takes no Server lock (the disk tier's onReady
-// takes its own mu, read, under it: disk.go); fanOutEvents takes s.mu to
+// the cache's lock and takes no Server lock (the disk tier's Ready
+// takes its own mu, read, under it: internal/tiered); fanOutEvents takes s.mu to
 // walk s.peers.
 
 import (
 	"fmt"
 
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
@@ -33,7 +34,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		pol = t
 	}
 	// The disk tier opens first: its Demote and OnDemote are the cache's.
-	var d *nodeDisk
+	var d *tiered.Tier
 	if s.cfg.Disk != nil {
 		var err error
 		if d, err = s.openDisk(layout, layout.Kind()); err != nil {
@@ -47,18 +48,16 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 	case kcfg.LowWatermark < 0:
 		kcfg.LowWatermark = 0
 	case kcfg.LowWatermark == 0 && s.cfg.Disk != nil:
-		// The embedded engine's: evictions run ahead of stores, so that
-		// the blocks written back go from their demoting slots, not
-		// copied out under the cache's lock.
-		kcfg.LowWatermark = min(slots/64, 64)
+		// The embedded engine's: evictions run ahead of stores.
+		kcfg.LowWatermark = tiered.LowWatermark(slots)
 	}
 	if d != nil {
-		kcfg.Demote, kcfg.OnDemote = d.demote, d.wb.OnDemote
+		kcfg.Demote, kcfg.OnDemote = d.Demote, d.OnDemote
 	}
 	c, err := kvcache.New(kcfg)
 	if err != nil {
 		if d != nil {
-			_ = d.store.Close()
+			_ = d.Store.Close()
 		}
 		return err
 	}
@@ -75,7 +74,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 		if _, err := c.AddRegion(kvcache.Region{ID: kvcache.RegionID(rr.id), Base: rr.r.Addr(), Size: uint64(rr.r.Len())}); err != nil {
 			c.Close()
 			if d != nil {
-				_ = d.store.Close()
+				_ = d.Store.Close()
 			}
 			return fmt.Errorf("nodepool: region %d: %w", rr.id, err)
 		}
@@ -83,7 +82,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 	s.cache, s.slotSize = c, layout.SlotSize()
 	s.accts.setShare(min(slots, kvcache.MaxSlots), s.lim.share)
 	if d != nil {
-		d.start(c)
+		d.Start(c)
 		s.disk = d
 	}
 	return nil
@@ -93,7 +92,7 @@ func (s *Server) newCache(layout *kvcache.Layout) error {
 // drops it (counted) when the fan-out is behind.
 func (s *Server) onIndex(e kvcache.IndexEvent) {
 	if e.Ready && s.disk != nil {
-		s.disk.onReady(e.Key)
+		s.disk.Ready(e.Key)
 	}
 	if s.subscribers.Load() == 0 {
 		return

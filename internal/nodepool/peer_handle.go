@@ -55,9 +55,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		if m.Flags&wire.FlagLease == 0 {
 			o.N = uint64(c.Lookup(m.Keys))
 			if s.disk != nil {
-				s.disk.saw(m.Keys)
-				o.Lower = uint32(s.disk.diskPrefix(m.Keys[o.N:]))
-				s.disk.lookupHits.Add(int64(o.Lower))
+				s.disk.Saw(m.Keys)
+				o.Lower = uint32(s.disk.Prefix(m.Keys[o.N:]))
+				s.disk.LookupHits.Add(int64(o.Lower))
 			}
 			return o
 		}
@@ -75,9 +75,9 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		}
 		o.N = uint64(n)
 		if s.disk != nil {
-			s.disk.saw(m.Keys)
-			o.Lower = uint32(s.disk.diskPrefix(m.Keys[n:]))
-			s.disk.lookupHits.Add(int64(o.Lower))
+			s.disk.Saw(m.Keys)
+			o.Lower = uint32(s.disk.Prefix(m.Keys[n:]))
+			s.disk.LookupHits.Add(int64(o.Lower))
 		}
 		o.Slots = slices.Grow(o.Slots, len(p.slots))[:len(p.slots)]
 		for i := range p.slots {
@@ -154,7 +154,7 @@ func (p *peer) handle(m *wire.Msg) *wire.Msg {
 		case m.Flags&wire.FlagDiskLater != 0:
 			// Not promoted here: the client asks for them in chunks
 			// (Promote), copying each while the next is read.
-			onDisk = func(j int) bool { return s.disk.has(m.Keys[j]) }
+			onDisk = func(j int) bool { return s.disk.Has(m.Keys[j]) }
 		default:
 			s.promoteMissing(ns, m.Keys, chainParent(m.Keys), p.loadRes)
 		}
@@ -183,13 +183,13 @@ func (p *peer) handleRare(m *wire.Msg, o *wire.Msg, ns kvcache.Namespace) *wire.
 	case wire.TDelete:
 		o.N = uint64(c.Delete(m.Keys))
 		if s.disk != nil {
-			s.disk.delete(m.Keys)
+			s.disk.Delete(m.Keys)
 		}
 		s.reap()
 	case wire.TClear:
 		o.N = uint64(c.Clear(ns))
 		if s.disk != nil {
-			s.disk.clear()
+			s.disk.Clear()
 		}
 		s.reap()
 	case wire.TStats:
@@ -300,7 +300,7 @@ func (p *peer) beginStore(m *wire.Msg, ns kvcache.Namespace) *wire.Msg {
 	if d := p.s.disk; d != nil && m.HeadLo == 0 {
 		// A use of each block, once per tensor-parallel group (the range
 		// at head 0), for the disk tier's admission.
-		d.saw(keys)
+		d.Saw(keys)
 	}
 	var refused map[wire.Key]uint8
 	// The client's share: each key written takes one slot of the grant;

@@ -4,6 +4,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvoffload/kvoffload/internal/tiered"
 )
 
 // TestNodeDiskPromoteChunks: BeginLoadTiers reports the keys the pool
@@ -16,7 +18,7 @@ import (
 // the node's holds add up to nothing after the EndLoads.
 func TestNodeDiskPromoteChunks(t *testing.T) {
 	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
-		Disk: &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
+		Disk: &tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
 	keys := testKeys(11, 24)
 	held := keys[3]
 	var reads atomic.Int64
@@ -146,7 +148,7 @@ func TestNodeDiskPromoteChunks(t *testing.T) {
 // block's load is given back, nothing stays reserved or leased.
 func TestNodeDiskPromoteBye(t *testing.T) {
 	s := startServer(t, ServerConfig{ClientShare: 1, PoolBytes: 8 * testSlot, RegionBytes: 8 * testSlot,
-		Disk: &DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
+		Disk: &tiered.DiskConfig{Dirs: []string{t.TempDir()}, CapacityBytes: 8 << 20, WriteThrough: true}})
 	keys := testKeys(12, 12)
 	reached, gate := make(chan struct{}), make(chan struct{})
 	var once atomic.Bool

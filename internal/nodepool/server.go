@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/memfit"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
+	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/mmapmem"
 )
@@ -68,7 +69,7 @@ type ServerConfig struct {
 	// 0: none without a disk tier; with one (Disk), a 64th of the pool's
 	// slots, at most 64, as the embedded engine keeps, so that evicted
 	// blocks are written back from their demoting slots rather than copied
-	// out first (DiskConfig). Negative: none.
+	// out first (tiered.DiskConfig). Negative: none.
 	LowWatermark int
 	// PrefaultThreads populate each region at start (0: mmapmem's default).
 	PrefaultThreads int
@@ -113,11 +114,11 @@ type ServerConfig struct {
 	// client must not write into a reservation after it. 0:
 	// DefaultReserveTimeout.
 	ReserveTimeout time.Duration
-	// Disk, when set, puts a disk tier under the pool (see DiskConfig). It
+	// Disk, when set, puts a disk tier under the pool (see tiered.DiskConfig). It
 	// opens with the first client's layout (the records' size is the
 	// slot's); a directory it cannot use leaves the node serving without
 	// it, Stats.DiskError saying why.
-	Disk *DiskConfig
+	Disk *tiered.DiskConfig
 }
 
 // Server is a node: it owns the pool's memfd-backed regions, the block
@@ -154,7 +155,7 @@ type Server struct {
 	wg      sync.WaitGroup
 	stop    chan struct{}
 	events  chan wire.Event
-	disk    *nodeDisk // nil: no disk tier (or none yet: the first Hello opens it)
+	disk    *tiered.Tier // nil: no disk tier (or none yet: the first Hello opens it)
 	diskErr string
 	// beforeDiskPut, when set (tests, before the first client), runs in
 	// the disk tier's writers before each write.
@@ -518,12 +519,12 @@ func (s *Server) Serve() error {
 // unmaps the node's regions (clients keep their own mappings until they
 // unmap them). Leases and reservations die with the index. With a disk
 // tier it first writes the write-backs queued and, with
-// DiskConfig.WriteBackOnClose, the pool's blocks not on disk yet, however
+// tiered.DiskConfig.WriteBackOnClose, the pool's blocks not on disk yet, however
 // long they take: CloseContext bounds the latter.
 func (s *Server) Close() error { return s.CloseContext(context.Background()) }
 
 // CloseContext is Close with a bound on the disk tier's write-back at
-// close (DiskConfig.WriteBackOnClose): once ctx ends no further block is
+// close (tiered.DiskConfig.WriteBackOnClose): once ctx ends no further block is
 // written (a write in progress finishes) and the rest are counted
 // (Stats.DiskLeftAtClose); the node closes as Close does, and ctx's end is
 // not an error. Nothing else of Close waits on ctx.

@@ -74,7 +74,7 @@ type Stats struct {
 	// block's slot or copy) rather than read from its record.
 	DiskHitsWriting int64 `json:"disk_hits_writing"`
 	// DiskWrittenAtClose: the pool's blocks Close wrote to disk
-	// (DiskConfig.WriteBackOnClose); not counted in DiskWrites.
+	// (tiered.DiskConfig.WriteBackOnClose); not counted in DiskWrites.
 	DiskWrittenAtClose int64 `json:"disk_written_at_close"`
 	// DiskLeftAtClose: blocks not on disk that Close did not write
 	// because CloseContext's context ended first.
@@ -106,12 +106,12 @@ func (s *Server) Stats() Stats {
 	}
 	if d != nil {
 		st.DiskOpen = true
-		ds := d.store.Stats()
-		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.lookupHits.Load(), d.hits.Load(), d.misses.Load()
-		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.wb.Writes.Load(), d.wb.WriteErrors.Load(), d.wb.Dropped.Load()
+		ds := d.Store.Stats()
+		st.DiskLookupHits, st.DiskHits, st.DiskMisses = d.LookupHits.Load(), d.Hits.Load(), d.Misses.Load()
+		st.DiskWrites, st.DiskWriteErrors, st.DiskDropped = d.WB.Writes.Load(), d.WB.WriteErrors.Load(), d.WB.Dropped.Load()
 		st.DiskRecords, st.DiskCorrupt = ds.Records, ds.Corrupt
-		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.notAdmitted.Load(), d.wb.Copies.Load(), d.wb.Served.Load()
-		st.DiskWrittenAtClose, st.DiskLeftAtClose = d.atClose.Load(), d.leftAtClose.Load()
+		st.DiskNotAdmitted, st.DiskCopies, st.DiskHitsWriting = d.NotAdmitted.Load(), d.WB.Copies.Load(), d.WB.Served.Load()
+		st.DiskWrittenAtClose, st.DiskLeftAtClose = d.AtClose.Load(), d.LeftAtClose.Load()
 	}
 	st.Accepted = s.counter.accepted.Load()
 	st.Refused = s.counter.refused.Load()
