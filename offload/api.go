@@ -261,6 +261,15 @@ type Config struct {
 	// New leaves the engine without the tier (Stats.ClusterError). Nil: no
 	// cluster tier.
 	Cluster *ClusterConfig `json:"cluster,omitempty"`
+
+	// HostDevice and DiskFaults are package hostsim's seam, set by
+	// hostsim.NewEngine and hostsim.Dial: the host backend's simulated
+	// device (nil: the engine makes its own, which Engine.Config then
+	// reports), and a fault injected before each file operation of the
+	// disk tier (op "open", "open-direct", "write", "read" or "fallocate"
+	// on directory dir; a non-nil error replaces the operation's result).
+	HostDevice *transfer.Sim              `json:"-"`
+	DiskFaults func(op, dir string) error `json:"-"`
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache as plain data (it

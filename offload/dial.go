@@ -10,8 +10,6 @@ import (
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/offload/internal/simhook"
-	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // ErrUnavailable: an engine of Dial cannot reach its node (not started,
@@ -21,12 +19,6 @@ import (
 // Delete and Clear report 0. The engine reconnects by itself; the new
 // node's pool is empty, so nothing is ever loaded wrong.
 var ErrUnavailable = errors.New("offload: node unavailable")
-
-func init() {
-	simhook.Dial = func(socket string, cfg any, sim *transfer.Sim) (any, error) {
-		return dialEngine(socket, cfg.(Config), engineHooks{sim: sim})
-	}
-}
 
 // nominalDialPool is the PoolBytes an engine of Dial is validated with
 // when its Config gives none: the pool is the node's, Config.PoolBytes is

@@ -60,8 +60,8 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 	}
 }
 
-// engineHooks are injections: sim from package hostsim (and tests), the
-// rest test-only.
+// engineHooks are injections: sim and diskFaults from Config's seam of
+// package hostsim (and tests), the rest test-only.
 type engineHooks struct {
 	// sim is the host backend's simulated device (nil: the engine makes
 	// its own and closes it).
@@ -185,7 +185,7 @@ func (e *Engine) openSim() error {
 		}
 		e.ownSim = true
 	}
-	e.dev = e.sim
+	e.dev, e.cfg.HostDevice = e.sim, e.sim
 	if layoutEmpty(e.cfg.Layout) {
 		spec, _ := kvLayoutSpec(e.cfg.Layout)
 		base, err := e.allocDense(&spec)
@@ -331,6 +331,7 @@ func (e *Engine) teardown() error {
 
 func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	start := time.Now()
+	h = h.withSeam(cfg)
 	cfg, numa, slot, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
@@ -419,6 +420,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		}
 	}()
 	if choice.name == BackendCUDA {
+		e.cfg.HostDevice = nil // Config reports the device in use
 		if err := e.openCUDA(choice); err != nil {
 			return nil, err
 		}

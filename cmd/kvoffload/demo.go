@@ -14,7 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/internal/trace"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
@@ -135,7 +134,7 @@ type demoConfig struct {
 
 	// diskFaults is a test hook: tier/disk's fault seam for the host
 	// backend's disk tier (hostsim.Options.DiskFaults).
-	diskFaults func(op disk.FaultOp, dir string) error
+	diskFaults func(op hostsim.DiskFaultOp, dir string) error
 	// simDelay is a test hook: the host backend's copies each wait this
 	// long (hostsim.Options' MinDelay and MaxDelay).
 	simDelay time.Duration
