@@ -67,7 +67,7 @@ func simLayout(t testing.TB, sim *transfer.Sim, blocks int) LayoutSpec {
 type tally struct {
 	mu       sync.Mutex
 	outcomes [numOutcomes]int64
-	ops      [3]int64 // by OpKind
+	ops      [3]int64 // by transfer.Direction
 	loaded   int64    // loaded blocks checked byte for byte
 	busy     int64    // Loads refused with ErrBusy
 }
@@ -287,8 +287,8 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 	defer ta.mu.Unlock()
 	require.Equal(t, int64(0), st.Outcomes[OutcomePending], "no block left pending")
 	require.Equal(t, ta.outcomes, st.Outcomes, "outcome counters equal the outcomes the ops reported")
-	require.Equal(t, ta.ops[OpStore], st.Store.Ops)
-	require.Equal(t, ta.ops[OpLoad], st.Load.Ops)
+	require.Equal(t, ta.ops[transfer.Store], st.Store.Ops)
+	require.Equal(t, ta.ops[transfer.Load], st.Load.Ops)
 	require.Equal(t, ta.outcomes[OutcomeStored], st.Store.Blocks)
 	require.Equal(t, ta.outcomes[OutcomeLoaded], st.Load.Blocks)
 	require.Equal(t, st.Store.Blocks*st.BlockBytes, st.Store.Bytes)

@@ -5,26 +5,9 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
-
-// OpKind says whether an op stores or loads.
-type OpKind uint8
-
-// Op kinds.
-const (
-	OpStore OpKind = iota + 1 // device → host
-	OpLoad                    // host → device
-)
-
-func (k OpKind) String() string {
-	switch k {
-	case OpStore:
-		return "store"
-	case OpLoad:
-		return "load"
-	}
-	return fmt.Sprintf("OpKind(%d)", uint8(k))
-}
 
 // Op is one asynchronous Store or Load on a list of blocks.
 //
@@ -47,7 +30,7 @@ func (k OpKind) String() string {
 // copies go on, its blocks still get their outcomes (counted in Stats), and
 // its events return to the engine when they retire.
 type Op struct {
-	kind OpKind
+	kind transfer.Direction
 	eng  *Engine
 
 	done     chan struct{}
@@ -75,12 +58,12 @@ type completion interface {
 // closedChan is returned by Done on a released op.
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
-func newOp(e *Engine, kind OpKind, n int) *Op {
+func newOp(e *Engine, kind transfer.Direction, n int) *Op {
 	return &Op{kind: kind, eng: e, done: make(chan struct{}), outcomes: make([]Outcome, n)}
 }
 
-// Kind is OpStore or OpLoad.
-func (o *Op) Kind() OpKind { return o.kind }
+// Kind is transfer.Store (device → host) or transfer.Load (host → device).
+func (o *Op) Kind() transfer.Direction { return o.kind }
 
 // Len is the number of blocks of the op.
 func (o *Op) Len() int { return len(o.outcomes) }

@@ -117,7 +117,7 @@ func (e *Engine) deviceLost() error {
 // finishOp counts the op's outcomes and closes it.
 func (e *Engine) finishOp(op *Op, start time.Time) {
 	d := &e.stats.store
-	if op.kind == OpLoad {
+	if op.kind == transfer.Load {
 		d = &e.stats.load
 	}
 	op.mu.Lock()

@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestEngineProperties runs random sequences of stores, loads (with and
@@ -144,8 +146,8 @@ func TestEngineProperties(t *testing.T) {
 		require.Equal(rt, st.OwnedBytes, st.SlotsTotal*slot)
 		require.LessOrEqual(rt, st.InUseBytes, int64(24)*slot)
 		require.Equal(rt, ta.outcomes, st.Outcomes)
-		require.Equal(rt, ta.ops[OpStore], st.Store.Ops)
-		require.Equal(rt, ta.ops[OpLoad], st.Load.Ops)
+		require.Equal(rt, ta.ops[transfer.Store], st.Store.Ops)
+		require.Equal(rt, ta.ops[transfer.Load], st.Load.Ops)
 		require.Equal(rt, ta.outcomes[OutcomeLoaded], ta.loaded)
 	})
 }
