@@ -133,7 +133,7 @@ const (
 	// DefaultMemoryHeadroomBytes is the memory growth leaves free for
 	// the rest of the machine: before mapping each region, growth checks
 	// that the region plus this much is still available, and stops with
-	// Stats.GrowthError otherwise, instead of pinning into an OOM kill.
+	// Stats.Pool.GrowthError otherwise, instead of pinning into an OOM kill.
 	DefaultMemoryHeadroomBytes int64 = 2 << 30
 )
 
@@ -258,7 +258,7 @@ type Config struct {
 	// Cluster, when set, adds the cluster tier (see ClusterConfig): blocks
 	// stored are written through to a Redis Cluster, and Prefetch promotes
 	// blocks other engines wrote there. A cluster that does not answer at
-	// New leaves the engine without the tier (Stats.ClusterError). Nil: no
+	// New leaves the engine without the tier (Stats.Cluster.Error). Nil: no
 	// cluster tier.
 	Cluster *ClusterConfig `json:"cluster,omitempty"`
 

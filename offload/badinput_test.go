@@ -25,8 +25,8 @@ type state struct {
 
 func stateOf(e *Engine) state {
 	st := e.Stats()
-	return state{outcomes: st.Outcomes, storeOps: st.Store.Ops, loadOps: st.Load.Ops, inUse: st.InUseBytes,
-		free: st.SlotsFree, ready: st.BlocksReady, leased: st.BlocksLeased}
+	return state{outcomes: st.Outcomes, storeOps: st.Copies.Store.Ops, loadOps: st.Copies.Load.Ops, inUse: st.Pool.InUseBytes,
+		free: st.Pool.SlotsFree, ready: st.Pool.BlocksReady, leased: st.Pool.BlocksLeased}
 }
 
 func TestBadInput(t *testing.T) {
@@ -189,8 +189,8 @@ func TestCallsAfterClose(t *testing.T) {
 		require.ErrorContains(t, err, name, "the error names the call")
 	}
 	st := e.Stats()
-	require.Zero(t, st.OwnedBytes)
-	require.Zero(t, st.Regions)
+	require.Zero(t, st.Pool.OwnedBytes)
+	require.Zero(t, st.Pool.Regions)
 }
 
 // A bad KVOFFLOAD_COPY_BUILDERS is an error from New naming it and the limit.

@@ -234,8 +234,8 @@ func TestCUDAFakeBigBlocks(t *testing.T) {
 	}
 	// The per-layer loads' layers (64 KiB of each of 24 consecutive slots)
 	// went by pitched DMA, checked byte for byte above.
-	require.Positive(t, st.PitchedCopies, "per-layer loads by pitched DMA")
+	require.Positive(t, st.Copies.Pitched, "per-layer loads by pitched DMA")
 	// 40 MiB of device memory for 48 MiB ops: copies waited for earlier
 	// ones to free theirs, and Stats counts it.
-	require.Positive(t, st.CopyBudgetWaits, "copies waited for device memory")
+	require.Positive(t, st.Copies.BudgetWaits, "copies waited for device memory")
 }

@@ -74,5 +74,5 @@ func TestOpAndLeaseConcurrentUse(t *testing.T) {
 	}
 	wg.Wait()
 	require.Equal(t, int32(1), ok.Load(), "exactly one Release of a lease succeeds")
-	require.Zero(t, e.Stats().BlocksLeased)
+	require.Zero(t, e.Stats().Pool.BlocksLeased)
 }

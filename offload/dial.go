@@ -54,8 +54,8 @@ const nominalDialPool = 1 << 40
 // StoreOptions.Namespace other than Config.Namespace (refused); PoolBytes,
 // RegionBytes, FirstRegionBytes, HugePages, NUMANode and MaxCachedBytes
 // (ignored: the node's pool is fixed at its start; Config() and
-// Stats.PoolBytes report PoolBytes as given, or 1 TiB when it was not, and
-// Stats.OwnedBytes and Regions are the node's regions mapped here, while
+// Stats.Pool.Bytes report PoolBytes as given, or 1 TiB when it was not, and
+// Stats.Pool.OwnedBytes and Regions are the node's regions mapped here, while
 // the index counters of Stats are the node's, every namespace's); GrowTo (refused),
 // PauseGrowth and WaitGrown (nothing to grow). Trim is the node's, for
 // every client. Events carry no parents nor tokens (the node knows keys

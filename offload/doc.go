@@ -61,11 +61,11 @@
 // prefaults it whole on its prefault threads, while the growth thread
 // registers region i (already resident, so in ranges of up to 64 GiB,
 // nothing prefaulted again) and a third stage adds region i-1 to the cache.
-// Stores simply find more free slots as regions join. Stats.FirstSlot and
-// Stats.FullPool report the two times, Stats.Growth the time of each step;
+// Stores simply find more free slots as regions join. Stats.Pool.FirstSlot and
+// Stats.Pool.FullPool report the two times, Stats.Pool.Growth the time of each step;
 // PauseGrowth, ResumeGrowth and WaitGrown control and observe growth. On
 // CUDA the growth thread calibrates the choice of copy method once growth
-// has ended (Stats.CopyCalibration), so that the calibration does not
+// has ended (Stats.Copies.Calibration), so that the calibration does not
 // delay the pool nor compete with its prefault for the CPUs; copies issued
 // before that use the uncalibrated rule. The calibration times the copies
 // on the GPU as it is then: a model running beside it skews the rates it
@@ -74,7 +74,7 @@
 // does). If a stage fails on a region
 // (prefault, registration, host ranges, cache), growth stops there: the
 // regions before it still join, that region and those after it are
-// released, WaitGrown returns the error, Stats.GrowthError says why, and
+// released, WaitGrown returns the error, Stats.Pool.GrowthError says why, and
 // the engine keeps serving from the regions it has. The engine's own threads that call the driver (growth, copy
 // submission and completion) set CU_STREAM_CAPTURE_MODE_RELAXED, so a
 // graph capture in global mode on one of the stack's threads is not broken

@@ -54,7 +54,7 @@ type Engine struct {
 	// Atomics, read by Stats and the calls at any time.
 	stats counters
 	lost  atomic.Pointer[error] // the sticky error that lost the device
-	// teardownErr is the last error releasing a region (Stats.TeardownError).
+	// teardownErr is the last error releasing a region (Stats.Pool.TeardownError).
 	teardownErr atomic.Pointer[string]
 	// calibration is what the growth goroutine reported of calibrating
 	// the copy methods, which it does once growth has ended (or while it
@@ -77,7 +77,7 @@ type Engine struct {
 	slotMem sync.Map  // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *diskTier // the disk tier (Config.Disk), nil without one
 	// diskErr is why a configured disk tier is off (no usable directory
-	// at New): Stats.DiskError.
+	// at New): Stats.Disk.Error.
 	diskErr string
 	// background are the PrefetchBestEffort calls running (prefetch.go).
 	background backgroundPrefetches
@@ -98,7 +98,7 @@ type growthState struct {
 	paused bool  // PauseGrowth
 	stop   bool  // Close: growth ends after the region in progress
 	done   bool  // the running growth has ended
-	err    error // why growth stopped (Stats.GrowthError), until GrowTo
+	err    error // why growth stopped (Stats.Pool.GrowthError), until GrowTo
 	next   int   // the plan index of the next region to prefetch
 	plan   []int64
 	// target is the bytes of pool regions growth may have mapped at once

@@ -37,13 +37,13 @@ func FuzzTrim(f *testing.F) {
 			if err := op.Wait(context.Background()); err != nil {
 				t.Fatal(err)
 			}
-			before := e.Stats().OwnedBytes
+			before := e.Stats().Pool.OwnedBytes
 			res, err := e.Trim(context.Background(), n)
 			if err != nil {
 				t.Fatalf("Trim(%d): %v", n, err)
 			}
 			got := res.FreedBytes + res.PendingBytes
-			after := e.Stats().OwnedBytes
+			after := e.Stats().Pool.OwnedBytes
 			switch {
 			case res.RequestedBytes != n:
 				t.Fatalf("Trim(%d) reports %d requested", n, res.RequestedBytes)

@@ -23,7 +23,7 @@ import (
 // returns once the first slots are usable. The rest of the pool is mapped,
 // prefaulted and pinned in the background, region by region in a pipeline
 // (region i+1 prefaulted while region i registers and region i-1 joins the
-// cache); see PauseGrowth, WaitGrown, Stats.FullPool and Stats.Growth. On
+// cache); see PauseGrowth, WaitGrown, Stats.Pool.FullPool and Stats.Pool.Growth. On
 // error nothing is left mapped, pinned or running.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
@@ -501,7 +501,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		case errors.Is(err, disk.ErrNoUsableDir):
 			// Every directory failed (full, I/O errors, permissions): the
 			// engine serves from host memory without its disk tier and
-			// says why (Stats.DiskError).
+			// says why (Stats.Disk.Error).
 			e.diskErr = err.Error()
 		case err != nil:
 			return nil, err

@@ -17,7 +17,7 @@ import (
 // (and Loads) see them; what is not found, fails a check, or arrives late
 // is a miss and its slot is released: a lower tier never puts wrong bytes
 // in the pool. A cluster tier not connected (yet) is not asked: its keys
-// are counted in Stats.ClusterUnavailable. A timeout gives a partial
+// are counted in Stats.Cluster.Unavailable. A timeout gives a partial
 // result, not an error; errors are for bad arguments and a closed engine.
 // Prefetch leases nothing: a promoted block may be evicted again before it
 // is loaded. With PrefetchBestEffort it returns at once and promotes in

@@ -171,7 +171,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	require.Equal(t, repeatOutcome(OutcomeStored, n), oc)
 	st := e.Stats()
 	require.Equal(t, int64(n), st.Partial)
-	require.Equal(t, int64(n*tpLayers*2*2*tpTokens*tpHeadDim*tpDType), st.Store.Bytes, "rank 0 copied its heads only")
+	require.Equal(t, int64(n*tpLayers*2*2*tpTokens*tpHeadDim*tpDType), st.Copies.Store.Bytes, "rank 0 copied its heads only")
 	res, err := e.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.Hits, "a block missing rank 1's heads is invisible")
@@ -183,7 +183,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	st = e.Stats()
 	require.Equal(t, int64(0), st.Partial)
 	require.Equal(t, int64(n), st.StoreJoined)
-	require.Equal(t, int64(n), st.BlocksReady)
+	require.Equal(t, int64(n), st.Pool.BlocksReady)
 	require.Equal(t, int64(2*n), st.Outcomes[OutcomeStored])
 	res, err = r1.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
@@ -260,12 +260,12 @@ func TestTPRankDeath(t *testing.T) {
 	oc := tpRun(t)(e.Store(context.Background(), keys, []int{0, 1}, StoreOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeStored, 2), oc)
 	require.Equal(t, int64(2), e.Stats().Partial)
-	free := e.Stats().SlotsFree
+	free := e.Stats().Pool.SlotsFree
 	oc = tpRun(t)(r1.Load(context.Background(), keys, []int{2, 3}, LoadOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeMissing, 2), oc)
 	require.Eventually(t, func() bool {
 		st := e.Stats()
-		return st.PartialExpired == 2 && st.Partial == 0 && st.SlotsFree == free+2
+		return st.PartialExpired == 2 && st.Partial == 0 && st.Pool.SlotsFree == free+2
 	}, 10*time.Second, 10*time.Millisecond, "the reaper reclaims the partial blocks")
 	// Rank 1 alone now starts new partial blocks: still nothing to load.
 	oc = tpRun(t)(r1.Store(context.Background(), keys, []int{0, 1}, StoreOptions{}))
@@ -455,7 +455,7 @@ func TestTPConcurrentRanks(t *testing.T) {
 	require.Equal(t, 4*n, total, "every rank's heads of every block are a write")
 	st := e.Stats()
 	require.Equal(t, int64(3*n), st.StoreJoined)
-	require.Equal(t, int64(n), st.BlocksReady)
+	require.Equal(t, int64(n), st.Pool.BlocksReady)
 	require.Zero(t, st.Partial)
 	tpPoison(t, e, reader.Layout())
 	oc := tpRun(t)(reader.Load(context.Background(), keys, func() []int {
