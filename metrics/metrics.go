@@ -281,18 +281,19 @@ func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	metric(d.tierMode, gauge, 1, s.Disk.Mode)
 }
 
-// histogram turns Stats' log2 latency histogram into a Prometheus one: the
-// bucket bounds are offload.BucketUpper in seconds (the last bucket, which
+// histogram turns Stats' log2 latency histogram into a Prometheus one:
+// bucket i's bound is 2^i µs (see offload.Histogram; the last bucket, which
 // has no bound, is +Inf).
 func histogram(desc *prometheus.Desc, h offload.Histogram, label string) prometheus.Metric {
-	buckets := make(map[float64]uint64, offload.HistogramBuckets-1)
+	last := len(h.Counts) - 1
+	buckets := make(map[float64]uint64, last)
 	var cum uint64
-	for i := 0; i < offload.HistogramBuckets-1; i++ {
+	for i := 0; i < last; i++ {
 		cum += uint64(h.Counts[i])
-		buckets[offload.BucketUpper(i).Seconds()] = cum
+		buckets[(time.Duration(1<<uint(i)) * time.Microsecond).Seconds()] = cum
 	}
 	// The snapshot is not atomic: a bucket read after Count may have moved on.
-	return prometheus.MustNewConstHistogram(desc, max(uint64(h.Count), cum+uint64(h.Counts[offload.HistogramBuckets-1])), h.Sum.Seconds(), buckets, label)
+	return prometheus.MustNewConstHistogram(desc, max(uint64(h.Count), cum+uint64(h.Counts[last])), h.Sum.Seconds(), buckets, label)
 }
 
 // Registry returns a registry holding a Collector of src.

@@ -124,7 +124,7 @@ func storeAll(t testing.TB, e *Engine, keys []Key, ids []int, opts StoreOptions)
 	op, err := e.Store(context.Background(), keys, ids, opts)
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
-	require.Equal(t, len(keys), op.Count(OutcomeStored), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.Equal(t, len(keys), op.count(OutcomeStored), "outcomes %v", mustOutcomes(op.Outcomes()))
 	require.NoError(t, op.Release())
 }
 
@@ -134,7 +134,7 @@ func loadCheck(t testing.TB, e *Engine, g *gpuMem, keys []Key, ids []int, conten
 	op, err := e.Load(context.Background(), keys, ids, opts)
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
-	require.Equal(t, len(keys), op.Count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.Equal(t, len(keys), op.count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
 	for i, id := range ids {
 		require.Equal(t, contents[i], g.read(e, id), "block %d (key %v)", id, keys[i])
 	}
@@ -552,7 +552,7 @@ func TestCUDAFakeCalibration(t *testing.T) {
 	require.NoError(t, e.Close())
 }
 
-// TestCUDAFakeGreedyStores: Config.GreedyStores puts device-to-host copies
+// TestCUDAFakeGreedyStores: engineHooks.greedyStores puts device-to-host copies
 // on the copy kernel's unthrottled launch; loads keep the default one, and
 // blocks round-trip either way.
 func TestCUDAFakeGreedyStores(t *testing.T) {
@@ -561,8 +561,8 @@ func TestCUDAFakeGreedyStores(t *testing.T) {
 	defer g.close()
 	slot := int64(8 << 10)
 	for _, greedy := range []bool{false, true} {
-		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: -1, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU, GreedyStores: greedy},
-			engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodKernel}})
+		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: -1, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU},
+			engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodKernel}, greedyStores: greedy})
 		require.NoError(t, err)
 		caps := e.cudaDev.Copier().Capabilities()
 		require.Equal(t, cudacopy.DefaultLaunch(cudacopy.D2H, greedy), caps.D2H, "greedy %v", greedy)

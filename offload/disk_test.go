@@ -366,7 +366,7 @@ func TestDiskConcurrent(t *testing.T) {
 					if err := op.Wait(ctx); err != nil {
 						return err
 					}
-					if op.Count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
+					if op.count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
 						return fmt.Errorf("key %d loaded into block %d with the wrong bytes", j, dst)
 					}
 				}

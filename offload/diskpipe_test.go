@@ -233,7 +233,7 @@ func TestDiskLoadSignalPerLayer(t *testing.T) {
 	default:
 		t.Fatal("StreamWait returned before the op was done")
 	}
-	require.Equal(t, len(keys), op.Count(OutcomeLoaded))
+	require.Equal(t, len(keys), op.count(OutcomeLoaded))
 	require.NoError(t, op.Release())
 }
 
@@ -328,7 +328,7 @@ func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 				done, err := g.drv.EventQuery(cuda.Event(sig))
 				require.NoError(t, err)
 				require.True(t, done, "the Signal completed with the load")
-				require.Equal(t, len(keys), op.Count(OutcomeLoaded))
+				require.Equal(t, len(keys), op.count(OutcomeLoaded))
 				require.NoError(t, op.Release())
 			}
 			st := e.Stats()

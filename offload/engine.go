@@ -13,14 +13,13 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Engine moves KV-cache blocks between the serving stack's GPU cache and a
-// pool of pinned host memory. Create it with New; every method is safe for
-// concurrent use by many goroutines; Close ends it.
+// Engine moves KV-cache blocks between the serving stack's GPU cache and
+// a pinned host pool (New, Dial). Its methods are safe for concurrent use.
 type Engine struct {
 	// Set by New and never changed.
 	cfg       Config
 	blockBits sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
-	// calls traces Store and Load calls (TraceCallsEnv; nil: off).
+	// calls traces Store and Load calls (traceCallsEnv; nil: off).
 	calls *callTracer
 	// loadResults holds *[]kvcache.LoadResult, the lookups of a Load
 	// (loadLeased), used only while the call runs: a Load of 2048 keys
@@ -149,10 +148,8 @@ type namespaces struct {
 	ids map[string]kvcache.Namespace
 }
 
-// Lease is a set of reader leases taken by Lookup: its blocks cannot be
-// evicted (by the policy, Trim or Delete) until it is released, or passed to
-// Load, which takes it over. Release is safe to call from any goroutine;
-// a second Release returns ErrReleased.
+// Lease keeps the blocks Lookup found from being evicted until Release,
+// or until Load takes it over. A second Release returns ErrReleased.
 type Lease struct {
 	eng      *Engine
 	keys     []Key
@@ -160,8 +157,8 @@ type Lease struct {
 	released atomic.Bool
 }
 
-// Keys returns the leased keys (the prefix Lookup found), in order.
-func (l *Lease) Keys() []Key { return append([]Key(nil), l.keys...) }
+// leasedKeys returns the leased keys (the prefix Lookup found), in order.
+func (l *Lease) leasedKeys() []Key { return append([]Key(nil), l.keys...) }
 
 // checkOpen returns ErrClosed after Close.
 func (e *Engine) checkOpen(call string) error {
@@ -171,11 +168,11 @@ func (e *Engine) checkOpen(call string) error {
 	return nil
 }
 
-// Config returns the engine's configuration with defaults filled in.
+// Config returns the engine's configuration, defaults filled in.
 func (e *Engine) Config() Config { return e.cfg }
 
-// Lookup returns how many leading keys are ready in the pool (the longest
-// prefix), and with opts.Lease a lease on them. It never blocks on copies.
+// Lookup returns how many leading keys are ready in the pool, and with
+// opts.Lease a lease on them. It never blocks on copies.
 func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	if err := e.checkOpen("Lookup"); err != nil {
 		return LookupResult{}, err
@@ -183,12 +180,9 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return e.lookup(keys, opts)
 }
 
-// Store copies the GPU blocks blockIDs[i] to the host pool under keys[i],
-// asynchronously. It returns at once with an Op reporting, per block,
-// stored / already present / refused (full, busy, admission) / failed /
-// cancelled. ctx cancels only what is not yet enqueued on the copy stream.
-// Invalid input (lengths differ, a block id outside the layout, a key twice)
-// returns an error and stores nothing.
+// Store copies the GPU blocks blockIDs[i] to the pool under keys[i] and
+// returns at once; the Op reports each block's outcome. ctx cancels only
+// what is not yet enqueued. Invalid input stores nothing.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -203,15 +197,10 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Load copies the blocks stored under keys[i] into the GPU blocks
-// blockIDs[i], asynchronously. Blocks no longer in the pool are reported
-// missing (never an error); with opts.Lease from Lookup, the leased keys are
-// guaranteed present. When the queue is full Load fails fast with ErrBusy.
-// With a disk tier (Config.Disk), blocks the pool lacks but the disk holds
-// are read into host slots and copied chunk by chunk as their reads
-// complete, the blocks found in the pool first: Load then returns once the
-// last chunk is submitted (after the reads, while the copies run), and the
-// op's events cover every block.
+// Load copies the blocks of keys into the GPU blocks blockIDs[i] and
+// returns at once. Blocks no longer in the pool are missing, not an error;
+// leased ones are present; blocks on the disk tier are promoted first. A
+// full queue fails it with ErrBusy.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -226,9 +215,8 @@ func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	return e.load(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Delete removes keys from the pool and returns how many were present.
-// Leased blocks are removed when their last lease ends; blocks being
-// written are removed when their copy completes.
+// Delete removes keys and returns how many were present (leased or
+// in-flight blocks go when their lease or copy ends).
 func (e *Engine) Delete(keys []Key) (int, error) {
 	if err := e.checkOpen("Delete"); err != nil {
 		return 0, err
@@ -236,8 +224,7 @@ func (e *Engine) Delete(keys []Key) (int, error) {
 	return e.delete(keys), nil
 }
 
-// Clear removes every block stored with namespace (StoreOptions.Namespace,
-// or Config.Namespace) and returns how many there were.
+// Clear removes every block stored with namespace and returns how many.
 func (e *Engine) Clear(namespace string) (int, error) {
 	if err := e.checkOpen("Clear"); err != nil {
 		return 0, err

@@ -185,12 +185,12 @@ func TestFaultOutOfOrderCompletions(t *testing.T) {
 				}
 				for _, op := range stores {
 					require.NoError(t, op.Wait(context.Background()))
-					require.Equal(t, 2, op.Count(OutcomeStored))
+					require.Equal(t, 2, op.count(OutcomeStored))
 					require.NoError(t, op.Release())
 				}
 				for _, p := range loads {
 					require.NoError(t, p.op.Wait(context.Background()))
-					require.Equal(t, len(p.keys), p.op.Count(OutcomeLoaded), "the pool of 64 slots holds the 48 keys of the test")
+					require.Equal(t, len(p.keys), p.op.count(OutcomeLoaded), "the pool of 64 slots holds the 48 keys of the test")
 					for i, id := range p.ids {
 						require.Equal(t, stored[p.keys[i]], g.read(e, id), "round %d: block %d loaded from key %v", round, id, p.keys[i])
 					}

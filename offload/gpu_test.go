@@ -157,7 +157,7 @@ func TestGPUPool64(t *testing.T) {
 	fmt.Fprintf(&b, "| growth: pin (register; region 0: prefault + register, pipelined) | %v | |\n", gs.Pin.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: AddHostRange per range | %v | |\n", gs.HostRanges.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: kvcache AddRegion (publish stage) | %v | |\n", gs.Cache.Round(time.Millisecond))
-	fmt.Fprintf(&b, "| growth: sum of steps | %v | |\n", gs.Sum().Round(time.Millisecond))
+	fmt.Fprintf(&b, "| growth: sum of steps | %v | |\n", gs.sum().Round(time.Millisecond))
 	fmt.Fprintf(&b, "| owned bytes | %d | %d |\n", st.Pool.OwnedBytes, cfg.PoolBytes)
 	fmt.Fprintf(&b, "| copy-method calibration (background, after growth, before WaitGrown returns) | %s | |\n", st.Copies.Calibration)
 	closed = true

@@ -26,7 +26,7 @@ func TestGrowthSteps(t *testing.T) {
 		require.Positive(t, d, name)
 		require.LessOrEqual(t, d, st.Pool.FullPool, name)
 	}
-	require.Equal(t, g.Map+g.Prefault+g.Pin+g.HostRanges+g.Cache, g.Sum())
+	require.Equal(t, g.Map+g.Prefault+g.Pin+g.HostRanges+g.Cache, g.sum())
 	require.EqualValues(t, 5, st.Pool.PinCalls, "4 pool regions and the staging region")
 }
 
@@ -73,7 +73,7 @@ func BenchmarkGrowth(b *testing.B) {
 	b.ReportMetric(ms(sum.Pin), "ms-pin")
 	b.ReportMetric(ms(sum.HostRanges), "ms-host-ranges")
 	b.ReportMetric(ms(sum.Cache), "ms-cache")
-	b.ReportMetric(ms(sum.Sum()), "ms-steps")
+	b.ReportMetric(ms(sum.sum()), "ms-steps")
 	b.ReportMetric(float64(cfg.PoolBytes)/(1<<30)/(ms(full)/1e3), "GiB/s")
 	b.Logf("%d GiB, %d slots: %+v", gib, cfg.PoolBytes/4096, sum)
 }

@@ -132,7 +132,7 @@ func TestZeroOnRelease(t *testing.T) {
 				op, err := e.Store(ctx, []Key{testKey(i)}, []int{i - 4}, StoreOptions{})
 				require.NoError(t, err)
 				require.NoError(t, op.Wait(ctx))
-				require.Equal(t, 1, op.Count(OutcomeStored))
+				require.Equal(t, 1, op.count(OutcomeStored))
 			}
 			present := 0
 			for i := 2; i < 7; i++ {

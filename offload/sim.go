@@ -36,10 +36,8 @@ func faultOpName(op disk.FaultOp) string {
 	return fmt.Sprintf("op(%d)", uint8(op))
 }
 
-// InvariantViolations returns the gating violations recorded so far: a
-// copy whose host range was not live, or was released and reused while it
-// ran. Only builds with invariants on (-race, or -tags kvoinvariants)
-// check them; others return nil. Any violation is a bug in the engine.
+// InvariantViolations returns the copy-gating violations recorded in
+// builds with invariants on (-race, -tags kvoinvariants); any is a bug.
 func (e *Engine) InvariantViolations() []error {
 	if e.tracker == nil {
 		return nil

@@ -123,7 +123,7 @@ func TestGrowthRechecksMemory(t *testing.T) {
 		return nil
 	}}
 	e, err := newEngine(Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot, StagingBytes: -1,
-		MemoryHeadroomBytes: 32 << 10, NUMANode: NUMANone, Layout: smallLayout(8), Backend: BackendHost}, hooks)
+		MemoryHeadroomBytes: 32 << 10, NUMANode: numaNone, Layout: smallLayout(8), Backend: BackendHost}, hooks)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	err = e.WaitGrown(context.Background())

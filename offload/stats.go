@@ -6,85 +6,65 @@ import (
 	"time"
 )
 
-// Stats is a snapshot of the engine's counters. Reading it is cheap and
-// safe from any goroutine, also after Close. Counters are monotonic since
-// New; gauges (bytes, slots, blocks, records now) are the state at the
-// call. The snapshot is not atomic as a whole. In JSON (the C ABI's
-// kvo_stats_json) each group is an object: "pool", "copies", "disk",
-// "cluster", "node"; durations are nanoseconds.
+// Stats is a snapshot of the engine's counters (monotonic since New) and
+// gauges (now), not atomic as a whole. In JSON each group is an object.
 type Stats struct {
-	Backend Backend `json:"backend"`
-
-	Lookups    int64 `json:"lookups"`     // Lookup calls
-	LookupKeys int64 `json:"lookup_keys"` // keys asked about
-	Hits       int64 `json:"hits"`        // keys found in the longest prefix
-	Misses     int64 `json:"misses"`      // LookupKeys - Hits
-	// Outcomes counts every op's blocks by outcome (Outcomes[OutcomeStored]...).
-	Outcomes [numOutcomes]int64 `json:"outcomes"`
-
-	Evictions           int64 `json:"evictions"`            // blocks evicted (policy, Trim)
-	Deletes             int64 `json:"deletes"`              // blocks removed by Delete or Clear
-	AdmissionRejections int64 `json:"admission_rejections"` // keys the policy declined
-	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
-
-	// Blocks stored by head ranges (Layout.ModelKVHeads): still missing
-	// heads, reclaimed after Config.PartialTimeout, and stores that joined
-	// a block another rank had reserved.
-	Partial        int64 `json:"partial"`
-	PartialExpired int64 `json:"partial_expired"`
-	StoreJoined    int64 `json:"store_joined"`
-
-	// Prefetch with PrefetchBestEffort: calls run in the background, calls
-	// refused (MaxBackgroundPrefetches running), blocks they made ready.
-	PrefetchBackground         int64 `json:"prefetch_background"`
-	PrefetchRefused            int64 `json:"prefetch_refused"`
-	PrefetchBackgroundPromoted int64 `json:"prefetch_background_promoted"`
-
-	Pool    PoolStats    `json:"pool"`
-	Copies  CopyStats    `json:"copies"`
-	Disk    DiskStats    `json:"disk"`    // all 0 without Config.Disk
-	Cluster ClusterStats `json:"cluster"` // all 0 without Config.Cluster
-	Node    NodeStats    `json:"node"`    // all 0 for an engine of New
+	Backend                    Backend            `json:"backend"`
+	Lookups                    int64              `json:"lookups"`                      // Lookup calls
+	LookupKeys                 int64              `json:"lookup_keys"`                  // keys asked about
+	Hits                       int64              `json:"hits"`                         // keys found in the longest prefix
+	Misses                     int64              `json:"misses"`                       // LookupKeys - Hits
+	Outcomes                   [numOutcomes]int64 `json:"outcomes"`                     // blocks of every op by outcome
+	Evictions                  int64              `json:"evictions"`                    // blocks evicted (policy, Trim)
+	Deletes                    int64              `json:"deletes"`                      // blocks removed by Delete or Clear
+	AdmissionRejections        int64              `json:"admission_rejections"`         // keys the policy declined
+	Orphans                    int64              `json:"orphans"`                      // blocks evicted while a descendant stayed
+	Partial                    int64              `json:"partial"`                      // head-range blocks still missing heads
+	PartialExpired             int64              `json:"partial_expired"`              // reclaimed after Config.PartialTimeout
+	StoreJoined                int64              `json:"store_joined"`                 // head-range stores into another rank's block
+	PrefetchBackground         int64              `json:"prefetch_background"`          // PrefetchBestEffort calls run in the background
+	PrefetchRefused            int64              `json:"prefetch_refused"`             // refused: too many running
+	PrefetchBackgroundPromoted int64              `json:"prefetch_background_promoted"` // blocks they made ready
+	Pool                       PoolStats          `json:"pool"`
+	Copies                     CopyStats          `json:"copies"`
+	Disk                       DiskStats          `json:"disk"`    // all 0 without Config.Disk
+	Cluster                    ClusterStats       `json:"cluster"` // all 0 without Config.Cluster
+	Node                       NodeStats          `json:"node"`    // all 0 for an engine of New
 }
 
 // PoolStats is the host pool: its memory, regions and their growth.
 type PoolStats struct {
-	Bytes        int64 `json:"bytes"`         // Config.PoolBytes
-	OwnedBytes   int64 `json:"owned_bytes"`   // mapped and pinned now
-	InUseBytes   int64 `json:"in_use_bytes"`  // slots holding a block
-	StagingBytes int64 `json:"staging_bytes"` // the staging region
-	StagingUsed  int64 `json:"staging_used"`  // handed out by Staging
-	BlockBytes   int64 `json:"block_bytes"`   // one block (one slot)
-	SlotsTotal   int64 `json:"slots_total"`   // slots in pinned regions
-	SlotsFree    int64 `json:"slots_free"`
-	BlocksReady  int64 `json:"blocks_ready"`  // ready or leased blocks
-	BlocksLeased int64 `json:"blocks_leased"` // blocks with readers (leases, loads, cluster write-throughs)
-	ZeroedSlots  int64 `json:"zeroed_slots"`  // zeroed on release (Config.ZeroOnRelease)
-
-	Regions      int           `json:"regions"`       // regions pinned now
-	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
-	PinCalls     int64         `json:"pin_calls"`
-	UnpinCalls   int64         `json:"unpin_calls"`
-	PinTime      time.Duration `json:"pin_time_ns"`   // mapping, prefaulting and pinning, summed over regions
-	UnpinTime    time.Duration `json:"unpin_time_ns"` // unpinning and unmapping
-	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
-	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
-	Growth       GrowthSteps   `json:"growth"`        // time adding regions, by step
-
-	GrowthPaused      bool   `json:"growth_paused"`       // PauseGrowth in effect
-	GrowthTargetBytes int64  `json:"growth_target_bytes"` // what growth aims at (Trim lowers it, GrowTo raises it)
-	GrowthError       string `json:"growth_error"`        // why growth stopped early, if it did
-	Trims             int64  `json:"trims"`
-	TrimmedBytes      int64  `json:"trimmed_bytes"`
-	// TeardownErrors counts regions whose release (unpin, unmap) failed;
-	// TeardownError is the last one.
-	TeardownErrors int64  `json:"teardown_errors"`
-	TeardownError  string `json:"teardown_error,omitempty"`
+	Bytes             int64         `json:"bytes"`         // Config.PoolBytes
+	OwnedBytes        int64         `json:"owned_bytes"`   // mapped and pinned now
+	InUseBytes        int64         `json:"in_use_bytes"`  // slots holding a block
+	StagingBytes      int64         `json:"staging_bytes"` // the staging region
+	StagingUsed       int64         `json:"staging_used"`  // handed out by Staging
+	BlockBytes        int64         `json:"block_bytes"`   // one block (one slot)
+	SlotsTotal        int64         `json:"slots_total"`   // slots in pinned regions
+	SlotsFree         int64         `json:"slots_free"`
+	BlocksReady       int64         `json:"blocks_ready"`  // ready or leased blocks
+	BlocksLeased      int64         `json:"blocks_leased"` // blocks with readers (leases, loads, cluster write-throughs)
+	ZeroedSlots       int64         `json:"zeroed_slots"`  // zeroed on release (Config.ZeroOnRelease)
+	Regions           int           `json:"regions"`       // regions pinned now
+	RegionsTotal      int           `json:"regions_total"` // regions the pool is planned in
+	PinCalls          int64         `json:"pin_calls"`
+	UnpinCalls        int64         `json:"unpin_calls"`
+	PinTime           time.Duration `json:"pin_time_ns"`         // mapping, prefaulting and pinning, summed over regions
+	UnpinTime         time.Duration `json:"unpin_time_ns"`       // unpinning and unmapping
+	FirstSlot         time.Duration `json:"first_slot_ns"`       // New called → first slot usable
+	FullPool          time.Duration `json:"full_pool_ns"`        // New called → every region pinned (0 until then)
+	Growth            GrowthSteps   `json:"growth"`              // time adding regions, by step
+	GrowthPaused      bool          `json:"growth_paused"`       // PauseGrowth in effect
+	GrowthTargetBytes int64         `json:"growth_target_bytes"` // what growth aims at (Trim lowers it, GrowTo raises it)
+	GrowthError       string        `json:"growth_error"`        // why growth stopped early, if it did
+	Trims             int64         `json:"trims"`
+	TrimmedBytes      int64         `json:"trimmed_bytes"`
+	TeardownErrors    int64         `json:"teardown_errors"`          // regions whose unpin or unmap failed
+	TeardownError     string        `json:"teardown_error,omitempty"` // the last such error
 }
 
-// GrowthSteps is the time spent adding pool regions (the staging region
-// not), summed over regions, by step. Steps of neighbouring regions
-// overlap, so their sum may exceed PoolStats.FullPool.
+// GrowthSteps is the time spent adding pool regions, summed over regions,
+// by step (steps of neighbouring regions overlap).
 type GrowthSteps struct {
 	Map        time.Duration `json:"map_ns"`         // mmap, advice, NUMA binding
 	Prefault   time.Duration `json:"prefault_ns"`    // touching pages before pinning
@@ -93,23 +73,18 @@ type GrowthSteps struct {
 	Cache      time.Duration `json:"cache_ns"`       // carving the region into slots
 }
 
-// CopyStats is the copies between the GPU and the pool. The CUDA fields
-// are 0 on the host backend.
+// CopyStats is the copies between the GPU and the pool; the fields after
+// InFlightBytes are CUDA's.
 type CopyStats struct {
-	Store DirectionStats `json:"store"` // device → host
-	Load  DirectionStats `json:"load"`  // host → device
-
-	InFlightBytes int64 `json:"in_flight_bytes"` // being copied, both directions
-	// Calibration says how the CUDA copy method was chosen ("" until the
-	// background calibration is done).
-	Calibration string `json:"calibration,omitempty"`
-	Bounced     int64  `json:"bounced"`      // CUDA copy batches bounced through device chunks
-	Pitched     int64  `json:"pitched"`      // pitched DMAs of bounced copies
-	BudgetWaits int64  `json:"budget_waits"` // copies that waited for device memory (Config.MaxDeviceBytes)
-	// DeviceBytes is the GPU memory the copy layer holds now, at most
-	// MaxDeviceBytes, the bound in force.
-	DeviceBytes    int64 `json:"device_bytes"`
-	MaxDeviceBytes int64 `json:"max_device_bytes"`
+	Store          DirectionStats `json:"store"` // device → host
+	Load           DirectionStats `json:"load"`  // host → device
+	InFlightBytes  int64          `json:"in_flight_bytes"`
+	Calibration    string         `json:"calibration,omitempty"` // how the copy method was chosen ("" until calibrated)
+	Bounced        int64          `json:"bounced"`               // CUDA copy batches bounced through device chunks
+	Pitched        int64          `json:"pitched"`               // pitched DMAs of bounced copies
+	BudgetWaits    int64          `json:"budget_waits"`          // copies that waited for device memory
+	DeviceBytes    int64          `json:"device_bytes"`          // the copy layer's GPU memory now
+	MaxDeviceBytes int64          `json:"max_device_bytes"`      // its bound in force
 }
 
 // DirectionStats counts the ops of one copy direction.
@@ -120,79 +95,66 @@ type DirectionStats struct {
 	Latency Histogram `json:"latency"` // op latency, call → done
 }
 
-// DiskStats is the disk tier (Config.Disk). An engine of Dial counts
-// LookupHits, Hits and Misses of its own calls on its node's tier.
+// DiskStats is the disk tier (an engine of Dial counts its own calls'
+// LookupHits, Hits and Misses on its node's tier).
 type DiskStats struct {
-	LookupHits  int64 `json:"lookup_hits"`  // keys Lookup found on disk (LookupResult.DiskHits)
-	Hits        int64 `json:"hits"`         // blocks promoted from disk into the pool
-	HitsWriting int64 `json:"hits_writing"` // Hits copied from a block still being written
-	Misses      int64 `json:"misses"`       // indexed blocks whose read missed (reported missing)
-
-	Writes         int64 `json:"writes"`           // evicted blocks written back
-	WriteErrors    int64 `json:"write_errors"`     // write-backs refused or failed
-	Dropped        int64 `json:"dropped"`          // not written: DiskConfig.WriteBackBytes in flight
-	Copies         int64 `json:"copies"`           // write-backs copied out of the pool first
-	NotAdmitted    int64 `json:"not_admitted"`     // evictions kept off disk (key seen once)
-	WriteThroughs  int64 `json:"write_throughs"`   // stored blocks written through (DiskConfig.WriteThrough)
-	WrittenAtClose int64 `json:"written_at_close"` // written by Close (DiskConfig.WriteBackOnClose)
-
-	Records  int64  `json:"records"`        // records now
-	Bytes    int64  `json:"bytes"`          // their payload bytes
-	Capacity int64  `json:"capacity"`       // records the tier can hold
-	Mode     string `json:"mode,omitempty"` // "direct", "buffered" or "mixed"; "off" with Error
-
-	Corrupt     int64 `json:"corrupt"`       // records that failed a check when read
-	TornAtOpen  int64 `json:"torn_at_open"`  // damaged records discarded at New
-	StaleAtOpen int64 `json:"stale_at_open"` // records of another format or layout discarded at New
-	IOErrors    int64 `json:"io_errors"`
-	NoSpace     int64 `json:"no_space"`  // ENOSPC or EDQUOT
-	Evictions   int64 `json:"evictions"` // records evicted for room
-
-	Dirs         int `json:"dirs"`           // directories in use
-	DirectDirs   int `json:"direct_dirs"`    // of them with O_DIRECT
-	ReadOnlyDirs int `json:"read_only_dirs"` // serving, taking nothing new
-	UnusableDirs int `json:"unusable_dirs"`  // left out at New
-	// Error is why the tier is off (no directory usable); UnusableError
-	// why the UnusableDirs were left out.
-	Error         string `json:"error,omitempty"`
-	UnusableError string `json:"unusable_error,omitempty"`
+	LookupHits     int64  `json:"lookup_hits"`      // keys Lookup found on disk (LookupResult.DiskHits)
+	Hits           int64  `json:"hits"`             // blocks promoted from disk into the pool
+	HitsWriting    int64  `json:"hits_writing"`     // Hits copied from a block still being written
+	Misses         int64  `json:"misses"`           // indexed blocks whose read missed (reported missing)
+	Writes         int64  `json:"writes"`           // evicted blocks written back
+	WriteErrors    int64  `json:"write_errors"`     // write-backs refused or failed
+	Dropped        int64  `json:"dropped"`          // not written: DiskConfig.WriteBackBytes in flight
+	Copies         int64  `json:"copies"`           // write-backs copied out of the pool first
+	NotAdmitted    int64  `json:"not_admitted"`     // evictions kept off disk (key seen once)
+	WriteThroughs  int64  `json:"write_throughs"`   // stored blocks written through (DiskConfig.WriteThrough)
+	WrittenAtClose int64  `json:"written_at_close"` // written by Close (DiskConfig.WriteBackOnClose)
+	Records        int64  `json:"records"`          // records now
+	Bytes          int64  `json:"bytes"`            // their payload bytes
+	Capacity       int64  `json:"capacity"`         // records the tier can hold
+	Mode           string `json:"mode,omitempty"`   // "direct", "buffered" or "mixed"; "off" with Error
+	Corrupt        int64  `json:"corrupt"`          // records that failed a check when read
+	TornAtOpen     int64  `json:"torn_at_open"`     // damaged records discarded at New
+	StaleAtOpen    int64  `json:"stale_at_open"`    // records of another format or layout discarded at New
+	IOErrors       int64  `json:"io_errors"`
+	NoSpace        int64  `json:"no_space"`                 // ENOSPC or EDQUOT
+	Evictions      int64  `json:"evictions"`                // records evicted for room
+	Dirs           int    `json:"dirs"`                     // directories in use
+	DirectDirs     int    `json:"direct_dirs"`              // of them with O_DIRECT
+	ReadOnlyDirs   int    `json:"read_only_dirs"`           // serving, taking nothing new
+	UnusableDirs   int    `json:"unusable_dirs"`            // left out at New
+	Error          string `json:"error,omitempty"`          // why the tier is off (no directory usable)
+	UnusableError  string `json:"unusable_error,omitempty"` // why UnusableDirs were left out
 }
 
 // ClusterStats is the cluster tier (Config.Cluster).
 type ClusterStats struct {
-	Configured  bool  `json:"configured"`
-	Writes      int64 `json:"writes"`       // blocks written through and stored
-	WriteBytes  int64 `json:"write_bytes"`  // their bytes
-	WriteErrors int64 `json:"write_errors"` // write-throughs that failed
-	WriteOOM    int64 `json:"write_oom"`    // WriteErrors a full node refused (use an LRU or LFU maxmemory policy)
-	Dropped     int64 `json:"dropped"`      // over ClusterConfig.MaxInFlightBytes
-	Hits        int64 `json:"hits"`         // blocks Prefetch read (verified)
-	HitBytes    int64 `json:"hit_bytes"`
-	// Misses are the blocks Prefetch did not get; Timeouts, Corrupt
-	// (damaged or stale) and Errors (a node down) are some of them.
-	Misses   int64 `json:"misses"`
-	Timeouts int64 `json:"timeouts"`
-	Corrupt  int64 `json:"corrupt"`
-	Errors   int64 `json:"errors"`
-	// Available: the tier has connected (it retries in the background).
-	// Until then, write-throughs and Prefetch keys count in Unavailable
-	// (the writes also in UnavailableWrites), and Error says why.
-	Available         bool   `json:"available"`
-	Unavailable       int64  `json:"unavailable"`
-	UnavailableWrites int64  `json:"unavailable_writes"`
-	Error             string `json:"error,omitempty"`
+	Configured        bool   `json:"configured"`
+	Writes            int64  `json:"writes"`       // blocks written through and stored
+	WriteBytes        int64  `json:"write_bytes"`  // their bytes
+	WriteErrors       int64  `json:"write_errors"` // write-throughs that failed
+	WriteOOM          int64  `json:"write_oom"`    // WriteErrors a full node refused (use an LRU or LFU maxmemory policy)
+	Dropped           int64  `json:"dropped"`      // over ClusterConfig.MaxInFlightBytes
+	Hits              int64  `json:"hits"`         // blocks Prefetch read (verified)
+	HitBytes          int64  `json:"hit_bytes"`
+	Misses            int64  `json:"misses"` // blocks Prefetch did not get, among them:
+	Timeouts          int64  `json:"timeouts"`
+	Corrupt           int64  `json:"corrupt"`
+	Errors            int64  `json:"errors"`
+	Available         bool   `json:"available"`          // connected; until then the tier retries in the background,
+	Unavailable       int64  `json:"unavailable"`        // write-throughs and Prefetch keys skipped meanwhile,
+	UnavailableWrites int64  `json:"unavailable_writes"` // the write-throughs among them,
+	Error             string `json:"error,omitempty"`    // and why it is not connected
 }
 
 // NodeStats is an engine of Dial's node connection.
 type NodeStats struct {
-	// Connections counts the connections made: 1 after Dial, one more per
-	// reconnection to a restarted node.
-	Connections int64 `json:"connections"`
+	Connections int64 `json:"connections"` // 1 after Dial, +1 per reconnection to a restarted node
 }
 
-// Sum is the time of all steps (more than the wall time where they
+// sum is the time of all steps (more than the wall time where they
 // overlapped).
-func (g GrowthSteps) Sum() time.Duration { return g.Map + g.Prefault + g.Pin + g.HostRanges + g.Cache }
+func (g GrowthSteps) sum() time.Duration { return g.Map + g.Prefault + g.Pin + g.HostRanges + g.Cache }
 
 // growthSteps is the recording side of GrowthSteps.
 type growthSteps struct {
@@ -212,30 +174,31 @@ func (s *Stats) Outcome(oc Outcome) int64 {
 	return s.Outcomes[oc]
 }
 
-// HistogramBuckets is the number of latency buckets: bucket i counts
+// histogramBuckets is the number of latency buckets: bucket i counts
 // latencies in [2^(i-1), 2^i) microseconds (bucket 0: below 1 µs, the last:
-// everything from 2^(HistogramBuckets-2) µs ≈ 9 minutes up).
-const HistogramBuckets = 30
+// everything from 2^(histogramBuckets-2) µs ≈ 9 minutes up).
+const histogramBuckets = 30
 
-// Histogram is a fixed log2-scale latency histogram.
+// Histogram is a log2-scale latency histogram: Counts[i] counts latencies
+// in [2^(i-1), 2^i) µs (Counts[0] below 1 µs; the last, all above).
 type Histogram struct {
-	Counts [HistogramBuckets]int64 `json:"counts"`
+	Counts [histogramBuckets]int64 `json:"counts"`
 	Count  int64                   `json:"count"`
 	Sum    time.Duration           `json:"sum_ns"`
 }
 
-// BucketUpper is the exclusive upper bound of bucket i (the last bucket has
+// bucketUpper is the exclusive upper bound of bucket i (the last bucket has
 // no bound and returns the largest duration).
-func BucketUpper(i int) time.Duration {
-	if i >= HistogramBuckets-1 {
+func bucketUpper(i int) time.Duration {
+	if i >= histogramBuckets-1 {
 		return time.Duration(1<<63 - 1)
 	}
 	return time.Duration(1<<uint(i)) * time.Microsecond
 }
 
-// Quantile returns an upper bound of the q-quantile (0 < q ≤ 1): the upper
+// quantile returns an upper bound of the q-quantile (0 < q ≤ 1): the upper
 // edge of the bucket holding it; 0 when the histogram is empty.
-func (h Histogram) Quantile(q float64) time.Duration {
+func (h Histogram) quantile(q float64) time.Duration {
 	if h.Count == 0 {
 		return 0
 	}
@@ -247,14 +210,14 @@ func (h Histogram) Quantile(q float64) time.Duration {
 	for i, c := range h.Counts {
 		seen += c
 		if seen >= target {
-			return BucketUpper(i)
+			return bucketUpper(i)
 		}
 	}
-	return BucketUpper(HistogramBuckets - 1)
+	return bucketUpper(histogramBuckets - 1)
 }
 
-// Mean is Sum/Count, 0 when empty.
-func (h Histogram) Mean() time.Duration {
+// mean is Sum/Count, 0 when empty.
+func (h Histogram) mean() time.Duration {
 	if h.Count == 0 {
 		return 0
 	}
@@ -263,7 +226,7 @@ func (h Histogram) Mean() time.Duration {
 
 // histogram is the lock-free recording side of Histogram.
 type histogram struct {
-	counts [HistogramBuckets]atomic.Int64
+	counts [histogramBuckets]atomic.Int64
 	count  atomic.Int64
 	sum    atomic.Int64
 }
@@ -273,7 +236,7 @@ func bucketOf(d time.Duration) int {
 	if us <= 0 {
 		return 0
 	}
-	return min(bits.Len64(uint64(us)), HistogramBuckets-1)
+	return min(bits.Len64(uint64(us)), histogramBuckets-1)
 }
 
 func (h *histogram) observe(d time.Duration) {
