@@ -89,7 +89,8 @@ extern "C" {
  *      "pool":{"regions":...}), "copies" ("store", "load" and the CUDA
  *      copy counters), "disk", "cluster" and "node", whose keys drop
  *      their old prefix ("disk_hits" is "disk":{"hits":...}); lookups,
- *      outcomes, policy, head-range and prefetch counters stay at the top. */
+ *      outcomes, policy, head-range and prefetch counters stay at the top;
+ *      the config key greedy_stores (a benchmark comparison) is gone. */
 #define KVO_ABI_VERSION 4
 
 /* Error codes. */

@@ -65,7 +65,7 @@ func TestDemoDiskNoSpace(t *testing.T) {
 	cfg := tinyDemo(offload.BackendHost)
 	cfg.diskDir = t.TempDir()
 	cfg.diskFaults = func(op hostsim.DiskFaultOp, dir string) error {
-		if op == hostsim.DiskFallocate {
+		if op == "fallocate" {
 			return unix.ENOSPC
 		}
 		return nil

@@ -20,18 +20,10 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// DiskFaultOp is the kind of disk tier file operation Options.DiskFaults is
-// asked about.
+// DiskFaultOp is the kind of disk tier file operation Options.DiskFaults
+// is asked about: "open" (the records file, for writing), "open-direct"
+// (with O_DIRECT), "write", "read" or "fallocate" (preallocating it).
 type DiskFaultOp string
-
-// DiskFaultOp values.
-const (
-	DiskOpen       DiskFaultOp = "open"        // opening the records file for writing
-	DiskOpenDirect DiskFaultOp = "open-direct" // opening it with O_DIRECT
-	DiskWrite      DiskFaultOp = "write"       // a record's payload or header
-	DiskRead       DiskFaultOp = "read"        // a record's header and payload
-	DiskFallocate  DiskFaultOp = "fallocate"   // preallocating the records file (e.g. unix.ENOSPC)
-)
 
 // Options configure a GPU.
 type Options struct {
@@ -42,8 +34,8 @@ type Options struct {
 	// DiskFaults, when set, runs before each file operation op of the disk
 	// tier on directory dir of the engines NewEngine makes on this GPU; a
 	// non-nil error replaces the operation's result (unix.ENOSPC for
-	// DiskWrite, unix.EIO for DiskRead, unix.EROFS for DiskOpen: the
-	// directory is opened read-only): the simulated machine's disk
+	// "write", unix.EIO for "read", unix.EROFS for "open": the directory
+	// is opened read-only): the simulated machine's disk
 	// failing, for tests and demos. Leave it nil otherwise.
 	DiskFaults func(op DiskFaultOp, dir string) error
 }
