@@ -30,7 +30,6 @@ var (
 // default, an unknown one ErrInvalidConfig.
 type Backend string
 
-// Backends.
 const (
 	BackendAuto Backend = "auto" // CUDA when the driver and device are there, else host
 	BackendCUDA Backend = "cuda"
@@ -40,7 +39,6 @@ const (
 // HostPinning is how the host backend pins its regions.
 type HostPinning string
 
-// Host pinning modes.
 const (
 	PinNone  HostPinning = "none"  // prefaulted only (default)
 	PinMlock HostPinning = "mlock" // bounded by RLIMIT_MEMLOCK
@@ -49,7 +47,6 @@ const (
 // HugePages is the page size regions are mapped with.
 type HugePages string
 
-// Huge page modes.
 const (
 	HugePagesTHP     HugePages = "thp" // madvise(MADV_HUGEPAGE) (default)
 	HugePagesNone    HugePages = "none"
@@ -59,7 +56,6 @@ const (
 // Policy is the admission and eviction policy.
 type Policy string
 
-// Policies.
 const (
 	PolicyTinyLFU Policy = "tinylfu" // TinyLFU admission, sampled LFU eviction
 	PolicyLRU     Policy = "lru"     // admits everything (default)
@@ -74,7 +70,6 @@ const (
 // LayoutKind is how the stack's KV cache tensors are arranged.
 type LayoutKind string
 
-// Layout kinds.
 const (
 	LayoutLayerSeparate LayoutKind = "layer-separate" // a K and a V tensor per layer (LayerTensors)
 	LayoutCrossLayer    LayoutKind = "cross-layer"    // one tensor, a block holds every layer (Base, Stride)
@@ -85,7 +80,6 @@ const (
 // (LayoutSpec.Order); "" is undeclared.
 type HeadOrder string
 
-// Head orders.
 const (
 	OrderTokenMajor HeadOrder = "token-major" // [blocks, tokens, heads, head_dim]
 	OrderHeadMajor  HeadOrder = "head-major"  // [blocks, heads, tokens, head_dim]

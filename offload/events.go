@@ -11,7 +11,6 @@ import (
 // EventKind says what an Event reports: vLLM's KV events.
 type EventKind uint8
 
-// Event kinds.
 const (
 	EventStored  EventKind = iota + 1 // the block became ready in the pool
 	EventRemoved                      // the block left the index (evicted, trimmed, deleted, cleared)
