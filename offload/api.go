@@ -137,7 +137,8 @@ type Config struct {
 	Disk             *DiskConfig    `json:"disk,omitempty"`             // the disk tier; nil: none
 	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
 	// HostDevice and DiskFaults are package hostsim's seam: the host
-	// backend's device (nil: the engine's own, which Config reports), and
+	// backend's device (nil: the engine makes one, closed by Close, which
+	// Config reports), and
 	// an error injected into the disk tier's file operation op ("open",
 	// "open-direct", "write", "read", "fallocate") on directory dir.
 	HostDevice *transfer.Sim              `json:"-"`
