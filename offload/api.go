@@ -138,9 +138,9 @@ type Config struct {
 	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
 	// HostDevice and DiskFaults are package hostsim's seam: the host
 	// backend's device (nil: the engine makes one, closed by Close, which
-	// Config reports), and
-	// an error injected into the disk tier's file operation op ("open",
-	// "open-direct", "write", "read", "fallocate") on directory dir.
+	// Config reports), and an error injected into the disk tier's file
+	// operation op ("open", "open-direct", "write", "read", "fallocate")
+	// on directory dir.
 	HostDevice *transfer.Sim              `json:"-"`
 	DiskFaults func(op, dir string) error `json:"-"`
 }
