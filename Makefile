@@ -63,7 +63,7 @@ gpu-bins:
 	for p in $(GPU_PKGS); do \
 		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
 	done
-	CGO_ENABLED=1 $(GO) build -buildmode=c-shared -ldflags='$(GPU_LDFLAGS)' -o build/gpu/libkvoffload.so ./capi
+	CGO_ENABLED=1 $(GO) build -tags kvocompare -buildmode=c-shared -ldflags='$(GPU_LDFLAGS)' -o build/gpu/libkvoffload.so ./capi
 	rm -f build/gpu/libkvoffload.h
 	{ git rev-parse HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > build/gpu/COMMIT
 	git diff --quiet HEAD 2>/dev/null || printf -- '-dirty' >> build/gpu/COMMIT

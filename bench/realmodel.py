@@ -127,10 +127,10 @@ def main(argv=None):
         # calibrated once per process): a store slower than the link in one
         # run and not the next may be a different choice.
         st = b.eng.stats()
-        engine_facts = {"copy calibration": st.get("copy_calibration", "") or "none",
-                        "bounce copies": st.get("bounce_copies", 0),
-                        "pitched copies": st.get("pitched_copies", 0),
-                        "copy budget waits": st.get("copy_budget_waits", 0)}
+        engine_facts = {"copy calibration": st.get("copies", {}).get("calibration", "") or "none",
+                        "bounce copies": st.get("copies", {}).get("bounced", 0),
+                        "pitched copies": st.get("copies", {}).get("pitched", 0),
+                        "copy budget waits": st.get("copies", {}).get("budget_waits", 0)}
     finally:
         b.close()
     machine = machine_info()

@@ -417,7 +417,7 @@ class Bench:
             totals.append(ms)
         bad = self.bad_blocks(dst, ref)
         self.checks.append((bad == 0, f"{tokens} tokens: {nb - bad} of {nb} blocks byte-exact after the timed loads"))
-        waits0 = self.eng.stats().get("copy_budget_waits", 0)
+        waits0 = self.eng.stats().get("copies", {}).get("budget_waits", 0)
         for _ in range(args.reps):
             self.eng.delete(keys)
             ms, outc = self.store(keys, src, call=store_calls)
@@ -428,7 +428,7 @@ class Bench:
         # (seen once, 2.5 ms at every size): did its copies wait for device
         # memory (the log line, for the next such run)?
         print(f"realmodel: {tokens} tokens: the timed stores waited for device memory "
-              f"{self.eng.stats().get('copy_budget_waits', 0) - waits0} times; store ms {[round(x, 2) for x in stores]}",
+              f"{self.eng.stats().get('copies', {}).get('budget_waits', 0) - waits0} times; store ms {[round(x, 2) for x in stores]}",
               file=sys.stderr)
         self.eng.delete(keys)
         h2d, d2h = self.contiguous(kv_bytes(tokens))

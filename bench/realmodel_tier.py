@@ -47,10 +47,10 @@ class TierBench(Bench):
         connected: before that its write-throughs and prefetches are
         skipped (counted unavailable)."""
         deadline = time.monotonic() + PREFETCH_TIMEOUT_S
-        while not eng.stats()["cluster_available"]:
+        while not eng.stats()["cluster"]["available"]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what}: the cluster tier did not connect in {PREFETCH_TIMEOUT_S:g} s: "
-                                   f"{eng.stats().get('cluster_error', '')}")
+                                   f"{eng.stats().get('cluster', {}).get('error', '')}")
             time.sleep(0.01)
 
     def check(self, kind, ok, text):
@@ -90,21 +90,21 @@ class TierBench(Bench):
             if kind == "disk":
                 self.fillers(eng, FILLER_POOLS * (nb + TIER_POOL_SLACK), src)
                 st = eng.stats()
-                self.check(kind, st["disk_dropped"] == 0 and st["disk_write_errors"] == 0,
-                           f"{p['tokens']} tokens: writer: {st['disk_dropped']} write-backs dropped, "
-                           f"{st['disk_write_errors']} failed")
+                self.check(kind, st["disk"]["dropped"] == 0 and st["disk"]["write_errors"] == 0,
+                           f"{p['tokens']} tokens: writer: {st['disk']['dropped']} write-backs dropped, "
+                           f"{st['disk']['write_errors']} failed")
             else:
                 deadline = time.monotonic() + PREFETCH_TIMEOUT_S
                 while True:
                     st = eng.stats()
-                    done = st["cluster_writes"] + st["cluster_write_errors"] + st["cluster_dropped"]
+                    done = st["cluster"]["writes"] + st["cluster"]["write_errors"] + st["cluster"]["dropped"]
                     if done >= nb or time.monotonic() > deadline:
                         break
                     time.sleep(0.002)
-                self.check(kind, st["cluster_writes"] == nb,
-                           f"{p['tokens']} tokens: writer: {st['cluster_writes']} of {nb} blocks written through "
-                           f"({st['cluster_write_errors']} failed, {st['cluster_dropped']} dropped, "
-                           f"{st['cluster_unavailable_writes']} while unavailable)")
+                self.check(kind, st["cluster"]["writes"] == nb,
+                           f"{p['tokens']} tokens: writer: {st['cluster']['writes']} of {nb} blocks written through "
+                           f"({st['cluster']['write_errors']} failed, {st['cluster']['dropped']} dropped, "
+                           f"{st['cluster']['unavailable_writes']} while unavailable)")
         finally:
             eng.close()  # the disk tier's queued write-backs finish here
         return time.perf_counter() - t0
@@ -118,7 +118,7 @@ class TierBench(Bench):
         self.poison()
         if kind == "disk":
             ms, call, _, outc = self.load(keys, dst, eng=eng)
-            got = eng.stats()["disk_hits"] - before["disk_hits"]
+            got = eng.stats()["disk"]["hits"] - before["disk"]["hits"]
         else:
             ms, call, _, outc, pre = self.load(keys, dst, eng=eng, prefetch=True)
             got = pre["from_cluster"]
@@ -150,10 +150,10 @@ class TierBench(Bench):
                 held = eng.lookup(keys)
                 self.check(kind, held == 0, f"{tokens} tokens: the new engine's pool holds {held} of the KV's blocks")
                 if kind == "disk":
-                    found = eng.stats()["disk_lookup_hits"] - st["disk_lookup_hits"]
+                    found = eng.stats()["disk"]["lookup_hits"] - st["disk"]["lookup_hits"]
                     self.check(kind, found == nb, f"{tokens} tokens: the new engine's lookup finds {found} of {nb} blocks "
-                                                  f"on disk ({st['disk_records']} records there, with the writer's fillers)")
-                    self.notes.setdefault(kind, []).append(f"{tokens} tokens: disk mode {st.get('disk_mode', '?')!r}")
+                                                  f"on disk ({st['disk']['records']} records there, with the writer's fillers)")
+                    self.notes.setdefault(kind, []).append(f"{tokens} tokens: disk mode {st.get('disk', {}).get('mode', '?')!r}")
                 first_ms, _ = self.tier_load(kind, eng, p, "first reload, in the new engine")
                 self.decode_check(p["orig"], p["first_token"], dst, f"{tokens} tokens, reloaded from {tier_label(kind)}")
                 self.tier_checks[kind].append(self.checks.pop())
@@ -173,7 +173,7 @@ class TierBench(Bench):
                     ms, _, _, outc = self.load(keys, dst, eng=eng)
                     after = eng.stats()
                     ok = (outc == ["loaded"] * nb and self.bad_blocks(dst, p["ref"]) == 0
-                          and after["disk_hits"] == before["disk_hits"] and after["cluster_hits"] == before["cluster_hits"])
+                          and after["disk"]["hits"] == before["disk"]["hits"] and after["cluster"]["hits"] == before["cluster"]["hits"])
                     if not ok:
                         self.check(kind, False, f"{tokens} tokens: a reload from host: {outc.count('loaded')} of {nb} "
                                                 f"loaded, not all from host memory or not byte-exact")

@@ -373,7 +373,7 @@ def finish_row(wl_name, mode, rnd, wall, ttft, rec, num_blocks, tier, checks):
                    lookups=st.get("lookups", 0), lookups_skipped=st.get("lookups_skipped", 0),
                    tier_ms=tier_ms(st), hooks=hook_table(st),
                    tier={k: v for k, v in st.items() if k != "engine"},
-                   engine_stats={k: eng.get(k) for k in ("pin_seconds", "store", "load") if k in eng})
+                   engine_stats={k: eng.get("copies", {}).get(k) for k in ("store", "load") if k in eng.get("copies", {})})
         if checks is not None:
             checked, bad, unmatched = checks.finish()
             row.update(checksums_checked=checked, checksums_bad=bad, checksums_unmatched=unmatched)

@@ -709,12 +709,12 @@ func kvoGo_wait_grown(h C.uint64_t, timeoutNS C.int64_t) (rc C.int) {
 	if err == nil {
 		return codeOK
 	}
-	return failCode(err, growthCode(err, eng.Stats().GrowthError != ""))
+	return failCode(err, growthCode(err, eng.Stats().Pool.GrowthError != ""))
 }
 
 // growthCode is kvo_wait_grown's code for WaitGrown's error err, where
 // growthFailed tells whether background growth stopped on an error of its
-// own (Stats.GrowthError): that error is KVO_EGROWTH whatever it wraps (an
+// own (Stats.Pool.GrowthError): that error is KVO_EGROWTH whatever it wraps (an
 // mlock refused, ENOMEM, a driver error), so that a caller tells it from
 // a timeout (KVO_ETIMEOUT) and from Close (KVO_ECLOSED).
 func growthCode(err error, growthFailed bool) C.int {

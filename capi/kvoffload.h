@@ -83,8 +83,15 @@ extern "C" {
  *      enqueued, and kvo_op_event, kvo_op_layer_event and
  *      kvo_op_stream_wait block until the event is recorded (the copies
  *      it follows enqueued, not finished); the early_events config key
- *      and stats fields are gone. */
-#define KVO_ABI_VERSION 3
+ *      and stats fields are gone;
+ *   4  kvo_stats_json nests the statistics by concern, as offload.Stats
+ *      does: objects "pool" (memory, regions, growth, slots: e.g.
+ *      "pool":{"regions":...}), "copies" ("store", "load" and the CUDA
+ *      copy counters), "disk", "cluster" and "node", whose keys drop
+ *      their old prefix ("disk_hits" is "disk":{"hits":...}); lookups,
+ *      outcomes, policy, head-range and prefetch counters stay at the top;
+ *      the config key greedy_stores (a benchmark comparison) is gone. */
+#define KVO_ABI_VERSION 4
 
 /* Error codes. */
 #define KVO_OK          0
@@ -285,7 +292,8 @@ int kvo_lease_release(kvo_lease_t lease);
 int kvo_staging(kvo_engine_t engine, const char* name, uint64_t bytes,
                 void** ptr, uint64_t* device_ptr);
 
-/* Writes the engine's statistics (the fields of Go's offload.Stats, plus
+/* Writes the engine's statistics (Go's offload.Stats: top-level counters
+ * and the objects "pool", "copies", "disk", "cluster" and "node"; plus
  * "backend_reason": why the backend in use was picked, and "go_maxprocs":
  * the Go runtime's GOMAXPROCS) as a JSON object into buf
  * (NUL-terminated); *needed gets the size including the NUL. If cap is too

@@ -62,8 +62,9 @@ def main():
             #   load.wait_layer(i, compute) before running layer i.
             # Prefill the remaining tokens (prompt[hits * TOKENS_PER_BLOCK:]) here, on `compute`.
             assert torch.equal(kv_caches[0][0][free], expected)
+    st = engine.stats()
     print(f"prefix hit: {hits} of {len(keys)} blocks loaded; stats: "
-          f"{ {k: engine.stats()[k] for k in ('blocks_ready', 'hits', 'in_use_bytes')} }")
+          f"{ {'blocks_ready': st['pool']['blocks_ready'], 'hits': st['hits'], 'in_use_bytes': st['pool']['in_use_bytes']} }")
     engine.close()
 
 

@@ -178,41 +178,41 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter(d.admission, s.AdmissionRejections, TierCPU)
 	for _, dir := range []struct {
 		name string
-		d    offload.Direction
-	}{{GPUToCPU, s.Store}, {CPUToGPU, s.Load}} {
+		d    offload.DirectionStats
+	}{{GPUToCPU, s.Copies.Store}, {CPUToGPU, s.Copies.Load}} {
 		counter(d.blocks, dir.d.Blocks, dir.name)
 		counter(d.bytes, dir.d.Bytes, dir.name)
 		counter(d.ops, dir.d.Ops, dir.name)
 		ch <- histogram(d.latency, dir.d.Latency, dir.name)
 	}
 	usage := 0.0
-	if s.OwnedBytes > 0 {
-		usage = float64(s.InUseBytes) / float64(s.OwnedBytes)
+	if s.Pool.OwnedBytes > 0 {
+		usage = float64(s.Pool.InUseBytes) / float64(s.Pool.OwnedBytes)
 	}
 	gauge(d.usage, usage, TierCPU)
-	gauge(d.poolBytes, float64(s.PoolBytes), TierCPU)
-	gauge(d.ownedBytes, float64(s.OwnedBytes), TierCPU)
-	gauge(d.inUse, float64(s.InUseBytes), TierCPU)
-	gauge(d.inFlight, float64(s.InFlightBytes), TierCPU)
-	gauge(d.stagingBytes, float64(s.StagingBytes), "reserved")
-	gauge(d.stagingBytes, float64(s.StagingUsed), "used")
-	gauge(d.slots, float64(s.SlotsTotal), "total")
-	gauge(d.slots, float64(s.SlotsFree), "free")
-	gauge(d.ready, float64(s.BlocksReady), TierCPU)
-	gauge(d.leased, float64(s.BlocksLeased), TierCPU)
-	gauge(d.blockBytes, float64(s.BlockBytes), TierCPU)
-	gauge(d.growthTarget, float64(s.GrowthTargetBytes), TierCPU)
-	gauge(d.growthPaused, b(s.GrowthPaused), TierCPU)
-	gauge(d.growthDone, b(s.FullPool > 0), TierCPU)
-	gauge(d.growthError, b(s.GrowthError != ""), TierCPU)
-	gauge(d.regions, float64(s.Regions), "pinned")
-	gauge(d.regions, float64(s.RegionsTotal), "planned")
-	counter(d.trims, s.Trims, TierCPU)
-	counter(d.trimmed, s.TrimmedBytes, TierCPU)
-	if s.DiskMode != "" {
+	gauge(d.poolBytes, float64(s.Pool.Bytes), TierCPU)
+	gauge(d.ownedBytes, float64(s.Pool.OwnedBytes), TierCPU)
+	gauge(d.inUse, float64(s.Pool.InUseBytes), TierCPU)
+	gauge(d.inFlight, float64(s.Copies.InFlightBytes), TierCPU)
+	gauge(d.stagingBytes, float64(s.Pool.StagingBytes), "reserved")
+	gauge(d.stagingBytes, float64(s.Pool.StagingUsed), "used")
+	gauge(d.slots, float64(s.Pool.SlotsTotal), "total")
+	gauge(d.slots, float64(s.Pool.SlotsFree), "free")
+	gauge(d.ready, float64(s.Pool.BlocksReady), TierCPU)
+	gauge(d.leased, float64(s.Pool.BlocksLeased), TierCPU)
+	gauge(d.blockBytes, float64(s.Pool.BlockBytes), TierCPU)
+	gauge(d.growthTarget, float64(s.Pool.GrowthTargetBytes), TierCPU)
+	gauge(d.growthPaused, b(s.Pool.GrowthPaused), TierCPU)
+	gauge(d.growthDone, b(s.Pool.FullPool > 0), TierCPU)
+	gauge(d.growthError, b(s.Pool.GrowthError != ""), TierCPU)
+	gauge(d.regions, float64(s.Pool.Regions), "pinned")
+	gauge(d.regions, float64(s.Pool.RegionsTotal), "planned")
+	counter(d.trims, s.Pool.Trims, TierCPU)
+	counter(d.trimmed, s.Pool.TrimmedBytes, TierCPU)
+	if s.Disk.Mode != "" {
 		c.collectDisk(ch, s)
 	}
-	if s.ClusterConfigured {
+	if s.Cluster.Configured {
 		c.collectCluster(ch, s)
 	}
 }
@@ -227,23 +227,23 @@ func (c *Collector) collectCluster(ch chan<- prometheus.Metric, s offload.Stats)
 		ch <- prometheus.MustNewConstMetric(desc, t, float64(v), append([]string{TierCluster}, labels...)...)
 	}
 	counter := prometheus.CounterValue
-	metric(d.blockLookups, counter, s.ClusterHits+s.ClusterMisses)
-	metric(d.hits, counter, s.ClusterHits)
-	metric(d.misses, counter, s.ClusterMisses)
-	metric(d.tierReads, counter, s.ClusterHits, "hit")
-	metric(d.tierReads, counter, s.ClusterMisses, "miss")
-	metric(d.tierFailures, counter, s.ClusterTimeouts, "timeout")
-	metric(d.tierFailures, counter, s.ClusterErrors, "error")
-	metric(d.tierFailures, counter, s.ClusterUnavailable-s.ClusterUnavailableWrites, "unavailable")
-	metric(d.tierWrites, counter, s.ClusterWrites, "written")
-	metric(d.tierWrites, counter, s.ClusterWriteErrors, "error")
-	metric(d.tierWrites, counter, s.ClusterDropped, "dropped")
-	metric(d.tierWrites, counter, s.ClusterUnavailableWrites, "unavailable")
-	metric(d.tierCorrupt, counter, s.ClusterCorrupt)
-	metric(d.tierTransferred, counter, s.ClusterWriteBytes, "written")
-	metric(d.tierTransferred, counter, s.ClusterHitBytes, "read")
+	metric(d.blockLookups, counter, s.Cluster.Hits+s.Cluster.Misses)
+	metric(d.hits, counter, s.Cluster.Hits)
+	metric(d.misses, counter, s.Cluster.Misses)
+	metric(d.tierReads, counter, s.Cluster.Hits, "hit")
+	metric(d.tierReads, counter, s.Cluster.Misses, "miss")
+	metric(d.tierFailures, counter, s.Cluster.Timeouts, "timeout")
+	metric(d.tierFailures, counter, s.Cluster.Errors, "error")
+	metric(d.tierFailures, counter, s.Cluster.Unavailable-s.Cluster.UnavailableWrites, "unavailable")
+	metric(d.tierWrites, counter, s.Cluster.Writes, "written")
+	metric(d.tierWrites, counter, s.Cluster.WriteErrors, "error")
+	metric(d.tierWrites, counter, s.Cluster.Dropped, "dropped")
+	metric(d.tierWrites, counter, s.Cluster.UnavailableWrites, "unavailable")
+	metric(d.tierCorrupt, counter, s.Cluster.Corrupt)
+	metric(d.tierTransferred, counter, s.Cluster.WriteBytes, "written")
+	metric(d.tierTransferred, counter, s.Cluster.HitBytes, "read")
 	available := int64(0)
-	if s.ClusterAvailable {
+	if s.Cluster.Available {
 		available = 1
 	}
 	metric(d.tierAvailable, prometheus.GaugeValue, available)
@@ -252,7 +252,7 @@ func (c *Collector) collectCluster(ch chan<- prometheus.Metric, s offload.Stats)
 // collectDisk adds the disk tier's series (tier="disk"), present only when
 // the engine has one. A key a Lookup did not find in the host pool is
 // looked up on disk: the disk's lookups are the host's misses, its hits
-// Stats.DiskLookupHits.
+// Stats.Disk.LookupHits.
 func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	d := &c.d
 	metric := func(desc *prometheus.Desc, t prometheus.ValueType, v int64, labels ...string) {
@@ -260,42 +260,43 @@ func (c *Collector) collectDisk(ch chan<- prometheus.Metric, s offload.Stats) {
 	}
 	counter, gauge := prometheus.CounterValue, prometheus.GaugeValue
 	metric(d.blockLookups, counter, s.Misses)
-	metric(d.hits, counter, s.DiskLookupHits)
-	metric(d.misses, counter, s.Misses-s.DiskLookupHits)
-	metric(d.admission, counter, s.DiskNotAdmitted)
-	metric(d.tierReads, counter, s.DiskHits, "hit")
-	metric(d.tierReads, counter, s.DiskMisses, "miss")
-	metric(d.tierWrites, counter, s.DiskWrites, "written")
-	metric(d.tierWrites, counter, s.DiskWriteErrors, "error")
-	metric(d.tierWrites, counter, s.DiskDropped, "dropped")
-	metric(d.tierCopies, counter, s.DiskCopies)
-	metric(d.tierCorrupt, counter, s.DiskCorrupt)
-	metric(d.tierDiscarded, counter, s.DiskTornAtOpen, "torn")
-	metric(d.tierDiscarded, counter, s.DiskStaleAtOpen, "stale")
-	metric(d.tierIOErrors, counter, s.DiskIOErrors-s.DiskNoSpace, "io")
-	metric(d.tierIOErrors, counter, s.DiskNoSpace, "no_space")
-	metric(d.tierEvictions, counter, s.DiskEvictions)
-	metric(d.tierDirs, gauge, int64(s.DiskDirs-s.DiskReadOnlyDirs), "read_write")
-	metric(d.tierDirs, gauge, int64(s.DiskReadOnlyDirs), "read_only")
-	metric(d.tierDirs, gauge, int64(s.DiskUnusableDirs), "unusable")
-	metric(d.tierRecords, gauge, s.DiskRecords)
-	metric(d.tierBytes, gauge, s.DiskBytes)
-	metric(d.tierCapacity, gauge, s.DiskCapacity)
-	metric(d.tierMode, gauge, 1, s.DiskMode)
+	metric(d.hits, counter, s.Disk.LookupHits)
+	metric(d.misses, counter, s.Misses-s.Disk.LookupHits)
+	metric(d.admission, counter, s.Disk.NotAdmitted)
+	metric(d.tierReads, counter, s.Disk.Hits, "hit")
+	metric(d.tierReads, counter, s.Disk.Misses, "miss")
+	metric(d.tierWrites, counter, s.Disk.Writes, "written")
+	metric(d.tierWrites, counter, s.Disk.WriteErrors, "error")
+	metric(d.tierWrites, counter, s.Disk.Dropped, "dropped")
+	metric(d.tierCopies, counter, s.Disk.Copies)
+	metric(d.tierCorrupt, counter, s.Disk.Corrupt)
+	metric(d.tierDiscarded, counter, s.Disk.TornAtOpen, "torn")
+	metric(d.tierDiscarded, counter, s.Disk.StaleAtOpen, "stale")
+	metric(d.tierIOErrors, counter, s.Disk.IOErrors-s.Disk.NoSpace, "io")
+	metric(d.tierIOErrors, counter, s.Disk.NoSpace, "no_space")
+	metric(d.tierEvictions, counter, s.Disk.Evictions)
+	metric(d.tierDirs, gauge, int64(s.Disk.Dirs-s.Disk.ReadOnlyDirs), "read_write")
+	metric(d.tierDirs, gauge, int64(s.Disk.ReadOnlyDirs), "read_only")
+	metric(d.tierDirs, gauge, int64(s.Disk.UnusableDirs), "unusable")
+	metric(d.tierRecords, gauge, s.Disk.Records)
+	metric(d.tierBytes, gauge, s.Disk.Bytes)
+	metric(d.tierCapacity, gauge, s.Disk.Capacity)
+	metric(d.tierMode, gauge, 1, s.Disk.Mode)
 }
 
-// histogram turns Stats' log2 latency histogram into a Prometheus one: the
-// bucket bounds are offload.BucketUpper in seconds (the last bucket, which
+// histogram turns Stats' log2 latency histogram into a Prometheus one:
+// bucket i's bound is 2^i µs (see offload.Histogram; the last bucket, which
 // has no bound, is +Inf).
 func histogram(desc *prometheus.Desc, h offload.Histogram, label string) prometheus.Metric {
-	buckets := make(map[float64]uint64, offload.HistogramBuckets-1)
+	last := len(h.Counts) - 1
+	buckets := make(map[float64]uint64, last)
 	var cum uint64
-	for i := 0; i < offload.HistogramBuckets-1; i++ {
+	for i := 0; i < last; i++ {
 		cum += uint64(h.Counts[i])
-		buckets[offload.BucketUpper(i).Seconds()] = cum
+		buckets[(time.Duration(1<<uint(i)) * time.Microsecond).Seconds()] = cum
 	}
 	// The snapshot is not atomic: a bucket read after Count may have moved on.
-	return prometheus.MustNewConstHistogram(desc, max(uint64(h.Count), cum+uint64(h.Counts[offload.HistogramBuckets-1])), h.Sum.Seconds(), buckets, label)
+	return prometheus.MustNewConstHistogram(desc, max(uint64(h.Count), cum+uint64(h.Counts[last])), h.Sum.Seconds(), buckets, label)
 }
 
 // Registry returns a registry holding a Collector of src.

@@ -106,19 +106,19 @@ func TestScrapeAgreesWithStats(t *testing.T) {
 	require.Equal(t, float64(s.Evictions), value(t, mfs, "kvoffload_block_eviction_total", "tier", "cpu"))
 	require.Equal(t, float64(s.Outcome(offload.OutcomeStored)), value(t, mfs, "kvoffload_block_outcomes_total", "outcome", "stored"))
 	require.Equal(t, float64(s.Outcome(offload.OutcomeRefusedFull)), value(t, mfs, "kvoffload_stores_skipped_total", "reason", "refused-full"))
-	require.Equal(t, float64(s.Store.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.GPUToCPU))
-	require.Equal(t, float64(s.Load.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.CPUToGPU))
-	require.Equal(t, float64(s.Store.Blocks), value(t, mfs, "kvoffload_total_blocks_total", "transfer_type", metrics.GPUToCPU))
-	require.Equal(t, float64(s.Store.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.GPUToCPU))
-	require.Equal(t, float64(s.Load.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.CPUToGPU))
-	require.Equal(t, float64(s.PoolBytes), value(t, mfs, "kvoffload_pool_capacity_bytes", "tier", "cpu"))
-	require.Equal(t, float64(s.OwnedBytes), value(t, mfs, "kvoffload_pool_owned_bytes", "tier", "cpu"))
-	require.Equal(t, float64(s.InUseBytes), value(t, mfs, "kvoffload_pool_in_use_bytes", "tier", "cpu"))
-	require.Equal(t, float64(s.InFlightBytes), value(t, mfs, "kvoffload_pool_in_flight_bytes", "tier", "cpu"))
-	require.Positive(t, s.InUseBytes, "blocks are stored")
-	require.Equal(t, float64(s.InUseBytes)/float64(s.OwnedBytes), value(t, mfs, "kvoffload_cpu_cache_usage_perc", "tier", "cpu"))
-	require.Equal(t, float64(s.SlotsFree), value(t, mfs, "kvoffload_pool_slots", "state", "free"))
-	require.Equal(t, float64(s.GrowthTargetBytes), value(t, mfs, "kvoffload_growth_target_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.Copies.Store.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Copies.Load.Bytes), value(t, mfs, "kvoffload_total_bytes_total", "transfer_type", metrics.CPUToGPU))
+	require.Equal(t, float64(s.Copies.Store.Blocks), value(t, mfs, "kvoffload_total_blocks_total", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Copies.Store.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.GPUToCPU))
+	require.Equal(t, float64(s.Copies.Load.Latency.Count), value(t, mfs, "kvoffload_transfer_latency_seconds", "transfer_type", metrics.CPUToGPU))
+	require.Equal(t, float64(s.Pool.Bytes), value(t, mfs, "kvoffload_pool_capacity_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.Pool.OwnedBytes), value(t, mfs, "kvoffload_pool_owned_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.Pool.InUseBytes), value(t, mfs, "kvoffload_pool_in_use_bytes", "tier", "cpu"))
+	require.Equal(t, float64(s.Copies.InFlightBytes), value(t, mfs, "kvoffload_pool_in_flight_bytes", "tier", "cpu"))
+	require.Positive(t, s.Pool.InUseBytes, "blocks are stored")
+	require.Equal(t, float64(s.Pool.InUseBytes)/float64(s.Pool.OwnedBytes), value(t, mfs, "kvoffload_cpu_cache_usage_perc", "tier", "cpu"))
+	require.Equal(t, float64(s.Pool.SlotsFree), value(t, mfs, "kvoffload_pool_slots", "state", "free"))
+	require.Equal(t, float64(s.Pool.GrowthTargetBytes), value(t, mfs, "kvoffload_growth_target_bytes", "tier", "cpu"))
 	require.Equal(t, dto.MetricType_HISTOGRAM, mfs["kvoffload_transfer_latency_seconds"].GetType())
 	require.Equal(t, dto.MetricType_COUNTER, mfs["kvoffload_cpu_block_hit_total"].GetType())
 }
@@ -186,8 +186,8 @@ func TestDiskTierMetrics(t *testing.T) {
 	require.NoError(t, metrics.WriteText(&buf, e))
 	mfs = parse(t, &buf)
 	s := e.Stats()
-	require.Positive(t, s.DiskWrites)
-	require.Positive(t, s.DiskLookupHits)
+	require.Positive(t, s.Disk.Writes)
+	require.Positive(t, s.Disk.LookupHits)
 	disk := func(kv ...string) map[string]string {
 		m := map[string]string{"tier": "disk"}
 		for i := 0; i < len(kv); i += 2 {
@@ -201,20 +201,20 @@ func TestDiskTierMetrics(t *testing.T) {
 		want   int64
 	}{
 		{"kvoffload_cpu_block_lookup_total", disk(), s.Misses},
-		{"kvoffload_cpu_block_hit_total", disk(), s.DiskLookupHits},
-		{"kvoffload_cpu_block_miss_total", disk(), s.Misses - s.DiskLookupHits},
-		{"kvoffload_admission_rejections_total", disk(), s.DiskNotAdmitted},
-		{"kvoffload_tier_reads_total", disk("result", "hit"), s.DiskHits},
-		{"kvoffload_tier_reads_total", disk("result", "miss"), s.DiskMisses},
-		{"kvoffload_tier_writes_total", disk("result", "written"), s.DiskWrites},
-		{"kvoffload_tier_writes_total", disk("result", "error"), s.DiskWriteErrors},
-		{"kvoffload_tier_writes_total", disk("result", "dropped"), s.DiskDropped},
-		{"kvoffload_tier_write_copies_total", disk(), s.DiskCopies},
-		{"kvoffload_tier_corrupt_total", disk(), s.DiskCorrupt},
-		{"kvoffload_tier_records", disk(), s.DiskRecords},
-		{"kvoffload_tier_bytes", disk(), s.DiskBytes},
-		{"kvoffload_tier_capacity_records", disk(), s.DiskCapacity},
-		{"kvoffload_tier_io_mode", disk("mode", s.DiskMode), 1},
+		{"kvoffload_cpu_block_hit_total", disk(), s.Disk.LookupHits},
+		{"kvoffload_cpu_block_miss_total", disk(), s.Misses - s.Disk.LookupHits},
+		{"kvoffload_admission_rejections_total", disk(), s.Disk.NotAdmitted},
+		{"kvoffload_tier_reads_total", disk("result", "hit"), s.Disk.Hits},
+		{"kvoffload_tier_reads_total", disk("result", "miss"), s.Disk.Misses},
+		{"kvoffload_tier_writes_total", disk("result", "written"), s.Disk.Writes},
+		{"kvoffload_tier_writes_total", disk("result", "error"), s.Disk.WriteErrors},
+		{"kvoffload_tier_writes_total", disk("result", "dropped"), s.Disk.Dropped},
+		{"kvoffload_tier_write_copies_total", disk(), s.Disk.Copies},
+		{"kvoffload_tier_corrupt_total", disk(), s.Disk.Corrupt},
+		{"kvoffload_tier_records", disk(), s.Disk.Records},
+		{"kvoffload_tier_bytes", disk(), s.Disk.Bytes},
+		{"kvoffload_tier_capacity_records", disk(), s.Disk.Capacity},
+		{"kvoffload_tier_io_mode", disk("mode", s.Disk.Mode), 1},
 		{"kvoffload_cpu_block_hit_total", map[string]string{"tier": "cpu"}, s.Hits},
 	} {
 		require.Equal(t, float64(c.want), sample(t, mfs, c.name, c.labels), "%s%v", c.name, c.labels)
@@ -225,8 +225,8 @@ func TestDiskTierMetrics(t *testing.T) {
 
 	// The start-up and fault counts, each from its own field.
 	buf.Reset()
-	require.NoError(t, metrics.WriteText(&buf, statsSource{DiskMode: "direct", DiskCapacity: 10, DiskTornAtOpen: 201,
-		DiskStaleAtOpen: 202, DiskIOErrors: 210, DiskNoSpace: 4, DiskEvictions: 205, DiskDirs: 3, DiskReadOnlyDirs: 1, DiskUnusableDirs: 2}))
+	require.NoError(t, metrics.WriteText(&buf, statsSource{Disk: offload.DiskStats{Mode: "direct", Capacity: 10, TornAtOpen: 201,
+		StaleAtOpen: 202, IOErrors: 210, NoSpace: 4, Evictions: 205, Dirs: 3, ReadOnlyDirs: 1, UnusableDirs: 2}}))
 	mfs = parse(t, &buf)
 	for _, c := range []struct {
 		name   string
@@ -262,9 +262,9 @@ func TestClusterTierMetrics(t *testing.T) {
 	require.False(t, ok, "no cluster tier, no cluster series")
 
 	// Distinct values, so that a field exported as another shows.
-	s := offload.Stats{ClusterConfigured: true, ClusterWrites: 101, ClusterWriteBytes: 102, ClusterWriteErrors: 103,
-		ClusterDropped: 104, ClusterHits: 105, ClusterHitBytes: 106, ClusterMisses: 107, ClusterTimeouts: 108,
-		ClusterCorrupt: 109, ClusterErrors: 110, ClusterAvailable: true, ClusterUnavailable: 111 + 112, ClusterUnavailableWrites: 112}
+	s := offload.Stats{Cluster: offload.ClusterStats{Configured: true, Writes: 101, WriteBytes: 102, WriteErrors: 103,
+		Dropped: 104, Hits: 105, HitBytes: 106, Misses: 107, Timeouts: 108,
+		Corrupt: 109, Errors: 110, Available: true, Unavailable: 111 + 112, UnavailableWrites: 112}}
 	buf.Reset()
 	require.NoError(t, metrics.WriteText(&buf, statsSource(s)))
 	mfs = parse(t, &buf)
@@ -304,7 +304,7 @@ func TestClusterTierMetrics(t *testing.T) {
 	_, ok = mfs["kvoffload_tier_io_mode"]
 	require.False(t, ok, "no disk tier, no disk series")
 
-	s.ClusterAvailable = false
+	s.Cluster.Available = false
 	buf.Reset()
 	require.NoError(t, metrics.WriteText(&buf, statsSource(s)))
 	require.Zero(t, sample(t, parse(t, &buf), "kvoffload_tier_available", cl()))

@@ -25,8 +25,8 @@ type state struct {
 
 func stateOf(e *Engine) state {
 	st := e.Stats()
-	return state{outcomes: st.Outcomes, storeOps: st.Store.Ops, loadOps: st.Load.Ops, inUse: st.InUseBytes,
-		free: st.SlotsFree, ready: st.BlocksReady, leased: st.BlocksLeased}
+	return state{outcomes: st.Outcomes, storeOps: st.Copies.Store.Ops, loadOps: st.Copies.Load.Ops, inUse: st.Pool.InUseBytes,
+		free: st.Pool.SlotsFree, ready: st.Pool.BlocksReady, leased: st.Pool.BlocksLeased}
 }
 
 func TestBadInput(t *testing.T) {
@@ -97,7 +97,7 @@ func TestBadInput(t *testing.T) {
 		require.ErrorIs(t, err, ErrReleased)
 		require.ErrorIs(t, op.StreamWait(0), ErrReleased)
 		<-op.Done()
-		require.Zero(t, op.Count(OutcomeLoaded))
+		require.Zero(t, op.count(OutcomeLoaded))
 	})
 
 	t.Run("lease not a prefix of the keys", func(t *testing.T) {
@@ -120,7 +120,7 @@ func TestBadInput(t *testing.T) {
 		res, err := e.Lookup(k[:1], LookupOptions{Lease: true})
 		require.NoError(t, err)
 		require.Equal(t, 1, res.Hits)
-		require.Equal(t, k[:1], res.Lease.Keys())
+		require.Equal(t, k[:1], res.Lease.leasedKeys())
 		require.NoError(t, res.Lease.Release())
 		require.ErrorIs(t, res.Lease.Release(), ErrReleased)
 		mid := stateOf(e)
@@ -189,19 +189,44 @@ func TestCallsAfterClose(t *testing.T) {
 		require.ErrorContains(t, err, name, "the error names the call")
 	}
 	st := e.Stats()
-	require.Zero(t, st.OwnedBytes)
-	require.Zero(t, st.Regions)
+	require.Zero(t, st.Pool.OwnedBytes)
+	require.Zero(t, st.Pool.Regions)
+}
+
+// withComparisonSwitches has New read the comparison switches, as a
+// build with -tags kvocompare does, until t ends.
+func withComparisonSwitches(t *testing.T) {
+	old := comparisonSwitches
+	comparisonSwitches = true
+	t.Cleanup(func() { comparisonSwitches = old })
+}
+
+// The release engine ignores the comparison switches: a value that would
+// be refused is not read.
+func TestComparisonSwitchesOff(t *testing.T) {
+	if comparisonBuild {
+		t.Skip("a kvocompare build reads the switches")
+	}
+	for _, name := range []string{buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv} {
+		t.Setenv(name, "x")
+	}
+	e, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
+	require.NoError(t, err)
+	require.Equal(t, defaultPartGrowth, e.hooks.partGrowth)
+	require.False(t, e.hooks.wholeFirstLayer)
+	require.NoError(t, e.Close())
 }
 
 // A bad KVOFFLOAD_COPY_BUILDERS is an error from New naming it and the limit.
 func TestBuildersEnv(t *testing.T) {
+	withComparisonSwitches(t)
 	for _, v := range []string{"0", "x", "17", "-1"} {
-		t.Setenv(BuildersEnv, v)
+		t.Setenv(buildersEnv, v)
 		_, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
 		require.ErrorIs(t, err, ErrInvalidConfig, v)
-		require.ErrorContains(t, err, BuildersEnv+`="`+v+`": want 1 to 16`, v)
+		require.ErrorContains(t, err, buildersEnv+`="`+v+`": want 1 to 16`, v)
 	}
-	t.Setenv(BuildersEnv, "3")
+	t.Setenv(buildersEnv, "3")
 	e, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
 	require.NoError(t, err)
 	require.NoError(t, e.Close())
@@ -210,14 +235,15 @@ func TestBuildersEnv(t *testing.T) {
 // The other integer comparison settings (envInt): a bad value is an
 // error from New naming it and its range; a good one is taken.
 func TestIntEnvs(t *testing.T) {
+	withComparisonSwitches(t)
 	cfg := Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}
 	for _, tc := range []struct {
 		name, want string
 		bad        []string
 		good       string
 	}{
-		{PartGrowthEnv, "want 0 to 8 growing parts", []string{"9", "-1", "x"}, "3"},
-		{TraceCallsEnv, "want 0 to 1048576 calls", []string{"1048577", "-1", "all"}, "2"},
+		{partGrowthEnv, "want 0 to 8 growing parts", []string{"9", "-1", "x"}, "3"},
+		{traceCallsEnv, "want 0 to 1048576 calls", []string{"1048577", "-1", "all"}, "2"},
 	} {
 		for _, v := range tc.bad {
 			t.Setenv(tc.name, v)
@@ -236,15 +262,16 @@ func TestIntEnvs(t *testing.T) {
 // KVOFFLOAD_WHOLE_FIRST_LAYER takes 0 or 1; another value is an error from
 // New naming it; 1 keeps a per-layer load's first layer one part.
 func TestWholeFirstLayerEnv(t *testing.T) {
+	withComparisonSwitches(t)
 	cfg := Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}
 	for _, v := range []string{"2", "yes", "-1"} {
-		t.Setenv(WholeFirstLayerEnv, v)
+		t.Setenv(wholeFirstLayerEnv, v)
 		_, err := newEngine(cfg, engineHooks{})
 		require.ErrorIs(t, err, ErrInvalidConfig, v)
-		require.ErrorContains(t, err, WholeFirstLayerEnv+`="`+v+`": want 0 or 1`, v)
+		require.ErrorContains(t, err, wholeFirstLayerEnv+`="`+v+`": want 0 or 1`, v)
 	}
 	for _, v := range []string{"0", "1"} {
-		t.Setenv(WholeFirstLayerEnv, v)
+		t.Setenv(wholeFirstLayerEnv, v)
 		e, err := newEngine(cfg, engineHooks{})
 		require.NoError(t, err)
 		require.Equal(t, v == "1", e.hooks.wholeFirstLayer)
@@ -256,7 +283,7 @@ func TestWholeFirstLayerEnv(t *testing.T) {
 // as one line with the points the call reached, a failed call with its
 // error; later calls are not traced.
 func TestTraceCallsEnv(t *testing.T) {
-	t.Setenv(TraceCallsEnv, "2")
+	t.Setenv(traceCallsEnv, "2")
 	e, err := New(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()

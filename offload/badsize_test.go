@@ -45,7 +45,7 @@ func TestHugePoolRefused(t *testing.T) {
 				require.ErrorIs(t, err, ErrInvalidConfig)
 				require.Contains(t, err.Error(), fmt.Sprint(pool))
 				if pool == 1<<40 {
-					require.Contains(t, err.Error(), fmt.Sprintf("%d regions, at most %d (MaxRegions)", 1+(1<<40-1<<30)/(1<<20), MaxRegions))
+					require.Contains(t, err.Error(), fmt.Sprintf("%d regions, at most %d (maxRegions)", 1+(1<<40-1<<30)/(1<<20), maxRegions))
 				} else if pool == math.MaxInt64 {
 					require.Contains(t, err.Error(), "plus StagingBytes = 16777216 overflows int64")
 				} else {

@@ -29,7 +29,7 @@ func TestCUDAFakeCalibrationWhileServing(t *testing.T) {
 	require.NoError(t, err)
 	serveThroughCalibration(t, e, g, 4, 60*time.Second)
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Contains(t, e.Stats().CopyCalibration, "calibrated in")
+	require.Contains(t, e.Stats().Copies.Calibration, "calibrated in")
 	require.NoError(t, e.Close())
 }
 
@@ -42,10 +42,10 @@ func serveThroughCalibration(t *testing.T, e *Engine, g *gpuMem, n int, limit ti
 	var rounds atomic.Int64
 	watchdog := time.AfterFunc(limit, func() {
 		panic(fmt.Sprintf("serving stopped during the calibration after %d rounds (a deadlock); calibration %q",
-			rounds.Load(), e.Stats().CopyCalibration))
+			rounds.Load(), e.Stats().Copies.Calibration))
 	})
 	defer watchdog.Stop()
-	for seed := uint64(100); e.Stats().CopyCalibration == "" || rounds.Load() < 5; seed++ {
+	for seed := uint64(100); e.Stats().Copies.Calibration == "" || rounds.Load() < 5; seed++ {
 		storeOverwriteLoad(t, e, g, n, seed)
 		rounds.Add(1)
 	}
@@ -66,7 +66,7 @@ func TestGPUCalibrationWhileServing(t *testing.T) {
 		Layout: g.layout(LayoutLayerSeparate, 512), Policy: PolicyLRU}, engineHooks{calibrate: true})
 	require.NoError(t, err)
 	rounds := serveThroughCalibration(t, e, g, 64, 120*time.Second)
-	t.Logf("%d rounds of 64 blocks served while the copy methods were calibrated (%s)", rounds, e.Stats().CopyCalibration)
+	t.Logf("%d rounds of 64 blocks served while the copy methods were calibrated (%s)", rounds, e.Stats().Copies.Calibration)
 	require.NoError(t, e.WaitGrown(context.Background()))
 	res, err := e.Trim(context.Background(), 1024*slot)
 	require.NoError(t, err)

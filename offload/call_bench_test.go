@@ -104,7 +104,7 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) callTim
 		require.NoError(b, err)
 		require.NoError(b, op.Wait(ctx))
 		dones[0] = append(dones[0], time.Since(t0))
-		require.Equal(b, cb.blocks, op.Count(OutcomeStored))
+		require.Equal(b, cb.blocks, op.count(OutcomeStored))
 		require.NoError(b, op.Release())
 		for k, perLayer := range []bool{false, true} {
 			if cb.verify {
@@ -124,7 +124,7 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) callTim
 			}
 			require.NoError(b, op.Wait(ctx))
 			dones[1+k] = append(dones[1+k], time.Since(t0))
-			require.Equal(b, cb.blocks, op.Count(OutcomeLoaded))
+			require.Equal(b, cb.blocks, op.count(OutcomeLoaded))
 			require.NoError(b, op.Release())
 			if cb.verify {
 				for i, id := range dst {
@@ -234,8 +234,8 @@ func TestCUDAFakeBigBlocks(t *testing.T) {
 	}
 	// The per-layer loads' layers (64 KiB of each of 24 consecutive slots)
 	// went by pitched DMA, checked byte for byte above.
-	require.Positive(t, st.PitchedCopies, "per-layer loads by pitched DMA")
+	require.Positive(t, st.Copies.Pitched, "per-layer loads by pitched DMA")
 	// 40 MiB of device memory for 48 MiB ops: copies waited for earlier
 	// ones to free theirs, and Stats counts it.
-	require.Positive(t, st.CopyBudgetWaits, "copies waited for device memory")
+	require.Positive(t, st.Copies.BudgetWaits, "copies waited for device memory")
 }

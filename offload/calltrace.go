@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TraceCallsEnv, when set to N > 0, makes the engine write one line to
+// traceCallsEnv, when set to N > 0, makes the engine write one line to
 // stderr for each of its first N Store and Load calls: the wall-clock
 // times, from the call's entry, at which it reached its points (checked,
 // looked up, planned, the scheduler's promise, the head's parts built and
@@ -21,9 +21,9 @@ import (
 // machine without a profiler (the Python call through the C ABI); one call
 // is traced at a time (a call that starts while another is traced is not),
 // and the engine's test hooks, when they trace, take precedence.
-const TraceCallsEnv = "KVOFFLOAD_TRACE_CALLS"
+const traceCallsEnv = "KVOFFLOAD_TRACE_CALLS"
 
-// callTracer is TraceCallsEnv's tracer: point is the engine's tracePoint
+// callTracer is traceCallsEnv's tracer: point is the engine's tracePoint
 // and the scheduler's Config.Trace.
 type callTracer struct {
 	mu    sync.Mutex
@@ -95,9 +95,9 @@ func (t *callTracer) end(err error) {
 
 func msOf(d time.Duration) float64 { return d.Seconds() * 1e3 }
 
-// traceCallsFromEnv reads TraceCallsEnv: nil when unset or 0.
+// traceCallsFromEnv reads traceCallsEnv: nil when unset or 0.
 func traceCallsFromEnv() (*callTracer, error) {
-	n, err := envInt(TraceCallsEnv, 0, 0, 1<<20, "calls")
+	n, err := envInt(traceCallsEnv, 0, 0, 1<<20, "calls")
 	if err != nil || n == 0 {
 		return nil, err
 	}

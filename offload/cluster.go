@@ -18,12 +18,12 @@ import (
 // Store makes ready in the host pool is written through to it,
 // asynchronously (a copy of the slot's bytes, made on the tier's goroutine
 // while the slot is leased: such a block is not evicted until copied, and
-// counts in Stats.BlocksLeased meanwhile);
+// counts in Stats.Pool.BlocksLeased meanwhile);
 // Prefetch asks it for blocks the host pool (and the disk tier) lack and
 // promotes what it finds into host slots. Lookup never asks it. A cluster
 // that does not answer at New is not an error: the engine serves from host
 // memory (and disk), the tier counts what it could not do
-// (Stats.ClusterUnavailable, Stats.ClusterError says why) and connects in
+// (Stats.Cluster.Unavailable, Stats.Cluster.Error says why) and connects in
 // the background, retrying with a backoff up to 5s, from then on writing
 // through and prefetching. It is plain data with JSON tags.
 type ClusterConfig struct {
@@ -48,7 +48,7 @@ type ClusterConfig struct {
 	// TTL is every record's time to live (default 1h, at least 1ms).
 	TTL time.Duration `json:"ttl,omitempty"`
 	// MaxInFlightBytes bounds the bytes written through and not yet
-	// answered; past it a write-through is dropped (Stats.ClusterDropped).
+	// answered; past it a write-through is dropped (Stats.Cluster.Dropped).
 	// Default 256 MiB.
 	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
 	// Timeout bounds each write, each Prefetch's wait and dials (default

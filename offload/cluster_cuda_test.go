@@ -45,7 +45,7 @@ func TestCUDAFakeClusterTwoEngines(t *testing.T) {
 	}
 	storeAll(t, a, keys, src, StoreOptions{})
 	require.NoError(t, a.FlushCluster())
-	require.Equal(t, int64(n), a.Stats().ClusterWrites)
+	require.Equal(t, int64(n), a.Stats().Cluster.Writes)
 	require.NoError(t, a.Close())
 
 	b, err := newCUDAEngine(t, d, cfg(), engineHooks{})

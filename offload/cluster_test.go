@@ -68,13 +68,13 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	ns := fmt.Sprintf("two-engines-%d", time.Now().UnixNano())
 	a := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
 	defer func() { require.NoError(t, a.Close()) }()
-	require.Empty(t, a.Stats().ClusterError)
+	require.Empty(t, a.Stats().Cluster.Error)
 	keys := seqKeys(0, 6)
 	contents := storeWrittenThrough(t, a, keys, 7)
 	require.Zero(t, a.kc.Stats().Leased, "every write-through lease given back once flushed")
 	st := a.Stats()
-	require.Equal(t, int64(len(keys)), st.ClusterWrites)
-	require.Zero(t, st.ClusterDropped)
+	require.Equal(t, int64(len(keys)), st.Cluster.Writes)
+	require.Zero(t, st.Cluster.Dropped)
 
 	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
 	defer func() { require.NoError(t, b.Close()) }()
@@ -88,9 +88,9 @@ func TestClusterTierTwoEngines(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, PrefetchResult{Promoted: 6, FromCluster: 6}, pr)
 	st = b.Stats()
-	require.Equal(t, int64(6), st.ClusterHits)
-	require.Equal(t, int64(1), st.ClusterMisses)
-	require.Zero(t, st.ClusterWrites, "promoted blocks are not written through again")
+	require.Equal(t, int64(6), st.Cluster.Hits)
+	require.Equal(t, int64(1), st.Cluster.Misses)
+	require.Zero(t, st.Cluster.Writes, "promoted blocks are not written through again")
 	res, err = b.Lookup(all, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 6, res.Hits, "the promoted blocks are in B's pool")
@@ -164,9 +164,9 @@ func TestClusterWriteThroughSlotReuse(t *testing.T) {
 	require.Eventually(t, func() bool { return a.kc.Stats().Leased == 0 }, 10*time.Second, 5*time.Millisecond,
 		"every write-through lease given back")
 	require.NoError(t, a.FlushCluster())
-	require.Equal(t, copies.Load(), a.Stats().ClusterWrites, "every put the hook delayed was made")
+	require.Equal(t, copies.Load(), a.Stats().Cluster.Writes, "every put the hook delayed was made")
 	require.Greater(t, len(want), 8, "stores went on past the pool's size")
-	require.Equal(t, int64(len(want)), a.Stats().ClusterWrites)
+	require.Equal(t, int64(len(want)), a.Stats().Cluster.Writes)
 
 	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, int64(len(keys))))
 	defer func() { require.NoError(t, b.Close()) }()
@@ -215,7 +215,7 @@ func TestPrefetchFromDisk(t *testing.T) {
 		require.Equal(t, OutcomeLoaded, oc[i])
 		require.Equal(t, contents[i], blockBytes(e, 8+i), "block %d prefetched byte-exact", i)
 	}
-	require.Equal(t, int64(4), e.Stats().DiskHits)
+	require.Equal(t, int64(4), e.Stats().Disk.Hits)
 	_, err = e.Prefetch(ctx, keys, PrefetchOptions{Timeout: -1})
 	require.ErrorIs(t, err, ErrInvalidArgument)
 	require.NoError(t, e.Close())
@@ -259,11 +259,11 @@ func TestClusterStoppedMidRun(t *testing.T) {
 	require.Less(t, time.Since(start), 5*time.Second)
 	require.NoError(t, e.FlushCluster())
 	st := e.Stats()
-	require.Positive(t, st.ClusterMisses)
-	require.Positive(t, st.ClusterTimeouts+st.ClusterErrors, "a stopped cluster's misses are timeouts or errors: %+v", st)
-	require.LessOrEqual(t, st.ClusterTimeouts+st.ClusterErrors+st.ClusterCorrupt, st.ClusterMisses)
-	require.True(t, st.ClusterAvailable, "connected at New: the client's to reconnect, not unavailable")
-	require.Positive(t, st.ClusterWriteErrors+st.ClusterDropped, "write-throughs to a stopped cluster fail, counted")
+	require.Positive(t, st.Cluster.Misses)
+	require.Positive(t, st.Cluster.Timeouts+st.Cluster.Errors, "a stopped cluster's misses are timeouts or errors: %+v", st)
+	require.LessOrEqual(t, st.Cluster.Timeouts+st.Cluster.Errors+st.Cluster.Corrupt, st.Cluster.Misses)
+	require.True(t, st.Cluster.Available, "connected at New: the client's to reconnect, not unavailable")
+	require.Positive(t, st.Cluster.WriteErrors+st.Cluster.Dropped, "write-throughs to a stopped cluster fail, counted")
 
 	oc := loadAll(t, e, keys, seqIDs(8, 4))
 	for i := range keys {
@@ -279,7 +279,7 @@ func TestClusterStoppedMidRun(t *testing.T) {
 
 // TestClusterUnreachableAtNew: a cluster that does not answer at New is
 // not an error: the engine serves from host memory, the tier is not
-// available (Stats.ClusterAvailable false, ClusterError naming the
+// available (Stats.Cluster.Available false, ClusterError naming the
 // address), write-throughs and Prefetch keys are counted in
 // ClusterUnavailable (no slot reserved for them), and Close stops its
 // attempts to connect; a bad cluster config is ErrInvalidConfig.
@@ -290,21 +290,21 @@ func TestClusterUnreachableAtNew(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	defer func() { require.NoError(t, e.Close()) }()
 	st := e.Stats()
-	require.False(t, st.ClusterAvailable)
-	require.Contains(t, st.ClusterError, "127.0.0.1:1")
+	require.False(t, st.Cluster.Available)
+	require.Contains(t, st.Cluster.Error, "127.0.0.1:1")
 	fillBlock(t, e, 0, 1)
 	require.Equal(t, OutcomeStored, storeOne(t, e, testKey(1), 0))
-	free := e.Stats().SlotsFree
+	free := e.Stats().Pool.SlotsFree
 	pr, err := e.Prefetch(context.Background(), []Key{testKey(2), testKey(3)}, PrefetchOptions{})
 	require.NoError(t, err)
 	require.Zero(t, pr.Promoted)
 	st = e.Stats()
-	require.Equal(t, free, st.SlotsFree, "no slot reserved for an unavailable tier")
-	require.Equal(t, int64(1+2), st.ClusterUnavailable, "one write-through, two Prefetch keys")
-	require.Equal(t, int64(1), st.ClusterUnavailableWrites)
-	require.Zero(t, st.ClusterDropped)
-	require.Zero(t, st.ClusterMisses)
-	require.False(t, st.ClusterAvailable)
+	require.Equal(t, free, st.Pool.SlotsFree, "no slot reserved for an unavailable tier")
+	require.Equal(t, int64(1+2), st.Cluster.Unavailable, "one write-through, two Prefetch keys")
+	require.Equal(t, int64(1), st.Cluster.UnavailableWrites)
+	require.Zero(t, st.Cluster.Dropped)
+	require.Zero(t, st.Cluster.Misses)
+	require.False(t, st.Cluster.Available)
 
 	for _, cc := range []ClusterConfig{{}, {Addrs: []string{""}}, {Addrs: []string{"a:1"}, TTL: time.Microsecond},
 		{Addrs: []string{"a:1"}, Timeout: -1}, {Addrs: []string{"a:1"}, MaxInFlightBytes: -1}} {
@@ -331,26 +331,26 @@ func TestClusterStartsAfterEngine(t *testing.T) {
 	defer func() { require.NoError(t, a.Close()) }()
 	evs := a.Events(0)
 	st := a.Stats()
-	require.False(t, st.ClusterAvailable)
-	require.NotEmpty(t, st.ClusterError)
+	require.False(t, st.Cluster.Available)
+	require.NotEmpty(t, st.Cluster.Error)
 	keys := seqKeys(0, 6)
 	contents := make([][]byte, len(keys))
 	contents[0] = fillBlock(t, a, 0, 11)
 	require.Equal(t, OutcomeStored, storeOne(t, a, keys[0], 0), "served from host memory")
-	require.Equal(t, int64(1), a.Stats().ClusterUnavailable)
+	require.Equal(t, int64(1), a.Stats().Cluster.Unavailable)
 
 	require.NoError(t, c.Launch())
-	require.Eventually(t, func() bool { return a.Stats().ClusterAvailable }, 30*time.Second, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return a.Stats().Cluster.Available }, 30*time.Second, 20*time.Millisecond,
 		"the tier connects once the cluster is up: %+v", a.Stats())
-	require.Empty(t, a.Stats().ClusterError)
+	require.Empty(t, a.Stats().Cluster.Error)
 	for i := 1; i < len(keys); i++ {
 		contents[i] = fillBlock(t, a, i, byte(11+16*i))
 		require.Equal(t, OutcomeStored, storeOne(t, a, keys[i], i))
 	}
 	require.NoError(t, a.FlushCluster())
 	st = a.Stats()
-	require.Equal(t, int64(len(keys)-1), st.ClusterWrites)
-	require.Equal(t, st.ClusterWrites*a.slot, st.ClusterWriteBytes)
+	require.Equal(t, int64(len(keys)-1), st.Cluster.Writes)
+	require.Equal(t, st.Cluster.Writes*a.slot, st.Cluster.WriteBytes)
 	var shared []Key
 	for done := false; !done; {
 		select {
@@ -367,15 +367,15 @@ func TestClusterStartsAfterEngine(t *testing.T) {
 
 	b := newTestEngine(t, clusterEngineConfig(c.Addrs(), ns, 8))
 	defer func() { require.NoError(t, b.Close()) }()
-	require.True(t, b.Stats().ClusterAvailable)
+	require.True(t, b.Stats().Cluster.Available)
 	bevs := b.Events(0)
 	pr, err := b.Prefetch(context.Background(), keys, PrefetchOptions{Timeout: 2 * time.Second})
 	require.NoError(t, err)
 	require.Equal(t, PrefetchResult{Promoted: 5, FromCluster: 5}, pr, "the first block, stored while the tier was down, is not in the cluster")
 	st = b.Stats()
-	require.Equal(t, int64(5), st.ClusterHits)
-	require.Equal(t, int64(1), st.ClusterMisses)
-	require.Equal(t, 5*b.slot, st.ClusterHitBytes)
+	require.Equal(t, int64(5), st.Cluster.Hits)
+	require.Equal(t, int64(1), st.Cluster.Misses)
+	require.Equal(t, 5*b.slot, st.Cluster.HitBytes)
 	var promoted []Key
 	for done := false; !done; {
 		select {
@@ -431,7 +431,7 @@ func TestClusterCorruptRecordNeverLoaded(t *testing.T) {
 	pr, err := b.Prefetch(context.Background(), keys, PrefetchOptions{Timeout: 2 * time.Second})
 	require.NoError(t, err)
 	require.Equal(t, 3, pr.FromCluster, "every record but the damaged one")
-	require.Equal(t, int64(1), b.Stats().ClusterCorrupt)
+	require.Equal(t, int64(1), b.Stats().Cluster.Corrupt)
 	res, err := b.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Hits, "the chain stops at the damaged block")
@@ -548,10 +548,10 @@ func TestClusterTLS(t *testing.T) {
 	cfg.Cluster.TLSCAFile = files.CA
 	a := newTestEngine(t, cfg)
 	defer func() { require.NoError(t, a.Close()) }()
-	require.Empty(t, a.Stats().ClusterError)
+	require.Empty(t, a.Stats().Cluster.Error)
 	keys := seqKeys(0, 4)
 	contents := storeWrittenThrough(t, a, keys, 7)
-	require.Equal(t, int64(len(keys)), a.Stats().ClusterWrites)
+	require.Equal(t, int64(len(keys)), a.Stats().Cluster.Writes)
 
 	named := clusterEngineConfig(c.Addrs(), ns, 8)
 	named.Cluster.TLSCAFile, named.Cluster.TLSServerName = files.CA, clustertest.ServerName
@@ -572,7 +572,7 @@ func TestClusterTLS(t *testing.T) {
 	sys.Cluster.TLS, sys.Cluster.Timeout = true, 500*time.Millisecond
 	o := newTestEngine(t, sys)
 	defer func() { require.NoError(t, o.Close()) }()
-	require.Contains(t, o.Stats().ClusterError, "certificate")
+	require.Contains(t, o.Stats().Cluster.Error, "certificate")
 	pr, err = o.Prefetch(context.Background(), keys, PrefetchOptions{Timeout: time.Second})
 	require.NoError(t, err)
 	require.Zero(t, pr.Promoted)
@@ -604,8 +604,8 @@ func TestClusterFullOOM(t *testing.T) {
 	contents := storeBlocks(t, e, keys, 9, 17)
 	require.NoError(t, e.FlushCluster())
 	st := e.Stats()
-	require.EqualValues(t, 4, st.ClusterWriteErrors)
-	require.EqualValues(t, 4, st.ClusterWriteOOM)
-	require.Zero(t, st.ClusterWrites)
+	require.EqualValues(t, 4, st.Cluster.WriteErrors)
+	require.EqualValues(t, 4, st.Cluster.WriteOOM)
+	require.Zero(t, st.Cluster.Writes)
 	requireLoads(t, e, keys, 8, contents, "from host memory, the cluster full")
 }

@@ -41,7 +41,7 @@ func TestOpAndLeaseConcurrentUse(t *testing.T) {
 			} else if !errors.Is(err, ErrReleased) {
 				t.Errorf("Outcomes: %v", err)
 			}
-			_ = op.Count(OutcomeStored)
+			_ = op.count(OutcomeStored)
 			_ = op.Err()
 			_, _ = op.Event()
 		})
@@ -61,7 +61,7 @@ func TestOpAndLeaseConcurrentUse(t *testing.T) {
 	var ok atomic.Int32
 	for range readers {
 		wg.Go(func() {
-			if n := len(res.Lease.Keys()); n != len(keys) {
+			if n := len(res.Lease.leasedKeys()); n != len(keys) {
 				t.Errorf("Lease.Keys: %d, want %d", n, len(keys))
 			}
 			switch err := res.Lease.Release(); {
@@ -74,5 +74,5 @@ func TestOpAndLeaseConcurrentUse(t *testing.T) {
 	}
 	wg.Wait()
 	require.Equal(t, int32(1), ok.Load(), "exactly one Release of a lease succeeds")
-	require.Zero(t, e.Stats().BlocksLeased)
+	require.Zero(t, e.Stats().Pool.BlocksLeased)
 }

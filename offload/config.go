@@ -34,11 +34,11 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("FirstRegionBytes = %d, RegionBytes = %d: must not be negative", cfg.FirstRegionBytes, cfg.RegionBytes)
 	}
 	if cfg.RegionBytes == 0 {
-		cfg.RegionBytes = DefaultRegionBytes
+		cfg.RegionBytes = defaultRegionBytes
 	}
 	switch {
 	case cfg.MemoryHeadroomBytes == 0:
-		cfg.MemoryHeadroomBytes = DefaultMemoryHeadroomBytes
+		cfg.MemoryHeadroomBytes = defaultMemoryHeadroomBytes
 	case cfg.MemoryHeadroomBytes < 0:
 		cfg.MemoryHeadroomBytes = 0
 	}
@@ -52,12 +52,12 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("MaxDeviceBytes = %d is below the minimum %d (one descriptor table and one staging chunk)", cfg.MaxDeviceBytes, m)
 	}
 	if cfg.FirstRegionBytes == 0 {
-		cfg.FirstRegionBytes = DefaultFirstRegionBytes
+		cfg.FirstRegionBytes = defaultFirstRegionBytes
 	}
 	cfg.FirstRegionBytes = min(cfg.FirstRegionBytes, cfg.PoolBytes)
 	switch {
 	case cfg.StagingBytes == 0:
-		cfg.StagingBytes = DefaultStagingBytes
+		cfg.StagingBytes = defaultStagingBytes
 	case cfg.StagingBytes < 0:
 		cfg.StagingBytes = -1
 	}
@@ -85,15 +85,15 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	}
 	var numa numaSetting
 	switch cfg.NUMANode {
-	case "", NUMAAuto:
-		cfg.NUMANode = NUMAAuto
+	case "", numaAuto:
+		cfg.NUMANode = numaAuto
 		numa = numaSetting{auto: true, node: -1}
-	case NUMANone:
+	case numaNone:
 		numa = numaSetting{node: -1}
 	default:
 		n, err := strconv.Atoi(cfg.NUMANode)
 		if err != nil || n < 0 {
-			return bad("NUMANode %q: must be %q, %q or a node number ≥ 0", cfg.NUMANode, NUMAAuto, NUMANone)
+			return bad("NUMANode %q: must be %q, %q or a node number ≥ 0", cfg.NUMANode, numaAuto, numaNone)
 		}
 		numa = numaSetting{node: n}
 	}
@@ -101,16 +101,16 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 		return bad("PrefaultThreads = %d: must not be negative", cfg.PrefaultThreads)
 	}
 	if cfg.PrefaultThreads == 0 {
-		cfg.PrefaultThreads = min(runtime.NumCPU(), DefaultMaxPrefaultThreads)
+		cfg.PrefaultThreads = min(runtime.NumCPU(), defaultMaxPrefaultThreads)
 	}
 	if cfg.MaxInFlightBytes < 0 || cfg.MaxQueuedBytes < 0 || cfg.MaxCachedBytes < 0 {
 		return bad("MaxInFlightBytes = %d, MaxQueuedBytes = %d, MaxCachedBytes = %d: must not be negative", cfg.MaxInFlightBytes, cfg.MaxQueuedBytes, cfg.MaxCachedBytes)
 	}
 	if cfg.MaxInFlightBytes == 0 {
-		cfg.MaxInFlightBytes = DefaultMaxInFlightBytes
+		cfg.MaxInFlightBytes = defaultMaxInFlightBytes
 	}
 	if cfg.MaxQueuedBytes == 0 {
-		cfg.MaxQueuedBytes = DefaultMaxQueuedBytes
+		cfg.MaxQueuedBytes = defaultMaxQueuedBytes
 	}
 	spec, err := kvLayoutSpec(cfg.Layout)
 	if err != nil {
@@ -155,9 +155,9 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	if blocks := cfg.PoolBytes / slotStride(slot); blocks > kvcache.MaxSlots {
 		return bad("PoolBytes = %d holds %d blocks of %d bytes (%d with alignment), at most %d (kvcache.MaxSlots)", cfg.PoolBytes, blocks, slot, slotStride(slot), kvcache.MaxSlots)
 	}
-	if n := regionCount(planTarget(cfg), min(cfg.FirstRegionBytes, planTarget(cfg)), cfg.RegionBytes, slot); n > MaxRegions {
-		return bad("PoolBytes = %d in regions of RegionBytes = %d (first FirstRegionBytes = %d) makes %d regions, at most %d (MaxRegions)",
-			planTarget(cfg), cfg.RegionBytes, cfg.FirstRegionBytes, n, MaxRegions)
+	if n := regionCount(planTarget(cfg), min(cfg.FirstRegionBytes, planTarget(cfg)), cfg.RegionBytes, slot); n > maxRegions {
+		return bad("PoolBytes = %d in regions of RegionBytes = %d (first FirstRegionBytes = %d) makes %d regions, at most %d (maxRegions)",
+			planTarget(cfg), cfg.RegionBytes, cfg.FirstRegionBytes, n, maxRegions)
 	}
 	if err := diskDefaults(&cfg, slot); err != nil {
 		return Config{}, numaSetting{}, 0, err
@@ -168,11 +168,11 @@ func withDefaults(cfg Config) (Config, numaSetting, int64, error) {
 	return cfg, numa, slot, nil
 }
 
-// MaxRegions bounds the regions a pool is planned in: PoolBytes (or
+// maxRegions bounds the regions a pool is planned in: PoolBytes (or
 // MaxCachedBytes when smaller) over RegionBytes, plus the first region.
 // New refuses a plan of more, before building it: the plan has one entry
 // per region.
-const MaxRegions = 1 << 16
+const maxRegions = 1 << 16
 
 // planTarget is the pool bytes the region plan covers: PoolBytes, or
 // MaxCachedBytes when positive and smaller.

@@ -49,7 +49,7 @@ func keepsContext(t *testing.T, drv cuda.Driver, g *gpuMem, app cuda.Context) {
 	op, err := e.Load(context.Background(), keys, dst, LoadOptions{})
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
-	require.Equal(t, n, op.Count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.Equal(t, n, op.count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
 	require.NoError(t, op.Release())
 	after("Load")
 

@@ -31,14 +31,14 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	// second) by the growth goroutine once the pool is grown; until then
 	// the copier uses its uncalibrated rule.
 	copyOpts := e.hooks.copyOptions
-	noPitch, err := envSwitch(NoPitchedStagingEnv)
+	noPitch, err := envSwitch(noPitchedStagingEnv)
 	if err != nil {
 		return err
 	}
 	if noPitch {
 		copyOpts.GatherMinRow = -1
 	}
-	e.cudaDev, err = gpu.NewCUDA(cudadev.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.cfg.GreedyStores,
+	e.cudaDev, err = gpu.NewCUDA(cudadev.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.hooks.greedyStores,
 		CalibrateLater: true, Copy: copyOpts})
 	if err != nil {
 		return fmt.Errorf("offload: CUDA streams and copy kernels on device %d: %w", e.cfg.Device, err)

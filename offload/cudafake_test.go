@@ -123,7 +123,7 @@ func storeAll(t testing.TB, e *Engine, keys []Key, ids []int, opts StoreOptions)
 	op, err := e.Store(context.Background(), keys, ids, opts)
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
-	require.Equal(t, len(keys), op.Count(OutcomeStored), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.Equal(t, len(keys), op.count(OutcomeStored), "outcomes %v", mustOutcomes(op.Outcomes()))
 	require.NoError(t, op.Release())
 }
 
@@ -133,7 +133,7 @@ func loadCheck(t testing.TB, e *Engine, g *gpuMem, keys []Key, ids []int, conten
 	op, err := e.Load(context.Background(), keys, ids, opts)
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(context.Background()))
-	require.Equal(t, len(keys), op.Count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
+	require.Equal(t, len(keys), op.count(OutcomeLoaded), "outcomes %v", mustOutcomes(op.Outcomes()))
 	for i, id := range ids {
 		require.Equal(t, contents[i], g.read(e, id), "block %d (key %v)", id, keys[i])
 	}
@@ -224,10 +224,10 @@ func TestCUDAFakeRoundTrip(t *testing.T) {
 			require.Contains(t, reason, "cuda")
 			require.NoError(t, e.WaitGrown(context.Background()))
 			st := e.Stats()
-			require.Equal(t, 4, st.Regions)
-			require.Equal(t, int64(32), st.SlotsTotal, "regions of 8 slots in ranges of 2 slots: no slot lost")
-			require.Positive(t, st.FirstSlot)
-			require.GreaterOrEqual(t, st.FullPool, st.FirstSlot)
+			require.Equal(t, 4, st.Pool.Regions)
+			require.Equal(t, int64(32), st.Pool.SlotsTotal, "regions of 8 slots in ranges of 2 slots: no slot lost")
+			require.Positive(t, st.Pool.FirstSlot)
+			require.GreaterOrEqual(t, st.Pool.FullPool, st.Pool.FirstSlot)
 
 			stg, err := e.Staging("out", 100)
 			require.NoError(t, err)
@@ -245,7 +245,7 @@ func TestCUDAFakeRoundTrip(t *testing.T) {
 
 // Stores and loads of whole blocks whose host runs reach
 // Options.GatherMinRun go staged through device memory (gathered,
-// scattered), count in Stats.BounceCopies, and round-trip byte-exact.
+// scattered), count in Stats.Copies.Bounced, and round-trip byte-exact.
 func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 	d := fakeDriver(t, cudafake.Options{Seed: 2, MaxDelay: 50 * time.Microsecond})
 	g := newGPUMem(t, d, 8<<10)
@@ -255,7 +255,7 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		Layout: g.layout(LayoutLayerSeparate, 16), Policy: PolicyLRU}, engineHooks{copyOptions: cudacopy.Options{GatherMinRun: int(slot)}})
 	require.NoError(t, err)
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.Zero(t, e.Stats().BounceCopies)
+	require.Zero(t, e.Stats().Copies.Bounced)
 	const n = 6
 	contents := randomContents(rand.New(rand.NewPCG(3, 1)), n, e.slot)
 	keys, src, dst := make([]Key, n), make([]int, n), make([]int, n)
@@ -264,17 +264,17 @@ func TestCUDAFakeStagedRoundTrip(t *testing.T) {
 		g.write(e, i, contents[i])
 	}
 	storeAll(t, e, keys, src, StoreOptions{})
-	stores := e.Stats().BounceCopies
+	stores := e.Stats().Copies.Bounced
 	require.Positive(t, stores, "the store was staged")
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
-	staged := e.Stats().BounceCopies
+	staged := e.Stats().Copies.Bounced
 	require.Greater(t, staged, stores, "the load was staged")
 	st := e.Stats()
-	require.EqualValues(t, cudacopy.DefaultMaxDeviceBytes, st.MaxDeviceBytes)
-	require.Positive(t, st.DeviceBytes, "staging chunks and descriptor tables are reported")
-	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
+	require.EqualValues(t, cudacopy.DefaultMaxDeviceBytes, st.Copies.MaxDeviceBytes)
+	require.Positive(t, st.Copies.DeviceBytes, "staging chunks and descriptor tables are reported")
+	require.LessOrEqual(t, st.Copies.DeviceBytes, st.Copies.MaxDeviceBytes)
 	require.NoError(t, e.Close())
-	require.Equal(t, staged, e.Stats().BounceCopies, "readable after Close")
+	require.Equal(t, staged, e.Stats().Copies.Bounced, "readable after Close")
 }
 
 // Config.MaxDeviceBytes reaches the copier: with room for one staging
@@ -292,7 +292,7 @@ func TestCUDAFakeMaxDeviceBytes(t *testing.T) {
 		engineHooks{copyOptions: cudacopy.Options{GatherMinRun: int(slot), GatherChunkBytes: 1 << 20, DescCapacity: 64, MaxDeviceBytes: bound}})
 	require.NoError(t, err)
 	require.NoError(t, e.WaitGrown(context.Background()))
-	require.EqualValues(t, 12<<20, e.Stats().MaxDeviceBytes, "Config.MaxDeviceBytes overrides the copier option")
+	require.EqualValues(t, 12<<20, e.Stats().Copies.MaxDeviceBytes, "Config.MaxDeviceBytes overrides the copier option")
 	const n = 6
 	contents := randomContents(rand.New(rand.NewPCG(5, 1)), n, e.slot)
 	keys, src, dst := make([]Key, n), make([]int, n), make([]int, n)
@@ -303,8 +303,8 @@ func TestCUDAFakeMaxDeviceBytes(t *testing.T) {
 	storeAll(t, e, keys, src, StoreOptions{})
 	require.NoError(t, loadCheck(t, e, g, keys, dst, contents, LoadOptions{}).Release())
 	st := e.Stats()
-	require.Positive(t, st.BounceCopies)
-	require.LessOrEqual(t, st.DeviceBytes, st.MaxDeviceBytes)
+	require.Positive(t, st.Copies.Bounced)
+	require.LessOrEqual(t, st.Copies.DeviceBytes, st.Copies.MaxDeviceBytes)
 	require.NoError(t, e.Close())
 	require.LessOrEqual(t, d.PeakDeviceBytes()-base, uint64(12<<20))
 }
@@ -346,10 +346,10 @@ func TestCUDAFakeGrowthFailure(t *testing.T) {
 	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
 	require.ErrorContains(t, err, "range 1")
 	st := e.Stats()
-	require.Equal(t, 2, st.Regions)
-	require.Equal(t, 16*slot, st.OwnedBytes)
-	require.Contains(t, st.GrowthError, "CUDA_ERROR_OUT_OF_MEMORY")
-	require.Zero(t, st.FullPool)
+	require.Equal(t, 2, st.Pool.Regions)
+	require.Equal(t, 16*slot, st.Pool.OwnedBytes)
+	require.Contains(t, st.Pool.GrowthError, "CUDA_ERROR_OUT_OF_MEMORY")
+	require.Zero(t, st.Pool.FullPool)
 	storeOverwriteLoad(t, e, g, 5, 3)
 	require.NoError(t, e.Close())
 }
@@ -524,7 +524,7 @@ func TestCUDAFakeGrowthDuringGlobalCapture(t *testing.T) {
 			require.Equal(t, bytes.Repeat([]byte{0x42}, 256), stg.Bytes())
 			require.NoError(t, d.GraphExecDestroy(exec))
 			require.NoError(t, d.GraphDestroy(graph))
-			require.Equal(t, 4, e.Stats().Regions)
+			require.Equal(t, 4, e.Stats().Pool.Regions)
 		})
 	}
 }
@@ -544,14 +544,14 @@ func TestCUDAFakeCalibration(t *testing.T) {
 	storeOverwriteLoad(t, e, g, 4, 51)
 	require.NoError(t, e.WaitGrown(context.Background()))
 	st := e.Stats()
-	require.Contains(t, st.CopyCalibration, "calibrated in")
+	require.Contains(t, st.Copies.Calibration, "calibrated in")
 	require.NotNil(t, e.cudaDev.Copier().Calibration())
 	require.NotEmpty(t, e.cudaDev.Copier().Calibration().Entries)
 	storeOverwriteLoad(t, e, g, 4, 52)
 	require.NoError(t, e.Close())
 }
 
-// TestCUDAFakeGreedyStores: Config.GreedyStores puts device-to-host copies
+// TestCUDAFakeGreedyStores: engineHooks.greedyStores puts device-to-host copies
 // on the copy kernel's unthrottled launch; loads keep the default one, and
 // blocks round-trip either way.
 func TestCUDAFakeGreedyStores(t *testing.T) {
@@ -560,8 +560,8 @@ func TestCUDAFakeGreedyStores(t *testing.T) {
 	defer g.close()
 	slot := int64(8 << 10)
 	for _, greedy := range []bool{false, true} {
-		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: -1, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU, GreedyStores: greedy},
-			engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodKernel}})
+		e, err := newCUDAEngine(t, d, Config{PoolBytes: 16 * slot, StagingBytes: -1, Layout: g.layout(LayoutCrossLayer, 16), Policy: PolicyLRU},
+			engineHooks{copyOptions: cudacopy.Options{Method: cudacopy.MethodKernel}, greedyStores: greedy})
 		require.NoError(t, err)
 		caps := e.cudaDev.Copier().Capabilities()
 		require.Equal(t, cudacopy.DefaultLaunch(cudacopy.D2H, greedy), caps.D2H, "greedy %v", greedy)

@@ -47,13 +47,13 @@ func TestDiskDemoteFromSlot(t *testing.T) {
 	n := demoteSlots + 8
 	storeFlushed(t, e, 0, n, contents)
 	st, cs := e.Stats(), e.kc.Stats()
-	require.Positive(t, st.DiskWrites)
-	require.Equal(t, int64(cs.Evicted), st.DiskWrites, "every eviction written back")
-	require.Equal(t, cs.Demotions, uint64(st.DiskWrites), "each from its slot")
-	require.Zero(t, st.DiskCopies)
-	require.Zero(t, st.DiskDropped)
+	require.Positive(t, st.Disk.Writes)
+	require.Equal(t, int64(cs.Evicted), st.Disk.Writes, "every eviction written back")
+	require.Equal(t, cs.Demotions, uint64(st.Disk.Writes), "each from its slot")
+	require.Zero(t, st.Disk.Copies)
+	require.Zero(t, st.Disk.Dropped)
 	require.Zero(t, cs.Demoting, "every demoting slot given back")
-	require.GreaterOrEqual(t, st.ZeroedSlots, int64(cs.Demotions), "demoted slots zeroed before reuse")
+	require.GreaterOrEqual(t, st.Pool.ZeroedSlots, int64(cs.Demotions), "demoted slots zeroed before reuse")
 
 	res, err := e.Lookup(seqKeys(0, 4), LookupOptions{})
 	require.NoError(t, err)
@@ -148,7 +148,7 @@ func TestDiskDemotingSlotHeld(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, found)
 	require.Equal(t, contents[heldAt], buf, "the slot was not reused while it was written")
-	require.Eventually(t, func() bool { return e.Stats().TrimmedBytes == tr.PendingBytes+tr.FreedBytes }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return e.Stats().Pool.TrimmedBytes == tr.PendingBytes+tr.FreedBytes }, 10*time.Second, time.Millisecond,
 		"the trimmed region is released once its write completed")
 }
 
@@ -170,10 +170,10 @@ func TestDiskDeleteWhileDemoting(t *testing.T) {
 	storeFlushed(t, e, 0, demoteSlots+4, map[int][]byte{})
 	k := <-deleted
 	st := e.Stats()
-	require.Positive(t, st.DiskWrites)
-	require.Zero(t, st.DiskCopies)
+	require.Positive(t, st.Disk.Writes)
+	require.Zero(t, st.Disk.Copies)
 	require.False(t, e.disk.Store.Contains(k), "the deleted key's record was deleted once written")
-	require.Equal(t, st.DiskWrites-1, st.DiskRecords, "the others stay")
+	require.Equal(t, st.Disk.Writes-1, st.Disk.Records, "the others stay")
 }
 
 // TestDiskDemoteDropsAtTheBound: with WriteBackBytes of one block and its
@@ -187,7 +187,7 @@ func TestDiskDemoteDropsAtTheBound(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	k := 0
-	for ; e.Stats().DiskDropped == 0; k++ {
+	for ; e.Stats().Disk.Dropped == 0; k++ {
 		require.Less(t, k, 2*demoteSlots, "no eviction dropped")
 		fillBlock(t, e, k%16, byte(k))
 		require.Equal(t, OutcomeStored, storeOne(t, e, testKey(k), k%16))
@@ -197,8 +197,8 @@ func TestDiskDemoteDropsAtTheBound(t *testing.T) {
 	h.release()
 	require.NoError(t, e.FlushDisk(context.Background()))
 	st, cs := e.Stats(), e.kc.Stats()
-	require.Equal(t, int64(1), st.DiskWrites)
-	require.Equal(t, int64(cs.Evicted), st.DiskWrites+st.DiskDropped)
+	require.Equal(t, int64(1), st.Disk.Writes)
+	require.Equal(t, int64(cs.Evicted), st.Disk.Writes+st.Disk.Dropped)
 	require.Zero(t, cs.Demoting)
 }
 
@@ -214,11 +214,11 @@ func TestDiskDemoteWriteFaults(t *testing.T) {
 			defer func() { require.NoError(t, e.Close()) }()
 			storeFlushed(t, e, 0, demoteSlots+4, map[int][]byte{})
 			st, cs := e.Stats(), e.kc.Stats()
-			require.Positive(t, st.DiskWriteErrors)
-			require.Zero(t, st.DiskWrites)
-			require.Equal(t, cs.Demotions, uint64(st.DiskWriteErrors))
+			require.Positive(t, st.Disk.WriteErrors)
+			require.Zero(t, st.Disk.Writes)
+			require.Equal(t, cs.Demotions, uint64(st.Disk.WriteErrors))
 			require.Zero(t, cs.Demoting)
-			require.Zero(t, st.DiskRecords)
+			require.Zero(t, st.Disk.Records)
 			res, err := e.Lookup(seqKeys(demoteSlots, 4), LookupOptions{})
 			require.NoError(t, err)
 			require.Equal(t, 4, res.Hits, "the pool keeps serving")
@@ -269,9 +269,9 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 				// finishing an eviction queued behind it (CI saw 2 here).
 				require.Eventually(t, func() bool { return demoting(e) == 1 }, 10*time.Second, time.Millisecond,
 					"demoting slots: %d, want the held one", demoting(e))
-				require.Zero(t, st.DiskCopies)
+				require.Zero(t, st.Disk.Copies)
 			} else {
-				require.Positive(t, st.DiskCopies)
+				require.Positive(t, st.Disk.Copies)
 			}
 			require.False(t, e.disk.Store.Contains(held), "not written yet")
 
@@ -282,7 +282,7 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 			fillBlock(t, e, 15, 0xEE)
 			require.Equal(t, []Outcome{OutcomeLoaded}, loadAll(t, e, []Key{held}, []int{15}))
 			require.Equal(t, contents[held], blockBytes(e, 15), "loaded byte-exact from the write-back in flight")
-			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
+			require.Equal(t, int64(1), e.Stats().Disk.HitsWriting)
 			require.False(t, e.disk.Store.Contains(held), "still not written: the load read no record")
 
 			_, err = e.Delete([]Key{held})
@@ -295,7 +295,7 @@ func TestDiskReadableWhileWriting(t *testing.T) {
 			h.release()
 			require.NoError(t, e.FlushDisk(context.Background()))
 			require.False(t, e.disk.Store.Contains(held), "the deleted key's record was deleted once written")
-			require.Equal(t, int64(1), e.Stats().DiskHitsWriting)
+			require.Equal(t, int64(1), e.Stats().Disk.HitsWriting)
 		})
 	}
 }

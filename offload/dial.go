@@ -7,68 +7,28 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/kvcache"
-	"github.com/kvoffload/kvoffload/offload/internal/simhook"
 )
 
-// ErrUnavailable: an engine of Dial cannot reach its node (not started,
-// gone, or restarting). Lookup then reports no hits, Store refuses its
-// blocks busy (OutcomeRefusedBusy), a Store whose copies completed while
-// the node went away reports them failed (not stored), Load fails with it,
-// Delete and Clear report 0. The engine reconnects by itself; the new
-// node's pool is empty, so nothing is ever loaded wrong.
+// ErrUnavailable: an engine of Dial cannot reach its node. Lookup then
+// finds nothing, Store refuses busy, Load fails with it; the engine
+// reconnects by itself to an empty pool.
 var ErrUnavailable = errors.New("offload: node unavailable")
-
-func init() {
-	simhook.Dial = func(socket string, cfg any, sim *cudadev.Sim) (any, error) {
-		return dialEngine(socket, cfg.(Config), engineHooks{sim: sim})
-	}
-}
 
 // nominalDialPool is the PoolBytes an engine of Dial is validated with
 // when its Config gives none: the pool is the node's, Config.PoolBytes is
 // not used.
 const nominalDialPool = 1 << 40
 
-// Dial returns an engine whose block index and host pool are the node's
-// at socket (package nodepool, `kvoffload serve`), shared with every
-// other engine dialled to it: what one stores, another loads. It has the
-// methods of New's engine, built as New builds it (backend, copy
-// scheduler, staging buffers, events) except the pool: it maps and pins
-// no pool of its own and runs no growth. The node's regions arrive through
-// the client's hooks: each is pinned here (cuMemHostRegister on CUDA in ≤
-// 64 GiB ranges; mlock with HostPinning "mlock", or nothing, on the host
-// backend) and its host range handed to the copy scheduler; the first one
-// before Dial returns, the rest in the background. A region leaves (a Trim
-// on the node, or the node lost) once this engine's copies on it are done.
-//
-// Stores are committed on the node only once their copies completed
-// (aborted when they failed); loads hold the node's slots until their
-// copies completed. See ErrUnavailable for a node that goes away.
-//
-// A Config without layout tensors (no LayerTensors, Base or Stride) and a
-// Backend other than "host" is a client without a GPU (a scheduler, a
-// router): it maps no region and can call Lookup (with leases: Release
-// them), Delete, Clear, Stats, Events, Trim and Close; Store and Load are
-// ErrInvalidArgument. With Backend "host" such a Config simulates a GPU,
-// as New does. The layout's geometry (kind, layers, heads, head size,
-// dtype, tokens per block) must be every client's of the namespace
-// (nodepool.ErrLayout otherwise).
-//
-// Not through the node: the disk and cluster tiers, ZeroOnRelease and
-// StoreOptions.Namespace other than Config.Namespace (refused); PoolBytes,
-// RegionBytes, FirstRegionBytes, HugePages, NUMANode and MaxCachedBytes
-// (ignored: the node's pool is fixed at its start; Config() and
-// Stats.PoolBytes report PoolBytes as given, or 1 TiB when it was not, and
-// Stats.OwnedBytes and Regions are the node's regions mapped here, while
-// the index counters of Stats are the node's, every namespace's); GrowTo (refused),
-// PauseGrowth and WaitGrown (nothing to grow). Trim is the node's, for
-// every client. Events carry no parents nor tokens (the node knows keys
-// only). A region larger than 64 GiB is refused on CUDA (a slot could
-// straddle two registrations).
+// Dial returns an engine over the node pool at socket (`kvoffload serve`):
+// the index and the pool are the node's, shared by every engine dialled
+// to it; stores commit once copied. A Config without tensors and a
+// Backend other than "host" is a client without a GPU (no Store, Load).
+// Not through a node: the disk and cluster tiers, ZeroOnRelease, another
+// StoreOptions.Namespace, GrowTo; the pool sizes and growth knobs are
+// ignored, and Trim is the node's.
 func Dial(socket string, cfg Config) (*Engine, error) {
 	return dialEngine(socket, cfg, engineHooks{})
 }

@@ -102,9 +102,9 @@ func TestDialNodeDiskPipelined(t *testing.T) {
 		}
 		// The last chunk: the copies before it complete first.
 		deadline := time.Now().Add(20 * time.Second)
-		for e.Stats().Load.Blocks < want {
+		for e.Stats().Copies.Load.Blocks < want {
 			if time.Now().After(deadline) {
-				inHook <- fmt.Errorf("%d blocks loaded before the last chunk was asked for, want %d", e.Stats().Load.Blocks, want)
+				inHook <- fmt.Errorf("%d blocks loaded before the last chunk was asked for, want %d", e.Stats().Copies.Load.Blocks, want)
 				<-gate
 				return
 			}
@@ -151,8 +151,8 @@ func TestDialNodeDiskPipelined(t *testing.T) {
 	require.NoError(t, l.op.Release())
 	require.EqualValues(t, 3, asked.Load(), "three chunks of 8, 8, 4")
 	st := e.Stats()
-	require.EqualValues(t, 1, st.Load.Ops, "one Load op over its parts")
-	require.EqualValues(t, 24, st.Load.Blocks)
+	require.EqualValues(t, 1, st.Copies.Load.Ops, "one Load op over its parts")
+	require.EqualValues(t, 24, st.Copies.Load.Blocks)
 	ns := s.Stats()
 	require.EqualValues(t, 20, ns.DiskHits)
 	require.Zero(t, ns.DiskMisses)
@@ -201,7 +201,7 @@ func TestDialNodeDiskCorruptMiddle(t *testing.T) {
 		require.Equal(t, keyContent(keys[i], e.slot), blockBytesErr(e, ids[i]), "block %d byte-exact", i)
 	}
 	est := e.Stats()
-	require.EqualValues(t, [2]int64{19, 1}, [2]int64{est.DiskHits, est.DiskMisses}, "the engine counts the node's promotions")
+	require.EqualValues(t, [2]int64{19, 1}, [2]int64{est.Disk.Hits, est.Disk.Misses}, "the engine counts the node's promotions")
 	st := s2.Stats()
 	require.EqualValues(t, 19, st.DiskHits)
 	require.EqualValues(t, 1, st.DiskMisses)

@@ -34,7 +34,7 @@ type DiskConfig struct {
 	// (the pool holds that many blocks fewer meanwhile), and copies of
 	// slots a store needed at once (allocated as first needed). When the
 	// bound is reached an eviction is not written back
-	// (Stats.DiskDropped). Default DefaultWriteBackBytes; at least one
+	// (Stats.Disk.Dropped). Default DefaultWriteBackBytes; at least one
 	// block.
 	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
 	// AdmitAll writes back every evicted block. By default only blocks
@@ -51,7 +51,7 @@ type DiskConfig struct {
 	// block stored). The block is copied out of its slot when its store
 	// completes (the slot is free to go at once) and written in the
 	// background; past WriteBackBytes of writes queued it is dropped,
-	// counted (Stats.DiskDropped), and still written back if evicted.
+	// counted (Stats.Disk.Dropped), and still written back if evicted.
 	WriteThrough bool `json:"write_through,omitempty"`
 	// WriteBackOnClose has Close write every block in the pool that is
 	// not on disk yet, whatever the admission filter, before it releases
@@ -62,7 +62,7 @@ type DiskConfig struct {
 	// written: the blocks go most recently used first with PolicyLRU,
 	// in slot order with TinyLFU); a block the tier's capacity cannot
 	// hold evicts its oldest records, as any write does. Counted in
-	// Stats.DiskWrittenAtClose.
+	// Stats.Disk.WrittenAtClose.
 	WriteBackOnClose bool `json:"write_back_on_close,omitempty"`
 	// RemoveRecords names records files of other layouts (other slot
 	// sizes: records-<slot bytes>.kvo, as `kvoffload info --disk` lists

@@ -107,10 +107,10 @@ func TestDiskTier(t *testing.T) {
 	}
 	require.NoError(t, e.FlushDisk(ctx))
 	st := e.Stats()
-	require.Equal(t, int64(4), st.DiskWrites, "the four evicted blocks were written back")
-	require.Equal(t, int64(4), st.DiskRecords)
-	require.Equal(t, int64(4*8<<10), st.DiskBytes)
-	require.Zero(t, st.DiskDropped)
+	require.Equal(t, int64(4), st.Disk.Writes, "the four evicted blocks were written back")
+	require.Equal(t, int64(4), st.Disk.Records)
+	require.Equal(t, int64(4*8<<10), st.Disk.Bytes)
+	require.Zero(t, st.Disk.Dropped)
 
 	res, err := e.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
@@ -128,13 +128,13 @@ func TestDiskTier(t *testing.T) {
 		require.Equal(t, contents[i], blockBytes(e, 8+i), "block %d promoted byte-exact", i)
 	}
 	st = e.Stats()
-	require.Equal(t, int64(4), st.DiskHits)
-	require.Zero(t, st.DiskMisses)
+	require.Equal(t, int64(4), st.Disk.Hits)
+	require.Zero(t, st.Disk.Misses)
 	res, err = e.Lookup(keys[:4], LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 4, res.Hits, "the promoted blocks are in the pool")
 	require.NoError(t, e.FlushDisk(ctx))
-	require.Equal(t, int64(8), e.Stats().DiskWrites, "promoting evicted keys 4..7, written back in turn")
+	require.Equal(t, int64(8), e.Stats().Disk.Writes, "promoting evicted keys 4..7, written back in turn")
 
 	// A second engine on the directory is refused.
 	_, err = newEngine(withTestBackend(cfg), engineHooks{})
@@ -156,9 +156,9 @@ func TestDiskTier(t *testing.T) {
 	require.NoError(t, e2.Close())
 
 	st = e2.Stats()
-	require.Zero(t, st.DiskTornAtOpen+st.DiskStaleAtOpen+st.DiskIOErrors)
-	require.Zero(t, st.DiskUnusableDirs)
-	require.Equal(t, 1, st.DiskDirs)
+	require.Zero(t, st.Disk.TornAtOpen+st.Disk.StaleAtOpen+st.Disk.IOErrors)
+	require.Zero(t, st.Disk.UnusableDirs)
+	require.Equal(t, 1, st.Disk.Dirs)
 
 	// A damaged record is a miss, never wrong bytes; a damaged header is
 	// discarded at start, counted.
@@ -166,7 +166,7 @@ func TestDiskTier(t *testing.T) {
 	flipRecordByteAt(t, dir, keys[2], 8<<10, 24)
 	e3 := newTestEngine(t, cfg)
 	defer func() { require.NoError(t, e3.Close()) }()
-	require.Equal(t, int64(1), e3.Stats().DiskTornAtOpen, "key 2's header")
+	require.Equal(t, int64(1), e3.Stats().Disk.TornAtOpen, "key 2's header")
 	res, err = e3.Lookup(keys[2:3], LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 0, res.Hits+res.DiskHits, "a torn record is not indexed")
@@ -174,9 +174,9 @@ func TestDiskTier(t *testing.T) {
 	require.Equal(t, []Outcome{OutcomeLoaded, OutcomeMissing}, oc)
 	require.Equal(t, contents[0], blockBytes(e3, 0))
 	st = e3.Stats()
-	require.Equal(t, int64(1), st.DiskHits)
-	require.Equal(t, int64(1), st.DiskMisses)
-	require.Equal(t, int64(1), st.DiskCorrupt)
+	require.Equal(t, int64(1), st.Disk.Hits)
+	require.Equal(t, int64(1), st.Disk.Misses)
+	require.Equal(t, int64(1), st.Disk.Corrupt)
 	res, err = e3.Lookup(keys[1:2], LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 0, res.Hits+res.DiskHits, "the damaged record was dropped")
@@ -222,9 +222,9 @@ func TestDiskAdmission(t *testing.T) {
 	}
 	require.NoError(t, e.FlushDisk(context.Background()))
 	st := e.Stats()
-	require.Equal(t, int64(4), st.DiskNotAdmitted)
-	require.Zero(t, st.DiskWrites)
-	require.Zero(t, st.DiskRecords)
+	require.Equal(t, int64(4), st.Disk.NotAdmitted)
+	require.Zero(t, st.Disk.Writes)
+	require.Zero(t, st.Disk.Records)
 }
 
 // TestDiskWriteBackDrops: with one write-back buffer held by a write in
@@ -251,12 +251,12 @@ func TestDiskWriteBackDrops(t *testing.T) {
 	}
 	fillBlock(t, e, 5, 5)
 	require.Equal(t, OutcomeStored, storeOne(t, e, testKey(5), 5), "the store never waits for the disk")
-	require.Equal(t, int64(1), e.Stats().DiskDropped)
+	require.Equal(t, int64(1), e.Stats().Disk.Dropped)
 	close(proceed)
 	require.NoError(t, e.FlushDisk(context.Background()))
 	st := e.Stats()
-	require.Equal(t, int64(1), st.DiskWrites)
-	require.Equal(t, int64(1), st.DiskRecords)
+	require.Equal(t, int64(1), st.Disk.Writes)
+	require.Equal(t, int64(1), st.Disk.Records)
 }
 
 // TestDiskDelete: Delete removes a block from the disk tier too, and Clear
@@ -282,7 +282,7 @@ func TestDiskDelete(t *testing.T) {
 	require.Equal(t, OutcomeMissing, loadAll(t, e, []Key{testKey(0)}, []int{9})[0])
 	_, err = e.Clear(e.Config().Namespace)
 	require.NoError(t, err)
-	require.Zero(t, e.Stats().DiskRecords)
+	require.Zero(t, e.Stats().Disk.Records)
 }
 
 // TestDiskConfig: the disk tier's settings are checked by New.
@@ -368,7 +368,7 @@ func TestDiskConcurrent(t *testing.T) {
 					if err := op.Wait(ctx); err != nil {
 						return err
 					}
-					if op.Count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
+					if op.count(OutcomeLoaded) == 1 && !bytes.Equal(blockBytes(e, dst), want(j)) {
 						return fmt.Errorf("key %d loaded into block %d with the wrong bytes", j, dst)
 					}
 				}
@@ -381,10 +381,10 @@ func TestDiskConcurrent(t *testing.T) {
 	}
 	require.NoError(t, e.FlushDisk(ctx))
 	st := e.Stats()
-	t.Logf("disk: %d writes, %d dropped, %d hits, %d misses, %d records", st.DiskWrites, st.DiskDropped, st.DiskHits, st.DiskMisses, st.DiskRecords)
-	require.Positive(t, st.DiskWrites)
-	require.Positive(t, st.DiskHits)
-	require.Zero(t, st.DiskMisses)
+	t.Logf("disk: %d writes, %d dropped, %d hits, %d misses, %d records", st.Disk.Writes, st.Disk.Dropped, st.Disk.Hits, st.Disk.Misses, st.Disk.Records)
+	require.Positive(t, st.Disk.Writes)
+	require.Positive(t, st.Disk.Hits)
+	require.Zero(t, st.Disk.Misses)
 }
 
 // diskEvents drains the MediumDisk events now in s.
@@ -508,9 +508,9 @@ func TestDiskFaults(t *testing.T) {
 			}
 			require.NoError(t, e.FlushDisk(ctx))
 			st := e.Stats()
-			require.Equal(t, int64(2), st.DiskWriteErrors)
-			require.Zero(t, st.DiskWrites)
-			require.Zero(t, st.DiskRecords)
+			require.Equal(t, int64(2), st.Disk.WriteErrors)
+			require.Zero(t, st.Disk.Writes)
+			require.Zero(t, st.Disk.Records)
 			oc := loadAll(t, e, seqKeys(0, 6), seqIDs(8, 6))
 			require.Equal(t, []Outcome{OutcomeMissing, OutcomeMissing, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded, OutcomeLoaded}, oc)
 			for i := 2; i < 6; i++ {
@@ -520,7 +520,7 @@ func TestDiskFaults(t *testing.T) {
 			fillBlock(t, e, 6, 0x90)
 			require.Equal(t, OutcomeStored, storeOne(t, e, testKey(6), 6))
 			require.NoError(t, e.FlushDisk(ctx))
-			require.Equal(t, int64(1), e.Stats().DiskWrites, "the disk tier works again once the fault is gone")
+			require.Equal(t, int64(1), e.Stats().Disk.Writes, "the disk tier works again once the fault is gone")
 		})
 		t.Run(name+"/read", func(t *testing.T) {
 			cfg := diskEngineConfig(t.TempDir())
@@ -533,7 +533,7 @@ func TestDiskFaults(t *testing.T) {
 				require.Equal(t, OutcomeStored, storeOne(t, e, testKey(i), i))
 			}
 			require.NoError(t, e.FlushDisk(ctx))
-			require.Equal(t, int64(2), e.Stats().DiskRecords, "%+v", e.Stats())
+			require.Equal(t, int64(2), e.Stats().Disk.Records, "%+v", e.Stats())
 			on.Store(true)
 			oc := loadAll(t, e, seqKeys(0, 2), seqIDs(8, 2))
 			require.Equal(t, []Outcome{OutcomeMissing, OutcomeMissing}, oc, "a failed read is a missing block, not an error")
@@ -543,8 +543,8 @@ func TestDiskFaults(t *testing.T) {
 			oc = loadAll(t, e, seqKeys(4, 2), seqIDs(10, 2))
 			require.Equal(t, []Outcome{OutcomeLoaded, OutcomeLoaded}, oc, "served from host memory")
 			st := e.Stats()
-			require.Equal(t, int64(2), st.DiskMisses)
-			require.Zero(t, st.DiskHits)
+			require.Equal(t, int64(2), st.Disk.Misses)
+			require.Zero(t, st.Disk.Hits)
 			res, err := e.Lookup(seqKeys(0, 2), LookupOptions{})
 			require.NoError(t, err)
 			require.Zero(t, res.Hits+res.DiskHits, "records that failed to read are dropped")
@@ -578,10 +578,10 @@ func TestDiskFaults(t *testing.T) {
 		}
 		require.NoError(t, e.FlushDisk(ctx))
 		st := e.Stats()
-		require.Equal(t, int64(2), st.DiskHits)
-		require.Positive(t, st.DiskWriteErrors)
-		require.Zero(t, st.DiskWrites)
-		require.Equal(t, int64(2), st.DiskRecords)
+		require.Equal(t, int64(2), st.Disk.Hits)
+		require.Positive(t, st.Disk.WriteErrors)
+		require.Zero(t, st.Disk.Writes)
+		require.Equal(t, int64(2), st.Disk.Records)
 	})
 }
 
@@ -621,7 +621,7 @@ func TestDiskFingerprint(t *testing.T) {
 	e = newTestEngine(t, cfg)
 	defer func() { require.NoError(t, e.Close()) }()
 	st := e.Stats()
-	require.Zero(t, st.DiskRecords, "another namespace's records are not served")
+	require.Zero(t, st.Disk.Records, "another namespace's records are not served")
 	res, err := e.Lookup(seqKeys(0, 2), LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.DiskHits)
@@ -662,7 +662,7 @@ func TestDiskClearRace(t *testing.T) {
 	res, err := e.Lookup(seqKeys(0, 4), LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.Hits+res.DiskHits, "a block of the cleared namespace survived Clear")
-	require.Zero(t, e.Stats().DiskRecords)
+	require.Zero(t, e.Stats().Disk.Records)
 }
 
 // TestDiskWriteThrough: with DiskConfig.WriteThrough every stored block is
@@ -679,9 +679,9 @@ func TestDiskWriteThrough(t *testing.T) {
 	contents := storeBlocks(t, e, keys, 9, 17)
 	require.NoError(t, e.FlushDisk(ctx))
 	st := e.Stats()
-	require.Equal(t, int64(3), st.DiskWriteThroughs)
-	require.Equal(t, int64(3), st.DiskWrites)
-	require.Equal(t, int64(3), st.DiskRecords, "in the pool and on disk")
+	require.Equal(t, int64(3), st.Disk.WriteThroughs)
+	require.Equal(t, int64(3), st.Disk.Writes)
+	require.Equal(t, int64(3), st.Disk.Records, "in the pool and on disk")
 	res, err := e.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.Hits)
@@ -718,7 +718,7 @@ func TestDiskWriteThrough(t *testing.T) {
 	res, err = e3.Lookup(keys[0:1], LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.DiskHits, "seen twice: kept off disk")
-	require.Positive(t, e3.Stats().DiskNotAdmitted)
+	require.Positive(t, e3.Stats().Disk.NotAdmitted)
 
 	for _, bad := range []int{-1, 256} {
 		c := diskEngineConfig(t.TempDir())
@@ -738,9 +738,9 @@ func TestDiskNoUsableDir(t *testing.T) {
 	e := diskFaultEngine(t, diskEngineConfig(t.TempDir()), disk.FaultOpen, syscall.ENOSPC, &on)
 	defer func() { require.NoError(t, e.Close()) }()
 	st := e.Stats()
-	require.Equal(t, "off", st.DiskMode)
-	require.Contains(t, st.DiskError, "no usable directory")
-	require.Equal(t, 1, st.DiskUnusableDirs)
+	require.Equal(t, "off", st.Disk.Mode)
+	require.Contains(t, st.Disk.Error, "no usable directory")
+	require.Equal(t, 1, st.Disk.UnusableDirs)
 	keys := seqKeys(0, 2)
 	contents := storeBlocks(t, e, keys, 3, 1)
 	requireLoads(t, e, keys, 8, contents, "served from host memory")
@@ -762,7 +762,7 @@ func TestDiskWriteBackOnClose(t *testing.T) {
 	keys := seqKeys(0, 4)
 	storeBlocks(t, e, keys, 9, 17)
 	require.NoError(t, e.Close())
-	require.Zero(t, e.Stats().DiskWrittenAtClose)
+	require.Zero(t, e.Stats().Disk.WrittenAtClose)
 	e2 := newTestEngine(t, cfg)
 	res, err := e2.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
@@ -774,8 +774,8 @@ func TestDiskWriteBackOnClose(t *testing.T) {
 	contents := storeBlocks(t, e3, keys, 9, 17)
 	require.NoError(t, e3.Close())
 	st := e3.Stats()
-	require.Equal(t, int64(4), st.DiskWrittenAtClose)
-	require.Zero(t, st.DiskWrites, "not counted as write-backs")
+	require.Equal(t, int64(4), st.Disk.WrittenAtClose)
+	require.Zero(t, st.Disk.Writes, "not counted as write-backs")
 
 	e4 := newTestEngine(t, cfg)
 	res, err = e4.Lookup(keys, LookupOptions{})
@@ -787,7 +787,7 @@ func TestDiskWriteBackOnClose(t *testing.T) {
 	more := seqKeys(10, 1)
 	storeBlocks(t, e4, more, 3, 5)
 	require.NoError(t, e4.Close())
-	require.Equal(t, int64(1), e4.Stats().DiskWrittenAtClose)
+	require.Equal(t, int64(1), e4.Stats().Disk.WrittenAtClose)
 
 	// A context already ended: Close writes nothing, and still closes (the
 	// directory's lock is let go).
@@ -807,5 +807,5 @@ func TestDiskWriteBackOnClose(t *testing.T) {
 	res, err = e6.Lookup(late, LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.DiskHits)
-	require.Zero(t, e5.Stats().DiskWrittenAtClose)
+	require.Zero(t, e5.Stats().Disk.WrittenAtClose)
 }

@@ -34,7 +34,7 @@ func writeDiskRecords(t *testing.T, dir string, keys []Key) {
 		require.Equal(t, OutcomeStored, storeOne(t, e, k, i%pipeBlocks))
 	}
 	require.NoError(t, e.FlushDisk(context.Background()))
-	require.GreaterOrEqual(t, e.Stats().DiskWrites, int64(len(keys)))
+	require.GreaterOrEqual(t, e.Stats().Disk.Writes, int64(len(keys)))
 	require.NoError(t, e.Close())
 }
 
@@ -89,7 +89,7 @@ func TestDiskLoadPipelined(t *testing.T) {
 	// While the held read waits: the pool's 4 blocks and the first two
 	// chunks (16 promoted blocks) are copied.
 	want := int64(4 + 2*diskChunk)
-	require.Eventually(t, func() bool { return e.Stats().Load.Blocks >= want }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return e.Stats().Copies.Load.Blocks >= want }, 10*time.Second, time.Millisecond,
 		"copies of the blocks before the held read were not submitted while it was held")
 	select {
 	case <-ch:
@@ -112,10 +112,10 @@ func TestDiskLoadPipelined(t *testing.T) {
 	require.NoError(t, l.op.StreamWait(0))
 	require.NoError(t, l.op.Release())
 	st := e.Stats()
-	require.Equal(t, int64(1), st.Load.Ops, "one Load op over its parts")
-	require.Equal(t, int64(24), st.Load.Blocks)
-	require.Equal(t, int64(20), st.DiskHits)
-	require.Zero(t, st.DiskMisses)
+	require.Equal(t, int64(1), st.Copies.Load.Ops, "one Load op over its parts")
+	require.Equal(t, int64(24), st.Copies.Load.Blocks)
+	require.Equal(t, int64(20), st.Disk.Hits)
+	require.Zero(t, st.Disk.Misses)
 	res, err = e.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 24, res.Hits, "the promoted blocks are in the pool")
@@ -166,9 +166,9 @@ func TestDiskLoadFaultsMidPipeline(t *testing.T) {
 		require.Equal(t, keyContent(diskKeys[i], e.slot), blockBytes(e, ids[i]), "block %d byte-exact", i)
 	}
 	st := e.Stats()
-	require.Equal(t, int64(17), st.DiskHits)
-	require.Equal(t, int64(2), st.DiskMisses, "the damaged record and the failed read")
-	require.Equal(t, int64(1), st.DiskCorrupt)
+	require.Equal(t, int64(17), st.Disk.Hits)
+	require.Equal(t, int64(2), st.Disk.Misses, "the damaged record and the failed read")
+	require.Equal(t, int64(1), st.Disk.Corrupt)
 	res, err := e.Lookup(hostKeys, LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 4, res.Hits, "nothing stored before was lost")
@@ -233,7 +233,7 @@ func TestDiskLoadSignalPerLayer(t *testing.T) {
 	default:
 		t.Fatal("StreamWait returned before the op was done")
 	}
-	require.Equal(t, len(keys), op.Count(OutcomeLoaded))
+	require.Equal(t, len(keys), op.count(OutcomeLoaded))
 	require.NoError(t, op.Release())
 }
 
@@ -328,13 +328,13 @@ func diskLoadEvents(t *testing.T, drv func(t *testing.T) cuda.Driver) {
 				done, err := g.drv.EventQuery(cuda.Event(sig))
 				require.NoError(t, err)
 				require.True(t, done, "the Signal completed with the load")
-				require.Equal(t, len(keys), op.Count(OutcomeLoaded))
+				require.Equal(t, len(keys), op.count(OutcomeLoaded))
 				require.NoError(t, op.Release())
 			}
 			st := e.Stats()
-			require.Equal(t, int64(60), st.DiskHits)
+			require.Equal(t, int64(60), st.Disk.Hits)
 			if v.staged {
-				require.Positive(t, st.BounceCopies, "the loads were staged")
+				require.Positive(t, st.Copies.Bounced, "the loads were staged")
 			}
 		})
 	}

@@ -15,14 +15,13 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Engine moves KV-cache blocks between the serving stack's GPU cache and a
-// pool of pinned host memory. Create it with New; every method is safe for
-// concurrent use by many goroutines; Close ends it.
+// Engine moves KV-cache blocks between the serving stack's GPU cache and
+// a pinned host pool (New, Dial). Its methods are safe for concurrent use.
 type Engine struct {
 	// Set by New and never changed.
 	cfg       Config
 	blockBits sync.Pool // *[]uint64, a bit per layout block (checkBlocks)
-	// calls traces Store and Load calls (TraceCallsEnv; nil: off).
+	// calls traces Store and Load calls (traceCallsEnv; nil: off).
 	calls *callTracer
 	// loadResults holds *[]kvcache.LoadResult, the lookups of a Load
 	// (loadLeased), used only while the call runs: a Load of 2048 keys
@@ -56,7 +55,7 @@ type Engine struct {
 	// Atomics, read by Stats and the calls at any time.
 	stats counters
 	lost  atomic.Pointer[error] // the sticky error that lost the device
-	// teardownErr is the last error releasing a region (Stats.TeardownError).
+	// teardownErr is the last error releasing a region (Stats.Pool.TeardownError).
 	teardownErr atomic.Pointer[string]
 	// calibration is what the growth goroutine reported of calibrating
 	// the copy methods, which it does once growth has ended (or while it
@@ -79,7 +78,7 @@ type Engine struct {
 	slotMem sync.Map     // RegionID → the region's bytes, for ZeroOnRelease and the disk and cluster tiers
 	disk    *tiered.Tier // the disk tier (Config.Disk), nil without one
 	// diskErr is why a configured disk tier is off (no usable directory
-	// at New): Stats.DiskError.
+	// at New): Stats.Disk.Error.
 	diskErr string
 	// background are the PrefetchBestEffort calls running (prefetch.go).
 	background backgroundPrefetches
@@ -100,7 +99,7 @@ type growthState struct {
 	paused bool  // PauseGrowth
 	stop   bool  // Close: growth ends after the region in progress
 	done   bool  // the running growth has ended
-	err    error // why growth stopped (Stats.GrowthError), until GrowTo
+	err    error // why growth stopped (Stats.Pool.GrowthError), until GrowTo
 	next   int   // the plan index of the next region to prefetch
 	plan   []int64
 	// target is the bytes of pool regions growth may have mapped at once
@@ -151,10 +150,8 @@ type namespaces struct {
 	ids map[string]kvcache.Namespace
 }
 
-// Lease is a set of reader leases taken by Lookup: its blocks cannot be
-// evicted (by the policy, Trim or Delete) until it is released, or passed to
-// Load, which takes it over. Release is safe to call from any goroutine;
-// a second Release returns ErrReleased.
+// Lease keeps the blocks Lookup found from being evicted until Release,
+// or until Load takes it over. A second Release returns ErrReleased.
 type Lease struct {
 	eng      *Engine
 	keys     []Key
@@ -162,8 +159,8 @@ type Lease struct {
 	released atomic.Bool
 }
 
-// Keys returns the leased keys (the prefix Lookup found), in order.
-func (l *Lease) Keys() []Key { return append([]Key(nil), l.keys...) }
+// leasedKeys returns the leased keys (the prefix Lookup found), in order.
+func (l *Lease) leasedKeys() []Key { return append([]Key(nil), l.keys...) }
 
 // checkOpen returns ErrClosed after Close.
 func (e *Engine) checkOpen(call string) error {
@@ -173,11 +170,11 @@ func (e *Engine) checkOpen(call string) error {
 	return nil
 }
 
-// Config returns the engine's configuration with defaults filled in.
+// Config returns the engine's configuration, defaults filled in.
 func (e *Engine) Config() Config { return e.cfg }
 
-// Lookup returns how many leading keys are ready in the pool (the longest
-// prefix), and with opts.Lease a lease on them. It never blocks on copies.
+// Lookup returns how many leading keys are ready in the pool, and with
+// opts.Lease a lease on them. It never blocks on copies.
 func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	if err := e.checkOpen("Lookup"); err != nil {
 		return LookupResult{}, err
@@ -185,12 +182,9 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return e.lookup(keys, opts)
 }
 
-// Store copies the GPU blocks blockIDs[i] to the host pool under keys[i],
-// asynchronously. It returns at once with an Op reporting, per block,
-// stored / already present / refused (full, busy, admission) / failed /
-// cancelled. ctx cancels only what is not yet enqueued on the copy stream.
-// Invalid input (lengths differ, a block id outside the layout, a key twice)
-// returns an error and stores nothing.
+// Store copies the GPU blocks blockIDs[i] to the pool under keys[i] and
+// returns at once; the Op reports each block's outcome. ctx cancels only
+// what is not yet enqueued. Invalid input stores nothing.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -205,15 +199,10 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Load copies the blocks stored under keys[i] into the GPU blocks
-// blockIDs[i], asynchronously. Blocks no longer in the pool are reported
-// missing (never an error); with opts.Lease from Lookup, the leased keys are
-// guaranteed present. When the queue is full Load fails fast with ErrBusy.
-// With a disk tier (Config.Disk), blocks the pool lacks but the disk holds
-// are read into host slots and copied chunk by chunk as their reads
-// complete, the blocks found in the pool first: Load then returns once the
-// last chunk is submitted (after the reads, while the copies run), and the
-// op's events cover every block.
+// Load copies the blocks of keys into the GPU blocks blockIDs[i] and
+// returns at once. Blocks no longer in the pool are missing, not an error;
+// leased ones are present; blocks on the disk tier are promoted first. A
+// full queue fails it with ErrBusy.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -228,9 +217,8 @@ func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	return e.load(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Delete removes keys from the pool and returns how many were present.
-// Leased blocks are removed when their last lease ends; blocks being
-// written are removed when their copy completes.
+// Delete removes keys and returns how many were present (leased or
+// in-flight blocks go when their lease or copy ends).
 func (e *Engine) Delete(keys []Key) (int, error) {
 	if err := e.checkOpen("Delete"); err != nil {
 		return 0, err
@@ -238,8 +226,7 @@ func (e *Engine) Delete(keys []Key) (int, error) {
 	return e.delete(keys), nil
 }
 
-// Clear removes every block stored with namespace (StoreOptions.Namespace,
-// or Config.Namespace) and returns how many there were.
+// Clear removes every block stored with namespace and returns how many.
 func (e *Engine) Clear(namespace string) (int, error) {
 	if err := e.checkOpen("Clear"); err != nil {
 		return 0, err

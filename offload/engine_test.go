@@ -63,7 +63,7 @@ func TestStoreLoadRoundTrip(t *testing.T) {
 	op, err = e.Load(ctx, keys, []int{5, 6}, LoadOptions{Lease: res.Lease})
 	require.NoError(t, err)
 	require.NoError(t, op.Wait(ctx))
-	require.Equal(t, 2, op.Count(OutcomeLoaded))
+	require.Equal(t, 2, op.count(OutcomeLoaded))
 	require.Equal(t, want0, blockBytes(e, 5))
 	require.Equal(t, want1, blockBytes(e, 6))
 	require.NoError(t, op.Release())

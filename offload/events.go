@@ -8,20 +8,13 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// EventKind says what an Event reports.
+// EventKind says what an Event reports: vLLM's KV events.
 type EventKind uint8
 
-// Event kinds, after vLLM's KV events (vllm/distributed/kv_events.py:
-// BlockStored, BlockRemoved, AllBlocksCleared).
 const (
-	// EventStored: the block became ready in the pool (its copy completed
-	// and it is visible to lookups).
-	EventStored EventKind = iota + 1
-	// EventRemoved: the block left the index (evicted by the policy or by
-	// Trim, deleted, cleared).
-	EventRemoved
-	// EventCleared: every block is gone (the engine closed).
-	EventCleared
+	EventStored  EventKind = iota + 1 // the block became ready in the pool
+	EventRemoved                      // the block left the index (evicted, trimmed, deleted, cleared)
+	EventCleared                      // every block is gone (the engine closed)
 )
 
 var eventKindNames = [...]string{"", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
@@ -34,59 +27,29 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", uint8(k))
 }
 
-// Event.Medium values: the tier an event is about, spelled as vLLM's CPU
-// offloading spells its own ("CPU"), uppercase.
+// Event.Medium values: the tier an event is about.
 const (
-	// MediumCPU: the host pool.
-	MediumCPU = "CPU"
-	// MediumDisk: the disk tier (Config.Disk). A block written back to
-	// disk is an EventStored of this medium (after its host copy's
-	// EventRemoved, when the write completes); one evicted from disk,
-	// deleted, cleared or dropped there as damaged is an EventRemoved.
-	MediumDisk = "DISK"
-	// MediumSharedStorage: the cluster tier (Config.Cluster), storage that
-	// every engine of the namespace reads, named as llm-d's storage
-	// connectors name a shared tier ("SHARED_STORAGE"; its KV-cache scorer
-	// weighs that tier below CPU). A block the cluster stored for a
-	// write-through is an EventStored of this medium (when the cluster
-	// acknowledged it, after the block's EventStored of MediumCPU). Its
-	// removal is not announced: the cluster drops records by TTL and by its
-	// own eviction, unseen by the engine, and Clear makes the namespace's
-	// records unreachable without listing them. A block Prefetch promotes
-	// from the cluster (or from disk) is an EventStored of MediumCPU: the
-	// event names where the block is, the host pool.
+	MediumCPU  = "CPU"  // the host pool
+	MediumDisk = "DISK" // the disk tier
+	// MediumSharedStorage is the cluster tier, whose removals are not announced.
 	MediumSharedStorage = "SHARED_STORAGE"
 )
 
-// Event is one change of the pool's index, published after the fact: a
-// stored block is already ready when its event is sent, a removed block
-// already gone from the index. Events of one engine come in the order the
-// index changed (a key's EventRemoved never before its EventStored).
+// Event is one change of the pool's index, sent after the fact, in the
+// order the index changed.
 type Event struct {
-	Kind EventKind
-	// Key is the block's key (EventStored, EventRemoved).
-	Key Key
-	// Parent is the key of the block before it in its sequence, as the
-	// Store gave it (StoreOptions.Parent, Parents or the previous key); the
-	// zero Key when it starts a sequence or is unknown (EventStored).
-	Parent Key
-	// Tokens are the block's token ids from StoreOptions.Tokens; nil when
-	// the Store gave none (EventStored).
-	Tokens []uint32
-	// BlockSize is the tokens per block of the layout.
-	BlockSize int
-	// Medium is the tier the event is about: MediumCPU, MediumDisk or
-	// MediumSharedStorage. A block can be in several (a promoted block
-	// keeps its disk record; a written-through block stays in the pool).
-	Medium string
+	Kind      EventKind
+	Key       Key
+	Parent    Key      // as the Store gave it (zero: a sequence's start, or unknown)
+	Tokens    []uint32 // StoreOptions.Tokens
+	BlockSize int      // the layout's tokens per block
+	Medium    string   // MediumCPU, MediumDisk or MediumSharedStorage
 }
 
-// EventStream receives an engine's events (Engine.Events) on C, a bounded
-// channel: the engine never waits for the reader; an event that finds C
-// full is dropped and counted (Dropped). C is closed by Close and when the
-// engine closes (after an EventCleared, if there is room for it).
+// EventStream receives an engine's events on C, a bounded channel: an
+// event that finds C full is dropped and counted (Dropped), never waited
+// for. C is closed by Close and when the engine closes.
 type EventStream struct {
-	// C delivers the events, in order.
 	C <-chan Event
 
 	ch      chan Event
@@ -98,26 +61,21 @@ type EventStream struct {
 // Dropped is the number of events this stream lost because C was full.
 func (s *EventStream) Dropped() int64 { return s.dropped.Load() }
 
-// Close stops the stream and closes C (events already in C stay readable).
-// Safe to call more than once and after the engine closed.
+// Close stops the stream and closes C; safe to call more than once.
 func (s *EventStream) Close() {
 	s.hub.mu.Lock()
 	defer s.hub.mu.Unlock()
 	s.hub.removeLocked(s)
 }
 
-// DefaultEventBuffer is the buffer of an event stream asked for with 0.
-const DefaultEventBuffer = 1 << 16
+// defaultEventBuffer is the buffer of an event stream asked for with 0.
+const defaultEventBuffer = 1 << 16
 
-// Events subscribes to the engine's index events: every block stored
-// (ready) and removed from now on, in order, on a channel of buffer events
-// (DefaultEventBuffer when buffer ≤ 0). Each stream gets every event; a
-// slow reader loses events (EventStream.Dropped), it never slows the engine.
-// Events of blocks whose Store began before the subscription may lack
-// their parent and tokens. After Close it returns a closed stream.
+// Events subscribes to the index's events from now on, on a channel of
+// buffer events (65536 when buffer ≤ 0). After Close the stream is closed.
 func (e *Engine) Events(buffer int) *EventStream {
 	if buffer <= 0 {
-		buffer = DefaultEventBuffer
+		buffer = defaultEventBuffer
 	}
 	ch := make(chan Event, buffer)
 	s := &EventStream{C: ch, ch: ch, hub: &e.hub}

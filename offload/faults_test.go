@@ -29,13 +29,13 @@ import (
 func requireSettled(t *testing.T, e *Engine) {
 	t.Helper()
 	st := e.Stats()
-	require.Zero(t, st.InFlightBytes, "no copy counted in flight")
-	require.Zero(t, st.BlocksLeased, "no block left leased")
+	require.Zero(t, st.Copies.InFlightBytes, "no copy counted in flight")
+	require.Zero(t, st.Pool.BlocksLeased, "no block left leased")
 	require.NoError(t, e.kc.Verify())
 	cs := e.cache.Stats()
 	require.Zero(t, cs.Writing, "no slot stuck writing")
 	require.Zero(t, cs.Releasing, "no slot stuck releasing")
-	require.Equal(t, st.SlotsTotal, st.SlotsFree+st.BlocksReady, "every slot is free or ready")
+	require.Equal(t, st.Pool.SlotsTotal, st.Pool.SlotsFree+st.Pool.BlocksReady, "every slot is free or ready")
 }
 
 // faultEngine is a CUDA engine over d with a layer-separate layout of 64
@@ -185,12 +185,12 @@ func TestFaultOutOfOrderCompletions(t *testing.T) {
 				}
 				for _, op := range stores {
 					require.NoError(t, op.Wait(context.Background()))
-					require.Equal(t, 2, op.Count(OutcomeStored))
+					require.Equal(t, 2, op.count(OutcomeStored))
 					require.NoError(t, op.Release())
 				}
 				for _, p := range loads {
 					require.NoError(t, p.op.Wait(context.Background()))
-					require.Equal(t, len(p.keys), p.op.Count(OutcomeLoaded), "the pool of 64 slots holds the 48 keys of the test")
+					require.Equal(t, len(p.keys), p.op.count(OutcomeLoaded), "the pool of 64 slots holds the 48 keys of the test")
 					for i, id := range p.ids {
 						require.Equal(t, stored[p.keys[i]], g.read(e, id), "round %d: block %d loaded from key %v", round, id, p.keys[i])
 					}
@@ -343,8 +343,8 @@ func TestFaultRegistrationDuringGrowth(t *testing.T) {
 	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
 	require.Equal(t, regs, d.Live().Registrations, "the failed region left nothing registered")
 	st := e.Stats()
-	require.Equal(t, 1, st.Regions)
-	require.Contains(t, st.GrowthError, "CUDA_ERROR_OUT_OF_MEMORY")
+	require.Equal(t, 1, st.Pool.Regions)
+	require.Contains(t, st.Pool.GrowthError, "CUDA_ERROR_OUT_OF_MEMORY")
 	require.NoError(t, loadCheck(t, e, g, keys[:6], seqIDs(20, 6), contents[:6], LoadOptions{}).Release())
 	storeContents(t, e, g, keys[6:], []int{6, 7}, contents[6:])
 	require.NoError(t, loadCheck(t, e, g, keys, seqIDs(40, 8), contents, LoadOptions{}).Release())

@@ -37,13 +37,13 @@ func FuzzTrim(f *testing.F) {
 			if err := op.Wait(context.Background()); err != nil {
 				t.Fatal(err)
 			}
-			before := e.Stats().OwnedBytes
+			before := e.Stats().Pool.OwnedBytes
 			res, err := e.Trim(context.Background(), n)
 			if err != nil {
 				t.Fatalf("Trim(%d): %v", n, err)
 			}
 			got := res.FreedBytes + res.PendingBytes
-			after := e.Stats().OwnedBytes
+			after := e.Stats().Pool.OwnedBytes
 			switch {
 			case res.RequestedBytes != n:
 				t.Fatalf("Trim(%d) reports %d requested", n, res.RequestedBytes)
@@ -97,8 +97,8 @@ func FuzzStaging(f *testing.F) {
 			return
 		}
 		lo, hi := e.stage.region.r.Addr(), e.stage.region.r.Addr()+uintptr(e.stage.region.r.Len())
-		if s.Len() != size || int64(len(s.Bytes())) != size || s.Addr() < lo || s.Addr()+uintptr(size) > hi {
-			t.Fatalf("Staging(%q, %d) = %d bytes at %#x, region [%#x,%#x)", name, size, s.Len(), s.Addr(), lo, hi)
+		if s.length() != size || int64(len(s.Bytes())) != size || s.Addr() < lo || s.Addr()+uintptr(size) > hi {
+			t.Fatalf("Staging(%q, %d) = %d bytes at %#x, region [%#x,%#x)", name, size, s.length(), s.Addr(), lo, hi)
 		}
 		s2, err := e.Staging(name, again)
 		switch {

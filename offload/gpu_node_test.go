@@ -599,7 +599,7 @@ func (p *ngProc) run(f []string, say func(string, ...any)) (string, error) {
 		}
 		all := time.Since(start)
 		st := e.Stats()
-		return fmt.Sprintf("dial_ms=%d all_ms=%d regions=%d owned=%d pagemode=%s", dial.Milliseconds(), all.Milliseconds(), st.Regions, st.OwnedBytes,
+		return fmt.Sprintf("dial_ms=%d all_ms=%d regions=%d owned=%d pagemode=%s", dial.Milliseconds(), all.Milliseconds(), st.Pool.Regions, st.Pool.OwnedBytes,
 			strings.ReplaceAll(c.Info().PageMode, " ", "_")), nil
 	case "embedded":
 		pool, region := int64(arg(1)), int64(arg(2))
@@ -613,7 +613,7 @@ func (p *ngProc) run(f []string, say func(string, ...any)) (string, error) {
 			return "", err
 		}
 		first := time.Since(start)
-		for e.Stats().FullPool == 0 {
+		for e.Stats().Pool.FullPool == 0 {
 			if time.Since(start) > 2*time.Minute {
 				return "", fmt.Errorf("the embedded pool not pinned in 2 minutes")
 			}
@@ -630,7 +630,7 @@ func (p *ngProc) run(f []string, say func(string, ...any)) (string, error) {
 		if err := e.Close(); err != nil {
 			return "", err
 		}
-		return fmt.Sprintf("first_ms=%d full_ms=%d first_slot_ms=%d pages=%s", first.Milliseconds(), st.FullPool.Milliseconds(), st.FirstSlot.Milliseconds(), pages), nil
+		return fmt.Sprintf("first_ms=%d full_ms=%d first_slot_ms=%d pages=%s", first.Milliseconds(), st.Pool.FullPool.Milliseconds(), st.Pool.FirstSlot.Milliseconds(), pages), nil
 	case "link":
 		return p.link(uint64(arg(1)))
 	case "fill":
@@ -675,7 +675,7 @@ func (p *ngProc) run(f []string, say func(string, ...any)) (string, error) {
 		return p.bench(f[1], arg(2), arg(3), arg(4), arg(5))
 	case "stats":
 		st := p.e.Stats()
-		return fmt.Sprintf("ready=%d leased=%d held=%d free=%d total=%d", st.BlocksReady, st.BlocksLeased, st.SlotsTotal-st.SlotsFree-st.BlocksReady, st.SlotsFree, st.SlotsTotal), nil
+		return fmt.Sprintf("ready=%d leased=%d held=%d free=%d total=%d", st.Pool.BlocksReady, st.Pool.BlocksLeased, st.Pool.SlotsTotal-st.Pool.SlotsFree-st.Pool.BlocksReady, st.Pool.SlotsFree, st.Pool.SlotsTotal), nil
 	}
 	return "", fmt.Errorf("unknown command %q", f[0])
 }

@@ -189,7 +189,7 @@ func pagedReload(b *testing.B, drv cuda.Driver, name string, newEng func(Config)
 			require.NoError(b, drv.EventRecord(evs[1], s))
 			gpuT = elapsed(evs[0], evs[1])
 			require.NoError(b, op.Wait(ctx))
-			require.Equal(b, n, op.Count(outcome))
+			require.Equal(b, n, op.count(outcome))
 			require.NoError(b, op.Release())
 			return callT, gpuT
 		}

@@ -144,22 +144,22 @@ func TestGPUPool64(t *testing.T) {
 
 	var b strings.Builder
 	fmt.Fprintf(&b, "| 64 GiB pool (%d regions, first %d MiB, then %d MiB; prefault threads %d, 0 = one per CPU) | measured | target |\n|---|---|---|\n",
-		st.RegionsTotal, e.cfg.FirstRegionBytes>>20, e.cfg.RegionBytes>>20, cfg.PrefaultThreads)
+		st.Pool.RegionsTotal, e.cfg.FirstRegionBytes>>20, e.cfg.RegionBytes>>20, cfg.PrefaultThreads)
 	fmt.Fprintf(&b, "| New returned | %v | |\n", newReturned.Round(time.Millisecond))
-	fmt.Fprintf(&b, "| first slot usable (Stats.FirstSlot) | %v | ≤ 200ms |\n", st.FirstSlot.Round(time.Millisecond))
-	fmt.Fprintf(&b, "| full pool (Stats.FullPool) | %v | ≤ 4s |\n", st.FullPool.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| first slot usable (Stats.Pool.FirstSlot) | %v | ≤ 200ms |\n", st.Pool.FirstSlot.Round(time.Millisecond))
+	fmt.Fprintf(&b, "| full pool (Stats.Pool.FullPool) | %v | ≤ 4s |\n", st.Pool.FullPool.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| WaitGrown returned | %v | |\n", grown.Round(time.Millisecond))
-	fmt.Fprintf(&b, "| pin time (map, prefault, register), all regions | %v | |\n", st.PinTime.Round(time.Millisecond))
-	gs := st.Growth
+	fmt.Fprintf(&b, "| pin time (map, prefault, register), all regions | %v | |\n", st.Pool.PinTime.Round(time.Millisecond))
+	gs := st.Pool.Growth
 	fmt.Fprintf(&b, "| growth, all pool regions, per step (stages overlap: steps sum to more than the wall time) | | |\n")
 	fmt.Fprintf(&b, "| growth: map (mmap, advice) | %v | |\n", gs.Map.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: prefault ahead (prefetch stage, regions 1..) | %v | |\n", gs.Prefault.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: pin (register; region 0: prefault + register, pipelined) | %v | |\n", gs.Pin.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: AddHostRange per range | %v | |\n", gs.HostRanges.Round(time.Millisecond))
 	fmt.Fprintf(&b, "| growth: kvcache AddRegion (publish stage) | %v | |\n", gs.Cache.Round(time.Millisecond))
-	fmt.Fprintf(&b, "| growth: sum of steps | %v | |\n", gs.Sum().Round(time.Millisecond))
-	fmt.Fprintf(&b, "| owned bytes | %d | %d |\n", st.OwnedBytes, cfg.PoolBytes)
-	fmt.Fprintf(&b, "| copy-method calibration (background, after growth, before WaitGrown returns) | %s | |\n", st.CopyCalibration)
+	fmt.Fprintf(&b, "| growth: sum of steps | %v | |\n", gs.sum().Round(time.Millisecond))
+	fmt.Fprintf(&b, "| owned bytes | %d | %d |\n", st.Pool.OwnedBytes, cfg.PoolBytes)
+	fmt.Fprintf(&b, "| copy-method calibration (background, after growth, before WaitGrown returns) | %s | |\n", st.Copies.Calibration)
 	closed = true
 	require.NoError(t, e.Close())
 	fmt.Fprintf(&b, "| Close (unregister, unmap) | %v | |\n", time.Since(tClose).Round(time.Millisecond))
@@ -167,5 +167,5 @@ func TestGPUPool64(t *testing.T) {
 	if dir := os.Getenv("KVO_BENCH_OUT"); dir != "" {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, "pool64.md"), []byte(b.String()), 0o644))
 	}
-	require.Equal(t, cfg.PoolBytes/e.slot*e.slot, st.OwnedBytes)
+	require.Equal(t, cfg.PoolBytes/e.slot*e.slot, st.Pool.OwnedBytes)
 }

@@ -52,7 +52,7 @@ func BenchmarkGPUHeadSliced(b *testing.B) {
 // of ctas, sctas (cudacopy.Options.StagedCTAs), threads, part (segments a part), builders, chunk (bytes), inline
 // (inline=1: descriptor tables uploaded on the copy stream, see
 // cudacopy.Options.UploadOnCopyStream), growth
-// (PartGrowthEnv's parts that grow) and notmpl (notmpl=1: no template requests)).
+// (partGrowthEnv's parts that grow) and notmpl (notmpl=1: no template requests)).
 func hsVariant(v string) (engineHooks, error) {
 	fs := strings.Split(v, ":")
 	var h engineHooks
@@ -87,7 +87,7 @@ func hsVariant(v string) (engineHooks, error) {
 		case "chunk":
 			h.copyOptions.ChunkBytes = n
 		case "growth":
-			h.partGrowth = n // growth=N: parts that grow (PartGrowthEnv)
+			h.partGrowth = n // growth=N: parts that grow (partGrowthEnv)
 		case "notmpl":
 			h.noTemplates = true // notmpl=1: no template requests (parts of segments, as before them)
 		case "inline":

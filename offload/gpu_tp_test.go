@@ -69,7 +69,7 @@ func cudaTPSizeSharing(t *testing.T, drv cuda.Driver, h engineHooks) {
 		keys[j] = testKey(300 + j)
 	}
 	ids := [][]int{{3, 5, 0, 9, 15}, {1, 2, 7, 12, 4}}
-	for r, l := range []LayoutSpec{l0, r1.Layout()} {
+	for r, l := range []LayoutSpec{l0, r1.layoutSpec()} {
 		for j := range n {
 			write(l, ids[r][j], j)
 		}

@@ -17,7 +17,7 @@ import (
 // being registered finishes and joins the pool. The region being
 // prefetched (mapped and prefaulted ahead of registration) finishes its
 // prefault and is held, mapped but not pinned, not counted in
-// Stats.OwnedBytes or Stats.Regions, until ResumeGrowth registers it or
+// Stats.Pool.OwnedBytes or Stats.Pool.Regions, until ResumeGrowth registers it or
 // Close unmaps it. No further region is mapped meanwhile.
 // If the copy methods are not calibrated yet, the growth thread calibrates
 // them during the pause.
@@ -43,7 +43,7 @@ func (e *Engine) ResumeGrowth() {
 // (capped at Config.PoolBytes and Config.MaxCachedBytes) and, when growth
 // has ended below it, starts growing again in the background: the way to
 // have memory back after Trim, or after growth stopped on an error
-// (Stats.GrowthError, which GrowTo clears). A lower size stops growth
+// (Stats.Pool.GrowthError, which GrowTo clears). A lower size stops growth
 // there; it never trims (Trim does). WaitGrown waits for the new growth.
 func (e *Engine) GrowTo(bytes int64) error {
 	if !e.enter() {
@@ -79,7 +79,7 @@ func (e *Engine) GrowTo(bytes int64) error {
 
 // WaitGrown blocks until background growth has ended: the whole pool
 // pinned, or growth stopped on an error (returned), and then, on CUDA, the
-// copy methods calibrated (Stats.CopyCalibration); or until the engine is
+// copy methods calibrated (Stats.Copies.Calibration); or until the engine is
 // closed (ErrClosed), or ctx ends.
 func (e *Engine) WaitGrown(ctx context.Context) error {
 	return e.waitGrown(ctx)
@@ -154,7 +154,7 @@ func (e *Engine) nextSizeLocked(i int) (int64, bool) {
 // checkRoom re-checks, before growth maps a region of size bytes, that
 // the machine still holds it plus Config.MemoryHeadroomBytes (other
 // processes pin and allocate meanwhile: eight ranks started together all
-// pass New's check). The error stops growth (Stats.GrowthError).
+// pass New's check). The error stops growth (Stats.Pool.GrowthError).
 func (e *Engine) checkRoom(size int64) error {
 	if e.cfg.SkipMemoryCheck {
 		return nil
@@ -253,7 +253,7 @@ type growRun struct {
 //     ranges,
 //   - publish adds region i-1 to the cache (kvcache AddRegion, under the
 //     cache's lock) and counts it as owned;
-//     the last publication stamps Stats.FullPool.
+//     the last publication stamps Stats.Pool.FullPool.
 //
 // Each stage hands its region to the next one at a time (a region is
 // handed over only once the previous one was taken), so at most one region
@@ -444,7 +444,7 @@ func (g *growRun) prefetch() {
 }
 
 // publish is the last growth stage: it adds the pinned regions to the cache
-// in order and counts them as owned; the last one stamps Stats.FullPool.
+// in order and counts them as owned; the last one stamps Stats.Pool.FullPool.
 // After Close or a failure of its own it unpins and unmaps what it gets
 // instead (a failure of a later region in an earlier stage does not stop
 // the regions before it from joining). It ends when in is closed.

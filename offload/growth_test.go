@@ -21,13 +21,13 @@ func TestGrowthSteps(t *testing.T) {
 	defer func() { require.NoError(t, e.Close()) }()
 	require.NoError(t, e.WaitGrown(context.Background()))
 	st := e.Stats()
-	g := st.Growth
+	g := st.Pool.Growth
 	for name, d := range map[string]time.Duration{"map": g.Map, "prefault": g.Prefault, "pin": g.Pin, "host ranges": g.HostRanges, "cache": g.Cache} {
 		require.Positive(t, d, name)
-		require.LessOrEqual(t, d, st.FullPool, name)
+		require.LessOrEqual(t, d, st.Pool.FullPool, name)
 	}
-	require.Equal(t, g.Map+g.Prefault+g.Pin+g.HostRanges+g.Cache, g.Sum())
-	require.EqualValues(t, 5, st.PinCalls, "4 pool regions and the staging region")
+	require.Equal(t, g.Map+g.Prefault+g.Pin+g.HostRanges+g.Cache, g.sum())
+	require.EqualValues(t, 5, st.Pool.PinCalls, "4 pool regions and the staging region")
 }
 
 // BenchmarkGrowth times growing a host-backend pool (PinNone: mmap and
@@ -54,14 +54,14 @@ func BenchmarkGrowth(b *testing.B) {
 		require.NoError(b, err)
 		require.NoError(b, e.WaitGrown(context.Background()))
 		st := e.Stats()
-		require.Equal(b, int64(4096), st.BlockBytes)
-		sum.Map += st.Growth.Map
-		sum.Prefault += st.Growth.Prefault
-		sum.Pin += st.Growth.Pin
-		sum.HostRanges += st.Growth.HostRanges
-		sum.Cache += st.Growth.Cache
-		full += st.FullPool
-		first += st.FirstSlot
+		require.Equal(b, int64(4096), st.Pool.BlockBytes)
+		sum.Map += st.Pool.Growth.Map
+		sum.Prefault += st.Pool.Growth.Prefault
+		sum.Pin += st.Pool.Growth.Pin
+		sum.HostRanges += st.Pool.Growth.HostRanges
+		sum.Cache += st.Pool.Growth.Cache
+		full += st.Pool.FullPool
+		first += st.Pool.FirstSlot
 		require.NoError(b, e.Close())
 	}
 	n := float64(b.N)
@@ -73,7 +73,7 @@ func BenchmarkGrowth(b *testing.B) {
 	b.ReportMetric(ms(sum.Pin), "ms-pin")
 	b.ReportMetric(ms(sum.HostRanges), "ms-host-ranges")
 	b.ReportMetric(ms(sum.Cache), "ms-cache")
-	b.ReportMetric(ms(sum.Sum()), "ms-steps")
+	b.ReportMetric(ms(sum.sum()), "ms-steps")
 	b.ReportMetric(float64(cfg.PoolBytes)/(1<<30)/(ms(full)/1e3), "GiB/s")
 	b.Logf("%d GiB, %d slots: %+v", gib, cfg.PoolBytes/4096, sum)
 }

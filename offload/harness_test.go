@@ -68,7 +68,7 @@ func simLayout(t testing.TB, sim *cudadev.Sim, blocks int) LayoutSpec {
 type tally struct {
 	mu       sync.Mutex
 	outcomes [numOutcomes]int64
-	ops      [3]int64 // by OpKind
+	ops      [3]int64 // by transfer.Direction
 	loaded   int64    // loaded blocks checked byte for byte
 	busy     int64    // Loads refused with ErrBusy
 }
@@ -288,14 +288,14 @@ func checkTally(t *testing.T, st Stats, ta *tally) {
 	defer ta.mu.Unlock()
 	require.Equal(t, int64(0), st.Outcomes[OutcomePending], "no block left pending")
 	require.Equal(t, ta.outcomes, st.Outcomes, "outcome counters equal the outcomes the ops reported")
-	require.Equal(t, ta.ops[OpStore], st.Store.Ops)
-	require.Equal(t, ta.ops[OpLoad], st.Load.Ops)
-	require.Equal(t, ta.outcomes[OutcomeStored], st.Store.Blocks)
-	require.Equal(t, ta.outcomes[OutcomeLoaded], st.Load.Blocks)
-	require.Equal(t, st.Store.Blocks*st.BlockBytes, st.Store.Bytes)
-	require.Equal(t, st.Load.Blocks*st.BlockBytes, st.Load.Bytes)
-	require.Equal(t, st.Store.Ops, st.Store.Latency.Count)
-	require.Equal(t, st.Load.Ops, st.Load.Latency.Count)
+	require.Equal(t, ta.ops[transfer.Store], st.Copies.Store.Ops)
+	require.Equal(t, ta.ops[transfer.Load], st.Copies.Load.Ops)
+	require.Equal(t, ta.outcomes[OutcomeStored], st.Copies.Store.Blocks)
+	require.Equal(t, ta.outcomes[OutcomeLoaded], st.Copies.Load.Blocks)
+	require.Equal(t, st.Copies.Store.Blocks*st.Pool.BlockBytes, st.Copies.Store.Bytes)
+	require.Equal(t, st.Copies.Load.Blocks*st.Pool.BlockBytes, st.Copies.Load.Bytes)
+	require.Equal(t, st.Copies.Store.Ops, st.Copies.Store.Latency.Count)
+	require.Equal(t, st.Copies.Load.Ops, st.Copies.Load.Latency.Count)
 	require.Equal(t, ta.outcomes[OutcomeLoaded], ta.loaded)
 }
 

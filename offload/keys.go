@@ -6,14 +6,12 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Key is a block's 128-bit content key: SHA-256, truncated, over the parent
-// block's key, the block's token ids (little-endian uint32) and the
-// namespace. Python computes the same keys with hashlib (see kvcache.BlockKey).
+// Key is a block's 128-bit content key, chained over a sequence's blocks
+// (kvcache.BlockKey; Python computes the same).
 type Key = kvcache.Key
 
 // ChainKeys returns the keys of the full blocks of tokens in namespace,
-// chained from parent (the zero Key when tokens start a sequence). A partial
-// trailing block gets no key.
+// chained from parent (zero: a sequence's start).
 func ChainKeys(namespace string, parent Key, tokens []uint32, tokensPerBlock int) ([]Key, error) {
 	keys, err := kvcache.ChainKeys([]byte(namespace), parent, tokens, tokensPerBlock)
 	if err != nil {
@@ -22,8 +20,7 @@ func ChainKeys(namespace string, parent Key, tokens []uint32, tokensPerBlock int
 	return keys, nil
 }
 
-// Keys returns the keys of the full blocks of a sequence's tokens, in the
-// engine's namespace and with its tokens per block.
+// Keys is ChainKeys in the engine's namespace from a sequence's start.
 func (e *Engine) Keys(tokens []uint32) []Key {
 	keys, _ := kvcache.ChainKeys([]byte(e.cfg.Namespace), Key{}, tokens, e.cfg.Layout.TokensPerBlock)
 	return keys

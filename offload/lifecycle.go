@@ -20,32 +20,21 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// New validates cfg, picks the backend, checks that the machine can hold
-// the pool, maps and pins the staging region and the first pool region, and
-// returns once the first slots are usable. The rest of the pool is mapped,
-// prefaulted and pinned in the background, region by region in a pipeline
-// (region i+1 prefaulted while region i registers and region i-1 joins the
-// cache); see PauseGrowth, WaitGrown, Stats.FullPool and Stats.Growth. On
-// error nothing is left mapped, pinned or running.
+// New validates cfg, picks the backend, checks the machine can hold the
+// pool, pins the staging region and the first pool region and returns;
+// the rest of the pool is pinned in the background. On error nothing is
+// left mapped, pinned or running.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
 }
 
-// Close refuses new calls (ErrClosed), cancels queued work, waits for the
-// copies in flight, ends leases, then unpins and unmaps every region,
-// staging included. A second Close returns ErrClosed. Ops and leases stay
-// readable after Close (Wait, Outcomes); their events are gone. Close waits
-// as long as a copy is in flight; CloseContext bounds the wait.
+// Close refuses new calls (ErrClosed), waits for the copies in flight,
+// ends leases and releases all memory. Ops stay readable; their events are
+// gone.
 func (e *Engine) Close() error { return e.CloseContext(context.Background()) }
 
-// CloseContext is Close with a bound on the wait for copies in flight (a
-// device whose events never complete). When ctx ends first it returns an
-// error wrapping ctx's: the engine is closed to new calls, but memory a
-// copy may still write is never unmapped under it, so the release of the
-// regions, streams and context is left to a background goroutine that
-// finishes as soon as the last copy completes or fails (or never, if the
-// device never reports it: the pool then stays mapped until the process
-// exits).
+// CloseContext is Close with a bound on the wait: when ctx ends first the
+// engine is closed and releases its memory when the copies end.
 func (e *Engine) CloseContext(ctx context.Context) error {
 	if e.closed.Swap(true) {
 		return fmt.Errorf("%w: Close called twice", ErrClosed)
@@ -62,8 +51,8 @@ func (e *Engine) CloseContext(ctx context.Context) error {
 	}
 }
 
-// engineHooks are injections: sim from package hostsim (and tests), the
-// rest test-only.
+// engineHooks are injections: sim and diskFaults from Config's seam of
+// package hostsim (and tests), the rest test-only.
 type engineHooks struct {
 	// sim is the host backend's simulated device (nil: the engine makes
 	// its own and closes it).
@@ -83,6 +72,10 @@ type engineHooks struct {
 	rangeLimit int64
 	// copyOptions configure the CUDA copy method.
 	copyOptions cudadev.CopyOptions
+	// greedyStores runs stores on the copy kernel's unthrottled launch
+	// (cudadev.CUDAOptions.GreedyStores), for comparisons: it slows a
+	// compute-bound kernel beside the stores.
+	greedyStores bool
 	// calibrate keeps the background calibration in cudafake tests (their
 	// helper otherwise gives an empty table).
 	calibrate bool
@@ -108,11 +101,11 @@ type engineHooks struct {
 	// partSegments replaces the constant of that name (0: keep it).
 	partSegments int
 	// partGrowth is how many parts of a copy grow before they reach
-	// partSegments (partStarts); New sets it from PartGrowthEnv, else
+	// partSegments (partStarts); New sets it from partGrowthEnv, else
 	// defaultPartGrowth, when the hooks leave it 0.
 	partGrowth int
 	// wholeFirstLayer builds a per-layer load's first layer as one part
-	// (WholeFirstLayerEnv).
+	// (wholeFirstLayerEnv).
 	wholeFirstLayer bool
 	// trace is the scheduler's Config.Trace.
 	trace func(point string, part int)
@@ -124,30 +117,45 @@ type engineHooks struct {
 	afterDiskClear func()
 }
 
-// BuildersEnv, when set, is how many goroutines build a copy's parts
+// buildersEnv, when set, is how many goroutines build a copy's parts
 // (transfer.Config.Builders) instead of the default, a quarter of
 // GOMAXPROCS from 1 to 4: for comparisons on a machine.
-const BuildersEnv = "KVOFFLOAD_COPY_BUILDERS"
+const buildersEnv = "KVOFFLOAD_COPY_BUILDERS"
 
-// PartGrowthEnv, when set (0 to 8), is how many parts of a copy grow,
+// partGrowthEnv, when set (0 to 8), is how many parts of a copy grow,
 // each twice the one before, up to a whole part (partStarts): 5, the
 // default, starts at a 32nd; fewer start larger, giving the copy stream
 // more bytes ahead of the threads that build and enqueue the next parts,
 // for comparisons on a machine.
-const PartGrowthEnv = "KVOFFLOAD_PART_GROWTH"
+const partGrowthEnv = "KVOFFLOAD_PART_GROWTH"
 
 const defaultPartGrowth = 5
 
-// WholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
+// wholeFirstLayerEnv set to 1 builds a per-layer load's first layer as one
 // part, as every later layer, instead of in parts that grow from a small
 // first one (copyPlan): for comparisons on a machine.
-const WholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
+const wholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 
-// NoPitchedStagingEnv set to 1 turns the copier's pitched staging DMAs off
+// noPitchedStagingEnv set to 1 turns the copier's pitched staging DMAs off
 // (transfer/cudacopy Options.GatherMinRow < 0): a per-layer load's layers
 // then go through the copy kernel, as before they existed: for comparisons
 // on a machine.
-const NoPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
+const noPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
+
+// comparisonSwitches says whether New reads the comparison switches
+// (buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv):
+// builds with -tags kvocompare do (the benchmarks', make gpu-bins), and
+// tests that set it; the release engine ignores those variables.
+var comparisonSwitches = comparisonBuild
+
+// compareInt is envInt for a comparison switch: def unless
+// comparisonSwitches.
+func compareInt(name string, def, lo, hi int, unit string) (int, error) {
+	if !comparisonSwitches {
+		return def, nil
+	}
+	return envInt(name, def, lo, hi, unit)
+}
 
 // envInt reads an integer setting for comparisons from the environment:
 // unset, def; outside [lo, hi] or not an integer, ErrInvalidConfig naming
@@ -165,8 +173,12 @@ func envInt(name string, def, lo, hi int, unit string) (int, error) {
 }
 
 // envSwitch reads a comparison switch from the environment: unset or "0"
-// off, "1" on, anything else ErrInvalidConfig naming it.
+// off, "1" on, anything else ErrInvalidConfig naming it; off unless
+// comparisonSwitches.
 func envSwitch(name string) (bool, error) {
+	if !comparisonSwitches {
+		return false, nil
+	}
 	switch v := envvar.Get(name); v {
 	case "", "0":
 		return false, nil
@@ -187,7 +199,7 @@ func (e *Engine) openSim() error {
 		}
 		e.ownSim = true
 	}
-	e.dev = e.sim
+	e.dev, e.cfg.HostDevice = e.sim, e.sim
 	if layoutEmpty(e.cfg.Layout) {
 		spec, _ := kvLayoutSpec(e.cfg.Layout)
 		base, err := e.allocDense(&spec)
@@ -333,6 +345,10 @@ func (e *Engine) teardown() error {
 
 func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	start := time.Now()
+	h, err := h.withSeam(cfg)
+	if err != nil {
+		return nil, err
+	}
 	cfg, numa, slot, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
@@ -421,6 +437,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		}
 	}()
 	if choice.name == BackendCUDA {
+		e.cfg.HostDevice = nil // Config reports the device in use
 		if err := e.openCUDA(choice); err != nil {
 			return nil, err
 		}
@@ -433,16 +450,16 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	}
 	builders := h.builders
 	if builders == 0 {
-		if builders, err = envInt(BuildersEnv, 0, 1, transfer.MaxBuilders, "part builders"); err != nil {
+		if builders, err = compareInt(buildersEnv, 0, 1, transfer.MaxBuilders, "part builders"); err != nil {
 			return nil, err
 		}
 	}
 	if e.hooks.partGrowth == 0 {
-		if e.hooks.partGrowth, err = envInt(PartGrowthEnv, defaultPartGrowth, 0, 8, "growing parts"); err != nil {
+		if e.hooks.partGrowth, err = compareInt(partGrowthEnv, defaultPartGrowth, 0, 8, "growing parts"); err != nil {
 			return nil, err
 		}
 	}
-	whole, err := envSwitch(WholeFirstLayerEnv)
+	whole, err := envSwitch(wholeFirstLayerEnv)
 	if err != nil {
 		return nil, err
 	}
@@ -501,7 +518,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 		case errors.Is(err, disk.ErrNoUsableDir):
 			// Every directory failed (full, I/O errors, permissions): the
 			// engine serves from host memory without its disk tier and
-			// says why (Stats.DiskError).
+			// says why (Stats.Disk.Error).
 			e.diskErr = err.Error()
 		case err != nil:
 			return nil, err

@@ -251,17 +251,10 @@ func (e *Engine) addRegion(size int64) error {
 	return e.publishRegion(pr)
 }
 
-// Trim gives pinned pool memory back to the OS in whole regions, newest
-// first, until at least bytes are picked (or every pool region is): it
-// evicts the regions' ready blocks, waits (honouring ctx) for the copies in
-// flight on them, then unpins and unmaps them. It never waits for leases: a
-// region holding leased blocks is reported in TrimResult.PendingBytes and
-// released by the engine when its last lease ends; when ctx ends first, what
-// is not freed yet is reported pending too, and is freed later all the same.
-// bytes ≤ 0 trims nothing. Staging buffers are never trimmed. Trimmed
-// memory stays released: background growth, if still running, stops at
-// what is left after the trim (regions already being grown included), and
-// the pool grows again only when GrowTo asks for it.
+// Trim gives whole regions back to the OS, newest first, until at least
+// bytes are picked: it evicts their blocks and waits (ctx) for their
+// copies; regions with leases, or still busy when ctx ends, are freed
+// later (PendingBytes). Growth does not take the memory back; GrowTo does.
 func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	if !e.enter() {
 		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)

@@ -5,49 +5,17 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// OpKind says whether an op stores or loads.
-type OpKind uint8
-
-// Op kinds.
-const (
-	OpStore OpKind = iota + 1 // device → host
-	OpLoad                    // host → device
-)
-
-func (k OpKind) String() string {
-	switch k {
-	case OpStore:
-		return "store"
-	case OpLoad:
-		return "load"
-	}
-	return fmt.Sprintf("OpKind(%d)", uint8(k))
-}
-
-// Op is one asynchronous Store or Load on a list of blocks.
-//
-// What an Op guarantees:
-//   - Done is closed exactly once, after every block has its final outcome;
-//     until then Outcomes returns ErrNotDone.
-//   - Every block has exactly one outcome, in the order of the keys passed.
-//   - Event (and LayerEvent) return a CUDA event once the engine has
-//     recorded it (they block until the copies it follows are enqueued,
-//     never until they finish), valid until Release; a stream that waits
-//     on them (StreamWait) is ordered after the op's copies. An op that
-//     failed before its event was recorded returns the failure instead.
-//     They are 0 on the host backend.
-//   - After Release every method returns ErrReleased (Done returns a closed
-//     channel); the events may be reused by later ops.
-//
-// An Op's methods are safe for concurrent use; Release must be called once,
-// by the op's owner, once it no longer needs the op's events (after a
-// StreamWait, it may release at once). Release never waits: the op's
-// copies go on, its blocks still get their outcomes (counted in Stats), and
-// its events return to the engine when they retire.
+// Op is one asynchronous Store or Load. Done is closed once every block
+// has its one final outcome (in key order); Event, LayerEvent and
+// StreamWait order the caller's stream after its copies (0 and a CPU wait
+// on the host backend); after Release every method returns ErrReleased.
+// Its methods are safe for concurrent use; its owner releases it once.
 type Op struct {
-	kind OpKind
+	kind transfer.Direction
 	eng  *Engine
 
 	done     chan struct{}
@@ -75,12 +43,12 @@ type completion interface {
 // closedChan is returned by Done on a released op.
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
-func newOp(e *Engine, kind OpKind, n int) *Op {
+func newOp(e *Engine, kind transfer.Direction, n int) *Op {
 	return &Op{kind: kind, eng: e, done: make(chan struct{}), outcomes: make([]Outcome, n)}
 }
 
-// Kind is OpStore or OpLoad.
-func (o *Op) Kind() OpKind { return o.kind }
+// Kind is transfer.Store (device → host) or transfer.Load (host → device).
+func (o *Op) Kind() transfer.Direction { return o.kind }
 
 // Len is the number of blocks of the op.
 func (o *Op) Len() int { return len(o.outcomes) }
@@ -93,8 +61,7 @@ func (o *Op) Done() <-chan struct{} {
 	return o.done
 }
 
-// Wait blocks until the op is done or ctx ends; it returns ctx's error in the
-// latter case (the op goes on) and otherwise Err.
+// Wait blocks until the op is done (then returns Err) or ctx ends.
 func (o *Op) Wait(ctx context.Context) error {
 	if o.released.Load() {
 		return ErrReleased
@@ -107,9 +74,8 @@ func (o *Op) Wait(ctx context.Context) error {
 	}
 }
 
-// Err is the first error of the op's failed blocks (OutcomeFailed), nil when
-// none failed or the op is not done yet. Refusals and misses are outcomes,
-// not errors.
+// Err is the first error of the op's failed blocks, nil if none (or not
+// done yet); refusals and misses are outcomes, not errors.
 func (o *Op) Err() error {
 	if o.released.Load() {
 		return ErrReleased
@@ -124,8 +90,8 @@ func (o *Op) Err() error {
 	return o.err
 }
 
-// Outcomes returns a copy of the per-block outcomes, in key order. It
-// returns ErrNotDone before Done is closed and ErrReleased after Release.
+// Outcomes returns the per-block outcomes in key order (ErrNotDone before
+// Done).
 func (o *Op) Outcomes() ([]Outcome, error) {
 	if o.released.Load() {
 		return nil, ErrReleased
@@ -141,7 +107,7 @@ func (o *Op) Outcomes() ([]Outcome, error) {
 }
 
 // Count returns how many blocks ended with outcome oc (0 before Done).
-func (o *Op) Count(oc Outcome) int {
+func (o *Op) count(oc Outcome) int {
 	out, err := o.Outcomes()
 	if err != nil {
 		return 0
@@ -155,9 +121,9 @@ func (o *Op) Count(oc Outcome) int {
 	return n
 }
 
-// Event is a CUevent recorded after the op's copies; the caller's stream
-// can wait on it (cuStreamWaitEvent, or StreamWait). 0 on the host backend
-// and for an op none of whose blocks was copied. Valid until Release.
+// Event is a CUevent recorded after the op's copies, returned once
+// recorded (the copies enqueued); 0 when nothing was copied or on the host
+// backend. Valid until Release.
 func (o *Op) Event() (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
@@ -168,11 +134,8 @@ func (o *Op) Event() (uintptr, error) {
 	return o.completion.event()
 }
 
-// LayerEvent is the event recorded after layer i's copies of a Load with
-// LoadOptions.PerLayer (layer-separate and MLA layouts); 0 on the host
-// backend and for a load none of whose blocks was copied. A layer outside
-// [0, layers), or an op without per-layer events (a Store, a Load without
-// PerLayer, a cross-layer layout): ErrInvalidArgument, on every backend.
+// LayerEvent is Event for layer i of a Load with LoadOptions.PerLayer
+// (layer-separate and MLA layouts); ErrInvalidArgument otherwise.
 func (o *Op) LayerEvent(i int) (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
@@ -193,14 +156,9 @@ func (o *Op) LayerEvent(i int) (uintptr, error) {
 	return ev, err
 }
 
-// StreamWait makes the caller's stream wait (on the GPU) until the op's
-// copies are complete: for a Store, before the stream overwrites the
-// blocks being copied out; for a Load, before it reads the loaded blocks.
-// The CPU waits only until the op's copies are enqueued (see Event). On
-// CUDA it is cuStreamWaitEvent on the op's event and
-// the calling OS thread must have the CUDA context current (as for any
-// stream call of the serving stack). On the host backend it waits on the
-// CPU until the op is done.
+// StreamWait makes the caller's stream wait on the GPU for the op's copies
+// (cuStreamWaitEvent; the thread's CUDA context must be current). On the
+// host backend it waits on the CPU until the op is done.
 func (o *Op) StreamWait(stream uintptr) error {
 	if o.released.Load() {
 		return ErrReleased
@@ -211,11 +169,8 @@ func (o *Op) StreamWait(stream uintptr) error {
 	return o.completion.streamWait(stream)
 }
 
-// Release gives the op's events back to the engine and returns at once:
-// when the op's copies are still in flight, the engine's completion thread
-// recycles the events once they retire. A stream that already waits on
-// them (StreamWait) stays ordered after the copies. A second Release
-// returns ErrReleased.
+// Release gives the op's events back and returns at once; the copies and
+// outcomes go on.
 func (o *Op) Release() error {
 	if o.released.Swap(true) {
 		return ErrReleased

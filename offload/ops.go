@@ -117,7 +117,7 @@ func (e *Engine) deviceLost() error {
 // finishOp counts the op's outcomes and closes it.
 func (e *Engine) finishOp(op *Op, start time.Time) {
 	d := &e.stats.store
-	if op.kind == OpLoad {
+	if op.kind == transfer.Load {
 		d = &e.stats.load
 	}
 	op.mu.Lock()
@@ -170,7 +170,7 @@ func (e *Engine) clear(ns string) int {
 }
 
 // tracePoint calls engineHooks.trace (the scheduler's Config.Trace too:
-// a test's, or TraceCallsEnv's tracer) at a point of a call on the
+// a test's, or traceCallsEnv's tracer) at a point of a call on the
 // caller's goroutine; a nil check where neither is set.
 func (e *Engine) tracePoint(name string) {
 	if e.hooks.trace != nil {

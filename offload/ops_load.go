@@ -99,7 +99,7 @@ func (e *Engine) loadLeased(ctx context.Context, l *kvcache.Layout, keys []Key, 
 		return nil, fmt.Errorf("%w: Load: %w", ErrInvalidArgument, err)
 	}
 	e.tracePoint("begun")
-	op := newOp(e, OpLoad, len(keys))
+	op := newOp(e, transfer.Load, len(keys))
 	if opts.PerLayer && l.Kind() != kvcache.CrossLayer {
 		op.layers = l.Geometry().Layers // what segments groups the copies by
 	}

@@ -57,7 +57,7 @@ func (e *Engine) store(ctx context.Context, l *kvcache.Layout, keys []Key, block
 	if err != nil {
 		return nil, err
 	}
-	op := newOp(e, OpStore, len(keys))
+	op := newOp(e, transfer.Store, len(keys))
 	var idx []int
 	var ids []int
 	var slots []kvcache.Slot

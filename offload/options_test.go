@@ -35,7 +35,7 @@ func TestStoreAfterCapturingStream(t *testing.T) {
 	require.ErrorIs(t, err, ErrCapturing)
 	require.ErrorContains(t, err, "capturing")
 	require.Equal(t, before, stateOf(e))
-	require.Zero(t, e.Stats().InUseBytes)
+	require.Zero(t, e.Stats().Pool.InUseBytes)
 
 	require.NoError(t, sim.SetCapturing(cs, false))
 	require.NoError(t, sim.RecordEvent(ev, cs))
@@ -132,5 +132,5 @@ func TestStickyErrorRefusesNewWork(t *testing.T) {
 	require.ErrorContains(t, err, "CUDA_ERROR_ILLEGAL_ADDRESS")
 	_, err = e.Load(context.Background(), []Key{testKey(2)}, []int{1}, LoadOptions{})
 	require.ErrorIs(t, err, ErrDeviceLost)
-	require.Zero(t, e.Stats().InUseBytes, "the failed block's slot is free again")
+	require.Zero(t, e.Stats().Pool.InUseBytes, "the failed block's slot is free again")
 }

@@ -214,9 +214,9 @@ func TestGrowthPipelineOverlap(t *testing.T) {
 			defer rg.close()
 			require.NoError(t, rg.e.WaitGrown(context.Background()))
 			st := rg.e.Stats()
-			require.Equal(t, 4, st.Regions)
-			require.Equal(t, 32*growSlot, st.OwnedBytes)
-			require.Positive(t, st.FullPool)
+			require.Equal(t, 4, st.Pool.Regions)
+			require.Equal(t, 32*growSlot, st.Pool.OwnedBytes)
+			require.Positive(t, st.Pool.FullPool)
 			rg.e.memory.mu.Lock()
 			defer rg.e.memory.mu.Unlock()
 			for i, pr := range rg.e.memory.regions {
@@ -315,15 +315,15 @@ func TestGrowthPauseAtEachStage(t *testing.T) {
 					e.PauseGrowth()
 					close(release)
 					ok := assert.Eventually(t, func() bool {
-						return e.Stats().Regions == p.paused && m.seen(fmt.Sprint("prefaulted ", p.held))
+						return e.Stats().Pool.Regions == p.paused && m.seen(fmt.Sprint("prefaulted ", p.held))
 					}, 20*time.Second, time.Millisecond, "growth settles while paused")
-					require.True(t, ok, "regions %d, seen %v", e.Stats().Regions, m.seen(fmt.Sprint("prefaulted ", p.held)))
+					require.True(t, ok, "regions %d, seen %v", e.Stats().Pool.Regions, m.seen(fmt.Sprint("prefaulted ", p.held)))
 					st := e.Stats()
-					require.True(t, st.GrowthPaused)
-					require.Equal(t, p.paused, st.Regions)
-					require.Equal(t, int64(p.paused)*8*growSlot, st.OwnedBytes, "the held region is not owned")
-					require.Equal(t, int64(p.paused)*8, st.SlotsTotal)
-					require.Zero(t, st.FullPool)
+					require.True(t, st.Pool.GrowthPaused)
+					require.Equal(t, p.paused, st.Pool.Regions)
+					require.Equal(t, int64(p.paused)*8*growSlot, st.Pool.OwnedBytes, "the held region is not owned")
+					require.Equal(t, int64(p.paused)*8, st.Pool.SlotsTotal)
+					require.Zero(t, st.Pool.FullPool)
 					require.NotNil(t, rg.region(p.held).Bytes(), "region %d is held mapped", p.held)
 					require.Nil(t, rg.region(p.held+1), "nothing is mapped after the held region while paused")
 					if end == "close" {
@@ -334,9 +334,9 @@ func TestGrowthPauseAtEachStage(t *testing.T) {
 					e.ResumeGrowth()
 					require.NoError(t, e.WaitGrown(context.Background()))
 					st = e.Stats()
-					require.Equal(t, 4, st.Regions)
-					require.Equal(t, 32*growSlot, st.OwnedBytes)
-					require.Positive(t, st.FullPool)
+					require.Equal(t, 4, st.Pool.Regions)
+					require.Equal(t, 32*growSlot, st.Pool.OwnedBytes)
+					require.Positive(t, st.Pool.FullPool)
 				})
 			}
 		}
@@ -364,7 +364,7 @@ func TestGrowthCloseAtEachStage(t *testing.T) {
 				close(release)
 				require.NoError(t, <-closed)
 				require.ErrorIs(t, e.WaitGrown(context.Background()), ErrClosed)
-				require.Zero(t, e.Stats().OwnedBytes)
+				require.Zero(t, e.Stats().Pool.OwnedBytes)
 			})
 		}
 	}
@@ -428,16 +428,16 @@ func TestGrowthFailureAtEachStage(t *testing.T) {
 					require.ErrorIs(t, err, errInjected)
 				}
 				st := e.Stats()
-				require.Equal(t, 2, st.Regions)
-				require.Equal(t, 16*growSlot, st.OwnedBytes)
-				require.Equal(t, int64(16), st.SlotsTotal)
-				require.Contains(t, st.GrowthError, c.want)
-				require.Zero(t, st.FullPool)
+				require.Equal(t, 2, st.Pool.Regions)
+				require.Equal(t, 16*growSlot, st.Pool.OwnedBytes)
+				require.Equal(t, int64(16), st.Pool.SlotsTotal)
+				require.Contains(t, st.Pool.GrowthError, c.want)
+				require.Zero(t, st.Pool.FullPool)
 				require.Nil(t, rg.region(2).Bytes(), "the failed region is unmapped")
 				if r := rg.region(3); r != nil {
 					require.Nil(t, r.Bytes(), "the region after it is unmapped")
 				}
-				require.Equal(t, int64(2), st.PinCalls-st.UnpinCalls, "pinned now: the two regions that joined")
+				require.Equal(t, int64(2), st.Pool.PinCalls-st.Pool.UnpinCalls, "pinned now: the two regions that joined")
 				if rg.d != nil {
 					require.Equal(t, 2, rg.d.Live().Registrations, "only the regions that joined stay registered")
 					storeOverwriteLoad(t, e, rg.g, 4, 61)
@@ -448,7 +448,7 @@ func TestGrowthFailureAtEachStage(t *testing.T) {
 }
 
 // TestGrowthCalibration: the copy methods are calibrated after the whole
-// pool has joined (Stats.FullPool stamped) and before WaitGrown returns;
+// pool has joined (Stats.Pool.FullPool stamped) and before WaitGrown returns;
 // when growth is paused first, they are calibrated during the pause, once.
 func TestGrowthCalibration(t *testing.T) {
 	for _, pause := range []bool{false, true} {
@@ -480,7 +480,7 @@ func TestGrowthCalibration(t *testing.T) {
 			require.NoError(t, err)
 			defer rg.close()
 			e := rg.e
-			require.Empty(t, e.Stats().CopyCalibration, "not calibrated when New returns")
+			require.Empty(t, e.Stats().Copies.Calibration, "not calibrated when New returns")
 			mu.Lock()
 			eng = e
 			mu.Unlock()
@@ -489,13 +489,13 @@ func TestGrowthCalibration(t *testing.T) {
 			}
 			m.hit("started")
 			if pause {
-				require.Eventually(t, func() bool { return e.Stats().CopyCalibration != "" }, time.Minute, time.Millisecond)
-				require.Less(t, e.Stats().Regions, 4)
+				require.Eventually(t, func() bool { return e.Stats().Copies.Calibration != "" }, time.Minute, time.Millisecond)
+				require.Less(t, e.Stats().Pool.Regions, 4)
 				e.ResumeGrowth()
 			}
 			require.NoError(t, e.WaitGrown(context.Background()))
 			st := e.Stats()
-			require.Contains(t, st.CopyCalibration, "calibrated in")
+			require.Contains(t, st.Copies.Calibration, "calibrated in")
 			mu.Lock()
 			defer mu.Unlock()
 			require.Len(t, fullAtCalibration, 1, "calibrated once")
@@ -525,6 +525,6 @@ func TestGrowthPausedAfterLastRegion(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	require.NoError(t, e.WaitGrown(ctx), "WaitGrown held by a pause with nothing left to grow")
-	require.Equal(t, 4, e.Stats().Regions)
+	require.Equal(t, 4, e.Stats().Pool.Regions)
 	require.NoError(t, e.Close())
 }

@@ -10,19 +10,10 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Prefetch brings the blocks of keys (a chain, as Store takes it) that the
-// host pool lacks into it from the lower tiers: from disk (Config.Disk)
-// what is there, then from the cluster (Config.Cluster) the rest, waiting
-// until opts.Timeout or ctx's deadline (PrefetchOptions). Found blocks are
-// read into freshly reserved host slots and made ready, so later Lookups
-// (and Loads) see them; what is not found, fails a check, or arrives late
-// is a miss and its slot is released: a lower tier never puts wrong bytes
-// in the pool. A cluster tier not connected (yet) is not asked: its keys
-// are counted in Stats.ClusterUnavailable. A timeout gives a partial
-// result, not an error; errors are for bad arguments and a closed engine.
-// Prefetch leases nothing: a promoted block may be evicted again before it
-// is loaded. With PrefetchBestEffort it returns at once and promotes in
-// the background.
+// Prefetch promotes the blocks of keys the pool lacks from the disk tier,
+// then the cluster tier, until opts.Timeout or ctx's deadline; what is
+// missing, damaged or late is a miss (a timeout is not an error). It
+// leases nothing. With PrefetchBestEffort it returns at once.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err

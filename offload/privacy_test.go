@@ -132,7 +132,7 @@ func TestZeroOnRelease(t *testing.T) {
 				op, err := e.Store(ctx, []Key{testKey(i)}, []int{i - 4}, StoreOptions{})
 				require.NoError(t, err)
 				require.NoError(t, op.Wait(ctx))
-				require.Equal(t, 1, op.Count(OutcomeStored))
+				require.Equal(t, 1, op.count(OutcomeStored))
 			}
 			present := 0
 			for i := 2; i < 7; i++ {
@@ -148,9 +148,9 @@ func TestZeroOnRelease(t *testing.T) {
 			}
 			require.Equal(t, 4, present, "one of keys 2..6 was evicted")
 			if zero {
-				require.Equal(t, int64(3), e.Stats().ZeroedSlots, "two deletes and one eviction")
+				require.Equal(t, int64(3), e.Stats().Pool.ZeroedSlots, "two deletes and one eviction")
 			} else {
-				require.Zero(t, e.Stats().ZeroedSlots)
+				require.Zero(t, e.Stats().Pool.ZeroedSlots)
 			}
 		})
 	}
@@ -250,7 +250,7 @@ func BenchmarkZeroOnReleaseContention(b *testing.B) {
 					}
 				}
 			}()
-			zeroedBefore := e.Stats().ZeroedSlots
+			zeroedBefore := e.Stats().Pool.ZeroedSlots
 			var total, worst time.Duration
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
@@ -268,7 +268,7 @@ func BenchmarkZeroOnReleaseContention(b *testing.B) {
 			require.NoError(b, <-churned)
 			b.ReportMetric(float64(total.Nanoseconds())/float64(b.N), "ns/lookup")
 			b.ReportMetric(float64(worst.Nanoseconds()), "worst-ns/lookup")
-			b.ReportMetric(float64(e.Stats().ZeroedSlots-zeroedBefore)/float64(b.N), "zeroed/lookup")
+			b.ReportMetric(float64(e.Stats().Pool.ZeroedSlots-zeroedBefore)/float64(b.N), "zeroed/lookup")
 		})
 	}
 }

@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
+
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // TestEngineProperties runs random sequences of stores, loads (with and
@@ -118,7 +120,7 @@ func TestEngineProperties(t *testing.T) {
 				}
 			},
 			"trim": func(rt *rapid.T) {
-				if e.Stats().Regions <= 1 {
+				if e.Stats().Pool.Regions <= 1 {
 					rt.Skip("keep one region")
 				}
 				res, err := e.Trim(ctx, 1)
@@ -141,11 +143,11 @@ func TestEngineProperties(t *testing.T) {
 			require.NoError(rt, l.Release())
 		}
 		st := e.Stats()
-		require.Equal(rt, st.OwnedBytes, st.SlotsTotal*slot)
-		require.LessOrEqual(rt, st.InUseBytes, int64(24)*slot)
+		require.Equal(rt, st.Pool.OwnedBytes, st.Pool.SlotsTotal*slot)
+		require.LessOrEqual(rt, st.Pool.InUseBytes, int64(24)*slot)
 		require.Equal(rt, ta.outcomes, st.Outcomes)
-		require.Equal(rt, ta.ops[OpStore], st.Store.Ops)
-		require.Equal(rt, ta.ops[OpLoad], st.Load.Ops)
+		require.Equal(rt, ta.ops[transfer.Store], st.Copies.Store.Ops)
+		require.Equal(rt, ta.ops[transfer.Load], st.Copies.Load.Ops)
 		require.Equal(rt, ta.outcomes[OutcomeLoaded], ta.loaded)
 	})
 }

@@ -8,21 +8,10 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// RankView is one tensor-parallel rank's view of an engine (Engine.Rank):
-// its own GPU tensors and head range over the engine's pool, index,
-// policy, tiers, copy streams and scheduler. Stores and loads through it
-// copy that rank's heads only; a block stored by ranges becomes visible
-// once the ranks together stored every one of the model's heads, and any
-// rank view of any TP size (or the engine itself) loads its own heads from
-// it. A view lives as long as its engine: after Close its calls return
-// ErrClosed. Safe for concurrent use.
-//
-// Ranks in one process share the engine this way. On CUDA the view's
-// copies run on the engine's device and streams: its tensors must be
-// memory that device reaches (its own; a peer GPU's with peer access
-// enabled is untested). Ranks in separate
-// processes cannot share one index: each process's engine has its own
-// (the node pool's shared memory is a separate design, not this type's).
+// RankView is another tensor-parallel rank's view of an engine
+// (Engine.Rank): its tensors and heads over the engine's pool, index and
+// copy streams. A block stored by head ranges becomes visible once every
+// head is stored; any view (or the engine) loads its own heads from it.
 type RankView struct {
 	eng    *Engine
 	layout *kvcache.Layout
@@ -36,18 +25,10 @@ type rankViews struct {
 	dense []uint64
 }
 
-// Rank returns a view of the engine for another tensor-parallel rank
-// whose GPU tensors layout describes (tensors of the same model, in the
-// engine's device memory). layout must agree with the engine's
-// Config.Layout on everything but the tensors' addresses, the rank's
-// heads (HeadFirst, KVHeads) and Order: the same kind, layers, model's
-// KV heads, head dim, dtype, tokens per block and block count, and a
-// declared Order on both (a slot of undeclared order holds one rank's
-// device bytes: nothing to share). On the host backend a layout without
-// tensors is allocated in the simulated device, as New does. The view's
-// tensors are added to the copy layer's known device memory (and on CUDA
-// checked like New's); errors wrap ErrInvalidConfig and name the field,
-// the value and the engine's.
+// Rank returns a view for the rank whose tensors layout describes: the
+// engine's Config.Layout but for the addresses, HeadFirst, KVHeads and
+// Order (declared on both). On the host backend a layout without tensors
+// is allocated in the simulated device.
 func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 	if !e.enter() {
 		return nil, fmt.Errorf("%w: Rank after Close", ErrClosed)
@@ -120,20 +101,13 @@ func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 	return &RankView{eng: e, layout: l, spec: layout}, nil
 }
 
-// Engine returns the engine the view belongs to.
-func (v *RankView) Engine() *Engine { return v.eng }
-
-// Layout returns the view's layout (with the tensors Rank allocated, on
+// layoutSpec returns the view's layout (with the tensors Rank allocated, on
 // the host backend, for a layout given without them).
-func (v *RankView) Layout() LayoutSpec { return v.spec }
+func (v *RankView) layoutSpec() LayoutSpec { return v.spec }
 
-// Store is Engine.Store for the view's rank: it copies the rank's heads of
-// the GPU blocks blockIDs[i] into the slots of keys[i]. The first rank to
-// store a key reserves its slot; another rank's heads are a write into the
-// same slot (OutcomeStored), not OutcomeAlreadyPresent; heads some rank
-// stored already are OutcomeAlreadyPresent. A block becomes visible to
-// Lookup and Load when every head is stored (Config.PartialTimeout
-// reclaims one whose ranks never finish).
+// Store is Engine.Store of the rank's heads. Another rank's heads of a
+// reserved block are OutcomeStored; heads stored already,
+// OutcomeAlreadyPresent.
 func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
 	e := v.eng
 	if err := e.checkOpen("Store"); err != nil {
@@ -145,8 +119,7 @@ func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts S
 	return e.store(ctx, v.layout, keys, blockIDs, opts)
 }
 
-// Load is Engine.Load for the view's rank: it copies the rank's heads of
-// the blocks of keys into the GPU blocks blockIDs[i].
+// Load is Engine.Load of the rank's heads.
 func (v *RankView) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (*Op, error) {
 	e := v.eng
 	if err := e.checkOpen("Load"); err != nil {
@@ -158,9 +131,7 @@ func (v *RankView) Load(ctx context.Context, keys []Key, blockIDs []int, opts Lo
 	return e.load(ctx, v.layout, keys, blockIDs, opts)
 }
 
-// Lookup is Engine.Lookup (the index is the engine's, the same for every
-// rank); a lease it returns may be passed to the view's or the engine's
-// Load.
+// Lookup is Engine.Lookup.
 func (v *RankView) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return v.eng.Lookup(keys, opts)
 }

@@ -35,9 +35,9 @@ func TestReleaseDoesNotWait(t *testing.T) {
 		open()
 		t.Fatal("Release waited for the op's copies")
 	}
-	require.Zero(t, e.Stats().Store.Ops, "the copies are still held by the gate")
+	require.Zero(t, e.Stats().Copies.Store.Ops, "the copies are still held by the gate")
 	open()
-	require.Eventually(t, func() bool { return e.Stats().Store.Ops == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return e.Stats().Copies.Store.Ops == 1 }, 10*time.Second, time.Millisecond)
 	require.ErrorIs(t, op.Release(), ErrReleased)
 	require.NoError(t, e.Close())
 	require.Equal(t, int64(2), e.Stats().Outcomes[OutcomeStored], "the released op's blocks were still stored")
@@ -93,13 +93,13 @@ func TestTeardownErrorsReported(t *testing.T) {
 			if !permanent {
 				require.NoError(t, err, "the retry unpinned the region")
 				require.Zero(t, d.Live().Registrations, "nothing stays pinned")
-				require.Zero(t, st.TeardownErrors)
+				require.Zero(t, st.Pool.TeardownErrors)
 				return
 			}
 			require.ErrorContains(t, err, "unpinning a region of 65536 bytes")
 			require.ErrorContains(t, err, "CUDA_ERROR_INVALID_VALUE")
-			require.Equal(t, int64(1), st.TeardownErrors)
-			require.Contains(t, st.TeardownError, "unpinning")
+			require.Equal(t, int64(1), st.Pool.TeardownErrors)
+			require.Contains(t, st.Pool.TeardownError, "unpinning")
 		})
 	}
 }

@@ -1,25 +1,49 @@
 package offload
 
 import (
+	"fmt"
+
 	"github.com/kvoffload/kvoffload/internal/cudadev"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
-	"github.com/kvoffload/kvoffload/offload/internal/simhook"
 )
 
-// The hooks of package hostsim (see offload/internal/simhook).
-func init() {
-	simhook.NewEngine = func(cfg any, sim *cudadev.Sim, diskFaults func(disk.FaultOp, string) error) (any, error) {
-		return newEngine(cfg.(Config), engineHooks{sim: sim, diskFaults: diskFaults})
+// withSeam takes the host device and disk faults of cfg (package
+// hostsim's seam) into h, where the tests' hooks have not set them.
+func (h engineHooks) withSeam(cfg Config) (engineHooks, error) {
+	if h.sim == nil && cfg.HostDevice != nil {
+		sim, ok := cfg.HostDevice.(*cudadev.Sim)
+		if !ok {
+			return h, fmt.Errorf("%w: HostDevice is a %T, not a hostsim GPU's device", ErrInvalidConfig, cfg.HostDevice)
+		}
+		h.sim = sim
 	}
-	simhook.Sim = func(eng any) *cudadev.Sim { return eng.(*Engine).sim }
-	simhook.Violations = func(eng any) []error { return eng.(*Engine).invariantViolations() }
+	if h.diskFaults == nil && cfg.DiskFaults != nil {
+		faults := cfg.DiskFaults
+		h.diskFaults = func(op disk.FaultOp, dir string) error { return faults(faultOpName(op), dir) }
+	}
+	return h, nil
 }
 
-// invariantViolations returns the gating violations recorded so far: a copy
-// whose host range was not live, or was released and reused while it ran.
-// Only builds with invariants on (-race, or -tags kvoinvariants) check
-// them; other builds return nil. Any violation is a bug in the engine.
-func (e *Engine) invariantViolations() []error {
+// faultOpName is Config.DiskFaults's name of a tier/disk fault op.
+func faultOpName(op disk.FaultOp) string {
+	switch op {
+	case disk.FaultOpen:
+		return "open"
+	case disk.FaultOpenDirect:
+		return "open-direct"
+	case disk.FaultWrite:
+		return "write"
+	case disk.FaultRead:
+		return "read"
+	case disk.FaultFallocate:
+		return "fallocate"
+	}
+	return fmt.Sprintf("op(%d)", uint8(op))
+}
+
+// InvariantViolations returns the copy-gating violations recorded in
+// builds with invariants on (-race, -tags kvoinvariants); any is a bug.
+func (e *Engine) InvariantViolations() []error {
 	if e.tracker == nil {
 		return nil
 	}

@@ -109,7 +109,7 @@ func TestHostSystemReads(t *testing.T) {
 }
 
 // TestGrowthRechecksMemory: growth re-reads the machine's memory before
-// each region and stops (Stats.GrowthError) when the region plus the
+// each region and stops (Stats.Pool.GrowthError) when the region plus the
 // headroom no longer fits (other ranks pinned meanwhile), keeping what it
 // has; New's check of the whole pool passed when it ran.
 func TestGrowthRechecksMemory(t *testing.T) {
@@ -123,13 +123,13 @@ func TestGrowthRechecksMemory(t *testing.T) {
 		return nil
 	}}
 	e, err := newEngine(Config{PoolBytes: 32 * slot, FirstRegionBytes: 8 * slot, RegionBytes: 8 * slot, StagingBytes: -1,
-		MemoryHeadroomBytes: 32 << 10, NUMANode: NUMANone, Layout: smallLayout(8), Backend: BackendHost}, hooks)
+		MemoryHeadroomBytes: 32 << 10, NUMANode: numaNone, Layout: smallLayout(8), Backend: BackendHost}, hooks)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, e.Close()) }()
 	err = e.WaitGrown(context.Background())
 	require.ErrorIs(t, err, ErrInsufficientMemory)
 	require.ErrorContains(t, err, "growth stopped before a region of 65536 bytes (with 32768 bytes of headroom kept)")
 	st := e.Stats()
-	require.Equal(t, 16*slot, st.OwnedBytes, "regions 0 and 1 kept")
-	require.Contains(t, st.GrowthError, "MemAvailable")
+	require.Equal(t, 16*slot, st.Pool.OwnedBytes, "regions 0 and 1 kept")
+	require.Contains(t, st.Pool.GrowthError, "MemAvailable")
 }

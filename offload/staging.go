@@ -2,10 +2,8 @@ package offload
 
 import "fmt"
 
-// Staging is a pinned host buffer at a fixed address for the engine's
-// lifetime, carved from the reserved staging region that Trim never touches
-// (for values a captured CUDA graph copies to or from the host). Its memory
-// is valid until Close.
+// Staging is a pinned host buffer at an address fixed until Close (for
+// values a captured CUDA graph copies), never trimmed.
 type Staging struct {
 	name string
 	addr uintptr
@@ -14,27 +12,22 @@ type Staging struct {
 	buf  []byte
 }
 
-// Name is the name given to Engine.Staging.
-func (s *Staging) Name() string { return s.name }
-
-// Len is the buffer's size in bytes, exactly as asked.
-func (s *Staging) Len() int64 { return s.size }
+// length is the buffer's size in bytes, exactly as asked.
+func (s *Staging) length() int64 { return s.size }
 
 // Addr is the buffer's host address.
 func (s *Staging) Addr() uintptr { return s.addr }
 
-// DevicePtr is the address a kernel or copy uses for the buffer (the
-// registered host pointer on CUDA; equal to Addr on the host backend).
+// DevicePtr is the address kernels and copies use (Addr on the host
+// backend).
 func (s *Staging) DevicePtr() uint64 { return s.dev }
 
 // Bytes is the buffer's memory. It must not be used after Close.
 func (s *Staging) Bytes() []byte { return s.buf }
 
-// Staging returns the staging buffer called name, of exactly bytes bytes,
-// at an address fixed until Close. Asking again for the same name and size
-// returns the same buffer; a different size is an error. When the reserved
-// staging region (Config.StagingBytes) has no room left it returns
-// ErrInsufficientMemory.
+// Staging returns the buffer called name, of exactly bytes bytes (the
+// same one when asked again; another size is an error), from the staging
+// region (ErrInsufficientMemory when full).
 func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
 	if err := e.checkOpen("Staging"); err != nil {
 		return nil, err

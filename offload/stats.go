@@ -6,227 +6,155 @@ import (
 	"time"
 )
 
-// Stats is a snapshot of the engine's counters, in the spirit of
-// torch.cuda.host_memory_stats plus what an offload engine needs. Reading it
-// is cheap (atomic loads, no lock held across the engine) and safe from any
-// goroutine. Counters are monotonic since New; gauges (Bytes*, Slots*,
-// Blocks*) are the state at the time of the call. The snapshot is not
-// atomic as a whole: a counter read early may lag one read later by the
-// ops completing in between.
+// Stats is a snapshot of the engine's counters (monotonic since New) and
+// gauges (now), not atomic as a whole. In JSON each group is an object.
 type Stats struct {
-	Backend Backend `json:"backend"`
+	Backend                    Backend            `json:"backend"`
+	Lookups                    int64              `json:"lookups"`                      // Lookup calls
+	LookupKeys                 int64              `json:"lookup_keys"`                  // keys asked about
+	Hits                       int64              `json:"hits"`                         // keys found in the longest prefix
+	Misses                     int64              `json:"misses"`                       // LookupKeys - Hits
+	Outcomes                   [numOutcomes]int64 `json:"outcomes"`                     // blocks of every op by outcome
+	Evictions                  int64              `json:"evictions"`                    // blocks evicted (policy, Trim)
+	Deletes                    int64              `json:"deletes"`                      // blocks removed by Delete or Clear
+	AdmissionRejections        int64              `json:"admission_rejections"`         // keys the policy declined
+	Orphans                    int64              `json:"orphans"`                      // blocks evicted while a descendant stayed
+	Partial                    int64              `json:"partial"`                      // head-range blocks still missing heads
+	PartialExpired             int64              `json:"partial_expired"`              // reclaimed after Config.PartialTimeout
+	StoreJoined                int64              `json:"store_joined"`                 // head-range stores into another rank's block
+	PrefetchBackground         int64              `json:"prefetch_background"`          // PrefetchBestEffort calls run in the background
+	PrefetchRefused            int64              `json:"prefetch_refused"`             // refused: too many running
+	PrefetchBackgroundPromoted int64              `json:"prefetch_background_promoted"` // blocks they made ready
+	Pool                       PoolStats          `json:"pool"`
+	Copies                     CopyStats          `json:"copies"`
+	Disk                       DiskStats          `json:"disk"`    // all 0 without Config.Disk
+	Cluster                    ClusterStats       `json:"cluster"` // all 0 without Config.Cluster
+	Node                       NodeStats          `json:"node"`    // all 0 for an engine of New
+}
 
-	// Memory (bytes).
-	PoolBytes     int64 `json:"pool_bytes"`      // configured pool size
-	OwnedBytes    int64 `json:"owned_bytes"`     // mapped and pinned now (slots' regions)
-	InUseBytes    int64 `json:"in_use_bytes"`    // slots holding a block (writing, ready, leased, releasing)
-	InFlightBytes int64 `json:"in_flight_bytes"` // being copied, both directions
-	StagingBytes  int64 `json:"staging_bytes"`   // the reserved staging region
-	StagingUsed   int64 `json:"staging_used"`    // handed out by Staging
-
-	// NodeConnections is, for an engine of Dial, the connections to its
-	// node made so far: 1 after Dial, one more each time the engine
-	// reconnected to a node that went away and came back (a node
-	// restart). 0 for an engine of New.
-	NodeConnections int64 `json:"node_connections,omitempty"`
-
-	// Regions and pinning.
-	Regions      int           `json:"regions"`       // regions pinned now
-	RegionsTotal int           `json:"regions_total"` // regions the pool is planned in
-	PinCalls     int64         `json:"pin_calls"`     // register/mlock calls
-	UnpinCalls   int64         `json:"unpin_calls"`   // unregister/munlock calls
-	PinTime      time.Duration `json:"pin_time_ns"`   // time spent mapping, prefaulting and pinning, summed over regions (overlapping in background growth)
-	UnpinTime    time.Duration `json:"unpin_time_ns"` // time spent unpinning and unmapping
-	FirstSlot    time.Duration `json:"first_slot_ns"` // New called → first slot usable
-	FullPool     time.Duration `json:"full_pool_ns"`  // New called → every region pinned (0 until then)
-	GrowthPaused bool          `json:"growth_paused"` // PauseGrowth in effect
-	// GrowthTargetBytes is the pool size growth aims at: PoolBytes (or
-	// MaxCachedBytes when smaller), lowered by Trim, raised by GrowTo.
-	GrowthTargetBytes int64 `json:"growth_target_bytes"`
-	// Growth splits the time spent adding the pool's regions (the first,
-	// pinned by New, included; the staging region not) by step.
-	Growth      GrowthSteps `json:"growth"`
-	GrowthError string      `json:"growth_error"` // why background growth stopped early, if it did
-	// TeardownErrors counts regions whose release (unpin, munlock, unmap)
-	// failed, on every path (Trim, growth rollback, Close, which also
-	// returns them); TeardownError is the last such error. A region whose
-	// unpin failed twice stays mapped rather than be unmapped while pinned.
-	TeardownErrors int64  `json:"teardown_errors"`
-	TeardownError  string `json:"teardown_error,omitempty"`
-	Trims          int64  `json:"trims"`         // Trim calls
-	TrimmedBytes   int64  `json:"trimmed_bytes"` // bytes given back by Trim
-	SlotsTotal     int64  `json:"slots_total"`   // slots in pinned regions
-	SlotsFree      int64  `json:"slots_free"`    // free slots
-	BlocksReady    int64  `json:"blocks_ready"`  // ready or leased blocks
-	BlocksLeased   int64  `json:"blocks_leased"` // blocks with readers (Lookup leases, loads, write-throughs to the cluster not yet copied)
-	BlockBytes     int64  `json:"block_bytes"`   // bytes of one block (one slot)
-	// CopyCalibration says how the CUDA copy method is chosen: "" on the
-	// host backend and until the background calibration is done (the
-	// copier uses its uncalibrated rule meanwhile), then "calibrated in
-	// ..." or the reason the uncalibrated rule stays. The growth thread
-	// calibrates once growth has ended (before WaitGrown returns), where no
-	// prefault competes for the CPUs, or earlier while growth is paused.
-	CopyCalibration string `json:"copy_calibration,omitempty"`
-	// BounceCopies counts the CUDA copy batches (one per store or load
-	// batch the engine submits, not per block) of whole blocks bounced
-	// through device chunks so that the DMA engines move them (stores
-	// gathered on the device before one DMA per block, loads scattered
-	// after it; see cudadev.CUDA); 0 on the host backend.
-	BounceCopies int64 `json:"bounce_copies"`
-	// PitchedCopies counts the pitched DMAs (one per device staging chunk)
-	// of bounced copies whose host runs were rows of one length at one
-	// pitch: a layer of consecutive slots in a per-layer load; 0 on the
-	// host backend.
-	PitchedCopies int64 `json:"pitched_copies"`
-	// CopyBudgetWaits counts the times a copy waited for an earlier
-	// batch's copies to finish so that its device memory (descriptor
-	// tables, staging chunks; Config.MaxDeviceBytes) could be reused; 0 on
-	// the host backend.
-	CopyBudgetWaits int64 `json:"copy_budget_waits"`
-	// DeviceBytes is the GPU memory the copy layer has allocated now
-	// (descriptor tables, bounce chunks, the calibration buffer while it
-	// runs), never above MaxDeviceBytes, the bound in force
-	// (Config.MaxDeviceBytes or its default); both 0 on the host backend.
-	DeviceBytes    int64 `json:"device_bytes"`
-	MaxDeviceBytes int64 `json:"max_device_bytes"`
-
-	// Lookups.
-	Lookups    int64 `json:"lookups"`     // Lookup calls
-	LookupKeys int64 `json:"lookup_keys"` // keys asked about
-	Hits       int64 `json:"hits"`        // keys found in the longest prefix
-	Misses     int64 `json:"misses"`      // LookupKeys - Hits
-
-	// Outcomes by kind, over every op (Outcomes[OutcomeStored], ...).
-	Outcomes [numOutcomes]int64 `json:"outcomes"`
-
-	// Policy.
-	Evictions           int64 `json:"evictions"`            // blocks evicted (policy, Trim, auto-trim)
-	Deletes             int64 `json:"deletes"`              // blocks removed by Delete or Clear
-	AdmissionRejections int64 `json:"admission_rejections"` // keys the policy declined
-	Orphans             int64 `json:"orphans"`              // blocks evicted while a descendant stayed
-	ZeroedSlots         int64 `json:"zeroed_slots"`         // slots zeroed on release (Config.ZeroOnRelease)
-
-	// Tensor-parallel ranks storing head ranges (Layout.ModelKVHeads,
-	// Engine.Rank).
-	Partial        int64 `json:"partial"`         // blocks stored by head ranges still missing heads (never visible)
-	PartialExpired int64 `json:"partial_expired"` // such blocks reclaimed after Config.PartialTimeout (a rank died or failed)
-	StoreJoined    int64 `json:"store_joined"`    // head-range stores granted into a block another rank's store had reserved
-
-	// The disk tier (Config.Disk); all 0 without one. An engine of Dial
-	// whose node has a disk tier counts DiskLookupHits, DiskHits and
-	// DiskMisses of its own calls (the node promotes).
-	DiskLookupHits int64 `json:"disk_lookup_hits"` // keys Lookup found on disk after the host prefix (LookupResult.DiskHits)
-	DiskHits       int64 `json:"disk_hits"`        // blocks Load read from disk into host slots (promoted)
-	// DiskHitsWriting are the DiskHits (and Prefetch promotions) copied
-	// from a block still being written to disk (its demoting slot, or its
-	// copy) rather than read from its record: an evicted block is readable
-	// from the moment its write-back is accepted.
-	DiskHitsWriting int64 `json:"disk_hits_writing"`
-	DiskMisses      int64 `json:"disk_misses"`       // blocks Load found indexed on disk whose read missed (vanished, damaged, I/O error): reported missing
-	DiskWrites      int64 `json:"disk_writes"`       // evicted blocks written back to disk
-	DiskWriteErrors int64 `json:"disk_write_errors"` // write-backs the store refused or failed (full, I/O error)
-	DiskDropped     int64 `json:"disk_dropped"`      // admitted evictions not written back: DiskConfig.WriteBackBytes of write-backs were in flight
-	DiskCopies      int64 `json:"disk_copies"`       // write-backs copied out of the pool first (a store needed the slot at once); the others go to disk from the slot
-	DiskNotAdmitted int64 `json:"disk_not_admitted"` // evictions the admission filter kept off disk (key seen once)
-	// DiskWriteThroughs are the stored blocks copied for a write-through
-	// (DiskConfig.WriteThrough); each then counts in DiskWrites or
-	// DiskWriteErrors like a write-back.
-	DiskWriteThroughs int64 `json:"disk_write_throughs"`
-	// DiskWrittenAtClose are the pool's blocks Close wrote to disk
-	// (DiskConfig.WriteBackOnClose); not counted in DiskWrites.
-	DiskWrittenAtClose int64  `json:"disk_written_at_close"`
-	DiskCorrupt        int64  `json:"disk_corrupt"`        // records that failed a check when read (the store's count; each also a miss)
-	DiskRecords        int64  `json:"disk_records"`        // records on disk now
-	DiskBytes          int64  `json:"disk_bytes"`          // their payload bytes
-	DiskCapacity       int64  `json:"disk_capacity"`       // records the disk tier can hold
-	DiskMode           string `json:"disk_mode,omitempty"` // "direct", "buffered" or "mixed" (O_DIRECT in effect); "off" with DiskError
-	// DiskError is why the configured disk tier is off: New found no
-	// directory of Disk.Dirs usable (each one's error); the engine serves
-	// from host memory, every directory counts in DiskUnusableDirs.
-	DiskError string `json:"disk_error,omitempty"`
-	// DiskUnusableError is why the directories counted in
-	// DiskUnusableDirs were left out at New, each one's error, with the
-	// tier on (the other directories serving) or off (then DiskError
-	// says it too); "" when every directory is in use.
-	DiskUnusableError string `json:"disk_unusable_error,omitempty"`
-	// What the disk tier found at start and met since (tier/disk.Stats):
-	// records it discarded at New (torn: a damaged header or a payload cut
-	// off; stale: another format, fingerprint or size, or a second copy of
-	// a key), failed reads and writes (NoSpace: those that were ENOSPC or
-	// EDQUOT), records it evicted for room, and its directories: used,
-	// with O_DIRECT in effect, read-only (serving, taking nothing new),
-	// and left out at New (unusable).
-	DiskTornAtOpen   int64 `json:"disk_torn_at_open"`
-	DiskStaleAtOpen  int64 `json:"disk_stale_at_open"`
-	DiskIOErrors     int64 `json:"disk_io_errors"`
-	DiskNoSpace      int64 `json:"disk_no_space"`
-	DiskEvictions    int64 `json:"disk_evictions"`
-	DiskDirs         int   `json:"disk_dirs"`
-	DiskDirectDirs   int   `json:"disk_direct_dirs"`
-	DiskReadOnlyDirs int   `json:"disk_read_only_dirs"`
-	DiskUnusableDirs int   `json:"disk_unusable_dirs"`
-
-	// Prefetch with PrefetchBestEffort: calls started in the background,
-	// calls refused (MaxBackgroundPrefetches were running), and the
-	// blocks the background promotions made ready.
-	PrefetchBackground         int64 `json:"prefetch_background"`
-	PrefetchRefused            int64 `json:"prefetch_refused"`
-	PrefetchBackgroundPromoted int64 `json:"prefetch_background_promoted"`
-
-	// The cluster tier (Config.Cluster); all 0 without one.
-	ClusterConfigured  bool  `json:"cluster_configured"`   // the engine has a cluster tier
-	ClusterWrites      int64 `json:"cluster_writes"`       // blocks written through that the cluster stored
-	ClusterWriteBytes  int64 `json:"cluster_write_bytes"`  // their bytes
-	ClusterWriteErrors int64 `json:"cluster_write_errors"` // write-throughs the cluster failed (a node down, a timeout, OOM)
-	// ClusterWriteOOM are the ClusterWriteErrors a node refused for want
-	// of memory (maxmemory with noeviction: a full cluster; configure it
-	// with an LRU or LFU eviction policy).
-	ClusterWriteOOM int64 `json:"cluster_write_oom"`
-	ClusterDropped  int64 `json:"cluster_dropped"`   // write-throughs dropped: over ClusterConfig.MaxInFlightBytes
-	ClusterHits     int64 `json:"cluster_hits"`      // blocks Prefetch read from the cluster (verified)
-	ClusterHitBytes int64 `json:"cluster_hit_bytes"` // their bytes
-	// ClusterMisses are the blocks Prefetch asked the cluster for and did
-	// not get (absent, damaged, stale, late, errors); ClusterTimeouts,
-	// ClusterCorrupt (damaged or stale: another fingerprint or key) and
-	// ClusterErrors (a node down, refused) are some of them.
-	ClusterMisses   int64 `json:"cluster_misses"`
-	ClusterTimeouts int64 `json:"cluster_timeouts"`
-	ClusterCorrupt  int64 `json:"cluster_corrupt"`
-	ClusterErrors   int64 `json:"cluster_errors"`
-	// ClusterAvailable: the tier has connected (it connects in the
-	// background when the cluster did not answer at New). While it has
-	// not, write-throughs are not made and Prefetch does not ask it, each
-	// block counted in ClusterUnavailable, and ClusterError says why the
-	// last attempt failed.
-	ClusterAvailable   bool  `json:"cluster_available"`
-	ClusterUnavailable int64 `json:"cluster_unavailable"`
-	// ClusterUnavailableWrites are the write-throughs among them (the rest
-	// are Prefetch keys).
-	ClusterUnavailableWrites int64  `json:"cluster_unavailable_writes"`
-	ClusterError             string `json:"cluster_error,omitempty"`
-
-	// Per direction.
-	Store Direction `json:"store"`
-	Load  Direction `json:"load"`
+// PoolStats is the host pool: its memory, regions and their growth.
+type PoolStats struct {
+	Bytes             int64         `json:"bytes"`         // Config.PoolBytes
+	OwnedBytes        int64         `json:"owned_bytes"`   // mapped and pinned now
+	InUseBytes        int64         `json:"in_use_bytes"`  // slots holding a block
+	StagingBytes      int64         `json:"staging_bytes"` // the staging region
+	StagingUsed       int64         `json:"staging_used"`  // handed out by Staging
+	BlockBytes        int64         `json:"block_bytes"`   // one block (one slot)
+	SlotsTotal        int64         `json:"slots_total"`   // slots in pinned regions
+	SlotsFree         int64         `json:"slots_free"`
+	BlocksReady       int64         `json:"blocks_ready"`  // ready or leased blocks
+	BlocksLeased      int64         `json:"blocks_leased"` // blocks with readers (leases, loads, cluster write-throughs)
+	ZeroedSlots       int64         `json:"zeroed_slots"`  // zeroed on release (Config.ZeroOnRelease)
+	Regions           int           `json:"regions"`       // regions pinned now
+	RegionsTotal      int           `json:"regions_total"` // regions the pool is planned in
+	PinCalls          int64         `json:"pin_calls"`
+	UnpinCalls        int64         `json:"unpin_calls"`
+	PinTime           time.Duration `json:"pin_time_ns"`         // mapping, prefaulting and pinning, summed over regions
+	UnpinTime         time.Duration `json:"unpin_time_ns"`       // unpinning and unmapping
+	FirstSlot         time.Duration `json:"first_slot_ns"`       // New called → first slot usable
+	FullPool          time.Duration `json:"full_pool_ns"`        // New called → every region pinned (0 until then)
+	Growth            GrowthSteps   `json:"growth"`              // time adding regions, by step
+	GrowthPaused      bool          `json:"growth_paused"`       // PauseGrowth in effect
+	GrowthTargetBytes int64         `json:"growth_target_bytes"` // what growth aims at (Trim lowers it, GrowTo raises it)
+	GrowthError       string        `json:"growth_error"`        // why growth stopped early, if it did
+	Trims             int64         `json:"trims"`
+	TrimmedBytes      int64         `json:"trimmed_bytes"`
+	TeardownErrors    int64         `json:"teardown_errors"`          // regions whose unpin or unmap failed
+	TeardownError     string        `json:"teardown_error,omitempty"` // the last such error
 }
 
 // GrowthSteps is the time spent adding pool regions, summed over regions,
-// by step. Background growth runs the steps of neighbouring regions at the
-// same time (region i+1 is mapped and prefaulted while region i registers,
-// and region i-1 joins the cache meanwhile; see New), so the steps' sum may
-// exceed FullPool, which is the wall time: each step's own sum never does.
-// The first region (pinned by New) is included, the staging region not.
+// by step (steps of neighbouring regions overlap).
 type GrowthSteps struct {
-	Map        time.Duration `json:"map_ns"`         // mmap, advice and NUMA binding
-	Prefault   time.Duration `json:"prefault_ns"`    // prefault of whole regions before pinning: every region but New's first on CUDA (whose prefault is inside Pin), every region on the host backend
-	Pin        time.Duration `json:"pin_ns"`         // CUDA: registration (the first region: prefault and registration, pipelined by range); host: mlock and registration with the simulation
-	HostRanges time.Duration `json:"host_ranges_ns"` // the scheduler's AddHostRange per registration range, and the gating tracker
-	Cache      time.Duration `json:"cache_ns"`       // kvcache AddRegion: carving the region into free slots
+	Map        time.Duration `json:"map_ns"`         // mmap, advice, NUMA binding
+	Prefault   time.Duration `json:"prefault_ns"`    // touching pages before pinning
+	Pin        time.Duration `json:"pin_ns"`         // registration (CUDA) or mlock
+	HostRanges time.Duration `json:"host_ranges_ns"` // handing the ranges to the copy scheduler
+	Cache      time.Duration `json:"cache_ns"`       // carving the region into slots
 }
 
-// Sum is the time of all steps (more than the wall time where they
+// CopyStats is the copies between the GPU and the pool; the fields after
+// InFlightBytes are CUDA's.
+type CopyStats struct {
+	Store          DirectionStats `json:"store"` // device → host
+	Load           DirectionStats `json:"load"`  // host → device
+	InFlightBytes  int64          `json:"in_flight_bytes"`
+	Calibration    string         `json:"calibration,omitempty"` // how the copy method was chosen ("" until calibrated)
+	Bounced        int64          `json:"bounced"`               // CUDA copy batches bounced through device chunks
+	Pitched        int64          `json:"pitched"`               // pitched DMAs of bounced copies
+	BudgetWaits    int64          `json:"budget_waits"`          // copies that waited for device memory
+	DeviceBytes    int64          `json:"device_bytes"`          // the copy layer's GPU memory now
+	MaxDeviceBytes int64          `json:"max_device_bytes"`      // its bound in force
+}
+
+// DirectionStats counts the ops of one copy direction.
+type DirectionStats struct {
+	Ops     int64     `json:"ops"`     // ops finished
+	Blocks  int64     `json:"blocks"`  // blocks copied
+	Bytes   int64     `json:"bytes"`   // bytes copied
+	Latency Histogram `json:"latency"` // op latency, call → done
+}
+
+// DiskStats is the disk tier (an engine of Dial counts its own calls'
+// LookupHits, Hits and Misses on its node's tier).
+type DiskStats struct {
+	LookupHits     int64  `json:"lookup_hits"`      // keys Lookup found on disk (LookupResult.DiskHits)
+	Hits           int64  `json:"hits"`             // blocks promoted from disk into the pool
+	HitsWriting    int64  `json:"hits_writing"`     // Hits copied from a block still being written
+	Misses         int64  `json:"misses"`           // indexed blocks whose read missed (reported missing)
+	Writes         int64  `json:"writes"`           // evicted blocks written back
+	WriteErrors    int64  `json:"write_errors"`     // write-backs refused or failed
+	Dropped        int64  `json:"dropped"`          // not written: DiskConfig.WriteBackBytes in flight
+	Copies         int64  `json:"copies"`           // write-backs copied out of the pool first
+	NotAdmitted    int64  `json:"not_admitted"`     // evictions kept off disk (key seen once)
+	WriteThroughs  int64  `json:"write_throughs"`   // stored blocks written through (DiskConfig.WriteThrough)
+	WrittenAtClose int64  `json:"written_at_close"` // written by Close (DiskConfig.WriteBackOnClose)
+	Records        int64  `json:"records"`          // records now
+	Bytes          int64  `json:"bytes"`            // their payload bytes
+	Capacity       int64  `json:"capacity"`         // records the tier can hold
+	Mode           string `json:"mode,omitempty"`   // "direct", "buffered" or "mixed"; "off" with Error
+	Corrupt        int64  `json:"corrupt"`          // records that failed a check when read
+	TornAtOpen     int64  `json:"torn_at_open"`     // damaged records discarded at New
+	StaleAtOpen    int64  `json:"stale_at_open"`    // records of another format or layout discarded at New
+	IOErrors       int64  `json:"io_errors"`
+	NoSpace        int64  `json:"no_space"`                 // ENOSPC or EDQUOT
+	Evictions      int64  `json:"evictions"`                // records evicted for room
+	Dirs           int    `json:"dirs"`                     // directories in use
+	DirectDirs     int    `json:"direct_dirs"`              // of them with O_DIRECT
+	ReadOnlyDirs   int    `json:"read_only_dirs"`           // serving, taking nothing new
+	UnusableDirs   int    `json:"unusable_dirs"`            // left out at New
+	Error          string `json:"error,omitempty"`          // why the tier is off (no directory usable)
+	UnusableError  string `json:"unusable_error,omitempty"` // why UnusableDirs were left out
+}
+
+// ClusterStats is the cluster tier (Config.Cluster).
+type ClusterStats struct {
+	Configured        bool   `json:"configured"`
+	Writes            int64  `json:"writes"`       // blocks written through and stored
+	WriteBytes        int64  `json:"write_bytes"`  // their bytes
+	WriteErrors       int64  `json:"write_errors"` // write-throughs that failed
+	WriteOOM          int64  `json:"write_oom"`    // WriteErrors a full node refused (use an LRU or LFU maxmemory policy)
+	Dropped           int64  `json:"dropped"`      // over ClusterConfig.MaxInFlightBytes
+	Hits              int64  `json:"hits"`         // blocks Prefetch read (verified)
+	HitBytes          int64  `json:"hit_bytes"`
+	Misses            int64  `json:"misses"` // blocks Prefetch did not get, among them:
+	Timeouts          int64  `json:"timeouts"`
+	Corrupt           int64  `json:"corrupt"`
+	Errors            int64  `json:"errors"`
+	Available         bool   `json:"available"`          // connected; until then the tier retries in the background,
+	Unavailable       int64  `json:"unavailable"`        // write-throughs and Prefetch keys skipped meanwhile,
+	UnavailableWrites int64  `json:"unavailable_writes"` // the write-throughs among them,
+	Error             string `json:"error,omitempty"`    // and why it is not connected
+}
+
+// NodeStats is an engine of Dial's node connection.
+type NodeStats struct {
+	Connections int64 `json:"connections"` // 1 after Dial, +1 per reconnection to a restarted node
+}
+
+// sum is the time of all steps (more than the wall time where they
 // overlapped).
-func (g GrowthSteps) Sum() time.Duration { return g.Map + g.Prefault + g.Pin + g.HostRanges + g.Cache }
+func (g GrowthSteps) sum() time.Duration { return g.Map + g.Prefault + g.Pin + g.HostRanges + g.Cache }
 
 // growthSteps is the recording side of GrowthSteps.
 type growthSteps struct {
@@ -238,14 +166,6 @@ func (g *growthSteps) snapshot() GrowthSteps {
 		HostRanges: time.Duration(g.hostRangeNanos.Load()), Cache: time.Duration(g.cacheNanos.Load())}
 }
 
-// Direction counts one copy direction.
-type Direction struct {
-	Ops     int64     `json:"ops"`     // ops finished
-	Blocks  int64     `json:"blocks"`  // blocks copied
-	Bytes   int64     `json:"bytes"`   // bytes copied
-	Latency Histogram `json:"latency"` // op latency, call → done
-}
-
 // Outcome returns the count of outcome oc.
 func (s *Stats) Outcome(oc Outcome) int64 {
 	if oc >= numOutcomes {
@@ -254,30 +174,31 @@ func (s *Stats) Outcome(oc Outcome) int64 {
 	return s.Outcomes[oc]
 }
 
-// HistogramBuckets is the number of latency buckets: bucket i counts
+// histogramBuckets is the number of latency buckets: bucket i counts
 // latencies in [2^(i-1), 2^i) microseconds (bucket 0: below 1 µs, the last:
-// everything from 2^(HistogramBuckets-2) µs ≈ 9 minutes up).
-const HistogramBuckets = 30
+// everything from 2^(histogramBuckets-2) µs ≈ 9 minutes up).
+const histogramBuckets = 30
 
-// Histogram is a fixed log2-scale latency histogram.
+// Histogram is a log2-scale latency histogram: Counts[i] counts latencies
+// in [2^(i-1), 2^i) µs (Counts[0] below 1 µs; the last, all above).
 type Histogram struct {
-	Counts [HistogramBuckets]int64 `json:"counts"`
+	Counts [histogramBuckets]int64 `json:"counts"`
 	Count  int64                   `json:"count"`
 	Sum    time.Duration           `json:"sum_ns"`
 }
 
-// BucketUpper is the exclusive upper bound of bucket i (the last bucket has
+// bucketUpper is the exclusive upper bound of bucket i (the last bucket has
 // no bound and returns the largest duration).
-func BucketUpper(i int) time.Duration {
-	if i >= HistogramBuckets-1 {
+func bucketUpper(i int) time.Duration {
+	if i >= histogramBuckets-1 {
 		return time.Duration(1<<63 - 1)
 	}
 	return time.Duration(1<<uint(i)) * time.Microsecond
 }
 
-// Quantile returns an upper bound of the q-quantile (0 < q ≤ 1): the upper
+// quantile returns an upper bound of the q-quantile (0 < q ≤ 1): the upper
 // edge of the bucket holding it; 0 when the histogram is empty.
-func (h Histogram) Quantile(q float64) time.Duration {
+func (h Histogram) quantile(q float64) time.Duration {
 	if h.Count == 0 {
 		return 0
 	}
@@ -289,14 +210,14 @@ func (h Histogram) Quantile(q float64) time.Duration {
 	for i, c := range h.Counts {
 		seen += c
 		if seen >= target {
-			return BucketUpper(i)
+			return bucketUpper(i)
 		}
 	}
-	return BucketUpper(HistogramBuckets - 1)
+	return bucketUpper(histogramBuckets - 1)
 }
 
-// Mean is Sum/Count, 0 when empty.
-func (h Histogram) Mean() time.Duration {
+// mean is Sum/Count, 0 when empty.
+func (h Histogram) mean() time.Duration {
 	if h.Count == 0 {
 		return 0
 	}
@@ -305,7 +226,7 @@ func (h Histogram) Mean() time.Duration {
 
 // histogram is the lock-free recording side of Histogram.
 type histogram struct {
-	counts [HistogramBuckets]atomic.Int64
+	counts [histogramBuckets]atomic.Int64
 	count  atomic.Int64
 	sum    atomic.Int64
 }
@@ -315,7 +236,7 @@ func bucketOf(d time.Duration) int {
 	if us <= 0 {
 		return 0
 	}
-	return min(bits.Len64(uint64(us)), HistogramBuckets-1)
+	return min(bits.Len64(uint64(us)), histogramBuckets-1)
 }
 
 func (h *histogram) observe(d time.Duration) {
@@ -334,14 +255,14 @@ func (h *histogram) snapshot() Histogram {
 	return out
 }
 
-// direction is the recording side of Direction.
+// direction is the recording side of DirectionStats.
 type direction struct {
 	ops, blocks, bytes atomic.Int64
 	latency            histogram
 }
 
-func (d *direction) snapshot() Direction {
-	return Direction{Ops: d.ops.Load(), Blocks: d.blocks.Load(), Bytes: d.bytes.Load(), Latency: d.latency.snapshot()}
+func (d *direction) snapshot() DirectionStats {
+	return DirectionStats{Ops: d.ops.Load(), Blocks: d.blocks.Load(), Bytes: d.bytes.Load(), Latency: d.latency.snapshot()}
 }
 
 // counters are the engine's monotonic counters, updated with atomics.
@@ -358,7 +279,7 @@ type counters struct {
 	zeroed               atomic.Int64
 	diskLookupHits       atomic.Int64
 	// nodeDiskHits, nodeDiskMisses: a dialled engine's blocks its node
-	// promoted from disk for a Load, and those it could not (Stats.DiskHits,
+	// promoted from disk for a Load, and those it could not (Stats.Disk.Hits,
 	// DiskMisses where the engine has no tier of its own).
 	nodeDiskHits, nodeDiskMisses atomic.Int64
 	clusterUnavailable           atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
@@ -376,87 +297,87 @@ func (e *Engine) Stats() Stats { return e.snapshot() }
 
 func (e *Engine) snapshot() Stats {
 	c := &e.stats
-	s := Stats{Backend: e.backend, PoolBytes: e.cfg.PoolBytes, BlockBytes: e.slot,
-		PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
-		PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
-		FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
-		Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load(),
-		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(),
-		Deletes: c.deletes.Load(), ZeroedSlots: c.zeroed.Load(), InFlightBytes: c.inFlightBytes.Load(),
-		Store: c.store.snapshot(), Load: c.load.snapshot()}
+	s := Stats{Backend: e.backend,
+		Lookups: c.lookups.Load(), LookupKeys: c.lookupKeys.Load(), Hits: c.hits.Load(), Deletes: c.deletes.Load(),
+		Pool: PoolStats{Bytes: e.cfg.PoolBytes, BlockBytes: e.slot, ZeroedSlots: c.zeroed.Load(),
+			PinCalls: c.pinCalls.Load(), UnpinCalls: c.unpinCalls.Load(),
+			PinTime: time.Duration(c.pinNanos.Load()), UnpinTime: time.Duration(c.unpinNanos.Load()),
+			FirstSlot: time.Duration(c.firstSlot.Load()), FullPool: time.Duration(c.fullPool.Load()), Growth: c.steps.snapshot(),
+			Trims: c.trims.Load(), TrimmedBytes: c.trimmedBytes.Load()},
+		Copies: CopyStats{InFlightBytes: c.inFlightBytes.Load(), Store: c.store.snapshot(), Load: c.load.snapshot()}}
 	s.Misses = s.LookupKeys - s.Hits
 	if d := e.dial; d != nil {
 		if cl := d.client.Load(); cl != nil {
-			s.NodeConnections = int64(cl.Info().Epoch)
+			s.Node.Connections = int64(cl.Info().Epoch)
 		}
 	}
 	if c := e.calibration.Load(); c != nil {
-		s.CopyCalibration = *c
+		s.Copies.Calibration = *c
 	}
 	if e.cudaDev != nil {
-		s.BounceCopies, s.PitchedCopies = e.cudaDev.BounceCopies(), e.cudaDev.PitchedCopies()
-		s.CopyBudgetWaits = e.cudaDev.BudgetWaits()
-		s.DeviceBytes, s.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
+		s.Copies.Bounced, s.Copies.Pitched = e.cudaDev.BounceCopies(), e.cudaDev.PitchedCopies()
+		s.Copies.BudgetWaits = e.cudaDev.BudgetWaits()
+		s.Copies.DeviceBytes, s.Copies.MaxDeviceBytes = e.cudaDev.DeviceBytes(), e.cudaDev.MaxDeviceBytes()
 	}
 	if e.diskErr != "" {
-		s.DiskMode, s.DiskError, s.DiskUnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
-		s.DiskUnusableError = e.diskErr
+		s.Disk.Mode, s.Disk.Error, s.Disk.UnusableDirs = "off", e.diskErr, len(e.cfg.Disk.Dirs)
+		s.Disk.UnusableError = e.diskErr
 	}
-	s.DiskLookupHits = c.diskLookupHits.Load()                                // the embedded tier's, or a node's
-	s.DiskHits, s.DiskMisses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
+	s.Disk.LookupHits = c.diskLookupHits.Load()                                 // the embedded tier's, or a node's
+	s.Disk.Hits, s.Disk.Misses = c.nodeDiskHits.Load(), c.nodeDiskMisses.Load() // a node's; the embedded tier's below
 	if d := e.disk; d != nil {
 		ds := d.Store.Stats()
-		s.DiskHits, s.DiskMisses = d.Hits.Load(), d.Misses.Load()
-		s.DiskWrites, s.DiskWriteErrors, s.DiskDropped = d.WB.Writes.Load(), d.WB.WriteErrors.Load(), d.WB.Dropped.Load()
-		s.DiskNotAdmitted, s.DiskCorrupt, s.DiskCopies = d.NotAdmitted.Load(), ds.Corrupt, d.WB.Copies.Load()
-		s.DiskWriteThroughs, s.DiskWrittenAtClose = d.Throughs.Load(), d.AtClose.Load()
-		s.DiskHitsWriting = d.WB.Served.Load()
-		s.DiskRecords, s.DiskBytes, s.DiskCapacity, s.DiskMode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
-		s.DiskTornAtOpen, s.DiskStaleAtOpen, s.DiskIOErrors, s.DiskNoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
-		s.DiskEvictions, s.DiskDirs, s.DiskDirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
-		s.DiskReadOnlyDirs, s.DiskUnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
+		s.Disk.Hits, s.Disk.Misses = d.Hits.Load(), d.Misses.Load()
+		s.Disk.Writes, s.Disk.WriteErrors, s.Disk.Dropped = d.WB.Writes.Load(), d.WB.WriteErrors.Load(), d.WB.Dropped.Load()
+		s.Disk.NotAdmitted, s.Disk.Corrupt, s.Disk.Copies = d.NotAdmitted.Load(), ds.Corrupt, d.WB.Copies.Load()
+		s.Disk.WriteThroughs, s.Disk.WrittenAtClose = d.Throughs.Load(), d.AtClose.Load()
+		s.Disk.HitsWriting = d.WB.Served.Load()
+		s.Disk.Records, s.Disk.Bytes, s.Disk.Capacity, s.Disk.Mode = ds.Records, ds.Bytes, ds.CapacityRecords, ds.Mode.String()
+		s.Disk.TornAtOpen, s.Disk.StaleAtOpen, s.Disk.IOErrors, s.Disk.NoSpace = ds.TornAtOpen, ds.StaleAtOpen, ds.IOErrors, ds.NoSpace
+		s.Disk.Evictions, s.Disk.Dirs, s.Disk.DirectDirs = ds.Evictions, ds.Dirs, ds.DirectDirs
+		s.Disk.ReadOnlyDirs, s.Disk.UnusableDirs = ds.ReadOnlyDirs, ds.UnusableDirs
 		if err := d.Store.UnusableError(); err != nil {
-			s.DiskUnusableError = err.Error()
+			s.Disk.UnusableError = err.Error()
 		}
 	}
 	if cl := e.cluster; cl != nil {
 		cs := cl.Stats()
-		s.ClusterConfigured = true
-		s.ClusterWrites, s.ClusterWriteBytes, s.ClusterWriteErrors, s.ClusterWriteOOM = cs.Puts, cs.PutBytes, cs.PutErrors, cs.PutOOM
-		s.ClusterDropped = cs.Dropped - cs.DroppedUnavailable
-		s.ClusterHits, s.ClusterHitBytes, s.ClusterMisses = cs.Hits, cs.HitBytes, cs.Misses
-		s.ClusterTimeouts, s.ClusterCorrupt, s.ClusterErrors = cs.Timeouts, cs.Corrupt+cs.Stale, cs.Errors
-		s.ClusterAvailable, s.ClusterError = cs.Available, cs.ConnectError
-		s.ClusterUnavailableWrites = cs.DroppedUnavailable
-		s.ClusterUnavailable = cs.DroppedUnavailable + c.clusterUnavailable.Load()
+		s.Cluster.Configured = true
+		s.Cluster.Writes, s.Cluster.WriteBytes, s.Cluster.WriteErrors, s.Cluster.WriteOOM = cs.Puts, cs.PutBytes, cs.PutErrors, cs.PutOOM
+		s.Cluster.Dropped = cs.Dropped - cs.DroppedUnavailable
+		s.Cluster.Hits, s.Cluster.HitBytes, s.Cluster.Misses = cs.Hits, cs.HitBytes, cs.Misses
+		s.Cluster.Timeouts, s.Cluster.Corrupt, s.Cluster.Errors = cs.Timeouts, cs.Corrupt+cs.Stale, cs.Errors
+		s.Cluster.Available, s.Cluster.Error = cs.Available, cs.ConnectError
+		s.Cluster.UnavailableWrites = cs.DroppedUnavailable
+		s.Cluster.Unavailable = cs.DroppedUnavailable + c.clusterUnavailable.Load()
 	}
 	s.PrefetchBackground, s.PrefetchRefused = c.prefetchBackground.Load(), c.prefetchRefused.Load()
 	s.PrefetchBackgroundPromoted = c.prefetchBackgroundPromoted.Load()
-	s.TeardownErrors = c.teardownErrors.Load()
+	s.Pool.TeardownErrors = c.teardownErrors.Load()
 	if m := e.teardownErr.Load(); m != nil {
-		s.TeardownError = *m
+		s.Pool.TeardownError = *m
 	}
 	for i := range s.Outcomes {
 		s.Outcomes[i] = c.outcomes[i].Load()
 	}
 	e.memory.mu.Lock()
-	s.OwnedBytes, s.Regions, s.StagingUsed = e.memory.owned, len(e.memory.regions), e.stage.used
+	s.Pool.OwnedBytes, s.Pool.Regions, s.Pool.StagingUsed = e.memory.owned, len(e.memory.regions), e.stage.used
 	if e.stage.region != nil {
-		s.StagingBytes = e.stage.region.r.Len()
+		s.Pool.StagingBytes = e.stage.region.r.Len()
 	}
 	e.memory.mu.Unlock()
 	e.growth.mu.Lock()
-	s.RegionsTotal, s.GrowthTargetBytes = len(e.growth.plan), e.growth.target
-	s.GrowthPaused = e.growth.paused
+	s.Pool.RegionsTotal, s.Pool.GrowthTargetBytes = len(e.growth.plan), e.growth.target
+	s.Pool.GrowthPaused = e.growth.paused
 	if e.growth.err != nil {
-		s.GrowthError = e.growth.err.Error()
+		s.Pool.GrowthError = e.growth.err.Error()
 	}
 	e.growth.mu.Unlock()
 	if e.cache != nil {
 		cs := e.cache.Stats()
-		s.SlotsTotal, s.SlotsFree = int64(cs.Slots), int64(cs.Free)
-		s.BlocksReady, s.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
-		s.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
+		s.Pool.SlotsTotal, s.Pool.SlotsFree = int64(cs.Slots), int64(cs.Free)
+		s.Pool.BlocksReady, s.Pool.BlocksLeased = int64(cs.Ready+cs.Leased), int64(cs.Leased)
+		s.Pool.InUseBytes = int64(cs.Writing+cs.Ready+cs.Leased+cs.Releasing) * e.slot
 		s.Evictions = int64(cs.Evicted + cs.Rejected + cs.Trimmed)
 		s.AdmissionRejections = int64(cs.StoreRefusedAdmission + cs.Rejected)
 		s.Orphans = int64(cs.Orphaned)

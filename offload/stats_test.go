@@ -10,7 +10,7 @@ import (
 
 func TestHistogram(t *testing.T) {
 	var h histogram
-	require.Equal(t, time.Duration(0), h.snapshot().Quantile(0.5))
+	require.Equal(t, time.Duration(0), h.snapshot().quantile(0.5))
 	var wg sync.WaitGroup
 	for g := 0; g < 4; g++ {
 		wg.Add(1)
@@ -29,11 +29,11 @@ func TestHistogram(t *testing.T) {
 		sum += c
 	}
 	require.Equal(t, s.Count, sum)
-	require.Equal(t, 550*time.Microsecond, s.Mean())
-	require.Equal(t, 1024*time.Microsecond, s.Quantile(0.99), "1 ms falls in [512 µs, 1024 µs)")
+	require.Equal(t, 550*time.Microsecond, s.mean())
+	require.Equal(t, 1024*time.Microsecond, s.quantile(0.99), "1 ms falls in [512 µs, 1024 µs)")
 	require.Equal(t, 0, bucketOf(500*time.Nanosecond))
 	require.Equal(t, 1, bucketOf(time.Microsecond))
-	require.Equal(t, HistogramBuckets-1, bucketOf(time.Hour))
+	require.Equal(t, histogramBuckets-1, bucketOf(time.Hour))
 }
 
 func TestOutcomeString(t *testing.T) {

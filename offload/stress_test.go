@@ -90,7 +90,7 @@ func TestStressCloseInTheMiddle(t *testing.T) {
 
 			st := e.Stats()
 			checkTally(t, st, &ta)
-			require.Equal(t, int64(0), st.InFlightBytes)
+			require.Equal(t, int64(0), st.Copies.InFlightBytes)
 			pool := fmt.Sprintf("%d ops; outcomes %v; busy loads %d; pool before Close: %d slots, %d free, %d writing, %d ready, %d leased, %d releasing",
 				count.Load(), st.Outcomes, ta.busy, cs.Slots, cs.Free, cs.Writing, cs.Ready, cs.Leased, cs.Releasing)
 			require.Positive(t, st.Outcomes[OutcomeStored], pool)
@@ -178,7 +178,7 @@ func TestPoolFullOfDeletedWritesRecovers(t *testing.T) {
 			st = e.cache.Stats()
 			require.Equal(t, [5]int{8, 8, 0, 0, 0}, [5]int{st.Slots, st.Free, st.Writing, st.Ready, st.Releasing},
 				"every slot is free again")
-			require.Equal(t, 8*slot, e.Stats().OwnedBytes)
+			require.Equal(t, 8*slot, e.Stats().Pool.OwnedBytes)
 
 			fresh := []Key{testKey(200), testKey(201), testKey(202), testKey(203)}
 			for j, k := range fresh {

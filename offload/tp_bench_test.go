@@ -134,7 +134,7 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	m.store = time.Since(t0)
 	m.storeGPU = rig.gpu.elapsed(b)
 	rig.tr.report(b, fmt.Sprintf("store %d: GPU side %.3f ms", it, m.storeGPU.Seconds()*1e3))
-	require.Equal(b, hsBlocks, op.Count(OutcomeStored))
+	require.Equal(b, hsBlocks, op.count(OutcomeStored))
 	require.NoError(b, op.Release())
 	rig.gpu.start(b)
 	rig.traceArm(b, false)
@@ -147,7 +147,7 @@ func (rig *headSlicedRig) round(b *testing.B, it int) headSlicedTimes {
 	m.load = time.Since(t0)
 	m.loadGPU = rig.gpu.elapsed(b)
 	rig.tr.report(b, fmt.Sprintf("load %d: GPU side %.3f ms", it, m.loadGPU.Seconds()*1e3))
-	require.Equal(b, hsBlocks, op.Count(OutcomeLoaded))
+	require.Equal(b, hsBlocks, op.count(OutcomeLoaded))
 	require.NoError(b, op.Release())
 	rig.e.Delete(rig.keys)
 	return m

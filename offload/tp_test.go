@@ -148,7 +148,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	events := e.Events(256)
 	r1, err := e.Rank(tpLayout(2, 1))
 	require.NoError(t, err)
-	tp2 := []LayoutSpec{e.Config().Layout, r1.Layout()}
+	tp2 := []LayoutSpec{e.Config().Layout, r1.layoutSpec()}
 	require.Equal(t, 0, tp2[0].HeadFirst)
 	require.Equal(t, 2, tp2[1].HeadFirst)
 
@@ -171,7 +171,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	require.Equal(t, repeatOutcome(OutcomeStored, n), oc)
 	st := e.Stats()
 	require.Equal(t, int64(n), st.Partial)
-	require.Equal(t, int64(n*tpLayers*2*2*tpTokens*tpHeadDim*tpDType), st.Store.Bytes, "rank 0 copied its heads only")
+	require.Equal(t, int64(n*tpLayers*2*2*tpTokens*tpHeadDim*tpDType), st.Copies.Store.Bytes, "rank 0 copied its heads only")
 	res, err := e.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.Hits, "a block missing rank 1's heads is invisible")
@@ -183,7 +183,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	st = e.Stats()
 	require.Equal(t, int64(0), st.Partial)
 	require.Equal(t, int64(n), st.StoreJoined)
-	require.Equal(t, int64(n), st.BlocksReady)
+	require.Equal(t, int64(n), st.Pool.BlocksReady)
 	require.Equal(t, int64(2*n), st.Outcomes[OutcomeStored])
 	res, err = r1.Lookup(keys, LookupOptions{})
 	require.NoError(t, err)
@@ -206,7 +206,7 @@ func tpSizeSharing(t *testing.T, noTemplates bool) {
 	dst := []int{6, 4, 2}
 	for name, vs := range views {
 		for r, v := range vs {
-			l := v.Layout()
+			l := v.layoutSpec()
 			tpPoison(t, e, l)
 			oc := tpRun(t)(v.Load(context.Background(), keys, dst, LoadOptions{PerLayer: name == "TP=2"}))
 			require.Equal(t, repeatOutcome(OutcomeLoaded, n), oc, "%s rank %d", name, r)
@@ -255,17 +255,17 @@ func TestTPRankDeath(t *testing.T) {
 	keys := []Key{testKey(7), testKey(8)}
 	tpWrite(t, e, e.Config().Layout, 0, 0)
 	tpWrite(t, e, e.Config().Layout, 1, 1)
-	tpWrite(t, e, r1.Layout(), 0, 0)
-	tpWrite(t, e, r1.Layout(), 1, 1)
+	tpWrite(t, e, r1.layoutSpec(), 0, 0)
+	tpWrite(t, e, r1.layoutSpec(), 1, 1)
 	oc := tpRun(t)(e.Store(context.Background(), keys, []int{0, 1}, StoreOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeStored, 2), oc)
 	require.Equal(t, int64(2), e.Stats().Partial)
-	free := e.Stats().SlotsFree
+	free := e.Stats().Pool.SlotsFree
 	oc = tpRun(t)(r1.Load(context.Background(), keys, []int{2, 3}, LoadOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeMissing, 2), oc)
 	require.Eventually(t, func() bool {
 		st := e.Stats()
-		return st.PartialExpired == 2 && st.Partial == 0 && st.SlotsFree == free+2
+		return st.PartialExpired == 2 && st.Partial == 0 && st.Pool.SlotsFree == free+2
 	}, 10*time.Second, 10*time.Millisecond, "the reaper reclaims the partial blocks")
 	// Rank 1 alone now starts new partial blocks: still nothing to load.
 	oc = tpRun(t)(r1.Store(context.Background(), keys, []int{0, 1}, StoreOptions{}))
@@ -274,11 +274,11 @@ func TestTPRankDeath(t *testing.T) {
 	require.Equal(t, repeatOutcome(OutcomeStored, 2), oc)
 	v, err := e.Rank(tpLayout(1, 0))
 	require.NoError(t, err)
-	tpPoison(t, e, v.Layout())
+	tpPoison(t, e, v.layoutSpec())
 	oc = tpRun(t)(v.Load(context.Background(), keys, []int{4, 5}, LoadOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeLoaded, 2), oc)
-	tpCheck(t, e, v.Layout(), 4, 0, "TP=1")
-	tpCheck(t, e, v.Layout(), 5, 1, "TP=1")
+	tpCheck(t, e, v.layoutSpec(), 4, 0, "TP=1")
+	tpCheck(t, e, v.layoutSpec(), 5, 1, "TP=1")
 }
 
 // TestRankErrors: a view must describe the same model, blocks and slot
@@ -374,7 +374,7 @@ func TestTPConcurrentRanks(t *testing.T) {
 		if r == 0 {
 			return e.Config().Layout
 		}
-		return ranks[r].Layout()
+		return ranks[r].layoutSpec()
 	}
 	const n = tpBlocks
 	keys := make([]Key, n)
@@ -393,7 +393,7 @@ func TestTPConcurrentRanks(t *testing.T) {
 	go func() {
 		defer close(done)
 		for i := 0; i < 50; i++ {
-			for _, lt := range reader.Layout().LayerTensors { // tpPoison, off the test's goroutine
+			for _, lt := range reader.layoutSpec().LayerTensors { // tpPoison, off the test's goroutine
 				_ = e.sim.Fill(lt.K, uint64(tpBlocks*tpTokens*tpModelHeads*tpHeadDim*tpDType), 0xEE)
 				_ = e.sim.Fill(lt.V, uint64(tpBlocks*tpTokens*tpModelHeads*tpHeadDim*tpDType), 0xEE)
 			}
@@ -405,10 +405,10 @@ func TestTPConcurrentRanks(t *testing.T) {
 				errs <- err
 				return
 			}
-			if op.Count(OutcomeLoaded) == 1 {
+			if op.count(OutcomeLoaded) == 1 {
 				got := make([]byte, tpTokens*tpModelHeads*tpHeadDim*tpDType)
-				_ = e.sim.Read(tpAddr(reader.Layout(), 0, 1, 1), got)
-				if !bytes.Equal(got, tpDevice(reader.Layout(), 0)[3]) {
+				_ = e.sim.Read(tpAddr(reader.layoutSpec(), 0, 1, 1), got)
+				if !bytes.Equal(got, tpDevice(reader.layoutSpec(), 0)[3]) {
 					errs <- fmt.Errorf("load %d: a visible block was not whole", i)
 				}
 			}
@@ -439,7 +439,7 @@ func TestTPConcurrentRanks(t *testing.T) {
 				stored <- 0
 				return
 			}
-			stored <- op.Count(OutcomeStored)
+			stored <- op.count(OutcomeStored)
 			_ = op.Release()
 		}()
 	}
@@ -455,9 +455,9 @@ func TestTPConcurrentRanks(t *testing.T) {
 	require.Equal(t, 4*n, total, "every rank's heads of every block are a write")
 	st := e.Stats()
 	require.Equal(t, int64(3*n), st.StoreJoined)
-	require.Equal(t, int64(n), st.BlocksReady)
+	require.Equal(t, int64(n), st.Pool.BlocksReady)
 	require.Zero(t, st.Partial)
-	tpPoison(t, e, reader.Layout())
+	tpPoison(t, e, reader.layoutSpec())
 	oc := tpRun(t)(reader.Load(context.Background(), keys, func() []int {
 		ids := make([]int, n)
 		for j := range ids {
@@ -467,7 +467,7 @@ func TestTPConcurrentRanks(t *testing.T) {
 	}(), LoadOptions{}))
 	require.Equal(t, repeatOutcome(OutcomeLoaded, n), oc)
 	for j := range n {
-		tpCheck(t, e, reader.Layout(), j, j, "TP=1 after concurrent ranks")
+		tpCheck(t, e, reader.layoutSpec(), j, j, "TP=1 after concurrent ranks")
 	}
 }
 

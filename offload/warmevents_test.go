@@ -52,7 +52,7 @@ func TestCUDAFakeWarmStartEvents(t *testing.T) {
 			}
 			ctx := context.Background()
 			run("store", func() (*Op, error) { return e.Store(ctx, keys, src, StoreOptions{}) })
-			require.Positive(t, e.Stats().BounceCopies, "the store was gathered through staging")
+			require.Positive(t, e.Stats().Copies.Bounced, "the store was gathered through staging")
 			run("load", func() (*Op, error) { return e.Load(ctx, keys, dst, LoadOptions{}) })
 			run("per-layer load", func() (*Op, error) { return e.Load(ctx, keys, dst, LoadOptions{PerLayer: true}) })
 		})

@@ -14,7 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
-	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/internal/trace"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/kvoffload/kvoffload/offload/hostsim"
@@ -135,7 +134,7 @@ type demoConfig struct {
 
 	// diskFaults is a test hook: tier/disk's fault seam for the host
 	// backend's disk tier (hostsim.Options.DiskFaults).
-	diskFaults func(op disk.FaultOp, dir string) error
+	diskFaults func(op hostsim.DiskFaultOp, dir string) error
 	// simDelay is a test hook: the host backend's copies each wait this
 	// long (hostsim.Options' MinDelay and MaxDelay).
 	simDelay time.Duration
@@ -663,13 +662,13 @@ func (r *demoRun) finish(start time.Time, bar *demoBar) *demoReport {
 	rep := r.rep
 	rep.Seconds = time.Since(start).Seconds()
 	st := r.eng.Stats()
-	rep.PinnedBytes, rep.UsedBytes = st.OwnedBytes, st.InUseBytes
-	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Store.Bytes, st.Load.Bytes
-	rep.Evictions, rep.BounceCopies = st.Evictions, st.BounceCopies
+	rep.PinnedBytes, rep.UsedBytes = st.Pool.OwnedBytes, st.Pool.InUseBytes
+	rep.EngineStoreBytes, rep.EngineLoadBytes = st.Copies.Store.Bytes, st.Copies.Load.Bytes
+	rep.Evictions, rep.BounceCopies = st.Evictions, st.Copies.Bounced
 	if r.cfg.diskDir != "" {
-		rep.Disk = &diskReport{Dir: r.cfg.diskDir, Mode: st.DiskMode, Records: st.DiskRecords, Bytes: st.DiskBytes, Capacity: st.DiskCapacity,
-			Writes: st.DiskWrites, WriteErrors: st.DiskWriteErrors, Dropped: st.DiskDropped, NotAdmitted: st.DiskNotAdmitted,
-			Hits: st.DiskHits, Misses: st.DiskMisses, Corrupt: st.DiskCorrupt}
+		rep.Disk = &diskReport{Dir: r.cfg.diskDir, Mode: st.Disk.Mode, Records: st.Disk.Records, Bytes: st.Disk.Bytes, Capacity: st.Disk.Capacity,
+			Writes: st.Disk.Writes, WriteErrors: st.Disk.WriteErrors, Dropped: st.Disk.Dropped, NotAdmitted: st.Disk.NotAdmitted,
+			Hits: st.Disk.Hits, Misses: st.Disk.Misses, Corrupt: st.Disk.Corrupt}
 	}
 	rep.Cluster = r.clusterReportOf(st)
 	r.nodeReport(st)

@@ -83,9 +83,9 @@ func (r *demoRun) clusterReportOf(st offload.Stats) *clusterReport {
 		return nil
 	}
 	addrs, _ := redisAddrs(r.cfg.redis)
-	return &clusterReport{Addrs: addrs, Writes: st.ClusterWrites, WriteErrors: st.ClusterWriteErrors, WriteOOM: st.ClusterWriteOOM, Dropped: st.ClusterDropped,
-		Hits: st.ClusterHits, Misses: st.ClusterMisses, Promoted: r.clusterPromoted, Available: st.ClusterAvailable,
-		Unavailable: st.ClusterUnavailable, Error: st.ClusterError}
+	return &clusterReport{Addrs: addrs, Writes: st.Cluster.Writes, WriteErrors: st.Cluster.WriteErrors, WriteOOM: st.Cluster.WriteOOM, Dropped: st.Cluster.Dropped,
+		Hits: st.Cluster.Hits, Misses: st.Cluster.Misses, Promoted: r.clusterPromoted, Available: st.Cluster.Available,
+		Unavailable: st.Cluster.Unavailable, Error: st.Cluster.Error}
 }
 
 // printCluster adds the cluster tier's rows to the text report.

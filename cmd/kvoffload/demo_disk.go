@@ -20,12 +20,12 @@ func diskTierError(cfg demoConfig, st offload.Stats) error {
 	}
 	n := len(diskDirs(cfg.diskDir))
 	switch {
-	case st.DiskError != "" && n == 1:
-		return fmt.Errorf("--disk %s: the disk tier is off, its directory is unusable: %s", cfg.diskDir, st.DiskError)
-	case st.DiskError != "":
-		return fmt.Errorf("--disk %s: the disk tier is off, none of its %d directories is usable: %s", cfg.diskDir, n, st.DiskError)
-	case st.DiskUnusableDirs > 0:
-		return fmt.Errorf("--disk %s: %d of its %d directories unusable: %s", cfg.diskDir, st.DiskUnusableDirs, n, st.DiskUnusableError)
+	case st.Disk.Error != "" && n == 1:
+		return fmt.Errorf("--disk %s: the disk tier is off, its directory is unusable: %s", cfg.diskDir, st.Disk.Error)
+	case st.Disk.Error != "":
+		return fmt.Errorf("--disk %s: the disk tier is off, none of its %d directories is usable: %s", cfg.diskDir, n, st.Disk.Error)
+	case st.Disk.UnusableDirs > 0:
+		return fmt.Errorf("--disk %s: %d of its %d directories unusable: %s", cfg.diskDir, st.Disk.UnusableDirs, n, st.Disk.UnusableError)
 	}
 	return nil
 }

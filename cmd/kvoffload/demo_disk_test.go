@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
+	"github.com/kvoffload/kvoffload/offload/hostsim"
 )
 
 // tinyDiskArgs are a short demo's arguments with --disk dirs.
@@ -63,8 +64,8 @@ func TestDemoDiskUnusable(t *testing.T) {
 func TestDemoDiskNoSpace(t *testing.T) {
 	cfg := tinyDemo(offload.BackendHost)
 	cfg.diskDir = t.TempDir()
-	cfg.diskFaults = func(op disk.FaultOp, dir string) error {
-		if op == disk.FaultFallocate {
+	cfg.diskFaults = func(op hostsim.DiskFaultOp, dir string) error {
+		if op == "fallocate" {
 			return unix.ENOSPC
 		}
 		return nil

@@ -46,7 +46,7 @@ func (r *demoRun) noteResult(werr error, gone bool) {
 // nodeReport fills in the node's side of the report (--connect): the
 // restarts the engine reconnected across.
 func (r *demoRun) nodeReport(st offload.Stats) {
-	if r.cfg.connect != "" && st.NodeConnections > 1 {
-		r.rep.NodeReconnects = int(st.NodeConnections - 1)
+	if r.cfg.connect != "" && st.Node.Connections > 1 {
+		r.rep.NodeReconnects = int(st.Node.Connections - 1)
 	}
 }

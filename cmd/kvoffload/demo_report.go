@@ -53,7 +53,7 @@ type demoReport struct {
 	EngineStoreBytes int64 `json:"engine_store_bytes"`
 	EngineLoadBytes  int64 `json:"engine_load_bytes"`
 	Evictions        int64 `json:"pool_evictions"`
-	// BounceCopies is the engine's Stats.BounceCopies: copy batches of
+	// BounceCopies is the engine's Stats.Copies.Bounced: copy batches of
 	// whole blocks bounced through device chunks by the DMA engines (CUDA).
 	BounceCopies int64 `json:"bounce_copies"`
 

@@ -72,7 +72,7 @@ func TestServingDuringGrowth(t *testing.T) {
 		eng = e
 		done = append(done, now)
 		if fullAt.IsZero() && len(done)%8 == 0 {
-			if full := e.Stats().FullPool; full > 0 {
+			if full := e.Stats().Pool.FullPool; full > 0 {
 				fullAt = started.Add(full)
 			}
 		}
@@ -86,7 +86,7 @@ func TestServingDuringGrowth(t *testing.T) {
 	require.NotNil(t, eng)
 	require.False(t, fullAt.IsZero(), "the pool never became full")
 	st := eng.Stats()
-	serveFrom := started.Add(st.FirstSlot)
+	serveFrom := started.Add(st.Pool.FirstSlot)
 	var during, after int
 	var gap time.Duration
 	prev := serveFrom
@@ -100,11 +100,11 @@ func TestServingDuringGrowth(t *testing.T) {
 		}
 		prev = d
 	}
-	fullPool := st.FullPool
+	fullPool := st.Pool.FullPool
 	growSecs := fullAt.Sub(serveFrom).Seconds()
 	rateDuring := float64(during) / growSecs
 	rateAfter := float64(after) / afterFull.Seconds()
-	t.Logf("growth: first slot %v, full pool %v", st.FirstSlot.Round(time.Millisecond), st.FullPool.Round(time.Millisecond))
+	t.Logf("growth: first slot %v, full pool %v", st.Pool.FirstSlot.Round(time.Millisecond), st.Pool.FullPool.Round(time.Millisecond))
 	t.Logf("while growing: %d requests in %.2f s = %.0f req/s, longest gap between requests %v", during, growSecs, rateDuring, gap.Round(time.Millisecond))
 	t.Logf("pool full:     %d requests in %.2f s = %.0f req/s", after, afterFull.Seconds(), rateAfter)
 	t.Logf("ratio while growing / full: %.0f%%", 100*rateDuring/rateAfter)
@@ -129,9 +129,9 @@ func TestServingDuringGrowth(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, eng)
 	st = eng.Stats()
-	over := took - st.FirstSlot - short
+	over := took - st.Pool.FirstSlot - short
 	t.Logf("--duration %v: %d requests, runDemo returned %v after New, %v past the duration (growing: %v; Close and the last request)",
-		short, rep.Requests, (took - st.FirstSlot).Round(time.Millisecond), over.Round(time.Millisecond), st.FullPool == 0 || st.FullPool > st.FirstSlot+short)
+		short, rep.Requests, (took - st.Pool.FirstSlot).Round(time.Millisecond), over.Round(time.Millisecond), st.Pool.FullPool == 0 || st.Pool.FullPool > st.Pool.FirstSlot+short)
 	fmt.Fprintf(os.Stderr, "summary: pool %s threads %d full %.2fs during %.0f req/s after %.0f req/s ratio %.0f%% gap %v over-duration %v\n",
 		formatSize(pool), shown, fullPool.Seconds(), rateDuring, rateAfter, 100*rateDuring/rateAfter, gap.Round(time.Millisecond), over.Round(time.Millisecond))
 }

@@ -155,7 +155,7 @@ func TestInfoDisk(t *testing.T) {
 		require.NoError(t, op.Wait(ctx))
 	}
 	require.NoError(t, e.FlushDisk(ctx))
-	mode := e.Stats().DiskMode
+	mode := e.Stats().Disk.Mode
 	require.NoError(t, e.Close())
 	before, err := os.ReadDir(dir)
 	require.NoError(t, err)

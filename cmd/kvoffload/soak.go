@@ -212,10 +212,10 @@ func disrupt(ctx context.Context, rng *rand.Rand, e *offload.Engine, keys []offl
 		res.ClearedBlocks += int64(n)
 	case p < 0.026:
 		st := e.Stats()
-		if st.Regions <= 1 {
+		if st.Pool.Regions <= 1 {
 			break
 		}
-		tr, err := e.Trim(ctx, 1+rng.Int64N(st.OwnedBytes/4+1))
+		tr, err := e.Trim(ctx, 1+rng.Int64N(st.Pool.OwnedBytes/4+1))
 		if err != nil {
 			return fmt.Errorf("soak: trim: %w", err)
 		}

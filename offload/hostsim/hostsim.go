@@ -9,17 +9,21 @@
 // without a driver) always runs over a simulated device: NewEngine gives
 // it one the caller made (so that the caller allocates, writes and reads
 // the KV cache in it, and can read it after Close); offload.New makes its
-// own, which GPUOf returns.
+// own, which GPUOf returns. Both go through offload.Config's seam
+// (HostDevice, DiskFaults).
 package hostsim
 
 import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cudadev"
-	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/offload"
-	"github.com/kvoffload/kvoffload/offload/internal/simhook"
 )
+
+// DiskFaultOp is the kind of disk tier file operation Options.DiskFaults
+// is asked about: "open" (the records file, for writing), "open-direct"
+// (with O_DIRECT), "write", "read" or "fallocate" (preallocating it).
+type DiskFaultOp string
 
 // Options configure a GPU.
 type Options struct {
@@ -27,18 +31,20 @@ type Options struct {
 	Seed int64
 	// MinDelay and MaxDelay bound the random delay before each copy runs.
 	MinDelay, MaxDelay time.Duration
-	// DiskFaults, when set, is tier/disk's fault seam (disk.Config.Faults)
-	// for the disk tier of the engines NewEngine makes on this GPU: the
-	// simulated machine's disk failing (ENOSPC at fallocate, EIO on a
-	// read...), for tests and demos. Leave it nil otherwise.
-	DiskFaults func(op disk.FaultOp, dir string) error
+	// DiskFaults, when set, runs before each file operation op of the disk
+	// tier on directory dir of the engines NewEngine makes on this GPU; a
+	// non-nil error replaces the operation's result (unix.ENOSPC for
+	// "write", unix.EIO for "read", unix.EROFS for "open": the directory
+	// is opened read-only): the simulated machine's disk
+	// failing, for tests and demos. Leave it nil otherwise.
+	DiskFaults func(op DiskFaultOp, dir string) error
 }
 
 // GPU is a simulated GPU. Tests and demos allocate a KV cache in it and
 // read and write it.
 type GPU struct {
 	sim        *cudadev.Sim
-	diskFaults func(op disk.FaultOp, dir string) error
+	diskFaults func(op DiskFaultOp, dir string) error
 }
 
 // NewGPU starts a simulated GPU. Close it after the engines using it.
@@ -65,16 +71,21 @@ func (g *GPU) Read(addr uint64, p []byte) error { return g.sim.Read(addr, p) }
 // Close stops the simulation.
 func (g *GPU) Close() error { return g.sim.Close() }
 
+// seam sets cfg's hostsim seam to gpu.
+func (g *GPU) seam(cfg offload.Config) offload.Config {
+	cfg.HostDevice = g.sim
+	if f := g.diskFaults; f != nil {
+		cfg.DiskFaults = func(op, dir string) error { return f(DiskFaultOp(op), dir) }
+	}
+	return cfg
+}
+
 // NewEngine is offload.New with gpu as the device of the host backend,
 // when that backend is selected (Backend "host", or "auto" without a
 // driver, where a Layout giving addresses is then taken as addresses in
 // gpu); on the CUDA backend gpu is unused. The engine does not close gpu.
 func NewEngine(cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
-	e, err := simhook.NewEngine(cfg, gpu.sim, gpu.diskFaults)
-	if err != nil {
-		return nil, err
-	}
-	return e.(*offload.Engine), nil
+	return offload.New(gpu.seam(cfg))
 }
 
 // Dial is offload.Dial with gpu as the device of the host backend, when
@@ -82,11 +93,7 @@ func NewEngine(cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
 // tensors and a Backend other than "host" makes a client without a GPU
 // (see offload.Dial): gpu is unused then. The engine does not close gpu.
 func Dial(socket string, cfg offload.Config, gpu *GPU) (*offload.Engine, error) {
-	e, err := simhook.Dial(socket, cfg, gpu.sim)
-	if err != nil {
-		return nil, err
-	}
-	return e.(*offload.Engine), nil
+	return offload.Dial(socket, gpu.seam(cfg))
 }
 
 // GPUOf returns the simulated GPU of an engine on the host backend (the
@@ -94,15 +101,13 @@ func Dial(socket string, cfg offload.Config, gpu *GPU) (*offload.Engine, error) 
 // given without tensors was allocated); nil on the CUDA backend. The
 // engine closes a GPU it made itself: do not Close that one.
 func GPUOf(e *offload.Engine) *GPU {
-	s := simhook.Sim(e)
-	if s == nil {
+	s, ok := e.Config().HostDevice.(*cudadev.Sim)
+	if !ok {
 		return nil
 	}
 	return &GPU{sim: s}
 }
 
-// InvariantViolations returns the gating violations e recorded so far: a
-// copy whose host range was not live, or was released and reused while it
-// ran. Only builds with invariants on (-race, or -tags kvoinvariants)
-// check them; other builds return nil. Any violation is a bug in the engine.
-func InvariantViolations(e *offload.Engine) []error { return simhook.Violations(e) }
+// InvariantViolations returns the gating violations e recorded so far
+// (e.InvariantViolations).
+func InvariantViolations(e *offload.Engine) []error { return e.InvariantViolations() }

@@ -31,7 +31,7 @@ import threading
 
 from . import errors
 
-ABI_VERSION = 3  # KVO_ABI_VERSION of capi/kvoffload.h
+ABI_VERSION = 4  # KVO_ABI_VERSION of capi/kvoffload.h
 _LIB_NAME = "libkvoffload.so"
 
 # The asynchronous signals kept off the Go runtime's threads. Synchronous

@@ -395,7 +395,9 @@ class Engine(_Handle):
         return out.value
 
     def stats(self):
-        """The engine's counters as a dict (see Go's offload.Stats)."""
+        """The engine's counters as a dict (see Go's offload.Stats): top-level
+        counters and the dicts "pool", "copies", "disk", "cluster" and "node"
+        (ABI 4), e.g. stats()["pool"]["regions"], stats()["disk"]["hits"]."""
         return self._json(_lib.get().kvo_stats_json, "kvo_stats_json")
 
     # ---- metrics and KV events ------------------------------------------

@@ -88,7 +88,7 @@ class Connect(unittest.TestCase):
             self.assertTrue(block_holds(b, 8 + i, i, 0), f"block {8 + i}")
         with b.load(keys_for(2, 7), [20, 21]) as op:
             self.assertEqual(op.wait(timeout=30), ["missing", "missing"])
-        self.assertEqual(b.stats()["blocks_ready"], 8)
+        self.assertEqual(b.stats()["pool"]["blocks_ready"], 8)
 
         # A scheduler: no tensors, no host backend: no GPU.
         cfg = host_config()

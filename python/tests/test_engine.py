@@ -126,7 +126,7 @@ class HostEngine(unittest.TestCase):
 
         def run(parent):
             with kvoffload.Engine(small_config(3)) as eng:
-                self.assertEqual(eng.stats()["slots_total"], 3)
+                self.assertEqual(eng.stats()["pool"]["slots_total"], 3)
                 for ks, ids, kw in ((seq[:2], [0, 1], {}), (seq[2:], [2], {"parent": parent}), (other, [3], {})):
                     with eng.store(ks, ids, **kw) as op:
                         self.assertEqual(op.wait(), ["stored"] * len(ks))
@@ -186,17 +186,17 @@ class HostEngine(unittest.TestCase):
         with kvoffload.Engine(cfg) as eng:
             eng.pause_growth()
             eng.pause_growth()  # idempotent
-            self.assertTrue(eng.stats()["growth_paused"])
+            self.assertTrue(eng.stats()["pool"]["growth_paused"])
             self.assertFalse(eng.wait_grown(0))
             self.assertFalse(eng.wait_grown(0.03))
             st = eng.stats()
-            self.assertLess(st["regions"], st["regions_total"])
+            self.assertLess(st["pool"]["regions"], st["pool"]["regions_total"])
             eng.resume_growth()
-            self.assertFalse(eng.stats()["growth_paused"])
+            self.assertFalse(eng.stats()["pool"]["growth_paused"])
             self.assertTrue(eng.wait_grown())
             self.assertTrue(eng.wait_grown(0))
             st = eng.stats()
-            self.assertEqual(st["regions"], st["regions_total"])
+            self.assertEqual(st["pool"]["regions"], st["pool"]["regions_total"])
         for f in (eng.wait_grown, eng.pause_growth, eng.resume_growth):
             with self.assertRaises(kvoffload.EngineClosedError):
                 f()

@@ -117,7 +117,7 @@ class LayerSeparate(unittest.TestCase):
     def test_stats(self):
         st = self.eng.stats()
         self.assertEqual(st["backend"], "cuda")
-        self.assertEqual(st["block_bytes"], BLOCK_BYTES)
+        self.assertEqual(st["pool"]["block_bytes"], BLOCK_BYTES)
 
 
 @gpu_test

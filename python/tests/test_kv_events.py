@@ -82,7 +82,7 @@ class KVEvents(unittest.TestCase):
                 name, value = line.rsplit(" ", 1)
                 samples[name] = float(value)
         self.assertEqual(samples['kvoffload_cpu_block_hit_total{tier="cpu"}'], st["hits"])
-        self.assertEqual(samples['kvoffload_total_bytes_total{transfer_type="GPU_to_CPU"}'], st["store"]["bytes"])
+        self.assertEqual(samples['kvoffload_total_bytes_total{transfer_type="GPU_to_CPU"}'], st["copies"]["store"]["bytes"])
         self.assertIn("# TYPE kvoffload_transfer_latency_seconds histogram", text)
 
 

@@ -127,7 +127,7 @@ GROWTH_ERROR_SCRIPT = textwrap.dedent("""
         except kvoffload.GrowthError as e:
             assert e.code == kvoffload.errors.KVO_EGROWTH and "cannot allocate memory" in str(e), (e.code, str(e))
     st = eng.stats()
-    assert st["growth_error"] and st["regions"] == 1 and st["regions_total"] > 1, st
+    assert st["pool"]["growth_error"] and st["pool"]["regions"] == 1 and st["pool"]["regions_total"] > 1, st
     keys = keys_for(2, 5)  # the engine works with the region it has
     write_block(eng, 0, 1)
     write_block(eng, 1, 1)

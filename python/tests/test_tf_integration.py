@@ -436,7 +436,7 @@ class Hooks(unittest.TestCase):
         self.tier.engine.load = real_load
         self.assertEqual(toks, prefix + [3])  # everything is computed
         self.assertEqual(self.tier.stats()["load_refused"], 1)
-        self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)
+        self.assertEqual(self.tier.engine.stats()["pool"]["blocks_leased"], 0)
         self.assertEqual(bm.num_free_blocks, free)  # the blocks went back (some cached ones were evicted for them)
         self.assertTrue(set(bm._hash_to_id.items()) <= set(hashes.items()))
         computed = F.run(self.bp, self.gpu, st, 1)
@@ -477,7 +477,7 @@ class Hooks(unittest.TestCase):
         self.assertEqual(self.tier.stats()["lookup_deferred"], 1)  # it keeps waiting, holding nothing
         self.assertEqual(st.status, F.RequestStatus.PENDING)
         self.assertNotIn("c", self.cache.group_cache_managers[0].block_table)
-        self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)  # the lease was given back
+        self.assertEqual(self.tier.engine.stats()["pool"]["blocks_leased"], 0)  # the lease was given back
         bm.free_blocks(held, True)
         computed = F.run(self.bp, self.gpu, st, 1)  # scheduled again: now it loads
         self.assertEqual(computed, 1)
@@ -508,7 +508,7 @@ class Hooks(unittest.TestCase):
         self.assertEqual(s["gpu_prefix_blocks"], head)
         self.assertEqual(s["kvo_prefix_blocks"], 1)  # what fits is loaded; the rest is computed
         self.assertEqual(st.position_offset, (head + 1) * BS)
-        self.assertEqual(self.tier.engine.stats()["blocks_leased"], 0)
+        self.assertEqual(self.tier.engine.stats()["pool"]["blocks_leased"], 0)
         bm.free_blocks(held, True)
 
 

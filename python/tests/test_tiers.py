@@ -39,14 +39,14 @@ class DiskTier(unittest.TestCase):
                 self.assertEqual(op.wait(), ["stored"] * POOL_BLOCKS)
             self.assertEqual(eng.lookup(keys), 0)
             st = eng.stats()
-            self.assertEqual(st["disk_dropped"], 0)
-            self.assertEqual(st["disk_not_admitted"], 0)
+            self.assertEqual(st["disk"]["dropped"], 0)
+            self.assertEqual(st["disk"]["not_admitted"], 0)
 
     def test_prefetch_after_restart(self):
         keys = keys_for(POOL_BLOCKS, 1)
         self.write_back(keys)
         with kvoffload.Engine(disk_config(self.dir)) as eng:
-            self.assertEqual(eng.stats()["disk_records"], POOL_BLOCKS)
+            self.assertEqual(eng.stats()["disk"]["records"], POOL_BLOCKS)
             self.assertEqual(eng.lookup(keys), 0)
             self.assertEqual(eng.prefetch(keys), {"promoted": POOL_BLOCKS, "from_disk": POOL_BLOCKS, "from_cluster": 0})
             self.assertEqual(eng.lookup(keys), POOL_BLOCKS)
@@ -55,7 +55,7 @@ class DiskTier(unittest.TestCase):
                 self.assertEqual(op.wait(), ["loaded"] * POOL_BLOCKS)
             for b in range(POOL_BLOCKS):
                 self.assertTrue(block_holds(eng, 4 + b, b, 5), f"block {4 + b}")
-            self.assertEqual(eng.stats()["disk_hits"], POOL_BLOCKS)
+            self.assertEqual(eng.stats()["disk"]["hits"], POOL_BLOCKS)
 
     def test_prefetch_background(self):
         keys = keys_for(POOL_BLOCKS, 3)
@@ -82,7 +82,7 @@ class DiskTier(unittest.TestCase):
                 self.assertEqual(op.wait(), ["loaded"] * POOL_BLOCKS)
             for b in range(POOL_BLOCKS):
                 self.assertTrue(block_holds(eng, 4 + b, b, 5), f"block {4 + b}")
-            self.assertEqual(eng.stats()["disk_hits"], POOL_BLOCKS)
+            self.assertEqual(eng.stats()["disk"]["hits"], POOL_BLOCKS)
 
     def test_directory_locked(self):
         with kvoffload.Engine(disk_config(self.dir)):
@@ -113,8 +113,8 @@ class Prefetch(unittest.TestCase):
             res = eng.prefetch(keys_for(3, 1), timeout=0.05)
             self.assertEqual(res, {"promoted": 0, "from_disk": 0, "from_cluster": 0})
             st = eng.stats()
-            self.assertTrue(st["cluster_configured"])
-            self.assertEqual(st["cluster_unavailable"], 3)
+            self.assertTrue(st["cluster"]["configured"])
+            self.assertEqual(st["cluster"]["unavailable"], 3)
 
     def test_bad_arguments(self):
         eng = kvoffload.Engine(small_config(POOL_BLOCKS))
