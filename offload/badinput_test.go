@@ -10,6 +10,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/transfer"
 )
 
 // state is what a refused call must leave unchanged.
@@ -143,6 +144,8 @@ func TestNewBadConfig(t *testing.T) {
 		{"unknown backend", Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: "tpu"}, ErrInvalidConfig, `Backend "tpu"`},
 		{"cuda without a driver", Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendCUDA}, ErrInvalidConfig, "device tensors"},
 		{"no pool", Config{Layout: smallLayout(8)}, ErrInvalidConfig, "PoolBytes = 0"},
+		{"a host device not hostsim's", Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, HostDevice: otherDevice{}},
+			ErrInvalidConfig, "HostDevice is a offload.otherDevice, not a hostsim GPU's device"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -315,3 +318,6 @@ func TestTraceCallsEnv(t *testing.T) {
 	require.NoError(t, op.Wait(ctx))
 	require.Regexp(t, `Load of 2 blocks entered at [0-9]+ ns \(CLOCK_MONOTONIC\), returned after [0-9.]+ ms: checked [0-9.]+ load [0-9.]+ begun [0-9.]+ plan [0-9.]+ planned [0-9.]+ held [0-9.]+`, buf.String())
 }
+
+// otherDevice is a transfer.Device that is not hostsim's simulated one.
+type otherDevice struct{ transfer.Device }
