@@ -64,7 +64,7 @@ func TestParallelBatch(t *testing.T) {
 	// run submits segs in dir over n threads (and, with other, the other
 	// direction's segments through the kernel on b.s) and returns the wall
 	// time to the end of every stream and the submit threads' mean CPU time.
-	run := func(dir cudacopy.Direction, segs []cudacopy.Segment, n int, other []cudacopy.Segment) (time.Duration, time.Duration, error) {
+	run := func(dir cudacopy.Path, segs []cudacopy.Segment, n int, other []cudacopy.Segment) (time.Duration, time.Duration, error) {
 		var wg sync.WaitGroup
 		errs := make([]error, n+1)
 		busy := make([]time.Duration, n)
@@ -127,7 +127,7 @@ func TestParallelBatch(t *testing.T) {
 	for _, size := range b.cfg.SegSizes {
 		ss := b.segments(size)
 		for _, c := range []struct {
-			dir   cudacopy.Direction
+			dir   cudacopy.Path
 			segs  []cudacopy.Segment
 			other []cudacopy.Segment
 			link  string
@@ -182,7 +182,7 @@ func TestMixedBound(t *testing.T) {
 	md.WriteString("| segment | kernel side | contiguous side | kernel GB/s | contiguous GB/s | both GB/s | % of both link |\n|---|---|---|---:|---:|---:|---:|\n")
 	for _, size := range b.cfg.SegSizes {
 		ss := b.segments(size)
-		for _, kd := range []cudacopy.Direction{cudacopy.D2H, cudacopy.H2D} {
+		for _, kd := range []cudacopy.Path{cudacopy.D2H, cudacopy.H2D} {
 			enqueue := func(tks *[]tk) error {
 				if kd == cudacopy.D2H {
 					x, err := kernel.Submit(b.s[0], cudacopy.D2H, ss.d2h)

@@ -26,7 +26,7 @@ type variant struct {
 }
 
 // copier is the copier that submits v's segments in d.
-func (v *variant) copier(d cudacopy.Direction) *cudacopy.Copier {
+func (v *variant) copier(d cudacopy.Path) *cudacopy.Copier {
 	if d == cudacopy.H2D && v.h2d != nil {
 		return v.h2d
 	}
@@ -44,7 +44,7 @@ func (v *variant) close() error {
 
 // methodFor is the method v's copier takes for segs in dir: its forced
 // method, or what MethodAuto chooses for them.
-func (v *variant) methodFor(d cudacopy.Direction, segs []cudacopy.Segment) cudacopy.Method {
+func (v *variant) methodFor(d cudacopy.Path, segs []cudacopy.Segment) cudacopy.Method {
 	c := v.copier(d)
 	if m := c.Options().Method; m != cudacopy.MethodAuto {
 		return m
@@ -85,7 +85,7 @@ func (b *bench) newFan(n, prio int) (*fan, error) {
 // submitSide submits one direction's segments of v: on s, or, for a DMA
 // copier with a fan, split evenly over the fan's streams, which start
 // after b.ev[0] (the run's start) and join back into s.
-func (b *bench) submitSide(v *variant, t *[]tk, s cuda.Stream, d cudacopy.Direction, segs []cudacopy.Segment) error {
+func (b *bench) submitSide(v *variant, t *[]tk, s cuda.Stream, d cudacopy.Path, segs []cudacopy.Segment) error {
 	c := v.copier(d)
 	side := 0
 	if d == cudacopy.H2D {
@@ -184,7 +184,7 @@ const pipeParts = 8
 func (b *bench) pipelinedFor(v *variant, dir string, segs segSet) func(*[]tk) error {
 	type side struct {
 		s    cuda.Stream
-		d    cudacopy.Direction
+		d    cudacopy.Path
 		segs []cudacopy.Segment
 	}
 	var sides []side

@@ -14,7 +14,7 @@ import (
 // blockSegs is n blocks of segs segments of seg bytes, block-contiguous on
 // the host side and at random device slots: whole blocks, as a staged
 // store or load moves them.
-func blockSegs(dir Direction, host, dev uint64, n, segs int, seg uint64, seed uint64) []Segment {
+func blockSegs(dir Path, host, dev uint64, n, segs int, seg uint64, seed uint64) []Segment {
 	perm := mrand.New(mrand.NewPCG(seed, 1)).Perm(n * segs)
 	out := make([]Segment, n*segs)
 	for i := range out {

@@ -121,7 +121,7 @@ func (c CalibrationConfig) pieces(segs []Segment, size uint64) [][]Segment {
 // ph[i] of the host side and slot pd[i] of the device side, where ph and pd
 // are independent random permutations of [0, n): the "random slots on both
 // sides" pattern of the benchmarks. dir says which side is the source.
-func ScatteredSegments(dir Direction, host, dev, size uint64, n int, rng *rand.Rand) []Segment {
+func ScatteredSegments(dir Path, host, dev, size uint64, n int, rng *rand.Rand) []Segment {
 	ph, pd := rng.Perm(n), rng.Perm(n)
 	segs := make([]Segment, n)
 	for i := range segs {
@@ -184,7 +184,7 @@ func (c *Copier) Calibrate(s cuda.Stream) (cal *Calibration, err error) {
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x6b766f))
 	out := &Calibration{D2H: c.d2h.Launch, H2D: c.h2d.Launch, TotalBytes: cfg.TotalBytes, PieceBytes: cfg.PieceBytes, Pieces: cfg.Pieces}
 	largest := slices.Max(cfg.SegSizes)
-	for _, dir := range [...]Direction{D2H, H2D} {
+	for _, dir := range [...]Path{D2H, H2D} {
 		warm := cfg.pieces(ScatteredSegments(dir, uint64(host), uint64(dev), largest, int(cfg.TotalBytes/largest), rng), largest)
 		for _, m := range methods {
 			if _, err := c.timePipeline(s, ev, dir, warm, m, cfg.Pieces, 0); err != nil {
@@ -210,7 +210,7 @@ func (c *Copier) Calibrate(s cuda.Stream) (cal *Calibration, err error) {
 
 // timePoint runs up to cfg.Reps pipelines of m within cfg.PointBudget and
 // returns the best rate in GB/s.
-func (c *Copier) timePoint(s cuda.Stream, ev [2]cuda.Event, dir Direction, pieces [][]Segment, m Method, cfg CalibrationConfig) (float64, error) {
+func (c *Copier) timePoint(s cuda.Stream, ev [2]cuda.Event, dir Path, pieces [][]Segment, m Method, cfg CalibrationConfig) (float64, error) {
 	start := time.Now()
 	best := 0.0
 	for r := range cfg.Reps {
@@ -232,7 +232,7 @@ func (c *Copier) timePoint(s cuda.Stream, ev [2]cuda.Event, dir Direction, piece
 // (budget 0: never), records ev[1] and returns the timed pieces' bytes over
 // the events' elapsed time, in GB/s. Every ticket is retired before it
 // returns, after the stream has drained on failure.
-func (c *Copier) timePipeline(s cuda.Stream, ev [2]cuda.Event, dir Direction, pieces [][]Segment, m Method, n int, budget time.Duration) (gbps float64, err error) {
+func (c *Copier) timePipeline(s cuda.Stream, ev [2]cuda.Event, dir Path, pieces [][]Segment, m Method, n int, budget time.Duration) (gbps float64, err error) {
 	if len(pieces) == 0 {
 		return 0, fmt.Errorf("%w: calibration pipeline without segments", ErrInvalidOption)
 	}

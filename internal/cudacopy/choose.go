@@ -11,7 +11,7 @@ import (
 // Measurement is one calibrated rate: a batch of segments of SegBytes each,
 // at random slots on both sides, copied in Dir by Method at GBps.
 type Measurement struct {
-	Dir      Direction `json:"dir"`
+	Dir      Path `json:"dir"`
 	Method   Method    `json:"method"`
 	SegBytes uint64    `json:"seg_bytes"`
 	GBps     float64   `json:"gbps"`
@@ -60,7 +60,7 @@ func (c *Calibration) Validate() error {
 // available and DefaultDMAMargin.
 func (c *Calibration) Markdown() string {
 	type key struct {
-		dir  Direction
+		dir  Path
 		size uint64
 	}
 	rates := map[key]map[Method]float64{}
@@ -223,7 +223,7 @@ func rate(pts []point, size float64) (float64, bool) {
 //     kernel is unavailable or uncalibrated, else the kernel;
 //   - without: kernel, else batch, else memcpy (fastest first for
 //     scattered segments of 4 KiB–2 MiB, doc/ANCHORS.md).
-func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Method {
+func (ch *chooser) choose(dir Path, n int, total uint64, kernelOK bool) Method {
 	return ch.choosePieces(dir, n, n, total, kernelOK)
 }
 
@@ -234,7 +234,7 @@ func (ch *chooser) choose(dir Direction, n int, total uint64, kernelOK bool) Met
 // point the rate falls in proportion to the size (a DMA copy's cost is
 // then its per-copy overhead), where rate would hold it at the smallest
 // point's.
-func (ch *chooser) choosePieces(dir Direction, dmaN, kernN int, total uint64, kernelOK bool) Method {
+func (ch *chooser) choosePieces(dir Path, dmaN, kernN int, total uint64, kernelOK bool) Method {
 	if dmaN <= 1 && kernN <= 1 {
 		return MethodMemcpy
 	}

@@ -15,7 +15,7 @@ import (
 // pipelined rate (8 back-to-back Submits, ungated), in GB/s.
 var h200Rates = []struct {
 	variant         string
-	dir             Direction
+	dir             Path
 	kib             uint64
 	gated, pipeline float64
 }{
@@ -109,7 +109,7 @@ func TestChoose(t *testing.T) {
 		cal            *Calibration
 		batch, kernel  bool
 		margin         float64
-		dir            Direction
+		dir            Path
 		n              int
 		size, misalign uint64
 		want           Method
@@ -155,7 +155,7 @@ func TestChoose(t *testing.T) {
 // gated one; with PreferDMA it stays within the wider margin.
 func TestAutoOnH200WithinTarget(t *testing.T) {
 	type key struct {
-		dir Direction
+		dir Path
 		kib uint64
 	}
 	type col struct{ gated, pipeline float64 }

@@ -89,7 +89,7 @@ func copyOnThread(drv cuda.Driver, c *Copier, src, dst []byte, dev, seg uint64) 
 		d2h = append(d2h, Segment{Dst: addr(dst) + off, Src: dev + off, Len: seg})
 	}
 	for _, step := range []struct {
-		dir  Direction
+		dir  Path
 		segs []Segment
 	}{{H2D, h2d}, {D2H, d2h}} {
 		tk, err := c.Submit(s, step.dir, step.segs)

@@ -307,7 +307,7 @@ func (c *Copier) SetCalibration(cal *Calibration) error {
 // Choose returns the method Submit would use for this batch under
 // MethodAuto: see chooser.choose for the rules. The kernel is only chosen
 // for batches whose every address and length is 16-byte aligned.
-func (c *Copier) Choose(dir Direction, segs []Segment) Method {
+func (c *Copier) Choose(dir Path, segs []Segment) Method {
 	return c.chooser.Load().choose(dir, len(segs), segBytes(segs), aligned(segs))
 }
 

@@ -63,7 +63,7 @@ func newStream(t testing.TB, drv cuda.Driver) cuda.Stream {
 }
 
 // run submits segs, waits for an event after them and retires the ticket.
-func run(t testing.TB, drv cuda.Driver, c *Copier, s cuda.Stream, dir Direction, segs []Segment) {
+func run(t testing.TB, drv cuda.Driver, c *Copier, s cuda.Stream, dir Path, segs []Segment) {
 	t.Helper()
 	tk, err := c.Submit(s, dir, segs)
 	require.NoError(t, err)
@@ -244,7 +244,7 @@ func TestSmallSegmentFence(t *testing.T) {
 	s := newStream(t, drv)
 	const n = 256 << 10
 	src, dst, dev := testBuffers(t, drv, n)
-	segs := func(size uint64, dir Direction) []Segment {
+	segs := func(size uint64, dir Path) []Segment {
 		var out []Segment
 		for off := uint64(0); off < n; off += size {
 			if dir == D2H {
@@ -453,14 +453,14 @@ func TestSubmitValidationEnqueuesNothing(t *testing.T) {
 	good := Segment{Dst: 0x10000, Src: 0x20000, Len: 4096}
 	for _, tc := range []struct {
 		c    *Copier
-		dir  Direction
+		dir  Path
 		segs []Segment
 		want error
 	}{
 		{c, H2D, nil, ErrInvalidSegment},
 		{c, H2D, []Segment{good, {Dst: 0x10000, Src: 0x20000}}, ErrInvalidSegment},
 		{c, H2D, []Segment{good, {Dst: 0x10008, Src: 0x20000, Len: 4096}}, ErrMisaligned},
-		{c, Direction(0), []Segment{good}, ErrInvalidOption},
+		{c, Path(0), []Segment{good}, ErrInvalidOption},
 		{auto, D2H, []Segment{good, {Src: 0x10000, Len: 8}}, ErrInvalidSegment},
 	} {
 		_, err := tc.c.Submit(s, tc.dir, tc.segs)

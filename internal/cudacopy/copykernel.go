@@ -64,7 +64,7 @@ var (
 // kvo_copy_probe on 8 × 192 reading back after every 4 KiB per warp (8 KiB
 // for a batch of segments under 8 KiB, see SmallSegmentFenceBytes), or
 // with greedy (Options.GreedyD2H) GreedyD2HLaunch.
-func DefaultLaunch(dir Direction, greedy bool) Launch {
+func DefaultLaunch(dir Path, greedy bool) Launch {
 	switch {
 	case dir != D2H:
 		return defaultH2D
@@ -97,7 +97,7 @@ func GreedyD2HLaunch() Launch { return greedyD2H }
 
 // launch resolves dir's launch: the direction's default, each field
 // Options sets overriding it. Only D2H launches keep a fence or a pace.
-func (o *Options) launch(dir Direction) Launch {
+func (o *Options) launch(dir Path) Launch {
 	l := DefaultLaunch(dir, o.GreedyD2H)
 	if o.CopyKernel != "" && o.CopyKernel != l.Kernel {
 		l.Kernel, l.FenceBytes, l.PaceGBps = o.CopyKernel, 0, 0
@@ -123,7 +123,7 @@ func (o *Options) launch(dir Direction) Launch {
 	return l
 }
 
-func (l Launch) validate(dir Direction, sms int) error {
+func (l Launch) validate(dir Path, sms int) error {
 	known, throttle := copyKernel(l.Kernel)
 	throttled := throttle != ""
 	switch {

@@ -66,14 +66,14 @@ func (c *Copier) Gatherable(segs []Segment) bool { return c.stageable(D2H, segs)
 func (c *Copier) Scatterable(segs []Segment) bool { return c.stageable(H2D, segs) }
 
 // hostSide is the host address of a segment copied in dir.
-func hostSide(dir Direction, g Segment) uint64 {
+func hostSide(dir Path, g Segment) uint64 {
 	if dir == D2H {
 		return g.Dst
 	}
 	return g.Src
 }
 
-func (c *Copier) stageable(dir Direction, segs []Segment) bool {
+func (c *Copier) stageable(dir Path, segs []Segment) bool {
 	if c.opts.NoGather || c.opts.Method != MethodAuto || !c.caps.Kernel || len(segs) < 2 {
 		return false
 	}
@@ -163,7 +163,7 @@ func (c *Copier) SubmitScatterOpen(s, g cuda.Stream, segs []Segment) (Ticket, er
 
 // staged is SubmitGather (D2H) and SubmitScatter (H2D; join: s waits for
 // the last scatter before the call returns).
-func (c *Copier) staged(dir Direction, g, s cuda.Stream, segs []Segment, join bool) (Ticket, error) {
+func (c *Copier) staged(dir Path, g, s cuda.Stream, segs []Segment, join bool) (Ticket, error) {
 	if err := validateSegments(segs, kernelAlign); err != nil {
 		return Ticket{}, err
 	}
@@ -472,7 +472,7 @@ func (c *Copier) launchRanges(g cuda.Stream, cur *descCursor, rs []launchRange) 
 // back to back in staging merged into one pitched DMA (runPacker).
 // The kernel's segments go into kern's memory (grown as needed; nil: a
 // new slice).
-func packStaged(dir Direction, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable, minRow, maxRow uint64, kern []Segment) ([]Segment, []gatherPiece) {
+func packStaged(dir Path, segs []Segment, parts []part, staging []cuda.DevicePtr, hosts *hostTable, minRow, maxRow uint64, kern []Segment) ([]Segment, []gatherPiece) {
 	kern = slices.Grow(kern[:0], len(segs))[:len(segs)]
 	rp := runPacker{minRow: minRow, maxRow: maxRow, keep: true, pieces: make([]gatherPiece, 0, 8)}
 	for k, p := range parts {
@@ -577,7 +577,7 @@ func (p *gatherPiece) addRow(q gatherPiece, minRow, maxRow uint64) bool {
 // stagingDMA enqueues one chunk's copies between staging and the host on s
 // (D2H: staging → host; H2D: host → staging): the batch API where the
 // driver has it, else one cuMemcpyAsync per run.
-func (c *Copier) stagingDMA(dir Direction, s cuda.Stream, pieces []gatherPiece) error {
+func (c *Copier) stagingDMA(dir Path, s cuda.Stream, pieces []gatherPiece) error {
 	segs := make([]Segment, 0, len(pieces))
 	for _, p := range pieces {
 		if p.rows > 1 {

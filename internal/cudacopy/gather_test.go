@@ -158,7 +158,7 @@ func TestStagedFailuresFake(t *testing.T) {
 	dev := devMem(t, drv, n)
 	host := hostMem(t, drv, n)
 	h2d, d2h := l.segments(addr(host), uint64(dev), addr(host), mrand.New(mrand.NewPCG(5, 5)))
-	for _, dir := range []Direction{D2H, H2D} {
+	for _, dir := range []Path{D2H, H2D} {
 		// A copier of its own per direction: nothing pooled yet, so every
 		// allocation below is reached.
 		c := newCopier(t, drv, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, GatherRing: 1})
@@ -368,7 +368,7 @@ func TestStagedUploadsDescriptorsFirstFake(t *testing.T) {
 	c := newCopier(t, rec, Options{PTX: fakePTX, GatherChunkBytes: 1 << 20, DescCapacity: 300})
 	require.True(t, c.Capabilities().HostPointerIdentity)
 	l := layerSeparate(96, 4, 4<<10)
-	for _, dir := range []Direction{H2D, D2H} {
+	for _, dir := range []Path{H2D, D2H} {
 		rec.ops = nil
 		if dir == H2D {
 			scatterRoundTrip(t, rec, c, s, g, l, 1)

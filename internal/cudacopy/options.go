@@ -218,7 +218,7 @@ func (o *Options) validate(sms int) error {
 	case !(o.DMAMargin > 0 && o.DMAMargin < 1):
 		return fmt.Errorf("%w: DMAMargin %v not in (0, 1)", ErrInvalidOption, o.DMAMargin)
 	}
-	for _, dir := range []Direction{D2H, H2D} {
+	for _, dir := range []Path{D2H, H2D} {
 		if err := o.launch(dir).validate(dir, sms); err != nil {
 			return err
 		}

@@ -24,13 +24,14 @@ type FillSegment struct {
 	Dst, Len, Seed uint64
 }
 
-// Direction says which sides of a segment are host memory.
-type Direction int
+// Path says which sides of a segment are host memory: the copier's word
+// for what a transfer.Direction (Load, Store) becomes, plus D2D for tests.
+type Path int
 
-// Directions. The zero value is invalid so that a forgotten field is caught.
+// Paths. The zero value is invalid so that a forgotten field is caught.
 const (
 	// D2H copies device memory to host memory (a store).
-	D2H Direction = iota + 1
+	D2H Path = iota + 1
 	// H2D copies host memory to device memory (a load).
 	H2D
 	// D2D copies between two device addresses (tests and benchmarks).
@@ -39,17 +40,17 @@ const (
 
 var directionNames = [...]string{D2H: "d2h", H2D: "h2d", D2D: "d2d"}
 
-func (d Direction) valid() bool { return d >= D2H && d <= D2D }
+func (d Path) valid() bool { return d >= D2H && d <= D2D }
 
-func (d Direction) String() string {
+func (d Path) String() string {
 	if d.valid() {
 		return directionNames[d]
 	}
-	return fmt.Sprintf("Direction(%d)", int(d))
+	return fmt.Sprintf("Path(%d)", int(d))
 }
 
 // MarshalText writes the direction's name ("d2h", "h2d", "d2d").
-func (d Direction) MarshalText() ([]byte, error) {
+func (d Path) MarshalText() ([]byte, error) {
 	if !d.valid() {
 		return nil, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(d))
 	}
@@ -57,10 +58,10 @@ func (d Direction) MarshalText() ([]byte, error) {
 }
 
 // UnmarshalText parses a name written by MarshalText.
-func (d *Direction) UnmarshalText(b []byte) error {
+func (d *Path) UnmarshalText(b []byte) error {
 	for i, n := range directionNames {
 		if n != "" && n == string(b) {
-			*d = Direction(i)
+			*d = Path(i)
 			return nil
 		}
 	}

@@ -68,19 +68,19 @@ func TestNamesRoundTrip(t *testing.T) {
 		require.NoError(t, got.UnmarshalText(b))
 		require.Equal(t, m, got)
 	}
-	for _, d := range []Direction{D2H, H2D, D2D} {
+	for _, d := range []Path{D2H, H2D, D2D} {
 		b, err := json.Marshal(d)
 		require.NoError(t, err)
-		var got Direction
+		var got Path
 		require.NoError(t, json.Unmarshal(b, &got))
 		require.Equal(t, d, got)
 	}
 	_, err := ParseMethod("dma")
 	require.ErrorIs(t, err, ErrInvalidOption)
-	var d Direction
+	var d Path
 	require.ErrorIs(t, d.UnmarshalText([]byte("up")), ErrInvalidOption)
-	_, err = Direction(0).MarshalText()
+	_, err = Path(0).MarshalText()
 	require.ErrorIs(t, err, ErrInvalidOption)
 	require.Equal(t, "Method(9)", Method(9).String())
-	require.Equal(t, "Direction(0)", Direction(0).String())
+	require.Equal(t, "Path(0)", Path(0).String())
 }

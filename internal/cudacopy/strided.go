@@ -136,12 +136,12 @@ func stats2D(segs []Segment2D) (rows int, total uint64, aligned bool) {
 // MethodAuto: the DMA methods' rates read at the mean row (each row is a
 // copy of theirs), the kernel's at the mean segment when it takes 2-D
 // descriptors (Capabilities.Kernel2D), else at the mean row too.
-func (c *Copier) Choose2D(dir Direction, segs []Segment2D) Method {
+func (c *Copier) Choose2D(dir Path, segs []Segment2D) Method {
 	rows, total, ok := stats2D(segs)
 	return c.choose2D(dir, len(segs), batch2DStats{rows, total, ok})
 }
 
-func (c *Copier) choose2D(dir Direction, n int, st batch2DStats) Method {
+func (c *Copier) choose2D(dir Path, n int, st batch2DStats) Method {
 	kernN := st.rows
 	if c.caps.Kernel2D {
 		kernN = n
@@ -158,7 +158,7 @@ func (c *Copier) choose2D(dir Direction, n int, st batch2DStats) Method {
 // errors are Submit's (a misaligned row, pitch or address is
 // ErrMisaligned with MethodKernel forced; MethodAuto then picks a DMA
 // method). It allocates nothing.
-func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticket, error) {
+func (c *Copier) Submit2D(s cuda.Stream, dir Path, segs []Segment2D) (Ticket, error) {
 	m, ck, l, err := c.plan2D(dir, segs)
 	if err != nil {
 		return Ticket{}, err
@@ -174,7 +174,7 @@ func (c *Copier) Submit2D(s cuda.Stream, dir Direction, segs []Segment2D) (Ticke
 
 // plan2D is Submit2D's work before the first driver call: validation, the
 // method, and for the kernel its chunker (not yet translated) and launch.
-func (c *Copier) plan2D(dir Direction, segs []Segment2D) (Method, chunker, *launchFn, error) {
+func (c *Copier) plan2D(dir Path, segs []Segment2D) (Method, chunker, *launchFn, error) {
 	if !dir.valid() {
 		return 0, chunker{}, nil, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
 	}
@@ -222,7 +222,7 @@ func (c *Copier) plan2D(dir Direction, segs []Segment2D) (Method, chunker, *laun
 // reuse one to keep its descriptor memory.
 type Prepared struct {
 	method     Method
-	dir        Direction
+	dir        Path
 	segs       []Segment2D // the DMA methods': the caller's segments
 	descs      []desc      // the kernel's, encoded
 	fenceIters uint64
@@ -238,7 +238,7 @@ type Prepared struct {
 // then). The choice of method and the host ranges' translation are those
 // of the time of the call: the host ranges segs touch must stay
 // registered until the copies have completed, as for Submit2D.
-func (c *Copier) Prepare2D(dir Direction, segs []Segment2D, p *Prepared) error {
+func (c *Copier) Prepare2D(dir Path, segs []Segment2D, p *Prepared) error {
 	p.method, p.segs, p.descs = MethodAuto, nil, p.descs[:0] // nothing to submit until it succeeds
 	m, ck, _, err := c.plan2D(dir, segs)
 	if err != nil {

@@ -74,7 +74,7 @@ func (h headCase) hostIndex(b, tok, x, e int) int {
 // submitHeads is Submit2D, or with prepare Prepare2D (on another
 // goroutine, as the transfer package's part builders call it) then
 // SubmitPrepared.
-func submitHeads(t *testing.T, c *Copier, s cuda.Stream, dir Direction, segs []Segment2D, prepare bool) Ticket {
+func submitHeads(t *testing.T, c *Copier, s cuda.Stream, dir Path, segs []Segment2D, prepare bool) Ticket {
 	t.Helper()
 	if !prepare {
 		tk, err := c.Submit2D(s, dir, segs)
@@ -235,9 +235,9 @@ func TestSubmit2DValidation(t *testing.T) {
 		require.ErrorIs(t, err, ErrInvalidOption, tc.name)
 	}
 	require.Empty(t, drv.args, "nothing launched")
-	_, err := c.Submit2D(1, Direction(0), []Segment2D{ok})
+	_, err := c.Submit2D(1, Path(0), []Segment2D{ok})
 	require.ErrorIs(t, err, ErrInvalidOption)
-	require.ErrorIs(t, c.Prepare2D(Direction(0), []Segment2D{ok}, &Prepared{}), ErrInvalidOption)
+	require.ErrorIs(t, c.Prepare2D(Path(0), []Segment2D{ok}, &Prepared{}), ErrInvalidOption)
 	// MethodAuto sends misaligned rows to a DMA method, never the kernel.
 	a := newCopier(t, drv, Options{PTX: fakePTX})
 	require.NotEqual(t, MethodKernel, a.Choose2D(H2D, []Segment2D{ok, {Src: 0x1000, Dst: 0x2000, Rows: 2, RowLen: 24, SrcPitch: 24, DstPitch: 24}}))

@@ -31,7 +31,7 @@ import (
 // wrapping range is ErrInvalidSegment. With MethodKernel forced, a segment
 // whose addresses or length are not multiples of 16 is ErrMisaligned;
 // MethodAuto never sends such a batch to the kernel.
-func (c *Copier) Submit(s cuda.Stream, dir Direction, segs []Segment) (Ticket, error) {
+func (c *Copier) Submit(s cuda.Stream, dir Path, segs []Segment) (Ticket, error) {
 	if !dir.valid() {
 		return Ticket{}, fmt.Errorf("%w: direction %d", ErrInvalidOption, int(dir))
 	}
@@ -45,7 +45,7 @@ func (c *Copier) Submit(s cuda.Stream, dir Direction, segs []Segment) (Ticket, e
 	return c.submitWith(s, dir, segs, m)
 }
 
-func (c *Copier) submitWith(s cuda.Stream, dir Direction, segs []Segment, m Method) (Ticket, error) {
+func (c *Copier) submitWith(s cuda.Stream, dir Path, segs []Segment, m Method) (Ticket, error) {
 	switch m {
 	case MethodMemcpy:
 		return Ticket{}, c.memcpy(s, segs)

@@ -41,7 +41,7 @@ type TemplateBlock = transfer.Block
 // (NewTemplate), immutable and safe to share between SubmitTemplate calls.
 type Template struct {
 	c     *Copier // the Copier whose options (table size, chunks) encoded it
-	dir   Direction
+	dir   Path
 	enc   []tmplPiece
 	span  uint64 // host bytes from a block's address its pieces reach
 	bytes uint64 // bytes a block copies
@@ -74,7 +74,7 @@ const (
 // image has no template kernels, the method is forced to a DMA one, or
 // dir's copy kernel has no template counterpart (kvo_copy for H2D and
 // kvo_copy_probe for D2H have).
-func (c *Copier) tmplLaunch(dir Direction) (*launchFn, error) {
+func (c *Copier) tmplLaunch(dir Path) (*launchFn, error) {
 	switch {
 	case !c.caps.Kernel:
 		return nil, fmt.Errorf("%w: template copies need the copy kernels: %s", ErrUnavailable, c.caps.KernelError)
@@ -101,7 +101,7 @@ func (c *Copier) tmplLaunch(dir Direction) (*launchFn, error) {
 // TemplateAvailable is nil when NewTemplate may succeed for dir, else why
 // it cannot (ErrUnavailable, or ErrInvalidOption for a direction that is
 // not H2D or D2H).
-func (c *Copier) TemplateAvailable(dir Direction) error {
+func (c *Copier) TemplateAvailable(dir Path) error {
 	_, err := c.tmplLaunch(dir)
 	return err
 }
@@ -121,7 +121,7 @@ func (c *Copier) maxTemplatePieces() uint64 {
 // or more encoded pieces than a descriptor table holds beside one block,
 // ErrMisaligned for an address, stride, offset, row or pitch that is not a
 // multiple of 16. Nothing is allocated before the pieces are checked.
-func (c *Copier) NewTemplate(dir Direction, pieces []TemplatePiece) (*Template, error) {
+func (c *Copier) NewTemplate(dir Path, pieces []TemplatePiece) (*Template, error) {
 	if _, err := c.tmplLaunch(dir); err != nil {
 		return nil, err
 	}
@@ -201,7 +201,7 @@ func (c *Copier) tmplCount(p *TemplatePiece) uint64 {
 }
 
 // encodePiece appends p's encoded pieces for dir.
-func (c *Copier) encodePiece(out []tmplPiece, dir Direction, p *TemplatePiece) []tmplPiece {
+func (c *Copier) encodePiece(out []tmplPiece, dir Path, p *TemplatePiece) []tmplPiece {
 	if c.tmplUse2D(p) {
 		per := c.tmplRowsPer(p)
 		for r := uint64(0); r < p.Rows; r += per {

@@ -67,7 +67,7 @@ func checkTemplate(t *testing.T, drv cuda.Driver, c *Copier, s cuda.Stream, h he
 		}
 		return bs
 	}
-	for _, dir := range []Direction{H2D, D2H} {
+	for _, dir := range []Path{H2D, D2H} {
 		tp, err := c.NewTemplate(dir, h.pieces(uint64(dev)))
 		require.NoError(t, err)
 		require.Equal(t, uint64(h.count*h.tokens*h.row), tp.Bytes())
@@ -230,7 +230,7 @@ func TestTemplateValidation(t *testing.T) {
 
 	for _, o := range []Options{{PTX: fakePTX, Method: MethodMemcpy}, {PTX: fakePTX, Method: MethodBatch}, {PTX: fakePTX, CopyKernel: StreamingCopyKernel}} {
 		c := newCopier(t, drv, o)
-		for _, dir := range []Direction{H2D, D2H} {
+		for _, dir := range []Path{H2D, D2H} {
 			_, err := c.NewTemplate(dir, []TemplatePiece{ok})
 			require.ErrorIs(t, err, ErrUnavailable, "%+v", o)
 		}

@@ -328,7 +328,7 @@ func (c *CUDA) Prepare(dir transfer.Direction, segs []transfer.Segment, prep *an
 }
 
 // copyDir is dir as the copier names it.
-func copyDir(dir transfer.Direction) cudacopy.Direction {
+func copyDir(dir transfer.Direction) cudacopy.Path {
 	if dir == transfer.Store {
 		return cudacopy.D2H
 	}
