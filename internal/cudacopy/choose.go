@@ -11,10 +11,10 @@ import (
 // Measurement is one calibrated rate: a batch of segments of SegBytes each,
 // at random slots on both sides, copied in Dir by Method at GBps.
 type Measurement struct {
-	Dir      Path `json:"dir"`
-	Method   Method    `json:"method"`
-	SegBytes uint64    `json:"seg_bytes"`
-	GBps     float64   `json:"gbps"`
+	Dir      Path    `json:"dir"`
+	Method   Method  `json:"method"`
+	SegBytes uint64  `json:"seg_bytes"`
+	GBps     float64 `json:"gbps"`
 }
 
 // Calibration is the table Choose picks methods from. It is plain data:
