@@ -25,7 +25,7 @@ func TestMaxSlots(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := New(Config{Layout: tinyLayout(t, 1024), SlotAlign: 256, MaxSlots: tc.max})
 			if tc.err {
-				require.ErrorIs(t, err, ErrConfig)
+				require.ErrorIs(t, err, errConfig)
 				return
 			}
 			require.NoError(t, err)

@@ -108,8 +108,8 @@ func (c *Cache) expirePartials() {
 
 // ExpirePartials reclaims the blocks stored by head ranges that are still
 // missing heads after Config.PartialTimeout (a rank died, or its store
-// failed and was not retried). BeginStore and Maintain do it too; an engine
-// calls it, or Maintain, when idle.
+// failed and was not retried). BeginStore does it too; an engine calls it
+// when idle.
 func (c *Cache) ExpirePartials() {
 	c.mu.Lock()
 	defer c.unlock()

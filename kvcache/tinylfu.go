@@ -83,7 +83,7 @@ func TinyLFUBytes(n int) int64 {
 // NewTinyLFU returns a TinyLFU policy. Close it to stop ristretto's goroutines.
 func NewTinyLFU(cfg TinyLFUConfig) (*TinyLFU, error) {
 	if cfg.MaxBlocks < 1 || cfg.MaxBlocks > MaxSlots {
-		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be in [1, %d]", ErrConfig, cfg.MaxBlocks, MaxSlots)
+		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be in [1, %d]", errConfig, cfg.MaxBlocks, MaxSlots)
 	}
 	if cfg.BufferItems == 0 {
 		cfg.BufferItems = 64
@@ -102,7 +102,7 @@ func NewTinyLFU(cfg TinyLFUConfig) (*TinyLFU, error) {
 		},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("%w: ristretto: %w", ErrConfig, err)
+		return nil, fmt.Errorf("%w: ristretto: %w", errConfig, err)
 	}
 	p.c = c
 	return p, nil
