@@ -80,7 +80,7 @@ func BenchmarkHitRatio(b *testing.B) {
 				b.Run(fmt.Sprintf("slots=%d/%s/threshold=%d", slots, pol, threshold), func(b *testing.B) {
 					var r replayResult
 					for i := 0; i < b.N; i++ {
-						var p Policy = NewLRU()
+						var p Policy = newLRU()
 						if pol == "tinylfu" {
 							if p, err = NewTinyLFU(TinyLFUConfig{MaxBlocks: slots}); err != nil {
 								b.Fatal(err)
@@ -119,7 +119,7 @@ func BenchmarkControlPlane(b *testing.B) {
 		b.Fatal(err)
 	}
 	for _, pol := range []string{"lru", "tinylfu"} {
-		var p Policy = NewLRU()
+		var p Policy = newLRU()
 		if pol == "tinylfu" {
 			if p, err = NewTinyLFU(TinyLFUConfig{MaxBlocks: slots}); err != nil {
 				b.Fatal(err)
@@ -300,7 +300,7 @@ func storedCache(b *testing.B, kind LayoutKind, slots int, ids []int, tag byte) 
 	if err != nil {
 		b.Fatal(err)
 	}
-	c, err := New(Config{Layout: layout, Policy: NewLRU()})
+	c, err := New(Config{Layout: layout, Policy: newLRU()})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -15,8 +15,8 @@ func TestStoreBurstEvictsInline(t *testing.T) {
 		name   string
 		policy func(t *testing.T) Policy
 	}{
-		{"lru", func(*testing.T) Policy { return NewLRU() }},
-		{"random", func(*testing.T) Policy { return NewRandom(7) }},
+		{"lru", func(*testing.T) Policy { return newLRU() }},
+		{"random", func(*testing.T) Policy { return newRandom(7) }},
 		{"tinylfu", func(t *testing.T) Policy {
 			p, err := NewTinyLFU(TinyLFUConfig{MaxBlocks: n})
 			require.NoError(t, err)
@@ -67,8 +67,8 @@ func TestStoreKeepsOwnChain(t *testing.T) {
 		name   string
 		policy func(t *testing.T) Policy
 	}{
-		{"lru", func(*testing.T) Policy { return NewLRU() }},
-		{"random", func(*testing.T) Policy { return NewRandom(3) }},
+		{"lru", func(*testing.T) Policy { return newLRU() }},
+		{"random", func(*testing.T) Policy { return newRandom(3) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCache(t, 4, Config{Policy: tc.policy(t)})

@@ -83,7 +83,7 @@ type Config struct {
 	// SlotAlign is the alignment of slot addresses, a power of two ≥ 16;
 	// 0 means DefaultSlotAlign.
 	SlotAlign uint64
-	// Policy advises evictions; nil means NewLRU(). The cache owns it and
+	// Policy advises evictions; nil means exact LRU. The cache owns it and
 	// closes it in Close.
 	Policy Policy
 	// LowWatermark is the number of free slots the cache keeps by evicting
@@ -240,7 +240,7 @@ type Cache struct {
 	slotSize  uint64
 	align     uint64
 	policy    Policy
-	lru       *LRU // policy, when it is the LRU: hits touch it without an interface call
+	lru       *lru // policy, when it is the LRU: hits touch it without an interface call
 	watermark int
 	threshold int
 	onFree    func(Slot)
@@ -286,7 +286,7 @@ type Cache struct {
 	st         Stats
 	counts     [stateRetired]int // slots per state, retired ones not counted
 
-	victims  []Victim  // scratch for maintain
+	victims  []victim  // scratch for maintain
 	found    []int32   // scratch: slots of a call's keys
 	dupKeys  dupKeySet // scratch for duplicate checks
 	dupIDs   dupIDSet
@@ -329,7 +329,7 @@ func New(cfg Config) (*Cache, error) {
 	}
 	p := cfg.Policy
 	if p == nil {
-		p = NewLRU()
+		p = newLRU()
 	}
 	c := &Cache{
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
@@ -338,7 +338,7 @@ func New(cfg Config) (*Cache, error) {
 		heads:    cfg.Layout.Geometry().KVHeads, partialTimeout: cfg.PartialTimeout, now: cfg.Clock,
 		dupStore: map[storeHandle]struct{}{},
 	}
-	c.lru, _ = p.(*LRU)
+	c.lru, _ = p.(*lru)
 	c.zeroDone.L = &c.mu
 	if cfg.OnDemote != nil {
 		c.demote, c.onDemote = cfg.Demote, cfg.OnDemote
@@ -359,7 +359,7 @@ func New(cfg Config) (*Cache, error) {
 	if c.threshold > 1 {
 		c.seen = newSeenSketch()
 	}
-	p.SetCapacity(0)
+	p.setCapacity(0)
 	return c, nil
 }
 
@@ -373,7 +373,7 @@ func (c *Cache) Close() {
 	defer c.mu.Unlock()
 	if !c.closed {
 		c.closed = true
-		c.policy.Close()
+		c.policy.close()
 	}
 	for c.counts[stateZeroing] > 0 {
 		c.zeroDone.Wait()
@@ -449,7 +449,7 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 	}
 	c.usable += int(n)
 	c.index.reserve(len(c.slots))
-	c.policy.SetCapacity(c.policyCapacity())
+	c.policy.setCapacity(c.policyCapacity())
 	c.check()
 	return int(n), nil
 }
@@ -560,7 +560,7 @@ func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 			c.evict(i, &c.st.Trimmed, true)
 		}
 	}
-	c.policy.SetCapacity(c.policyCapacity())
+	c.policy.setCapacity(c.policyCapacity())
 	done := c.maybeReleasable(rr)
 	c.check()
 	return done, nil

@@ -68,7 +68,7 @@ func (c *Cache) syncPolicy() {
 	if closed {
 		return
 	}
-	c.policy.Sync()
+	c.policy.sync()
 	c.maintainIdle()
 }
 
@@ -96,7 +96,7 @@ func (c *Cache) unindex(i int32) {
 func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 	s := &c.slots[i]
 	if tell && s.visible() {
-		c.policy.Removed(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+		c.policy.removed(entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
 	}
 	if c.onIndex != nil && s.visible() {
 		c.onIndex(IndexEvent{Key: s.key, Slot: c.handle(i), Namespace: s.ns, Evicted: counter == &c.st.Evicted})
@@ -133,7 +133,7 @@ func (c *Cache) rank(id SlotID) int {
 	s := &c.slots[id]
 	switch {
 	case s.state == stateLeased, s.chain:
-		return NotAVictim
+		return notAVictim
 	case s.children > 0:
 		return 1
 	}
@@ -168,7 +168,7 @@ func (c *Cache) setChain(parent int32, on bool) {
 func (c *Cache) maintain(want int) {
 	for {
 		need := c.shortOf(want)
-		c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
+		c.victims = c.policy.evictions(need, c.rank, c.victims[:0])
 		if len(c.victims) == 0 {
 			return
 		}

@@ -92,7 +92,7 @@ func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) 
 		}
 	}
 	for _, k := range keys[n:] {
-		c.policy.Missed(k)
+		c.policy.missed(k)
 	}
 	if c.threshold > 1 {
 		for _, k := range keys {
@@ -114,7 +114,7 @@ func (c *Cache) accessed(k Key, i int32, gen uint32) {
 		c.lru.touch(i, gen)
 		return
 	}
-	c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: gen})
+	c.policy.accessed(entry{Key: k, Slot: SlotID(i), Gen: gen})
 }
 
 func (c *Cache) lease(i int32) {

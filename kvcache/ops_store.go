@@ -305,7 +305,7 @@ func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) (
 					s.parent = -1
 				}
 			}
-			c.policy.Inserted(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+			c.policy.inserted(entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
 			if c.onIndex != nil {
 				c.onIndex(IndexEvent{Ready: true, Key: s.key, Slot: c.handle(i), Namespace: s.ns})
 			}

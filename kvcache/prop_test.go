@@ -225,9 +225,9 @@ func TestPropertyStateMachine(t *testing.T) {
 		var p Policy
 		switch rapid.IntRange(0, 2).Draw(t, "policy") {
 		case 0:
-			p = NewRandom(rapid.Uint64().Draw(t, "seed"))
+			p = newRandom(rapid.Uint64().Draw(t, "seed"))
 		case 1:
-			p = NewLRU()
+			p = newLRU()
 		default:
 			// Ristretto decides on its own goroutines, so a failing case
 			// may not replay exactly; what is checked holds whatever it
