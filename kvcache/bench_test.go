@@ -70,7 +70,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 // 2 MiB blocks). One iteration replays the whole trace.
 func BenchmarkHitRatio(b *testing.B) {
 	const requests = 1500
-	layout, err := NewLayout(DenseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
+	layout, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -114,7 +114,7 @@ func BenchmarkHitRatio(b *testing.B) {
 // Target: ≤ 1 µs per block for the three together.
 func BenchmarkControlPlane(b *testing.B) {
 	const slots, batch = 1 << 20, 16
-	layout, err := NewLayout(DenseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
+	layout, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -296,7 +296,7 @@ func BenchmarkLookupLease1024(b *testing.B) {
 // ids (key j's first two bytes are j, its last tag), and their slots.
 func storedCache(b *testing.B, kind LayoutKind, slots int, ids []int, tag byte) (*Cache, []Key, []Slot) {
 	b.Helper()
-	layout, err := NewLayout(DenseSpec(kind, llama3_8B, slots, 1<<44))
+	layout, err := NewLayout(denseSpec(kind, llama3_8B, slots, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -15,7 +15,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 var tiny = Geometry{Layers: 2, KVHeads: 1, HeadDim: 8, DTypeBytes: 2, TokensPerBlock: 4}
 
 func tinyLayout(t testing.TB, blocks int) *Layout {
-	l, err := NewLayout(DenseSpec(LayerSeparate, tiny, blocks, 1<<30))
+	l, err := NewLayout(denseSpec(LayerSeparate, tiny, blocks, 1<<30))
 	require.NoError(t, err)
 	return l
 }
@@ -119,7 +119,7 @@ func checkCarving(t *testing.T, r Region, offs []uint64, slot, align uint64) {
 func TestCarvePresets(t *testing.T) {
 	for name, g := range presets {
 		for _, kind := range kindsFor(g) {
-			l, err := NewLayout(DenseSpec(kind, g, 8, 0))
+			l, err := NewLayout(denseSpec(kind, g, 8, 0))
 			require.NoError(t, err)
 			r := Region{Base: 0x7f0000000000, Size: 1 << 30, RangeStarts: []uint64{100 << 20, 300<<20 + 4096, 700 << 20}}
 			offs, err := carve(r, l.SlotSize(), DefaultSlotAlign)
@@ -453,7 +453,7 @@ func TestTinyLFUNoLeak(t *testing.T) {
 }
 
 func ExampleCache() {
-	layout, _ := NewLayout(DenseSpec(LayerSeparate, llama3_8B, 1024, 0x7f0000000000))
+	layout, _ := NewLayout(denseSpec(LayerSeparate, llama3_8B, 1024, 0x7f0000000000))
 	c, _ := New(Config{Layout: layout, LowWatermark: 1})
 	defer c.Close()
 	n, _ := c.AddRegion(Region{ID: 1, Base: 0x10000000, Size: 8 << 20})

@@ -269,11 +269,13 @@ func (l *Layout) hostRuns(r HeadRange, dst []hostRun) ([]hostRun, error) {
 	return dst, nil
 }
 
-// DenseRankSpec is DenseSpec for a rank holding heads of g (all heads when
-// heads is zero) in device order order: per layer a K tensor of NumBlocks
-// blocks of the rank's heads then a V tensor (LayerSeparate), one latent
-// tensor per layer (MLA), or one tensor of whole blocks of the rank's heads
-// (CrossLayer). For tests, demos and benchmarks; NewLayout validates the
+// DenseRankSpec returns a spec of the given kind, order and head range
+// (all of g's heads when heads is zero) whose tensors lie back to back from
+// base, as an allocator that gives each tensor its own buffer would place
+// them: per layer a K tensor of numBlocks blocks of the rank's heads then a
+// V tensor (LayerSeparate), one latent tensor per layer (MLA), or one
+// tensor of whole blocks of the rank's heads (CrossLayer). For tests, demos
+// and benchmarks, and to size a device allocation; NewLayout validates the
 // result (a bad range included).
 func DenseRankSpec(kind LayoutKind, g Geometry, order HeadOrder, heads HeadRange, numBlocks int, base uint64) LayoutSpec {
 	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks, Order: order, Heads: heads}

@@ -33,7 +33,9 @@ const segmentAlign = 16
 
 // Geometry is the shape of one block of the model's KV cache: all its KV
 // heads, whatever the tensor-parallel size (a rank's share is the layout's
-// head range, LayoutSpec.Heads).
+// head range, LayoutSpec.Heads). Every field is at least 1; Layers is at
+// most 65536, and KVHeads at most 4096 in a layout of declared order
+// (LayoutSpec.Order); NewLayout refuses others.
 type Geometry struct {
 	Layers         int // attention layers
 	KVHeads        int // the model's KV heads per layer (all ranks together); 1 for MLA
@@ -42,7 +44,8 @@ type Geometry struct {
 	TokensPerBlock int // tokens per block
 }
 
-// Presets: plain numbers for common geometries (one tensor-parallel rank).
+// Presets for tests: plain numbers for common geometries (one
+// tensor-parallel rank).
 var (
 	// llama3_8B is a Llama-3-8B-like geometry: 32 layers, 8 KV heads of 128,
 	// bf16, 16 tokens per block: 32 KiB segments, 2 MiB per block
@@ -56,10 +59,10 @@ var (
 	deepSeekMLA = Geometry{Layers: 61, KVHeads: 1, HeadDim: 576, DTypeBytes: 2, TokensPerBlock: 64}
 )
 
-// MaxLayers bounds Geometry.Layers: a layout holds one entry per layer
-// (and DenseSpec builds them), so an absurd layer count must fail on the
+// maxLayers bounds Geometry.Layers: a layout holds one entry per layer
+// (and DenseRankSpec builds them), so an absurd layer count must fail on the
 // count, not on an allocation. Real models have at most a few hundred.
-const MaxLayers = 1 << 16
+const maxLayers = 1 << 16
 
 // maxKVHeads bounds Geometry.KVHeads for a layout of declared order
 // (LayoutSpec.Order), which gives a segment per head: real models have at
@@ -69,7 +72,7 @@ const maxKVHeads = 1 << 12
 
 // segmentLen returns the bytes of one layer's K (or V) of one block:
 // KVHeads × HeadDim × DTypeBytes × TokensPerBlock. It also checks Layers
-// (at least 1, at most MaxLayers).
+// (at least 1, at most maxLayers).
 func (g Geometry) segmentLen() (uint64, error) {
 	dims := []struct {
 		name string
@@ -83,8 +86,8 @@ func (g Geometry) segmentLen() (uint64, error) {
 			return 0, fmt.Errorf("%w: %s = %d, must be at least 1", errGeometry, d.name, d.v)
 		}
 	}
-	if g.Layers > MaxLayers {
-		return 0, fmt.Errorf("%w: Layers = %d, at most %d", errGeometry, g.Layers, MaxLayers)
+	if g.Layers > maxLayers {
+		return 0, fmt.Errorf("%w: Layers = %d, at most %d", errGeometry, g.Layers, maxLayers)
 	}
 	n := uint64(1)
 	for _, d := range dims[1:] {
@@ -203,9 +206,6 @@ type Segment struct {
 	DevPitch  uint64
 	HostPitch uint64
 }
-
-// Strided reports whether s is a 2-D segment (Rows > 1).
-func (s Segment) Strided() bool { return s.Rows > 1 }
 
 // Layout maps block ids to their segments and knows the slot size. It is
 // immutable and safe for concurrent use.
@@ -433,23 +433,8 @@ func alignUp(n, a uint64) (uint64, bool) {
 	return r &^ (a - 1), true
 }
 
-// DenseSpec returns a spec of the given kind whose tensors lie back to back
-// from base, as an allocator that gives each tensor its own buffer would place
-// them: per layer a K tensor of NumBlocks blocks (one layer's K each) then a V tensor
-// (LayerSeparate), one latent tensor per layer (MLA), or one tensor of whole
-// blocks (CrossLayer). It is for tests, demos and benchmarks; NewLayout
-// validates the result.
-func DenseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSpec {
-	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks}
-	seg, err := g.segmentLen()
-	if err != nil || numBlocks <= 0 {
-		return spec
-	}
-	return denseTensors(spec, seg, base)
-}
-
 // denseTensors places spec's tensors back to back from base, seg bytes a
-// block per layer tensor (DenseSpec, DenseRankSpec).
+// block per layer tensor (DenseRankSpec, and denseSpec in tests).
 func denseTensors(spec LayoutSpec, seg, base uint64) LayoutSpec {
 	g, n := spec.Geometry, uint64(spec.NumBlocks)
 	switch spec.Kind {

@@ -19,14 +19,14 @@ func kindsFor(g Geometry) []LayoutKind {
 }
 
 func TestPresetSizes(t *testing.T) {
-	l8, err := NewLayout(DenseSpec(LayerSeparate, llama3_8B, 4, 1<<40))
+	l8, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(2<<20), l8.SlotSize())
 	require.Equal(t, 64, l8.segmentsPerBlock())
-	l70, err := NewLayout(DenseSpec(LayerSeparate, llama3_70B, 4, 1<<40))
+	l70, err := NewLayout(denseSpec(LayerSeparate, llama3_70B, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(5<<20), l70.SlotSize())
-	mla, err := NewLayout(DenseSpec(MLA, deepSeekMLA, 4, 1<<40))
+	mla, err := NewLayout(denseSpec(MLA, deepSeekMLA, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(61*64*576*2), mla.SlotSize())
 	require.Equal(t, 61, mla.segmentsPerBlock())
@@ -39,7 +39,7 @@ func TestSegmentsEveryBlock(t *testing.T) {
 	for name, g := range presets {
 		for _, kind := range kindsFor(g) {
 			t.Run(name+"/"+kind.String(), func(t *testing.T) {
-				l, err := NewLayout(DenseSpec(kind, g, blocks, 1<<40))
+				l, err := NewLayout(denseSpec(kind, g, blocks, 1<<40))
 				require.NoError(t, err)
 				type span struct{ lo, hi uint64 }
 				var dev []span
@@ -70,7 +70,7 @@ func TestSegmentsEveryBlock(t *testing.T) {
 
 func TestSegmentPadding(t *testing.T) {
 	g := Geometry{Layers: 2, KVHeads: 1, HeadDim: 3, DTypeBytes: 1, TokensPerBlock: 3} // 9-byte segments
-	l, err := NewLayout(DenseSpec(LayerSeparate, g, 2, 0))
+	l, err := NewLayout(denseSpec(LayerSeparate, g, 2, 0))
 	require.NoError(t, err)
 	require.Equal(t, uint64(4*16), l.SlotSize())
 	segs, err := l.Segments(1, nil)
@@ -127,7 +127,7 @@ func TestLayoutErrors(t *testing.T) {
 }
 
 func TestBlockIDRange(t *testing.T) {
-	l, err := NewLayout(DenseSpec(CrossLayer, llama3_8B, 10, 0))
+	l, err := NewLayout(denseSpec(CrossLayer, llama3_8B, 10, 0))
 	require.NoError(t, err)
 	for _, id := range []int{-1, 10, 1 << 40} {
 		dst := []Segment{{Len: 7}}
@@ -190,7 +190,7 @@ func TestLayerSegments(t *testing.T) {
 		if kind == MLA {
 			gg.KVHeads = 1
 		}
-		l, err := NewLayout(DenseSpec(kind, gg, 5, 1<<20))
+		l, err := NewLayout(denseSpec(kind, gg, 5, 1<<20))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -217,4 +217,19 @@ func TestLayerSegments(t *testing.T) {
 			t.Fatalf("%v: layer %d: %v", kind, gg.Layers, err)
 		}
 	}
+}
+
+// denseSpec returns a spec of the given kind whose tensors lie back to back
+// from base, as an allocator that gives each tensor its own buffer would place
+// them: per layer a K tensor of NumBlocks blocks (one layer's K each) then a V tensor
+// (LayerSeparate), one latent tensor per layer (MLA), or one tensor of whole
+// blocks (CrossLayer). It is for tests, demos and benchmarks; NewLayout
+// validates the result.
+func denseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSpec {
+	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks}
+	seg, err := g.segmentLen()
+	if err != nil || numBlocks <= 0 {
+		return spec
+	}
+	return denseTensors(spec, seg, base)
 }

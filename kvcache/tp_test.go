@@ -360,7 +360,7 @@ func TestWholeStoreUnchanged(t *testing.T) {
 		require.Equal(t, HeadRange{0, 4}, r.Heads)
 	}
 	require.Equal(t, 2, c.Lookup(keys))
-	u, err := NewLayout(DenseSpec(LayerSeparate, tpGeo, 16, devBase))
+	u, err := NewLayout(denseSpec(LayerSeparate, tpGeo, 16, devBase))
 	require.NoError(t, err)
 	for b, r := range res {
 		segs, err := u.Segments(ids[b], nil)
