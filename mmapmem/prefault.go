@@ -90,9 +90,9 @@ type prefaultPlan struct {
 // the prefault no measurable time.
 const prefaultPiece int64 = 8 << 20
 
-// ErrPrefaultStopped means a prefault ended early because Options.PrefaultStop
+// errPrefaultStopped means a prefault ended early because Options.PrefaultStop
 // was closed: the pages of the range may be only partly resident.
-var ErrPrefaultStopped = errors.New("mmapmem: prefault stopped")
+var errPrefaultStopped = errors.New("mmapmem: prefault stopped")
 
 // prefault faults in every page of mem for writing on p.threads OS threads,
 // each in pieces of at most prefaultPiece bytes. Each worker is locked to
@@ -156,14 +156,14 @@ func lowerPriority(inc int) {
 }
 
 // fault faults in mem[lo:hi] with the plan's method, in pieces of at most
-// prefaultPiece bytes, and returns ErrPrefaultStopped, wrapped, when p.stop
+// prefaultPiece bytes, and returns errPrefaultStopped, wrapped, when p.stop
 // is closed before a piece.
 func (p prefaultPlan) fault(mem []byte, lo, hi int64) error {
 	piece := alignUp(prefaultPiece, p.align)
 	for off := lo; off < hi; off += piece {
 		select {
 		case <-p.stop:
-			return fmt.Errorf("%w: at byte %d of [%d, %d)", ErrPrefaultStopped, off, lo, hi)
+			return fmt.Errorf("%w: at byte %d of [%d, %d)", errPrefaultStopped, off, lo, hi)
 		default:
 		}
 		if err := p.faultPiece(mem, off, min(off+piece, hi)); err != nil {
