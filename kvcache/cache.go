@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/kvoffload/kvoffload/internal/kvseen"
 )
 
 // Cache errors. Every error wraps one of these and names the bad value.
@@ -280,7 +282,7 @@ type Cache struct {
 	nFree    int // slots on the free list
 	usable   int // slots of regions not draining
 
-	seen seenSketch
+	seen kvseen.Sketch
 
 	releasable []RegionID
 	st         Stats
@@ -324,8 +326,8 @@ func New(cfg Config) (*Cache, error) {
 	if cfg.PartialTimeout < 0 {
 		return nil, fmt.Errorf("%w: PartialTimeout %v is negative", errConfig, cfg.PartialTimeout)
 	}
-	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > maxSeen {
-		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", errConfig, cfg.StoreThreshold, maxSeen)
+	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > kvseen.Max {
+		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", errConfig, cfg.StoreThreshold, kvseen.Max)
 	}
 	p := cfg.Policy
 	if p == nil {
@@ -357,7 +359,7 @@ func New(cfg Config) (*Cache, error) {
 		c.index.reserve(cfg.MaxSlots)
 	}
 	if c.threshold > 1 {
-		c.seen = newSeenSketch()
+		c.seen = kvseen.NewSketch()
 	}
 	p.setCapacity(0)
 	return c, nil

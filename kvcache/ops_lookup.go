@@ -96,7 +96,7 @@ func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) 
 	}
 	if c.threshold > 1 {
 		for _, k := range keys {
-			c.seen.add(k)
+			c.seen.Add(k)
 		}
 	}
 	if lease {

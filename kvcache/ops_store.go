@@ -126,7 +126,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 		i, ok := c.index.get(k)
 		if !ok {
 			i = -1
-			if admitting && c.threshold > 1 && c.seen.count(k) < c.threshold {
+			if admitting && c.threshold > 1 && c.seen.Count(k) < c.threshold {
 				admitting = false
 			}
 			if admitting {
@@ -167,7 +167,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 			dst = append(dst, r)
 			continue
 		}
-		if refused == 0 && c.threshold > 1 && c.seen.count(k) < c.threshold {
+		if refused == 0 && c.threshold > 1 && c.seen.Count(k) < c.threshold {
 			refused = StoreRefusedAdmission
 		}
 		var i int32 = -1

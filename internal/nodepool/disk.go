@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/kvoffload/kvoffload/internal/kvseen"
 	"github.com/kvoffload/kvoffload/internal/tier/disk"
 	"github.com/kvoffload/kvoffload/internal/tier/disk/writeback"
 	"github.com/kvoffload/kvoffload/internal/tier/record"
@@ -22,7 +23,7 @@ import (
 // written back: a block the pool's policy evicts is written to disk if
 // its key passes the admission filter (seen at least AdmitAfter times,
 // default 2: stores and lookups through the node counted in
-// kvcache.SeenCounter; AdmitAll takes every eviction) and is not on disk
+// kvseen.Counter; AdmitAll takes every eviction) and is not on disk
 // already, within WriteBackBytes of write-backs waiting (beyond it the
 // eviction is dropped, Stats.DiskDropped). An accepted block leaves the
 // index at once but stays readable until its write ends: a Lookup counts
@@ -79,7 +80,7 @@ type DiskConfig struct {
 	AdmitAll bool
 	// AdmitAfter is how many times a key must have been seen before its
 	// evicted block is written back: default 2 (as Dynamo's G3), at most
-	// kvcache.MaxSeenCount (15: the sketch's counters saturate there; the
+	// kvseen.Max (15: the sketch's counters saturate there; the
 	// embedded engine takes up to 255); 1 admits every block. A store of
 	// head ranges counts once per block (the range that starts at head 0).
 	// Ignored with AdmitAll.
@@ -151,12 +152,12 @@ type nodeDisk struct {
 	wb         *writeback.Writer
 	cache      *kvcache.Cache // set before the writers start
 	slot       uint64
-	mem        map[uint32][]byte    // the node's mapping of each region at open (the pool is fixed at start)
-	seen       *kvcache.SeenCounter // nil: every eviction is admitted
-	admitAfter int                  // DiskConfig.AdmitAfter
-	reap       func()               // Server.reap: a demoting slot freed may end a region's drain
-	beforePut  func(kvcache.Key)    // test hook, run by every writer before each Put
-	queue      chan kvcache.Key     // write-through (nil without WriteThrough)
+	mem        map[uint32][]byte            // the node's mapping of each region at open (the pool is fixed at start)
+	seen       *kvseen.Counter[kvcache.Key] // nil: every eviction is admitted
+	admitAfter int                          // DiskConfig.AdmitAfter
+	reap       func()                       // Server.reap: a demoting slot freed may end a region's drain
+	beforePut  func(kvcache.Key)            // test hook, run by every writer before each Put
+	queue      chan kvcache.Key             // write-through (nil without WriteThrough)
 
 	mu     sync.RWMutex // closed; held (read) while queueing a write-through
 	closed bool
@@ -200,7 +201,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 		},
 		BeforePut: s.beforeDiskPut, BeforeGet: s.beforeDiskGet})
 	if !dc.AdmitAll && dc.AdmitAfter > 1 {
-		d.seen = kvcache.NewSeenCounter()
+		d.seen = kvseen.NewCounter[kvcache.Key]()
 	}
 	if dc.WriteThrough {
 		d.queue = make(chan kvcache.Key, dc.QueueBlocks)
@@ -238,8 +239,8 @@ func checkDisk(dc *DiskConfig) (*DiskConfig, error) {
 		return nil, fmt.Errorf("nodepool: Disk.QueueBlocks = %d, must not be negative", d.QueueBlocks)
 	case d.WriteBackBytes < 0:
 		return nil, fmt.Errorf("nodepool: Disk.WriteBackBytes = %d, must not be negative", d.WriteBackBytes)
-	case d.AdmitAfter < 0 || d.AdmitAfter > kvcache.MaxSeenCount:
-		return nil, fmt.Errorf("nodepool: Disk.AdmitAfter = %d, want 1 to %d (0: the default, 2)", d.AdmitAfter, kvcache.MaxSeenCount)
+	case d.AdmitAfter < 0 || d.AdmitAfter > kvseen.Max:
+		return nil, fmt.Errorf("nodepool: Disk.AdmitAfter = %d, want 1 to %d (0: the default, 2)", d.AdmitAfter, kvseen.Max)
 	}
 	if d.QueueBlocks == 0 {
 		d.QueueBlocks = 256
