@@ -72,15 +72,15 @@
 //   - Geometry: KVHeads is the model's, all ranks together; a layout's
 //     LayoutSpec.Heads is the rank's range [First, First+Count) of them
 //     (zero: all). A record fingerprint carries the model's geometry and
-//     the layout's HostFormat.
+//     the layout's host format (head-major or device order, below).
 //   - Host layout: a layout that declares its device order
 //     (LayoutSpec.Order: TokenMajor, [blocks, tokens, heads, head_dim] per
 //     layer, or HeadMajor, [blocks, heads, tokens, head_dim]) keeps slots
-//     head-major (HostHeadMajor): per layer K then V, each holding every
+//     head-major: per layer K then V, each holding every
 //     head of the model, head by head, each head's tokens × head_dim
 //     contiguous. A range of heads is then one contiguous host run per
-//     layer and K/V (HostRuns). A layout of undeclared order keeps the
-//     slot a byte copy of the device segments (HostDeviceOrder), as before
+//     layer and K/V. A layout of undeclared order keeps the
+//     slot a byte copy of the device segments (device order), as before
 //     head ranges existed: the same segments, the same bytes, whole blocks
 //     only.
 //   - Segments: Segments (the rank's heads) and SegmentsRange (a sub-range

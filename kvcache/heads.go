@@ -38,7 +38,7 @@ type HeadOrder uint8
 const (
 	// OrderUndeclared: the device order is not given. Segments are whole
 	// contiguous pieces of the device's block, and the slot holds them byte
-	// for byte (HostDeviceOrder): the layout of the releases before head
+	// for byte: the layout of the releases before head
 	// ranges existed. Head ranges other than all heads are refused.
 	OrderUndeclared HeadOrder = iota
 	// TokenMajor: [blocks, tokens, heads, head_dim] per layer (vLLM's and
@@ -65,37 +65,6 @@ func (o HeadOrder) String() string {
 	return fmt.Sprintf("HeadOrder(%d)", uint8(o))
 }
 
-// HostFormat is the layout of the bytes of a slot (and of a lower tier's
-// record payload, which is the slot): what a reader of another process or
-// TP size must agree on besides the geometry. A record fingerprint must
-// include it (tier/record.Geometry.HostFormat).
-type HostFormat uint8
-
-// Host formats.
-const (
-	// HostDeviceOrder: each segment of the slot is a byte copy of the
-	// device's segment, in the device's order (layouts of undeclared
-	// order). Only engines of the same device order and TP size share it.
-	HostDeviceOrder HostFormat = iota
-	// HostHeadMajor: per layer, K then V (K only for MLA), each holding
-	// every KV head of the model, head by head, each head's tokens ×
-	// head_dim contiguous; a layer's K (or V) starts at a multiple of
-	// 16 bytes for layer-separate and MLA layouts and right after the
-	// previous one for cross-layer layouts. The same bytes for every TP
-	// size and device order.
-	HostHeadMajor
-)
-
-func (f HostFormat) String() string {
-	switch f {
-	case HostDeviceOrder:
-		return "device-order"
-	case HostHeadMajor:
-		return "head-major"
-	}
-	return fmt.Sprintf("HostFormat(%d)", uint8(f))
-}
-
 // hostRun is the contiguous host run of a head range in one layer's K (or
 // V) of a slot: Len bytes at offset Off.
 type hostRun struct {
@@ -110,15 +79,6 @@ func (l *Layout) Heads() HeadRange { return l.heads }
 
 // Order returns the layout's device order.
 func (l *Layout) Order() HeadOrder { return l.spec.Order }
-
-// HostFormat returns the format of the layout's slots: HostHeadMajor for a
-// layout of declared order, HostDeviceOrder otherwise.
-func (l *Layout) HostFormat() HostFormat {
-	if l.spec.Order == OrderUndeclared {
-		return HostDeviceOrder
-	}
-	return HostHeadMajor
-}
 
 // RankBytes returns the bytes of one block the layout's device tensors
 // hold (the rank's heads of every layer): what Segments of a block add up

@@ -162,7 +162,7 @@ type LayoutSpec struct {
 	// slot a byte copy of the device's segments (whole blocks only, the
 	// host layout depends on the device's order: not shareable between
 	// tensor-parallel sizes). TokenMajor or HeadMajor make the host slot
-	// head-major (HostHeadMajor), the same bytes for every TP size.
+	// head-major (see the package doc), the same bytes for every TP size.
 	Order HeadOrder
 	// Stage is the range of the model's layers a pipeline-parallel stage
 	// holds, [First, First+Count) of Geometry.Layers. Only the zero value

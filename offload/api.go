@@ -296,7 +296,7 @@ type LayoutSpec struct {
 	// byte copy of the device's block, as in every release before head
 	// ranges, shared only by engines of the same device order and TP
 	// size). A declared order makes the host slot head-major: the same
-	// bytes for every TP size and order (kvcache.HostHeadMajor).
+	// bytes for every TP size and order (head-major).
 	Order HeadOrder `json:"order,omitempty"`
 	// HeadDim is the width of one head in elements (the latent width for MLA).
 	HeadDim int `json:"head_dim"`

@@ -184,7 +184,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*nod
 	g := layout.Geometry()
 	fp := record.Fingerprint(record.Geometry{Namespace: []byte(nodeDiskNamespace), KVHeads: g.KVHeads, Layers: g.Layers,
 		HeadDim: g.HeadDim, DTypeBytes: g.DTypeBytes, TokensPerBlock: g.TokensPerBlock, LayoutKind: uint8(kind),
-		HostFormat: uint8(kvcache.HostDeviceOrder)})
+		HostFormat: uint8(record.HostDeviceOrder)})
 	slot := layout.SlotSize()
 	st, err := disk.Open(disk.Config{Dirs: dc.Dirs, CapacityBytes: dc.CapacityBytes, RecordPayloadBytes: int64(slot),
 		Fingerprint: fp, Fsync: dc.Fsync, Direct: dc.Direct, RemoveRecords: dc.RemoveRecords})
