@@ -50,3 +50,6 @@ var (
 
 // NUMANode is r.numaNode: the node r is bound to, and whether it is bound.
 func NUMANode(r *Region) (int, bool) { return r.numaNode() }
+
+// PrefaultAuto is the zero PrefaultMethod: DefaultPrefaultMethod.
+const PrefaultAuto = prefaultAuto

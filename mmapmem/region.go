@@ -71,7 +71,7 @@ type Options struct {
 	// PrefaultThreads is the number of OS threads that prefault in parallel;
 	// 0 means DefaultPrefaultThreads(). Negative is an error.
 	PrefaultThreads int
-	// Prefault is how pages are faulted in (PrefaultAuto, the zero value:
+	// Prefault is how pages are faulted in (the zero value, auto:
 	// DefaultPrefaultMethod).
 	Prefault PrefaultMethod
 	// PrefaultNice is added to the nice value of the threads that prefault
