@@ -9,8 +9,8 @@ type HeadRange struct {
 	First, Count int
 }
 
-// End returns First + Count, one past the last head.
-func (r HeadRange) End() int { return r.First + r.Count }
+// end returns First + Count, one past the last head.
+func (r HeadRange) end() int { return r.First + r.Count }
 
 func (r HeadRange) String() string { return fmt.Sprintf("[%d, %d)", r.First, r.First+r.Count) }
 
@@ -25,10 +25,10 @@ func (r HeadRange) within(n int, what string) error {
 }
 
 // contains reports whether r holds every head of q.
-func (r HeadRange) contains(q HeadRange) bool { return q.First >= r.First && q.End() <= r.End() }
+func (r HeadRange) contains(q HeadRange) bool { return q.First >= r.First && q.end() <= r.end() }
 
 // overlaps reports whether r and q share a head.
-func (r HeadRange) overlaps(q HeadRange) bool { return r.First < q.End() && q.First < r.End() }
+func (r HeadRange) overlaps(q HeadRange) bool { return r.First < q.end() && q.First < r.end() }
 
 // HeadOrder says how one block's tokens and heads sit inside one layer's K
 // (or V) in device memory (LayoutSpec.Order).

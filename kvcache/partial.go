@@ -53,7 +53,7 @@ func (p *partial) commit(r HeadRange) {
 	p.done = slices.Insert(p.done, i, r)
 	out := p.done[:1]
 	for _, q := range p.done[1:] {
-		if last := &out[len(out)-1]; last.End() == q.First {
+		if last := &out[len(out)-1]; last.end() == q.First {
 			last.Count += q.Count
 		} else {
 			out = append(out, q)

@@ -119,7 +119,7 @@ func (m *propModel) checkRangeWrite(t *rapid.T, r StoreResult) (fresh bool) {
 		}
 	}
 	if c, ok := m.committed[occ(r.Slot)]; ok {
-		for h := r.Slot.Heads.First; h < r.Slot.Heads.End(); h++ {
+		for h := r.Slot.Heads.First; h < r.Slot.Heads.end(); h++ {
 			require.False(t, c[h], "head %d granted again after it was committed", h)
 		}
 	}
@@ -318,7 +318,7 @@ func TestPropertyStateMachine(t *testing.T) {
 					require.NoError(t, c.CompleteStore([]Slot{s}, err))
 					require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), errStaleSlot)
 					if cm, ok := m.committed[occ(s)]; ok && err == nil {
-						for h := s.Heads.First; h < s.Heads.End(); h++ {
+						for h := s.Heads.First; h < s.Heads.end(); h++ {
 							cm[h] = true
 						}
 					}
