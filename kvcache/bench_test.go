@@ -23,7 +23,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 	if err != nil {
 		b.Fatal(err)
 	}
-	tpb := c.Layout().Geometry().TokensPerBlock
+	tpb := c.layout.Geometry().TokensPerBlock
 	var r replayResult
 	var keys []Key
 	var ids []int
@@ -31,7 +31,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 	var slots []Slot
 	for i := 0; i < requests; i++ {
 		req := g.Next()
-		keys, _ = AppendChainKeys(keys[:0], []byte("bench"), Key{}, req.Tokens, tpb)
+		keys, _ = appendChainKeys(keys[:0], []byte("bench"), Key{}, req.Tokens, tpb)
 		n := c.Lookup(keys)
 		r.blocks += uint64(len(keys))
 		r.hits += uint64(n)
@@ -40,7 +40,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 		}
 		ids = ids[:0]
 		for j := range keys[n:] {
-			ids = append(ids, j%c.Layout().NumBlocks())
+			ids = append(ids, j%c.layout.numBlocks())
 		}
 		parent := Key{}
 		if n > 0 {
@@ -59,7 +59,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 		if err := c.CompleteStore(slots, nil); err != nil {
 			b.Fatal(err)
 		}
-		c.Sync() // requests are ms apart in serving; let ristretto catch up
+		c.syncPolicy() // requests are ms apart in serving; let ristretto catch up
 	}
 	r.st = c.Stats()
 	return r
@@ -70,7 +70,7 @@ func replay(b *testing.B, c *Cache, requests int) replayResult {
 // 2 MiB blocks). One iteration replays the whole trace.
 func BenchmarkHitRatio(b *testing.B) {
 	const requests = 1500
-	layout, err := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 4096, 1<<44))
+	layout, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func BenchmarkHitRatio(b *testing.B) {
 				b.Run(fmt.Sprintf("slots=%d/%s/threshold=%d", slots, pol, threshold), func(b *testing.B) {
 					var r replayResult
 					for i := 0; i < b.N; i++ {
-						var p Policy = NewLRU()
+						var p Policy = newLRU()
 						if pol == "tinylfu" {
 							if p, err = NewTinyLFU(TinyLFUConfig{MaxBlocks: slots}); err != nil {
 								b.Fatal(err)
@@ -114,12 +114,12 @@ func BenchmarkHitRatio(b *testing.B) {
 // Target: ≤ 1 µs per block for the three together.
 func BenchmarkControlPlane(b *testing.B) {
 	const slots, batch = 1 << 20, 16
-	layout, err := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 4096, 1<<44))
+	layout, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4096, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}
 	for _, pol := range []string{"lru", "tinylfu"} {
-		var p Policy = NewLRU()
+		var p Policy = newLRU()
 		if pol == "tinylfu" {
 			if p, err = NewTinyLFU(TinyLFUConfig{MaxBlocks: slots}); err != nil {
 				b.Fatal(err)
@@ -169,7 +169,7 @@ func BenchmarkControlPlane(b *testing.B) {
 		for i := 0; i < slots/batch; i++ { // fill the pool
 			res, sl = storeBatch(keys, ids, res, sl)
 		}
-		c.Sync()
+		c.syncPolicy()
 		b.Run(pol+"/goroutines=1", func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
 				res, sl = storeBatch(keys, ids, res, sl)
@@ -296,11 +296,11 @@ func BenchmarkLookupLease1024(b *testing.B) {
 // ids (key j's first two bytes are j, its last tag), and their slots.
 func storedCache(b *testing.B, kind LayoutKind, slots int, ids []int, tag byte) (*Cache, []Key, []Slot) {
 	b.Helper()
-	layout, err := NewLayout(DenseSpec(kind, Llama3_8B, slots, 1<<44))
+	layout, err := NewLayout(denseSpec(kind, llama3_8B, slots, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}
-	c, err := New(Config{Layout: layout, Policy: NewLRU()})
+	c, err := New(Config{Layout: layout, Policy: newLRU()})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -15,8 +15,8 @@ func TestStoreBurstEvictsInline(t *testing.T) {
 		name   string
 		policy func(t *testing.T) Policy
 	}{
-		{"lru", func(*testing.T) Policy { return NewLRU() }},
-		{"random", func(*testing.T) Policy { return NewRandom(7) }},
+		{"lru", func(*testing.T) Policy { return newLRU() }},
+		{"random", func(*testing.T) Policy { return newRandom(7) }},
 		{"tinylfu", func(t *testing.T) Policy {
 			p, err := NewTinyLFU(TinyLFUConfig{MaxBlocks: n})
 			require.NoError(t, err)
@@ -29,7 +29,7 @@ func TestStoreBurstEvictsInline(t *testing.T) {
 			for i := range old {
 				store(t, c, old[i:i+1], oldIDs[i:i+1]) // n separate sequences
 			}
-			c.Sync()
+			c.syncPolicy()
 			st := c.Stats()
 			require.Equal(t, 0, st.Free)
 			require.Equal(t, n, st.Ready)
@@ -67,15 +67,15 @@ func TestStoreKeepsOwnChain(t *testing.T) {
 		name   string
 		policy func(t *testing.T) Policy
 	}{
-		{"lru", func(*testing.T) Policy { return NewLRU() }},
-		{"random", func(*testing.T) Policy { return NewRandom(3) }},
+		{"lru", func(*testing.T) Policy { return newLRU() }},
+		{"random", func(*testing.T) Policy { return newRandom(3) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCache(t, 4, Config{Policy: tc.policy(t)})
 			ks, ids := keysN(0, 6)
 			store(t, c, ks[:3], ids[:3])   // the chain's first three blocks
 			store(t, c, ks[5:6], ids[5:6]) // one unrelated block
-			c.Sync()
+			c.syncPolicy()
 
 			// Storing ks[3:5] under parent ks[2]: one slot can be made (the
 			// unrelated block), not two, since ks[0..2] are the chain itself.

@@ -6,27 +6,29 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/kvoffload/kvoffload/internal/kvseen"
 )
 
 // Cache errors. Every error wraps one of these and names the bad value.
 var (
-	// ErrConfig: an invalid Config or policy configuration.
-	ErrConfig = errors.New("kvcache: invalid config")
-	// ErrClosed: the cache was closed.
-	ErrClosed = errors.New("kvcache: cache closed")
-	// ErrLengthMismatch: keys and block ids of different lengths.
-	ErrLengthMismatch = errors.New("kvcache: keys and block ids differ in length")
-	// ErrDuplicate: a key (or, for a load, a block id) appears twice in one call.
-	ErrDuplicate = errors.New("kvcache: duplicate in one call")
-	// ErrRegion: a region that cannot be added (duplicate id, bad ranges, or
+	// errConfig: an invalid Config or policy configuration.
+	errConfig = errors.New("kvcache: invalid config")
+	// errClosed: the cache was closed.
+	errClosed = errors.New("kvcache: cache closed")
+	// errLengthMismatch: keys and block ids of different lengths.
+	errLengthMismatch = errors.New("kvcache: keys and block ids differ in length")
+	// errDuplicate: a key (or, for a load, a block id) appears twice in one call.
+	errDuplicate = errors.New("kvcache: duplicate in one call")
+	// errRegion: a region that cannot be added (duplicate id, bad ranges, or
 	// no slot fits in it).
-	ErrRegion = errors.New("kvcache: bad region")
-	// ErrUnknownRegion: RemoveRegion of a region the cache does not hold.
-	ErrUnknownRegion = errors.New("kvcache: unknown region")
-	// ErrStaleSlot: a slot handle that does not name a slot in the state the
+	errRegion = errors.New("kvcache: bad region")
+	// errUnknownRegion: RemoveRegion of a region the cache does not hold.
+	errUnknownRegion = errors.New("kvcache: unknown region")
+	// errStaleSlot: a slot handle that does not name a slot in the state the
 	// call needs (completed twice, already released, from an earlier
 	// occupant of the slot, or never handed out).
-	ErrStaleSlot = errors.New("kvcache: stale slot handle")
+	errStaleSlot = errors.New("kvcache: stale slot handle")
 )
 
 // DefaultSlotAlign is the default alignment of slot addresses: 4 KiB, a page.
@@ -34,14 +36,14 @@ var (
 // slots from ever sharing a cache line or a page, so a DMA writing one slot
 // never touches a line the CPU or another DMA uses for its neighbour, and
 // poisoning or protecting one slot in tests cannot hit another. Real slots are
-// whole pages already (2 MiB for Llama3_8B, 5 MiB for Llama3_70B) or close to
-// it (4.3 MiB for DeepSeekMLA, padded by 2 KiB, 0.05%).
+// whole pages already (2 MiB for Llama 3 8B, 5 MiB for Llama 3 70B) or close
+// to it (4.3 MiB for DeepSeek's MLA, padded by 2 KiB, 0.05%).
 const DefaultSlotAlign = 4096
 
 // Namespace identifies whose blocks an entry holds (model, dtype, layout;
 // not the tensor-parallel rank, whose ranks share blocks), so Clear can
 // drop one model's blocks on a reload. The cache does not
-// interpret it; keys of different namespaces differ anyway (see BlockKey).
+// interpret it; keys of different namespaces differ anyway (see ChainKeys).
 type Namespace uint32
 
 // RegionID names a region; chosen by the caller, unique among the regions
@@ -83,7 +85,7 @@ type Config struct {
 	// SlotAlign is the alignment of slot addresses, a power of two ≥ 16;
 	// 0 means DefaultSlotAlign.
 	SlotAlign uint64
-	// Policy advises evictions; nil means NewLRU(). The cache owns it and
+	// Policy advises evictions; nil means exact LRU. The cache owns it and
 	// closes it in Close.
 	Policy Policy
 	// LowWatermark is the number of free slots the cache keeps by evicting
@@ -129,7 +131,7 @@ type Config struct {
 	// incomplete: once this long has passed since its first range was
 	// granted, a block still missing heads is reclaimed (never visible,
 	// never loaded; Stats.PartialExpired), at the next BeginStore,
-	// Maintain or ExpirePartials. 0 means DefaultPartialTimeout.
+	// or ExpirePartials. 0 means DefaultPartialTimeout.
 	PartialTimeout time.Duration
 	// Clock, when set, replaces time.Now for PartialTimeout (tests).
 	Clock func() time.Time
@@ -240,7 +242,7 @@ type Cache struct {
 	slotSize  uint64
 	align     uint64
 	policy    Policy
-	lru       *LRU // policy, when it is the LRU: hits touch it without an interface call
+	lru       *lru // policy, when it is the LRU: hits touch it without an interface call
 	watermark int
 	threshold int
 	onFree    func(Slot)
@@ -280,13 +282,13 @@ type Cache struct {
 	nFree    int // slots on the free list
 	usable   int // slots of regions not draining
 
-	seen seenSketch
+	seen kvseen.Sketch
 
 	releasable []RegionID
 	st         Stats
 	counts     [stateRetired]int // slots per state, retired ones not counted
 
-	victims  []Victim  // scratch for maintain
+	victims  []victim  // scratch for maintain
 	found    []int32   // scratch: slots of a call's keys
 	dupKeys  dupKeySet // scratch for duplicate checks
 	dupIDs   dupIDSet
@@ -309,27 +311,27 @@ type idRange struct{ first, n int32 }
 // New returns an empty cache (no regions yet; add them with AddRegion).
 func New(cfg Config) (*Cache, error) {
 	if cfg.Layout == nil {
-		return nil, fmt.Errorf("%w: Layout is required", ErrConfig)
+		return nil, fmt.Errorf("%w: Layout is required", errConfig)
 	}
 	align := cfg.SlotAlign
 	if align == 0 {
 		align = DefaultSlotAlign
 	}
-	if align < SegmentAlign || align&(align-1) != 0 {
-		return nil, fmt.Errorf("%w: SlotAlign %d must be a power of two ≥ %d", ErrConfig, align, SegmentAlign)
+	if align < segmentAlign || align&(align-1) != 0 {
+		return nil, fmt.Errorf("%w: SlotAlign %d must be a power of two ≥ %d", errConfig, align, segmentAlign)
 	}
 	if cfg.LowWatermark < 0 {
-		return nil, fmt.Errorf("%w: LowWatermark %d is negative", ErrConfig, cfg.LowWatermark)
+		return nil, fmt.Errorf("%w: LowWatermark %d is negative", errConfig, cfg.LowWatermark)
 	}
 	if cfg.PartialTimeout < 0 {
-		return nil, fmt.Errorf("%w: PartialTimeout %v is negative", ErrConfig, cfg.PartialTimeout)
+		return nil, fmt.Errorf("%w: PartialTimeout %v is negative", errConfig, cfg.PartialTimeout)
 	}
-	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > maxSeen {
-		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", ErrConfig, cfg.StoreThreshold, maxSeen)
+	if cfg.StoreThreshold < 0 || cfg.StoreThreshold > kvseen.Max {
+		return nil, fmt.Errorf("%w: StoreThreshold %d outside [0, %d]", errConfig, cfg.StoreThreshold, kvseen.Max)
 	}
 	p := cfg.Policy
 	if p == nil {
-		p = NewLRU()
+		p = newLRU()
 	}
 	c := &Cache{
 		layout: cfg.Layout, slotSize: cfg.Layout.SlotSize(), align: align, policy: p,
@@ -338,7 +340,7 @@ func New(cfg Config) (*Cache, error) {
 		heads:    cfg.Layout.Geometry().KVHeads, partialTimeout: cfg.PartialTimeout, now: cfg.Clock,
 		dupStore: map[storeHandle]struct{}{},
 	}
-	c.lru, _ = p.(*LRU)
+	c.lru, _ = p.(*lru)
 	c.zeroDone.L = &c.mu
 	if cfg.OnDemote != nil {
 		c.demote, c.onDemote = cfg.Demote, cfg.OnDemote
@@ -350,27 +352,21 @@ func New(cfg Config) (*Cache, error) {
 		c.now = time.Now
 	}
 	if cfg.MaxSlots < 0 || cfg.MaxSlots > MaxSlots {
-		return nil, fmt.Errorf("%w: MaxSlots %d outside [0, %d]", ErrConfig, cfg.MaxSlots, MaxSlots)
+		return nil, fmt.Errorf("%w: MaxSlots %d outside [0, %d]", errConfig, cfg.MaxSlots, MaxSlots)
 	}
 	if cfg.MaxSlots > 0 {
 		c.slots = make([]slotRec, 0, cfg.MaxSlots)
 		c.index.reserve(cfg.MaxSlots)
 	}
 	if c.threshold > 1 {
-		c.seen = newSeenSketch()
+		c.seen = kvseen.NewSketch()
 	}
-	p.SetCapacity(0)
+	p.setCapacity(0)
 	return c, nil
 }
 
-// SlotSize returns the bytes of one slot (the layout's SlotSize).
-func (c *Cache) SlotSize() uint64 { return c.slotSize }
-
-// Layout returns the cache's layout.
-func (c *Cache) Layout() *Layout { return c.layout }
-
 // Close closes the policy (stopping its goroutines) and waits for the
-// Config.OnFree calls in progress. Later calls fail with ErrClosed (lookups
+// Config.OnFree calls in progress. Later calls fail ("cache closed"; lookups
 // report no hits), except Demoted, so that an owner may finish its
 // demotions after Close. Close does not wait for transfers nor for
 // demoting slots: the caller stops its transfers first.
@@ -379,7 +375,7 @@ func (c *Cache) Close() {
 	defer c.mu.Unlock()
 	if !c.closed {
 		c.closed = true
-		c.policy.Close()
+		c.policy.close()
 	}
 	for c.counts[stateZeroing] > 0 {
 		c.zeroDone.Wait()
@@ -422,9 +418,9 @@ func (c *Cache) unlock() {
 // ---- regions -----------------------------------------------------------------
 
 // AddRegion carves r into slots and adds them to the pool; it may be called
-// while the cache serves. It returns the number of slots. Errors wrap
-// ErrRegion (duplicate id, ranges not ascending inside the region, or no slot
-// fitting in any registration range) and leave the pool unchanged.
+// while the cache serves. It returns the number of slots. Errors (a
+// duplicate id, ranges not ascending inside the region, or no slot fitting in
+// any registration range) leave the pool unchanged.
 func (c *Cache) AddRegion(r Region) (int, error) {
 	offs, err := carve(r, c.slotSize, c.align)
 	if err != nil {
@@ -433,11 +429,11 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return 0, ErrClosed
+		return 0, errClosed
 	}
 	for _, rr := range c.regions {
 		if rr.r.ID == r.ID && !rr.releasable {
-			return 0, fmt.Errorf("%w: region id %d already in the pool", ErrRegion, r.ID)
+			return 0, fmt.Errorf("%w: region id %d already in the pool", errRegion, r.ID)
 		}
 	}
 	n := int32(len(offs))
@@ -455,7 +451,7 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 	}
 	c.usable += int(n)
 	c.index.reserve(len(c.slots))
-	c.policy.SetCapacity(c.policyCapacity())
+	c.policy.setCapacity(c.policyCapacity())
 	c.check()
 	return int(n), nil
 }
@@ -464,16 +460,16 @@ func (c *Cache) AddRegion(r Region) (int, error) {
 // to align, none crossing a registration range boundary.
 func carve(r Region, slotSize, align uint64) ([]uint64, error) {
 	if r.Size == 0 {
-		return nil, fmt.Errorf("%w: region %d has size 0", ErrRegion, r.ID)
+		return nil, fmt.Errorf("%w: region %d has size 0", errRegion, r.ID)
 	}
 	if uint64(r.Base)+r.Size < uint64(r.Base) {
-		return nil, fmt.Errorf("%w: region %d at %#x + %d bytes overflows the address space", ErrRegion, r.ID, r.Base, r.Size)
+		return nil, fmt.Errorf("%w: region %d at %#x + %d bytes overflows the address space", errRegion, r.ID, r.Base, r.Size)
 	}
 	bounds := make([]uint64, 0, len(r.RangeStarts)+2)
 	bounds = append(bounds, 0)
 	for i, s := range r.RangeStarts {
 		if s <= bounds[len(bounds)-1] || s >= r.Size {
-			return nil, fmt.Errorf("%w: region %d range start %d (index %d) must be ascending inside (0, %d)", ErrRegion, r.ID, s, i, r.Size)
+			return nil, fmt.Errorf("%w: region %d range start %d (index %d) must be ascending inside (0, %d)", errRegion, r.ID, s, i, r.Size)
 		}
 		bounds = append(bounds, s)
 	}
@@ -503,10 +499,10 @@ func carve(r Region, slotSize, align uint64) ([]uint64, error) {
 	}
 	if len(offs) == 0 {
 		return nil, fmt.Errorf("%w: region %d: no slot of %d bytes (aligned to %d) fits in its largest registration range of %d bytes",
-			ErrRegion, r.ID, slotSize, align, largest)
+			errRegion, r.ID, slotSize, align, largest)
 	}
 	if len(offs) > 1<<30 {
-		return nil, fmt.Errorf("%w: region %d holds %d slots, more than %d", ErrRegion, r.ID, len(offs), 1<<30)
+		return nil, fmt.Errorf("%w: region %d holds %d slots, more than %d", errRegion, r.ID, len(offs), 1<<30)
 	}
 	return offs, nil
 }
@@ -534,12 +530,13 @@ func (c *Cache) takeIDs(n int32) int32 {
 // free list, its ready blocks are evicted, blocks being written or read are
 // evicted when their transfers and leases end. It reports whether the region
 // is releasable already; otherwise it becomes releasable later and
-// TakeReleasable reports it. Errors wrap ErrUnknownRegion.
+// TakeReleasable reports it. It fails for a region the cache does not hold
+// (or that is draining already).
 func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return false, ErrClosed
+		return false, errClosed
 	}
 	var rr *regionRec
 	for _, x := range c.regions {
@@ -548,7 +545,7 @@ func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 		}
 	}
 	if rr == nil || rr.draining {
-		return false, fmt.Errorf("%w: region %d is not in the pool (or is already draining)", ErrUnknownRegion, id)
+		return false, fmt.Errorf("%w: region %d is not in the pool (or is already draining)", errUnknownRegion, id)
 	}
 	rr.draining = true
 	c.usable -= int(rr.n)
@@ -565,7 +562,7 @@ func (c *Cache) RemoveRegion(id RegionID) (bool, error) {
 			c.evict(i, &c.st.Trimmed, true)
 		}
 	}
-	c.policy.SetCapacity(c.policyCapacity())
+	c.policy.setCapacity(c.policyCapacity())
 	done := c.maybeReleasable(rr)
 	c.check()
 	return done, nil

@@ -15,7 +15,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 var tiny = Geometry{Layers: 2, KVHeads: 1, HeadDim: 8, DTypeBytes: 2, TokensPerBlock: 4}
 
 func tinyLayout(t testing.TB, blocks int) *Layout {
-	l, err := NewLayout(DenseSpec(LayerSeparate, tiny, blocks, 1<<30))
+	l, err := NewLayout(denseSpec(LayerSeparate, tiny, blocks, 1<<30))
 	require.NoError(t, err)
 	return l
 }
@@ -86,7 +86,7 @@ func TestCarve(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			offs, err := carve(tc.r, tc.slot, tc.algn)
 			if tc.err != "" {
-				require.ErrorIs(t, err, ErrRegion)
+				require.ErrorIs(t, err, errRegion)
 				require.ErrorContains(t, err, tc.err)
 				return
 			}
@@ -119,7 +119,7 @@ func checkCarving(t *testing.T, r Region, offs []uint64, slot, align uint64) {
 func TestCarvePresets(t *testing.T) {
 	for name, g := range presets {
 		for _, kind := range kindsFor(g) {
-			l, err := NewLayout(DenseSpec(kind, g, 8, 0))
+			l, err := NewLayout(denseSpec(kind, g, 8, 0))
 			require.NoError(t, err)
 			r := Region{Base: 0x7f0000000000, Size: 1 << 30, RangeStarts: []uint64{100 << 20, 300<<20 + 4096, 700 << 20}}
 			offs, err := carve(r, l.SlotSize(), DefaultSlotAlign)
@@ -140,10 +140,10 @@ func TestConfigErrors(t *testing.T) {
 		{Layout: l, StoreThreshold: 99},
 	} {
 		_, err := New(cfg)
-		require.ErrorIs(t, err, ErrConfig)
+		require.ErrorIs(t, err, errConfig)
 	}
 	_, err := NewTinyLFU(TinyLFUConfig{})
-	require.ErrorIs(t, err, ErrConfig)
+	require.ErrorIs(t, err, errConfig)
 }
 
 func TestStoreLookupLoad(t *testing.T) {
@@ -181,7 +181,7 @@ func TestStoreLookupLoad(t *testing.T) {
 	st := c.Stats()
 	require.Equal(t, 3, st.Leased)
 	require.NoError(t, c.EndLoad([]Slot{lr[0].Slot, lr[1].Slot, lr[3].Slot}))
-	require.ErrorIs(t, c.EndLoad([]Slot{lr[0].Slot}), ErrStaleSlot)
+	require.ErrorIs(t, c.EndLoad([]Slot{lr[0].Slot}), errStaleSlot)
 
 	st = c.Stats()
 	require.Equal(t, Stats{
@@ -205,28 +205,28 @@ func TestBadInputLeavesNoState(t *testing.T) {
 		err  error
 		msg  string
 	}{
-		{"store length", func() error { _, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: ids[:2]}, nil); return err }, ErrLengthMismatch, "3 keys, 2 block ids"},
+		{"store length", func() error { _, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: ids[:2]}, nil); return err }, errLengthMismatch, "3 keys, 2 block ids"},
 		{"store dup", func() error {
 			_, err := c.BeginStore(StoreRequest{Keys: dup, BlockIDs: []int{1, 2, 3}}, nil)
 			return err
-		}, ErrDuplicate, "at index 2"},
+		}, errDuplicate, "at index 2"},
 		{"store block id", func() error {
 			_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{1, 16, 2}}, nil)
 			return err
-		}, ErrBlockID, "block id 16, layout has 16 blocks"},
+		}, errBlockID, "block id 16, layout has 16 blocks"},
 		{"store negative id", func() error {
 			_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: []int{-1, 2, 3}}, nil)
 			return err
-		}, ErrBlockID, "block id -1"},
-		{"load length", func() error { _, err := c.BeginLoad(ks, nil, nil); return err }, ErrLengthMismatch, "3 keys, 0 block ids"},
-		{"load dup key", func() error { _, err := c.BeginLoad(dup, []int{1, 2, 3}, nil); return err }, ErrDuplicate, "key"},
-		{"load dup block", func() error { _, err := c.BeginLoad(ks, []int{1, 2, 1}, nil); return err }, ErrDuplicate, "block id 1 at index 2"},
-		{"complete stale", func() error { return c.CompleteStore([]Slot{{ID: 0, Gen: 99}}, nil) }, ErrStaleSlot, "gen 99"},
-		{"complete unknown", func() error { return c.CompleteStore([]Slot{{ID: 1000}}, nil) }, ErrStaleSlot, "slot 1000"},
-		{"unlease none", func() error { return c.Unlease([]Slot{{ID: 7, Gen: 1}}) }, ErrStaleSlot, ""},
-		{"remove unknown region", func() error { _, err := c.RemoveRegion(42); return err }, ErrUnknownRegion, "region 42"},
-		{"add duplicate region", func() error { _, err := c.AddRegion(Region{ID: 1, Size: 4096}); return err }, ErrRegion, "region id 1 already"},
-		{"add region too small", func() error { _, err := c.AddRegion(Region{ID: 2, Size: 255}); return err }, ErrRegion, "no slot of 256 bytes"},
+		}, errBlockID, "block id -1"},
+		{"load length", func() error { _, err := c.BeginLoad(ks, nil, nil); return err }, errLengthMismatch, "3 keys, 0 block ids"},
+		{"load dup key", func() error { _, err := c.BeginLoad(dup, []int{1, 2, 3}, nil); return err }, errDuplicate, "key"},
+		{"load dup block", func() error { _, err := c.BeginLoad(ks, []int{1, 2, 1}, nil); return err }, errDuplicate, "block id 1 at index 2"},
+		{"complete stale", func() error { return c.CompleteStore([]Slot{{ID: 0, Gen: 99}}, nil) }, errStaleSlot, "gen 99"},
+		{"complete unknown", func() error { return c.CompleteStore([]Slot{{ID: 1000}}, nil) }, errStaleSlot, "slot 1000"},
+		{"unlease none", func() error { return c.Unlease([]Slot{{ID: 7, Gen: 1}}) }, errStaleSlot, ""},
+		{"remove unknown region", func() error { _, err := c.RemoveRegion(42); return err }, errUnknownRegion, "region 42"},
+		{"add duplicate region", func() error { _, err := c.AddRegion(Region{ID: 1, Size: 4096}); return err }, errRegion, "region id 1 already"},
+		{"add region too small", func() error { _, err := c.AddRegion(Region{ID: 2, Size: 255}); return err }, errRegion, "no slot of 256 bytes"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -241,9 +241,9 @@ func TestBadInputLeavesNoState(t *testing.T) {
 	res, err := c.BeginStore(StoreRequest{Keys: ks[1:2], BlockIDs: ids[1:2]}, nil)
 	require.NoError(t, err)
 	s := res[0].Slot
-	require.ErrorIs(t, c.CompleteStore([]Slot{s, s}, nil), ErrDuplicate)
+	require.ErrorIs(t, c.CompleteStore([]Slot{s, s}, nil), errDuplicate)
 	require.NoError(t, c.CompleteStore([]Slot{s}, nil))
-	require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), ErrStaleSlot)
+	require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), errStaleSlot)
 	require.NoError(t, c.Verify())
 }
 
@@ -411,7 +411,7 @@ func TestTrim(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, done)
 	_, err = c.RemoveRegion(2)
-	require.ErrorIs(t, err, ErrUnknownRegion)
+	require.ErrorIs(t, err, errUnknownRegion)
 	st := c.Stats()
 	require.Equal(t, 4, st.Slots)
 	require.Equal(t, uint64(4), st.Trimmed)
@@ -425,7 +425,7 @@ func TestTrim(t *testing.T) {
 	// New regions reuse the retired slot ids; stale handles stay stale.
 	_, err = c.AddRegion(Region{ID: 2, Base: 0x200000, Size: 2 * 256})
 	require.NoError(t, err)
-	require.ErrorIs(t, c.Unlease(leased), ErrStaleSlot)
+	require.ErrorIs(t, c.Unlease(leased), errStaleSlot)
 	require.NoError(t, c.Verify())
 }
 
@@ -438,10 +438,10 @@ func TestTinyLFUNoLeak(t *testing.T) {
 		c.Lookup(ks)
 		store(t, c, ks, ids)
 		if i%16 == 0 {
-			c.Sync()
+			c.syncPolicy()
 		}
 	}
-	c.Sync()
+	c.syncPolicy()
 	st := c.Stats()
 	require.GreaterOrEqual(t, st.Free, 8)
 	require.Equal(t, st.Stored, st.Evicted+st.Rejected+uint64(st.Ready))
@@ -449,11 +449,11 @@ func TestTinyLFUNoLeak(t *testing.T) {
 	c.Close()
 	c.Close()
 	_, err = c.BeginStore(StoreRequest{}, nil)
-	require.ErrorIs(t, err, ErrClosed)
+	require.ErrorIs(t, err, errClosed)
 }
 
 func ExampleCache() {
-	layout, _ := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 1024, 0x7f0000000000))
+	layout, _ := NewLayout(denseSpec(LayerSeparate, llama3_8B, 1024, 0x7f0000000000))
 	c, _ := New(Config{Layout: layout, LowWatermark: 1})
 	defer c.Close()
 	n, _ := c.AddRegion(Region{ID: 1, Base: 0x10000000, Size: 8 << 20})
@@ -483,7 +483,7 @@ func TestUnleaseCountsHandlesPerCall(t *testing.T) {
 		require.Len(t, a, 2)
 		// ks[0] twice (two leases) and ks[1] twice (one lease): refused whole.
 		err := c.Unlease([]Slot{a[0], b[0], a[1], a[1]})
-		require.ErrorIs(t, err, ErrStaleSlot)
+		require.ErrorIs(t, err, errStaleSlot)
 		require.ErrorContains(t, err, "released 2 times, it holds 1 leases")
 		require.Equal(t, 2, c.Stats().Leased)
 		require.NoError(t, c.Unlease([]Slot{a[0], b[0], a[1]})) // both leases of ks[0]
@@ -493,7 +493,7 @@ func TestUnleaseCountsHandlesPerCall(t *testing.T) {
 		_, b = c.LookupLease(ks[:1], nil)
 		require.NoError(t, c.Unlease(a))
 		require.NoError(t, c.Unlease(b))
-		require.ErrorIs(t, c.Unlease(b), ErrStaleSlot)
+		require.ErrorIs(t, c.Unlease(b), errStaleSlot)
 		require.NoError(t, c.Verify())
 	}
 	require.NotZero(t, c.dupEpoch, "the stamp skips 0 when it wraps")

@@ -19,11 +19,11 @@ func loadErrRef(c *Cache, keys []Key, ids []int) error {
 			return fmt.Errorf("key %d (%v): %w", j, k, err)
 		}
 		if keySeen[k] {
-			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
+			return fmt.Errorf("%w: key %v at index %d", errDuplicate, k, j)
 		}
 		keySeen[k] = true
 		if idSeen[ids[j]] {
-			return fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
+			return fmt.Errorf("%w: block id %d at index %d", errDuplicate, ids[j], j)
 		}
 		idSeen[ids[j]] = true
 	}

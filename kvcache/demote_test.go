@@ -80,12 +80,12 @@ func TestDemoteLifecycle(t *testing.T) {
 	require.Equal(t, 1, c.Stats().Demoting)
 
 	// The demoting slot's handle is good for Demoted only.
-	require.ErrorIs(t, c.CompleteStore([]Slot{dem}, nil), ErrStaleSlot)
-	require.ErrorIs(t, c.EndLoad([]Slot{dem}), ErrStaleSlot)
-	require.ErrorIs(t, c.Demoted([]Slot{{ID: dem.ID, Gen: dem.Gen + 1}}), ErrStaleSlot)
-	require.ErrorIs(t, c.Demoted([]Slot{{ID: 99}}), ErrStaleSlot)
-	require.ErrorIs(t, c.Demoted([]Slot{dem, dem}), ErrDuplicate)
-	require.ErrorIs(t, c.Demoted([]Slot{r[0].Slot}), ErrStaleSlot, "a ready slot is not demoting")
+	require.ErrorIs(t, c.CompleteStore([]Slot{dem}, nil), errStaleSlot)
+	require.ErrorIs(t, c.EndLoad([]Slot{dem}), errStaleSlot)
+	require.ErrorIs(t, c.Demoted([]Slot{{ID: dem.ID, Gen: dem.Gen + 1}}), errStaleSlot)
+	require.ErrorIs(t, c.Demoted([]Slot{{ID: 99}}), errStaleSlot)
+	require.ErrorIs(t, c.Demoted([]Slot{dem, dem}), errDuplicate)
+	require.ErrorIs(t, c.Demoted([]Slot{r[0].Slot}), errStaleSlot, "a ready slot is not demoting")
 	require.Equal(t, 1, c.Stats().Demoting)
 
 	// Trim: the region drains but is not releasable while a slot demotes.
@@ -98,7 +98,7 @@ func TestDemoteLifecycle(t *testing.T) {
 	require.NoError(t, c.Demoted([]Slot{dem}))
 	require.Equal(t, []RegionID{1}, c.TakeReleasable(nil))
 	require.Len(t, zeroed, 1, "a draining region's slot is not zeroed")
-	require.ErrorIs(t, c.Demoted([]Slot{dem}), ErrStaleSlot, "Demoted twice")
+	require.ErrorIs(t, c.Demoted([]Slot{dem}), errStaleSlot, "Demoted twice")
 	st = c.Stats()
 	require.Zero(t, st.Demoting)
 	require.Zero(t, st.Regions)

@@ -6,6 +6,23 @@
 // report. The engine (package offload) composes it with mmapmem regions,
 // register and the transfer scheduler.
 //
+// It owns the index and the pool; the caller owns the memory, the copies
+// and the keys' meaning. What it promises, whatever the order of calls:
+//
+//   - Only ready and leased blocks are visible (Lookup, BeginLoad); a slot
+//     is reused only after every lease, load and store on it has been given
+//     back (see "The life of a block").
+//   - A call that fails changes nothing, unless its doc says otherwise.
+//     Errors name the bad value; the package exports no sentinel errors.
+//   - Every method of Cache is safe for concurrent use; Layout is immutable.
+//   - Verify checks these invariants (the kvoinvariants build tag runs it
+//     after every call).
+//
+// Besides the store/lookup/load cycle below, an owner that holds slots on
+// behalf of others (a node pool serving several engines, a lower tier
+// written from the slots) uses LeaseHandles, LeaseAll, LookupLeaseDeferred
+// with Accessed, EndReads and Demoted.
+//
 // # How the engine uses it
 //
 //	layout, _ := kvcache.NewLayout(spec)           // from the serving stack's tensors
@@ -68,24 +85,23 @@
 // (TP) size, so that engines of any TP size share blocks:
 //
 //   - Keys: the namespace names the model, dtype, tokens per block and
-//     layout kind, never the TP rank or size (BlockKey).
+//     layout kind, never the TP rank or size (ChainKeys).
 //   - Geometry: KVHeads is the model's, all ranks together; a layout's
 //     LayoutSpec.Heads is the rank's range [First, First+Count) of them
 //     (zero: all). A record fingerprint carries the model's geometry and
-//     the layout's HostFormat.
+//     the layout's host format (head-major or device order, below).
 //   - Host layout: a layout that declares its device order
 //     (LayoutSpec.Order: TokenMajor, [blocks, tokens, heads, head_dim] per
 //     layer, or HeadMajor, [blocks, heads, tokens, head_dim]) keeps slots
-//     head-major (HostHeadMajor): per layer K then V, each holding every
+//     head-major: per layer K then V, each holding every
 //     head of the model, head by head, each head's tokens × head_dim
 //     contiguous. A range of heads is then one contiguous host run per
-//     layer and K/V (HostRuns). A layout of undeclared order keeps the
-//     slot a byte copy of the device segments (HostDeviceOrder), as before
+//     layer and K/V. A layout of undeclared order keeps the
+//     slot a byte copy of the device segments (device order), as before
 //     head ranges existed: the same segments, the same bytes, whole blocks
 //     only.
-//   - Segments: Segments (the rank's heads) and SegmentsRange (a sub-range
-//     of them) give, per layer and K/V, the device side of the heads and
-//     their place in the slot. For TokenMajor a head is one 2-D segment
+//   - Segments: Layout.Segments gives, per layer and K/V, the device side
+//     of the rank's heads (LayoutSpec.Heads) and their place in the slot. For TokenMajor a head is one 2-D segment
 //     (Rows = tokens rows of RowLen = head_dim × dtype bytes, DevPitch =
 //     the rank's heads × RowLen on the device, HostPitch = RowLen in the
 //     slot); where those rows are contiguous (one head held, one token per
@@ -104,7 +120,7 @@
 //     open for a retry (the block is dropped if nothing else is committed
 //     or in flight). A block still missing heads Config.PartialTimeout
 //     after its first range was granted (a rank died) is reclaimed at the
-//     next BeginStore, Maintain or ExpirePartials, and never loaded.
+//     next BeginStore or ExpirePartials, and never loaded.
 //   - A load by a rank of any TP size takes the ready block (BeginLoad, as
 //     before) and copies only its heads: Segments of its own layout.
 //   - Pipeline-parallel stages are not supported as layer ranges: a
@@ -124,9 +140,10 @@
 //
 // # Policy
 //
-// The slot pool is the authority; the Policy only advises. LRU (exact,
-// deterministic) and TinyLFU (ristretto v2: TinyLFU admission, sampled LFU
-// eviction, cost one slot) implement it; Random (seeded) exists for tests.
+// The slot pool is the authority; the Policy only advises. There are two,
+// both the package's own: exact LRU (deterministic; Config.Policy nil) and
+// TinyLFU (NewTinyLFU: ristretto v2, TinyLFU admission, sampled LFU
+// eviction, cost one slot); the tests add a seeded random one.
 // Eviction runs inline: every mutating call applies the policy's queued
 // advice and evicts until LowWatermark slots are free, so a store normally
 // finds a slot at once; there is no background goroutine of the cache's own

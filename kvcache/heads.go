@@ -9,8 +9,8 @@ type HeadRange struct {
 	First, Count int
 }
 
-// End returns First + Count, one past the last head.
-func (r HeadRange) End() int { return r.First + r.Count }
+// end returns First + Count, one past the last head.
+func (r HeadRange) end() int { return r.First + r.Count }
 
 func (r HeadRange) String() string { return fmt.Sprintf("[%d, %d)", r.First, r.First+r.Count) }
 
@@ -19,16 +19,16 @@ func (r HeadRange) String() string { return fmt.Sprintf("[%d, %d)", r.First, r.F
 func (r HeadRange) within(n int, what string) error {
 	if r.Count < 1 || r.First < 0 || r.First > n-r.Count {
 		return fmt.Errorf("%w: heads [%d, %d) (first %d, count %d) outside %s %d KV heads [0, %d) or empty",
-			ErrHeadRange, r.First, r.First+r.Count, r.First, r.Count, what, n, n)
+			errHeadRange, r.First, r.First+r.Count, r.First, r.Count, what, n, n)
 	}
 	return nil
 }
 
 // contains reports whether r holds every head of q.
-func (r HeadRange) contains(q HeadRange) bool { return q.First >= r.First && q.End() <= r.End() }
+func (r HeadRange) contains(q HeadRange) bool { return q.First >= r.First && q.end() <= r.end() }
 
 // overlaps reports whether r and q share a head.
-func (r HeadRange) overlaps(q HeadRange) bool { return r.First < q.End() && q.First < r.End() }
+func (r HeadRange) overlaps(q HeadRange) bool { return r.First < q.end() && q.First < r.end() }
 
 // HeadOrder says how one block's tokens and heads sit inside one layer's K
 // (or V) in device memory (LayoutSpec.Order).
@@ -38,7 +38,7 @@ type HeadOrder uint8
 const (
 	// OrderUndeclared: the device order is not given. Segments are whole
 	// contiguous pieces of the device's block, and the slot holds them byte
-	// for byte (HostDeviceOrder): the layout of the releases before head
+	// for byte: the layout of the releases before head
 	// ranges existed. Head ranges other than all heads are refused.
 	OrderUndeclared HeadOrder = iota
 	// TokenMajor: [blocks, tokens, heads, head_dim] per layer (vLLM's and
@@ -65,40 +65,9 @@ func (o HeadOrder) String() string {
 	return fmt.Sprintf("HeadOrder(%d)", uint8(o))
 }
 
-// HostFormat is the layout of the bytes of a slot (and of a lower tier's
-// record payload, which is the slot): what a reader of another process or
-// TP size must agree on besides the geometry. A record fingerprint must
-// include it (tier/record.Geometry.HostFormat).
-type HostFormat uint8
-
-// Host formats.
-const (
-	// HostDeviceOrder: each segment of the slot is a byte copy of the
-	// device's segment, in the device's order (layouts of undeclared
-	// order). Only engines of the same device order and TP size share it.
-	HostDeviceOrder HostFormat = iota
-	// HostHeadMajor: per layer, K then V (K only for MLA), each holding
-	// every KV head of the model, head by head, each head's tokens ×
-	// head_dim contiguous; a layer's K (or V) starts at a multiple of
-	// SegmentAlign for layer-separate and MLA layouts and right after the
-	// previous one for cross-layer layouts. The same bytes for every TP
-	// size and device order.
-	HostHeadMajor
-)
-
-func (f HostFormat) String() string {
-	switch f {
-	case HostDeviceOrder:
-		return "device-order"
-	case HostHeadMajor:
-		return "head-major"
-	}
-	return fmt.Sprintf("HostFormat(%d)", uint8(f))
-}
-
-// HostRun is the contiguous host run of a head range in one layer's K (or
+// hostRun is the contiguous host run of a head range in one layer's K (or
 // V) of a slot: Len bytes at offset Off.
-type HostRun struct {
+type hostRun struct {
 	Off, Len uint64
 	Layer    int
 	V        bool
@@ -110,15 +79,6 @@ func (l *Layout) Heads() HeadRange { return l.heads }
 
 // Order returns the layout's device order.
 func (l *Layout) Order() HeadOrder { return l.spec.Order }
-
-// HostFormat returns the format of the layout's slots: HostHeadMajor for a
-// layout of declared order, HostDeviceOrder otherwise.
-func (l *Layout) HostFormat() HostFormat {
-	if l.spec.Order == OrderUndeclared {
-		return HostDeviceOrder
-	}
-	return HostHeadMajor
-}
 
 // RankBytes returns the bytes of one block the layout's device tensors
 // hold (the rank's heads of every layer): what Segments of a block add up
@@ -189,19 +149,19 @@ func (l *Layout) DevStride(layer int) uint64 {
 	return l.spec.Layers[layer].Stride
 }
 
-// SegmentsRange appends to dst the segments of heads r of block id and
+// segmentsOfRange appends to dst the segments of heads r of block id and
 // returns it: per layer, K then V, the device side of the heads (2-D
 // segments for a TokenMajor layout, one per head; one contiguous segment
-// otherwise) and, in Off, where they go in the slot (the run HostRuns
+// otherwise) and, in Off, where they go in the slot (the run hostRuns
 // gives). r must lie inside Heads(): the device holds no other heads. A
 // layout of undeclared order takes only r = Heads() (every head), and gives
-// Segments. dst is unchanged on error (ErrBlockID, ErrHeadRange).
-func (l *Layout) SegmentsRange(id int, r HeadRange, dst []Segment) ([]Segment, error) {
+// Segments. dst is unchanged on error (a bad block id or head range).
+func (l *Layout) segmentsOfRange(id int, r HeadRange, dst []Segment) ([]Segment, error) {
 	if err := l.CheckBlock(id); err != nil {
 		return dst, err
 	}
 	if !l.heads.contains(r) || r.Count < 1 {
-		return dst, fmt.Errorf("%w: heads %v, the layout's device tensors hold %v", ErrHeadRange, r, l.heads)
+		return dst, fmt.Errorf("%w: heads %v, the layout's device tensors hold %v", errHeadRange, r, l.heads)
 	}
 	if l.spec.Order == OrderUndeclared {
 		return l.Segments(id, dst)
@@ -209,7 +169,7 @@ func (l *Layout) SegmentsRange(id int, r HeadRange, dst []Segment) ([]Segment, e
 	return l.segmentsRange(id, r, dst), nil
 }
 
-// segmentsRange is SegmentsRange for a checked block id and head range of a
+// segmentsRange is segmentsOfRange for a checked block id and head range of a
 // layout of declared order.
 func (l *Layout) segmentsRange(id int, r HeadRange, dst []Segment) []Segment {
 	for i := 0; i < l.spec.Geometry.Layers; i++ {
@@ -247,37 +207,39 @@ func (l *Layout) layerSegmentsRange(b uint64, i int, r HeadRange, dst []Segment)
 	return dst
 }
 
-// HostRuns appends to dst the host runs of heads r in a slot and returns
+// hostRuns appends to dst the host runs of heads r in a slot and returns
 // it: per layer, K then V (K only for MLA), the contiguous bytes of those
 // heads. r may be any range of the model's heads (a slot holds them all).
 // For a layout of undeclared order only all heads are a valid range: its
 // runs are then the slot's per-layer pieces. dst is unchanged on error
-// (ErrHeadRange).
-func (l *Layout) HostRuns(r HeadRange, dst []HostRun) ([]HostRun, error) {
+// (a bad head range).
+func (l *Layout) hostRuns(r HeadRange, dst []hostRun) ([]hostRun, error) {
 	g := l.spec.Geometry
 	if err := r.within(g.KVHeads, "the model's"); err != nil {
 		return dst, err
 	}
 	if l.spec.Order == OrderUndeclared && r.Count != g.KVHeads {
-		return dst, fmt.Errorf("%w: heads %v of %d: a layout of undeclared order stores whole blocks only", ErrHeadRange, r, g.KVHeads)
+		return dst, fmt.Errorf("%w: heads %v of %d: a layout of undeclared order stores whole blocks only", errHeadRange, r, g.KVHeads)
 	}
 	for i := 0; i < g.Layers; i++ {
 		for kv := 0; kv < l.kvPerLayer(); kv++ {
-			dst = append(dst, HostRun{Off: l.hostKV(i, kv) + uint64(r.First)*l.headBytes, Len: uint64(r.Count) * l.headBytes, Layer: i, V: kv == 1})
+			dst = append(dst, hostRun{Off: l.hostKV(i, kv) + uint64(r.First)*l.headBytes, Len: uint64(r.Count) * l.headBytes, Layer: i, V: kv == 1})
 		}
 	}
 	return dst, nil
 }
 
-// DenseRankSpec is DenseSpec for a rank holding heads of g (all heads when
-// heads is zero) in device order order: per layer a K tensor of NumBlocks
-// blocks of the rank's heads then a V tensor (LayerSeparate), one latent
-// tensor per layer (MLA), or one tensor of whole blocks of the rank's heads
-// (CrossLayer). For tests, demos and benchmarks; NewLayout validates the
+// DenseRankSpec returns a spec of the given kind, order and head range
+// (all of g's heads when heads is zero) whose tensors lie back to back from
+// base, as an allocator that gives each tensor its own buffer would place
+// them: per layer a K tensor of numBlocks blocks of the rank's heads then a
+// V tensor (LayerSeparate), one latent tensor per layer (MLA), or one
+// tensor of whole blocks of the rank's heads (CrossLayer). For tests, demos
+// and benchmarks, and to size a device allocation; NewLayout validates the
 // result (a bad range included).
 func DenseRankSpec(kind LayoutKind, g Geometry, order HeadOrder, heads HeadRange, numBlocks int, base uint64) LayoutSpec {
 	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks, Order: order, Heads: heads}
-	seg, err := g.SegmentLen()
+	seg, err := g.segmentLen()
 	if err != nil || numBlocks <= 0 {
 		return spec
 	}

@@ -58,7 +58,7 @@ func (d *devTensor) at(b, i, kv, tok, lh, e int) int {
 	}
 	seg := int(d.l.devSeg)
 	kvs := d.l.kvPerLayer()
-	blocks := d.l.NumBlocks()
+	blocks := d.l.numBlocks()
 	if d.l.Kind() == CrossLayer {
 		return b*kvs*g.Layers*seg + (i*kvs+kv)*seg + inSeg
 	}
@@ -68,7 +68,7 @@ func (d *devTensor) at(b, i, kv, tok, lh, e int) int {
 
 func (d *devTensor) each(f func(b, i, kv, tok, h, lh, e int)) {
 	g := d.l.Geometry()
-	for b := 0; b < d.l.NumBlocks(); b++ {
+	for b := 0; b < d.l.numBlocks(); b++ {
 		for i := 0; i < g.Layers; i++ {
 			for kv := 0; kv < d.l.kvPerLayer(); kv++ {
 				for tok := 0; tok < g.TokensPerBlock; tok++ {
@@ -124,7 +124,7 @@ func (d *devTensor) copySegs(t *testing.T, segs []Segment, slot []byte, store bo
 	}
 }
 
-// headMajorSlot is the slot of block b in HostHeadMajor, built from the
+// headMajorSlot is the slot of block b in the head-major host format, built from the
 // format's definition; padding holds pad.
 func headMajorSlot(l *Layout, b int, pad byte) []byte {
 	g := l.Geometry()
@@ -180,7 +180,7 @@ func TestTPSizeSharingLayout(t *testing.T) {
 								}
 								segs, err := d.l.Segments(b, nil)
 								require.NoError(t, err)
-								require.Len(t, segs, d.l.SegmentsPerBlock())
+								require.Len(t, segs, d.l.segmentsPerBlock())
 								d.copySegs(t, segs, slots[b], true)
 							}
 						}
@@ -218,7 +218,7 @@ func TestHostRunsMatchSegments(t *testing.T) {
 			for _, heads := range []HeadRange{{0, 4}, {0, 2}, {2, 2}, {1, 1}, {3, 1}} {
 				l, err := NewLayout(DenseRankSpec(kind, tpGeo, order, heads, 4, devBase))
 				require.NoError(t, err)
-				runs, err := l.HostRuns(heads, nil)
+				runs, err := l.hostRuns(heads, nil)
 				require.NoError(t, err)
 				require.Len(t, runs, 2*tpGeo.Layers)
 				covered := map[uint64]bool{}
@@ -254,7 +254,7 @@ func TestHostRunsMatchSegments(t *testing.T) {
 		if g.KVHeads == 1 {
 			kind = MLA
 		}
-		u, err := NewLayout(DenseSpec(kind, g, 8, 1<<40))
+		u, err := NewLayout(denseSpec(kind, g, 8, 1<<40))
 		require.NoError(t, err)
 		h, err := NewLayout(DenseRankSpec(kind, g, HeadMajor, HeadRange{}, 8, 1<<40))
 		require.NoError(t, err)
@@ -264,27 +264,27 @@ func TestHostRunsMatchSegments(t *testing.T) {
 		b, err := h.Segments(5, nil)
 		require.NoError(t, err)
 		require.Equal(t, a, b, name)
-		require.Equal(t, HostDeviceOrder, u.HostFormat())
-		require.Equal(t, HostHeadMajor, h.HostFormat())
+		require.Equal(t, OrderUndeclared, u.Order())    // slots: a byte copy of the device's segments
+		require.NotEqual(t, OrderUndeclared, h.Order()) // slots: head-major
 	}
 }
 
 func TestTokenMajorSegments(t *testing.T) {
 	// Llama-3-8B on TP=2, rank 1: heads [4, 8), 4 2-D segments per layer K/V.
-	l, err := NewLayout(DenseRankSpec(LayerSeparate, Llama3_8B, TokenMajor, HeadRange{4, 4}, 16, 1<<40))
+	l, err := NewLayout(DenseRankSpec(LayerSeparate, llama3_8B, TokenMajor, HeadRange{4, 4}, 16, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(2<<20), l.SlotSize())
 	require.Equal(t, uint64(1<<20), l.RankBytes())
-	require.Equal(t, 2*32*4, l.SegmentsPerBlock())
+	require.Equal(t, 2*32*4, l.segmentsPerBlock())
 	segs, err := l.Segments(2, nil)
 	require.NoError(t, err)
-	require.Len(t, segs, l.SegmentsPerBlock())
+	require.Len(t, segs, l.segmentsPerBlock())
 	k0 := uint64(1<<40) + 2*16384
 	require.Equal(t, Segment{Dev: k0, Off: 4 * 4096, Len: 4096, Layer: 0, Rows: 16, RowLen: 256, DevPitch: 1024, HostPitch: 256}, segs[0])
 	require.Equal(t, Segment{Dev: k0 + 256, Off: 5 * 4096, Len: 4096, Layer: 0, Rows: 16, RowLen: 256, DevPitch: 1024, HostPitch: 256}, segs[1])
-	require.True(t, segs[0].Strided())
+	require.True(t, segs[0].Rows > 1) // strided (2-D)
 	// A sub-range of the rank's heads.
-	sub, err := l.SegmentsRange(2, HeadRange{6, 1}, nil)
+	sub, err := l.segmentsOfRange(2, HeadRange{6, 1}, nil)
 	require.NoError(t, err)
 	require.Len(t, sub, 64)
 	require.Equal(t, segs[2], sub[0])
@@ -298,12 +298,12 @@ func TestHeadRangeErrors(t *testing.T) {
 		err   error
 		msg   string
 	}{
-		{"undeclared order with a range", OrderUndeclared, HeadRange{0, 2}, ErrHeadRange, "needs LayoutSpec.Order"},
-		{"past the heads", TokenMajor, HeadRange{3, 2}, ErrHeadRange, "heads [3, 5) (first 3, count 2) outside the model's 4 KV heads"},
-		{"negative first", HeadMajor, HeadRange{-1, 2}, ErrHeadRange, "first -1"},
-		{"empty", HeadMajor, HeadRange{2, 0}, ErrHeadRange, "count 0"},
-		{"huge count", HeadMajor, HeadRange{1, 1 << 62}, ErrHeadRange, "outside the model's 4 KV heads"},
-		{"bad order", HeadOrder(7), HeadRange{}, ErrLayout, "Order = 7"},
+		{"undeclared order with a range", OrderUndeclared, HeadRange{0, 2}, errHeadRange, "needs LayoutSpec.Order"},
+		{"past the heads", TokenMajor, HeadRange{3, 2}, errHeadRange, "heads [3, 5) (first 3, count 2) outside the model's 4 KV heads"},
+		{"negative first", HeadMajor, HeadRange{-1, 2}, errHeadRange, "first -1"},
+		{"empty", HeadMajor, HeadRange{2, 0}, errHeadRange, "count 0"},
+		{"huge count", HeadMajor, HeadRange{1, 1 << 62}, errHeadRange, "outside the model's 4 KV heads"},
+		{"bad order", HeadOrder(7), HeadRange{}, errLayout, "Order = 7"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -317,24 +317,24 @@ func TestHeadRangeErrors(t *testing.T) {
 	l, err := NewLayout(DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{2, 2}, 2, devBase))
 	require.NoError(t, err)
 	dst := []Segment{{Len: 1}}
-	got, err := l.SegmentsRange(0, HeadRange{1, 2}, dst)
-	require.ErrorIs(t, err, ErrHeadRange)
+	got, err := l.segmentsOfRange(0, HeadRange{1, 2}, dst)
+	require.ErrorIs(t, err, errHeadRange)
 	require.ErrorContains(t, err, "hold [2, 4)")
 	require.Equal(t, dst, got)
-	_, err = l.HostRuns(HeadRange{0, 5}, nil)
-	require.ErrorIs(t, err, ErrHeadRange)
-	u, err := NewLayout(DenseSpec(LayerSeparate, tpGeo, 2, devBase))
+	_, err = l.hostRuns(HeadRange{0, 5}, nil)
+	require.ErrorIs(t, err, errHeadRange)
+	u, err := NewLayout(denseSpec(LayerSeparate, tpGeo, 2, devBase))
 	require.NoError(t, err)
-	_, err = u.HostRuns(HeadRange{0, 2}, nil)
+	_, err = u.hostRuns(HeadRange{0, 2}, nil)
 	require.ErrorContains(t, err, "whole blocks only")
-	runs, err := u.HostRuns(HeadRange{0, 4}, nil)
+	runs, err := u.hostRuns(HeadRange{0, 4}, nil)
 	require.NoError(t, err)
 	require.Len(t, runs, 4)
 	// Pipeline-parallel stages are refused; all layers is no stage.
 	spec := DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{}, 2, devBase)
 	spec.Stage = LayerRange{First: 1, Count: 1}
 	_, err = NewLayout(spec)
-	require.ErrorIs(t, err, ErrLayout)
+	require.ErrorIs(t, err, errLayout)
 	require.ErrorContains(t, err, "Stage layers [1, 2) of 2: pipeline-parallel stages are not supported")
 	spec.Stage = LayerRange{First: 0, Count: 2}
 	_, err = NewLayout(spec)
@@ -343,7 +343,7 @@ func TestHeadRangeErrors(t *testing.T) {
 	spec = DenseRankSpec(LayerSeparate, tpGeo, TokenMajor, HeadRange{0, 2}, 2, devBase)
 	spec.Layers[0].Stride = 47
 	_, err = NewLayout(spec)
-	require.ErrorIs(t, err, ErrLayout)
+	require.ErrorIs(t, err, errLayout)
 	require.ErrorContains(t, err, "smaller than the segment (48 bytes)")
 }
 
@@ -365,12 +365,12 @@ func FuzzHeadLayout(f *testing.F) {
 		spec := DenseRankSpec(LayoutKind(kind), g, HeadOrder(order), HeadRange{first, count}, 4, 1<<40)
 		l, err := NewLayout(spec)
 		if err != nil {
-			require.True(t, isAny(err, ErrGeometry, ErrLayout, ErrHeadRange), "unexpected error %v", err)
+			require.True(t, isAny(err, errGeometry, errLayout, errHeadRange), "unexpected error %v", err)
 			return
 		}
 		segs, err := l.Segments(block, nil)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBlockID)
+			require.ErrorIs(t, err, errBlockID)
 			return
 		}
 		var sum uint64
@@ -384,9 +384,9 @@ func FuzzHeadLayout(f *testing.F) {
 			}
 		}
 		require.Equal(t, l.RankBytes(), sum)
-		require.Len(t, segs, l.SegmentsPerBlock())
+		require.Len(t, segs, l.segmentsPerBlock())
 		if l.Order() != OrderUndeclared {
-			runs, err := l.HostRuns(l.Heads(), nil)
+			runs, err := l.hostRuns(l.Heads(), nil)
 			require.NoError(t, err)
 			var rsum uint64
 			for _, r := range runs {
@@ -409,7 +409,7 @@ func TestLayerSegmentsDeclaredOrder(t *testing.T) {
 				require.NoError(t, err)
 				all, err := l.Segments(3, nil)
 				require.NoError(t, err)
-				per := l.SegmentsPerBlock() / tpGeo.Layers
+				per := l.segmentsPerBlock() / tpGeo.Layers
 				for layer := 0; layer < tpGeo.Layers; layer++ {
 					got, err := l.LayerSegments(3, layer, nil)
 					require.NoError(t, err)

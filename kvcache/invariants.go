@@ -250,7 +250,7 @@ func (c *Cache) verifyPartial(s *slotRec) error {
 		if err := r.within(c.heads, "the model's"); err != nil {
 			return fmt.Errorf("committed %w", err)
 		}
-		if k > 0 && p.done[k-1].End() >= r.First {
+		if k > 0 && p.done[k-1].end() >= r.First {
 			return fmt.Errorf("committed heads %v not sorted and merged", p.done)
 		}
 	}

@@ -14,10 +14,10 @@ type Key [16]byte
 // String returns the key as 32 lower-case hex digits.
 func (k Key) String() string { return hex.EncodeToString(k[:]) }
 
-// ErrTokensPerBlock: tokensPerBlock given to ChainKeys is below 1.
-var ErrTokensPerBlock = errors.New("kvcache: tokens per block must be at least 1")
+// errTokensPerBlock: tokensPerBlock given to ChainKeys is below 1.
+var errTokensPerBlock = errors.New("kvcache: tokens per block must be at least 1")
 
-// BlockKey returns the key of one block: the first 16 bytes of
+// blockKey returns the key of one block: the first 16 bytes of
 //
 //	SHA-256( parent[0:16] || le32(tokens[0]) || ... || le32(tokens[n-1]) || namespace )
 //
@@ -31,7 +31,7 @@ var ErrTokensPerBlock = errors.New("kvcache: tokens per block must be at least 1
 // Python computes the same with
 //
 //	hashlib.sha256(parent + struct.pack("<%dI" % len(tokens), *tokens) + namespace).digest()[:16]
-func BlockKey(namespace []byte, parent Key, tokens []uint32) Key {
+func blockKey(namespace []byte, parent Key, tokens []uint32) Key {
 	h := sha256.New()
 	h.Write(parent[:])
 	var buf [4 * 64]byte
@@ -51,20 +51,20 @@ func BlockKey(namespace []byte, parent Key, tokens []uint32) Key {
 }
 
 // ChainKeys returns the keys of the full blocks of tokens, each chained to the
-// one before it: key i = BlockKey(namespace, key i-1, tokens[i×tpb : (i+1)×tpb]),
+// one before it: key i = blockKey(namespace, key i-1, tokens[i×tpb : (i+1)×tpb]),
 // with key -1 = parent (the zero Key when tokens start a sequence). A partial
 // trailing block (fewer than tokensPerBlock tokens) gets no key.
 func ChainKeys(namespace []byte, parent Key, tokens []uint32, tokensPerBlock int) ([]Key, error) {
-	return AppendChainKeys(nil, namespace, parent, tokens, tokensPerBlock)
+	return appendChainKeys(nil, namespace, parent, tokens, tokensPerBlock)
 }
 
-// AppendChainKeys is ChainKeys appending to dst; dst is unchanged on error.
-func AppendChainKeys(dst []Key, namespace []byte, parent Key, tokens []uint32, tokensPerBlock int) ([]Key, error) {
+// appendChainKeys is ChainKeys appending to dst; dst is unchanged on error.
+func appendChainKeys(dst []Key, namespace []byte, parent Key, tokens []uint32, tokensPerBlock int) ([]Key, error) {
 	if tokensPerBlock < 1 {
-		return dst, fmt.Errorf("%w: got %d", ErrTokensPerBlock, tokensPerBlock)
+		return dst, fmt.Errorf("%w: got %d", errTokensPerBlock, tokensPerBlock)
 	}
 	for len(tokens) >= tokensPerBlock {
-		parent = BlockKey(namespace, parent, tokens[:tokensPerBlock])
+		parent = blockKey(namespace, parent, tokens[:tokensPerBlock])
 		dst = append(dst, parent)
 		tokens = tokens[tokensPerBlock:]
 	}

@@ -64,7 +64,7 @@ func TestKeyVectors(t *testing.T) {
 func TestChainKeysErrors(t *testing.T) {
 	for _, tpb := range []int{0, -3} {
 		keys, err := ChainKeys(nil, Key{}, []uint32{1, 2}, tpb)
-		require.ErrorIs(t, err, ErrTokensPerBlock)
+		require.ErrorIs(t, err, errTokensPerBlock)
 		require.Nil(t, keys)
 	}
 }
@@ -81,7 +81,7 @@ func FuzzChainKeys(f *testing.F) {
 		parent := Key{p}
 		keys, err := ChainKeys(ns, parent, tokens, tpb)
 		if tpb < 1 {
-			require.ErrorIs(t, err, ErrTokensPerBlock)
+			require.ErrorIs(t, err, errTokensPerBlock)
 			return
 		}
 		require.NoError(t, err)
@@ -90,7 +90,7 @@ func FuzzChainKeys(f *testing.F) {
 		// tokens gives a prefix of the keys.
 		prev := parent
 		for i, k := range keys {
-			require.Equal(t, BlockKey(ns, prev, tokens[i*tpb:(i+1)*tpb]), k)
+			require.Equal(t, blockKey(ns, prev, tokens[i*tpb:(i+1)*tpb]), k)
 			prev = k
 		}
 		if len(keys) > 1 {

@@ -10,30 +10,32 @@ import (
 // Layout errors. Every error a layout returns wraps one of these and names the
 // bad value and the limit it broke.
 var (
-	// ErrGeometry: a zero or negative dimension, or a block size that
+	// errGeometry: a zero or negative dimension, or a block size that
 	// overflows 64 bits.
-	ErrGeometry = errors.New("kvcache: invalid geometry")
-	// ErrLayout: a malformed layout description (wrong number of layers, a
+	errGeometry = errors.New("kvcache: invalid geometry")
+	// errLayout: a malformed layout description (wrong number of layers, a
 	// stride smaller than the segment, overlapping K and V, an address that
 	// overflows 64 bits).
-	ErrLayout = errors.New("kvcache: invalid layout")
-	// ErrBlockID: a block id outside [0, NumBlocks).
-	ErrBlockID = errors.New("kvcache: block id out of range")
-	// ErrHeadRange: a head range that is empty, outside the model's KV
+	errLayout = errors.New("kvcache: invalid layout")
+	// errBlockID: a block id outside [0, NumBlocks).
+	errBlockID = errors.New("kvcache: block id out of range")
+	// errHeadRange: a head range that is empty, outside the model's KV
 	// heads, outside the heads the layout's device tensors hold, or given
 	// to a layout that declares no device order (LayoutSpec.Order).
-	ErrHeadRange = errors.New("kvcache: invalid head range")
+	errHeadRange = errors.New("kvcache: invalid head range")
 )
 
-// SegmentAlign is the alignment of every segment's offset inside a slot: 16
+// segmentAlign is the alignment of every segment's offset inside a slot: 16
 // bytes, the width of the vector loads and stores of the copy kernel. Real
 // geometries (head dim 64–576, 2-byte dtypes, 16 or more tokens) have segment
 // lengths that are multiples of 16 already, so no padding appears there.
-const SegmentAlign = 16
+const segmentAlign = 16
 
 // Geometry is the shape of one block of the model's KV cache: all its KV
 // heads, whatever the tensor-parallel size (a rank's share is the layout's
-// head range, LayoutSpec.Heads).
+// head range, LayoutSpec.Heads). Every field is at least 1; Layers is at
+// most 65536, and KVHeads at most 4096 in a layout of declared order
+// (LayoutSpec.Order); NewLayout refuses others.
 type Geometry struct {
 	Layers         int // attention layers
 	KVHeads        int // the model's KV heads per layer (all ranks together); 1 for MLA
@@ -42,35 +44,36 @@ type Geometry struct {
 	TokensPerBlock int // tokens per block
 }
 
-// Presets: plain numbers for common geometries (one tensor-parallel rank).
+// Presets for tests: plain numbers for common geometries (one
+// tensor-parallel rank).
 var (
-	// Llama3_8B is a Llama-3-8B-like geometry: 32 layers, 8 KV heads of 128,
+	// llama3_8B is a Llama-3-8B-like geometry: 32 layers, 8 KV heads of 128,
 	// bf16, 16 tokens per block: 32 KiB segments, 2 MiB per block
 	// layer-separate.
-	Llama3_8B = Geometry{Layers: 32, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16}
-	// Llama3_70B is a Llama-3-70B-like geometry: 80 layers, 8 KV heads of
+	llama3_8B = Geometry{Layers: 32, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16}
+	// llama3_70B is a Llama-3-70B-like geometry: 80 layers, 8 KV heads of
 	// 128, bf16, 16 tokens per block: 32 KiB segments, 5 MiB per block.
-	Llama3_70B = Geometry{Layers: 80, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16}
-	// DeepSeekMLA is a DeepSeek-V3-like MLA geometry: 61 layers, one latent
+	llama3_70B = Geometry{Layers: 80, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TokensPerBlock: 16}
+	// deepSeekMLA is a DeepSeek-V3-like MLA geometry: 61 layers, one latent
 	// of 576 (512 + 64 rope), bf16, 64 tokens per block: 72 KiB per layer.
-	DeepSeekMLA = Geometry{Layers: 61, KVHeads: 1, HeadDim: 576, DTypeBytes: 2, TokensPerBlock: 64}
+	deepSeekMLA = Geometry{Layers: 61, KVHeads: 1, HeadDim: 576, DTypeBytes: 2, TokensPerBlock: 64}
 )
 
-// MaxLayers bounds Geometry.Layers: a layout holds one entry per layer
-// (and DenseSpec builds them), so an absurd layer count must fail on the
+// maxLayers bounds Geometry.Layers: a layout holds one entry per layer
+// (and DenseRankSpec builds them), so an absurd layer count must fail on the
 // count, not on an allocation. Real models have at most a few hundred.
-const MaxLayers = 1 << 16
+const maxLayers = 1 << 16
 
-// MaxKVHeads bounds Geometry.KVHeads for a layout of declared order
+// maxKVHeads bounds Geometry.KVHeads for a layout of declared order
 // (LayoutSpec.Order), which gives a segment per head: real models have at
 // most a few hundred KV heads, so an absurd count must fail on the count,
 // not on the segment lists it would make.
-const MaxKVHeads = 1 << 12
+const maxKVHeads = 1 << 12
 
-// SegmentLen returns the bytes of one layer's K (or V) of one block:
+// segmentLen returns the bytes of one layer's K (or V) of one block:
 // KVHeads × HeadDim × DTypeBytes × TokensPerBlock. It also checks Layers
-// (at least 1, at most MaxLayers).
-func (g Geometry) SegmentLen() (uint64, error) {
+// (at least 1, at most maxLayers).
+func (g Geometry) segmentLen() (uint64, error) {
 	dims := []struct {
 		name string
 		v    int
@@ -80,17 +83,17 @@ func (g Geometry) SegmentLen() (uint64, error) {
 	}
 	for _, d := range dims {
 		if d.v <= 0 {
-			return 0, fmt.Errorf("%w: %s = %d, must be at least 1", ErrGeometry, d.name, d.v)
+			return 0, fmt.Errorf("%w: %s = %d, must be at least 1", errGeometry, d.name, d.v)
 		}
 	}
-	if g.Layers > MaxLayers {
-		return 0, fmt.Errorf("%w: Layers = %d, at most %d", ErrGeometry, g.Layers, MaxLayers)
+	if g.Layers > maxLayers {
+		return 0, fmt.Errorf("%w: Layers = %d, at most %d", errGeometry, g.Layers, maxLayers)
 	}
 	n := uint64(1)
 	for _, d := range dims[1:] {
 		hi, lo := bits.Mul64(n, uint64(d.v))
 		if hi != 0 {
-			return 0, fmt.Errorf("%w: segment size %d × %s %d overflows 64 bits", ErrGeometry, n, d.name, d.v)
+			return 0, fmt.Errorf("%w: segment size %d × %s %d overflows 64 bits", errGeometry, n, d.name, d.v)
 		}
 		n = lo
 	}
@@ -130,7 +133,8 @@ func (k LayoutKind) String() string {
 // LayerTensors locates one layer's tensors in device memory: block b's K is
 // at K + b×Stride and its V at V + b×Stride. For one tensor holding K and V,
 // set V = K + the K/V offset (e.g. K + NumBlocks×Stride for a [2, blocks, ...]
-// tensor, or K + SegmentLen with Stride = 2×SegmentLen for [blocks, 2, ...]).
+// tensor, or K + L with Stride = 2×L for [blocks, 2, ...], L being one
+// layer's K: TokensPerBlock × KVHeads × HeadDim × DTypeBytes).
 // For MLA, V must be 0.
 type LayerTensors struct {
 	K, V   uint64 // device addresses of block 0's K and V
@@ -158,12 +162,12 @@ type LayoutSpec struct {
 	// slot a byte copy of the device's segments (whole blocks only, the
 	// host layout depends on the device's order: not shareable between
 	// tensor-parallel sizes). TokenMajor or HeadMajor make the host slot
-	// head-major (HostHeadMajor), the same bytes for every TP size.
+	// head-major (see the package doc), the same bytes for every TP size.
 	Order HeadOrder
 	// Stage is the range of the model's layers a pipeline-parallel stage
 	// holds, [First, First+Count) of Geometry.Layers. Only the zero value
 	// (every layer: no pipeline parallelism) is accepted: stages are
-	// refused with ErrLayout (see LayerRange).
+	// refused (see LayerRange).
 	Stage LayerRange
 }
 
@@ -203,15 +207,12 @@ type Segment struct {
 	HostPitch uint64
 }
 
-// Strided reports whether s is a 2-D segment (Rows > 1).
-func (s Segment) Strided() bool { return s.Rows > 1 }
-
 // Layout maps block ids to their segments and knows the slot size. It is
 // immutable and safe for concurrent use.
 type Layout struct {
 	spec     LayoutSpec
 	segLen   uint64 // one layer's K (or V); for CrossLayer the whole block
-	segSpan  uint64 // segLen rounded up to SegmentAlign
+	segSpan  uint64 // segLen rounded up to segmentAlign
 	slotSize uint64
 	perBlock int // segments per block
 
@@ -223,29 +224,29 @@ type Layout struct {
 	devLen    uint64    // device bytes checked per tensor entry: devSeg, or the whole block (CrossLayer)
 }
 
-// NewLayout validates spec and returns its layout. Errors wrap ErrGeometry,
-// ErrLayout or ErrHeadRange and name the bad value and its limit.
+// NewLayout validates spec and returns its layout. Errors (a bad geometry,
+// layout or head range) name the bad value and its limit.
 func NewLayout(spec LayoutSpec) (*Layout, error) {
-	segLen, err := spec.Geometry.SegmentLen()
+	segLen, err := spec.Geometry.segmentLen()
 	if err != nil {
 		return nil, err
 	}
 	if spec.NumBlocks <= 0 {
-		return nil, fmt.Errorf("%w: NumBlocks = %d, must be at least 1", ErrLayout, spec.NumBlocks)
+		return nil, fmt.Errorf("%w: NumBlocks = %d, must be at least 1", errLayout, spec.NumBlocks)
 	}
 	g := spec.Geometry
 	if spec.Kind == MLA && g.KVHeads != 1 {
-		return nil, fmt.Errorf("%w: KVHeads = %d, an MLA layout has one latent per layer (must be 1)", ErrGeometry, g.KVHeads)
+		return nil, fmt.Errorf("%w: KVHeads = %d, an MLA layout has one latent per layer (must be 1)", errGeometry, g.KVHeads)
 	}
 	if spec.Stage != (LayerRange{}) && (spec.Stage.First != 0 || spec.Stage.Count != g.Layers) {
 		return nil, fmt.Errorf("%w: LayoutSpec.Stage layers [%d, %d) of %d: pipeline-parallel stages are not supported as layer ranges "+
-			"(describe the stage's own layers as the geometry and name the stage in the key namespace)", ErrLayout, spec.Stage.First, spec.Stage.First+spec.Stage.Count, g.Layers)
+			"(describe the stage's own layers as the geometry and name the stage in the key namespace)", errLayout, spec.Stage.First, spec.Stage.First+spec.Stage.Count, g.Layers)
 	}
 	if !spec.Order.valid() {
-		return nil, fmt.Errorf("%w: Order = %d, want OrderUndeclared (0), TokenMajor (1) or HeadMajor (2)", ErrLayout, uint8(spec.Order))
+		return nil, fmt.Errorf("%w: Order = %d, want OrderUndeclared (0), TokenMajor (1) or HeadMajor (2)", errLayout, uint8(spec.Order))
 	}
-	if spec.Order != OrderUndeclared && g.KVHeads > MaxKVHeads {
-		return nil, fmt.Errorf("%w: KVHeads = %d, at most %d for a layout of declared order", ErrGeometry, g.KVHeads, MaxKVHeads)
+	if spec.Order != OrderUndeclared && g.KVHeads > maxKVHeads {
+		return nil, fmt.Errorf("%w: KVHeads = %d, at most %d for a layout of declared order", errGeometry, g.KVHeads, maxKVHeads)
 	}
 	heads := spec.Heads
 	if heads == (HeadRange{}) {
@@ -255,25 +256,25 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 		return nil, fmt.Errorf("LayoutSpec.Heads: %w", err)
 	}
 	if spec.Order == OrderUndeclared && heads.Count != g.KVHeads {
-		return nil, fmt.Errorf("%w: LayoutSpec.Heads %v is not all %d heads; a head range needs LayoutSpec.Order (TokenMajor or HeadMajor)", ErrHeadRange, heads, g.KVHeads)
+		return nil, fmt.Errorf("%w: LayoutSpec.Heads %v is not all %d heads; a head range needs LayoutSpec.Order (TokenMajor or HeadMajor)", errHeadRange, heads, g.KVHeads)
 	}
 	l := &Layout{spec: spec, segLen: segLen, layerLen: segLen, heads: heads}
 	l.spec.Layers = append([]LayerTensors(nil), spec.Layers...)
 	l.spec.Heads = heads
-	// segLen = KVHeads × headBytes exactly (SegmentLen checked the product).
+	// segLen = KVHeads × headBytes exactly (segmentLen checked the product).
 	l.headBytes = segLen / uint64(g.KVHeads)
 	l.rowLen = uint64(g.HeadDim) * uint64(g.DTypeBytes)
 	l.devSeg = l.headBytes * uint64(heads.Count)
 	l.devLen = l.devSeg
-	segSpan, ok := alignUp(segLen, SegmentAlign)
+	segSpan, ok := alignUp(segLen, segmentAlign)
 	if !ok {
-		return nil, fmt.Errorf("%w: segment size %d overflows 64 bits when aligned", ErrGeometry, segLen)
+		return nil, fmt.Errorf("%w: segment size %d overflows 64 bits when aligned", errGeometry, segLen)
 	}
 	l.segSpan = segSpan
 	switch spec.Kind {
 	case LayerSeparate, MLA:
 		if len(spec.Layers) != g.Layers {
-			return nil, fmt.Errorf("%w: %d layer tensors given, geometry has %d layers", ErrLayout, len(spec.Layers), g.Layers)
+			return nil, fmt.Errorf("%w: %d layer tensors given, geometry has %d layers", errLayout, len(spec.Layers), g.Layers)
 		}
 		perLayer := uint64(2)
 		if spec.Kind == MLA {
@@ -281,7 +282,7 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 		}
 		hi, n := bits.Mul64(segSpan, perLayer*uint64(g.Layers))
 		if hi != 0 {
-			return nil, fmt.Errorf("%w: slot size %d × %d segments overflows 64 bits", ErrGeometry, segSpan, perLayer*uint64(g.Layers))
+			return nil, fmt.Errorf("%w: slot size %d × %d segments overflows 64 bits", errGeometry, segSpan, perLayer*uint64(g.Layers))
 		}
 		l.slotSize = n
 		l.perBlock = int(perLayer) * g.Layers * l.segmentsPerKV(heads.Count)
@@ -294,10 +295,10 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 		perLayer := uint64(2)
 		hi, n := bits.Mul64(segLen, perLayer*uint64(g.Layers))
 		if hi != 0 {
-			return nil, fmt.Errorf("%w: block size %d × %d overflows 64 bits", ErrGeometry, segLen, perLayer*uint64(g.Layers))
+			return nil, fmt.Errorf("%w: block size %d × %d overflows 64 bits", errGeometry, segLen, perLayer*uint64(g.Layers))
 		}
 		if len(spec.Layers) != 0 {
-			return nil, fmt.Errorf("%w: cross-layer layout takes Base and Stride, not %d layer tensors", ErrLayout, len(spec.Layers))
+			return nil, fmt.Errorf("%w: cross-layer layout takes Base and Stride, not %d layer tensors", errLayout, len(spec.Layers))
 		}
 		l.segLen = n
 		l.slotSize = n
@@ -312,7 +313,7 @@ func NewLayout(spec LayoutSpec) (*Layout, error) {
 			return nil, err
 		}
 	default:
-		return nil, fmt.Errorf("%w: unknown kind %d", ErrLayout, uint8(spec.Kind))
+		return nil, fmt.Errorf("%w: unknown kind %d", errLayout, uint8(spec.Kind))
 	}
 	return l, nil
 }
@@ -325,7 +326,7 @@ func (l *Layout) checkLayer(i int, lt LayerTensors) error {
 	}
 	if l.spec.Kind == MLA {
 		if lt.V != 0 {
-			return fmt.Errorf("%w: layer %d V = %#x, an MLA layout has no V tensor (must be 0)", ErrLayout, i, lt.V)
+			return fmt.Errorf("%w: layer %d V = %#x, an MLA layout has no V tensor (must be 0)", errLayout, i, lt.V)
 		}
 		return nil
 	}
@@ -348,25 +349,25 @@ func (l *Layout) checkLayer(i int, lt LayerTensors) error {
 	if r >= seg && lt.Stride-r >= seg {
 		return nil
 	}
-	return fmt.Errorf("%w: layer %d K %#x and V %#x overlap (distance %d, stride %d, segment %d)", ErrLayout, i, lt.K, lt.V, d, lt.Stride, seg)
+	return fmt.Errorf("%w: layer %d K %#x and V %#x overlap (distance %d, stride %d, segment %d)", errLayout, i, lt.K, lt.V, d, lt.Stride, seg)
 }
 
 // checkTensor checks that a tensor of NumBlocks blocks of segLen bytes every
 // stride bytes from base fits in 64-bit addresses.
 func (l *Layout) checkTensor(name string, base, stride, segLen uint64) error {
 	if stride < segLen {
-		return fmt.Errorf("%w: %s stride %d is smaller than the segment (%d bytes)", ErrLayout, name, stride, segLen)
+		return fmt.Errorf("%w: %s stride %d is smaller than the segment (%d bytes)", errLayout, name, stride, segLen)
 	}
 	hi, off := bits.Mul64(uint64(l.spec.NumBlocks-1), stride)
 	if hi != 0 {
-		return fmt.Errorf("%w: %s: %d blocks × stride %d overflows 64 bits", ErrLayout, name, l.spec.NumBlocks, stride)
+		return fmt.Errorf("%w: %s: %d blocks × stride %d overflows 64 bits", errLayout, name, l.spec.NumBlocks, stride)
 	}
 	end, c := bits.Add64(off, segLen, 0)
 	if c == 0 {
 		_, c = bits.Add64(base, end, 0)
 	}
 	if c != 0 {
-		return fmt.Errorf("%w: %s at %#x + %d bytes overflows 64-bit addresses", ErrLayout, name, base, end)
+		return fmt.Errorf("%w: %s at %#x + %d bytes overflows 64-bit addresses", errLayout, name, base, end)
 	}
 	return nil
 }
@@ -377,25 +378,26 @@ func (l *Layout) Kind() LayoutKind { return l.spec.Kind }
 // Geometry returns the layout's geometry.
 func (l *Layout) Geometry() Geometry { return l.spec.Geometry }
 
-// NumBlocks returns the number of blocks of the GPU cache.
-func (l *Layout) NumBlocks() int { return l.spec.NumBlocks }
+// numBlocks returns the number of blocks of the GPU cache.
+func (l *Layout) numBlocks() int { return l.spec.NumBlocks }
 
 // SlotSize returns the bytes of host storage one block needs: the sum of its
-// segments, each starting at a multiple of SegmentAlign.
+// segments, each starting at a multiple of 16 bytes (the copy kernel's
+// vector width).
 func (l *Layout) SlotSize() uint64 { return l.slotSize }
 
-// SegmentsPerBlock returns how many segments Segments gives for every
+// segmentsPerBlock returns how many segments Segments gives for every
 // block: 2 × Layers (layer-separate), Layers (MLA) or 1 (cross-layer) for a
 // layout of undeclared order; with an order, one per layer and K/V (2-D
 // TokenMajor segments: one per head of the rank, unless they are
 // contiguous, see Segments).
-func (l *Layout) SegmentsPerBlock() int { return l.perBlock }
+func (l *Layout) segmentsPerBlock() int { return l.perBlock }
 
-// CheckBlock returns an error wrapping ErrBlockID if id is not a block id of
-// the layout.
+// CheckBlock returns an error ("block id out of range") if id is not a block
+// id of the layout.
 func (l *Layout) CheckBlock(id int) error {
 	if id < 0 || id >= l.spec.NumBlocks {
-		return fmt.Errorf("%w: block id %d, layout has %d blocks", ErrBlockID, id, l.spec.NumBlocks)
+		return fmt.Errorf("%w: block id %d, layout has %d blocks", errBlockID, id, l.spec.NumBlocks)
 	}
 	return nil
 }
@@ -403,8 +405,8 @@ func (l *Layout) CheckBlock(id int) error {
 // Segments appends the segments of block id to dst and returns it: the
 // rank's heads (LayoutSpec.Heads), what a store copies and a load fills. In
 // the slot, blocks are stored layer by layer, K then V; segments come in
-// that order, ascending by Off. For a layout of declared order it is
-// SegmentsRange(id, Heads(), dst). dst is unchanged on error.
+// that order, ascending by Off. dst is unchanged on error (a block id out
+// of range).
 func (l *Layout) Segments(id int, dst []Segment) ([]Segment, error) {
 	if err := l.CheckBlock(id); err != nil {
 		return dst, err
@@ -431,23 +433,8 @@ func alignUp(n, a uint64) (uint64, bool) {
 	return r &^ (a - 1), true
 }
 
-// DenseSpec returns a spec of the given kind whose tensors lie back to back
-// from base, as an allocator that gives each tensor its own buffer would place
-// them: per layer a K tensor of NumBlocks × SegmentLen bytes then a V tensor
-// (LayerSeparate), one latent tensor per layer (MLA), or one tensor of whole
-// blocks (CrossLayer). It is for tests, demos and benchmarks; NewLayout
-// validates the result.
-func DenseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSpec {
-	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks}
-	seg, err := g.SegmentLen()
-	if err != nil || numBlocks <= 0 {
-		return spec
-	}
-	return denseTensors(spec, seg, base)
-}
-
 // denseTensors places spec's tensors back to back from base, seg bytes a
-// block per layer tensor (DenseSpec, DenseRankSpec).
+// block per layer tensor (DenseRankSpec, and denseSpec in tests).
 func denseTensors(spec LayoutSpec, seg, base uint64) LayoutSpec {
 	g, n := spec.Geometry, uint64(spec.NumBlocks)
 	switch spec.Kind {
@@ -477,7 +464,7 @@ func (l *Layout) LayerSegments(id, layer int, dst []Segment) ([]Segment, error) 
 		return dst, err
 	}
 	if layer < 0 || layer >= l.spec.Geometry.Layers {
-		return dst, fmt.Errorf("%w: layer %d, the geometry has %d layers", ErrLayout, layer, l.spec.Geometry.Layers)
+		return dst, fmt.Errorf("%w: layer %d, the geometry has %d layers", errLayout, layer, l.spec.Geometry.Layers)
 	}
 	b := uint64(id)
 	if l.spec.Order != OrderUndeclared {

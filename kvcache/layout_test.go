@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-var presets = map[string]Geometry{"llama3-8b": Llama3_8B, "llama3-70b": Llama3_70B, "deepseek-mla": DeepSeekMLA}
+var presets = map[string]Geometry{"llama3-8b": llama3_8B, "llama3-70b": llama3_70B, "deepseek-mla": deepSeekMLA}
 
 func kindsFor(g Geometry) []LayoutKind {
 	if g.KVHeads == 1 {
@@ -19,17 +19,17 @@ func kindsFor(g Geometry) []LayoutKind {
 }
 
 func TestPresetSizes(t *testing.T) {
-	l8, err := NewLayout(DenseSpec(LayerSeparate, Llama3_8B, 4, 1<<40))
+	l8, err := NewLayout(denseSpec(LayerSeparate, llama3_8B, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(2<<20), l8.SlotSize())
-	require.Equal(t, 64, l8.SegmentsPerBlock())
-	l70, err := NewLayout(DenseSpec(LayerSeparate, Llama3_70B, 4, 1<<40))
+	require.Equal(t, 64, l8.segmentsPerBlock())
+	l70, err := NewLayout(denseSpec(LayerSeparate, llama3_70B, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(5<<20), l70.SlotSize())
-	mla, err := NewLayout(DenseSpec(MLA, DeepSeekMLA, 4, 1<<40))
+	mla, err := NewLayout(denseSpec(MLA, deepSeekMLA, 4, 1<<40))
 	require.NoError(t, err)
 	require.Equal(t, uint64(61*64*576*2), mla.SlotSize())
-	require.Equal(t, 61, mla.SegmentsPerBlock())
+	require.Equal(t, 61, mla.segmentsPerBlock())
 }
 
 // Every block of every preset and kind: segments sum to the slot size, do
@@ -39,7 +39,7 @@ func TestSegmentsEveryBlock(t *testing.T) {
 	for name, g := range presets {
 		for _, kind := range kindsFor(g) {
 			t.Run(name+"/"+kind.String(), func(t *testing.T) {
-				l, err := NewLayout(DenseSpec(kind, g, blocks, 1<<40))
+				l, err := NewLayout(denseSpec(kind, g, blocks, 1<<40))
 				require.NoError(t, err)
 				type span struct{ lo, hi uint64 }
 				var dev []span
@@ -47,10 +47,10 @@ func TestSegmentsEveryBlock(t *testing.T) {
 				for b := 0; b < blocks; b++ {
 					segs, err = l.Segments(b, segs[:0])
 					require.NoError(t, err)
-					require.Len(t, segs, l.SegmentsPerBlock())
+					require.Len(t, segs, l.segmentsPerBlock())
 					var sum, end uint64
 					for _, s := range segs {
-						require.Zero(t, s.Off%SegmentAlign, "segment offset %d", s.Off)
+						require.Zero(t, s.Off%segmentAlign, "segment offset %d", s.Off)
 						require.GreaterOrEqual(t, s.Off, end, "segments overlap in the slot")
 						end = s.Off + s.Len
 						sum += s.Len
@@ -70,7 +70,7 @@ func TestSegmentsEveryBlock(t *testing.T) {
 
 func TestSegmentPadding(t *testing.T) {
 	g := Geometry{Layers: 2, KVHeads: 1, HeadDim: 3, DTypeBytes: 1, TokensPerBlock: 3} // 9-byte segments
-	l, err := NewLayout(DenseSpec(LayerSeparate, g, 2, 0))
+	l, err := NewLayout(denseSpec(LayerSeparate, g, 2, 0))
 	require.NoError(t, err)
 	require.Equal(t, uint64(4*16), l.SlotSize())
 	segs, err := l.Segments(1, nil)
@@ -94,7 +94,7 @@ func TestCombinedKV(t *testing.T) {
 }
 
 func TestLayoutErrors(t *testing.T) {
-	g := Llama3_8B
+	g := llama3_8B
 	seg := uint64(32768)
 	two := []LayerTensors{{K: 0, V: 1 << 30, Stride: seg}}
 	cases := []struct {
@@ -103,19 +103,19 @@ func TestLayoutErrors(t *testing.T) {
 		err  error
 		msg  string
 	}{
-		{"zero layers", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{0, 8, 128, 2, 16}, NumBlocks: 1, Stride: 1 << 30}, ErrGeometry, "Layers = 0"},
-		{"negative head dim", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 8, -1, 2, 16}, NumBlocks: 1, Stride: 1 << 30}, ErrGeometry, "HeadDim = -1"},
-		{"overflow", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 1 << 30, 1 << 30, 1 << 30, 16}, NumBlocks: 1}, ErrGeometry, "overflows"},
-		{"zero blocks", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 0}, ErrLayout, "NumBlocks = 0"},
-		{"layer count", LayoutSpec{Kind: LayerSeparate, Geometry: g, NumBlocks: 1, Layers: two}, ErrLayout, "1 layer tensors given, geometry has 32"},
-		{"stride", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 2, Stride: 100}, ErrLayout, "stride 100 is smaller than the segment (2097152"},
-		{"address overflow", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 2, Base: ^uint64(0) - 10, Stride: 2 << 20}, ErrLayout, "overflows 64-bit"},
+		{"zero layers", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{0, 8, 128, 2, 16}, NumBlocks: 1, Stride: 1 << 30}, errGeometry, "Layers = 0"},
+		{"negative head dim", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 8, -1, 2, 16}, NumBlocks: 1, Stride: 1 << 30}, errGeometry, "HeadDim = -1"},
+		{"overflow", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 1 << 30, 1 << 30, 1 << 30, 16}, NumBlocks: 1}, errGeometry, "overflows"},
+		{"zero blocks", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 0}, errLayout, "NumBlocks = 0"},
+		{"layer count", LayoutSpec{Kind: LayerSeparate, Geometry: g, NumBlocks: 1, Layers: two}, errLayout, "1 layer tensors given, geometry has 32"},
+		{"stride", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 2, Stride: 100}, errLayout, "stride 100 is smaller than the segment (2097152"},
+		{"address overflow", LayoutSpec{Kind: CrossLayer, Geometry: g, NumBlocks: 2, Base: ^uint64(0) - 10, Stride: 2 << 20}, errLayout, "overflows 64-bit"},
 		{"kv overlap", LayoutSpec{Kind: LayerSeparate, Geometry: Geometry{1, 8, 128, 2, 16}, NumBlocks: 4,
-			Layers: []LayerTensors{{K: 0, V: seg / 2, Stride: seg}}}, ErrLayout, "overlap"},
+			Layers: []LayerTensors{{K: 0, V: seg / 2, Stride: seg}}}, errLayout, "overlap"},
 		{"mla with V", LayoutSpec{Kind: MLA, Geometry: Geometry{1, 1, 576, 2, 16}, NumBlocks: 4,
-			Layers: []LayerTensors{{K: 0, V: 1 << 30, Stride: 1 << 20}}}, ErrLayout, "no V tensor"},
-		{"unknown kind", LayoutSpec{Kind: 9, Geometry: g, NumBlocks: 1}, ErrLayout, "unknown kind 9"},
-		{"cross-layer with layers", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 8, 128, 2, 16}, NumBlocks: 1, Stride: 1 << 20, Layers: two}, ErrLayout, "not 1 layer tensors"},
+			Layers: []LayerTensors{{K: 0, V: 1 << 30, Stride: 1 << 20}}}, errLayout, "no V tensor"},
+		{"unknown kind", LayoutSpec{Kind: 9, Geometry: g, NumBlocks: 1}, errLayout, "unknown kind 9"},
+		{"cross-layer with layers", LayoutSpec{Kind: CrossLayer, Geometry: Geometry{1, 8, 128, 2, 16}, NumBlocks: 1, Stride: 1 << 20, Layers: two}, errLayout, "not 1 layer tensors"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -127,12 +127,12 @@ func TestLayoutErrors(t *testing.T) {
 }
 
 func TestBlockIDRange(t *testing.T) {
-	l, err := NewLayout(DenseSpec(CrossLayer, Llama3_8B, 10, 0))
+	l, err := NewLayout(denseSpec(CrossLayer, llama3_8B, 10, 0))
 	require.NoError(t, err)
 	for _, id := range []int{-1, 10, 1 << 40} {
 		dst := []Segment{{Len: 7}}
 		got, err := l.Segments(id, dst)
-		require.ErrorIs(t, err, ErrBlockID)
+		require.ErrorIs(t, err, errBlockID)
 		require.ErrorContains(t, err, "layout has 10 blocks")
 		require.Equal(t, dst, got)
 	}
@@ -159,19 +159,19 @@ func FuzzLayout(f *testing.F) {
 		}
 		l, err := NewLayout(spec)
 		if err != nil {
-			require.True(t, isAny(err, ErrGeometry, ErrLayout), "unexpected error %v", err)
+			require.True(t, isAny(err, errGeometry, errLayout), "unexpected error %v", err)
 			return
 		}
 		segs, err := l.Segments(block, nil)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBlockID)
+			require.ErrorIs(t, err, errBlockID)
 			require.True(t, block < 0 || block >= blocks)
 			return
 		}
 		var sum, end uint64
 		for _, s := range segs {
 			require.GreaterOrEqual(t, s.Off, end)
-			require.Zero(t, s.Off%SegmentAlign)
+			require.Zero(t, s.Off%segmentAlign)
 			end = s.Off + s.Len
 			sum += s.Len
 			require.GreaterOrEqual(t, s.Dev+s.Len, s.Dev, "device address overflow")
@@ -190,7 +190,7 @@ func TestLayerSegments(t *testing.T) {
 		if kind == MLA {
 			gg.KVHeads = 1
 		}
-		l, err := NewLayout(DenseSpec(kind, gg, 5, 1<<20))
+		l, err := NewLayout(denseSpec(kind, gg, 5, 1<<20))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -210,11 +210,26 @@ func TestLayerSegments(t *testing.T) {
 				t.Fatalf("%v block %d: LayerSegments %v, Segments %v", kind, id, got, all)
 			}
 		}
-		if _, err := l.LayerSegments(5, 0, nil); !errors.Is(err, ErrBlockID) {
+		if _, err := l.LayerSegments(5, 0, nil); !errors.Is(err, errBlockID) {
 			t.Fatalf("%v: block 5 of 5: %v", kind, err)
 		}
-		if _, err := l.LayerSegments(0, gg.Layers, nil); !errors.Is(err, ErrLayout) {
+		if _, err := l.LayerSegments(0, gg.Layers, nil); !errors.Is(err, errLayout) {
 			t.Fatalf("%v: layer %d: %v", kind, gg.Layers, err)
 		}
 	}
+}
+
+// denseSpec returns a spec of the given kind whose tensors lie back to back
+// from base, as an allocator that gives each tensor its own buffer would place
+// them: per layer a K tensor of NumBlocks blocks (one layer's K each) then a V tensor
+// (LayerSeparate), one latent tensor per layer (MLA), or one tensor of whole
+// blocks (CrossLayer). It is for tests, demos and benchmarks; NewLayout
+// validates the result.
+func denseSpec(kind LayoutKind, g Geometry, numBlocks int, base uint64) LayoutSpec {
+	spec := LayoutSpec{Kind: kind, Geometry: g, NumBlocks: numBlocks}
+	seg, err := g.segmentLen()
+	if err != nil || numBlocks <= 0 {
+		return spec
+	}
+	return denseTensors(spec, seg, base)
 }

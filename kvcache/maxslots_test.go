@@ -25,7 +25,7 @@ func TestMaxSlots(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := New(Config{Layout: tinyLayout(t, 1024), SlotAlign: 256, MaxSlots: tc.max})
 			if tc.err {
-				require.ErrorIs(t, err, ErrConfig)
+				require.ErrorIs(t, err, errConfig)
 				return
 			}
 			require.NoError(t, err)
@@ -52,7 +52,7 @@ func TestMaxSlots(t *testing.T) {
 func BenchmarkAddRegionGrowth(b *testing.B) {
 	const slot, pool = 8 << 10, 64 << 30
 	g := Geometry{Layers: 2, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16}
-	l, err := NewLayout(DenseSpec(CrossLayer, g, 64, 1<<40))
+	l, err := NewLayout(denseSpec(CrossLayer, g, 64, 1<<40))
 	require.NoError(b, err)
 	require.EqualValues(b, slot, l.SlotSize())
 	sizes := []uint64{1 << 30}

@@ -1,17 +1,17 @@
 package kvcache
 
-// Removal and eviction: Delete, Clear, Maintain and Sync, the helpers
+// Removal and eviction: Delete, Clear, maintainIdle and syncPolicy, the helpers
 // that take a block out of the index (unindex, evict, evictVictim), and
 // maintain and shortOf, which keep slots free ahead of demand, with rank
 // and setChain, which keep a store's own chain from being its victims.
 //
-// Locks: Delete, Clear and Maintain take the cache lock (Cache.mu) and
+// Locks: Delete, Clear and maintainIdle take the cache lock (Cache.mu) and
 // release it with Cache.unlock; the helpers run with it held, and call
 // Config.Demote and Config.OnIndex with it held. maintain calls
 // Policy.Evictions under the cache lock, and TinyLFU's Evictions takes the
-// policy's own mu: Cache.mu first, then TinyLFU.mu. Sync reads Cache.closed
-// under Cache.mu and calls Policy.Sync without it, before Maintain takes
-// it again.
+// policy's own mu: Cache.mu first, then TinyLFU.mu. syncPolicy reads
+// Cache.closed under Cache.mu and calls Policy.Sync without it, before
+// maintainIdle takes it again.
 
 // Delete removes keys from the index (a model reload, an invalidation);
 // blocks being read or written are released when their transfers and leases
@@ -46,10 +46,9 @@ func (c *Cache) Clear(ns Namespace) int {
 	return n
 }
 
-// Maintain applies the policy's pending advice and restores the
-// low-watermark. Every mutating call does this already; an engine may also
-// call it when idle.
-func (c *Cache) Maintain() {
+// maintainIdle applies the policy's pending advice and restores the
+// low-watermark, as every mutating call does (syncPolicy and tests call it).
+func (c *Cache) maintainIdle() {
 	c.mu.Lock()
 	defer c.unlock()
 	if !c.closed {
@@ -59,18 +58,18 @@ func (c *Cache) Maintain() {
 	}
 }
 
-// Sync waits for the policy's background decisions (ristretto's buffered
-// sets) and applies them: after Sync, advice about every earlier call is in
-// effect. For tests and simulations; serving does not need it.
-func (c *Cache) Sync() {
+// syncPolicy waits for the policy's background decisions (ristretto's
+// buffered sets) and applies them: after it, advice about every earlier call
+// is in effect. For tests and simulations; serving does not need it.
+func (c *Cache) syncPolicy() {
 	c.mu.Lock()
 	closed := c.closed
 	c.mu.Unlock()
 	if closed {
 		return
 	}
-	c.policy.Sync()
-	c.Maintain()
+	c.policy.sync()
+	c.maintainIdle()
 }
 
 // unindex removes slot i's key from the index and unlinks it from its parent.
@@ -97,7 +96,7 @@ func (c *Cache) unindex(i int32) {
 func (c *Cache) evict(i int32, counter *uint64, tell bool) {
 	s := &c.slots[i]
 	if tell && s.visible() {
-		c.policy.Removed(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+		c.policy.removed(entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
 	}
 	if c.onIndex != nil && s.visible() {
 		c.onIndex(IndexEvent{Key: s.key, Slot: c.handle(i), Namespace: s.ns, Evicted: counter == &c.st.Evicted})
@@ -134,7 +133,7 @@ func (c *Cache) rank(id SlotID) int {
 	s := &c.slots[id]
 	switch {
 	case s.state == stateLeased, s.chain:
-		return NotAVictim
+		return notAVictim
 	case s.children > 0:
 		return 1
 	}
@@ -169,7 +168,7 @@ func (c *Cache) setChain(parent int32, on bool) {
 func (c *Cache) maintain(want int) {
 	for {
 		need := c.shortOf(want)
-		c.victims = c.policy.Evictions(need, c.rank, c.victims[:0])
+		c.victims = c.policy.evictions(need, c.rank, c.victims[:0])
 		if len(c.victims) == 0 {
 			return
 		}

@@ -34,7 +34,7 @@ func (c *Cache) unleaseOne(i int32, load bool) {
 }
 
 // Unlease gives back leases taken by LookupLease. Errors (nothing changes):
-// ErrStaleSlot for a handle without that many leases.
+// a handle without that many leases (stale).
 func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }
 
 // BeginLoad takes, for each key, a reader lease on its ready block and
@@ -42,8 +42,8 @@ func (c *Cache) Unlease(slots []Slot) error { return c.endRead(slots, false) }
 // Missing keys are reported, not errors. Call EndLoad with the found slots
 // once the copies' events have retired (or the copies were never submitted).
 //
-// Errors (nothing changes): ErrLengthMismatch, ErrDuplicate (a key or a
-// block id twice), ErrBlockID, ErrClosed.
+// Errors (nothing changes): keys and block ids of different lengths, a
+// key or a block id twice, a block id out of range, the cache closed.
 func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadResult, error) {
 	c.mu.Lock()
 	defer c.unlock()
@@ -56,7 +56,7 @@ func (c *Cache) BeginLoad(keys []Key, blockIDs []int, dst []LoadResult) ([]LoadR
 		return dst, err
 	}
 	for j, i := range c.found {
-		if i >= 0 && (!c.slots[i].visible() || c.slots[i].readers >= MaxReaders) {
+		if i >= 0 && (!c.slots[i].visible() || c.slots[i].readers >= maxReaders) {
 			c.found[j] = -1
 		}
 	}
@@ -89,7 +89,7 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return ErrClosed
+		return errClosed
 	}
 	c.nextDupEpoch()
 	for _, h := range slots {
@@ -104,7 +104,7 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 		n := s.dupN
 		if s.readers < n || (load && s.pending-s.storeWrites() < n) {
 			return fmt.Errorf("%w: slot %d gen %d released %d times, it holds %d leases and %d loads",
-				ErrStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-s.storeWrites())
+				errStaleSlot, h.ID, h.Gen, n, s.readers, s.pending-s.storeWrites())
 		}
 	}
 	for _, h := range slots {
@@ -125,10 +125,10 @@ func (c *Cache) endRead(slots []Slot, load bool) error {
 // less per key.
 func (c *Cache) checkLoad(keys []Key, ids []int) error {
 	if c.closed {
-		return ErrClosed
+		return errClosed
 	}
 	if len(keys) != len(ids) {
-		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
+		return fmt.Errorf("%w: %d keys, %d block ids", errLengthMismatch, len(keys), len(ids))
 	}
 	// Block ids (range, repeats) up to the first failing one, and the
 	// lookups.
@@ -141,7 +141,7 @@ func (c *Cache) checkLoad(keys []Key, ids []int) error {
 			if err := c.layout.CheckBlock(ids[j]); err != nil {
 				idAt, badBlock, idErr = j, true, fmt.Errorf("key %d (%v): %w", j, k, err)
 			} else if c.dupIDs.add(ids[j]) {
-				idAt, idErr = j, fmt.Errorf("%w: block id %d at index %d", ErrDuplicate, ids[j], j)
+				idAt, idErr = j, fmt.Errorf("%w: block id %d at index %d", errDuplicate, ids[j], j)
 			}
 		}
 		i, ok := c.index.get(k)
@@ -171,7 +171,7 @@ func (c *Cache) checkLoad(keys []Key, ids []int) error {
 			if j == idAt && badBlock {
 				break // the bad block id comes first at one index
 			}
-			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, keys[j], j)
+			return fmt.Errorf("%w: key %v at index %d", errDuplicate, keys[j], j)
 		}
 	}
 	return idErr

@@ -65,7 +65,7 @@ func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) 
 	c.found = c.found[:0]
 	for _, k := range keys {
 		i, ok := c.index.get(k)
-		if !ok || !c.slots[i].visible() || (lease && c.slots[i].readers >= MaxReaders) {
+		if !ok || !c.slots[i].visible() || (lease && c.slots[i].readers >= maxReaders) {
 			break
 		}
 		c.found = append(c.found, i)
@@ -92,11 +92,11 @@ func (c *Cache) lookup(keys []Key, lease, touch bool, dst []Slot) (int, []Slot) 
 		}
 	}
 	for _, k := range keys[n:] {
-		c.policy.Missed(k)
+		c.policy.missed(k)
 	}
 	if c.threshold > 1 {
 		for _, k := range keys {
-			c.seen.add(k)
+			c.seen.Add(k)
 		}
 	}
 	if lease {
@@ -114,7 +114,7 @@ func (c *Cache) accessed(k Key, i int32, gen uint32) {
 		c.lru.touch(i, gen)
 		return
 	}
-	c.policy.Accessed(Entry{Key: k, Slot: SlotID(i), Gen: gen})
+	c.policy.accessed(entry{Key: k, Slot: SlotID(i), Gen: gen})
 }
 
 func (c *Cache) lease(i int32) {
@@ -137,7 +137,7 @@ func (c *Cache) LeaseHandles(slots []Slot, ok []bool) []bool {
 	for _, h := range slots {
 		leased := false
 		if !c.closed {
-			if s, err := c.lookupHandle(h); err == nil && s.visible() && s.readers < MaxReaders {
+			if s, err := c.lookupHandle(h); err == nil && s.visible() && s.readers < maxReaders {
 				c.lease(int32(h.ID))
 				leased = true
 			}

@@ -17,11 +17,11 @@ func (s *slotRec) visible() bool { return s.state == stateReady || s.state == st
 
 func (c *Cache) lookupHandle(h Slot) (*slotRec, error) {
 	if int(h.ID) >= len(c.slots) {
-		return nil, fmt.Errorf("%w: slot %d, the pool has %d", ErrStaleSlot, h.ID, len(c.slots))
+		return nil, fmt.Errorf("%w: slot %d, the pool has %d", errStaleSlot, h.ID, len(c.slots))
 	}
 	s := &c.slots[h.ID]
 	if s.gen != h.Gen || s.state == stateFree || s.state == stateZeroing || s.state == stateDemoting || s.state == stateRetired {
-		return nil, fmt.Errorf("%w: slot %d gen %d (now gen %d, %v)", ErrStaleSlot, h.ID, h.Gen, s.gen, s.state)
+		return nil, fmt.Errorf("%w: slot %d gen %d (now gen %d, %v)", errStaleSlot, h.ID, h.Gen, s.gen, s.state)
 	}
 	return s, nil
 }

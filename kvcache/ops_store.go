@@ -68,8 +68,9 @@ type StoreResult struct {
 	BlockID int
 	Slot    Slot // valid when Outcome is StoreWrite
 	// Heads is the head range to copy when Outcome is StoreWrite: the
-	// request's (every head for a whole-block store). Copy
-	// Layout.SegmentsRange(BlockID, Heads) to Slot.Addr + Off.
+	// request's (every head for a whole-block store). Copy the Segments
+	// of BlockID of the layout holding those heads (the rank's, whose
+	// LayoutSpec.Heads they are) to Slot.Addr + Off.
 	Heads HeadRange
 }
 
@@ -96,8 +97,9 @@ type StoreResult struct {
 // granted is reclaimed, never loaded. A whole-block store of a partial
 // block's key is StorePresent.
 //
-// Errors (the index and pool are untouched): ErrLengthMismatch, ErrDuplicate
-// (a key twice), ErrBlockID, ErrHeadRange, ErrClosed.
+// Errors (the index and pool are untouched): keys and block ids of
+// different lengths, a key twice, a block id out of range, a bad head
+// range, the cache closed.
 func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, error) {
 	c.mu.Lock()
 	defer c.unlock()
@@ -124,7 +126,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 		i, ok := c.index.get(k)
 		if !ok {
 			i = -1
-			if admitting && c.threshold > 1 && c.seen.count(k) < c.threshold {
+			if admitting && c.threshold > 1 && c.seen.Count(k) < c.threshold {
 				admitting = false
 			}
 			if admitting {
@@ -165,7 +167,7 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 			dst = append(dst, r)
 			continue
 		}
-		if refused == 0 && c.threshold > 1 && c.seen.count(k) < c.threshold {
+		if refused == 0 && c.threshold > 1 && c.seen.Count(k) < c.threshold {
 			refused = StoreRefusedAdmission
 		}
 		var i int32 = -1
@@ -213,8 +215,8 @@ func (c *Cache) BeginStore(req StoreRequest, dst []StoreResult) ([]StoreResult, 
 // on failure the range is open again for a retry, and the block is dropped
 // only when it has no committed head and no other write in flight.
 //
-// Errors (nothing changes): ErrStaleSlot for a handle that is not a store in
-// progress, ErrDuplicate for a handle given twice.
+// Errors (nothing changes): a handle that is not a store in progress
+// (stale), a handle given twice.
 func (c *Cache) CompleteStore(slots []Slot, err error) error {
 	_, e := c.completeStore(slots, err, nil, false)
 	return e
@@ -234,7 +236,7 @@ func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) (
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return dst, ErrClosed
+		return dst, errClosed
 	}
 	clear(c.dupStore)
 	for _, h := range slots {
@@ -243,14 +245,14 @@ func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) (
 			return dst, e
 		}
 		if !s.storing {
-			return dst, fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", ErrStaleSlot, h.ID, h.Gen, s.state)
+			return dst, fmt.Errorf("%w: slot %d gen %d is %v with no store in progress", errStaleSlot, h.ID, h.Gen, s.state)
 		}
 		if (h.Heads == HeadRange{}) != (s.part == nil) || (s.part != nil && s.part.writeIndex(h.Heads) < 0) {
-			return dst, fmt.Errorf("%w: slot %d gen %d: no store of heads %v in progress", ErrStaleSlot, h.ID, h.Gen, h.Heads)
+			return dst, fmt.Errorf("%w: slot %d gen %d: no store of heads %v in progress", errStaleSlot, h.ID, h.Gen, h.Heads)
 		}
 		d := storeHandle{h.ID, h.Heads.First}
 		if _, dup := c.dupStore[d]; dup {
-			return dst, fmt.Errorf("%w: slot %d (heads %v) given twice to CompleteStore", ErrDuplicate, h.ID, h.Heads)
+			return dst, fmt.Errorf("%w: slot %d (heads %v) given twice to CompleteStore", errDuplicate, h.ID, h.Heads)
 		}
 		c.dupStore[d] = struct{}{}
 	}
@@ -303,7 +305,7 @@ func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) (
 					s.parent = -1
 				}
 			}
-			c.policy.Inserted(Entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
+			c.policy.inserted(entry{Key: s.key, Slot: SlotID(i), Gen: s.gen})
 			if c.onIndex != nil {
 				c.onIndex(IndexEvent{Ready: true, Key: s.key, Slot: c.handle(i), Namespace: s.ns})
 			}
@@ -322,10 +324,10 @@ func (c *Cache) completeStore(slots []Slot, err error, dst []Slot, ready bool) (
 // id given twice).
 func (c *Cache) checkKeys(keys []Key, ids []int) error {
 	if c.closed {
-		return ErrClosed
+		return errClosed
 	}
 	if len(keys) != len(ids) {
-		return fmt.Errorf("%w: %d keys, %d block ids", ErrLengthMismatch, len(keys), len(ids))
+		return fmt.Errorf("%w: %d keys, %d block ids", errLengthMismatch, len(keys), len(ids))
 	}
 	c.dupKeys.start(len(keys))
 	for j, k := range keys {
@@ -333,7 +335,7 @@ func (c *Cache) checkKeys(keys []Key, ids []int) error {
 			return fmt.Errorf("key %d (%v): %w", j, k, err)
 		}
 		if c.dupKeys.add(k) {
-			return fmt.Errorf("%w: key %v at index %d", ErrDuplicate, k, j)
+			return fmt.Errorf("%w: key %v at index %d", errDuplicate, k, j)
 		}
 	}
 	return nil

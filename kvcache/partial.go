@@ -53,7 +53,7 @@ func (p *partial) commit(r HeadRange) {
 	p.done = slices.Insert(p.done, i, r)
 	out := p.done[:1]
 	for _, q := range p.done[1:] {
-		if last := &out[len(out)-1]; last.End() == q.First {
+		if last := &out[len(out)-1]; last.end() == q.First {
 			last.Count += q.Count
 		} else {
 			out = append(out, q)
@@ -108,8 +108,8 @@ func (c *Cache) expirePartials() {
 
 // ExpirePartials reclaims the blocks stored by head ranges that are still
 // missing heads after Config.PartialTimeout (a rank died, or its store
-// failed and was not retried). BeginStore and Maintain do it too; an engine
-// calls it, or Maintain, when idle.
+// failed and was not retried). BeginStore does it too; an engine calls it
+// when idle.
 func (c *Cache) ExpirePartials() {
 	c.mu.Lock()
 	defer c.unlock()

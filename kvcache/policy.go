@@ -5,83 +5,86 @@ import "math/rand/v2"
 // SlotID is the index of a slot in the cache's slot table.
 type SlotID uint32
 
-// Entry names one indexed block to a Policy: its key, its slot and the slot's
+// entry names one indexed block to a Policy: its key, its slot and the slot's
 // generation (which changes every time the slot is allocated, so advice about
 // an earlier occupant is recognised and ignored).
-type Entry struct {
+type entry struct {
 	Key  Key
 	Slot SlotID
 	Gen  uint32
 }
 
-// Victim is one block a Policy advises evicting. Rejected marks a block the
+// victim is one block a Policy advises evicting. Rejected marks a block the
 // policy refused to admit after it was stored (ristretto decides admission
 // only after the fact): its D2H copy was wasted.
-type Victim struct {
-	Entry
+type victim struct {
+	entry
 	Rejected bool
 }
 
-// Rank tells a policy how good a victim a block is, lower is better: 0 a
+// rankFunc tells a policy how good a victim a block is, lower is better: 0 a
 // ready block with no indexed child (a chain tail), 1 a ready block with an
-// indexed child (evicting it orphans the child), NotAVictim a leased block
+// indexed child (evicting it orphans the child), notAVictim a leased block
 // (evicting it would free nothing now: a policy must not name it on demand).
-type Rank func(SlotID) int
+type rankFunc func(SlotID) int
 
-// NotAVictim is the Rank of a leased block, and of a present block of the
+// notAVictim is the rank of a leased block, and of a present block of the
 // chain a BeginStore is making room for.
-const NotAVictim = 2
+const notAVictim = 2
 
 // lruScan bounds how many blocks the search for a better-ranked victim than
 // the least recent one looks at.
 const lruScan = 64
 
-// Policy advises the cache which ready blocks to keep. The slot pool is the
-// authority: a policy never frees or allocates anything, it only names
-// victims, and advice about blocks that are no longer indexed is ignored.
+// Policy advises the cache which ready blocks to keep: the exact
+// least-recently-used policy (Config.Policy nil, the default) or TinyLFU
+// (NewTinyLFU). The package implements every Policy (its methods are
+// unexported). The slot pool is the authority: a policy never frees or
+// allocates anything, it only names victims, and advice about blocks that
+// are no longer indexed is ignored.
 //
 // The cache calls every method with its lock held, from one goroutine at a
 // time, so methods must not block for long and must not call back into the
 // cache. A policy that decides on its own goroutine (TinyLFU) queues its
-// decisions and hands them over in Evictions.
+// decisions and hands them over in evictions.
 type Policy interface {
-	// SetCapacity tells the policy how many ready blocks it may keep: the
+	// setCapacity tells the policy how many ready blocks it may keep: the
 	// usable slots less the low-watermark. Called when regions come and go.
-	SetCapacity(blocks int)
-	// Inserted: a block became ready (its D2H copy completed).
-	Inserted(e Entry)
-	// Accessed: a ready block was hit by a lookup or a load.
-	Accessed(e Entry)
-	// Missed: a key was looked up and is not ready (demand for an absent
+	setCapacity(blocks int)
+	// inserted: a block became ready (its D2H copy completed).
+	inserted(e entry)
+	// accessed: a ready block was hit by a lookup or a load.
+	accessed(e entry)
+	// missed: a key was looked up and is not ready (demand for an absent
 	// block; frequency-based policies learn from it).
-	Missed(k Key)
-	// Removed: a block left the index for a reason other than this policy's
+	missed(k Key)
+	// removed: a block left the index for a reason other than this policy's
 	// advice (Delete, Clear, Trim, a deferred eviction).
-	Removed(e Entry)
-	// Evictions appends to dst the blocks the policy has decided to evict on
-	// its own, plus up to need more chosen now (preferring low Rank, never
-	// NotAVictim), and returns it. Every returned entry is removed from the
+	removed(e entry)
+	// evictions appends to dst the blocks the policy has decided to evict on
+	// its own, plus up to need more chosen now (preferring low rank, never
+	// notAVictim), and returns it. Every returned entry is removed from the
 	// policy's tracking. A policy names fewer than need blocks only when it
 	// tracks no more victims: the cache refuses a store as pool full only
 	// then, and calls again while slots are short (advice about blocks that
 	// are gone frees nothing).
-	Evictions(need int, rank Rank, dst []Victim) []Victim
-	// Sync waits until decisions the policy is still making in the
-	// background are queued for Evictions. Called without the cache lock.
-	Sync()
-	// Close releases the policy's goroutines and resources.
-	Close()
+	evictions(need int, rank rankFunc, dst []victim) []victim
+	// sync waits until decisions the policy is still making in the
+	// background are queued for evictions. Called without the cache lock.
+	sync()
+	// close releases the policy's goroutines and resources.
+	close()
 }
 
 // lruWindow is how many least-recently-used blocks LRU and Random look at to
 // find one of the lowest rank.
 const lruWindow = 8
 
-// LRU is an exact least-recently-used policy. It admits every block and, when
-// asked for victims, takes the least recently used one of the lowest Rank
+// lru is an exact least-recently-used policy. It admits every block and, when
+// asked for victims, takes the least recently used one of the lowest rank
 // among the lruWindow least recent that are not leased. It is deterministic: given the same calls
 // it gives the same advice.
-type LRU struct {
+type lru struct {
 	// Doubly linked list through per-slot nodes; head is the most recent.
 	// One node per slot (links, generation, membership together: a move
 	// to the front touches one entry per node it relinks).
@@ -96,10 +99,10 @@ type lruNode struct {
 	in         bool
 }
 
-// NewLRU returns an empty LRU policy.
-func NewLRU() *LRU { return &LRU{head: -1, tail: -1} }
+// newLRU returns an empty LRU policy.
+func newLRU() *lru { return &lru{head: -1, tail: -1} }
 
-func (p *LRU) grow(s SlotID) {
+func (p *lru) grow(s SlotID) {
 	for int(s) >= len(p.nodes) {
 		p.nodes = append(p.nodes, lruNode{prev: -1, next: -1})
 		p.keys = append(p.keys, Key{})
@@ -107,11 +110,11 @@ func (p *LRU) grow(s SlotID) {
 }
 
 // holds reports whether slot i is in the list with generation gen.
-func (p *LRU) holds(i int32, gen uint32) bool {
+func (p *lru) holds(i int32, gen uint32) bool {
 	return int(i) < len(p.nodes) && p.nodes[i].in && p.nodes[i].gen == gen
 }
 
-func (p *LRU) unlink(i int32) {
+func (p *lru) unlink(i int32) {
 	n := &p.nodes[i]
 	if n.prev >= 0 {
 		p.nodes[n.prev].next = n.next
@@ -126,7 +129,7 @@ func (p *LRU) unlink(i int32) {
 	n.prev, n.next, n.in = -1, -1, false
 }
 
-func (p *LRU) pushFront(i int32) {
+func (p *lru) pushFront(i int32) {
 	n := &p.nodes[i]
 	n.prev, n.next, n.in = -1, p.head, true
 	if p.head >= 0 {
@@ -137,11 +140,11 @@ func (p *LRU) pushFront(i int32) {
 	p.head = i
 }
 
-// SetCapacity implements Policy; LRU keeps whatever the pool holds.
-func (p *LRU) SetCapacity(int) {}
+// setCapacity implements Policy; LRU keeps whatever the pool holds.
+func (p *lru) setCapacity(int) {}
 
-// Inserted implements Policy.
-func (p *LRU) Inserted(e Entry) {
+// inserted implements Policy.
+func (p *lru) inserted(e entry) {
 	p.grow(e.Slot)
 	i := int32(e.Slot)
 	if p.nodes[i].in {
@@ -151,11 +154,11 @@ func (p *LRU) Inserted(e Entry) {
 	p.pushFront(i)
 }
 
-// Accessed implements Policy.
-func (p *LRU) Accessed(e Entry) { p.touch(int32(e.Slot), e.Gen) }
+// accessed implements Policy.
+func (p *lru) accessed(e entry) { p.touch(int32(e.Slot), e.Gen) }
 
 // touch moves slot i to the front when it holds generation gen.
-func (p *LRU) touch(i int32, gen uint32) {
+func (p *lru) touch(i int32, gen uint32) {
 	if p.holds(i, gen) {
 		if p.head == i {
 			return
@@ -165,23 +168,23 @@ func (p *LRU) touch(i int32, gen uint32) {
 	}
 }
 
-// Missed implements Policy; LRU does not learn from misses.
-func (p *LRU) Missed(Key) {}
+// missed implements Policy; LRU does not learn from misses.
+func (p *lru) missed(Key) {}
 
-// Removed implements Policy.
-func (p *LRU) Removed(e Entry) {
+// removed implements Policy.
+func (p *lru) removed(e entry) {
 	if i := int32(e.Slot); p.holds(i, e.Gen) {
 		p.unlink(i)
 	}
 }
 
-// Evictions implements Policy. Each victim is the lowest-ranked of the
+// evictions implements Policy. Each victim is the lowest-ranked of the
 // lruWindow least recent blocks that are victims at all; leased blocks at
 // the tail are stepped over once per call, so a call costs O(blocks + need).
-func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
+func (p *lru) evictions(need int, rank rankFunc, dst []victim) []victim {
 	from := p.tail // every block behind from is not a victim
 	for ; need > 0; need-- {
-		for from >= 0 && rank(SlotID(from)) == NotAVictim {
+		for from >= 0 && rank(SlotID(from)) == notAVictim {
 			from = p.nodes[from].prev
 		}
 		if from < 0 {
@@ -190,7 +193,7 @@ func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 		best, bestRank := from, rank(SlotID(from))
 		for i, n, seen := p.nodes[from].prev, 1, 0; bestRank > 0 && i >= 0 && n < lruWindow && seen < lruScan; i, seen = p.nodes[i].prev, seen+1 {
 			r := rank(SlotID(i))
-			if r == NotAVictim {
+			if r == notAVictim {
 				continue
 			}
 			n++
@@ -201,37 +204,37 @@ func (p *LRU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 		if best == from {
 			from = p.nodes[from].prev
 		}
-		dst = append(dst, Victim{Entry: Entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.nodes[best].gen}})
+		dst = append(dst, victim{entry: entry{Key: p.keys[best], Slot: SlotID(best), Gen: p.nodes[best].gen}})
 		p.unlink(best)
 	}
 	return dst
 }
 
-// Sync implements Policy; LRU decides synchronously.
-func (p *LRU) Sync() {}
+// sync implements Policy; LRU decides synchronously.
+func (p *lru) sync() {}
 
-// Close implements Policy.
-func (p *LRU) Close() {}
+// close implements Policy.
+func (p *lru) close() {}
 
-// Random evicts a block chosen at random among lruWindow samples, preferring
-// low Rank. Deterministic given its seed and its calls: property tests use it
+// random evicts a block chosen at random among lruWindow samples, preferring
+// low rank. Deterministic given its seed and its calls: property tests use it
 // to evict parents, leased blocks and fresh blocks that LRU would spare.
-type Random struct {
+type random struct {
 	rng     *rand.Rand
-	entries []Entry
+	entries []entry
 	pos     map[SlotID]int
 }
 
-// NewRandom returns a Random policy seeded with seed.
-func NewRandom(seed uint64) *Random {
-	return &Random{rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), pos: map[SlotID]int{}}
+// newRandom returns a Random policy seeded with seed.
+func newRandom(seed uint64) *random {
+	return &random{rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), pos: map[SlotID]int{}}
 }
 
-// SetCapacity implements Policy.
-func (p *Random) SetCapacity(int) {}
+// setCapacity implements Policy.
+func (p *random) setCapacity(int) {}
 
-// Inserted implements Policy.
-func (p *Random) Inserted(e Entry) {
+// inserted implements Policy.
+func (p *random) inserted(e entry) {
 	if i, ok := p.pos[e.Slot]; ok {
 		p.entries[i] = e
 		return
@@ -240,20 +243,20 @@ func (p *Random) Inserted(e Entry) {
 	p.entries = append(p.entries, e)
 }
 
-// Accessed implements Policy.
-func (p *Random) Accessed(Entry) {}
+// accessed implements Policy.
+func (p *random) accessed(entry) {}
 
-// Missed implements Policy.
-func (p *Random) Missed(Key) {}
+// missed implements Policy.
+func (p *random) missed(Key) {}
 
-// Removed implements Policy.
-func (p *Random) Removed(e Entry) {
+// removed implements Policy.
+func (p *random) removed(e entry) {
 	if i, ok := p.pos[e.Slot]; ok && p.entries[i].Gen == e.Gen {
 		p.remove(i)
 	}
 }
 
-func (p *Random) remove(i int) {
+func (p *random) remove(i int) {
 	last := len(p.entries) - 1
 	delete(p.pos, p.entries[i].Slot)
 	if i != last {
@@ -263,16 +266,16 @@ func (p *Random) remove(i int) {
 	p.entries = p.entries[:last]
 }
 
-// Evictions implements Policy: lruWindow random samples, lowest rank
+// evictions implements Policy: lruWindow random samples, lowest rank
 // first; when no sample is a victim it scans every entry, so it names a
 // victim whenever one exists.
-func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
+func (p *random) evictions(need int, rank rankFunc, dst []victim) []victim {
 	for ; need > 0 && len(p.entries) > 0; need-- {
 		best := sampleVictim(p.rng, p.entries, rank)
 		if best < 0 {
 			break
 		}
-		dst = append(dst, Victim{Entry: p.entries[best]})
+		dst = append(dst, victim{entry: p.entries[best]})
 		p.remove(best)
 	}
 	return dst
@@ -281,8 +284,8 @@ func (p *Random) Evictions(need int, rank Rank, dst []Victim) []Victim {
 // sampleVictim returns the index in entries of the lowest-ranked of
 // lruWindow random samples, scanning all entries when none of the samples is
 // a victim; -1 when no entry is.
-func sampleVictim(rng *rand.Rand, entries []Entry, rank Rank) int {
-	best, bestRank := -1, NotAVictim
+func sampleVictim(rng *rand.Rand, entries []entry, rank rankFunc) int {
+	best, bestRank := -1, notAVictim
 	for n := 0; n < lruWindow; n++ {
 		i := rng.IntN(len(entries))
 		if r := rank(entries[i].Slot); r < bestRank {
@@ -290,15 +293,15 @@ func sampleVictim(rng *rand.Rand, entries []Entry, rank Rank) int {
 		}
 	}
 	for i := 0; best < 0 && i < len(entries); i++ {
-		if rank(entries[i].Slot) < NotAVictim {
+		if rank(entries[i].Slot) < notAVictim {
 			best = i
 		}
 	}
 	return best
 }
 
-// Sync implements Policy.
-func (p *Random) Sync() {}
+// sync implements Policy.
+func (p *random) sync() {}
 
-// Close implements Policy.
-func (p *Random) Close() {}
+// close implements Policy.
+func (p *random) close() {}

@@ -119,7 +119,7 @@ func (m *propModel) checkRangeWrite(t *rapid.T, r StoreResult) (fresh bool) {
 		}
 	}
 	if c, ok := m.committed[occ(r.Slot)]; ok {
-		for h := r.Slot.Heads.First; h < r.Slot.Heads.End(); h++ {
+		for h := r.Slot.Heads.First; h < r.Slot.Heads.end(); h++ {
 			require.False(t, c[h], "head %d granted again after it was committed", h)
 		}
 	}
@@ -225,9 +225,9 @@ func TestPropertyStateMachine(t *testing.T) {
 		var p Policy
 		switch rapid.IntRange(0, 2).Draw(t, "policy") {
 		case 0:
-			p = NewRandom(rapid.Uint64().Draw(t, "seed"))
+			p = newRandom(rapid.Uint64().Draw(t, "seed"))
 		case 1:
-			p = NewLRU()
+			p = newLRU()
 		default:
 			// Ristretto decides on its own goroutines, so a failing case
 			// may not replay exactly; what is checked holds whatever it
@@ -273,7 +273,7 @@ func TestPropertyStateMachine(t *testing.T) {
 						ids[0] = propKeys
 					}
 					_, err := c.BeginStore(StoreRequest{Keys: ks, BlockIDs: ids}, nil)
-					require.True(t, isAny(err, ErrDuplicate, ErrLengthMismatch, ErrBlockID), "err %v", err)
+					require.True(t, isAny(err, errDuplicate, errLengthMismatch, errBlockID), "err %v", err)
 					require.Equal(t, before, c.Stats())
 					return
 				}
@@ -316,9 +316,9 @@ func TestPropertyStateMachine(t *testing.T) {
 						err = errors.New("copy failed")
 					}
 					require.NoError(t, c.CompleteStore([]Slot{s}, err))
-					require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), ErrStaleSlot)
+					require.ErrorIs(t, c.CompleteStore([]Slot{s}, nil), errStaleSlot)
 					if cm, ok := m.committed[occ(s)]; ok && err == nil {
-						for h := s.Heads.First; h < s.Heads.End(); h++ {
+						for h := s.Heads.First; h < s.Heads.end(); h++ {
 							cm[h] = true
 						}
 					}
@@ -379,14 +379,14 @@ func TestPropertyStateMachine(t *testing.T) {
 				d := m.demoting[i]
 				if rapid.IntRange(0, 4).Draw(t, "stale") == 0 {
 					before := c.Stats()
-					require.ErrorIs(t, c.Demoted([]Slot{{ID: d.slot.ID, Gen: d.slot.Gen + 1}}), ErrStaleSlot)
-					require.ErrorIs(t, c.Demoted([]Slot{d.slot, d.slot}), ErrDuplicate)
+					require.ErrorIs(t, c.Demoted([]Slot{{ID: d.slot.ID, Gen: d.slot.Gen + 1}}), errStaleSlot)
+					require.ErrorIs(t, c.Demoted([]Slot{d.slot, d.slot}), errDuplicate)
 					require.Equal(t, before, c.Stats())
 					return
 				}
 				m.demoting = append(m.demoting[:i], m.demoting[i+1:]...)
 				require.NoError(t, c.Demoted([]Slot{d.slot}))
-				require.ErrorIs(t, c.Demoted([]Slot{d.slot}), ErrStaleSlot)
+				require.ErrorIs(t, c.Demoted([]Slot{d.slot}), errStaleSlot)
 			},
 			"delete": func(t *rapid.T) {
 				ks, _ := m.keyChain(t)
@@ -426,7 +426,7 @@ func TestPropertyStateMachine(t *testing.T) {
 				}
 				id := rapid.SampledFrom(ids).Draw(t, "region")
 				if _, err := c.RemoveRegion(id); err != nil {
-					require.ErrorIs(t, err, ErrUnknownRegion) // already draining
+					require.ErrorIs(t, err, errUnknownRegion) // already draining
 				}
 			},
 			"releasable": func(t *rapid.T) {

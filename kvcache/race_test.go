@@ -87,7 +87,7 @@ func testConcurrent(t *testing.T, zero bool) {
 		}
 	}()
 	wg.Wait()
-	c.Sync()
+	c.syncPolicy()
 	require.NoError(t, c.Verify())
 	st := c.Stats()
 	require.Zero(t, st.Leased)

@@ -5,10 +5,10 @@ import (
 	"math"
 )
 
-// MaxReaders bounds a slot's readers (leases and loads, every holder's
+// maxReaders bounds a slot's readers (leases and loads, every holder's
 // together): a lookup or load finding a block with this many is told the
 // block is missing rather than overflowing its 32-bit count.
-const MaxReaders = math.MaxInt32 / 2
+const maxReaders = math.MaxInt32 / 2
 
 // Reads is one holder's reads of one slot, given back at once by EndReads:
 // Leases reader leases (LookupLease, LeaseHandles) and Loads loads
@@ -23,13 +23,13 @@ type Reads struct {
 // at a cost of one step per entry however many reads it counts: a holder
 // that goes away releases in proportion to the slots it held, not to the
 // leases it took. A slot may appear once. Errors (nothing changes):
-// ErrStaleSlot for a handle without that many leases and loads, or given
-// twice; ErrClosed.
+// a handle without that many leases and loads (stale), or given twice; the
+// cache closed.
 func (c *Cache) EndReads(reads []Reads) error {
 	c.mu.Lock()
 	defer c.unlock()
 	if c.closed {
-		return ErrClosed
+		return errClosed
 	}
 	c.nextDupEpoch()
 	for _, r := range reads {
@@ -38,13 +38,13 @@ func (c *Cache) EndReads(reads []Reads) error {
 			return err
 		}
 		if s.dupMark == c.dupEpoch {
-			return fmt.Errorf("%w: slot %d gen %d given twice", ErrStaleSlot, r.Slot.ID, r.Slot.Gen)
+			return fmt.Errorf("%w: slot %d gen %d given twice", errStaleSlot, r.Slot.ID, r.Slot.Gen)
 		}
 		s.dupMark, s.dupN = c.dupEpoch, 0
 		n := int64(r.Leases) + int64(r.Loads)
 		if r.Leases < 0 || r.Loads < 0 || int64(s.readers) < n || int64(s.pending-s.storeWrites()) < int64(r.Loads) {
 			return fmt.Errorf("%w: slot %d gen %d released %d leases and %d loads, it holds %d leases and %d loads",
-				ErrStaleSlot, r.Slot.ID, r.Slot.Gen, r.Leases, r.Loads, s.readers, s.pending-s.storeWrites())
+				errStaleSlot, r.Slot.ID, r.Slot.Gen, r.Leases, r.Loads, s.readers, s.pending-s.storeWrites())
 		}
 	}
 	for _, r := range reads {

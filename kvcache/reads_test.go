@@ -20,9 +20,9 @@ func TestEndReads(t *testing.T) {
 	lr, err := c.BeginLoad(ks[:1], ids[:1], nil)
 	require.NoError(t, err)
 	require.True(t, lr[0].Found)
-	require.ErrorIs(t, c.EndReads([]Reads{{Slot: a, Leases: 1002}}), ErrStaleSlot, "more reads than held")
-	require.ErrorIs(t, c.EndReads([]Reads{{Slot: a, Leases: 1}, {Slot: a, Leases: 1}}), ErrStaleSlot, "a slot twice")
-	require.ErrorIs(t, c.EndReads([]Reads{{Slot: b, Loads: 1}}), ErrStaleSlot, "a load never begun")
+	require.ErrorIs(t, c.EndReads([]Reads{{Slot: a, Leases: 1002}}), errStaleSlot, "more reads than held")
+	require.ErrorIs(t, c.EndReads([]Reads{{Slot: a, Leases: 1}, {Slot: a, Leases: 1}}), errStaleSlot, "a slot twice")
+	require.ErrorIs(t, c.EndReads([]Reads{{Slot: b, Loads: 1}}), errStaleSlot, "a load never begun")
 	require.Equal(t, 2, c.Stats().Leased, "the refusals changed nothing")
 	require.Equal(t, 1, c.Delete(ks[:1]))
 	require.NoError(t, c.EndReads([]Reads{{Slot: a, Leases: 1000, Loads: 1}, {Slot: b, Leases: 1000}}))
@@ -41,7 +41,7 @@ func TestMaxReaders(t *testing.T) {
 	res := store(t, c, ks, ids)
 	c.mu.Lock()
 	s := &c.slots[res[0].Slot.ID]
-	s.readers = MaxReaders
+	s.readers = maxReaders
 	c.setState(s, stateLeased)
 	c.mu.Unlock()
 	n, _ := c.LookupLease(ks, nil)
@@ -51,7 +51,7 @@ func TestMaxReaders(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, lr[0].Found)
 	require.Equal(t, []bool{false}, c.LeaseHandles([]Slot{res[0].Slot}, nil))
-	require.NoError(t, c.EndReads([]Reads{{Slot: res[0].Slot, Leases: MaxReaders}}))
+	require.NoError(t, c.EndReads([]Reads{{Slot: res[0].Slot, Leases: maxReaders}}))
 	n, _ = c.LookupLease(ks, nil)
 	require.Equal(t, 1, n)
 }

@@ -18,7 +18,7 @@ type TinyLFUConfig struct {
 	BufferItems int64
 }
 
-// TinyLFU is a Policy backed by ristretto v2: TinyLFU admission over a
+// tinyLFU is a Policy backed by ristretto v2: tinyLFU admission over a
 // count-min frequency sketch and sampled-LFU eviction, with cost = one slot
 // (IgnoreInternalCost).
 //
@@ -38,10 +38,10 @@ type TinyLFUConfig struct {
 // as the value, and the cache ignores advice about a slot's earlier occupant.
 // The low-watermark is kept by giving ristretto a capacity of the usable
 // slots less the watermark. Ristretto cannot name victims on demand, and its
-// evictions lag behind a burst of stores; so TinyLFU also tracks the ready
+// evictions lag behind a burst of stores; so tinyLFU also tracks the ready
 // blocks it was told of, with a saturating hit count each, and when the
 // cache needs slots that ristretto's advice did not free it picks the least
-// hit of lruWindow random samples (sampled LFU, lowest Rank first), removes
+// hit of lruWindow random samples (sampled LFU, lowest rank first), removes
 // it from the dropped inserts and names it. It is not deleted from
 // ristretto: Del blocks while ristretto's set buffer is full, which is
 // exactly when a burst needs slots, and no call may block under the cache
@@ -50,18 +50,18 @@ type TinyLFUConfig struct {
 // counts the burst's victims against its capacity and the pool holds fewer
 // ready blocks than it could. Ristretto may also reject a block stored into
 // the room so made: that is reported as Rejected, as any rejection.
-type TinyLFU struct {
-	c *ristretto.Cache[uint64, Entry]
+type tinyLFU struct {
+	c *ristretto.Cache[uint64, entry]
 
 	// Tracking for on-demand victims; guarded by the cache lock.
-	tracked []Entry
+	tracked []entry
 	hits    []uint8 // parallel to tracked
 	pos     []int32 // slot → index in tracked, -1 when untracked
 	rng     *rand.Rand
 
 	mu      sync.Mutex // guards advice; taken by ristretto's goroutine
-	advice  []Victim
-	dropped []Entry // inserts ristretto dropped; retried (cache lock held)
+	advice  []victim
+	dropped []entry // inserts ristretto dropped; retried (cache lock held)
 }
 
 // TinyLFUBytes estimates the bytes NewTinyLFU allocates for MaxBlocks = n:
@@ -80,35 +80,36 @@ func TinyLFUBytes(n int) int64 {
 	return 4 * c
 }
 
-// NewTinyLFU returns a TinyLFU policy. Close it to stop ristretto's goroutines.
-func NewTinyLFU(cfg TinyLFUConfig) (*TinyLFU, error) {
+// NewTinyLFU returns a TinyLFU policy for Config.Policy. The cache given it
+// owns it: Cache.Close stops ristretto's goroutines.
+func NewTinyLFU(cfg TinyLFUConfig) (Policy, error) {
 	if cfg.MaxBlocks < 1 || cfg.MaxBlocks > MaxSlots {
-		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be in [1, %d]", ErrConfig, cfg.MaxBlocks, MaxSlots)
+		return nil, fmt.Errorf("%w: TinyLFU MaxBlocks = %d, must be in [1, %d]", errConfig, cfg.MaxBlocks, MaxSlots)
 	}
 	if cfg.BufferItems == 0 {
 		cfg.BufferItems = 64
 	}
-	p := &TinyLFU{rng: rand.New(rand.NewPCG(uint64(cfg.MaxBlocks), 0x9e3779b97f4a7c15))}
-	c, err := ristretto.NewCache(&ristretto.Config[uint64, Entry]{
+	p := &tinyLFU{rng: rand.New(rand.NewPCG(uint64(cfg.MaxBlocks), 0x9e3779b97f4a7c15))}
+	c, err := ristretto.NewCache(&ristretto.Config[uint64, entry]{
 		NumCounters:        10 * int64(cfg.MaxBlocks),
 		MaxCost:            int64(cfg.MaxBlocks),
 		BufferItems:        cfg.BufferItems,
 		IgnoreInternalCost: true,
-		OnEvict: func(it *ristretto.Item[Entry]) {
-			p.push(Victim{Entry: it.Value})
+		OnEvict: func(it *ristretto.Item[entry]) {
+			p.push(victim{entry: it.Value})
 		},
-		OnReject: func(it *ristretto.Item[Entry]) {
-			p.push(Victim{Entry: it.Value, Rejected: true})
+		OnReject: func(it *ristretto.Item[entry]) {
+			p.push(victim{entry: it.Value, Rejected: true})
 		},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("%w: ristretto: %w", ErrConfig, err)
+		return nil, fmt.Errorf("%w: ristretto: %w", errConfig, err)
 	}
 	p.c = c
 	return p, nil
 }
 
-func (p *TinyLFU) push(v Victim) {
+func (p *tinyLFU) push(v victim) {
 	p.mu.Lock()
 	p.advice = append(p.advice, v)
 	p.mu.Unlock()
@@ -116,22 +117,22 @@ func (p *TinyLFU) push(v Victim) {
 
 func hash64(k Key) uint64 { return binary.LittleEndian.Uint64(k[:8]) }
 
-// SetCapacity implements Policy.
-func (p *TinyLFU) SetCapacity(blocks int) { p.c.UpdateMaxCost(int64(max(blocks, 1))) }
+// setCapacity implements Policy.
+func (p *tinyLFU) setCapacity(blocks int) { p.c.UpdateMaxCost(int64(max(blocks, 1))) }
 
-// Inserted implements Policy.
-func (p *TinyLFU) Inserted(e Entry) {
+// inserted implements Policy.
+func (p *tinyLFU) inserted(e entry) {
 	p.track(e)
 	p.set(e)
 }
 
-func (p *TinyLFU) set(e Entry) {
+func (p *tinyLFU) set(e entry) {
 	if !p.c.Set(hash64(e.Key), e, 1) {
 		p.dropped = append(p.dropped, e)
 	}
 }
 
-func (p *TinyLFU) track(e Entry) {
+func (p *tinyLFU) track(e entry) {
 	for int(e.Slot) >= len(p.pos) {
 		p.pos = append(p.pos, -1)
 	}
@@ -145,7 +146,7 @@ func (p *TinyLFU) track(e Entry) {
 }
 
 // untrack stops tracking e; it reports whether e was tracked.
-func (p *TinyLFU) untrack(e Entry) bool {
+func (p *tinyLFU) untrack(e entry) bool {
 	if int(e.Slot) >= len(p.pos) {
 		return false
 	}
@@ -163,8 +164,8 @@ func (p *TinyLFU) untrack(e Entry) bool {
 	return true
 }
 
-// Accessed implements Policy.
-func (p *TinyLFU) Accessed(e Entry) {
+// accessed implements Policy.
+func (p *tinyLFU) accessed(e entry) {
 	if int(e.Slot) < len(p.pos) {
 		if j := p.pos[e.Slot]; j >= 0 && p.tracked[j] == e && p.hits[j] < 255 {
 			p.hits[j]++
@@ -173,25 +174,25 @@ func (p *TinyLFU) Accessed(e Entry) {
 	p.c.Get(hash64(e.Key))
 }
 
-// Missed implements Policy: the miss counts in the frequency sketch, which
+// missed implements Policy: the miss counts in the frequency sketch, which
 // is what lets a block that is asked for often be admitted.
-func (p *TinyLFU) Missed(k Key) { p.c.Get(hash64(k)) }
+func (p *tinyLFU) missed(k Key) { p.c.Get(hash64(k)) }
 
-// Removed implements Policy.
-func (p *TinyLFU) Removed(e Entry) {
+// removed implements Policy.
+func (p *tinyLFU) removed(e entry) {
 	p.untrack(e)
 	p.forget(e)
 }
 
 // forget removes e from ristretto (or from the dropped inserts).
-func (p *TinyLFU) forget(e Entry) {
+func (p *tinyLFU) forget(e entry) {
 	if !p.undrop(e) {
 		p.c.Del(hash64(e.Key))
 	}
 }
 
 // undrop removes e from the dropped inserts; it reports whether it was one.
-func (p *TinyLFU) undrop(e Entry) bool {
+func (p *tinyLFU) undrop(e entry) bool {
 	for i, d := range p.dropped {
 		if d == e {
 			p.dropped = append(p.dropped[:i], p.dropped[i+1:]...)
@@ -201,11 +202,11 @@ func (p *TinyLFU) undrop(e Entry) bool {
 	return false
 }
 
-// Evictions implements Policy: it retries dropped inserts, returns the
+// evictions implements Policy: it retries dropped inserts, returns the
 // evictions and rejections ristretto has decided, and, for as much of need
 // as that advice does not cover, names victims chosen now (sampled LFU over
 // the tracked blocks, lowest Rank first).
-func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
+func (p *tinyLFU) evictions(need int, rank rankFunc, dst []victim) []victim {
 	if len(p.dropped) > 0 {
 		d := p.dropped
 		p.dropped = nil
@@ -219,7 +220,7 @@ func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 	p.advice = p.advice[:0]
 	p.mu.Unlock()
 	for _, v := range dst[n:] {
-		if p.untrack(v.Entry) {
+		if p.untrack(v.entry) {
 			need--
 		}
 	}
@@ -231,7 +232,7 @@ func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 		e := p.tracked[j]
 		p.untrack(e)
 		p.undrop(e)
-		dst = append(dst, Victim{Entry: e})
+		dst = append(dst, victim{entry: e})
 	}
 	return dst
 }
@@ -239,25 +240,25 @@ func (p *TinyLFU) Evictions(need int, rank Rank, dst []Victim) []Victim {
 // sample returns the index in tracked of the least hit among the
 // lowest-ranked of lruWindow random samples, scanning every entry when no
 // sample is a victim; -1 when no tracked block is.
-func (p *TinyLFU) sample(rank Rank) int {
-	best, bestRank, bestHits := -1, NotAVictim, uint8(0)
+func (p *tinyLFU) sample(rank rankFunc) int {
+	best, bestRank, bestHits := -1, notAVictim, uint8(0)
 	for n := 0; n < lruWindow; n++ {
 		j := p.rng.IntN(len(p.tracked))
 		r := rank(p.tracked[j].Slot)
-		if r < bestRank || (r == bestRank && r != NotAVictim && p.hits[j] < bestHits) {
+		if r < bestRank || (r == bestRank && r != notAVictim && p.hits[j] < bestHits) {
 			best, bestRank, bestHits = j, r, p.hits[j]
 		}
 	}
 	for j := 0; best < 0 && j < len(p.tracked); j++ {
-		if rank(p.tracked[j].Slot) < NotAVictim {
+		if rank(p.tracked[j].Slot) < notAVictim {
 			best = j
 		}
 	}
 	return best
 }
 
-// Sync implements Policy (ristretto's Wait).
-func (p *TinyLFU) Sync() { p.c.Wait() }
+// sync implements Policy (ristretto's Wait).
+func (p *tinyLFU) sync() { p.c.Wait() }
 
-// Close implements Policy: stops ristretto's goroutines.
-func (p *TinyLFU) Close() { p.c.Close() }
+// close implements Policy: stops ristretto's goroutines.
+func (p *tinyLFU) close() { p.c.Close() }

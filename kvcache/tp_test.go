@@ -58,7 +58,7 @@ func storeRank(t *testing.T, c *Cache, pool *hostPool, d *devTensor, keys []Key,
 			continue
 		}
 		require.Equal(t, d.l.Heads(), r.Heads)
-		segs, e := d.l.SegmentsRange(r.BlockID, r.Heads, nil)
+		segs, e := d.l.segmentsOfRange(r.BlockID, r.Heads, nil)
 		require.NoError(t, e)
 		d.copySegs(t, segs, pool.slot(r.Slot, d.l.SlotSize()), true)
 		done = append(done, r.Slot)
@@ -201,7 +201,7 @@ func TestTPRankDeath(t *testing.T) {
 	storeRank(t, c, pool, r0, keys, ids, true, nil)
 	require.Zero(t, c.Lookup(keys))
 	clk.advance(timeout - time.Millisecond)
-	c.Maintain()
+	c.maintainIdle()
 	require.Equal(t, 2, c.Stats().Partial, "reclaimed before the timeout")
 	lr, err := c.BeginLoad(keys, ids, nil)
 	require.NoError(t, err)
@@ -228,7 +228,7 @@ func TestTPRankDeath(t *testing.T) {
 	require.NoError(t, err)
 	_ = pool2
 	clk2.advance(timeout)
-	c2.Maintain()
+	c2.maintainIdle()
 	st = c2.Stats()
 	require.Equal(t, uint64(1), st.PartialExpired)
 	require.Equal(t, 1, st.Releasing)
@@ -321,7 +321,7 @@ func TestTPRangeErrors(t *testing.T) {
 	for _, h := range []HeadRange{{0, 5}, {-1, 1}, {4, 1}, {2, -1}} {
 		before := c.Stats()
 		_, err := c.BeginStore(StoreRequest{Keys: keys, BlockIDs: ids, Heads: h}, nil)
-		require.ErrorIs(t, err, ErrHeadRange, "%v", h)
+		require.ErrorIs(t, err, errHeadRange, "%v", h)
 		require.ErrorContains(t, err, "StoreRequest.Heads")
 		require.Equal(t, before, c.Stats())
 	}
@@ -332,16 +332,16 @@ func TestTPRangeErrors(t *testing.T) {
 	// A handle with another range, a whole-block handle, a duplicate.
 	bad := a[0].Slot
 	bad.Heads = HeadRange{1, 1}
-	require.ErrorIs(t, c.CompleteStore([]Slot{bad}, nil), ErrStaleSlot)
+	require.ErrorIs(t, c.CompleteStore([]Slot{bad}, nil), errStaleSlot)
 	bad.Heads = HeadRange{}
-	require.ErrorIs(t, c.CompleteStore([]Slot{bad}, nil), ErrStaleSlot)
-	require.ErrorIs(t, c.CompleteStore([]Slot{a[0].Slot, a[0].Slot}, nil), ErrDuplicate)
+	require.ErrorIs(t, c.CompleteStore([]Slot{bad}, nil), errStaleSlot)
+	require.ErrorIs(t, c.CompleteStore([]Slot{a[0].Slot, a[0].Slot}, nil), errDuplicate)
 	// Both ranks' handles of a block in one call are fine.
 	require.NoError(t, c.CompleteStore([]Slot{a[0].Slot, b[0].Slot, a[1].Slot, b[1].Slot}, nil))
 	require.Equal(t, 2, c.Lookup(keys))
-	require.ErrorIs(t, c.CompleteStore([]Slot{a[0].Slot}, nil), ErrStaleSlot)
-	_, err = New(Config{Layout: c.Layout(), PartialTimeout: -1})
-	require.ErrorIs(t, err, ErrConfig)
+	require.ErrorIs(t, c.CompleteStore([]Slot{a[0].Slot}, nil), errStaleSlot)
+	_, err = New(Config{Layout: c.layout, PartialTimeout: -1})
+	require.ErrorIs(t, err, errConfig)
 	require.ErrorContains(t, err, "PartialTimeout -1ns is negative")
 }
 
@@ -360,7 +360,7 @@ func TestWholeStoreUnchanged(t *testing.T) {
 		require.Equal(t, HeadRange{0, 4}, r.Heads)
 	}
 	require.Equal(t, 2, c.Lookup(keys))
-	u, err := NewLayout(DenseSpec(LayerSeparate, tpGeo, 16, devBase))
+	u, err := NewLayout(denseSpec(LayerSeparate, tpGeo, 16, devBase))
 	require.NoError(t, err)
 	for b, r := range res {
 		segs, err := u.Segments(ids[b], nil)
@@ -387,7 +387,7 @@ func TestCompleteStoreReady(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, ready)
 	got, err := c.CompleteStoreReady([]Slot{res[2].Slot}, nil, prev)
-	require.ErrorIs(t, err, ErrStaleSlot)
+	require.ErrorIs(t, err, errStaleSlot)
 	require.Equal(t, prev, got)
 }
 
@@ -421,7 +421,7 @@ func TestConcurrentRanks(t *testing.T) {
 					if x.Outcome != StoreWrite {
 						continue
 					}
-					segs, err := d.l.SegmentsRange(x.BlockID, x.Heads, nil)
+					segs, err := d.l.segmentsOfRange(x.BlockID, x.Heads, nil)
 					if !assertNoErr(t, err) {
 						return
 					}
@@ -494,8 +494,8 @@ func TestConcurrentRanks(t *testing.T) {
 	t.Logf("loads while storing: %d", loads.Load())
 }
 
-func mustRuns(t *testing.T, l *Layout, r HeadRange) []HostRun {
-	runs, err := l.HostRuns(r, nil)
+func mustRuns(t *testing.T, l *Layout, r HeadRange) []hostRun {
+	runs, err := l.hostRuns(r, nil)
 	require.NoError(t, err)
 	return runs
 }

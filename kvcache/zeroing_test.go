@@ -51,7 +51,7 @@ func TestZeroingOffTheLock(t *testing.T) {
 	r, err := c.BeginStore(StoreRequest{Parent: ks[1], Keys: more, BlockIDs: moreIDs}, nil)
 	require.NoError(t, err)
 	require.Equal(t, StoreRefusedFull, r[0].Outcome)
-	require.ErrorIs(t, c.CompleteStore([]Slot{zs}, nil), ErrStaleSlot, "a zeroing slot's handle is stale")
+	require.ErrorIs(t, c.CompleteStore([]Slot{zs}, nil), errStaleSlot, "a zeroing slot's handle is stale")
 
 	z.proceed <- struct{}{}
 	require.Equal(t, 1, <-deleted)

@@ -128,7 +128,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	if r.fd >= 0 && b.existing < 0 {
 		if err := unix.Fallocate(r.fd, 0, 0, mapped); err != nil {
 			if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM) {
-				err = fmt.Errorf("%w: %w", ErrInsufficientMemory, err)
+				err = fmt.Errorf("%w: %w", errInsufficientMemory, err)
 			}
 			return fail(fmt.Errorf("mmapmem: fallocate %d bytes of memfd: %w", mapped, err))
 		}
@@ -140,7 +140,7 @@ func (b *builder) build(pageSize int64, huge bool) (*Region, error) {
 	nice := o.PrefaultNice
 	switch {
 	case nice == 0:
-		nice = DefaultPrefaultNice()
+		nice = defaultPrefaultNice()
 	case nice < 0:
 		nice = 0
 	}

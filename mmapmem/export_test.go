@@ -37,3 +37,19 @@ func ResidentMap(r *Region) ([]bool, error) {
 // LowerPriority is lowerPriority: it raises the calling thread's nice value
 // by inc.
 func LowerPriority(inc int) { lowerPriority(inc) }
+
+// The errors and the region's NUMA node, for the external tests.
+var (
+	ErrSize               = errSize
+	ErrOptions            = errOptions
+	ErrNUMANode           = errNUMANode
+	ErrInsufficientMemory = errInsufficientMemory
+	ErrRange              = errRange
+	ErrPrefaultStopped    = errPrefaultStopped
+)
+
+// NUMANode is r.numaNode: the node r is bound to, and whether it is bound.
+func NUMANode(r *Region) (int, bool) { return r.numaNode() }
+
+// PrefaultAuto is the zero PrefaultMethod: DefaultPrefaultMethod.
+const PrefaultAuto = prefaultAuto

@@ -11,12 +11,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// PrefaultMethod says how New faults a region's pages in.
+// PrefaultMethod says how New faults a region's pages in. The zero value
+// is auto: DefaultPrefaultMethod, or touching where the kernel lacks it.
 type PrefaultMethod int
 
 const (
-	// PrefaultAuto is the zero value: DefaultPrefaultMethod.
-	PrefaultAuto PrefaultMethod = iota
+	// prefaultAuto is the zero value: DefaultPrefaultMethod.
+	prefaultAuto PrefaultMethod = iota
 	// PrefaultTouch writes one byte per base page from each prefault
 	// thread: a page fault per page (one per huge page where transparent
 	// huge pages apply), taken in user mode on that thread.
@@ -27,16 +28,16 @@ const (
 	PrefaultPopulate
 )
 
-// DefaultPrefaultMethod is what PrefaultAuto means: MADV_POPULATE_WRITE,
-// which faults pages in without writing them and is a little faster than
-// touching, alone and followed by registration (bench's
+// DefaultPrefaultMethod is what the zero PrefaultMethod (auto) means:
+// MADV_POPULATE_WRITE, which faults pages in without writing them and is a
+// little faster than touching, alone and followed by registration (bench's
 // TestPinningVariants compares them); it falls back to touching where the
 // kernel lacks it.
 const DefaultPrefaultMethod = PrefaultPopulate
 
 func (m PrefaultMethod) String() string {
 	switch m {
-	case PrefaultAuto:
+	case prefaultAuto:
 		return "auto"
 	case PrefaultTouch:
 		return "touch"
@@ -46,11 +47,11 @@ func (m PrefaultMethod) String() string {
 	return fmt.Sprintf("PrefaultMethod(%d)", int(m))
 }
 
-func (m PrefaultMethod) valid() bool { return m >= PrefaultAuto && m <= PrefaultPopulate }
+func (m PrefaultMethod) valid() bool { return m >= prefaultAuto && m <= PrefaultPopulate }
 
-// resolve maps PrefaultAuto to DefaultPrefaultMethod.
+// resolve maps prefaultAuto to DefaultPrefaultMethod.
 func (m PrefaultMethod) resolve() PrefaultMethod {
-	if m == PrefaultAuto {
+	if m == prefaultAuto {
 		return DefaultPrefaultMethod
 	}
 	return m
@@ -90,9 +91,9 @@ type prefaultPlan struct {
 // the prefault no measurable time.
 const prefaultPiece int64 = 8 << 20
 
-// ErrPrefaultStopped means a prefault ended early because Options.PrefaultStop
+// errPrefaultStopped means a prefault ended early because Options.PrefaultStop
 // was closed: the pages of the range may be only partly resident.
-var ErrPrefaultStopped = errors.New("mmapmem: prefault stopped")
+var errPrefaultStopped = errors.New("mmapmem: prefault stopped")
 
 // prefault faults in every page of mem for writing on p.threads OS threads,
 // each in pieces of at most prefaultPiece bytes. Each worker is locked to
@@ -156,14 +157,14 @@ func lowerPriority(inc int) {
 }
 
 // fault faults in mem[lo:hi] with the plan's method, in pieces of at most
-// prefaultPiece bytes, and returns ErrPrefaultStopped, wrapped, when p.stop
+// prefaultPiece bytes, and returns errPrefaultStopped, wrapped, when p.stop
 // is closed before a piece.
 func (p prefaultPlan) fault(mem []byte, lo, hi int64) error {
 	piece := alignUp(prefaultPiece, p.align)
 	for off := lo; off < hi; off += piece {
 		select {
 		case <-p.stop:
-			return fmt.Errorf("%w: at byte %d of [%d, %d)", ErrPrefaultStopped, off, lo, hi)
+			return fmt.Errorf("%w: at byte %d of [%d, %d)", errPrefaultStopped, off, lo, hi)
 		default:
 		}
 		if err := p.faultPiece(mem, off, min(off+piece, hi)); err != nil {

@@ -19,24 +19,28 @@ import (
 // unmappable; New then returns the kernel's error.
 const MaxSize int64 = 1 << 48
 
-// Sentinel errors callers can branch on with errors.Is.
+// Errors. Every error New, OpenMemfd and Region's methods return names the
+// bad value; ErrClosed and ErrHeld are the sentinels callers branch on
+// (errors.Is): the others (a bad size or option, an unknown NUMA node, memory
+// not free, a range outside the region, a stopped prefault) are not worth
+// matching, only reporting.
 var (
-	// ErrSize means the size asked for is zero, negative or above MaxSize.
-	ErrSize = errors.New("mmapmem: invalid size")
-	// ErrOptions means an Options field holds an invalid value.
-	ErrOptions = errors.New("mmapmem: invalid options")
-	// ErrNUMANode means the NUMA node asked for does not exist.
-	ErrNUMANode = errors.New("mmapmem: unknown NUMA node")
-	// ErrInsufficientMemory means the memory is not free (on the node, in the
+	// errSize means the size asked for is zero, negative or above MaxSize.
+	errSize = errors.New("mmapmem: invalid size")
+	// errOptions means an Options field holds an invalid value.
+	errOptions = errors.New("mmapmem: invalid options")
+	// errNUMANode means the NUMA node asked for does not exist.
+	errNUMANode = errors.New("mmapmem: unknown NUMA node")
+	// errInsufficientMemory means the memory is not free (on the node, in the
 	// system, or in the tmpfs backing a memfd) and New refused to map it.
-	ErrInsufficientMemory = errors.New("mmapmem: not enough free memory")
+	errInsufficientMemory = errors.New("mmapmem: not enough free memory")
 	// ErrClosed means the region was already closed.
 	ErrClosed = errors.New("mmapmem: region is closed")
 	// ErrHeld means the region cannot be closed because it is held (pinned).
 	ErrHeld = errors.New("mmapmem: region is held")
-	// ErrRange means a byte range given to Region.Prefault is not inside
+	// errRange means a byte range given to Region.Prefault is not inside
 	// the region's mapping or does not start on a page boundary.
-	ErrRange = errors.New("mmapmem: range outside the region")
+	errRange = errors.New("mmapmem: range outside the region")
 )
 
 // Options select how a region is backed. The zero value is the default:
@@ -67,22 +71,23 @@ type Options struct {
 	// PrefaultThreads is the number of OS threads that prefault in parallel;
 	// 0 means DefaultPrefaultThreads(). Negative is an error.
 	PrefaultThreads int
-	// Prefault is how pages are faulted in (PrefaultAuto, the zero value:
+	// Prefault is how pages are faulted in (the zero value, auto:
 	// DefaultPrefaultMethod).
 	Prefault PrefaultMethod
 	// PrefaultNice is added to the nice value of the threads that prefault
 	// (New, Region.Prefault), so that on a machine whose CPUs are busy the
 	// prefault yields to the process's other threads (a serving loop)
 	// rather than taking an equal share (it also slows the prefault where
-	// other threads of the growth compete). 0 means DefaultPrefaultNice();
-	// negative keeps the
+	// other threads of the growth compete). 0 means the default: 10 on a
+	// machine of at most 4 CPUs, where a serving loop shares the few CPUs
+	// with the pool's growth, none on larger ones; negative keeps the
 	// threads at the caller's priority; above 19 is an error. The threads
 	// end with the prefault (a raised nice value cannot be lowered again
 	// without privilege).
 	PrefaultNice int
 	// PrefaultStop, when closed, makes a prefault in progress (New's, or a
 	// Region.Prefault call) stop within one piece of a few MiB per thread
-	// and return an error wrapping ErrPrefaultStopped, instead of
+	// and return an error ("prefault stopped"), instead of
 	// finishing a region of GiBs (an engine closing while its pool grows).
 	// nil never stops.
 	PrefaultStop <-chan struct{}
@@ -107,13 +112,13 @@ type Options struct {
 // Options.PrefaultThreads is 0: the number of CPUs, at most 16.
 func DefaultPrefaultThreads() int { return min(runtime.NumCPU(), 16) }
 
-// DefaultPrefaultNice is the nice increment of prefault threads when
+// defaultPrefaultNice is the nice increment of prefault threads when
 // Options.PrefaultNice is 0: on a machine of at most smallMachineCPUs CPUs,
 // 10 (a weight of about a tenth of a thread at the default priority), so
 // that a serving loop sharing the few CPUs with the pool's growth keeps
 // most of its request rate; on larger machines none, where the lowered
 // priority slowed growth itself without a serving loop to protect.
-func DefaultPrefaultNice() int {
+func defaultPrefaultNice() int {
 	if runtime.NumCPU() <= smallMachineCPUs {
 		return 10
 	}
@@ -155,28 +160,28 @@ type Region struct {
 // is left mapped.
 func New(size int64, opts Options) (*Region, error) {
 	if size <= 0 {
-		return nil, fmt.Errorf("%w: %d bytes: must be at least 1", ErrSize, size)
+		return nil, fmt.Errorf("%w: %d bytes: must be at least 1", errSize, size)
 	}
 	if size > MaxSize {
-		return nil, fmt.Errorf("%w: %d bytes exceeds the limit of %d bytes (MaxSize)", ErrSize, size, MaxSize)
+		return nil, fmt.Errorf("%w: %d bytes exceeds the limit of %d bytes (MaxSize)", errSize, size, MaxSize)
 	}
 	if opts.PrefaultThreads < 0 {
-		return nil, fmt.Errorf("%w: PrefaultThreads %d: must be 0 (default) or positive", ErrOptions, opts.PrefaultThreads)
+		return nil, fmt.Errorf("%w: PrefaultThreads %d: must be 0 (default) or positive", errOptions, opts.PrefaultThreads)
 	}
 	if !opts.Prefault.valid() {
-		return nil, fmt.Errorf("%w: Prefault method %d: must be PrefaultAuto, PrefaultTouch or PrefaultPopulate", ErrOptions, int(opts.Prefault))
+		return nil, fmt.Errorf("%w: Prefault method %d: must be PrefaultAuto, PrefaultTouch or PrefaultPopulate", errOptions, int(opts.Prefault))
 	}
 	if opts.PrefaultNice > 19 {
-		return nil, fmt.Errorf("%w: PrefaultNice %d: must be at most 19 (0: DefaultPrefaultNice(), negative: none)", ErrOptions, opts.PrefaultNice)
+		return nil, fmt.Errorf("%w: PrefaultNice %d: must be at most 19 (0: DefaultPrefaultNice(), negative: none)", errOptions, opts.PrefaultNice)
 	}
 	if opts.PrefaultStripe < 0 {
-		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", ErrOptions, opts.PrefaultStripe)
+		return nil, fmt.Errorf("%w: PrefaultStripe %d: must be 0 (one part per thread) or positive", errOptions, opts.PrefaultStripe)
 	}
 	if opts.NoPrefault && opts.DeferPrefault {
-		return nil, fmt.Errorf("%w: NoPrefault and DeferPrefault are both set: pick one", ErrOptions)
+		return nil, fmt.Errorf("%w: NoPrefault and DeferPrefault are both set: pick one", errOptions)
 	}
 	if opts.BindNUMA && opts.NUMANode < 0 {
-		return nil, fmt.Errorf("%w: node %d: must not be negative", ErrNUMANode, opts.NUMANode)
+		return nil, fmt.Errorf("%w: node %d: must not be negative", errNUMANode, opts.NUMANode)
 	}
 	sys := sysfs{root: opts.FSRoot}
 	page := int64(os.Getpagesize())
@@ -187,7 +192,7 @@ func New(size int64, opts Options) (*Region, error) {
 			return nil, err
 		}
 		if !slices.Contains(nodes, opts.NUMANode) {
-			return nil, fmt.Errorf("%w: node %d does not exist (nodes: %s)", ErrNUMANode, opts.NUMANode, joinInts(nodes))
+			return nil, fmt.Errorf("%w: node %d does not exist (nodes: %s)", errNUMANode, opts.NUMANode, joinInts(nodes))
 		}
 	}
 
@@ -256,7 +261,7 @@ func (r *Region) HugeTLB() bool { return r.hugeTLB }
 func (r *Region) THP() bool { return r.thp }
 
 // NUMANode is the node the region is bound to, and whether it is bound.
-func (r *Region) NUMANode() (int, bool) { return r.node, r.node >= 0 }
+func (r *Region) numaNode() (int, bool) { return r.node, r.node >= 0 }
 
 // Fallback says, when not empty, which option could not be honoured and why
 // (no hugetlbfs pages reserved, THP unavailable).
@@ -275,9 +280,9 @@ func (r *Region) Deferred() bool { return r.deferred.Load() }
 // New does (the region's prefault threads, method and stripes), and returns
 // once every page of the range is resident. n is rounded up to the page
 // size; off must be a multiple of PageSize and off+n at most Mapped,
-// otherwise the error wraps ErrRange. When Options.PrefaultStop is closed
+// otherwise the error wraps errRange. When Options.PrefaultStop is closed
 // it returns early, within a piece of a few MiB per thread, with an error
-// wrapping ErrPrefaultStopped. It never changes the memory's
+// wrapping errPrefaultStopped. It never changes the memory's
 // contents, so it is safe on a region in use and on pages already
 // resident. Prefaulting the whole mapping in one call ends a deferred
 // prefault (Deferred then reports false). A closed region returns
@@ -285,7 +290,7 @@ func (r *Region) Deferred() bool { return r.deferred.Load() }
 func (r *Region) Prefault(off, n int64) error {
 	if off < 0 || n <= 0 || off%r.pageSize != 0 || n > r.mapped-off {
 		return fmt.Errorf("%w: prefault of %d bytes at offset %d of %s: the offset must be a multiple of the page size %d and the range inside the %d bytes mapped",
-			ErrRange, n, off, r, r.pageSize, r.mapped)
+			errRange, n, off, r, r.pageSize, r.mapped)
 	}
 	r.mu.Lock()
 	closed := r.closed

@@ -58,7 +58,7 @@ func checkRegion(t *testing.T, r *mmapmem.Region, size int64, opts mmapmem.Optio
 	if r.THP() && r.Mapped() >= 2*mib {
 		require.Zero(t, r.Addr()%(2*mib), "THP regions are aligned to the huge-page size")
 	}
-	node, bound := r.NUMANode()
+	node, bound := mmapmem.NUMANode(r)
 	require.Equal(t, opts.BindNUMA, bound)
 	if bound {
 		require.Equal(t, opts.NUMANode, node)

@@ -25,14 +25,14 @@ const hugetlbfsMagic = 0x958458f6
 // and still the caller's, and nothing is mapped.
 func OpenMemfd(fd int, size int64, opts Options) (*Region, error) {
 	if fd < 0 {
-		return nil, fmt.Errorf("%w: memfd %d", ErrOptions, fd)
+		return nil, fmt.Errorf("%w: memfd %d", errOptions, fd)
 	}
 	if size <= 0 || size > MaxSize {
-		return nil, fmt.Errorf("%w: %d bytes: must be in [1, %d]", ErrSize, size, MaxSize)
+		return nil, fmt.Errorf("%w: %d bytes: must be in [1, %d]", errSize, size, MaxSize)
 	}
 	if opts.PrefaultThreads < 0 || !opts.Prefault.valid() || opts.PrefaultNice > 19 || opts.PrefaultStripe < 0 ||
 		(opts.NoPrefault && opts.DeferPrefault) {
-		return nil, fmt.Errorf("%w: prefault options %+v", ErrOptions, opts)
+		return nil, fmt.Errorf("%w: prefault options %+v", errOptions, opts)
 	}
 	var fs unix.Statfs_t
 	if err := unix.Fstatfs(fd, &fs); err != nil {
@@ -48,7 +48,7 @@ func OpenMemfd(fd int, size int64, opts Options) (*Region, error) {
 		pageSize, huge = fs.Bsize, true
 	}
 	if mapped := alignUp(size, pageSize); st.Size < mapped {
-		return nil, fmt.Errorf("%w: memfd %d holds %d bytes, %d needed to map %d bytes", ErrSize, fd, st.Size, mapped, size)
+		return nil, fmt.Errorf("%w: memfd %d holds %d bytes, %d needed to map %d bytes", errSize, fd, st.Size, mapped, size)
 	}
 	opts.Memfd, opts.HugeTLB = false, false
 	sys := sysfs{root: opts.FSRoot}

@@ -25,7 +25,7 @@ func TestOpenMemfd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := OpenMemfd(fd, 64<<20, Options{}); !errors.Is(err, ErrSize) {
+	if _, err := OpenMemfd(fd, 64<<20, Options{}); !errors.Is(err, errSize) {
 		t.Fatalf("oversized open: %v", err)
 	}
 	o, err := OpenMemfd(fd, r.Len(), Options{PrefaultThreads: 2})

@@ -72,7 +72,7 @@ func (s sysfs) nodes() ([]int, error) {
 	dir := s.path("/sys/devices/system/node")
 	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: cannot list NUMA nodes: %w", ErrNUMANode, err)
+		return nil, fmt.Errorf("%w: cannot list NUMA nodes: %w", errNUMANode, err)
 	}
 	var nodes []int
 	for _, e := range ents {
@@ -118,7 +118,7 @@ func (s sysfs) checkNodeFree(node int, need, hugePage int64) error {
 		}
 		if free*hugePage < need {
 			return fmt.Errorf("%w: NUMA node %d has %d free huge pages of %d bytes (%d bytes), %d bytes needed",
-				ErrInsufficientMemory, node, free, hugePage, free*hugePage, need)
+				errInsufficientMemory, node, free, hugePage, free*hugePage, need)
 		}
 		return nil
 	}
@@ -127,7 +127,7 @@ func (s sysfs) checkNodeFree(node int, need, hugePage int64) error {
 		return err
 	}
 	if free < need {
-		return fmt.Errorf("%w: NUMA node %d has %d bytes free (MemFree), %d bytes needed", ErrInsufficientMemory, node, free, need)
+		return fmt.Errorf("%w: NUMA node %d has %d bytes free (MemFree), %d bytes needed", errInsufficientMemory, node, free, need)
 	}
 	return nil
 }
@@ -140,7 +140,7 @@ func (s sysfs) checkAvailable(need int64) error {
 		return err
 	}
 	if avail < need {
-		return fmt.Errorf("%w: %d bytes available (MemAvailable), %d bytes needed", ErrInsufficientMemory, avail, need)
+		return fmt.Errorf("%w: %d bytes available (MemAvailable), %d bytes needed", errInsufficientMemory, avail, need)
 	}
 	return nil
 }

@@ -133,13 +133,13 @@ func TestSizeOverflow(t *testing.T) {
 }
 
 // TestTooManyLayers: a layout of 2^17 layers given without tensors is
-// refused on its count (DenseSpec would build one entry per layer).
+// refused on its count (DenseRankSpec would build one entry per layer).
 func TestTooManyLayers(t *testing.T) {
 	l := smallLayout(8)
 	l.Layers = 1 << 17
 	_, err := newEngine(Config{PoolBytes: 1 << 20, Layout: l, Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})
 	require.ErrorIs(t, err, ErrInvalidConfig)
-	require.Contains(t, err.Error(), fmt.Sprintf("Layers = %d, at most %d", 1<<17, kvcache.MaxLayers))
+	require.Contains(t, err.Error(), fmt.Sprintf("Layers = %d, at most %d", 1<<17, 1<<16))
 }
 
 // TestMLAKVHeads: MLA has one latent per layer; kv_heads 2 is refused.

@@ -207,6 +207,9 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 	return req, nil
 }
 
+// strided reports whether s is a 2-D segment (kvcache.Segment: Rows > 1).
+func strided(s kvcache.Segment) bool { return s.Rows > 1 }
+
 // templatePlan returns, for a layout whose segments are strided (a TP
 // rank's heads of token-major tensors) on a scheduler that copies
 // templates, the function that completes req as a template request: one
@@ -216,7 +219,7 @@ func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slo
 // Otherwise nil: the parts are cut for Build alone. ks is a block's
 // segments, as copyPlan got them.
 func (e *Engine) templatePlan(l *kvcache.Layout, ks []kvcache.Segment, blockIDs []int, slots []kvcache.Slot, perLayer bool) func(transfer.Request) transfer.Request {
-	if e.hooks.noTemplates || !slices.ContainsFunc(ks, kvcache.Segment.Strided) || l.Kind() == kvcache.CrossLayer ||
+	if e.hooks.noTemplates || !slices.ContainsFunc(ks, strided) || l.Kind() == kvcache.CrossLayer ||
 		!e.sched.Templates(transfer.Store) || !e.sched.Templates(transfer.Load) {
 		return nil
 	}

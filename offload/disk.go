@@ -216,9 +216,9 @@ func recordFingerprint(cfg Config) (uint64, error) {
 		return 0, err
 	}
 	l := cfg.Layout
-	format := kvcache.HostDeviceOrder
+	format := record.HostDeviceOrder
 	if l.Order != "" {
-		format = kvcache.HostHeadMajor // the slot holds every head, whatever the rank
+		format = record.HostHeadMajor // the slot holds every head, whatever the rank
 	}
 	// The model's heads and the host format: never the rank or the TP
 	// size, so that every TP size reads the records.

@@ -102,7 +102,7 @@ func (ni *nodeIndex) BeginStore(req kvcache.StoreRequest, dst []kvcache.StoreRes
 	if heads.Count == 0 || (heads.First == 0 && heads.Count == ni.kvHeads) {
 		heads = kvcache.HeadRange{First: 0, Count: ni.kvHeads}
 	} else {
-		nreq.HeadLo, nreq.HeadHi = heads.First, heads.End()
+		nreq.HeadLo, nreq.HeadHi = heads.First, heads.First+heads.Count
 	}
 	rs, err := ni.c.BeginStore(nreq, nil)
 	if err != nil {

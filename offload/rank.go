@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/kvoffload/kvoffload/internal/tier/record"
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
@@ -80,9 +81,9 @@ func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 	if err != nil {
 		return fail(fmt.Errorf("%w: Rank: Layout: %w", ErrInvalidConfig, err))
 	}
-	if l.SlotSize() != e.layout.SlotSize() || l.HostFormat() != e.layout.HostFormat() {
+	if l.SlotSize() != e.layout.SlotSize() || hostFormat(l) != hostFormat(e.layout) {
 		return fail(fmt.Errorf("%w: Rank: slot of %d bytes (%v), the engine's is %d (%v)", ErrInvalidConfig,
-			l.SlotSize(), l.HostFormat(), e.layout.SlotSize(), e.layout.HostFormat()))
+			l.SlotSize(), hostFormat(l), e.layout.SlotSize(), hostFormat(e.layout)))
 	}
 	ts := deviceTensorsOf(layout)
 	if e.gpu != nil {
@@ -134,6 +135,15 @@ func (v *RankView) Load(ctx context.Context, keys []Key, blockIDs []int, opts Lo
 // Lookup is Engine.Lookup.
 func (v *RankView) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return v.eng.Lookup(keys, opts)
+}
+
+// hostFormat is the format of layout l's slots: head-major for a layout
+// of declared order, a byte copy of the device's segments otherwise.
+func hostFormat(l *kvcache.Layout) record.HostFormat {
+	if l.Order() == kvcache.OrderUndeclared {
+		return record.HostDeviceOrder
+	}
+	return record.HostHeadMajor
 }
 
 // rankBytes is what one block's copy moves for layout l: the rank's heads

@@ -11,10 +11,10 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/events"
+	"github.com/kvoffload/kvoffload/internal/kvseen"
 	"github.com/kvoffload/kvoffload/internal/nodepool"
 	"github.com/kvoffload/kvoffload/internal/nodepool/wire"
 	"github.com/kvoffload/kvoffload/internal/tiered"
-	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/metrics"
 	"github.com/kvoffload/kvoffload/offload"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -85,8 +85,8 @@ signal ends it at once), and says how many it wrote and left.`,
 				return fmt.Errorf("%w: --disk-bytes %d must not be negative", errUsage, diskBytes)
 			case writeBackBytes < 0:
 				return fmt.Errorf("%w: --disk-write-back-bytes %d must not be negative", errUsage, writeBackBytes)
-			case *admitAfter < 1 || *admitAfter > kvcache.MaxSeenCount:
-				return fmt.Errorf("%w: --disk-admit-after %d: want 1 to %d", errUsage, *admitAfter, kvcache.MaxSeenCount)
+			case *admitAfter < 1 || *admitAfter > kvseen.Max:
+				return fmt.Errorf("%w: --disk-admit-after %d: want 1 to %d", errUsage, *admitAfter, kvseen.Max)
 			case *closeTimeout <= 0:
 				return fmt.Errorf("%w: --disk-close-timeout %v must be positive", errUsage, *closeTimeout)
 			case needDisk != "" && *diskDirs == "":

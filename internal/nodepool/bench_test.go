@@ -145,7 +145,7 @@ func BenchmarkRoundTrip(b *testing.B) {
 func BenchmarkIndexLookupLease(b *testing.B) {
 	g := kvcache.Geometry{Layers: int(testLayout.Layers), KVHeads: int(testLayout.KVHeads), HeadDim: int(testLayout.HeadDim),
 		DTypeBytes: int(testLayout.DTypeBytes), TokensPerBlock: int(testLayout.TokensPerBlock)}
-	l, err := kvcache.NewLayout(kvcache.DenseSpec(kvcache.CrossLayer, g, 4096, 1<<44))
+	l, err := kvcache.NewLayout(kvcache.DenseRankSpec(kvcache.CrossLayer, g, kvcache.OrderUndeclared, kvcache.HeadRange{}, 4096, 1<<44))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvoffload/kvoffload/internal/kvseen"
 	"github.com/kvoffload/kvoffload/internal/tier/record"
 	"github.com/kvoffload/kvoffload/internal/tiered"
 	"github.com/kvoffload/kvoffload/kvcache"
@@ -14,8 +15,8 @@ import (
 // tiered.DiskConfig): the node does the disk I/O, straight between its
 // records and the pool's slots; clients only copy between slots and their
 // GPU, as without a disk tier. Its admission counts stores and lookups
-// through the node in a kvcache.SeenCounter (AdmitAfter at most
-// kvcache.MaxSeenCount, 15; a store of head ranges counts once per block,
+// through the node in a kvseen.Counter (AdmitAfter at most
+// kvseen.Max, 15; a store of head ranges counts once per block,
 // the range that starts at head 0), and its write-throughs go from the
 // slots (tiered.Config.ThroughFromSlot: `kvoffload serve
 // --disk-write-through`). A Lookup reports, after the pool's hits, how
@@ -64,7 +65,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*tie
 	g := layout.Geometry()
 	fp := record.Fingerprint(record.Geometry{Namespace: []byte(nodeDiskNamespace), KVHeads: g.KVHeads, Layers: g.Layers,
 		HeadDim: g.HeadDim, DTypeBytes: g.DTypeBytes, TokensPerBlock: g.TokensPerBlock, LayoutKind: uint8(kind),
-		HostFormat: uint8(kvcache.HostDeviceOrder)})
+		HostFormat: uint8(record.HostDeviceOrder)})
 	rb := &regionBytes{mem: map[uint32][]byte{}, slot: layout.SlotSize()}
 	for id, rr := range s.regions {
 		rb.mem[id] = rr.r.Bytes()
@@ -73,7 +74,7 @@ func (s *Server) openDisk(layout *kvcache.Layout, kind kvcache.LayoutKind) (*tie
 		Released: func(kvcache.Slot) { s.reap() }, ThroughFromSlot: true,
 		BeforePut: s.beforeDiskPut, BeforeGet: s.beforeDiskGet, BeforePutAtClose: s.beforeDiskPut}
 	if !dc.AdmitAll && dc.AdmitAfter > 1 {
-		cfg.Sketch = kvcache.NewSeenCounter()
+		cfg.Sketch = kvseen.NewCounter[kvcache.Key]()
 	}
 	d, err := tiered.Open(cfg)
 	if err != nil {
@@ -88,7 +89,7 @@ func checkDisk(dc *tiered.DiskConfig) (*tiered.DiskConfig, error) {
 	if dc == nil {
 		return nil, nil
 	}
-	d, err := dc.Check(kvcache.MaxSeenCount, nil)
+	d, err := dc.Check(kvseen.Max, nil)
 	if err != nil {
 		return nil, fmt.Errorf("nodepool: %w", err)
 	}

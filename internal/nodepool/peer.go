@@ -185,7 +185,7 @@ func (p *peer) hello(m *wire.Msg) bool {
 	}
 	g := kvcache.Geometry{Layers: int(m.Layout.Layers), KVHeads: int(m.Layout.KVHeads), HeadDim: int(m.Layout.HeadDim),
 		DTypeBytes: int(m.Layout.DTypeBytes), TokensPerBlock: int(m.Layout.TokensPerBlock)}
-	layout, err := kvcache.NewLayout(kvcache.DenseSpec(kvcache.LayoutKind(m.Layout.Kind), g, wire.MaxKeys, 1<<44))
+	layout, err := kvcache.NewLayout(kvcache.DenseRankSpec(kvcache.LayoutKind(m.Layout.Kind), g, kvcache.OrderUndeclared, kvcache.HeadRange{}, wire.MaxKeys, 1<<44))
 	if err != nil {
 		_ = p.reply(errMsg(m.ReqID, wire.CodeLayout, "layout %+v: %v", m.Layout, err))
 		return false

@@ -63,7 +63,7 @@ type DiskConfig struct {
 	// AdmitAfter is how many times a key must have been seen before its
 	// evicted block is written back: default 2 (as Dynamo's G3), at most
 	// the sketch's saturation (Check's maxAdmitAfter: 255 for the Tier's
-	// own sketch, kvcache.MaxSeenCount for the node's); 1 admits every
+	// own sketch, kvseen.Max for the node's); 1 admits every
 	// block. Ignored with AdmitAll.
 	AdmitAfter int
 	// WriteThrough also writes every block that becomes ready, whatever
@@ -158,7 +158,7 @@ func (d DiskConfig) Check(maxAdmitAfter int, more func() error) (DiskConfig, err
 }
 
 // Sketch counts uses of keys for the admission filter
-// (kvcache.SeenCounter is one).
+// (kvseen.Counter is one).
 type Sketch interface {
 	Add(keys []kvcache.Key)
 	Count(k kvcache.Key) int

@@ -16,7 +16,7 @@
 //     than DiskConfig.AdmitAfter times (NotAdmitted) unless AdmitAll (or
 //     AdmitAfter 1). The sketch is the Tier's own (64 Ki saturating byte
 //     counters, halved every 64 Ki uses: AdmitAfter up to 255) unless
-//     Config.Sketch names another (the node's kvcache.SeenCounter).
+//     Config.Sketch names another (the node's kvseen.Counter).
 //   - Write-back: an admitted eviction goes to the write-back machine
 //     (accepted within DiskConfig.WriteBackBytes of blocks waiting, else
 //     dropped and counted), from its demoting slot (OnDemote: Hold first,

@@ -27,7 +27,7 @@ type rig struct {
 func newRig(t *testing.T, dc DiskConfig, slots int, mod func(*Config)) *rig {
 	t.Helper()
 	g := kvcache.Geometry{Layers: 1, KVHeads: 1, HeadDim: 64, DTypeBytes: 2, TokensPerBlock: 16}
-	layout, err := kvcache.NewLayout(kvcache.DenseSpec(kvcache.CrossLayer, g, 16, 1<<30))
+	layout, err := kvcache.NewLayout(kvcache.DenseRankSpec(kvcache.CrossLayer, g, kvcache.OrderUndeclared, kvcache.HeadRange{}, 16, 1<<30))
 	require.NoError(t, err)
 	r := &rig{slot: int64(layout.SlotSize())}
 	r.pool = disk.AlignedBuffer(slots * int(r.slot))

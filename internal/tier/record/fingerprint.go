@@ -19,7 +19,7 @@ type Geometry struct {
 	LayoutKind     uint8  // the engine's layout kind (layer-separate, cross-layer, MLA)
 	DType          string // element type name ("bf16", "fp16", "fp8_e4m3"...)
 	// HostFormat is the payload's byte order inside the host layout
-	// (kvcache.HostFormat): 0 for a byte copy of the device's segments
+	// (a HostFormat): 0 for a byte copy of the device's segments
 	// (layouts that declare no device order), 1 for head-major (the same
 	// bytes for every tensor-parallel size). It is hashed only when
 	// non-zero, so fingerprints written before it existed do not change.

@@ -22,8 +22,8 @@ const FormatVersion = 1
 
 // HostLayoutVersion is the version of the host layout the engine's payloads
 // are in: per layer K then V, each layer's K (or V) either a byte copy of
-// the device's segment (kvcache.HostDeviceOrder) or head-major, each head's
-// tokens × head dim contiguous (kvcache.HostHeadMajor); which of the two is
+// the device's segment (HostDeviceOrder) or head-major, each head's
+// tokens × head dim contiguous (HostHeadMajor); which of the two is
 // in the fingerprint (Geometry.HostFormat), so a reader of one never serves
 // a record of the other. It changes when that layout does, so that records
 // written in the old layout are misses.
