@@ -23,45 +23,55 @@ var root = filepath.Join("..", "..")
 
 // parsePkg parses dir's non-test Go files (every build tag: a file behind
 // a tag is surface too).
-func parsePkg(t *testing.T, dir string) (*token.FileSet, map[string]*ast.Package) {
+func parsePkg(t *testing.T, dir string) (*token.FileSet, []*ast.File) {
 	t.Helper()
 	fset := token.NewFileSet()
-	pkgs, err := parser.ParseDir(fset, filepath.Join(root, dir), func(fi fs.FileInfo) bool {
-		return !strings.HasSuffix(fi.Name(), "_test.go")
-	}, parser.ParseComments)
+	paths, err := filepath.Glob(filepath.Join(root, dir, "*.go"))
 	if err != nil {
-		t.Fatalf("parsing %s: %v", dir, err)
+		t.Fatal(err)
 	}
-	return fset, pkgs
+	var files []*ast.File
+	for _, p := range paths {
+		if strings.HasSuffix(p, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, p, nil, parser.ParseComments)
+		if err != nil {
+			t.Fatalf("parsing %s: %v", p, err)
+		}
+		files = append(files, f)
+	}
+	if len(files) == 0 {
+		t.Fatalf("%s: no Go files", dir)
+	}
+	return fset, files
 }
 
 // exportedNames lists dir's exported top-level identifiers and the
 // exported methods of its exported types.
 func exportedNames(t *testing.T, dir string) []string {
-	_, pkgs := parsePkg(t, dir)
+	fset, files := parsePkg(t, dir)
+	d, err := doc.NewFromFiles(fset, files, module+"/"+dir)
+	if err != nil {
+		t.Fatalf("%s: %v", dir, err)
+	}
 	var names []string
-	for name, p := range pkgs {
-		if strings.HasSuffix(name, "_test") {
-			continue
-		}
-		d := doc.New(p, dir, 0)
-		for _, v := range append(d.Consts, d.Vars...) {
+	for _, v := range append(d.Consts, d.Vars...) {
+		names = append(names, v.Names...)
+	}
+	for _, f := range d.Funcs {
+		names = append(names, f.Name)
+	}
+	for _, ty := range d.Types {
+		names = append(names, ty.Name)
+		for _, v := range append(ty.Consts, ty.Vars...) {
 			names = append(names, v.Names...)
 		}
-		for _, f := range d.Funcs {
+		for _, f := range ty.Funcs {
 			names = append(names, f.Name)
 		}
-		for _, ty := range d.Types {
-			names = append(names, ty.Name)
-			for _, v := range append(ty.Consts, ty.Vars...) {
-				names = append(names, v.Names...)
-			}
-			for _, f := range ty.Funcs {
-				names = append(names, f.Name)
-			}
-			for _, m := range ty.Methods {
-				names = append(names, ty.Name+"."+m.Name)
-			}
+		for _, m := range ty.Methods {
+			names = append(names, ty.Name+"."+m.Name)
 		}
 	}
 	return names
@@ -160,57 +170,55 @@ func exposedTypeExpr(imports map[string]string, ty ast.Expr) []string {
 
 func TestNoInternalTypesInPublicAPI(t *testing.T) {
 	for _, dir := range Public {
-		fset, pkgs := parsePkg(t, dir)
-		for _, p := range pkgs {
-			for _, f := range p.Files {
-				imports := map[string]string{}
-				for _, im := range f.Imports {
-					path, _ := strconv.Unquote(im.Path.Value)
-					name := filepath.Base(path)
-					if im.Name != nil {
-						name = im.Name.Name
-					}
-					imports[name] = path
+		fset, files := parsePkg(t, dir)
+		for _, f := range files {
+			imports := map[string]string{}
+			for _, im := range f.Imports {
+				path, _ := strconv.Unquote(im.Path.Value)
+				name := filepath.Base(path)
+				if im.Name != nil {
+					name = im.Name.Name
 				}
-				report := func(what string, pos token.Pos, refs []string) {
-					for _, r := range refs {
-						t.Errorf("%s: %s exposes %s", fset.Position(pos), what, r)
-					}
+				imports[name] = path
+			}
+			report := func(what string, pos token.Pos, refs []string) {
+				for _, r := range refs {
+					t.Errorf("%s: %s exposes %s", fset.Position(pos), what, r)
 				}
-				for _, decl := range f.Decls {
-					switch d := decl.(type) {
-					case *ast.FuncDecl:
-						if !d.Name.IsExported() {
+			}
+			for _, decl := range f.Decls {
+				switch d := decl.(type) {
+				case *ast.FuncDecl:
+					if !d.Name.IsExported() {
+						continue
+					}
+					if d.Recv != nil {
+						recv := d.Recv.List[0].Type
+						if st, ok := recv.(*ast.StarExpr); ok {
+							recv = st.X
+						}
+						if ix, ok := recv.(*ast.IndexExpr); ok {
+							recv = ix.X
+						}
+						if id, ok := recv.(*ast.Ident); !ok || !id.IsExported() {
 							continue
 						}
-						if d.Recv != nil {
-							recv := d.Recv.List[0].Type
-							if st, ok := recv.(*ast.StarExpr); ok {
-								recv = st.X
+					}
+					report(d.Name.Name, d.Pos(), internalRefs(imports, d.Type))
+				case *ast.GenDecl:
+					for _, spec := range d.Specs {
+						switch s := spec.(type) {
+						case *ast.TypeSpec:
+							if s.Name.IsExported() {
+								report(s.Name.Name, s.Pos(), exposedTypeExpr(imports, s.Type))
 							}
-							if ix, ok := recv.(*ast.IndexExpr); ok {
-								recv = ix.X
-							}
-							if id, ok := recv.(*ast.Ident); !ok || !id.IsExported() {
-								continue
-							}
-						}
-						report(d.Name.Name, d.Pos(), internalRefs(imports, d.Type))
-					case *ast.GenDecl:
-						for _, spec := range d.Specs {
-							switch s := spec.(type) {
-							case *ast.TypeSpec:
-								if s.Name.IsExported() {
-									report(s.Name.Name, s.Pos(), exposedTypeExpr(imports, s.Type))
-								}
-							case *ast.ValueSpec:
-								// Only a declared type: a value's type needs
-								// type checking (an error variable that is
-								// an internal one is an error, not a type).
-								for _, n := range s.Names {
-									if n.IsExported() {
-										report(n.Name, n.Pos(), internalRefs(imports, s.Type))
-									}
+						case *ast.ValueSpec:
+							// Only a declared type: a value's type needs
+							// type checking (an error variable that is
+							// an internal one is an error, not a type).
+							for _, n := range s.Names {
+								if n.IsExported() {
+									report(n.Name, n.Pos(), internalRefs(imports, s.Type))
 								}
 							}
 						}
