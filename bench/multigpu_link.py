@@ -103,7 +103,7 @@ def main():
         for d in range(n):
             rows.append((d, k, alone[d], together[d]))
 
-    out = [f"# The host link of each GPU, alone and with the others copying at once",
+    out = ["# The host link of each GPU, alone and with the others copying at once",
            "",
            f"Command: `python3 bench/multigpu_link.py --out {a.out} --mib {a.mib} --reps {a.reps}`  ",
            f"Date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  ",

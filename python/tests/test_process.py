@@ -4,7 +4,6 @@ GOMAXPROCS without touching os.environ, a forked child is refused, and a growth 
 
 import os
 import resource
-import signal
 import subprocess
 import sys
 import textwrap

@@ -7,7 +7,6 @@ transformers source is found (tf_real.source_dir)."""
 
 import unittest
 
-import kvoffload
 from kvoffload.integrations import transformers as kvt
 
 from . import tf_fakes as F

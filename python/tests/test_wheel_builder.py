@@ -5,7 +5,6 @@ its files (a wheel built from a stand-in library, so no Go is needed)."""
 import base64
 import hashlib
 import os
-import struct
 import sys
 import tempfile
 import unittest
