@@ -31,14 +31,14 @@ var (
 	errStaleSlot = errors.New("kvcache: stale slot handle")
 )
 
-// DefaultSlotAlign is the default alignment of slot addresses: 4 KiB, a page.
+// defaultSlotAlign is the default alignment of slot addresses: 4 KiB, a page.
 // 16 bytes is the minimum (the copy kernel's vector width). A page keeps two
 // slots from ever sharing a cache line or a page, so a DMA writing one slot
 // never touches a line the CPU or another DMA uses for its neighbour, and
 // poisoning or protecting one slot in tests cannot hit another. Real slots are
 // whole pages already (2 MiB for Llama 3 8B, 5 MiB for Llama 3 70B) or close
 // to it (4.3 MiB for DeepSeek's MLA, padded by 2 KiB, 0.05%).
-const DefaultSlotAlign = 4096
+const defaultSlotAlign = 4096
 
 // Namespace identifies whose blocks an entry holds (model, dtype, layout;
 // not the tensor-parallel rank, whose ranks share blocks), so Clear can
@@ -83,7 +83,7 @@ type Config struct {
 	// its NumBlocks bounds the block ids of stores and loads.
 	Layout *Layout
 	// SlotAlign is the alignment of slot addresses, a power of two ≥ 16;
-	// 0 means DefaultSlotAlign.
+	// 0 means 4 KiB, a page: no two slots share one.
 	SlotAlign uint64
 	// Policy advises evictions; nil means exact LRU. The cache owns it and
 	// closes it in Close.
@@ -315,7 +315,7 @@ func New(cfg Config) (*Cache, error) {
 	}
 	align := cfg.SlotAlign
 	if align == 0 {
-		align = DefaultSlotAlign
+		align = defaultSlotAlign
 	}
 	if align < segmentAlign || align&(align-1) != 0 {
 		return nil, fmt.Errorf("%w: SlotAlign %d must be a power of two ≥ %d", errConfig, align, segmentAlign)

@@ -122,10 +122,10 @@ func TestCarvePresets(t *testing.T) {
 			l, err := NewLayout(denseSpec(kind, g, 8, 0))
 			require.NoError(t, err)
 			r := Region{Base: 0x7f0000000000, Size: 1 << 30, RangeStarts: []uint64{100 << 20, 300<<20 + 4096, 700 << 20}}
-			offs, err := carve(r, l.SlotSize(), DefaultSlotAlign)
+			offs, err := carve(r, l.SlotSize(), defaultSlotAlign)
 			require.NoError(t, err, name)
 			require.NotEmpty(t, offs)
-			checkCarving(t, r, offs, l.SlotSize(), DefaultSlotAlign)
+			checkCarving(t, r, offs, l.SlotSize(), defaultSlotAlign)
 		}
 	}
 }

@@ -132,7 +132,7 @@
 // # Slots
 //
 // A region is carved into slots of Layout.SlotSize bytes at addresses aligned
-// to Config.SlotAlign (default 4 KiB, see DefaultSlotAlign), none straddling
+// to Config.SlotAlign (default 4 KiB, a page), none straddling
 // a registration range boundary. Free slots form a doubly linked list
 // (O(1) allocate, free, and removal of a draining region's slots). Regions
 // can be added while serving; RemoveRegion drains one and TakeReleasable

@@ -280,9 +280,9 @@ func (r *Region) Deferred() bool { return r.deferred.Load() }
 // New does (the region's prefault threads, method and stripes), and returns
 // once every page of the range is resident. n is rounded up to the page
 // size; off must be a multiple of PageSize and off+n at most Mapped,
-// otherwise the error wraps errRange. When Options.PrefaultStop is closed
-// it returns early, within a piece of a few MiB per thread, with an error
-// wrapping errPrefaultStopped. It never changes the memory's
+// otherwise it fails ("range outside the region"). When
+// Options.PrefaultStop is closed it returns early, within a piece of a few
+// MiB per thread, with an error ("prefault stopped"). It never changes the memory's
 // contents, so it is safe on a region in use and on pages already
 // resident. Prefaulting the whole mapping in one call ends a deferred
 // prefault (Deferred then reports false). A closed region returns

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/kvoffload/kvoffload/internal/cudadev"
-	"github.com/kvoffload/kvoffload/kvcache"
 	"github.com/kvoffload/kvoffload/register"
 )
 
@@ -114,10 +113,14 @@ func pipelineChunk(slot int64) int64 {
 	return max(register.DefaultPipelineChunk/stride, 1) * stride
 }
 
+// slotAlign is the alignment of the engine's slots, its cache's
+// Config.SlotAlign: a page (kvcache's default too).
+const slotAlign = 4096
+
 // slotStride is the pool bytes one slot of slot bytes takes: its size
-// rounded up to kvcache's slot alignment (every slot starts on a page).
+// rounded up to slotAlign (every slot starts on a page).
 func slotStride(slot int64) int64 {
-	return (slot + kvcache.DefaultSlotAlign - 1) / kvcache.DefaultSlotAlign * kvcache.DefaultSlotAlign
+	return (slot + slotAlign - 1) / slotAlign * slotAlign
 }
 
 // onThread runs f on a locked OS thread with the CUDA context current and

@@ -506,7 +506,7 @@ func newEngine(cfg Config, h engineHooks) (*Engine, error) {
 	// and rehashed the index (O(slots so far) under the cache's lock,
 	// seconds over a large pool of small slots: kvcache's
 	// BenchmarkAddRegionGrowth).
-	kcfg := kvcache.Config{Layout: e.layout, Policy: pol, LowWatermark: tiered.LowWatermark(maxBlocks), MaxSlots: reserve,
+	kcfg := kvcache.Config{Layout: e.layout, SlotAlign: slotAlign, Policy: pol, LowWatermark: tiered.LowWatermark(maxBlocks), MaxSlots: reserve,
 		PartialTimeout: cfg.PartialTimeout}
 	if cfg.ZeroOnRelease {
 		kcfg.OnFree = e.zeroSlot
