@@ -24,11 +24,11 @@ var (
 	ErrDeviceLost         = errors.New("offload: device lost")         // a sticky driver error: close the engine
 	ErrNotDone            = errors.New("offload: op not done")
 	ErrGrowth             = errors.New("offload: background growth stopped") // WaitGrown; GrowTo tries again
+	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node: Lookup finds nothing, Store refuses busy, Load fails until reconnected to an empty pool
 )
 
-// Backend names a backend (Config.Backend, Engine.Backend). The typed
-// strings of Config are their constants' strings in JSON; "" is the
-// default, an unknown one ErrInvalidConfig.
+// Backend names a backend (Config.Backend, Engine.Backend). Config's typed
+// strings are their constants' strings in JSON; "" is the default.
 type Backend string
 
 const (
@@ -103,33 +103,29 @@ const (
 )
 
 // Config says what New builds. Every zero field but PoolBytes and Layout
-// means its default; the defaults suit a GPU serving machine. It is plain
-// data with JSON tags (the C ABI and the CLI pass it as JSON).
+// means its default, suited to a GPU serving machine. It is plain data with
+// JSON tags (the C ABI and the CLI pass it as JSON).
 type Config struct {
-	PoolBytes        int64       `json:"pool_bytes"` // exact size of the pool; required
-	Layout           LayoutSpec  `json:"layout"`     // the stack's GPU KV cache; required
-	Backend          Backend     `json:"backend,omitempty"`
-	Device           int         `json:"device,omitempty"`    // CUDA device ordinal
-	Namespace        string      `json:"namespace,omitempty"` // model and dtype (and TP rank and size without Layout.Order): keys, Clear
-	Policy           Policy      `json:"policy,omitempty"`
-	FirstRegionBytes int64       `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
-	RegionBytes      int64       `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
-	StagingBytes     int64       `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
-	MaxCachedBytes   int64       `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
-	HostPinning      HostPinning `json:"host_pinning,omitempty"`       // host backend only
-	HugePages        HugePages   `json:"huge_pages,omitempty"`
-	NUMANode         string      `json:"numa_node,omitempty"`        // "auto" (the GPU's), "none" or a node number
-	PrefaultThreads  int         `json:"prefault_threads,omitempty"` // default min(NumCPU, 16)
-	// PrefaultNice lowers the prefault threads' priority so that growth
-	// yields to a busy serving loop: 0 is 10 on machines of at most 4
-	// CPUs, none on larger ones; negative keeps the caller's; at most 19.
-	PrefaultNice        int   `json:"prefault_nice,omitempty"`
-	MemoryHeadroomBytes int64 `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
-	SkipMemoryCheck     bool  `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
-	// MaxInFlightBytes bounds the bytes copied at once per direction on the
-	// host backend (default 512 MiB); MaxQueuedBytes the bytes waiting
-	// beyond it (default 2 GiB), past which a Store is refused busy and a
-	// Load fails with ErrBusy. An op with events (CUDA) is never refused.
+	PoolBytes           int64       `json:"pool_bytes"` // exact size of the pool; required
+	Layout              LayoutSpec  `json:"layout"`     // the stack's GPU KV cache; required
+	Backend             Backend     `json:"backend,omitempty"`
+	Device              int         `json:"device,omitempty"`             // CUDA device ordinal
+	Namespace           string      `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
+	Policy              Policy      `json:"policy,omitempty"`             // default PolicyLRU
+	FirstRegionBytes    int64       `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
+	RegionBytes         int64       `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
+	StagingBytes        int64       `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
+	MaxCachedBytes      int64       `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
+	HostPinning         HostPinning `json:"host_pinning,omitempty"`       // host backend only
+	HugePages           HugePages   `json:"huge_pages,omitempty"`
+	NUMANode            string      `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
+	PrefaultThreads     int         `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
+	PrefaultNice        int         `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
+	MemoryHeadroomBytes int64       `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
+	SkipMemoryCheck     bool        `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
+	// Host backend: MaxInFlightBytes bounds the bytes copied at once per
+	// direction (512 MiB), MaxQueuedBytes those waiting beyond (2 GiB), past
+	// which a Store is refused busy and a Load fails with ErrBusy.
 	MaxInFlightBytes int64          `json:"max_in_flight_bytes,omitempty"`
 	MaxQueuedBytes   int64          `json:"max_queued_bytes,omitempty"`
 	MaxDeviceBytes   int64          `json:"max_device_bytes,omitempty"` // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
@@ -137,29 +133,24 @@ type Config struct {
 	ZeroOnRelease    bool           `json:"zero_on_release,omitempty"`  // zero a block's slot and record when it leaves
 	Disk             *DiskConfig    `json:"disk,omitempty"`             // the disk tier; nil: none
 	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
-	// HostDevice and DiskFaults are package hostsim's seam: the host
-	// backend's device, a hostsim GPU's (nil: the engine makes one, closed
-	// by Close, which Config reports; any other device is ErrInvalidConfig),
-	// and an error injected into the disk tier's file operation op ("open",
-	// "open-direct", "write", "read", "fallocate") on directory dir.
+	// Package hostsim's seam: the host backend's device (nil: the engine
+	// makes one; another kind is ErrInvalidConfig) and a fault injected
+	// into the disk tier's file operation op on directory dir.
 	HostDevice transfer.Device            `json:"-"`
 	DiskFaults func(op, dir string) error `json:"-"`
 }
 
-// LayoutSpec describes the serving stack's GPU KV cache. Addresses are
-// device addresses (simulated ones on the host backend, where a layout
-// without tensors is allocated in the engine's simulated device).
+// LayoutSpec describes the serving stack's GPU KV cache, at device
+// addresses (on the host backend, a layout without them is allocated).
 type LayoutSpec struct {
-	Kind         LayoutKind `json:"kind"`
-	Layers       int        `json:"layers"`
-	KVHeads      int        `json:"kv_heads"`                 // the heads the tensors hold (1 for MLA)
-	ModelKVHeads int        `json:"model_kv_heads,omitempty"` // the model's, when a TP rank holds [HeadFirst, HeadFirst+KVHeads)
-	HeadFirst    int        `json:"head_first,omitempty"`
-	// Order, when declared, makes the host slot head-major, shared by
-	// every TP size and order; "" keeps a byte copy of the device block.
-	Order          HeadOrder      `json:"order,omitempty"`
-	HeadDim        int            `json:"head_dim"`    // elements per head (the latent width for MLA)
-	DTypeBytes     int            `json:"dtype_bytes"` // 2 for bf16
+	Kind           LayoutKind     `json:"kind"`
+	Layers         int            `json:"layers"`
+	KVHeads        int            `json:"kv_heads"`                 // the heads the tensors hold (1 for MLA)
+	ModelKVHeads   int            `json:"model_kv_heads,omitempty"` // the model's, when a TP rank holds [HeadFirst, HeadFirst+KVHeads)
+	HeadFirst      int            `json:"head_first,omitempty"`
+	Order          HeadOrder      `json:"order,omitempty"` // declared: slots shared by every TP size and order
+	HeadDim        int            `json:"head_dim"`        // elements per head (the latent width for MLA)
+	DTypeBytes     int            `json:"dtype_bytes"`     // 2 for bf16
 	TokensPerBlock int            `json:"tokens_per_block"`
 	NumBlocks      int            `json:"num_blocks"`              // block ids are 0..NumBlocks-1
 	LayerTensors   []LayerTensors `json:"layer_tensors,omitempty"` // per layer (layer-separate, MLA)
@@ -176,11 +167,11 @@ type LayerTensors struct {
 }
 
 // Outcome is what happened to one block of an op: exactly one final
-// outcome per block, OutcomePending only before the op is done.
+// outcome per block, OutcomePending only before the op is done. Stores end
+// Stored, AlreadyPresent, Refused*, Failed or Cancelled; loads Loaded,
+// Missing, Failed or Cancelled.
 type Outcome uint8
 
-// Outcomes of Store (Stored, AlreadyPresent, Refused*, Failed, Cancelled)
-// and Load (Loaded, Missing, Failed, Cancelled).
 const (
 	OutcomePending          Outcome = iota
 	OutcomeStored                   // copied and visible to lookups
@@ -192,8 +183,9 @@ const (
 	OutcomeLoaded                   // copied into the caller's block
 	OutcomeMissing                  // not in the pool (evicted since the lookup)
 	OutcomeCancelled                // ctx ended before the copy was enqueued
-	numOutcomes
 )
+
+const numOutcomes = OutcomeCancelled + 1
 
 var outcomeNames = [numOutcomes]string{
 	"pending", "stored", "already-present", "refused-full", "refused-busy",
@@ -215,23 +207,20 @@ type LookupOptions struct {
 
 // LookupResult is the answer of Lookup.
 type LookupResult struct {
-	Hits     int    // the longest prefix of keys ready in the pool
-	DiskHits int    // keys after it on the disk tier, which Load promotes (unleased)
-	Lease    *Lease // on keys[:Hits] with LookupOptions.Lease; release it or pass it to Load
+	Hits, DiskHits int    // the longest prefix of keys ready in the pool; keys after it on disk (unleased)
+	Lease          *Lease // on keys[:Hits] with LookupOptions.Lease; release it or pass it to Load
 }
 
 // StoreOptions modify Store.
 type StoreOptions struct {
 	// After is an event recorded after the kernels that wrote the blocks
-	// (0: they are written). AfterStream, optional, is its stream: a
-	// capturing one refuses the Store with ErrCapturing (checked on the
-	// calling thread, whose CUDA context must be current).
-	After       uintptr
-	AfterStream uintptr
-	Namespace   string   // tags the blocks for Clear; default Config.Namespace
-	Parent      Key      // the key before keys[0] (zero: a sequence's start); eviction takes tails first
-	Parents     []Key    // one parent per key, for blocks of several sequences
-	Tokens      []uint32 // optional: the blocks' token ids, for their EventStored
+	// (0: they are written); AfterStream, optional, its stream: capturing,
+	// it fails the Store with ErrCapturing.
+	After, AfterStream uintptr
+	Namespace          string   // tags the blocks for Clear; default Config.Namespace
+	Parent             Key      // the key before keys[0] (zero: a sequence's start); eviction takes tails first
+	Parents            []Key    // one parent per key, for blocks of several sequences
+	Tokens             []uint32 // optional: the blocks' token ids, for their EventStored
 }
 
 // LoadOptions modify Load.

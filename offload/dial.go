@@ -12,11 +12,6 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ErrUnavailable: an engine of Dial cannot reach its node. Lookup then
-// finds nothing, Store refuses busy, Load fails with it; the engine
-// reconnects by itself to an empty pool.
-var ErrUnavailable = errors.New("offload: node unavailable")
-
 // nominalDialPool is the PoolBytes an engine of Dial is validated with
 // when its Config gives none: the pool is the node's, Config.PoolBytes is
 // not used.

@@ -29,29 +29,26 @@ func (k EventKind) String() string {
 
 // Event.Medium values: the tier an event is about.
 const (
-	MediumCPU  = "CPU"  // the host pool
-	MediumDisk = "DISK" // the disk tier
-	// MediumSharedStorage is the cluster tier, whose removals are not announced.
-	MediumSharedStorage = "SHARED_STORAGE"
+	MediumCPU           = "CPU"            // the host pool
+	MediumDisk          = "DISK"           // the disk tier
+	MediumSharedStorage = "SHARED_STORAGE" // the cluster tier, whose removals are not announced
 )
 
 // Event is one change of the pool's index, sent after the fact, in the
 // order the index changed.
 type Event struct {
-	Kind      EventKind
-	Key       Key
-	Parent    Key      // as the Store gave it (zero: a sequence's start, or unknown)
-	Tokens    []uint32 // StoreOptions.Tokens
-	BlockSize int      // the layout's tokens per block
-	Medium    string   // MediumCPU, MediumDisk or MediumSharedStorage
+	Kind        EventKind
+	Key, Parent Key      // Parent as the Store gave it (zero: a sequence's start, or unknown)
+	Tokens      []uint32 // StoreOptions.Tokens
+	BlockSize   int      // the layout's tokens per block
+	Medium      string   // MediumCPU, MediumDisk or MediumSharedStorage
 }
 
 // EventStream receives an engine's events on C, a bounded channel: an
 // event that finds C full is dropped and counted (Dropped), never waited
 // for. C is closed by Close and when the engine closes.
 type EventStream struct {
-	C <-chan Event
-
+	C       <-chan Event
 	ch      chan Event
 	dropped atomic.Int64
 	hub     *eventHub
