@@ -77,8 +77,8 @@ const (
 	LayoutMLA           LayoutKind = "mla"            // a latent tensor per layer: KVHeads 1, HeadDim its width
 )
 
-// HeadOrder is the device order of a block's tokens and heads
-// (LayoutSpec.Order); "" is undeclared.
+// HeadOrder is the device order of a block's tokens and heads, ""
+// undeclared.
 type HeadOrder string
 
 const (
@@ -166,10 +166,8 @@ type LayerTensors struct {
 	Stride uint64 `json:"stride"`
 }
 
-// Outcome is what happened to one block of an op: exactly one final
-// outcome per block, OutcomePending only before the op is done. Stores end
-// Stored, AlreadyPresent, Refused*, Failed or Cancelled; loads Loaded,
-// Missing, Failed or Cancelled.
+// Outcome is what happened to one block of an op: exactly one final outcome
+// per block (OutcomePending until the op is done).
 type Outcome uint8
 
 const (

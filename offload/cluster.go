@@ -279,10 +279,7 @@ func (e *Engine) clearCluster(ns string) {
 	_ = e.cluster.Clear(ctx)
 }
 
-// FlushCluster waits until every block written through to the cluster has
-// been answered (stored or failed); the BlockStored events (medium
-// SHARED_STORAGE) of the blocks stored are in the event streams by then.
-// Without a cluster tier it returns at once.
+// FlushCluster waits until every write-through is answered, its events sent.
 func (e *Engine) FlushCluster() error {
 	if err := e.checkOpen("FlushCluster"); err != nil {
 		return err

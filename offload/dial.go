@@ -17,13 +17,9 @@ import (
 // not used.
 const nominalDialPool = 1 << 40
 
-// Dial returns an engine over the node pool at socket (`kvoffload serve`):
-// the index and the pool are the node's, shared by every engine dialled
-// to it; stores commit once copied. A Config without tensors and a
-// Backend other than "host" is a client without a GPU (no Store, Load).
-// Not through a node: the disk and cluster tiers, ZeroOnRelease, another
-// StoreOptions.Namespace, GrowTo; the pool sizes and growth knobs are
-// ignored, and Trim is the node's.
+// Dial returns an engine sharing the index and pool of the node at socket
+// (`kvoffload serve`); a Config without tensors, on a backend but "host",
+// only looks up. The tiers, GrowTo, Trim and pool sizes are the node's.
 func Dial(socket string, cfg Config) (*Engine, error) {
 	return dialEngine(socket, cfg, engineHooks{})
 }

@@ -202,8 +202,7 @@ func recordFingerprint(cfg Config) (uint64, error) {
 	}), nil
 }
 
-// FlushDisk waits until every eviction queued for the disk tier has been
-// written (or failed), or ctx ends. Without a disk tier it returns at once.
+// FlushDisk waits until every queued disk write is done, or ctx ends.
 func (e *Engine) FlushDisk(ctx context.Context) error {
 	if err := e.checkOpen("FlushDisk"); err != nil {
 		return err

@@ -34,8 +34,7 @@ const (
 	MediumSharedStorage = "SHARED_STORAGE" // the cluster tier, whose removals are not announced
 )
 
-// Event is one change of the pool's index, sent after the fact, in the
-// order the index changed.
+// Event is one change of the pool's index, sent in order after the fact.
 type Event struct {
 	Kind        EventKind
 	Key, Parent Key      // Parent as the Store gave it (zero: a sequence's start, or unknown)
@@ -44,9 +43,7 @@ type Event struct {
 	Medium      string   // MediumCPU, MediumDisk or MediumSharedStorage
 }
 
-// EventStream receives an engine's events on C, a bounded channel: an
-// event that finds C full is dropped and counted (Dropped), never waited
-// for. C is closed by Close and when the engine closes.
+// EventStream delivers events on C; one finding C full is dropped (Dropped).
 type EventStream struct {
 	C       <-chan Event
 	ch      chan Event
@@ -68,8 +65,7 @@ func (s *EventStream) Close() {
 // defaultEventBuffer is the buffer of an event stream asked for with 0.
 const defaultEventBuffer = 1 << 16
 
-// Events subscribes to the index's events from now on, on a channel of
-// buffer events (65536 when buffer ≤ 0). After Close the stream is closed.
+// Events subscribes to the index's events, buffering buffer (≤ 0: 65536).
 func (e *Engine) Events(buffer int) *EventStream {
 	if buffer <= 0 {
 		buffer = defaultEventBuffer

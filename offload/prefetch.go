@@ -10,10 +10,9 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Prefetch promotes the blocks of keys the pool lacks from the disk tier,
-// then the cluster tier, until opts.Timeout or ctx's deadline; what is
-// missing, damaged or late is a miss (a timeout is not an error). It
-// leases nothing. With PrefetchBestEffort it returns at once.
+// Prefetch promotes the blocks of keys the pool lacks from the disk, then
+// the cluster tier, within opts.Timeout and ctx; what does not come is a
+// miss.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err

@@ -179,8 +179,7 @@ func (s *Stats) Outcome(oc Outcome) int64 {
 // everything from 2^(histogramBuckets-2) µs ≈ 9 minutes up).
 const histogramBuckets = 30
 
-// Histogram is a log2-scale latency histogram: Counts[i] counts latencies
-// in [2^(i-1), 2^i) µs (Counts[0] below 1 µs; the last, all above).
+// Histogram counts latencies: Counts[i] those in [2^(i-1), 2^i) µs.
 type Histogram struct {
 	Counts [histogramBuckets]int64 `json:"counts"`
 	Count  int64                   `json:"count"`
@@ -291,8 +290,7 @@ type counters struct {
 	store, load                                                     direction
 }
 
-// Stats returns a snapshot of the engine's counters; cheap, callable from
-// any goroutine, also after Close.
+// Stats returns a snapshot of the counters; cheap, also after Close.
 func (e *Engine) Stats() Stats { return e.snapshot() }
 
 func (e *Engine) snapshot() Stats {
