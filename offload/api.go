@@ -9,8 +9,8 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Sentinel errors (errors.Is). Every error the package returns wraps one
-// of these or a driver error, and names the bad value and its limit.
+// Errors wrap one of these or a driver error, naming the bad value and
+// limit.
 var (
 	ErrClosed             = errors.New("offload: engine closed")
 	ErrReleased           = errors.New("offload: op or lease already released")
@@ -19,16 +19,16 @@ var (
 	ErrPoolTooSmall       = errors.New("offload: pool too small")               // not one block
 	ErrInsufficientMemory = errors.New("offload: insufficient memory for pool") // MemAvailable, cgroup, RLIMIT_MEMLOCK or NUMA node
 	ErrInvalidConfig      = errors.New("offload: invalid config")
-	ErrInvalidArgument    = errors.New("offload: invalid argument")
+	ErrInvalidArgument    = errors.New("offload: invalid argument")    // the call did nothing
 	ErrCapturing          = errors.New("offload: stream is capturing") // StoreOptions.AfterStream is capturing a CUDA graph
 	ErrDeviceLost         = errors.New("offload: device lost")         // a sticky driver error: close the engine
 	ErrNotDone            = errors.New("offload: op not done")
 	ErrGrowth             = errors.New("offload: background growth stopped") // WaitGrown; GrowTo tries again
-	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node: Lookup finds nothing, Store refuses busy, Load fails until reconnected to an empty pool
+	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node gone: Lookup finds nothing, Store refuses busy
 )
 
-// Backend names a backend (Config.Backend, Engine.Backend). Config's typed
-// strings are their constants' strings in JSON; "" is the default.
+// Backend names a backend. Config's typed strings are their constants' in
+// JSON; "" is the default.
 type Backend string
 
 const (
@@ -102,9 +102,8 @@ const (
 	defaultMemoryHeadroomBytes int64 = 2 << 30
 )
 
-// Config says what New builds. Every zero field but PoolBytes and Layout
-// means its default, suited to a GPU serving machine. It is plain data with
-// JSON tags (the C ABI and the CLI pass it as JSON).
+// Config says what New builds: zero fields but PoolBytes and Layout take
+// their defaults. It is plain data; the C ABI and the CLI pass it as JSON.
 type Config struct {
 	PoolBytes           int64       `json:"pool_bytes"` // exact size of the pool; required
 	Layout              LayoutSpec  `json:"layout"`     // the stack's GPU KV cache; required
@@ -123,9 +122,8 @@ type Config struct {
 	PrefaultNice        int         `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
 	MemoryHeadroomBytes int64       `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
 	SkipMemoryCheck     bool        `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
-	// Host backend: MaxInFlightBytes bounds the bytes copied at once per
-	// direction (512 MiB), MaxQueuedBytes those waiting beyond (2 GiB), past
-	// which a Store is refused busy and a Load fails with ErrBusy.
+	// Host backend: bytes copied at once per direction (512 MiB) and
+	// waiting beyond (2 GiB; past it Store refuses busy, Load is ErrBusy).
 	MaxInFlightBytes int64          `json:"max_in_flight_bytes,omitempty"`
 	MaxQueuedBytes   int64          `json:"max_queued_bytes,omitempty"`
 	MaxDeviceBytes   int64          `json:"max_device_bytes,omitempty"` // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
@@ -133,9 +131,8 @@ type Config struct {
 	ZeroOnRelease    bool           `json:"zero_on_release,omitempty"`  // zero a block's slot and record when it leaves
 	Disk             *DiskConfig    `json:"disk,omitempty"`             // the disk tier; nil: none
 	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
-	// Package hostsim's seam: the host backend's device (nil: the engine
-	// makes one; another kind is ErrInvalidConfig) and a fault injected
-	// into the disk tier's file operation op on directory dir.
+	// Package hostsim's seam: the host backend's device (nil: a new one)
+	// and a fault for the disk tier's file operation op on directory dir.
 	HostDevice transfer.Device            `json:"-"`
 	DiskFaults func(op, dir string) error `json:"-"`
 }
@@ -238,6 +235,5 @@ type TrimResult struct {
 	EvictedBlocks  int   `json:"evicted_blocks"`
 }
 
-// Backend returns the backend in use (BackendCUDA or BackendHost) and why it
-// was picked.
+// Backend returns the backend in use and why it was picked.
 func (e *Engine) Backend() (name Backend, reason string) { return e.backend, e.backendReason }

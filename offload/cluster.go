@@ -14,19 +14,15 @@ import (
 )
 
 // ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
-// shared by the engines of one namespace on several machines. Every block a
-// Store makes ready is written through to it in the background (leased until
-// copied); Prefetch promotes from it what the pool and the disk tier lack;
-// Lookup never asks it. A cluster that does not answer is not an error: the
-// engine serves without it and connects in the background (Stats.Cluster).
+// shared by several machines' engines. Stored blocks are written through to
+// it in the background; Prefetch promotes from it what the pool and disk
+// lack. Unreachable, it is connected to in the background.
 type ClusterConfig struct {
 	Addrs    []string `json:"addrs"`              // some of the nodes, host:port; required
 	Username string   `json:"username,omitempty"` // Username and Password: sent with AUTH if set
 	Password string   `json:"password,omitempty"`
-	// TLS connects with TLS, as does setting TLSCAFile (a PEM file of the
-	// authorities to trust instead of the system's; New fails if it holds
-	// none) or TLSServerName (the name certificates must carry instead of
-	// each address's host).
+	// TLS is on with TLS, TLSCAFile (PEM: the authorities to trust, not
+	// the system's) or TLSServerName (to check instead of each host).
 	TLS              bool          `json:"tls,omitempty"`
 	TLSCAFile        string        `json:"tls_ca_file,omitempty"`
 	TLSServerName    string        `json:"tls_server_name,omitempty"`

@@ -13,21 +13,17 @@ import (
 )
 
 // DiskConfig turns on the disk tier (Config.Disk): blocks evicted from the
-// pool are written to local disk if admitted, Lookup reports them after the
-// pool's prefix, and Load and Prefetch promote them back into the pool.
+// pool are written to disk if admitted, and Lookup, Load and Prefetch find
+// them there.
 type DiskConfig struct {
-	Dirs          []string   `json:"dirs"`           // required; a directory serves one engine at a time
-	CapacityBytes int64      `json:"capacity_bytes"` // required: the records files' total size
-	Fsync         DiskFsync  `json:"fsync,omitempty"`
-	Direct        DiskDirect `json:"direct,omitempty"`
-	// WriteBackBytes bounds the bytes queued for disk writes (default
-	// DefaultWriteBackBytes); past it a write is dropped (Stats.Disk.Dropped).
-	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
-	// An evicted block is written if its key was seen (stored or looked
-	// up) AdmitAfter times (default 2, at most 255), or always with
-	// AdmitAll. WriteThrough also writes each block once stored;
-	// WriteBackOnClose has Close write what is not on disk yet, within
-	// CloseContext's ctx.
+	Dirs           []string   `json:"dirs"`           // required; a directory serves one engine at a time
+	CapacityBytes  int64      `json:"capacity_bytes"` // required: the records files' total size
+	Fsync          DiskFsync  `json:"fsync,omitempty"`
+	Direct         DiskDirect `json:"direct,omitempty"`
+	WriteBackBytes int64      `json:"write_back_bytes,omitempty"` // queued for writes; past it one is dropped
+	// An evicted block is written if its key was seen AdmitAfter times
+	// (2, at most 255), or with AdmitAll; WriteThrough writes each block
+	// once stored, WriteBackOnClose those not on disk yet at Close.
 	AdmitAll         bool     `json:"admit_all,omitempty"`
 	AdmitAfter       int      `json:"admit_after,omitempty"`
 	WriteThrough     bool     `json:"write_through,omitempty"`
@@ -35,14 +31,14 @@ type DiskConfig struct {
 	RemoveRecords    []string `json:"remove_records,omitempty"` // other layouts' records files New deletes
 }
 
-// DiskFsync is DiskConfig.Fsync: when the disk tier flushes its records.
+// DiskFsync is DiskConfig.Fsync: when the disk tier flushes (default none).
 type DiskFsync string
 
-// DiskDirect is DiskConfig.Direct: whether the disk tier uses O_DIRECT.
+// DiskDirect is DiskConfig.Direct: whether to use O_DIRECT (default auto).
 type DiskDirect string
 
-// DiskConfig's values and default: Fsync (none by default), Direct
-// (O_DIRECT where the file system takes it by default), WriteBackBytes.
+// Values of DiskConfig.Fsync and Direct, DiskConfig.WriteBackBytes's
+// default, and Event.Medium values: the tier an event is about.
 const (
 	DiskFsyncNone         DiskFsync  = "none"
 	DiskFsyncEach         DiskFsync  = "each"
@@ -51,6 +47,9 @@ const (
 	DiskDirectRequire     DiskDirect = "require"
 	DiskDirectOff         DiskDirect = "off"
 	DefaultWriteBackBytes int64      = 64 << 20
+	MediumCPU                        = "CPU"            // the host pool
+	MediumDisk                       = "DISK"           // the disk tier
+	MediumSharedStorage              = "SHARED_STORAGE" // the cluster tier, whose removals are not announced
 )
 
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the

@@ -181,8 +181,7 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 }
 
 // Store copies GPU blocks blockIDs[i] to the pool under keys[i], returning
-// at once; ctx cancels what is not yet enqueued, and invalid input stores
-// nothing.
+// at once.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -198,8 +197,7 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 }
 
 // Load copies the blocks of keys into GPU blocks blockIDs[i], returning at
-// once; a block gone from the pool is OutcomeMissing, one on disk promoted
-// first.
+// once.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()

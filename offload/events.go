@@ -27,13 +27,6 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", uint8(k))
 }
 
-// Event.Medium values: the tier an event is about.
-const (
-	MediumCPU           = "CPU"            // the host pool
-	MediumDisk          = "DISK"           // the disk tier
-	MediumSharedStorage = "SHARED_STORAGE" // the cluster tier, whose removals are not announced
-)
-
 // Event is one change of the pool's index, sent in order after the fact.
 type Event struct {
 	Kind        EventKind

@@ -11,8 +11,8 @@ import (
 	"github.com/kvoffload/kvoffload/mmapmem"
 )
 
-// PauseGrowth stops background pinning after the region in progress, until
-// ResumeGrowth. Idempotent.
+// PauseGrowth stops pinning after the region in progress, until
+// ResumeGrowth.
 func (e *Engine) PauseGrowth() {
 	e.growth.mu.Lock()
 	e.growth.paused = true
@@ -39,9 +39,8 @@ func (e *Engine) ResumeGrowth() {
 	e.growth.mu.Unlock()
 }
 
-// GrowTo sets the pool size growth aims at (at most PoolBytes and
-// MaxCachedBytes), growing again up to it and clearing
-// Stats.Pool.GrowthError; it never trims.
+// GrowTo sets the pool size growth aims at, growing again up to it; it never
+// trims.
 func (e *Engine) GrowTo(bytes int64) error {
 	if !e.enter() {
 		return fmt.Errorf("%w: GrowTo after Close", ErrClosed)

@@ -10,9 +10,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Prefetch promotes the blocks of keys the pool lacks from the disk, then
-// the cluster tier, within opts.Timeout and ctx; what does not come is a
-// miss.
+// Prefetch promotes the blocks of keys the pool lacks from disk, then the
+// cluster, within opts.Timeout and ctx; what does not come is a miss.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err

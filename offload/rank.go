@@ -23,8 +23,7 @@ type rankViews struct {
 	dense []uint64
 }
 
-// Rank returns a view for the rank whose tensors layout describes:
-// Config.Layout but for addresses, HeadFirst, KVHeads and Order.
+// Rank returns the view of another rank's layout (its addresses and heads).
 func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 	if !e.enter() {
 		return nil, fmt.Errorf("%w: Rank after Close", ErrClosed)

@@ -24,8 +24,7 @@ func (s *Staging) DevicePtr() uint64 { return s.dev }
 // Bytes is the buffer's memory. It must not be used after Close.
 func (s *Staging) Bytes() []byte { return s.buf }
 
-// Staging returns the staging region's buffer name, of exactly bytes bytes
-// (ErrInsufficientMemory when full).
+// Staging returns the staging region's buffer name, of exactly bytes bytes.
 func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
 	if err := e.checkOpen("Staging"); err != nil {
 		return nil, err

@@ -73,8 +73,7 @@ type GrowthSteps struct {
 	Cache      time.Duration `json:"cache_ns"`       // carving the region into slots
 }
 
-// CopyStats is the copies between the GPU and the pool; the fields after
-// InFlightBytes are CUDA's.
+// CopyStats is the copies between the GPU and the pool (CUDA: Bounced on).
 type CopyStats struct {
 	Store          DirectionStats `json:"store"` // device → host
 	Load           DirectionStats `json:"load"`  // host → device
@@ -95,8 +94,8 @@ type DirectionStats struct {
 	Latency Histogram `json:"latency"` // op latency, call → done
 }
 
-// DiskStats is the disk tier (an engine of Dial counts its own calls'
-// LookupHits, Hits and Misses on its node's tier).
+// DiskStats is the disk tier (an engine of Dial: its calls' hits on the
+// node).
 type DiskStats struct {
 	LookupHits     int64  `json:"lookup_hits"`      // keys Lookup found on disk (LookupResult.DiskHits)
 	Hits           int64  `json:"hits"`             // blocks promoted from disk into the pool
