@@ -27,8 +27,7 @@ var (
 	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node gone: Lookup finds nothing, Store refuses busy
 )
 
-// Backend names a backend. Config's typed strings are their constants' in
-// JSON; "" is the default.
+// Backend names a backend; "" is the default, as for every enum of Config.
 type Backend string
 
 const (
@@ -105,36 +104,32 @@ const (
 // Config says what New builds: zero fields but PoolBytes and Layout take
 // their defaults. It is plain data; the C ABI and the CLI pass it as JSON.
 type Config struct {
-	PoolBytes           int64       `json:"pool_bytes"` // exact size of the pool; required
-	Layout              LayoutSpec  `json:"layout"`     // the stack's GPU KV cache; required
-	Backend             Backend     `json:"backend,omitempty"`
-	Device              int         `json:"device,omitempty"`             // CUDA device ordinal
-	Namespace           string      `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
-	Policy              Policy      `json:"policy,omitempty"`             // default PolicyLRU
-	FirstRegionBytes    int64       `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
-	RegionBytes         int64       `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
-	StagingBytes        int64       `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
-	MaxCachedBytes      int64       `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
-	HostPinning         HostPinning `json:"host_pinning,omitempty"`       // host backend only
-	HugePages           HugePages   `json:"huge_pages,omitempty"`
-	NUMANode            string      `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
-	PrefaultThreads     int         `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
-	PrefaultNice        int         `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
-	MemoryHeadroomBytes int64       `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
-	SkipMemoryCheck     bool        `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
-	// Host backend: bytes copied at once per direction (512 MiB) and
-	// waiting beyond (2 GiB; past it Store refuses busy, Load is ErrBusy).
-	MaxInFlightBytes int64          `json:"max_in_flight_bytes,omitempty"`
-	MaxQueuedBytes   int64          `json:"max_queued_bytes,omitempty"`
-	MaxDeviceBytes   int64          `json:"max_device_bytes,omitempty"` // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
-	PartialTimeout   time.Duration  `json:"partial_timeout,omitempty"`  // a head-range block's wait for its heads (30 s; JSON: ns)
-	ZeroOnRelease    bool           `json:"zero_on_release,omitempty"`  // zero a block's slot and record when it leaves
-	Disk             *DiskConfig    `json:"disk,omitempty"`             // the disk tier; nil: none
-	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
-	// Package hostsim's seam: the host backend's device (nil: a new one)
-	// and a fault for the disk tier's file operation op on directory dir.
-	HostDevice transfer.Device            `json:"-"`
-	DiskFaults func(op, dir string) error `json:"-"`
+	PoolBytes           int64                      `json:"pool_bytes"` // exact size of the pool; required
+	Layout              LayoutSpec                 `json:"layout"`     // the stack's GPU KV cache; required
+	Backend             Backend                    `json:"backend,omitempty"`
+	Device              int                        `json:"device,omitempty"`             // CUDA device ordinal
+	Namespace           string                     `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
+	Policy              Policy                     `json:"policy,omitempty"`             // default PolicyLRU
+	FirstRegionBytes    int64                      `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
+	RegionBytes         int64                      `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
+	StagingBytes        int64                      `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
+	MaxCachedBytes      int64                      `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
+	HostPinning         HostPinning                `json:"host_pinning,omitempty"`       // host backend only
+	HugePages           HugePages                  `json:"huge_pages,omitempty"`
+	NUMANode            string                     `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
+	PrefaultThreads     int                        `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
+	PrefaultNice        int                        `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
+	MemoryHeadroomBytes int64                      `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
+	SkipMemoryCheck     bool                       `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
+	MaxInFlightBytes    int64                      `json:"max_in_flight_bytes,omitempty"`   // host backend: copied at once per direction (512 MiB)
+	MaxQueuedBytes      int64                      `json:"max_queued_bytes,omitempty"`      // and waiting beyond (2 GiB), past which ops are refused
+	MaxDeviceBytes      int64                      `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
+	PartialTimeout      time.Duration              `json:"partial_timeout,omitempty"`       // a head-range block's wait for its heads (30 s; JSON: ns)
+	ZeroOnRelease       bool                       `json:"zero_on_release,omitempty"`       // zero a block's slot and record when it leaves
+	Disk                *DiskConfig                `json:"disk,omitempty"`                  // the disk tier; nil: none
+	Cluster             *ClusterConfig             `json:"cluster,omitempty"`               // the cluster tier; nil: none
+	HostDevice          transfer.Device            `json:"-"`                               // package hostsim's seam: the host backend's device (nil: new)
+	DiskFaults          func(op, dir string) error `json:"-"`                               // and a fault for the disk tier's operation op on dir
 }
 
 // LayoutSpec describes the serving stack's GPU KV cache, at device
@@ -163,21 +158,20 @@ type LayerTensors struct {
 	Stride uint64 `json:"stride"`
 }
 
-// Outcome is what happened to one block of an op: exactly one final outcome
-// per block (OutcomePending until the op is done).
+// Outcome is what happened to one block of an op: one final outcome each.
 type Outcome uint8
 
 const (
-	OutcomePending          Outcome = iota
-	OutcomeStored                   // copied and visible to lookups
-	OutcomeAlreadyPresent           // stored (or being stored) before
-	OutcomeRefusedFull              // no free slot (a leased block is never evicted)
-	OutcomeRefusedBusy              // the queue for in-flight room was full
-	OutcomeRefusedAdmission         // the policy declined the key
-	OutcomeFailed                   // the copy failed (Op.Err)
-	OutcomeLoaded                   // copied into the caller's block
-	OutcomeMissing                  // not in the pool (evicted since the lookup)
-	OutcomeCancelled                // ctx ended before the copy was enqueued
+	OutcomePending          Outcome = iota // the op is not done
+	OutcomeStored                          // copied and visible to lookups
+	OutcomeAlreadyPresent                  // stored (or being stored) before
+	OutcomeRefusedFull                     // no free slot (a leased block is never evicted)
+	OutcomeRefusedBusy                     // the queue for in-flight room was full
+	OutcomeRefusedAdmission                // the policy declined the key
+	OutcomeFailed                          // the copy failed (Op.Err)
+	OutcomeLoaded                          // copied into the caller's block
+	OutcomeMissing                         // not in the pool (evicted since the lookup)
+	OutcomeCancelled                       // ctx ended before the copy was enqueued
 )
 
 const numOutcomes = OutcomeCancelled + 1
@@ -208,10 +202,7 @@ type LookupResult struct {
 
 // StoreOptions modify Store.
 type StoreOptions struct {
-	// After is an event recorded after the kernels that wrote the blocks
-	// (0: they are written); AfterStream, optional, its stream: capturing,
-	// it fails the Store with ErrCapturing.
-	After, AfterStream uintptr
+	After, AfterStream uintptr  // an event after the kernels writing the blocks (0: none), and its stream
 	Namespace          string   // tags the blocks for Clear; default Config.Namespace
 	Parent             Key      // the key before keys[0] (zero: a sequence's start); eviction takes tails first
 	Parents            []Key    // one parent per key, for blocks of several sequences

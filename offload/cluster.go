@@ -18,14 +18,12 @@ import (
 // it in the background; Prefetch promotes from it what the pool and disk
 // lack. Unreachable, it is connected to in the background.
 type ClusterConfig struct {
-	Addrs    []string `json:"addrs"`              // some of the nodes, host:port; required
-	Username string   `json:"username,omitempty"` // Username and Password: sent with AUTH if set
-	Password string   `json:"password,omitempty"`
-	// TLS is on with TLS, TLSCAFile (PEM: the authorities to trust, not
-	// the system's) or TLSServerName (to check instead of each host).
-	TLS              bool          `json:"tls,omitempty"`
-	TLSCAFile        string        `json:"tls_ca_file,omitempty"`
-	TLSServerName    string        `json:"tls_server_name,omitempty"`
+	Addrs            []string      `json:"addrs"`              // some of the nodes, host:port; required
+	Username         string        `json:"username,omitempty"` // Username and Password: sent with AUTH if set
+	Password         string        `json:"password,omitempty"`
+	TLS              bool          `json:"tls,omitempty"`                 // also on with either of the next two
+	TLSCAFile        string        `json:"tls_ca_file,omitempty"`         // PEM: the authorities to trust, not the system's
+	TLSServerName    string        `json:"tls_server_name,omitempty"`     // checked instead of each address's host
 	Prefix           string        `json:"prefix,omitempty"`              // of every key (default "kvo")
 	TTL              time.Duration `json:"ttl,omitempty"`                 // of every record (default 1h, at least 1ms)
 	MaxInFlightBytes int64         `json:"max_in_flight_bytes,omitempty"` // unanswered writes; past it one is dropped (256 MiB)
@@ -34,10 +32,7 @@ type ClusterConfig struct {
 
 // PrefetchOptions modify Prefetch.
 type PrefetchOptions struct {
-	// Timeout bounds the wait: 0 or more than ClusterConfig.Timeout is
-	// that for the cluster, 0 is none for the disk. What has not arrived by
-	// then is a miss (a disk read started is waited for).
-	Timeout time.Duration
+	Timeout time.Duration  // then what has not come is a miss (0: none for disk; the cluster's at most)
 	Policy  PrefetchPolicy // default PrefetchWait
 }
 

@@ -17,9 +17,8 @@ import (
 // not used.
 const nominalDialPool = 1 << 40
 
-// Dial returns an engine sharing the index and pool of the node at socket
-// (`kvoffload serve`); a Config without tensors, on a backend but "host",
-// only looks up. The tiers, GrowTo, Trim and pool sizes are the node's.
+// Dial returns an engine sharing the pool of the node at socket (`kvoffload
+// serve`); without tensors and the host backend it only looks up.
 func Dial(socket string, cfg Config) (*Engine, error) {
 	return dialEngine(socket, cfg, engineHooks{})
 }

@@ -16,19 +16,16 @@ import (
 // pool are written to disk if admitted, and Lookup, Load and Prefetch find
 // them there.
 type DiskConfig struct {
-	Dirs           []string   `json:"dirs"`           // required; a directory serves one engine at a time
-	CapacityBytes  int64      `json:"capacity_bytes"` // required: the records files' total size
-	Fsync          DiskFsync  `json:"fsync,omitempty"`
-	Direct         DiskDirect `json:"direct,omitempty"`
-	WriteBackBytes int64      `json:"write_back_bytes,omitempty"` // queued for writes; past it one is dropped
-	// An evicted block is written if its key was seen AdmitAfter times
-	// (2, at most 255), or with AdmitAll; WriteThrough writes each block
-	// once stored, WriteBackOnClose those not on disk yet at Close.
-	AdmitAll         bool     `json:"admit_all,omitempty"`
-	AdmitAfter       int      `json:"admit_after,omitempty"`
-	WriteThrough     bool     `json:"write_through,omitempty"`
-	WriteBackOnClose bool     `json:"write_back_on_close,omitempty"`
-	RemoveRecords    []string `json:"remove_records,omitempty"` // other layouts' records files New deletes
+	Dirs             []string   `json:"dirs"`           // required; a directory serves one engine at a time
+	CapacityBytes    int64      `json:"capacity_bytes"` // required: the records files' total size
+	Fsync            DiskFsync  `json:"fsync,omitempty"`
+	Direct           DiskDirect `json:"direct,omitempty"`
+	WriteBackBytes   int64      `json:"write_back_bytes,omitempty"`    // queued for writes; past it one is dropped
+	AdmitAll         bool       `json:"admit_all,omitempty"`           // write every evicted block, not only
+	AdmitAfter       int        `json:"admit_after,omitempty"`         // those whose key was seen this often (2, ≤ 255)
+	WriteThrough     bool       `json:"write_through,omitempty"`       // also write each block once stored
+	WriteBackOnClose bool       `json:"write_back_on_close,omitempty"` // Close writes the blocks not on disk yet
+	RemoveRecords    []string   `json:"remove_records,omitempty"`      // other layouts' records files New deletes
 }
 
 // DiskFsync is DiskConfig.Fsync: when the disk tier flushes (default none).

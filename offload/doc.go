@@ -1,12 +1,10 @@
 // Package offload is the engine a serving stack embeds to move KV-cache
-// blocks between its GPU KV cache and a pool of pinned host memory: New
-// builds one from a Config, Dial one over a node pool shared by a machine.
+// blocks between its GPU KV cache and a pool of pinned host memory.
 //
-// Lookup returns the longest prefix of keys ready in the pool; Store and
-// Load return an Op at once and never block on the GPU. Every block of an
-// Op gets exactly one Outcome; a block is visible only once copied, a slot
-// reused only once its copies are done, a copy failure fails only its op.
-// On CUDA the stack's stream waits on the Op (Op.StreamWait) before reusing
-// a stored block or reading a loaded one. The pool is private memory kept
-// out of core dumps; errors never contain block contents.
+// Store and Load return an Op at once and never block on the GPU; every
+// block of an Op gets exactly one Outcome. A block is visible only once
+// copied, a slot reused only once its copies are done; on CUDA the stack's
+// stream waits on the Op (Op.StreamWait) before reusing a stored block or
+// reading a loaded one. The pool is private
+// memory kept out of core dumps; errors never contain block contents.
 package offload

@@ -180,8 +180,7 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return e.lookup(keys, opts)
 }
 
-// Store copies GPU blocks blockIDs[i] to the pool under keys[i], returning
-// at once.
+// Store copies GPU blocks blockIDs[i] to the pool as keys[i], at once.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -196,8 +195,7 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Load copies the blocks of keys into GPU blocks blockIDs[i], returning at
-// once.
+// Load copies the blocks of keys to GPU blocks blockIDs[i], at once.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()

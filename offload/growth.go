@@ -39,8 +39,7 @@ func (e *Engine) ResumeGrowth() {
 	e.growth.mu.Unlock()
 }
 
-// GrowTo sets the pool size growth aims at, growing again up to it; it never
-// trims.
+// GrowTo sets the pool size growth aims at, growing again up to it.
 func (e *Engine) GrowTo(bytes int64) error {
 	if !e.enter() {
 		return fmt.Errorf("%w: GrowTo after Close", ErrClosed)
@@ -73,8 +72,7 @@ func (e *Engine) GrowTo(bytes int64) error {
 	return nil
 }
 
-// WaitGrown waits until growth has ended (returning its error) and, on CUDA,
-// the copy methods are calibrated, or until Close or ctx ends.
+// WaitGrown waits until growth has ended, returning its error, or ctx ends.
 func (e *Engine) WaitGrown(ctx context.Context) error {
 	return e.waitGrown(ctx)
 }

@@ -20,14 +20,13 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// New validates cfg, pins the first region and returns, pinning the rest in
-// the background; on error nothing is left mapped, pinned or running.
+// New pins the first region and returns; the rest is pinned in the
+// background.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
 }
 
-// Close refuses new calls (ErrClosed), waits for the copies in flight and
-// releases all memory; ops stay readable, without their events.
+// Close waits for the copies in flight and releases all memory.
 func (e *Engine) Close() error { return e.CloseContext(context.Background()) }
 
 // CloseContext is Close with ctx bounding its wait for the copies.

@@ -251,8 +251,7 @@ func (e *Engine) addRegion(size int64) error {
 	return e.publishRegion(pr)
 }
 
-// Trim gives whole regions back to the OS, newest first, until bytes are
-// freed, evicting their blocks; busy ones go later (PendingBytes).
+// Trim gives at least bytes back to the OS in whole regions, newest first.
 func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	if !e.enter() {
 		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)

@@ -117,8 +117,7 @@ func (o *Op) count(oc Outcome) int {
 	return n
 }
 
-// Event is a CUevent recorded after the op's copies, valid until Release; 0
-// when nothing was copied or on the host backend.
+// Event is a CUevent after the op's copies (0: none), valid until Release.
 func (o *Op) Event() (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
@@ -150,8 +149,7 @@ func (o *Op) LayerEvent(i int) (uintptr, error) {
 	return ev, err
 }
 
-// StreamWait makes stream wait for the op's copies (the thread's CUDA
-// context current); on the host backend the CPU waits.
+// StreamWait makes stream wait for the op's copies (host backend: the CPU).
 func (o *Op) StreamWait(stream uintptr) error {
 	if o.released.Load() {
 		return ErrReleased

@@ -10,8 +10,7 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Prefetch promotes the blocks of keys the pool lacks from disk, then the
-// cluster, within opts.Timeout and ctx; what does not come is a miss.
+// Prefetch promotes keys the pool lacks from disk, then the cluster tier.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err

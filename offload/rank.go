@@ -100,8 +100,7 @@ func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 // the host backend, for a layout given without them).
 func (v *RankView) layoutSpec() LayoutSpec { return v.spec }
 
-// Store is Engine.Store of the rank's heads, OutcomeStored when joining
-// another rank's block.
+// Store is Engine.Store of the rank's heads.
 func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
 	e := v.eng
 	if err := e.checkOpen("Store"); err != nil {
