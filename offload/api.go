@@ -27,39 +27,29 @@ var (
 	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node gone: Lookup finds nothing, Store refuses busy
 )
 
-// Backend names a backend; "" is the default, as for every enum of Config.
+// Backend names a backend: auto (the default) is CUDA when the driver and
+// a device are there, else host, a simulated GPU (package hostsim).
 type Backend string
 
-const (
-	BackendAuto Backend = "auto" // CUDA when the driver and device are there, else host
-	BackendCUDA Backend = "cuda"
-	BackendHost Backend = "host" // no GPU: a simulated one (package hostsim)
-)
+const BackendAuto, BackendCUDA, BackendHost Backend = "auto", "cuda", "host"
 
-// HostPinning is how the host backend pins its regions.
+// HostPinning is how the host backend pins its regions: PinNone prefaults
+// them only (the default), PinMlock locks them (RLIMIT_MEMLOCK bounds it).
 type HostPinning string
 
-const (
-	PinNone  HostPinning = "none"  // prefaulted only (default)
-	PinMlock HostPinning = "mlock" // bounded by RLIMIT_MEMLOCK
-)
+const PinNone, PinMlock HostPinning = "none", "mlock"
 
-// HugePages is the page size regions are mapped with.
+// HugePages is the page size regions are mapped with: transparent huge
+// pages (the default), none, or the hugetlbfs pool's.
 type HugePages string
 
-const (
-	HugePagesTHP     HugePages = "thp" // madvise(MADV_HUGEPAGE) (default)
-	HugePagesNone    HugePages = "none"
-	HugePagesHugeTLB HugePages = "hugetlb" // from the hugetlbfs pool
-)
+const HugePagesTHP, HugePagesNone, HugePagesHugeTLB HugePages = "thp", "none", "hugetlb"
 
-// Policy is the admission and eviction policy.
+// Policy is the admission and eviction policy: PolicyLRU (the default)
+// admits every block; PolicyTinyLFU admits by TinyLFU, evicts sampled LFU.
 type Policy string
 
-const (
-	PolicyTinyLFU Policy = "tinylfu" // TinyLFU admission, sampled LFU eviction
-	PolicyLRU     Policy = "lru"     // admits everything (default)
-)
+const PolicyTinyLFU, PolicyLRU Policy = "tinylfu", "lru"
 
 // NUMA settings (Config.NUMANode) besides a decimal node number.
 const (
@@ -76,14 +66,12 @@ const (
 	LayoutMLA           LayoutKind = "mla"            // a latent tensor per layer: KVHeads 1, HeadDim its width
 )
 
-// HeadOrder is the device order of a block's tokens and heads, ""
-// undeclared.
+// HeadOrder is the device order of a block's tokens and heads: token-major
+// is [blocks, tokens, heads, head_dim], head-major [blocks, heads, tokens,
+// head_dim]; "" is undeclared.
 type HeadOrder string
 
-const (
-	OrderTokenMajor HeadOrder = "token-major" // [blocks, tokens, heads, head_dim]
-	OrderHeadMajor  HeadOrder = "head-major"  // [blocks, heads, tokens, head_dim]
-)
+const OrderTokenMajor, OrderHeadMajor HeadOrder = "token-major", "head-major"
 
 // Defaults applied by New to zero fields.
 const (

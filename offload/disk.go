@@ -34,19 +34,14 @@ type DiskFsync string
 // DiskDirect is DiskConfig.Direct: whether to use O_DIRECT (default auto).
 type DiskDirect string
 
-// Values of DiskConfig.Fsync and Direct, DiskConfig.WriteBackBytes's
-// default, and Event.Medium values: the tier an event is about.
+// DiskConfig's Fsync and Direct values and WriteBackBytes default, and
+// Event.Medium's values: the pool, the disk and the cluster tier (whose
+// removals are not announced).
 const (
-	DiskFsyncNone         DiskFsync  = "none"
-	DiskFsyncEach         DiskFsync  = "each"
-	DiskFsyncOnClose      DiskFsync  = "on-close"
-	DiskDirectAuto        DiskDirect = "auto"
-	DiskDirectRequire     DiskDirect = "require"
-	DiskDirectOff         DiskDirect = "off"
-	DefaultWriteBackBytes int64      = 64 << 20
-	MediumCPU                        = "CPU"            // the host pool
-	MediumDisk                       = "DISK"           // the disk tier
-	MediumSharedStorage              = "SHARED_STORAGE" // the cluster tier, whose removals are not announced
+	DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose   DiskFsync  = "none", "each", "on-close"
+	DiskDirectAuto, DiskDirectRequire, DiskDirectOff DiskDirect = "auto", "require", "off"
+	DefaultWriteBackBytes                            int64      = 64 << 20
+	MediumCPU, MediumDisk, MediumSharedStorage                  = "CPU", "DISK", "SHARED_STORAGE"
 )
 
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the

@@ -8,14 +8,12 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// EventKind says what an Event reports: vLLM's KV events.
+// EventKind says what an Event reports, as vLLM's KV events: the block
+// became ready, left the index (evicted, trimmed, deleted, cleared), or
+// every block is gone (the engine closed).
 type EventKind uint8
 
-const (
-	EventStored  EventKind = iota + 1 // the block became ready in the pool
-	EventRemoved                      // the block left the index (evicted, trimmed, deleted, cleared)
-	EventCleared                      // every block is gone (the engine closed)
-)
+const EventStored, EventRemoved, EventCleared EventKind = 1, 2, 3
 
 var eventKindNames = [...]string{"", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
