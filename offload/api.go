@@ -57,18 +57,15 @@ const (
 	numaNone = "none"
 )
 
-// LayoutKind is how the stack's KV cache tensors are arranged.
+// LayoutKind is how the stack's KV cache tensors are arranged: a K and a V
+// tensor per layer (LayerTensors), one tensor whose blocks hold every layer
+// (Base, Stride), or MLA's latent tensor per layer (KVHeads 1).
 type LayoutKind string
 
-const (
-	LayoutLayerSeparate LayoutKind = "layer-separate" // a K and a V tensor per layer (LayerTensors)
-	LayoutCrossLayer    LayoutKind = "cross-layer"    // one tensor, a block holds every layer (Base, Stride)
-	LayoutMLA           LayoutKind = "mla"            // a latent tensor per layer: KVHeads 1, HeadDim its width
-)
+const LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA LayoutKind = "layer-separate", "cross-layer", "mla"
 
-// HeadOrder is the device order of a block's tokens and heads: token-major
-// is [blocks, tokens, heads, head_dim], head-major [blocks, heads, tokens,
-// head_dim]; "" is undeclared.
+// HeadOrder is a block's device order: token-major [blocks, tokens, heads,
+// head_dim], head-major [blocks, heads, tokens, head_dim]; "" undeclared.
 type HeadOrder string
 
 const OrderTokenMajor, OrderHeadMajor HeadOrder = "token-major", "head-major"
@@ -120,8 +117,7 @@ type Config struct {
 	DiskFaults          func(op, dir string) error `json:"-"`                               // and a fault for the disk tier's operation op on dir
 }
 
-// LayoutSpec describes the serving stack's GPU KV cache, at device
-// addresses (on the host backend, a layout without them is allocated).
+// LayoutSpec describes the stack's GPU KV cache at its device addresses.
 type LayoutSpec struct {
 	Kind           LayoutKind     `json:"kind"`
 	Layers         int            `json:"layers"`
@@ -133,13 +129,13 @@ type LayoutSpec struct {
 	DTypeBytes     int            `json:"dtype_bytes"`     // 2 for bf16
 	TokensPerBlock int            `json:"tokens_per_block"`
 	NumBlocks      int            `json:"num_blocks"`              // block ids are 0..NumBlocks-1
-	LayerTensors   []LayerTensors `json:"layer_tensors,omitempty"` // per layer (layer-separate, MLA)
+	LayerTensors   []LayerTensors `json:"layer_tensors,omitempty"` // per layer; none: allocated by the host backend
 	Base           uint64         `json:"base,omitempty"`          // cross-layer: block b at Base + b*Stride
 	Stride         uint64         `json:"stride,omitempty"`
 }
 
-// LayerTensors locates one layer's tensors: block b's K is at K + b*Stride,
-// its V at V + b*Stride.
+// LayerTensors locates a layer: block b's K is at K+b*Stride, V at
+// V+b*Stride.
 type LayerTensors struct {
 	K      uint64 `json:"k"`
 	V      uint64 `json:"v,omitempty"`

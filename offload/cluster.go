@@ -13,10 +13,9 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
-// shared by several machines' engines. Stored blocks are written through to
-// it in the background; Prefetch promotes from it what the pool and disk
-// lack. Unreachable, it is connected to in the background.
+// ClusterConfig turns on the cluster tier (Config.Cluster), a Redis Cluster
+// shared by several machines: stored blocks are written through to it, and
+// Prefetch promotes from it. It is connected to in the background.
 type ClusterConfig struct {
 	Addrs            []string      `json:"addrs"`              // some of the nodes, host:port; required
 	Username         string        `json:"username,omitempty"` // Username and Password: sent with AUTH if set
@@ -39,11 +38,9 @@ type PrefetchOptions struct {
 // PrefetchPolicy says whether Prefetch waits for its promotions.
 type PrefetchPolicy uint8
 
-// PrefetchWait returns once the promotions are done or Timeout or ctx
-// ends. PrefetchBestEffort returns at once (PrefetchResult.Background) and
-// promotes on the engine's goroutines within Timeout, at most
-// MaxBackgroundPrefetches at a time (past that it does nothing, without an
-// error); later Lookups see what it promoted.
+// PrefetchWait returns when the promotions are done; PrefetchBestEffort at
+// once, promoting in the background, at most MaxBackgroundPrefetches at a
+// time (else not at all).
 const (
 	PrefetchWait PrefetchPolicy = iota
 	PrefetchBestEffort

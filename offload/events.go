@@ -8,9 +8,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// EventKind says what an Event reports, as vLLM's KV events: the block
-// became ready, left the index (evicted, trimmed, deleted, cleared), or
-// every block is gone (the engine closed).
+// EventKind says what an Event reports (vLLM's KV events): a block became
+// ready or left the index, or all did (Close).
 type EventKind uint8
 
 const EventStored, EventRemoved, EventCleared EventKind = 1, 2, 3

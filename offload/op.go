@@ -9,8 +9,7 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Op is one asynchronous Store or Load. Its methods are safe for concurrent
-// use; after Release they return ErrReleased.
+// Op is one asynchronous Store or Load, safe for concurrent use.
 type Op struct {
 	kind transfer.Direction
 	eng  *Engine

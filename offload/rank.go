@@ -8,8 +8,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// RankView is another tensor-parallel rank's view of an engine: a block
-// stored by head ranges is visible once every head is stored.
+// RankView is another tensor-parallel rank's view of an engine
+// (Engine.Rank).
 type RankView struct {
 	eng    *Engine
 	layout *kvcache.Layout

@@ -6,8 +6,8 @@ import (
 	"time"
 )
 
-// Stats is a snapshot of the engine's counters (monotonic since New) and
-// gauges (now), not atomic as a whole. In JSON each group is an object.
+// Stats is a snapshot of counters since New and gauges, not atomic as a
+// whole.
 type Stats struct {
 	Backend                    Backend            `json:"backend"`
 	Lookups                    int64              `json:"lookups"`                      // Lookup calls
@@ -63,8 +63,7 @@ type PoolStats struct {
 	TeardownError     string        `json:"teardown_error,omitempty"` // the last such error
 }
 
-// GrowthSteps is the time spent adding pool regions, summed over regions,
-// by step (steps of neighbouring regions overlap).
+// GrowthSteps is the time spent adding regions by step, summed over regions.
 type GrowthSteps struct {
 	Map        time.Duration `json:"map_ns"`         // mmap, advice, NUMA binding
 	Prefault   time.Duration `json:"prefault_ns"`    // touching pages before pinning
