@@ -27,26 +27,22 @@ var (
 	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node gone: Lookup finds nothing, Store refuses busy
 )
 
-// Backend names a backend: auto (the default) is CUDA when the driver and
-// a device are there, else host, a simulated GPU (package hostsim).
+// Backend is auto (the default: CUDA if possible, else host), cuda or host.
 type Backend string
 
 const BackendAuto, BackendCUDA, BackendHost Backend = "auto", "cuda", "host"
 
-// HostPinning is how the host backend pins its regions: PinNone prefaults
-// them only (the default), PinMlock locks them (RLIMIT_MEMLOCK bounds it).
+// HostPinning is how the host backend pins regions: none (default) or mlock.
 type HostPinning string
 
 const PinNone, PinMlock HostPinning = "none", "mlock"
 
-// HugePages is the page size regions are mapped with: transparent huge
-// pages (the default), none, or the hugetlbfs pool's.
+// HugePages is the regions' page size: THP (the default), none or hugetlbfs.
 type HugePages string
 
 const HugePagesTHP, HugePagesNone, HugePagesHugeTLB HugePages = "thp", "none", "hugetlb"
 
-// Policy is the admission and eviction policy: PolicyLRU (the default)
-// admits every block; PolicyTinyLFU admits by TinyLFU, evicts sampled LFU.
+// Policy is the admission and eviction policy: LRU (the default) or TinyLFU.
 type Policy string
 
 const PolicyTinyLFU, PolicyLRU Policy = "tinylfu", "lru"
@@ -57,9 +53,8 @@ const (
 	numaNone = "none"
 )
 
-// LayoutKind is how the stack's KV cache tensors are arranged: a K and a V
-// tensor per layer (LayerTensors), one tensor whose blocks hold every layer
-// (Base, Stride), or MLA's latent tensor per layer (KVHeads 1).
+// LayoutKind is the tensors' arrangement: K and V per layer (LayerTensors),
+// one tensor of whole blocks (Base, Stride), or an MLA latent per layer.
 type LayoutKind string
 
 const LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA LayoutKind = "layer-separate", "cross-layer", "mla"
@@ -86,8 +81,7 @@ const (
 	defaultMemoryHeadroomBytes int64 = 2 << 30
 )
 
-// Config says what New builds: zero fields but PoolBytes and Layout take
-// their defaults. It is plain data; the C ABI and the CLI pass it as JSON.
+// Config says what New builds (JSON-ready); a zero field takes its default.
 type Config struct {
 	PoolBytes           int64                      `json:"pool_bytes"` // exact size of the pool; required
 	Layout              LayoutSpec                 `json:"layout"`     // the stack's GPU KV cache; required

@@ -13,9 +13,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ClusterConfig turns on the cluster tier (Config.Cluster), a Redis Cluster
-// shared by several machines: stored blocks are written through to it, and
-// Prefetch promotes from it. It is connected to in the background.
+// ClusterConfig turns on the cluster tier (Config.Cluster), a shared Redis
+// Cluster: stored blocks are written through, Prefetch promotes from it.
 type ClusterConfig struct {
 	Addrs            []string      `json:"addrs"`              // some of the nodes, host:port; required
 	Username         string        `json:"username,omitempty"` // Username and Password: sent with AUTH if set
@@ -38,9 +37,8 @@ type PrefetchOptions struct {
 // PrefetchPolicy says whether Prefetch waits for its promotions.
 type PrefetchPolicy uint8
 
-// PrefetchWait returns when the promotions are done; PrefetchBestEffort at
-// once, promoting in the background, at most MaxBackgroundPrefetches at a
-// time (else not at all).
+// PrefetchWait returns once the promotions are done; PrefetchBestEffort at
+// once, promoting in the background (MaxBackgroundPrefetches at a time).
 const (
 	PrefetchWait PrefetchPolicy = iota
 	PrefetchBestEffort

@@ -12,8 +12,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// DiskConfig turns on the disk tier (Config.Disk): admitted blocks evicted
-// from the pool go to disk, where Lookup, Load and Prefetch find them.
+// DiskConfig turns on the disk tier (Config.Disk) for blocks the pool
+// evicts.
 type DiskConfig struct {
 	Dirs             []string   `json:"dirs"`           // required; a directory serves one engine at a time
 	CapacityBytes    int64      `json:"capacity_bytes"` // required: the records files' total size
@@ -33,8 +33,7 @@ type DiskFsync string
 // DiskDirect is DiskConfig.Direct: whether to use O_DIRECT (default auto).
 type DiskDirect string
 
-// DiskConfig's values and default; Event.Medium's values: the pool, the disk
-// and the cluster tier (whose removals are not announced).
+// DiskConfig's values and default; Event.Medium's values, by tier.
 const (
 	DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose   DiskFsync  = "none", "each", "on-close"
 	DiskDirectAuto, DiskDirectRequire, DiskDirectOff DiskDirect = "auto", "require", "off"

@@ -30,7 +30,7 @@ type Event struct {
 	Key, Parent Key      // Parent as the Store gave it (zero: a sequence's start, or unknown)
 	Tokens      []uint32 // StoreOptions.Tokens
 	BlockSize   int      // the layout's tokens per block
-	Medium      string   // MediumCPU, MediumDisk or MediumSharedStorage
+	Medium      string   // MediumCPU, MediumDisk or MediumSharedStorage (no removals)
 }
 
 // EventStream delivers events on C; one finding C full is dropped (Dropped).
