@@ -83,32 +83,33 @@ const (
 
 // Config says what New builds (JSON-ready); a zero field takes its default.
 type Config struct {
-	PoolBytes           int64                      `json:"pool_bytes"` // exact size of the pool; required
-	Layout              LayoutSpec                 `json:"layout"`     // the stack's GPU KV cache; required
-	Backend             Backend                    `json:"backend,omitempty"`
-	Device              int                        `json:"device,omitempty"`             // CUDA device ordinal
-	Namespace           string                     `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
-	Policy              Policy                     `json:"policy,omitempty"`             // default PolicyLRU
-	FirstRegionBytes    int64                      `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
-	RegionBytes         int64                      `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
-	StagingBytes        int64                      `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
-	MaxCachedBytes      int64                      `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
-	HostPinning         HostPinning                `json:"host_pinning,omitempty"`       // host backend only
-	HugePages           HugePages                  `json:"huge_pages,omitempty"`
-	NUMANode            string                     `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
-	PrefaultThreads     int                        `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
-	PrefaultNice        int                        `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
-	MemoryHeadroomBytes int64                      `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
-	SkipMemoryCheck     bool                       `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
-	MaxInFlightBytes    int64                      `json:"max_in_flight_bytes,omitempty"`   // host backend: copied at once per direction (512 MiB)
-	MaxQueuedBytes      int64                      `json:"max_queued_bytes,omitempty"`      // and waiting beyond (2 GiB), past which ops are refused
-	MaxDeviceBytes      int64                      `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
-	PartialTimeout      time.Duration              `json:"partial_timeout,omitempty"`       // a head-range block's wait for its heads (30 s; JSON: ns)
-	ZeroOnRelease       bool                       `json:"zero_on_release,omitempty"`       // zero a block's slot and record when it leaves
-	Disk                *DiskConfig                `json:"disk,omitempty"`                  // the disk tier; nil: none
-	Cluster             *ClusterConfig             `json:"cluster,omitempty"`               // the cluster tier; nil: none
-	HostDevice          transfer.Device            `json:"-"`                               // package hostsim's seam: the host backend's device (nil: new)
-	DiskFaults          func(op, dir string) error `json:"-"`                               // and a fault for the disk tier's operation op on dir
+	PoolBytes           int64          `json:"pool_bytes"` // exact size of the pool; required
+	Layout              LayoutSpec     `json:"layout"`     // the stack's GPU KV cache; required
+	Backend             Backend        `json:"backend,omitempty"`
+	Device              int            `json:"device,omitempty"`             // CUDA device ordinal
+	Namespace           string         `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
+	Policy              Policy         `json:"policy,omitempty"`             // default PolicyLRU
+	FirstRegionBytes    int64          `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
+	RegionBytes         int64          `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
+	StagingBytes        int64          `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
+	MaxCachedBytes      int64          `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
+	HostPinning         HostPinning    `json:"host_pinning,omitempty"`       // host backend only
+	HugePages           HugePages      `json:"huge_pages,omitempty"`
+	NUMANode            string         `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
+	PrefaultThreads     int            `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
+	PrefaultNice        int            `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
+	MemoryHeadroomBytes int64          `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
+	SkipMemoryCheck     bool           `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
+	MaxInFlightBytes    int64          `json:"max_in_flight_bytes,omitempty"`   // host backend: copied at once per direction (512 MiB)
+	MaxQueuedBytes      int64          `json:"max_queued_bytes,omitempty"`      // and waiting beyond (2 GiB), past which ops are refused
+	MaxDeviceBytes      int64          `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
+	PartialTimeout      time.Duration  `json:"partial_timeout,omitempty"`       // a head-range block's wait for its heads (30 s; JSON: ns)
+	ZeroOnRelease       bool           `json:"zero_on_release,omitempty"`       // zero a block's slot and record when it leaves
+	Disk                *DiskConfig    `json:"disk,omitempty"`                  // the disk tier; nil: none
+	Cluster             *ClusterConfig `json:"cluster,omitempty"`               // the cluster tier; nil: none
+	// Package hostsim's seam: the host backend's device (nil: new), disk faults.
+	HostDevice transfer.Device            `json:"-"`
+	DiskFaults func(op, dir string) error `json:"-"`
 }
 
 // LayoutSpec describes the stack's GPU KV cache at its device addresses.

@@ -37,8 +37,8 @@ type PrefetchOptions struct {
 // PrefetchPolicy says whether Prefetch waits for its promotions.
 type PrefetchPolicy uint8
 
-// PrefetchWait returns once the promotions are done; PrefetchBestEffort at
-// once, promoting in the background (MaxBackgroundPrefetches at a time).
+// PrefetchWait returns once done, PrefetchBestEffort at once (in
+// background).
 const (
 	PrefetchWait PrefetchPolicy = iota
 	PrefetchBestEffort

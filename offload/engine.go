@@ -180,7 +180,8 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return e.lookup(keys, opts)
 }
 
-// Store copies GPU blocks blockIDs[i] to the pool as keys[i], at once.
+// Store copies GPU blocks blockIDs[i] to the pool under keys[i], not
+// waiting.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -195,7 +196,7 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Load copies the blocks of keys to GPU blocks blockIDs[i], at once.
+// Load copies keys' blocks to GPU blocks blockIDs[i], not waiting.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()

@@ -8,8 +8,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// EventKind says what an Event reports (vLLM's KV events): a block became
-// ready or left the index, or all did (Close).
+// EventKind is vLLM's KV event kind: a block stored, removed, or all
+// cleared.
 type EventKind uint8
 
 const EventStored, EventRemoved, EventCleared EventKind = 1, 2, 3

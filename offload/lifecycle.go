@@ -26,7 +26,7 @@ func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
 }
 
-// Close waits for the copies in flight and releases all memory.
+// Close refuses new calls, waits for the copies in flight, frees all memory.
 func (e *Engine) Close() error { return e.CloseContext(context.Background()) }
 
 // CloseContext is Close with ctx bounding its wait for the copies.

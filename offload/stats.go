@@ -72,7 +72,7 @@ type GrowthSteps struct {
 	Cache      time.Duration `json:"cache_ns"`       // carving the region into slots
 }
 
-// CopyStats is the copies between the GPU and the pool (CUDA: Bounced on).
+// CopyStats is the GPU-pool copies; the fields from Bounced on are CUDA's.
 type CopyStats struct {
 	Store          DirectionStats `json:"store"` // device → host
 	Load           DirectionStats `json:"load"`  // host → device
@@ -93,8 +93,7 @@ type DirectionStats struct {
 	Latency Histogram `json:"latency"` // op latency, call → done
 }
 
-// DiskStats is the disk tier (an engine of Dial: its calls' hits on the
-// node).
+// DiskStats is the disk tier (an engine of Dial: its own hits and misses).
 type DiskStats struct {
 	LookupHits     int64  `json:"lookup_hits"`      // keys Lookup found on disk (LookupResult.DiskHits)
 	Hits           int64  `json:"hits"`             // blocks promoted from disk into the pool
