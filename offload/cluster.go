@@ -13,8 +13,8 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ClusterConfig turns on the cluster tier (Config.Cluster), a shared Redis
-// Cluster: stored blocks are written through, Prefetch promotes from it.
+// ClusterConfig turns on the cluster tier, a shared Redis Cluster: Prefetch
+// promotes from it what every Store writes through.
 type ClusterConfig struct {
 	Addrs            []string      `json:"addrs"`              // some of the nodes, host:port; required
 	Username         string        `json:"username,omitempty"` // Username and Password: sent with AUTH if set
@@ -37,8 +37,8 @@ type PrefetchOptions struct {
 // PrefetchPolicy says whether Prefetch waits for its promotions.
 type PrefetchPolicy uint8
 
-// PrefetchWait returns once done, PrefetchBestEffort at once (in
-// background).
+// PrefetchWait returns once done; PrefetchBestEffort at once, promoting in
+// the background, up to MaxBackgroundPrefetches calls at a time.
 const (
 	PrefetchWait PrefetchPolicy = iota
 	PrefetchBestEffort

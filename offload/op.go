@@ -116,7 +116,7 @@ func (o *Op) count(oc Outcome) int {
 	return n
 }
 
-// Event is a CUevent after the op's copies (0: none), valid until Release.
+// Event is a CUevent after the op's copies (or 0), valid until Release.
 func (o *Op) Event() (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
