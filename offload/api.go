@@ -9,8 +9,8 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Sentinel errors (errors.Is). Every error the package returns wraps one
-// of these or a driver error, and names the bad value and its limit.
+// Errors wrap one of these or a driver error, naming the bad value and
+// limit.
 var (
 	ErrClosed             = errors.New("offload: engine closed")
 	ErrReleased           = errors.New("offload: op or lease already released")
@@ -19,48 +19,33 @@ var (
 	ErrPoolTooSmall       = errors.New("offload: pool too small")               // not one block
 	ErrInsufficientMemory = errors.New("offload: insufficient memory for pool") // MemAvailable, cgroup, RLIMIT_MEMLOCK or NUMA node
 	ErrInvalidConfig      = errors.New("offload: invalid config")
-	ErrInvalidArgument    = errors.New("offload: invalid argument")
+	ErrInvalidArgument    = errors.New("offload: invalid argument")    // the call did nothing
 	ErrCapturing          = errors.New("offload: stream is capturing") // StoreOptions.AfterStream is capturing a CUDA graph
 	ErrDeviceLost         = errors.New("offload: device lost")         // a sticky driver error: close the engine
 	ErrNotDone            = errors.New("offload: op not done")
 	ErrGrowth             = errors.New("offload: background growth stopped") // WaitGrown; GrowTo tries again
+	ErrUnavailable        = errors.New("offload: node unavailable")          // Dial's node gone: Lookup finds nothing, Store refuses busy
 )
 
-// Backend names a backend (Config.Backend, Engine.Backend). The typed
-// strings of Config are their constants' strings in JSON; "" is the
-// default, an unknown one ErrInvalidConfig.
+// Backend is auto (the default: CUDA if possible, else host), cuda or host.
 type Backend string
 
-const (
-	BackendAuto Backend = "auto" // CUDA when the driver and device are there, else host
-	BackendCUDA Backend = "cuda"
-	BackendHost Backend = "host" // no GPU: a simulated one (package hostsim)
-)
+const BackendAuto, BackendCUDA, BackendHost Backend = "auto", "cuda", "host"
 
-// HostPinning is how the host backend pins its regions.
+// HostPinning is how the host backend pins regions: none (default) or mlock.
 type HostPinning string
 
-const (
-	PinNone  HostPinning = "none"  // prefaulted only (default)
-	PinMlock HostPinning = "mlock" // bounded by RLIMIT_MEMLOCK
-)
+const PinNone, PinMlock HostPinning = "none", "mlock"
 
-// HugePages is the page size regions are mapped with.
+// HugePages is the regions' page size: THP (the default), none or hugetlbfs.
 type HugePages string
 
-const (
-	HugePagesTHP     HugePages = "thp" // madvise(MADV_HUGEPAGE) (default)
-	HugePagesNone    HugePages = "none"
-	HugePagesHugeTLB HugePages = "hugetlb" // from the hugetlbfs pool
-)
+const HugePagesTHP, HugePagesNone, HugePagesHugeTLB HugePages = "thp", "none", "hugetlb"
 
-// Policy is the admission and eviction policy.
+// Policy is the admission and eviction policy: LRU (the default) or TinyLFU.
 type Policy string
 
-const (
-	PolicyTinyLFU Policy = "tinylfu" // TinyLFU admission, sampled LFU eviction
-	PolicyLRU     Policy = "lru"     // admits everything (default)
-)
+const PolicyTinyLFU, PolicyLRU Policy = "tinylfu", "lru"
 
 // NUMA settings (Config.NUMANode) besides a decimal node number.
 const (
@@ -68,23 +53,17 @@ const (
 	numaNone = "none"
 )
 
-// LayoutKind is how the stack's KV cache tensors are arranged.
+// LayoutKind is the tensors' arrangement: K and V per layer (LayerTensors),
+// one tensor of whole blocks (Base, Stride), or an MLA latent per layer.
 type LayoutKind string
 
-const (
-	LayoutLayerSeparate LayoutKind = "layer-separate" // a K and a V tensor per layer (LayerTensors)
-	LayoutCrossLayer    LayoutKind = "cross-layer"    // one tensor, a block holds every layer (Base, Stride)
-	LayoutMLA           LayoutKind = "mla"            // a latent tensor per layer: KVHeads 1, HeadDim its width
-)
+const LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA LayoutKind = "layer-separate", "cross-layer", "mla"
 
-// HeadOrder is the device order of a block's tokens and heads
-// (LayoutSpec.Order); "" is undeclared.
+// HeadOrder is a block's device order: token-major [blocks, tokens, heads,
+// head_dim], head-major [blocks, heads, tokens, head_dim]; "" undeclared.
 type HeadOrder string
 
-const (
-	OrderTokenMajor HeadOrder = "token-major" // [blocks, tokens, heads, head_dim]
-	OrderHeadMajor  HeadOrder = "head-major"  // [blocks, heads, tokens, head_dim]
-)
+const OrderTokenMajor, OrderHeadMajor HeadOrder = "token-major", "head-major"
 
 // Defaults applied by New to zero fields.
 const (
@@ -102,98 +81,79 @@ const (
 	defaultMemoryHeadroomBytes int64 = 2 << 30
 )
 
-// Config says what New builds. Every zero field but PoolBytes and Layout
-// means its default; the defaults suit a GPU serving machine. It is plain
-// data with JSON tags (the C ABI and the CLI pass it as JSON).
+// Config says what New builds (JSON-ready); a zero field takes its default.
 type Config struct {
-	PoolBytes        int64       `json:"pool_bytes"` // exact size of the pool; required
-	Layout           LayoutSpec  `json:"layout"`     // the stack's GPU KV cache; required
-	Backend          Backend     `json:"backend,omitempty"`
-	Device           int         `json:"device,omitempty"`    // CUDA device ordinal
-	Namespace        string      `json:"namespace,omitempty"` // model and dtype (and TP rank and size without Layout.Order): keys, Clear
-	Policy           Policy      `json:"policy,omitempty"`
-	FirstRegionBytes int64       `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
-	RegionBytes      int64       `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
-	StagingBytes     int64       `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
-	MaxCachedBytes   int64       `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
-	HostPinning      HostPinning `json:"host_pinning,omitempty"`       // host backend only
-	HugePages        HugePages   `json:"huge_pages,omitempty"`
-	NUMANode         string      `json:"numa_node,omitempty"`        // "auto" (the GPU's), "none" or a node number
-	PrefaultThreads  int         `json:"prefault_threads,omitempty"` // default min(NumCPU, 16)
-	// PrefaultNice lowers the prefault threads' priority so that growth
-	// yields to a busy serving loop: 0 is 10 on machines of at most 4
-	// CPUs, none on larger ones; negative keeps the caller's; at most 19.
-	PrefaultNice        int   `json:"prefault_nice,omitempty"`
-	MemoryHeadroomBytes int64 `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
-	SkipMemoryCheck     bool  `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
-	// MaxInFlightBytes bounds the bytes copied at once per direction on the
-	// host backend (default 512 MiB); MaxQueuedBytes the bytes waiting
-	// beyond it (default 2 GiB), past which a Store is refused busy and a
-	// Load fails with ErrBusy. An op with events (CUDA) is never refused.
-	MaxInFlightBytes int64          `json:"max_in_flight_bytes,omitempty"`
-	MaxQueuedBytes   int64          `json:"max_queued_bytes,omitempty"`
-	MaxDeviceBytes   int64          `json:"max_device_bytes,omitempty"` // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
-	PartialTimeout   time.Duration  `json:"partial_timeout,omitempty"`  // a head-range block's wait for its heads (30 s; JSON: ns)
-	ZeroOnRelease    bool           `json:"zero_on_release,omitempty"`  // zero a block's slot and record when it leaves
-	Disk             *DiskConfig    `json:"disk,omitempty"`             // the disk tier; nil: none
-	Cluster          *ClusterConfig `json:"cluster,omitempty"`          // the cluster tier; nil: none
-	// HostDevice and DiskFaults are package hostsim's seam: the host
-	// backend's device, a hostsim GPU's (nil: the engine makes one, closed
-	// by Close, which Config reports; any other device is ErrInvalidConfig),
-	// and an error injected into the disk tier's file operation op ("open",
-	// "open-direct", "write", "read", "fallocate") on directory dir.
+	PoolBytes           int64          `json:"pool_bytes"` // exact size of the pool; required
+	Layout              LayoutSpec     `json:"layout"`     // the stack's GPU KV cache; required
+	Backend             Backend        `json:"backend,omitempty"`
+	Device              int            `json:"device,omitempty"`             // CUDA device ordinal
+	Namespace           string         `json:"namespace,omitempty"`          // model and dtype (and TP rank and size without Layout.Order): keys, Clear
+	Policy              Policy         `json:"policy,omitempty"`             // default PolicyLRU
+	FirstRegionBytes    int64          `json:"first_region_bytes,omitempty"` // pinned by New (1 GiB)
+	RegionBytes         int64          `json:"region_bytes,omitempty"`       // the unit of growth and Trim (4 GiB)
+	StagingBytes        int64          `json:"staging_bytes,omitempty"`      // Staging's region (16 MiB; negative: none)
+	MaxCachedBytes      int64          `json:"max_cached_bytes,omitempty"`   // a cap on growth when positive
+	HostPinning         HostPinning    `json:"host_pinning,omitempty"`       // host backend only
+	HugePages           HugePages      `json:"huge_pages,omitempty"`
+	NUMANode            string         `json:"numa_node,omitempty"`             // "auto" (the GPU's), "none" or a node number
+	PrefaultThreads     int            `json:"prefault_threads,omitempty"`      // default min(NumCPU, 16)
+	PrefaultNice        int            `json:"prefault_nice,omitempty"`         // their nice (≤ 19; 0: 10 on ≤ 4 CPUs, else none; < 0: none)
+	MemoryHeadroomBytes int64          `json:"memory_headroom_bytes,omitempty"` // left free by growth (2 GiB; negative: none)
+	SkipMemoryCheck     bool           `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
+	MaxInFlightBytes    int64          `json:"max_in_flight_bytes,omitempty"`   // host backend: copied at once per direction (512 MiB)
+	MaxQueuedBytes      int64          `json:"max_queued_bytes,omitempty"`      // and waiting beyond (2 GiB), past which ops are refused
+	MaxDeviceBytes      int64          `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
+	PartialTimeout      time.Duration  `json:"partial_timeout,omitempty"`       // a head-range block's wait for its heads (30 s; JSON: ns)
+	ZeroOnRelease       bool           `json:"zero_on_release,omitempty"`       // zero a block's slot and record when it leaves
+	Disk                *DiskConfig    `json:"disk,omitempty"`                  // the disk tier; nil: none
+	Cluster             *ClusterConfig `json:"cluster,omitempty"`               // the cluster tier; nil: none
+	// Package hostsim's seam: the host backend's device (nil: new), disk faults.
 	HostDevice transfer.Device            `json:"-"`
 	DiskFaults func(op, dir string) error `json:"-"`
 }
 
-// LayoutSpec describes the serving stack's GPU KV cache. Addresses are
-// device addresses (simulated ones on the host backend, where a layout
-// without tensors is allocated in the engine's simulated device).
+// LayoutSpec describes the stack's GPU KV cache at its device addresses.
 type LayoutSpec struct {
-	Kind         LayoutKind `json:"kind"`
-	Layers       int        `json:"layers"`
-	KVHeads      int        `json:"kv_heads"`                 // the heads the tensors hold (1 for MLA)
-	ModelKVHeads int        `json:"model_kv_heads,omitempty"` // the model's, when a TP rank holds [HeadFirst, HeadFirst+KVHeads)
-	HeadFirst    int        `json:"head_first,omitempty"`
-	// Order, when declared, makes the host slot head-major, shared by
-	// every TP size and order; "" keeps a byte copy of the device block.
-	Order          HeadOrder      `json:"order,omitempty"`
-	HeadDim        int            `json:"head_dim"`    // elements per head (the latent width for MLA)
-	DTypeBytes     int            `json:"dtype_bytes"` // 2 for bf16
+	Kind           LayoutKind     `json:"kind"`
+	Layers         int            `json:"layers"`
+	KVHeads        int            `json:"kv_heads"`                 // the heads the tensors hold (1 for MLA)
+	ModelKVHeads   int            `json:"model_kv_heads,omitempty"` // the model's, when a TP rank holds [HeadFirst, HeadFirst+KVHeads)
+	HeadFirst      int            `json:"head_first,omitempty"`
+	Order          HeadOrder      `json:"order,omitempty"` // declared: slots shared by every TP size and order
+	HeadDim        int            `json:"head_dim"`        // elements per head (the latent width for MLA)
+	DTypeBytes     int            `json:"dtype_bytes"`     // 2 for bf16
 	TokensPerBlock int            `json:"tokens_per_block"`
 	NumBlocks      int            `json:"num_blocks"`              // block ids are 0..NumBlocks-1
-	LayerTensors   []LayerTensors `json:"layer_tensors,omitempty"` // per layer (layer-separate, MLA)
+	LayerTensors   []LayerTensors `json:"layer_tensors,omitempty"` // per layer; none: allocated by the host backend
 	Base           uint64         `json:"base,omitempty"`          // cross-layer: block b at Base + b*Stride
 	Stride         uint64         `json:"stride,omitempty"`
 }
 
-// LayerTensors locates one layer's tensors: block b's K is at K + b*Stride,
-// its V at V + b*Stride.
+// LayerTensors locates a layer: block b's K is at K+b*Stride, V at
+// V+b*Stride.
 type LayerTensors struct {
 	K      uint64 `json:"k"`
 	V      uint64 `json:"v,omitempty"`
 	Stride uint64 `json:"stride"`
 }
 
-// Outcome is what happened to one block of an op: exactly one final
-// outcome per block, OutcomePending only before the op is done.
+// Outcome is what happened to one block of an op: one final outcome each.
 type Outcome uint8
 
-// Outcomes of Store (Stored, AlreadyPresent, Refused*, Failed, Cancelled)
-// and Load (Loaded, Missing, Failed, Cancelled).
 const (
-	OutcomePending          Outcome = iota
-	OutcomeStored                   // copied and visible to lookups
-	OutcomeAlreadyPresent           // stored (or being stored) before
-	OutcomeRefusedFull              // no free slot (a leased block is never evicted)
-	OutcomeRefusedBusy              // the queue for in-flight room was full
-	OutcomeRefusedAdmission         // the policy declined the key
-	OutcomeFailed                   // the copy failed (Op.Err)
-	OutcomeLoaded                   // copied into the caller's block
-	OutcomeMissing                  // not in the pool (evicted since the lookup)
-	OutcomeCancelled                // ctx ended before the copy was enqueued
-	numOutcomes
+	OutcomePending          Outcome = iota // the op is not done
+	OutcomeStored                          // copied and visible to lookups
+	OutcomeAlreadyPresent                  // stored (or being stored) before
+	OutcomeRefusedFull                     // no free slot (a leased block is never evicted)
+	OutcomeRefusedBusy                     // the queue for in-flight room was full
+	OutcomeRefusedAdmission                // the policy declined the key
+	OutcomeFailed                          // the copy failed (Op.Err)
+	OutcomeLoaded                          // copied into the caller's block
+	OutcomeMissing                         // not in the pool (evicted since the lookup)
+	OutcomeCancelled                       // ctx ended before the copy was enqueued
 )
+
+const numOutcomes = OutcomeCancelled + 1
 
 var outcomeNames = [numOutcomes]string{
 	"pending", "stored", "already-present", "refused-full", "refused-busy",
@@ -215,23 +175,17 @@ type LookupOptions struct {
 
 // LookupResult is the answer of Lookup.
 type LookupResult struct {
-	Hits     int    // the longest prefix of keys ready in the pool
-	DiskHits int    // keys after it on the disk tier, which Load promotes (unleased)
-	Lease    *Lease // on keys[:Hits] with LookupOptions.Lease; release it or pass it to Load
+	Hits, DiskHits int    // the longest prefix of keys ready in the pool; keys after it on disk (unleased)
+	Lease          *Lease // on keys[:Hits] with LookupOptions.Lease; release it or pass it to Load
 }
 
 // StoreOptions modify Store.
 type StoreOptions struct {
-	// After is an event recorded after the kernels that wrote the blocks
-	// (0: they are written). AfterStream, optional, is its stream: a
-	// capturing one refuses the Store with ErrCapturing (checked on the
-	// calling thread, whose CUDA context must be current).
-	After       uintptr
-	AfterStream uintptr
-	Namespace   string   // tags the blocks for Clear; default Config.Namespace
-	Parent      Key      // the key before keys[0] (zero: a sequence's start); eviction takes tails first
-	Parents     []Key    // one parent per key, for blocks of several sequences
-	Tokens      []uint32 // optional: the blocks' token ids, for their EventStored
+	After, AfterStream uintptr  // an event after the kernels writing the blocks (0: none), and its stream
+	Namespace          string   // tags the blocks for Clear; default Config.Namespace
+	Parent             Key      // the key before keys[0] (zero: a sequence's start); eviction takes tails first
+	Parents            []Key    // one parent per key, for blocks of several sequences
+	Tokens             []uint32 // optional: the blocks' token ids, for their EventStored
 }
 
 // LoadOptions modify Load.
@@ -251,6 +205,5 @@ type TrimResult struct {
 	EvictedBlocks  int   `json:"evicted_blocks"`
 }
 
-// Backend returns the backend in use (BackendCUDA or BackendHost) and why it
-// was picked.
+// Backend returns the backend in use and why it was picked.
 func (e *Engine) Backend() (name Backend, reason string) { return e.backend, e.backendReason }

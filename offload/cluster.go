@@ -13,94 +13,42 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ClusterConfig turns on the cluster tier (Config.Cluster): a Redis Cluster
-// shared by engines of one namespace on several machines. Every block a
-// Store makes ready in the host pool is written through to it,
-// asynchronously (a copy of the slot's bytes, made on the tier's goroutine
-// while the slot is leased: such a block is not evicted until copied, and
-// counts in Stats.Pool.BlocksLeased meanwhile);
-// Prefetch asks it for blocks the host pool (and the disk tier) lack and
-// promotes what it finds into host slots. Lookup never asks it. A cluster
-// that does not answer at New is not an error: the engine serves from host
-// memory (and disk), the tier counts what it could not do
-// (Stats.Cluster.Unavailable, Stats.Cluster.Error says why) and connects in
-// the background, retrying with a backoff up to 5s, from then on writing
-// through and prefetching. It is plain data with JSON tags.
+// ClusterConfig turns on the cluster tier, a shared Redis Cluster: Prefetch
+// promotes from it what every Store writes through.
 type ClusterConfig struct {
-	// Addrs are some of the cluster's nodes, host:port. Required.
-	Addrs []string `json:"addrs"`
-	// Username and Password are sent with AUTH; empty: no AUTH.
-	Username string `json:"username,omitempty"`
-	Password string `json:"password,omitempty"`
-	// TLS connects with TLS, trusting the system's roots, or TLSCAFile's.
-	TLS bool `json:"tls,omitempty"`
-	// TLSCAFile is a PEM file of the certificate authorities the nodes'
-	// certificates must chain to, instead of the system's (a cluster with
-	// certificates of its own); setting it turns TLS on. New fails when it
-	// cannot be read or holds no certificate.
-	TLSCAFile string `json:"tls_ca_file,omitempty"`
-	// TLSServerName is the name the nodes' certificates are checked
-	// against, instead of each address's host (nodes addressed by IP whose
-	// certificates name a host); setting it turns TLS on.
-	TLSServerName string `json:"tls_server_name,omitempty"`
-	// Prefix opens every key in the cluster (default "kvo").
-	Prefix string `json:"prefix,omitempty"`
-	// TTL is every record's time to live (default 1h, at least 1ms).
-	TTL time.Duration `json:"ttl,omitempty"`
-	// MaxInFlightBytes bounds the bytes written through and not yet
-	// answered; past it a write-through is dropped (Stats.Cluster.Dropped).
-	// Default 256 MiB.
-	MaxInFlightBytes int64 `json:"max_in_flight_bytes,omitempty"`
-	// Timeout bounds each write, each Prefetch's wait and dials (default
-	// 1s).
-	Timeout time.Duration `json:"timeout,omitempty"`
+	Addrs            []string      `json:"addrs"`              // some of the nodes, host:port; required
+	Username         string        `json:"username,omitempty"` // Username and Password: sent with AUTH if set
+	Password         string        `json:"password,omitempty"`
+	TLS              bool          `json:"tls,omitempty"`                 // also on with either of the next two
+	TLSCAFile        string        `json:"tls_ca_file,omitempty"`         // PEM: the authorities to trust, not the system's
+	TLSServerName    string        `json:"tls_server_name,omitempty"`     // checked instead of each address's host
+	Prefix           string        `json:"prefix,omitempty"`              // of every key (default "kvo")
+	TTL              time.Duration `json:"ttl,omitempty"`                 // of every record (default 1h, at least 1ms)
+	MaxInFlightBytes int64         `json:"max_in_flight_bytes,omitempty"` // unanswered writes; past it one is dropped (256 MiB)
+	Timeout          time.Duration `json:"timeout,omitempty"`             // of each write, dial and Prefetch wait (1s)
 }
 
 // PrefetchOptions modify Prefetch.
 type PrefetchOptions struct {
-	// Timeout bounds the wait (0: ClusterConfig.Timeout for the cluster,
-	// none for the disk; more than ClusterConfig.Timeout: that). What has
-	// not arrived by then is a miss: for the disk, the reads not started
-	// by then (a read started is waited for); for the cluster, every
-	// answer not received. ctx's deadline bounds both as well.
-	Timeout time.Duration
-	// Policy is PrefetchWait (default: Prefetch returns with what it
-	// promoted) or PrefetchBestEffort (it returns at once and promotes in
-	// the background).
-	Policy PrefetchPolicy
+	Timeout time.Duration  // then what has not come is a miss (0: none for disk; the cluster's at most)
+	Policy  PrefetchPolicy // default PrefetchWait
 }
 
 // PrefetchPolicy says whether Prefetch waits for its promotions.
 type PrefetchPolicy uint8
 
+// PrefetchWait returns once done; PrefetchBestEffort at once, promoting in
+// the background, up to MaxBackgroundPrefetches calls at a time.
 const (
-	// PrefetchWait: Prefetch returns once its reads are done or its wait
-	// is over (Timeout, ctx), with the blocks it promoted.
 	PrefetchWait PrefetchPolicy = iota
-	// PrefetchBestEffort: Prefetch returns at once (PrefetchResult.
-	// Background) and the promotion runs on a goroutine of the engine,
-	// bounded by Timeout (ctx is not kept); later Lookups see what it
-	// promoted. At most MaxBackgroundPrefetches run at a time; past that
-	// the call is refused without an error (Background false, counted in
-	// Stats.PrefetchRefused). Close cancels them: a disk read started is
-	// waited for, the cluster's answers are not.
 	PrefetchBestEffort
+	MaxBackgroundPrefetches = 4
 )
-
-// MaxBackgroundPrefetches bounds the PrefetchBestEffort calls running at
-// once per engine.
-const MaxBackgroundPrefetches = 4
 
 // PrefetchResult is what Prefetch promoted into the host pool.
 type PrefetchResult struct {
-	// Promoted = FromDisk + FromCluster: blocks now ready in the host pool
-	// that were not before.
-	Promoted    int
-	FromDisk    int
-	FromCluster int
-	// Background: the promotion was started in the background
-	// (PrefetchBestEffort); the counts above are then 0.
-	Background bool
+	Promoted, FromDisk, FromCluster int  // blocks made ready; Promoted = FromDisk + FromCluster
+	Background                      bool // started in the background; the counts are then 0
 }
 
 // errClusterMiss fails the stores of promoted blocks the cluster did not
@@ -108,6 +56,14 @@ type PrefetchResult struct {
 var errClusterMiss = errors.New("offload: cluster record missing, damaged or late")
 
 // clusterDefaults checks cfg.Cluster and fills its defaults on a copy.
+//
+// How the tier behaves, beyond ClusterConfig's doc: a write-through copies
+// the slot's bytes on the tier's goroutine while the slot is leased (it
+// counts in Stats.Pool.BlocksLeased meanwhile); a cluster that does not
+// answer is retried with a backoff up to 5s, its skipped work counted in
+// Stats.Cluster.Unavailable. A background Prefetch does not keep ctx and
+// Close cancels it: a disk read started is waited for, the cluster's
+// answers are not.
 func clusterDefaults(cfg *Config) error {
 	if cfg.Cluster == nil {
 		return nil
@@ -309,10 +265,7 @@ func (e *Engine) clearCluster(ns string) {
 	_ = e.cluster.Clear(ctx)
 }
 
-// FlushCluster waits until every block written through to the cluster has
-// been answered (stored or failed); the BlockStored events (medium
-// SHARED_STORAGE) of the blocks stored are in the event streams by then.
-// Without a cluster tier it returns at once.
+// FlushCluster waits until every write-through is answered, its events sent.
 func (e *Engine) FlushCluster() error {
 	if err := e.checkOpen("FlushCluster"); err != nil {
 		return err

@@ -12,23 +12,13 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// ErrUnavailable: an engine of Dial cannot reach its node. Lookup then
-// finds nothing, Store refuses busy, Load fails with it; the engine
-// reconnects by itself to an empty pool.
-var ErrUnavailable = errors.New("offload: node unavailable")
-
 // nominalDialPool is the PoolBytes an engine of Dial is validated with
 // when its Config gives none: the pool is the node's, Config.PoolBytes is
 // not used.
 const nominalDialPool = 1 << 40
 
-// Dial returns an engine over the node pool at socket (`kvoffload serve`):
-// the index and the pool are the node's, shared by every engine dialled
-// to it; stores commit once copied. A Config without tensors and a
-// Backend other than "host" is a client without a GPU (no Store, Load).
-// Not through a node: the disk and cluster tiers, ZeroOnRelease, another
-// StoreOptions.Namespace, GrowTo; the pool sizes and growth knobs are
-// ignored, and Trim is the node's.
+// Dial returns an engine sharing the pool of the node at socket (`kvoffload
+// serve`); without tensors and the host backend it only looks up.
 func Dial(socket string, cfg Config) (*Engine, error) {
 	return dialEngine(socket, cfg, engineHooks{})
 }

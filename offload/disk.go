@@ -12,91 +12,52 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// DiskConfig turns on the disk tier (Config.Disk): host blocks the policy
-// evicts are written back to local disk (behind an admission filter), Lookup
-// reports the prefix found there after the host prefix, and Load promotes
-// such blocks back through host slots. It is plain data with JSON tags.
+// DiskConfig turns on the disk tier (Config.Disk) for blocks the pool
+// evicts.
 type DiskConfig struct {
-	// Dirs are the directories records are kept in (one records file each,
-	// locked for the engine's life: a second engine on one of them is
-	// refused by New). Required.
-	Dirs []string `json:"dirs"`
-	// CapacityBytes bounds the records files' total size. Required.
-	CapacityBytes int64 `json:"capacity_bytes"`
-	// Fsync is DiskFsyncNone (default), DiskFsyncEach or DiskFsyncOnClose
-	// (tier/disk's FsyncPolicy).
-	Fsync DiskFsync `json:"fsync,omitempty"`
-	// Direct is DiskDirectAuto (default: O_DIRECT where the file system
-	// takes it), DiskDirectRequire or DiskDirectOff.
-	Direct DiskDirect `json:"direct,omitempty"`
-	// WriteBackBytes bounds the bytes of evicted blocks waiting for their
-	// disk write: pool slots held "demoting" while they are written from
-	// (the pool holds that many blocks fewer meanwhile), and copies of
-	// slots a store needed at once (allocated as first needed). When the
-	// bound is reached an eviction is not written back
-	// (Stats.Disk.Dropped). Default DefaultWriteBackBytes; at least one
-	// block.
-	WriteBackBytes int64 `json:"write_back_bytes,omitempty"`
-	// AdmitAll writes back every evicted block. By default only blocks
-	// whose key was seen at least AdmitAfter times (stored or looked up)
-	// are: a block used once is not worth a disk write.
-	AdmitAll bool `json:"admit_all,omitempty"`
-	// AdmitAfter is how many times a key must have been seen before its
-	// evicted block is written back: default 2 (as Dynamo's G3), at most
-	// 255; 1 admits every block. Ignored with AdmitAll.
-	AdmitAfter int `json:"admit_after,omitempty"`
-	// WriteThrough also writes every stored block to disk as soon as it is
-	// ready, whatever the admission filter: a restart then finds every
-	// block stored, not only those evicted before it (at a disk write per
-	// block stored). The block is copied out of its slot when its store
-	// completes (the slot is free to go at once) and written in the
-	// background; past WriteBackBytes of writes queued it is dropped,
-	// counted (Stats.Disk.Dropped), and still written back if evicted.
-	WriteThrough bool `json:"write_through,omitempty"`
-	// WriteBackOnClose has Close write every block in the pool that is
-	// not on disk yet, whatever the admission filter, before it releases
-	// the pool: a restart then finds what the pool held at the end, not
-	// only what was evicted or written through. Close takes as long as
-	// those blocks take at the disk's rate (a 64 GiB pool about 30 s at
-	// 2 GB/s), bounded by CloseContext's context (the rest is not
-	// written: the blocks go most recently used first with PolicyLRU,
-	// in slot order with TinyLFU); a block the tier's capacity cannot
-	// hold evicts its oldest records, as any write does. Counted in
-	// Stats.Disk.WrittenAtClose.
-	WriteBackOnClose bool `json:"write_back_on_close,omitempty"`
-	// RemoveRecords names records files of other layouts (other slot
-	// sizes: records-<slot bytes>.kvo, as `kvoffload info --disk` lists
-	// them) that New removes from every directory, giving their space
-	// back. By default another layout's records file is kept beside this
-	// engine's (another model's blocks, which its own engine finds again);
-	// nothing on disk this engine did not write for its layout is deleted
-	// unless named here. Naming this engine's own file is ErrInvalidConfig.
-	RemoveRecords []string `json:"remove_records,omitempty"`
+	Dirs             []string   `json:"dirs"`           // required; a directory serves one engine at a time
+	CapacityBytes    int64      `json:"capacity_bytes"` // required: the records files' total size
+	Fsync            DiskFsync  `json:"fsync,omitempty"`
+	Direct           DiskDirect `json:"direct,omitempty"`
+	WriteBackBytes   int64      `json:"write_back_bytes,omitempty"`    // queued for writes; past it one is dropped
+	AdmitAll         bool       `json:"admit_all,omitempty"`           // write every evicted block, not only
+	AdmitAfter       int        `json:"admit_after,omitempty"`         // those whose key was seen this often (2, ≤ 255)
+	WriteThrough     bool       `json:"write_through,omitempty"`       // also write each block once stored
+	WriteBackOnClose bool       `json:"write_back_on_close,omitempty"` // Close writes the blocks not on disk yet
+	RemoveRecords    []string   `json:"remove_records,omitempty"`      // other layouts' records files New deletes
 }
 
-// DiskFsync is DiskConfig.Fsync: when the disk tier flushes its records.
+// DiskFsync is DiskConfig.Fsync: when the disk tier flushes (default none).
 type DiskFsync string
 
-// DiskDirect is DiskConfig.Direct: whether the disk tier uses O_DIRECT.
+// DiskDirect is DiskConfig.Direct: whether to use O_DIRECT (default auto).
 type DiskDirect string
 
-// DiskConfig.Fsync and DiskConfig.Direct values.
+// DiskConfig's values and default; Event.Medium's values, by tier.
 const (
-	DiskFsyncNone     DiskFsync  = "none"
-	DiskFsyncEach     DiskFsync  = "each"
-	DiskFsyncOnClose  DiskFsync  = "on-close"
-	DiskDirectAuto    DiskDirect = "auto"
-	DiskDirectRequire DiskDirect = "require"
-	DiskDirectOff     DiskDirect = "off"
+	DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose   DiskFsync  = "none", "each", "on-close"
+	DiskDirectAuto, DiskDirectRequire, DiskDirectOff DiskDirect = "auto", "require", "off"
+	DefaultWriteBackBytes                            int64      = 64 << 20
+	MediumCPU, MediumDisk, MediumSharedStorage                  = "CPU", "DISK", "SHARED_STORAGE"
 )
-
-// DefaultWriteBackBytes is DiskConfig.WriteBackBytes's default.
-const DefaultWriteBackBytes int64 = 64 << 20
 
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
 // caller's DiskConfig is not changed). The checks are internal/tiered's
 // (DiskConfig.Check, with the admission sketch's 255), the Fsync and
 // Direct values this package's.
+//
+// What DiskConfig's fields do, beyond their docs: each directory holds one
+// records file per slot size (records-<slot bytes>.kvo, which `kvoffload
+// info --disk` lists), locked for the engine's life, so a second engine on
+// it is refused by New; another layout's file is kept unless named in
+// RemoveRecords (naming this engine's own is ErrInvalidConfig).
+// WriteBackBytes covers demoting slots (the pool holds that many blocks
+// fewer meanwhile) and copies of slots a store needed at once; it is at
+// least one block. Write-throughs are copied out of the slot when the store
+// completes and, when dropped, still written back if evicted.
+// WriteBackOnClose writes the most recently used blocks first with
+// PolicyLRU, in slot order with TinyLFU (about 30 s for 64 GiB at 2 GB/s);
+// a block the capacity cannot hold evicts the oldest records, as any write.
 func diskDefaults(cfg *Config, slot int64) error {
 	if cfg.Disk == nil {
 		return nil
@@ -229,8 +190,7 @@ func recordFingerprint(cfg Config) (uint64, error) {
 	}), nil
 }
 
-// FlushDisk waits until every eviction queued for the disk tier has been
-// written (or failed), or ctx ends. Without a disk tier it returns at once.
+// FlushDisk waits until every queued disk write is done, or ctx ends.
 func (e *Engine) FlushDisk(ctx context.Context) error {
 	if err := e.checkOpen("FlushDisk"); err != nil {
 		return err

@@ -15,8 +15,7 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Engine moves KV-cache blocks between the serving stack's GPU cache and
-// a pinned host pool (New, Dial). Its methods are safe for concurrent use.
+// Engine is the offload engine; its methods are safe for concurrent use.
 type Engine struct {
 	// Set by New and never changed.
 	cfg       Config
@@ -150,8 +149,7 @@ type namespaces struct {
 	ids map[string]kvcache.Namespace
 }
 
-// Lease keeps the blocks Lookup found from being evicted until Release,
-// or until Load takes it over. A second Release returns ErrReleased.
+// Lease keeps the blocks Lookup found from eviction until Release or Load.
 type Lease struct {
 	eng      *Engine
 	keys     []Key
@@ -173,8 +171,8 @@ func (e *Engine) checkOpen(call string) error {
 // Config returns the engine's configuration, defaults filled in.
 func (e *Engine) Config() Config { return e.cfg }
 
-// Lookup returns how many leading keys are ready in the pool, and with
-// opts.Lease a lease on them. It never blocks on copies.
+// Lookup returns how many leading keys are ready in the pool, never
+// blocking.
 func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	if err := e.checkOpen("Lookup"); err != nil {
 		return LookupResult{}, err
@@ -182,9 +180,8 @@ func (e *Engine) Lookup(keys []Key, opts LookupOptions) (LookupResult, error) {
 	return e.lookup(keys, opts)
 }
 
-// Store copies the GPU blocks blockIDs[i] to the pool under keys[i] and
-// returns at once; the Op reports each block's outcome. ctx cancels only
-// what is not yet enqueued. Invalid input stores nothing.
+// Store copies GPU blocks blockIDs[i] to the pool under keys[i], not
+// waiting.
 func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (op *Op, err error) {
 	if e.calls.begin("Store", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -199,10 +196,7 @@ func (e *Engine) Store(ctx context.Context, keys []Key, blockIDs []int, opts Sto
 	return e.store(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Load copies the blocks of keys into the GPU blocks blockIDs[i] and
-// returns at once. Blocks no longer in the pool are missing, not an error;
-// leased ones are present; blocks on the disk tier are promoted first. A
-// full queue fails it with ErrBusy.
+// Load copies keys' blocks to GPU blocks blockIDs[i], not waiting.
 func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts LoadOptions) (op *Op, err error) {
 	if e.calls.begin("Load", len(keys)) {
 		defer func() { e.calls.end(err) }()
@@ -217,8 +211,7 @@ func (e *Engine) Load(ctx context.Context, keys []Key, blockIDs []int, opts Load
 	return e.load(ctx, e.layout, keys, blockIDs, opts)
 }
 
-// Delete removes keys and returns how many were present (leased or
-// in-flight blocks go when their lease or copy ends).
+// Delete removes keys and returns how many were present.
 func (e *Engine) Delete(keys []Key) (int, error) {
 	if err := e.checkOpen("Delete"); err != nil {
 		return 0, err

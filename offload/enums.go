@@ -48,14 +48,12 @@ func (h *HugePages) UnmarshalText(text []byte) error {
 // UnmarshalText implements encoding.TextUnmarshaler: a known policy or "".
 func (p *Policy) UnmarshalText(text []byte) error { return parseEnum(p, text, "Policy", policies) }
 
-// UnmarshalText implements encoding.TextUnmarshaler: a known kind (never ""
-// once defaults apply: a layout needs its kind).
+// UnmarshalText implements encoding.TextUnmarshaler: a known kind.
 func (k *LayoutKind) UnmarshalText(text []byte) error {
 	return parseEnum(k, text, "Layout.Kind", layoutKinds)
 }
 
-// UnmarshalText implements encoding.TextUnmarshaler: a known order or ""
-// (undeclared).
+// UnmarshalText implements encoding.TextUnmarshaler: a known order or "".
 func (o *HeadOrder) UnmarshalText(text []byte) error {
 	return parseEnum(o, text, "Layout.Order", headOrders)
 }

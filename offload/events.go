@@ -8,14 +8,11 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// EventKind says what an Event reports: vLLM's KV events.
+// EventKind is vLLM's KV event kind: a block stored, removed, or all
+// cleared.
 type EventKind uint8
 
-const (
-	EventStored  EventKind = iota + 1 // the block became ready in the pool
-	EventRemoved                      // the block left the index (evicted, trimmed, deleted, cleared)
-	EventCleared                      // every block is gone (the engine closed)
-)
+const EventStored, EventRemoved, EventCleared EventKind = 1, 2, 3
 
 var eventKindNames = [...]string{"", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
@@ -27,31 +24,18 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", uint8(k))
 }
 
-// Event.Medium values: the tier an event is about.
-const (
-	MediumCPU  = "CPU"  // the host pool
-	MediumDisk = "DISK" // the disk tier
-	// MediumSharedStorage is the cluster tier, whose removals are not announced.
-	MediumSharedStorage = "SHARED_STORAGE"
-)
-
-// Event is one change of the pool's index, sent after the fact, in the
-// order the index changed.
+// Event is one change of the pool's index, sent in order after the fact.
 type Event struct {
-	Kind      EventKind
-	Key       Key
-	Parent    Key      // as the Store gave it (zero: a sequence's start, or unknown)
-	Tokens    []uint32 // StoreOptions.Tokens
-	BlockSize int      // the layout's tokens per block
-	Medium    string   // MediumCPU, MediumDisk or MediumSharedStorage
+	Kind        EventKind
+	Key, Parent Key      // Parent as the Store gave it (zero: a sequence's start, or unknown)
+	Tokens      []uint32 // StoreOptions.Tokens
+	BlockSize   int      // the layout's tokens per block
+	Medium      string   // MediumCPU, MediumDisk or MediumSharedStorage (no removals)
 }
 
-// EventStream receives an engine's events on C, a bounded channel: an
-// event that finds C full is dropped and counted (Dropped), never waited
-// for. C is closed by Close and when the engine closes.
+// EventStream delivers events on C; one finding C full is dropped (Dropped).
 type EventStream struct {
-	C <-chan Event
-
+	C       <-chan Event
 	ch      chan Event
 	dropped atomic.Int64
 	hub     *eventHub
@@ -71,8 +55,7 @@ func (s *EventStream) Close() {
 // defaultEventBuffer is the buffer of an event stream asked for with 0.
 const defaultEventBuffer = 1 << 16
 
-// Events subscribes to the index's events from now on, on a channel of
-// buffer events (65536 when buffer ≤ 0). After Close the stream is closed.
+// Events subscribes to the index's events, buffering buffer (≤ 0: 65536).
 func (e *Engine) Events(buffer int) *EventStream {
 	if buffer <= 0 {
 		buffer = defaultEventBuffer

@@ -11,19 +11,19 @@ import (
 	"github.com/kvoffload/kvoffload/mmapmem"
 )
 
-// PauseGrowth stops background pinning after the region in progress (for a
-// caller that wants no pinning during its own graph capture; the engine's
-// relaxed capture mode makes that unnecessary). Idempotent. The region
-// being registered finishes and joins the pool. The region being
-// prefetched (mapped and prefaulted ahead of registration) finishes its
-// prefault and is held, mapped but not pinned, not counted in
-// Stats.Pool.OwnedBytes or Stats.Pool.Regions, until ResumeGrowth registers it or
-// Close unmaps it. No further region is mapped meanwhile.
-// If the copy methods are not calibrated yet, the growth thread calibrates
-// them during the pause.
+// PauseGrowth stops pinning after the region in progress, until
+// ResumeGrowth.
 func (e *Engine) PauseGrowth() {
 	e.growth.mu.Lock()
 	e.growth.paused = true
+	// The region being registered finishes and joins the pool. The one
+	// being prefetched (mapped and prefaulted ahead of registration)
+	// finishes its prefault and is held, mapped but not pinned, not counted
+	// in Stats.Pool.OwnedBytes or Regions, until ResumeGrowth registers it
+	// or Close unmaps it; no further region is mapped meanwhile. A caller
+	// capturing a CUDA graph needs no pause (the engine's capture mode is
+	// relaxed).
+	//
 	// Wake the stages waiting for a region, so that the growth thread sees
 	// the pause (and calibrates during it) without waiting for the next
 	// hand-over, which a paused prefetch stage may never make.
@@ -39,12 +39,7 @@ func (e *Engine) ResumeGrowth() {
 	e.growth.mu.Unlock()
 }
 
-// GrowTo sets the pool size that background growth aims at to bytes
-// (capped at Config.PoolBytes and Config.MaxCachedBytes) and, when growth
-// has ended below it, starts growing again in the background: the way to
-// have memory back after Trim, or after growth stopped on an error
-// (Stats.Pool.GrowthError, which GrowTo clears). A lower size stops growth
-// there; it never trims (Trim does). WaitGrown waits for the new growth.
+// GrowTo sets the pool size growth aims at, growing again up to it.
 func (e *Engine) GrowTo(bytes int64) error {
 	if !e.enter() {
 		return fmt.Errorf("%w: GrowTo after Close", ErrClosed)
@@ -77,10 +72,7 @@ func (e *Engine) GrowTo(bytes int64) error {
 	return nil
 }
 
-// WaitGrown blocks until background growth has ended: the whole pool
-// pinned, or growth stopped on an error (returned), and then, on CUDA, the
-// copy methods calibrated (Stats.Copies.Calibration); or until the engine is
-// closed (ErrClosed), or ctx ends.
+// WaitGrown waits until growth has ended, returning its error, or ctx ends.
 func (e *Engine) WaitGrown(ctx context.Context) error {
 	return e.waitGrown(ctx)
 }

@@ -6,12 +6,10 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Key is a block's 128-bit content key, chained over a sequence's blocks
-// (kvcache.BlockKey; Python computes the same).
+// Key is a block's 128-bit content key, chained over a sequence's blocks.
 type Key = kvcache.Key
 
-// ChainKeys returns the keys of the full blocks of tokens in namespace,
-// chained from parent (zero: a sequence's start).
+// ChainKeys returns the keys of tokens' full blocks, chained from parent.
 func ChainKeys(namespace string, parent Key, tokens []uint32, tokensPerBlock int) ([]Key, error) {
 	keys, err := kvcache.ChainKeys([]byte(namespace), parent, tokens, tokensPerBlock)
 	if err != nil {

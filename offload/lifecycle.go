@@ -20,21 +20,16 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// New validates cfg, picks the backend, checks the machine can hold the
-// pool, pins the staging region and the first pool region and returns;
-// the rest of the pool is pinned in the background. On error nothing is
-// left mapped, pinned or running.
+// New pins the first region and returns; the rest is pinned in the
+// background.
 func New(cfg Config) (*Engine, error) {
 	return newEngine(cfg, engineHooks{})
 }
 
-// Close refuses new calls (ErrClosed), waits for the copies in flight,
-// ends leases and releases all memory. Ops stay readable; their events are
-// gone.
+// Close refuses new calls, waits for the copies in flight, frees all memory.
 func (e *Engine) Close() error { return e.CloseContext(context.Background()) }
 
-// CloseContext is Close with a bound on the wait: when ctx ends first the
-// engine is closed and releases its memory when the copies end.
+// CloseContext is Close with ctx bounding its wait for the copies.
 func (e *Engine) CloseContext(ctx context.Context) error {
 	if e.closed.Swap(true) {
 		return fmt.Errorf("%w: Close called twice", ErrClosed)

@@ -251,10 +251,7 @@ func (e *Engine) addRegion(size int64) error {
 	return e.publishRegion(pr)
 }
 
-// Trim gives whole regions back to the OS, newest first, until at least
-// bytes are picked: it evicts their blocks and waits (ctx) for their
-// copies; regions with leases, or still busy when ctx ends, are freed
-// later (PendingBytes). Growth does not take the memory back; GrowTo does.
+// Trim gives at least bytes back to the OS in whole regions, newest first.
 func (e *Engine) Trim(ctx context.Context, bytes int64) (TrimResult, error) {
 	if !e.enter() {
 		return TrimResult{}, fmt.Errorf("%w: Trim after Close", ErrClosed)

@@ -9,11 +9,7 @@ import (
 	"github.com/kvoffload/kvoffload/transfer"
 )
 
-// Op is one asynchronous Store or Load. Done is closed once every block
-// has its one final outcome (in key order); Event, LayerEvent and
-// StreamWait order the caller's stream after its copies (0 and a CPU wait
-// on the host backend); after Release every method returns ErrReleased.
-// Its methods are safe for concurrent use; its owner releases it once.
+// Op is one asynchronous Store or Load, safe for concurrent use.
 type Op struct {
 	kind transfer.Direction
 	eng  *Engine
@@ -74,8 +70,7 @@ func (o *Op) Wait(ctx context.Context) error {
 	}
 }
 
-// Err is the first error of the op's failed blocks, nil if none (or not
-// done yet); refusals and misses are outcomes, not errors.
+// Err is the first failed block's error, nil if none (refusals are not).
 func (o *Op) Err() error {
 	if o.released.Load() {
 		return ErrReleased
@@ -90,8 +85,8 @@ func (o *Op) Err() error {
 	return o.err
 }
 
-// Outcomes returns the per-block outcomes in key order (ErrNotDone before
-// Done).
+// Outcomes returns the blocks' outcomes in key order, ErrNotDone before
+// Done.
 func (o *Op) Outcomes() ([]Outcome, error) {
 	if o.released.Load() {
 		return nil, ErrReleased
@@ -121,9 +116,7 @@ func (o *Op) count(oc Outcome) int {
 	return n
 }
 
-// Event is a CUevent recorded after the op's copies, returned once
-// recorded (the copies enqueued); 0 when nothing was copied or on the host
-// backend. Valid until Release.
+// Event is a CUevent after the op's copies (or 0), valid until Release.
 func (o *Op) Event() (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
@@ -134,8 +127,7 @@ func (o *Op) Event() (uintptr, error) {
 	return o.completion.event()
 }
 
-// LayerEvent is Event for layer i of a Load with LoadOptions.PerLayer
-// (layer-separate and MLA layouts); ErrInvalidArgument otherwise.
+// LayerEvent is Event for layer i of a Load with LoadOptions.PerLayer.
 func (o *Op) LayerEvent(i int) (uintptr, error) {
 	if o.released.Load() {
 		return 0, ErrReleased
@@ -156,9 +148,7 @@ func (o *Op) LayerEvent(i int) (uintptr, error) {
 	return ev, err
 }
 
-// StreamWait makes the caller's stream wait on the GPU for the op's copies
-// (cuStreamWaitEvent; the thread's CUDA context must be current). On the
-// host backend it waits on the CPU until the op is done.
+// StreamWait makes stream wait for the op's copies (host backend: the CPU).
 func (o *Op) StreamWait(stream uintptr) error {
 	if o.released.Load() {
 		return ErrReleased
@@ -169,8 +159,7 @@ func (o *Op) StreamWait(stream uintptr) error {
 	return o.completion.streamWait(stream)
 }
 
-// Release gives the op's events back and returns at once; the copies and
-// outcomes go on.
+// Release gives the op's events back at once; the copies and outcomes go on.
 func (o *Op) Release() error {
 	if o.released.Swap(true) {
 		return ErrReleased

@@ -10,10 +10,7 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// Prefetch promotes the blocks of keys the pool lacks from the disk tier,
-// then the cluster tier, until opts.Timeout or ctx's deadline; what is
-// missing, damaged or late is a miss (a timeout is not an error). It
-// leases nothing. With PrefetchBestEffort it returns at once.
+// Prefetch promotes keys the pool lacks from disk, then the cluster tier.
 func (e *Engine) Prefetch(ctx context.Context, keys []Key, opts PrefetchOptions) (PrefetchResult, error) {
 	if err := e.checkOpen("Prefetch"); err != nil {
 		return PrefetchResult{}, err

@@ -10,9 +10,7 @@ import (
 )
 
 // RankView is another tensor-parallel rank's view of an engine
-// (Engine.Rank): its tensors and heads over the engine's pool, index and
-// copy streams. A block stored by head ranges becomes visible once every
-// head is stored; any view (or the engine) loads its own heads from it.
+// (Engine.Rank).
 type RankView struct {
 	eng    *Engine
 	layout *kvcache.Layout
@@ -26,10 +24,7 @@ type rankViews struct {
 	dense []uint64
 }
 
-// Rank returns a view for the rank whose tensors layout describes: the
-// engine's Config.Layout but for the addresses, HeadFirst, KVHeads and
-// Order (declared on both). On the host backend a layout without tensors
-// is allocated in the simulated device.
+// Rank returns the view of another rank's layout (its addresses and heads).
 func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 	if !e.enter() {
 		return nil, fmt.Errorf("%w: Rank after Close", ErrClosed)
@@ -106,9 +101,7 @@ func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 // the host backend, for a layout given without them).
 func (v *RankView) layoutSpec() LayoutSpec { return v.spec }
 
-// Store is Engine.Store of the rank's heads. Another rank's heads of a
-// reserved block are OutcomeStored; heads stored already,
-// OutcomeAlreadyPresent.
+// Store is Engine.Store of the rank's heads.
 func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
 	e := v.eng
 	if err := e.checkOpen("Store"); err != nil {

@@ -41,8 +41,7 @@ func faultOpName(op disk.FaultOp) string {
 	return fmt.Sprintf("op(%d)", uint8(op))
 }
 
-// InvariantViolations returns the copy-gating violations recorded in
-// builds with invariants on (-race, -tags kvoinvariants); any is a bug.
+// InvariantViolations returns the copy-gating bugs caught in -race builds.
 func (e *Engine) InvariantViolations() []error {
 	if e.tracker == nil {
 		return nil

@@ -2,8 +2,7 @@ package offload
 
 import "fmt"
 
-// Staging is a pinned host buffer at an address fixed until Close (for
-// values a captured CUDA graph copies), never trimmed.
+// Staging is a pinned host buffer, at an address fixed until Close.
 type Staging struct {
 	name string
 	addr uintptr
@@ -25,9 +24,7 @@ func (s *Staging) DevicePtr() uint64 { return s.dev }
 // Bytes is the buffer's memory. It must not be used after Close.
 func (s *Staging) Bytes() []byte { return s.buf }
 
-// Staging returns the buffer called name, of exactly bytes bytes (the
-// same one when asked again; another size is an error), from the staging
-// region (ErrInsufficientMemory when full).
+// Staging returns the staging region's buffer name, of exactly bytes bytes.
 func (e *Engine) Staging(name string, bytes int64) (*Staging, error) {
 	if err := e.checkOpen("Staging"); err != nil {
 		return nil, err

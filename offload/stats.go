@@ -6,8 +6,8 @@ import (
 	"time"
 )
 
-// Stats is a snapshot of the engine's counters (monotonic since New) and
-// gauges (now), not atomic as a whole. In JSON each group is an object.
+// Stats is a snapshot of counters since New and gauges, not atomic as a
+// whole.
 type Stats struct {
 	Backend                    Backend            `json:"backend"`
 	Lookups                    int64              `json:"lookups"`                      // Lookup calls
@@ -63,8 +63,7 @@ type PoolStats struct {
 	TeardownError     string        `json:"teardown_error,omitempty"` // the last such error
 }
 
-// GrowthSteps is the time spent adding pool regions, summed over regions,
-// by step (steps of neighbouring regions overlap).
+// GrowthSteps is the time spent adding regions by step, summed over regions.
 type GrowthSteps struct {
 	Map        time.Duration `json:"map_ns"`         // mmap, advice, NUMA binding
 	Prefault   time.Duration `json:"prefault_ns"`    // touching pages before pinning
@@ -73,8 +72,7 @@ type GrowthSteps struct {
 	Cache      time.Duration `json:"cache_ns"`       // carving the region into slots
 }
 
-// CopyStats is the copies between the GPU and the pool; the fields after
-// InFlightBytes are CUDA's.
+// CopyStats is the GPU-pool copies; the fields from Bounced on are CUDA's.
 type CopyStats struct {
 	Store          DirectionStats `json:"store"` // device → host
 	Load           DirectionStats `json:"load"`  // host → device
@@ -95,8 +93,7 @@ type DirectionStats struct {
 	Latency Histogram `json:"latency"` // op latency, call → done
 }
 
-// DiskStats is the disk tier (an engine of Dial counts its own calls'
-// LookupHits, Hits and Misses on its node's tier).
+// DiskStats is the disk tier (an engine of Dial: its own hits and misses).
 type DiskStats struct {
 	LookupHits     int64  `json:"lookup_hits"`      // keys Lookup found on disk (LookupResult.DiskHits)
 	Hits           int64  `json:"hits"`             // blocks promoted from disk into the pool
@@ -179,8 +176,7 @@ func (s *Stats) Outcome(oc Outcome) int64 {
 // everything from 2^(histogramBuckets-2) µs ≈ 9 minutes up).
 const histogramBuckets = 30
 
-// Histogram is a log2-scale latency histogram: Counts[i] counts latencies
-// in [2^(i-1), 2^i) µs (Counts[0] below 1 µs; the last, all above).
+// Histogram counts latencies: Counts[i] those in [2^(i-1), 2^i) µs.
 type Histogram struct {
 	Counts [histogramBuckets]int64 `json:"counts"`
 	Count  int64                   `json:"count"`
@@ -291,8 +287,7 @@ type counters struct {
 	store, load                                                     direction
 }
 
-// Stats returns a snapshot of the engine's counters; cheap, callable from
-// any goroutine, also after Close.
+// Stats returns a snapshot of the counters; cheap, also after Close.
 func (e *Engine) Stats() Stats { return e.snapshot() }
 
 func (e *Engine) snapshot() Stats {
