@@ -30,22 +30,14 @@ var (
 // Backend is auto (the default: CUDA if possible, else host), cuda or host.
 type Backend string
 
-const BackendAuto, BackendCUDA, BackendHost Backend = "auto", "cuda", "host"
-
 // HostPinning is how the host backend pins regions: none (default) or mlock.
 type HostPinning string
-
-const PinNone, PinMlock HostPinning = "none", "mlock"
 
 // HugePages is the regions' page size: THP (the default), none or hugetlbfs.
 type HugePages string
 
-const HugePagesTHP, HugePagesNone, HugePagesHugeTLB HugePages = "thp", "none", "hugetlb"
-
 // Policy is the admission and eviction policy: LRU (the default) or TinyLFU.
 type Policy string
-
-const PolicyTinyLFU, PolicyLRU Policy = "tinylfu", "lru"
 
 // NUMA settings (Config.NUMANode) besides a decimal node number.
 const (
@@ -57,13 +49,9 @@ const (
 // one tensor of whole blocks (Base, Stride), or an MLA latent per layer.
 type LayoutKind string
 
-const LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA LayoutKind = "layer-separate", "cross-layer", "mla"
-
 // HeadOrder is a block's device order: token-major [blocks, tokens, heads,
 // head_dim], head-major [blocks, heads, tokens, head_dim]; "" undeclared.
 type HeadOrder string
-
-const OrderTokenMajor, OrderHeadMajor HeadOrder = "token-major", "head-major"
 
 // Defaults applied by New to zero fields.
 const (
@@ -102,7 +90,7 @@ type Config struct {
 	SkipMemoryCheck     bool           `json:"skip_memory_check,omitempty"`     // no sizing checks before pinning
 	MaxInFlightBytes    int64          `json:"max_in_flight_bytes,omitempty"`   // host backend: copied at once per direction (512 MiB)
 	MaxQueuedBytes      int64          `json:"max_queued_bytes,omitempty"`      // and waiting beyond (2 GiB), past which ops are refused
-	MaxDeviceBytes      int64          `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (transfer.DefaultMaxDeviceBytes)
+	MaxDeviceBytes      int64          `json:"max_device_bytes,omitempty"`      // the CUDA copy layer's GPU memory (256 MiB)
 	PartialTimeout      time.Duration  `json:"partial_timeout,omitempty"`       // a head-range block's wait for its heads (30 s; JSON: ns)
 	ZeroOnRelease       bool           `json:"zero_on_release,omitempty"`       // zero a block's slot and record when it leaves
 	Disk                *DiskConfig    `json:"disk,omitempty"`                  // the disk tier; nil: none

@@ -33,14 +33,6 @@ type DiskFsync string
 // DiskDirect is DiskConfig.Direct: whether to use O_DIRECT (default auto).
 type DiskDirect string
 
-// DiskConfig's values and default; Event.Medium's values, by tier.
-const (
-	DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose   DiskFsync  = "none", "each", "on-close"
-	DiskDirectAuto, DiskDirectRequire, DiskDirectOff DiskDirect = "auto", "require", "off"
-	DefaultWriteBackBytes                            int64      = 64 << 20
-	MediumCPU, MediumDisk, MediumSharedStorage                  = "CPU", "DISK", "SHARED_STORAGE"
-)
-
 // diskDefaults checks cfg.Disk and fills its defaults (on a copy: the
 // caller's DiskConfig is not changed). The checks are internal/tiered's
 // (DiskConfig.Check, with the admission sketch's 255), the Fsync and

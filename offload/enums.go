@@ -6,6 +6,21 @@ import (
 	"strings"
 )
 
+// The values of the enumerated types (each type says what they mean).
+const (
+	BackendAuto, BackendCUDA, BackendHost            Backend     = "auto", "cuda", "host"
+	PinNone, PinMlock                                HostPinning = "none", "mlock"
+	HugePagesTHP, HugePagesNone, HugePagesHugeTLB    HugePages   = "thp", "none", "hugetlb"
+	PolicyTinyLFU, PolicyLRU                         Policy      = "tinylfu", "lru"
+	LayoutLayerSeparate, LayoutCrossLayer, LayoutMLA LayoutKind  = "layer-separate", "cross-layer", "mla"
+	OrderTokenMajor, OrderHeadMajor                  HeadOrder   = "token-major", "head-major"
+	EventStored, EventRemoved, EventCleared          EventKind   = 1, 2, 3
+	DiskFsyncNone, DiskFsyncEach, DiskFsyncOnClose   DiskFsync   = "none", "each", "on-close"
+	DiskDirectAuto, DiskDirectRequire, DiskDirectOff DiskDirect  = "auto", "require", "off"
+	DefaultWriteBackBytes                            int64       = 64 << 20
+	MediumCPU, MediumDisk, MediumSharedStorage                   = "CPU", "DISK", "SHARED_STORAGE"
+)
+
 // The Config enums unmarshal from JSON (and any text) as their constants'
 // strings; "" means the field's default, and anything else is refused with
 // ErrInvalidConfig naming the value and the accepted ones. withDefaults

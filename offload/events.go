@@ -12,8 +12,6 @@ import (
 // cleared.
 type EventKind uint8
 
-const EventStored, EventRemoved, EventCleared EventKind = 1, 2, 3
-
 var eventKindNames = [...]string{"", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
 // String returns vLLM's name of the event kind, e.g. "BlockStored".

@@ -101,7 +101,7 @@ func (e *Engine) Rank(layout LayoutSpec) (*RankView, error) {
 // the host backend, for a layout given without them).
 func (v *RankView) layoutSpec() LayoutSpec { return v.spec }
 
-// Store is Engine.Store of the rank's heads.
+// Store is Engine.Store of the rank's heads; visible once every head is.
 func (v *RankView) Store(ctx context.Context, keys []Key, blockIDs []int, opts StoreOptions) (*Op, error) {
 	e := v.eng
 	if err := e.checkOpen("Store"); err != nil {
