@@ -301,7 +301,7 @@ TIER_POOL_SLACK = 16  # host pool of a tier run: the prompt's blocks and this ma
 # pools' worth (one is not always enough: the policy may keep an older block
 # and evict a newer one).
 FILLER_POOLS = 2
-HEADER_BYTES = 4096  # a record's header sector (tier/record)
+HEADER_BYTES = 4096  # a record's header sector (internal/tier/record)
 
 
 def parse_tier(spec):

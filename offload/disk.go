@@ -150,12 +150,12 @@ func openDisk(cfg Config, slot int64, hub *eventHub, h engineHooks, e *Engine) (
 	return d, nil
 }
 
-// diskFaultFunc is tier/disk's fault seam (Config.Faults), for tests
+// diskFaultFunc is internal/tier/disk's fault seam (Config.Faults), for tests
 // (engineHooks.diskFaults).
 type diskFaultFunc = func(op disk.FaultOp, dir string) error
 
 // recordFingerprint is the fingerprint of the records cfg's engine writes to
-// a lower tier (tier/record; the disk and the cluster alike): a
+// a lower tier (internal/tier/record; the disk and the cluster alike): a
 // hash of the namespace (which names the model and the dtype, DESIGN.md:
 // the layout gives only the dtype's size), the layout kind, layers, KV
 // heads, head dim, dtype bytes, tokens per block and the host format.
@@ -219,7 +219,7 @@ const diskChunk = tiered.Readers
 // reads are complete, makes the good blocks ready and takes reader holds
 // on them (BeginLoad) and calls ready with the chunk's positions and
 // BeginLoad's results (nil when it failed: every block missing). A record
-// that vanished or fails its checks (tier/record fails closed), or a slot
+// that vanished or fails its checks (internal/tier/record fails closed), or a slot
 // the pool could not give, stays missing, its slot released; blocks stored
 // before are never touched. It returns after the last chunk's ready.
 func (e *Engine) promoteChunks(keys []Key, blockIDs []int, pos []int, ready func(chunk []int, lres []kvcache.LoadResult)) {

@@ -174,7 +174,7 @@ func TestDiskLoadFaultsMidPipeline(t *testing.T) {
 	require.Equal(t, 4, res.Hits, "nothing stored before was lost")
 	res, err = e.Lookup(diskKeys[failed:failed+1], LookupOptions{})
 	require.NoError(t, err)
-	require.Equal(t, 0, res.Hits+res.DiskHits, "a record whose read failed is dropped (tier/disk)")
+	require.Equal(t, 0, res.Hits+res.DiskHits, "a record whose read failed is dropped (internal/tier/disk)")
 	res, err = e.Lookup(diskKeys[failed+1:], LookupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, len(diskKeys)-failed-1, res.Hits, "the blocks after it were promoted")

@@ -168,7 +168,7 @@ func (h *eventHub) onIndex(ev kvcache.IndexEvent) {
 	h.sendLocked(out)
 }
 
-// onTier publishes a lower tier's change: the disk tier's (tier/disk's
+// onTier publishes a lower tier's change: the disk tier's (internal/tier/disk's
 // OnStore and OnRemove, under the store's lock) and the cluster tier's
 // (a write-through the cluster stored). It never blocks. Records carry no
 // parent or tokens.

@@ -87,7 +87,7 @@ type engineHooks struct {
 	// promote chunk i of a Load's disk blocks (promoteNode), on the
 	// goroutine that then sends the request.
 	beforeNodePromote func(i int)
-	// diskFaults is tier/disk's Config.Faults for the disk tier.
+	// diskFaults is internal/tier/disk's Config.Faults for the disk tier.
 	diskFaults diskFaultFunc
 	// dial makes an engine of Dial (dial.go): no pool of its own.
 	dial *dialState
@@ -132,7 +132,7 @@ const defaultPartGrowth = 5
 const wholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 
 // noPitchedStagingEnv set to 1 turns the copier's pitched staging DMAs off
-// (transfer/cudacopy Options.GatherMinRow < 0): a per-layer load's layers
+// (internal/cudacopy Options.GatherMinRow < 0): a per-layer load's layers
 // then go through the copy kernel, as before they existed: for comparisons
 // on a machine.
 const noPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"

@@ -24,7 +24,7 @@ func (h engineHooks) withSeam(cfg Config) (engineHooks, error) {
 	return h, nil
 }
 
-// faultOpName is Config.DiskFaults's name of a tier/disk fault op.
+// faultOpName is Config.DiskFaults's name of an internal/tier/disk fault op.
 func faultOpName(op disk.FaultOp) string {
 	switch op {
 	case disk.FaultOpen:

@@ -132,7 +132,7 @@ type demoConfig struct {
 	// connect: --connect, the node's socket (offload.Dial).
 	connect string
 
-	// diskFaults is a test hook: tier/disk's fault seam for the host
+	// diskFaults is a test hook: internal/tier/disk's fault seam for the host
 	// backend's disk tier (hostsim.Options.DiskFaults).
 	diskFaults func(op hostsim.DiskFaultOp, dir string) error
 	// simDelay is a test hook: the host backend's copies each wait this

@@ -136,7 +136,7 @@
 //
 // # The disk tier
 //
-// With ServerConfig.Disk the node keeps a disk tier (tier/disk) under its
+// With ServerConfig.Disk the node keeps a disk tier (internal/tier/disk) under its
 // pool and does the disk I/O itself, between records and slots; clients
 // only see more hits: LookupTiers' count of keys on disk after the pool's
 // hits, and BeginLoad's promotions (slots reserved as for a store, records

@@ -8,7 +8,7 @@ import (
 	"github.com/kvoffload/kvoffload/kvcache"
 )
 
-// DiskConfig is the disk tier under a pool (tier/disk): the embedded
+// DiskConfig is the disk tier under a pool (internal/tier/disk): the embedded
 // engine's (offload.DiskConfig, converted) and the node's
 // (nodepool.ServerConfig.Disk). The tier does the disk I/O, straight
 // between its records and the pool's slots.
@@ -45,7 +45,7 @@ type DiskConfig struct {
 	// CapacityBytes bounds the records files' total size; the tier evicts
 	// its oldest records beyond it. Required.
 	CapacityBytes int64
-	// Fsync and Direct are tier/disk's (default: no fsync, O_DIRECT where
+	// Fsync and Direct are internal/tier/disk's (default: no fsync, O_DIRECT where
 	// the file system takes it).
 	Fsync  disk.FsyncPolicy
 	Direct disk.DirectMode
@@ -90,7 +90,7 @@ type DiskConfig struct {
 	// tier's capacity cannot hold evicts its oldest records, as any write
 	// does. Counted in AtClose (not in the writes).
 	WriteBackOnClose bool
-	// RemoveRecords names records files of other layouts (tier/disk's
+	// RemoveRecords names records files of other layouts (internal/tier/disk's
 	// Config.RemoveRecords) to remove from the directories when the tier
 	// opens; by default another layout's records file is kept.
 	RemoveRecords []string
@@ -170,10 +170,10 @@ type Config struct {
 	Disk DiskConfig
 	// SlotBytes is a block's size: a slot's, a record's payload.
 	SlotBytes int64
-	// Fingerprint is the records' (tier/record): records of another are
+	// Fingerprint is the records' (internal/tier/record): records of another are
 	// misses.
 	Fingerprint uint64
-	// ZeroOnRelease, OnStore, OnRemove and Faults are tier/disk's.
+	// ZeroOnRelease, OnStore, OnRemove and Faults are internal/tier/disk's.
 	ZeroOnRelease bool
 	OnStore       func(k [16]byte)
 	OnRemove      func(k [16]byte, evicted bool)

@@ -1,8 +1,8 @@
 // Package tiered is the disk tier under a pool of host slots (a
 // kvcache.Cache), shared by the embedded engine (offload, whose
 // offload.DiskConfig converts to DiskConfig once) and the node
-// (nodepool.ServerConfig.Disk). A Tier owns the tier/disk Store, the
-// write-back machine (tier/disk/writeback) with its writers, the admission
+// (nodepool.ServerConfig.Disk). A Tier owns the internal/tier/disk Store, the
+// write-back machine (internal/tier/disk/writeback) with its writers, the admission
 // filter, the write-throughs, the reads of a promotion, the pool's
 // write-back at close, and the tier's counters. Its owner keeps the block
 // index (the cache), what a slot's bytes are (Config.Bytes), the
@@ -34,7 +34,7 @@
 //     Readers at once, started in key order (none once its context ends),
 //     and Settle makes the good ones ready and releases the others with a
 //     miss, never a damaged block: a record that fails a check
-//     (tier/record) is a miss.
+//     (internal/tier/record) is a miss.
 //   - LowWatermark is the free slots both pools keep by evicting ahead of
 //     demand, so that write-backs go from demoting slots.
 //   - Delete and Clear remove the records, also those being written (the

@@ -50,7 +50,7 @@ type Tier struct {
 
 // Open opens the Store of cfg and the write-back machine over it; Start
 // then hands the Tier its cache and starts its writers. Its error is
-// tier/disk's Open's (disk.ErrConfig, disk.ErrNoUsableDir, ...), for the
+// internal/tier/disk's Open's (disk.ErrConfig, disk.ErrNoUsableDir, ...), for the
 // owner to wrap.
 func Open(cfg Config) (*Tier, error) {
 	dc := cfg.Disk
@@ -291,7 +291,7 @@ func (t *Tier) Promoted(good, bad int) {
 // WriteBackAtClose writes the pool's ready blocks that are not on disk
 // yet (DiskConfig.WriteBackOnClose; nothing without it) from their slots,
 // leased meanwhile (LeaseAll: ready blocks only, never a slot reserved for
-// a store), with Writers goroutines (tier/disk Store.PutAll). It starts no
+// a store), with Writers goroutines (internal/tier/disk Store.PutAll). It starts no
 // block once ctx has ended: those left that the store does not hold are
 // counted (LeftAtClose). A write the store refuses counts as a write
 // error. It returns the Unlease's error (only a bug fails).

@@ -21,7 +21,7 @@
 //     so completions across streams arrive out of order.
 //   - Kernels. LaunchKernel interprets the project's kernels (kvo_copy,
 //     kvo_copy_sys, kvo_copy_probe, kvo_copy_tmpl, kvo_copy_tmpl_probe, kvo_fill,
-//     kvo_checksum of transfer/cudacopy/kernels.cu) by the name
+//     kvo_checksum of internal/cudacopy/kernels.cu) by the name
 //     given to ModuleGetFunction; ModuleLoadData accepts any non-empty image.
 //   - Graphs. StreamBeginCapture/EndCapture record the work a single stream
 //     enqueues; GraphLaunch replays it. Events recorded inside a capture are

@@ -7,7 +7,7 @@ import (
 	"github.com/kvoffload/kvoffload/internal/cuda"
 )
 
-// Kernel names the fake interprets (transfer/cudacopy/kernels.cu).
+// Kernel names the fake interprets (internal/cudacopy/kernels.cu).
 const (
 	KernelCopy     = "kvo_copy"
 	KernelFill     = "kvo_fill"

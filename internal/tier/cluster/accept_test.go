@@ -61,7 +61,7 @@ func judgeStreamed(t *testing.T, v []byte, key [16]byte, n, chunk int) verdict {
 // held whole (fill) and received in pieces (getStreamed): a record of the
 // key, fingerprint and length wanted is accepted; one byte changed anywhere
 // a reader looks makes it corrupt or stale, never accepted; so does any
-// other length. FuzzAccept (tier/record) covers the decision itself.
+// other length. FuzzAccept (internal/tier/record) covers the decision itself.
 func TestJudge(t *testing.T) {
 	key := [16]byte{1, 2, 3}
 	payload := bytes.Repeat([]byte{0x5A, 0xA5, 7}, 1000)

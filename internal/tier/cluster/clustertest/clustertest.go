@@ -152,7 +152,7 @@ func (c *Cluster) startNodes() error {
 		cmd := exec.Command("redis-server", append(port, "--bind", "127.0.0.1",
 			"--cluster-enabled", "yes", "--cluster-config-file", fmt.Sprintf("nodes-%d.conf", p),
 			"--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir", c.dir,
-			"--dbfilename", fmt.Sprintf("dump-%d.rdb", p), // one RDB file a node (see tier/cluster's harness)
+			"--dbfilename", fmt.Sprintf("dump-%d.rdb", p), // one RDB file a node (see internal/tier/cluster's harness)
 			"--logfile", fmt.Sprintf("redis-%d.log", p))...)
 		if err := cmd.Start(); err != nil {
 			c.Stop()

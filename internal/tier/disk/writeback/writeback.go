@@ -1,6 +1,6 @@
 // Package writeback is the disk tier's eviction write-back, shared by the
 // embedded engine's tier (offload) and the node pool's (nodepool): it
-// writes the blocks a kvcache.Cache evicts to a tier/disk Store, in the
+// writes the blocks a kvcache.Cache evicts to an internal/tier/disk Store, in the
 // background, and keeps them readable until they are written.
 //
 // A Writer owns, for one Store and one cache:
