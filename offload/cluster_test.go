@@ -279,9 +279,9 @@ func TestClusterStoppedMidRun(t *testing.T) {
 
 // TestClusterUnreachableAtNew: a cluster that does not answer at New is
 // not an error: the engine serves from host memory, the tier is not
-// available (Stats.Cluster.Available false, ClusterError naming the
+// available (Stats.Cluster.Available false, Cluster.Error naming the
 // address), write-throughs and Prefetch keys are counted in
-// ClusterUnavailable (no slot reserved for them), and Close stops its
+// Cluster.Unavailable (no slot reserved for them), and Close stops its
 // attempts to connect; a bad cluster config is ErrInvalidConfig.
 func TestClusterUnreachableAtNew(t *testing.T) {
 	waitClientGone(t)

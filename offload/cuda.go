@@ -149,7 +149,7 @@ func (e *Engine) initGrowThread() error {
 // calibrate measures the copy methods on a stream of their own and
 // installs the table the copier chooses from (growth goroutine, context
 // current), once: growth started again by GrowTo does not calibrate again.
-// A failure leaves the uncalibrated rule in place; Stats.CopyCalibration
+// A failure leaves the uncalibrated rule in place; Stats.Copies.Calibration
 // says what happened.
 func (e *Engine) calibrate() {
 	if e.cudaDev == nil || !e.cudaDev.CalibrationPending() {
