@@ -30,7 +30,7 @@ const (
 
 // DefaultPrefaultMethod is what the zero PrefaultMethod (auto) means:
 // MADV_POPULATE_WRITE, which faults pages in without writing them and is a
-// little faster than touching, alone and followed by registration (bench's
+// little faster than touching, alone and followed by registration (benchgpu's
 // TestPinningVariants compares them); it falls back to touching where the
 // kernel lacks it.
 const DefaultPrefaultMethod = PrefaultPopulate

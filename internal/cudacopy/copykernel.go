@@ -40,7 +40,7 @@ func (l Launch) String() string {
 
 // The default launches are the fewest warps that still move small
 // segments near link speed while leaving the model's kernels on the other
-// SMs nearly untouched (the sweeps of package bench chose them):
+// SMs nearly untouched (the sweeps of internal/benchgpu chose them):
 //   - H2D: kvo_copy on 4 CTAs × 512 threads. More warps add no rate and
 //     slow the model's kernels; fewer lose rate on 4 KiB segments.
 //   - D2H: stores to host memory are posted, and an unthrottled kernel's
