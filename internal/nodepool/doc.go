@@ -98,7 +98,7 @@
 //     into a reservation after its deadline.
 //   - A client's leases and loads are counts per slot, each bounded (a
 //     request past the bound is cut short, as past the share), and the
-//     index bounds a slot's readers likewise (kvcache.MaxReaders): no
+//     index bounds a slot's readers likewise (kvcache's maxReaders): no
 //     count can overflow. Releasing a client costs in proportion to the
 //     slots it held, not the leases it took (kvcache.EndReads).
 //

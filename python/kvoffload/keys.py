@@ -1,5 +1,5 @@
 """Block keys, computed in pure Python (hashlib) exactly as Go's
-kvcache.BlockKey / ChainKeys do:
+kvcache.ChainKeys (and offload.ChainKeys) do:
 
     key(block i) = SHA-256(key(block i-1) || tokens of block i as
                            little-endian uint32 || namespace)[:16]
