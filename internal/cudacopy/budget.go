@@ -321,9 +321,10 @@ func (c *Copier) freeRaw(p cuda.DevicePtr, n uint64) error {
 // tables) and staging chunks (the rest), each kind pooled within its
 // share, and a call short of its kind's share waits for an earlier
 // ticket instead of freeing the other kind's idle memory. cuMemFree can
-// wait for the whole device to go idle, which never happens while a
-// stream waits on a counter that only the submitting thread's later work
-// writes (transfer's early events). It reports false, and changes
+// wait for the whole device to go idle, which never happened while a
+// stream waited on a counter that only the submitting thread's later
+// work wrote (transfer's early events, since retired); it also costs
+// milliseconds on the submitting thread. It reports false, and changes
 // nothing, when the bound is too small to split (less than two tables and
 // a chunk).
 func (c *Copier) KeepIdle() bool {
