@@ -276,7 +276,7 @@ type counters struct {
 	diskLookupHits       atomic.Int64
 	// nodeDiskHits, nodeDiskMisses: a dialled engine's blocks its node
 	// promoted from disk for a Load, and those it could not (Stats.Disk.Hits,
-	// DiskMisses where the engine has no tier of its own).
+	// Disk.Misses where the engine has no tier of its own).
 	nodeDiskHits, nodeDiskMisses atomic.Int64
 	clusterUnavailable           atomic.Int64 // Prefetch keys not asked of a cluster tier not connected
 	// PrefetchBestEffort calls started, refused (too many running), and
