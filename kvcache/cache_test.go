@@ -467,7 +467,7 @@ func ExampleCache() {
 }
 
 // TestUnleaseCountsHandlesPerCall: a release names a slot as many times
-// as it may (one per lease); once more is ErrStaleSlot and changes nothing;
+// as it may (one per lease); once more is errStaleSlot and changes nothing;
 // the count starts again at every call, also across the wrap of the stamp
 // that keeps it.
 func TestUnleaseCountsHandlesPerCall(t *testing.T) {

@@ -400,7 +400,7 @@ func FuzzHeadLayout(f *testing.F) {
 
 // TestLayerSegmentsDeclaredOrder: for a layout of declared order,
 // LayerSegments is the rank's segments of Segments whose Layer is the
-// layer (a constant count per layer, SegmentsPerBlock / Layers).
+// layer (a constant count per layer, segmentsPerBlock / Layers).
 func TestLayerSegmentsDeclaredOrder(t *testing.T) {
 	for _, kind := range []LayoutKind{LayerSeparate, CrossLayer} {
 		for _, order := range []HeadOrder{TokenMajor, HeadMajor} {

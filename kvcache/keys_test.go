@@ -86,7 +86,7 @@ func FuzzChainKeys(f *testing.F) {
 		}
 		require.NoError(t, err)
 		require.Len(t, keys, len(tokens)/tpb)
-		// Chaining: each key is BlockKey over its parent; a prefix of the
+		// Chaining: each key is blockKey over its parent; a prefix of the
 		// tokens gives a prefix of the keys.
 		prev := parent
 		for i, k := range keys {

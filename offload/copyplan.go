@@ -109,7 +109,7 @@ func partStarts(n, per, growth int) []int {
 // blockIDs and slots must not change until the op completes.
 //
 // The segments are layout l's: the rank's heads (Layout.Segments, which
-// is SegmentsRange of the rank's head range, the range a head-range store
+// is kvcache's segmentsRange of the rank's head range, the range a head-range store
 // was granted), 2-D where the device is token-major; a load reads just
 // those heads of the slot. transfer never coalesces 2-D segments.
 func (e *Engine) copyPlan(l *kvcache.Layout, blockIDs []int, slots []kvcache.Slot, perLayer bool) (transfer.Request, error) {

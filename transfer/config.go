@@ -82,7 +82,7 @@ type Config struct {
 	// GOMAXPROCS ≥ 8, else 0; negative or zero: Prewake does nothing.
 	PrewakeSpin time.Duration
 	// PrewarmOpEvents op events (and a few batch events) are created on
-	// the submitting thread before NewScheduler returns, so that the
+	// the submitting thread before New returns, so that the
 	// first ops take theirs from the pools instead of creating them in
 	// series with their copies (a first store of 128 8B-class blocks
 	// created 26 events, counting the copier's). The engine asks for two

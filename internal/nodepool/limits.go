@@ -271,7 +271,7 @@ func (s *Server) expirer() {
 
 // expireReservations fails every reservation made before now minus
 // ReserveTimeout: the block never becomes ready, the slot is the pool's
-// again, and a later CommitStore of it is refused (NotYours).
+// again, and a later CommitStore of it is refused (wire.CodeNotYours).
 func (s *Server) expireReservations(now time.Time) {
 	s.mu.Lock()
 	if s.cache == nil || s.closed {
