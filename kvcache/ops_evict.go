@@ -8,9 +8,9 @@ package kvcache
 // Locks: Delete, Clear and maintainIdle take the cache lock (Cache.mu) and
 // release it with Cache.unlock; the helpers run with it held, and call
 // Config.Demote and Config.OnIndex with it held. maintain calls
-// Policy.Evictions under the cache lock, and TinyLFU's Evictions takes the
-// policy's own mu: Cache.mu first, then TinyLFU.mu. syncPolicy reads
-// Cache.closed under Cache.mu and calls Policy.Sync without it, before
+// Policy.evictions under the cache lock, and tinyLFU's evictions takes the
+// policy's own mu: Cache.mu first, then tinyLFU.mu. syncPolicy reads
+// Cache.closed under Cache.mu and calls Policy.sync without it, before
 // maintainIdle takes it again.
 
 // Delete removes keys from the index (a model reload, an invalidation);

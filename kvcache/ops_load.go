@@ -7,7 +7,7 @@ package kvcache
 // Locks: BeginLoad and endRead take the cache lock (Cache.mu) and release
 // it with Cache.unlock; checkLoad and unleaseOne run with it held. endRead
 // calls maintain (ops_evict.go), which nests a TinyLFU policy's own mu
-// inside the cache lock: Cache.mu first, then TinyLFU.mu.
+// inside the cache lock: Cache.mu first, then tinyLFU.mu.
 
 import "fmt"
 

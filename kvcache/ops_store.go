@@ -7,7 +7,7 @@ package kvcache
 // Locks: BeginStore and completeStore take the cache lock (Cache.mu) and
 // release it with Cache.unlock; checkKeys runs with it held. Both call
 // maintain (ops_evict.go), which nests a TinyLFU policy's own mu inside
-// the cache lock: Cache.mu first, then TinyLFU.mu.
+// the cache lock: Cache.mu first, then tinyLFU.mu.
 
 import (
 	"fmt"
