@@ -35,7 +35,7 @@ func storeFlushed(t *testing.T, e *Engine, from, to int, contents map[int][]byte
 }
 
 // TestDiskDemoteFromSlot: blocks the watermark evicts ahead of demand are
-// written to disk straight from their slot (no copy: DiskCopies stays 0),
+// written to disk straight from their slot (no copy: Disk.Copies stays 0),
 // each slot demoting until its write completes, then zeroed
 // (ZeroOnRelease) and free again; they load back byte-exact.
 func TestDiskDemoteFromSlot(t *testing.T) {

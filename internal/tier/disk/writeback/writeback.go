@@ -131,11 +131,12 @@ type Writer struct {
 	// served and is deleted once written.
 	clearGen atomic.Uint64
 
-	// Writes and WriteErrors count the Puts (Stats' DiskWrites,
-	// DiskWriteErrors), Dropped the evictions past MaxBusy or after Close
-	// (DiskDropped), Copies the evictions copied out under the cache's
-	// lock (DiskCopies), Served the Gets served from a write-back in
-	// flight (DiskHitsWriting).
+	// Writes and WriteErrors count the Puts (internal/nodepool's Stats
+	// DiskWrites, DiskWriteErrors; offload's Stats.Disk.Writes,
+	// Disk.WriteErrors), Dropped the evictions past MaxBusy or after Close
+	// (DiskDropped; Disk.Dropped), Copies the evictions copied out under the
+	// cache's lock (DiskCopies; Disk.Copies), Served the Gets served from a
+	// write-back in flight (DiskHitsWriting; Disk.HitsWriting).
 	Writes, WriteErrors, Dropped, Copies, Served atomic.Int64
 }
 
