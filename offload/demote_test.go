@@ -230,7 +230,7 @@ func TestDiskDemoteWriteFaults(t *testing.T) {
 // the moment its write-back is accepted, before its record is written:
 // Lookup counts it among DiskHits and Load copies it, byte-exact, from
 // the demoting slot (ahead-of-demand evictions) or from the copy (a store
-// that needed the slot at once), counted in DiskHitsWriting, while the
+// that needed the slot at once), counted in Disk.HitsWriting, while the
 // write is still held. Once deleted it is no longer served, and its
 // record is deleted once written.
 func TestDiskReadableWhileWriting(t *testing.T) {

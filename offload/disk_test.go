@@ -489,8 +489,8 @@ func diskFaultEngine(t *testing.T, cfg Config, op disk.FaultOp, errno error, on 
 
 // TestDiskFaults: ENOSPC and EIO on the disk tier, and a directory that
 // refuses writes, never fail a Store or a Load: the engine serves from
-// host memory, a write that fails is counted (DiskWriteErrors), a read that
-// fails is a missing block, counted (DiskMisses).
+// host memory, a write that fails is counted (Disk.WriteErrors), a read that
+// fails is a missing block, counted (Disk.Misses).
 func TestDiskFaults(t *testing.T) {
 	ctx := context.Background()
 	for name, errno := range map[string]error{"ENOSPC": unix.ENOSPC, "EIO": unix.EIO} {
