@@ -12,7 +12,7 @@ import (
 
 // TestGrowthSteps: the growth breakdown counts every pool region's steps,
 // not the staging region's; each step is taken by one stage at a time, so
-// each step's sum stays within FullPool (their total may not: the stages
+// each step's sum stays within Pool.FullPool (their total may not: the stages
 // overlap).
 func TestGrowthSteps(t *testing.T) {
 	slot := int64(8 << 10)

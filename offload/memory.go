@@ -160,8 +160,8 @@ func (e *Engine) pinRegion(pr *poolRegion) error {
 // retried once (the pinner keeps the ranges it could not unpin, and a
 // second Unregister retries just those); a region still pinned is not
 // unmapped under the driver (mmapmem refuses while it is held). Every
-// failure is returned and counted in Stats (TeardownErrors,
-// TeardownError): callers that cannot return it (trim, growth rollback)
+// failure is returned and counted in Stats (Pool.TeardownErrors,
+// Pool.TeardownError): callers that cannot return it (trim, growth rollback)
 // leave it to Stats.
 func (e *Engine) unmapRegion(pr *poolRegion) error {
 	t0 := time.Now()
