@@ -24,7 +24,7 @@ var serveCommand = command{
 	name:    "serve",
 	summary: "Run a node pool: one pinned-pool owner and block index for every process of the machine.",
 	details: `serve maps the pool (memfd-backed regions, fallocate'd and populated),
-listens on a unix SOCK_SEQPACKET socket and serves clients (nodepool.Dial):
+listens on a unix SOCK_SEQPACKET socket and serves clients (offload.Dial, kvoffload demo --connect):
 each receives the regions' file descriptors, maps them and copies with its
 own GPU; the node holds the index, leases, reservations and eviction, and
 needs no GPU. The socket is 0600 (0660 with --group); a peer must have the

@@ -217,7 +217,7 @@ func FormatPinning(results []PinningResult) string {
 	}
 	if chunk > 0 {
 		fmt.Fprintf(&b, "\nOurs, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
-			"Register = register.CUDA.Register in %s ranges, prefaulting range k+1 on %d threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.\n", sizeString(chunk), threads)
+			"Register = register.NewCUDA's Pinner.Register in %s ranges, prefaulting range k+1 on %d threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.\n", sizeString(chunk), threads)
 	} else {
 		fmt.Fprintf(&b, "\nOurs, sequential: New = mmapmem.New (mmap, advice, THP unless disabled, prefault on %d threads); "+
 			"Register = cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) in registration ranges.\n", threads)

@@ -45,7 +45,7 @@ func TestFormatPinning(t *testing.T) {
 		results[i].Chunk = 2 * gib
 	}
 	require.Contains(t, benchgpu.FormatPinning(results), "Ours, pipelined: New = mmapmem.New with DeferPrefault (mmap and advice, THP unless disabled, nothing touched); "+
-		"Register = register.CUDA.Register in 2 GiB ranges, prefaulting range k+1 on 16 threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.")
+		"Register = register.NewCUDA's Pinner.Register in 2 GiB ranges, prefaulting range k+1 on 16 threads while cuMemHostRegister_v2 (PORTABLE|DEVICEMAP) registers range k.")
 	results[1].Speedup = 6.9
 	require.Contains(t, benchgpu.FormatPinning(results), "At 48 GiB, warm: 21.2 GiB/s, 6.9×, 0 bytes beyond asked: target MISSED.")
 	results[1].Speedup, results[1].GiBps = 8.7, 17.9
