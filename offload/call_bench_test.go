@@ -5,7 +5,9 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"regexp"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,6 +33,9 @@ type callBench struct {
 	partSegments int
 	// stats, if set, receives the engine's Stats before it closes.
 	stats *Stats
+	// tracer, if set, traces the engine's calls and its scheduler's points
+	// (fake driver only).
+	tracer *callTracer
 }
 
 // callTimes are run's medians: calls[k] how long Store, Load and a
@@ -67,7 +72,13 @@ func (cb callBench) run(b testing.TB, n int, drv cuda.Driver, real bool) callTim
 		h := engineHooks{calibrate: true}
 		h.copyOptions.MaxDeviceBytes = cb.maxDevice
 		h.partSegments = cb.partSegments
+		if cb.tracer != nil {
+			h.trace = cb.tracer.point
+		}
 		e, err = newCUDAEngine(b, drv, cfg, h)
+		if err == nil && cb.tracer != nil {
+			e.calls = cb.tracer
+		}
 	}
 	require.NoError(b, err)
 	defer func() {
@@ -212,6 +223,25 @@ func TestCUDAFakeFirstLayerParts(t *testing.T) {
 	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
 	cb := callBench{layers: 4, heads: 2, headDim: 16, blocks: 24, verify: true, partSegments: 16}
 	cb.run(t, 2, drv, false)
+}
+
+// TestCUDAFakeTraceCalls: a traced call's line goes on past its return
+// to the submitting thread's points for its op, up to layer 0's events
+// (KVOFFLOAD_TRACE_CALLS), for a store, a load and a per-layer load.
+func TestCUDAFakeTraceCalls(t *testing.T) {
+	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
+	var buf bytes.Buffer
+	tr := newCallTracer(&buf, 3)
+	cb := callBench{layers: 4, heads: 2, headDim: 16, blocks: 24, partSegments: 16, tracer: tr}
+	cb.run(t, 1, drv, false)
+	lines := strings.Split(strings.TrimSuffix(buf.String(), "\n"), "\n")
+	require.Len(t, lines, 3, buf.String())
+	for i, kind := range []string{"Store", "Load", "Load"} {
+		require.Regexp(t, `^kvoffload trace: `+kind+` of 24 blocks entered at [0-9]+ ns \(CLOCK_MONOTONIC\), returned after [0-9.]+ ms: checked [0-9.]+ .*\(ms from the call's entry\)$`, lines[i])
+		for _, p := range []string{"submit", "returned", "issue", "layer0"} {
+			require.Len(t, regexp.MustCompile(` `+p+` [0-9]`).FindAllString(lines[i], -1), 1, "%q in %s", p, lines[i])
+		}
+	}
 }
 
 // TestCUDAFakeBigBlocks: 8B-class blocks stored and loaded (whole and

@@ -378,6 +378,9 @@ func (s *Scheduler) recordLayer(op *Op, l int) error {
 	if err := s.recordLayerEvents(op, l); err != nil {
 		return err
 	}
+	if l == 0 {
+		s.trace("layer", 0)
+	}
 	if op.waits {
 		op.mu.Lock()
 		op.recorded = l + 1
