@@ -81,11 +81,18 @@ func decodeNodeBatch(t *testing.T, payload []byte) []nodeEvent {
 func TestServeEvents(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "node.sock")
 	cmd, stdout := startServeCmd(t, sock, "--pool", "4MiB", "--events", "tcp://127.0.0.1:0")
-	out := stdout.String()
+	// The banner comes after the listening line: wait for it.
 	const banner = "publishing KV events at "
-	i := strings.Index(out, banner)
-	require.GreaterOrEqual(t, i, 0, "stdout %q", out)
-	endpoint := strings.Fields(out[i+len(banner):])[0]
+	var endpoint string
+	require.Eventually(t, func() bool {
+		out := stdout.String()
+		i := strings.Index(out, banner)
+		if i < 0 || !strings.Contains(out[i:], "\n") {
+			return false
+		}
+		endpoint = strings.Fields(out[i+len(banner):])[0]
+		return true
+	}, 20*time.Second, 10*time.Millisecond, "stdout %q", stdout)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
