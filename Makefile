@@ -61,7 +61,7 @@ gpu-bins:
 	CGO_ENABLED=1 $(GO) build -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload ./cmd/kvoffload
 	CGO_ENABLED=1 $(GO) build -tags kvoinvariants -ldflags='$(GPU_LDFLAGS)' -o build/gpu/kvoffload-soak ./cmd/kvoffload
 	for p in $(GPU_PKGS); do \
-		CGO_ENABLED=1 $(GO) test -c -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
+		CGO_ENABLED=1 $(GO) test -c -tags kvocompare -ldflags='$(GPU_LDFLAGS)' -o build/gpu/$$(echo $$p | tr / _).test ./$$p || exit 1; \
 	done
 	CGO_ENABLED=1 $(GO) build -tags kvocompare -buildmode=c-shared -ldflags='$(GPU_LDFLAGS)' -o build/gpu/libkvoffload.so ./capi
 	rm -f build/gpu/libkvoffload.h

@@ -115,6 +115,14 @@ suite_trace() {
 suite_calltime() {
 	step_in offload timeout 200 "$B/offload.test" -test.v -test.run '^$' -test.bench 'GPUCallTime$' \
 		-test.benchtime 10x -test.count 3
+	# Issue 51's open bound (LayerEvent(0) at 2048 blocks): where the
+	# submitting thread's time goes until layer 0's events are recorded
+	# (a traced line per call, up to "layer0"), and the same bench with
+	# the pitched staging DMAs off (the test binaries are kvocompare builds).
+	KVOFFLOAD_TRACE_CALLS=12 step_in offload timeout 60 "$B/offload.test" -test.v -test.run '^$' \
+		-test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 4x -test.count 1
+	KVOFFLOAD_NO_PITCHED_STAGING=1 step_in offload timeout 60 "$B/offload.test" -test.v -test.run '^$' \
+		-test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 10x -test.count 1
 }
 
 suite_pool64() {
