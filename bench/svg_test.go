@@ -2,39 +2,15 @@ package bench
 
 import (
 	"bytes"
-	"encoding/xml"
-	"errors"
-	"io"
 	"math"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
-)
 
-// parseSVG checks that b is well-formed XML with an <svg> root and returns
-// the elements by name.
-func parseSVG(t require.TestingT, b []byte) map[string][]xml.StartElement {
-	d := xml.NewDecoder(bytes.NewReader(b))
-	els := map[string][]xml.StartElement{}
-	root := ""
-	for {
-		tok, err := d.Token()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		require.NoError(t, err)
-		if se, ok := tok.(xml.StartElement); ok {
-			if root == "" {
-				root = se.Name.Local
-			}
-			els[se.Name.Local] = append(els[se.Name.Local], se)
-		}
-	}
-	require.Equal(t, "svg", root)
-	return els
-}
+	"github.com/kvoffload/kvoffload/internal/svgtest"
+)
 
 func TestWriteSVGRejects(t *testing.T) {
 	for name, c := range map[string]Chart{
@@ -74,7 +50,7 @@ func TestWriteSVGWellFormed(t *testing.T) {
 		if err := WriteSVG(&b, c); err != nil {
 			t.Fatalf("WriteSVG: %v", err)
 		}
-		els := parseSVG(t, b.Bytes())
+		els := svgtest.Parse(t, b.Bytes())
 		if len(els["polyline"]) != len(c.Series) {
 			t.Fatalf("%d polylines for %d series", len(els["polyline"]), len(c.Series))
 		}

@@ -2,48 +2,15 @@ package benchgpu
 
 import (
 	"bytes"
-	"encoding/xml"
-	"errors"
-	"io"
 	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvoffload/kvoffload/internal/svgtest"
+
 	kvbench "github.com/kvoffload/kvoffload/bench"
 )
-
-// parseSVG checks that b is well-formed XML with an <svg> root and returns
-// the elements by name.
-func parseSVG(t require.TestingT, b []byte) map[string][]xml.StartElement {
-	d := xml.NewDecoder(bytes.NewReader(b))
-	els := map[string][]xml.StartElement{}
-	root := ""
-	for {
-		tok, err := d.Token()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		require.NoError(t, err)
-		if se, ok := tok.(xml.StartElement); ok {
-			if root == "" {
-				root = se.Name.Local
-			}
-			els[se.Name.Local] = append(els[se.Name.Local], se)
-		}
-	}
-	require.Equal(t, "svg", root)
-	return els
-}
-
-func attr(se xml.StartElement, name string) string {
-	for _, a := range se.Attr {
-		if a.Name.Local == name {
-			return a.Value
-		}
-	}
-	return ""
-}
 
 func svgSampleResults() ThroughputResults {
 	r := ThroughputResults{Device: "NVIDIA H200 <test & co>", Link: map[string]float64{"d2h": 55.3, "h2d": 55.4, "both": 95.3}}
@@ -70,13 +37,13 @@ func TestThroughputChartSVG(t *testing.T) {
 
 	var b bytes.Buffer
 	require.NoError(t, kvbench.WriteSVG(&b, c))
-	els := parseSVG(t, b.Bytes())
+	els := svgtest.Parse(t, b.Bytes())
 	require.Len(t, els["polyline"], 2)
 	require.Len(t, els["circle"], 10)
 	dashed := 0
 	for _, l := range els["line"] {
-		if attr(l, "class") == "ref" {
-			require.NotEmpty(t, attr(l, "stroke-dasharray"), "the link line is dashed")
+		if svgtest.Attr(l, "class") == "ref" {
+			require.NotEmpty(t, svgtest.Attr(l, "stroke-dasharray"), "the link line is dashed")
 			dashed++
 		}
 	}
