@@ -131,7 +131,7 @@ type Publisher struct {
 	opts   Options
 	mu     sync.Mutex // seq and buf, and each send
 	seq    uint64
-	buf    []byte       // Publish's
+	buf    []byte       // the batch being sent
 	sent   atomic.Int64 // events sent
 	errors atomic.Int64 // batches the socket failed to send
 }
@@ -165,7 +165,6 @@ func (p *Publisher) SendErrors() int64 { return p.errors.Load() }
 // high-water mark; the stream itself counts what the engine dropped
 // (EventStream.Dropped).
 func (p *Publisher) Run(ctx context.Context, s *offload.EventStream) error {
-	var buf []byte
 	batch := make([]offload.Event, 0, p.opts.MaxBatch)
 	for {
 		batch = batch[:0]
@@ -192,14 +191,9 @@ func (p *Publisher) Run(ctx context.Context, s *offload.EventStream) error {
 				break fill
 			}
 		}
-		var err error
-		if buf, err = AppendBatch(buf[:0], time.Now(), batch); err != nil {
+		// A failed send is counted (SendErrors) and Run goes on.
+		if err, _ := p.publish(batch); err != nil {
 			return err
-		}
-		if err := p.send(buf); err != nil {
-			p.errors.Add(1)
-		} else {
-			p.sent.Add(int64(len(batch)))
 		}
 		if !open {
 			return nil
@@ -214,24 +208,28 @@ func (p *Publisher) Run(ctx context.Context, s *offload.EventStream) error {
 // or tokens). Safe to call while Run runs; counted as Run counts (Sent,
 // SendErrors).
 func (p *Publisher) Publish(evs []offload.Event) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var err error
-	if p.buf, err = AppendBatch(p.buf[:0], time.Now(), evs); err != nil {
+	err, sendErr := p.publish(evs)
+	if err != nil {
 		return err
 	}
-	if err := p.sendLocked(p.buf); err != nil {
-		p.errors.Add(1)
-		return err
-	}
-	p.sent.Add(int64(len(evs)))
-	return nil
+	return sendErr
 }
 
-func (p *Publisher) send(payload []byte) error {
+// publish encodes evs as one KVEventBatch stamped now and sends it: err
+// is the encoding's failure (nothing sent), sendErr the socket's (counted
+// in SendErrors); the events sent are counted in Sent.
+func (p *Publisher) publish(evs []offload.Event) (err, sendErr error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.sendLocked(payload)
+	if p.buf, err = AppendBatch(p.buf[:0], time.Now(), evs); err != nil {
+		return err, nil
+	}
+	if sendErr = p.sendLocked(p.buf); sendErr != nil {
+		p.errors.Add(1)
+		return nil, sendErr
+	}
+	p.sent.Add(int64(len(evs)))
+	return nil, nil
 }
 
 func (p *Publisher) sendLocked(payload []byte) error {
