@@ -2,8 +2,12 @@ package benchgpu
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 
+	"github.com/kvoffload/kvoffload/internal/cuda"
+	"github.com/kvoffload/kvoffload/internal/cuda/cudafake"
+	"github.com/kvoffload/kvoffload/internal/cudacopy"
 	"github.com/stretchr/testify/require"
 )
 
@@ -65,4 +69,46 @@ func TestFormatThroughputInvalid(t *testing.T) {
 	require.Contains(t, md, "- kernel/8 d2h 4 KiB (none): 52.2 GB/s = 113.1% of the link (46.2 GB/s), above 102%")
 	require.Contains(t, md, "Not reported: the run is INVALID")
 	require.NotContains(t, md, "[≥97%")
+}
+
+// The pieced link reference: the same contiguous bytes as the one-copy
+// reference, in order, linkPiece each, through the batch variant; absent
+// without a batch variant or where TotalBytes is not a multiple of
+// linkPiece. measureLink times it (batch calls on the fake driver) and
+// keeps the faster of the two references per direction.
+func TestLinkPieces(t *testing.T) {
+	drv := cudafake.New(cudafake.Options{})
+	defer func() { require.NoError(t, drv.Close()) }()
+	b := &bench{drv: drv, cfg: ThroughputConfig{TotalBytes: 3 * linkPiece, SegSizes: []uint64{linkPiece}, CTAs: []int{2}, Reps: 1}.withDefaults()}
+	require.NoError(t, b.setup(0))
+	defer func() { require.NoError(t, b.close()) }()
+
+	bv, segs := b.linkPieces()
+	require.NotNil(t, bv)
+	require.Equal(t, "batch", bv.name)
+	require.Len(t, segs.d2h, 3)
+	require.Len(t, segs.h2d, 3)
+	for i := range 3 {
+		off := uint64(i) * linkPiece
+		require.Equal(t, cudacopy.Segment{Dst: b.hostA.addr() + off, Src: uint64(b.devA) + off, Len: linkPiece}, segs.d2h[i])
+		require.Equal(t, cudacopy.Segment{Dst: uint64(b.devB) + off, Src: b.hostB.addr() + off, Len: linkPiece}, segs.h2d[i])
+	}
+
+	before := drv.Calls(cuda.OpMemcpyBatchAsync)
+	tms, err := b.measureLink()
+	require.NoError(t, err)
+	require.Greater(t, drv.Calls(cuda.OpMemcpyBatchAsync), before, "the pieced reference was timed")
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		require.Positive(t, tms[dir].best, dir)
+	}
+
+	// No pieces where TotalBytes is not a multiple of linkPiece, or
+	// without a batch variant.
+	b.cfg.TotalBytes = linkPiece + 4096
+	bv, _ = b.linkPieces()
+	require.Nil(t, bv)
+	b.cfg.TotalBytes = 2 * linkPiece
+	b.variants = slices.DeleteFunc(b.variants, func(v *variant) bool { return v.name == "batch" })
+	bv, _ = b.linkPieces()
+	require.Nil(t, bv)
 }

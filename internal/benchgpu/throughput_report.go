@@ -41,7 +41,7 @@ func FormatThroughput(r ThroughputResults) string {
 	}
 	fmt.Fprintf(&b, "%s per direction per run, best of %d (median in the CSV), CUDA events; kernel %d threads/CTA; batch API: %v.\n\n",
 		cudacopy.FormatBytes(r.Config.TotalBytes), r.Config.Reps, r.Config.Threads, r.Capabilities.Batch)
-	fmt.Fprintf(&b, "Link (contiguous, pinned): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.", r.Link["d2h"], r.Link["h2d"], r.Link["both"])
+	fmt.Fprintf(&b, "Link (contiguous, pinned; the faster of one copy a direction and the same bytes in %s pieces by the batch API): d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s.", cudacopy.FormatBytes(linkPiece), r.Link["d2h"], r.Link["h2d"], r.Link["both"])
 	if r.LinkBefore != nil && r.LinkAfter != nil {
 		fmt.Fprintf(&b, " The best of before the rows (d2h %.1f, h2d %.1f, both %.1f) and after them (d2h %.1f, h2d %.1f, both %.1f), each after a warm-up of %v, best of %d.",
 			r.LinkBefore["d2h"], r.LinkBefore["h2d"], r.LinkBefore["both"], r.LinkAfter["d2h"], r.LinkAfter["h2d"], r.LinkAfter["both"], linkWarm, max(r.Config.Reps, linkReps))
