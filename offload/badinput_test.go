@@ -210,7 +210,7 @@ func TestComparisonSwitchesOff(t *testing.T) {
 	if comparisonBuild {
 		t.Skip("a kvocompare build reads the switches")
 	}
-	for _, name := range []string{buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv} {
+	for _, name := range []string{buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv, gatherChunkEnv} {
 		t.Setenv(name, "x")
 	}
 	e, err := newEngine(Config{PoolBytes: 1 << 20, Layout: smallLayout(8), Backend: BackendHost, SkipMemoryCheck: true}, engineHooks{})

@@ -269,3 +269,31 @@ func TestCUDAFakeBigBlocks(t *testing.T) {
 	// ones to free theirs, and Stats counts it.
 	require.Positive(t, st.Copies.BudgetWaits, "copies waited for device memory")
 }
+
+// KVOFFLOAD_GATHER_CHUNK_MIB (a comparison switch): a value outside 0 to
+// 64 is an error from New naming it; 32 gives the copier 32 MiB staging
+// chunks, and 8B-class blocks stored and loaded (whole and per layer)
+// through them come back byte for byte, the layers by pitched DMA.
+func TestCUDAFakeGatherChunkEnv(t *testing.T) {
+	withComparisonSwitches(t)
+	drv := fakeDriver(t, cudafake.Options{DeviceMemory: 1 << 30, SyncingFree: true})
+	g := newGPUMem(t, drv, 8<<10)
+	defer g.close()
+	cfg := Config{PoolBytes: 1 << 20, Layout: g.layout(LayoutLayerSeparate, 16)}
+	for _, v := range []string{"65", "-1", "x"} {
+		t.Setenv(gatherChunkEnv, v)
+		_, err := newCUDAEngine(t, drv, cfg, engineHooks{})
+		require.ErrorIs(t, err, ErrInvalidConfig, v)
+		require.ErrorContains(t, err, gatherChunkEnv+`="`+v+`": want 0 to 64 MiB`, v)
+	}
+	t.Setenv(gatherChunkEnv, "32")
+	e, err := newCUDAEngine(t, drv, cfg, engineHooks{})
+	require.NoError(t, err)
+	require.Equal(t, 32<<20, e.cudaDev.Copier().Options().GatherChunkBytes)
+	require.NoError(t, e.Close())
+
+	var st Stats
+	cb := callBench{layers: 32, heads: 8, headDim: 128, blocks: 24, verify: true, stats: &st}
+	cb.run(t, 2, drv, false)
+	require.Positive(t, st.Copies.Pitched, "per-layer loads by pitched DMA")
+}

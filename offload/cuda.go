@@ -37,6 +37,13 @@ func (e *Engine) openCUDA(c backendChoice) error {
 	if noPitch {
 		copyOpts.GatherMinRow = -1
 	}
+	chunkMiB, err := compareInt(gatherChunkEnv, 0, 0, 64, "MiB")
+	if err != nil {
+		return err
+	}
+	if chunkMiB > 0 {
+		copyOpts.GatherChunkBytes = chunkMiB << 20
+	}
 	e.cudaDev, err = gpu.NewCUDA(cudadev.CUDAOptions{MaxDeviceBytes: e.cfg.MaxDeviceBytes, GreedyStores: e.hooks.greedyStores,
 		CalibrateLater: true, Copy: copyOpts})
 	if err != nil {

@@ -137,8 +137,15 @@ const wholeFirstLayerEnv = "KVOFFLOAD_WHOLE_FIRST_LAYER"
 // on a machine.
 const noPitchedStagingEnv = "KVOFFLOAD_NO_PITCHED_STAGING"
 
+// gatherChunkEnv sets the copier's staging chunk in MiB (1 to 64; unset or
+// 0: internal/cudacopy's default): fewer, larger chunks make fewer driver
+// calls a staged layer (a pitched DMA, events and a scatter launch a
+// chunk): for comparisons on a machine.
+const gatherChunkEnv = "KVOFFLOAD_GATHER_CHUNK_MIB"
+
 // comparisonSwitches says whether New reads the comparison switches
-// (buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv):
+// (buildersEnv, partGrowthEnv, wholeFirstLayerEnv, noPitchedStagingEnv,
+// gatherChunkEnv):
 // builds with -tags kvocompare do (the benchmarks', make gpu-bins), and
 // tests that set it; the release engine ignores those variables.
 var comparisonSwitches = comparisonBuild
