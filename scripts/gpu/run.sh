@@ -124,10 +124,7 @@ suite_calltime() {
 		-test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 4x -test.count 1
 	KVOFFLOAD_NO_PITCHED_STAGING=1 KVOFFLOAD_TRACE_CALLS=6 step_in offload timeout 60 "$B/offload.test" -test.v -test.run '^$' \
 		-test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 10x -test.count 1
-	# Staging chunks of 32 MiB instead of 8: a quarter of the driver calls
-	# (a pitched DMA, events and a scatter launch a chunk) for layer 0.
-	KVOFFLOAD_GATHER_CHUNK_MIB=32 KVOFFLOAD_TRACE_CALLS=6 step_in offload timeout 60 "$B/offload.test" -test.v -test.run '^$' \
-		-test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 10x -test.count 2
+	# Other staging chunk sizes: suite chunks.
 }
 
 # The staging chunk size's effect on layer 0 (issue 51): each size's
