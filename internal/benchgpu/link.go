@@ -49,11 +49,10 @@ const (
 
 // linkPiece is the piece size of the second contiguous reference: the
 // same bytes as the one-copy reference, in order, as pieces of this size
-// through the batch API (the "batch" variant). On an H100 one copy each
-// way at once read 95.7-97.7 GB/s while batched 2 MiB segments both ways
-// reached 100.4-101.6 (bench/results/h100-80gb-hbm3/bench.txt at 140ca13):
-// one copy a direction does not use the copy engines as the batch API
-// does, so it under-measured the link and made the run invalid.
+// through the batch API (the "batch" variant). One copy a direction does
+// not use the copy engines as the batch API does: on an H100 it read
+// below batched 2 MiB segments both ways, and the run was invalid
+// (bench/results/h100-80gb-hbm3/bench.txt, the figures there).
 const linkPiece = 2 << 20
 
 // measureLink times the contiguous reference: TotalBytes in one copy
