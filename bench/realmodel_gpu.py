@@ -389,7 +389,9 @@ class Bench:
         del p
 
         # Warm-up store and load: the first op of this size, checked byte for byte.
-        first["store_ms"], outc = self.store(keys, src)
+        fcall = []
+        first["store_ms"], outc = self.store(keys, src, call=fcall)
+        first["store_call_ms"] = fcall[0]
         if outc != ["stored"] * nb:
             raise RuntimeError(f"store outcomes: {sorted(set(outc))}")
         self.poison()
