@@ -56,7 +56,7 @@ SUITES=(
 	"paged|bench/realmodel.py's paged reload and store without the model, per copy method and part size, GPU side vs the same-run link, with call and per-layer times (offload.test BenchmarkGPUPagedReload; KVO_PR_VARIANTS, KVO_PR_BLOCKS; not in all)"
 	"trace|where a paged reload's GPU time goes: bench/trace_reload.py under torch.profiler (CUPTI), per stream busy time and gaps, chrome traces (not in all)"
 	"calltime|how long Engine.Store and Engine.Load of 128, 512 and 2048 8B-class blocks take to return, and a per-layer load's LayerEvent(0) (offload.test BenchmarkGPUCallTime)"
-	"chunks|issue 51: staging chunks of 16 and 32 MiB (KVOFFLOAD_GATHER_CHUNK_MIB) against the default 8 in one call: the 2048-block calltime, traced, and bench/realmodel.py at each (not in all)"
+	"chunks|issue 51: staging chunks of 16 and 32 MiB (KVOFFLOAD_GATHER_CHUNK_MIB) against the default 8 in one call: the 2048-block calltime, traced, and bench/realmodel.py at each, its first store and load traced (not in all)"
 	"pool64|a 64 GiB pool's start-up, twice: a fresh VM's cold memory, then warm (offload.test TestGPUPool64)"
 	"pool64nice|warm 64 GiB pools, prefault at the caller's priority vs the default nice, alternating (not in all)"
 	"multigpu_link|each GPU's host link alone and with the others at once, and nvidia-smi topo (not in all)"
@@ -135,8 +135,9 @@ suite_chunks() {
 	for mib in 8 16 32; do
 		KVOFFLOAD_GATHER_CHUNK_MIB=$mib KVOFFLOAD_TRACE_CALLS=6 step_in offload timeout 60 "$B/offload.test" -test.v \
 			-test.run '^$' -test.bench 'GPUCallTime$/blocks=2048' -test.benchtime 10x -test.count 2
-		KVOFFLOAD_GATHER_CHUNK_MIB=$mib KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 PYTHONPATH=python \
-			step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-chunk$mib.md"
+		# The engine's first two calls traced: the first store and load of 2k.
+		KVOFFLOAD_GATHER_CHUNK_MIB=$mib KVOFFLOAD_TRACE_CALLS=2 KVOFFLOAD_LIB=$B/libkvoffload.so PYTHONUNBUFFERED=1 \
+			PYTHONPATH=python step timeout 270 python3 bench/realmodel.py --out "$D/realmodel-chunk$mib.md"
 	done
 }
 
