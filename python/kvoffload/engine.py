@@ -46,21 +46,20 @@ def _block_ids(block_ids, n):
     except TypeError:
         raise errors.ArgumentTypeError(
             f"block_ids must be a sequence of integers, got {type(block_ids).__name__}") from None
-    ids, bad = None, True
+    ids = None
     if list(map(type, block_ids)).count(int) == len(block_ids):
         # Plain ints (no bool, no other subclass): packed by struct, about
         # half the time of array's own conversion of a list.
         try:
-            ids, bad = array.array("q", struct.pack(f"{len(block_ids)}q", *block_ids)), False
+            ids = array.array("q", struct.pack(f"{len(block_ids)}q", *block_ids))
         except struct.error:
             pass  # out of int64: the loop below names the id
-    if bad:
+    elif bool not in set(map(type, block_ids)):  # array takes bools as 0 and 1
         try:
             ids = array.array("q", block_ids)
-            bad = bool in set(map(type, block_ids))  # array takes bools as 0 and 1
         except (TypeError, OverflowError):
-            bad = True
-    if bad:
+            pass  # the loop below names the id
+    if ids is None:
         for i, b in enumerate(block_ids):
             _lib.check_int(f"block id {i}", b, _lib.INT64_MIN, _lib.INT64_MAX)
         raise errors.ArgumentTypeError("block ids must be integers")  # not reached
